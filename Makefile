@@ -1,0 +1,39 @@
+# exl3tools — see README.md. `make run` sets everything up and runs the demo; `make test` runs the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install dev run test test-gpu lint bench schemas clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch==2.13.0 is the local CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+dev: install
+
+run: install
+	PATH="$(abspath $(BIN)):$$PATH" bash scripts/demo.sh
+
+test: install
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+
+test-gpu: install
+	$(BIN)/python -m pytest -q tests/gpu
+
+lint: install
+	$(BIN)/ruff check exl3tools cli kernels tests bench
+
+bench: install
+	PATH="$(abspath $(BIN)):$$PATH" bash scripts/bench.sh
+
+schemas: install
+	$(BIN)/python -m exl3tools.schemas.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache out

@@ -1,0 +1,3 @@
+from exl3tools.cli import main
+
+main()

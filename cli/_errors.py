@@ -1,0 +1,56 @@
+"""One table maps errors to a one-line message and an exit code.
+
+Exit codes (documented in README.md):
+  0  success
+  1  the checkpoint (or sliced output) is broken / validate found errors / verify failed
+  2  usage or I/O problem: bad options, missing path, not a checkpoint, unwritable output
+  3  refused: a valid request exl3tools cannot do (unsupported architecture, illegal cut)
+  4  runtime failure (a worker or tensor-parallel peer died)
+130  interrupted
+Tracebacks only with --debug or EXL3TOOLS_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+from exl3tools import errors as E
+
+EXIT_OK = 0
+EXIT_BAD_CHECKPOINT = 1
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+EXIT_RUNTIME = 4
+EXIT_INTERRUPTED = 130
+
+# Ordered: the first matching class wins, so subclasses come before their bases.
+ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
+    (E.UsageError, EXIT_USAGE, "usage error"),
+    (E.NotFoundError, EXIT_USAGE, "not found"),
+    (E.NotACheckpointError, EXIT_USAGE, "not a checkpoint"),
+    (E.OutputExistsError, EXIT_USAGE, "output exists"),
+    (E.UnsupportedArchitectureError, EXIT_REFUSED, "unsupported architecture"),
+    (E.IncompatibleSliceError, EXIT_REFUSED, "cannot slice"),
+    (E.IncompleteOutputError, EXIT_BAD_CHECKPOINT, "incomplete output"),
+    (E.VerifyError, EXIT_BAD_CHECKPOINT, "verify failed"),
+    (E.NotExl3Error, EXIT_BAD_CHECKPOINT, "not EXL3"),
+    (E.HeaderError, EXIT_BAD_CHECKPOINT, "corrupt safetensors"),
+    (E.CheckpointError, EXIT_BAD_CHECKPOINT, "invalid checkpoint"),
+    (E.RuntimeFailure, EXIT_RUNTIME, "runtime failure"),
+    (FileNotFoundError, EXIT_USAGE, "not found"),
+    (PermissionError, EXIT_USAGE, "permission denied"),
+    (IsADirectoryError, EXIT_USAGE, "is a directory"),
+    (NotADirectoryError, EXIT_USAGE, "not a directory"),
+    (OSError, EXIT_USAGE, "I/O error"),
+    (E.Exl3Error, EXIT_BAD_CHECKPOINT, "error"),
+]
+
+
+def classify(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, one-line message) for a known error, None for a bug."""
+    for cls, code, label in ERROR_TABLE:
+        if isinstance(exc, cls):
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else cls.__name__
+            if isinstance(exc, OSError) and not isinstance(exc, E.Exl3Error):
+                name = exc.filename or ""
+                text = f"{name}: {exc.strerror or text}" if name else text
+            return code, f"{label}: {text}"
+    return None

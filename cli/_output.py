@@ -1,0 +1,34 @@
+"""One output object, two audiences: Rich for people (stderr for status), JSON on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+console = Console(highlight=False)            # tables and results, stdout
+err_console = Console(stderr=True, highlight=False)  # status, warnings, progress
+
+
+def emit_json(obj: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=_default) + "\n")
+    sys.stdout.flush()
+
+
+def _default(o: Any) -> Any:
+    if hasattr(o, "to_json"):
+        return o.to_json()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    return str(o)
+
+
+def warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {message}")
+
+
+def status(message: str) -> None:
+    err_console.print(message)

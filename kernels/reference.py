@@ -1,0 +1,183 @@
+"""Reference EXL3 decoder (numpy, vectorised): trellis -> Ŵ (rotated basis) -> W (original basis).
+
+This is the executable form of exl3-format.md §5; every faster kernel is tested against it.
+Ŵ is bit-exact (fp16). W is computed in float32 from Ŵ (the goldens are within ~9e-4 max|W|).
+Arrays follow the file layout: W and Ŵ are (in_features k, out_features n).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+LOP3_AND, LOP3_XOR = np.uint32(0x8FFF8FFF), np.uint32(0x3B603B60)
+MUL1_KAPPA = 1774 / 2**18          # fp16 0x1EEE
+MUL1_BETA = -10.3828125            # fp16 0xC931
+CHUNK_TILES = 4096                 # tiles decoded per numpy pass: bounds temporaries to ~10 MB
+
+
+# ------------------------------------------------------------------ pieces (unit-tested)
+def perm() -> np.ndarray:
+    """PERM[j] = tile_row_major index filled by trellis step j (§5.5)."""
+    j = np.arange(256)
+    L, e = j // 8, j % 8
+    r = 2 * (L % 4) + (e & 1) + 8 * ((e >> 1) & 1)
+    c = (L // 4) + 8 * (e >> 2)
+    return 16 * r + c
+
+
+def step_ends(width: int) -> np.ndarray:
+    """S(t): ring position where the 16-bit window of step t ends (§5.3)."""
+    k2 = width // 8
+    return ((np.arange(256) + 1) * k2) >> 1
+
+
+def ring_bit(u32: np.ndarray, p: int) -> int:
+    """Ring bit p of one tile given its uint32 words (MSB-first within each word) (§5.2)."""
+    return int((int(u32[p // 32]) >> (31 - p % 32)) & 1)
+
+
+def tile_u32(words16: np.ndarray) -> np.ndarray:
+    """Little-endian uint32 view of a tile's int16 words: u32[m] = w[2m] | w[2m+1] << 16."""
+    w = np.asarray(words16).astype(np.int16).view(np.uint16).astype(np.uint32)
+    return w[..., 0::2] | (w[..., 1::2] << np.uint32(16))
+
+
+def state_slow(words16: np.ndarray, t: int) -> int:
+    """The state of step t of one tile, bit by bit (the definition; used to test the fast path)."""
+    width = len(words16)
+    R = 16 * width
+    u32 = tile_u32(words16)
+    S = int(step_ends(width)[t])
+    s = 0
+    for q in range(16):
+        s = (s << 1) | ring_bit(u32, (S - 16 + q) % R)
+    return s
+
+
+def _lop3_pair(x: np.ndarray) -> np.ndarray:
+    x = (x & LOP3_AND) ^ LOP3_XOR
+    lo = (x & np.uint32(0xFFFF)).astype(np.uint16).view(np.float16).astype(np.float32)
+    hi = (x >> np.uint32(16)).astype(np.uint16).view(np.float16).astype(np.float32)
+    return (lo + hi).astype(np.float16)  # exact sum in fp32, one RNE rounding to fp16
+
+
+@lru_cache(maxsize=None)
+def codebook_lut(codebook: str) -> np.ndarray:
+    """fp16 value of every state 0..65535 for '3inst', 'mcg' or 'mul1' (§5.4)."""
+    s = np.arange(65536, dtype=np.uint64)
+    if codebook == "3inst":
+        x = ((s * 89226354 + 64248484) & 0xFFFFFFFF).astype(np.uint32)
+        lut = _lop3_pair(x)
+    elif codebook == "mcg":
+        x = ((s * 0xCBAC1FED) & 0xFFFFFFFF).astype(np.uint32)
+        lut = _lop3_pair(x)
+    elif codebook == "mul1":
+        x = ((s * 0x83DCD12D) & 0xFFFFFFFF).astype(np.uint32)
+        b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        lut = ((1024.0 + b.astype(np.float64)) * MUL1_KAPPA + MUL1_BETA).astype(np.float16)
+    else:
+        raise ValueError(f"unknown codebook {codebook!r}")
+    lut.setflags(write=False)
+    return lut
+
+
+@lru_cache(maxsize=None)
+def _gather_plan(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each tile element (row-major), the uint32 word index i1 and right shift of its state."""
+    if width % 8 or not 16 <= width <= 128:
+        raise ValueError(f"illegal trellis width {width}")
+    R = 16 * width
+    nw = width // 2
+    e = step_ends(width) + R
+    i1 = ((e - 1) // 32) % nw
+    shift = ((e - 1) // 32 + 1) * 32 - e
+    inv = np.empty(256, dtype=np.int64)
+    inv[perm()] = np.arange(256)           # element -> step
+    return i1[inv].astype(np.intp), shift[inv].astype(np.uint64)
+
+
+def tile_states(trellis: np.ndarray) -> np.ndarray:
+    """States of every tile element, row-major within the tile: (..., 256) uint32."""
+    width = trellis.shape[-1]
+    flat = np.ascontiguousarray(trellis).reshape(-1, width)
+    u32 = tile_u32(flat).astype(np.uint64)
+    # pairs[:, m] = u32[m-1] << 32 | u32[m]: the window ending in word m never needs more
+    pairs = (np.roll(u32, 1, axis=1) << np.uint64(32)) | u32
+    i1, shift = _gather_plan(width)
+    states = (pairs[:, i1] >> shift[None, :]) & np.uint64(0xFFFF)
+    return states.astype(np.uint32).reshape(*trellis.shape[:-1], 256)
+
+
+# ------------------------------------------------------------------ decode
+def decode_rotated(trellis: np.ndarray, codebook: str) -> np.ndarray:
+    """Ŵ as fp16 (k, n) from an int16 trellis [k/16, n/16, W16]; bit-exact."""
+    if trellis.ndim != 3:
+        raise ValueError(f"trellis must be rank 3, got shape {trellis.shape}")
+    kt, nt, width = trellis.shape
+    lut = codebook_lut(codebook)
+    i1, shift = _gather_plan(width)
+    out = np.empty((kt * nt, 256), dtype=np.float16)
+    flat = np.ascontiguousarray(trellis).reshape(-1, width)
+    for a in range(0, kt * nt, CHUNK_TILES):
+        u32 = tile_u32(flat[a:a + CHUNK_TILES]).astype(np.uint64)
+        pairs = (np.roll(u32, 1, axis=1) << np.uint64(32)) | u32
+        states = ((pairs[:, i1] >> shift[None, :]) & np.uint64(0xFFFF)).astype(np.intp)
+        out[a:a + CHUNK_TILES] = lut[states]
+    return out.reshape(kt, nt, 16, 16).transpose(0, 2, 1, 3).reshape(kt * 16, nt * 16)
+
+
+@lru_cache(maxsize=None)
+def hadamard128(dtype: str = "float32") -> np.ndarray:
+    """Natural-order Sylvester H128 / sqrt(128): H[a, b] = (-1)^popcount(a & b) / sqrt(128)."""
+    h = np.array([[1.0]])
+    while h.shape[0] < 128:
+        h = np.block([[h, h], [h, -h]])
+    h = (h / np.sqrt(128.0)).astype(dtype)
+    h.setflags(write=False)
+    return h
+
+
+def had_rows(x: np.ndarray) -> np.ndarray:
+    """H_k · x: Hadamard on each 128-row block."""
+    k, n = x.shape
+    h = hadamard128(x.dtype.name)
+    return np.matmul(h, x.reshape(k // 128, 128, n)).reshape(k, n)
+
+
+def had_cols(x: np.ndarray) -> np.ndarray:
+    """x · H_n: Hadamard on each 128-column block."""
+    k, n = x.shape
+    h = hadamard128(x.dtype.name)
+    return np.matmul(x.reshape(k, n // 128, 128), h).reshape(k, n)
+
+
+def rotate_out(what: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
+    """W = diag(suh) · H_k · Ŵ · H_n · diag(svh), float32 (k, n)."""
+    w = had_rows(what.astype(np.float32))
+    w *= suh.astype(np.float32)[:, None]
+    w = had_cols(w)
+    w *= svh.astype(np.float32)[None, :]
+    return w
+
+
+def decode_linear(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, codebook: str) -> np.ndarray:
+    """Original-basis W, float32 (k, n) = (in, out); the HF weight is ``W.T[:out_real, :in_real]``."""
+    if suh.shape[0] != 16 * trellis.shape[0] or svh.shape[0] != 16 * trellis.shape[1]:
+        raise ValueError(f"trellis {trellis.shape} does not match suh {suh.shape} / svh {svh.shape}")
+    return rotate_out(decode_rotated(trellis, codebook), suh, svh)
+
+
+def rotated_from_weight(w: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
+    """Invert rotate_out: Ŵ = H · diag(1/suh) · W · diag(1/svh) · H (zero where svh == 0)."""
+    w = w.astype(np.float64)
+    su = suh.astype(np.float64)
+    sv = svh.astype(np.float64)
+    inv_sv = np.divide(1.0, sv, out=np.zeros_like(sv), where=sv != 0)
+    x = (w / su[:, None]) * inv_sv[None, :]
+    h = hadamard128("float64")
+    k, n = x.shape
+    x = np.matmul(h, x.reshape(k // 128, 128, n)).reshape(k, n)
+    x = np.matmul(x.reshape(k, n // 128, 128), h).reshape(k, n)
+    return x
