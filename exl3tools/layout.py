@@ -1,0 +1,305 @@
+"""What a checkpoint holds, by module: EXL3 linears, dense tensors, layers, experts, MTP.
+
+Two views that validate, inspect, dequantize, rank-slice and the runtime share:
+- ``scan(names_and_shapes)``: what IS in the file (grouped from tensor names and shapes);
+- ``expected_modules(config)``: what SHOULD be there for the five known architectures, with the
+  real (unpadded) dims of every linear (exl3-format.md §4, §7).
+Pure Python: works from headers only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from exl3tools.errors import UnsupportedArchitectureError
+from exl3tools.exl3 import BLOCK, HALF_WIDTHS, k_from_width
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
+                 "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
+MLA_ARCHS = ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def pad128(x: int) -> int:
+    return -(-x // BLOCK) * BLOCK
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def expert_of(name: str) -> int | None:
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def family_of(prefix: str, num_hidden_layers: int | None) -> str:
+    """Tensor family used in bit histograms: attention, experts, shared_experts, dense_mlp, head, mtp, other."""
+    layer = layer_of(prefix)
+    if prefix.startswith("lm_head"):
+        return "head"
+    if layer is not None and num_hidden_layers is not None and layer >= num_hidden_layers:
+        return "mtp"
+    if ".mlp.experts." in prefix:
+        return "experts"
+    if ".mlp.shared_experts." in prefix:
+        return "shared_experts"
+    if ".self_attn." in prefix:
+        return "attention"
+    if ".mlp." in prefix:
+        return "dense_mlp"
+    return "other"
+
+
+# ---------------------------------------------------------------------------- what is there
+@dataclass(frozen=True, slots=True)
+class Exl3Linear:
+    prefix: str
+    k: int                  # padded in_features (16 * trellis.shape[0])
+    n: int                  # padded out_features
+    width: int              # trellis last dim, int16 words per tile
+    bits: float | None      # None when the width is illegal
+    codebook: str           # "3inst" | "mcg" | "mul1" | "both" (invalid)
+    signs: str              # "suh" (suh/svh) | "su" (legacy packed) | "mixed" | "missing"
+    has_bias: bool
+    suffixes: tuple[str, ...]  # which of the EXL3 suffixes are present
+    family: str
+    layer: int | None
+    expert: int | None
+
+    @property
+    def trellis_bytes(self) -> int:
+        return (self.k // 16) * (self.n // 16) * self.width * 2
+
+    @property
+    def weights(self) -> int:
+        return self.k * self.n
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSummary:
+    index: int
+    kind: str                 # "dense" | "moe" | "mtp"
+    experts: tuple[int, ...]  # routed expert ids present
+    has_shared_experts: bool
+    attention: str            # "gqa" | "mla" | "mla+dsa" | "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    linears: dict[str, Exl3Linear]
+    dense: dict[str, tuple[str, tuple[int, ...]]]   # name -> (dtype, shape) of non-EXL3 tensors
+    layers: dict[int, LayerSummary]
+
+
+def scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: int | None = None) -> Scan:
+    """Group ``name -> (dtype, shape)`` into EXL3 linears and dense tensors.
+
+    A module P is an EXL3 linear iff it has a rank-3 ``P.trellis`` (exl3-format.md §3.1); a 2-D
+    trellis next to ``P.signs`` is a quantized embedding and stays "dense".
+    """
+    linears: dict[str, Exl3Linear] = {}
+    prefixes = {n[: -len(".trellis")] for n, (_, s) in tensors.items() if n.endswith(".trellis") and len(s) == 3}
+    owned: set[str] = set()
+    for p in sorted(prefixes):
+        present = tuple(s for s in ("trellis", "suh", "svh", "su", "sv", "bias", "mcg", "mul1", "scale")
+                        if f"{p}.{s}" in tensors)
+        owned.update(f"{p}.{s}" for s in present)
+        shape = tensors[f"{p}.trellis"][1]
+        width = shape[2]
+        has_mcg, has_mul1 = "mcg" in present, "mul1" in present
+        codebook = "both" if has_mcg and has_mul1 else "mcg" if has_mcg else "mul1" if has_mul1 else "3inst"
+        new = "suh" in present and "svh" in present
+        old = "su" in present and "sv" in present
+        signs = ("suh" if new and not ("su" in present or "sv" in present) else "su" if old and not
+                 ("suh" in present or "svh" in present) else "mixed" if (new or old) else "missing")
+        if signs == "mixed" and (("suh" in present or "su" in present) and ("svh" in present or "sv" in present)):
+            signs = "mixed"
+        linears[p] = Exl3Linear(
+            prefix=p, k=16 * shape[0], n=16 * shape[1], width=width, bits=k_from_width(width),
+            codebook=codebook, signs=signs, has_bias="bias" in present, suffixes=present,
+            family=family_of(p, num_hidden_layers), layer=layer_of(p), expert=expert_of(p))
+    dense = {n: v for n, v in tensors.items() if n not in owned}
+
+    layers: dict[int, LayerSummary] = {}
+    by_layer: dict[int, list[str]] = {}
+    for n in tensors:
+        li = layer_of(n)
+        if li is not None:
+            by_layer.setdefault(li, []).append(n)
+    for li, names in sorted(by_layer.items()):
+        experts = sorted({e for e in (expert_of(n) for n in names) if e is not None})
+        shared = any(".mlp.shared_experts." in n for n in names)
+        mla = any(".self_attn.kv_a_proj_with_mqa." in n for n in names)
+        dsa = any(".self_attn.indexer." in n for n in names)
+        gqa = any(".self_attn.q_proj." in n or ".self_attn.k_proj." in n for n in names)
+        attention = "mla+dsa" if mla and dsa else "mla" if mla else "gqa" if gqa else "none"
+        is_mtp = num_hidden_layers is not None and li >= num_hidden_layers
+        kind = "mtp" if is_mtp else "moe" if experts or any(".mlp.gate.weight" in n for n in names) else "dense"
+        layers[li] = LayerSummary(li, kind, tuple(experts), shared, attention)
+    return Scan(linears, dense, layers)
+
+
+def half_k_without_mul1(lin: Exl3Linear) -> bool:
+    return lin.width in HALF_WIDTHS and lin.codebook != "mul1"
+
+
+# ---------------------------------------------------------------------------- what should be there
+@dataclass(frozen=True, slots=True)
+class Expected:
+    name: str                       # linear prefix, or full tensor name for dense tensors
+    kind: str                       # "linear" | "dense"
+    in_real: int = 0                # linears: real dims
+    out_real: int = 0
+    shape: tuple[int, ...] = ()     # dense: expected shape ([] = not checked)
+    bias: bool = False              # linear carries a bias
+    optional: bool = False          # present in some quants only (e.g. lm_head.weight at head_bits 16)
+    mtp: bool = False
+
+
+def _num(cfg: Mapping, key: str, default: int | None = None) -> int:
+    v = cfg.get(key, default)
+    if v is None:
+        raise UnsupportedArchitectureError(f"config.json lacks {key!r}")
+    return int(v)
+
+
+def mtp_layers_present(names: Iterable[str], num_hidden_layers: int) -> list[int]:
+    return sorted({li for li in (layer_of(n) for n in names) if li is not None and li >= num_hidden_layers})
+
+
+def expected_modules(config: Mapping, mtp_layers: Iterable[int] = ()) -> list[Expected]:
+    """Every module the five known architectures must have, with real dims (exl3-format.md §7).
+
+    ``mtp_layers``: the MTP layer indices actually present (MTP is optional: exllamav3 drops it for
+    glm4_moe/deepseek_v3 and keeps it for GLM-5); their modules are listed with ``mtp=True``.
+    """
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"architecture {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    H, V, L = _num(config, "hidden_size"), _num(config, "vocab_size"), _num(config, "num_hidden_layers")
+    out: list[Expected] = [Expected("model.embed_tokens.weight", "dense", shape=(V, H)),
+                           Expected("model.norm.weight", "dense", shape=(H,))]
+    head_bits = (config.get("quantization_config") or {}).get("head_bits", 6)
+    if head_bits == 16:
+        out.append(Expected("lm_head.weight", "dense", shape=(V, H)))
+    else:
+        out.append(Expected("lm_head", "linear", H, V))
+
+    def lin(name: str, i: int, o: int, bias: bool = False, mtp: bool = False) -> None:
+        out.append(Expected(name, "linear", i, o, bias=bias, mtp=mtp))
+
+    def dense(name: str, shape: tuple[int, ...], mtp: bool = False) -> None:
+        out.append(Expected(name, "dense", shape=shape, mtp=mtp))
+
+    def mlp_dense(p: str, inter: int, mtp: bool) -> None:
+        lin(f"{p}.mlp.gate_proj", H, inter, mtp=mtp)
+        lin(f"{p}.mlp.up_proj", H, inter, mtp=mtp)
+        lin(f"{p}.mlp.down_proj", inter, H, mtp=mtp)
+
+    def mlp_moe(p: str, mtp: bool, *, n_exp: int, inter: int, shared: int, bias: bool) -> None:
+        dense(f"{p}.mlp.gate.weight", (n_exp, H), mtp)
+        if bias:
+            dense(f"{p}.mlp.gate.e_score_correction_bias", (n_exp,), mtp)
+        for e in range(n_exp):
+            lin(f"{p}.mlp.experts.{e}.gate_proj", H, inter, mtp=mtp)
+            lin(f"{p}.mlp.experts.{e}.up_proj", H, inter, mtp=mtp)
+            lin(f"{p}.mlp.experts.{e}.down_proj", inter, H, mtp=mtp)
+        if shared:
+            lin(f"{p}.mlp.shared_experts.gate_proj", H, inter * shared, mtp=mtp)
+            lin(f"{p}.mlp.shared_experts.up_proj", H, inter * shared, mtp=mtp)
+            lin(f"{p}.mlp.shared_experts.down_proj", inter * shared, H, mtp=mtp)
+
+    def gqa(p: str, mtp: bool) -> None:
+        nh, nkv = _num(config, "num_attention_heads"), _num(config, "num_key_value_heads", config.get("num_attention_heads"))
+        hd = int(config.get("head_dim") or H // nh)
+        bias = bool(config.get("attention_bias", False))
+        lin(f"{p}.self_attn.q_proj", H, nh * hd, bias, mtp)
+        lin(f"{p}.self_attn.k_proj", H, nkv * hd, bias, mtp)
+        lin(f"{p}.self_attn.v_proj", H, nkv * hd, bias, mtp)
+        lin(f"{p}.self_attn.o_proj", nh * hd, H, mtp=mtp)
+        if arch == "Qwen3MoeForCausalLM" or config.get("use_qk_norm"):
+            dense(f"{p}.self_attn.q_norm.weight", (hd,), mtp)
+            dense(f"{p}.self_attn.k_norm.weight", (hd,), mtp)
+
+    def mla(p: str, mtp: bool, indexer: bool) -> None:
+        nh = _num(config, "num_attention_heads")
+        nope, rope, vd = _num(config, "qk_nope_head_dim"), _num(config, "qk_rope_head_dim"), _num(config, "v_head_dim")
+        kv_lora = _num(config, "kv_lora_rank")
+        q_lora = config.get("q_lora_rank")
+        if q_lora:
+            lin(f"{p}.self_attn.q_a_proj", H, int(q_lora), mtp=mtp)
+            dense(f"{p}.self_attn.q_a_layernorm.weight", (int(q_lora),), mtp)
+            lin(f"{p}.self_attn.q_b_proj", int(q_lora), nh * (nope + rope), mtp=mtp)
+        else:
+            lin(f"{p}.self_attn.q_proj", H, nh * (nope + rope), mtp=mtp)
+        lin(f"{p}.self_attn.kv_a_proj_with_mqa", H, kv_lora + rope, mtp=mtp)
+        dense(f"{p}.self_attn.kv_a_layernorm.weight", (kv_lora,), mtp)
+        dense(f"{p}.self_attn.kv_b_proj.weight", (nh * (nope + vd), kv_lora), mtp)
+        lin(f"{p}.self_attn.o_proj", nh * vd, H, mtp=mtp)
+        if indexer:
+            ih, ihd = _num(config, "index_n_heads"), _num(config, "index_head_dim")
+            lin(f"{p}.self_attn.indexer.wq_b", int(q_lora or H), ih * ihd, mtp=mtp)
+            dense(f"{p}.self_attn.indexer.wk.weight", (ihd, H), mtp)
+            dense(f"{p}.self_attn.indexer.weights_proj.weight", (ih, H), mtp)
+            dense(f"{p}.self_attn.indexer.k_norm.weight", (ihd,), mtp)
+            dense(f"{p}.self_attn.indexer.k_norm.bias", (ihd,), mtp)
+
+    def moe_kind(li: int) -> bool:
+        if arch == "LlamaForCausalLM":
+            return False
+        if arch == "Qwen3MoeForCausalLM":
+            step = int(config.get("decoder_sparse_step", 1) or 1)
+            return (li not in (config.get("mlp_only_layers") or []) and _num(config, "num_experts", 0) > 0
+                    and (li + 1) % step == 0)
+        types = config.get("mlp_layer_types")
+        if isinstance(types, list) and li < len(types):
+            return types[li] == "sparse"
+        return li >= int(config.get("first_k_dense_replace", 0) or 0)
+
+    def block(li: int, mtp: bool) -> None:
+        p = f"model.layers.{li}"
+        dense(f"{p}.input_layernorm.weight", (H,), mtp)
+        dense(f"{p}.post_attention_layernorm.weight", (H,), mtp)
+        if arch in MLA_ARCHS:
+            types = config.get("indexer_types") or []
+            has_indexer = arch == "GlmMoeDsaForCausalLM" and (mtp or (li < len(types) and types[li] == "full"))
+            mla(p, mtp, has_indexer)
+        else:
+            gqa(p, mtp)
+        if mtp or moe_kind(li):
+            if arch == "Qwen3MoeForCausalLM":
+                mlp_moe(p, mtp, n_exp=_num(config, "num_experts"), inter=_num(config, "moe_intermediate_size"),
+                        shared=0, bias=False)
+            else:
+                mlp_moe(p, mtp, n_exp=_num(config, "n_routed_experts"), inter=_num(config, "moe_intermediate_size"),
+                        shared=int(config.get("n_shared_experts", 0) or 0), bias=True)
+        else:
+            mlp_dense(p, _num(config, "intermediate_size"), mtp)
+
+    for li in range(L):
+        block(li, False)
+    for li in mtp_layers:
+        p = f"model.layers.{li}"
+        lin(f"{p}.eh_proj", 2 * H, H, mtp=True)
+        dense(f"{p}.enorm.weight", (H,), True)
+        dense(f"{p}.hnorm.weight", (H,), True)
+        dense(f"{p}.shared_head.norm.weight", (H,), True)
+        block(li, True)
+    return out
+
+
+def real_dims(config: Mapping, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """prefix -> (in_real, out_real) for every expected linear; {} for an unknown architecture."""
+    try:
+        L = int(config.get("num_hidden_layers", 0))
+        exp = expected_modules(config, mtp_layers_present(names, L))
+    except UnsupportedArchitectureError:
+        return {}
+    return {e.name: (e.in_real, e.out_real) for e in exp if e.kind == "linear"}
