@@ -1,0 +1,233 @@
+"""Building blocks shared by the GQA architectures (llama, qwen3_moe, glm4_moe).
+
+Every module computes in float32 on CPU. Linear layers go through ``exl3tools.kernels.dispatch``;
+this file only pads inputs to the stored (padded) width and trims outputs to the real width.
+Row-parallel modules return *partial* sums: the decoder layer all-reduces once per block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from exl3tools.errors import UnsupportedArchitectureError
+from exl3tools.kernels.dispatch import make_linear
+from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
+
+
+# ------------------------------------------------------------------ batch description
+@dataclass(slots=True)
+class SeqSpan:
+    """One sequence's rows in a packed batch: rows [row, row + n) sit at positions [pos, pos + n)."""
+
+    cache: object          # runtime.cache.SeqCache
+    row: int
+    n: int
+    pos: int
+
+
+@dataclass(slots=True)
+class Batch:
+    spans: list[SeqSpan]
+    positions: torch.Tensor        # (rows,) int64
+    extras: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ linear
+class Linear:
+    """An EXL3 (or dense fallback) linear: y = pad(x) @ W + bias, trimmed to ``out_real``."""
+
+    def __init__(self, fields: LinearFields, *, in_real: int | None = None, out_real: int | None = None,
+                 backend: str = "reference", device="cpu"):
+        self.prefix = fields.prefix
+        self.in_pad, self.out_pad = fields.in_features, fields.out_features
+        self.in_real = self.in_pad if in_real is None else in_real
+        self.out_real = self.out_pad if out_real is None else out_real
+        if fields.codebook is None:
+            w = fields.tensors["weight"].to(device, torch.float32)
+            b = fields.tensors.get("bias")
+            b = None if b is None else b.to(device, torch.float32)
+            self.fn = lambda x: F.linear(x, w.t(), b)
+        else:
+            self.fn = make_linear(fields.tensors, fields.codebook, fields.k_bits, device, backend)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] < self.in_pad:
+            x = F.pad(x, (0, self.in_pad - x.shape[-1]))
+        y = self.fn(x)
+        if self.out_real < y.shape[-1]:
+            y = y[..., :self.out_real]
+        return y
+
+
+def load_linear(ws: WeightSource, prefix: str, cut: Cut | None = None, *, in_real=None, out_real=None,
+                backend="reference", device="cpu") -> Linear:
+    return Linear(ws.linear(prefix, cut), in_real=in_real, out_real=out_real, backend=backend, device=device)
+
+
+# ------------------------------------------------------------------ norms, rope
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight.float(), eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_settings(cfg: dict, head_dim: int) -> tuple[int, torch.Tensor, float]:
+    """(rotary_dim, inv_freq, attention_factor) from config.json (rope_parameters or legacy keys)."""
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rdim = int(head_dim * partial)
+    rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
+    inv = 1.0 / (theta ** (torch.arange(0, rdim, 2, dtype=torch.float64) / rdim))
+    if rtype == "linear":
+        inv = inv / float(rp["factor"])
+    elif rtype == "llama3":
+        factor, lo, hi = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
+        old = float(rp["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif rtype != "default":
+        raise UnsupportedArchitectureError(f"rope_type {rtype!r} is not supported by the runtime yet")
+    return rdim, inv.float(), 1.0
+
+
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rdim: int) -> torch.Tensor:
+    """NeoX layout on the first ``rdim`` channels of each head (rotate halves); x (T, heads, d)."""
+    xr, xp = x[..., :rdim], x[..., rdim:]
+    h = rdim // 2
+    x1, x2 = xr[..., :h], xr[..., h:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
+# ------------------------------------------------------------------ attention (GQA)
+class Attention:
+    """GQA with optional q/k/v bias, per-head q/k RMSNorm (qwen3) and partial NeoX RoPE.
+
+    Heads are local to this rank (column-cut q/k/v by whole KV-head groups, row-cut o_proj);
+    the returned o_proj output is a partial sum when TP > 1.
+    """
+
+    def __init__(self, *, q, k, v, o, head_dim: int, n_q: int, n_kv: int, rope: tuple, layer_idx: int,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, sm_scale: float | None = None):
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.hd, self.nq, self.nkv, self.layer = head_dim, n_q, n_kv, layer_idx
+        self.rdim, self.inv_freq, _ = rope
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q(x).view(T, self.nq, self.hd)
+        k = self.k(x).view(T, self.nkv, self.hd)
+        v = self.v(x).view(T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        q = apply_rope_neox(q, cos, sin, self.rdim)
+        k = apply_rope_neox(k, cos, sin, self.rdim)
+        out = torch.empty(T, self.nq, self.hd, dtype=q.dtype)
+        groups = self.nq // self.nkv
+        for sp in batch.spans:
+            kv = sp.cache.extend(self.layer, {"k": k[sp.row:sp.row + sp.n], "v": v[sp.row:sp.row + sp.n]})
+            kk, vv = kv["k"], kv["v"]                   # (L, nkv, d), L = pos + n
+            L = kk.shape[0]
+            qs = q[sp.row:sp.row + sp.n].transpose(0, 1)            # (nq, n, d)
+            kk = kk.transpose(0, 1).repeat_interleave(groups, 0)     # (nq, L, d)
+            vv = vv.transpose(0, 1).repeat_interleave(groups, 0)
+            mask = None
+            if sp.n > 1:
+                i = torch.arange(sp.n)[:, None] + sp.pos
+                mask = torch.arange(L)[None, :] <= i
+            o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=self.scale)
+            out[sp.row:sp.row + sp.n] = o.transpose(0, 1)
+        return self.o(out.reshape(T, self.nq * self.hd))
+
+
+# ------------------------------------------------------------------ MLPs
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)); gate/up column-cut, down row-cut (partial sum under TP)."""
+
+    def __init__(self, gate, up, down):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE:
+    """Routed experts (+ optional shared experts); the router is replicated on every rank.
+
+    routing "softmax" (Qwen3-MoE): top-k of the logits; weights = softmax over the top-k
+    (= renormalised softmax when norm_topk_prob) or the plain softmax probabilities.
+    routing "sigmoid" (GLM-4 MoE, DeepSeek-V3, n_group 1): scores = sigmoid(logits); select top-k
+    of scores + e_score_correction_bias; weights = the unbiased scores, divided by their sum
+    (+1e-20) when norm_topk_prob, times routed_scaling_factor.
+    Each rank computes only the experts it holds (expert-parallel), so the output is partial.
+    """
+
+    def __init__(self, *, router: torch.Tensor, experts: dict[int, GatedMLP], top_k: int, routing: str,
+                 norm_topk_prob: bool, scaling: float = 1.0, score_bias: torch.Tensor | None = None,
+                 shared: GatedMLP | None = None):
+        self.router, self.experts, self.top_k = router.float(), experts, top_k
+        self.routing, self.norm, self.scaling = routing, norm_topk_prob, scaling
+        self.bias = None if score_bias is None else score_bias.float()
+        self.shared = shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x @ self.router.t()
+        if self.routing == "softmax":
+            if self.norm:
+                top, sel = torch.topk(logits, self.top_k, dim=-1)
+                w = torch.softmax(top, dim=-1)
+            else:
+                p = torch.softmax(logits, dim=-1)
+                w, sel = torch.topk(p, self.top_k, dim=-1)
+        elif self.routing == "sigmoid":
+            scores = torch.sigmoid(logits)
+            choice = scores if self.bias is None else scores + self.bias[None, :]
+            sel = torch.topk(choice, self.top_k, dim=-1).indices
+            w = scores.gather(1, sel)
+            if self.norm:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        else:
+            raise UnsupportedArchitectureError(f"routing {self.routing!r}")
+        return sel, w * self.scaling
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        sel, w = self.route(x)
+        out = torch.zeros_like(x)
+        for e, mlp in self.experts.items():
+            rows, slot = (sel == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            y = mlp(x[rows]) * w[rows, slot][:, None]
+            out.index_add_(0, rows, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+
+# ------------------------------------------------------------------ decoder block
+class DecoderLayer:
+    def __init__(self, attn_norm, attn, mlp_norm, mlp, tp):
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp, self.tp = attn_norm, attn, mlp_norm, mlp, tp
+
+    def __call__(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        h = h + self.tp.all_reduce(self.attn(self.attn_norm(h), batch))
+        h = h + self.tp.all_reduce(self.mlp(self.mlp_norm(h)))
+        return h

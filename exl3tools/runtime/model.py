@@ -1,0 +1,54 @@
+"""CausalLM: embedding -> decoder layers -> final norm -> lm_head, over a packed batch.
+
+Architecture files (``runtime/arch/<name>.py``) build one of these from config.json; the model
+itself does not know which architecture it runs. ``forward`` takes a packed batch of new tokens
+of several sequences (prefill and decode mixed) and returns logits for the rows asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exl3tools.runtime.cache import SeqCache
+from exl3tools.runtime.layers import Batch, SeqSpan
+from exl3tools.runtime.tp import TPContext
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_context: int
+
+
+class CausalLM:
+    def __init__(self, *, info: ModelInfo, embed: torch.Tensor, layers: list, norm, head, tp: TPContext):
+        self.info, self.embed, self.layers, self.norm, self.head, self.tp = info, embed, layers, norm, head, tp
+
+    def new_cache(self) -> SeqCache:
+        return SeqCache(len(self.layers))
+
+    @torch.inference_mode()
+    def forward(self, items: list[tuple[SeqCache, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
+        """Append each sequence's tokens to its cache; logits (float32) for the last new token of each
+        sequence, shape (len(items), vocab), or for every new row when ``all_logits``."""
+        spans, ids, pos = [], [], []
+        row = 0
+        for cache, tokens in items:
+            p0 = cache.length
+            spans.append(SeqSpan(cache, row, len(tokens), p0))
+            ids.extend(tokens)
+            pos.extend(range(p0, p0 + len(tokens)))
+            row += len(tokens)
+        batch = Batch(spans, torch.tensor(pos, dtype=torch.int64))
+        h = self.embed[torch.tensor(ids, dtype=torch.int64)].float()
+        for layer in self.layers:
+            h = layer(h, batch)
+        if not all_logits:
+            h = h[torch.tensor([s.row + s.n - 1 for s in spans])]
+        logits = self.tp.all_gather_cat(self.head(self.norm(h)), dim=-1)
+        return logits[:, :self.info.vocab_size].float()
