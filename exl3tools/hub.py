@@ -1,0 +1,82 @@
+"""Open a checkpoint by local path or Hugging Face repo id.
+
+Order: a local directory; else the local hub cache (works offline); else, online, the small JSON
+files plus every shard's safetensors header fetched by HTTP range request (no weights downloaded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from exl3tools.checkpoint import DTYPES, Checkpoint, Header, TensorInfo
+from exl3tools.checkpoint.reader import TensorRef, load_json
+from exl3tools.errors import CheckpointError, NotFoundError
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+SMALL_FILES = ["config.json", "quantization_config.json", "model.safetensors.index.json", "tokenizer.json",
+               "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "special_tokens_map.json"]
+
+
+def looks_like_repo_id(s: str) -> bool:
+    return bool(REPO_ID.match(s)) and not s.startswith((".", "/", "~"))
+
+
+def split_revision(spec: str) -> tuple[str, str | None]:
+    repo, _, rev = spec.partition("@")
+    return repo, rev or None
+
+
+def open_source(spec: str, *, strict: bool = True) -> tuple[Checkpoint, str]:
+    """(checkpoint, source) where source is 'local', 'hub-cache' or 'hub-headers'."""
+    if Path(spec).exists() or not looks_like_repo_id(spec):
+        return Checkpoint.open(spec, strict=strict), "local"
+    repo, rev = split_revision(spec)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        local = snapshot_download(repo, revision=rev, local_files_only=True)
+        return Checkpoint.open(local, strict=strict), "hub-cache"
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise NotFoundError(f"{spec}: not a local path and not in the Hugging Face cache (HF_HUB_OFFLINE=1)")
+    return _open_remote_headers(repo, rev), "hub-headers"
+
+
+def _open_remote_headers(repo: str, rev: str | None) -> Checkpoint:
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        files = set(HfApi().list_repo_files(repo, revision=rev))
+        local_dir = None
+        for name in SMALL_FILES:
+            if name in files:
+                local_dir = Path(hf_hub_download(repo, name, revision=rev)).parent
+        if local_dir is None:
+            raise NotFoundError(f"{repo}: no config.json in the repository")
+        meta = HfApi().get_safetensors_metadata(repo, revision=rev)
+    except RepositoryNotFoundError:
+        raise NotFoundError(f"{repo}: no such Hugging Face repository (or no access)") from None
+    except (EntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise NotFoundError(f"{repo}: could not reach the Hub ({type(exc).__name__})") from None
+    config = load_json(local_dir / "config.json", "config.json")
+    qfile = load_json(local_dir / "quantization_config.json", "quantization_config.json") \
+        if (local_dir / "quantization_config.json").is_file() else None
+    merged = {**{k: v for k, v in (qfile or {}).items() if k != "tensor_storage"}, **(config.get("quantization_config") or {})}
+    headers: dict[str, Header] = {}
+    tensors: dict[str, TensorRef] = {}
+    for fname, fm in meta.files_metadata.items():
+        infos = {}
+        for name, ti in fm.tensors.items():
+            b, e = ti.data_offsets
+            if ti.dtype not in DTYPES:
+                raise CheckpointError(f"hf://{repo}/{fname}: tensor {name!r} has unknown dtype {ti.dtype!r}")
+            infos[name] = TensorInfo(name, ti.dtype, tuple(ti.shape), b, e)
+            tensors[name] = TensorRef(Path(f"hf://{repo}/{fname}"), infos[name])
+        size = max((t.end for t in infos.values()), default=0)
+        headers[fname] = Header(f"hf://{repo}/{fname}", 0, 0, size, infos, fm.metadata)
+    return Checkpoint(Path(f"hf://{repo}"), config, merged, qfile, headers, tensors, None, [])
