@@ -1,0 +1,67 @@
+"""exl3tools serve: an OpenAI-compatible HTTP server over the EXL3 runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from exl3tools.errors import NotFoundError, UsageError
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+
+
+def _pos(_ctx, _param, value: int) -> int:
+    if value < 1:
+        raise click.BadParameter("must be at least 1")
+    return value
+
+
+@click.command("serve")
+@click.argument("path", required=False)
+@click.option("--tp", default=1, show_default=True, callback=_pos, help="Tensor-parallel ranks.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to bind (0.0.0.0 exposes the server to the network).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", "api_keys", multiple=True,
+              help="Accept this Bearer key (repeatable). Without any key the API is open.")
+@click.option("--max-batch", default=32, show_default=True, callback=_pos,
+              help="Most sequences decoded together.")
+@click.option("--max-queue", default=256, show_default=True, callback=_pos,
+              help="Most sequences waiting; beyond it requests get 429 + Retry-After.")
+@click.option("--max-cache-tokens", type=int, default=None,
+              help="KV-cache budget in tokens (default: the runtime's).")
+@click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--backend", default="reference", show_default=True, help="Kernel backend.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[str, ...],
+              max_batch: int, max_queue: int, max_cache_tokens: int | None,
+              served_model_name: str | None, device: str, backend: str, log_level: str) -> None:
+    """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
+
+    Without PATH, serves the demo checkpoint shipped in the repository. Binds early: /health
+    answers 503 + Retry-After while the model loads, 200 once it answered a first forward pass.
+    """
+    import logging
+
+    import uvicorn
+
+    from exl3tools.server.app import ServeConfig, create_app
+
+    if path is None:
+        if not (DEMO_MODEL / "config.json").is_file():
+            raise NotFoundError(f"no PATH given and the demo checkpoint is missing ({DEMO_MODEL})")
+        path = str(DEMO_MODEL)
+    if max_cache_tokens is not None and max_cache_tokens < 1:
+        raise UsageError("--max-cache-tokens must be at least 1")
+    cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, device=device,
+                      backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
+                      max_queue=max_queue, max_cache_tokens=max_cache_tokens)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("exl3tools.serve").warning(
+            "binding %s without --api-key: anyone who can reach it can use it", host)
+    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,422 @@
+"""Thin routes: parse and validate, tokenise, hand to the engine, shape the answer.
+
+Every error leaves in the OpenAI shape with a string code; tracebacks go to the log only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from exl3tools.server.detok import TokenText
+from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
+from exl3tools.server.metrics import Metrics
+from exl3tools.server.protocol import (
+    MAX_BODY_BYTES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Prepared,
+    bad_request,
+    check_chat_extras,
+    check_completion_extras,
+    completion_prompts,
+    error_body,
+    message_dicts,
+    parse_body,
+    sampling_params,
+)
+from exl3tools.server.responses import Choice, Formatter, sse
+from exl3tools.server.template import ChatTemplate, no_template
+
+log = logging.getLogger("exl3tools.serve")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+PING_INTERVAL_S = 15.0
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model_path: str | None = None
+    served_model_name: str | None = None
+    tp: int = 1
+    device: str = "cpu"
+    backend: str = "reference"
+    api_keys: tuple[str, ...] = ()
+    max_batch: int = 32
+    max_queue: int = 256
+    max_cache_tokens: int | None = None
+    max_prefill_tokens: int = 512
+
+
+def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
+    """The runner factory: everything device-related stays in exl3tools.runtime."""
+    def load() -> Any:
+        from exl3tools.runtime.runner import load_runner
+
+        kwargs: dict[str, Any] = {"device": cfg.device, "tp": cfg.tp, "backend": cfg.backend}
+        if cfg.max_cache_tokens is not None:
+            kwargs["max_cache_tokens"] = cfg.max_cache_tokens
+        return load_runner(cfg.model_path, **kwargs)
+    return load
+
+
+def runtime_hooks() -> dict[str, Callable]:
+    from exl3tools.runtime import sampling
+
+    # One CPU generator per choice, seeded from the request's seed (+ the choice index).
+    return {"sample": sampling.sample, "logprobs": sampling.logprobs,
+            "make_generator": lambda seed, _row: sampling.make_generator(seed)}
+
+
+class Server:
+    """State shared by the routes: config, engine, metrics, the chat template."""
+
+    def __init__(self, cfg: ServeConfig, load: Callable[[], Any], hooks: dict[str, Callable]) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics(cfg.served_model_name or "model")
+        self.engine = Engine(load, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
+                             max_prefill_tokens=cfg.max_prefill_tokens, metrics=self.metrics, **hooks)
+        self.metrics.bind(self.engine)
+        self._template: ChatTemplate | None = None
+        self._template_checked = False
+        self._token_text: TokenText | None = None
+
+    def token_text(self) -> TokenText:
+        if self._token_text is None:
+            self._token_text = TokenText(self.runner.tokenizer)
+        return self._token_text
+
+    @property
+    def runner(self) -> Any:
+        if self.engine.state != "ready":
+            raise not_ready(self.engine)
+        return self.engine.runner
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.served_model_name or self.runner.model_name
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def template(self) -> ChatTemplate:
+        if not self._template_checked:
+            r = self.runner
+            src = getattr(r, "chat_template", None)
+            if src:
+                self._template = ChatTemplate(src, bos_token=_special(r, "bos"),
+                                              eos_token=_special(r, "eos"))
+            self._template_checked = True
+        if self._template is None:
+            raise no_template()
+        return self._template
+
+    # ------------------------------------------------------------ request preparation
+
+    def _limits(self, longest: int, max_tokens: int | None, default: int | None) -> int:
+        runner, budget = self.runner, self.engine.cache_budget
+        ctx = runner.max_context
+        limit = min(ctx, budget) if budget else ctx
+        if longest >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                           f"prompt has {longest}", param="messages" if default is None else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - longest if default is None else min(default, limit - longest)
+        if longest + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
+                           f"requested {longest + max_tokens} ({longest} in the prompt, "
+                           f"{max_tokens} for the completion)", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        check_completion_extras(req)
+        runner = self.runner
+        prompts: list[list[int]] = []
+        for p in completion_prompts(req):
+            if isinstance(p, str):
+                ids = runner.tokenizer.encode(p, add_special_tokens=True).ids
+            else:
+                if not p:
+                    raise bad_request("token prompts must not be empty", param="prompt")
+                if any(not 0 <= t < runner.vocab_size for t in p):
+                    raise bad_request(f"prompt token ids must be in [0, {runner.vocab_size})",
+                                      param="prompt")
+                ids = list(p)
+            if not ids:
+                if runner.bos_token_id is None:
+                    raise bad_request("prompt is empty", param="prompt")
+                ids = [runner.bos_token_id]
+            prompts.append(ids)
+        max_tokens = self._limits(max(map(len, prompts)), req.max_tokens,
+                                  DEFAULT_COMPLETION_MAX_TOKENS)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                 vocab_size=runner.vocab_size)
+        return Prepared(prompts, params, req.n, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage),
+                        req.return_token_ids)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        check_chat_extras(req)
+        runner = self.runner
+        text = self.template().render(message_dicts(req),
+                                      add_generation_prompt=req.add_generation_prompt,
+                                      **(req.chat_template_kwargs or {}))
+        ids = runner.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise bad_request("the chat template rendered an empty prompt", param="messages")
+        wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._limits(len(ids), wanted, None)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                 vocab_size=runner.vocab_size)
+        return Prepared([ids], params, req.n, req.stream,
+                        bool(req.stream_options and req.stream_options.include_usage),
+                        req.return_token_ids)
+
+
+def _special(runner: Any, which: str) -> str:
+    """bos/eos token text for templates that print them."""
+    text = getattr(runner, f"{which}_token", None)
+    if isinstance(text, str):
+        return text
+    tid = runner.bos_token_id if which == "bos" else min(runner.eos_token_ids, default=None)
+    return (runner.tokenizer.id_to_token(tid) or "") if tid is not None else ""
+
+
+# ---------------------------------------------------------------------- ASGI middleware
+
+
+class Gate:
+    """API-key check and request counting, as plain ASGI (keeps streaming and disconnects intact)."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+        self._keys = [k.encode() for k in server.cfg.api_keys]
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        status = {"code": 500}
+
+        async def send_wrapped(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self._keys and path not in OPEN_PATHS and not self._authorised(scope):
+                resp = _error_response(APIError(
+                    401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                    type="authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"}))
+                return await resp(scope, receive, send_wrapped)
+            await self.app(scope, receive, send_wrapped)
+        finally:
+            endpoint = path if path in _KNOWN_PATHS else "other"
+            self.server.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+    def _authorised(self, scope: dict) -> bool:
+        got = None
+        for name, value in scope.get("headers", []):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                got = value[7:].strip()
+            elif name == b"x-api-key" and got is None:
+                got = value.strip()
+        # compare_digest against every key: no early exit that leaks which key matched
+        return got is not None and any([hmac.compare_digest(got, k) for k in self._keys])
+
+
+_KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions",
+                          "/v1/chat/completions"})
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+# ---------------------------------------------------------------------- the app
+
+
+def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
+               hooks: dict[str, Callable] | None = None) -> FastAPI:
+    server = Server(cfg, load or runtime_loader(cfg), hooks or runtime_hooks())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        yield
+        await run_in_threadpool(server.engine.stop)
+
+    app = FastAPI(title="exl3tools serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, kind),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body("internal server error; see the server log", "server_error",
+                                       None, "internal_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        eng = server.engine
+        if eng.state == "ready":
+            return JSONResponse({"status": "ok", "model": server.model_name})
+        body = error_body(not_ready(eng).message, "server_error", None,
+                          "model_loading" if eng.state == "loading" else "model_load_failed")
+        body["status"] = eng.state
+        body["elapsed_s"] = round(time.monotonic() - eng.load_started, 1)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if eng.state == "loading" else {}
+        return JSONResponse(body, status_code=503, headers=headers)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": server.model_name, "object": "model", "created": _STARTED,
+                "owned_by": "exl3tools", "max_model_len": server.runner.max_context}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        server.check_model(name)
+        return model_card()
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats() -> dict[str, Any]:
+        return server.engine.stats()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(await _read_body(request), CompletionRequest)
+        return await _generate(request, req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = parse_body(await _read_body(request), ChatCompletionRequest)
+        return await _generate(request, req, chat=True)
+
+    async def _generate(request: Request, req: Any, *, chat: bool) -> Response:
+        server.runner  # noqa: B018 -- 503 while loading, before anything else
+        server.check_model(req.model)
+        prep = await run_in_threadpool(server.prepare_chat if chat else server.prepare_completion, req)
+        eng = server.engine
+        handle = eng.submit(asyncio.get_running_loop(), prep.prompts, prep.params, prep.n)
+        server.metrics.prompt_tokens.inc(handle.prompt_tokens)
+        fmt = Formatter(chat=chat, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                        created=int(time.time()), model=server.model_name,
+                        tokens=server.token_text(), logprobs=prep.params.logprobs is not None,
+                        token_ids=prep.return_token_ids)
+        if prep.stream:
+            return StreamingResponse(_stream(handle, fmt, prep.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, handle, fmt)
+
+    async def _collect(request: Request, handle: Any, fmt: Formatter) -> Response:
+        task = asyncio.current_task()
+
+        async def watch() -> None:  # the body is read, so the next message is the disconnect
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    handle.cancel()
+                    task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        choices: dict[int, Choice] = {}
+        try:
+            async for ev in handle.events():
+                if ev is None:
+                    continue
+                if ev.error is not None:
+                    raise ev.error
+                c = choices.setdefault(ev.index, Choice(ev.index))
+                c.text.append(ev.text)
+                c.token_ids.extend(ev.token_ids)
+                if ev.logprobs:
+                    c.logprobs.extend(ev.logprobs)
+                if ev.finish_reason:
+                    c.finish_reason = ev.finish_reason
+        finally:
+            watcher.cancel()
+            handle.cancel()
+        server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
+        return JSONResponse(fmt.response(list(choices.values()), handle.prompt_tokens,
+                                         handle.completion_tokens))
+
+    async def _stream(handle: Any, fmt: Formatter, include_usage: bool):
+        offsets: dict[int, int] = {}
+        try:
+            async for ev in handle.events(ping=PING_INTERVAL_S):
+                if ev is None:
+                    yield ": ping\n\n"
+                    continue
+                if ev.error is not None:
+                    yield sse(ev.error.body())
+                    break
+                for chunk in fmt.chunks(ev, offsets.get(ev.index, 0)):
+                    yield sse(chunk)
+                offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+            else:
+                server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
+                if include_usage:
+                    yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens))
+            yield "data: [DONE]\n\n"
+        finally:  # client gone (task cancelled) or done: either way the engine lets go
+            handle.cancel()
+
+    app.add_middleware(Gate, server=server)
+    return app
+
+
+_STARTED = int(time.time())
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refusing more than MAX_BODY_BYTES before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)

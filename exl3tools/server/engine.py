@@ -1,0 +1,366 @@
+"""The engine: one thread owns the runner; continuous batching between steps.
+
+Each step: drop cancelled sequences (freeing their cache), admit waiting sequences while the batch
+and the KV-cache budget allow, run one ``runner.step`` over a mix of prefill chunks and decode
+tokens, sample each sequence that produced a token, and free the cache of every sequence that
+finished. Results go to the event loop through ``loop.call_soon_threadsafe``, so the loop never
+blocks on the model. The engine never touches a device: the runner and ``runtime.sampling`` do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from exl3tools.server.detok import TextTracker
+from exl3tools.server.protocol import APIError, SamplingParams
+
+log = logging.getLogger("exl3tools.serve")
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class Event:
+    """One step's output for one choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: APIError | None = None
+
+
+class Sequence:
+    __slots__ = ("seq_id", "index", "prompt", "params", "handle", "output_ids", "num_cached",
+                 "tracker", "generator", "finished", "t_last", "reserve")
+
+    def __init__(self, seq_id: int, index: int, prompt: list[int], params: SamplingParams,
+                 handle: RequestHandle, tracker: TextTracker) -> None:
+        self.seq_id, self.index, self.prompt, self.params = seq_id, index, prompt, params
+        self.handle, self.tracker = handle, tracker
+        self.output_ids: list[int] = []
+        self.num_cached = 0  # tokens of this sequence in the runner's cache
+        self.generator: Any = None  # made lazily on the logits' device
+        self.finished = False
+        self.t_last = 0.0
+        self.reserve = len(prompt) + params.max_tokens  # cache tokens it may ever need
+
+
+class RequestHandle:
+    """The event loop's side of a request: an asyncio queue of Events, and cancel()."""
+
+    def __init__(self, engine: Engine, loop: Any, n_seqs: int, prompt_tokens: int) -> None:
+        import asyncio
+
+        self._engine, self._loop = engine, loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.seqs: list[Sequence] = []
+        self.remaining = n_seqs
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.t_arrival = time.monotonic()
+        self.cancelled = False
+
+    def push(self, ev: Event) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # loop closed: the server is shutting down
+            self.cancelled = True
+
+    def cancel(self) -> None:  # event loop; idempotent
+        if not self.cancelled and self.remaining > 0:
+            self.cancelled = True
+            self._engine.wake()
+
+    async def events(self, ping: float | None = None):
+        """Events until every choice finished; None every `ping` seconds of silence."""
+        import asyncio
+
+        while self.remaining > 0:
+            try:
+                ev = await asyncio.wait_for(self.queue.get(), ping)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if ev.finish_reason is not None or ev.error is not None:
+                self.remaining -= 1
+            yield ev
+
+
+class Engine:
+    def __init__(self, load: Callable[[], Any], *, max_batch: int = 32, max_queue: int = 256,
+                 max_prefill_tokens: int = 512, metrics: Any = None,
+                 sample: Callable | None = None, logprobs: Callable | None = None,
+                 make_generator: Callable | None = None) -> None:
+        self._load = load
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_prefill_tokens = max_prefill_tokens
+        self.metrics = metrics
+        self._sample_fn, self._logprobs_fn, self._make_gen = sample, logprobs, make_generator
+        self.runner: Any = None
+        self.state = "loading"  # loading -> ready | failed
+        self.load_error: str | None = None
+        self.load_started = time.monotonic()
+        self.cache_budget = 0
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._ids = itertools.count(1)
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name="exl3tools-engine", daemon=True)
+        self.steps = 0
+        self.cancelled_total = 0
+
+    # ----------------------------------------------------------------- event loop side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def cache_tokens_used(self) -> int:
+        r = self.runner
+        return max(0, self.cache_budget - r.cache_tokens_free()) if r is not None else 0
+
+    def submit(self, loop: Any, prompts: list[list[int]], params: SamplingParams, n: int
+               ) -> RequestHandle:
+        """Queue prompts x n choices; 429 when the queue is full, 503 while not ready."""
+        if self.state != "ready":
+            raise not_ready(self)
+        seqs_needed = len(prompts) * n
+        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts) * n)
+        tok = self.runner.tokenizer
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        with self._cond:
+            if self._waiting and len(self._waiting) + seqs_needed > self.max_queue:
+                raise APIError(429, f"the server is busy ({len(self._waiting)} sequences queued); "
+                               "retry later", type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+            for p_i, prompt in enumerate(prompts):
+                for j in range(n):
+                    index = p_i * n + j
+                    seq = Sequence(next(self._ids), index, prompt, params, handle,
+                                   TextTracker(tok, params.stop))
+                    seq.generator = (seed + index) % 2**64  # a seed until the first sample
+                    handle.seqs.append(seq)
+                    self._waiting.append(seq)
+            self._cond.notify_all()
+        return handle
+
+    # ----------------------------------------------------------------- engine thread
+
+    def _main(self) -> None:
+        try:
+            runner = self._load()
+            self._warmup(runner)
+        except BaseException as exc:  # reported by /health; the process stays up to say so
+            log.exception("model load failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            self.state = "failed"
+            return
+        self.runner = runner
+        self.cache_budget = runner.cache_tokens_free()
+        self.state = "ready"
+        log.info("engine ready: %s, cache budget %d tokens", runner.model_name, self.cache_budget)
+        while True:
+            with self._cond:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stop:
+                    break
+            try:
+                self._step()
+            except Exception:  # a bug here must not kill the engine: fail the batch, go on
+                log.exception("engine step failed")
+                for seq in list(self._running):
+                    self._fail(seq)
+        for seq in list(self._running):
+            self._free(seq)
+
+    def _warmup(self, runner: Any) -> None:
+        """The first forward pass must succeed before /health says ready."""
+        seq_id = -1
+        runner.add_sequence(seq_id)
+        try:
+            first = runner.bos_token_id if runner.bos_token_id is not None else 0
+            runner.step([(seq_id, [first])])
+        finally:
+            runner.free_sequence(seq_id)
+
+    def _step(self) -> None:
+        self._reap_cancelled()
+        self._admit()
+        if not self._running:
+            return
+        batch: list[tuple[Sequence, list[int]]] = []
+        budget = self.max_prefill_tokens
+        for seq in self._running:
+            if seq.num_cached < len(seq.prompt):
+                if budget <= 0:
+                    continue
+                chunk = seq.prompt[seq.num_cached: seq.num_cached + budget]
+                budget -= len(chunk)
+            else:
+                chunk = [seq.output_ids[-1]]
+            batch.append((seq, chunk))
+        if not batch:
+            return
+        try:
+            logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch])
+        except Exception:
+            log.exception("runner.step failed")
+            for seq, _ in batch:
+                self._fail(seq)
+            self._sweep()
+            return
+        self.steps += 1
+        now = time.monotonic()
+        for i, (seq, chunk) in enumerate(batch):
+            seq.num_cached += len(chunk)
+            if seq.num_cached < len(seq.prompt) or seq.finished:
+                continue
+            try:
+                self._sample(seq, logits[i], now)
+            except Exception:
+                log.exception("sampling failed")
+                self._fail(seq)
+        self._sweep()
+
+    def _sample(self, seq: Sequence, row: Any, now: float) -> None:
+        p = seq.params
+        if not hasattr(seq.generator, "manual_seed"):
+            seq.generator = self._make_gen(seq.generator, row)
+        token = int(self._sample_fn(row, p.temperature, p.top_k, p.top_p, seq.generator))
+        ev = Event(seq.index, token_ids=[token])
+        if p.logprobs is not None:
+            lp, top = self._logprobs_fn(row, token, p.logprobs)
+            ev.logprobs = [TokenLogprob(token, lp, top)]
+        seq.output_ids.append(token)
+        seq.handle.completion_tokens += 1
+        self._observe_token(seq, now)
+        runner = self.runner
+        if (token in runner.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            ev.text, ev.finish_reason = seq.tracker.flush(), "stop"
+        else:
+            ev.text, hit = seq.tracker.add(token)
+            if hit:
+                ev.finish_reason = "stop"
+            elif (len(seq.output_ids) >= p.max_tokens
+                  or len(seq.prompt) + len(seq.output_ids) >= runner.max_context):
+                ev.text += seq.tracker.flush()
+                ev.finish_reason = "length"
+        if ev.finish_reason is not None:
+            seq.finished = True
+        seq.handle.push(ev)
+
+    def _observe_token(self, seq: Sequence, now: float) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        if len(seq.output_ids) == 1:
+            m.ttft.observe(now - seq.handle.t_arrival)
+        else:
+            m.itl.observe(now - seq.t_last)
+        seq.t_last = now
+        m.generation_tokens.inc()
+
+    def _admit(self) -> None:
+        with self._cond:
+            while self._waiting and len(self._running) < self.max_batch:
+                seq = self._waiting[0]
+                if seq.handle.cancelled:
+                    self._waiting.popleft()
+                    self._count_cancel(seq)
+                    continue
+                if seq.reserve > self._free_budget():
+                    break  # FIFO: wait for running sequences to finish and free their cache
+                self._waiting.popleft()
+                self.runner.add_sequence(seq.seq_id)
+                self._running.append(seq)
+
+    def _free_budget(self) -> int:
+        outstanding = sum(s.reserve - s.num_cached for s in self._running)
+        return self.runner.cache_tokens_free() - outstanding
+
+    def _reap_cancelled(self) -> None:
+        with self._cond:
+            gone = [s for s in self._waiting if s.handle.cancelled]
+            for s in gone:
+                self._waiting.remove(s)
+                self._count_cancel(s)
+        for seq in [s for s in self._running if s.handle.cancelled and not s.finished]:
+            seq.finished = True
+            self._count_cancel(seq)
+        self._sweep()
+
+    def _count_cancel(self, seq: Sequence) -> None:
+        self.cancelled_total += 1
+        if self.metrics is not None:
+            self.metrics.cancelled.inc()
+
+    def _fail(self, seq: Sequence) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        seq.handle.push(Event(seq.index, error=APIError(
+            500, "generation failed; see the server log", type="server_error", code="engine_error")))
+
+    def _sweep(self) -> None:
+        """Free the cache of every finished sequence at once."""
+        done = [s for s in self._running if s.finished]
+        if done:
+            self._running = [s for s in self._running if not s.finished]
+            for s in done:
+                self._free(s)
+
+    def _free(self, seq: Sequence) -> None:
+        try:
+            self.runner.free_sequence(seq.seq_id)
+        except Exception:
+            log.exception("free_sequence(%s) failed", seq.seq_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {"state": self.state, "queue_depth": self.queue_depth, "running": self.running,
+                "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
+                "steps": self.steps, "cancelled_total": self.cancelled_total}
+
+
+def not_ready(engine: Engine) -> APIError:
+    if engine.state == "failed":
+        return APIError(503, f"model failed to load: {engine.load_error}", type="server_error",
+                        code="model_load_failed")
+    return APIError(503, "the model is still loading", type="server_error", code="model_loading",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -1,0 +1,284 @@
+"""OpenAI request types, their validation, and the OpenAI error shape.
+
+Pydantic runs in strict mode: ``"max_tokens": "5"`` or ``true`` is a 400, as with OpenAI.
+Unknown fields are tolerated (clients send many), but every sampling field we do not implement is
+rejected explicitly when set to a non-default value: never silently ignore sampling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts per completions request
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+MAX_TOP_LOGPROBS = 20
+MAX_BODY_BYTES = 16 * 1024 * 1024
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# --------------------------------------------------------------------------- request types
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # extension (as vLLM): choices carry token_ids
+    user: str | None = None
+    # Accepted only at their neutral value (explicit rejection beats silent ignoring).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+# --------------------------------------------------------------------------- sampling values
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What the engine needs for one choice; validated, normalised, immutable."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: off; k: chosen token + k alternatives
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, tokenised: prompts x n choices."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool = False
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_body(raw: bytes, model_cls: type[_Strict]) -> Any:
+    """Bytes -> validated request, or an APIError(400) naming the offending parameter."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})",
+                          code="invalid_encoding") from None
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise bad_request(f"request body is not valid JSON: {msg}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        raise _from_validation(exc) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+
+
+def _from_validation(exc: ValidationError) -> APIError:
+    errs = exc.errors(include_url=False, include_input=False)
+    # A union reports one error per branch; the first is representative enough.
+    err = errs[0]
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p.endswith("]"))]
+    param = ".".join(_clean_loc(loc)) or None
+    kind = err["type"]
+    code = ("missing_required_parameter" if kind == "missing"
+            else "invalid_type" if kind.endswith("_type") or kind in ("union_tag_invalid",)
+            else "invalid_value")
+    msg = f"{param}: {err['msg']}" if param else err["msg"]
+    return bad_request(msg, param=param, code=code)
+
+
+def _clean_loc(loc: list[str]) -> list[str]:
+    # pydantic puts union branch names ("list[int]") into loc; drop them.
+    return [p for p in loc if "[" not in p and p not in ("str", "int", "float", "bool")]
+
+
+def _reject_unsupported(req: _Sampling) -> None:
+    neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+               "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "min_tokens": (None, 0)}
+    for name, ok in neutral.items():
+        if getattr(req, name) not in ok:
+            raise bad_request(f"{name} is not supported by this server", param=name,
+                              code="unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", param="logit_bias",
+                          code="unsupported_parameter")
+
+
+def _stops(req: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop sequences", param="stop")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_LEN:
+            raise bad_request(f"stop sequences must have 1 to {MAX_STOP_LEN} characters", param="stop")
+    ids = list(req.stop_token_ids or [])
+    if len(ids) > 1024 or any(not 0 <= t < vocab_size for t in ids):
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})",
+                          param="stop_token_ids")
+    return tuple(stop), tuple(ids)
+
+
+def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
+    _reject_unsupported(req)
+    stop, stop_ids = _stops(req, vocab_size)
+    top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+    temperature = 1.0 if req.temperature is None else req.temperature
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                          seed=req.seed, stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
+                          ignore_eos=req.ignore_eos)
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompt field in its four OpenAI forms, as a list of str or token lists."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    if len(p) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    return list(p)
+
+
+def check_completion_extras(req: CompletionRequest) -> None:
+    if req.echo:
+        raise bad_request("echo is not supported by this server", param="echo",
+                          code="unsupported_parameter")
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", param="suffix",
+                          code="unsupported_parameter")
+    if req.best_of not in (None, req.n):
+        raise bad_request("best_of must equal n (beam search is not supported)", param="best_of",
+                          code="unsupported_parameter")
+
+
+def check_chat_extras(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise bad_request("tools are not supported by this server", param="tools",
+                          code="unsupported_parameter")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice is not supported by this server", param="tool_choice",
+                          code="unsupported_parameter")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("response_format other than text is not supported by this server",
+                          param="response_format", code="unsupported_parameter")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+    if (req.max_tokens is not None and req.max_completion_tokens is not None
+            and req.max_tokens != req.max_completion_tokens):
+        raise bad_request("max_tokens and max_completion_tokens disagree", param="max_tokens")
+
+
+def message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template (text parts joined)."""
+    out = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out

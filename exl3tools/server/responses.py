@@ -1,0 +1,121 @@
+"""OpenAI response and stream-chunk bodies, built from engine Events."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from exl3tools.server.detok import TokenText
+from exl3tools.server.engine import Event, TokenLogprob
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Formatter:
+    """Shapes one request's events as a completion or a chat completion."""
+
+    def __init__(self, *, chat: bool, rid: str, created: int, model: str, tokens: TokenText,
+                 logprobs: bool, token_ids: bool = False) -> None:
+        self.chat, self.rid, self.created, self.model = chat, rid, created, model
+        self._tokens, self._logprobs = tokens, logprobs
+        self._token_ids = token_ids
+        self._started: set[int] = set()
+
+    # ------------------------------------------------------------ logprobs
+
+    def _token_str(self, token_id: int) -> str:
+        return self._tokens.get(token_id)[0]
+
+    def _chat_lp(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        def one(tid: int, lp: float) -> dict[str, Any]:
+            s, raw = self._tokens.get(tid)
+            return {"token": s, "logprob": lp, "bytes": list(raw)}
+        return {"content": [{**one(e.token_id, e.logprob),
+                             "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries],
+                "refusal": None}
+
+    def _legacy_lp(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for e in entries:
+            s = self._token_str(e.token_id)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token_str(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _lp(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+        if not self._logprobs:
+            return None
+        return self._chat_lp(entries) if self.chat else self._legacy_lp(entries, offset)
+
+    # ------------------------------------------------------------ whole responses
+
+    def response(self, choices: list[Choice], prompt_tokens: int, completion_tokens: int) -> dict:
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            text = "".join(c.text)
+            body: dict[str, Any] = {"index": c.index}
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            body["logprobs"] = self._lp(c.logprobs)
+            body["finish_reason"] = c.finish_reason
+            if self._token_ids:
+                body["token_ids"] = c.token_ids
+            out.append(body)
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None,
+                "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
+
+    # ------------------------------------------------------------ stream chunks
+
+    def _chunk(self, choices: list[dict], usage_obj: dict | None = None) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None,
+                "choices": choices, "usage": usage_obj}
+
+    def chunks(self, ev: Event, text_offset: int = 0) -> list[dict]:
+        """Zero, one or two chunks for one event (chat opens each choice with its role)."""
+        out = []
+        if self.chat and ev.index not in self._started:
+            self._started.add(ev.index)
+            out.append(self._chunk([{"index": ev.index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]))
+        if (not ev.text and ev.finish_reason is None and not (self._logprobs and ev.logprobs)
+                and not self._token_ids):
+            return out
+        lp = self._lp(ev.logprobs or [], text_offset)
+        if self.chat:
+            delta = {"content": ev.text} if ev.text else {}
+            choice = {"index": ev.index, "delta": delta, "logprobs": lp,
+                      "finish_reason": ev.finish_reason}
+        else:
+            choice = {"index": ev.index, "text": ev.text, "logprobs": lp,
+                      "finish_reason": ev.finish_reason}
+        if self._token_ids:
+            choice["token_ids"] = ev.token_ids
+        out.append(self._chunk([choice]))
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return self._chunk([], usage(prompt_tokens, completion_tokens))

@@ -1,0 +1,303 @@
+"""exl3tools serve, end to end: a real uvicorn server on 127.0.0.1 over the demo checkpoint, driven
+by the official openai client (and raw httpx where the wire format itself is under test)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import DEMO  # noqa: E402
+
+MODEL = "demo"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name=MODEL))
+    with LiveServer(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_returns_text_and_usage(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion"
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+
+
+def test_chat_applies_the_template(client):
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.template import ChatTemplate
+
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    cfg = json.loads((DEMO / "model" / "tokenizer_config.json").read_text())
+    text = ChatTemplate(cfg["chat_template"], bos_token="<s>", eos_token="</s>").render(MESSAGES)
+    assert text.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\nHello!</s>\n<|assistant|>\n")
+    tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
+    assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def test_greedy_is_deterministic(client):
+    a = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert a.choices[0].text == b.choices[0].text
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_chat_stream_wire_format(server):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "stream": True, "seed": 1,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+
+
+def test_stream_without_usage_has_no_usage_chunk(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["choices"] for e in events[:-1])
+
+
+def _stream_chat(client, **kw):
+    texts, finish, usage = {}, {}, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage
+
+
+def _stream_completion(client, **kw):
+    texts, finish, lps, usage = {}, {}, {}, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return texts, finish, lps, usage
+
+
+def test_stream_equals_non_stream_for_the_same_seed_chat(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.95, seed=1234,
+              n=2)
+    full = client.chat.completions.create(**kw)
+    texts, finish, usage = _stream_chat(client, **kw)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finish == {c.index: c.finish_reason for c in full.choices}
+    assert usage.model_dump() == full.usage.model_dump()
+
+
+def test_stream_equals_non_stream_for_the_same_seed_completion(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.8, top_k=50, seed=99, logprobs=2)
+    kw["extra_body"] = {"top_k": 50}
+    kw.pop("top_k")
+    full = client.completions.create(**kw)
+    texts, finish, lps, usage = _stream_completion(client, **kw)
+    assert texts[0] == full.choices[0].text
+    assert finish[0] == full.choices[0].finish_reason
+    assert lps[0] == full.choices[0].logprobs.token_logprobs
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_seed_reproduces_and_different_seeds_differ(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.5,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    a = client.completions.create(seed=7, **kw)
+    b = client.completions.create(seed=7, **kw)
+    c = client.completions.create(seed=8, **kw)
+    ids = lambda r: r.model_dump()["choices"][0]["token_ids"]  # noqa: E731
+    assert ids(a) == ids(b) and a.choices[0].text == b.choices[0].text
+    assert ids(a) != ids(c)  # 16 tokens at temperature 1.5 over 2048 ids: equal by chance ~never
+
+
+def test_n_choices_are_indexed_and_independent(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=3, temperature=1.5,
+                                  seed=5, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 30
+    assert len({c.text for c in r.choices}) > 1
+    # choice i of a seeded request is reproducible on its own
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, n=3, temperature=1.5,
+                                      seed=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+
+
+def test_multiple_prompts_times_n(client):
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=3, n=2,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    by = {c.index: c.text for c in r.choices}
+    assert by[0] == by[1] and by[2] == by[3]  # greedy: the two choices of one prompt agree
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for t in content:
+        assert len(t.top_logprobs) == 2
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert bytes(t.bytes) == t.token.encode() or t.token.startswith("bytes:")
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+def _greedy(client, n_tokens=16):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=n_tokens, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].text, r.model_dump()["choices"][0]["token_ids"]
+
+
+def test_stop_string_truncates_and_reports_stop(client):
+    text, _ = _greedy(client)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop
+    expected = text[: text.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "stop"
+    # streamed: the held-back prefix of the stop string never leaks
+    texts, finish, _, _ = _stream_completion(client, model=MODEL, prompt=PROMPT, max_tokens=16,
+                                             temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert texts[0] == expected and finish[0] == "stop"
+
+
+def test_stop_token_ids(client):
+    _, ids = _greedy(client, 8)
+    target = ids[3]
+    first = ids.index(target)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [target],
+                                              "return_token_ids": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.model_dump()["choices"][0]["token_ids"] == ids[: first + 1]
+    assert r.usage.completion_tokens == first + 1
+
+
+def test_max_tokens_one(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------- ops endpoints
+
+
+def test_health_and_metrics(server, client):
+    h = httpx.get(f"{server.url}/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("exl3tools_requests_total", "exl3tools_prompt_tokens_total",
+                 "exl3tools_generation_tokens_total", "exl3tools_time_to_first_token_seconds_bucket",
+                 "exl3tools_inter_token_latency_seconds_bucket", "exl3tools_queue_depth",
+                 "exl3tools_running_sequences", "exl3tools_kv_cache_usage_ratio"):
+        assert name in text, name
+    assert 'exl3tools_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'exl3tools_model_ready{model="demo"} 1.0' in text
+
+
+def test_errors_are_openai_shaped_through_the_client(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10**9)
+    assert e.value.code == "context_length_exceeded"
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+def test_api_key_required_but_health_open():
+    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name=MODEL,
+                                 api_keys=("k1", "k2")))
+    with LiveServer(app) as s:
+        bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.models.list()
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{s.url}/metrics").status_code == 401
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        for key in ("k1", "k2"):
+            good = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
+            assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
