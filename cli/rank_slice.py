@@ -1,0 +1,83 @@
+"""exl3tools rank-slice: cut an EXL3 checkpoint into per-GPU shard sets (docs/rank-slice.md)."""
+
+from __future__ import annotations
+
+import click
+
+from exl3tools.cli._output import console, emit_json, err_console, status, warn
+
+
+def byte_progress(total: int, label: str):
+    """A Rich progress bar with bytes/s on stderr; returns (progress, advance callback)."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    prog = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=False)
+    task = prog.add_task(label, total=total)
+    return prog, (lambda n: prog.update(task, advance=n))
+
+
+@click.command("rank-slice")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--tp", type=click.IntRange(1, 256), required=True, help="Number of tensor-parallel ranks.")
+@click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
+              help="Routed experts: split each expert's intermediate (tp) or give whole experts to ranks (ep).")
+@click.option("--layout", type=click.Choice(["ranks", "vllm-hybrid"]), default="ranks", show_default=True,
+              help="ranks: DST/rank-r-of-N/ directories; vllm-hybrid: one dir with .rank{r}. expert names.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (every module's cut) and write nothing.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run; files whose hashes match are kept.")
+@click.option("--threads", type=click.IntRange(1, 64), default=None, help="Parallel shard workers.")
+@click.option("--json", "as_json", is_flag=True, help="Emit the plan (with --dry-run) or the result as JSON.")
+def rank_slice_cmd(src: str, dst: str, tp: int, moe: str, layout: str, dry_run: bool, resume: bool,
+                   threads: int | None, as_json: bool) -> None:
+    """Cut SRC into per-rank shards for --tp N at 128-channel boundaries: lossless, no requantization.
+
+    \b
+    exl3tools rank-slice ./GLM-5-exl3 ./GLM-5-tp4 --tp 4
+    exl3tools rank-slice ./GLM-5-exl3 ./GLM-5-tp4 --tp 4 --moe ep --dry-run
+    exl3tools verify ./GLM-5-exl3 ./GLM-5-tp4
+    """
+    from exl3tools.checkpoint import Checkpoint
+    from exl3tools.rank_slice import check_destination, plan_rank_slices, write_rank_shards
+
+    ck = Checkpoint.open(src)
+    plan = plan_rank_slices(ck, tp, moe, layout)
+    if dry_run:
+        if as_json:
+            emit_json(plan.to_json())
+            return
+        s = plan.summary()
+        console.print(f"[bold]rank-slice plan[/]  tp={tp} moe={moe} layout={layout}  {s['plan_fingerprint']}")
+        for c in plan.cuts:
+            console.print(f"[bold]rank {c['rank']}[/]")
+            for a, e in c["attention"].items():
+                console.print(f"  {a}: {_fmt(e)}", soft_wrap=True)
+            for m, e in c["modules"].items():
+                console.print(f"  {m}: {_fmt(e)}", soft_wrap=True)
+        for o in s["outputs"]:
+            console.print(f"{o['dir']}: {o['tensors']} tensors, {o['bytes'] / 1e9:.3f} GB")
+        for n in plan.notes:
+            console.print(f"note: {n}")
+        return
+    check_destination(__import__("pathlib").Path(dst), resume)
+    for n in plan.notes:
+        warn(n)
+    total = sum(t.nbytes for sp in plan.shards for outs in sp.outputs for t in outs)
+    dequant = None
+    if layout == "vllm-hybrid":
+        from exl3tools.rank_slice import dequantize_to_writer as dequant
+    prog, advance = byte_progress(total, f"rank-slice tp={tp}")
+    with prog:
+        man = write_rank_shards(ck, plan, dst, resume=resume, threads=threads, progress=advance, dequant=dequant)
+    if as_json:
+        emit_json({"dst": dst, "plan_fingerprint": man.plan_fingerprint, "files": len(man.files),
+                   "bytes": sum(f.size for f in man.files.values())})
+    else:
+        status(f"wrote {len(man.files)} files ({sum(f.size for f in man.files.values()) / 1e9:.3f} GB) "
+               f"under {dst}; manifest.json last")
+
+
+def _fmt(e: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in e.items())

@@ -1,0 +1,140 @@
+"""rank-slice manifest (docs/rank-slice.md §5): frozen dataclasses <-> JSON, checked by a JSON schema.
+
+The manifest is written last; its presence is what makes a sliced output "complete".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from exl3tools.errors import IncompleteOutputError
+
+SCHEMA_NAME = "exl3tools.rank_manifest"
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+# name -> [src | None, dim | None | "dequantize", start | None, stop | None]
+SliceSpec = tuple[str | None, int | str | None, int | None, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    name: str
+    size: int
+    header_sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class SourceInfo:
+    path: str
+    fingerprint: str
+    architecture: str
+    config_sha256: str
+    files: tuple[SourceFile, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankEntry:
+    rank: int | None
+    dir: str
+    tensor_bytes: int
+    tensors: dict[str, SliceSpec]
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankManifest:
+    tool_version: str
+    layout: str
+    tp: int
+    moe: str
+    source: SourceInfo
+    plan_fingerprint: str
+    ranks: tuple[RankEntry, ...]
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_NAME,
+            "schema_version": self.schema_version,
+            "tool_version": self.tool_version,
+            "layout": self.layout,
+            "tp": self.tp,
+            "moe": self.moe,
+            "source": {
+                "path": self.source.path, "fingerprint": self.source.fingerprint,
+                "architecture": self.source.architecture, "config_sha256": self.source.config_sha256,
+                "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256}
+                          for f in self.source.files],
+            },
+            "plan_fingerprint": self.plan_fingerprint,
+            "ranks": [{"rank": r.rank, "dir": r.dir, "tensor_bytes": r.tensor_bytes,
+                       "tensors": {k: list(v) for k, v in r.tensors.items()}} for r in self.ranks],
+            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RankManifest:
+        src = obj["source"]
+        return cls(
+            tool_version=obj["tool_version"], layout=obj["layout"], tp=obj["tp"], moe=obj["moe"],
+            source=SourceInfo(src["path"], src["fingerprint"], src["architecture"], src["config_sha256"],
+                              tuple(SourceFile(f["name"], f["size"], f["header_sha256"]) for f in src["files"])),
+            plan_fingerprint=obj["plan_fingerprint"],
+            ranks=tuple(RankEntry(r["rank"], r["dir"], r["tensor_bytes"],
+                                  {k: tuple(v) for k, v in r["tensors"].items()}) for r in obj["ranks"]),
+            files={k: FileEntry(v["size"], v["sha256"]) for k, v in obj["files"].items()},
+            schema_version=obj["schema_version"],
+        )
+
+
+def schema() -> dict[str, Any]:
+    text = resources.files("exl3tools.schemas").joinpath("rank_manifest.v1.json").read_text()
+    return json.loads(text)
+
+
+def check_schema(obj: Any) -> None:
+    """Raise IncompleteOutputError if ``obj`` does not match schemas/rank_manifest.v1.json."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(obj, schema())
+    except jsonschema.ValidationError as exc:
+        path = "/".join(str(p) for p in exc.absolute_path)
+        raise IncompleteOutputError(f"manifest.json does not match its schema at '{path}': {exc.message}") from None
+
+
+def load_manifest(out_dir: str | Path) -> RankManifest:
+    """The manifest of a sliced output; IncompleteOutputError when absent (never finished) or bad."""
+    p = Path(out_dir) / MANIFEST_NAME
+    if not p.is_file():
+        raise IncompleteOutputError(f"{out_dir}: no {MANIFEST_NAME}: the output was never completed "
+                                    "(rerun rank-slice with --resume)")
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IncompleteOutputError(f"{p}: not valid JSON ({type(exc).__name__})") from None
+    check_schema(obj)
+    return RankManifest.from_json(obj)
+
+
+def sha256_file(path: str | Path, bufsize: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            b = f.read(bufsize)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()

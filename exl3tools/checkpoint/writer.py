@@ -1,0 +1,111 @@
+"""Crash-safe output files: write to a temp name, hash while writing, fsync, then rename.
+
+ShardWriter writes one safetensors file sequentially (header first, then the tensors in header
+order); the sha256 of the whole file is known when it closes, so nothing is read back. Indexes and
+manifests are written last by the callers, through ``write_atomic``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from exl3tools.checkpoint.header import header_bytes
+
+
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class ShardWriter:
+    """Sequential safetensors writer: ``write(bytes)`` in header order, then ``close()``."""
+
+    def __init__(self, path: str | os.PathLike[str], tensors: list[tuple[str, str, tuple[int, ...]]]):
+        self.path = Path(path)
+        self.tmp = tmp_name(self.path)
+        head, offsets = header_bytes(tensors)
+        self.expected = len(head) + (offsets[-1][1] if offsets else 0)
+        self.sha = hashlib.sha256()
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.written = 0
+        self.write(head)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        _write_all(self.fd, view)
+        self.written += view.nbytes
+
+    def close(self) -> tuple[int, str]:
+        """fsync + rename; returns (size, sha256)."""
+        if self.written != self.expected:
+            self.abort()
+            raise RuntimeError(f"{self.path}: wrote {self.written} bytes, header promised {self.expected}")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        os.replace(self.tmp, self.path)
+        return self.written, self.sha.hexdigest()
+
+    def abort(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
+
+class NullWriter:
+    """Stands in for a file that --resume found complete: accepts and drops bytes."""
+
+    def write(self, data: bytes | memoryview) -> None:
+        pass
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> tuple[int, str]:
+    """Write a small file via temp + fsync + rename; returns (size, sha256)."""
+    p = Path(path)
+    tmp = tmp_name(p)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, p)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def json_bytes(obj: object, indent: int | None = 2) -> bytes:
+    return (json.dumps(obj, indent=indent) + "\n").encode()
+
+
+def index_json(weight_map: dict[str, str], total_size: int) -> bytes:
+    return json_bytes({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=4)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
