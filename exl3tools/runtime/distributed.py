@@ -1,0 +1,156 @@
+"""Tensor parallelism across processes: one process per rank, torch.distributed underneath.
+
+Rank 0 is the caller (the CLI or the server process); ``spawn_workers`` starts ranks 1..N-1
+(``spawn`` start method), or torchrun starts them all (env ``RANK``/``WORLD_SIZE``). Rank 0 drives:
+every state change (add/free sequence, step) is broadcast as a small command and every rank runs
+the same forward; collectives inside the model combine the partial results. gloo on CPU, NCCL on
+GPU. Every process group has a timeout (``EXL3TOOLS_TP_TIMEOUT`` seconds, default 120), so a dead
+peer turns into an error, never a hang.
+
+After loading, ranks exchange a status record (ok or the error they hit, and, when
+``EXL3TOOLS_TRACE_OPENS=1``, the files they opened) so that a load error on any rank surfaces on
+rank 0 as one clear error and every rank exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import json
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+from exl3tools import errors as E
+
+_OPENED: list[str] | None = None
+
+
+def _audit(event: str, args) -> None:
+    if event == "open" and _OPENED is not None and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.path.abspath(os.fsdecode(args[0])))
+
+
+def trace_opens_start() -> None:
+    """Record every file this process opens from now on (an audit hook; used by tests)."""
+    global _OPENED
+    if _OPENED is None:
+        _OPENED = []
+        if not getattr(trace_opens_start, "_hooked", False):
+            sys.addaudithook(_audit)
+            trace_opens_start._hooked = True
+
+
+def trace_opens_stop() -> list[str]:
+    global _OPENED
+    out, _OPENED = (_OPENED or []), None
+    return out
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("EXL3TOOLS_TP_TIMEOUT", "120"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world: int, device: str, port: int | None = None, procs=()) -> None:
+    """Join the process group. With ``port``, rank 0 hosts the store and waits for every worker to
+    check in, failing at once if one of ``procs`` exits first (instead of waiting out the timeout)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if str(device).startswith("cuda") else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s())
+    if port is None:  # torchrun: MASTER_ADDR/MASTER_PORT come from the environment
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s()
+        while store.num_keys() < world:   # the store's own key + one "ready" key per worker
+            for p in procs:
+                if p.poll() is not None:
+                    raise E.RuntimeFailure(f"tensor-parallel worker (pid {p.pid}) exited with code "
+                                           f"{p.returncode} before joining")
+            if time.monotonic() > deadline:
+                raise E.RuntimeFailure(f"tensor-parallel workers did not join within {timeout_s():.0f} s")
+            time.sleep(0.05)
+    else:
+        store.set(f"ready{rank}", "1")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def broadcast(obj=None):
+    """Rank 0 sends ``obj``; every rank returns it."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def exchange_status(error: BaseException | None, opened: list[str] | None) -> list[dict]:
+    """All ranks share how loading went; raises the first rank's error on every rank."""
+    import torch.distributed as dist
+
+    mine = {"rank": dist.get_rank(), "ok": error is None, "opened": opened,
+            "cls": type(error).__name__ if error else None, "msg": str(error) if error else None}
+    world = dist.get_world_size()
+    all_status: list = [None] * world
+    dist.all_gather_object(all_status, mine)
+    for st in all_status:
+        if not st["ok"]:
+            cls = getattr(E, st["cls"], None)
+            if not (isinstance(cls, type) and issubclass(cls, E.Exl3Error)):
+                cls = E.RuntimeFailure
+            msg = st["msg"] or st["cls"]
+            raise cls(f"rank {st['rank']}: {msg}" if not msg.startswith("rank ") else msg)
+    return all_status
+
+
+def destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+
+
+def spawn_workers(world: int, port: int, path: str, opts: dict) -> list[subprocess.Popen]:
+    """Start ranks 1..world-1 as ``python -m exl3tools.runtime.distributed`` processes (a fresh
+    interpreter each: no dependence on the caller's ``__main__``)."""
+    procs = []
+    for r in range(1, world):
+        args = [sys.executable, "-m", "exl3tools.runtime.distributed", json.dumps(
+            {"rank": r, "world": world, "port": port, "path": str(path), "opts": opts})]
+        procs.append(subprocess.Popen(args, stdin=subprocess.DEVNULL))
+    return procs
+
+
+def worker_main(rank: int, world: int, port: int | None, path: str, opts: dict) -> int:
+    """Entry point of a non-zero rank: load, report status, then serve rank 0's commands."""
+    from exl3tools.runtime.runner import serve_rank
+
+    torch.set_num_threads(max(1, int(opts.get("threads") or 1)))
+    try:
+        serve_rank(path, rank=rank, world=world, port=port, **{k: v for k, v in opts.items() if k != "threads"})
+    except E.Exl3Error:
+        return 1          # rank 0 reports it
+    except Exception:    # noqa: BLE001 - a bug or a lost peer on a worker: say so and exit
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    sys.exit(worker_main(a["rank"], a["world"], a["port"], a["path"], a["opts"]))

@@ -1,0 +1,298 @@
+"""The runtime's public contract: ``load_runner(path) -> Runner``; ``Runner.step(batch) -> logits``.
+
+The HTTP server and ``exl3tools generate`` build on this and nothing deeper. A Runner owns the
+model, the tokenizer and the KV caches of the sequences it was told about. ``step`` takes any mix
+of prefill (many tokens for one sequence) and decode (one token for many sequences) and runs it as
+one packed forward. With ``tp > 1`` the Runner lives on rank 0 and drives the other ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from pathlib import Path
+from typing import Hashable
+
+import torch
+
+from exl3tools.errors import CheckpointError, Exl3Error, RuntimeFailure, UsageError
+from exl3tools.runtime import distributed as D
+from exl3tools.runtime.arch import BuildContext, arch_module
+from exl3tools.runtime.loader import Layout, open_rank, resolve
+from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.tp import TPContext
+from exl3tools.runtime.weights import WeightSource
+
+DEFAULT_CACHE_TOKENS = 32768
+
+
+class CacheFullError(RuntimeFailure):
+    """The KV cache budget (max_cache_tokens) cannot hold the requested tokens."""
+
+
+class ContextLengthError(UsageError):
+    """A sequence would grow past the model's max_context."""
+
+
+def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "reference",
+                      device: str = "cpu", max_context: int | None = None) -> CausalLM:
+    """Open this rank's directory (only it) and build the model part this rank runs."""
+    ckpt, cut = open_rank(layout, rank)
+    mod = arch_module(ckpt.architecture)
+    ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, backend, device, max_context)
+    return mod.build(ctx)
+
+
+# ------------------------------------------------------------------ worker side
+def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
+               device: str = "cpu", max_context: int | None = None, trace: bool = False) -> None:
+    """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'."""
+    D.init_group(rank, world, device, port)
+    try:
+        if trace:
+            D.trace_opens_start()
+        err, model = None, None
+        try:
+            model = build_local_model(resolve(path, world), rank, world, backend=backend, device=device,
+                                      max_context=max_context)
+        except Exl3Error as exc:
+            err = exc
+        D.exchange_status(err, D.trace_opens_stop() if trace else None)
+        caches: dict = {}
+        while True:
+            cmd = D.broadcast()
+            op = cmd[0]
+            if op == "step":
+                model.forward([(caches[s], toks) for s, toks in cmd[1]], all_logits=cmd[2])
+            elif op == "add":
+                caches[cmd[1]] = model.new_cache()
+            elif op == "free":
+                caches.pop(cmd[1], None)
+            elif op == "stop":
+                break
+    finally:
+        D.destroy()
+
+
+# ------------------------------------------------------------------ rank 0 side
+class Runner:
+    """Model + tokenizer + KV caches; see module doc. Not thread-safe: call from one thread."""
+
+    def __init__(self, model: CausalLM, ckpt_dir: Path, name: str, *, world: int = 1, procs=(),
+                 max_cache_tokens: int = DEFAULT_CACHE_TOKENS, opened: dict | None = None):
+        self.model = model
+        self.world, self._procs = world, list(procs)
+        self.model_name = name
+        self.vocab_size = model.info.vocab_size
+        self.max_context = model.info.max_context
+        self.max_cache_tokens = int(max_cache_tokens)
+        self.opened_files = opened or {}       # rank -> files opened while loading (when traced)
+        self._caches: dict[Hashable, object] = {}
+        self._closed = False
+        self._load_tokenizer(ckpt_dir)
+
+    # -- metadata
+    def _load_tokenizer(self, d: Path) -> None:
+        from tokenizers import Tokenizer
+
+        tok_path = d / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+        cfg = _json(d / "config.json") or {}
+        gen = _json(d / "generation_config.json") or {}
+        tcfg = _json(d / "tokenizer_config.json") or {}
+        eos: set[int] = set()
+        for src in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
+            if isinstance(src, int):
+                eos.add(src)
+            elif isinstance(src, list):
+                eos.update(int(x) for x in src if isinstance(x, int))
+        eos_tok = tcfg.get("eos_token")
+        eos_tok = eos_tok.get("content") if isinstance(eos_tok, dict) else eos_tok
+        if isinstance(eos_tok, str) and self.tokenizer is not None:
+            tid = self.tokenizer.token_to_id(eos_tok)
+            if tid is not None:
+                eos.add(tid)
+        self.eos_token_ids: set[int] = eos
+        bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+        self.bos_token_id: int | None = bos if isinstance(bos, int) else None
+        tmpl = tcfg.get("chat_template")
+        if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+            tmpl = named.get("default") or next(iter(named.values()), None)
+        if not isinstance(tmpl, str) and (d / "chat_template.jinja").is_file():
+            tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        self.chat_template: str | None = tmpl if isinstance(tmpl, str) else None
+
+    # -- sequences
+    def add_sequence(self, seq_id: Hashable) -> None:
+        if seq_id in self._caches:
+            raise UsageError(f"sequence {seq_id!r} already exists")
+        self._send(("add", seq_id))
+        self._caches[seq_id] = self.model.new_cache()
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        if self._caches.pop(seq_id, None) is not None:
+            self._send(("free", seq_id))
+
+    def sequence_length(self, seq_id: Hashable) -> int:
+        return self._cache(seq_id).length
+
+    def cache_tokens_used(self) -> int:
+        return sum(c.length for c in self._caches.values())
+
+    def cache_tokens_free(self) -> int:
+        return max(0, self.max_cache_tokens - self.cache_tokens_used())
+
+    def _cache(self, seq_id):
+        try:
+            return self._caches[seq_id]
+        except KeyError:
+            raise UsageError(f"unknown sequence {seq_id!r} (call add_sequence first)") from None
+
+    # -- forward
+    def step(self, batch: list[tuple[Hashable, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
+        """Append each sequence's new tokens to its cache; float32 logits ``[len(batch), vocab]``
+        after each sequence's last new token (``all_logits``: ``[total new tokens, vocab]``)."""
+        if self._closed:
+            raise RuntimeFailure("runner is closed")
+        if not batch:
+            return torch.empty(0, self.vocab_size)
+        seen, items, need = set(), [], 0
+        for seq_id, toks in batch:
+            if seq_id in seen:
+                raise UsageError(f"sequence {seq_id!r} appears twice in one step")
+            seen.add(seq_id)
+            cache = self._cache(seq_id)
+            toks = [int(t) for t in toks]
+            if not toks:
+                raise UsageError(f"sequence {seq_id!r}: no new tokens")
+            bad = [t for t in toks if not 0 <= t < self.model.embed.shape[0]]
+            if bad:
+                raise UsageError(f"token id {bad[0]} out of range 0..{self.model.embed.shape[0] - 1}")
+            if cache.length + len(toks) > self.max_context:
+                raise ContextLengthError(f"sequence {seq_id!r} would reach {cache.length + len(toks)} tokens, "
+                                         f"more than max_context {self.max_context}")
+            need += len(toks)
+            items.append((cache, toks))
+        if need > self.cache_tokens_free():
+            raise CacheFullError(f"KV cache full: {need} new tokens, {self.cache_tokens_free()} free "
+                                 f"of {self.max_cache_tokens}")
+        self._send(("step", [(s, [int(t) for t in toks]) for s, toks in batch], all_logits))
+        try:
+            return self.model.forward(items, all_logits=all_logits)
+        except RuntimeError as exc:
+            if self.world > 1:
+                raise RuntimeFailure(f"tensor-parallel step failed: {str(exc).splitlines()[0]}") from exc
+            raise
+
+    def _send(self, cmd) -> None:
+        if self.world > 1:
+            try:
+                D.broadcast(cmd)
+            except RuntimeError as exc:
+                raise RuntimeFailure(f"tensor-parallel peer lost: {str(exc).splitlines()[0]}") from exc
+
+    # -- lifetime
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._caches.clear()
+        if self.world > 1:
+            try:
+                D.broadcast(("stop",))
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+            D.destroy()
+            _reap(self._procs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _reap(procs, wait: float = 10.0) -> None:
+    """Wait for our worker processes to exit; kill (by pid, ours only) any that do not."""
+    for p in procs:
+        try:
+            p.wait(timeout=wait)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            p.kill()
+            p.wait()
+
+
+def _json(p: Path):
+    try:
+        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _torchrun_env() -> tuple[int, int] | None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "reference",
+                max_cache_tokens: int = DEFAULT_CACHE_TOKENS, max_context: int | None = None) -> Runner | None:
+    """Load a checkpoint (unsliced, or a rank-slice output for ``tp`` ranks) and return its Runner.
+
+    ``tp > 1`` spawns ranks 1..tp-1 as processes. Under torchrun (``RANK``/``WORLD_SIZE`` set)
+    nothing is spawned: rank 0 gets the Runner; other ranks serve rank 0 inside this call and get
+    ``None`` back once rank 0 closes its Runner.
+    """
+    env = _torchrun_env()
+    if env is not None:
+        rank, world = env
+        if tp not in (1, world):
+            raise UsageError(f"--tp {tp} but torchrun started {world} processes")
+    else:
+        rank, world = 0, int(tp)
+    if world < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    layout = resolve(path, world)          # names only: a wrong --tp fails here, before any spawn
+    trace = os.environ.get("EXL3TOOLS_TRACE_OPENS") == "1"
+    opts = dict(backend=backend, device=device, max_context=max_context, trace=trace)
+    if env is not None and rank != 0:
+        serve_rank(str(path), rank=rank, world=world, port=None, **opts)
+        return None
+    procs = []
+    if world > 1:
+        port = None
+        if env is None:
+            port = D.free_port()
+            procs = D.spawn_workers(world, port, str(path), {**opts, "threads": torch.get_num_threads()
+                                                              // world or 1})
+    try:
+        if world > 1:
+            D.init_group(0, world, device, port, procs)
+        if trace:
+            D.trace_opens_start()
+        err, model = None, None
+        try:
+            model = build_local_model(layout, 0, world, backend=backend, device=device, max_context=max_context)
+        except Exl3Error as exc:
+            err = exc
+            if world == 1:
+                raise
+        opened = {0: D.trace_opens_stop()} if trace else {}
+        if world > 1:
+            status = D.exchange_status(err, opened.get(0))
+            opened = {st["rank"]: st["opened"] for st in status} if trace else {}
+    except BaseException:
+        if world > 1:
+            D.destroy()
+            _reap(procs, wait=5.0)
+        raise
+    name = layout.root.name if layout.root.name not in ("model",) else layout.root.parent.name
+    runner = Runner(model, layout.rank_dir(0), name, world=world, procs=procs,
+                    max_cache_tokens=max_cache_tokens, opened=opened)
+    if world > 1:
+        atexit.register(runner.close)
+    if model is None:  # pragma: no cover - exchange_status raised already
+        raise CheckpointError("model failed to load")
+    return runner
