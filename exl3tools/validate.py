@@ -1,0 +1,164 @@
+"""validate(path) -> Report[Finding]: every problem of an EXL3 checkpoint, before anything loads it.
+
+Default mode reads headers, JSON files and small samples (sign vectors, markers, one trellis strip
+per linear, up to a budget of decoded 128x128 blocks); ``deep=True`` reads every byte (sha256 of
+every file, every linear decoded, every dense tensor checked). Rules and codes: validate_rules.py,
+docs/validate.md. A rank-slice output (DST with manifest.json / rank-r-of-N dirs) is recognised and
+checked as a set (validate_ranks.py).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from exl3tools.errors import CheckpointError, NotACheckpointError, NotFoundError
+from exl3tools.validate_rules import RULES
+
+SEVERITY_ORDER = ("error", "warning")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    code: str
+    severity: str          # "error" | "warning"
+    file: str | None       # path relative to the validated directory
+    tensor: str | None     # tensor (or module) name
+    message: str
+
+    @property
+    def line(self) -> str:
+        where = ":".join(x for x in (self.file, self.tensor) if x)
+        return f"{self.code} {where}: {self.message}" if where else f"{self.code} {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"code": self.code, "severity": self.severity, "file": self.file, "tensor": self.tensor,
+                "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    path: str
+    findings: tuple[Finding, ...]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "error")
+
+    @property
+    def warnings(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "warning")
+
+    @property
+    def codes(self) -> set[str]:
+        return {f.code for f in self.findings}
+
+    def ok(self, strict: bool = False) -> bool:
+        return not self.errors and not (strict and self.warnings)
+
+    def exit_code(self, strict: bool = False) -> int:
+        return 0 if self.ok(strict) else 1
+
+    def raise_for_errors(self) -> None:
+        if self.errors:
+            first = self.errors[0]
+            raise CheckpointError(f"{self.path}: {len(self.errors)} validate error(s), first: {first.line}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "ok": self.ok(), "errors": len(self.errors), "warnings": len(self.warnings),
+                "stats": self.stats, "findings": [f.to_json() for f in self.findings]}
+
+
+class Sink:
+    """Collects findings; checks call ``add``. Identical findings are kept once."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._seen: set[tuple] = set()
+        self.findings: list[Finding] = []
+
+    def rel(self, path: str | Path | None) -> str | None:
+        if path is None:
+            return None
+        p = Path(path)
+        try:
+            return str(p.relative_to(self.root))
+        except ValueError:
+            return str(p)
+
+    def add(self, code: str, file: str | Path | None, tensor: str | None, message: str) -> None:
+        rule = RULES[code]  # KeyError = a check using an undocumented code: a bug
+        f = Finding(code, rule.severity, self.rel(file), tensor, message)
+        key = (f.code, f.file, f.tensor, f.message)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.findings.append(f)
+
+    _PATH_PREFIX = re.compile(r"^(?P<path>[^:]+?): (?P<rest>.*)$")
+    _TENSOR = re.compile(r"tensor '(?P<t>[^']+)'")
+
+    def add_issue(self, code: str, message: str) -> None:
+        """Map a reader/header (code, 'path: message') issue to a Finding."""
+        m = self._PATH_PREFIX.match(message)
+        path, rest = (m.group("path"), m.group("rest")) if m else (None, message)
+        t = self._TENSOR.search(rest)
+        self.add(code if code in RULES else "E104", path, t.group("t") if t else None, rest)
+
+    def sorted(self) -> tuple[Finding, ...]:
+        return tuple(sorted(self.findings, key=lambda f: (SEVERITY_ORDER.index(f.severity), f.code,
+                                                          f.file or "", f.tensor or "")))
+
+
+Progress = Callable[[int], None]  # called with bytes just read (deep mode)
+
+
+def validate(path: str | Path, *, deep: bool = False, sample_blocks: int = 256,
+             progress: Callable[[int, int], Progress] | None = None) -> Report:
+    """Validate a checkpoint directory, a rank-slice output set, or one of its rank dirs.
+
+    ``progress(total_bytes, files)`` (deep mode) returns a callback taking bytes read.
+    Raises NotFoundError / NotACheckpointError for paths that are not checkpoints at all (exit 2).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise NotFoundError(f"{root}: no such file or directory")
+    if not root.is_dir():
+        raise NotACheckpointError(f"{root}: not a directory (give the checkpoint folder)")
+    t0 = time.perf_counter()
+    from exl3tools import validate_ranks
+
+    if validate_ranks.is_rank_set(root):
+        sink = Sink(root)
+        stats = validate_ranks.check_rank_set(root, sink, deep=deep, sample_blocks=sample_blocks,
+                                              progress=progress)
+    else:
+        sink = Sink(root)
+        stats = check_checkpoint(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress)
+        validate_ranks.check_lone_rank_dir(root, sink)
+    stats["seconds"] = round(time.perf_counter() - t0, 3)
+    stats["mode"] = "deep" if deep else "sampled"
+    return Report(str(root), sink.sorted(), stats)
+
+
+def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
+                     progress: Callable[[int, int], Progress] | None) -> dict[str, Any]:
+    from exl3tools import validate_checks as C
+    from exl3tools import validate_numeric as N
+
+    opened = C.open_tolerant(root, sink)
+    if opened is None:
+        return {"files": 0, "tensors": 0}
+    ckpt, bad_files = opened
+    ctx = C.Context.build(ckpt, sink, bad_files)
+    C.check_quant_config(ctx)
+    C.check_linears(ctx)
+    C.check_architecture(ctx)
+    C.check_tensor_storage(ctx)
+    num = N.check_deep(ctx, progress) if deep else N.check_sampled(ctx, sample_blocks)
+    return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),
+            "file_bytes": ckpt.file_bytes, "architecture": ckpt.architecture, **num}

@@ -1,0 +1,458 @@
+"""validate numeric checks (E4xx) and the marker values (E212).
+
+Sampled mode (the default) reads only small ranges, coalesced into few preads: every sign vector,
+marker and bias; every small dense tensor (a 1 MiB window of large ones); one 8-tile strip of a
+sampled 128x128 block of every trellis (all-zero bytes there mean the data were never written);
+and decodes that block for up to ``sample_blocks`` linears with kernels/reference.py.
+Deep mode streams every byte of every file once: sha256 of the file, the same checks on every
+tensor, and a full decode of every linear, in bounded memory (chunks of at most CHUNK bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exl3tools.checkpoint.header import DTYPES
+from exl3tools.checkpoint.reader import to_numpy
+from exl3tools.exl3 import MARKERS
+from exl3tools.validate_checks import Context
+
+DENSE_SAMPLE = 1 << 20      # bytes read from one dense tensor in sampled mode
+MERGE_GAP = 64 << 10        # coalesce reads separated by less than this
+MERGE_MAX = 16 << 20        # largest coalesced read
+CHUNK = 64 << 20            # deep mode: bytes per read
+FP16_MAX = 65504.0
+NORM_SUFFIXES = ("norm.weight",)
+
+
+@dataclass(slots=True)
+class _Read:
+    offset: int
+    length: int
+    handle: Callable[[bytes], None]
+
+
+def _read_all(path: Path, reads: list[_Read], ctx: Context, on_bytes: Callable[[int], None] | None = None) -> int:
+    """Serve ``reads`` of one file with coalesced preads; returns bytes read."""
+    reads.sort(key=lambda r: r.offset)
+    total = 0
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        ctx.sink.add("E410", path.name, None, f"cannot open: {exc.strerror or exc}")
+        return 0
+    try:
+        i = 0
+        while i < len(reads):
+            start, end, j = reads[i].offset, reads[i].offset + reads[i].length, i + 1
+            while (j < len(reads) and reads[j].offset - end <= MERGE_GAP
+                   and max(end, reads[j].offset + reads[j].length) - start <= MERGE_MAX):
+                end = max(end, reads[j].offset + reads[j].length)
+                j += 1
+            try:
+                buf = os.pread(fd, end - start, start)
+            except OSError as exc:
+                ctx.sink.add("E410", path.name, None, f"read of bytes [{start}, {end}) failed: {exc.strerror or exc}")
+                buf = b""
+            total += len(buf)
+            if on_bytes:
+                on_bytes(len(buf))
+            mv = memoryview(buf)
+            for r in reads[i:j]:
+                a = r.offset - start
+                chunk = mv[a:a + r.length]
+                if len(chunk) == r.length:
+                    r.handle(bytes(chunk))
+                else:
+                    ctx.sink.add("E410", path.name, None, f"file ends before byte {r.offset + r.length}")
+            i = j
+    finally:
+        os.close(fd)
+    return total
+
+
+# ----------------------------------------------------------------------------- per-tensor checks
+class Checks:
+    """Handlers shared by sampled and deep mode; each takes the raw bytes of (part of) a tensor."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.add = ctx.sink.add
+        self.vectors: dict[str, np.ndarray] = {}  # prefix.suh / prefix.svh values, for decoding
+        self.decoded = 0
+        self.decode_stats: dict[str, list[float]] = {}
+
+    def file(self, name: str) -> str | None:
+        return self.ctx.file_of(name)
+
+    def real(self, prefix: str) -> tuple[int, int]:
+        lin = self.ctx.scan.linears[prefix]
+        r = self.ctx.real.get(prefix)
+        return (min(r[0], lin.k), min(r[1], lin.n)) if r else (lin.k, lin.n)
+
+    def sign_vector(self, prefix: str, which: str, raw: bytes, keep: bool) -> None:
+        name = f"{prefix}.{which}"
+        a = np.frombuffer(raw, dtype="<f2")
+        if keep:
+            self.vectors[name] = a
+        fin = np.isfinite(a)
+        if not fin.all():
+            bad = np.flatnonzero(~fin)
+            self.add("E401", self.file(name), name, f"{bad.size} NaN/Inf values (first at index {int(bad[0])})")
+            return
+        k_real, n_real = self.real(prefix)
+        real = k_real if which == "suh" else n_real
+        zeros = np.flatnonzero(a[:real] == 0)
+        if which == "suh" and zeros.size:
+            self.add("E402", self.file(name), name,
+                     f"{zeros.size} zeros inside the real {real} inputs (first at {int(zeros[0])}): those rows are dead")
+        elif which == "svh" and zeros.size == real and real > 0:
+            self.add("E402", self.file(name), name, f"all {real} real output columns are zero: the linear is dead")
+        elif which == "svh" and zeros.size:
+            self.add("W401", self.file(name), name, f"{zeros.size} of {real} real output columns are zero")
+        if which == "svh" and a.size > real:
+            pad = np.flatnonzero(a[real:] != 0)
+            if pad.size:
+                self.add("E403", self.file(name), name,
+                         f"{pad.size} non-zero values on padding columns [{real}, {a.size}) (must be exactly 0)")
+
+    def bias(self, name: str, raw: bytes) -> None:
+        a = np.frombuffer(raw, dtype="<f2")
+        if not np.isfinite(a).all():
+            self.add("E401", self.file(name), name, f"{int((~np.isfinite(a)).sum())} NaN/Inf values")
+
+    def marker(self, name: str, which: str, raw: bytes) -> None:
+        v = int.from_bytes(raw, "little")
+        if v != MARKERS[which]:
+            self.add("E212", self.file(name), name,
+                     f"{which} marker is 0x{v:08X} (int32 {v - (1 << 32) if v >= 1 << 31 else v}), "
+                     f"must be 0x{MARKERS[which]:08X}")
+
+    def dense(self, name: str, dtype: str, raw: bytes, whole: bool) -> None:
+        if dtype not in ("F16", "BF16", "F32", "F64"):
+            return
+        a = to_numpy(raw[: len(raw) - len(raw) % DTYPES[dtype][0]], dtype, (-1,))
+        fin = np.isfinite(a)
+        if not fin.all():
+            n_bad = int(a.size - np.count_nonzero(fin))
+            first = int(np.flatnonzero(~fin)[0])
+            scope = "" if whole else " in the sampled window"
+            self.add("E404", self.file(name), name, f"{n_bad} NaN/Inf values{scope} (first at flat index {first})")
+        elif whole and name.endswith(NORM_SUFFIXES) and a.size and not a.any():
+            self.add("W403", self.file(name), name, "all zeros: every activation through this norm is zeroed")
+
+    def trellis_strip(self, prefix: str, raw: bytes) -> None:
+        if not any(raw):  # bytes.__contains__/any run in C; all-zero is ~impossible in a real quant
+            name = f"{prefix}.trellis"
+            self.add("E409", self.file(name), name,
+                     f"sampled {len(raw)} trellis bytes are all zero (data never written: sparse or preallocated file?)")
+
+    def decoded_block(self, prefix: str, w: np.ndarray) -> None:
+        """Checks on a decoded piece of W (float32)."""
+        name = f"{prefix}.trellis"
+        if not np.isfinite(w).all():
+            self.add("E405", self.file(name), prefix, "decoded weights contain NaN/Inf")
+            return
+        m = float(np.abs(w).max()) if w.size else 0.0
+        if m >= FP16_MAX:
+            self.add("E406", self.file(name), prefix, f"decoded |W| reaches {m:.4g}, overflowing fp16")
+        st = self.decode_stats.setdefault(prefix, [0.0, 0.0, 0.0])
+        st[0] += float(np.square(w, dtype=np.float64).sum())
+        st[1] += w.size
+        st[2] = max(st[2], m)
+
+    def finish_decode(self) -> None:
+        for prefix, (sq, n, _m) in self.decode_stats.items():
+            rms = (sq / n) ** 0.5 if n else 0.0
+            if rms > 100:
+                self.add("W402", self.file(f"{prefix}.trellis"), prefix, f"decoded weight rms {rms:.4g} (> 100)")
+
+
+def _h(name: str, salt: int = 0) -> int:
+    return zlib.crc32(name.encode(), salt)
+
+
+def sample_block(ctx: Context, prefix: str) -> tuple[int, int]:
+    """The (row block, column block) of 128x128 that sampled mode reads for a linear."""
+    lin = ctx.scan.linears[prefix]
+    r = ctx.real.get(prefix)
+    k_real, n_real = (min(r[0], lin.k), min(r[1], lin.n)) if r else (lin.k, lin.n)
+    kb = max(1, -(-k_real // 128))
+    nb = max(1, -(-n_real // 128))
+    return _h(prefix) % kb, _h(prefix, 1) % nb
+
+
+def sample_spans(ctx: Context, prefix: str) -> list[tuple[int, int]]:
+    """Absolute (offset, length) of the trellis bytes of the sampled block (first run = the zero-check strip)."""
+    lin = ctx.scan.linears[prefix]
+    info = ctx.ckpt.tensors[f"{prefix}.trellis"].info
+    bi, bj = sample_block(ctx, prefix)
+    kt, nt, width = info.shape
+    tile = width * 2
+    cols = min(8, nt - 8 * bj)
+    return [(info.begin + ((8 * bi + r) * nt + 8 * bj) * tile, cols * tile) for r in range(min(8, kt - 8 * bi))
+            if lin.k]
+
+
+def _decode_plan(ctx: Context, budget: int) -> list[str]:
+    """Which linears get a decoded sample block: all when few; else every kind first, then spread."""
+    ok = [p for p in ctx.scan.linears if p not in ctx.broken]
+    if len(ok) <= budget:
+        return ok
+    non_expert = [p for p in ok if ctx.scan.linears[p].expert is None]
+    experts = [p for p in ok if ctx.scan.linears[p].expert is not None]
+    pick: list[str] = []
+    for group in (non_expert, experts):
+        room = budget - len(pick)
+        if room <= 0:
+            break
+        if len(group) <= room:
+            pick.extend(group)
+        else:
+            step = len(group) / room
+            pick.extend(group[int(i * step)] for i in range(room))
+    return pick
+
+
+def _codebook(lin) -> str:
+    return lin.codebook if lin.codebook in ("mcg", "mul1") else "3inst"
+
+
+def _had_rows(x: np.ndarray) -> np.ndarray:
+    """H_k . x as ONE 2-D BLAS call (reference.had_rows' batched matmul is ~50x slower on 1 block)."""
+    from exl3tools.kernels.reference import hadamard128
+
+    k, n = x.shape
+    y = hadamard128() @ x.reshape(k // 128, 128, n).transpose(1, 0, 2).reshape(128, -1)
+    return y.reshape(128, k // 128, n).transpose(1, 0, 2).reshape(k, n)
+
+
+def _had_cols(x: np.ndarray) -> np.ndarray:
+    from exl3tools.kernels.reference import hadamard128
+
+    k, n = x.shape
+    return (x.reshape(-1, 128) @ hadamard128()).reshape(k, n)
+
+
+def rotate(what: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
+    """W = diag(suh) . H . Ŵ . H . diag(svh) in float32 (same math as reference.rotate_out)."""
+    w = _had_rows(what.astype(np.float32))
+    w *= suh.astype(np.float32)[:, None]
+    w = _had_cols(w)
+    w *= svh.astype(np.float32)[None, :]
+    return w
+
+
+def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray]]) -> None:
+    """items: (prefix, trellis block [8, 8, width]) decoded together per (width, codebook)."""
+    from exl3tools.kernels.reference import decode_rotated
+
+    ctx = checks.ctx
+    groups: dict[tuple[int, str], list[tuple[str, np.ndarray]]] = defaultdict(list)
+    for prefix, blk in items:
+        groups[(blk.shape[-1], _codebook(ctx.scan.linears[prefix]))].append((prefix, blk))
+    for (_width, cb), lst in groups.items():
+        for a in range(0, len(lst), 64):
+            part = lst[a:a + 64]
+            what = decode_rotated(np.concatenate([b for _, b in part], axis=0), cb)  # (128*m, 128)
+            for idx, (prefix, _blk) in enumerate(part):
+                bi, bj = sample_block(ctx, prefix)
+                suh = checks.vectors.get(f"{prefix}.suh")
+                svh = checks.vectors.get(f"{prefix}.svh")
+                if suh is None or svh is None:
+                    continue
+                w = rotate(what[128 * idx:128 * idx + 128], suh[128 * bi:128 * bi + 128],
+                           svh[128 * bj:128 * bj + 128])
+                checks.decoded_block(prefix, w)
+                checks.decoded += 1
+
+
+def _small_reads(ctx: Context, checks: Checks, keep_vectors: set[str] | None) -> dict[Path, list[_Read]]:
+    """Reads for sign vectors, markers, biases and dense tensors (windows of large ones)."""
+    T = ctx.ckpt.tensors
+    reads: dict[Path, list[_Read]] = defaultdict(list)
+
+    def want(name: str, handle: Callable[[bytes], None], window: int | None = None) -> None:
+        ref = T[name]
+        n = ref.info.nbytes if window is None else min(window, ref.info.nbytes)
+        off = ref.info.begin
+        if n < ref.info.nbytes:  # sampled window at a name-dependent, item-aligned offset
+            item = ref.info.itemsize
+            slots = (ref.info.nbytes - n) // item
+            off += (_h(name) % (slots + 1)) * item
+        if n:
+            reads[ref.file].append(_Read(off, n, handle))
+
+    for p, lin in ctx.scan.linears.items():
+        for s in ("suh", "svh"):
+            name = f"{p}.{s}"
+            if name in T and p not in ctx.broken:
+                keep = keep_vectors is None or p in keep_vectors
+                want(name, lambda raw, p=p, s=s, keep=keep: checks.sign_vector(p, s, raw, keep))
+            elif name in T and T[name].info.dtype == "F16":
+                want(name, lambda raw, name=name: checks.bias(name, raw))  # finiteness still meaningful
+        if f"{p}.bias" in T and T[f"{p}.bias"].info.dtype == "F16":
+            want(f"{p}.bias", lambda raw, n=f"{p}.bias": checks.bias(n, raw))
+        for m in ("mcg", "mul1"):
+            ref = T.get(f"{p}.{m}")
+            if ref is not None and ref.info.dtype == "I32" and ref.info.shape == ():
+                want(f"{p}.{m}", lambda raw, n=f"{p}.{m}", m=m: checks.marker(n, m, raw))
+    for name, (dtype, _shape) in ctx.scan.dense.items():
+        if dtype in ("F16", "BF16", "F32", "F64") and not name.endswith((".suh", ".svh", ".su", ".sv")):
+            whole = T[name].info.nbytes <= DENSE_SAMPLE
+            want(name, lambda raw, n=name, d=dtype, w=whole: checks.dense(n, d, raw, w), None if whole else DENSE_SAMPLE)
+    return reads
+
+
+def check_sampled(ctx: Context, sample_blocks: int) -> dict[str, Any]:
+    checks = Checks(ctx)
+    plan = set(_decode_plan(ctx, max(0, sample_blocks)))
+    reads = _small_reads(ctx, checks, plan)
+    T = ctx.ckpt.tensors
+    blocks: dict[str, list[bytes | None]] = {}
+    for p in ctx.scan.linears:
+        if p in ctx.broken:
+            continue
+        spans = sample_spans(ctx, p)
+        if not spans:
+            continue
+        ref = T[f"{p}.trellis"]
+        if p in plan:
+            blocks[p] = [None] * len(spans)
+            for r, (off, n) in enumerate(spans):
+                def h(raw: bytes, p: str = p, r: int = r) -> None:
+                    blocks[p][r] = raw
+                    if r == 0:
+                        checks.trellis_strip(p, raw)
+                reads[ref.file].append(_Read(off, n, h))
+        else:
+            off, n = spans[0]
+            reads[ref.file].append(_Read(off, n, lambda raw, p=p: checks.trellis_strip(p, raw)))
+    nbytes = 0
+    for path in sorted(reads):
+        nbytes += _read_all(path, reads[path], ctx)
+    items = []
+    for p, rows in blocks.items():
+        if any(r is None for r in rows):
+            continue
+        width = T[f"{p}.trellis"].info.shape[-1]
+        tiles = np.frombuffer(b"".join(rows), dtype="<i2").reshape(len(rows), -1, width)
+        if tiles.shape[0] == 8 and tiles.shape[1] == 8:
+            items.append((p, tiles))
+    _decode_blocks(checks, items)
+    checks.finish_decode()
+    return {"bytes_read": nbytes, "decoded_blocks": checks.decoded}
+
+
+# ----------------------------------------------------------------------------- deep
+def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None]] | None) -> dict[str, Any]:
+    from exl3tools.kernels.reference import decode_rotated
+
+    checks = Checks(ctx)
+    ck, T = ctx.ckpt, ctx.ckpt.tensors
+    total = sum(h.file_size for h in ck.headers.values())
+    tick = progress(total, len(ck.headers)) if progress else None
+    # small tensors go through the same handlers as sampled mode (whole tensors, no windows)
+    small = _small_reads(ctx, checks, None)
+    handlers: dict[tuple[Path, int], _Read] = {(path, r.offset): r for path, rs in small.items() for r in rs}
+    hashes: dict[str, str] = {}
+    nbytes = 0
+    for fname in sorted(ck.headers):
+        h = ck.headers[fname]
+        path = ck.root / fname
+        sha = hashlib.sha256()
+        by_begin = sorted(((r.info.begin, r.info.end, n) for n, r in T.items() if r.file == path))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            ctx.sink.add("E410", fname, None, f"cannot open: {exc.strerror or exc}")
+            continue
+        try:
+            def read(off: int, n: int, fd: int = fd, fname: str = fname, sha: Any = sha) -> bytes:
+                buf = os.pread(fd, n, off)
+                if len(buf) != n:
+                    raise EOFError(f"file ends before byte {off + n}")
+                sha.update(buf)
+                if tick:
+                    tick(len(buf))
+                return buf
+
+            pos = 0
+            try:
+                pos = _stream(read, 0, h.data_start)
+                for begin, end, name in by_begin:
+                    if begin > pos:
+                        pos = _stream(read, pos, begin)
+                    _deep_tensor(ctx, checks, name, path, begin, end, read, handlers, decode_rotated)
+                    pos = max(pos, end)
+                pos = _stream(read, pos, h.file_size)
+            except EOFError as exc:
+                ctx.sink.add("E410", fname, None, str(exc))
+            except OSError as exc:
+                ctx.sink.add("E410", fname, None, f"read failed: {exc.strerror or exc}")
+            nbytes += pos
+            hashes[fname] = sha.hexdigest()
+        finally:
+            os.close(fd)
+    checks.finish_decode()
+    return {"bytes_read": nbytes, "decoded_linears": checks.decoded, "sha256": hashes}
+
+
+def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:
+    pos = start
+    while pos < stop:
+        n = min(CHUNK, stop - pos)
+        read(pos, n)
+        pos += n
+    return pos
+
+
+def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: int, read,
+                 handlers: dict, decode_rotated) -> None:
+    info = ctx.ckpt.tensors[name].info
+    prefix, _, suffix = name.rpartition(".")
+    lin = ctx.scan.linears.get(prefix) if suffix == "trellis" else None
+    if lin is not None and prefix not in ctx.broken:
+        kt, nt, width = info.shape
+        row_bytes = nt * width * 2
+        rows_per = max(8, (CHUNK // max(1, row_bytes)) // 8 * 8)
+        suh = checks.vectors.get(f"{prefix}.suh")
+        svh = checks.vectors.get(f"{prefix}.svh")
+        if suh is None or svh is None:  # sign vectors stored after the trellis: read them now
+            suh = to_numpy(ctx.ckpt.read_bytes(f"{prefix}.suh"), "F16", (-1,))
+            svh = to_numpy(ctx.ckpt.read_bytes(f"{prefix}.svh"), "F16", (-1,))
+        strip_checked = False
+        for r0 in range(0, kt, rows_per):
+            r1 = min(kt, r0 + rows_per)
+            raw = read(begin + r0 * row_bytes, (r1 - r0) * row_bytes)
+            if not strip_checked:
+                checks.trellis_strip(prefix, raw[: min(len(raw), 8 * width * 2 * 8)])
+                strip_checked = True
+            tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
+            if (r1 - r0) % 8 == 0:
+                w = rotate(decode_rotated(tr, _codebook(lin)), suh[16 * r0:16 * r1], svh)
+                checks.decoded_block(prefix, w)
+        checks.decoded += 1
+        checks.vectors.pop(f"{prefix}.suh", None)
+        checks.vectors.pop(f"{prefix}.svh", None)
+        return
+    handler = handlers.get((path, begin))
+    if handler is not None and handler.length == info.nbytes:
+        handler.handle(read(begin, info.nbytes))
+        return
+    if info.dtype in ("F16", "BF16", "F32", "F64") and info.nbytes > 0:
+        item = info.itemsize
+        step = max(item, CHUNK // item * item)
+        for a in range(begin, end, step):
+            checks.dense(name, info.dtype, read(a, min(step, end - a)), False)
+        return
+    _stream(read, begin, end)
