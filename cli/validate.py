@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-
 from exl3tools.cli._output import console, emit_json, err_console
 
 
@@ -35,8 +34,14 @@ def validate_cmd(path: str, deep: bool, strict: bool, as_json: bool, junit: str 
     progress = None
     bar = None
     if deep and not as_json and err_console.is_terminal:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         bar = Progress(TextColumn("validate --deep"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                        TimeRemainingColumn(), console=err_console, transient=True)

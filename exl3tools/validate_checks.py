@@ -18,7 +18,16 @@ from exl3tools.checkpoint.header import DTYPES, Header, read_header
 from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint, TensorRef, load_json
 from exl3tools.errors import CheckpointError, HeaderError, NotACheckpointError, UnsupportedArchitectureError
 from exl3tools.exl3 import CODEBOOKS, WIDTH_TO_K
-from exl3tools.layout import Expected, Scan, expected_modules, expert_of, layer_of, mtp_layers_present, pad128, scan
+from exl3tools.layout import (
+    Expected,
+    Scan,
+    expected_modules,
+    expert_of,
+    layer_of,
+    mtp_layers_present,
+    pad128,
+    scan,
+)
 from exl3tools.validate import Sink
 
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
@@ -383,7 +392,7 @@ def check_linears(ctx: Context) -> None:
                         f"have K {WIDTH_TO_K.get(major, major / 16):g}")
 
     # EXL3 parts with no (rank-3) trellis
-    for n, (dtype, shape) in ctx.scan.dense.items():
+    for n, (_dtype, shape) in ctx.scan.dense.items():
         prefix, _, suffix = n.rpartition(".")
         if suffix == "trellis":
             if not (len(shape) == 2 and f"{prefix}.signs" in T):

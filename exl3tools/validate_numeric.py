@@ -292,7 +292,7 @@ def _small_reads(ctx: Context, checks: Checks, keep_vectors: set[str] | None) ->
         if n:
             reads[ref.file].append(_Read(off, n, handle))
 
-    for p, lin in ctx.scan.linears.items():
+    for p, _lin in ctx.scan.linears.items():
         for s in ("suh", "svh"):
             name = f"{p}.{s}"
             if name in T and p not in ctx.broken:
