@@ -143,14 +143,16 @@ def had_rows(x: np.ndarray) -> np.ndarray:
     """H_k · x: Hadamard on each 128-row block."""
     k, n = x.shape
     h = hadamard128(x.dtype.name)
-    return np.matmul(h, x.reshape(k // 128, 128, n)).reshape(k, n)
+    # one big GEMM (128 x 128) @ (128, k/128 * n): BLAS is slow on k/128 thin (128 x n) products
+    y = np.tensordot(h, x.reshape(k // 128, 128, n), axes=([1], [1]))  # (128, k/128, n)
+    return np.ascontiguousarray(y.transpose(1, 0, 2)).reshape(k, n)
 
 
 def had_cols(x: np.ndarray) -> np.ndarray:
     """x · H_n: Hadamard on each 128-column block."""
     k, n = x.shape
     h = hadamard128(x.dtype.name)
-    return np.matmul(x.reshape(k, n // 128, 128), h).reshape(k, n)
+    return (np.ascontiguousarray(x).reshape(-1, 128) @ h).reshape(k, n)  # one GEMM, not k small ones
 
 
 def rotate_out(what: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
@@ -177,7 +179,5 @@ def rotated_from_weight(w: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.n
     inv_sv = np.divide(1.0, sv, out=np.zeros_like(sv), where=sv != 0)
     x = (w / su[:, None]) * inv_sv[None, :]
     h = hadamard128("float64")
-    k, n = x.shape
-    x = np.matmul(h, x.reshape(k // 128, 128, n)).reshape(k, n)
-    x = np.matmul(x.reshape(k, n // 128, 128), h).reshape(k, n)
-    return x
+    x = had_rows(x)
+    return had_cols(x)
