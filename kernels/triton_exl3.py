@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-
 from exl3tools.kernels.triton_codegen import generate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -223,31 +222,52 @@ class TritonExperts:
         self.k, self.n = self.kt * 16, self.nt * 16
 
     def __call__(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, bm: int = 16) -> torch.Tensor:
-        """y[p] = x[tok[p]] @ W_{exp[p]} + bias, (P, n) fp16, without a host sync."""
-        P = tok.shape[0]
-        exp = exp.to(torch.int64)
-        order = torch.argsort(exp, stable=True)
-        es = exp[order]
-        ts = tok.to(torch.int64)[order]
-        counts = torch.bincount(es, minlength=self.E)
-        starts = torch.cumsum(counts, 0) - counts
-        q = torch.arange(P, device=x.device)
-        rel = q - starts[es]
-        is_start = (rel % bm) == 0
-        gid = torch.cumsum(is_start.to(torch.int64), 0) - 1
-        slot = torch.where(is_start, gid, torch.full_like(gid, P))
-        g_row0 = torch.zeros(P + 1, dtype=torch.int32, device=x.device)
-        g_rows = torch.zeros(P + 1, dtype=torch.int32, device=x.device)
-        g_exp = torch.zeros(P + 1, dtype=torch.int32, device=x.device)
-        g_row0.scatter_(0, slot, q.to(torch.int32))
-        g_rows.scatter_(0, slot, torch.clamp(counts[es] - rel, max=bm).to(torch.int32))
-        g_exp.scatter_(0, slot, es.to(torch.int32))
-        xh = hadamard(x, pre=self.suh, tok=ts.to(torch.int32), exp=es.to(torch.int32))
-        y32 = grouped_gemv(xh, self.trellis, self.svh, self.bias, self.codebook,
-                           g_row0[:P], g_rows[:P], g_exp[:P], bm=bm)
-        y = torch.empty(P, self.n, device=x.device, dtype=x.dtype)
-        y[order] = y32.to(x.dtype)
+        """y[p] = x[tok[p]] @ W_{exp[p]} + bias, (P, n) in x.dtype, without a host sync."""
+        plan = route_plan(tok, exp, self.E, bm)
+        y32 = self.run(x, plan)
+        y = torch.empty(tok.shape[0], self.n, device=x.device, dtype=x.dtype)
+        y[plan.order] = y32.to(x.dtype)
         return y
+
+    def run(self, x: torch.Tensor, plan: "RoutePlan", tok_sorted: bool = False) -> torch.Tensor:
+        """fp32 (P, n) in the plan's sorted pair order; ``x`` rows are tokens (or, with
+        ``tok_sorted``, already the sorted pairs, e.g. the previous projection's output)."""
+        if tok_sorted:
+            xh = hadamard(x, pre=self.suh, tok=plan.ident, exp=plan.exp_sorted)
+        else:
+            xh = hadamard(x, pre=self.suh, tok=plan.tok_sorted, exp=plan.exp_sorted)
+        return grouped_gemv(xh, self.trellis, self.svh, self.bias, self.codebook,
+                            plan.g_row0, plan.g_rows, plan.g_exp, bm=plan.bm)
+
+
+class RoutePlan:
+    """(token, expert) pairs sorted by expert and cut into groups of ≤ bm rows; all on device."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def route_plan(tok: torch.Tensor, exp: torch.Tensor, n_experts: int, bm: int) -> RoutePlan:
+    """Sync-free (CUDA-graph capturable): the grid is P groups, unused ones have 0 rows."""
+    P = tok.shape[0]
+    dev = tok.device
+    exp = exp.to(torch.int64)
+    order = torch.argsort(exp, stable=True)
+    es = exp[order]
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).scatter_add_(0, es, torch.ones_like(es))
+    starts = torch.cumsum(counts, 0) - counts
+    q = torch.arange(P, device=dev)
+    rel = q - starts[es]
+    is_start = (rel % bm) == 0
+    gid = torch.cumsum(is_start.to(torch.int64), 0) - 1
+    slot = torch.where(is_start, gid, torch.full_like(gid, P))
+    g = torch.zeros(3, P + 1, dtype=torch.int32, device=dev)
+    g[0].scatter_(0, slot, q.to(torch.int32))
+    g[1].scatter_(0, slot, torch.clamp(counts[es] - rel, max=bm).to(torch.int32))
+    g[2].scatter_(0, slot, es.to(torch.int32))
+    return RoutePlan(order=order, tok_sorted=tok.to(torch.int64)[order].to(torch.int32),
+                     exp_sorted=es.to(torch.int32), ident=q.to(torch.int32),
+                     g_row0=g[0, :P], g_rows=g[1, :P], g_exp=g[2, :P], bm=bm)
 
 
 def _register() -> None:

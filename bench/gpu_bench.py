@@ -1,0 +1,127 @@
+"""GPU linear benchmark: our Triton kernels vs exllamav3 1.6.5 vs fp16 cuBLAS vs the HBM floor.
+
+    python3 bench/gpu_bench.py [--quick] [--json OUT.json] [--impls triton,exllamav3,fp16]
+
+Median µs per call with cold L2 (triton.testing.do_bench flushes a 256 MB buffer before every
+call; warmup 25 ms, rep 100 ms), random trellis (every bit pattern is a valid trellis), MUL1 unless
+the column says otherwise. floor = (trellis + suh + svh + x + y bytes) / 4.26 TB/s (measured HBM
+read rate, serving-expectations.md §6). Also checks every configuration's output against
+x @ W (W decoded by our bit-exact kernel + Hadamards in fp32) before timing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+HBM = 4.26e12
+SHAPES = [(4096, 14336), (14336, 4096), (6144, 2048), (2048, 6144), (8192, 8192)]
+ROWS = [1, 8, 32, 256, 2048]
+KS = [2, 3, 4]
+
+
+def make(k, n, K, gen):
+    width = int(16 * K) if float(K).is_integer() else int(16 * int(K) + 8)
+    tr = torch.randint(-32768, 32768, (k // 16, n // 16, width), dtype=torch.int16, device="cuda", generator=gen)
+    suh = (torch.randint(0, 2, (k,), device="cuda", generator=gen) * 2 - 1).half()
+    svh = ((torch.randint(0, 2, (n,), device="cuda", generator=gen) * 2 - 1) * 0.01).half()
+    return dict(trellis=tr, suh=suh, svh=svh)
+
+
+def w_true(t, cb):
+    from exl3tools.kernels.triton_exl3 import _hadamard_pm1, decode_rotated
+    w = decode_rotated(t["trellis"], cb).float()
+    h = _hadamard_pm1("cuda").float() / 128 ** 0.5
+    k, n = w.shape
+    w = (h @ w.view(k // 128, 128, n)).view(k, n) * t["suh"].float()[:, None]
+    w = (w.view(k, n // 128, 128) @ h).view(k, n) * t["svh"].float()[None, :]
+    return w
+
+
+def bench(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3   # µs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape, K=3")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--impls", default="triton,exllamav3,fp16")
+    ap.add_argument("--codebooks", default="mul1", help="extra codebooks at K=3 rows 1/8, e.g. mcg,3inst")
+    a = ap.parse_args()
+    from exl3tools.kernels.dispatch import make_linear
+
+    impls = a.impls.split(",")
+    have_exl3 = "exllamav3" in impls
+    if have_exl3:
+        try:
+            import exllamav3.ext  # noqa: F401  (JIT build happens here)
+        except Exception as exc:  # noqa: BLE001 - report and go on without it
+            print(f"exllamav3 unavailable: {exc}", file=sys.stderr)
+            have_exl3 = False
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = SHAPES[:1] if a.quick else SHAPES
+    ks = [3] if a.quick else KS
+    configs = [(s, K, "mul1") for s in shapes for K in ks]
+    configs += [(s, 3, cb) for s in shapes for cb in a.codebooks.split(",") if cb and cb != "mul1"]
+    results = []
+    for (k, n), K, cb in configs:
+        t = make(k, n, K, gen)
+        wt = w_true(t, cb)
+        ours = make_linear(t, cb, K, "cuda", backend="triton") if "triton" in impls else None
+        exl = make_linear(t, cb, K, "cuda", backend="exllamav3") if have_exl3 else None
+        w16 = wt.half()
+        tbytes = t["trellis"].numel() * 2 + 2 * (k + n)
+        rows_list = ROWS if cb == "mul1" else [1, 8]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", generator=gen).half()
+            yref = x.float() @ wt
+            row = dict(k=k, n=n, K=K, cb=cb, rows=rows,
+                       floor_us=(tbytes + 2 * rows * (k + n)) / HBM * 1e6,
+                       fp16_floor_us=(2 * k * n + 2 * rows * (k + n)) / HBM * 1e6)
+            for name, fn in (("triton", ours), ("exllamav3", exl)):
+                if fn is None:
+                    continue
+                y = fn(x).float()
+                row[f"{name}_err"] = float((y - yref).norm() / yref.norm())
+                row[f"{name}_us"] = bench(lambda fn=fn, x=x: fn(x))
+            if "fp16" in impls:
+                row["fp16_us"] = bench(lambda x=x, w=w16: torch.matmul(x, w))
+            if ours is not None and 1 < rows <= 32:
+                # the large path (decode + cuBLAS) at the same rows, to place the switch point
+                row["triton_large_us"] = bench(lambda f=ours, x=x: f.large(x))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del t, wt, w16, ours, exl
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print_table(results)
+    return 0
+
+
+def print_table(results):
+    hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'ours':>8} {'exl3':>8} {'fp16':>8} "
+           f"{'floor':>6} | {'ours/exl3':>9} {'ours/fp16':>9} {'ours/floor':>10} | err ours / exl3")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        o, e, f = r.get("triton_us"), r.get("exllamav3_us"), r.get("fp16_us")
+        fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8}"   # noqa: E731
+        rat = lambda p, q: f"{p / q:9.2f}" if p and q else f"{'-':>9}"    # noqa: E731
+        print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['cb']:>5} {r['rows']:>5} | {fmt(o)} {fmt(e)} {fmt(f)} "
+              f"{r['floor_us']:6.1f} | {rat(o, e)} {rat(o, f)} {rat(o, r['floor_us']):>10} | "
+              f"{r.get('triton_err', float('nan')):.1e} / {r.get('exllamav3_err', float('nan')):.1e}")
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"total {time.time() - t0:.0f} s", file=sys.stderr)
+    sys.exit(rc)

@@ -1,0 +1,31 @@
+"""GPU tests: on CUDA, or on the Triton CPU interpreter when TRITON_INTERPRET=1 (slow, small shapes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def kernel_device() -> str:
+    if cuda_available():
+        return "cuda"
+    if INTERPRET:
+        return "cpu"
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1 for the Triton CPU interpreter)")
+
+
+@pytest.fixture
+def dev() -> str:
+    pytest.importorskip("triton")
+    return kernel_device()
