@@ -1,0 +1,160 @@
+"""Multi-head latent attention (DeepSeek-V3, GLM-5) over a latent cache, float32 on CPU.
+
+Semantics follow exllamav3 1.6.5 (modules/mla_attn.py):
+
+- queries: ``q_b(rmsnorm(q_a(x)))`` (or ``q_proj(x)`` without q_lora), per head ``[nope | rope]``;
+- latent: ``kv_a_proj_with_mqa(x)`` (576 real columns of 640 stored) = ``[c_kv (kv_lora) | k_pe (rope)]``;
+  the cache keeps ``rmsnorm(c_kv)`` and the roped ``k_pe`` (one shared rope key, MQA style);
+- RoPE is GPT-J style (interleaved pairs ``(2i, 2i+1)``) on the rope slice only, with YaRN
+  frequencies and the DeepSeek ``mscale / mscale_all_dim`` factor on cos/sin when configured;
+- ``kv_b_proj`` (fp16, HF ``(H*(nope+v), kv_lora)``) is absorbed: ``W_UK`` folds into the query
+  and ``W_UV`` into the output, so per-head K/V are never materialised;
+- softmax scale ``(nope + rope) ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN.
+
+Heads are local to this rank (q_b column-cut, kv_b rows and o_proj row-cut by whole heads); the
+latent side (q_a, kv_a, norms, cache, DSA indexer) is replicated on every rank, because the latent
+is shared by all heads. ``reduce`` (the TP all-reduce when heads are cut) sums the o_proj partials.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from exl3tools.errors import UnsupportedArchitectureError
+
+CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
+
+
+# ------------------------------------------------------------------ rope
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_rope(cfg: dict) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq over qk_rope_head_dim, cos/sin factor, softmax-scale factor) from config.json.
+
+    Default rope, or YaRN as exllamav3 reads it for DeepSeek (util/rope.py: factor from
+    max/original max positions when the latter is given; attn factor = the mscale ratio).
+    """
+    dim = int(cfg["qk_rope_head_dim"])
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    base = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv = 1.0 / pos_freqs
+    if rtype == "default":
+        return inv, 1.0, 1.0
+    if rtype != "yarn":
+        raise UnsupportedArchitectureError(f"MLA rope_type {rtype!r} is not supported")
+    max_pos = int(cfg.get("max_position_embeddings") or 0)
+    orig = rp.get("original_max_position_embeddings")
+    factor = max_pos / int(orig) if orig is not None else float(rp["factor"])
+    orig = int(orig) if orig is not None else max_pos
+    beta_fast, beta_slow = float(rp.get("beta_fast", 32)), float(rp.get("beta_slow", 1))
+
+    def corr(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = corr(beta_fast), corr(beta_slow)
+    if rp.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)
+    extrap = 1 - ramp.clamp(0, 1)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + inv * extrap
+    ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    if rp.get("attention_factor") is not None:
+        attn = float(rp["attention_factor"])
+    elif ms and ms_all:
+        attn = yarn_get_mscale(factor, float(ms)) / yarn_get_mscale(factor, float(ms_all))
+    else:
+        attn = yarn_get_mscale(factor)
+    sm = yarn_get_mscale(float(rp.get("factor", factor)), float(ms_all)) ** 2 if ms_all else 1.0
+    return inv, attn, sm
+
+
+def rope_gptj(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attn: float = 1.0) -> torch.Tensor:
+    """Interleaved rotation of the last dim of ``x`` (T, ..., d): pairs (2i, 2i+1) by pos*inv_freq[i]."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]          # (T, d/2)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[1],)
+    cos, sin = (freqs.cos() * attn).view(shape), (freqs.sin() * attn).view(shape)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+
+
+# ------------------------------------------------------------------ attention
+class MLAttention:
+    """``__call__(x, batch)`` like runtime.layers.Attention; cache names ``ckv``/``kpe`` (+ ``kidx``).
+
+    ``indexer``: a runtime.dsa.Indexer ("full" layer), or None. ``dsa_shared``: this layer reuses
+    the selection the nearest preceding full layer published in ``batch.extras`` ("shared").
+    """
+
+    def __init__(self, *, layer_idx: int, n_heads: int, nope: int, rope: int, v_dim: int, kv_lora: int,
+                 q_a=None, q_a_norm=None, q_b=None, q_proj=None, kv_a, kv_a_norm, kv_b: torch.Tensor, o,
+                 rope_params: tuple[torch.Tensor, float, float], indexer=None, dsa_shared: bool = False,
+                 index_topk: int = 0, reduce=None):
+        self.reduce = reduce or (lambda t: t)
+        self.layer, self.nh, self.nope, self.rope, self.vd, self.kv_lora = layer_idx, n_heads, nope, rope, v_dim, kv_lora
+        self.q_a, self.q_a_norm, self.q_b, self.q_proj = q_a, q_a_norm, q_b, q_proj
+        self.kv_a, self.kv_a_norm, self.o = kv_a, kv_a_norm, o
+        self.inv_freq, self.attn_factor, sm_fold = rope_params
+        self.scale = (nope + rope) ** -0.5 * sm_fold
+        w = kv_b.float().view(n_heads, nope + v_dim, kv_lora)
+        self.w_uk = w[:, :nope, :].contiguous()                    # (H, nope, C)
+        self.w_uv = w[:, nope:, :].contiguous()                    # (H, v, C)
+        self.indexer, self.dsa_shared = indexer, dsa_shared
+        self.index_topk = index_topk if (indexer is not None or dsa_shared) else 0
+
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.q_proj is not None:
+            return self.q_proj(x), None
+        q_resid = self.q_a_norm(self.q_a(x))
+        return self.q_b(q_resid), q_resid
+
+    def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
+        T = x.shape[0]
+        pos = batch.positions
+        q, q_resid = self._queries(x)
+        q = q.view(T, self.nh, self.nope + self.rope)
+        q_nope = q[..., :self.nope]
+        q_pe = rope_gptj(q[..., self.nope:], pos, self.inv_freq, self.attn_factor)
+        lat = self.kv_a(x)
+        ckv = self.kv_a_norm(lat[:, :self.kv_lora])
+        kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)            # absorbed queries (T, H, C)
+        kidx = self.indexer.keys(x, pos) if self.indexer is not None else None
+
+        shared = batch.extras.setdefault("dsa_keep", {})
+        out = torch.empty(T, self.nh, self.vd, dtype=torch.float32)
+        for si, sp in enumerate(batch.spans):
+            r = slice(sp.row, sp.row + sp.n)
+            new = {CACHE_CKV: ckv[r], CACHE_KPE: kpe[r]}
+            if kidx is not None:
+                new[CACHE_KIDX] = kidx[r]
+            full = sp.cache.extend(self.layer, new)
+            cc, kp = full[CACHE_CKV], full[CACHE_KPE]                          # (L, C), (L, rope)
+            L = cc.shape[0]
+            qpos = torch.arange(sp.n)[:, None] + sp.pos
+            allowed = torch.arange(L)[None, :] <= qpos                         # causal (n, L)
+            keep = None
+            if self.index_topk and L > self.index_topk:                        # exllamav3: sparse iff
+                if self.indexer is not None:                                   # visible > index_topk
+                    keep = self.indexer.select(x[r], q_resid[r], pos[r], full[CACHE_KIDX], sp.pos)
+                    shared[si] = keep
+                elif self.dsa_shared:
+                    keep = shared.get(si)
+                    if keep is None:
+                        raise UnsupportedArchitectureError(
+                            f"layer {self.layer}: shared DSA layer found no selection from a full layer")
+                allowed = allowed & keep
+            s = (torch.einsum("thc,lc->htl", q_lat[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
+            s = s.masked_fill(~allowed[None], float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            o_lat = torch.einsum("htl,lc->thc", p, cc)
+            out[r] = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
+        return self.reduce(self.o(out.reshape(T, self.nh * self.vd)))

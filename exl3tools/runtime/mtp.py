@@ -1,0 +1,177 @@
+"""MTP draft head (GLM-5: ``model.layers.{num_hidden_layers}``) and exact speculative decoding.
+
+The head, as exllamav3 1.6.5 runs it (architecture/glm_moe_dsa_mtp.py):
+``x = eh_proj([enorm(embed(token)) | hnorm(state)])`` (2H -> H, EXL3 at ``mtp_bits``), one full
+decoder block (MLA + its own "full" DSA indexer + MoE), ``shared_head.norm``, then the target's
+lm_head. ``state`` is the target's hidden after the final norm at the position before ``token``;
+deeper drafts feed the head its own normed output. The head borrows the target's embedding and
+lm_head (the checkpoint carries neither for it).
+
+The head is built once per rank from the tensors under its prefix and lives in ``model.mtp``,
+never in ``model.layers``; its attention writes cache slot 0 of its own ``SeqCache(1)``.
+
+Speculative decoding (greedy): draft ``k`` tokens with the head, run the target once over
+``[last token, d1..dk]``, accept the longest prefix where the target's argmax equals the draft,
+append the target's own token at the first mismatch (or after the last draft). Every emitted
+token is the target's argmax given the emitted prefix, so the output equals plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from exl3tools.runtime.arch import BuildContext
+from exl3tools.runtime.cache import SeqCache
+from exl3tools.runtime.layers import Batch, RMSNorm, SeqSpan, load_linear
+
+
+def truncate(cache: SeqCache, n: int) -> None:
+    """Drop everything past ``n`` tokens (rejected drafts); the buffers are reused by later writes."""
+    cache.lengths = [min(x, n) for x in cache.lengths]
+
+
+def mtp_prefix(cfg: dict, ws) -> str | None:
+    """``model.layers.{N}`` when the config asks for MTP and the checkpoint carries its eh_proj."""
+    n = int(cfg["num_hidden_layers"])
+    p = f"model.layers.{n}"
+    if int(cfg.get("num_nextn_predict_layers") or 0) <= 0 or not ws.is_linear(f"{p}.eh_proj"):
+        return None
+    return p
+
+
+class MTPHead:
+    def __init__(self, *, layer_index: int, enorm, hnorm, eh_proj, block, final_norm, target):
+        self.layer_index = layer_index            # N = num_hidden_layers (checkpoint index)
+        self.enorm, self.hnorm, self.eh_proj = enorm, hnorm, eh_proj
+        self.block, self.final_norm = block, final_norm
+        self.target = target
+
+    def new_cache(self) -> SeqCache:
+        return SeqCache(1)
+
+    @torch.inference_mode()
+    def forward(self, cache: SeqCache, states: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (state_i, token_i) at positions cache.length..; returns (normed states, logits)."""
+        t = self.target
+        n = len(tokens)
+        p0 = cache.length
+        emb = t.embed[torch.tensor(tokens, dtype=torch.int64)].float()
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(states.float())], dim=-1))
+        batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64))
+        h = self.final_norm(self.block(x, batch))
+        logits = t.head(h)
+        if t.head_sharded:
+            logits = t.tp.all_gather_cat(logits, dim=-1)
+        logits = logits[:, :t.info.vocab_size].float()
+        return h, logits
+
+
+def load_mtp(ctx: BuildContext, model) -> MTPHead | None:
+    cfg, ws = ctx.config, ctx.weights
+    p = mtp_prefix(cfg, ws)
+    if p is None:
+        return None
+    from exl3tools.runtime.arch.deepseek_v3 import build_block
+
+    eps = float(cfg["rms_norm_eps"])
+    H = int(cfg["hidden_size"])
+    n = int(cfg["num_hidden_layers"])
+    block = build_block(ctx, n, model.rope, indexer_mode="full", moe=True, cache_idx=0)
+    return MTPHead(layer_index=n, enorm=RMSNorm(ws.tensor(f"{p}.enorm.weight"), eps),
+                   hnorm=RMSNorm(ws.tensor(f"{p}.hnorm.weight"), eps),
+                   eh_proj=load_linear(ws, f"{p}.eh_proj", in_real=2 * H, out_real=H,
+                                       backend=ctx.backend, device=ctx.device),
+                   block=block, final_norm=RMSNorm(ws.tensor(f"{p}.shared_head.norm.weight"), eps),
+                   target=model)
+
+
+# ------------------------------------------------------------------ target forward with states
+@torch.inference_mode()
+def forward_states(model, cache: SeqCache, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target forward of one sequence: (post-final-norm states, logits) for every new row."""
+    p0 = cache.length
+    n = len(tokens)
+    batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64))
+    h = model.embed[torch.tensor(tokens, dtype=torch.int64)].float()
+    for layer in model.layers:
+        h = layer(h, batch)
+    h = model.norm(h)
+    logits = model.head(h)
+    if model.head_sharded:
+        logits = model.tp.all_gather_cat(logits, dim=-1)
+    logits = logits[:, :model.info.vocab_size].float()
+    return h, logits
+
+
+@dataclass(slots=True)
+class SpecStats:
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """Plain greedy decoding, one target forward per token (the reference for MTP)."""
+    cache = model.new_cache()
+    _, logits = forward_states(model, cache, list(prompt))
+    out = [int(logits[-1].argmax())]
+    while len(out) < max_new:
+        _, logits = forward_states(model, cache, [out[-1]])
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+def greedy_mtp(model, prompt: list[int], max_new: int, draft_len: int = 1,
+               stop: set[int] | None = None) -> tuple[list[int], SpecStats]:
+    """Greedy decoding with the model's MTP head as draft: same tokens as ``greedy``, fewer target forwards."""
+    head: MTPHead = model.mtp
+    if head is None:
+        raise ValueError("this model has no MTP head")
+    if draft_len < 1:
+        raise ValueError("draft_len must be >= 1")
+    stats = SpecStats()
+    cache, mcache = model.new_cache(), head.new_cache()
+    states, logits = forward_states(model, cache, list(prompt))
+    stats.target_forwards += 1
+    tok = int(logits[-1].argmax())
+    out = [tok]
+    # pairs (target state at i, token at i+1) not yet written into the head's cache
+    pend_states, pend_tokens = states, list(prompt[1:]) + [tok]
+    while len(out) < max_new and not (stop and tok in stop):
+        k = min(draft_len, max_new - len(out))
+        g, dl = head.forward(mcache, pend_states, pend_tokens)
+        committed = mcache.length                   # every pending pair was exact: keep it
+        drafts = [int(dl[-1].argmax())]
+        while len(drafts) < k:
+            g, dl = head.forward(mcache, g[-1:], [drafts[-1]])
+            drafts.append(int(dl[-1].argmax()))
+        truncate(mcache, committed)
+        base = cache.length
+        states, logits = forward_states(model, cache, [tok] + drafts)
+        stats.target_forwards += 1
+        preds = logits.argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and preds[a] == drafts[a] and not (stop and drafts[a] in stop):
+            a += 1
+        new = drafts[:a] + [preds[a]]
+        truncate(cache, base + a + 1)
+        stats.drafted += len(drafts)
+        stats.accepted += a
+        stats.accepted_per_step.append(a)
+        out.extend(new)
+        tok = new[-1]
+        pend_states, pend_tokens = states[:a + 1], new
+    out = out[:max_new]
+    if stop:
+        for i, t in enumerate(out):
+            if t in stop:
+                out = out[:i + 1]
+                break
+    return out, stats
