@@ -2,7 +2,7 @@
 
 Every module computes in float32 on CPU. Linear layers go through ``exl3tools.kernels.dispatch``;
 this file only pads inputs to the stored (padded) width and trims outputs to the real width.
-Row-parallel modules return *partial* sums: the decoder layer all-reduces once per block.
+Cut (row-parallel / expert-parallel) modules all-reduce their own partial sums, once per module.
 """
 
 from __future__ import annotations
@@ -116,12 +116,15 @@ class Attention:
     """GQA with optional q/k/v bias, per-head q/k RMSNorm (qwen3) and partial NeoX RoPE.
 
     Heads are local to this rank (column-cut q/k/v by whole KV-head groups, row-cut o_proj);
-    the returned o_proj output is a partial sum when TP > 1.
+    ``reduce`` (the TP all-reduce, or nothing when the attention is replicated) sums the o_proj
+    partials, so the result is always the full output.
     """
 
     def __init__(self, *, q, k, v, o, head_dim: int, n_q: int, n_kv: int, rope: tuple, layer_idx: int,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, sm_scale: float | None = None):
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, sm_scale: float | None = None,
+                 reduce=None):
         self.q, self.k, self.v, self.o = q, k, v, o
+        self.reduce = reduce or _identity
         self.hd, self.nq, self.nkv, self.layer = head_dim, n_q, n_kv, layer_idx
         self.rdim, self.inv_freq, _ = rope
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -155,18 +158,27 @@ class Attention:
                 mask = torch.arange(L)[None, :] <= i
             o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=self.scale)
             out[sp.row:sp.row + sp.n] = o.transpose(0, 1)
-        return self.o(out.reshape(T, self.nq * self.hd))
+        return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
 
 
 # ------------------------------------------------------------------ MLPs
-class GatedMLP:
-    """down(silu(gate(x)) * up(x)); gate/up column-cut, down row-cut (partial sum under TP)."""
+def _identity(x):
+    return x
 
-    def __init__(self, gate, up, down):
+
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)); gate/up column-cut, down row-cut. ``reduce`` sums the partials
+    when cut (TP all-reduce); ``sharded`` says whether the output is partial before it."""
+
+    def __init__(self, gate, up, down, reduce=None, sharded: bool = False):
         self.gate, self.up, self.down = gate, up, down
+        self.reduce, self.sharded = reduce or _identity, sharded
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.reduce(self.partial(x))
 
 
 class MoE:
@@ -177,12 +189,14 @@ class MoE:
     routing "sigmoid" (GLM-4 MoE, DeepSeek-V3, n_group 1): scores = sigmoid(logits); select top-k
     of scores + e_score_correction_bias; weights = the unbiased scores, divided by their sum
     (+1e-20) when norm_topk_prob, times routed_scaling_factor.
-    Each rank computes only the experts it holds (expert-parallel), so the output is partial.
+    Each rank computes the experts (or expert slices) it holds; ``reduce`` sums the routed partials
+    together with a cut shared expert in one all-reduce; a replicated shared expert is added after.
     """
 
     def __init__(self, *, router: torch.Tensor, experts: dict[int, GatedMLP], top_k: int, routing: str,
                  norm_topk_prob: bool, scaling: float = 1.0, score_bias: torch.Tensor | None = None,
-                 shared: GatedMLP | None = None):
+                 shared: GatedMLP | None = None, reduce=None):
+        self.reduce = reduce or _identity
         self.router, self.experts, self.top_k = router.float(), experts, top_k
         self.routing, self.norm, self.scaling = routing, norm_topk_prob, scaling
         self.bias = None if score_bias is None else score_bias.float()
@@ -215,19 +229,24 @@ class MoE:
             rows, slot = (sel == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = mlp(x[rows]) * w[rows, slot][:, None]
+            y = mlp.partial(x[rows]) * w[rows, slot][:, None]
             out.index_add_(0, rows, y)
-        if self.shared is not None:
-            out = out + self.shared(x)
+        if self.shared is not None and self.shared.sharded:
+            out = out + self.shared.partial(x)
+        out = self.reduce(out)
+        if self.shared is not None and not self.shared.sharded:
+            out = out + self.shared.partial(x)
         return out
 
 
 # ------------------------------------------------------------------ decoder block
 class DecoderLayer:
-    def __init__(self, attn_norm, attn, mlp_norm, mlp, tp):
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp, self.tp = attn_norm, attn, mlp_norm, mlp, tp
+    """Pre-norm residual block; attention and MLP return full (already reduced) outputs."""
+
+    def __init__(self, attn_norm, attn, mlp_norm, mlp):
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = attn_norm, attn, mlp_norm, mlp
 
     def __call__(self, h: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h = h + self.tp.all_reduce(self.attn(self.attn_norm(h), batch))
-        h = h + self.tp.all_reduce(self.mlp(self.mlp_norm(h)))
+        h = h + self.attn(self.attn_norm(h), batch)
+        h = h + self.mlp(self.mlp_norm(h))
         return h

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exl3tools.checkpoint.reader import Checkpoint, load_json
-from exl3tools.errors import CheckpointError, NotACheckpointError, NotFoundError, UsageError
+from exl3tools.errors import (CheckpointError, IncompleteOutputError, NotACheckpointError, NotFoundError,
+                              UsageError)
 
 RANK_DIR = re.compile(r"^rank-(\d+)-of-(\d+)$")
 
@@ -69,6 +70,9 @@ def resolve(path: str | Path, tp: int) -> Layout:
     if missing:
         names = ", ".join(f"rank-{r}-of-{n}" for r in missing)
         raise NotACheckpointError(f"{root}: rank directories missing: {names}")
+    if not (root / "manifest.json").is_file():
+        raise IncompleteOutputError(f"{root}: no manifest.json, the rank-slice output is unfinished "
+                                    "(rerun exl3tools rank-slice with --resume)")
     return Layout("ranks", root, n)
 
 
@@ -83,6 +87,9 @@ def open_rank(layout: Layout, rank: int) -> tuple[Checkpoint, bool]:
         return ckpt, layout.tp > 1
     if not isinstance(block, dict):
         raise CheckpointError(f"{d}/config.json: no 'exl3tools' block; not written by exl3tools rank-slice")
+    if block.get("format_version") != 1 or block.get("layout") != "ranks":
+        raise CheckpointError(f"{d}/config.json: exl3tools block format_version {block.get('format_version')} "
+                              f"layout {block.get('layout')!r}; this runtime reads format_version 1, layout ranks")
     if int(block.get("tp", -1)) != layout.tp or int(block.get("rank", -1)) != rank:
         raise CheckpointError(f"{d}/config.json says tp={block.get('tp')} rank={block.get('rank')}, "
                               f"expected tp={layout.tp} rank={rank}")

@@ -26,8 +26,10 @@ class ModelInfo:
 
 
 class CausalLM:
-    def __init__(self, *, info: ModelInfo, embed: torch.Tensor, layers: list, norm, head, tp: TPContext):
+    def __init__(self, *, info: ModelInfo, embed: torch.Tensor, layers: list, norm, head, tp: TPContext,
+                 head_sharded: bool = False):
         self.info, self.embed, self.layers, self.norm, self.head, self.tp = info, embed, layers, norm, head, tp
+        self.head_sharded = head_sharded   # lm_head column-cut by vocab: gather the logits
 
     def new_cache(self) -> SeqCache:
         return SeqCache(len(self.layers))
@@ -50,5 +52,7 @@ class CausalLM:
             h = layer(h, batch)
         if not all_logits:
             h = h[torch.tensor([s.row + s.n - 1 for s in spans])]
-        logits = self.tp.all_gather_cat(self.head(self.norm(h)), dim=-1)
+        logits = self.head(self.norm(h))
+        if self.head_sharded:
+            logits = self.tp.all_gather_cat(logits, dim=-1)
         return logits[:, :self.info.vocab_size].float()

@@ -36,17 +36,26 @@ class ContextLengthError(UsageError):
 
 
 def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "reference",
-                      device: str = "cpu", max_context: int | None = None) -> CausalLM:
-    """Open this rank's directory (only it) and build the model part this rank runs."""
+                      device: str = "cpu", max_context: int | None = None, moe: str = "tp") -> CausalLM:
+    """Open this rank's directory (only it) and build the model part this rank runs.
+
+    An unsliced checkpoint run with ``world > 1`` is planned in memory with the rank-slice rules
+    (``moe``: "tp" or "ep") and each rank reads only the byte ranges of its cut."""
     ckpt, cut = open_rank(layout, rank)
     mod = arch_module(ckpt.architecture)
-    ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, backend, device, max_context)
+    block = ckpt.config.get("exl3tools") if layout.kind == "ranks" else None
+    if cut:
+        from exl3tools.rank_slice import plan_rank_slices
+
+        block = plan_rank_slices(ckpt, world, moe).configs[rank]["exl3tools"]
+    ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, block, backend, device,
+                       max_context)
     return mod.build(ctx)
 
 
 # ------------------------------------------------------------------ worker side
 def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
-               device: str = "cpu", max_context: int | None = None, trace: bool = False) -> None:
+               device: str = "cpu", max_context: int | None = None, moe: str = "tp", trace: bool = False) -> None:
     """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'."""
     D.init_group(rank, world, device, port)
     try:
@@ -55,7 +64,7 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
         err, model = None, None
         try:
             model = build_local_model(resolve(path, world), rank, world, backend=backend, device=device,
-                                      max_context=max_context)
+                                      max_context=max_context, moe=moe)
         except Exl3Error as exc:
             err = exc
         D.exchange_status(err, D.trace_opens_stop() if trace else None)
@@ -238,12 +247,14 @@ def _torchrun_env() -> tuple[int, int] | None:
 
 
 def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "reference",
-                max_cache_tokens: int = DEFAULT_CACHE_TOKENS, max_context: int | None = None) -> Runner | None:
+                max_cache_tokens: int = DEFAULT_CACHE_TOKENS, max_context: int | None = None,
+                moe: str = "tp") -> Runner | None:
     """Load a checkpoint (unsliced, or a rank-slice output for ``tp`` ranks) and return its Runner.
 
     ``tp > 1`` spawns ranks 1..tp-1 as processes. Under torchrun (``RANK``/``WORLD_SIZE`` set)
     nothing is spawned: rank 0 gets the Runner; other ranks serve rank 0 inside this call and get
-    ``None`` back once rank 0 closes its Runner.
+    ``None`` back once rank 0 closes its Runner. ``moe`` ("tp" | "ep") only matters for an
+    unsliced checkpoint with ``tp > 1`` (a rank-slice output carries its own cut).
     """
     env = _torchrun_env()
     if env is not None:
@@ -256,7 +267,7 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "refer
         raise UsageError(f"--tp must be >= 1, got {tp}")
     layout = resolve(path, world)          # names only: a wrong --tp fails here, before any spawn
     trace = os.environ.get("EXL3TOOLS_TRACE_OPENS") == "1"
-    opts = dict(backend=backend, device=device, max_context=max_context, trace=trace)
+    opts = dict(backend=backend, device=device, max_context=max_context, moe=moe, trace=trace)
     if env is not None and rank != 0:
         serve_rank(str(path), rank=rank, world=world, port=None, **opts)
         return None
@@ -274,7 +285,8 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "refer
             D.trace_opens_start()
         err, model = None, None
         try:
-            model = build_local_model(layout, 0, world, backend=backend, device=device, max_context=max_context)
+            model = build_local_model(layout, 0, world, backend=backend, device=device, max_context=max_context,
+                                      moe=moe)
         except Exl3Error as exc:
             err = exc
             if world == 1:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.runtime.tp import TPContext
-from exl3tools.runtime.weights import WeightSource
+from exl3tools.runtime.weights import Cut, WeightSource
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "exl3tools.runtime.arch.llama",
@@ -30,9 +30,31 @@ class BuildContext:
     weights: WeightSource
     tp: TPContext                      # world/rank of this process
     cut_in_memory: bool                # True: the checkpoint is unsliced and this rank cuts its part
+    block: dict | None = None          # this rank's "exl3tools" block (docs/rank-slice.md §4); None: TP=1
     backend: str = "reference"
     device: str = "cpu"
     max_context: int | None = None
+
+    def module_cut(self, prefix: str):
+        """The Cut to apply while reading ``prefix`` (only for an unsliced checkpoint), else None."""
+        c = self.cut_entry(prefix)
+        if not self.cut_in_memory or c.get("cut") not in ("column", "row"):
+            return None
+        return Cut("col" if c["cut"] == "column" else "row", int(c["first"]), int(c["last"]),
+                   bias_here=bool(c.get("bias", int(c["first"]) == 0)))
+
+    def cut_entry(self, prefix: str) -> dict:
+        if self.block is None:
+            return {"cut": "replicate"}
+        return self.block.get("modules", {}).get(prefix, {"cut": "replicate"})
+
+    def is_cut(self, prefix: str) -> bool:
+        return self.cut_entry(prefix).get("cut") in ("column", "row", "experts", "tp")
+
+    def attention_entry(self, prefix: str) -> dict:
+        if self.block is None:
+            return {"cut": "replicate"}
+        return self.block.get("attention", {}).get(prefix, {"cut": "replicate"})
 
 
 def arch_module(architecture: str):
