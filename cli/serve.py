@@ -34,11 +34,14 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--backend", default="reference", show_default=True, help="Kernel backend.")
+@click.option("--threads", "cpu_threads", type=click.IntRange(1, None), default=None,
+              help="CPU threads for the model (default: all cores but one).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[str, ...],
               max_batch: int, max_queue: int, max_cache_tokens: int | None,
-              served_model_name: str | None, device: str, backend: str, log_level: str) -> None:
+              served_model_name: str | None, device: str, backend: str, cpu_threads: int | None,
+              log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
     Without PATH, serves the demo checkpoint shipped in the repository. Binds early: /health
@@ -58,7 +61,8 @@ def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[s
         raise UsageError("--max-cache-tokens must be at least 1")
     cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
-                      max_queue=max_queue, max_cache_tokens=max_cache_tokens)
+                      max_queue=max_queue, max_cache_tokens=max_cache_tokens,
+                      cpu_threads=cpu_threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(

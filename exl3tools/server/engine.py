@@ -125,6 +125,8 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="exl3tools-engine", daemon=True)
         self.steps = 0
+        self.time_forward = 0.0  # seconds in runner.step, and in sampling + bookkeeping
+        self.time_sample = 0.0
         self.cancelled_total = 0
 
     # ----------------------------------------------------------------- event loop side
@@ -238,6 +240,7 @@ class Engine:
             batch.append((seq, chunk))
         if not batch:
             return
+        t0 = time.perf_counter()
         try:
             logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch])
         except Exception:
@@ -247,6 +250,7 @@ class Engine:
             self._sweep()
             return
         self.steps += 1
+        t1 = time.perf_counter()
         now = time.monotonic()
         for i, (seq, chunk) in enumerate(batch):
             seq.num_cached += len(chunk)
@@ -258,6 +262,9 @@ class Engine:
                 log.exception("sampling failed")
                 self._fail(seq)
         self._sweep()
+        t2 = time.perf_counter()
+        self.time_forward += t1 - t0
+        self.time_sample += t2 - t1
 
     def _sample(self, seq: Sequence, row: Any, now: float) -> None:
         p = seq.params
@@ -355,7 +362,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         return {"state": self.state, "queue_depth": self.queue_depth, "running": self.running,
                 "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
-                "steps": self.steps, "cancelled_total": self.cancelled_total}
+                "steps": self.steps, "cancelled_total": self.cancelled_total,
+                "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
 
 
 def not_ready(engine: Engine) -> APIError:

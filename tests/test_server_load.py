@@ -1,0 +1,203 @@
+"""Concurrency, backpressure, cancellation, loading and failure: the server under stress."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("exl3tools.runtime.runner", reason="the runtime runner has not landed yet")
+
+from exl3tools.server.app import ServeConfig, create_app, runtime_loader  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import DEMO  # noqa: E402
+
+MODEL = "demo"
+MSGS = [{"role": "user", "content": "Tell me a story."}]
+
+
+def config(**kw) -> ServeConfig:
+    return ServeConfig(model_path=str(DEMO / "model"), served_model_name=MODEL, **kw)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(create_app(config(max_batch=32, max_queue=256))) as s:
+        yield s
+
+
+def stats(server) -> dict:
+    return httpx.get(f"{server.url}/v1/engine/stats").json()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_for(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_64_concurrent_streams_all_complete(server):
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    async def one(i: int):
+        text, finish, usage = "", None, None
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MSGS, max_tokens=8, seed=i, temperature=1.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+        return text, finish, usage
+
+    async def main():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 240)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    for text, finish, usage in results:
+        assert finish == "length" and isinstance(text, str)
+        assert usage is not None and usage.completion_tokens == 8
+    assert len({r[0] for r in results}) > 1  # different seeds, different stories
+    assert wait_for(lambda: stats(server)["running"] == 0)
+    s = stats(server)
+    assert s["queue_depth"] == 0 and s["cache_tokens_used"] == 0
+
+
+def test_streaming_disconnect_cancels_and_frees_cache(server):
+    before = stats(server)["cancelled_total"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 3000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()  # not exhausted nor closed: the connection stays open
+        data = [ln for ln in (next(lines) for _ in range(6)) if ln.startswith("data: ")]
+        assert len(data) == 3 and json.loads(data[0][6:])["choices"][0]["finish_reason"] is None
+        s = stats(server)
+        assert s["running"] == 1 and s["cache_tokens_used"] > 0 and s["cancelled_total"] == before
+    # leaving the block closed the connection mid-stream
+    assert wait_for(lambda: stats(server)["cancelled_total"] == before + 1)
+    assert wait_for(lambda: stats(server)["running"] == 0 and stats(server)["cache_tokens_used"] == 0)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert metric(metrics, "exl3tools_sequences_cancelled_total") == before + 1
+    assert metric(metrics, "exl3tools_running_sequences") == 0
+    assert metric(metrics, "exl3tools_kv_cache_tokens_used") == 0
+
+
+def test_non_streaming_disconnect_cancels(server):
+    before = stats(server)["cancelled_total"]
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 3000, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    assert wait_for(lambda: stats(server)["cancelled_total"] == before + 2)
+    assert wait_for(lambda: stats(server)["running"] == 0 and stats(server)["cache_tokens_used"] == 0)
+
+
+def test_full_queue_answers_429_with_retry_after():
+    with LiveServer(create_app(config(max_batch=1, max_queue=2))) as s:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(12)))
+
+        responses = asyncio.run(main())
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 429}, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1"
+                err = r.json()["error"]
+                assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 100
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
+        assert 'status="429"' in httpx.get(f"{s.url}/metrics").text
+
+
+def test_health_is_503_while_loading_then_200():
+    gate = threading.Event()
+    real = runtime_loader(config())
+
+    def slow_load():
+        gate.wait(60)
+        return real()
+
+    with LiveServer(create_app(config(), load=slow_load), wait_ready=False) as s:
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and h.headers["retry-after"] == "1"
+        assert h.json()["status"] == "loading" and h.json()["error"]["code"] == "model_loading"
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert r.headers["retry-after"] == "1"
+        assert httpx.get(f"{s.url}/v1/models").status_code == 503
+        assert 'exl3tools_model_ready{model="demo"} 0.0' in httpx.get(f"{s.url}/metrics").text
+        gate.set()
+        s.until_ready()
+        assert httpx.get(f"{s.url}/health").json()["status"] == "ok"
+
+
+def test_load_failure_is_reported_not_fatal():
+    def broken():
+        raise FileNotFoundError("weights went missing")
+
+    with LiveServer(create_app(config(), load=broken), wait_ready=False) as s:
+        assert wait_for(lambda: httpx.get(f"{s.url}/health").json().get("status") == "failed")
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and "weights went missing" in h.json()["error"]["message"]
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+
+
+class FlakyRunner:
+    """The real runner, except that a step containing token id 7 raises (a device fault)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def step(self, batch):
+        if any(7 in toks for _, toks in batch):
+            raise RuntimeError("simulated device fault")
+        return self._inner.step(batch)
+
+
+def test_runner_failure_is_a_500_and_the_server_lives_on():
+    real = runtime_loader(config())
+    with LiveServer(create_app(config(), load=lambda: FlakyRunner(real()))) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": [1, 7, 9], "max_tokens": 2})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "engine_error"
+        assert "simulated" not in r.text and "Traceback" not in r.text
+        body = {"model": MODEL, "prompt": [1, 7], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body) as resp:
+            events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+        assert json.loads(events[0])["error"]["code"] == "engine_error" and events[-1] == "[DONE]"
+        ok = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": [1, 9], "max_tokens": 1,
+                                                         "temperature": 0, "stop_token_ids": [7]})
+        assert ok.status_code == 200
+        assert wait_for(lambda: stats(s)["running"] == 0 and stats(s)["cache_tokens_used"] == 0)
