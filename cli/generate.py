@@ -1,0 +1,136 @@
+"""exl3tools generate: run a prompt through the runtime and stream the completion."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from exl3tools.errors import UsageError
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise UsageError(f"--token-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--token-ids is empty")
+    return ids
+
+
+@click.command("generate")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
+              help="Tensor-parallel ranks (spawns this many processes; PATH may be a rank-slice output).")
+@click.option("--prompt", default=None, help="Prompt text (encoded with the model's tokenizer.json).")
+@click.option("--token-ids", default=None, help="Prompt as token ids, e.g. 1,2,3 (instead of --prompt).")
+@click.option("--max-tokens", type=click.IntRange(0), default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Sampling seed (reproducible runs).")
+@click.option("--add-bos/--no-add-bos", default=False, show_default=True,
+              help="Prepend the BOS token to a --prompt that does not start with it.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write prompt logits (every position) and per-step logits as safetensors.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--backend", default="reference", show_default=True, help="Kernel backend (exl3tools.kernels.dispatch).")
+@click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
+              help="MoE cut when running an unsliced checkpoint with --tp > 1.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
+def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None, max_tokens: int,
+                 temperature: float, top_k: int, top_p: float, seed: int | None, add_bos: bool,
+                 ignore_eos: bool, logits_out: Path | None, device: str, backend: str, moe: str,
+                 as_json: bool) -> None:
+    """Generate a completion for a prompt with the CPU/GPU runtime.
+
+    \b
+    exl3tools generate ./model --prompt "Hello" --max-tokens 32
+    exl3tools generate ./model-tp2 --tp 2 --token-ids 1,77,300 --logits-out out.safetensors
+    exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
+    """
+    from exl3tools.cli._output import emit_json, status
+    from exl3tools.runtime.runner import load_runner
+    from exl3tools.runtime.sampling import make_generator, sample
+
+    if (prompt is None) == (token_ids is None):
+        raise UsageError("give exactly one of --prompt or --token-ids")
+    t0 = time.perf_counter()
+    runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe)
+    if runner is None:  # a torchrun worker rank: it served rank 0 until the end
+        return
+    with runner:
+        t_load = time.perf_counter() - t0
+        if token_ids is not None:
+            ids = _token_ids(token_ids)
+        else:
+            if runner.tokenizer is None:
+                raise UsageError(f"{path}: no tokenizer.json; use --token-ids")
+            ids = runner.tokenizer.encode(prompt).ids
+            if add_bos and runner.bos_token_id is not None and (not ids or ids[0] != runner.bos_token_id):
+                ids = [runner.bos_token_id] + ids
+        if not ids:
+            raise UsageError("the prompt encodes to no tokens")
+        gen = make_generator(seed)
+        runner.add_sequence("cli")
+        t1 = time.perf_counter()
+        prompt_logits = runner.step([("cli", ids)], all_logits=logits_out is not None)
+        t_prefill = time.perf_counter() - t1
+        row = prompt_logits[-1]
+        out_ids: list[int] = []
+        step_logits = []
+        shown = ""
+        t2 = time.perf_counter()
+        for i in range(max_tokens):
+            if logits_out is not None:
+                step_logits.append(row.clone())
+            tok = sample(row, temperature, top_k, top_p, gen)
+            out_ids.append(tok)
+            if not as_json and runner.tokenizer is not None:
+                text = runner.tokenizer.decode(out_ids)
+                if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    click.echo(text[len(shown):], nl=False)
+                    shown = text
+            if tok in runner.eos_token_ids and not ignore_eos:
+                break
+            if i + 1 < max_tokens:
+                row = runner.step([("cli", [tok])])[0]
+        t_decode = time.perf_counter() - t2
+        if logits_out is not None:
+            _write_logits(logits_out, ids, prompt_logits, out_ids, step_logits)
+        text = runner.tokenizer.decode(out_ids) if runner.tokenizer is not None else None
+        stats = {"load_s": round(t_load, 3), "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
+                 "prefill_tok_s": round(len(ids) / t_prefill, 2) if t_prefill else None,
+                 "decode_tok_s": round(len(out_ids) / t_decode, 2) if t_decode and out_ids else None}
+        if as_json:
+            emit_json({"model": runner.model_name, "tp": tp, "prompt_ids": ids, "completion_ids": out_ids,
+                       "text": text, **stats})
+        else:
+            if runner.tokenizer is None:
+                click.echo(",".join(map(str, out_ids)), nl=False)
+            click.echo()
+            status(f"{len(ids)} prompt tokens, {len(out_ids)} generated; prefill {stats['prefill_tok_s']} tok/s, "
+                   f"decode {stats['decode_tok_s']} tok/s, load {t_load:.1f} s")
+
+
+def _write_logits(dst: Path, prompt_ids: list[int], prompt_logits, out_ids: list[int], step_logits: list) -> None:
+    """prompt_tokens I64 [n], prompt_logits F32 [n, vocab] (logits after each prompt position),
+    tokens I64 [steps], step_logits F32 [steps, vocab] (the row each generated token came from)."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    vocab = prompt_logits.shape[-1]
+    tensors = {
+        "prompt_tokens": torch.tensor(prompt_ids, dtype=torch.int64),
+        "prompt_logits": prompt_logits.float().contiguous(),
+        "tokens": torch.tensor(out_ids, dtype=torch.int64),
+        "step_logits": (torch.stack(step_logits) if step_logits else torch.empty(0, vocab)).float().contiguous(),
+    }
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"producer": "exl3tools generate"})
+    os.replace(tmp, dst)
