@@ -93,7 +93,7 @@ def open_tolerant(root: Path, sink: Sink) -> tuple[Checkpoint, set[str]] | None:
     else:
         files = globbed
     if not files:
-        sink.add("E101", None, None, "no *.safetensors files")
+        sink.add("E101", "*.safetensors", None, "no safetensors files in the checkpoint")
         return None
 
     headers: dict[str, Header] = {}
