@@ -41,10 +41,12 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
               help="MoE cut when running an unsliced checkpoint with --tp > 1.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
+@click.option("--mtp", type=click.IntRange(0), default=0, show_default=True,
+              help="Speculative decoding with the model's MTP head, N draft tokens per step (greedy only).")
 def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None, max_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int | None, add_bos: bool,
                  ignore_eos: bool, logits_out: Path | None, device: str, backend: str, moe: str,
-                 as_json: bool) -> None:
+                 as_json: bool, mtp: int) -> None:
     """Generate a completion for a prompt with the CPU/GPU runtime.
 
     \b
@@ -53,11 +55,14 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
     """
     from exl3tools.cli._output import emit_json, status
+
     from exl3tools.runtime.runner import load_runner
     from exl3tools.runtime.sampling import make_generator, sample
 
     if (prompt is None) == (token_ids is None):
         raise UsageError("give exactly one of --prompt or --token-ids")
+    if mtp and (temperature != 0.0 or logits_out is not None):
+        raise UsageError("--mtp runs greedy decoding only (--temperature 0, no --logits-out)")
     t0 = time.perf_counter()
     runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe)
     if runner is None:  # a torchrun worker rank: it served rank 0 until the end
@@ -74,6 +79,11 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
                 ids = [runner.bos_token_id] + ids
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
+        if mtp:  # runtime/mtp.py: exact speculative decoding, same tokens as plain greedy
+            from exl3tools.runtime.mtp import generate_cli
+
+            return generate_cli(runner, ids, max_tokens, mtp, ignore_eos=ignore_eos, as_json=as_json,
+                                t_load=t_load, tp=tp)
         gen = make_generator(seed)
         runner.add_sequence("cli")
         t1 = time.perf_counter()

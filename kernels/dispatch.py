@@ -64,7 +64,6 @@ def make_linear(tensors: dict, codebook: str, k_bits: float, device, backend: st
 # ------------------------------------------------------------------ reference (CPU) backend
 def _dense_weight(tensors: dict):
     import torch
-
     from exl3tools.kernels.reference import decode_linear
 
     w = decode_linear(tensors["trellis"].cpu().numpy(), tensors["suh"].cpu().numpy(),

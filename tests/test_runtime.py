@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from exl3tools.kernels import dispatch
 from safetensors.torch import load_file
 
 from exl3tools.errors import UnsupportedArchitectureError, UsageError
-from exl3tools.kernels import dispatch
 from exl3tools.runtime.runner import CacheFullError, ContextLengthError, load_runner
 from exl3tools.runtime.sampling import logprobs, make_generator, sample
 from tests.conftest import DEMO, fixture_dir

@@ -15,8 +15,8 @@ rank 0 as one clear error and every rank exits.
 from __future__ import annotations
 
 import datetime
-import os
 import json
+import os
 import socket
 import subprocess
 import sys

@@ -16,8 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exl3tools.checkpoint.reader import Checkpoint, load_json
-from exl3tools.errors import (CheckpointError, IncompleteOutputError, NotACheckpointError, NotFoundError,
-                              UsageError)
+from exl3tools.errors import (
+    CheckpointError,
+    IncompleteOutputError,
+    NotACheckpointError,
+    NotFoundError,
+    UsageError,
+)
 
 RANK_DIR = re.compile(r"^rank-(\d+)-of-(\d+)$")
 

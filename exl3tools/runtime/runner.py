@@ -78,6 +78,10 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 caches[cmd[1]] = model.new_cache()
             elif op == "free":
                 caches.pop(cmd[1], None)
+            elif op == "mtp":  # speculative decoding with the MTP head, in lockstep with rank 0
+                from exl3tools.runtime.mtp import worker_op
+
+                worker_op(model, cmd)
             elif op == "stop":
                 break
     finally:

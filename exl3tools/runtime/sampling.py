@@ -37,7 +37,7 @@ def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[floa
     top: list[tuple[int, float]] = []
     if top_n > 0:
         v, i = torch.topk(lp, min(top_n, lp.numel()))
-        top = [(int(a), float(b)) for a, b in zip(i, v)]
+        top = [(int(a), float(b)) for a, b in zip(i, v, strict=True)]
     return float(lp[token]), top
 
 

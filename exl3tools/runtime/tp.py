@@ -43,7 +43,7 @@ class TPContext:
             x = torch.cat([x, x.new_zeros(shape)], dim=dim)
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
-        parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes)]
+        parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)]
         return torch.cat(parts, dim=dim)
 
 

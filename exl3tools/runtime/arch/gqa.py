@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 from exl3tools.errors import CheckpointError, MissingTensorError
 from exl3tools.runtime.arch import BuildContext
-from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE, RMSNorm, load_linear, rope_settings
+from exl3tools.runtime.layers import (
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    MoE,
+    RMSNorm,
+    load_linear,
+    rope_settings,
+)
 from exl3tools.runtime.model import CausalLM, ModelInfo
 from exl3tools.runtime.weights import Cut
 
@@ -81,9 +89,9 @@ def build_moe(ctx: BuildContext, spec: GqaSpec, prefix: str) -> MoE:
         if not ws.is_linear(f"{p}.gate_proj"):
             raise MissingTensorError(f"{ws.ckpt.root}: expert {e} of {prefix} is missing ({p}.gate_proj)")
         if kind == "tp":  # every expert's intermediate is cut at [first, last)
-            f, l = int(entry["first"]), int(entry["last"])
-            experts[e] = GatedMLP(_lin(ctx, f"{p}.gate_proj", Cut("col", f, l)), _lin(ctx, f"{p}.up_proj", Cut("col", f, l)),
-                                  _lin(ctx, f"{p}.down_proj", Cut("row", f, l, bias_here=f == 0)))
+            a, b = int(entry["first"]), int(entry["last"])
+            experts[e] = GatedMLP(_lin(ctx, f"{p}.gate_proj", Cut("col", a, b)), _lin(ctx, f"{p}.up_proj", Cut("col", a, b)),
+                                  _lin(ctx, f"{p}.down_proj", Cut("row", a, b, bias_here=a == 0)))
         else:
             experts[e] = GatedMLP(_lin(ctx, f"{p}.gate_proj", None), _lin(ctx, f"{p}.up_proj", None),
                                   _lin(ctx, f"{p}.down_proj", None))

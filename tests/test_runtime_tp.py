@@ -1,0 +1,114 @@
+"""Tensor parallelism on CPU (gloo, one process per rank) from `exl3tools rank-slice` outputs.
+
+TP=2 (--moe ep) and TP=4 (--moe tp) must give the TP=1 logits within fp32 tolerance, and each
+rank must open only files of its own rank directory. Bad layouts fail fast with one line and an
+exit code, without leaving ranks hanging. These tests spawn processes: few and small.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from exl3tools.checkpoint.reader import Checkpoint
+from exl3tools.rank_slice import plan_rank_slices, write_rank_shards
+from exl3tools.runtime.runner import load_runner
+from tests.conftest import fixture_dir
+
+NAME = "glm4_moe-tp-2.0bpw-mul1"
+TP_ATOL = 1e-4       # fp32 summation order differs across ranks; measured ~1.3e-6
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    src = fixture_dir(NAME)
+    root = tmp_path_factory.mktemp("tp")
+    ck = Checkpoint.open(src / "model")
+    out = {}
+    for tp, moe in ((2, "ep"), (4, "tp")):
+        dst = root / f"tp{tp}-{moe}"
+        write_rank_shards(ck, plan_rank_slices(ck, tp, moe), dst)
+        out[tp] = dst
+    return src, out
+
+
+def _run(runner, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt logits of p16 and STEPS teacher-forced decode rows."""
+    runner.add_sequence("s")
+    prompt = runner.step([("s", g["prompt_p16"].tolist())], all_logits=True)
+    rows = [runner.step([("s", [t])])[0] for t in g["exl3_greedy_p16"][:STEPS].tolist()]
+    runner.free_sequence("s")
+    return prompt, torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def tp1(sliced):
+    src, _ = sliced
+    g = load_file(str(src / "goldens_logits.safetensors"))
+    with load_runner(src / "model") as r:
+        prompt, rows = _run(r, g)
+    assert (prompt - g["exl3_logits_p16"]).abs().max() < 0.01
+    return g, prompt, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_matches_tp1_and_reads_only_own_rank(sliced, tp1, tp, monkeypatch):
+    _, dirs = sliced
+    g, prompt1, rows1 = tp1
+    monkeypatch.setenv("EXL3TOOLS_TRACE_OPENS", "1")
+    with load_runner(dirs[tp], tp=tp) as r:
+        prompt, rows = _run(r, g)
+        opened = r.opened_files
+    assert (prompt - prompt1).abs().max().item() < TP_ATOL
+    assert (rows - rows1).abs().max().item() < TP_ATOL
+    root = str(dirs[tp].resolve())
+    assert sorted(opened) == list(range(tp))
+    for rank, files in opened.items():
+        mine = [f for f in files if f.startswith(root)]
+        assert any(f.endswith(".safetensors") for f in mine), (rank, mine)
+        own = os.path.join(root, f"rank-{rank}-of-{tp}") + os.sep
+        assert all(f.startswith(own) for f in mine), (rank, [f for f in mine if not f.startswith(own)])
+
+
+def _cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "exl3tools.cli", "generate", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "EXL3TOOLS_TP_TIMEOUT": "60"})
+
+
+def test_wrong_tp_and_missing_rank_dirs(sliced, tmp_path):
+    _, dirs = sliced
+    p = _cli(dirs[2], "--tp", "4", "--token-ids", "1,2")
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
+    assert "--tp 2" in p.stderr and "--tp 4" in p.stderr
+    broken = tmp_path / "missing"
+    shutil.copytree(dirs[4], broken)
+    shutil.rmtree(broken / "rank-2-of-4")
+    p = _cli(broken, "--tp", "4", "--token-ids", "1,2")
+    assert p.returncode == 2 and "rank-2-of-4" in p.stderr and p.stderr.strip().count("\n") == 0
+    (broken / "manifest.json").unlink()
+    shutil.copytree(dirs[4] / "rank-2-of-4", broken / "rank-2-of-4")
+    p = _cli(broken, "--tp", "4", "--token-ids", "1,2")
+    assert p.returncode == 1 and "manifest.json" in p.stderr
+
+
+@pytest.mark.slow
+def test_broken_rank_fails_every_rank_cleanly(sliced, tmp_path):
+    """Rank 1 cannot load its shard: rank 0 reports it in one line, every process exits, no hang."""
+    _, dirs = sliced
+    broken = tmp_path / "corrupt"
+    shutil.copytree(dirs[2], broken)
+    shard = next((broken / "rank-1-of-2").glob("model-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    p = _cli(broken, "--tp", "2", "--token-ids", "1,2")
+    assert p.returncode == 1, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith("error:") and "rank 1" in lines[-1]
