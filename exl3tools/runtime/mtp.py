@@ -129,8 +129,9 @@ def greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 def greedy_mtp(model, prompt: list[int], max_new: int, draft_len: int = 1,
-               stop: set[int] | None = None) -> tuple[list[int], SpecStats]:
-    """Greedy decoding with the model's MTP head as draft: same tokens as ``greedy``, fewer target forwards."""
+               stop: set[int] | None = None, on_tokens=None) -> tuple[list[int], SpecStats]:
+    """Greedy decoding with the model's MTP head as draft: same tokens as ``greedy``, fewer target
+    forwards. ``stop``: end after one of these tokens; ``on_tokens(list)``: called as tokens land."""
     head: MTPHead = model.mtp
     if head is None:
         raise ValueError("this model has no MTP head")
@@ -142,6 +143,8 @@ def greedy_mtp(model, prompt: list[int], max_new: int, draft_len: int = 1,
     stats.target_forwards += 1
     tok = int(logits[-1].argmax())
     out = [tok]
+    if on_tokens:
+        on_tokens([tok])
     # pairs (target state at i, token at i+1) not yet written into the head's cache
     pend_states, pend_tokens = states, list(prompt[1:]) + [tok]
     while len(out) < max_new and not (stop and tok in stop):
@@ -165,6 +168,13 @@ def greedy_mtp(model, prompt: list[int], max_new: int, draft_len: int = 1,
         stats.drafted += len(drafts)
         stats.accepted += a
         stats.accepted_per_step.append(a)
+        if on_tokens:
+            keep = new[:max(0, max_new - len(out))]
+            if stop:
+                cut = next((i for i, t in enumerate(keep) if t in stop), None)
+                keep = keep if cut is None else keep[:cut + 1]
+            if keep:
+                on_tokens(keep)
         out.extend(new)
         tok = new[-1]
         pend_states, pend_tokens = states[:a + 1], new
@@ -175,3 +185,66 @@ def greedy_mtp(model, prompt: list[int], max_new: int, draft_len: int = 1,
                 out = out[:i + 1]
                 break
     return out, stats
+
+
+# ------------------------------------------------------------------ Runner glue (CLI, TP workers)
+def runner_generate(runner, prompt: list[int], max_new: int, draft_len: int, *, stop: set[int] | None = None,
+                    on_tokens=None) -> tuple[list[int], SpecStats]:
+    """``greedy_mtp`` through a Runner; with TP every rank runs it in lockstep (``worker_op``)."""
+    from exl3tools.errors import UsageError
+
+    if getattr(runner.model, "mtp", None) is None:
+        raise UsageError(f"{runner.model_name}: this checkpoint has no MTP head (--mtp needs GLM-5 with "
+                         "model.layers.{num_hidden_layers}.* tensors)")
+    if draft_len < 1:
+        raise UsageError("--mtp must be >= 1")
+    runner._send(("mtp", list(prompt), int(max_new), int(draft_len), sorted(stop) if stop else None))
+    return greedy_mtp(runner.model, list(prompt), max_new, draft_len, stop=stop, on_tokens=on_tokens)
+
+
+def worker_op(model, cmd) -> None:
+    """A TP worker's side of ``runner_generate`` (runtime/runner.py serve_rank, op "mtp")."""
+    _, prompt, max_new, draft_len, stop = cmd
+    greedy_mtp(model, prompt, max_new, draft_len, stop=set(stop) if stop else None)
+
+
+def generate_cli(runner, ids: list[int], max_tokens: int, draft_len: int, *, ignore_eos: bool, as_json: bool,
+                 t_load: float, tp: int) -> None:
+    """``exl3tools generate --mtp N``: stream the greedy completion, then print the acceptance rate."""
+    import time
+
+    import click
+
+    from exl3tools.cli._output import emit_json, status
+
+    out: list[int] = []
+    shown = ""
+
+    def on_tokens(new: list[int]) -> None:
+        nonlocal shown
+        out.extend(new)
+        if not as_json and runner.tokenizer is not None:
+            text = runner.tokenizer.decode(out)
+            if not text.endswith("\ufffd"):
+                click.echo(text[len(shown):], nl=False)
+                shown = text
+
+    t0 = time.perf_counter()
+    toks, st = ([], SpecStats()) if max_tokens == 0 else runner_generate(
+        runner, ids, max_tokens, draft_len, stop=None if ignore_eos else set(runner.eos_token_ids),
+        on_tokens=on_tokens)
+    dt = time.perf_counter() - t0
+    text = runner.tokenizer.decode(toks) if runner.tokenizer is not None else None
+    mtp = {"draft_len": draft_len, "drafted": st.drafted, "accepted": st.accepted,
+           "acceptance_rate": round(st.acceptance_rate, 4), "target_forwards": st.target_forwards}
+    if as_json:
+        emit_json({"model": runner.model_name, "tp": tp, "prompt_ids": ids, "completion_ids": toks, "text": text,
+                   "load_s": round(t_load, 3), "prompt_tokens": len(ids), "completion_tokens": len(toks),
+                   "tok_s": round(len(toks) / dt, 2) if dt and toks else None, "mtp": mtp})
+        return
+    if runner.tokenizer is None:
+        click.echo(",".join(map(str, toks)), nl=False)
+    click.echo()
+    status(f"{len(ids)} prompt tokens, {len(toks)} generated with MTP draft {draft_len}: accepted "
+           f"{st.accepted}/{st.drafted} drafts ({100 * st.acceptance_rate:.1f}%), {st.target_forwards} target "
+           f"forwards, {len(toks) / dt if dt else 0:.2f} tok/s, load {t_load:.1f} s")
