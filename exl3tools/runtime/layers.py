@@ -152,11 +152,12 @@ class Attention:
             qs = q[sp.row:sp.row + sp.n].transpose(0, 1)            # (nq, n, d)
             kk = kk.transpose(0, 1).repeat_interleave(groups, 0)     # (nq, L, d)
             vv = vv.transpose(0, 1).repeat_interleave(groups, 0)
-            mask = None
+            # plain matmul-softmax: torch's CPU SDPA costs ~50x more on decode-sized shapes
+            scores = torch.matmul(qs, kk.transpose(1, 2)) * self.scale          # (nq, n, L)
             if sp.n > 1:
                 i = torch.arange(sp.n)[:, None] + sp.pos
-                mask = torch.arange(L)[None, :] <= i
-            o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=self.scale)
+                scores = scores.masked_fill(torch.arange(L)[None, :] > i, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vv)
             out[sp.row:sp.row + sp.n] = o.transpose(0, 1)
         return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
 
@@ -229,8 +230,9 @@ class MoE:
             rows, slot = (sel == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = mlp.partial(x[rows]) * w[rows, slot][:, None]
-            out.index_add_(0, rows, y)
+            # rows are unique per expert (top-k picks an expert once per token): a plain indexed add
+            # (index_add_ stalls for ms in its OpenMP path on small CPU shapes)
+            out[rows] += mlp.partial(x[rows]) * w[rows, slot][:, None]
         if self.shared is not None and self.shared.sharded:
             out = out + self.shared.partial(x)
         out = self.reduce(out)
