@@ -69,12 +69,17 @@ def load_linear(ws: WeightSource, prefix: str, cut: Cut | None = None, *, in_rea
 
 
 # ------------------------------------------------------------------ norms, rope
+def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return t if t is None or t.device == device else t.to(device)
+
+
 class RMSNorm:
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight, self.eps = weight.float(), eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
+        self.weight = _on(self.weight, x.device)   # follows the activations' device once
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -139,11 +144,12 @@ class Attention:
             q = self.q_norm(q)
         if self.k_norm is not None:
             k = self.k_norm(k)
+        self.inv_freq = _on(self.inv_freq, x.device)
         freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         q = apply_rope_neox(q, cos, sin, self.rdim)
         k = apply_rope_neox(k, cos, sin, self.rdim)
-        out = torch.empty(T, self.nq, self.hd, dtype=q.dtype)
+        out = torch.empty(T, self.nq, self.hd, dtype=q.dtype, device=q.device)
         groups = self.nq // self.nkv
         for sp in batch.spans:
             kv = sp.cache.extend(self.layer, {"k": k[sp.row:sp.row + sp.n], "v": v[sp.row:sp.row + sp.n]})
@@ -155,8 +161,8 @@ class Attention:
             # plain matmul-softmax: torch's CPU SDPA costs ~50x more on decode-sized shapes
             scores = torch.matmul(qs, kk.transpose(1, 2)) * self.scale          # (nq, n, L)
             if sp.n > 1:
-                i = torch.arange(sp.n)[:, None] + sp.pos
-                scores = scores.masked_fill(torch.arange(L)[None, :] > i, float("-inf"))
+                i = torch.arange(sp.n, device=q.device)[:, None] + sp.pos
+                scores = scores.masked_fill(torch.arange(L, device=q.device)[None, :] > i, float("-inf"))
             o = torch.matmul(torch.softmax(scores, dim=-1), vv)
             out[sp.row:sp.row + sp.n] = o.transpose(0, 1)
         return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
@@ -204,6 +210,7 @@ class MoE:
         self.shared = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.router, self.bias = _on(self.router, x.device), _on(self.bias, x.device)
         logits = x @ self.router.t()
         if self.routing == "softmax":
             if self.norm:
@@ -226,13 +233,22 @@ class MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         sel, w = self.route(x)
         out = torch.zeros_like(x)
+        # group the (token, slot) pairs by expert with one sort and one host sync
+        flat = sel.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.router.shape[0]).tolist()
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        k = sel.shape[1]
         for e, mlp in self.experts.items():
-            rows, slot = (sel == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
+            if counts[e] == 0:
                 continue
+            pick = order[starts[e]:starts[e + 1]]
+            rows = pick // k
             # rows are unique per expert (top-k picks an expert once per token): a plain indexed add
             # (index_add_ stalls for ms in its OpenMP path on small CPU shapes)
-            out[rows] += mlp.partial(x[rows]) * w[rows, slot][:, None]
+            out[rows] += mlp.partial(x[rows]) * w.reshape(-1)[pick][:, None]
         if self.shared is not None and self.shared.sharded:
             out = out + self.shared.partial(x)
         out = self.reduce(out)

@@ -36,8 +36,8 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, items: list[tuple[SeqCache, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
-        """Append each sequence's tokens to its cache; logits (float32) for the last new token of each
-        sequence, shape (len(items), vocab), or for every new row when ``all_logits``."""
+        """Append each sequence's tokens to its cache; logits (float32, on the CPU) for the last new
+        token of each sequence, shape (len(items), vocab), or for every new row when ``all_logits``."""
         spans, ids, pos = [], [], []
         row = 0
         for cache, tokens in items:
@@ -46,13 +46,14 @@ class CausalLM:
             ids.extend(tokens)
             pos.extend(range(p0, p0 + len(tokens)))
             row += len(tokens)
-        batch = Batch(spans, torch.tensor(pos, dtype=torch.int64))
-        h = self.embed[torch.tensor(ids, dtype=torch.int64)].float()
+        dev = self.embed.device
+        batch = Batch(spans, torch.tensor(pos, dtype=torch.int64, device=dev))
+        h = self.embed[torch.tensor(ids, dtype=torch.int64, device=dev)].float()
         for layer in self.layers:
             h = layer(h, batch)
         if not all_logits:
-            h = h[torch.tensor([s.row + s.n - 1 for s in spans])]
+            h = h[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
         logits = self.head(self.norm(h))
         if self.head_sharded:
             logits = self.tp.all_gather_cat(logits, dim=-1)
-        return logits[:, :self.info.vocab_size].float()
+        return logits[:, :self.info.vocab_size].float().cpu()

@@ -43,6 +43,7 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
     (``moe``: "tp" or "ep") and each rank reads only the byte ranges of its cut."""
     ckpt, cut = open_rank(layout, rank)
     mod = arch_module(ckpt.architecture)
+    device = rank_device(device, rank, world)
     block = ckpt.config.get("exl3tools") if layout.kind == "ranks" else None
     if cut:
         from exl3tools.rank_slice import plan_rank_slices
@@ -57,6 +58,7 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
 def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
                device: str = "cpu", max_context: int | None = None, moe: str = "tp", trace: bool = False) -> None:
     """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'."""
+    device = rank_device(device, rank, world)   # before the group: NCCL binds the current device
     D.init_group(rank, world, device, port)
     try:
         if trace:
@@ -227,6 +229,15 @@ class Runner:
         self.close()
 
 
+def rank_device(device: str, rank: int, world: int) -> str:
+    """A bare "cuda" under TP means one GPU per rank: cuda:LOCAL_RANK (torchrun) or cuda:rank."""
+    if str(device) == "cuda" and world > 1:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return device
+
+
 def _reap(procs, wait: float = 10.0) -> None:
     """Wait for our worker processes to exit; kill (by pid, ours only) any that do not."""
     for p in procs:
@@ -284,7 +295,7 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "refer
                                                               // world or 1})
     try:
         if world > 1:
-            D.init_group(0, world, device, port, procs)
+            D.init_group(0, world, rank_device(device, 0, world), port, procs)
         if trace:
             D.trace_opens_start()
         err, model = None, None
