@@ -57,6 +57,7 @@ def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[s
         if not (DEMO_MODEL / "config.json").is_file():
             raise NotFoundError(f"no PATH given and the demo checkpoint is missing ({DEMO_MODEL})")
         path = str(DEMO_MODEL)
+    _check_path(path, tp)
     if max_cache_tokens is not None and max_cache_tokens < 1:
         raise UsageError("--max-cache-tokens must be at least 1")
     cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, device=device,
@@ -67,5 +68,27 @@ def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[s
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(
             "binding %s without --api-key: anyone who can reach it can use it", host)
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    app = create_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    engine = app.state.server.engine
+
+    def on_state(state: str) -> None:  # a server that can never load should not linger
+        if state == "failed":
+            server.should_exit = True
+
+    engine.on_state = on_state
+    server.run()
+    if engine.load_exception is not None:
+        raise engine.load_exception
+
+
+def _check_path(path: str, tp: int) -> None:
+    """Fail in one line before binding: a missing path or a layout that does not fit --tp."""
+    from exl3tools.hub import looks_like_repo_id
+    from exl3tools.runtime.loader import resolve
+
+    if Path(path).exists():
+        resolve(path, tp)
+    elif not looks_like_repo_id(path):
+        raise NotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")

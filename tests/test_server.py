@@ -10,7 +10,6 @@ import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-pytest.importorskip("exl3tools.runtime.runner", reason="the runtime runner has not landed yet")
 
 from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
 from exl3tools.server.testing import LiveServer  # noqa: E402

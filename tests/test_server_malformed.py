@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-pytest.importorskip("exl3tools.runtime.runner", reason="the runtime runner has not landed yet")
 
 from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
 from exl3tools.server.testing import LiveServer  # noqa: E402

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,14 +70,27 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
     def load() -> Any:
         from exl3tools.runtime.runner import load_runner
 
-        if cfg.device == "cpu":
-            _cpu_threads(cfg.cpu_threads)
-
         kwargs: dict[str, Any] = {"device": cfg.device, "tp": cfg.tp, "backend": cfg.backend}
         if cfg.max_cache_tokens is not None:
             kwargs["max_cache_tokens"] = cfg.max_cache_tokens
-        return load_runner(cfg.model_path, **kwargs)
+        if cfg.device == "cpu":
+            _cpu_threads(cfg.cpu_threads)
+        return load_runner(local_path(cfg.model_path), **kwargs)
     return load
+
+
+def local_path(spec: str) -> str:
+    """A local checkpoint path as is; a hub repo id (``owner/name[@rev]``) downloaded to the hub
+    cache first (this runs while /health says 503 loading)."""
+    from exl3tools.hub import looks_like_repo_id, split_revision
+
+    if Path(spec).exists() or not looks_like_repo_id(spec):
+        return spec
+    from huggingface_hub import snapshot_download
+
+    repo, rev = split_revision(spec)
+    log.info("downloading %s from the Hugging Face hub", spec)
+    return snapshot_download(repo, revision=rev)
 
 
 def _cpu_threads(n: int | None) -> None:
@@ -121,7 +135,14 @@ class Server:
 
     @property
     def model_name(self) -> str:
-        return self.cfg.served_model_name or self.runner.model_name
+        if self.cfg.served_model_name:
+            return self.cfg.served_model_name
+        spec = self.cfg.model_path or ""
+        from exl3tools.hub import looks_like_repo_id, split_revision
+
+        if not Path(spec).exists() and looks_like_repo_id(spec):
+            return split_revision(spec)[0]  # not the snapshot hash the cache dir is named after
+        return self.runner.model_name
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

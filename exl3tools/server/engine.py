@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from exl3tools.errors import Exl3Error
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.protocol import APIError, SamplingParams
 
@@ -116,6 +117,8 @@ class Engine:
         self.runner: Any = None
         self.state = "loading"  # loading -> ready | failed
         self.load_error: str | None = None
+        self.load_exception: BaseException | None = None
+        self.on_state: Callable[[str], None] | None = None  # called once: "ready" or "failed"
         self.load_started = time.monotonic()
         self.cache_budget = 0
         self._cond = threading.Condition()
@@ -188,14 +191,22 @@ class Engine:
         try:
             runner = self._load()
             self._warmup(runner)
-        except BaseException as exc:  # reported by /health; the process stays up to say so
-            log.exception("model load failed")
+        except BaseException as exc:  # reported by /health (and `exl3tools serve` exits)
+            if isinstance(exc, Exl3Error):
+                log.error("model load failed: %s", exc)
+            else:
+                log.exception("model load failed")
+            self.load_exception = exc
             self.load_error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"
+            if self.on_state is not None:
+                self.on_state("failed")
             return
         self.runner = runner
         self.cache_budget = runner.cache_tokens_free()
         self.state = "ready"
+        if self.on_state is not None:
+            self.on_state("ready")
         log.info("engine ready: %s, cache budget %d tokens", runner.model_name, self.cache_budget)
         while True:
             with self._cond:
@@ -211,6 +222,12 @@ class Engine:
                     self._fail(seq)
         for seq in list(self._running):
             self._free(seq)
+        close = getattr(runner, "close", None)
+        if close is not None:
+            try:
+                close()  # with tp > 1 this stops the worker ranks
+            except Exception:
+                log.exception("runner.close failed")
 
     def _warmup(self, runner: Any) -> None:
         """The first forward pass must succeed before /health says ready."""
