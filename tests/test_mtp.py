@@ -1,0 +1,165 @@
+"""MTP head (GLM-5 ``model.layers.{N}``) as a speculative-decoding draft.
+
+- the head is built exactly once, from its own tensors only, and is never one of the target layers;
+- greedy with MTP (any draft length) emits exactly the tokens of plain greedy;
+- the accept/reject bookkeeping (cache rollback, pending states) is exercised with oracle drafts,
+  since the fixtures' random heads are never right (exllamav3 accepted 0 of 64 as well);
+- ``exl3tools generate --mtp N`` prints the same completion and reports the acceptance rate;
+- under TP=2 (rank-slice output) every rank holds its own copy and runs the loop in lockstep.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from functools import lru_cache
+
+import pytest
+import torch
+from click.testing import CliRunner
+from exl3tools.cli import main
+from safetensors.torch import load_file
+
+from exl3tools.checkpoint.reader import Checkpoint
+from exl3tools.runtime.arch import BuildContext, arch_module
+from exl3tools.runtime.mtp import greedy, greedy_mtp
+from exl3tools.runtime.tp import TPContext
+from exl3tools.runtime.weights import WeightSource
+from tests.conftest import fixture_dir
+
+GLM5 = "glm5_moe_dsa-3.0bpw-mul1"
+GLM5_TP = "glm5_moe_dsa-tp-4.0bpw-mcg"
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _build(name: str, reads: Counter | None = None):
+    ck = Checkpoint.open(fixture_dir(name) / "model")
+    ws = WeightSource(ck)
+    if reads is not None:
+        orig = ws.numpy
+
+        def counting(tname, *a, **kw):
+            reads[tname] += 1
+            return orig(tname, *a, **kw)
+
+        ws.numpy = counting
+    m = arch_module(ck.config["architectures"][0]).build(BuildContext(ck.config, ws, TPContext(), False))
+    return m, ck
+
+
+@lru_cache(maxsize=None)
+def _model(name: str):
+    m, _ = _build(name)
+    return m, load_file(str(fixture_dir(name) / "goldens_logits.safetensors"))
+
+
+# ------------------------------------------------------------------ loading
+@pytest.mark.parametrize("name", [GLM5, GLM5_TP])
+def test_mtp_layer_loaded_once_and_kept_apart(name):
+    reads: Counter = Counter()
+    m, ck = _build(name, reads)
+    n = int(ck.config["num_hidden_layers"])
+    mtp_names = {t for t in ck.tensors if LAYER.match(t) and int(LAYER.match(t).group(1)) == n}
+    assert mtp_names                                        # the fixture carries an MTP layer
+    assert m.mtp is not None and m.mtp.layer_index == n
+    assert len(m.layers) == n and m.mtp.block not in m.layers
+    # every tensor (MTP included) read exactly once: one copy, nothing loaded twice
+    assert set(reads) >= mtp_names - {t for t in mtp_names if t.endswith((".mcg", ".mul1"))}
+    assert max(reads.values()) == 1, [t for t, c in reads.items() if c > 1]
+    # target layers carry no MTP weights: their attention/MLP objects are distinct from the head's
+    ids = {id(o) for layer in m.layers for o in (layer.attn, layer.mlp)}
+    assert id(m.mtp.block.attn) not in ids and id(m.mtp.block.mlp) not in ids
+    # the target cache has exactly the target's layers; the head writes slot 0 of its own cache
+    assert len(m.new_cache().layers) == n and len(m.mtp.new_cache().layers) == 1
+    assert m.mtp.block.attn.layer == 0 and m.mtp.block.attn.indexer is not None
+    # the draft borrows the target's embedding and head
+    assert m.mtp.target is m
+
+
+def test_no_mtp_when_the_checkpoint_has_none():
+    """deepseek_v3 config says num_nextn_predict_layers 1, but no layer 2 exists (fixtures.md ¹)."""
+    reads: Counter = Counter()
+    m, ck = _build("deepseek_v3-3.0bpw-3inst", reads)
+    assert m.mtp is None
+    assert not any(LAYER.match(t) and int(LAYER.match(t).group(1)) >= 2 for t in reads)
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("draft_len", [1, 2, 3])
+def test_mtp_greedy_equals_plain_greedy(draft_len, capsys):
+    m, g = _model(GLM5)
+    prompt = g["prompt_p16"].tolist()
+    ref = greedy(m, prompt, 24)
+    out, st = greedy_mtp(m, prompt, 24, draft_len)
+    assert out == ref
+    assert st.drafted >= 23 and st.target_forwards <= 24
+    with capsys.disabled():
+        print(f"\n[{GLM5}] MTP draft {draft_len}: accepted {st.accepted}/{st.drafted} "
+              f"({100 * st.acceptance_rate:.1f}%), {st.target_forwards} target forwards for 24 tokens")
+
+
+def test_plain_greedy_reproduces_exllamav3_greedy():
+    m, g = _model(GLM5_TP)                  # no near-tie in its 32 steps (fixtures.md §4)
+    assert greedy(m, g["prompt_p16"].tolist(), 32) == g["exl3_greedy_p16"].tolist()
+
+
+@pytest.mark.parametrize("draft_len,wrong", [(1, set()), (3, set()), (3, {20, 26, 27}), (2, {18, 19, 22})])
+def test_accept_and_reject_paths_with_oracle_drafts(draft_len, wrong):
+    """Drafts forced to the true greedy tokens (except at ``wrong`` positions): the accepted prefix,
+    the rollback of both caches and the pending (state, token) pairs must keep the output exact."""
+    m, g = _model(GLM5)
+    prompt = g["prompt_p16"].tolist()
+    max_new = 20
+    ref = greedy(m, prompt, max_new)
+    full = prompt + ref
+    head = m.mtp
+    orig = head.forward
+    V = m.info.vocab_size
+
+    def oracle(cache, states, tokens):
+        p0 = cache.length
+        h, logits = orig(cache, states, tokens)
+        idx = p0 + len(tokens) + 1                     # the row at position p predicts token p + 2
+        tok = full[idx] if idx < len(full) else 0
+        if idx in wrong:
+            tok = (tok + 1) % V
+        logits = logits.clone()
+        logits[-1] = torch.nn.functional.one_hot(torch.tensor(tok), V).float() * 100
+        return h, logits
+
+    head.forward = oracle
+    try:
+        out, st = greedy_mtp(m, prompt, max_new, draft_len)
+    finally:
+        head.forward = orig
+    assert out == ref
+    if not wrong:
+        assert st.accepted == st.drafted and st.acceptance_rate == 1.0
+        assert st.target_forwards == 1 + -(-(max_new - 1) // (draft_len + 1))
+    else:
+        assert 0 < st.accepted < st.drafted
+
+
+# ------------------------------------------------------------------ CLI
+def test_generate_cli_mtp_same_tokens_and_reports_acceptance():
+    model = str(fixture_dir(GLM5) / "model")
+    args = ["generate", model, "--token-ids", "1,500,600,700", "--max-tokens", "10", "--json"]
+    plain = CliRunner().invoke(main, args)
+    spec = CliRunner().invoke(main, args + ["--mtp", "2"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, (plain.output, spec.output)
+    a, b = json.loads(plain.output), json.loads(spec.output)
+    assert a["completion_ids"] == b["completion_ids"] and len(b["completion_ids"]) == 10
+    assert b["mtp"]["draft_len"] == 2 and b["mtp"]["drafted"] > 0
+    assert b["mtp"]["acceptance_rate"] == b["mtp"]["accepted"] / b["mtp"]["drafted"]
+    text = CliRunner().invoke(main, args[:-1] + ["--mtp", "1"])
+    assert text.exit_code == 0 and "accepted" in text.output
+
+
+def test_generate_cli_mtp_refusals():
+    ds = str(fixture_dir("deepseek_v3-3.0bpw-3inst") / "model")
+    r = CliRunner().invoke(main, ["generate", ds, "--token-ids", "1,2,3", "--max-tokens", "2", "--mtp", "1"])
+    assert r.exit_code != 0 and "no MTP head" in r.output
+    glm = str(fixture_dir(GLM5) / "model")
+    r = CliRunner().invoke(main, ["generate", glm, "--token-ids", "1,2", "--mtp", "1", "--temperature", "0.7"])
+    assert r.exit_code != 0 and "greedy" in r.output
