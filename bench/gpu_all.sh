@@ -11,12 +11,12 @@ T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-# exl3tools as a package without pip: its package-dir mapping (pyproject) as a symlink farm
-mkdir -p /tmp/shim/exl3tools
-for f in exl3tools/*; do ln -sfn "$PWD/$f" /tmp/shim/exl3tools/; done
-ln -sfn "$PWD/kernels" /tmp/shim/exl3tools/kernels; ln -sfn "$PWD/cli" /tmp/shim/exl3tools/cli
-ln -sfn "$PWD/schemas" /tmp/shim/exl3tools/schemas
-export PYTHONPATH=/tmp/shim:/tmp/site:$PWD
+# exl3tools without pip: pyproject maps exl3tools.{kernels,cli,schemas} to top-level folders; mirror
+# that with links inside this (device) copy when the package is not importable as installed
+if ! python3 -c "import exl3tools.kernels" 2>/dev/null; then
+  for d in kernels cli schemas; do [ -e exl3tools/$d ] || ln -s ../$d exl3tools/$d; done
+fi
+export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"

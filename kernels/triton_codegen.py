@@ -73,7 +73,7 @@ def generate(width: int, cb: str, mode: str, asm: bool) -> str:
               "    jb = tl.program_id(1) * TN",
               "    sp = tl.program_id(2)",
               "    tr_ptr = tr_ptr + ex * tr_estride",
-              "    TK: tl.constexpr = 16"]
+              "    TK: tl.constexpr = " + ("16" if mode == "dot" else "8")]
     L += ["    ii = tl.arange(0, TK)[:, None, None]",
           "    jj = tl.arange(0, TN)[None, :, None]",
           "    aa = tl.arange(0, 8)[None, None, :]"]
@@ -82,7 +82,7 @@ def generate(width: int, cb: str, mode: str, asm: bool) -> str:
         L.append(f"    o{w} = ((aa * {k2} + {width - 1 + w}) % {width}) ^ 1")
     if mode == "decode":
         L += ["    mrow = (it + ii) < kt",
-              "    tbase = ((it + ii).to(tl.int64) * nt + (jb + jj)) * " + str(width),
+              "    tbase = ((it + ii) * nt + (jb + jj)) * " + str(width),
               "    if True:"]
         ind = "        "
     else:
@@ -96,11 +96,11 @@ def generate(width: int, cb: str, mode: str, asm: bool) -> str:
             L += ["    acc0 = tl.zeros([BM, TN * 8], dtype=tl.float32)",
                   "    acc1 = tl.zeros([BM, TN * 8], dtype=tl.float32)"]
         else:
-            L += ["    acc0 = tl.zeros([16, TN, 8], dtype=tl.float32)",
-                  "    acc1 = tl.zeros([16, TN, 8], dtype=tl.float32)"]
-        L += ["    for it in range(t_lo, t_hi, 16):",
+            L += ["    acc0 = tl.zeros([TK, TN, 8], dtype=tl.float32)",
+                  "    acc1 = tl.zeros([TK, TN, 8], dtype=tl.float32)"]
+        L += ["    for it in range(t_lo, t_hi, TK):",
               "        mrow = (it + ii) < t_hi",
-              "        tbase = ((it + ii).to(tl.int64) * nt + (jb + jj)) * " + str(width),
+              "        tbase = ((it + ii) * nt + (jb + jj)) * " + str(width),
               "        xm = rmask[:, None] & ((it * 16 + i16) < t_hi * 16)"]
         ind = "        "
     for w in range(k2 + 1):
@@ -135,29 +135,21 @@ def generate(width: int, cb: str, mode: str, asm: bool) -> str:
             L.append(f"{ind}acc{h} += x{r} * v_.to(tl.float32)")
     if mode == "decode":
         return "\n".join(L) + "\n"
-    # epilogue: rotated-basis partial (rows, 128) -> (· H128) ⊙ svh (+ bias on split 0) -> atomic add
+    # epilogue: rotated-basis partial (rows, TN*16) in natural column order -> fp32 atomic add.
+    # The output Hadamard, svh and bias run in a separate pass (a fused one held a 128x128 H in
+    # registers: 255 registers and spills on sm_90, see docs/gpu.md).
     L.append("    cc = tl.arange(0, TN * 16)")
     if mode == "dot":
         L += ["    a0 = tl.reshape(acc0, [BM, TN, 8])",
               "    a1 = tl.reshape(acc1, [BM, TN, 8])",
-              "    acc = tl.reshape(tl.permute(tl.join(a0, a1), (0, 1, 3, 2)), [BM, TN * 16])",
-              "    hm = tl.load(h_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])",
-              "    hi = acc.to(tl.float16)",
-              "    lo = (acc - hi.to(tl.float32)).to(tl.float16)",
-              "    out = (tl.dot(hi, hm) + tl.dot(lo, hm)) * 0.08838834764831845"]
+              "    out = tl.reshape(tl.permute(tl.join(a0, a1), (0, 1, 3, 2)), [BM, TN * 16])"]
     else:
         L += ["    a0 = tl.sum(acc0, axis=0)",
               "    a1 = tl.sum(acc1, axis=0)",
-              "    acc = tl.reshape(tl.permute(tl.join(a0, a1), (0, 2, 1)), [TN * 16])",
-              "    hm = tl.load(h_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :]).to(tl.float32)",
-              "    out = tl.sum(acc[:, None] * hm, axis=0)[None, :] * 0.08838834764831845",
+              "    out = tl.reshape(tl.permute(tl.join(a0, a1), (0, 2, 1)), [TN * 16])[None, :]",
               "    rmask = tl.arange(0, 1) < 1",
               "    mm = tl.arange(0, 1)"]
     L += ["    col = jb * 16 + cc",
-          "    out = out * tl.load(svh_ptr + ex * sv_estride + col).to(tl.float32)[None, :]",
-          "    if HAS_BIAS:",
-          "        if sp == 0:",
-          "            out = out + tl.load(bias_ptr + ex * sv_estride + col).to(tl.float32)[None, :]",
           "    dst = y_ptr + (row0 + mm).to(tl.int64)[:, None] * n + col[None, :]",
           "    tl.atomic_add(dst, out, mask=rmask[:, None], sem='relaxed')"]
     return "\n".join(L) + "\n"

@@ -28,7 +28,7 @@ from exl3tools.kernels.triton_codegen import generate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SMALL_ROWS = 32                 # above this, decode to fp16 + cuBLAS
-TARGET_PROGRAMS = 4 * 132       # split-K until about this many programs (H200: 132 SMs)
+TARGET_PROGRAMS = 8 * 132       # split-K until about this many programs (H200: 132 SMs)
 
 
 # ------------------------------------------------------------------ generated kernels
@@ -65,14 +65,14 @@ def _hadamard_pm1(device: str) -> torch.Tensor:
 @triton.jit
 def _had_kernel(x_ptr, out_ptr, h_ptr, tok_ptr, exp_ptr, pre_ptr, post_ptr, bias_ptr, P, width,
                 pre_estride, post_estride,
-                HAS_TOK: tl.constexpr, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
+                HAS_TOK: tl.constexpr, HAS_EXP: tl.constexpr, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BR: tl.constexpr):
     """out[p, blk] = ((x[tok[p], blk] ⊙ pre[e_p, blk]) · H128 / sqrt(128)) ⊙ post[e_p, blk] + bias."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < P
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     src = tl.load(tok_ptr + rows, mask=rmask, other=0) if HAS_TOK else rows
-    ex = tl.load(exp_ptr + rows, mask=rmask, other=0) if HAS_TOK else rows * 0
+    ex = tl.load(exp_ptr + rows, mask=rmask, other=0) if HAS_EXP else rows * 0
     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * width + cols[None, :], mask=rmask[:, None], other=0.0)
     x = x.to(tl.float32)
     if HAS_PRE:
@@ -107,7 +107,8 @@ def hadamard(x: torch.Tensor, pre=None, post=None, bias=None, tok=None, exp=None
     _had_kernel[grid](x, out, _hadamard_pm1(str(x.device)), tok if tok is not None else dummy,
                       exp if exp is not None else dummy, pre2 if pre2 is not None else dummy,
                       post2 if post2 is not None else dummy, bias2 if bias2 is not None else dummy,
-                      P, width, width, width, HAS_TOK=tok is not None, HAS_PRE=pre is not None,
+                      P, width, width, width, HAS_TOK=tok is not None, HAS_EXP=exp is not None,
+                      HAS_PRE=pre is not None,
                       HAS_POST=post is not None, HAS_BIAS=bias is not None, BR=16)
     return out
 
@@ -117,7 +118,7 @@ def decode_rotated(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
     """Ŵ fp16 (k, n) from an int16 trellis [k/16, n/16, W16]; bit-exact (reference.decode_rotated)."""
     kt, nt, width = trellis.shape
     out = torch.empty(kt * 16, nt * 16, device=trellis.device, dtype=torch.float16)
-    tk, tn = 8, min(16, nt)
+    tk, tn = 8, min(8, nt)
     while nt % tn:
         tn //= 2
     _kernel(width, codebook, "decode")[(triton.cdiv(kt, tk), nt // tn)](
@@ -135,26 +136,26 @@ def _split(kt: int, col_programs: int) -> int:
 
 def grouped_gemv(xh: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor, bias, codebook: str,
                  g_row0: torch.Tensor, g_rows: torch.Tensor, g_exp: torch.Tensor, bm: int,
-                 y32: torch.Tensor | None = None) -> torch.Tensor:
-    """y32[rows of g] += (xh[rows] @ Ŵ_e) · H ⊙ svh_e (+ bias_e), for each group g of ≤ bm rows.
+                 row_exp: torch.Tensor | None = None, out_dtype=torch.float16) -> torch.Tensor:
+    """y[rows of g] = (xh[rows] @ Ŵ_e) · H ⊙ svh_e + bias_e for each group g of ≤ bm rows.
 
-    ``trellis`` (E, kt, nt, W16), ``svh``/``bias`` (E, n); ``y32`` fp32 (P, n), zeroed by the caller.
+    ``trellis`` (E, kt, nt, W16), ``svh``/``bias`` (E, n); ``row_exp`` (P,) the expert of every
+    row (None: expert 0). Returns (P, n) ``out_dtype``.
     """
     E, kt, nt, width = trellis.shape
     k, n = kt * 16, nt * 16
     P = xh.shape[0]
-    if y32 is None:
-        y32 = torch.zeros(P, n, device=xh.device, dtype=torch.float32)
+    y32 = torch.zeros(P, n, device=xh.device, dtype=torch.float32)
     G = g_rows.shape[0]
-    split = _split(kt, G * (n // 128) if G <= 8 else 4 * (n // 128))
+    tn = 4
+    cols = n // (16 * tn)
+    split = _split(kt, G * cols if G <= 8 else 4 * cols)
     mode = "fma" if bm == 1 else "dot"
-    grid = (G, n // 128, triton.cdiv(kt, split))
+    grid = (G, cols, triton.cdiv(kt, split))
     _kernel(width, codebook, mode)[grid](
-        xh, trellis, svh, bias if bias is not None else svh, y32, _hadamard_pm1(str(xh.device)),
-        g_row0, g_rows, g_exp, k, n, kt, nt, kt * nt * width, n, split,
-        HAS_BIAS=bias is not None, BM=max(bm, 16) if mode == "dot" else 1, TN=8,
-        num_warps=4 if mode == "fma" else 4)
-    return y32
+        xh, trellis, svh, svh, y32, svh, g_row0, g_rows, g_exp, k, n, kt, nt, kt * nt * width, n, split,
+        HAS_BIAS=False, BM=max(bm, 16) if mode == "dot" else 1, TN=tn, num_warps=4)
+    return hadamard(y32, post=svh, bias=bias, exp=row_exp, out_dtype=out_dtype)
 
 
 class TritonLinear:
@@ -192,14 +193,15 @@ class TritonLinear:
             xh = hadamard(x2, pre=self.suh)
             g = self._group(rows)
             bm = 1 if rows == 1 else (16 if rows <= 16 else 32)
-            y = grouped_gemv(xh, self.trellis, self.svh, self.bias, self.codebook, *g, bm=bm)
-        return y.to(x.dtype).reshape(*shape[:-1], self.n)
+            y = grouped_gemv(xh, self.trellis, self.svh, self.bias, self.codebook, *g, bm=bm,
+                             out_dtype=x.dtype)
+        return y.reshape(*shape[:-1], self.n)
 
     def large(self, x2: torch.Tensor) -> torch.Tensor:
         xh = hadamard(x2, pre=self.suh)
         w = decode_rotated(self.trellis[0], self.codebook)
         yr = torch.mm(xh, w)
-        return hadamard(yr, post=self.svh, bias=self.bias, out=yr)
+        return hadamard(yr, post=self.svh, bias=self.bias, out_dtype=x2.dtype)
 
 
 def _triton_factory(tensors: dict, codebook: str, k_bits: float, device):
@@ -224,20 +226,22 @@ class TritonExperts:
     def __call__(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, bm: int = 16) -> torch.Tensor:
         """y[p] = x[tok[p]] @ W_{exp[p]} + bias, (P, n) in x.dtype, without a host sync."""
         plan = route_plan(tok, exp, self.E, bm)
-        y32 = self.run(x, plan)
+        ys = self.run(x, plan, out_dtype=x.dtype)
         y = torch.empty(tok.shape[0], self.n, device=x.device, dtype=x.dtype)
-        y[plan.order] = y32.to(x.dtype)
+        y[plan.order] = ys
         return y
 
-    def run(self, x: torch.Tensor, plan: "RoutePlan", tok_sorted: bool = False) -> torch.Tensor:
-        """fp32 (P, n) in the plan's sorted pair order; ``x`` rows are tokens (or, with
+    def run(self, x: torch.Tensor, plan: "RoutePlan", tok_sorted: bool = False,
+            out_dtype=torch.float32) -> torch.Tensor:
+        """(P, n) in the plan's sorted pair order; ``x`` rows are tokens (or, with
         ``tok_sorted``, already the sorted pairs, e.g. the previous projection's output)."""
         if tok_sorted:
             xh = hadamard(x, pre=self.suh, tok=plan.ident, exp=plan.exp_sorted)
         else:
             xh = hadamard(x, pre=self.suh, tok=plan.tok_sorted, exp=plan.exp_sorted)
         return grouped_gemv(xh, self.trellis, self.svh, self.bias, self.codebook,
-                            plan.g_row0, plan.g_rows, plan.g_exp, bm=plan.bm)
+                            plan.g_row0, plan.g_rows, plan.g_exp, bm=plan.bm, row_exp=plan.exp_sorted,
+                            out_dtype=out_dtype)
 
 
 class RoutePlan:
