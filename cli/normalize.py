@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from exl3tools.cli._output import console, emit_json, status
 
 
@@ -19,8 +18,9 @@ def normalize_cmd(src: str, dst: str, dry_run: bool, as_json: bool) -> None:
     \b
     exl3tools normalize ./foreign-exl3 ./model-normalized --dry-run
     """
-    from exl3tools.checkpoint import Checkpoint
     from exl3tools.cli.rank_slice import byte_progress
+
+    from exl3tools.checkpoint import Checkpoint
     from exl3tools.normalize import apply_normalize, plan_normalize
 
     ck = Checkpoint.open(src)

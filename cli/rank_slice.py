@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import click
-
 from exl3tools.cli._output import console, emit_json, err_console, status, warn
 
 
 def byte_progress(total: int, label: str):
     """A Rich progress bar with bytes/s on stderr; returns (progress, advance callback)."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     prog = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=err_console, transient=False)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from exl3tools.cli._output import console, emit_json
 
 
@@ -21,8 +20,9 @@ def verify_cmd(src: str, sliced: str, decode_samples: int, seed: int, no_hash: b
     \b
     exl3tools verify ./GLM-5-exl3 ./GLM-5-tp4
     """
-    from exl3tools.checkpoint.manifest import load_manifest
     from exl3tools.cli.rank_slice import byte_progress
+
+    from exl3tools.checkpoint.manifest import load_manifest
     from exl3tools.verify import verify_sliced
 
     man = load_manifest(sliced)

@@ -26,14 +26,25 @@ import numpy as np
 from exl3tools import __version__
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.manifest import (
-    MANIFEST_NAME, FileEntry, RankEntry, RankManifest, SourceFile, SourceInfo, sha256_file,
+    MANIFEST_NAME,
+    FileEntry,
+    RankEntry,
+    RankManifest,
+    SourceFile,
+    SourceInfo,
+    sha256_file,
 )
 from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint
 from exl3tools.checkpoint.writer import (
-    NullWriter, ShardWriter, fsync_dir, index_json, json_bytes, write_atomic,
+    AsyncShardWriter,
+    NullWriter,
+    fsync_dir,
+    index_json,
+    json_bytes,
+    write_atomic,
 )
 from exl3tools.errors import IncompatibleSliceError, OutputExistsError, UsageError
-from exl3tools.exl3 import BLOCK, LINEAR_SUFFIXES
+from exl3tools.exl3 import BLOCK
 from exl3tools.layout import MLA_ARCHS, real_dims, scan
 
 FORMAT = "exl3tools.rank-slice"
@@ -413,25 +424,25 @@ def tensor_slice(m: Module, name: str, cut: Cut, shape: tuple[int, ...]
         return None
     if kind == "replicate":
         return whole
-    _, f, l, size = cut
+    _, f, e, size = cut
     suffix = name.rsplit(".", 1)[1]
-    if f == 0 and l == size:
+    if f == 0 and e == size:
         return whole
     if suffix in ("mcg", "mul1", "scale"):
         return whole
     if m.kind == "exl3":
         if kind == "column":
-            sl = {"trellis": (1, f // 16, l // 16), "svh": (0, f, l), "sv": (0, f // 16, l // 16),
-                  "bias": (0, f, l)}
+            sl = {"trellis": (1, f // 16, e // 16), "svh": (0, f, e), "sv": (0, f // 16, e // 16),
+                  "bias": (0, f, e)}
         else:
-            sl = {"trellis": (0, f // 16, l // 16), "suh": (0, f, l), "su": (0, f // 16, l // 16)}
+            sl = {"trellis": (0, f // 16, e // 16), "suh": (0, f, e), "su": (0, f // 16, e // 16)}
             if suffix == "bias":
                 return whole if f == 0 else None
         return sl.get(suffix, whole)
     # unquantized linear, HF (out, in)
     if suffix == "bias":
-        return (0, f, l) if kind == "column" else (whole if f == 0 else None)
-    return (0, f, l) if kind == "column" else (1, f, l)
+        return (0, f, e) if kind == "column" else (whole if f == 0 else None)
+    return (0, f, e) if kind == "column" else (1, f, e)
 
 
 def cut_json(c: Cut, m: Module, rank_has_bias: bool) -> dict[str, Any]:
@@ -638,7 +649,7 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
             if rels[i] in journal.done:
                 writers.append(NullWriter())
             else:
-                writers.append(ShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs]))
+                writers.append(AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs]))
         if all(isinstance(w, NullWriter) for w in writers):
             progress(sum(t.nbytes for outs in sp.outputs for t in outs))
             return
@@ -675,7 +686,7 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
         finally:
             os.close(fd)
         for i, w in enumerate(writers):
-            if isinstance(w, ShardWriter):
+            if not isinstance(w, NullWriter):
                 size, sha = w.close()
                 journal.record(rels[i], size, sha)
     except BaseException:
@@ -717,22 +728,28 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
             with lock:
                 progress(n)
 
-    nthreads = threads or min(8, max(1, len(plan.shards)), (os.cpu_count() or 2) * 2)
-    if nthreads == 1 or len(plan.shards) == 1:
+    # one reader per source shard (each byte read once); every output file hashes and writes on
+    # its own thread (AsyncShardWriter), so a single shard already keeps several cores busy
+    nthreads = threads or min(4, len(plan.shards))
+    if nthreads == 1:
         for si in range(len(plan.shards)):
             _write_one_shard(ck, plan, si, dst, journal, prog, dequant)
     else:
         with ThreadPoolExecutor(nthreads) as pool:
             futs = [pool.submit(_write_one_shard, ck, plan, si, dst, journal, prog, dequant)
                     for si in range(len(plan.shards))]
-            for f in futs:
-                f.result()
+            try:
+                for f in futs:
+                    f.result()
+            except BaseException:
+                for f in futs:
+                    f.cancel()
+                raise
 
     # small files per output dir: index, config, quantization_config, tokenizer files
     ranks = []
     for i, d in enumerate(plan.dirs):
         base = dst / d
-        rel = (lambda n, d=d: f"{d}/{n}" if d != "." else n)
         wm = {t.name: s.out_name for s in plan.shards for t in s.outputs[i]}
         total = sum(t.nbytes for s in plan.shards for t in s.outputs[i])
         small: dict[str, bytes] = {INDEX_NAME: index_json(wm, total), "config.json": json_bytes(plan.configs[i])}
@@ -743,7 +760,7 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
             if (ck.root / tf).is_file():
                 small[tf] = (ck.root / tf).read_bytes()
         for name, data in small.items():
-            r = rel(name)
+            r = f"{d}/{name}" if d != "." else name
             if r in journal.done and journal.done[r].sha256 == hashlib.sha256(data).hexdigest():
                 continue
             size, sha = write_atomic(base / name, data)

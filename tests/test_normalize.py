@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from exl3tools.cli import main
 
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.checkpoint.header import header_bytes
-from exl3tools.cli import main
 from exl3tools.errors import IncompatibleSliceError
 from exl3tools.exl3 import pack_signs
 from exl3tools.normalize import apply_normalize, plan_normalize

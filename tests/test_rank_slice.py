@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from exl3tools.cli import main
+from exl3tools.kernels.reference import decode_linear
 from safetensors import safe_open
 
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.checkpoint.manifest import check_schema, load_manifest, schema
-from exl3tools.cli import main
-from exl3tools.errors import IncompatibleSliceError, IncompleteOutputError, OutputExistsError, VerifyError
-from exl3tools.kernels.reference import decode_linear
+from exl3tools.errors import IncompatibleSliceError, IncompleteOutputError, VerifyError
 from exl3tools.rank_slice import plan_rank_slices, split128, write_rank_shards
 from exl3tools.verify import verify_sliced
 from tests.conftest import fixture_dir
@@ -62,16 +62,16 @@ def reassemble(out: Path, prefix: str, k: int, n: int) -> np.ndarray:
     w = np.full((k, n), np.nan, dtype=np.float32)
     for rd in sorted(out.glob("rank-*-of-*")):
         r = Checkpoint.open(rd)
-        cut, f, l = rank_cut(r.config["exl3tools"], prefix)
+        cut, f, last = rank_cut(r.config["exl3tools"], prefix)
         if cut == "absent":
             assert f"{prefix}.trellis" not in r
             continue
         part = decode_linear(r.read_numpy(f"{prefix}.trellis"), r.read_numpy(f"{prefix}.suh"),
                              r.read_numpy(f"{prefix}.svh"), _codebook(r, prefix))
         if cut == "column":
-            w[:, f:l] = part
+            w[:, f:last] = part
         elif cut == "row":
-            w[f:l, :] = part
+            w[f:last, :] = part
         else:
             w[:] = part
             break  # replicated: every rank holds the same bytes (verify checked them)

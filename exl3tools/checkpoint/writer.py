@@ -109,3 +109,65 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class AsyncShardWriter(ShardWriter):
+    """ShardWriter whose hashing and writing run on a background thread (hashlib and os.write release
+    the GIL), so one reader can feed several output files on several cores. At most ``max_inflight``
+    bytes wait in its queue; ``write`` blocks beyond that, which bounds memory."""
+
+    def __init__(self, path: str | os.PathLike[str], tensors: list[tuple[str, str, tuple[int, ...]]],
+                 max_inflight: int = 96 << 20):
+        import queue
+        import threading
+
+        self._q: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._inflight = 0
+        self._max = max_inflight
+        self._err: BaseException | None = None
+        super().__init__(path, tensors)   # writes the header synchronously
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            try:
+                if self._err is None:
+                    ShardWriter.write(self, item)
+            except BaseException as exc:  # reported by close()
+                self._err = exc
+            with self._cv:
+                self._inflight -= memoryview(item).nbytes
+                self._cv.notify_all()
+
+    def write(self, data: bytes | memoryview) -> None:
+        if not hasattr(self, "_t"):          # the header, from __init__
+            ShardWriter.write(self, data)
+            return
+        n = memoryview(data).nbytes
+        with self._cv:
+            while self._inflight > 0 and self._inflight + n > self._max:
+                self._cv.wait()
+            self._inflight += n
+        self._q.put(data)
+
+    def _drain(self) -> None:
+        self._q.put(None)
+        self._t.join()
+
+    def close(self) -> tuple[int, str]:
+        self._drain()
+        if self._err is not None:
+            ShardWriter.abort(self)
+            raise self._err
+        return ShardWriter.close(self)
+
+    def abort(self) -> None:
+        if self._t.is_alive():
+            self._err = self._err or RuntimeError("aborted")
+            self._drain()
+        ShardWriter.abort(self)
