@@ -192,3 +192,26 @@ def test_group_limited_routing_is_refused():
     cfg = dict(ck.config, n_group=8, topk_group=4)
     with pytest.raises(UnsupportedArchitectureError, match="group-limited"):
         arch_module("DeepseekV3ForCausalLM").build(BuildContext(cfg, WeightSource(ck), TPContext(), False))
+
+
+def test_shared_indexer_layer_reuses_the_full_layers_selection():
+    """No fixture has a "shared" layer (1.6.5's converter cannot make one): turn layer 1 of the TP
+    fixture into one and check it attends with exactly layer 0's selection."""
+    name = "glm5_moe_dsa-tp-4.0bpw-mcg"
+    d = fixture_dir(name)
+    ck = Checkpoint.open(d / "model")
+    g = load_file(str(d / "goldens_logits.safetensors"))
+    build = arch_module("GlmMoeDsaForCausalLM").build
+    cfg = dict(ck.config, indexer_types=["full", "shared", "full"])
+    shared = build(BuildContext(cfg, WeightSource(ck), TPContext(), False))
+    assert shared.layers[1].attn.indexer is None and shared.layers[1].attn.dsa_shared
+    full = build(BuildContext(ck.config, WeightSource(ck), TPContext(), False))
+    ix0, ix1 = full.layers[0].attn.indexer, full.layers[1].attn.indexer
+    ix1.select = lambda *a: ix0.last_selection          # layer 1 takes layer 0's choice
+    ids = g["prompt_p64"].tolist()
+    a, b = _logits(shared, ids), _logits(full, ids)
+    assert torch.equal(a, b)
+    assert (b - g["exl3_logits_p64"]).abs().max() > TOL   # and it is not what the fixture's model does
+    bad = dict(ck.config, indexer_types=["shared", "full", "full"])
+    with pytest.raises(UnsupportedArchitectureError, match="indexer_types"):
+        build(BuildContext(bad, WeightSource(ck), TPContext(), False))
