@@ -258,3 +258,48 @@ def test_crash_then_resume(tmp_path: Path, kill_after: int) -> None:
     clean = slice_to(name, tmp_path / "clean", 4, "ep")
     assert load_manifest(out).files == load_manifest(clean).files
     assert not list(out.rglob(".*.tmp"))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vllm_hybrid_layout(tmp_path: Path, tp: int) -> None:
+    name = "glm5_moe_dsa-tp-4.0bpw-mcg"
+    src = fixture_dir(name) / "model"
+    ck = Checkpoint.open(src)
+    out = tmp_path / "h"
+    from exl3tools.rank_slice import dequantize_to_writer
+
+    write_rank_shards(ck, plan_rank_slices(ck, tp, "tp", "vllm-hybrid"), out, dequant=dequantize_to_writer)
+    assert verify_sliced(src, out, decode_samples=3).ok
+    h = Checkpoint.open(out)
+    blk = h.config["hybrid_tr3_tail"]
+    assert blk["format"] == "exl3-trellis" and blk["codebook"] == "mcg" and blk["bits"] == 4.0
+    assert blk["tp"] == tp and blk["experts_per_layer"] == 16 and blk["moe_layers"] == [1, 3]
+    assert blk["tensor_schema"] == "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"
+    ir = 512 // tp   # rank-sliced-formats.md §1.3 geometry
+    for r in range(tp):
+        g = "model.layers.2.mlp.experts.5"
+        assert h.ref(f"{g}.gate_proj.rank{r}.trellis").shape == (32, ir // 16, 64)
+        assert h.ref(f"{g}.gate_proj.rank{r}.suh").shape == (512,)
+        assert h.ref(f"{g}.gate_proj.rank{r}.svh").shape == (ir,)
+        assert h.ref(f"{g}.down_proj.rank{r}.trellis").shape == (ir // 16, 32, 64)
+        assert h.ref(f"{g}.down_proj.rank{r}.suh").shape == (ir,)
+        assert h.ref(f"{g}.down_proj.rank{r}.mcg").shape == ()
+    assert not any(n.endswith((".trellis", ".suh", ".svh")) and ".rank" not in n for n in h.tensors)
+    meta = json.loads((fixture_dir(name) / "goldens_weights.json").read_text())
+    with safe_open(str(fixture_dir(name) / "goldens_weights.safetensors"), "np") as f:
+        for p in ("model.layers.0.self_attn.kv_a_proj_with_mqa", "lm_head", "model.layers.1.mlp.shared_experts.down_proj"):
+            w = h.read_numpy(f"{p}.weight")
+            g = f.get_tensor(p).astype(np.float32)
+            assert list(w.shape) == meta[p]["hf_shape"]
+            ref = g.T[: w.shape[0], : w.shape[1]]
+            assert np.abs(w - ref).max() <= 5e-3 * np.abs(ref).max(), p
+
+
+def test_vllm_hybrid_refusals(tmp_path: Path) -> None:
+    src = fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model"
+    res = CliRunner().invoke(main, ["rank-slice", str(src), str(tmp_path / "o"), "--tp", "2", "--layout", "vllm-hybrid"])
+    assert res.exit_code == 3 and "mcg" in res.output and not (tmp_path / "o").exists()
+    src = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
+    res = CliRunner().invoke(main, ["rank-slice", str(src), str(tmp_path / "o"), "--tp", "2", "--moe", "ep",
+                                    "--layout", "vllm-hybrid"])
+    assert res.exit_code == 3 and "expert parallelism" in res.output
