@@ -40,11 +40,14 @@ def _codebook_lines(cb: str, s: str, out: str, asm: bool) -> list[str]:
         ]
     lines = [f"x_ = {s} * 0x83DCD12D"]
     if asm:
-        lines.append('bs_ = tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, 16843009, 0;", "=r,r", '
-                     '[x_], dtype=tl.uint32, is_pure=True, pack=1)')
-    else:
-        lines += ["t_ = (x_ & 0x00FF00FF) + ((x_ >> 8) & 0x00FF00FF)",
-                  "bs_ = (t_ + (t_ >> 16)) & 0xFFFF"]
+        # GPU: byte sum and the +0x6400 (fp16 1024.0) in one dp4a; then one fp16 FMA (single
+        # rounding, = the reference), which the compiler can pair into HFMA2
+        return lines + [
+            'h_ = tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, 16843009, 25600;", "=r,r", '
+            '[x_], dtype=tl.uint32, is_pure=True, pack=1).to(tl.uint16).to(tl.float16, bitcast=True)',
+            f"{out} = tl.fma(h_, tl.cast(0.00676727294921875, tl.float16), tl.cast(-10.3828125, tl.float16))"]
+    lines += ["t_ = (x_ & 0x00FF00FF) + ((x_ >> 8) & 0x00FF00FF)",
+              "bs_ = (t_ + (t_ >> 16)) & 0xFFFF"]
     # h = 1024 + b as fp16; v = RNE(h*kappa + beta). In fp32 both the product and the sum are exact
     # (integers over 2^18 below 16), so one rounding to fp16 gives the single-rounding result.
     lines += ["h_ = (bs_ + 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)",
