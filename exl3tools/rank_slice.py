@@ -37,6 +37,7 @@ from exl3tools.checkpoint.manifest import (
 from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint
 from exl3tools.checkpoint.writer import (
     AsyncShardWriter,
+    ByteBudget,
     NullWriter,
     fsync_dir,
     index_json,
@@ -50,7 +51,7 @@ from exl3tools.layout import MLA_ARCHS, real_dims, scan
 FORMAT = "exl3tools.rank-slice"
 FORMAT_VERSION = 1
 JOURNAL = ".rank-slice.journal"
-CHUNK_BYTES = 64 << 20          # bound on one read; peak RSS ~ a few of these
+CHUNK_BYTES = 32 << 20          # bound on one read; peak RSS ~ a few of these + the write budget
 KILL_ENV = "EXL3TOOLS_TEST_KILL_AFTER_FILES"  # crash tests: SIGKILL self after N finished files
 
 # module prefix pattern -> role. First match wins; no match = replicate (docs/rank-slice.md §3).
@@ -637,7 +638,7 @@ def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
 
 
 def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal: _Journal,
-                     progress: Callable[[int], None], dequant: Callable | None) -> None:
+                     progress: Callable[[int], None], dequant: Callable | None, budget: ByteBudget) -> None:
     sp = plan.shards[si]
     src = ck.root / sp.source_file
     writers: list[Any] = []
@@ -647,7 +648,7 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
             if rels[i] in journal.done:
                 writers.append(NullWriter())
             else:
-                writers.append(AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs]))
+                writers.append(AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs], budget))
         if all(isinstance(w, NullWriter) for w in writers):
             progress(sum(t.nbytes for outs in sp.outputs for t in outs))
             return
@@ -729,12 +730,13 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
     # one reader per source shard (each byte read once); every output file hashes and writes on
     # its own thread (AsyncShardWriter), so a single shard already keeps several cores busy
     nthreads = threads or min(4, len(plan.shards))
+    budget = ByteBudget()
     if nthreads == 1:
         for si in range(len(plan.shards)):
-            _write_one_shard(ck, plan, si, dst, journal, prog, dequant)
+            _write_one_shard(ck, plan, si, dst, journal, prog, dequant, budget)
     else:
         with ThreadPoolExecutor(nthreads) as pool:
-            futs = [pool.submit(_write_one_shard, ck, plan, si, dst, journal, prog, dequant)
+            futs = [pool.submit(_write_one_shard, ck, plan, si, dst, journal, prog, dequant, budget)
                     for si in range(len(plan.shards))]
             try:
                 for f in futs:

@@ -111,20 +111,40 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+class ByteBudget:
+    """Bytes queued for writing, shared by every AsyncShardWriter of one job: bounds peak memory."""
+
+    def __init__(self, limit: int = 192 << 20):
+        import threading
+
+        self.cv = threading.Condition()
+        self.used = 0
+        self.limit = limit
+
+    def take(self, n: int) -> None:
+        with self.cv:
+            while self.used > 0 and self.used + n > self.limit:
+                self.cv.wait()
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self.cv:
+            self.used -= n
+            self.cv.notify_all()
+
+
 class AsyncShardWriter(ShardWriter):
     """ShardWriter whose hashing and writing run on a background thread (hashlib and os.write release
-    the GIL), so one reader can feed several output files on several cores. At most ``max_inflight``
-    bytes wait in its queue; ``write`` blocks beyond that, which bounds memory."""
+    the GIL), so one reader can feed several output files on several cores. ``write`` blocks while
+    the shared ByteBudget is exhausted, which bounds memory."""
 
     def __init__(self, path: str | os.PathLike[str], tensors: list[tuple[str, str, tuple[int, ...]]],
-                 max_inflight: int = 96 << 20):
+                 budget: ByteBudget | None = None):
         import queue
         import threading
 
         self._q: queue.Queue = queue.Queue()
-        self._cv = threading.Condition()
-        self._inflight = 0
-        self._max = max_inflight
+        self._budget = budget or ByteBudget()
         self._err: BaseException | None = None
         super().__init__(path, tensors)   # writes the header synchronously
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -140,19 +160,13 @@ class AsyncShardWriter(ShardWriter):
                     ShardWriter.write(self, item)
             except BaseException as exc:  # reported by close()
                 self._err = exc
-            with self._cv:
-                self._inflight -= memoryview(item).nbytes
-                self._cv.notify_all()
+            self._budget.give(memoryview(item).nbytes)
 
     def write(self, data: bytes | memoryview) -> None:
         if not hasattr(self, "_t"):          # the header, from __init__
             ShardWriter.write(self, data)
             return
-        n = memoryview(data).nbytes
-        with self._cv:
-            while self._inflight > 0 and self._inflight + n > self._max:
-                self._cv.wait()
-            self._inflight += n
+        self._budget.take(memoryview(data).nbytes)
         self._q.put(data)
 
     def _drain(self) -> None:
