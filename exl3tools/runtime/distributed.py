@@ -74,7 +74,8 @@ def init_group(rank: int, world: int, device: str, port: int | None = None, proc
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
     if rank == 0:
         deadline = time.monotonic() + timeout_s()
-        while store.num_keys() < world:   # the store's own key + one "ready" key per worker
+        keys = [f"ready{r}" for r in range(1, world)]
+        while not store.check(keys):       # every worker has set its "ready" key
             for p in procs:
                 if p.poll() is not None:
                     raise E.RuntimeFailure(f"tensor-parallel worker (pid {p.pid}) exited with code "
