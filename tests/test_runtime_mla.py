@@ -48,7 +48,7 @@ def _logits(m, ids: list[int]) -> torch.Tensor:
 
 
 def _kl(ours: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
-    lp, lq = torch.log_softmax(gold, -1), torch.log_softmax(ours, -1)
+    lp, lq = torch.log_softmax(gold.double(), -1), torch.log_softmax(ours.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
