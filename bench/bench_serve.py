@@ -8,6 +8,7 @@ the server keeps of the model's speed.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -61,14 +62,14 @@ async def run_level(url: str, c: int) -> dict:
             "per_stream": statistics.median(r[2] / (r[1] - r[0]) for r in results)}
 
 
-def runner_rates() -> dict[int, float]:
+def runner_rates(model: str, device: str) -> dict[int, float]:
     """Decode tokens/s of the runner alone at each batch size (same threads as the server)."""
     import torch
 
     from exl3tools.runtime.runner import load_runner
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    r = load_runner(str(MODEL))
+    r = load_runner(model, device=device)
     out = {}
     for b in CONCURRENCY:
         for s in range(b):
@@ -78,7 +79,8 @@ def runner_rates() -> dict[int, float]:
         n = 32
         t0 = time.perf_counter()
         for k in range(n):
-            r.step([(s, [10 + k]) for s in range(b)])
+            logits = r.step([(s, [10 + k]) for s in range(b)])
+        float(logits[0, 0])  # waits for the device
         out[b] = b * n / (time.perf_counter() - t0)
         for s in range(b):
             r.free_sequence(s)
@@ -86,10 +88,15 @@ def runner_rates() -> dict[int, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "exl3tools.cli", "serve", str(MODEL), "--port", str(port),
-                             "--served-model-name", "demo", "--log-level", "warning"], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "exl3tools.cli", "serve", args.model, "--port", str(port),
+                             "--served-model-name", "demo", "--log-level", "warning",
+                             "--device", args.device], cwd=REPO)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -105,9 +112,10 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(15)
-    direct = runner_rates()
+    direct = runner_rates(args.model, args.device)
     base = rows[0]["tok_s"]
-    print(f"exl3tools serve, demo glm4_moe (CPU, {os.cpu_count()} cores), {MAX_TOKENS} tokens per stream")
+    print(f"exl3tools serve, {Path(args.model).parent.name}/{Path(args.model).name} on {args.device} "
+          f"({os.cpu_count()} cores), {MAX_TOKENS} tokens per stream")
     print(f"{'streams':>7} {'tok/s':>8} {'vs 1':>6} {'TTFT p50':>9} {'TTFT max':>9} {'tok/s/stream':>13} "
           f"{'runner tok/s':>13} {'server/runner':>13}")
     for r in rows:

@@ -298,6 +298,8 @@ def test_api_key_required_but_health_open():
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(f"{s.url}/metrics").status_code == 401
         assert httpx.get(f"{s.url}/health").status_code == 200
+        assert httpx.get(f"{s.url}/v1/models", headers={"x-api-key": "k2"}).status_code == 200
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer k1x"}).status_code == 401
         for key in ("k1", "k2"):
             good = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
             assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
