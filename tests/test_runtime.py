@@ -199,3 +199,19 @@ def test_sampling():
     assert all(sample(row, 10.0, 5, 1.0, g) in top5 for _ in range(50))
     lp, top = logprobs(row, best, 3)
     assert top[0][0] == best and abs(top[0][1] - lp) < 1e-6 and len(top) == 3 and lp < 0
+
+
+def test_long_prefill_chunked_attention_equals_incremental(monkeypatch):
+    """A prefill longer than one attention chunk gives the same last logits as token-by-token."""
+    from exl3tools.runtime import layers
+
+    monkeypatch.setattr(layers, "QUERY_CHUNK", 5)
+    r = _runner(str(DEMO / "model"))
+    toks = [1] + list(range(100, 112))
+    r.add_sequence("long")
+    whole = r.step([("long", toks)], all_logits=True)
+    r.free_sequence("long")
+    r.add_sequence("inc")
+    rows = [r.step([("inc", [t])])[0] for t in toks]
+    r.free_sequence("inc")
+    assert (whole - torch.stack(rows)).abs().max() < 1e-4

@@ -17,6 +17,8 @@ from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.kernels.dispatch import make_linear
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
+QUERY_CHUNK = 512   # prefill queries per attention chunk
+
 
 # ------------------------------------------------------------------ batch description
 @dataclass(slots=True)
@@ -155,16 +157,18 @@ class Attention:
             kv = sp.cache.extend(self.layer, {"k": k[sp.row:sp.row + sp.n], "v": v[sp.row:sp.row + sp.n]})
             kk, vv = kv["k"], kv["v"]                   # (L, nkv, d), L = pos + n
             L = kk.shape[0]
-            qs = q[sp.row:sp.row + sp.n].transpose(0, 1)            # (nq, n, d)
             kk = kk.transpose(0, 1).repeat_interleave(groups, 0)     # (nq, L, d)
             vv = vv.transpose(0, 1).repeat_interleave(groups, 0)
-            # plain matmul-softmax: torch's CPU SDPA costs ~50x more on decode-sized shapes
-            scores = torch.matmul(qs, kk.transpose(1, 2)) * self.scale          # (nq, n, L)
-            if sp.n > 1:
-                i = torch.arange(sp.n, device=q.device)[:, None] + sp.pos
-                scores = scores.masked_fill(torch.arange(L, device=q.device)[None, :] > i, float("-inf"))
-            o = torch.matmul(torch.softmax(scores, dim=-1), vv)
-            out[sp.row:sp.row + sp.n] = o.transpose(0, 1)
+            for c0 in range(0, sp.n, QUERY_CHUNK):                  # bounds the (nq, n, L) scores
+                c1 = min(sp.n, c0 + QUERY_CHUNK)
+                qs = q[sp.row + c0:sp.row + c1].transpose(0, 1)      # (nq, c, d)
+                # plain matmul-softmax: torch's CPU SDPA costs ~50x more on decode-sized shapes
+                scores = torch.matmul(qs, kk.transpose(1, 2)) * self.scale      # (nq, c, L)
+                if sp.n > 1:
+                    i = torch.arange(c0, c1, device=q.device)[:, None] + sp.pos
+                    scores = scores.masked_fill(torch.arange(L, device=q.device)[None, :] > i, float("-inf"))
+                o = torch.matmul(torch.softmax(scores, dim=-1), vv)
+                out[sp.row + c0:sp.row + c1] = o.transpose(0, 1)
         return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
 
 
