@@ -24,7 +24,6 @@ from exl3tools.layout import (
     expected_modules,
     expert_of,
     layer_of,
-    mtp_layers_present,
     pad128,
     scan,
 )
@@ -196,11 +195,9 @@ class Context:
         L = cfg.get("num_hidden_layers")
         L = L if isinstance(L, int) and not isinstance(L, bool) and L >= 0 else None
         sc = scan({n: (r.info.dtype, r.info.shape) for n, r in ckpt.tensors.items()}, L)
-        if not ckpt.config:
-            expected = None
-        else:
-            expected = None
-            mtp = mtp_layers_present(ckpt.tensors, L) if L is not None else []
+        mtp = [li for li in sorted(sc.layers) if L is not None and li >= L]
+        expected = None
+        if ckpt.config:
             try:
                 expected = expected_modules(cfg, mtp)
             except UnsupportedArchitectureError as exc:
@@ -212,10 +209,13 @@ class Context:
             except (TypeError, ValueError, AttributeError) as exc:
                 sink.add("E100", "config.json", None, f"config values unusable ({type(exc).__name__}: {exc})")
         real = {e.name: (e.in_real, e.out_real) for e in expected or () if e.kind == "linear"}
-        ctx = cls(ckpt, sink, bad, sc, L, expected, real, mtp_layers_present(ckpt.tensors, L) if L else [])
-        for n, r in ckpt.tensors.items():
-            ctx.layer_file.setdefault(layer_of(n), r.file.name)
-        return ctx
+        return cls(ckpt, sink, bad, sc, L, expected, real, mtp)
+
+    def _layer_files(self) -> dict[int | None, str]:
+        if not self.layer_file:  # built on first use: only missing tensors need it
+            for n, r in self.ckpt.tensors.items():
+                self.layer_file.setdefault(layer_of(n), r.file.name)
+        return self.layer_file
 
     def file_of(self, name: str) -> str | None:
         ref = self.ckpt.tensors.get(name)
@@ -236,7 +236,8 @@ class Context:
     def guess_file(self, name: str) -> str | None:
         if self.ckpt.index and name in self.ckpt.index:
             return self.ckpt.index[name]
-        return self.layer_file.get(layer_of(name)) or self.layer_file.get(None)
+        lf = self._layer_files()
+        return lf.get(layer_of(name)) or lf.get(None)
 
 
 # ----------------------------------------------------------------------------- quantization_config
@@ -464,7 +465,7 @@ def check_architecture(ctx: Context) -> None:
             f"(model.layers.{L}.*) is stored: the quant dropped it, speculative decoding is unavailable")
     for li in ctx.mtp_layers:
         if li >= L + nextn:
-            add("W304", ctx.layer_file.get(li), f"model.layers.{li}",
+            add("W304", ctx._layer_files().get(li), f"model.layers.{li}",
                 f"layer {li} is beyond num_hidden_layers {L} + num_nextn_predict_layers {nextn}")
 
 

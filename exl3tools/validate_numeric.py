@@ -29,7 +29,9 @@ from exl3tools.validate_checks import Context
 DENSE_SAMPLE = 1 << 20      # bytes read from one dense tensor in sampled mode
 MERGE_GAP = 64 << 10        # coalesce reads separated by less than this
 MERGE_MAX = 16 << 20        # largest coalesced read
-CHUNK = 64 << 20            # deep mode: bytes per read
+CHUNK = 64 << 20            # deep mode: bytes per read of bytes nobody interprets
+DENSE_CHUNK = 16 << 20      # deep mode: dense bytes checked per step (float32 copy: 2-4x this)
+DECODE_BYTES = 2 << 20      # deep mode: trellis bytes decoded per step (W float32: ~10x this)
 FP16_MAX = 65504.0
 NORM_SUFFIXES = ("norm.weight",)
 
@@ -38,10 +40,11 @@ NORM_SUFFIXES = ("norm.weight",)
 class _Read:
     offset: int
     length: int
-    handle: Callable[[bytes], None]
+    kind: str   # "sign" | "bias" | "marker" | "dense" | "strip" | "block"
+    key: Any
 
 
-def _read_all(path: Path, reads: list[_Read], ctx: Context, on_bytes: Callable[[int], None] | None = None) -> int:
+def _read_all(path: Path, reads: list[_Read], ctx: Context, dispatch: Callable[[_Read, bytes], None]) -> int:
     """Serve ``reads`` of one file with coalesced preads; returns bytes read."""
     reads.sort(key=lambda r: r.offset)
     total = 0
@@ -64,14 +67,11 @@ def _read_all(path: Path, reads: list[_Read], ctx: Context, on_bytes: Callable[[
                 ctx.sink.add("E410", path.name, None, f"read of bytes [{start}, {end}) failed: {exc.strerror or exc}")
                 buf = b""
             total += len(buf)
-            if on_bytes:
-                on_bytes(len(buf))
-            mv = memoryview(buf)
             for r in reads[i:j]:
                 a = r.offset - start
-                chunk = mv[a:a + r.length]
+                chunk = buf[a:a + r.length]
                 if len(chunk) == r.length:
-                    r.handle(bytes(chunk))
+                    dispatch(r, chunk)
                 else:
                     ctx.sink.add("E410", path.name, None, f"file ends before byte {r.offset + r.length}")
             i = j
@@ -82,14 +82,67 @@ def _read_all(path: Path, reads: list[_Read], ctx: Context, on_bytes: Callable[[
 
 # ----------------------------------------------------------------------------- per-tensor checks
 class Checks:
-    """Handlers shared by sampled and deep mode; each takes the raw bytes of (part of) a tensor."""
+    """Checks shared by sampled and deep mode; each takes the raw bytes of (part of) a tensor.
 
-    def __init__(self, ctx: Context):
+    Sign vectors (two per linear, ~120k on GLM-5) are checked in vectorised batches; only the
+    few that fail a batch test go through the per-vector path that words the finding.
+    """
+
+    BATCH = 1024
+
+    def __init__(self, ctx: Context, keep: set[str] | None):
         self.ctx = ctx
         self.add = ctx.sink.add
+        self.keep = keep                          # linears whose suh/svh are kept (None = all)
         self.vectors: dict[str, np.ndarray] = {}  # prefix.suh / prefix.svh values, for decoding
+        self.pending: list[tuple[str, str, bytes]] = []
+        self.blocks: dict[str, list[bytes | None]] = {}
         self.decoded = 0
         self.decode_stats: dict[str, list[float]] = {}
+
+    def dispatch(self, r: _Read, raw: bytes) -> None:
+        kind, key = r.kind, r.key
+        if kind == "sign":
+            prefix, which = key
+            if self.keep is None or prefix in self.keep:
+                self.vectors[f"{prefix}.{which}"] = np.frombuffer(raw, dtype="<f2")
+            self.pending.append((prefix, which, raw))
+            if len(self.pending) >= self.BATCH:
+                self.flush()
+        elif kind == "marker":
+            self.marker(key[0], key[1], raw)
+        elif kind == "strip":
+            self.trellis_strip(key, raw)
+        elif kind == "block":
+            prefix, row = key
+            self.blocks[prefix][row] = raw
+            if row == 0:
+                self.trellis_strip(prefix, raw)
+        elif kind == "bias":
+            self.bias(key, raw)
+        elif kind == "dense":
+            self.dense(key[0], key[1], raw, key[2])
+
+    def flush(self) -> None:
+        """Batch test: fp16 x is zero or non-finite iff ((x & 0x7FFF) - 1) mod 2^16 >= 0x7BFF.
+
+        Only vectors with such values or with padding go through the per-vector path.
+        """
+        items, self.pending = self.pending, []
+        if not items:
+            return
+        u = np.frombuffer(b"".join(raw for _, _, raw in items), dtype="<u2")
+        bad = np.bitwise_and(u, 0x7FFF)
+        bad -= 1
+        pos = np.flatnonzero(bad >= 0x7BFF)
+        flagged: set[int] = set()
+        if pos.size:
+            lens = np.fromiter((len(raw) // 2 for _, _, raw in items), np.int64, len(items))
+            ends = np.cumsum(lens)
+            flagged.update(np.unique(np.searchsorted(ends, pos, side="right")).tolist())
+        for i, (p, w, raw) in enumerate(items):
+            if i in flagged or (w == "svh" and self.real(p)[1] < len(raw) // 2):
+                self.sign_vector(p, w, raw)
 
     def file(self, name: str) -> str | None:
         return self.ctx.file_of(name)
@@ -99,11 +152,9 @@ class Checks:
         r = self.ctx.real.get(prefix)
         return (min(r[0], lin.k), min(r[1], lin.n)) if r else (lin.k, lin.n)
 
-    def sign_vector(self, prefix: str, which: str, raw: bytes, keep: bool) -> None:
+    def sign_vector(self, prefix: str, which: str, raw: bytes) -> None:
         name = f"{prefix}.{which}"
         a = np.frombuffer(raw, dtype="<f2")
-        if keep:
-            self.vectors[name] = a
         fin = np.isfinite(a)
         if not fin.all():
             bad = np.flatnonzero(~fin)
@@ -151,7 +202,7 @@ class Checks:
             self.add("W403", self.file(name), name, "all zeros: every activation through this norm is zeroed")
 
     def trellis_strip(self, prefix: str, raw: bytes) -> None:
-        if not any(raw):  # bytes.__contains__/any run in C; all-zero is ~impossible in a real quant
+        if not raw.strip(b"\0"):  # all-zero: ~impossible in a real quant (C-speed test)
             name = f"{prefix}.trellis"
             self.add("E409", self.file(name), name,
                      f"sampled {len(raw)} trellis bytes are all zero (data never written: sparse or preallocated file?)")
@@ -261,87 +312,86 @@ def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray]]) -> None:
     for prefix, blk in items:
         groups[(blk.shape[-1], _codebook(ctx.scan.linears[prefix]))].append((prefix, blk))
     for (_width, cb), lst in groups.items():
+        lst = [(p, b) for p, b in lst if f"{p}.suh" in checks.vectors and f"{p}.svh" in checks.vectors]
         for a in range(0, len(lst), 64):
             part = lst[a:a + 64]
             what = decode_rotated(np.concatenate([b for _, b in part], axis=0), cb)  # (128*m, 128)
-            for idx, (prefix, _blk) in enumerate(part):
+            su, sv = [], []
+            for prefix, _blk in part:
                 bi, bj = sample_block(ctx, prefix)
-                suh = checks.vectors.get(f"{prefix}.suh")
-                svh = checks.vectors.get(f"{prefix}.svh")
-                if suh is None or svh is None:
-                    continue
-                w = rotate(what[128 * idx:128 * idx + 128], suh[128 * bi:128 * bi + 128],
-                           svh[128 * bj:128 * bj + 128])
-                checks.decoded_block(prefix, w)
+                su.append(checks.vectors[f"{prefix}.suh"][128 * bi:128 * bi + 128])
+                sv.append(checks.vectors[f"{prefix}.svh"][128 * bj:128 * bj + 128])
+            # all blocks at once: rows then columns, each ONE BLAS call over the stacked blocks
+            w = _had_rows(what.astype(np.float32)) * np.concatenate(su).astype(np.float32)[:, None]
+            w = _had_cols(w).reshape(len(part), 128, 128) * np.stack(sv).astype(np.float32)[:, None, :]
+            for idx, (prefix, _blk) in enumerate(part):
+                checks.decoded_block(prefix, w[idx])
                 checks.decoded += 1
 
 
-def _small_reads(ctx: Context, checks: Checks, keep_vectors: set[str] | None) -> dict[Path, list[_Read]]:
+def _small_reads(ctx: Context) -> dict[Path, list[_Read]]:
     """Reads for sign vectors, markers, biases and dense tensors (windows of large ones)."""
     T = ctx.ckpt.tensors
     reads: dict[Path, list[_Read]] = defaultdict(list)
 
-    def want(name: str, handle: Callable[[bytes], None], window: int | None = None) -> None:
+    def want(name: str, kind: str, key: Any, window: int | None = None) -> None:
         ref = T[name]
-        n = ref.info.nbytes if window is None else min(window, ref.info.nbytes)
-        off = ref.info.begin
-        if n < ref.info.nbytes:  # sampled window at a name-dependent, item-aligned offset
-            item = ref.info.itemsize
-            slots = (ref.info.nbytes - n) // item
-            off += (_h(name) % (slots + 1)) * item
+        i = ref.info
+        n = i.nbytes if window is None else min(window, i.nbytes)
+        off = i.begin
+        if n < i.nbytes:  # sampled window at a name-dependent, item-aligned offset
+            slots = (i.nbytes - n) // i.itemsize
+            off += (_h(name) % (slots + 1)) * i.itemsize
         if n:
-            reads[ref.file].append(_Read(off, n, handle))
+            reads[ref.file].append(_Read(off, n, kind, key))
 
-    for p, _lin in ctx.scan.linears.items():
+    for p in ctx.scan.linears:
         for s in ("suh", "svh"):
             name = f"{p}.{s}"
-            if name in T and p not in ctx.broken:
-                keep = keep_vectors is None or p in keep_vectors
-                want(name, lambda raw, p=p, s=s, keep=keep: checks.sign_vector(p, s, raw, keep))
-            elif name in T and T[name].info.dtype == "F16":
-                want(name, lambda raw, name=name: checks.bias(name, raw))  # finiteness still meaningful
-        if f"{p}.bias" in T and T[f"{p}.bias"].info.dtype == "F16":
-            want(f"{p}.bias", lambda raw, n=f"{p}.bias": checks.bias(n, raw))
+            if name in T:
+                if p not in ctx.broken:
+                    want(name, "sign", (p, s))
+                elif T[name].info.dtype == "F16":
+                    want(name, "bias", name)  # finiteness still meaningful
+        b = f"{p}.bias"
+        if b in T and T[b].info.dtype == "F16":
+            want(b, "bias", b)
         for m in ("mcg", "mul1"):
             ref = T.get(f"{p}.{m}")
             if ref is not None and ref.info.dtype == "I32" and ref.info.shape == ():
-                want(f"{p}.{m}", lambda raw, n=f"{p}.{m}", m=m: checks.marker(n, m, raw))
+                want(f"{p}.{m}", "marker", (f"{p}.{m}", m))
     for name, (dtype, _shape) in ctx.scan.dense.items():
         if dtype in ("F16", "BF16", "F32", "F64") and not name.endswith((".suh", ".svh", ".su", ".sv")):
             whole = T[name].info.nbytes <= DENSE_SAMPLE
-            want(name, lambda raw, n=name, d=dtype, w=whole: checks.dense(n, d, raw, w), None if whole else DENSE_SAMPLE)
+            want(name, "dense", (name, dtype, whole), None if whole else DENSE_SAMPLE)
     return reads
 
 
 def check_sampled(ctx: Context, sample_blocks: int) -> dict[str, Any]:
-    checks = Checks(ctx)
-    plan = set(_decode_plan(ctx, max(0, sample_blocks)))
-    reads = _small_reads(ctx, checks, plan)
+    plan = _decode_plan(ctx, max(0, sample_blocks))
+    checks = Checks(ctx, set(plan))
+    reads = _small_reads(ctx)
     T = ctx.ckpt.tensors
-    blocks: dict[str, list[bytes | None]] = {}
+    planned = set(plan)
     for p in ctx.scan.linears:
         if p in ctx.broken:
             continue
         spans = sample_spans(ctx, p)
         if not spans:
             continue
-        ref = T[f"{p}.trellis"]
-        if p in plan:
-            blocks[p] = [None] * len(spans)
-            for r, (off, n) in enumerate(spans):
-                def h(raw: bytes, p: str = p, r: int = r) -> None:
-                    blocks[p][r] = raw
-                    if r == 0:
-                        checks.trellis_strip(p, raw)
-                reads[ref.file].append(_Read(off, n, h))
+        file = T[f"{p}.trellis"].file
+        if p in planned:
+            checks.blocks[p] = [None] * len(spans)
+            reads[file].extend(_Read(off, n, "block", (p, r)) for r, (off, n) in enumerate(spans))
         else:
             off, n = spans[0]
-            reads[ref.file].append(_Read(off, n, lambda raw, p=p: checks.trellis_strip(p, raw)))
+            reads[file].append(_Read(off, n, "strip", p))
     nbytes = 0
     for path in sorted(reads):
-        nbytes += _read_all(path, reads[path], ctx)
+        nbytes += _read_all(path, reads[path], ctx, checks.dispatch)
+    checks.flush()
     items = []
-    for p, rows in blocks.items():
+    for p, rows in checks.blocks.items():
         if any(r is None for r in rows):
             continue
         width = T[f"{p}.trellis"].info.shape[-1]
@@ -357,27 +407,28 @@ def check_sampled(ctx: Context, sample_blocks: int) -> dict[str, Any]:
 def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None]] | None) -> dict[str, Any]:
     from exl3tools.kernels.reference import decode_rotated
 
-    checks = Checks(ctx)
+    checks = Checks(ctx, None)
     ck, T = ctx.ckpt, ctx.ckpt.tensors
     total = sum(h.file_size for h in ck.headers.values())
     tick = progress(total, len(ck.headers)) if progress else None
-    # small tensors go through the same handlers as sampled mode (whole tensors, no windows)
-    small = _small_reads(ctx, checks, None)
-    handlers: dict[tuple[Path, int], _Read] = {(path, r.offset): r for path, rs in small.items() for r in rs}
+    # small tensors go through the same checks as sampled mode (whole tensors, no windows)
+    handlers = {(path, r.offset): r for path, rs in _small_reads(ctx).items() for r in rs}
     hashes: dict[str, str] = {}
     nbytes = 0
+    by_file: dict[Path, list[tuple[int, int, str]]] = defaultdict(list)
+    for n, r in T.items():
+        by_file[r.file].append((r.info.begin, r.info.end, n))
     for fname in sorted(ck.headers):
         h = ck.headers[fname]
         path = ck.root / fname
         sha = hashlib.sha256()
-        by_begin = sorted(((r.info.begin, r.info.end, n) for n, r in T.items() if r.file == path))
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             ctx.sink.add("E410", fname, None, f"cannot open: {exc.strerror or exc}")
             continue
         try:
-            def read(off: int, n: int, fd: int = fd, fname: str = fname, sha: Any = sha) -> bytes:
+            def read(off: int, n: int, fd: int = fd, sha: Any = sha) -> bytes:
                 buf = os.pread(fd, n, off)
                 if len(buf) != n:
                     raise EOFError(f"file ends before byte {off + n}")
@@ -389,7 +440,7 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
             pos = 0
             try:
                 pos = _stream(read, 0, h.data_start)
-                for begin, end, name in by_begin:
+                for begin, end, name in sorted(by_file[path]):
                     if begin > pos:
                         pos = _stream(read, pos, begin)
                     _deep_tensor(ctx, checks, name, path, begin, end, read, handlers, decode_rotated)
@@ -403,6 +454,7 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
             hashes[fname] = sha.hexdigest()
         finally:
             os.close(fd)
+    checks.flush()
     checks.finish_decode()
     return {"bytes_read": nbytes, "decoded_linears": checks.decoded, "sha256": hashes}
 
@@ -424,34 +476,30 @@ def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: in
     if lin is not None and prefix not in ctx.broken:
         kt, nt, width = info.shape
         row_bytes = nt * width * 2
-        rows_per = max(8, (CHUNK // max(1, row_bytes)) // 8 * 8)
-        suh = checks.vectors.get(f"{prefix}.suh")
-        svh = checks.vectors.get(f"{prefix}.svh")
+        # 8 tile rows (one 128-row block) at a time at least; ~DECODE_BYTES of trellis per step
+        rows_per = max(8, (DECODE_BYTES // max(1, row_bytes)) // 8 * 8)
+        suh = checks.vectors.pop(f"{prefix}.suh", None)
+        svh = checks.vectors.pop(f"{prefix}.svh", None)
         if suh is None or svh is None:  # sign vectors stored after the trellis: read them now
             suh = to_numpy(ctx.ckpt.read_bytes(f"{prefix}.suh"), "F16", (-1,))
             svh = to_numpy(ctx.ckpt.read_bytes(f"{prefix}.svh"), "F16", (-1,))
-        strip_checked = False
         for r0 in range(0, kt, rows_per):
             r1 = min(kt, r0 + rows_per)
             raw = read(begin + r0 * row_bytes, (r1 - r0) * row_bytes)
-            if not strip_checked:
-                checks.trellis_strip(prefix, raw[: min(len(raw), 8 * width * 2 * 8)])
-                strip_checked = True
-            tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
+            if r0 == 0:
+                checks.trellis_strip(prefix, raw[: 8 * width * 2])
             if (r1 - r0) % 8 == 0:
-                w = rotate(decode_rotated(tr, _codebook(lin)), suh[16 * r0:16 * r1], svh)
-                checks.decoded_block(prefix, w)
+                tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
+                checks.decoded_block(prefix, rotate(decode_rotated(tr, _codebook(lin)), suh[16 * r0:16 * r1], svh))
         checks.decoded += 1
-        checks.vectors.pop(f"{prefix}.suh", None)
-        checks.vectors.pop(f"{prefix}.svh", None)
         return
     handler = handlers.get((path, begin))
     if handler is not None and handler.length == info.nbytes:
-        handler.handle(read(begin, info.nbytes))
+        checks.dispatch(handler, read(begin, info.nbytes))
         return
     if info.dtype in ("F16", "BF16", "F32", "F64") and info.nbytes > 0:
         item = info.itemsize
-        step = max(item, CHUNK // item * item)
+        step = max(item, DENSE_CHUNK // item * item)
         for a in range(begin, end, step):
             checks.dense(name, info.dtype, read(a, min(step, end - a)), False)
         return

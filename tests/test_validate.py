@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from exl3tools.cli import main
 
 from exl3tools.checkpoint.header import header_bytes, read_header
-from exl3tools.cli import main
 from exl3tools.exl3 import MARKERS
 from exl3tools.validate import validate
 from exl3tools.validate_rules import RULES
