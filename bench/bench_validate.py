@@ -120,7 +120,7 @@ def write_checkpoint(root: Path, cfg: dict, *, random_data: bool) -> list[Path]:
         with open(path, "wb") as f:
             f.write(hb)
             if random_data:
-                for (name, dt, shape), (a, b) in zip(tensors, offs):
+                for name, dt, shape in tensors:
                     f.write(_values(name, dt, shape, cfg, rng))
         if not random_data:
             os.truncate(path, len(hb) + offs[-1][1])
