@@ -402,18 +402,17 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         watcher = asyncio.create_task(watch())
         choices: dict[int, Choice] = {}
         try:
-            async for ev in handle.events():
-                if ev is None:
-                    continue
-                if ev.error is not None:
-                    raise ev.error
-                c = choices.setdefault(ev.index, Choice(ev.index))
-                c.text.append(ev.text)
-                c.token_ids.extend(ev.token_ids)
-                if ev.logprobs:
-                    c.logprobs.extend(ev.logprobs)
-                if ev.finish_reason:
-                    c.finish_reason = ev.finish_reason
+            async for evs in handle.events():
+                for ev in evs:
+                    if ev.error is not None:
+                        raise ev.error
+                    c = choices.setdefault(ev.index, Choice(ev.index))
+                    c.text.append(ev.text)
+                    c.token_ids.extend(ev.token_ids)
+                    if ev.logprobs:
+                        c.logprobs.extend(ev.logprobs)
+                    if ev.finish_reason:
+                        c.finish_reason = ev.finish_reason
         finally:
             watcher.cancel()
             handle.cancel()
@@ -424,16 +423,22 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
     async def _stream(handle: Any, fmt: Formatter, include_usage: bool):
         offsets: dict[int, int] = {}
         try:
-            async for ev in handle.events(ping=PING_INTERVAL_S):
-                if ev is None:
+            failed = False
+            async for evs in handle.events(ping=PING_INTERVAL_S):
+                if not evs:
                     yield ": ping\n\n"
                     continue
-                if ev.error is not None:
-                    yield sse(ev.error.body())
+                out = []  # everything ready goes out in one write
+                for ev in evs:
+                    if ev.error is not None:
+                        out.append(sse(ev.error.body()))
+                        failed = True
+                        break
+                    out.extend(sse(chunk) for chunk in fmt.chunks(ev, offsets.get(ev.index, 0)))
+                    offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+                yield "".join(out)
+                if failed:
                     break
-                for chunk in fmt.chunks(ev, offsets.get(ev.index, 0)):
-                    yield sse(chunk)
-                offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
             else:
                 server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
                 if include_usage:

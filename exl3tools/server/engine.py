@@ -78,11 +78,8 @@ class RequestHandle:
         self.t_arrival = time.monotonic()
         self.cancelled = False
 
-    def push(self, ev: Event) -> None:  # engine thread
-        try:
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:  # loop closed: the server is shutting down
-            self.cancelled = True
+    def push(self, ev: Event) -> None:  # engine thread: delivered in one batch after the step
+        self._engine._outbox.append((self, ev))
 
     def cancel(self) -> None:  # event loop; idempotent
         if not self.cancelled and self.remaining > 0:
@@ -90,18 +87,25 @@ class RequestHandle:
             self._engine.wake()
 
     async def events(self, ping: float | None = None):
-        """Events until every choice finished; None every `ping` seconds of silence."""
+        """Lists of events (all that are ready) until every choice finished; an empty list every
+        `ping` seconds of silence."""
         import asyncio
 
         while self.remaining > 0:
             try:
-                ev = await asyncio.wait_for(self.queue.get(), ping)
+                evs = [await asyncio.wait_for(self.queue.get(), ping)]
             except asyncio.TimeoutError:
-                yield None
+                yield []
                 continue
-            if ev.finish_reason is not None or ev.error is not None:
-                self.remaining -= 1
-            yield ev
+            while not self.queue.empty():
+                evs.append(self.queue.get_nowait())
+            self.remaining -= sum(ev.finish_reason is not None or ev.error is not None for ev in evs)
+            yield evs
+
+
+def _deliver(items: list[tuple[RequestHandle, Event]]) -> None:  # event loop
+    for handle, ev in items:
+        handle.queue.put_nowait(ev)
 
 
 class Engine:
@@ -124,6 +128,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
+        self._outbox: list[tuple[RequestHandle, Event]] = []
         self._ids = itertools.count(1)
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="exl3tools-engine", daemon=True)
@@ -220,6 +225,8 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self._running):
                     self._fail(seq)
+                self._sweep()
+            self._flush()
         for seq in list(self._running):
             self._free(seq)
         close = getattr(runner, "close", None)
@@ -309,6 +316,21 @@ class Engine:
         if ev.finish_reason is not None:
             seq.finished = True
         seq.handle.push(ev)
+
+    def _flush(self) -> None:
+        """Hand this step's events to their event loops: one wake-up per loop, not per token."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        by_loop: dict[int, tuple[Any, list]] = {}
+        for handle, ev in items:
+            by_loop.setdefault(id(handle._loop), (handle._loop, []))[1].append((handle, ev))
+        for loop, batch in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # loop closed: the server is shutting down
+                for handle, _ in batch:
+                    handle.cancelled = True
 
     def _observe_token(self, seq: Sequence, now: float) -> None:
         m = self.metrics
