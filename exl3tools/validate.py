@@ -77,19 +77,26 @@ class Report:
 class Sink:
     """Collects findings; checks call ``add``. Identical findings are kept once."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, prefix: str = "", parent: Sink | None = None):
         self.root = root
-        self._seen: set[tuple] = set()
-        self.findings: list[Finding] = []
+        self.prefix = prefix              # a rank dir's name when checked as part of a set
+        self._seen: set[tuple] = set() if parent is None else parent._seen
+        self.findings: list[Finding] = [] if parent is None else parent.findings
+
+    def child(self, sub: str) -> Sink:
+        """A sink for checks of ``root/sub`` that reports paths relative to this root."""
+        return Sink(self.root / sub, f"{self.prefix}{sub}/" if sub not in ("", ".") else self.prefix, self)
 
     def rel(self, path: str | Path | None) -> str | None:
         if path is None:
             return None
         p = Path(path)
-        try:
-            return str(p.relative_to(self.root))
-        except ValueError:
-            return str(p)
+        if p.is_absolute():
+            try:
+                p = p.relative_to(self.root)
+            except ValueError:
+                return str(p)
+        return f"{self.prefix}{p}"
 
     def add(self, code: str, file: str | Path | None, tensor: str | None, message: str) -> None:
         rule = RULES[code]  # KeyError = a check using an undocumented code: a bug

@@ -186,6 +186,8 @@ class Context:
     expected: list[Expected] | None
     real: dict[str, tuple[int, int]]
     mtp_layers: list[int]
+    rank: dict | None = None                        # a rank dir's config.json "exl3tools" block
+    padded: dict[str, tuple[int, int]] = field(default_factory=dict)  # rank slices: expected (k, n)
     broken: set[str] = field(default_factory=set)   # linear prefixes not safe to decode
     layer_file: dict[int | None, str] = field(default_factory=dict)
 
@@ -208,8 +210,15 @@ class Context:
                     sink.add("W301", "config.json", None, msg)
             except (TypeError, ValueError, AttributeError) as exc:
                 sink.add("E100", "config.json", None, f"config values unusable ({type(exc).__name__}: {exc})")
+        block = cfg.get("exl3tools")
+        rank = block if isinstance(block, dict) and block.get("format") == "exl3tools.rank-slice" else None
+        padded: dict[str, tuple[int, int]] = {}
+        if rank is not None and expected is not None:
+            from exl3tools.validate_ranks import localize
+
+            expected, padded = localize(expected, rank)
         real = {e.name: (e.in_real, e.out_real) for e in expected or () if e.kind == "linear"}
-        return cls(ckpt, sink, bad, sc, L, expected, real, mtp)
+        return cls(ckpt, sink, bad, sc, L, expected, real, mtp, rank, padded)
 
     def _layer_files(self) -> dict[int | None, str]:
         if not self.layer_file:  # built on first use: only missing tensors need it
@@ -267,7 +276,9 @@ def check_quant_config(ctx: Context) -> None:
         diff = sorted(k for k in (set(qcfg) | set(qfile)) - {"tensor_storage"} if qcfg.get(k) != qfile.get(k))
         if diff:
             add("W102", "quantization_config.json", None, f"differs from config.json quantization_config in {', '.join(diff)}")
-    if qfile is None:
+    if ctx.rank is not None:
+        pass  # rank dirs drop tensor_storage on purpose (docs/rank-slice.md §1)
+    elif qfile is None:
         add("W103", None, None, "no quantization_config.json (vLLM's EXL3 backend requires its tensor_storage)")
     elif not (isinstance(qfile.get("tensor_storage"), dict) and qfile["tensor_storage"]):
         add("W103", "quantization_config.json", None, "no tensor_storage (vLLM's EXL3 backend requires it)")
@@ -331,9 +342,11 @@ def check_linears(ctx: Context) -> None:
             add("E207", f, f"{p}.trellis", f"padded dims k={lin.k}, n={lin.n} are not multiples of 128")
             broken = True
         real = ctx.real.get(p)
-        if real and (pad128(real[0]) != lin.k or pad128(real[1]) != lin.n):
-            add("E208", f, f"{p}.trellis", f"trellis {list(tr.shape)} is k={lin.k}, n={lin.n}; config.json dims "
-                f"{real[0]} -> {real[1]} pad to k={pad128(real[0])}, n={pad128(real[1])}")
+        want = ctx.padded.get(p) or (real and (pad128(real[0]), pad128(real[1])))
+        if want and (want[0] != lin.k or want[1] != lin.n):
+            how = "this rank's slice is" if p in ctx.padded else f"config.json dims {real[0]} -> {real[1]} pad to"
+            add("E208", f, f"{p}.trellis", f"trellis {list(tr.shape)} is k={lin.k}, n={lin.n}; "
+                f"{how} k={want[0]}, n={want[1]}")
             broken = True
         for m in ("mcg", "mul1"):
             ref = T.get(f"{p}.{m}")
@@ -482,7 +495,7 @@ def _check_dense(ctx: Context, name: str, shape: tuple[int, ...]) -> None:
 def check_tensor_storage(ctx: Context) -> None:
     qfile = ctx.ckpt.quantization_config_file
     ts = qfile.get("tensor_storage") if isinstance(qfile, dict) else None
-    if not isinstance(ts, dict) or not ts:
+    if not isinstance(ts, dict) or not ts or ctx.rank is not None:
         return
     add, T = ctx.sink.add, ctx.ckpt.tensors
     QF = "quantization_config.json"
