@@ -180,19 +180,17 @@ def _check_rank_tensors(root: Path, entry: dict, sink) -> dict[str, tuple[int, .
         except (HeaderError, OSError):
             continue  # reported by the checkpoint checks of this rank dir
         shapes.update({n: t.shape for n, t in h.tensors.items()})
-    rel = f"{d}/" if d != "." else ""
     specs = entry["tensors"]
     for name in sorted(set(specs) - set(shapes)):
-        sink.add("E506", f"{rel}model.safetensors.index.json" if False else rel.rstrip("/") or ".", name,
-                 "in manifest.json but in no shard of this rank")
+        sink.add("E506", d, name, "in manifest.json but in no shard of this rank")
     for name in sorted(set(shapes) - set(specs)):
-        sink.add("E506", rel.rstrip("/") or ".", name, "in a shard of this rank but not in manifest.json")
-    for name, (src, dim, start, stop) in specs.items():
+        sink.add("E506", d, name, "in a shard of this rank but not in manifest.json")
+    for name, (_src, dim, start, stop) in specs.items():
         shape = shapes.get(name)
         if shape is None or not isinstance(dim, int):
             continue
         if dim >= len(shape) or shape[dim] != stop - start:
-            sink.add("E506", rel.rstrip("/") or ".", name,
+            sink.add("E506", d, name,
                      f"shape {list(shape)} but manifest.json slices dim {dim} [{start}, {stop})")
     return shapes
 
