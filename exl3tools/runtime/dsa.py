@@ -43,8 +43,14 @@ class Indexer:
         r = rope_gptj(x[..., :self.rd], pos, self.inv_freq, self.attn_factor)
         return torch.cat([r, x[..., self.rd:]], dim=-1)
 
+    def _to(self, dev: torch.device) -> None:
+        if self.wk.device != dev:
+            for name in ("wk", "wproj", "kn_w", "kn_b", "inv_freq"):
+                setattr(self, name, getattr(self, name).to(dev))
+
     def keys(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Roped indexer keys of the new rows (T, D_i): what the cache stores (plane ``kidx``)."""
+        self._to(x.device)
         k = _fp16(x @ self.wk.t())
         k = _fp16(F.layer_norm(k, (self.hd,), self.kn_w, self.kn_b, self.eps))
         return _fp16(self._rope_front(k, pos))
@@ -59,7 +65,8 @@ class Indexer:
         logits = torch.einsum("nhd,ld->nhl", q, keys)
         s = (F.relu(logits) * w[:, :, None]).sum(1) * self.scale
         L = keys.shape[0]
-        visible = torch.arange(L)[None, :] < (torch.arange(n)[:, None] + pos0 + 1)
+        dev = s.device
+        visible = torch.arange(L, device=dev)[None, :] < (torch.arange(n, device=dev)[:, None] + pos0 + 1)
         s = s.masked_fill(~visible, float("-inf"))
         return _fp16(s)
 
@@ -69,7 +76,7 @@ class Indexer:
         n, L = s.shape
         k = min(self.topk, L)
         order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
-        keep = torch.zeros(n, L, dtype=torch.bool)
+        keep = torch.zeros(n, L, dtype=torch.bool, device=s.device)
         keep.scatter_(1, order, True)
         keep &= torch.isfinite(s)
         self.last_selection = keep

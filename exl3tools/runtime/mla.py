@@ -116,9 +116,16 @@ class MLAttention:
         q_resid = self.q_a_norm(self.q_a(x))
         return self.q_b(q_resid), q_resid
 
+    def _to(self, dev: torch.device) -> None:
+        """Follow the activations' device once (weights are built on CPU by the loader)."""
+        if self.w_uk.device != dev:
+            self.w_uk, self.w_uv, self.inv_freq = self.w_uk.to(dev), self.w_uv.to(dev), self.inv_freq.to(dev)
+
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
-        pos = batch.positions
+        dev = x.device
+        self._to(dev)
+        pos = batch.positions.to(dev)
         q, q_resid = self._queries(x)
         q = q.view(T, self.nh, self.nope + self.rope)
         q_nope = q[..., :self.nope]
@@ -130,7 +137,7 @@ class MLAttention:
         kidx = self.indexer.keys(x, pos) if self.indexer is not None else None
 
         shared = batch.extras.setdefault("dsa_keep", {})
-        out = torch.empty(T, self.nh, self.vd, dtype=torch.float32)
+        out = torch.empty(T, self.nh, self.vd, dtype=torch.float32, device=dev)
         for si, sp in enumerate(batch.spans):
             r = slice(sp.row, sp.row + sp.n)
             new = {CACHE_CKV: ckv[r], CACHE_KPE: kpe[r]}
@@ -139,8 +146,8 @@ class MLAttention:
             full = sp.cache.extend(self.layer, new)
             cc, kp = full[CACHE_CKV], full[CACHE_KPE]                          # (L, C), (L, rope)
             L = cc.shape[0]
-            qpos = torch.arange(sp.n)[:, None] + sp.pos
-            allowed = torch.arange(L)[None, :] <= qpos                         # causal (n, L)
+            qpos = torch.arange(sp.n, device=dev)[:, None] + sp.pos
+            allowed = torch.arange(L, device=dev)[None, :] <= qpos                        # causal (n, L)
             keep = None
             if self.index_topk and L > self.index_topk:                        # exllamav3: sparse iff
                 if self.indexer is not None:                                   # visible > index_topk

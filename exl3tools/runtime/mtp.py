@@ -57,9 +57,10 @@ class MTPHead:
         t = self.target
         n = len(tokens)
         p0 = cache.length
-        emb = t.embed[torch.tensor(tokens, dtype=torch.int64)].float()
+        dev = t.embed.device
+        emb = t.embed[torch.tensor(tokens, dtype=torch.int64, device=dev)].float()
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(states.float())], dim=-1))
-        batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64))
+        batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64, device=dev))
         h = self.final_norm(self.block(x, batch))
         logits = t.head(h)
         if t.head_sharded:
@@ -93,8 +94,9 @@ def forward_states(model, cache: SeqCache, tokens: list[int]) -> tuple[torch.Ten
     """Target forward of one sequence: (post-final-norm states, logits) for every new row."""
     p0 = cache.length
     n = len(tokens)
-    batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64))
-    h = model.embed[torch.tensor(tokens, dtype=torch.int64)].float()
+    dev = model.embed.device
+    batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64, device=dev))
+    h = model.embed[torch.tensor(tokens, dtype=torch.int64, device=dev)].float()
     for layer in model.layers:
         h = layer(h, batch)
     h = model.norm(h)

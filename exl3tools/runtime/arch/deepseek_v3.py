@@ -109,6 +109,9 @@ class Fp16ChoiceMoE(MoE):
         return new
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.router.device != x.device:
+            self.router = self.router.to(x.device)
+            self.bias = None if self.bias is None else self.bias.to(x.device)
         scores = torch.sigmoid(x @ self.router.t())
         choice = torch.sigmoid(x.half().float() @ self.router.t())
         if self.bias is not None:
