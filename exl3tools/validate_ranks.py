@@ -195,7 +195,30 @@ def _check_rank_tensors(root: Path, entry: dict, sink) -> dict[str, tuple[int, .
     return shapes
 
 
-def _check_slices(man: dict, shapes: dict[str, dict[str, tuple[int, ...]]], sink) -> None:
+def _module_sizes(root: Path, man: dict) -> dict[str, int]:
+    """module prefix -> padded size of its cut dim, from the ranks' exl3tools blocks."""
+    sizes: dict[str, int] = {}
+    for entry in man["ranks"]:
+        block = _rank_config(root, entry["dir"])
+        mods = block.get("modules") if isinstance(block, dict) else None
+        for k, m in (mods or {}).items():
+            if isinstance(m, dict) and isinstance(m.get("size"), int) and m.get("cut") in ("column", "row", "tp"):
+                sizes.setdefault(k, m["size"])
+    return sizes
+
+
+def _expected_end(name: str, dim: int, sizes: dict[str, int]) -> int | None:
+    prefix, _, suffix = name.rpartition(".")
+    size = sizes.get(prefix)
+    if size is None and ".mlp.experts." in prefix:
+        size = sizes.get(prefix.split(".mlp.experts.")[0] + ".mlp.experts")
+    if size is None:
+        return None
+    return size // 16 if suffix in ("trellis", "su", "sv") else size
+
+
+def _check_slices(man: dict, shapes: dict[str, dict[str, tuple[int, ...]]], sink,
+                  sizes: dict[str, int] | None = None) -> None:
     """Across ranks: one cut dim per tensor, pieces contiguous from 0, no overlap, 128-aligned EXL3 cuts."""
     pieces: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)
     whole: dict[str, list[tuple[str, tuple[int, ...] | None]]] = defaultdict(list)
@@ -216,13 +239,17 @@ def _check_slices(man: dict, shapes: dict[str, dict[str, tuple[int, ...]]], sink
         if name in whole:
             sink.add("E507", None, name, f"cut on {len(ps)} rank(s) but copied whole on {len(whole[name])}")
         ivs = sorted({(a, b) for _, a, b, _ in ps})
-        pos = 0
+        pos, broken = 0, False
         for a, b in ivs:
             if a != pos:
                 what = "gap" if a > pos else "overlap"
                 sink.add("E507", None, name, f"{what} between slices at {pos}..{a} ({', '.join(f'[{x}, {y})' for x, y in ivs)})")
+                broken = True
                 break
             pos = b
+        end = _expected_end(name, ps[0][0], sizes or {})
+        if end is not None and pos != end and not broken:
+            sink.add("E507", None, name, f"slices cover [0, {pos}) of {end} (the module's padded size)")
         unit = 8 if suffix == "trellis" else 128 if suffix in ("suh", "svh") else 1
         bad = [(a, b) for a, b in ivs if a % unit or (b % unit and b != pos)]
         if bad and suffix in EXL3_SLICED:
@@ -261,7 +288,7 @@ def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress
                 continue
             _check_rank_block(root, man, entry, sink)
         shapes = {e["dir"]: _check_rank_tensors(root, e, sink) for e in man["ranks"] if (root / e["dir"]).is_dir()}
-        _check_slices(man, shapes, sink)
+        _check_slices(man, shapes, sink, _module_sizes(root, man))
         if man["layout"] == "vllm-hybrid":
             _check_hybrid(root, man, sink)
             return stats
