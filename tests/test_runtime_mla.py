@@ -215,3 +215,15 @@ def test_shared_indexer_layer_reuses_the_full_layers_selection():
     bad = dict(ck.config, indexer_types=["shared", "full", "full"])
     with pytest.raises(UnsupportedArchitectureError, match="indexer_types"):
         build(BuildContext(bad, WeightSource(ck), TPContext(), False))
+
+
+def test_packed_batch_of_sequences_equals_one_at_a_time():
+    """Prefill and decode of several sequences in one packed forward (the server's batches)."""
+    m, g = _model("glm5_moe_dsa-3.0bpw-mul1")
+    a_ids, b_ids = g["prompt_p64"].tolist()[:40], g["prompt_p16"].tolist()
+    ca, cb = m.new_cache(), m.new_cache()
+    la, lb = m.forward([(ca, a_ids), (cb, b_ids)], all_logits=True).split([40, 16])
+    assert (la - _logits(m, a_ids)).abs().max() < 1e-4 and (lb - _logits(m, b_ids)).abs().max() < 1e-4
+    step = m.forward([(ca, [7]), (cb, [9])])
+    assert (step[0] - _logits(m, a_ids + [7])[-1]).abs().max() < 1e-4
+    assert (step[1] - _logits(m, b_ids + [9])[-1]).abs().max() < 1e-4
