@@ -89,6 +89,8 @@ def test_wrong_tp_and_missing_rank_dirs(sliced, tmp_path):
     p = _cli(dirs[2], "--tp", "4", "--token-ids", "1,2")
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
     assert "--tp 2" in p.stderr and "--tp 4" in p.stderr
+    p = _cli(dirs[2] / "rank-1-of-2", "--token-ids", "1,2")          # one rank dir, default --tp 1
+    assert p.returncode == 2 and "--tp 2" in p.stderr and p.stderr.strip().count("\n") == 0
     broken = tmp_path / "missing"
     shutil.copytree(dirs[4], broken)
     shutil.rmtree(broken / "rank-2-of-4")
