@@ -200,3 +200,29 @@ def test_runner_failure_is_a_500_and_the_server_lives_on():
                                                          "temperature": 0, "stop_token_ids": [7]})
         assert ok.status_code == 200
         assert wait_for(lambda: stats(s)["running"] == 0 and stats(s)["cache_tokens_used"] == 0)
+
+
+def test_cache_pressure_preempts_and_every_request_still_completes():
+    """A cache budget far below what the requests need together: sequences give their cache back
+    and recompute later, and each still produces exactly what it produces alone."""
+    with LiveServer(create_app(config(max_batch=8, max_cache_tokens=160))) as s:
+        prompts = [[1, 10 + i, 20 + i, 30 + i] for i in range(6)]
+
+        def body(p):
+            return {"model": MODEL, "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+
+        alone = [httpx.post(f"{s.url}/v1/completions", json=body(p), timeout=60).json() for p in prompts]
+        assert stats(s)["preempted_total"] == 0
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body(p)) for p in prompts))
+
+        together = [r.json() for r in asyncio.run(main())]
+        assert stats(s)["preempted_total"] > 0
+        for a, t in zip(alone, together, strict=True):
+            assert t["usage"]["completion_tokens"] == 40
+            assert t["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
+        assert wait_for(lambda: stats(s)["running"] == 0 and stats(s)["cache_tokens_used"] == 0)
+        assert "exl3tools_sequences_preempted_total" in httpx.get(f"{s.url}/metrics").text

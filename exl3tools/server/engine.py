@@ -49,7 +49,7 @@ class Event:
 
 class Sequence:
     __slots__ = ("seq_id", "index", "prompt", "params", "handle", "output_ids", "num_cached",
-                 "tracker", "generator", "finished", "t_last", "reserve")
+                 "tracker", "generator", "finished", "t_last")
 
     def __init__(self, seq_id: int, index: int, prompt: list[int], params: SamplingParams,
                  handle: RequestHandle, tracker: TextTracker) -> None:
@@ -60,7 +60,20 @@ class Sequence:
         self.generator: Any = None  # made lazily on the logits' device
         self.finished = False
         self.t_last = 0.0
-        self.reserve = len(prompt) + params.max_tokens  # cache tokens it may ever need
+
+    @property
+    def pending(self) -> int:
+        """Tokens of prompt + output not yet in the cache: 1 while decoding (the last sampled
+        token), the whole prompt before prefill, prompt + output after a preemption."""
+        return len(self.prompt) + len(self.output_ids) - self.num_cached
+
+    def next_chunk(self, limit: int) -> list[int]:
+        start = self.num_cached
+        end = min(start + limit, len(self.prompt) + len(self.output_ids))
+        n_prompt = len(self.prompt)
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt:end - n_prompt]
+        return self.prompt[start:min(end, n_prompt)] + self.output_ids[:max(0, end - n_prompt)]
 
 
 class RequestHandle:
@@ -136,6 +149,7 @@ class Engine:
         self.time_forward = 0.0  # seconds in runner.step, and in sampling + bookkeeping
         self.time_sample = 0.0
         self.cancelled_total = 0
+        self.preempted_total = 0
 
     # ----------------------------------------------------------------- event loop side
 
@@ -251,17 +265,10 @@ class Engine:
         self._admit()
         if not self._running:
             return
-        batch: list[tuple[Sequence, list[int]]] = []
-        budget = self.max_prefill_tokens
-        for seq in self._running:
-            if seq.num_cached < len(seq.prompt):
-                if budget <= 0:
-                    continue
-                chunk = seq.prompt[seq.num_cached: seq.num_cached + budget]
-                budget -= len(chunk)
-            else:
-                chunk = [seq.output_ids[-1]]
-            batch.append((seq, chunk))
+        batch = self._plan()
+        while len(batch) > 1 and sum(len(c) for _, c in batch) > self.runner.cache_tokens_free():
+            self._preempt(self._running[-1])
+            batch = self._plan()
         if not batch:
             return
         t0 = time.perf_counter()
@@ -278,7 +285,7 @@ class Engine:
         now = time.monotonic()
         for i, (seq, chunk) in enumerate(batch):
             seq.num_cached += len(chunk)
-            if seq.num_cached < len(seq.prompt) or seq.finished:
+            if seq.pending > 0 or seq.finished:  # mid-prefill: these logits are not wanted
                 continue
             try:
                 self._sample(seq, logits[i], now)
@@ -343,7 +350,22 @@ class Engine:
         seq.t_last = now
         m.generation_tokens.inc()
 
+    def _plan(self) -> list[tuple[Sequence, list[int]]]:
+        """This step's tokens: one per decoding sequence, prefill chunks within the token budget."""
+        batch: list[tuple[Sequence, list[int]]] = []
+        budget = self.max_prefill_tokens
+        for seq in self._running:
+            if seq.pending == 1 and seq.output_ids:
+                batch.append((seq, [seq.output_ids[-1]]))
+            elif budget > 0:
+                chunk = seq.next_chunk(budget)
+                budget -= len(chunk)
+                batch.append((seq, chunk))
+        return batch
+
     def _admit(self) -> None:
+        """FIFO admission while the batch has room and the cache can take the sequence's pending
+        tokens on top of what the running ones still need for their next step."""
         with self._cond:
             while self._waiting and len(self._running) < self.max_batch:
                 seq = self._waiting[0]
@@ -351,15 +373,24 @@ class Engine:
                     self._waiting.popleft()
                     self._count_cancel(seq)
                     continue
-                if seq.reserve > self._free_budget():
-                    break  # FIFO: wait for running sequences to finish and free their cache
+                committed = sum(s.pending for s in self._running) + len(self._running)
+                if seq.pending + 1 > self.runner.cache_tokens_free() - committed:
+                    break  # wait for running sequences to finish and free their cache
                 self._waiting.popleft()
                 self.runner.add_sequence(seq.seq_id)
                 self._running.append(seq)
 
-    def _free_budget(self) -> int:
-        outstanding = sum(s.reserve - s.num_cached for s in self._running)
-        return self.runner.cache_tokens_free() - outstanding
+    def _preempt(self, seq: Sequence) -> None:
+        """Out of cache: the newest sequence gives its cache back and waits at the head of the
+        queue; it recomputes prompt + output later and goes on with the same sampler state."""
+        self._running.remove(seq)
+        self._free(seq)
+        seq.num_cached = 0
+        with self._cond:
+            self._waiting.appendleft(seq)
+        self.preempted_total += 1
+        if self.metrics is not None:
+            self.metrics.preempted.inc()
 
     def _reap_cancelled(self) -> None:
         with self._cond:
@@ -402,6 +433,7 @@ class Engine:
         return {"state": self.state, "queue_depth": self.queue_depth, "running": self.running,
                 "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
                 "steps": self.steps, "cancelled_total": self.cancelled_total,
+                "preempted_total": self.preempted_total,
                 "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
 
 

@@ -21,6 +21,9 @@ class Metrics:
                                          registry=r)
         self.cancelled = Counter(f"{PREFIX}_sequences_cancelled",
                                  "Sequences aborted because their client went away", registry=r)
+        self.preempted = Counter(f"{PREFIX}_sequences_preempted",
+                                 "Sequences that gave their KV cache back to recompute later",
+                                 registry=r)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
                               "Arrival to first sampled token, per sequence", registry=r,
                               buckets=_LATENCY_BUCKETS)
