@@ -226,3 +226,25 @@ def test_cache_pressure_preempts_and_every_request_still_completes():
             assert t["choices"][0]["token_ids"] == a["choices"][0]["token_ids"]
         assert wait_for(lambda: stats(s)["running"] == 0 and stats(s)["cache_tokens_used"] == 0)
         assert "exl3tools_sequences_preempted_total" in httpx.get(f"{s.url}/metrics").text
+
+
+def test_waiting_stream_gets_keepalive_pings(monkeypatch):
+    import exl3tools.server.app as app_mod
+
+    monkeypatch.setattr(app_mod, "PING_INTERVAL_S", 0.05)
+    with LiveServer(create_app(config(max_batch=1))) as s:
+        long = {"model": MODEL, "prompt": "a", "max_tokens": 400, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                first = asyncio.create_task(c.post("/v1/completions", json=long))
+                await asyncio.sleep(0.1)  # the first one holds the only batch slot
+                body = {"model": MODEL, "prompt": "b", "max_tokens": 2, "stream": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = [ln async for ln in r.aiter_lines()]
+                await first
+                return lines
+
+        lines = asyncio.run(main())
+        assert ": ping" in lines
+        assert lines[lines.index(": ping") + 1:].count("data: [DONE]") == 1
