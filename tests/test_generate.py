@@ -6,9 +6,9 @@ import json
 import shutil
 
 from click.testing import CliRunner
+from exl3tools.cli import main
 from safetensors.torch import load_file
 
-from exl3tools.cli import main
 from tests.conftest import DEMO
 
 MODEL = DEMO / "model"
