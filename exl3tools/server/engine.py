@@ -234,7 +234,9 @@ class Engine:
                 if self._stop:
                     break
             try:
-                self._step()
+                if not self._step():  # nothing could run (e.g. the queue head does not fit)
+                    with self._cond:
+                        self._cond.wait(0.01)
             except Exception:  # a bug here must not kill the engine: fail the batch, go on
                 log.exception("engine step failed")
                 for seq in list(self._running):
@@ -260,17 +262,18 @@ class Engine:
         finally:
             runner.free_sequence(seq_id)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One scheduling round and forward pass; False when there was nothing to run."""
         self._reap_cancelled()
         self._admit()
         if not self._running:
-            return
+            return False
         batch = self._plan()
         while len(batch) > 1 and sum(len(c) for _, c in batch) > self.runner.cache_tokens_free():
             self._preempt(self._running[-1])
             batch = self._plan()
         if not batch:
-            return
+            return False
         t0 = time.perf_counter()
         try:
             logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch])
@@ -279,7 +282,7 @@ class Engine:
             for seq, _ in batch:
                 self._fail(seq)
             self._sweep()
-            return
+            return True
         self.steps += 1
         t1 = time.perf_counter()
         now = time.monotonic()
@@ -296,6 +299,7 @@ class Engine:
         t2 = time.perf_counter()
         self.time_forward += t1 - t0
         self.time_sample += t2 - t1
+        return True
 
     def _sample(self, seq: Sequence, row: Any, now: float) -> None:
         p = seq.params
