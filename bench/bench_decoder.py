@@ -11,7 +11,6 @@ import os
 import time
 
 import numpy as np
-
 from exl3tools.kernels.reference import decode_rotated, rotate_out
 
 K_IN, N_OUT = 4096, 4096
@@ -40,8 +39,8 @@ def main():
     for width, K in ((32, 2), (40, 2.5), (48, 3), (64, 4), (96, 6)):
         tr = rng.integers(-32768, 32768, size=(K_IN // 16, N_OUT // 16, width), dtype=np.int16)
         for cb in ("3inst", "mcg", "mul1") if K == 3 else ("mul1",):
-            t_hat = best_of(lambda: decode_rotated(tr, cb))
-            t_full = best_of(lambda: rotate_out(decode_rotated(tr, cb), suh, svh))
+            t_hat = best_of(lambda tr=tr, cb=cb: decode_rotated(tr, cb))
+            t_full = best_of(lambda tr=tr, cb=cb: rotate_out(decode_rotated(tr, cb), suh, svh))
             print(f"{K:>4} {cb:>8} {n / t_hat / 1e6:>11.1f} {n / t_full / 1e6:>8.1f} {n / t_full / 50e6:>9.2f}x")
     print(f"yardstick: numpy fp32 matmul {N_OUT}x{K_IN}x128 = {2 * N_OUT * K_IN * 128 / t_mm / 1e9:.1f} GFLOP/s")
 

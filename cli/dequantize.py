@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-
 from exl3tools.cli._output import console, emit_json, err_console
 
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
-
 from exl3tools.cli._output import console, emit_json, warn
+from rich.table import Table
 
 
 def _gb(n: int) -> str:

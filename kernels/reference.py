@@ -178,6 +178,5 @@ def rotated_from_weight(w: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.n
     sv = svh.astype(np.float64)
     inv_sv = np.divide(1.0, sv, out=np.zeros_like(sv), where=sv != 0)
     x = (w / su[:, None]) * inv_sv[None, :]
-    h = hadamard128("float64")
     x = had_rows(x)
     return had_cols(x)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from exl3tools.kernels import reference as ref
 from safetensors.numpy import load_file
 
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.exl3 import HALF_WIDTHS, k_from_width, pack_signs, unpack_signs, width_from_k
-from exl3tools.kernels import reference as ref
 from exl3tools.layout import scan
 from tests.conftest import DEMO, FIXTURE_NAMES, fixture_dir
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from exl3tools.cli import main
 from safetensors.numpy import load_file as load_np
 from safetensors.torch import load_file
 
 from exl3tools.checkpoint import Checkpoint
-from exl3tools.cli import main
 from tests.conftest import DEMO, fixture_dir
 
 

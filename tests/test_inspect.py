@@ -11,8 +11,8 @@ from importlib import resources
 import jsonschema
 import pytest
 from click.testing import CliRunner
-
 from exl3tools.cli import main
+
 from tests.conftest import DEMO, FIXTURE_NAMES, fixture_dir
 
 SCHEMA = json.loads(resources.files("exl3tools.schemas").joinpath("inspect.v1.json").read_text())
@@ -102,8 +102,8 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
     save_file({"model.norm.weight": np.ones(4, np.float16)}, str(plain / "model.safetensors"))
     r = _run("inspect", str(plain))
     assert r.exit_code == 1 and "not an EXL3 checkpoint" in r.output        # a non-EXL3 checkpoint
