@@ -98,6 +98,7 @@ CASES = [
     ("oversize-chat", CHAT, chat(messages=[{"role": "user", "content": "word " * 20000}]),
      400, "context_length_exceeded"),
     ("too-many-prompts", COMP, comp(prompt=["a"] * 1000), 400, "invalid_value"),
+    ("too-many-sequences", COMP, comp(prompt=["a"] * 64, n=16), 400, "too_many_sequences"),
     ("presence-penalty", COMP, comp(presence_penalty=1.0), 400, "unsupported_parameter"),
     ("frequency-penalty", CHAT, chat(frequency_penalty=0.5), 400, "unsupported_parameter"),
     ("logit-bias", COMP, comp(logit_bias={"5": 10}), 400, "unsupported_parameter"),
@@ -155,3 +156,30 @@ def test_server_survives_the_whole_suite(server):
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["cache_tokens_used"] == 0
     metrics = httpx.get(server.url + "/metrics").text
     assert 'status="500"' not in metrics
+
+
+def test_random_bodies_never_500(server):
+    """A small fuzz: every field gets values of every JSON type; nothing may crash the server."""
+    import random
+
+    rng = random.Random(1234)
+    values = [None, True, False, 0, 1, -1, 2.5, -1e308, 10**20, "", "x", "\x00\udfff"[:1], [], [1], ["a"],
+              [[1, 2]], {}, {"a": 1}, [{"role": "user", "content": "hi"}], "demo"]
+    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
+              "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs", "echo",
+              "ignore_eos", "chat_template_kwargs", "max_completion_tokens", "logit_bias", "user"]
+    statuses = set()
+    for i in range(150):
+        body = {"model": MODEL, "prompt": "hi", "messages": MSGS, "max_tokens": 2}
+        for f in rng.sample(fields, rng.randint(1, 4)):
+            body[f] = rng.choice(values)
+        path = COMP if i % 2 else CHAT
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        statuses.add(r.status_code)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code == 200 and body.get("stream") is True:
+            assert r.text.rstrip().endswith("data: [DONE]")
+        elif r.status_code != 200:
+            assert isinstance(r.json()["error"]["code"], str)
+    assert {200, 400} <= statuses
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -185,6 +185,10 @@ class Engine:
         if self.state != "ready":
             raise not_ready(self)
         seqs_needed = len(prompts) * n
+        if seqs_needed > self.max_queue:
+            raise APIError(400, f"this request asks for {seqs_needed} sequences (prompts x n); the "
+                           f"server queues at most {self.max_queue}", param="n",
+                           code="too_many_sequences")
         handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts) * n)
         tok = self.runner.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(63)
