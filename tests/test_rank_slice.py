@@ -303,3 +303,18 @@ def test_vllm_hybrid_refusals(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["rank-slice", str(src), str(tmp_path / "o"), "--tp", "2", "--moe", "ep",
                                     "--layout", "vllm-hybrid"])
     assert res.exit_code == 3 and "expert parallelism" in res.output
+
+
+def test_pipeline_normalizes_foreign_names_then_slices(tmp_path: Path) -> None:
+    from exl3tools.pipeline import needs_normalize, slice_and_verify
+    from tests.test_normalize import all_tensors, write_ckpt
+
+    ck = Checkpoint.open(fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model")
+    foreign = [(n.replace(".gate_proj.", ".w1.").replace(".up_proj.", ".w3.").replace(".down_proj.", ".w2."), d, s, b)
+               for n, d, s, b in all_tensors(ck)]
+    src = write_ckpt(ck, tmp_path / "foreign", foreign)
+    assert needs_normalize(Checkpoint.open(src)) and not needs_normalize(ck)
+    man, rep = slice_and_verify(src, tmp_path / "tp2", 2)
+    assert rep.ok and man.tp == 2
+    r1 = Checkpoint.open(tmp_path / "tp2" / "rank-1-of-2")
+    assert r1.ref("model.layers.1.mlp.experts.3.down_proj.trellis").shape == (16, 32, 32)
