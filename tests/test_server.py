@@ -46,8 +46,10 @@ def test_models_lists_the_served_model(client):
 
 
 def test_completion_returns_text_and_usage(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                                      temperature=0, extra_body={"ignore_eos": True})
+    r = raw.parse()
+    assert raw.headers["x-request-id"] == r.id
     assert r.object == "text_completion"
     assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
     assert isinstance(r.choices[0].text, str) and r.choices[0].text

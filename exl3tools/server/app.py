@@ -122,7 +122,7 @@ class Server:
 
     def __init__(self, cfg: ServeConfig, load: Callable[[], Any], hooks: dict[str, Callable]) -> None:
         self.cfg = cfg
-        self.metrics = Metrics(cfg.served_model_name or "model")
+        self.metrics = Metrics(cfg.served_model_name or _path_name(cfg.model_path))
         self.engine = Engine(load, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
                              max_prefill_tokens=cfg.max_prefill_tokens, metrics=self.metrics, **hooks)
         self.metrics.bind(self.engine)
@@ -232,6 +232,11 @@ class Server:
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids)
+
+
+def _path_name(spec: str | None) -> str:
+    p = Path(spec or "model")
+    return p.parent.name if p.name == "model" and p.parent.name else p.name
 
 
 def _special(runner: Any, which: str) -> str:
@@ -385,8 +390,11 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         if prep.stream:
             return StreamingResponse(_stream(handle, fmt, prep.include_usage),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, handle, fmt)
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Request-Id": fmt.rid})
+        resp = await _collect(request, handle, fmt)
+        resp.headers["X-Request-Id"] = fmt.rid
+        return resp
 
     async def _collect(request: Request, handle: Any, fmt: Formatter) -> Response:
         task = asyncio.current_task()
