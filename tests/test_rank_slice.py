@@ -248,11 +248,16 @@ def test_crash_then_resume(tmp_path: Path, kill_after: int) -> None:
     out = tmp_path / "o"
     assert _run_slicer(src, out, kill_after, False) == -9   # SIGKILLed after N finished files
     assert not (out / "manifest.json").exists()
+    journal = [json.loads(x) for x in (out / ".rank-slice.journal").read_text().splitlines()]
+    assert len(journal) == kill_after
+    inodes = {e["path"]: (out / e["path"]).stat().st_ino for e in journal}
     with pytest.raises(IncompleteOutputError):
         verify_sliced(src, out)
     res = CliRunner().invoke(main, ["verify", str(src), str(out)])
     assert res.exit_code == 1 and "incomplete" in res.output
     assert _run_slicer(src, out, kill_after + 2, True) == -9  # crash again while resuming
+    for path, ino in inodes.items():  # finished files whose hash matched were kept, not rewritten
+        assert (out / path).stat().st_ino == ino, path
     assert _run_slicer(src, out, None, True) == 0
     assert verify_sliced(src, out).ok
     clean = slice_to(name, tmp_path / "clean", 4, "ep")
@@ -318,3 +323,18 @@ def test_pipeline_normalizes_foreign_names_then_slices(tmp_path: Path) -> None:
     assert rep.ok and man.tp == 2
     r1 = Checkpoint.open(tmp_path / "tp2" / "rank-1-of-2")
     assert r1.ref("model.layers.1.mlp.experts.3.down_proj.trellis").shape == (16, 32, 32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-2.5bpw-mul1", "deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
+def test_small_fixtures_ep_tp2_verify(tmp_path: Path, name: str) -> None:
+    """Half-integer K (2.5), 3INST without markers, MLA with a padded kv_a (576 -> 640), MTP layer."""
+    src = fixture_dir(name) / "model"
+    ck = Checkpoint.open(src)
+    plan = plan_rank_slices(ck, 2, "ep")
+    write_rank_shards(ck, plan, tmp_path / "o")
+    assert verify_sliced(src, tmp_path / "o", decode_samples=2).ok
+    if name.startswith("deepseek"):  # 2 heads x 192: one head per rank is not a multiple of 128
+        assert plan.cuts[0]["attention"]["model.layers.0.self_attn"]["cut"] == "replicate"
+    if name.startswith("glm5"):      # 2 heads x 256 (q) / 256 (v): cut by heads
+        a = [plan.cuts[r]["attention"]["model.layers.2.self_attn"]["q_heads"] for r in range(2)]
+        assert a == [[0, 1], [1, 2]]
