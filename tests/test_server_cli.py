@@ -27,21 +27,25 @@ def serve(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def wait_healthy(proc: subprocess.Popen, port: int) -> str:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "server not healthy in 120 s"
+        time.sleep(0.1)
+
+
 def test_serves_the_demo_without_a_path_and_stops_cleanly_on_sigterm():
     port = free_port()
     proc = serve("--port", str(port), "--log-level", "warning")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        url = wait_healthy(proc, port)
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         assert name == "glm4_moe-3.0bpw-mcg"
         r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2})
@@ -64,3 +68,30 @@ def test_bad_invocations_fail_in_one_line(args, code, text):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
     assert text in err and "Traceback" not in err
+
+
+def test_serves_a_hub_repo_id_from_the_cache_offline(tmp_path):
+    import os
+    import shutil
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--exl3tools--demo-exl3"
+    snap = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model", snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("a" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "exl3tools.cli", "serve", "exl3tools/demo-exl3", "--port",
+                             str(port), "--log-level", "warning"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = wait_healthy(proc, port)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "exl3tools/demo-exl3"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    missing = subprocess.run([sys.executable, "-m", "exl3tools.cli", "serve", "exl3tools/absent", "--port",
+                              str(free_port())], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2, missing.stderr
+    assert "exl3tools/absent" in missing.stderr and "Traceback" not in missing.stderr

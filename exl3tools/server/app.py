@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from exl3tools.errors import NotFoundError
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
 from exl3tools.server.metrics import Metrics
@@ -87,10 +88,15 @@ def local_path(spec: str) -> str:
     if Path(spec).exists() or not looks_like_repo_id(spec):
         return spec
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo, rev = split_revision(spec)
-    log.info("downloading %s from the Hugging Face hub", spec)
-    return snapshot_download(repo, revision=rev)
+    log.info("fetching %s from the Hugging Face hub (or its local cache)", spec)
+    try:
+        return snapshot_download(repo, revision=rev)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NotFoundError(f"{spec}: not a local path, and the hub gave no checkpoint ({first})") from None
 
 
 def _cpu_threads(n: int | None) -> None:
