@@ -5,7 +5,7 @@
 Paths by rows (x is (rows, k) at padded dims):
 - 1 row:   ``had`` (x ⊙ suh · H) -> ``fma`` kernel: decode tiles in registers, CUDA-core FMAs,
            output Hadamard + svh + bias fused, split-K partials added into fp32 -> cast.
-- 2..32:   same with the ``dot`` kernel (tensor cores, one 16-deep MMA per trellis step group).
+- 2..16:   same with the ``dot`` kernel (tensor cores, one 16-deep MMA per trellis step group).
 - more:    ``decode`` Ŵ to fp16 once per call, cuBLAS GEMM, output ``had`` pass (prefill).
 ``moe_linear`` runs many experts at once: rows are (token, expert) pairs, grouped by expert.
 Kernels come from triton_codegen (see why there); Ŵ from ``decode_rotated`` is bit-exact.
@@ -27,7 +27,7 @@ import triton.language as tl
 from exl3tools.kernels.triton_codegen import generate
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-SMALL_ROWS = 32                 # above this, decode to fp16 + cuBLAS
+SMALL_ROWS = 16                 # above this, decode to fp16 + cuBLAS (BM=32 dot measured slower)
 TARGET_PROGRAMS = 8 * 132       # split-K until about this many programs (H200: 132 SMs)
 
 
