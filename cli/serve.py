@@ -20,6 +20,8 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.command("serve")
 @click.argument("path", required=False)
 @click.option("--tp", default=1, show_default=True, callback=_pos, help="Tensor-parallel ranks.")
+@click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
+              help="With --tp on an unsliced checkpoint: split each expert (tp) or whole experts (ep).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to bind (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
@@ -38,7 +40,7 @@ def _pos(_ctx, _param, value: int) -> int:
               help="CPU threads for the model (default: all cores but one).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[str, ...],
+def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
               max_batch: int, max_queue: int, max_cache_tokens: int | None,
               served_model_name: str | None, device: str, backend: str, cpu_threads: int | None,
               log_level: str) -> None:
@@ -60,7 +62,7 @@ def serve_cmd(path: str | None, tp: int, host: str, port: int, api_keys: tuple[s
     _check_path(path, tp)
     if max_cache_tokens is not None and max_cache_tokens < 1:
         raise UsageError("--max-cache-tokens must be at least 1")
-    cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, device=device,
+    cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, moe=moe, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
                       cpu_threads=cpu_threads)

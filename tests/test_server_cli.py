@@ -95,3 +95,30 @@ def test_serves_a_hub_repo_id_from_the_cache_offline(tmp_path):
                               str(free_port())], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2, missing.stderr
     assert "exl3tools/absent" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_tensor_parallel_serving_matches_one_process():
+    """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's."""
+    from exl3tools.runtime.runner import load_runner
+    from exl3tools.runtime.sampling import sample
+
+    model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+    port = free_port()
+    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    try:
+        url = wait_healthy(proc, port)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
+                                                      "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True}, timeout=60)
+        served = r.json()["choices"][0]["token_ids"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err
+    with load_runner(str(model)) as runner:
+        runner.add_sequence(0)
+        toks, new = [], [1, 50, 60]
+        for _ in range(6):
+            toks.append(sample(runner.step([(0, new)])[0], 0.0))
+            new = [toks[-1]]
+    assert served == toks

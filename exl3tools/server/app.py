@@ -56,6 +56,7 @@ class ServeConfig:
     model_path: str | None = None
     served_model_name: str | None = None
     tp: int = 1
+    moe: str = "tp"  # how an unsliced checkpoint's experts are cut over --tp ranks: "tp" | "ep"
     device: str = "cpu"
     backend: str = "reference"
     api_keys: tuple[str, ...] = ()
@@ -72,6 +73,8 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
         from exl3tools.runtime.runner import load_runner
 
         kwargs: dict[str, Any] = {"device": cfg.device, "tp": cfg.tp, "backend": cfg.backend}
+        if cfg.tp > 1:
+            kwargs["moe"] = cfg.moe
         if cfg.max_cache_tokens is not None:
             kwargs["max_cache_tokens"] = cfg.max_cache_tokens
         if cfg.device == "cpu":
