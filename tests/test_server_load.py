@@ -248,3 +248,25 @@ def test_waiting_stream_gets_keepalive_pings(monkeypatch):
         lines = asyncio.run(main())
         assert ": ping" in lines
         assert lines[lines.index(": ping") + 1:].count("data: [DONE]") == 1
+
+
+class DyingRunner(FlakyRunner):
+    """free_sequence raising a BaseException: the engine cannot continue."""
+
+    def free_sequence(self, seq_id):
+        if seq_id != -1:
+            raise SystemExit("simulated fatal runtime error")
+        return self._inner.free_sequence(seq_id)
+
+
+def test_a_dead_engine_fails_health_and_releases_clients():
+    real = runtime_loader(config())
+    with LiveServer(create_app(config(), load=lambda: DyingRunner(real()))) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200  # its tokens were out; the engine died freeing its cache
+        assert wait_for(lambda: httpx.get(f"{s.url}/health").status_code == 503)
+        h = httpx.get(f"{s.url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "failed"
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from exl3tools.errors import Exl3Error
+from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.protocol import APIError, SamplingParams
 
@@ -231,6 +231,30 @@ class Engine:
         if self.on_state is not None:
             self.on_state("ready")
         log.info("engine ready: %s, cache budget %d tokens", runner.model_name, self.cache_budget)
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine cannot go on: say so, and release every client
+            log.exception("engine died")
+            self.load_error = f"engine stopped: {type(exc).__name__}: {exc}"
+            self.load_exception = RuntimeFailure(self.load_error)
+            self.state = "failed"
+            if self.on_state is not None:
+                self.on_state("failed")
+            with self._cond:
+                waiting, self._waiting = list(self._waiting), deque()
+            for seq in waiting + self._running:
+                self._fail(seq)
+            self._flush()
+        for seq in list(self._running):
+            self._free(seq)
+        close = getattr(runner, "close", None)
+        if close is not None:
+            try:
+                close()  # with tp > 1 this stops the worker ranks
+            except Exception:
+                log.exception("runner.close failed")
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._waiting and not self._running:
@@ -247,14 +271,6 @@ class Engine:
                     self._fail(seq)
                 self._sweep()
             self._flush()
-        for seq in list(self._running):
-            self._free(seq)
-        close = getattr(runner, "close", None)
-        if close is not None:
-            try:
-                close()  # with tp > 1 this stops the worker ranks
-            except Exception:
-                log.exception("runner.close failed")
 
     def _warmup(self, runner: Any) -> None:
         """The first forward pass must succeed before /health says ready."""
@@ -447,7 +463,7 @@ class Engine:
 
 def not_ready(engine: Engine) -> APIError:
     if engine.state == "failed":
-        return APIError(503, f"model failed to load: {engine.load_error}", type="server_error",
+        return APIError(503, f"the model is unavailable: {engine.load_error}", type="server_error",
                         code="model_load_failed")
     return APIError(503, "the model is still loading", type="server_error", code="model_loading",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
