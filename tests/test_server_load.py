@@ -110,6 +110,8 @@ def test_non_streaming_disconnect_cancels(server):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
     assert wait_for(lambda: stats(server)["cancelled_total"] == before + 2)
     assert wait_for(lambda: stats(server)["running"] == 0 and stats(server)["cache_tokens_used"] == 0)
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'endpoint="/v1/chat/completions",status="499"' in text and 'status="500"' not in text
 
 
 def test_full_queue_answers_429_with_retry_after():

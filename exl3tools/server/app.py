@@ -271,7 +271,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        status = {"code": 500}
+        status = {"code": 500}  # what an exception before the response start amounts to
 
         async def send_wrapped(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -286,6 +286,10 @@ class Gate:
                     headers={"WWW-Authenticate": "Bearer"}))
                 return await resp(scope, receive, send_wrapped)
             await self.app(scope, receive, send_wrapped)
+        except asyncio.CancelledError:  # the client left before any answer: nginx's 499
+            if status["code"] == 500:
+                status["code"] = 499
+            raise
         finally:
             endpoint = path if path in _KNOWN_PATHS else "other"
             self.server.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
