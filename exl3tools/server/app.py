@@ -200,6 +200,7 @@ class Server:
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         check_completion_extras(req)
         runner = self.runner
+        self.token_text()  # built once, here in a worker thread: parsing a big tokenizer takes time
         prompts: list[list[int]] = []
         for p in completion_prompts(req):
             if isinstance(p, str):
@@ -227,6 +228,7 @@ class Server:
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         check_chat_extras(req)
         runner = self.runner
+        self.token_text()
         text = self.template().render(message_dicts(req),
                                       add_generation_prompt=req.add_generation_prompt,
                                       **(req.chat_template_kwargs or {}))
