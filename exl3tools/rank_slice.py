@@ -52,6 +52,7 @@ FORMAT = "exl3tools.rank-slice"
 FORMAT_VERSION = 1
 JOURNAL = ".rank-slice.journal"
 CHUNK_BYTES = 32 << 20          # bound on one read; peak RSS ~ a few of these + the write budget
+PREFETCH_BYTES = 128 << 20      # read-ahead window per source shard (page cache, not RSS)
 KILL_ENV = "EXL3TOOLS_TEST_KILL_AFTER_FILES"  # crash tests: SIGKILL self after N finished files
 
 # module prefix pattern -> role. First match wins; no match = replicate (docs/rank-slice.md §3).
@@ -659,7 +660,9 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
             for t in outs:
                 by_src.setdefault(t.src, []).append((i, t))
         fd = os.open(src, os.O_RDONLY)
+        ahead = 0  # the kernel reads [.., ahead) in the background while we slice and hash
         try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             # walk the outputs in each writer's order: one pass over the source when every writer
             # takes at most one piece per source tensor (layout "ranks"), else piece by piece
             cursors = [0] * len(writers)
@@ -674,6 +677,10 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                     cursors[i0] += 1
                     continue
                 info = hd.tensors[t0.src]
+                if ahead < info.end + PREFETCH_BYTES // 2:
+                    start = max(ahead, info.begin)
+                    ahead = info.end + PREFETCH_BYTES
+                    os.posix_fadvise(fd, start, ahead - start, os.POSIX_FADV_WILLNEED)
                 group = [(i, t) for i, t in by_src[t0.src] if cursors[i] < len(sp.outputs[i])
                          and sp.outputs[i][cursors[i]] is t]
                 if len({i for i, _ in group}) != len(group):
