@@ -10,6 +10,7 @@ checked as a set (validate_ranks.py).
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class Sink:
         self.prefix = prefix              # a rank dir's name when checked as part of a set
         self._seen: set[tuple] = set() if parent is None else parent._seen
         self.findings: list[Finding] = [] if parent is None else parent.findings
+        self._lock = threading.Lock() if parent is None else parent._lock  # numeric checks run in threads
 
     def child(self, sub: str) -> Sink:
         """A sink for checks of ``root/sub`` that reports paths relative to this root."""
@@ -102,9 +104,10 @@ class Sink:
         rule = RULES[code]  # KeyError = a check using an undocumented code: a bug
         f = Finding(code, rule.severity, self.rel(file), tensor, message)
         key = (f.code, f.file, f.tensor, f.message)
-        if key not in self._seen:
-            self._seen.add(key)
-            self.findings.append(f)
+        with self._lock:
+            if key not in self._seen:
+                self._seen.add(key)
+                self.findings.append(f)
 
     _PATH_PREFIX = re.compile(r"^(?P<path>[^:]+?): (?P<rest>.*)$")
     _TENSOR = re.compile(r"tensor '(?P<t>[^']+)'")
@@ -166,6 +169,8 @@ def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
     C.check_linears(ctx)
     C.check_architecture(ctx)
     C.check_tensor_storage(ctx)
+    if isinstance(ckpt.quantization_config_file, dict):  # can be ~100 MB of dicts on GLM-5: done with it
+        ckpt.quantization_config_file.pop("tensor_storage", None)
     num = N.check_deep(ctx, progress) if deep else N.check_sampled(ctx, sample_blocks)
     return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),
             "file_bytes": ckpt.file_bytes, "architecture": ckpt.architecture, **num}

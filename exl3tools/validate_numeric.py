@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ CHUNK = 64 << 20            # deep mode: bytes per read of bytes nobody interpre
 DENSE_CHUNK = 16 << 20      # deep mode: dense bytes checked per step (float32 copy: 2-4x this)
 DECODE_BYTES = 2 << 20      # deep mode: trellis bytes decoded per step (W float32: ~10x this)
 FP16_MAX = 65504.0
+READ_THREADS = 4
+DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 NORM_SUFFIXES = ("norm.weight",)
 
 
@@ -96,6 +100,9 @@ class Checks:
         self.keep = keep                          # linears whose suh/svh are kept (None = all)
         self.vectors: dict[str, np.ndarray] = {}  # prefix.suh / prefix.svh values, for decoding
         self.pending: list[tuple[str, str, bytes]] = []
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.inflight: deque = deque()
         self.blocks: dict[str, list[bytes | None]] = {}
         self.decoded = 0
         self.decode_stats: dict[str, list[float]] = {}
@@ -128,7 +135,8 @@ class Checks:
 
         Only vectors with such values or with padding go through the per-vector path.
         """
-        items, self.pending = self.pending, []
+        with self.lock:
+            items, self.pending = self.pending, []
         if not items:
             return
         u = np.frombuffer(b"".join(raw for _, _, raw in items), dtype="<u2")
@@ -143,6 +151,21 @@ class Checks:
         for i, (p, w, raw) in enumerate(items):
             if i in flagged or (w == "svh" and self.real(p)[1] < len(raw) // 2):
                 self.sign_vector(p, w, raw)
+
+    def submit(self, fn, *args) -> None:
+        """Deep mode: decode on worker threads (numpy releases the GIL); at most 2 per worker queued."""
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=DECODE_THREADS)
+        while len(self.inflight) >= 2 * DECODE_THREADS:
+            self.inflight.popleft().result()
+        self.inflight.append(self.pool.submit(fn, *args))
+
+    def drain(self) -> None:
+        while self.inflight:
+            self.inflight.popleft().result()
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
 
     def file(self, name: str) -> str | None:
         return self.ctx.file_of(name)
@@ -216,10 +239,12 @@ class Checks:
         m = float(np.abs(w).max()) if w.size else 0.0
         if m >= FP16_MAX:
             self.add("E406", self.file(name), prefix, f"decoded |W| reaches {m:.4g}, overflowing fp16")
-        st = self.decode_stats.setdefault(prefix, [0.0, 0.0, 0.0])
-        st[0] += float(np.square(w, dtype=np.float64).sum())
-        st[1] += w.size
-        st[2] = max(st[2], m)
+        sq = float(np.square(w, dtype=np.float64).sum())
+        with self.lock:
+            st = self.decode_stats.setdefault(prefix, [0.0, 0.0, 0.0])
+            st[0] += sq
+            st[1] += w.size
+            st[2] = max(st[2], m)
 
     def finish_decode(self) -> None:
         for prefix, (sq, n, _m) in self.decode_stats.items():
@@ -387,8 +412,9 @@ def check_sampled(ctx: Context, sample_blocks: int) -> dict[str, Any]:
             off, n = spans[0]
             reads[file].append(_Read(off, n, "strip", p))
     nbytes = 0
-    for path in sorted(reads):
-        nbytes += _read_all(path, reads[path], ctx, checks.dispatch)
+    # files in parallel: preads and numpy release the GIL, so page-cache misses overlap
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(reads)))) as pool:
+        nbytes = sum(pool.map(lambda path: _read_all(path, reads[path], ctx, checks.dispatch), sorted(reads)))
     checks.flush()
     items = []
     for p, rows in checks.blocks.items():
@@ -418,45 +444,53 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
     by_file: dict[Path, list[tuple[int, int, str]]] = defaultdict(list)
     for n, r in T.items():
         by_file[r.file].append((r.info.begin, r.info.end, n))
-    for fname in sorted(ck.headers):
-        h = ck.headers[fname]
-        path = ck.root / fname
-        sha = hashlib.sha256()
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            ctx.sink.add("E410", fname, None, f"cannot open: {exc.strerror or exc}")
-            continue
-        try:
-            def read(off: int, n: int, fd: int = fd, sha: Any = sha) -> bytes:
-                buf = os.pread(fd, n, off)
-                if len(buf) != n:
-                    raise EOFError(f"file ends before byte {off + n}")
-                sha.update(buf)
-                if tick:
-                    tick(len(buf))
-                return buf
-
-            pos = 0
+    try:
+        for fname in sorted(ck.headers):
+            h = ck.headers[fname]
+            path = ck.root / fname
+            sha = hashlib.sha256()
             try:
-                pos = _stream(read, 0, h.data_start)
-                for begin, end, name in sorted(by_file[path]):
-                    if begin > pos:
-                        pos = _stream(read, pos, begin)
-                    _deep_tensor(ctx, checks, name, path, begin, end, read, handlers, decode_rotated)
-                    pos = max(pos, end)
-                pos = _stream(read, pos, h.file_size)
-            except EOFError as exc:
-                ctx.sink.add("E410", fname, None, str(exc))
+                fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                ctx.sink.add("E410", fname, None, f"read failed: {exc.strerror or exc}")
-            nbytes += pos
-            hashes[fname] = sha.hexdigest()
-        finally:
-            os.close(fd)
+                ctx.sink.add("E410", fname, None, f"cannot open: {exc.strerror or exc}")
+                continue
+            try:
+                def read(off: int, n: int, fd: int = fd, sha: Any = sha) -> bytes:
+                    buf = os.pread(fd, n, off)
+                    if len(buf) != n:
+                        raise EOFError(f"file ends before byte {off + n}")
+                    sha.update(buf)
+                    if tick:
+                        tick(len(buf))
+                    return buf
+
+                pos = 0
+                try:
+                    pos = _stream(read, 0, h.data_start)
+                    for begin, end, name in sorted(by_file[path]):
+                        if begin > pos:
+                            pos = _stream(read, pos, begin)
+                        _deep_tensor(ctx, checks, name, path, begin, end, read, handlers, decode_rotated)
+                        pos = max(pos, end)
+                    pos = _stream(read, pos, h.file_size)
+                except EOFError as exc:
+                    ctx.sink.add("E410", fname, None, str(exc))
+                except OSError as exc:
+                    ctx.sink.add("E410", fname, None, f"read failed: {exc.strerror or exc}")
+                nbytes += pos
+                hashes[fname] = sha.hexdigest()
+            finally:
+                os.close(fd)
+    finally:
+        checks.drain()
     checks.flush()
     checks.finish_decode()
     return {"bytes_read": nbytes, "decoded_linears": checks.decoded, "sha256": hashes}
+
+
+def _decode_check(checks: Checks, prefix: str, tr: np.ndarray, suh: np.ndarray, svh: np.ndarray, cb: str,
+                  decode_rotated) -> None:
+    checks.decoded_block(prefix, rotate(decode_rotated(tr, cb), suh, svh))
 
 
 def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:
@@ -490,7 +524,7 @@ def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: in
                 checks.trellis_strip(prefix, raw[: 8 * width * 2])
             if (r1 - r0) % 8 == 0:
                 tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
-                checks.decoded_block(prefix, rotate(decode_rotated(tr, _codebook(lin)), suh[16 * r0:16 * r1], svh))
+                checks.submit(_decode_check, checks, prefix, tr, suh[16 * r0:16 * r1], svh, _codebook(lin), decode_rotated)
         checks.decoded += 1
         return
     handler = handlers.get((path, begin))

@@ -467,15 +467,13 @@ def test_usage_errors_exit_2(tmp_path):
 
 def test_hostile_header_bounded_memory(tmp_path):
     """A length bomb is refused from 8 bytes: no allocation, no hang (child RSS well under 1 GiB)."""
-    import resource
     import subprocess
     import sys
 
     model = _damaged(tmp_path, "demo", length_bomb)
-    code = ("import resource,sys; from exl3tools.validate import validate; r=validate(sys.argv[1]); "
-            "print(sorted(r.codes), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    code = ("import sys; from exl3tools.validate import validate; r=validate(sys.argv[1]); "
+            "print(sorted(r.codes), next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))")
     out = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     codes, rss_kb = out.stdout.rsplit(" ", 1)
-    assert "E102" in codes and int(rss_kb) < 1024 * 1024
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+    assert "E102" in codes and 0 < int(rss_kb) < 1024 * 1024
