@@ -2,8 +2,8 @@
 
 The server runs as its own process (`exl3tools serve`, the demo checkpoint) so the client's work
 does not share its GIL; the client streams with raw httpx. Side by side, in the same run: the
-runner's own decode rate at the same batch sizes (no HTTP, no sampling), so the ratio is what
-the server keeps of the model's speed.
+engine alone (scheduler, sampling, detokenisation; no HTTP) and the runner's own decode rate at
+the same batch sizes (no sampling), so the ratios say where the time goes.
 """
 
 from __future__ import annotations
@@ -87,6 +87,40 @@ def runner_rates(model: str, device: str) -> dict[int, float]:
     return out
 
 
+def engine_rates(model: str, device: str) -> dict[int, float]:
+    """Tokens/s of the engine alone (scheduler + sampling + detokenisation, no HTTP)."""
+    from exl3tools.server.app import ServeConfig, runtime_hooks, runtime_loader
+    from exl3tools.server.engine import Engine
+    from exl3tools.server.protocol import SamplingParams
+
+    engine = Engine(runtime_loader(ServeConfig(model_path=model, device=device)), max_batch=64,
+                    **runtime_hooks())
+    engine.start()
+    while engine.state == "loading":
+        time.sleep(0.05)
+
+    async def level(c: int) -> float:
+        loop = asyncio.get_running_loop()
+
+        async def drain(h) -> None:
+            async for _ in h.events():
+                pass
+
+        def submit(i: int):
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, ignore_eos=True)
+            return engine.submit(loop, [[1, 100 + i, 200, 300]], params, 1)
+
+        await drain(submit(10_000))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(drain(submit(i)) for i in range(c)))
+        return c * MAX_TOKENS / (time.perf_counter() - t0)
+
+    try:
+        return {c: asyncio.run(level(c)) for c in CONCURRENCY}
+    finally:
+        engine.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(MODEL))
@@ -113,15 +147,19 @@ def main() -> None:
         proc.terminate()
         proc.wait(15)
     direct = runner_rates(args.model, args.device)
+    engine = engine_rates(args.model, args.device)
     base = rows[0]["tok_s"]
     print(f"exl3tools serve, {Path(args.model).parent.name}/{Path(args.model).name} on {args.device} "
           f"({os.cpu_count()} cores), {MAX_TOKENS} tokens per stream")
     print(f"{'streams':>7} {'tok/s':>8} {'vs 1':>6} {'TTFT p50':>9} {'TTFT max':>9} {'tok/s/stream':>13} "
-          f"{'runner tok/s':>13} {'server/runner':>13}")
+          f"{'engine tok/s':>13} {'runner tok/s':>13} {'server/runner':>13}")
     for r in rows:
         d = direct[r["c"]]
         print(f"{r['c']:>7} {r['tok_s']:>8.0f} {r['tok_s'] / base:>5.1f}x {r['ttft_p50'] * 1e3:>7.0f}ms "
-              f"{r['ttft_max'] * 1e3:>7.0f}ms {r['per_stream']:>13.0f} {d:>13.0f} {r['tok_s'] / d:>12.0%}")
+              f"{r['ttft_max'] * 1e3:>7.0f}ms {r['per_stream']:>13.0f} {engine[r['c']]:>13.0f} {d:>13.0f} "
+              f"{r['tok_s'] / d:>12.0%}")
+    print("server: HTTP + SSE, client in another process; engine: scheduler + sampling + detokenising, "
+          "no HTTP; runner: step() alone")
 
 
 if __name__ == "__main__":
