@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint
 from exl3tools.checkpoint.writer import (
     AsyncShardWriter,
     ByteBudget,
+    FileRange,
     NullWriter,
     fsync_dir,
     index_json,
@@ -638,30 +640,76 @@ def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
             progress(piece.nbytes)
 
 
+SMALL_COPY = 1 << 20             # pieces below this go through a plain bytes copy
+
+
+def _map_copy(mm: mmap.mmap, fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
+              targets: list[tuple[Any, OutTensor]], progress: Callable[[int], None]) -> None:
+    """Feed every target its part of one source tensor. Contiguous parts (whole tensors, dim-0
+    slices) travel as FileRange: the writer hashes them through the map and copies them in-kernel
+    (copy_file_range); strided parts are gathered from the map in chunks of dim-0 rows."""
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return
+    row = nbytes // shape[0] if shape else nbytes
+
+    def send(w: Any, off: int, n: int) -> None:
+        for o in range(off, off + n, CHUNK_BYTES):
+            m = min(CHUNK_BYTES, off + n - o)
+            # small pieces by pread: touching the map would also map (fault-around) neighbours
+            w.write(_pread(fd, m, o) if m < SMALL_COPY else FileRange(mm, fd, o, m))
+            progress(m)
+
+    strided = []
+    for w, t in targets:
+        if t.dim is None:
+            send(w, begin, nbytes)
+        elif t.dim == 0:
+            send(w, begin + t.start * row, (t.stop - t.start) * row)
+        else:
+            strided.append((w, t))
+    if not strided:
+        return
+    arr = np.frombuffer(mm, np.uint8, count=nbytes, offset=begin).reshape(shape + (itemsize,))
+    try:
+        step = max(1, CHUNK_BYTES // row)
+        for r0 in range(0, shape[0], step):
+            r1 = min(shape[0], r0 + step)
+            for w, t in strided:
+                idx: list[slice] = [slice(None)] * arr.ndim
+                idx[0] = slice(r0, r1)
+                idx[t.dim] = slice(t.start, t.stop)
+                piece = memoryview(np.ascontiguousarray(arr[tuple(idx)]).reshape(-1))
+                w.write(piece)
+                progress(piece.nbytes)
+            lo = begin + r0 * row
+            lo -= lo % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, lo, begin + r1 * row - lo)  # keep RSS bounded
+    finally:
+        del arr
+
+
 def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal: _Journal,
                      progress: Callable[[int], None], dequant: Callable | None, budget: ByteBudget) -> None:
     sp = plan.shards[si]
-    src = ck.root / sp.source_file
-    writers: list[Any] = []
     rels = [f"{d}/{sp.out_name}" if d != "." else sp.out_name for d in plan.dirs]
+    if all(r in journal.done for r in rels):
+        progress(sum(t.nbytes for outs in sp.outputs for t in outs))
+        return
+    hd = ck.headers[sp.source_file]
+    by_src: dict[str, list[tuple[int, OutTensor]]] = {}   # source tensor -> its targets
+    for i, outs in enumerate(sp.outputs):
+        for t in outs:
+            by_src.setdefault(t.src, []).append((i, t))
+    fd = os.open(ck.root / sp.source_file, os.O_RDONLY)
+    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    writers: list[Any] = []
+    ahead = 0  # the kernel reads [.., ahead) in the background while we slice and hash
     try:
-        for i, outs in enumerate(sp.outputs):
-            if rels[i] in journal.done:
-                writers.append(NullWriter())
-            else:
-                writers.append(AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs], budget))
-        if all(isinstance(w, NullWriter) for w in writers):
-            progress(sum(t.nbytes for outs in sp.outputs for t in outs))
-            return
-        hd = ck.headers[sp.source_file]
-        # per source tensor: its targets in file order of each writer
-        by_src: dict[str, list[tuple[int, OutTensor]]] = {}
-        for i, outs in enumerate(sp.outputs):
-            for t in outs:
-                by_src.setdefault(t.src, []).append((i, t))
-        fd = os.open(src, os.O_RDONLY)
-        ahead = 0  # the kernel reads [.., ahead) in the background while we slice and hash
         try:
+            for i, outs in enumerate(sp.outputs):
+                writers.append(NullWriter() if rels[i] in journal.done else
+                               AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs], budget))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             # walk the outputs in each writer's order: one pass over the source when every writer
             # takes at most one piece per source tensor (layout "ranks"), else piece by piece
@@ -683,22 +731,23 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                     os.posix_fadvise(fd, start, ahead - start, os.POSIX_FADV_WILLNEED)
                 group = [(i, t) for i, t in by_src[t0.src] if cursors[i] < len(sp.outputs[i])
                          and sp.outputs[i][cursors[i]] is t]
-                if len({i for i, _ in group}) != len(group):
-                    group = [(i0, t0)]
-                _stream_copy(fd, info.begin, info.shape, info.itemsize,
-                             [(writers[i], t) for i, t in group], progress)
+                _map_copy(mm, fd, info.begin, info.shape, info.itemsize,
+                          [(writers[i], t) for i, t in group], progress)
                 for i, _ in group:
                     cursors[i] += 1
-        finally:
-            os.close(fd)
-        for i, w in enumerate(writers):
-            if not isinstance(w, NullWriter):
-                size, sha = w.close()
-                journal.record(rels[i], size, sha)
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
+            done = [(rels[i], w.close()) for i, w in enumerate(writers) if not isinstance(w, NullWriter)]
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a view still alive after an error: the process is failing anyway
+            pass
+        os.close(fd)
+    for rel, (size, sha) in done:
+        journal.record(rel, size, sha)
 
 
 def _order_key(hd: Any, t: OutTensor) -> int:

@@ -7,10 +7,14 @@ manifests are written last by the callers, through ``write_atomic``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from exl3tools.checkpoint.header import header_bytes
 
@@ -111,6 +115,24 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True, slots=True)
+class FileRange:
+    """``length`` bytes at ``offset`` of an open source file (and its read-only map): an
+    AsyncShardWriter hashes them through the map and copies them in-kernel (copy_file_range)."""
+    mm: Any
+    fd: int
+    offset: int
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.length
+
+
+def _nbytes(item: Any) -> int:
+    return item.length if isinstance(item, FileRange) else memoryview(item).nbytes
+
+
 class ByteBudget:
     """Bytes queued for writing, shared by every AsyncShardWriter of one job: bounds peak memory."""
 
@@ -155,18 +177,55 @@ class AsyncShardWriter(ShardWriter):
             item = self._q.get()
             if item is None:
                 return
+            n = _nbytes(item)
             try:
                 if self._err is None:
-                    ShardWriter.write(self, item)
+                    if isinstance(item, FileRange):
+                        self._copy_range(item)
+                    else:
+                        ShardWriter.write(self, item)
             except BaseException as exc:  # reported by close()
                 self._err = exc
-            self._budget.give(memoryview(item).nbytes)
+            del item
+            self._budget.give(n)
+
+    _in_kernel = True  # copy_file_range works between these files (cleared on EXDEV and friends)
+
+    def _copy_range(self, r: FileRange) -> None:
+        view = memoryview(r.mm)[r.offset:r.offset + r.length]
+        try:
+            self.sha.update(view)
+            if not self._in_kernel:
+                _write_all(self.fd, view)
+        finally:
+            view.release()
+        off, left = r.offset, r.length
+        while left and self._in_kernel:
+            try:
+                n = os.copy_file_range(r.fd, self.fd, left, off)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or left != r.length:
+                    raise
+                self._in_kernel = False   # e.g. source and output on different filesystems
+                view = memoryview(r.mm)[r.offset:r.offset + r.length]
+                try:
+                    _write_all(self.fd, view)
+                finally:
+                    view.release()
+                break
+            if n <= 0:
+                raise OSError(f"copy_file_range returned {n} at byte {off}")
+            off += n
+            left -= n
+        self.written += r.length
+        lo = r.offset - r.offset % mmap.PAGESIZE
+        r.mm.madvise(mmap.MADV_DONTNEED, lo, r.offset + r.length - lo)  # keep RSS bounded
 
     def write(self, data: bytes | memoryview) -> None:
         if not hasattr(self, "_t"):          # the header, from __init__
             ShardWriter.write(self, data)
             return
-        self._budget.take(memoryview(data).nbytes)
+        self._budget.take(_nbytes(data))
         self._q.put(data)
 
     def _drain(self) -> None:
