@@ -33,6 +33,10 @@ def _pos(_ctx, _param, value: int) -> int:
               help="Most sequences waiting; beyond it requests get 429 + Retry-After.")
 @click.option("--max-cache-tokens", type=int, default=None,
               help="KV-cache budget in tokens (default: the runtime's).")
+@click.option("--max-prefill-tokens", default=512, show_default=True, callback=_pos,
+              help="Prompt tokens per engine step (long prompts are chunked so decoding goes on).")
+@click.option("--max-context", type=click.IntRange(1, None), default=None,
+              help="Cap the context length (default: the model's).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--backend", default="reference", show_default=True, help="Kernel backend.")
@@ -41,7 +45,8 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
-              max_batch: int, max_queue: int, max_cache_tokens: int | None,
+              max_batch: int, max_queue: int, max_cache_tokens: int | None, max_prefill_tokens: int,
+              max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cpu_threads: int | None,
               log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
@@ -65,6 +70,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
     cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, moe=moe, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
+                      max_prefill_tokens=max_prefill_tokens, max_context=max_context,
                       cpu_threads=cpu_threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):

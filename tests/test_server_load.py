@@ -272,3 +272,33 @@ def test_a_dead_engine_fails_health_and_releases_clients():
         assert h.status_code == 503 and h.json()["status"] == "failed"
         r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+
+
+def test_chunked_prefill_gives_the_same_tokens():
+    """Prompts longer than max_prefill_tokens are fed over several steps, mixed with other
+    sequences' decoding; the tokens equal a one-shot prefill on the bare runner."""
+    from exl3tools.runtime.runner import load_runner
+    from exl3tools.runtime.sampling import sample
+
+    prompts = [[1] + [40 + 7 * i + j for j in range(13)] for i in range(3)]
+    with load_runner(str(DEMO / "model")) as runner:
+        expected = []
+        for sid, p in enumerate(prompts):
+            runner.add_sequence(sid)
+            toks, new = [], p
+            for _ in range(6):
+                toks.append(sample(runner.step([(sid, new)])[0], 0.0))
+                new = [toks[-1]]
+            expected.append(toks)
+    with LiveServer(create_app(config(max_prefill_tokens=4))) as s:
+        def body(p):
+            return {"model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body(p)) for p in prompts))
+
+        got = [r.json()["choices"][0]["token_ids"] for r in asyncio.run(main())]
+        assert stats(s)["steps"] >= 16  # 42 prompt tokens at 4 per step, then 5 decode steps
+    assert got == expected

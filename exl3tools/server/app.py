@@ -64,6 +64,7 @@ class ServeConfig:
     max_queue: int = 256
     max_cache_tokens: int | None = None
     max_prefill_tokens: int = 512
+    max_context: int | None = None  # cap the model's context (runner default: config.json)
     cpu_threads: int | None = None  # None: all cores but one, which the event loop keeps
 
 
@@ -77,6 +78,8 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
             kwargs["moe"] = cfg.moe
         if cfg.max_cache_tokens is not None:
             kwargs["max_cache_tokens"] = cfg.max_cache_tokens
+        if cfg.max_context is not None:
+            kwargs["max_context"] = cfg.max_context
         if cfg.device == "cpu":
             _cpu_threads(cfg.cpu_threads)
         return load_runner(local_path(cfg.model_path), **kwargs)
