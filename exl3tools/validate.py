@@ -160,17 +160,19 @@ def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
     from exl3tools import validate_checks as C
     from exl3tools import validate_numeric as N
 
-    opened = C.open_tolerant(root, sink)
+    parallel = not deep and N.can_fork()
+    opened = C.open_tolerant(root, sink, defer_qfile=parallel)
     if opened is None:
         return {"files": 0, "tensors": 0}
     ckpt, bad_files = opened
     ctx = C.Context.build(ckpt, sink, bad_files)
     C.check_quant_config(ctx)
     C.check_linears(ctx)
-    C.check_architecture(ctx)
-    C.check_tensor_storage(ctx)
-    if isinstance(ckpt.quantization_config_file, dict):  # can be ~100 MB of dicts on GLM-5: done with it
-        ckpt.quantization_config_file.pop("tensor_storage", None)
-    num = N.check_deep(ctx, progress) if deep else N.check_sampled(ctx, sample_blocks)
+    if deep:
+        C.check_architecture(ctx)
+        C.check_qfile(ctx)
+        num = N.check_deep(ctx, progress)
+    else:  # the architecture check runs in this process while workers read samples
+        num = N.check_sampled(ctx, sample_blocks, meanwhile=lambda: C.check_architecture(ctx))
     return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),
             "file_bytes": ckpt.file_bytes, "architecture": ckpt.architecture, **num}

@@ -44,8 +44,13 @@ def _is_num(x: object) -> bool:
 
 
 # ----------------------------------------------------------------------------- opening
-def open_tolerant(root: Path, sink: Sink) -> tuple[Checkpoint, set[str]] | None:
-    """Open ``root`` recording problems as findings; None when nothing is left to check."""
+def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Checkpoint, set[str]] | None:
+    """Open ``root`` recording problems as findings; None when nothing is left to check.
+
+    ``defer_qfile``: leave quantization_config.json (tens of MB of tensor_storage on GLM-5) unparsed
+    when config.json carries the quantization_config; check_qfile_deferred parses and checks it later
+    (in a worker process, in parallel with the other checks).
+    """
     cfg_path, idx_path = root / "config.json", root / INDEX_NAME
     globbed = sorted(p.name for p in root.glob("*.safetensors"))
     if not cfg_path.is_file() and not globbed and not idx_path.is_file():
@@ -59,9 +64,10 @@ def open_tolerant(root: Path, sink: Sink) -> tuple[Checkpoint, set[str]] | None:
 
     qfile = None
     qpath = root / "quantization_config.json"
-    if qpath.is_file():
-        qfile = _json_object(qpath, "quantization_config.json", "E115", sink)
     qcfg = config.get("quantization_config")
+    deferred = defer_qfile and isinstance(qcfg, dict) and qpath.is_file()
+    if qpath.is_file() and not deferred:
+        qfile = _json_object(qpath, "quantization_config.json", "E115", sink)
     if qcfg is not None and not isinstance(qcfg, dict):
         sink.add("E116", "config.json", None, "quantization_config is not an object")
         qcfg = None
@@ -139,6 +145,8 @@ def open_tolerant(root: Path, sink: Sink) -> tuple[Checkpoint, set[str]] | None:
             if name not in index:
                 sink.add("E112", ref.file.name, name, f"not listed in {INDEX_NAME} (loaders skip it)")
     ckpt = Checkpoint(root, config, merged, qfile, headers, tensors, index, [])
+    if deferred:
+        ckpt.issues.append(("deferred", str(qpath)))
     return ckpt, bad
 
 
@@ -271,18 +279,6 @@ def check_quant_config(ctx: Context) -> None:
     if cb not in CODEBOOKS:
         add("E117", "config.json", None, f"codebook {cb!r} is not one of {', '.join(CODEBOOKS)}")
 
-    qcfg, qfile = ck.config.get("quantization_config"), ck.quantization_config_file
-    if isinstance(qcfg, dict) and isinstance(qfile, dict):
-        diff = sorted(k for k in (set(qcfg) | set(qfile)) - {"tensor_storage"} if qcfg.get(k) != qfile.get(k))
-        if diff:
-            add("W102", "quantization_config.json", None, f"differs from config.json quantization_config in {', '.join(diff)}")
-    if ctx.rank is not None:
-        pass  # rank dirs drop tensor_storage on purpose (docs/rank-slice.md §1)
-    elif qfile is None:
-        add("W103", None, None, "no quantization_config.json (vLLM's EXL3 backend requires its tensor_storage)")
-    elif not (isinstance(qfile.get("tensor_storage"), dict) and qfile["tensor_storage"]):
-        add("W103", "quantization_config.json", None, "no tensor_storage (vLLM's EXL3 backend requires it)")
-
     head_bits = q.get("head_bits")
     head = ctx.scan.linears.get("lm_head")
     if head_bits == 16 and head is not None:
@@ -297,6 +293,32 @@ def check_quant_config(ctx: Context) -> None:
             add("E118", ctx.file_of(f"{lin.prefix}.trellis"), lin.prefix,
                 f"MTP linear K is {lin.bits:g} but mtp_bits is {mtp_bits:g}"
                 + (f" ({len(wrong)} MTP linears differ)" if len(wrong) > 1 else ""))
+
+
+def qfile_deferred(ctx: Context) -> bool:
+    return ("deferred", str(ctx.ckpt.root / "quantization_config.json")) in ctx.ckpt.issues
+
+
+def check_qfile(ctx: Context) -> None:
+    """quantization_config.json vs config.json (W102), presence of tensor_storage (W103), then E220/W201."""
+    ck, add = ctx.ckpt, ctx.sink.add
+    if qfile_deferred(ctx):
+        ck.quantization_config_file = _json_object(ck.root / "quantization_config.json",
+                                                   "quantization_config.json", "E115", ctx.sink)
+    qcfg, qfile = ck.config.get("quantization_config"), ck.quantization_config_file
+    if isinstance(qcfg, dict) and isinstance(qfile, dict):
+        diff = sorted(k for k in (set(qcfg) | set(qfile)) - {"tensor_storage"} if qcfg.get(k) != qfile.get(k))
+        if diff:
+            add("W102", "quantization_config.json", None, f"differs from config.json quantization_config in {', '.join(diff)}")
+    if ctx.rank is not None:
+        pass  # rank dirs drop tensor_storage on purpose (docs/rank-slice.md §1)
+    elif qfile is None and not (ck.root / "quantization_config.json").is_file():
+        add("W103", None, None, "no quantization_config.json (vLLM's EXL3 backend requires its tensor_storage)")
+    elif isinstance(qfile, dict) and not (isinstance(qfile.get("tensor_storage"), dict) and qfile["tensor_storage"]):
+        add("W103", "quantization_config.json", None, "no tensor_storage (vLLM's EXL3 backend requires it)")
+    check_tensor_storage(ctx)
+    if isinstance(qfile, dict):  # can be ~100 MB of dicts on GLM-5: done with it
+        qfile.pop("tensor_storage", None)
 
 
 # ----------------------------------------------------------------------------- EXL3 linears

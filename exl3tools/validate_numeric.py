@@ -10,13 +10,15 @@ tensor, and a full decode of every linear, in bounded memory (chunks of at most 
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import multiprocessing
 import os
 import threading
 import zlib
 from collections import defaultdict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ CHUNK = 64 << 20            # deep mode: bytes per read of bytes nobody interpre
 DENSE_CHUNK = 16 << 20      # deep mode: dense bytes checked per step (float32 copy: 2-4x this)
 DECODE_BYTES = 2 << 20      # deep mode: trellis bytes decoded per step (W float32: ~10x this)
 FP16_MAX = 65504.0
-READ_THREADS = 4
+MAX_PROCS = int(os.environ.get("EXL3TOOLS_VALIDATE_PROCS", "16"))
 DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 NORM_SUFFIXES = ("norm.weight",)
 
@@ -354,8 +356,11 @@ def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray]]) -> None:
                 checks.decoded += 1
 
 
-def _small_reads(ctx: Context) -> dict[Path, list[_Read]]:
-    """Reads for sign vectors, markers, biases and dense tensors (windows of large ones)."""
+def _small_reads(ctx: Context, linears=None, dense=None) -> dict[Path, list[_Read]]:
+    """Reads for sign vectors, markers, biases and dense tensors (windows of large ones).
+
+    ``linears``/``dense``: plan these only (a worker plans its own file); default all.
+    """
     T = ctx.ckpt.tensors
     reads: dict[Path, list[_Read]] = defaultdict(list)
 
@@ -370,7 +375,7 @@ def _small_reads(ctx: Context) -> dict[Path, list[_Read]]:
         if n:
             reads[ref.file].append(_Read(off, n, kind, key))
 
-    for p in ctx.scan.linears:
+    for p in ctx.scan.linears if linears is None else linears:
         for s in ("suh", "svh"):
             name = f"{p}.{s}"
             if name in T:
@@ -385,36 +390,110 @@ def _small_reads(ctx: Context) -> dict[Path, list[_Read]]:
             ref = T.get(f"{p}.{m}")
             if ref is not None and ref.info.dtype == "I32" and ref.info.shape == ():
                 want(f"{p}.{m}", "marker", (f"{p}.{m}", m))
-    for name, (dtype, _shape) in ctx.scan.dense.items():
+    for name in ctx.scan.dense if dense is None else dense:
+        dtype = ctx.scan.dense[name][0]
         if dtype in ("F16", "BF16", "F32", "F64") and not name.endswith((".suh", ".svh", ".su", ".sv")):
             whole = T[name].info.nbytes <= DENSE_SAMPLE
             want(name, "dense", (name, dtype, whole), None if whole else DENSE_SAMPLE)
     return reads
 
 
-def check_sampled(ctx: Context, sample_blocks: int) -> dict[str, Any]:
-    plan = _decode_plan(ctx, max(0, sample_blocks))
-    checks = Checks(ctx, set(plan))
-    reads = _small_reads(ctx)
+def _file(T, prefix: str) -> Path | None:
+    for s in ("trellis", "suh", "svh"):
+        ref = T.get(f"{prefix}.{s}")
+        if ref is not None:
+            return ref.file
+    return None
+
+
+def can_fork() -> bool:
+    return (os.cpu_count() or 1) > 1 and "fork" in multiprocessing.get_all_start_methods()
+
+
+def check_sampled(ctx: Context, sample_blocks: int, meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Sampled numeric checks, one job per file (plus the deferred quantization_config.json job).
+
+    Python-level work per tensor dominates on 200k-tensor checkpoints, so with more than one core
+    the jobs run in forked processes (each owns whole files: the sign vectors, strip and decoded
+    block of a linear all live in its file); ``meanwhile`` runs here in parallel.
+    """
+    from exl3tools.validate_checks import check_qfile
+
+    plan = set(_decode_plan(ctx, max(0, sample_blocks)))
     T = ctx.ckpt.tensors
-    planned = set(plan)
+    by_file: dict[Path, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
     for p in ctx.scan.linears:
-        if p in ctx.broken:
+        f = _file(T, p)
+        if f is not None:
+            by_file[f][0].append(p)
+    for name in ctx.scan.dense:
+        by_file[T[name].file][1].append(name)
+    jobs: list[Any] = [("qfile", None)] + [("file", f) for f in sorted(by_file)]
+    global _STATE
+    _STATE = (ctx, plan, check_qfile, by_file)
+    try:
+        workers = min(os.cpu_count() or 1, len(jobs), MAX_PROCS)
+        if workers > 1 and can_fork():
+            gc.freeze()  # keep the collector from touching (and so copying) the parent's heap in workers
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                futs = [pool.submit(_job, j) for j in jobs]
+                if meanwhile:
+                    meanwhile()
+                results = [f.result() for f in futs]
+        else:
+            if meanwhile:
+                meanwhile()
+            results = [_job(j) for j in jobs]
+    finally:
+        _STATE = None
+        gc.unfreeze()
+    nbytes = decoded = 0
+    for findings, nb, dec in results:
+        nbytes += nb
+        decoded += dec
+        for f in findings:
+            ctx.sink.add(f.code, f.file, f.tensor, f.message)
+    return {"bytes_read": nbytes, "decoded_blocks": decoded}
+
+
+_STATE: tuple | None = None  # (ctx, plan, check_qfile) for _job, inherited by forked workers
+
+
+def _job(job: tuple[str, Path | None]) -> tuple[list, int, int]:
+    ctx, _plan, check_qfile, _ = _STATE
+    sink = ctx.sink
+    start = len(sink.findings)
+    if job[0] == "qfile":
+        check_qfile(ctx)
+        out = (0, 0)
+    else:
+        out = _sampled_file(job[1])
+    with sink._lock:
+        new = list(sink.findings[start:])
+    return new, *out
+
+
+def _sampled_file(path: Path) -> tuple[int, int]:
+    """All sampled checks of one file; returns (bytes read, blocks decoded)."""
+    ctx, plan, _, by_file = _STATE
+    T = ctx.ckpt.tensors
+    checks = Checks(ctx, plan)
+    linears, dense = by_file[path]
+    reads = _small_reads(ctx, linears, dense)[path]
+    for p in linears:
+        ref = T[f"{p}.trellis"]
+        if p in ctx.broken or ref.file != path:
             continue
         spans = sample_spans(ctx, p)
         if not spans:
             continue
-        file = T[f"{p}.trellis"].file
-        if p in planned:
+        if p in plan:
             checks.blocks[p] = [None] * len(spans)
-            reads[file].extend(_Read(off, n, "block", (p, r)) for r, (off, n) in enumerate(spans))
+            reads.extend(_Read(off, n, "block", (p, r)) for r, (off, n) in enumerate(spans))
         else:
             off, n = spans[0]
-            reads[file].append(_Read(off, n, "strip", p))
-    nbytes = 0
-    # files in parallel: preads and numpy release the GIL, so page-cache misses overlap
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(reads)))) as pool:
-        nbytes = sum(pool.map(lambda path: _read_all(path, reads[path], ctx, checks.dispatch), sorted(reads)))
+            reads.append(_Read(off, n, "strip", p))
+    nbytes = _read_all(path, reads, ctx, checks.dispatch)
     checks.flush()
     items = []
     for p, rows in checks.blocks.items():
@@ -426,7 +505,7 @@ def check_sampled(ctx: Context, sample_blocks: int) -> dict[str, Any]:
             items.append((p, tiles))
     _decode_blocks(checks, items)
     checks.finish_decode()
-    return {"bytes_read": nbytes, "decoded_blocks": checks.decoded}
+    return nbytes, checks.decoded
 
 
 # ----------------------------------------------------------------------------- deep

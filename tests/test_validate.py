@@ -477,3 +477,23 @@ def test_hostile_header_bounded_memory(tmp_path):
     assert out.returncode == 0, out.stderr
     codes, rss_kb = out.stdout.rsplit(" ", 1)
     assert "E102" in codes and 0 < int(rss_kb) < 1024 * 1024
+
+
+def test_report_api(tmp_path):
+    import dataclasses
+
+    from exl3tools.errors import CheckpointError
+
+    clean = validate(DEMO / "model")
+    assert clean.ok() and not clean.ok(strict=True) and clean.exit_code() == 0 and clean.exit_code(strict=True) == 1
+    clean.raise_for_errors()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        clean.findings[0].code = "E999"
+    model = _damaged(tmp_path, "demo", on_tensors(drop(f"{L1}.mlp.experts.5")))
+    rep = validate(model, sample_blocks=0)
+    assert rep.exit_code() == 1 and all(f.severity == "error" for f in rep.errors)
+    with pytest.raises(CheckpointError, match="validate error"):
+        rep.raise_for_errors()
+    assert rep.stats["decoded_blocks"] == 0
+    e303 = [f.line for f in rep.errors if f.code == "E303"]
+    assert len(e303) == 3 and e303[0].startswith("E303 model.safetensors:model.layers.1.mlp.experts.5.")
