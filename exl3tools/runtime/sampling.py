@@ -41,8 +41,10 @@ def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[floa
     return float(lp[token]), top
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator:
+    """A generator for ``sample`` on ``device`` (default CPU): torch.multinomial and friends
+    refuse a CPU generator for CUDA probabilities. ``seed=None``: a random seed."""
+    g = torch.Generator(device=device if device is not None else "cpu")
     if seed is not None:
         g.manual_seed(int(seed))
     else:

@@ -116,17 +116,8 @@ def _cpu_threads(n: int | None) -> None:
 def runtime_hooks() -> dict[str, Callable]:
     from exl3tools.runtime import sampling
 
-    def make_generator(seed: int, row: Any) -> Any:
-        """One generator per choice, seeded from the request's seed (+ the choice index), on the
-        logits' device: torch.multinomial refuses a CPU generator for CUDA probabilities."""
-        dev = getattr(row, "device", None)
-        if dev is None or dev.type == "cpu":
-            return sampling.make_generator(seed)
-        import torch
-
-        return torch.Generator(device=dev).manual_seed(seed)
-
-    return {"sample": sampling.sample, "logprobs": sampling.logprobs, "make_generator": make_generator}
+    return {"sample": sampling.sample, "logprobs": sampling.logprobs,
+            "make_generator": sampling.make_generator}
 
 
 class Server:

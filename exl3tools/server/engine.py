@@ -324,7 +324,7 @@ class Engine:
     def _sample(self, seq: Sequence, row: Any, now: float) -> None:
         p = seq.params
         if not hasattr(seq.generator, "manual_seed"):
-            seq.generator = self._make_gen(seq.generator, row)
+            seq.generator = self._make_gen(seq.generator, device=row.device)
         token = int(self._sample_fn(row, p.temperature, p.top_k, p.top_p, seq.generator))
         ev = Event(seq.index, token_ids=[token])
         if p.logprobs is not None:
