@@ -38,6 +38,7 @@ DENSE_CHUNK = 16 << 20      # deep mode: dense bytes checked per step (float32 c
 DECODE_BYTES = 2 << 20      # deep mode: trellis bytes decoded per step (W float32: ~10x this)
 FP16_MAX = 65504.0
 MAX_PROCS = int(os.environ.get("EXL3TOOLS_VALIDATE_PROCS", "16"))
+FORK_MIN_TENSORS = 20_000  # below this a process pool costs more than it saves
 DECODE_THREADS = max(1, min(8, os.cpu_count() or 1))
 NORM_SUFFIXES = ("norm.weight",)
 
@@ -433,7 +434,7 @@ def check_sampled(ctx: Context, sample_blocks: int, meanwhile: Callable[[], None
     _STATE = (ctx, plan, check_qfile, by_file)
     try:
         workers = min(os.cpu_count() or 1, len(jobs), MAX_PROCS)
-        if workers > 1 and can_fork():
+        if workers > 1 and can_fork() and len(T) >= FORK_MIN_TENSORS:
             gc.freeze()  # keep the collector from touching (and so copying) the parent's heap in workers
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 futs = [pool.submit(_job, j) for j in jobs]
@@ -479,7 +480,8 @@ def _sampled_file(path: Path) -> tuple[int, int]:
     T = ctx.ckpt.tensors
     checks = Checks(ctx, plan)
     linears, dense = by_file[path]
-    reads = _small_reads(ctx, linears, dense)[path]
+    planned = _small_reads(ctx, linears, dense)  # a linear's parts in other files are read here too
+    reads = planned[path]
     for p in linears:
         ref = T[f"{p}.trellis"]
         if p in ctx.broken or ref.file != path:
@@ -493,7 +495,7 @@ def _sampled_file(path: Path) -> tuple[int, int]:
         else:
             off, n = spans[0]
             reads.append(_Read(off, n, "strip", p))
-    nbytes = _read_all(path, reads, ctx, checks.dispatch)
+    nbytes = sum(_read_all(f, rs, ctx, checks.dispatch) for f, rs in planned.items())
     checks.flush()
     items = []
     for p, rows in checks.blocks.items():

@@ -497,3 +497,30 @@ def test_report_api(tmp_path):
     assert rep.stats["decoded_blocks"] == 0
     e303 = [f.line for f in rep.errors if f.code == "E303"]
     assert len(e303) == 3 and e303[0].startswith("E303 model.safetensors:model.layers.1.mlp.experts.5.")
+
+
+def test_multi_shard_forked_workers(tmp_path, monkeypatch):
+    """Sharded checkpoint (index + 3 files) through the forked per-file workers: clean, then damaged."""
+    import exl3tools.validate_numeric as N
+
+    monkeypatch.setattr(N, "FORK_MIN_TENSORS", 0)
+    model = tmp_path / "model"
+    shutil.copytree(DEMO / "model", model)
+    entries = read_st(model / ST)
+    (model / ST).unlink()
+    parts = [entries[:90], entries[90:180], entries[180:]]
+    wm = {}
+    for i, part in enumerate(parts):
+        name = f"model-{i + 1:05d}-of-00003.safetensors"
+        write_st(model / name, part)
+        wm.update({e[0]: name for e in part})
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    rep = validate(model)
+    assert not rep.errors and rep.codes == {"W303"} and rep.stats["files"] == 3
+    assert rep.stats["decoded_blocks"] == 63
+    victim = parts[2][-1][0].rsplit(".", 1)[0]  # a linear in the last shard
+    edit_tensors(model, set_values(f"{victim}.suh", 0, np.nan), "model-00003-of-00003.safetensors")
+    (model / "quantization_config.json").write_text("{not json")
+    rep = validate(model)
+    hit = [f for f in rep.errors if f.code == "E401"]
+    assert hit and hit[0].file == "model-00003-of-00003.safetensors" and "E115" in rep.codes
