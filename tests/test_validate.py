@@ -524,3 +524,35 @@ def test_multi_shard_forked_workers(tmp_path, monkeypatch):
     rep = validate(model)
     hit = [f for f in rep.errors if f.code == "E401"]
     assert hit and hit[0].file == "model-00003-of-00003.safetensors" and "E115" in rep.codes
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_damage_never_crashes(tmp_path, seed):
+    """Random header/data/JSON damage: always a verdict (exit 0 or 1), never a traceback."""
+    import random
+
+    rng = random.Random(seed)
+    model = _damaged(tmp_path, "demo", lambda m: None)
+    p = model / ST
+    raw = bytearray(p.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    kind = ("header", "data", "truncate", "json")[seed % 4]
+    if kind == "header":
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(8, 8 + n)] = rng.randrange(256)
+    elif kind == "data":
+        for _ in range(50):
+            raw[rng.randrange(8 + n, len(raw))] = rng.randrange(256)
+    elif kind == "truncate":
+        raw = raw[:rng.randrange(0, len(raw))]
+    else:
+        q = model / rng.choice(["config.json", "quantization_config.json"])
+        t = bytearray(q.read_bytes())
+        t[rng.randrange(len(t))] = rng.randrange(32, 127)
+        q.write_bytes(bytes(t))
+    p.write_bytes(bytes(raw))
+    res = run_cli(str(model), "--json", "--sample-blocks", "4")
+    doc = _json(res)
+    assert res.exit_code == (1 if doc["errors"] else 0)
+    if kind == "truncate":
+        assert res.exit_code == 1
