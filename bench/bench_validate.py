@@ -212,9 +212,10 @@ from exl3tools.validate import validate
 r = validate(sys.argv[1], deep=sys.argv[2] == "deep")
 wall = time.perf_counter() - t
 ru = resource.getrusage(resource.RUSAGE_SELF)
+ch = resource.getrusage(resource.RUSAGE_CHILDREN)  # forked per-file workers
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the (large) forking bench process
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
-print(json.dumps({"wall": wall, "rss_mb": hwm / 1024, "cpu": ru.ru_utime + ru.ru_stime,
+print(json.dumps({"wall": wall, "rss_mb": hwm / 1024, "cpu": ru.ru_utime + ru.ru_stime, "cpu_workers": ch.ru_utime + ch.ru_stime,
                   "errors": len(r.errors), "warnings": sorted(r.codes), "stats": {k: v for k, v in r.stats.items() if k != "sha256"}}))
 """
 
@@ -252,8 +253,9 @@ def main() -> None:
         runs = [run_validate(big, "sampled") for _ in range(2)]
         for i, r in enumerate(runs):
             s = r["stats"]
-            print(f"  sampled validate run {i + 1}: {r['wall']:.2f} s wall in-process (library {s['seconds']:.2f} s, "
-                  f"CPU {r['cpu']:.2f} s), "
+            print(f"  sampled validate run {i + 1}: {r['wall']:.2f} s wall in-process (library {s['seconds']:.2f} s; "
+                  f"CPU main {r['cpu']:.2f} s + workers {r['cpu_workers']:.2f} s on {os.cpu_count()} cores, "
+                  f"load average {os.getloadavg()[0]:.1f}), "
                   f"{s['linears']} linears, {s['tensors']} tensors, {s['bytes_read'] / 1e6:.0f} MB read, "
                   f"{s['decoded_blocks']} blocks decoded, peak RSS {r['rss_mb']:.0f} MB, "
                   f"errors {r['errors']}, codes {r['warnings']}")
