@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exl3tools.checkpoint.header import DTYPES, Header, read_header
+from exl3tools.checkpoint.header import Header, read_header
 from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint, TensorRef, load_json
 from exl3tools.errors import CheckpointError, HeaderError, NotACheckpointError, UnsupportedArchitectureError
 from exl3tools.exl3 import CODEBOOKS, WIDTH_TO_K
@@ -562,7 +562,3 @@ def check_tensor_storage(ctx: Context) -> None:
     for p, lin in ctx.scan.linears.items():
         if lin.family != "mtp" and p not in listed:
             add("W201", ctx.file_of(f"{p}.trellis"), p, "EXL3 linear not in tensor_storage (vLLM would treat it as unquantized)")
-
-
-def float_dtype(dtype: str) -> bool:
-    return dtype in FLOAT_DTYPES and dtype in DTYPES

@@ -28,7 +28,9 @@ EXL3_SLICED = ("trellis", "suh", "svh", "su", "sv")
 
 
 def is_rank_set(root: Path) -> bool:
-    return (root / MANIFEST).is_file() or any(RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir())
+    """A rank-slice output: its manifest, rank dirs, or rank-slice's journal (an unfinished run)."""
+    return ((root / MANIFEST).is_file() or (root / ".rank-slice.journal").is_file()
+            or any(RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir()))
 
 
 def _local(real: int, m: dict) -> int:

@@ -161,3 +161,29 @@ def test_deep_hashes_every_rank_file(demo_set):
     assert not rep.errors
     assert rep.stats["hashed_bytes"] == sum(p.stat().st_size for p in demo_set.rglob("*")
                                             if p.is_file() and p.name != "manifest.json")
+
+
+@pytest.fixture(scope="module")
+def hybrid_set(tmp_path_factory) -> Path:
+    from click.testing import CliRunner
+    from exl3tools.cli import main
+
+    out = tmp_path_factory.mktemp("rs") / "hybrid"
+    src = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
+    res = CliRunner().invoke(main, ["rank-slice", str(src), str(out), "--tp", "2", "--layout", "vllm-hybrid"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_vllm_hybrid_set(hybrid_set, tmp_path):
+    rep = validate(hybrid_set)
+    assert not rep.errors and not rep.warnings, [f.line for f in rep.findings]
+    d = _copy(hybrid_set, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hybrid_tr3_tail"]["codebook"] = "mul1"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert {"E505", "E503"} <= validate(d).codes
+    (d / "manifest.json").unlink()
+    (d / ".rank-slice.journal").write_text("")
+    doc = _json(res := run_cli(str(d), "--json"))
+    assert res.exit_code == 1 and "E501" in {f["code"] for f in doc["findings"]}
