@@ -177,8 +177,7 @@ def main() -> None:
         for rnd in range(rounds):
             order = ("rs", "cp") if rnd % 2 == 0 else ("cp", "rs")
             for what in order:
-                shutil.rmtree(sliced, ignore_errors=True)
-                shutil.rmtree(copied, ignore_errors=True)
+                shutil.rmtree(sliced if what == "rs" else copied, ignore_errors=True)
                 drop_cache(src)
                 if what == "rs":
                     t, r = timed_child(exe + ["rank-slice", str(src), str(sliced), "--tp", str(TP)])
@@ -187,6 +186,7 @@ def main() -> None:
                 else:
                     t, _ = timed_child(["cp", "-r", str(src), str(copied)])
                     t_cp_all.append(t)
+                    shutil.rmtree(copied)
         shutil.rmtree(copied, ignore_errors=True)
         out_bytes = du(sliced)
         t_rs, t_cp = sum(t_rs_all) / rounds, sum(t_cp_all) / rounds

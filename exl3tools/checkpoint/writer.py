@@ -133,6 +133,9 @@ def _nbytes(item: Any) -> int:
     return item.length if isinstance(item, FileRange) else memoryview(item).nbytes
 
 
+WRITEBACK_STEP = 64 << 20
+
+
 class ByteBudget:
     """Bytes queued for writing, shared by every AsyncShardWriter of one job: bounds peak memory."""
 
@@ -167,6 +170,7 @@ class AsyncShardWriter(ShardWriter):
 
         self._q: queue.Queue = queue.Queue()
         self._budget = budget or ByteBudget()
+        self._flushed = 0
         self._err: BaseException | None = None
         super().__init__(path, tensors)   # writes the header synchronously
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -184,6 +188,12 @@ class AsyncShardWriter(ShardWriter):
                         self._copy_range(item)
                     else:
                         ShardWriter.write(self, item)
+                    if self.written - self._flushed >= WRITEBACK_STEP:
+                        # start writeback of what is written and drop it from the page cache: the
+                        # final fsync has little left to do, and a 700 GB job does not flood memory
+                        os.posix_fadvise(self.fd, self._flushed, self.written - self._flushed,
+                                         os.POSIX_FADV_DONTNEED)
+                        self._flushed = self.written
             except BaseException as exc:  # reported by close()
                 self._err = exc
             del item
