@@ -527,11 +527,15 @@ def check_tensor_storage(ctx: Context) -> None:
         if not isinstance(stored, dict):
             add("E220", QF, leaf, "tensor_storage entry has no stored_tensors object")
             continue
+        missing = [n for n in stored if n not in T and not ctx.unreadable(n)]
+        if missing and len(missing) == len(stored) and len(stored) > 1:
+            add("E220", QF, leaf, f"tensor_storage lists {len(stored)} tensors of this module; no file stores any")
+        else:
+            for name in missing:
+                add("E220", QF, name, "listed in tensor_storage but stored in no file")
         for name, meta in stored.items():
             ref = T.get(name)
             if ref is None:
-                if not ctx.unreadable(name):
-                    add("E220", QF, name, "listed in tensor_storage but stored in no file")
                 continue
             if not isinstance(meta, dict):
                 add("E220", QF, name, "tensor_storage record is not an object")
