@@ -127,14 +127,15 @@ class Sink:
 Progress = Callable[[int], None]  # called with bytes just read (deep mode)
 
 
-def validate(path: str | Path, *, deep: bool = False, sample_blocks: int = 256,
+def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
              progress: Callable[[int, int], Progress] | None = None) -> Report:
     """Validate a checkpoint directory, a rank-slice output set, or one of its rank dirs.
 
+    ``path``: a directory, or an opened Checkpoint (its directory is re-read tolerantly).
     ``progress(total_bytes, files)`` (deep mode) returns a callback taking bytes read.
     Raises NotFoundError / NotACheckpointError for paths that are not checkpoints at all (exit 2).
     """
-    root = Path(path)
+    root = Path(getattr(path, "root", path))
     if not root.exists():
         raise NotFoundError(f"{root}: no such file or directory")
     if not root.is_dir():
