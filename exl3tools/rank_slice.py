@@ -16,7 +16,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from exl3tools.checkpoint.writer import (
     index_json,
     json_bytes,
     write_atomic,
+    write_atomic_text,
 )
 from exl3tools.errors import IncompatibleSliceError, OutputExistsError, UsageError
 from exl3tools.exl3 import BLOCK
@@ -516,6 +517,7 @@ def plan_rank_slices(ck: Checkpoint, tp: int, moe: str = "tp", layout: str = "ra
         hd = ck.headers[fname]
         order = sorted(hd.tensors.values(), key=lambda t: t.begin)
         per_rank: list[tuple[OutTensor, ...]] = []
+        shared: dict[tuple, OutTensor] = {}   # identical entries of several ranks: one object (memory)
         for r in range(tp):
             outs = []
             for info in order:
@@ -523,10 +525,14 @@ def plan_rank_slices(ck: Checkpoint, tp: int, moe: str = "tp", layout: str = "ra
                 sl = tensor_slice(m, info.name, cuts[r][m.prefix], info.shape)
                 if sl is None:
                     continue
-                dim, a, b = sl
-                shape = info.shape if dim is None else tuple(b - a if d == dim else s
-                                                             for d, s in enumerate(info.shape))
-                outs.append(OutTensor(info.name, info.name, info.dtype, shape, dim, a, b))
+                key = (info.name,) + sl
+                t = shared.get(key)
+                if t is None:
+                    dim, a, b = sl
+                    shape = info.shape if dim is None else tuple(b - a if d == dim else s
+                                                                 for d, s in enumerate(info.shape))
+                    t = shared[key] = OutTensor(info.name, info.name, info.dtype, shape, dim, a, b)
+                outs.append(t)
             per_rank.append(tuple(outs))
         shards.append(ShardPlan(fname, f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors", tuple(per_rank)))
 
@@ -755,6 +761,31 @@ def _order_key(hd: Any, t: OutTensor) -> int:
     return info.begin if info is not None else -1
 
 
+class _PlanTensors(Mapping):
+    """name -> manifest spec of one output dir, read straight from the plan (no copy)."""
+
+    def __init__(self, plan: RankPlan, i: int):
+        self.plan, self.i = plan, i
+
+    def _outs(self):
+        return (t for s in self.plan.shards for t in s.outputs[self.i])
+
+    def __iter__(self):
+        return (t.name for t in self._outs())
+
+    def __len__(self) -> int:
+        return sum(len(s.outputs[self.i]) for s in self.plan.shards)
+
+    def __getitem__(self, name: str) -> tuple:
+        for t in self._outs():
+            if t.name == name:
+                return tuple(t.spec())
+        raise KeyError(name)
+
+    def items(self):  # type: ignore[override]
+        return ((t.name, tuple(t.spec())) for t in self._outs())
+
+
 def check_destination(dst: Path, resume: bool) -> None:
     if dst.exists() and not dst.is_dir():
         raise OutputExistsError(f"{dst}: exists and is not a directory")
@@ -823,11 +854,10 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
             journal.record(r, size, sha)
         fsync_dir(base)
         rank = plan.configs[i].get("exl3tools", {}).get("rank") if plan.layout == "ranks" else None
-        ranks.append(RankEntry(rank, d, total, {t.name: tuple(t.spec()) for s in plan.shards
-                                                for t in s.outputs[i]}))
+        ranks.append(RankEntry(rank, d, total, _PlanTensors(plan, i)))
     manifest = RankManifest(__version__, plan.layout, plan.tp, plan.moe, plan.source, plan.fingerprint,
                             tuple(ranks), dict(journal.done))
-    write_atomic(dst / MANIFEST_NAME, json_bytes(manifest.to_json(), indent=None))
+    write_atomic_text(dst / MANIFEST_NAME, manifest.dump)
     fsync_dir(dst)
     (dst / JOURNAL).unlink(missing_ok=True)
     return manifest

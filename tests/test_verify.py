@@ -67,3 +67,16 @@ def test_dropped_slice_is_not_covered(sliced: tuple[Path, Path]) -> None:
 def test_not_a_sliced_output(tmp_path: Path) -> None:
     with pytest.raises(IncompleteOutputError):
         verify_sliced(fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model", tmp_path)
+
+
+def test_schema_checks_tensor_entries(sliced: tuple[Path, Path]) -> None:
+    from exl3tools.checkpoint.manifest import check_schema
+
+    _, out = sliced
+    obj = json.loads((out / "manifest.json").read_text())
+    check_schema(obj)
+    name = next(iter(obj["ranks"][0]["tensors"]))
+    for bad in ([None, -1, None, None], [None, 0, 1], ["x", "rows", 0, 1], [3, None, None, None]):
+        obj["ranks"][0]["tensors"][name] = bad
+        with pytest.raises(IncompleteOutputError, match="tensors"):
+            check_schema(obj)

@@ -94,6 +94,17 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
+def write_atomic_text(path: str | os.PathLike[str], dump: Any) -> None:
+    """Stream text into a file via temp + fsync + rename: ``dump(fh)`` writes it."""
+    p = Path(path)
+    tmp = tmp_name(p)
+    with open(tmp, "w", encoding="utf-8", buffering=1 << 20) as fh:
+        dump(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, p)
+
+
 def json_bytes(obj: object, indent: int | None = 2) -> bytes:
     return (json.dumps(obj, indent=indent) + "\n").encode()
 
