@@ -338,3 +338,24 @@ def test_small_fixtures_ep_tp2_verify(tmp_path: Path, name: str) -> None:
     if name.startswith("glm5"):      # 2 heads x 256 (q) / 256 (v): cut by heads
         a = [plan.cuts[r]["attention"]["model.layers.2.self_attn"]["q_heads"] for r in range(2)]
         assert a == [[0, 1], [1, 2]]
+
+
+def test_row_cut_partial_products_sum_to_full(tmp_path: Path) -> None:
+    """Row-parallel o_proj/down_proj: sum over ranks of x[:, slice_r] @ W_r == x @ W (golden)."""
+    name = "glm5_moe_dsa-tp-4.0bpw-mcg"
+    out = slice_to(name, tmp_path / "o", 4)
+    rng = np.random.default_rng(0)
+    with safe_open(str(fixture_dir(name) / "goldens_weights.safetensors"), "np") as f:
+        for p in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
+            g = f.get_tensor(p).astype(np.float64)
+            x = rng.standard_normal((3, g.shape[0]))
+            acc = np.zeros((3, g.shape[1]))
+            for r in range(4):
+                ck = Checkpoint.open(out / f"rank-{r}-of-4")
+                cut, first, last = rank_cut(ck.config["exl3tools"], p)
+                assert cut == "row"
+                w = decode_linear(ck.read_numpy(f"{p}.trellis"), ck.read_numpy(f"{p}.suh"),
+                                  ck.read_numpy(f"{p}.svh"), _codebook(ck, p))
+                acc += x[:, first:last] @ w
+            ref = x @ g
+            assert np.abs(acc - ref).max() <= 2e-3 * np.abs(ref).max(), p
