@@ -116,8 +116,8 @@ def _cpu_threads(n: int | None) -> None:
 def runtime_hooks() -> dict[str, Callable]:
     from exl3tools.runtime import sampling
 
-    return {"sample": sampling.sample, "logprobs": sampling.logprobs,
-            "make_generator": sampling.make_generator}
+    return {"sample": sampling.sample, "sample_batch": sampling.sample_batch,
+            "logprobs": sampling.logprobs, "make_generator": sampling.make_generator}
 
 
 class Server:

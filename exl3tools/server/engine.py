@@ -125,12 +125,13 @@ class Engine:
     def __init__(self, load: Callable[[], Any], *, max_batch: int = 32, max_queue: int = 256,
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
-                 make_generator: Callable | None = None) -> None:
+                 make_generator: Callable | None = None, sample_batch: Callable | None = None) -> None:
         self._load = load
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.metrics = metrics
         self._sample_fn, self._logprobs_fn, self._make_gen = sample, logprobs, make_generator
+        self._sample_batch_fn = sample_batch  # None: one sample() call per row
         self.runner: Any = None
         self.state = "loading"  # loading -> ready | failed
         self.load_error: str | None = None
@@ -306,26 +307,53 @@ class Engine:
         self.steps += 1
         t1 = time.perf_counter()
         now = time.monotonic()
+        ready: list[tuple[int, Sequence]] = []
         for i, (seq, chunk) in enumerate(batch):
             seq.num_cached += len(chunk)
-            if seq.pending > 0 or seq.finished:  # mid-prefill: these logits are not wanted
-                continue
-            try:
-                self._sample(seq, logits[i], now)
-            except Exception:
-                log.exception("sampling failed")
-                self._fail(seq)
+            if seq.pending == 0 and not seq.finished:  # mid-prefill logits are not wanted
+                ready.append((i, seq))
+        if ready:
+            self._sample_ready(logits, ready, now)
         self._sweep()
         t2 = time.perf_counter()
         self.time_forward += t1 - t0
         self.time_sample += t2 - t1
         return True
 
-    def _sample(self, seq: Sequence, row: Any, now: float) -> None:
+    def _sample_ready(self, logits: Any, ready: list[tuple[int, Sequence]], now: float) -> None:
+        """All rows of this step in one sampler call; if that fails (a NaN row), row by row, so
+        only the broken sequence fails."""
+        for _, seq in ready:
+            if seq.params.temperature > 0 and not hasattr(seq.generator, "manual_seed"):
+                seq.generator = self._make_gen(seq.generator, device=logits.device)
+        tokens = None
+        if self._sample_batch_fn is not None:
+            rows = [i for i, _ in ready]
+            ps = [seq.params for _, seq in ready]
+            try:
+                sub = logits if rows == list(range(len(logits))) else logits[rows]
+                tokens = self._sample_batch_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
+                                               [p.top_p for p in ps],
+                                               [seq.generator if p.temperature > 0 else None
+                                                for p, (_, seq) in zip(ps, ready)])
+            except Exception:
+                log.warning("batched sampling failed; sampling row by row", exc_info=True)
+                tokens = None
+        for j, (i, seq) in enumerate(ready):
+            try:
+                self._sample(seq, logits[i], now, None if tokens is None else tokens[j])
+            except Exception:
+                log.exception("sampling failed")
+                self._fail(seq)
+
+    def _sample(self, seq: Sequence, row: Any, now: float, token: int | None = None) -> None:
+        """Emit one token for ``seq``: ``token`` if the batched sampler drew it, else drawn here."""
         p = seq.params
-        if not hasattr(seq.generator, "manual_seed"):
-            seq.generator = self._make_gen(seq.generator, device=row.device)
-        token = int(self._sample_fn(row, p.temperature, p.top_k, p.top_p, seq.generator))
+        if token is None:
+            if p.temperature > 0 and not hasattr(seq.generator, "manual_seed"):
+                seq.generator = self._make_gen(seq.generator, device=row.device)
+            gen = seq.generator if p.temperature > 0 else None
+            token = int(self._sample_fn(row, p.temperature, p.top_k, p.top_p, gen))
         ev = Event(seq.index, token_ids=[token])
         if p.logprobs is not None:
             lp, top = self._logprobs_fn(row, token, p.logprobs)
