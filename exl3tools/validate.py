@@ -135,7 +135,9 @@ def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
     ``progress(total_bytes, files)`` (deep mode) returns a callback taking bytes read.
     Raises NotFoundError / NotACheckpointError for paths that are not checkpoints at all (exit 2).
     """
-    root = Path(getattr(path, "root", path))
+    from exl3tools.checkpoint.reader import Checkpoint
+
+    root = path.root if isinstance(path, Checkpoint) else Path(path)
     if not root.exists():
         raise NotFoundError(f"{root}: no such file or directory")
     if not root.is_dir():
