@@ -482,9 +482,11 @@ def test_hostile_header_bounded_memory(tmp_path):
 def test_report_api(tmp_path):
     import dataclasses
 
+    from exl3tools.checkpoint import Checkpoint
     from exl3tools.errors import CheckpointError
 
     clean = validate(DEMO / "model")
+    assert validate(Checkpoint.open(DEMO / "model")).codes == clean.codes == {"W303"}
     assert clean.ok() and not clean.ok(strict=True) and clean.exit_code() == 0 and clean.exit_code(strict=True) == 1
     clean.raise_for_errors()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -556,3 +558,17 @@ def test_random_damage_never_crashes(tmp_path, seed):
     assert res.exit_code == (1 if doc["errors"] else 0)
     if kind == "truncate":
         assert res.exit_code == 1
+
+
+def test_validate_is_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom exl3tools.cli import main\n"
+            f"sys.argv = ['exl3tools', 'validate', {str(DEMO / 'model')!r}, '--json']\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n        main()\n    except SystemExit:\n        pass\n"
+            "print(' '.join(sys.modules))")
+    mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
+    assert "exl3tools.validate_numeric" in mods
+    assert "torch" not in mods and "exllamav3" not in mods and "cli" not in mods and "kernels" not in mods
