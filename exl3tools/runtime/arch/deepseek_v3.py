@@ -20,11 +20,11 @@ import torch
 
 from exl3tools.errors import CheckpointError, UnsupportedArchitectureError
 from exl3tools.runtime.arch import BuildContext
-from exl3tools.runtime.arch.gqa import GqaSpec, _lin, build_mlp, build_moe
+from exl3tools.runtime.arch.gqa import GqaSpec, _lin, build_causal_lm, build_mlp, build_moe
 from exl3tools.runtime.dsa import Indexer
 from exl3tools.runtime.layers import DecoderLayer, MoE, RMSNorm
 from exl3tools.runtime.mla import MLAttention, mla_rope
-from exl3tools.runtime.model import CausalLM, ModelInfo
+from exl3tools.runtime.model import CausalLM
 
 MOE_SPEC = GqaSpec(routing="sigmoid", num_experts_key="n_routed_experts", shared_expert=True)
 
@@ -137,24 +137,13 @@ def build_block(ctx: BuildContext, idx: int, rope, *, indexer_mode: str | None, 
 
 
 def build_mla_model(ctx: BuildContext, *, indexer_types: list[str] | None) -> CausalLM:
-    cfg, ws = ctx.config, ctx.weights
+    cfg = ctx.config
     check_routing(cfg)
     rope = mla_rope(cfg)
     n_layers = int(cfg["num_hidden_layers"])
     layers = [build_block(ctx, i, rope, indexer_mode=None if indexer_types is None else indexer_types[i],
                           moe=not is_dense_layer(cfg, i)) for i in range(n_layers)]
-    eps = float(cfg["rms_norm_eps"])
-    vocab = int(cfg["vocab_size"])
-    head_name = "lm_head" if ws.is_linear("lm_head") else "model.embed_tokens"
-    head = _lin(ctx, head_name)
-    head_sharded = ctx.is_cut(head_name)
-    if not head_sharded:
-        head.out_real = min(head.out_real, vocab)
-    info = ModelInfo(cfg["architectures"][0], vocab, int(cfg["hidden_size"]), n_layers,
-                     int(ctx.max_context or cfg.get("max_position_embeddings") or 4096))
-    embed = ws.tensor("model.embed_tokens.weight").to(ctx.device)
-    model = CausalLM(info=info, embed=embed, layers=layers, norm=RMSNorm(ws.tensor("model.norm.weight"), eps),
-                     head=head, tp=ctx.tp, head_sharded=head_sharded)
+    model = build_causal_lm(ctx, layers)
     model.rope = rope
     model.mtp = None
     return model

@@ -123,14 +123,21 @@ def build_gqa(ctx: BuildContext, spec: GqaSpec) -> CausalLM:
         mlp = build_moe(ctx, spec, f"{p}.mlp") if moe else build_mlp(ctx, f"{p}.mlp")
         layers.append(DecoderLayer(RMSNorm(ws.tensor(f"{p}.input_layernorm.weight"), eps), attn,
                                    RMSNorm(ws.tensor(f"{p}.post_attention_layernorm.weight"), eps), mlp))
+    return build_causal_lm(ctx, layers)
+
+
+def build_causal_lm(ctx: BuildContext, layers: list) -> CausalLM:
+    """Embedding, decoder layers, final norm and the (possibly vocab-sharded) head: every architecture."""
+    cfg, ws = ctx.config, ctx.weights
     vocab = int(cfg["vocab_size"])
     head_name = "lm_head" if ws.is_linear("lm_head") else "model.embed_tokens"
     head = _lin(ctx, head_name)
     head_sharded = ctx.is_cut(head_name)
     if not head_sharded:
         head.out_real = min(head.out_real, vocab)
-    info = ModelInfo(cfg["architectures"][0], vocab, int(cfg["hidden_size"]), n_layers,
+    info = ModelInfo(cfg["architectures"][0], vocab, int(cfg["hidden_size"]), len(layers),
                      int(ctx.max_context or cfg.get("max_position_embeddings") or 4096))
     embed = ws.tensor("model.embed_tokens.weight").to(ctx.device)
-    return CausalLM(info=info, embed=embed, layers=layers, norm=RMSNorm(ws.tensor("model.norm.weight"), eps),
+    return CausalLM(info=info, embed=embed, layers=layers,
+                    norm=RMSNorm(ws.tensor("model.norm.weight"), float(cfg["rms_norm_eps"])),
                     head=head, tp=ctx.tp, head_sharded=head_sharded)
