@@ -105,7 +105,16 @@ def _load_manifest(root: Path, sink) -> dict | None:
     except IncompleteOutputError as exc:
         sink.add("E502", MANIFEST, None, str(exc).split(": ", 1)[-1])
         return None
+    unsafe = [x for x in [*obj["files"], *(r["dir"] for r in obj["ranks"])] if not _inside(x)]
+    if unsafe:  # a hostile manifest must not make validate read (hash) files outside DST
+        sink.add("E502", MANIFEST, None, f"names paths outside the output directory: {unsafe[:3]}")
+        return None
     return obj
+
+
+def _inside(rel: str) -> bool:
+    p = Path(rel)
+    return not p.is_absolute() and ".." not in p.parts and "\\" not in rel
 
 
 def _sha256(path: Path, tick: Callable[[int], None] | None) -> str:

@@ -85,6 +85,8 @@ CASES = [
     ("no-manifest", lambda d: (d / "manifest.json").unlink(), "E501"),
     ("manifest-not-json", lambda d: (d / "manifest.json").write_text("{"), "E502"),
     ("manifest-schema", lambda d: _manifest(d, lambda m: m.update(tp="two")), "E502"),
+    ("manifest-path-escape", lambda d: _manifest(d, lambda m: m["files"].update(
+        {"../../../etc/passwd": {"size": 1, "sha256": "0" * 64}})), "E502"),
     ("file-hash-mismatch", lambda d: (d / "rank-0-of-2" / "tokenizer_config.json").write_text("{}"), "E503"),
     ("file-missing", lambda d: (d / "rank-1-of-2" / "tokenizer.json").unlink(), "E503"),
     ("shard-truncated-size", lambda d: (d / "rank-1-of-2" / MODEL_ST).write_bytes(
