@@ -33,6 +33,7 @@ from exl3tools.checkpoint.manifest import (
     RankManifest,
     SourceFile,
     SourceInfo,
+    load_manifest,
     sha256_file,
 )
 from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint
@@ -572,15 +573,19 @@ class _Journal:
         kill = os.environ.get(KILL_ENV)
         self.kill_after = int(kill) if kill else None
 
-    def load(self) -> None:
-        if not self.path.is_file():
-            return
-        for line in self.path.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash
-            if e.get("plan") != self.plan_fp:
+    def load(self, previous: dict[str, FileEntry] | None = None) -> None:
+        """Trust journal lines (and a previous complete manifest of the same plan) whose file still
+        has the recorded size and sha256."""
+        entries = [{"path": k, "size": v.size, "sha256": v.sha256, "plan": self.plan_fp}
+                   for k, v in (previous or {}).items()]
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entries.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a crash
+        for e in entries:
+            if e.get("plan") != self.plan_fp or e["path"] in self.done:
                 continue
             p = self.path.parent / e["path"]
             if p.is_file() and p.stat().st_size == e["size"] and sha256_file(p) == e["sha256"]:
@@ -801,12 +806,19 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
     dst = Path(dst)
     check_destination(dst, resume)
     dst.mkdir(parents=True, exist_ok=True)
+    previous = None
+    if resume and (dst / MANIFEST_NAME).is_file():
+        try:
+            old = load_manifest(dst)
+            previous = old.files if old.plan_fingerprint == plan.fingerprint else None
+        except Exception:  # a broken manifest is simply not trusted
+            previous = None
     (dst / MANIFEST_NAME).unlink(missing_ok=True)  # a resumed run is incomplete until it ends
     for d in plan.dirs:
         (dst / d).mkdir(parents=True, exist_ok=True)
     journal = _Journal(dst, plan.fingerprint)
     if resume:
-        journal.load()
+        journal.load(previous)
     lock = threading.Lock()
 
     def prog(n: int) -> None:

@@ -359,3 +359,13 @@ def test_row_cut_partial_products_sum_to_full(tmp_path: Path) -> None:
                 acc += x[:, first:last] @ w
             ref = x @ g
             assert np.abs(acc - ref).max() <= 2e-3 * np.abs(ref).max(), p
+
+
+def test_resume_on_complete_output_rewrites_nothing(tmp_path: Path) -> None:
+    src = fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model"
+    out = slice_to("glm4_moe-tp-2.0bpw-mul1", tmp_path / "o", 2)
+    inodes = {p: p.stat().st_ino for p in out.rglob("*.safetensors")}
+    res = CliRunner().invoke(main, ["rank-slice", str(src), str(out), "--tp", "2", "--resume"])
+    assert res.exit_code == 0, res.output
+    assert {p: p.stat().st_ino for p in out.rglob("*.safetensors")} == inodes
+    assert verify_sliced(src, out).ok
