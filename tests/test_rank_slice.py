@@ -369,3 +369,21 @@ def test_resume_on_complete_output_rewrites_nothing(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert {p: p.stat().st_ino for p in out.rglob("*.safetensors")} == inodes
     assert verify_sliced(src, out).ok
+
+
+def test_multi_shard_source_keeps_shard_layout(tmp_path: Path) -> None:
+    """A 3-shard source with an index: each rank gets 3 shards (parallel readers) and its own index."""
+    from tests.test_normalize import all_tensors, write_ckpt
+
+    ck0 = Checkpoint.open(fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model")
+    src = write_ckpt(ck0, tmp_path / "src", all_tensors(ck0), shards=3)
+    ck = Checkpoint.open(src)
+    out = tmp_path / "o"
+    write_rank_shards(ck, plan_rank_slices(ck, 2), out, threads=3)
+    assert verify_sliced(src, out, decode_samples=2).ok
+    for r in range(2):
+        rd = out / f"rank-{r}-of-2"
+        assert sorted(p.name for p in rd.glob("*.safetensors")) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+        idx = json.loads((rd / "model.safetensors.index.json").read_text())["weight_map"]
+        for name, fname in idx.items():  # a tensor stays in the shard number it came from
+            assert fname == ck.ref(name).file.name
