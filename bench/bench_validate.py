@@ -173,7 +173,7 @@ def fill_sampled_ranges(root: Path, cfg: dict) -> int:
     """Write valid bytes where sampled-mode validate must not find zeros; returns bytes written."""
     from exl3tools.validate import Sink
     from exl3tools.validate_checks import Context, open_tolerant
-    from exl3tools.validate_numeric import sample_spans
+    from exl3tools.validate_numeric import strip_span
 
     sink = Sink(root)
     ckpt, bad = open_tolerant(root, sink)
@@ -195,7 +195,7 @@ def fill_sampled_ranges(root: Path, cfg: dict) -> int:
             if suffix in ("suh", "svh", "mcg") or name.endswith("norm.weight"):
                 data = _values(name, i.dtype, i.shape, cfg, rng)
             elif suffix == "trellis":
-                off, n = sample_spans(ctx, name[: -len(".trellis")])[0]
+                off, n = strip_span(ctx, name[: -len(".trellis")])
                 written += os.pwrite(fd_of(ref.file), rng.integers(0, 256, n, dtype=np.uint8).tobytes(), off)
             if data is not None:
                 written += os.pwrite(fd_of(ref.file), data, i.begin)

@@ -126,8 +126,6 @@ class Checks:
         elif kind == "block":
             prefix, row = key
             self.blocks[prefix][row] = raw
-            if row == 0:
-                self.trellis_strip(prefix, raw)
         elif kind == "bias":
             self.bias(key, raw)
         elif kind == "dense":
@@ -274,8 +272,20 @@ def sample_block(ctx: Context, prefix: str) -> tuple[int, int]:
     return _h(prefix) % kb, _h(prefix, 1) % nb
 
 
+def strip_span(ctx: Context, prefix: str) -> tuple[int, int]:
+    """The zero-check strip of a trellis: its last 8 tiles (up to 16 KiB).
+
+    It ends where the next tensor (in exllamav3's order, the next linear's suh/svh/marker) begins,
+    so it is read by the same pread as those: one read per linear. Trellis ends are spread through
+    the whole file, so a region never written (zeros) longer than one linear is caught.
+    """
+    info = ctx.ckpt.tensors[f"{prefix}.trellis"].info
+    n = min(info.nbytes, 8 * info.shape[-1] * 2)
+    return info.end - n, n
+
+
 def sample_spans(ctx: Context, prefix: str) -> list[tuple[int, int]]:
-    """Absolute (offset, length) of the trellis bytes of the sampled block (first run = the zero-check strip)."""
+    """Absolute (offset, length) of the trellis bytes of the sampled 128x128 block, one run per tile row."""
     lin = ctx.scan.linears[prefix]
     info = ctx.ckpt.tensors[f"{prefix}.trellis"].info
     bi, bj = sample_block(ctx, prefix)
@@ -490,15 +500,13 @@ def _sampled_file(path: Path) -> tuple[int, int]:
         ref = T[f"{p}.trellis"]
         if p in ctx.broken or ref.file != path:
             continue
-        spans = sample_spans(ctx, p)
-        if not spans:
-            continue
-        if p in plan:
+        off, n = strip_span(ctx, p)
+        if n:
+            reads.append(_Read(off, n, "strip", p))
+        spans = sample_spans(ctx, p) if p in plan else []
+        if spans:
             checks.blocks[p] = [None] * len(spans)
             reads.extend(_Read(off, n, "block", (p, r)) for r, (off, n) in enumerate(spans))
-        else:
-            off, n = spans[0]
-            reads.append(_Read(off, n, "strip", p))
     nbytes = sum(_read_all(f, rs, ctx, checks.dispatch) for f, rs in planned.items())
     checks.flush()
     items = []
@@ -605,8 +613,8 @@ def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: in
         for r0 in range(0, kt, rows_per):
             r1 = min(kt, r0 + rows_per)
             raw = read(begin + r0 * row_bytes, (r1 - r0) * row_bytes)
-            if r0 == 0:
-                checks.trellis_strip(prefix, raw[: 8 * width * 2])
+            if r1 == kt:
+                checks.trellis_strip(prefix, raw[-8 * width * 2:])
             if (r1 - r0) % 8 == 0:
                 tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
                 checks.submit(_decode_check, checks, prefix, tr, suh[16 * r0:16 * r1], svh, _codebook(lin), decode_rotated)
