@@ -27,9 +27,12 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--prompt", default=None, help="Prompt text (encoded with the model's tokenizer.json).")
 @click.option("--token-ids", default=None, help="Prompt as token ids, e.g. 1,2,3 (instead of --prompt).")
 @click.option("--max-tokens", type=click.IntRange(0), default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True)
+@click.option("--temperature", type=float, default=None,
+              help="0 = greedy. Default: generation_config.json's temperature, else 0.")
+@click.option("--top-k", type=click.IntRange(0), default=None,
+              help="0 = off. Default: generation_config.json's top_k, else 0.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None,
+              help="Default: generation_config.json's top_p, else 1.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible runs).")
 @click.option("--add-bos/--no-add-bos", default=False, show_default=True,
               help="Prepend the BOS token to a --prompt that does not start with it.")
@@ -44,9 +47,9 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--mtp", type=click.IntRange(0), default=0, show_default=True,
               help="Speculative decoding with the model's MTP head, N draft tokens per step (greedy only).")
 def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None, max_tokens: int,
-                 temperature: float, top_k: int, top_p: float, seed: int | None, add_bos: bool,
-                 ignore_eos: bool, logits_out: Path | None, device: str, backend: str, moe: str,
-                 as_json: bool, mtp: int) -> None:
+                 temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+                 add_bos: bool, ignore_eos: bool, logits_out: Path | None, device: str, backend: str,
+                 moe: str, as_json: bool, mtp: int) -> None:
     """Generate a completion for a prompt with the CPU/GPU runtime.
 
     \b
@@ -61,7 +64,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
 
     if (prompt is None) == (token_ids is None):
         raise UsageError("give exactly one of --prompt or --token-ids")
-    if mtp and (temperature != 0.0 or logits_out is not None):
+    if mtp and (temperature not in (None, 0.0) or logits_out is not None):
         raise UsageError("--mtp runs greedy decoding only (--temperature 0, no --logits-out)")
     t0 = time.perf_counter()
     runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe)
@@ -69,6 +72,10 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
         return
     with runner:
         t_load = time.perf_counter() - t0
+        d = {} if mtp else runner.generation_defaults   # options left out: the model's defaults
+        temperature = d.get("temperature", 0.0) if temperature is None else temperature
+        top_k = d.get("top_k", 0) if top_k is None else top_k
+        top_p = d.get("top_p", 1.0) if top_p is None else top_p
         if token_ids is not None:
             ids = _token_ids(token_ids)
         else:

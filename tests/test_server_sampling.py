@@ -121,3 +121,103 @@ def test_a_nan_row_fails_only_its_own_sequence():
     assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 60
     assert raised and max(raised) >= 2  # the refused step held both rows
+
+
+# ------------------------------------------------------------------ generation_config.json defaults
+
+PROMPT = [1, 50, 60]
+
+
+def _greedy(model, n=4):
+    from exl3tools.runtime.runner import load_runner
+
+    with load_runner(str(model)) as r:
+        r.add_sequence(0)
+        out, new = [], PROMPT
+        for _ in range(n):
+            out.append(sampling.sample(r.step([(0, new)])[0], 0.0))
+            new = [out[-1]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    return _greedy(DEMO / "model")
+
+
+def _copy_with(tmp_path, gen: dict):
+    import json
+    import shutil
+
+    dst = tmp_path / "model"
+    shutil.copytree(DEMO / "model", dst)
+    (dst / "generation_config.json").write_text(json.dumps(gen))
+    return dst
+
+
+def test_runner_reads_generation_defaults(tmp_path):
+    from exl3tools.runtime.runner import generation_defaults, load_runner
+
+    model = _copy_with(tmp_path, {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True,
+                                  "eos_token_id": [2, 7]})
+    with load_runner(str(model)) as r:
+        assert r.generation_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+        assert r.eos_token_ids == {2, 7}
+    assert generation_defaults({"temperature": -1, "top_p": 0, "top_k": True}) == {}
+    assert generation_defaults({"temperature": "0.7", "top_p": 1.5, "top_k": -1}) == {"top_k": 0}
+    with load_runner(str(DEMO / "model")) as r:
+        assert r.generation_defaults == {}  # the demo's file names none (do_sample false only)
+
+
+def test_server_applies_generation_config_defaults(tmp_path, greedy):
+    """Fields a request leaves out come from generation_config.json; fields it sets win; its
+    eos_token_id list ends generation."""
+    model = _copy_with(tmp_path, {"temperature": 1.7, "top_k": 1, "top_p": 0.5,
+                                  "eos_token_id": [2, greedy[1]]})
+    seen: list[tuple] = []
+
+    def sample_batch(logits, temps, ks, ps, gens):
+        seen.extend(zip(temps, ks, ps))
+        return sampling.sample_batch(logits, temps, ks, ps, gens)
+
+    app = create_app(ServeConfig(model_path=str(model), served_model_name=MODEL),
+                     hooks={**runtime_hooks(), "sample_batch": sample_batch})
+    with LiveServer(app) as s:
+        def post(**kw):
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                            "return_token_ids": True, **kw}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        plain = post(max_tokens=4)  # top_k 1 from the file: greedy; stops at the file's 2nd EOS
+        assert plain["token_ids"] == greedy[:2] and plain["finish_reason"] == "stop"
+        assert seen == [(1.7, 1, 0.5)] * 2
+        seen.clear()
+        own = post(max_tokens=4, temperature=0.3, top_k=-1, top_p=1.0, seed=3, ignore_eos=True)
+        assert len(own["token_ids"]) == 4 and seen == [(0.3, 0, 1.0)] * 4
+        seen.clear()
+        chat = httpx.post(f"{s.url}/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "top_k": 5}, timeout=60)
+        assert chat.status_code == 200 and seen == [(1.7, 5, 0.5)]
+
+
+def test_generate_cli_applies_generation_config_defaults(tmp_path, greedy):
+    import json
+
+    from click.testing import CliRunner
+
+    from exl3tools.cli import main
+
+    def run(model, *args):
+        res = CliRunner().invoke(main, ["generate", str(model), "--token-ids", "1,50,60", "--json",
+                                        *map(str, args)])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["completion_ids"]
+
+    stop = _copy_with(tmp_path / "a", {"eos_token_id": [2, greedy[1]]})
+    assert run(stop, "--max-tokens", 4) == greedy[:2]  # greedy by default; the file's EOS list stops it
+    hot = _copy_with(tmp_path / "b", {"temperature": 5.0})
+    sampled = run(hot, "--max-tokens", 8, "--seed", 1, "--ignore-eos")
+    assert sampled != _greedy(hot, 8) and sampled == run(hot, "--max-tokens", 8, "--seed", 1, "--ignore-eos")
+    assert run(hot, "--max-tokens", 8, "--seed", 1, "--ignore-eos", "--temperature", 0) == _greedy(hot, 8)

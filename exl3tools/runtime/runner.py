@@ -129,6 +129,7 @@ class Runner:
             if tid is not None:
                 eos.add(tid)
         self.eos_token_ids: set[int] = eos
+        self.generation_defaults: dict[str, float | int] = generation_defaults(gen)
         bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
         self.bos_token_id: int | None = bos if isinstance(bos, int) else None
         tmpl = tcfg.get("chat_template")
@@ -246,6 +247,22 @@ def _reap(procs, wait: float = 10.0) -> None:
         except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
             p.kill()
             p.wait()
+
+
+def generation_defaults(gen: dict) -> dict[str, float | int]:
+    """generation_config.json's sampling values that are usable: ``temperature`` (>= 0),
+    ``top_p`` (0 < p <= 1), ``top_k`` (>= 0, 0 = off). ``do_sample`` is not consulted (as vLLM):
+    a file that names a temperature means it."""
+    out: dict[str, float | int] = {}
+    num = (int, float)
+    t, p, k = gen.get("temperature"), gen.get("top_p"), gen.get("top_k")
+    if isinstance(t, num) and not isinstance(t, bool) and 0 <= t < float("inf"):
+        out["temperature"] = float(t)
+    if isinstance(p, num) and not isinstance(p, bool) and 0 < p <= 1:
+        out["top_p"] = float(p)
+    if isinstance(k, int) and not isinstance(k, bool):
+        out["top_k"] = max(0, k)
+    return out
 
 
 def _json(p: Path):

@@ -214,7 +214,8 @@ class Server:
         max_tokens = self._limits(max(map(len, prompts)), req.max_tokens,
                                   DEFAULT_COMPLETION_MAX_TOKENS)
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                 vocab_size=runner.vocab_size)
+                                 vocab_size=runner.vocab_size,
+                                 defaults=getattr(runner, "generation_defaults", None))
         return Prepared(prompts, params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids)
@@ -233,7 +234,8 @@ class Server:
         max_tokens = self._limits(len(ids), wanted, None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                 vocab_size=runner.vocab_size)
+                                 vocab_size=runner.vocab_size,
+                                 defaults=getattr(runner, "generation_defaults", None))
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids)

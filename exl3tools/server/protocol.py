@@ -216,13 +216,17 @@ def _stops(req: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], tuple[int,
 
 
 def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+    """``defaults`` (the model's generation_config.json: temperature, top_p, top_k) fill the
+    fields the request leaves out; then OpenAI's 1 / 1 / off."""
     _reject_unsupported(req)
     stop, stop_ids = _stops(req, vocab_size)
-    top_k = req.top_k if req.top_k and req.top_k > 0 else 0
-    temperature = 1.0 if req.temperature is None else req.temperature
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+    d = defaults or {}
+    top_k = d.get("top_k", 0) if req.top_k is None else req.top_k
+    top_k = top_k if top_k > 0 else 0
+    temperature = d.get("temperature", 1.0) if req.temperature is None else req.temperature
+    top_p = d.get("top_p", 1.0) if req.top_p is None else req.top_p
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=req.seed, stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
                           ignore_eos=req.ignore_eos)
 
