@@ -44,7 +44,7 @@ def test_sample_batch_equals_per_row_sample(vocab):
         g_row = [make_generator(s) for s in seeds]
         g_bat = [make_generator(s) for s in seeds]
         want = [sample(logits[i], temps[i], ks[i], ps[i], g_row[i]) for i in range(n)]
-        got = sample_batch(logits, temps, ks, ps, [None if t <= 0 else g for t, g in zip(temps, g_bat)])
+        got = sample_batch(logits, temps, ks, ps, [None if t <= 0 else g for t, g in zip(temps, g_bat, strict=True)])
         assert got == want, (trial, temps, ks, ps)
         # generators advanced alike: the next draw matches too (greedy rows never touched theirs)
         for i in range(n):

@@ -177,7 +177,7 @@ def test_server_applies_generation_config_defaults(tmp_path, greedy):
     seen: list[tuple] = []
 
     def sample_batch(logits, temps, ks, ps, gens):
-        seen.extend(zip(temps, ks, ps))
+        seen.extend(zip(temps, ks, ps, strict=True))
         return sampling.sample_batch(logits, temps, ks, ps, gens)
 
     app = create_app(ServeConfig(model_path=str(model), served_model_name=MODEL),
@@ -206,7 +206,6 @@ def test_generate_cli_applies_generation_config_defaults(tmp_path, greedy):
     import json
 
     from click.testing import CliRunner
-
     from exl3tools.cli import main
 
     def run(model, *args):

@@ -129,6 +129,11 @@ class Runner:
             if tid is not None:
                 eos.add(tid)
         self.eos_token_ids: set[int] = eos
+        special = _json(d / "special_tokens_map.json") or {}
+        self.eos_token: str | None = self._token_text(tcfg, special, "eos_token",
+                                                      cfg.get("eos_token_id", gen.get("eos_token_id")))
+        self.bos_token: str | None = self._token_text(tcfg, special, "bos_token",
+                                                      cfg.get("bos_token_id", gen.get("bos_token_id")))
         self.generation_defaults: dict[str, float | int] = generation_defaults(gen)
         bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
         self.bos_token_id: int | None = bos if isinstance(bos, int) else None
@@ -139,6 +144,21 @@ class Runner:
         if not isinstance(tmpl, str) and (d / "chat_template.jinja").is_file():
             tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
         self.chat_template: str | None = tmpl if isinstance(tmpl, str) else None
+
+    def _token_text(self, tcfg: dict, special: dict, key: str, ids) -> str | None:
+        """The text of the bos/eos token, as HF tokenizers report it (and chat templates print it):
+        tokenizer_config.json, then special_tokens_map.json (a string or {"content": ...}; an
+        explicit null means none), then the tokenizer's text for config.json's id (the first, for a
+        list)."""
+        for src in (tcfg, special):
+            if key in src:
+                v = src[key]
+                v = v.get("content") if isinstance(v, dict) else v
+                return v if isinstance(v, str) else None
+        tid = ids[0] if isinstance(ids, list) and ids else ids
+        if isinstance(tid, int) and not isinstance(tid, bool) and self.tokenizer is not None:
+            return self.tokenizer.id_to_token(tid)
+        return None
 
     # -- sequences
     def add_sequence(self, seq_id: Hashable) -> None:

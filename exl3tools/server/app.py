@@ -247,12 +247,9 @@ def _path_name(spec: str | None) -> str:
 
 
 def _special(runner: Any, which: str) -> str:
-    """bos/eos token text for templates that print them."""
+    """bos/eos token text for templates that print them: Runner.bos_token / eos_token."""
     text = getattr(runner, f"{which}_token", None)
-    if isinstance(text, str):
-        return text
-    tid = runner.bos_token_id if which == "bos" else min(runner.eos_token_ids, default=None)
-    return (runner.tokenizer.id_to_token(tid) or "") if tid is not None else ""
+    return text if isinstance(text, str) else ""
 
 
 # ---------------------------------------------------------------------- ASGI middleware

@@ -335,7 +335,7 @@ class Engine:
                 tokens = self._sample_batch_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
                                                [p.top_p for p in ps],
                                                [seq.generator if p.temperature > 0 else None
-                                                for p, (_, seq) in zip(ps, ready)])
+                                                for p, (_, seq) in zip(ps, ready, strict=True)])
             except Exception:
                 log.warning("batched sampling failed; sampling row by row", exc_info=True)
                 tokens = None

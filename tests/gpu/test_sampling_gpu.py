@@ -25,4 +25,4 @@ def test_cuda_generator_and_batched_sampler(vocab):
         b = [make_generator(100 * trial + i, device="cuda") for i in range(n)]
         want = [sample(logits[i], temps[i], ks[i], ps[i], a[i]) for i in range(n)]
         assert sample_batch(logits, temps, ks, ps, b) == want
-        assert all(torch.equal(x.get_state(), y.get_state()) for x, y in zip(a, b))
+        assert all(torch.equal(x.get_state(), y.get_state()) for x, y in zip(a, b, strict=True))
