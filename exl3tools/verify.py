@@ -100,6 +100,12 @@ def verify_sliced(src: str | Path, sliced: str | Path, *, decode_samples: int = 
         raise VerifyError(f"{sliced} was cut from a different source ({man.source.fingerprint[:19]}…, "
                           f"{src} is {si.fingerprint[:19]}…)")
 
+    # a manifest is input too: it may only name paths inside SLICED
+    for rel in list(man.files) + [r.dir for r in man.ranks]:
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or "\\" in rel:
+            raise VerifyError(f"manifest.json names {rel!r}, a path outside {sliced}")
+
     # files: sizes and hashes; no unlisted safetensors
     for rel, fe in sorted(man.files.items()):
         p = sliced / rel

@@ -80,3 +80,12 @@ def test_schema_checks_tensor_entries(sliced: tuple[Path, Path]) -> None:
         obj["ranks"][0]["tensors"][name] = bad
         with pytest.raises(IncompleteOutputError, match="tensors"):
             check_schema(obj)
+
+
+def test_manifest_paths_outside_output_refused(sliced: tuple[Path, Path]) -> None:
+    src, out = sliced
+    obj = json.loads((out / "manifest.json").read_text())
+    obj["files"]["../../etc/passwd"] = {"size": 1, "sha256": "0" * 64}
+    (out / "manifest.json").write_text(json.dumps(obj))
+    with pytest.raises(VerifyError, match="outside"):
+        verify_sliced(src, out)
