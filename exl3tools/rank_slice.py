@@ -573,7 +573,7 @@ class _Journal:
         kill = os.environ.get(KILL_ENV)
         self.kill_after = int(kill) if kill else None
 
-    def load(self, previous: dict[str, FileEntry] | None = None) -> None:
+    def load(self, expected: set[str], previous: dict[str, FileEntry] | None = None) -> None:
         """Trust journal lines (and a previous complete manifest of the same plan) whose file still
         has the recorded size and sha256."""
         entries = [{"path": k, "size": v.size, "sha256": v.sha256, "plan": self.plan_fp}
@@ -585,7 +585,7 @@ class _Journal:
                 except json.JSONDecodeError:
                     continue  # a torn last line from a crash
         for e in entries:
-            if e.get("plan") != self.plan_fp or e["path"] in self.done:
+            if e.get("plan") != self.plan_fp or e.get("path") not in expected or e["path"] in self.done:
                 continue
             p = self.path.parent / e["path"]
             if p.is_file() and p.stat().st_size == e["size"] and sha256_file(p) == e["sha256"]:
@@ -818,7 +818,10 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
         (dst / d).mkdir(parents=True, exist_ok=True)
     journal = _Journal(dst, plan.fingerprint)
     if resume:
-        journal.load(previous)
+        small = (INDEX_NAME, "config.json", "quantization_config.json") + TOKENIZER_FILES
+        expected = {f"{d}/{n}" if d != "." else n for d in plan.dirs
+                    for n in [s.out_name for s in plan.shards] + list(small)}
+        journal.load(expected, previous)
     lock = threading.Lock()
 
     def prog(n: int) -> None:
