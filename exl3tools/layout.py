@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from exl3tools.checkpoint.header import gc_paused
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.exl3 import BLOCK, HALF_WIDTHS, k_from_width
 
@@ -29,11 +30,15 @@ def pad128(x: int) -> int:
 
 
 def layer_of(name: str) -> int | None:
+    if not name.startswith("model.layers."):  # fast path: called for every tensor of 240k
+        return None
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None
 
 
 def expert_of(name: str) -> int | None:
+    if ".mlp.experts." not in name:
+        return None
     m = _EXPERT.search(name)
     return int(m.group(1)) if m else None
 
@@ -97,18 +102,31 @@ class Scan:
     layers: dict[int, LayerSummary]
 
 
+_SUFFIX_ORDER = ("trellis", "suh", "svh", "su", "sv", "bias", "mcg", "mul1", "scale")
+
+
 def scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: int | None = None) -> Scan:
     """Group ``name -> (dtype, shape)`` into EXL3 linears and dense tensors.
 
     A module P is an EXL3 linear iff it has a rank-3 ``P.trellis`` (exl3-format.md §3.1); a 2-D
     trellis next to ``P.signs`` is a quantized embedding and stays "dense".
     """
+    with gc_paused():
+        return _scan(tensors, num_hidden_layers)
+
+
+def _scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: int | None) -> Scan:
     linears: dict[str, Exl3Linear] = {}
-    prefixes = {n[: -len(".trellis")] for n, (_, s) in tensors.items() if n.endswith(".trellis") and len(s) == 3}
+    by_prefix: dict[str, set[str]] = {}  # one pass over names instead of 9 lookups per prefix
+    for n in tensors:
+        head, _, suffix = n.rpartition(".")
+        if suffix in _SUFFIX_ORDER:
+            by_prefix.setdefault(head, set()).add(suffix)
+    prefixes = {p for p, sufs in by_prefix.items() if "trellis" in sufs and len(tensors[f"{p}.trellis"][1]) == 3}
     owned: set[str] = set()
     for p in sorted(prefixes):
-        present = tuple(s for s in ("trellis", "suh", "svh", "su", "sv", "bias", "mcg", "mul1", "scale")
-                        if f"{p}.{s}" in tensors)
+        sufs = by_prefix[p]
+        present = tuple(s for s in _SUFFIX_ORDER if s in sufs)
         owned.update(f"{p}.{s}" for s in present)
         shape = tensors[f"{p}.trellis"][1]
         width = shape[2]
@@ -118,8 +136,6 @@ def scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: 
         old = "su" in present and "sv" in present
         signs = ("suh" if new and not ("su" in present or "sv" in present) else "su" if old and not
                  ("suh" in present or "svh" in present) else "mixed" if (new or old) else "missing")
-        if signs == "mixed" and (("suh" in present or "su" in present) and ("svh" in present or "sv" in present)):
-            signs = "mixed"
         linears[p] = Exl3Linear(
             prefix=p, k=16 * shape[0], n=16 * shape[1], width=width, bits=k_from_width(width),
             codebook=codebook, signs=signs, has_bias="bias" in present, suffixes=present,
@@ -128,12 +144,16 @@ def scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: 
 
     layers: dict[int, LayerSummary] = {}
     by_layer: dict[int, list[str]] = {}
+    experts_of: dict[int, set[int]] = {}
+    for lin in linears.values():  # expert ids from the linears: one regex per linear, not per tensor
+        if lin.layer is not None and lin.expert is not None:
+            experts_of.setdefault(lin.layer, set()).add(lin.expert)
     for n in tensors:
         li = layer_of(n)
         if li is not None:
             by_layer.setdefault(li, []).append(n)
     for li, names in sorted(by_layer.items()):
-        experts = sorted({e for e in (expert_of(n) for n in names) if e is not None})
+        experts = sorted(experts_of.get(li, ()))
         shared = any(".mlp.shared_experts." in n for n in names)
         mla = any(".self_attn.kv_a_proj_with_mqa." in n for n in names)
         dsa = any(".self_attn.indexer." in n for n in names)
