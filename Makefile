@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run test test-gpu lint bench schemas clean
+.PHONY: install dev run test test-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,9 +32,6 @@ lint: install
 
 bench: install
 	PATH="$(abspath $(BIN)):$$PATH" bash scripts/bench.sh
-
-schemas: install
-	$(BIN)/python -m exl3tools.schemas.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache out
