@@ -32,3 +32,25 @@ def warn(message: str) -> None:
 
 def status(message: str) -> None:
     err_console.print(message)
+
+
+def byte_progress(label: str, *, transient: bool = False, disable: bool = False):
+    """The one progress bar of long commands: bytes done, bytes/s and ETA, on stderr."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    return Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=transient, disable=disable)
+
+
+def byte_bar(total: int, label: str):
+    """(progress, advance callback) for one task of ``total`` bytes."""
+    prog = byte_progress(label)
+    task = prog.add_task(label, total=total)
+    return prog, (lambda n: prog.update(task, advance=n))

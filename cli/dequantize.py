@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from exl3tools.cli._output import console, emit_json, err_console
+from exl3tools.cli._output import byte_progress, console, emit_json
 
 
 @click.command("dequantize")
@@ -24,8 +24,6 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, tensors: tuple[str, ...], d
     exl3tools dequantize ./model-exl3 ./model-bf16
     exl3tools dequantize ./model-exl3 ./one --tensor model.layers.0.mlp.down_proj --dtype fp32
     """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
     from exl3tools.checkpoint import Checkpoint
     from exl3tools.dequantize import apply_dequantize, plan_dequantize
 
@@ -39,8 +37,7 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, tensors: tuple[str, ...], d
             for line in plan.describe():
                 console.print(line)
         return
-    with Progress(TextColumn("dequantize"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                  console=err_console, disable=as_json) as bar:
+    with byte_progress("dequantize", disable=as_json) as bar:
         task = bar.add_task("", total=plan.total_bytes)
         out = apply_dequantize(plan, ck, overwrite=overwrite, progress=lambda n: bar.advance(task, n))
     if as_json:

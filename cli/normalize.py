@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import click
-from exl3tools.cli._output import console, emit_json, status
+from exl3tools.cli._output import byte_bar, console, emit_json, status
 
 
 @click.command("normalize")
@@ -18,7 +18,6 @@ def normalize_cmd(src: str, dst: str, dry_run: bool, as_json: bool) -> None:
     \b
     exl3tools normalize ./foreign-exl3 ./model-normalized --dry-run
     """
-    from exl3tools.cli.rank_slice import byte_progress
 
     from exl3tools.checkpoint import Checkpoint
     from exl3tools.normalize import apply_normalize, plan_normalize
@@ -36,7 +35,7 @@ def normalize_cmd(src: str, dst: str, dry_run: bool, as_json: bool) -> None:
         if dry_run:
             return
     total = sum(t.nbytes for _, _, ts in plan.shards for t in ts)
-    prog, advance = byte_progress(total, "normalize")
+    prog, advance = byte_bar(total, "normalize")
     with prog:
         apply_normalize(ck, plan, dst, progress=advance)
     status(f"wrote {dst} ({len(plan.actions)} change(s))")

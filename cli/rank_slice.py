@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
-from exl3tools.cli._output import console, emit_json, err_console, status, warn
-
-
-def byte_progress(total: int, label: str):
-    """A Rich progress bar with bytes/s on stderr; returns (progress, advance callback)."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    prog = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=False)
-    task = prog.add_task(label, total=total)
-    return prog, (lambda n: prog.update(task, advance=n))
+from exl3tools.cli._output import byte_bar, console, emit_json, status, warn
 
 
 @click.command("rank-slice")
@@ -66,14 +51,14 @@ def rank_slice_cmd(src: str, dst: str, tp: int, moe: str, layout: str, dry_run: 
         for n in plan.notes:
             console.print(f"note: {n}")
         return
-    check_destination(__import__("pathlib").Path(dst), resume)
+    check_destination(Path(dst), resume)
     for n in plan.notes:
         warn(n)
     total = sum(t.nbytes for sp in plan.shards for outs in sp.outputs for t in outs)
     dequant = None
     if layout == "vllm-hybrid":
         from exl3tools.rank_slice import dequantize_to_writer as dequant
-    prog, advance = byte_progress(total, f"rank-slice tp={tp}")
+    prog, advance = byte_bar(total, f"rank-slice tp={tp}")
     with prog:
         man = write_rank_shards(ck, plan, dst, resume=resume, threads=threads, progress=advance, dequant=dequant)
     if as_json:

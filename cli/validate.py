@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from exl3tools.cli._output import console, emit_json, err_console
+from exl3tools.cli._output import byte_progress, console, emit_json, err_console
 
 
 @click.command("validate")
@@ -34,17 +34,7 @@ def validate_cmd(path: str, deep: bool, strict: bool, as_json: bool, junit: str 
     progress = None
     bar = None
     if deep and not as_json and err_console.is_terminal:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        bar = Progress(TextColumn("validate --deep"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                       TimeRemainingColumn(), console=err_console, transient=True)
+        bar = byte_progress("validate --deep", transient=True)
 
         def progress(total: int, files: int):
             task = bar.add_task("read", total=total)

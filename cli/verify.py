@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import click
-from exl3tools.cli._output import console, emit_json
+from exl3tools.cli._output import byte_bar, console, emit_json
 
 
 @click.command("verify")
@@ -20,14 +20,13 @@ def verify_cmd(src: str, sliced: str, decode_samples: int, seed: int, no_hash: b
     \b
     exl3tools verify ./GLM-5-exl3 ./GLM-5-tp4
     """
-    from exl3tools.cli.rank_slice import byte_progress
 
     from exl3tools.checkpoint.manifest import load_manifest
     from exl3tools.verify import verify_sliced
 
     man = load_manifest(sliced)
     total = sum(r.tensor_bytes for r in man.ranks)
-    prog, advance = byte_progress(total, "verify")
+    prog, advance = byte_bar(total, "verify")
     with prog:
         rep = verify_sliced(src, sliced, decode_samples=decode_samples, seed=seed, hash_files=not no_hash,
                             progress=advance)

@@ -36,7 +36,7 @@ from exl3tools.checkpoint.manifest import (
     load_manifest,
     sha256_file,
 )
-from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint
+from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint, pread_fd
 from exl3tools.checkpoint.writer import (
     AsyncShardWriter,
     ByteBudget,
@@ -604,23 +604,11 @@ class _Journal:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _pread(fd: int, n: int, off: int) -> bytes:
-    parts = []
-    while n > 0:
-        b = os.pread(fd, min(n, 1 << 30), off)
-        if not b:
-            raise OSError(f"unexpected end of file at byte {off}")
-        parts.append(b)
-        n -= len(b)
-        off += len(b)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
                  targets: list[tuple[Any, OutTensor]], progress: Callable[[int], None]) -> None:
     """Read one source tensor once, in chunks of whole dim-0 rows, and feed every target its part."""
     if not shape or math.prod(shape) == 0:
-        data = _pread(fd, math.prod(shape) * itemsize, begin) if shape == () else b""
+        data = pread_fd(fd, begin, math.prod(shape) * itemsize) if shape == () else b""
         for w, _t in targets:
             w.write(data)
             progress(len(data))
@@ -633,7 +621,7 @@ def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
                 if not (t.dim == 0 and (t.stop <= a or t.start >= b))]
         if not need:
             continue
-        buf = _pread(fd, (b - a) * row, begin + a * row)
+        buf = pread_fd(fd, begin + a * row, (b - a) * row)
         arr = None
         for w, t in need:
             if t.dim is None:
@@ -668,7 +656,7 @@ def _map_copy(mm: mmap.mmap, fd: int, begin: int, shape: tuple[int, ...], itemsi
         for o in range(off, off + n, CHUNK_BYTES):
             m = min(CHUNK_BYTES, off + n - o)
             # small pieces by pread: touching the map would also map (fault-around) neighbours
-            w.write(_pread(fd, m, o) if m < SMALL_COPY else FileRange(mm, fd, o, m))
+            w.write(pread_fd(fd, o, m) if m < SMALL_COPY else FileRange(mm, fd, o, m))
             progress(m)
 
     strided = []

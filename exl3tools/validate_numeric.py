@@ -28,6 +28,7 @@ import numpy as np
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.reader import to_numpy
 from exl3tools.exl3 import MARKERS
+from exl3tools.kernels.reference import decode_rotated, had_cols, had_rows, rotate_out
 from exl3tools.validate_checks import Context
 
 DENSE_SAMPLE = 1 << 20      # bytes read from one dense tensor in sampled mode
@@ -320,34 +321,8 @@ def _codebook(lin) -> str:
     return lin.codebook if lin.codebook in ("mcg", "mul1") else "3inst"
 
 
-def _had_rows(x: np.ndarray) -> np.ndarray:
-    """H_k . x as ONE 2-D BLAS call (reference.had_rows' batched matmul is ~50x slower on 1 block)."""
-    from exl3tools.kernels.reference import hadamard128
-
-    k, n = x.shape
-    y = hadamard128() @ x.reshape(k // 128, 128, n).transpose(1, 0, 2).reshape(128, -1)
-    return y.reshape(128, k // 128, n).transpose(1, 0, 2).reshape(k, n)
-
-
-def _had_cols(x: np.ndarray) -> np.ndarray:
-    from exl3tools.kernels.reference import hadamard128
-
-    k, n = x.shape
-    return (x.reshape(-1, 128) @ hadamard128()).reshape(k, n)
-
-
-def rotate(what: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
-    """W = diag(suh) . H . Ŵ . H . diag(svh) in float32 (same math as reference.rotate_out)."""
-    w = _had_rows(what.astype(np.float32))
-    w *= suh.astype(np.float32)[:, None]
-    w = _had_cols(w)
-    w *= svh.astype(np.float32)[None, :]
-    return w
-
-
 def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray]]) -> None:
     """items: (prefix, trellis block [8, 8, width]) decoded together per (width, codebook)."""
-    from exl3tools.kernels.reference import decode_rotated
 
     ctx = checks.ctx
     groups: dict[tuple[int, str], list[tuple[str, np.ndarray]]] = defaultdict(list)
@@ -364,8 +339,8 @@ def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray]]) -> None:
                 su.append(checks.vectors[f"{prefix}.suh"][128 * bi:128 * bi + 128])
                 sv.append(checks.vectors[f"{prefix}.svh"][128 * bj:128 * bj + 128])
             # all blocks at once: rows then columns, each ONE BLAS call over the stacked blocks
-            w = _had_rows(what.astype(np.float32)) * np.concatenate(su).astype(np.float32)[:, None]
-            w = _had_cols(w).reshape(len(part), 128, 128) * np.stack(sv).astype(np.float32)[:, None, :]
+            w = had_rows(what.astype(np.float32)) * np.concatenate(su).astype(np.float32)[:, None]
+            w = had_cols(w).reshape(len(part), 128, 128) * np.stack(sv).astype(np.float32)[:, None, :]
             for idx, (prefix, _blk) in enumerate(part):
                 checks.decoded_block(prefix, w[idx])
                 checks.decoded += 1
@@ -524,7 +499,6 @@ def _sampled_file(path: Path) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- deep
 def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None]] | None) -> dict[str, Any]:
-    from exl3tools.kernels.reference import decode_rotated
 
     checks = Checks(ctx, None)
     ck, T = ctx.ckpt, ctx.ckpt.tensors
@@ -583,7 +557,7 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
 
 def _decode_check(checks: Checks, prefix: str, tr: np.ndarray, suh: np.ndarray, svh: np.ndarray, cb: str,
                   decode_rotated) -> None:
-    checks.decoded_block(prefix, rotate(decode_rotated(tr, cb), suh, svh))
+    checks.decoded_block(prefix, rotate_out(decode_rotated(tr, cb), suh, svh))
 
 
 def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:

@@ -209,7 +209,7 @@ class Checkpoint:
         runs = slice_runs(ref.info.shape, ref.info.itemsize, dim, start, stop)
         with open(ref.file, "rb", buffering=0) as f:
             fd = f.fileno()
-            return b"".join(_pread_fd(fd, ref.info.begin + off, n, ref.file) for off, n in runs)
+            return b"".join(pread_fd(fd, ref.info.begin + off, n, ref.file) for off, n in runs)
 
     def read_numpy(self, name: str) -> np.ndarray:
         """The tensor as a numpy array (BF16 -> float32 exactly; F8 -> raw uint8)."""
@@ -249,18 +249,27 @@ def slice_runs(shape: tuple[int, ...], itemsize: int, dim: int, start: int, stop
     return [(o * row + start * inner, n) for o in range(outer)]
 
 
-def _pread_fd(fd: int, offset: int, n: int, path: Path) -> bytes:
+def pread_fd(fd: int, offset: int, n: int, path: Path | None = None) -> bytes:
+    """Exactly n bytes at offset (pread loops on short reads); CheckpointError at end of file."""
     chunks = []
     while n > 0:
         b = os.pread(fd, min(n, 1 << 30), offset)
         if not b:
-            raise CheckpointError(f"{path}: file ends before byte {offset + n} (truncated)")
+            name = path if path is not None else _fd_name(fd)
+            raise CheckpointError(f"{name}: file ends before byte {offset + n} (truncated)")
         chunks.append(b)
         offset += len(b)
         n -= len(b)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _fd_name(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"<fd {fd}>"
 
 
 def pread_exact(path: Path, offset: int, n: int) -> bytes:
     with open(path, "rb", buffering=0) as f:
-        return _pread_fd(f.fileno(), offset, n, path)
+        return pread_fd(f.fileno(), offset, n, path)
