@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from exl3tools.errors import HeaderError
 
@@ -76,10 +77,10 @@ _ITEMSIZE = {k: v[0] for k, v in DTYPES.items()}
 try:  # orjson parses a 240k-tensor GLM-5 header ~1.8x faster than the stdlib; both are strict JSON
     import orjson
 
-    def _loads(raw: bytes) -> object:
+    def loads_json(raw: bytes) -> Any:
         return orjson.loads(raw)
 except ImportError:  # pragma: no cover - orjson is a dependency, but the stdlib is enough
-    def _loads(raw: bytes) -> object:
+    def loads_json(raw: bytes) -> Any:
         return json.loads(raw.decode("utf-8"))
 
 
@@ -113,7 +114,7 @@ def _parse_header(raw_prefix: bytes, file_size: int, path: str) -> Header:
     if len(raw_prefix) < 8 + n:
         raise _fail(path, "E102", "header truncated")
     try:
-        obj = _loads(raw_prefix[8:8 + n])
+        obj = loads_json(raw_prefix[8:8 + n])
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise _fail(path, "E103", f"header is not valid JSON ({type(exc).__name__})") from None
     if not isinstance(obj, dict):

@@ -6,7 +6,6 @@ never whole files, so a 700 GB checkpoint opens in milliseconds and bounded memo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -15,7 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from exl3tools.checkpoint.header import DTYPES, Header, HeaderError, TensorInfo, read_header
+from exl3tools.checkpoint.header import (
+    DTYPES,
+    Header,
+    HeaderError,
+    TensorInfo,
+    gc_paused,
+    loads_json,
+    read_header,
+)
 from exl3tools.errors import CheckpointError, NotACheckpointError, NotFoundError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,8 +58,9 @@ def load_json(path: Path, what: str) -> Any:
     if size > MAX_JSON_BYTES:
         raise CheckpointError(f"{path}: {what} is {size} bytes, larger than any real one")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with gc_paused():  # a GLM-5 index / tensor_storage holds ~10^6 small objects
+            return loads_json(path.read_bytes())
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{path}: {what} is not valid JSON ({exc.__class__.__name__})") from None
 
 
