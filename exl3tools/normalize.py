@@ -197,7 +197,7 @@ def _rename_storage(qcfg: dict, plan: NormalizePlan, out_shapes: dict[str, NTens
 def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[str],
                     progress: Callable[[int], None] | None = None) -> None:
     """Write the normalized checkpoint to ``dst`` (temp names + rename; the index last)."""
-    from exl3tools.rank_slice import _stream_copy
+    from exl3tools.rank_write import _stream_copy
 
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):

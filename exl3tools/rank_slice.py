@@ -13,60 +13,21 @@ plan_rank_slices), rank_write (journal, copy paths, write_rank_shards) and vllm_
 
 from __future__ import annotations
 
-from exl3tools.rank_cuts import (
-    SLICE_RULES,
-    AttnSplit,
-    Cut,
-    Module,
-    _layer_prefix,
-    attn_channels,
-    attn_expected,
-    collect_modules,
-    cut_json,
-    decide_cuts,
-    gqa_split,
-    mla_split,
-    role_of,
-    split128,
-    split_units,
-    tensor_slice,
-)
+from exl3tools.rank_cuts import SLICE_RULES, Cut, decide_cuts, split128
 from exl3tools.rank_plan import (
     FORMAT,
     FORMAT_VERSION,
     OutTensor,
     RankPlan,
     ShardPlan,
-    _plan_fingerprint,
     plan_rank_slices,
-    real_dims_of,
     source_info,
 )
-from exl3tools.rank_write import (
-    CHUNK_BYTES,
-    JOURNAL,
-    KILL_ENV,
-    PREFETCH_BYTES,
-    SMALL_COPY,
-    _Journal,
-    _map_copy,
-    _order_key,
-    _PlanTensors,
-    _stream_copy,
-    _write_one_shard,
-    check_destination,
-    write_rank_shards,
-)
-from exl3tools.vllm_hybrid import _EXPERT_T, HYBRID_SCHEMA, _bf16, dequantize_to_writer, plan_hybrid
+from exl3tools.rank_write import check_destination, write_rank_shards
+from exl3tools.vllm_hybrid import dequantize_to_writer, plan_hybrid
 
 __all__ = [
-    "SLICE_RULES", "AttnSplit", "Cut", "Module", "_layer_prefix", "attn_channels", "attn_expected",
-    "collect_modules", "cut_json", "decide_cuts", "gqa_split", "mla_split", "role_of", "split128",
-    "split_units", "tensor_slice",
-    "FORMAT", "FORMAT_VERSION", "OutTensor", "RankPlan", "ShardPlan", "_plan_fingerprint",
-    "plan_rank_slices", "real_dims_of", "source_info",
-    "CHUNK_BYTES", "JOURNAL", "KILL_ENV", "PREFETCH_BYTES", "SMALL_COPY", "_Journal", "_map_copy",
-    "_order_key", "_PlanTensors", "_stream_copy", "_write_one_shard", "check_destination",
-    "write_rank_shards",
-    "HYBRID_SCHEMA", "_bf16", "_EXPERT_T", "dequantize_to_writer", "plan_hybrid",
+    "SLICE_RULES", "Cut", "decide_cuts", "split128",
+    "FORMAT", "FORMAT_VERSION", "OutTensor", "RankPlan", "ShardPlan", "plan_rank_slices", "source_info",
+    "check_destination", "write_rank_shards", "dequantize_to_writer", "plan_hybrid",
 ]
