@@ -9,7 +9,7 @@ from typing import Any
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.errors import NotExl3Error
 from exl3tools.exl3 import fmt_k
-from exl3tools.layout import Exl3Linear, Scan, real_dims, scan
+from exl3tools.layout import Exl3Linear, Scan, layer_of, real_dims, scan
 
 SCHEMA_ID = "https://exl3tools.dev/schemas/inspect.v1.json"
 FAMILIES = ("attention", "dense_mlp", "experts", "shared_experts", "head", "mtp", "other")
@@ -58,17 +58,25 @@ def _bpw(lins: list[Exl3Linear]) -> float:
     return round(bits / w, 9) if w else 0.0
 
 
+# unquantized fp16 Linear modules of a decoder layer that exllamav3's storage count includes
+# (MLA's kv_b_proj is not one: exllamav3 keeps it as a plain tensor)
+_FP16_LINEARS = (".mlp.gate.weight", ".self_attn.indexer.wk.weight", ".self_attn.indexer.weights_proj.weight")
+
+
 def layers_bpw(ck: Checkpoint, sc: Scan) -> float:
     """Storage bpw of the decoder layers as exllamav3's get_storage_info counts it: every stored bit
-    of the EXL3 linears (trellis, sign vectors, markers, bias) plus the fp16 routers, over their
-    weights. Matches goldens.json `storage.bpw_layers` of every fixture (MTP layers included)."""
+    of the EXL3 linears (trellis, sign vectors, markers, bias) plus the fp16 Linear modules (routers,
+    DSA indexer projections), over their weights; MTP layers excluded. Matches goldens.json
+    `storage.bpw_layers` of every fixture."""
+    L = ck.config.get("num_hidden_layers")
+    L = L if isinstance(L, int) else 1 << 30
     bits = weights = 0
     for p, lin in sc.linears.items():
-        if p.startswith("model.layers."):
+        if lin.layer is not None and lin.layer < L:
             bits += sum(ck.tensors[f"{p}.{s}"].info.nbytes * 8 for s in lin.suffixes)
             weights += lin.weights
     for n, ref in ck.tensors.items():
-        if n.startswith("model.layers.") and n.endswith(".mlp.gate.weight"):
+        if n.endswith(_FP16_LINEARS) and (layer_of(n) or 0) < L and n.startswith("model.layers."):
             bits += ref.info.nbytes * 8
             weights += ref.info.numel
     return round(bits / weights, 9) if weights else 0.0
