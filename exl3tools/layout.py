@@ -10,8 +10,9 @@ Pure Python: works from headers only.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from exl3tools.checkpoint.header import gc_paused
 from exl3tools.errors import UnsupportedArchitectureError
@@ -45,7 +46,10 @@ def expert_of(name: str) -> int | None:
 
 def family_of(prefix: str, num_hidden_layers: int | None) -> str:
     """Tensor family used in bit histograms: attention, experts, shared_experts, dense_mlp, head, mtp, other."""
-    layer = layer_of(prefix)
+    return _family(prefix, layer_of(prefix), num_hidden_layers)
+
+
+def _family(prefix: str, layer: int | None, num_hidden_layers: int | None) -> str:
     if prefix.startswith("lm_head"):
         return "head"
     if layer is not None and num_hidden_layers is not None and layer >= num_hidden_layers:
@@ -103,6 +107,7 @@ class Scan:
 
 
 _SUFFIX_ORDER = ("trellis", "suh", "svh", "su", "sv", "bias", "mcg", "mul1", "scale")
+_SUFFIXES = frozenset(_SUFFIX_ORDER)
 
 
 def scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: int | None = None) -> Scan:
@@ -112,55 +117,100 @@ def scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: 
     trellis next to ``P.signs`` is a quantized embedding and stays "dense".
     """
     with gc_paused():
-        return _scan(tensors, num_hidden_layers)
+        return _scan(tensors, tensors.__getitem__, num_hidden_layers)
 
 
-def _scan(tensors: Mapping[str, tuple[str, tuple[int, ...]]], num_hidden_layers: int | None) -> Scan:
-    linears: dict[str, Exl3Linear] = {}
-    by_prefix: dict[str, set[str]] = {}  # one pass over names instead of 9 lookups per prefix
+def scan_refs(tensors: Mapping[str, Any], num_hidden_layers: int | None = None) -> Scan:
+    """scan() of ``name -> TensorRef`` (anything with ``.info.dtype`` / ``.info.shape``), without
+    first building a (dtype, shape) pair for each of the 240k tensors of a GLM-5 checkpoint."""
+    def meta(name: str) -> tuple[str, tuple[int, ...]]:
+        i = tensors[name].info
+        return i.dtype, i.shape
+
+    with gc_paused():
+        return _scan(tensors, meta, num_hidden_layers)
+
+
+def _linear_parts(sufs: list[str]) -> tuple[tuple[str, ...], str, str, bool]:
+    """(present suffixes in _SUFFIX_ORDER, codebook, signs, has_bias) of one module's EXL3 suffixes."""
+    present = tuple(s for s in _SUFFIX_ORDER if s in sufs)
+    has_mcg, has_mul1 = "mcg" in present, "mul1" in present
+    codebook = "both" if has_mcg and has_mul1 else "mcg" if has_mcg else "mul1" if has_mul1 else "3inst"
+    new = "suh" in present and "svh" in present
+    old = "su" in present and "sv" in present
+    signs = ("suh" if new and not ("su" in present or "sv" in present) else "su" if old and not
+             ("suh" in present or "svh" in present) else "mixed" if (new or old) else "missing")
+    return present, codebook, signs, "bias" in present
+
+
+def _scan(tensors: Iterable[str], meta: Callable[[str], tuple[str, tuple[int, ...]]],
+          num_hidden_layers: int | None) -> Scan:
+    # One pass over the names: EXL3 suffixes by module, and names by layer. A name's layer is
+    # layer_of(head + "."), so it is computed once per module, not once per tensor.
+    names: list[str] = []
+    heads: list[str | None] = []            # the module of each name with an EXL3 suffix, else None
+    by_prefix: dict[str, list[str]] = {}
+    by_layer: dict[int, list[str]] = {}
+    layer_by_head: dict[str, int | None] = {}
     for n in tensors:
-        head, _, suffix = n.rpartition(".")
-        if suffix in _SUFFIX_ORDER:
-            by_prefix.setdefault(head, set()).add(suffix)
-    prefixes = {p for p, sufs in by_prefix.items() if "trellis" in sufs and len(tensors[f"{p}.trellis"][1]) == 3}
-    owned: set[str] = set()
+        names.append(n)
+        head, dot, suffix = n.rpartition(".")
+        if suffix in _SUFFIXES:
+            heads.append(head)
+            sufs = by_prefix.get(head)
+            if sufs is None:
+                by_prefix[head] = [suffix]
+            else:
+                sufs.append(suffix)
+        else:
+            heads.append(None)
+        if not dot:
+            continue
+        li = layer_by_head.get(head, -1)
+        if li == -1:
+            li = layer_by_head[head] = layer_of(head + ".")
+        if li is not None:
+            names_of = by_layer.get(li)
+            if names_of is None:
+                by_layer[li] = [n]
+            else:
+                names_of.append(n)
+
+    prefixes = [p for p, sufs in by_prefix.items() if "trellis" in sufs and len(meta(f"{p}.trellis")[1]) == 3]
+    parts: dict[tuple[str, ...], tuple[tuple[str, ...], str, str, bool]] = {}  # a few suffix sets in all
+    linears: dict[str, Exl3Linear] = {}
     for p in sorted(prefixes):
         sufs = by_prefix[p]
-        present = tuple(s for s in _SUFFIX_ORDER if s in sufs)
-        owned.update(f"{p}.{s}" for s in present)
-        shape = tensors[f"{p}.trellis"][1]
+        key = tuple(sufs)
+        got = parts.get(key)
+        if got is None:
+            got = parts[key] = _linear_parts(sufs)
+        present, codebook, signs, has_bias = got
+        shape = meta(f"{p}.trellis")[1]
         width = shape[2]
-        has_mcg, has_mul1 = "mcg" in present, "mul1" in present
-        codebook = "both" if has_mcg and has_mul1 else "mcg" if has_mcg else "mul1" if has_mul1 else "3inst"
-        new = "suh" in present and "svh" in present
-        old = "su" in present and "sv" in present
-        signs = ("suh" if new and not ("su" in present or "sv" in present) else "su" if old and not
-                 ("suh" in present or "svh" in present) else "mixed" if (new or old) else "missing")
+        layer = layer_of(p)
         linears[p] = Exl3Linear(
             prefix=p, k=16 * shape[0], n=16 * shape[1], width=width, bits=k_from_width(width),
-            codebook=codebook, signs=signs, has_bias="bias" in present, suffixes=present,
-            family=family_of(p, num_hidden_layers), layer=layer_of(p), expert=expert_of(p))
-    dense = {n: v for n, v in tensors.items() if n not in owned}
+            codebook=codebook, signs=signs, has_bias=has_bias, suffixes=present,
+            family=_family(p, layer, num_hidden_layers), layer=layer, expert=expert_of(p))
+    # a name is owned by a linear iff it has an EXL3 suffix and its module is that linear
+    dense = {n: meta(n) for n, h in zip(names, heads, strict=True) if h not in linears}
 
     layers: dict[int, LayerSummary] = {}
-    by_layer: dict[int, list[str]] = {}
     experts_of: dict[int, set[int]] = {}
     for lin in linears.values():  # expert ids from the linears: one regex per linear, not per tensor
         if lin.layer is not None and lin.expert is not None:
             experts_of.setdefault(lin.layer, set()).add(lin.expert)
-    for n in tensors:
-        li = layer_of(n)
-        if li is not None:
-            by_layer.setdefault(li, []).append(n)
-    for li, names in sorted(by_layer.items()):
+    for li, names_of in sorted(by_layer.items()):
         experts = sorted(experts_of.get(li, ()))
-        shared = any(".mlp.shared_experts." in n for n in names)
-        mla = any(".self_attn.kv_a_proj_with_mqa." in n for n in names)
-        dsa = any(".self_attn.indexer." in n for n in names)
-        gqa = any(".self_attn.q_proj." in n or ".self_attn.k_proj." in n for n in names)
+        text = "\n".join(names_of)  # one C-speed substring search per pattern (no pattern holds a newline)
+        shared = ".mlp.shared_experts." in text
+        mla = ".self_attn.kv_a_proj_with_mqa." in text
+        dsa = ".self_attn.indexer." in text
+        gqa = ".self_attn.q_proj." in text or ".self_attn.k_proj." in text
         attention = "mla+dsa" if mla and dsa else "mla" if mla else "gqa" if gqa else "none"
         is_mtp = num_hidden_layers is not None and li >= num_hidden_layers
-        kind = "mtp" if is_mtp else "moe" if experts or any(".mlp.gate.weight" in n for n in names) else "dense"
+        kind = "mtp" if is_mtp else "moe" if experts or ".mlp.gate.weight" in text else "dense"
         layers[li] = LayerSummary(li, kind, tuple(experts), shared, attention)
     return Scan(linears, dense, layers)
 

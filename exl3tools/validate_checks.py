@@ -25,7 +25,7 @@ from exl3tools.layout import (
     expert_of,
     layer_of,
     pad128,
-    scan,
+    scan_refs,
 )
 from exl3tools.validate import Sink
 
@@ -204,7 +204,7 @@ class Context:
         cfg = ckpt.config
         L = cfg.get("num_hidden_layers")
         L = L if isinstance(L, int) and not isinstance(L, bool) and L >= 0 else None
-        sc = scan({n: (r.info.dtype, r.info.shape) for n, r in ckpt.tensors.items()}, L)
+        sc = scan_refs(ckpt.tensors, L)
         mtp = [li for li in sorted(sc.layers) if L is not None and li >= L]
         expected = None
         if ckpt.config:

@@ -321,28 +321,23 @@ def _codebook(lin) -> str:
     return lin.codebook if lin.codebook in ("mcg", "mul1") else "3inst"
 
 
-def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray]]) -> None:
-    """items: (prefix, trellis block [8, 8, width]) decoded together per (width, codebook)."""
+def _decode_blocks(checks: Checks, items: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """items: (prefix, trellis block [8, 8, width], its 128 suh, its 128 svh), decoded together per
+    (width, codebook), at most 64 blocks per BLAS call."""
 
     ctx = checks.ctx
-    groups: dict[tuple[int, str], list[tuple[str, np.ndarray]]] = defaultdict(list)
-    for prefix, blk in items:
-        groups[(blk.shape[-1], _codebook(ctx.scan.linears[prefix]))].append((prefix, blk))
+    groups: dict[tuple[int, str], list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]] = defaultdict(list)
+    for item in items:
+        groups[(item[1].shape[-1], _codebook(ctx.scan.linears[item[0]]))].append(item)
     for (_width, cb), lst in groups.items():
-        lst = [(p, b) for p, b in lst if f"{p}.suh" in checks.vectors and f"{p}.svh" in checks.vectors]
         for a in range(0, len(lst), 64):
             part = lst[a:a + 64]
-            what = decode_rotated(np.concatenate([b for _, b in part], axis=0), cb)  # (128*m, 128)
-            su, sv = [], []
-            for prefix, _blk in part:
-                bi, bj = sample_block(ctx, prefix)
-                su.append(checks.vectors[f"{prefix}.suh"][128 * bi:128 * bi + 128])
-                sv.append(checks.vectors[f"{prefix}.svh"][128 * bj:128 * bj + 128])
+            what = decode_rotated(np.concatenate([x[1] for x in part], axis=0), cb)  # (128*m, 128)
             # all blocks at once: rows then columns, each ONE BLAS call over the stacked blocks
-            w = had_rows(what.astype(np.float32)) * np.concatenate(su).astype(np.float32)[:, None]
-            w = had_cols(w).reshape(len(part), 128, 128) * np.stack(sv).astype(np.float32)[:, None, :]
-            for idx, (prefix, _blk) in enumerate(part):
-                checks.decoded_block(prefix, w[idx])
+            w = had_rows(what.astype(np.float32)) * np.concatenate([x[2] for x in part]).astype(np.float32)[:, None]
+            w = had_cols(w).reshape(len(part), 128, 128) * np.stack([x[3] for x in part]).astype(np.float32)[:, None, :]
+            for idx, x in enumerate(part):
+                checks.decoded_block(x[0], w[idx])
                 checks.decoded += 1
 
 
@@ -437,25 +432,31 @@ def check_sampled(ctx: Context, sample_blocks: int, meanwhile: Callable[[], None
     finally:
         _STATE = None
         gc.unfreeze()
-    nbytes = decoded = 0
-    for findings, nb, dec in results:
+    nbytes = 0
+    items: list = []
+    for findings, nb, its in results:
         nbytes += nb
-        decoded += dec
+        items.extend(its)
         for f in findings:
             ctx.sink.add(f.code, f.file, f.tensor, f.message)
-    return {"bytes_read": nbytes, "decoded_blocks": decoded}
+    # Decoding happens here, once for all files: BLAS in forked workers spins its threads after every
+    # small GEMM and, on few cores, doubled the workers' CPU time (GLM-5: 5.1 -> 2.9 s).
+    checks = Checks(ctx, set())
+    _decode_blocks(checks, items)
+    checks.finish_decode()
+    return {"bytes_read": nbytes, "decoded_blocks": checks.decoded}
 
 
 _STATE: tuple | None = None  # (ctx, plan, check_qfile) for _job, inherited by forked workers
 
 
-def _job(job: tuple[str, Path | None]) -> tuple[list, int, int]:
+def _job(job: tuple[str, Path | None]) -> tuple[list, int, list]:
     ctx, _plan, check_qfile, _ = _STATE
     sink = ctx.sink
     start = len(sink.findings)
     if job[0] == "qfile":
         check_qfile(ctx)
-        out = (0, 0)
+        out: tuple[int, list] = (0, [])
     else:
         out = _sampled_file(job[1])
     with sink._lock:
@@ -463,8 +464,8 @@ def _job(job: tuple[str, Path | None]) -> tuple[list, int, int]:
     return new, *out
 
 
-def _sampled_file(path: Path) -> tuple[int, int]:
-    """All sampled checks of one file; returns (bytes read, blocks decoded)."""
+def _sampled_file(path: Path) -> tuple[int, list]:
+    """All sampled checks of one file but the decode; returns (bytes read, _decode_blocks items)."""
     ctx, plan, _, by_file = _STATE
     T = ctx.ckpt.tensors
     checks = Checks(ctx, plan)
@@ -491,10 +492,11 @@ def _sampled_file(path: Path) -> tuple[int, int]:
         width = T[f"{p}.trellis"].info.shape[-1]
         tiles = np.frombuffer(b"".join(rows), dtype="<i2").reshape(len(rows), -1, width)
         if tiles.shape[0] == 8 and tiles.shape[1] == 8:
-            items.append((p, tiles))
-    _decode_blocks(checks, items)
-    checks.finish_decode()
-    return nbytes, checks.decoded
+            su, sv = checks.vectors.get(f"{p}.suh"), checks.vectors.get(f"{p}.svh")
+            if su is not None and sv is not None:
+                bi, bj = sample_block(ctx, p)
+                items.append((p, tiles, su[128 * bi:128 * bi + 128].copy(), sv[128 * bj:128 * bj + 128].copy()))
+    return nbytes, items
 
 
 # ----------------------------------------------------------------------------- deep
