@@ -173,13 +173,14 @@ def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
         return {"files": 0, "tensors": 0}
     ckpt, bad_files = opened
     ctx = C.Context.build(ckpt, sink, bad_files)
+    run = None if deep else N.start_sampled(ctx)  # forks workers; quantization_config.json job starts now
     C.check_quant_config(ctx)
     C.check_linears(ctx)
-    if deep:
+    if run is None:
         C.check_architecture(ctx)
         C.check_qfile(ctx)
         num = N.check_deep(ctx, progress)
     else:  # the architecture check runs in this process while workers read samples
-        num = N.check_sampled(ctx, sample_blocks, meanwhile=lambda: C.check_architecture(ctx))
+        num = N.finish_sampled(run, sample_blocks, meanwhile=lambda: C.check_architecture(ctx))
     return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),
             "file_bytes": ckpt.file_bytes, "architecture": ckpt.architecture, **num}

@@ -327,9 +327,12 @@ def check_linears(ctx: Context) -> None:
     q = ck.quantization_config or {}
     cfg_cb = q.get("codebook") if q.get("codebook") in CODEBOOKS else None
     cb_mismatch: list[str] = []
+    real_of, padded_of = ctx.real.get, ctx.padded.get
     for p, lin in ctx.scan.linears.items():
-        tr = T[f"{p}.trellis"].info
-        f = T[f"{p}.trellis"].file.name
+        ref = T[f"{p}.trellis"]
+        tr = ref.info
+        f = ref.file.name
+        sufs = lin.suffixes  # exactly the EXL3 suffixes s with f"{p}.{s}" in T: no lookups for the absent ones
         broken = False
         if tr.dtype != "I16":
             add("E202", f, f"{p}.trellis", f"trellis dtype {tr.dtype}, must be I16")
@@ -349,10 +352,9 @@ def check_linears(ctx: Context) -> None:
             add("E210", f, f"{p}.trellis", f"half-integer K {lin.bits:g} requires the mul1 marker (codebook is {lin.codebook})")
             broken = True
         for s, dt, size in (("suh", "F16", lin.k), ("svh", "F16", lin.n), ("su", "I16", lin.k // 16), ("sv", "I16", lin.n // 16)):
-            ref = T.get(f"{p}.{s}")
-            if ref is None:
+            if s not in sufs:
                 continue
-            i = ref.info
+            i = T[f"{p}.{s}"].info
             if i.dtype != dt or len(i.shape) != 1:
                 add("E205", f, f"{p}.{s}", f"{s} is {i.dtype}{list(i.shape)}, must be {dt} rank 1")
                 broken = True
@@ -363,16 +365,18 @@ def check_linears(ctx: Context) -> None:
         if lin.k % 128 or lin.n % 128:
             add("E207", f, f"{p}.trellis", f"padded dims k={lin.k}, n={lin.n} are not multiples of 128")
             broken = True
-        real = ctx.real.get(p)
-        want = ctx.padded.get(p) or (real and (pad128(real[0]), pad128(real[1])))
+        real = real_of(p)
+        want = padded_of(p) or (real and (pad128(real[0]), pad128(real[1])))
         if want and (want[0] != lin.k or want[1] != lin.n):
             how = "this rank's slice is" if p in ctx.padded else f"config.json dims {real[0]} -> {real[1]} pad to"
             add("E208", f, f"{p}.trellis", f"trellis {list(tr.shape)} is k={lin.k}, n={lin.n}; "
                 f"{how} k={want[0]}, n={want[1]}")
             broken = True
         for m in ("mcg", "mul1"):
-            ref = T.get(f"{p}.{m}")
-            if ref is not None and (ref.info.dtype != "I32" or ref.info.shape != ()):
+            if m not in sufs:
+                continue
+            ref = T[f"{p}.{m}"]
+            if ref.info.dtype != "I32" or ref.info.shape != ():
                 add("E211", f, f"{p}.{m}", f"marker is {ref.info.dtype}{list(ref.info.shape)}, must be a 0-d I32")
                 broken = True
         if lin.codebook == "both":
@@ -380,10 +384,10 @@ def check_linears(ctx: Context) -> None:
             broken = True
         elif cfg_cb and lin.codebook != cfg_cb:
             cb_mismatch.append(p)
-        b = T.get(f"{p}.bias")
+        b = T[f"{p}.bias"] if lin.has_bias else None
         if b is not None and (b.info.dtype != "F16" or b.info.shape != (lin.n,)):
             add("E217", f, f"{p}.bias", f"bias is {b.info.dtype}{list(b.info.shape)}, must be F16 [{lin.n}]")
-        if "scale" in lin.suffixes:
+        if "scale" in sufs:
             add("E218", f, f"{p}.scale", "legacy scale tensor present: exllamav3 1.6.5 ignores it, so the decode would be wrong")
         if broken:
             ctx.broken.add(p)

@@ -402,8 +402,34 @@ def check_sampled(ctx: Context, sample_blocks: int, meanwhile: Callable[[], None
     the jobs run in forked processes (each owns whole files: the sign vectors, strip and decoded
     block of a linear all live in its file); ``meanwhile`` runs here in parallel.
     """
+    return finish_sampled(start_sampled(ctx), sample_blocks, meanwhile)
+
+
+@dataclass
+class SampledRun:
+    ctx: Context
+    pool: ProcessPoolExecutor | None
+    qfile: Any  # the quantization_config.json job's Future (pool) or None (run in finish_sampled)
+
+
+def start_sampled(ctx: Context) -> SampledRun:
+    """Fork the workers now and start the deferred quantization_config.json job in one of them: it
+    needs the scan but not check_linears, so it overlaps the checks this process still runs. File jobs
+    are sent later with what those checks found (``ctx.broken``) as arguments."""
     from exl3tools.validate_checks import check_qfile
 
+    global _STATE
+    _STATE = (ctx, check_qfile)
+    workers = min(os.cpu_count() or 1, len(ctx.ckpt.headers) + 1, MAX_PROCS)
+    if workers > 1 and can_fork() and len(ctx.ckpt.tensors) >= FORK_MIN_TENSORS:
+        gc.freeze()  # keep the collector from touching (and so copying) the parent's heap in workers
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        return SampledRun(ctx, pool, pool.submit(_job, ("qfile",)))
+    return SampledRun(ctx, None, None)
+
+
+def finish_sampled(run: SampledRun, sample_blocks: int, meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+    ctx, pool = run.ctx, run.pool
     plan = set(_decode_plan(ctx, max(0, sample_blocks)))
     T = ctx.ckpt.tensors
     by_file: dict[Path, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
@@ -413,23 +439,21 @@ def check_sampled(ctx: Context, sample_blocks: int, meanwhile: Callable[[], None
             by_file[f][0].append(p)
     for name in ctx.scan.dense:
         by_file[T[name].file][1].append(name)
-    jobs: list[Any] = [("qfile", None)] + [("file", f) for f in sorted(by_file)]
-    global _STATE
-    _STATE = (ctx, plan, check_qfile, by_file)
+    broken = set(ctx.broken)
+    jobs: list[Any] = [("file", f, *by_file[f], broken, plan) for f in sorted(by_file)]
     try:
-        workers = min(os.cpu_count() or 1, len(jobs), MAX_PROCS)
-        if workers > 1 and can_fork() and len(T) >= FORK_MIN_TENSORS:
-            gc.freeze()  # keep the collector from touching (and so copying) the parent's heap in workers
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                futs = [pool.submit(_job, j) for j in jobs]
+        if pool is not None:
+            with pool:
+                futs = [run.qfile] + [pool.submit(_job, j) for j in jobs]
                 if meanwhile:
                     meanwhile()
                 results = [f.result() for f in futs]
         else:
             if meanwhile:
                 meanwhile()
-            results = [_job(j) for j in jobs]
+            results = [_job(j) for j in [("qfile",), *jobs]]
     finally:
+        global _STATE
         _STATE = None
         gc.unfreeze()
     nbytes = 0
@@ -447,29 +471,31 @@ def check_sampled(ctx: Context, sample_blocks: int, meanwhile: Callable[[], None
     return {"bytes_read": nbytes, "decoded_blocks": checks.decoded}
 
 
-_STATE: tuple | None = None  # (ctx, plan, check_qfile) for _job, inherited by forked workers
+_STATE: tuple | None = None  # (ctx, check_qfile) for _job, inherited by forked workers
 
 
-def _job(job: tuple[str, Path | None]) -> tuple[list, int, list]:
-    ctx, _plan, check_qfile, _ = _STATE
+def _job(job: tuple) -> tuple[list, int, list]:
+    """("qfile",) or ("file", path, linears, dense names, broken linears, decode plan)."""
+    ctx, check_qfile = _STATE
     sink = ctx.sink
     start = len(sink.findings)
     if job[0] == "qfile":
         check_qfile(ctx)
         out: tuple[int, list] = (0, [])
     else:
-        out = _sampled_file(job[1])
+        _, path, linears, dense, broken, plan = job
+        ctx.broken.update(broken)  # a worker forked before check_linears filled it
+        out = _sampled_file(path, linears, dense, plan)
     with sink._lock:
         new = list(sink.findings[start:])
     return new, *out
 
 
-def _sampled_file(path: Path) -> tuple[int, list]:
+def _sampled_file(path: Path, linears: list[str], dense: list[str], plan: set[str]) -> tuple[int, list]:
     """All sampled checks of one file but the decode; returns (bytes read, _decode_blocks items)."""
-    ctx, plan, _, by_file = _STATE
+    ctx = _STATE[0]
     T = ctx.ckpt.tensors
     checks = Checks(ctx, plan)
-    linears, dense = by_file[path]
     planned = _small_reads(ctx, linears, dense)  # a linear's parts in other files are read here too
     reads = planned[path]
     for p in linears:
