@@ -11,6 +11,7 @@ import json
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,9 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
         wm = idx.get("weight_map") if idx is not None else None
         if idx is not None and not isinstance(wm, dict):
             sink.add("E114", INDEX_NAME, None, "no weight_map object")
+        elif isinstance(wm, dict) and set(map(type, wm.values())) <= {str} and not any(
+                "/" in f or "\\" in f or f in ("", ".", "..") for f in set(wm.values())):
+            index = dict(wm)  # every entry valid (JSON keys are str): what the loop below would keep
         elif isinstance(wm, dict):
             index = {}
             for name, fname in wm.items():
@@ -129,6 +133,9 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
         headers[fname] = h
         for code, msg in h.issues:
             sink.add_issue(code, msg)
+        if tensors.keys().isdisjoint(h.tensors):  # no duplicates: build the refs at C speed
+            tensors.update(zip(h.tensors, map(partial(TensorRef, fpath), h.tensors.values()), strict=True))
+            continue
         for name, info in h.tensors.items():
             if name in tensors:
                 sink.add("E113", fname, name, f"also stored in {tensors[name].file.name}")
@@ -141,9 +148,10 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
                 where = tensors[name].file.name if name in tensors else None
                 extra = f" (it is in {where})" if where else ""
                 sink.add("E111", fname, name, f"listed in {INDEX_NAME} under this file but not in it{extra}")
-        for name, ref in tensors.items():
-            if name not in index:
-                sink.add("E112", ref.file.name, name, f"not listed in {INDEX_NAME} (loaders skip it)")
+        if not tensors.keys() <= index.keys():
+            for name, ref in tensors.items():
+                if name not in index:
+                    sink.add("E112", ref.file.name, name, f"not listed in {INDEX_NAME} (loaders skip it)")
     ckpt = Checkpoint(root, config, merged, qfile, headers, tensors, index, [])
     if deferred:
         ckpt.issues.append(("deferred", str(qpath)))
