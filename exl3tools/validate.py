@@ -174,8 +174,13 @@ def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
     ckpt, bad_files = opened
     ctx = C.Context.build(ckpt, sink, bad_files)
     run = None if deep else N.start_sampled(ctx)  # forks workers; quantization_config.json job starts now
-    C.check_quant_config(ctx)
-    C.check_linears(ctx)
+    try:
+        C.check_quant_config(ctx)
+        C.check_linears(ctx)
+    except BaseException:
+        if run is not None:
+            N.abort_sampled(run)
+        raise
     if run is None:
         C.check_architecture(ctx)
         C.check_qfile(ctx)

@@ -428,6 +428,15 @@ def start_sampled(ctx: Context) -> SampledRun:
     return SampledRun(ctx, None, None)
 
 
+def abort_sampled(run: SampledRun) -> None:
+    """Undo start_sampled when a check between it and finish_sampled raised."""
+    global _STATE
+    if run.pool is not None:
+        run.pool.shutdown(cancel_futures=True)
+    _STATE = None
+    gc.unfreeze()
+
+
 def finish_sampled(run: SampledRun, sample_blocks: int, meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
     ctx, pool = run.ctx, run.pool
     plan = set(_decode_plan(ctx, max(0, sample_blocks)))
