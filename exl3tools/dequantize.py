@@ -20,7 +20,7 @@ from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, writ
 from exl3tools.errors import MissingTensorError, OutputExistsError, UsageError
 from exl3tools.exl3 import unpack_signs
 from exl3tools.inspect import require_exl3
-from exl3tools.layout import layer_of, real_dims, scan
+from exl3tools.layout import layer_of, real_dims, scan_refs
 
 OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 SLAB_COLUMNS = 2048  # output channels decoded at once: k * 2048 * 4 B = 50 MB at k = 6144
@@ -72,7 +72,7 @@ def plan_dequantize(ck: Checkpoint, dst: str | Path, dtype: str = "bf16", only: 
     require_exl3(ck)
     odt = OUT_DTYPES[dtype]
     isz = {"BF16": 2, "F16": 2, "F32": 4}[odt]
-    sc = scan({n: (r.dtype, r.shape) for n, r in ck.tensors.items()}, ck.config.get("num_hidden_layers"))
+    sc = scan_refs(ck.tensors, ck.config.get("num_hidden_layers"))
     dims = real_dims(ck.config, ck.tensors)
     wanted = None
     if only:

@@ -9,7 +9,7 @@ from typing import Any
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.errors import NotExl3Error
 from exl3tools.exl3 import fmt_k
-from exl3tools.layout import Exl3Linear, Scan, layer_of, real_dims, scan
+from exl3tools.layout import Exl3Linear, Scan, layer_of, real_dims, scan, scan_refs
 
 SCHEMA_ID = "https://exl3tools.dev/schemas/inspect.v1.json"
 FAMILIES = ("attention", "dense_mlp", "experts", "shared_experts", "head", "mtp", "other")
@@ -111,7 +111,7 @@ def summarize(ck: Checkpoint, *, tp: int | None = None, source: str = "local") -
     cfg = ck.config
     L = cfg.get("num_hidden_layers")
     require_exl3(ck)
-    sc = scan({n: (r.dtype, r.shape) for n, r in ck.tensors.items()}, L if isinstance(L, int) else None)
+    sc = scan_refs(ck.tensors, L if isinstance(L, int) else None)
     q = dict(ck.quantization_config or {})
     quant = {k: q.get(k) for k in ("quant_method", "version", "bits", "head_bits", "mtp_bits", "codebook",
                                    "out_scales") if k in q}
