@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from exl3tools.checkpoint import DTYPES, Checkpoint, Header, TensorInfo
-from exl3tools.checkpoint.reader import TensorRef, load_json
+from exl3tools.checkpoint.reader import TensorRef, load_json, merge_quantization_config
 from exl3tools.errors import CheckpointError, NotFoundError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
@@ -66,7 +66,7 @@ def _open_remote_headers(repo: str, rev: str | None) -> Checkpoint:
     config = load_json(local_dir / "config.json", "config.json")
     qfile = load_json(local_dir / "quantization_config.json", "quantization_config.json") \
         if (local_dir / "quantization_config.json").is_file() else None
-    merged = {**{k: v for k, v in (qfile or {}).items() if k != "tensor_storage"}, **(config.get("quantization_config") or {})}
+    merged = merge_quantization_config(qfile, config.get("quantization_config"))
     headers: dict[str, Header] = {}
     tensors: dict[str, TensorRef] = {}
     for fname, fm in meta.files_metadata.items():

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from exl3tools.checkpoint.header import Header, read_header
-from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint, TensorRef, load_json
+from exl3tools.checkpoint.reader import (
+    INDEX_NAME,
+    Checkpoint,
+    TensorRef,
+    load_json,
+    merge_quantization_config,
+    unsafe_file_name,
+)
 from exl3tools.errors import CheckpointError, HeaderError, NotACheckpointError, UnsupportedArchitectureError
 from exl3tools.exl3 import CODEBOOKS, WIDTH_TO_K
 from exl3tools.layout import (
@@ -72,10 +79,7 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
     if qcfg is not None and not isinstance(qcfg, dict):
         sink.add("E116", "config.json", None, "quantization_config is not an object")
         qcfg = None
-    merged = None
-    if qfile is not None or qcfg is not None:
-        merged = {k: v for k, v in (qfile or {}).items() if k != "tensor_storage"}
-        merged.update(qcfg or {})
+    merged = merge_quantization_config(qfile, qcfg)
 
     index: dict[str, str] | None = None
     if idx_path.is_file():
@@ -84,14 +88,14 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
         if idx is not None and not isinstance(wm, dict):
             sink.add("E114", INDEX_NAME, None, "no weight_map object")
         elif isinstance(wm, dict) and set(map(type, wm.values())) <= {str} and not any(
-                "/" in f or "\\" in f or f in ("", ".", "..") for f in set(wm.values())):
+                map(unsafe_file_name, set(wm.values()))):
             index = dict(wm)  # every entry valid (JSON keys are str): what the loop below would keep
         elif isinstance(wm, dict):
             index = {}
             for name, fname in wm.items():
                 if not (isinstance(name, str) and isinstance(fname, str)):
                     sink.add("E114", INDEX_NAME, str(name), f"weight_map entry {name!r}: {fname!r} is not a file name")
-                elif "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+                elif unsafe_file_name(fname):
                     sink.add("E114", INDEX_NAME, name, f"weight_map names file {fname!r} outside the checkpoint")
                 else:
                     index[name] = fname

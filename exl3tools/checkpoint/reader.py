@@ -32,6 +32,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 MAX_JSON_BYTES = 64 * 1024 * 1024  # config/index files larger than this are hostile
 
 
+def merge_quantization_config(qfile: dict[str, Any] | None, qcfg: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One view of quantization_config.json (minus tensor_storage) and config.json's block; config.json wins."""
+    if qfile is None and qcfg is None:
+        return None
+    merged = {k: v for k, v in (qfile or {}).items() if k != "tensor_storage"}
+    merged.update(qcfg or {})
+    return merged
+
+
+def unsafe_file_name(fname: str) -> bool:
+    """An index entry that is not a plain file name inside the checkpoint (path traversal)."""
+    return "/" in fname or "\\" in fname or fname in ("", ".", "..")
+
+
 @dataclass(frozen=True, slots=True)
 class TensorRef:
     file: Path
@@ -105,10 +119,7 @@ class Checkpoint:
         qcfg = config.get("quantization_config")
         if qcfg is not None and not isinstance(qcfg, dict):
             raise CheckpointError(f"{cfg_path}: quantization_config is not an object")
-        merged = None
-        if qfile is not None or qcfg is not None:
-            merged = {k: v for k, v in (qfile or {}).items() if k != "tensor_storage"}
-            merged.update(qcfg or {})
+        merged = merge_quantization_config(qfile, qcfg)
 
         index = None
         idx_path = root / INDEX_NAME
@@ -118,7 +129,7 @@ class Checkpoint:
             if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
                 raise CheckpointError(f"{idx_path}: no valid weight_map")
             for fname in set(wm.values()):
-                if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+                if unsafe_file_name(fname):
                     raise CheckpointError(f"{idx_path}: weight_map names file {fname!r} outside the checkpoint")
             index = wm
             files = sorted(set(wm.values()))
