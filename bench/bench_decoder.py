@@ -8,22 +8,12 @@ machine's speed in this run.
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
+from _timing import best_of
 from exl3tools.kernels.reference import decode_rotated, rotate_out
 
 K_IN, N_OUT = 4096, 4096
-
-
-def best_of(fn, reps=3):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main():

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import best_of
 
 from exl3tools.runtime.runner import load_runner
 
@@ -21,16 +22,6 @@ MODELS = [("demo glm4_moe-3.0bpw-mcg", REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "
     (n, FIXTURES / n / "model") for n in ("llama-4.0bpw-mul1", "qwen3_moe-2.5bpw-mul1", "glm4_moe-3.0bpw-mcg",
                                           "glm4_moe-tp-2.0bpw-mul1")]
 PREFILL, DECODE, BATCH = 256, 32, 8
-
-
-def _best(fn, reps: int = 3) -> float:
-    """Fastest of a few runs: this machine is shared, and the slow runs measure the neighbours."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def bench(path: Path) -> dict:
@@ -48,14 +39,14 @@ def bench(path: Path) -> dict:
         r.free_sequence(s)
 
     prefill_once()  # warm-up: first-call allocations and kernel selection at this length
-    prefill = PREFILL / _best(prefill_once)
+    prefill = PREFILL / best_of(prefill_once, warmup=False)
     r.add_sequence(0)
     r.step([(0, prompt[:64])])
-    dec1 = DECODE / _best(lambda: [r.step([(0, [prompt[i]])]) for i in range(DECODE)])
+    dec1 = DECODE / best_of(lambda: [r.step([(0, [prompt[i]])]) for i in range(DECODE)], warmup=False)
     for s in range(1, BATCH):
         r.add_sequence(s)
         r.step([(s, prompt[:64])])
-    decb = BATCH * DECODE / _best(lambda: [r.step([(s, [prompt[i]]) for s in range(BATCH)]) for i in range(DECODE)])
+    decb = BATCH * DECODE / best_of(lambda: [r.step([(s, [prompt[i]]) for s in range(BATCH)]) for i in range(DECODE)], warmup=False)
     r.close()
     return {"load_s": load, "prefill": prefill, "dec1": dec1, "decb": decb}
 
