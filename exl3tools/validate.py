@@ -165,6 +165,7 @@ def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
 def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
                      progress: Callable[[int, int], Progress] | None) -> dict[str, Any]:
     from exl3tools import validate_checks as C
+    from exl3tools import validate_deep
     from exl3tools import validate_numeric as N
 
     parallel = not deep and N.can_fork()
@@ -184,7 +185,7 @@ def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
     if run is None:
         C.check_architecture(ctx)
         C.check_qfile(ctx)
-        num = N.check_deep(ctx, progress)
+        num = validate_deep.check_deep(ctx, progress)
     else:  # the architecture check runs in this process while workers read samples
         num = N.finish_sampled(run, sample_blocks, meanwhile=lambda: C.check_architecture(ctx))
     return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),

@@ -4,14 +4,12 @@ Sampled mode (the default) reads only small ranges, coalesced into few preads: e
 marker and bias; every small dense tensor (a 1 MiB window of large ones); one 8-tile strip of a
 sampled 128x128 block of every trellis (all-zero bytes there mean the data were never written);
 and decodes that block for up to ``sample_blocks`` linears with kernels/reference.py.
-Deep mode streams every byte of every file once: sha256 of the file, the same checks on every
-tensor, and a full decode of every linear, in bounded memory (chunks of at most CHUNK bytes).
+Deep mode (validate_deep.py) runs the same per-tensor checks (class Checks) on every byte.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import multiprocessing
 import os
 import threading
@@ -28,15 +26,12 @@ import numpy as np
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.reader import to_numpy
 from exl3tools.exl3 import MARKERS
-from exl3tools.kernels.reference import decode_rotated, had_cols, had_rows, rotate_out
+from exl3tools.kernels.reference import decode_rotated, had_cols, had_rows
 from exl3tools.validate_checks import Context
 
 DENSE_SAMPLE = 1 << 20      # bytes read from one dense tensor in sampled mode
 MERGE_GAP = 64 << 10        # coalesce reads separated by less than this
 MERGE_MAX = 16 << 20        # largest coalesced read
-CHUNK = 64 << 20            # deep mode: bytes per read of bytes nobody interprets
-DENSE_CHUNK = 16 << 20      # deep mode: dense bytes checked per step (float32 copy: 2-4x this)
-DECODE_BYTES = 2 << 20      # deep mode: trellis bytes decoded per step (W float32: ~10x this)
 FP16_MAX = 65504.0
 MAX_PROCS = int(os.environ.get("EXL3TOOLS_VALIDATE_PROCS", "16"))
 FORK_MIN_TENSORS = 20_000  # below this a process pool costs more than it saves
@@ -532,113 +527,3 @@ def _sampled_file(path: Path, linears: list[str], dense: list[str], plan: set[st
                 bi, bj = sample_block(ctx, p)
                 items.append((p, tiles, su[128 * bi:128 * bi + 128].copy(), sv[128 * bj:128 * bj + 128].copy()))
     return nbytes, items
-
-
-# ----------------------------------------------------------------------------- deep
-def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None]] | None) -> dict[str, Any]:
-
-    checks = Checks(ctx, None)
-    ck, T = ctx.ckpt, ctx.ckpt.tensors
-    total = sum(h.file_size for h in ck.headers.values())
-    tick = progress(total, len(ck.headers)) if progress else None
-    # small tensors go through the same checks as sampled mode (whole tensors, no windows)
-    handlers = {(path, r.offset): r for path, rs in _small_reads(ctx).items() for r in rs}
-    hashes: dict[str, str] = {}
-    nbytes = 0
-    by_file: dict[Path, list[tuple[int, int, str]]] = defaultdict(list)
-    for n, r in T.items():
-        by_file[r.file].append((r.info.begin, r.info.end, n))
-    try:
-        for fname in sorted(ck.headers):
-            h = ck.headers[fname]
-            path = ck.root / fname
-            sha = hashlib.sha256()
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                ctx.sink.add("E410", fname, None, f"cannot open: {exc.strerror or exc}")
-                continue
-            try:
-                def read(off: int, n: int, fd: int = fd, sha: Any = sha) -> bytes:
-                    buf = os.pread(fd, n, off)
-                    if len(buf) != n:
-                        raise EOFError(f"file ends before byte {off + n}")
-                    sha.update(buf)
-                    if tick:
-                        tick(len(buf))
-                    return buf
-
-                pos = 0
-                try:
-                    pos = _stream(read, 0, h.data_start)
-                    for begin, end, name in sorted(by_file[path]):
-                        if begin > pos:
-                            pos = _stream(read, pos, begin)
-                        _deep_tensor(ctx, checks, name, path, begin, end, read, handlers, decode_rotated)
-                        pos = max(pos, end)
-                    pos = _stream(read, pos, h.file_size)
-                except EOFError as exc:
-                    ctx.sink.add("E410", fname, None, str(exc))
-                except OSError as exc:
-                    ctx.sink.add("E410", fname, None, f"read failed: {exc.strerror or exc}")
-                nbytes += pos
-                hashes[fname] = sha.hexdigest()
-            finally:
-                os.close(fd)
-    finally:
-        checks.drain()
-    checks.flush()
-    checks.finish_decode()
-    return {"bytes_read": nbytes, "decoded_linears": checks.decoded, "sha256": hashes}
-
-
-def _decode_check(checks: Checks, prefix: str, tr: np.ndarray, suh: np.ndarray, svh: np.ndarray, cb: str,
-                  decode_rotated) -> None:
-    checks.decoded_block(prefix, rotate_out(decode_rotated(tr, cb), suh, svh))
-
-
-def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:
-    pos = start
-    while pos < stop:
-        n = min(CHUNK, stop - pos)
-        read(pos, n)
-        pos += n
-    return pos
-
-
-def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: int, read,
-                 handlers: dict, decode_rotated) -> None:
-    info = ctx.ckpt.tensors[name].info
-    prefix, _, suffix = name.rpartition(".")
-    lin = ctx.scan.linears.get(prefix) if suffix == "trellis" else None
-    if lin is not None and prefix not in ctx.broken:
-        kt, nt, width = info.shape
-        row_bytes = nt * width * 2
-        # 8 tile rows (one 128-row block) at a time at least; ~DECODE_BYTES of trellis per step
-        rows_per = max(8, (DECODE_BYTES // max(1, row_bytes)) // 8 * 8)
-        suh = checks.vectors.pop(f"{prefix}.suh", None)
-        svh = checks.vectors.pop(f"{prefix}.svh", None)
-        if suh is None or svh is None:  # sign vectors stored after the trellis: read them now
-            suh = to_numpy(ctx.ckpt.read_bytes(f"{prefix}.suh"), "F16", (-1,))
-            svh = to_numpy(ctx.ckpt.read_bytes(f"{prefix}.svh"), "F16", (-1,))
-        for r0 in range(0, kt, rows_per):
-            r1 = min(kt, r0 + rows_per)
-            raw = read(begin + r0 * row_bytes, (r1 - r0) * row_bytes)
-            if r1 == kt:
-                checks.trellis_strip(prefix, raw[-8 * width * 2:])
-            if (r1 - r0) % 8 == 0:
-                tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
-                checks.submit(_decode_check, checks, prefix, tr, suh[16 * r0:16 * r1], svh, _codebook(lin), decode_rotated)
-        checks.decoded += 1
-        return
-    handler = handlers.get((path, begin))
-    if handler is not None and handler.length == info.nbytes:
-        checks.dispatch(handler, read(begin, info.nbytes))
-        return
-    if info.dtype in ("F16", "BF16", "F32", "F64") and info.nbytes > 0:
-        item = info.itemsize
-        step = max(item, DENSE_CHUNK // item * item)
-        for a in range(begin, end, step):
-            checks.dense(name, info.dtype, read(a, min(step, end - a)), False)
-        return
-    _stream(read, begin, end)
