@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -39,7 +40,10 @@ sys.path.insert(0, str(REPO))
 
 from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, json_bytes, write_atomic  # noqa: E402
 
-FIXTURE = REPO.parent / "shared" / "fixtures" / "glm4_moe-3.0bpw-mcg" / "model"
+# tokenizer source: the shared fixture (EXL3TOOLS_FIXTURES honoured, as tests/conftest.py), else the
+# byte-identical copy tracked under demo/ (the device machine has no ../shared)
+_FIXTURES = Path(os.environ.get("EXL3TOOLS_FIXTURES", REPO.parent / "shared" / "fixtures"))
+TOKENIZER_SOURCES = (_FIXTURES / "glm4_moe-3.0bpw-mcg" / "model", REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model")
 MARKERS = {"mul1": 0x83DCD12D, "mcg": 0xCBAC1FED}          # exl3-format.md §3.3
 MULTIPLIER_KEY = {"mul1": "mul1_multiplier", "mcg": "mcg_multiplier"}
 VERSION = "1.6.5"
@@ -145,20 +149,23 @@ def plan(cfg: dict, bits: float, head_bits: float, codebook: str) -> list[Module
     """Every leaf module in the converter's order (fixture tensor_storage order)."""
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    E, Im, I = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    E, Im, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
     Is = Im * cfg["n_shared_experts"]
     mods = [Module("model.embed_tokens", "model.embed_tokens",
                    (Tensor("model.embed_tokens.weight", "BF16", (V, H), "embed"),))]
     for li in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{li}"
-        norm = lambda name: Module(f"{p}.{name}", p, (Tensor(f"{p}.{name}.weight", "BF16", (H,), "norm"),))  # noqa: E731
-        lin = lambda name, k, n, b=False: exl3_module(f"{p}.{name}", p, k, n, bits, codebook, b)  # noqa: E731
+        def norm(name, p=p):
+            return Module(f"{p}.{name}", p, (Tensor(f"{p}.{name}.weight", "BF16", (H,), "norm"),))
+
+        def lin(name, k, n, b=False, p=p):
+            return exl3_module(f"{p}.{name}", p, k, n, bits, codebook, b)
         mods += [norm("input_layernorm"),
                  lin("self_attn.q_proj", H, nq * hd, True), lin("self_attn.k_proj", H, nkv * hd, True),
                  lin("self_attn.v_proj", H, nkv * hd, True), lin("self_attn.o_proj", nq * hd, H),
                  norm("post_attention_layernorm")]
         if li < cfg["first_k_dense_replace"]:
-            mods += [lin("mlp.up_proj", H, I), lin("mlp.gate_proj", H, I), lin("mlp.down_proj", I, H)]
+            mods += [lin("mlp.up_proj", H, Id), lin("mlp.gate_proj", H, Id), lin("mlp.down_proj", Id, H)]
             continue
         mods.append(Module(f"{p}.mlp.gate", p, (Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (E,), "score_bias"),
                                                 Tensor(f"{p}.mlp.gate.weight", "F16", (E, H), "router"))))
@@ -284,7 +291,7 @@ def write_checkpoint(out: Path, *, layers: int = 6, dense_layers: int = 1, exper
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05}-of-{n:05}.safetensors" for i in range(n)]
     weight_map, total = {}, 0
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=True):
         tensors = [t for m in shard for t in m.tensors]
         w = ShardWriter(out / fname, [(t.name, t.dtype, t.shape) for t in tensors])
         try:
@@ -312,9 +319,12 @@ def write_checkpoint(out: Path, *, layers: int = 6, dense_layers: int = 1, exper
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    src = next((d for d in TOKENIZER_SOURCES if (d / "tokenizer.json").is_file()), None)
+    if src is None:
+        raise SystemExit(f"no tokenizer source found (looked in {', '.join(map(str, TOKENIZER_SOURCES))})")
     for f in ("tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(FIXTURE / f, out / f)
-    tok = json.loads((FIXTURE / "tokenizer.json").read_text(encoding="utf-8"))
+        shutil.copyfile(src / f, out / f)
+    tok = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
     vocab = tok["model"]["vocab"]
     for i in range(len(vocab), vocab_size):
         vocab[f"<|synth_{i}|>"] = i
