@@ -14,6 +14,17 @@ Built in: ``reference`` (decode once with kernels/reference.py to a dense fp32 W
 ``reference-otf`` (decode on every call; for when dense weights do not fit). GPU backends
 (``triton``, ``exllamav3``) register themselves when their module is imported: the hook is
 ``LAZY_BACKENDS`` below, name -> module path; the module must call ``register_backend``.
+
+Grouped experts (one projection of many experts, for MoE decode without host syncs)::
+
+    experts_factory(list_of_tensor_dicts, codebook, k_bits, device) -> obj
+    obj.slots(x, tok, exp) -> y      # y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}
+
+``x`` is ``(T, k)``, ``tok``/``exp`` int64 device tensors ``(S,)``, ``y`` ``(S, n)`` in
+``x.dtype``, padded dims as above. ``slots`` must not synchronise with the host and its launch
+shapes may depend only on ``S`` (CUDA-graph capturable). A backend registers one with
+``register_experts`` (from its module, like ``register_backend``); ``make_experts`` falls back to
+``LoopExperts`` over the backend's per-expert linears (correct, slow: every expert sees every slot).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from exl3tools.errors import UsageError
 Factory = Callable[..., Callable[[Any], Any]]
 
 _BACKENDS: dict[str, Factory] = {}
+_EXPERTS: dict[str, Callable[..., Any]] = {}
 
 # GPU backends live in their own modules, imported on first use so CPU users never pay for them.
 LAZY_BACKENDS: dict[str, str] = {
@@ -59,6 +71,63 @@ def backend_names() -> list[str]:
 def make_linear(tensors: dict, codebook: str, k_bits: float, device, backend: str = "reference"):
     """The callable for one EXL3 linear on ``device`` from backend ``backend``."""
     return get_backend(backend)(tensors, codebook, k_bits, device)
+
+
+def register_experts(name: str, factory: Callable[..., Any]) -> None:
+    """Make ``factory`` the grouped-experts factory of backend ``name`` (see module doc)."""
+    _EXPERTS[name] = factory
+
+
+def make_experts(tensors: list[dict], codebook: str, k_bits: float, device, backend: str = "reference"):
+    """One projection of ``len(tensors)`` experts (same codebook and K) with a sync-free ``slots``."""
+    linear = get_backend(backend)        # imports a lazy backend, which may register its experts
+    factory = _EXPERTS.get(backend)
+    if factory is not None:
+        return factory(tensors, codebook, k_bits, device)
+    return LoopExperts([linear(t, codebook, k_bits, device) for t in tensors])
+
+
+class LoopExperts:
+    """Sync-free experts from per-expert callables: every expert runs on all S slots and keeps its
+    own rows (``torch.where``), so the work is E x S rows; correct everywhere, fast nowhere."""
+
+    def __init__(self, fns: list):
+        self.fns = list(fns)
+
+    def slots(self, x, tok, exp):
+        import torch
+
+        xs = x.index_select(0, tok)
+        y = None
+        for e, f in enumerate(self.fns):
+            ye = f(xs)
+            y = torch.zeros_like(ye) if y is None else y
+            y = torch.where((exp == e)[:, None], ye, y)
+        return y
+
+
+class DenseExperts:
+    """Experts as one dense fp32 stack ``(E, k, n)``: per slot a gathered W and a batched GEMV.
+
+    Slots run in chunks so the gathered weights stay near ``CHUNK_ELEMS`` floats."""
+
+    CHUNK_ELEMS = 1 << 26
+
+    def __init__(self, weight, bias=None):
+        self.weight, self.bias = weight, bias            # (E, k, n) fp32, (E, n) fp32 or None
+
+    def slots(self, x, tok, exp):
+        import torch
+
+        xs = x.index_select(0, tok).to(torch.float32)
+        _, k, n = self.weight.shape
+        step = max(1, self.CHUNK_ELEMS // (k * n))
+        parts = [torch.bmm(xs[a:a + step, None, :], self.weight.index_select(0, exp[a:a + step]))[:, 0]
+                 for a in range(0, xs.shape[0], step)]
+        y = torch.cat(parts) if len(parts) != 1 else parts[0]
+        if self.bias is not None:
+            y = y + self.bias.index_select(0, exp)
+        return y.to(x.dtype)
 
 
 # ------------------------------------------------------------------ reference (CPU) backend
@@ -95,5 +164,19 @@ def _reference_factory(tensors: dict, codebook: str, k_bits: float, device, *, c
     return forward
 
 
+def _reference_experts(tensors: list[dict], codebook: str, k_bits: float, device):
+    import torch
+
+    ws = [_dense_weight({**t, "__codebook__": codebook}) for t in tensors]
+    w = torch.stack(ws).to(device) if ws else torch.zeros(0, 0, 0, device=device)
+    bias = None
+    if any(t.get("bias") is not None for t in tensors):   # a row-cut rank may hold no bias: zeros
+        bias = torch.stack([t["bias"].float() if t.get("bias") is not None else torch.zeros(w.shape[2])
+                            for t in tensors]).to(device)
+    return DenseExperts(w, bias)
+
+
 register_backend("reference", _reference_factory)
 register_backend("reference-otf", lambda t, cb, k, dev: _reference_factory(t, cb, k, dev, cache=False))
+register_experts("reference", _reference_experts)
+# reference-otf keeps no dense W by design: it gets the LoopExperts fallback (decodes per call)

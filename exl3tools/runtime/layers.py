@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3tools.errors import UnsupportedArchitectureError
-from exl3tools.kernels.dispatch import make_linear
+from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_linear
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
 QUERY_CHUNK = 512   # prefill queries per attention chunk
@@ -202,16 +202,25 @@ class MoE:
     (+1e-20) when norm_topk_prob, times routed_scaling_factor.
     Each rank computes the experts (or expert slices) it holds; ``reduce`` sums the routed partials
     together with a cut shared expert in one all-reduce; a replicated shared expert is added after.
+
+    ``__call__`` groups tokens by expert with one host sync (prefill, CPU, TP). ``forward_static``
+    is the same sum without any host sync and with shapes fixed by the token count (CUDA-graph
+    decode): grouped experts per projection (kernels.dispatch.make_experts, built on first use from
+    ``expert_fields(proj) -> [LinearFields of each held expert]``, or, without it, a loop over the
+    eager linears).
     """
 
     def __init__(self, *, router: torch.Tensor, experts: dict[int, GatedMLP], top_k: int, routing: str,
                  norm_topk_prob: bool, scaling: float = 1.0, score_bias: torch.Tensor | None = None,
-                 shared: GatedMLP | None = None, reduce=None):
+                 shared: GatedMLP | None = None, reduce=None, expert_fields=None, backend: str = "reference",
+                 device="cpu"):
         self.reduce = reduce or _identity
         self.router, self.experts, self.top_k = router.float(), experts, top_k
         self.routing, self.norm, self.scaling = routing, norm_topk_prob, scaling
         self.bias = None if score_bias is None else score_bias.float()
         self.shared = shared
+        self.expert_fields, self.backend, self.device = expert_fields, backend, device
+        self._grouped = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.router, self.bias = _on(self.router, x.device), _on(self.bias, x.device)
@@ -253,12 +262,56 @@ class MoE:
             # rows are unique per expert (top-k picks an expert once per token): a plain indexed add
             # (index_add_ stalls for ms in its OpenMP path on small CPU shapes)
             out[rows] += mlp.partial(x[rows]) * w.reshape(-1)[pick][:, None]
+        return self._finish(x, out)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None and self.shared.sharded:
             out = out + self.shared.partial(x)
         out = self.reduce(out)
         if self.shared is not None and not self.shared.sharded:
             out = out + self.shared.partial(x)
         return out
+
+    def grouped(self) -> dict:
+        """{"lut", "in_pad", "gate_proj", "up_proj", "down_proj"}: the held experts as grouped
+        projections; ``lut`` maps a global expert id to its local index (-1: not on this rank)."""
+        if self._grouped is None:
+            held = sorted(self.experts)
+            lut = torch.full((self.router.shape[0],), -1, dtype=torch.int64)
+            lut[held] = torch.arange(len(held))
+            g = {"lut": lut}
+            fields = {}
+            if self.expert_fields is not None and held:
+                fields = {p: self.expert_fields(p) for p in ("gate_proj", "up_proj", "down_proj")}
+            for p, attr in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+                fs = fields.get(p)
+                if fs and len({(f.codebook, f.k_bits) for f in fs}) == 1 and fs[0].codebook is not None:
+                    g[p] = make_experts([f.tensors for f in fs], fs[0].codebook, fs[0].k_bits, self.device,
+                                        self.backend)
+                else:   # mixed K, dense linears or no field source: the eager linears, looped
+                    g[p] = LoopExperts([getattr(self.experts[e], attr).fn for e in held])
+            g["in_pad"] = self.experts[held[0]].gate.in_pad if held else 0
+            self._grouped = g
+        return self._grouped
+
+    def forward_static(self, x: torch.Tensor) -> torch.Tensor:
+        """``__call__``'s result with device ops only: no host sync, shapes fixed by ``x.shape``."""
+        sel, w = self.route(x)
+        T, H = x.shape
+        if not self.experts:              # an EP rank without experts here: only the reduce
+            return self._finish(x, torch.zeros_like(x))
+        g = self.grouped()
+        g["lut"] = _on(g["lut"], x.device)
+        S = T * self.top_k
+        loc = g["lut"][sel.reshape(-1)]                        # (S,) local expert, -1 if not held
+        keep = (loc >= 0).to(w.dtype)
+        loc = loc.clamp(min=0)
+        tok = torch.arange(T, device=x.device).repeat_interleave(self.top_k)
+        xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+        act = F.silu(g["gate_proj"].slots(xp, tok, loc)) * g["up_proj"].slots(xp, tok, loc)
+        y = g["down_proj"].slots(act, torch.arange(S, device=x.device), loc)[:, :H]
+        y = y * (w.reshape(-1) * keep)[:, None]                # a slot on another rank adds zero
+        return self._finish(x, y.reshape(T, self.top_k, H).sum(1))
 
 
 # ------------------------------------------------------------------ decoder block

@@ -35,13 +35,16 @@ class GqaSpec:
     shared_expert: bool = False
 
 
+def _cut(ctx: BuildContext, prefix: str, cut: Cut | None) -> Cut | None:
+    """``cut`` (or the block's cut) when the source is unsliced; a sliced source is read whole."""
+    if cut is None:
+        return ctx.module_cut(prefix)
+    return cut if ctx.cut_in_memory else None
+
+
 def _lin(ctx: BuildContext, prefix: str, cut: Cut | None = None, **kw):
     """Load linear ``prefix``; ``cut`` (or the block's cut) is applied only to an unsliced source."""
-    if cut is None:
-        cut = ctx.module_cut(prefix)
-    elif not ctx.cut_in_memory:
-        cut = None
-    return load_linear(ctx.weights, prefix, cut, backend=ctx.backend, device=ctx.device, **kw)
+    return load_linear(ctx.weights, prefix, _cut(ctx, prefix, cut), backend=ctx.backend, device=ctx.device, **kw)
 
 
 def build_mlp(ctx: BuildContext, prefix: str) -> GatedMLP:
@@ -83,18 +86,21 @@ def build_moe(ctx: BuildContext, spec: GqaSpec, prefix: str) -> MoE:
     entry = ctx.cut_entry(f"{prefix}.experts")
     kind = entry.get("cut")
     owned = range(int(entry["first"]), int(entry["last"])) if kind == "experts" else range(n_exp)
+    cuts = {"gate_proj": None, "up_proj": None, "down_proj": None}
+    if kind == "tp":  # every expert's intermediate is cut at [first, last)
+        a, b = int(entry["first"]), int(entry["last"])
+        cuts = {"gate_proj": Cut("col", a, b), "up_proj": Cut("col", a, b),
+                "down_proj": Cut("row", a, b, bias_here=a == 0)}
     experts = {}
     for e in owned:
         p = f"{prefix}.experts.{e}"
         if not ws.is_linear(f"{p}.gate_proj"):
             raise MissingTensorError(f"{ws.ckpt.root}: expert {e} of {prefix} is missing ({p}.gate_proj)")
-        if kind == "tp":  # every expert's intermediate is cut at [first, last)
-            a, b = int(entry["first"]), int(entry["last"])
-            experts[e] = GatedMLP(_lin(ctx, f"{p}.gate_proj", Cut("col", a, b)), _lin(ctx, f"{p}.up_proj", Cut("col", a, b)),
-                                  _lin(ctx, f"{p}.down_proj", Cut("row", a, b, bias_here=a == 0)))
-        else:
-            experts[e] = GatedMLP(_lin(ctx, f"{p}.gate_proj", None), _lin(ctx, f"{p}.up_proj", None),
-                                  _lin(ctx, f"{p}.down_proj", None))
+        experts[e] = GatedMLP(*(_lin(ctx, f"{p}.{proj}", cuts[proj]) for proj in cuts))
+
+    def expert_fields(proj: str):  # re-read on demand: MoE.forward_static builds grouped experts
+        return [ws.linear(f"{prefix}.experts.{e}.{proj}", _cut(ctx, f"{prefix}.experts.{e}.{proj}", cuts[proj]))
+                for e in owned]
     shared = None
     if spec.shared_expert and int(cfg.get("n_shared_experts") or 0) > 0:
         shared = build_mlp(ctx, f"{prefix}.shared_experts")
@@ -105,7 +111,8 @@ def build_moe(ctx: BuildContext, spec: GqaSpec, prefix: str) -> MoE:
                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                scaling=float(cfg.get("routed_scaling_factor") or 1.0) if spec.routing == "sigmoid" else 1.0,
                score_bias=ws.tensor(bias_name) if ws.has(bias_name) else None, shared=shared,
-               reduce=ctx.tp.all_reduce if kind in ("experts", "tp") else None)
+               reduce=ctx.tp.all_reduce if kind in ("experts", "tp") else None,
+               expert_fields=expert_fields, backend=ctx.backend, device=ctx.device)
 
 
 def build_gqa(ctx: BuildContext, spec: GqaSpec) -> CausalLM:

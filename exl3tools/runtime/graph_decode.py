@@ -1,0 +1,151 @@
+"""Batched greedy-style decode with a static KV cache and no host sync per step (CUDA graphs).
+
+``GraphDecoder(model, batch, max_len)`` keeps, per layer, K and V as ``(batch, max_len, kv_heads,
+head_dim)`` float32 buffers and the positions of the rows in a device tensor. ``prefill`` runs the
+eager runtime (CausalLM.forward) once per call and copies each row's K/V into the static cache.
+``step(tokens)`` decodes one token for every row at its own position: the new K/V are written
+with ``index_copy_``, attention runs over the whole ``max_len`` with a length mask, MoE layers use
+``MoE.forward_static``, positions are incremented on the device. With ``graphs=True`` (default on
+CUDA) the first step is warmed up and captured in a ``torch.cuda.CUDAGraph``; later steps copy the
+tokens into the static input and replay it.
+
+GQA architectures only (llama, qwen3_moe, glm4_moe); MLA/DSA layers raise
+UnsupportedArchitectureError. TP=1 only (the runner's TP protocol does not drive this yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from exl3tools.errors import UnsupportedArchitectureError, UsageError
+from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE, _on, apply_rope_neox
+from exl3tools.runtime.model import CausalLM
+
+WARMUP_STEPS = 2     # eager runs before capture: Triton compiles, lazy buffers, cuBLAS handles
+
+
+class GraphDecoder:
+    def __init__(self, model: CausalLM, batch: int, max_len: int, graphs: bool | None = None):
+        for i, layer in enumerate(model.layers):
+            if not (isinstance(layer, DecoderLayer) and type(layer.attn) is Attention
+                    and isinstance(layer.mlp, (GatedMLP, MoE))):
+                raise UnsupportedArchitectureError(
+                    f"graph decode supports GQA models (llama, qwen3_moe, glm4_moe); "
+                    f"{model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
+        if model.tp.world > 1:
+            raise UsageError("graph decode runs TP=1 models only")
+        if batch < 1 or max_len < 2:
+            raise UsageError(f"graph decode needs batch >= 1 and max_len >= 2 (got {batch}, {max_len})")
+        self.model, self.batch, self.max_len = model, int(batch), int(max_len)
+        self.device = model.embed.device
+        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        if self.graphs and self.device.type != "cuda":
+            raise UsageError("CUDA graphs need the model on a CUDA device")
+        with torch.inference_mode():
+            self.kv = [(torch.zeros(self.batch, self.max_len, a.nkv, a.hd, device=self.device),
+                        torch.zeros(self.batch, self.max_len, a.nkv, a.hd, device=self.device))
+                       for a in (layer.attn for layer in model.layers)]
+            self.pos = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
+            self.tokens = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
+            self._rows = torch.arange(self.batch, device=self.device)
+            self._slots = torch.arange(self.max_len, device=self.device)
+        self._host_len: list[int] | None = None    # host copy of the positions: bounds checks, no sync
+        self._graph = None
+        self._out = None
+
+    # ------------------------------------------------------------------ public
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Run each row's prompt (eager) and fill the static cache; logits (batch, vocab) float32."""
+        if len(prompts) != self.batch:
+            raise UsageError(f"prefill needs {self.batch} prompts, got {len(prompts)}")
+        if any(not p or len(p) >= self.max_len for p in prompts):
+            raise UsageError(f"every prompt needs 1..{self.max_len - 1} tokens")
+        caches = [self.model.new_cache() for _ in prompts]
+        logits = self.model.forward([(c, [int(t) for t in p]) for c, p in zip(caches, prompts, strict=True)])
+        for (k, v), layer in zip(self.kv, self.model.layers, strict=True):
+            k.zero_()
+            v.zero_()
+            for b, c in enumerate(caches):
+                n = len(prompts[b])
+                k[b, :n] = c.layers[layer.attn.layer]["k"][:n]
+                v[b, :n] = c.layers[layer.attn.layer]["v"][:n]
+        self.pos.copy_(torch.tensor([len(p) for p in prompts], dtype=torch.int64))
+        self._host_len = [len(p) for p in prompts]
+        return logits.to(self.device)
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Decode ``tokens`` (batch,) at each row's position; logits (batch, vocab) float32 on device."""
+        if self._host_len is None:
+            raise UsageError("call prefill before step")
+        if max(self._host_len) >= self.max_len:
+            raise UsageError(f"a row reached max_len {self.max_len}")
+        if tuple(tokens.shape) != (self.batch,):
+            raise UsageError(f"step needs {self.batch} tokens, got shape {tuple(tokens.shape)}")
+        self.tokens.copy_(tokens, non_blocking=True)
+        if not self.graphs:
+            out = self._body()
+        else:
+            if self._graph is None:
+                self._capture()
+            self._graph.replay()
+            out = self._out
+        self._host_len = [n + 1 for n in self._host_len]
+        return out.clone()
+
+    def kv_bytes(self) -> int:
+        """Bytes of the static KV cache (every step reads all of it)."""
+        return sum(t.numel() * t.element_size() for kv in self.kv for t in kv)
+
+    # ------------------------------------------------------------------ the step
+    def _capture(self) -> None:
+        saved = self.pos.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):   # writes K/V at pos (rewritten identically by the replay)
+                self._body()
+                self.pos.copy_(saved)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):      # recorded, not run: pos is still the saved value
+            self._out = self._body()
+        self._graph = graph
+
+    def _body(self) -> torch.Tensor:
+        """One decode step from ``self.tokens`` and ``self.pos``; device ops only, fixed shapes."""
+        m = self.model
+        h = m.embed.index_select(0, self.tokens).float()
+        for (k, v), layer in zip(self.kv, m.layers, strict=True):
+            h = h + self._attention(layer.attn, layer.attn_norm(h), k, v)
+            x = layer.mlp_norm(h)
+            h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+        logits = m.head(m.norm(h))[:, :m.info.vocab_size].float()
+        self.pos.add_(1)
+        return logits
+
+    def _attention(self, a: Attention, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        q = a.q(x).view(B, a.nq, a.hd)
+        k = a.k(x).view(B, a.nkv, a.hd)
+        v = a.v(x).view(B, a.nkv, a.hd)
+        if a.q_norm is not None:
+            q = a.q_norm(q)
+        if a.k_norm is not None:
+            k = a.k_norm(k)
+        a.inv_freq = _on(a.inv_freq, x.device)
+        freqs = self.pos.to(torch.float32)[:, None] * a.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        q = apply_rope_neox(q, cos, sin, a.rdim)
+        k = apply_rope_neox(k, cos, sin, a.rdim)
+        flat = self._rows * self.max_len + self.pos                    # row b writes slot pos[b]
+        kc.view(-1, a.nkv, a.hd).index_copy_(0, flat, k.to(kc.dtype))
+        vc.view(-1, a.nkv, a.hd).index_copy_(0, flat, v.to(vc.dtype))
+        g = a.nq // a.nkv                                              # q head i reads kv head i // g
+        qg = q.view(B, a.nkv, g, a.hd)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, kc) * a.scale     # (B, nkv, g, max_len)
+        past = self._slots[None, :] > self.pos[:, None]               # (B, L): not yet written
+        scores = scores.masked_fill(past[:, None, None, :], float("-inf"))
+        o = torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, dim=-1), vc)
+        return a.reduce(a.o(o.reshape(B, a.nq * a.hd)))
