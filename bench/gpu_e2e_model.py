@@ -1,7 +1,7 @@
 """End-to-end decode on a whole EXL3 checkpoint: our runtime vs exllamav3 1.6.5, same GPU, same run.
 
     python3 bench/gpu_e2e_model.py CKPT [--batch 1,8] [--steps 64] [--warmup 8] [--prompt-len 32]
-        [--max-len 512] [--impls ours:cuda,ours:triton,exllamav3] [--json OUT.json]
+        [--max-len 256] [--impls ours:cuda,ours:triton,exllamav3] [--json OUT.json]
 
 Made for the synthetic GLM-4.5-Air-shaped checkpoint of bench/synth_checkpoint.py (the anchor of
 serving-expectations.md, "End-to-end anchor"), but any GQA/MoE checkpoint both runtimes load works.
@@ -274,6 +274,8 @@ def _ours_graph(GraphDecoder, runner, prompts, a, row) -> None:
     state = {"tok": dec.prefill(prompts).argmax(-1)}
     torch.cuda.synchronize()
     row["prefill_ms"] = 1e3 * (time.perf_counter() - t)
+    if hasattr(dec, "kv_bytes"):   # its static cache is read whole every step; not in the weight bytes
+        row["kv_cache_bytes"] = int(dec.kv_bytes())
 
     def step():
         state["tok"] = dec.step(state["tok"]).argmax(-1)
@@ -328,6 +330,7 @@ def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
     load_s = time.perf_counter() - t0
     print(f"[exllamav3] loaded in {load_s:.2f} s", flush=True)
     V = config.vocab_size
+    gen = Generator(model=model, cache=caches["generator"], tokenizer=tokenizer) if "generator" in caches else None
     rows = []
     for B in batches:
         prompts = make_prompts(B, a.prompt_len, V)
@@ -336,20 +339,21 @@ def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
                    "version": version}
             try:
                 if mode == "forward":
-                    _exl3_forward(model, caches[mode], prompts, a, row)
+                    _exl3_forward(model, caches[mode], V, prompts, a, row)
                 else:
-                    _exl3_generator(Generator, Job, ArgmaxSampler, model, caches[mode], tokenizer, prompts, a, row)
+                    _exl3_generator(gen, Job, ArgmaxSampler, prompts, a, row)
             except Exception as exc:  # noqa: BLE001
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
             print(f"[exllamav3] {mode} batch {B}: {row}", flush=True)
             rows.append(row)
+    del gen
     model.unload()
     del model, caches
     _free()
     return rows
 
 
-def _exl3_forward(model, cache, prompts, a, row) -> None:
+def _exl3_forward(model, cache, V, prompts, a, row) -> None:
     """Bare decode loop: prefill all but the last prompt token, then one forward per step."""
     import torch
 
@@ -360,13 +364,12 @@ def _exl3_forward(model, cache, prompts, a, row) -> None:
     model.prefill(ids[:, :-1], {"attn_mode": "flash_attn", "cache": cache, "past_len": 0, "batch_shape": shape})
     torch.cuda.synchronize()
     row["prefill_ms"] = 1e3 * (time.perf_counter() - t)
-    V = model.config.vocab_size
     state = {"tok": ids[:, -1:], "pos": ids.shape[1] - 1}
 
     def step():
         lg = model.forward(state["tok"], {"attn_mode": "flash_attn", "cache": cache, "past_len": state["pos"],
                                           "batch_shape": shape})
-        state["tok"] = lg[:, -1, :V].argmax(-1, keepdim=True)
+        state["tok"] = lg[:, -1, :V].argmax(-1, keepdim=True).cpu()   # to the host, as its examples do
         state["pos"] += 1
     for _ in range(a.warmup):
         step()
@@ -374,11 +377,10 @@ def _exl3_forward(model, cache, prompts, a, row) -> None:
     row["tokens_per_s"] = B * 1e3 / row["ms_per_step"]
 
 
-def _exl3_generator(Generator, Job, ArgmaxSampler, model, cache, tokenizer, prompts, a, row) -> None:
+def _exl3_generator(gen, Job, ArgmaxSampler, prompts, a, row) -> None:
     """User-visible tokens/s: jobs through exllamav3's Generator, timed once all are decoding."""
     import torch
 
-    gen = Generator(model=model, cache=cache, tokenizer=tokenizer)
     for i, p in enumerate(prompts):
         gen.enqueue(Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=a.warmup + a.steps + 4,
                         sampler=ArgmaxSampler(), stop_conditions=None, identifier=i))
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=512, help="cache length per row (multiple of 256)")
+    ap.add_argument("--max-len", type=int, default=256, help="cache length per row (multiple of 256)")
     ap.add_argument("--impls", type=parse_impls, default=parse_impls("ours:cuda,ours:triton,exllamav3"))
     ap.add_argument("--exl3-modes", type=lambda s: [m for m in s.split(",") if m], default=["generator", "forward"],
                     help="exllamav3 measurements: generator,forward")

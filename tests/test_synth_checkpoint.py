@@ -214,7 +214,7 @@ def test_argument_parsing():
     with pytest.raises(SystemExit):
         g.main(["ckpt", "--max-len", "300"])          # not a multiple of 256
     with pytest.raises(SystemExit):
-        g.main(["ckpt", "--steps", "600"])            # does not fit --max-len 512
+        g.main(["ckpt", "--steps", "300"])            # does not fit --max-len 256
     p = g.make_prompts(8, 32, 151552)
     assert len(p) == 8 and all(len(r) == 32 and r[0] == 1 and all(6 <= t < 2048 for t in r[1:]) for r in p)
     assert p == g.make_prompts(8, 32, 151552) and p[0] != p[1]
