@@ -192,7 +192,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         def f(k, fmt, r=r):
             return fmt.format(r[k]) if r.get(k) is not None else "-"
-        lines.append((r["impl"], r.get("mode", "-"), str(r["batch"]), f("ms_per_step", "{:.3f}"),
+        lines.append((r["impl"], r.get("mode") or "-", str(r["batch"]), f("ms_per_step", "{:.3f}"),
                       f("tokens_per_s", "{:.1f}"),
                       f"{r['weight_bytes_per_step'] / 1e6:.1f}" if r.get("weight_bytes_per_step") else "-",
                       f"{100 * r['roofline_fraction']:.1f} %" if r.get("roofline_fraction") else "-",
@@ -347,7 +347,10 @@ def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
             print(f"[exllamav3] {mode} batch {B}: {row}", flush=True)
             rows.append(row)
     del gen
-    model.unload()
+    try:
+        model.unload()
+    except Exception as exc:  # noqa: BLE001 - the rows are measured already
+        print(f"[exllamav3] unload: {exc}", flush=True)
     del model, caches
     _free()
     return rows
@@ -446,16 +449,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{d['distinct_experts_per_layer']:.1f} distinct experts/layer)", flush=True)
     rows: list[dict] = []
     for impl in a.impls:
-        if impl == "exllamav3":
-            rows += run_exllamav3(a.ckpt, a.batch, a)
-        else:
-            try:
+        try:
+            if impl == "exllamav3":
+                rows += run_exllamav3(a.ckpt, a.batch, a)
+            else:
                 rows += run_ours(a.ckpt, impl.split(":", 1)[1], a.batch, a)
-            except Exception as exc:  # noqa: BLE001 - e.g. backend not built on this machine
-                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-                print(f"[{impl}] failed to load: {msg}", flush=True)
-                rows += [{"impl": impl, "batch": B, "error": msg} for B in a.batch]
-                _free()
+        except Exception as exc:  # noqa: BLE001 - e.g. backend not built here, load failure
+            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+            print(f"[{impl}] failed: {msg}", flush=True)
+            modes = a.exl3_modes if impl == "exllamav3" else [None]
+            rows += [{"impl": impl, "mode": m, "batch": B, "error": msg} for B in a.batch for m in modes]
+            _free()
     finish_rows(rows, bytes_by_batch)
     print()
     print(format_table(rows))
