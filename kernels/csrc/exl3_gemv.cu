@@ -1,0 +1,484 @@
+// EXL3 trellis kernels for Hopper (sm_90a): skinny GEMM (rows <= 64, dense or one row per MoE
+// slot), bit-exact decode of Ŵ, and the two 128-point Hadamard passes. exl3-format.md §5 is the
+// spec; kernels/reference.py is the oracle the tests compare against.
+//
+// One module is built per (K2, CB) (-DK2=..., -DCB=...): K2 = trellis width / 8 (2K for integer
+// K, 2K+1 for half-integer K); CB 0 = 3INST, 1 = MCG, 2 = MUL1. Everything below that depends on
+// them is a compile-time constant, which is the point: no per-weight index math survives.
+//
+// Why it is fast. A warp owns whole 16x16 tiles; lane L holds trellis steps 8L..8L+7, which the
+// encoder's permutation (§5.5) places exactly in the mma.m16n8k16 B-fragment of lane L. The 16-bit
+// window of step 8L+e starts at a lane-dependent bit, but relative to the lane's first window it
+// starts at D(e) = ((e+1)K2 >> 1) - (K2 >> 1), a constant. So each lane loads the 2-4 words that
+// cover its windows, shifts them once so its first window starts at bit 0 ("normalise", 1-3
+// funnel shifts per tile), and then extracts every state with constant shifts: about 2 integer ops
+// per state, 1 multiply, 1 dp4a (MUL1) or LOP3 (3INST/MCG), and half an fp16 op, then the MMA.
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef K2
+#define K2 6
+#endif
+#ifndef CB
+#define CB 2
+#endif
+
+namespace {
+
+constexpr int NW = 4 * K2;           // uint32 words per tile
+constexpr int RING = 128 * K2;       // bits per tile
+__host__ __device__ constexpr int D(int e) { return (((e + 1) * K2) >> 1) - (K2 >> 1); }
+constexpr int SPAN = D(7) + 16;      // bits one lane needs
+constexpr int NN = (SPAN + 31) / 32; // normalised words per lane
+constexpr int NL = NN + 1;           // loaded words per lane (the first window is unaligned)
+
+// ------------------------------------------------------------------ bit helpers (host-testable)
+__host__ __device__ __forceinline__ uint32_t fsl(uint32_t lo, uint32_t hi, uint32_t s) {
+    // upper 32 bits of (hi:lo) << s, s in [0, 32]
+#ifdef __CUDA_ARCH__
+    return __funnelshift_lc(lo, hi, s);
+#else
+    return s == 0 ? hi : s >= 32 ? lo : (hi << s) | (lo >> (32 - s));
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t fsr(uint32_t lo, uint32_t hi, uint32_t s) {
+    // lower 32 bits of (hi:lo) >> s, s in [0, 32)
+#ifdef __CUDA_ARCH__
+    return __funnelshift_r(lo, hi, s);
+#else
+    return s == 0 ? lo : (lo >> s) | (hi << (32 - s));
+#endif
+}
+
+// Ring position where lane L's first window starts, as (word, bit offset) of the tile.
+__host__ __device__ __forceinline__ void lane_origin(int lane, int& word, int& off) {
+    int start = 4 * lane * K2 + (K2 >> 1) - 16;   // S(8L) - 16, may be negative (tail-biting)
+    start = (start + RING) % RING;
+    word = start >> 5;
+    off = start & 31;
+}
+
+// The 16-bit window starting at normalised bit Q (MSB-first stream n[0] n[1] ...).
+template <int Q>
+__host__ __device__ __forceinline__ uint32_t window(const uint32_t (&n)[NN]) {
+    constexpr int q = Q >> 5, r = Q & 31;
+    if constexpr (r == 0) {
+        return n[q] >> 16;
+    } else if constexpr (r == 16) {
+        return n[q] & 0xffffu;
+    } else if constexpr (r < 16) {
+        return (n[q] >> (16 - r)) & 0xffffu;
+    } else {
+        return fsr(n[q + 1], n[q], 48 - r) & 0xffffu;
+    }
+}
+
+// The 8 states of lane L from the words it loaded (w[m] = tile word (word + m) mod NW).
+__host__ __device__ __forceinline__ void lane_states(const uint32_t (&w)[NL], int off, uint32_t (&s)[8]) {
+    uint32_t n[NN];
+#pragma unroll
+    for (int q = 0; q < NN; q++) n[q] = fsl(w[q + 1], w[q], off);
+    s[0] = window<D(0)>(n);
+    s[1] = window<D(1)>(n);
+    s[2] = window<D(2)>(n);
+    s[3] = window<D(3)>(n);
+    s[4] = window<D(4)>(n);
+    s[5] = window<D(5)>(n);
+    s[6] = window<D(6)>(n);
+    s[7] = window<D(7)>(n);
+}
+
+#ifndef EXL3_HOST_TEST
+// ------------------------------------------------------------------ codebooks (two states -> half2)
+// Loop-invariant operands held in registers the compiler cannot rematerialise (it otherwise
+// re-creates them with a MOV in every unrolled stage).
+struct Consts {
+    uint32_t ones, bias, kappa;
+    __device__ __forceinline__ Consts() {
+        asm volatile("mov.b32 %0, 0x01010101;" : "=r"(ones));
+        asm volatile("mov.b32 %0, 0x00006400;" : "=r"(bias));
+        asm volatile("mov.b32 %0, 0x1EEE1EEE;" : "=r"(kappa));
+    }
+};
+
+__device__ __forceinline__ uint32_t pair(const Consts& k, uint32_t s0, uint32_t s1) {
+#if CB == 2
+    const uint32_t x0 = s0 * 0x83DCD12Du, x1 = s1 * 0x83DCD12Du;
+    const uint32_t h0 = __dp4a(x0, k.ones, k.bias);   // fp16 bits of 1024 + byte sum
+    const uint32_t h1 = __dp4a(x1, k.ones, k.bias);
+    uint32_t p = __byte_perm(h0, h1, 0x5410);
+    half2 v = __hfma2(*reinterpret_cast<half2*>(&p), *reinterpret_cast<const half2*>(&k.kappa),
+                      __halves2half2(__ushort_as_half(0xC931), __ushort_as_half(0xC931)));
+    return *reinterpret_cast<uint32_t*>(&v);
+#else
+#if CB == 0
+    uint32_t x0 = s0 * 89226354u + 64248484u, x1 = s1 * 89226354u + 64248484u;
+#else
+    uint32_t x0 = s0 * 0xCBAC1FEDu, x1 = s1 * 0xCBAC1FEDu;
+#endif
+    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    uint32_t lo = __byte_perm(x0, x1, 0x5410), hi = __byte_perm(x0, x1, 0x7632);
+    half2 v = __hadd2(*reinterpret_cast<half2*>(&lo), *reinterpret_cast<half2*>(&hi));
+    return *reinterpret_cast<uint32_t*>(&v);
+#endif
+}
+
+// B fragments of one tile: b[0], b[1] for columns 0-7, b[2], b[3] for columns 8-15 (§5.5).
+__device__ __forceinline__ void decode_tile(const Consts& k, const uint32_t (&w)[NL], int off, uint32_t (&b)[4]) {
+    uint32_t s[8];
+    lane_states(w, off, s);
+    b[0] = pair(k, s[0], s[1]);
+    b[1] = pair(k, s[2], s[3]);
+    b[2] = pair(k, s[4], s[5]);
+    b[3] = pair(k, s[6], s[7]);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void red1(float* p, float a) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ldg32(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// predicated load: v keeps its value when !pred (no branch around the load)
+__device__ __forceinline__ void ldg32_if(uint32_t& v, const uint32_t* p, bool pred) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u32 %0, [%1];\n}\n"
+                 : "+r"(v) : "l"(p), "r"((int)pred));
+}
+
+// ------------------------------------------------------------------ skinny GEMM
+// acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
+// trellis_ptrs[slot_exp ? slot_exp[z] : 0]. Work unit per warp: NT adjacent n-tiles x a k-range.
+// The MMA runs transposed, D(n16 x rows8) = Ŵᵀ(n16 x k16) · xᵀ(k16 x rows8): the lane's decoded
+// tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
+// activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
+// acc and re-zeroes it.
+template <int MROWS, int NT, int P>
+__device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
+                                          const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
+                                          int kt, int nt, int kps, int n_groups, int n_units) {
+    constexpr int MB = MROWS / 8;          // 8-row blocks
+    const int lane = threadIdx.x & 31;
+    const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (unit >= n_units) return;
+    const int z = blockIdx.y;
+    const int grp = unit % n_groups, split = unit / n_groups;
+    const int i0 = split * kps;
+    const int i1 = min(kt, i0 + kps);
+    if (i0 >= i1) return;
+    const int e = slot_exp ? slot_exp[z] : 0;
+    const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
+    const int g = lane >> 2, t = lane & 3;
+    const int k2 = kt * 8;                 // uint32 per activation row
+    const int n = nt * 16;
+
+    int word, off;
+    lane_origin(lane, word, off);
+    const int j0 = grp * NT;
+    const size_t row_stride = (size_t)nt * NW;   // uint32 per tile row
+    // running per-lane pointers, advanced one tile row per load (loads go in k order)
+    const uint32_t* wp[NL];
+#pragma unroll
+    for (int m = 0; m < NL; m++) wp[m] = tr + (size_t)i0 * row_stride + (size_t)j0 * NW + (word + m) % NW;
+    // B fragment (xᵀ): lane feeds activation row 8mb + g, k = 2t, 2t+1 and 2t+8, 2t+9 of the tile
+    const uint32_t* xr[MB];
+    bool xv[MB];
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++) {
+        const int m = 8 * mb + g;
+        xv[mb] = m < rows;
+        xr[mb] = xrot + (size_t)(z * rows + (xv[mb] ? m : 0)) * k2 + t + 8 * i0;
+    }
+
+    float c[MB][NT][4];
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
+
+    const Consts kc;
+    uint32_t wb[P][NT][NL];
+    uint32_t xb[P][MB][2];
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int mb = 0; mb < MB; mb++) xb[p][mb][0] = xb[p][mb][1] = 0u;
+    // loads are predicated, never branched around; pointers advance regardless (never read past)
+    auto load = [&](int p, bool pred) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int m = 0; m < NL; m++) ldg32_if(wb[p][j][m], wp[m] + j * NW, pred);
+#pragma unroll
+        for (int m = 0; m < NL; m++) wp[m] += row_stride;
+#pragma unroll
+        for (int mb = 0; mb < MB; mb++) {
+            ldg32_if(xb[p][mb][0], xr[mb], pred && xv[mb]);
+            ldg32_if(xb[p][mb][1], xr[mb] + 4, pred && xv[mb]);
+            xr[mb] += 8;
+        }
+    };
+    auto step = [&](int p) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            uint32_t b[4];
+            decode_tile(kc, wb[p][j], off, b);
+            const uint32_t a[4] = {b[0], b[2], b[1], b[3]};   // (n g | g+8) x (k 2t.. | 2t+8..)
+#pragma unroll
+            for (int mb = 0; mb < MB; mb++) mma(c[mb][j], a, xb[p][mb][0], xb[p][mb][1]);
+        }
+    };
+    const int count = i1 - i0;
+#pragma unroll
+    for (int p = 0; p < P; p++) load(p, p < count);
+    int it = 0;
+    for (; it + P <= count; it += P) {
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            step(p);                              // consume stage p, then refill it
+            load(p, it + p + P < count);
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < P - 1; p++)
+        if (p < count - it) step(p);
+
+    // D fragment: d0, d1 = n g, rows 2t, 2t+1; d2, d3 = n g + 8, same rows
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int m = 8 * mb + 2 * t + q;
+            if (m >= rows) continue;
+            float* out = acc + (size_t)(z * rows + m) * n + (size_t)j0 * 16 + g;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                red1(out + 16 * j, c[mb][j][q]);
+                red1(out + 16 * j + 8, c[mb][j][2 + q]);
+            }
+        }
+}
+
+// ------------------------------------------------------------------ decode Ŵ (transposed store)
+// wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
+// four tiles in flight per warp (grid-stride over tile quads).
+__device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    int word, off;
+    lane_origin(lane, word, off);
+    int widx[NL];
+#pragma unroll
+    for (int m = 0; m < NL; m++) widx[m] = (word + m) % NW;
+    const int k2 = kt * 8;   // uint32 (half pairs) per wt row
+    const long tiles = (long)kt * nt;
+    const long warps = (long)gridDim.x * (blockDim.x >> 5);
+    const Consts kc;
+    for (long q = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); q * 4 < tiles; q += warps) {
+        uint32_t w[4][NL];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const long tile = q * 4 + u;
+            if (tile < tiles)
+#pragma unroll
+                for (int m = 0; m < NL; m++) w[u][m] = ldg32(tr + tile * NW + widx[m]);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const long tile = q * 4 + u;
+            if (tile >= tiles) break;
+            const int i = (int)(tile / nt), j = (int)(tile % nt);
+            uint32_t b[4];
+            decode_tile(kc, w[u], off, b);
+            // b[0] = rows 2t, 2t+1 of column g; b[1] rows 2t+8, 2t+9; b[2], b[3] the same for g + 8
+            uint32_t* col0 = wt + (size_t)(16 * j + g) * k2 + 8 * i + t;
+            uint32_t* col1 = col0 + (size_t)8 * k2;
+            col0[0] = b[0];
+            col0[4] = b[1];
+            col1[0] = b[2];
+            col1[4] = b[3];
+        }
+    }
+}
+#endif  // EXL3_HOST_TEST
+
+// ------------------------------------------------------------------ Hadamard passes
+// One warp per (row, 128-column block); lane holds columns 4L..4L+3. Natural-order Sylvester H128
+// (§5.7) as 7 butterfly stages in fp32: 2 in registers, 5 across lanes.
+#ifndef EXL3_HOST_TEST
+__device__ __forceinline__ void fwht128(float (&v)[4]) {
+    float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
+    v[0] = a + c; v[1] = b + d; v[2] = a - c; v[3] = b - d;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+        const bool up = lane & m;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float o = __shfl_xor_sync(0xffffffffu, v[q], m);
+            v[q] = up ? o - v[q] : v[q] + o;
+        }
+    }
+}
+
+// xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
+// src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0.
+__device__ __forceinline__ void had_in_body(const half* __restrict__ x, half* __restrict__ xrot,
+                                            const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
+                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
+    const int blocks = k >> 7;
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return;
+    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    const int z = o / rows, m = o % rows;
+    const int src = src_idx ? src_idx[z] * rows + m : o;
+    const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
+    const int col = blk * 128 + 4 * (threadIdx.x & 31);
+    const uint2 xv = *reinterpret_cast<const uint2*>(x + (size_t)src * k + col);
+    const uint2 sv = *reinterpret_cast<const uint2*>(suh + col);
+    const half2* xh = reinterpret_cast<const half2*>(&xv);
+    const half2* sh = reinterpret_cast<const half2*>(&sv);
+    float v[4];
+    float2 x0 = __half22float2(xh[0]), x1 = __half22float2(xh[1]);
+    float2 s0 = __half22float2(sh[0]), s1 = __half22float2(sh[1]);
+    v[0] = x0.x * s0.x; v[1] = x0.y * s0.y; v[2] = x1.x * s1.x; v[3] = x1.y * s1.y;
+    fwht128(v);
+    const float r = 0.08838834764831845f;   // 1/sqrt(128)
+    half2 o0 = __floats2half2_rn(v[0] * r, v[1] * r), o1 = __floats2half2_rn(v[2] * r, v[3] * r);
+    uint2 ov;
+    ov.x = *reinterpret_cast<uint32_t*>(&o0);
+    ov.y = *reinterpret_cast<uint32_t*>(&o1);
+    *reinterpret_cast<uint2*>(xrot + (size_t)o * k + col) = ov;
+}
+
+// y[o, :] = fp16(H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e); the fp32 variant re-zeroes acc.
+template <typename T>
+__device__ __forceinline__ void had_out_body(T* __restrict__ acc, half* __restrict__ y,
+                                             const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
+                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
+    const int blocks = n >> 7;
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return;
+    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    const int e = exp_idx ? exp_idx[o / rows] : 0;
+    const int col = blk * 128 + 4 * (threadIdx.x & 31);
+    float v[4];
+    if constexpr (sizeof(T) == 4) {
+        float4* p = reinterpret_cast<float4*>(acc + (size_t)o * n + col);
+        const float4 a = *p;
+        *p = make_float4(0.f, 0.f, 0.f, 0.f);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    } else {
+        const uint2 a = *reinterpret_cast<const uint2*>(acc + (size_t)o * n + col);
+        const float2 f0 = __half22float2(*reinterpret_cast<const half2*>(&a.x));
+        const float2 f1 = __half22float2(*reinterpret_cast<const half2*>(&a.y));
+        v[0] = f0.x; v[1] = f0.y; v[2] = f1.x; v[3] = f1.y;
+    }
+    fwht128(v);
+    const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
+    const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
+    const float r = 0.08838834764831845f;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        v[q] = v[q] * r * __half2float(svh[col + q]);
+        if (bias) v[q] += __half2float(bias[col + q]);
+    }
+    half2 o0 = __floats2half2_rn(v[0], v[1]), o1 = __floats2half2_rn(v[2], v[3]);
+    uint2 ov;
+    ov.x = *reinterpret_cast<uint32_t*>(&o0);
+    ov.y = *reinterpret_cast<uint32_t*>(&o1);
+    *reinterpret_cast<uint2*>(y + (size_t)o * n + col) = ov;
+}
+#endif  // EXL3_HOST_TEST
+
+}  // namespace
+
+// ------------------------------------------------------------------ entry points (C names)
+#ifndef EXL3_HOST_TEST
+#define GEMV(MROWS, NT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT(                     \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
+        int kt, int nt, int kps, int n_groups, int n_units) {                                         \
+        gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
+    }
+#else
+#define GEMV(MROWS, NT)
+#endif
+GEMV(8, 1)
+GEMV(8, 2)
+GEMV(16, 1)
+GEMV(16, 2)
+GEMV(32, 1)
+GEMV(32, 2)
+GEMV(64, 1)
+GEMV(64, 2)
+
+#ifndef EXL3_HOST_TEST
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt) {
+    decode_body(tr, wt, kt, nt);
+}
+
+extern "C" __global__ void __launch_bounds__(256) exl3_had_in(const half* x, half* xrot, const uint64_t* suh_ptrs,
+                                                             const int* src_idx, const int* exp_idx, int rows,
+                                                             int total_rows, int k) {
+    had_in_body(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k);
+}
+
+extern "C" __global__ void __launch_bounds__(256) exl3_had_out_f32(float* acc, half* y, const uint64_t* svh_ptrs,
+                                                                  const uint64_t* bias_ptrs, const int* exp_idx,
+                                                                  int rows, int total_rows, int n) {
+    had_out_body<float>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);
+}
+
+extern "C" __global__ void __launch_bounds__(256) exl3_had_out_f16(half* acc, half* y, const uint64_t* svh_ptrs,
+                                                                  const uint64_t* bias_ptrs, const int* exp_idx,
+                                                                  int rows, int total_rows, int n) {
+    had_out_body<half>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);
+}
+#endif
+
+#ifdef EXL3_HOST_TEST
+// Host check of the bit logic (nvcc -DEXL3_HOST_TEST -x cu ... && ./a.out): every lane's 8 states
+// against the definition (§5.3) on random tiles. Exit status 0 = all equal.
+#include <cstdio>
+#include <cstdlib>
+static uint32_t ring_bit(const uint32_t* u, int p) { return (u[p >> 5] >> (31 - (p & 31))) & 1u; }
+int main() {
+    uint32_t tile[NW];
+    srand(1234 + K2);
+    int bad = 0;
+    for (int rep = 0; rep < 200; rep++) {
+        for (int m = 0; m < NW; m++) tile[m] = ((uint32_t)rand() << 16) ^ (uint32_t)rand();
+        for (int lane = 0; lane < 32; lane++) {
+            int word, off;
+            lane_origin(lane, word, off);
+            uint32_t w[NL], s[8];
+            for (int m = 0; m < NL; m++) w[m] = tile[(word + m) % NW];
+            lane_states(w, off, s);
+            for (int e = 0; e < 8; e++) {
+                const int step = 8 * lane + e;
+                const int S = ((step + 1) * K2) >> 1;
+                uint32_t want = 0;
+                for (int q = 0; q < 16; q++) want = (want << 1) | ring_bit(tile, ((S - 16 + q) % RING + RING) % RING);
+                if (want != s[e] && bad++ < 5) printf("K2=%d lane %d e %d: got %04x want %04x\n", K2, lane, e, s[e], want);
+            }
+        }
+    }
+    printf("K2=%d NL=%d: %s\n", K2, NL, bad ? "MISMATCH" : "ok");
+    return bad != 0;
+}
+#endif

@@ -1,0 +1,373 @@
+"""EXL3 linears on the GPU with our CUDA kernels (kernels/csrc/exl3_gemv.cu); backend ``cuda``.
+
+    y = ((x ⊙ suh) · H_k) · Ŵ · H_n ⊙ svh + bias          (exl3-format.md §5.7, runtime form)
+
+Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
+- rows ≤ 64: ``had_in`` -> ``gemv`` (decode tiles in registers straight into MMA fragments,
+  split-K partials added into a self-cleaning fp32 workspace) -> ``had_out`` (output Hadamard,
+  svh, bias, fp16; re-zeroes the workspace). Three launches, no host sync, graph-capturable.
+- more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place.
+``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
+slot, experts addressed through device pointer tables: no host sync, no sorting.
+
+The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
+cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
+nvcc. They are loaded and launched through the CUDA driver API (ctypes): no build step, no
+torch extension, and launches go on torch's current stream, so CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from exl3tools.errors import UsageError
+
+SRC = Path(__file__).with_name("csrc") / "exl3_gemv.cu"
+CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
+ARCH = "-gencode=arch=compute_90a,code=sm_90a"
+FLAGS = ("-std=c++17", "-O3", "-cubin", ARCH)
+SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
+PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
+WARPS_PER_SM = 24            # split-K until about this many warps per SM are busy
+HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
+
+_lock = threading.Lock()
+
+
+# ------------------------------------------------------------------ build + load
+def cache_dir() -> Path:
+    d = os.environ.get("EXL3TOOLS_CUDA_CACHE")
+    return Path(d) if d else Path.home() / ".cache" / "exl3tools" / "cuda"
+
+
+def _nvcc() -> str | None:
+    for cand in (os.environ.get("EXL3TOOLS_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def cubin_path(k2: int, cb: int) -> Path:
+    key = hashlib.sha1(SRC.read_bytes() + repr((FLAGS, k2, cb)).encode()).hexdigest()[:16]
+    return cache_dir() / f"exl3_gemv_k{k2}_c{cb}_{key}.cubin"
+
+
+def build(k2: int, cb: int) -> Path:
+    """The cubin for (K2, codebook), compiled now if it is not cached yet."""
+    out = cubin_path(k2, cb)
+    if out.exists():
+        return out
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise UsageError(f"backend 'cuda' needs nvcc to build {out.name} (set EXL3TOOLS_NVCC or "
+                         f"EXL3TOOLS_CUDA_CACHE to a folder of prebuilt cubins)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [nvcc, *FLAGS, f"-DK2={k2}", f"-DCB={cb}", str(SRC), "-o", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"nvcc failed for {out.name}:\n{res.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def prebuild(pairs, jobs: int | None = None) -> list[Path]:
+    """Compile several (K2, codebook id) modules in parallel (nvcc is single-threaded)."""
+    pairs = list(dict.fromkeys(pairs))
+    with ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 4)) as pool:
+        return list(pool.map(lambda p: build(*p), pairs))
+
+
+class _Driver:
+    """The few CUDA driver entry points we need, through ctypes."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_void_p
+        self.lib.cuLaunchKernel.argtypes = [v, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, v,
+                                            ctypes.POINTER(v), ctypes.POINTER(v)]
+        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(v), ctypes.c_char_p]
+        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(v), v, ctypes.c_char_p]
+        self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(v)]
+        self.lib.cuCtxSetCurrent.argtypes = [v]
+
+    def check(self, res: int, what: str) -> None:
+        if res != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(res, ctypes.byref(msg))
+            raise RuntimeError(f"{what}: CUDA error {res} ({(msg.value or b'?').decode()})")
+
+    def current_ctx(self) -> ctypes.c_void_p:
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx
+
+
+_driver: _Driver | None = None
+
+
+def driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+class Module:
+    """One loaded cubin on one device: kernels by name, launched on torch's current stream."""
+
+    def __init__(self, path: Path, device: torch.device):
+        d = driver()
+        with torch.cuda.device(device):
+            torch.zeros(1, device=device)          # make torch's (primary) context current here
+            self.ctx = d.current_ctx()
+            self.mod = ctypes.c_void_p()
+            d.check(d.lib.cuModuleLoadData(ctypes.byref(self.mod), path.read_bytes()), f"load {path.name}")
+        self.device = device
+        self.fns: dict[str, ctypes.c_void_p] = {}
+
+    def fn(self, name: str) -> ctypes.c_void_p:
+        f = self.fns.get(name)
+        if f is None:
+            f = ctypes.c_void_p()
+            driver().check(driver().lib.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+            self.fns[name] = f
+        return f
+
+    def launch(self, name: str, grid, block: int, *args) -> None:
+        """args: tensors (or None for NULL) become pointers, Python ints become int32."""
+        vals = []
+        for a in args:
+            if a is None:
+                vals.append(ctypes.c_uint64(0))
+            elif isinstance(a, torch.Tensor):
+                vals.append(ctypes.c_uint64(a.data_ptr()))
+            else:
+                vals.append(ctypes.c_int32(int(a)))
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        d = driver()
+        res = d.lib.cuLaunchKernel(self.fn(name), gx, gy, 1, block, 1, 1, 0, stream, params, None)
+        if res == 201:                              # CUDA_ERROR_INVALID_CONTEXT: a fresh thread
+            d.check(d.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            res = d.lib.cuLaunchKernel(self.fn(name), gx, gy, 1, block, 1, 1, 0, stream, params, None)
+        d.check(res, name)
+
+
+_modules: dict[tuple, Module] = {}
+
+
+def module(width: int, codebook: str, device) -> Module:
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if width % 8 or not 16 <= width <= 128:
+        raise UsageError(f"illegal trellis width {width}")
+    if codebook not in CODEBOOKS:
+        raise UsageError(f"unknown codebook {codebook!r}")
+    key = (width // 8, CODEBOOKS[codebook], device.index)
+    m = _modules.get(key)
+    if m is None:
+        with _lock:
+            m = _modules.get(key)
+            if m is None:
+                m = _modules[key] = Module(build(key[0], key[1]), device)
+    return m
+
+
+# ------------------------------------------------------------------ workspace
+_workspace: dict[int, torch.Tensor] = {}
+
+
+def workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A zero fp32 buffer of ≥ numel shared by all small-row calls on ``device``.
+
+    Every gemv adds into it and the output pass that follows re-zeroes what it read, so it is
+    zero between calls (stream order; one stream per device). Grown only outside graph capture.
+    """
+    ws = _workspace.get(device.index)
+    if ws is None or ws.numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cuda backend: workspace must grow during CUDA-graph capture; warm up first")
+        ws = _workspace[device.index] = torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device)
+    return ws
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _ptrs(tensors, device) -> torch.Tensor | None:
+    if tensors is None:
+        return None
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+# ------------------------------------------------------------------ launches
+def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None) -> torch.Tensor:
+    xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
+    items = total * (k // 128)
+    mod.launch("exl3_had_in", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp, rows, total, k)
+    return xrot
+
+
+def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
+            exp=None) -> torch.Tensor:
+    name = "exl3_had_out_f32" if acc.dtype == torch.float32 else "exl3_had_out_f16"
+    items = total * (n // 128)
+    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n)
+    return y
+
+
+def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
+         slot_exp=None) -> None:
+    mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
+    nt_per = 2 if nt % 2 == 0 else 1
+    groups = nt // nt_per
+    target = _sm_count(xrot.device) * WARPS_PER_SM
+    splits = max(1, min(-(-kt // 8), -(-target // (groups * slots))))
+    kps = -(-kt // splits)
+    kps = -(-kps // PIPE) * PIPE
+    splits = -(-kt // kps)
+    units = groups * splits
+    mod.launch(f"exl3_gemv_m{mrows}_t{nt_per}", (-(-units // 4), slots), 128,
+               xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units)
+
+
+def decode_t(mod: Module, trellis: torch.Tensor) -> torch.Tensor:
+    """Ŵᵀ (n, k) fp16, bit-exact."""
+    kt, nt, _ = trellis.shape
+    wt = torch.empty(nt * 16, kt * 16, dtype=torch.float16, device=trellis.device)
+    quads = -(-(kt * nt) // 4)
+    blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
+    mod.launch("exl3_decode_t", blocks, 256, trellis, wt, kt, nt)
+    return wt
+
+
+def decode_rotated(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    """Ŵ (k, n) fp16 from an int16 trellis on a CUDA device (bit-exact; for tests and tools)."""
+    tr = trellis.to(torch.int16).contiguous()
+    return decode_t(module(tr.shape[-1], codebook, tr.device), tr).t().contiguous()
+
+
+# ------------------------------------------------------------------ linears
+def _check_dims(k: int, n: int) -> None:
+    if k % 128 or n % 128:
+        raise UsageError(f"backend 'cuda' needs in/out features that are multiples of 128, got {k} x {n}")
+
+
+class CudaLinear:
+    """One EXL3 linear on the GPU; ``__call__(x) -> x @ W + bias`` at padded dims."""
+
+    def __init__(self, tensors: dict, codebook: str, device):
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.trellis = tensors["trellis"].to(self.device, torch.int16).contiguous()
+        self.kt, self.nt, self.width = self.trellis.shape
+        self.k, self.n = self.kt * 16, self.nt * 16
+        _check_dims(self.k, self.n)
+        self.suh = tensors["suh"].to(self.device, torch.float16).contiguous()
+        self.svh = tensors["svh"].to(self.device, torch.float16).contiguous()
+        b = tensors.get("bias")
+        self.bias = None if b is None else b.to(self.device, torch.float16).contiguous()
+        self.codebook = codebook
+        self.mod = module(self.width, codebook, self.device)
+        self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs([t], self.device) for t in (self.trellis, self.suh, self.svh))
+        self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.k).to(torch.float16).contiguous()
+        rows = x2.shape[0]
+        xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
+        if rows <= SMALL_ROWS:
+            acc = workspace(self.device, rows * self.n)
+            gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
+            y = torch.empty(rows, self.n, dtype=torch.float16, device=self.device)
+            had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
+        else:
+            y = torch.mm(xrot, decode_t(self.mod, self.trellis).t())
+            had_out(self.mod, y, y, self.svh_tab, self.bias_tab, rows, rows, self.n)   # in place
+        return y.to(x.dtype).reshape(*shape[:-1], self.n)
+
+
+class CudaExperts:
+    """One projection (gate, up or down) of many experts with the same shape, K and codebook."""
+
+    def __init__(self, tensors_per_expert: list[dict], codebook: str, device):
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        dev = self.device
+        self.trellis = [t["trellis"].to(dev, torch.int16).contiguous() for t in tensors_per_expert]
+        shapes = {tuple(t.shape) for t in self.trellis}
+        if len(shapes) != 1:
+            raise UsageError(f"backend 'cuda': experts differ in trellis shape {sorted(shapes)}")
+        self.kt, self.nt, self.width = self.trellis[0].shape
+        self.k, self.n = self.kt * 16, self.nt * 16
+        _check_dims(self.k, self.n)
+        self.suh = [t["suh"].to(dev, torch.float16).contiguous() for t in tensors_per_expert]
+        self.svh = [t["svh"].to(dev, torch.float16).contiguous() for t in tensors_per_expert]
+        bs = [t.get("bias") for t in tensors_per_expert]
+        self.bias = None if bs[0] is None else [b.to(dev, torch.float16).contiguous() for b in bs]
+        self.mod = module(self.width, codebook, dev)
+        self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs(t, dev) for t in (self.trellis, self.suh, self.svh))
+        self.bias_tab = _ptrs(self.bias, dev)
+
+    def slots(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+        """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync."""
+        S = tok.shape[0]
+        x16 = x.reshape(-1, self.k).to(torch.float16).contiguous()
+        tok32 = tok.to(torch.int32).contiguous()
+        exp32 = exp.to(torch.int32).contiguous()
+        xrot = had_in(self.mod, x16, self.suh_tab, 1, S, self.k, src=tok32, exp=exp32)
+        acc = workspace(self.device, S * self.n)
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, 1, S, acc, slot_exp=exp32)
+        y = torch.empty(S, self.n, dtype=torch.float16, device=self.device)
+        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, S, self.n, exp=exp32)
+        return y.to(x.dtype)
+
+
+def _cuda_factory(tensors: dict, codebook: str, k_bits: float, device):
+    return CudaLinear(tensors, codebook, device)
+
+
+def _experts_factory(tensors_per_expert: list[dict], codebook: str, k_bits: float, device):
+    return CudaExperts(tensors_per_expert, codebook, device)
+
+
+def _register() -> None:
+    from exl3tools.kernels import dispatch
+
+    dispatch.register_backend("cuda", _cuda_factory)
+    if hasattr(dispatch, "register_experts"):
+        dispatch.register_experts("cuda", _experts_factory)
+
+
+def available() -> bool:
+    """True where a CUDA device is visible and the driver library loads."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        driver()
+    except OSError:
+        return False
+    return True
+
+
+if not available():
+    raise ImportError("backend 'cuda' needs a CUDA device and the CUDA driver library")
+_register()
