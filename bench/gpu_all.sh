@@ -1,45 +1,66 @@
 #!/usr/bin/env bash
-# Everything one device call does: install carried wheels, build exllamav3 in the background while
-# our kernels are tested and timed, then the exllamav3 comparison and the decode-step benchmark.
-# Run from the repo root on the device: carry .whl and .gpucarry. Logs under $OUT; tables last.
-#   bash bench/gpu_all.sh [tests] [bench] [e2e]     (default: all three)
+# Everything one device call does: install carried wheels, build exllamav3 in the background (or use
+# a carried prebuilt extension) while our kernels are built, tested and timed, then the side-by-side
+# linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
+# Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
+# .exl3so (exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [e2e]     (default: all four)
 set -u
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-STAGES=${*:-tests bench e2e}
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" "$OUT/logs"
+L=$OUT/logs
+STAGES=${*:-tests quick bench e2e}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 EXL3TOOLS_KERNEL_CACHE=/tmp/exl3k
+export EXL3TOOLS_CUDA_CACHE=${EXL3TOOLS_CUDA_CACHE:-$PWD/.cudacache} TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+  > "$L/pip.log" 2>&1 || { cat "$L/pip.log"; exit 1; }
 # exl3tools without pip: pyproject maps exl3tools.{kernels,cli,schemas} to top-level folders; mirror
 # that with links inside this (device) copy when the package is not importable as installed
 if ! python3 -c "import exl3tools.kernels" 2>/dev/null; then
   for d in kernels cli schemas; do [ -e exl3tools/$d ] || ln -s ../$d exl3tools/$d; done
 fi
 export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt"
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$OUT/gpu.txt"
-cat "$OUT/gpu.txt"
+if [ -f .exl3so/exllamav3_ext.so ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.exl3so; fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$L/gpu.txt"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$L/gpu.txt"
+cat "$L/gpu.txt"
 
-# exllamav3: JIT build of its extension (~4 min cold); later imports in this machine reuse it
-( MAX_JOBS=${EXL3_JOBS:-12} python3 -c "import exllamav3; from exllamav3.ext import exllamav3_ext; print('exllamav3 ok')" \
-  > "$OUT/build.log" 2>&1; echo "build rc $?" >> "$OUT/build.log" ) &
+# exllamav3: a carried prebuilt extension imports at once; else its JIT build (~4 min cold)
+( MAX_JOBS=${EXL3_JOBS:-12} python3 -c "import exllamav3; from exllamav3.ext import exllamav3_ext as e; print('exllamav3 ok', e.__file__)" \
+  > "$L/build.log" 2>&1; echo "build rc $?" >> "$L/build.log" ) &
 BUILD=$!
+# our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
+python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
+( [ -d /tmp/air6 ] || python3 bench/synth_checkpoint.py /tmp/air6 > "$L/synth.log" 2>&1 ) &
+SYNTH=$!
 
 if [[ $STAGES == *tests* ]]; then
-  el "tests"
-  EXL3TOOLS_FIXTURES=$PWD/.gpucarry/fixtures timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider \
-    -n ${TEST_JOBS:-3} tests/gpu > "$OUT/tests.log" 2>&1
-  el "tests rc $?"; tail -n 15 "$OUT/tests.log"
+  EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
+    -n ${TEST_JOBS:-3} tests/gpu tests/test_cuda_bit_logic.py ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
+    > "$L/tests.log" 2>&1
+  el "tests rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests.log" | tail -n 25
 fi
-el "waiting for exllamav3 build"; wait $BUILD; tail -n 3 "$OUT/build.log"; el "build done"
+if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
+  timeout ${QUICK_TIMEOUT:-150} python3 bench/gpu_bench.py --graph --impls cuda,fp16 --rows 1,8,32,2048 \
+    --json "$L/quick.json" > "$L/quick.log" 2>&1
+  el "quick rc $?"; sed -n '/in->out/,$p' "$L/quick.log"
+fi
+el "waiting for exllamav3"; wait $BUILD; tail -n 2 "$L/build.log"
+SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)
+if [ -n "$SO" ]; then xz -T0 -3 -c "$SO" > /tmp/exl3so.xz && split -b 15M /tmp/exl3so.xz "$OUT/exl3so.xz." \
+  && el "exllamav3_ext.so $(stat -c %s "$SO") B -> $(stat -c %s /tmp/exl3so.xz) B xz, split into $OUT"; fi
 if [[ $STAGES == *bench* ]]; then
-  timeout ${BENCH_TIMEOUT:-200} python3 bench/gpu_bench.py --codebooks mul1,mcg,3inst --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-  el "bench all rc $?"
+  timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda,exllamav3,fp16} \
+    --codebooks mul1,mcg,3inst --json "$L/bench.json" > "$L/bench.log" 2>&1
+  el "bench rc $?"
 fi
+wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
-  timeout ${E2E_TIMEOUT:-120} python3 bench/gpu_e2e.py --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1; el "e2e rc $?"
+  timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch 1,8 --steps 64 \
+    --impls ${E2E_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_model.json" > "$L/e2e_model.log" 2>&1
+  el "e2e rc $?"
 fi
-echo "=== tests"; grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 3
-echo "=== bench"; sed -n '/in->out/,$p' "$OUT/bench.log" 
-echo "=== e2e"; sed -n '/batch/,$p' "$OUT/e2e.log" 2>/dev/null | tail -n 4
+echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
+echo "=== e2e"; tail -n 25 "$L/e2e_model.log" 2>/dev/null
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -19,73 +19,20 @@ torch extension, and launches go on torch's current stream, so CUDA graphs captu
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from exl3tools.kernels.cuda_build import CODEBOOKS, build
 
 from exl3tools.errors import UsageError
 
-SRC = Path(__file__).with_name("csrc") / "exl3_gemv.cu"
-CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
-ARCH = "-gencode=arch=compute_90a,code=sm_90a"
-FLAGS = ("-std=c++17", "-O3", "-cubin", ARCH)
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 WARPS_PER_SM = 24            # split-K until about this many warps per SM are busy
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
 _lock = threading.Lock()
-
-
-# ------------------------------------------------------------------ build + load
-def cache_dir() -> Path:
-    d = os.environ.get("EXL3TOOLS_CUDA_CACHE")
-    return Path(d) if d else Path.home() / ".cache" / "exl3tools" / "cuda"
-
-
-def _nvcc() -> str | None:
-    for cand in (os.environ.get("EXL3TOOLS_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and Path(cand).exists():
-            return cand
-    return None
-
-
-def cubin_path(k2: int, cb: int) -> Path:
-    key = hashlib.sha1(SRC.read_bytes() + repr((FLAGS, k2, cb)).encode()).hexdigest()[:16]
-    return cache_dir() / f"exl3_gemv_k{k2}_c{cb}_{key}.cubin"
-
-
-def build(k2: int, cb: int) -> Path:
-    """The cubin for (K2, codebook), compiled now if it is not cached yet."""
-    out = cubin_path(k2, cb)
-    if out.exists():
-        return out
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise UsageError(f"backend 'cuda' needs nvcc to build {out.name} (set EXL3TOOLS_NVCC or "
-                         f"EXL3TOOLS_CUDA_CACHE to a folder of prebuilt cubins)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [nvcc, *FLAGS, f"-DK2={k2}", f"-DCB={cb}", str(SRC), "-o", str(tmp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"nvcc failed for {out.name}:\n{res.stderr[-4000:]}")
-    os.replace(tmp, out)
-    return out
-
-
-def prebuild(pairs, jobs: int | None = None) -> list[Path]:
-    """Compile several (K2, codebook id) modules in parallel (nvcc is single-threaded)."""
-    pairs = list(dict.fromkeys(pairs))
-    with ThreadPoolExecutor(jobs or min(16, os.cpu_count() or 4)) as pool:
-        return list(pool.map(lambda p: build(*p), pairs))
 
 
 class _Driver:

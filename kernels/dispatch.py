@@ -41,6 +41,7 @@ _EXPERTS: dict[str, Callable[..., Any]] = {}
 
 # GPU backends live in their own modules, imported on first use so CPU users never pay for them.
 LAZY_BACKENDS: dict[str, str] = {
+    "cuda": "exl3tools.kernels.cuda_exl3",
     "triton": "exl3tools.kernels.triton_exl3",
     "exllamav3": "exl3tools.kernels.exllamav3_backend",
 }

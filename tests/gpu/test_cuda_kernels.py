@@ -26,10 +26,10 @@ def _cuda():
 @pytest.fixture(scope="module")
 def cx():
     _cuda()
-    from exl3tools.kernels import cuda_exl3
+    from exl3tools.kernels import cuda_build, cuda_exl3
 
     # all modules in parallel up front (nvcc is single-threaded; ~2 s each)
-    cuda_exl3.prebuild([(w // 8, cuda_exl3.CODEBOOKS[cb]) for w, cb in CASES])
+    cuda_build.prebuild()
     return cuda_exl3
 
 
