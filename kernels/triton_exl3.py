@@ -231,6 +231,10 @@ class TritonExperts:
         y[plan.order] = ys
         return y
 
+    def slots(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+        """dispatch.make_experts contract (bm 1 for a single slot, else 16)."""
+        return self(x, tok, exp, bm=1 if tok.shape[0] == 1 else 16)
+
     def run(self, x: torch.Tensor, plan: "RoutePlan", tok_sorted: bool = False,
             out_dtype=torch.float32) -> torch.Tensor:
         """(P, n) in the plan's sorted pair order; ``x`` rows are tokens (or, with
@@ -275,9 +279,10 @@ def route_plan(tok: torch.Tensor, exp: torch.Tensor, n_experts: int, bm: int) ->
 
 
 def _register() -> None:
-    from exl3tools.kernels.dispatch import register_backend
+    from exl3tools.kernels.dispatch import register_backend, register_experts
 
     register_backend("triton", _triton_factory)
+    register_experts("triton", lambda tensors, codebook, k_bits, device: TritonExperts(tensors, codebook, device))
 
 
 _register()
