@@ -10,9 +10,9 @@ from functools import lru_cache
 
 import pytest
 import torch
+from exl3tools.kernels import dispatch
 
 from exl3tools.errors import UnsupportedArchitectureError, UsageError
-from exl3tools.kernels import dispatch
 from exl3tools.runtime.graph_decode import GraphDecoder
 from exl3tools.runtime.layers import MoE
 from exl3tools.runtime.loader import resolve

@@ -67,9 +67,9 @@ def test_graph_decode_matches_cpu_reference(dev, name):
 def test_experts_slots_match_reference(dev):
     """make_experts on every GPU backend: slots equal the reference DenseExperts (fixture experts)."""
     import torch
+    from exl3tools.kernels import dispatch
 
     from exl3tools.checkpoint.reader import Checkpoint
-    from exl3tools.kernels import dispatch
     from exl3tools.runtime.weights import WeightSource
     from tests.conftest import fixture_dir
 
