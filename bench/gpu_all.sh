@@ -3,7 +3,7 @@
 # a carried prebuilt extension) while our kernels are built, tested and timed, then the side-by-side
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
-# .exl3so (exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
+# .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
 #   bash bench/gpu_all.sh [tests] [quick] [bench] [e2e]     (default: all four)
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" "$OUT/logs"
@@ -21,7 +21,9 @@ if ! python3 -c "import exl3tools.kernels" 2>/dev/null; then
   for d in kernels cli schemas; do [ -e exl3tools/$d ] || ln -s ../$d exl3tools/$d; done
 fi
 export PYTHONPATH=/tmp/site:$PWD
-if [ -f .exl3so/exllamav3_ext.so ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.exl3so; fi
+if [ -f .exl3so/exl3so.xz ]; then   # a carried prebuilt exllamav3 extension: no 4-minute build
+  mkdir -p /tmp/exl3so && xz -dc .exl3so/exl3so.xz > /tmp/exl3so/exllamav3_ext.so && export PYTHONPATH=$PYTHONPATH:/tmp/exl3so
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$L/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" >> "$L/gpu.txt"
 cat "$L/gpu.txt"
@@ -47,20 +49,21 @@ if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
   el "quick rc $?"; sed -n '/in->out/,$p' "$L/quick.log"
 fi
 el "waiting for exllamav3"; wait $BUILD; tail -n 2 "$L/build.log"
-SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)
+SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)   # built here: bring it back
 if [ -n "$SO" ]; then xz -T0 -3 -c "$SO" > /tmp/exl3so.xz && split -b 15M /tmp/exl3so.xz "$OUT/exl3so.xz." \
   && el "exllamav3_ext.so $(stat -c %s "$SO") B -> $(stat -c %s /tmp/exl3so.xz) B xz, split into $OUT"; fi
 if [[ $STAGES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda,exllamav3,fp16} \
-    --codebooks mul1,mcg,3inst --json "$L/bench.json" > "$L/bench.log" 2>&1
+    ${BENCH_ARGS:---codebooks mul1,mcg,3inst} --json "$L/bench.json" > "$L/bench.log" 2>&1
   el "bench rc $?"
 fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
   timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch 1,8 --steps 64 \
-    --impls ${E2E_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_model.json" > "$L/e2e_model.log" 2>&1
+    --impls ${E2E_IMPLS:-ours:cuda,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
+    > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
-echo "=== e2e"; tail -n 25 "$L/e2e_model.log" 2>/dev/null
+echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -72,6 +72,20 @@ def bench_graph(fn):
     return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def large_parts(lin, x):
+    """Where the large-row path's time goes: each of its four launches timed alone (µs)."""
+    from exl3tools.kernels import cuda_exl3 as cx
+
+    rows = x.shape[0]
+    xrot = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
+    wt = cx.decode_t(lin.mod, lin.trellis)
+    y = torch.mm(xrot, wt.t())
+    return {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
+            "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
+            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
+            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, y, lin.svh_tab, lin.bias_tab, rows, rows, lin.n))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape, K=3")
@@ -80,6 +94,7 @@ def main() -> int:
     ap.add_argument("--codebooks", default="mul1", help="extra codebooks at K=3 rows 1/8, e.g. mcg,3inst")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host overhead)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="bits per weight to run, e.g. 2,3,4")
     a = ap.parse_args()
     global GRAPH
     GRAPH = a.graph
@@ -96,7 +111,7 @@ def main() -> int:
             have_exl3 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = SHAPES[:1] if a.quick else SHAPES
-    ks = [3] if a.quick else KS
+    ks = [3] if a.quick else [float(v) if "." in v else int(v) for v in a.ks.split(",")]
     configs = [(s, K, "mul1") for s in shapes for K in ks]
     configs += [(s, 3, cb) for s in shapes for cb in a.codebooks.split(",") if cb and cb != "mul1"]
     results = []
@@ -119,6 +134,8 @@ def main() -> int:
                 y = fn(x).float()
                 row[f"{name}_err"] = float((y - yref).norm() / yref.norm())
                 row[f"{name}_us"] = bench(lambda fn=fn, x=x: fn(x))
+            if "cuda" in fns and rows > 64:
+                row.update(large_parts(fns["cuda"], x))
             if "fp16" in impls:
                 row["fp16_us"] = bench(lambda x=x, w=w16: torch.matmul(x, w))
             results.append(row)

@@ -282,6 +282,23 @@ def _ours_graph(GraphDecoder, runner, prompts, a, row) -> None:
     for _ in range(a.warmup):
         step()
     row["ms_per_step"] = _time_cuda(step, a.steps)
+    if getattr(a, "profile", 0):
+        _profile(step, a.profile, f"{row['impl']} batch {len(prompts)}")
+
+
+def _profile(step, n: int, title: str) -> None:
+    """Top kernels of n graph-replayed steps by device time (CUPTI traces graph kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    print(f"--- profile: {title}, {n} steps, sorted by {key}")
+    print(events.table(sort_by=key, row_limit=30, max_name_column_width=70))
 
 
 def _ours_runner(runner, prompts, a, row) -> None:
@@ -429,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exl3-modes", type=lambda s: [m for m in s.split(",") if m], default=["generator", "forward"],
                     help="exllamav3 measurements: generator,forward")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after timing, profile this many of our graph-replayed steps: top kernels by device time")
     a = ap.parse_args(argv)
     if a.max_len % 256 or a.prompt_len + a.warmup + a.steps + 8 > a.max_len:
         ap.error("--max-len must be a multiple of 256 and hold prompt + warmup + steps (+ 8)")

@@ -19,6 +19,7 @@ torch extension, and launches go on torch's current stream, so CUDA graphs captu
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from pathlib import Path
 
@@ -29,10 +30,24 @@ from exl3tools.errors import UsageError
 
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
-WARPS_PER_SM = 24            # split-K until about this many warps per SM are busy
+PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
 _lock = threading.Lock()
+
+
+class _LaunchAttr(ctypes.Structure):
+    """CUlaunchAttribute: id, padding, a 64-byte value union (cuda.h; 72 bytes)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h; 56 bytes)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+PDL_ATTR = 6                 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class _Driver:
@@ -48,6 +63,11 @@ class _Driver:
         self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(v), v, ctypes.c_char_p]
         self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(v)]
         self.lib.cuCtxSetCurrent.argtypes = [v]
+        self.lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), v, ctypes.POINTER(v), ctypes.POINTER(v)]
+        self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), v,
+                                                                         ctypes.c_int, ctypes.c_size_t]
+        self.pdl = _LaunchAttr(id=PDL_ATTR)
+        self.pdl.value[0] = 1
 
     def check(self, res: int, what: str) -> None:
         if res != 0:
@@ -83,6 +103,7 @@ class Module:
             d.check(d.lib.cuModuleLoadData(ctypes.byref(self.mod), path.read_bytes()), f"load {path.name}")
         self.device = device
         self.fns: dict[str, ctypes.c_void_p] = {}
+        self.occupancy: dict[tuple, int] = {}
 
     def fn(self, name: str) -> ctypes.c_void_p:
         f = self.fns.get(name)
@@ -92,8 +113,21 @@ class Module:
             self.fns[name] = f
         return f
 
-    def launch(self, name: str, grid, block: int, *args) -> None:
-        """args: tensors (or None for NULL) become pointers, Python ints become int32."""
+    def blocks_per_sm(self, name: str, block: int) -> int:
+        """Resident blocks of ``name`` per SM (registers decide): sizes one-wave grids."""
+        key = (name, block)
+        n = self.occupancy.get(key)
+        if n is None:
+            c = ctypes.c_int()
+            d = driver()
+            d.check(d.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(c), self.fn(name), block, 0),
+                    f"occupancy {name}")
+            n = self.occupancy[key] = max(1, c.value)
+        return n
+
+    def launch(self, name: str, grid, block: int, *args, pdl: bool = False) -> None:
+        """args: tensors (or None for NULL) become pointers, Python ints become int32. ``pdl``:
+        programmatic dependent launch (the kernel starts early and griddepcontrol.wait's)."""
         vals = []
         for a in args:
             if a is None:
@@ -106,10 +140,19 @@ class Module:
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         d = driver()
-        res = d.lib.cuLaunchKernel(self.fn(name), gx, gy, 1, block, 1, 1, 0, stream, params, None)
+        fn = self.fn(name)
+
+        def go():
+            if not pdl:
+                return d.lib.cuLaunchKernel(fn, gx, gy, 1, block, 1, 1, 0, stream, params, None)
+            cfg = _LaunchConfig(grid=(gx, gy, 1), block=(block, 1, 1), smem=0, stream=stream,
+                                attrs=ctypes.pointer(d.pdl), n_attrs=1)
+            return d.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None)
+
+        res = go()
         if res == 201:                              # CUDA_ERROR_INVALID_CONTEXT: a fresh thread
             d.check(d.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-            res = d.lib.cuLaunchKernel(self.fn(name), gx, gy, 1, block, 1, 1, 0, stream, params, None)
+            res = go()
         d.check(res, name)
 
 
@@ -174,7 +217,8 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
             exp=None) -> torch.Tensor:
     name = "exl3_had_out_f32" if acc.dtype == torch.float32 else "exl3_had_out_f16"
     items = total * (n // 128)
-    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n)
+    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
+               pdl=PDL)
     return y
 
 
@@ -183,14 +227,16 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
     nt_per = 2 if nt % 2 == 0 else 1
     groups = nt // nt_per
-    target = _sm_count(xrot.device) * WARPS_PER_SM
-    splits = max(1, min(-(-kt // 8), -(-target // (groups * slots))))
+    name = f"exl3_gemv_m{mrows}_t{nt_per}"
+    # split K so that all units are resident at once (one wave: no tail of half-empty SMs)
+    resident = _sm_count(xrot.device) * mod.blocks_per_sm(name, 128) * 4
+    splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
     splits = -(-kt // kps)
     units = groups * splits
-    mod.launch(f"exl3_gemv_m{mrows}_t{nt_per}", (-(-units // 4), slots), 128,
-               xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units)
+    mod.launch(name, (-(-units // 4), slots), 128, xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units,
+               pdl=PDL)
 
 
 def decode_t(mod: Module, trellis: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,7 @@ __device__ __forceinline__ void decode_tile(const Consts& k, const uint32_t (&w)
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
@@ -146,17 +146,19 @@ __device__ __forceinline__ void red1(float* p, float a) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
 }
 
-__device__ __forceinline__ uint32_t ldg32(const uint32_t* p) {
-    uint32_t v;
-    asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-    return v;
+__device__ __forceinline__ uint32_t ldg32(const uint32_t* p) { return __ldg(p); }
+
+// predicated load: v keeps its value when !pred (no branch around the load). Not volatile: the
+// data is read-only for the kernel's lifetime, so the compiler may schedule it freely.
+__device__ __forceinline__ void ldg32_if(uint32_t& v, const uint32_t* p, bool pred) {
+    asm("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u32 %0, [%1];\n}\n"
+        : "+r"(v) : "l"(p), "r"((int)pred));
 }
 
-// predicated load: v keeps its value when !pred (no branch around the load)
-__device__ __forceinline__ void ldg32_if(uint32_t& v, const uint32_t* p, bool pred) {
-    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q ld.global.nc.u32 %0, [%1];\n}\n"
-                 : "+r"(v) : "l"(p), "r"((int)pred));
-}
+// Programmatic dependent launch (Hopper): a kernel launched with the PDL attribute may start while
+// its predecessor still runs; it must wait before touching what the predecessor writes.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // ------------------------------------------------------------------ skinny GEMM
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
@@ -170,6 +172,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                                           const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
                                           int kt, int nt, int kps, int n_groups, int n_units) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
+    pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
     const int lane = threadIdx.x & 31;
     const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (unit >= n_units) return;
@@ -218,13 +221,15 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 #pragma unroll
         for (int mb = 0; mb < MB; mb++) xb[p][mb][0] = xb[p][mb][1] = 0u;
     // loads are predicated, never branched around; pointers advance regardless (never read past)
-    auto load = [&](int p, bool pred) {
+    auto load_w = [&](int p, bool pred) {
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int m = 0; m < NL; m++) ldg32_if(wb[p][j][m], wp[m] + j * NW, pred);
 #pragma unroll
         for (int m = 0; m < NL; m++) wp[m] += row_stride;
+    };
+    auto load_x = [&](int p, bool pred) {
 #pragma unroll
         for (int mb = 0; mb < MB; mb++) {
             ldg32_if(xb[p][mb][0], xr[mb], pred && xv[mb]);
@@ -243,14 +248,19 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
     };
     const int count = i1 - i0;
+    // the weights do not depend on the previous kernel (had_in): fetch them before waiting on it
 #pragma unroll
-    for (int p = 0; p < P; p++) load(p, p < count);
+    for (int p = 0; p < P; p++) load_w(p, p < count);
+    pdl_wait();
+#pragma unroll
+    for (int p = 0; p < P; p++) load_x(p, p < count);
     int it = 0;
     for (; it + P <= count; it += P) {
 #pragma unroll
         for (int p = 0; p < P; p++) {
             step(p);                              // consume stage p, then refill it
-            load(p, it + p + P < count);
+            load_w(p, it + p + P < count);
+            load_x(p, it + p + P < count);
         }
     }
 #pragma unroll
@@ -340,6 +350,7 @@ __device__ __forceinline__ void fwht128(float (&v)[4]) {
 __device__ __forceinline__ void had_in_body(const half* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
                                             const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
+    pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
     const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (item >= (long)total_rows * blocks) return;
@@ -370,6 +381,7 @@ template <typename T>
 __device__ __forceinline__ void had_out_body(T* __restrict__ acc, half* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
                                              const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
+    pdl_wait();                            // acc is complete only when gemv has finished
     const int blocks = n >> 7;
     const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (item >= (long)total_rows * blocks) return;

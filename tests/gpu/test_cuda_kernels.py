@@ -78,8 +78,9 @@ def test_linear_matches_reference(cx, width, cb, rows):
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
     y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
     assert _rel(y, yref) < 2e-3
-    y2 = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()    # the workspace was re-zeroed
-    assert np.array_equal(y, y2)
+    # the workspace was re-zeroed (split-K atomics add in any order: equal up to rounding)
+    y2 = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
+    assert _rel(y2, y) < 1e-3
 
 
 def test_long_k_many_splits(cx):
