@@ -206,16 +206,28 @@ def _ptrs(tensors, device) -> torch.Tensor | None:
 
 
 # ------------------------------------------------------------------ launches
+_SUFFIX = {torch.float16: "f16", torch.float32: "f32"}
+
+
+def _act(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(rows, k) contiguous fp16 or fp32: the kernels read either, no conversion launch."""
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in _SUFFIX:
+        x2 = x2.to(torch.float32)
+    return x2.contiguous()
+
+
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None) -> torch.Tensor:
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
     items = total * (k // 128)
-    mod.launch("exl3_had_in", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp, rows, total, k)
+    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
+               rows, total, k)
     return xrot
 
 
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
             exp=None) -> torch.Tensor:
-    name = "exl3_had_out_f32" if acc.dtype == torch.float32 else "exl3_had_out_f16"
+    name = f"exl3_had_out_{_SUFFIX[acc.dtype]}_{_SUFFIX[y.dtype]}"
     items = total * (n // 128)
     mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
                pdl=PDL)
@@ -282,18 +294,18 @@ class CudaLinear:
         self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """y in x's dtype (fp16 or fp32 straight from the kernels; others via fp32)."""
         shape = x.shape
-        x2 = x.reshape(-1, self.k).to(torch.float16).contiguous()
+        x2 = _act(x, self.k)
         rows = x2.shape[0]
         xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
+        y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
         if rows <= SMALL_ROWS:
             acc = workspace(self.device, rows * self.n)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
-            y = torch.empty(rows, self.n, dtype=torch.float16, device=self.device)
-            had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         else:
-            y = torch.mm(xrot, decode_t(self.mod, self.trellis).t())
-            had_out(self.mod, y, y, self.svh_tab, self.bias_tab, rows, rows, self.n)   # in place
+            acc = torch.mm(xrot, decode_t(self.mod, self.trellis).t())
+        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
 
 
@@ -323,13 +335,13 @@ class CudaExperts:
     def slots(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
         """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync."""
         S = tok.shape[0]
-        x16 = x.reshape(-1, self.k).to(torch.float16).contiguous()
+        x2 = _act(x, self.k)
         tok32 = tok.to(torch.int32).contiguous()
         exp32 = exp.to(torch.int32).contiguous()
-        xrot = had_in(self.mod, x16, self.suh_tab, 1, S, self.k, src=tok32, exp=exp32)
+        xrot = had_in(self.mod, x2, self.suh_tab, 1, S, self.k, src=tok32, exp=exp32)
         acc = workspace(self.device, S * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, 1, S, acc, slot_exp=exp32)
-        y = torch.empty(S, self.n, dtype=torch.float16, device=self.device)
+        y = torch.empty(S, self.n, dtype=x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, S, self.n, exp=exp32)
         return y.to(x.dtype)
 

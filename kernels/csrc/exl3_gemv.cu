@@ -345,9 +345,33 @@ __device__ __forceinline__ void fwht128(float (&v)[4]) {
     }
 }
 
+// 4 consecutive values as fp32, from fp16 or fp32 storage
+__device__ __forceinline__ void load4(const half* p, float (&v)[4]) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    const float2 f0 = __half22float2(*reinterpret_cast<const half2*>(&a.x));
+    const float2 f1 = __half22float2(*reinterpret_cast<const half2*>(&a.y));
+    v[0] = f0.x; v[1] = f0.y; v[2] = f1.x; v[3] = f1.y;
+}
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+}
+__device__ __forceinline__ void store4(half* p, const float (&v)[4]) {
+    half2 o0 = __floats2half2_rn(v[0], v[1]), o1 = __floats2half2_rn(v[2], v[3]);
+    uint2 ov;
+    ov.x = *reinterpret_cast<uint32_t*>(&o0);
+    ov.y = *reinterpret_cast<uint32_t*>(&o1);
+    *reinterpret_cast<uint2*>(p) = ov;
+}
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
 // xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
-// src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0.
-__device__ __forceinline__ void had_in_body(const half* __restrict__ x, half* __restrict__ xrot,
+// src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0. x is fp16 or fp32 (the runtime's
+// activations), so no conversion kernel runs before it.
+template <typename TX>
+__device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
                                             const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
@@ -359,26 +383,21 @@ __device__ __forceinline__ void had_in_body(const half* __restrict__ x, half* __
     const int src = src_idx ? src_idx[z] * rows + m : o;
     const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
     const int col = blk * 128 + 4 * (threadIdx.x & 31);
-    const uint2 xv = *reinterpret_cast<const uint2*>(x + (size_t)src * k + col);
-    const uint2 sv = *reinterpret_cast<const uint2*>(suh + col);
-    const half2* xh = reinterpret_cast<const half2*>(&xv);
-    const half2* sh = reinterpret_cast<const half2*>(&sv);
-    float v[4];
-    float2 x0 = __half22float2(xh[0]), x1 = __half22float2(xh[1]);
-    float2 s0 = __half22float2(sh[0]), s1 = __half22float2(sh[1]);
-    v[0] = x0.x * s0.x; v[1] = x0.y * s0.y; v[2] = x1.x * s1.x; v[3] = x1.y * s1.y;
+    float v[4], sv[4];
+    load4(x + (size_t)src * k + col, v);
+    load4(suh + col, sv);
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] *= sv[q];
     fwht128(v);
-    const float r = 0.08838834764831845f;   // 1/sqrt(128)
-    half2 o0 = __floats2half2_rn(v[0] * r, v[1] * r), o1 = __floats2half2_rn(v[2] * r, v[3] * r);
-    uint2 ov;
-    ov.x = *reinterpret_cast<uint32_t*>(&o0);
-    ov.y = *reinterpret_cast<uint32_t*>(&o1);
-    *reinterpret_cast<uint2*>(xrot + (size_t)o * k + col) = ov;
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
+    store4(xrot + (size_t)o * k + col, v);
 }
 
-// y[o, :] = fp16(H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e); the fp32 variant re-zeroes acc.
-template <typename T>
-__device__ __forceinline__ void had_out_body(T* __restrict__ acc, half* __restrict__ y,
+// y[o, :] = H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e, stored as TY (fp16 or the runtime's fp32);
+// an fp32 acc (the gemv workspace) is re-zeroed as it is read.
+template <typename TA, typename TY>
+__device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
                                              const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
     pdl_wait();                            // acc is complete only when gemv has finished
@@ -389,31 +408,17 @@ __device__ __forceinline__ void had_out_body(T* __restrict__ acc, half* __restri
     const int e = exp_idx ? exp_idx[o / rows] : 0;
     const int col = blk * 128 + 4 * (threadIdx.x & 31);
     float v[4];
-    if constexpr (sizeof(T) == 4) {
-        float4* p = reinterpret_cast<float4*>(acc + (size_t)o * n + col);
-        const float4 a = *p;
-        *p = make_float4(0.f, 0.f, 0.f, 0.f);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    } else {
-        const uint2 a = *reinterpret_cast<const uint2*>(acc + (size_t)o * n + col);
-        const float2 f0 = __half22float2(*reinterpret_cast<const half2*>(&a.x));
-        const float2 f1 = __half22float2(*reinterpret_cast<const half2*>(&a.y));
-        v[0] = f0.x; v[1] = f0.y; v[2] = f1.x; v[3] = f1.y;
-    }
+    load4(acc + (size_t)o * n + col, v);
+    if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
     fwht128(v);
     const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
     const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
-    const float r = 0.08838834764831845f;
+    float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
+    load4(svh + col, sv);
+    if (bias) load4(bias + col, bv);
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-        v[q] = v[q] * r * __half2float(svh[col + q]);
-        if (bias) v[q] += __half2float(bias[col + q]);
-    }
-    half2 o0 = __floats2half2_rn(v[0], v[1]), o1 = __floats2half2_rn(v[2], v[3]);
-    uint2 ov;
-    ov.x = *reinterpret_cast<uint32_t*>(&o0);
-    ov.y = *reinterpret_cast<uint32_t*>(&o1);
-    *reinterpret_cast<uint2*>(y + (size_t)o * n + col) = ov;
+    for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
+    store4(y + (size_t)o * n + col, v);
 }
 #endif  // EXL3_HOST_TEST
 
@@ -444,23 +449,25 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* 
     decode_body(tr, wt, kt, nt);
 }
 
-extern "C" __global__ void __launch_bounds__(256) exl3_had_in(const half* x, half* xrot, const uint64_t* suh_ptrs,
-                                                             const int* src_idx, const int* exp_idx, int rows,
-                                                             int total_rows, int k) {
-    had_in_body(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k);
-}
+#define HAD_IN(NAME, TX)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
+                                                          const int* src_idx, const int* exp_idx, int rows,       \
+                                                          int total_rows, int k) {                                \
+        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k);                              \
+    }
+HAD_IN(exl3_had_in_f16, half)
+HAD_IN(exl3_had_in_f32, float)
 
-extern "C" __global__ void __launch_bounds__(256) exl3_had_out_f32(float* acc, half* y, const uint64_t* svh_ptrs,
-                                                                  const uint64_t* bias_ptrs, const int* exp_idx,
-                                                                  int rows, int total_rows, int n) {
-    had_out_body<float>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);
-}
-
-extern "C" __global__ void __launch_bounds__(256) exl3_had_out_f16(half* acc, half* y, const uint64_t* svh_ptrs,
-                                                                  const uint64_t* bias_ptrs, const int* exp_idx,
-                                                                  int rows, int total_rows, int n) {
-    had_out_body<half>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);
-}
+#define HAD_OUT(NAME, TA, TY)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \
+                                                          const uint64_t* bias_ptrs, const int* exp_idx, int rows, \
+                                                          int total_rows, int n) {                               \
+        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);                        \
+    }
+HAD_OUT(exl3_had_out_f32_f16, float, half)
+HAD_OUT(exl3_had_out_f32_f32, float, float)
+HAD_OUT(exl3_had_out_f16_f16, half, half)
+HAD_OUT(exl3_had_out_f16_f32, half, float)
 #endif
 
 #ifdef EXL3_HOST_TEST
