@@ -31,7 +31,9 @@ from exl3tools.errors import UsageError
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
-HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
+PREFETCH = os.environ.get("EXL3TOOLS_CUDA_PREFETCH", "0") == "1"   # rows <= 8: the _pf16 gemv variant
+HAD_WARPS = 8                # warps per block in the Hadamard passes
+HAD_ITEMS = 4                # 128-value blocks per warp in them (HAD_ITEMS in the source)
 
 _lock = threading.Lock()
 
@@ -220,7 +222,7 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None) -> torch.Tensor:
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
     items = total * (k // 128)
-    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
+    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // (HAD_WARPS * HAD_ITEMS)), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
                rows, total, k)
     return xrot
 
@@ -229,7 +231,7 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
             exp=None) -> torch.Tensor:
     name = f"exl3_had_out_{_SUFFIX[acc.dtype]}_{_SUFFIX[y.dtype]}"
     items = total * (n // 128)
-    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
+    mod.launch(name, -(-items // (HAD_WARPS * HAD_ITEMS)), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
                pdl=PDL)
     return y
 
@@ -239,7 +241,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
     nt_per = 2 if nt % 2 == 0 else 1
     groups = nt // nt_per
-    name = f"exl3_gemv_m{mrows}_t{nt_per}"
+    name = f"exl3_gemv_m{mrows}_t{nt_per}" + ("_pf16" if PREFETCH and mrows == 8 and nt_per == 2 else "")
     # split K so that all units are resident at once (one wave: no tail of half-empty SMs)
     resident = _sm_count(xrot.device) * mod.blocks_per_sm(name, 128) * 4
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))

@@ -157,6 +157,8 @@ __device__ __forceinline__ void ldg32_if(uint32_t& v, const uint32_t* p, bool pr
 
 // Programmatic dependent launch (Hopper): a kernel launched with the PDL attribute may start while
 // its predecessor still runs; it must wait before touching what the predecessor writes.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
@@ -167,7 +169,7 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 // tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
 // activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
 // acc and re-zeroes it.
-template <int MROWS, int NT, int P>
+template <int MROWS, int NT, int P, int PF>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
                                           int kt, int nt, int kps, int n_groups, int n_units) {
@@ -212,6 +214,12 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
+
+    // optional L2 prefetch PF tile rows ahead of the register pipeline (PF = 0: none): a few lanes
+    // touch the NT tiles' cache lines so the pipeline's loads hit L2 instead of HBM
+    constexpr int PF_LANES = (NT * NW * 4 + 127) / 128;
+    const uint32_t* pfp = tr + (size_t)(i0 + P + PF) * row_stride + (size_t)j0 * NW + 32 * min(lane, PF_LANES - 1);
+    const bool pf_lane = PF > 0 && lane < PF_LANES;
 
     const Consts kc;
     uint32_t wb[P][NT][NL];
@@ -261,6 +269,10 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             step(p);                              // consume stage p, then refill it
             load_w(p, it + p + P < count);
             load_x(p, it + p + P < count);
+            if constexpr (PF > 0) {
+                if (pf_lane && it + p + P + PF < count) prefetch_l2(pfp);
+                pfp += row_stride;
+            }
         }
     }
 #pragma unroll
@@ -367,6 +379,10 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
+// Each warp takes HAD_ITEMS consecutive (row, 128-block) items and issues all their loads before
+// the first butterfly: one item per warp left the passes at half the memory bandwidth.
+constexpr int HAD_ITEMS = 4;
+
 // xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
 // src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0. x is fp16 or fp32 (the runtime's
 // activations), so no conversion kernel runs before it.
@@ -376,22 +392,30 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
                                             const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
-    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (item >= (long)total_rows * blocks) return;
-    const int o = (int)(item / blocks), blk = (int)(item % blocks);
-    const int z = o / rows, m = o % rows;
-    const int src = src_idx ? src_idx[z] * rows + m : o;
-    const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
-    const int col = blk * 128 + 4 * (threadIdx.x & 31);
-    float v[4], sv[4];
-    load4(x + (size_t)src * k + col, v);
-    load4(suh + col, sv);
+    const long items = (long)total_rows * blocks;
+    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * HAD_ITEMS;
+    const int lane4 = 4 * (threadIdx.x & 31);
+    float v[HAD_ITEMS][4], sv[HAD_ITEMS][4];
 #pragma unroll
-    for (int q = 0; q < 4; q++) v[q] *= sv[q];
-    fwht128(v);
+    for (int q = 0; q < HAD_ITEMS; q++) {
+        if (first + q >= items) break;
+        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
+        const int z = o / rows, m = o % rows;
+        const int src = src_idx ? src_idx[z] * rows + m : o;
+        load4(x + (size_t)src * k + col, v[q]);
+        load4(reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]) + col, sv[q]);
+    }
 #pragma unroll
-    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
-    store4(xrot + (size_t)o * k + col, v);
+    for (int q = 0; q < HAD_ITEMS; q++) {
+        if (first + q >= items) break;
+        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[q][c] *= sv[q][c];
+        fwht128(v[q]);
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[q][c] *= 0.08838834764831845f;   // 1/sqrt(128)
+        store4(xrot + (size_t)o * k + col, v[q]);
+    }
 }
 
 // y[o, :] = H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e, stored as TY (fp16 or the runtime's fp32);
@@ -402,23 +426,30 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
                                              const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
     pdl_wait();                            // acc is complete only when gemv has finished
     const int blocks = n >> 7;
-    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (item >= (long)total_rows * blocks) return;
-    const int o = (int)(item / blocks), blk = (int)(item % blocks);
-    const int e = exp_idx ? exp_idx[o / rows] : 0;
-    const int col = blk * 128 + 4 * (threadIdx.x & 31);
-    float v[4];
-    load4(acc + (size_t)o * n + col, v);
-    if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
-    fwht128(v);
-    const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
-    const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
-    float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
-    load4(svh + col, sv);
-    if (bias) load4(bias + col, bv);
+    const long items = (long)total_rows * blocks;
+    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * HAD_ITEMS;
+    const int lane4 = 4 * (threadIdx.x & 31);
+    float v[HAD_ITEMS][4], sv[HAD_ITEMS][4], bv[HAD_ITEMS][4];
 #pragma unroll
-    for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
-    store4(y + (size_t)o * n + col, v);
+    for (int q = 0; q < HAD_ITEMS; q++) {
+        if (first + q >= items) break;
+        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
+        const int e = exp_idx ? exp_idx[o / rows] : 0;
+        load4(acc + (size_t)o * n + col, v[q]);
+        load4(reinterpret_cast<const half*>(svh_ptrs[e]) + col, sv[q]);
+        if (bias_ptrs) load4(reinterpret_cast<const half*>(bias_ptrs[e]) + col, bv[q]);
+        else bv[q][0] = bv[q][1] = bv[q][2] = bv[q][3] = 0.f;
+        if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int q = 0; q < HAD_ITEMS; q++) {
+        if (first + q >= items) break;
+        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
+        fwht128(v[q]);
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[q][c] = v[q][c] * 0.08838834764831845f * sv[q][c] + bv[q][c];
+        store4(y + (size_t)o * n + col, v[q]);
+    }
 }
 #endif  // EXL3_HOST_TEST
 
@@ -426,23 +457,24 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
 
 // ------------------------------------------------------------------ entry points (C names)
 #ifndef EXL3_HOST_TEST
-#define GEMV(MROWS, NT)                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT(                     \
+#define GEMV(MROWS, NT, PF, SUFFIX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT##SUFFIX(             \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
         int kt, int nt, int kps, int n_groups, int n_units) {                                         \
-        gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
+        gemv_body<MROWS, NT, 4, PF>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
     }
 #else
 #define GEMV(MROWS, NT)
 #endif
-GEMV(8, 1)
-GEMV(8, 2)
-GEMV(16, 1)
-GEMV(16, 2)
-GEMV(32, 1)
-GEMV(32, 2)
-GEMV(64, 1)
-GEMV(64, 2)
+GEMV(8, 1, 0, )
+GEMV(8, 2, 0, )
+GEMV(16, 1, 0, )
+GEMV(16, 2, 0, )
+GEMV(32, 1, 0, )
+GEMV(32, 2, 0, )
+GEMV(64, 1, 0, )
+GEMV(64, 2, 0, )
+GEMV(8, 2, 16, _pf16)   // decode-step variant with an L2 prefetch 16 tile rows ahead
 
 #ifndef EXL3_HOST_TEST
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt) {
