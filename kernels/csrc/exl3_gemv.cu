@@ -464,7 +464,7 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
         gemv_body<MROWS, NT, 4, PF>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
     }
 #else
-#define GEMV(MROWS, NT)
+#define GEMV(MROWS, NT, PF, SUFFIX)
 #endif
 GEMV(8, 1, 0, )
 GEMV(8, 2, 0, )
