@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Hashable
@@ -25,6 +26,9 @@ from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
 
 DEFAULT_CACHE_TOKENS = 32768
+GRAPH_MEMORY_FRACTION = 0.5   # the static KV cache may take at most this share of free GPU memory
+
+log = logging.getLogger("exl3tools.runtime")
 
 
 class CacheFullError(RuntimeFailure):
@@ -95,7 +99,8 @@ class Runner:
     """Model + tokenizer + KV caches; see module doc. Not thread-safe: call from one thread."""
 
     def __init__(self, model: CausalLM, ckpt_dir: Path, name: str, *, world: int = 1, procs=(),
-                 max_cache_tokens: int = DEFAULT_CACHE_TOKENS, opened: dict | None = None):
+                 max_cache_tokens: int = DEFAULT_CACHE_TOKENS, opened: dict | None = None,
+                 graph_slots: int = 0, graph_max_len: int | None = None, graph_force: bool = False):
         self.model = model
         self.world, self._procs = world, list(procs)
         self.model_name = name
@@ -105,7 +110,47 @@ class Runner:
         self.opened_files = opened or {}       # rank -> files opened while loading (when traced)
         self._caches: dict[Hashable, object] = {}
         self._closed = False
+        self.graph = None                      # a GraphDecoder when decode runs on the static path
+        if graph_slots > 0:
+            self.graph = self._graph_decoder(int(graph_slots), graph_max_len, graph_force)
+        if self.graph is not None:
+            self.max_context = self.graph.max_len
+            self._free_rows = list(range(self.graph.batch))
         self._load_tokenizer(ckpt_dir)
+
+    # -- graph decode (runtime/graph_decode.py): one static row per sequence
+    def _graph_decoder(self, slots: int, max_len: int | None, force: bool):
+        """A GraphDecoder of ``slots`` rows, or None (logged once) where the eager path must run."""
+        from exl3tools.runtime.graph_decode import GraphDecoder
+
+        m = self.model
+        max_len = min(m.info.max_context, self.max_cache_tokens, max_len or m.info.max_context)
+        if self.world > 1:
+            why = "it runs TP=1 models only"
+        elif m.embed.device.type != "cuda" and not force:
+            why = "it needs a CUDA device"
+        else:
+            why = None
+            per_token = sum(2 * 4 * layer.attn.nkv * layer.attn.hd for layer in m.layers
+                            if hasattr(layer, "attn") and hasattr(layer.attn, "nkv"))
+            need = slots * (max_len + 1) * per_token
+            if m.embed.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(m.embed.device)
+                if need > GRAPH_MEMORY_FRACTION * free:
+                    why = (f"its static KV cache ({slots} rows x {max_len} tokens = {need / 2**30:.1f} GiB) "
+                           f"exceeds {GRAPH_MEMORY_FRACTION:.0%} of free GPU memory; lower --max-batch or "
+                           f"--max-context")
+        if why is None:
+            try:
+                gd = GraphDecoder(m, slots, max_len, graphs=m.embed.device.type == "cuda")
+            except Exl3Error as exc:
+                why = str(exc)
+        if why is not None:
+            log.warning("CUDA-graph decode off, decoding eagerly: %s", why)
+            return None
+        log.info("CUDA-graph decode on: %d rows x %d tokens, graphs %s", slots, max_len,
+                 "on" if gd.graphs else "off (static path)")
+        return gd
 
     # -- metadata
     def _load_tokenizer(self, d: Path) -> None:
@@ -164,11 +209,22 @@ class Runner:
     def add_sequence(self, seq_id: Hashable) -> None:
         if seq_id in self._caches:
             raise UsageError(f"sequence {seq_id!r} already exists")
+        if self.graph is not None:
+            if not self._free_rows:
+                raise CacheFullError(f"all {self.graph.batch} graph-decode rows are in use")
+            row = self._free_rows.pop(0)
+            self.graph.reset_row(row)
+            self._caches[seq_id] = _GraphSeq(row)
+            return
         self._send(("add", seq_id))
         self._caches[seq_id] = self.model.new_cache()
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        if self._caches.pop(seq_id, None) is not None:
+        c = self._caches.pop(seq_id, None)
+        if isinstance(c, _GraphSeq):
+            self.graph.reset_row(c.row)
+            self._free_rows.append(c.row)
+        elif c is not None:
             self._send(("free", seq_id))
 
     def sequence_length(self, seq_id: Hashable) -> int:
@@ -214,6 +270,8 @@ class Runner:
         if need > self.cache_tokens_free():
             raise CacheFullError(f"KV cache full: {need} new tokens, {self.cache_tokens_free()} free "
                                  f"of {self.max_cache_tokens}")
+        if self.graph is not None:
+            return self._graph_step(items, all_logits)
         self._send(("step", [(s, [int(t) for t in toks]) for s, toks in batch], all_logits))
         try:
             return self.model.forward(items, all_logits=all_logits)
@@ -221,6 +279,34 @@ class Runner:
             if self.world > 1:
                 raise RuntimeFailure(f"tensor-parallel step failed: {str(exc).splitlines()[0]}") from exc
             raise
+
+    def _graph_step(self, items: list, all_logits: bool) -> torch.Tensor:
+        """Single new tokens: one GraphDecoder.step over every row (rows not in the batch stay put);
+        several new tokens (prefill, a chunk): an eager forward into the rows' static slots."""
+        gd = self.graph
+        single = [] if all_logits else [i for i, (_, toks) in enumerate(items) if len(toks) == 1]
+        multi = [i for i in range(len(items)) if i not in set(single)]
+        out: list = [None] * len(items)
+        if single:
+            tokens, active = [0] * gd.batch, [False] * gd.batch
+            for i in single:
+                seq, toks = items[i]
+                tokens[seq.row], active[seq.row] = toks[0], True
+            logits = gd.step(torch.tensor(tokens, dtype=torch.int64), active)
+            rows = logits[torch.tensor([items[i][0].row for i in single], device=logits.device)].float().cpu()
+            for j, i in enumerate(single):
+                out[i] = rows[j:j + 1]
+        if multi:
+            logits = gd.extend_rows([(items[i][0].row, items[i][1]) for i in multi],
+                                    all_logits=all_logits).float().cpu()
+            at = 0
+            for i in multi:
+                n = len(items[i][1]) if all_logits else 1
+                out[i] = logits[at:at + n]
+                at += n
+        for seq, toks in items:
+            seq.length += len(toks)
+        return torch.cat(out, 0)
 
     def _send(self, cmd) -> None:
         if self.world > 1:
@@ -248,6 +334,15 @@ class Runner:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _GraphSeq:
+    """A sequence on the graph path: its row of the static cache and its length (host side)."""
+
+    __slots__ = ("row", "length")
+
+    def __init__(self, row: int):
+        self.row, self.length = row, 0
 
 
 def rank_device(device: str, rank: int, world: int) -> str:
@@ -300,14 +395,21 @@ def _torchrun_env() -> tuple[int, int] | None:
 
 def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "reference",
                 max_cache_tokens: int = DEFAULT_CACHE_TOKENS, max_context: int | None = None,
-                moe: str = "tp") -> Runner | None:
+                moe: str = "tp", graph_decode: bool | str = False, graph_slots: int = 32,
+                graph_max_len: int | None = None) -> Runner | None:
     """Load a checkpoint (unsliced, or a rank-slice output for ``tp`` ranks) and return its Runner.
 
     ``tp > 1`` spawns ranks 1..tp-1 as processes. Under torchrun (``RANK``/``WORLD_SIZE`` set)
     nothing is spawned: rank 0 gets the Runner; other ranks serve rank 0 inside this call and get
     ``None`` back once rank 0 closes its Runner. ``moe`` ("tp" | "ep") only matters for an
     unsliced checkpoint with ``tp > 1`` (a rank-slice output carries its own cut).
+
+    ``graph_decode``: True decodes through a GraphDecoder (static KV cache of ``graph_slots`` rows
+    x ``graph_max_len`` tokens, CUDA graphs) where that works -- CUDA, TP=1, GQA -- and eagerly
+    elsewhere (logged); "force" takes the static path on the CPU too (no graphs; for tests).
     """
+    if graph_decode not in (True, False, "force"):
+        raise UsageError(f"graph_decode must be True, False or 'force', got {graph_decode!r}")
     env = _torchrun_env()
     if env is not None:
         rank, world = env
@@ -354,7 +456,9 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "refer
         raise
     name = layout.root.name if layout.root.name not in ("model",) else layout.root.parent.name
     runner = Runner(model, layout.rank_dir(0), name, world=world, procs=procs,
-                    max_cache_tokens=max_cache_tokens, opened=opened)
+                    max_cache_tokens=max_cache_tokens, opened=opened,
+                    graph_slots=graph_slots if graph_decode else 0, graph_max_len=graph_max_len,
+                    graph_force=graph_decode == "force")
     if world > 1:
         atexit.register(runner.close)
     if model is None:  # pragma: no cover - exchange_status raised already
