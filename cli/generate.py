@@ -43,13 +43,16 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--backend", default="reference", show_default=True, help="Kernel backend (exl3tools.kernels.dispatch).")
 @click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
               help="MoE cut when running an unsliced checkpoint with --tp > 1.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
+              help="Decode steps as CUDA graphs (CUDA, TP=1, GQA models; a static KV row of the whole "
+                   "context, so --no-cuda-graphs is faster for short runs of long-context models).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
 @click.option("--mtp", type=click.IntRange(0), default=0, show_default=True,
               help="Speculative decoding with the model's MTP head, N draft tokens per step (greedy only).")
 def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None, max_tokens: int,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                  add_bos: bool, ignore_eos: bool, logits_out: Path | None, device: str, backend: str,
-                 moe: str, as_json: bool, mtp: int) -> None:
+                 moe: str, cuda_graphs: bool, as_json: bool, mtp: int) -> None:
     """Generate a completion for a prompt with the CPU/GPU runtime.
 
     \b
@@ -67,7 +70,8 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     if mtp and (temperature not in (None, 0.0) or logits_out is not None):
         raise UsageError("--mtp runs greedy decoding only (--temperature 0, no --logits-out)")
     t0 = time.perf_counter()
-    runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe)
+    runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,
+                         graph_decode=cuda_graphs and not mtp, graph_slots=1)
     if runner is None:  # a torchrun worker rank: it served rank 0 until the end
         return
     with runner:

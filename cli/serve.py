@@ -40,6 +40,9 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--backend", default="reference", show_default=True, help="Kernel backend.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Decode steps as CUDA graphs (static KV cache, one row per --max-batch slot). "
+                   "Default: on with a CUDA device; unsupported models (MLA, --tp > 1) decode eagerly.")
 @click.option("--threads", "cpu_threads", type=click.IntRange(1, None), default=None,
               help="CPU threads for the model (default: all cores but one).")
 @click.option("--log-level", default="info", show_default=True,
@@ -47,8 +50,8 @@ def _pos(_ctx, _param, value: int) -> int:
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
               max_batch: int, max_queue: int, max_cache_tokens: int | None, max_prefill_tokens: int,
               max_context: int | None,
-              served_model_name: str | None, device: str, backend: str, cpu_threads: int | None,
-              log_level: str) -> None:
+              served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
+              cpu_threads: int | None, log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
     Without PATH, serves the demo checkpoint shipped in the repository. Binds early: /health
@@ -71,7 +74,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
                       max_prefill_tokens=max_prefill_tokens, max_context=max_context,
-                      cpu_threads=cpu_threads)
+                      cpu_threads=cpu_threads, cuda_graphs=cuda_graphs)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(

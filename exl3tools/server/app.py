@@ -66,6 +66,9 @@ class ServeConfig:
     max_prefill_tokens: int = 512
     max_context: int | None = None  # cap the model's context (runner default: config.json)
     cpu_threads: int | None = None  # None: all cores but one, which the event loop keeps
+    # decode through CUDA graphs (runtime/graph_decode.py, one static row per --max-batch slot):
+    # None = on for a CUDA device; True/False; "force" = the static path on the CPU too (tests)
+    cuda_graphs: bool | str | None = None
 
 
 def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
@@ -80,6 +83,9 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
             kwargs["max_cache_tokens"] = cfg.max_cache_tokens
         if cfg.max_context is not None:
             kwargs["max_context"] = cfg.max_context
+        graphs = cfg.device.startswith("cuda") if cfg.cuda_graphs is None else cfg.cuda_graphs
+        if graphs:
+            kwargs.update(graph_decode=graphs, graph_slots=cfg.max_batch)
         if cfg.device == "cpu":
             _cpu_threads(cfg.cpu_threads)
         return load_runner(local_path(cfg.model_path), **kwargs)
