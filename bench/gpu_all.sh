@@ -63,11 +63,6 @@ if [[ $STAGES == *e2e* ]]; then
     --impls ${E2E_IMPLS:-ours:cuda,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
-  if [ -n "${E2E_PF:-}" ]; then     # the same with the L2-prefetch gemv variant, ours only
-    EXL3TOOLS_CUDA_PREFETCH=1 timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch 1,8 \
-      --steps 64 --impls ours:cuda --json "$L/e2e_model_pf.json" > "$L/e2e_model_pf.log" 2>&1
-    el "e2e prefetch rc $?"; grep -E "^\| ours" "$L/e2e_model_pf.log"
-  fi
 fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null

@@ -72,18 +72,6 @@ def bench_graph(fn):
     return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def prefetching(lin):
-    from exl3tools.kernels import cuda_exl3 as cx
-
-    def fn(x):
-        cx.PREFETCH = True
-        try:
-            return lin(x)
-        finally:
-            cx.PREFETCH = False
-    return fn
-
-
 def large_parts(lin, x):
     """Where the large-row path's time goes: each of its four launches timed alone (µs)."""
     from exl3tools.kernels import cuda_exl3 as cx
@@ -132,8 +120,6 @@ def main() -> int:
         t = make(k, n, K, gen)
         wt = w_true(t, cb)
         fns = {name: make_linear(t, cb, K, "cuda", backend=name) for name in ("cuda", "triton") if name in impls}
-        if "cuda-pf" in impls:       # the cuda backend with its L2-prefetch gemv variant (rows <= 8)
-            fns["cuda-pf"] = prefetching(make_linear(t, cb, K, "cuda", backend="cuda"))
         if have_exl3:
             fns["exllamav3"] = make_linear(t, cb, K, "cuda", backend="exllamav3")
         w16 = wt.half()
@@ -166,16 +152,12 @@ def main() -> int:
 
 def print_table(results):
     """ours = the CUDA backend where measured, else Triton; µs, and ratios from the same run."""
-    pf = any(r.get("cuda-pf_us") is not None for r in results)
-    hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'cuda':>8} {'cuda-pf' if pf else 'triton':>8} "
-           f"{'exl3':>8} {'fp16':>8} "
+    hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'cuda':>8} {'triton':>8} {'exl3':>8} {'fp16':>8} "
            f"{'floor':>6} | {'ours/exl3':>9} {'ours/fp16':>9} {'ours/floor':>10} | err ours / exl3")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         c, t, e, f = (r.get(f"{k}_us") for k in ("cuda", "triton", "exllamav3", "fp16"))
-        if r.get("cuda-pf_us") is not None:
-            t = r["cuda-pf_us"]      # shown in the triton column when measured (header says so)
         o = c if c is not None else t
         oe = r.get("cuda_err", r.get("triton_err", float("nan")))
         fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8}"   # noqa: E731

@@ -31,9 +31,9 @@ from exl3tools.errors import UsageError
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
-PREFETCH = os.environ.get("EXL3TOOLS_CUDA_PREFETCH", "0") == "1"   # rows <= 8: the _pf16 gemv variant
 HAD_WARPS = 8                # warps per block in the Hadamard passes
-HAD_ITEMS = 4                # 128-value blocks per warp in them (HAD_ITEMS in the source)
+HAD_ITEMS = 4                # 128-value blocks per warp in big passes (HAD_ITEMS in the source)
+HAD_BATCH_FROM = 1 << 14     # items from which a pass batches them (~ 4 warps per SM-slot already)
 
 _lock = threading.Lock()
 
@@ -219,20 +219,25 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _had_grid(items: int) -> tuple[int, int]:
+    """(blocks, items per warp): big passes batch 4 items per warp (bandwidth), decode-step
+    passes keep one per warp (latency: as many warps as possible)."""
+    ipw = HAD_ITEMS if items >= HAD_BATCH_FROM else 1
+    return -(-items // (HAD_WARPS * ipw)), ipw
+
+
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None) -> torch.Tensor:
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
-    items = total * (k // 128)
-    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // (HAD_WARPS * HAD_ITEMS)), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
-               rows, total, k)
+    blocks, ipw = _had_grid(total * (k // 128))
+    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", blocks, 32 * HAD_WARPS, x, xrot, suh_tab, src, exp, rows, total, k, ipw)
     return xrot
 
 
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
             exp=None) -> torch.Tensor:
     name = f"exl3_had_out_{_SUFFIX[acc.dtype]}_{_SUFFIX[y.dtype]}"
-    items = total * (n // 128)
-    mod.launch(name, -(-items // (HAD_WARPS * HAD_ITEMS)), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
-               pdl=PDL)
+    blocks, ipw = _had_grid(total * (n // 128))
+    mod.launch(name, blocks, 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n, ipw, pdl=PDL)
     return y
 
 
@@ -241,7 +246,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
     nt_per = 2 if nt % 2 == 0 else 1
     groups = nt // nt_per
-    name = f"exl3_gemv_m{mrows}_t{nt_per}" + ("_pf16" if PREFETCH and mrows == 8 and nt_per == 2 else "")
+    name = f"exl3_gemv_m{mrows}_t{nt_per}"
     # split K so that all units are resident at once (one wave: no tail of half-empty SMs)
     resident = _sm_count(xrot.device) * mod.blocks_per_sm(name, 128) * 4
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))

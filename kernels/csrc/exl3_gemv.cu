@@ -157,8 +157,6 @@ __device__ __forceinline__ void ldg32_if(uint32_t& v, const uint32_t* p, bool pr
 
 // Programmatic dependent launch (Hopper): a kernel launched with the PDL attribute may start while
 // its predecessor still runs; it must wait before touching what the predecessor writes.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
-
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
@@ -169,7 +167,7 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 // tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
 // activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
 // acc and re-zeroes it.
-template <int MROWS, int NT, int P, int PF>
+template <int MROWS, int NT, int P>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
                                           int kt, int nt, int kps, int n_groups, int n_units) {
@@ -214,12 +212,6 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
-
-    // optional L2 prefetch PF tile rows ahead of the register pipeline (PF = 0: none): a few lanes
-    // touch the NT tiles' cache lines so the pipeline's loads hit L2 instead of HBM
-    constexpr int PF_LANES = (NT * NW * 4 + 127) / 128;
-    const uint32_t* pfp = tr + (size_t)(i0 + P + PF) * row_stride + (size_t)j0 * NW + 32 * min(lane, PF_LANES - 1);
-    const bool pf_lane = PF > 0 && lane < PF_LANES;
 
     const Consts kc;
     uint32_t wb[P][NT][NL];
@@ -269,10 +261,6 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             step(p);                              // consume stage p, then refill it
             load_w(p, it + p + P < count);
             load_x(p, it + p + P < count);
-            if constexpr (PF > 0) {
-                if (pf_lane && it + p + P + PF < count) prefetch_l2(pfp);
-                pfp += row_stride;
-            }
         }
     }
 #pragma unroll
@@ -379,8 +367,9 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// Each warp takes HAD_ITEMS consecutive (row, 128-block) items and issues all their loads before
-// the first butterfly: one item per warp left the passes at half the memory bandwidth.
+// Each warp takes ipw <= HAD_ITEMS consecutive (row, 128-block) items and issues all their loads
+// before the first butterfly: one item per warp leaves large passes at half the memory bandwidth,
+// while small (decode-step) passes want as many warps as possible; the launcher picks ipw.
 constexpr int HAD_ITEMS = 4;
 
 // xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
@@ -389,11 +378,11 @@ constexpr int HAD_ITEMS = 4;
 template <typename TX>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
-                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
+                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k, int ipw) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
-    const long items = (long)total_rows * blocks;
-    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * HAD_ITEMS;
+    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ipw;
+    const long items = min((long)total_rows * blocks, first + ipw);
     const int lane4 = 4 * (threadIdx.x & 31);
     float v[HAD_ITEMS][4], sv[HAD_ITEMS][4];
 #pragma unroll
@@ -423,11 +412,11 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
 template <typename TA, typename TY>
 __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
-                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
+                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n, int ipw) {
     pdl_wait();                            // acc is complete only when gemv has finished
     const int blocks = n >> 7;
-    const long items = (long)total_rows * blocks;
-    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * HAD_ITEMS;
+    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ipw;
+    const long items = min((long)total_rows * blocks, first + ipw);
     const int lane4 = 4 * (threadIdx.x & 31);
     float v[HAD_ITEMS][4], sv[HAD_ITEMS][4], bv[HAD_ITEMS][4];
 #pragma unroll
@@ -457,24 +446,23 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
 
 // ------------------------------------------------------------------ entry points (C names)
 #ifndef EXL3_HOST_TEST
-#define GEMV(MROWS, NT, PF, SUFFIX)                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT##SUFFIX(             \
+#define GEMV(MROWS, NT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT(                     \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
         int kt, int nt, int kps, int n_groups, int n_units) {                                         \
-        gemv_body<MROWS, NT, 4, PF>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
+        gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
     }
 #else
-#define GEMV(MROWS, NT, PF, SUFFIX)
+#define GEMV(MROWS, NT)
 #endif
-GEMV(8, 1, 0, )
-GEMV(8, 2, 0, )
-GEMV(16, 1, 0, )
-GEMV(16, 2, 0, )
-GEMV(32, 1, 0, )
-GEMV(32, 2, 0, )
-GEMV(64, 1, 0, )
-GEMV(64, 2, 0, )
-GEMV(8, 2, 16, _pf16)   // decode-step variant with an L2 prefetch 16 tile rows ahead
+GEMV(8, 1)
+GEMV(8, 2)
+GEMV(16, 1)
+GEMV(16, 2)
+GEMV(32, 1)
+GEMV(32, 2)
+GEMV(64, 1)
+GEMV(64, 2)
 
 #ifndef EXL3_HOST_TEST
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt) {
@@ -484,8 +472,8 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* 
 #define HAD_IN(NAME, TX)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
-                                                          int total_rows, int k) {                                \
-        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k);                              \
+                                                          int total_rows, int k, int ipw) {                       \
+        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, ipw);                         \
     }
 HAD_IN(exl3_had_in_f16, half)
 HAD_IN(exl3_had_in_f32, float)
@@ -493,8 +481,8 @@ HAD_IN(exl3_had_in_f32, float)
 #define HAD_OUT(NAME, TA, TY)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \
                                                           const uint64_t* bias_ptrs, const int* exp_idx, int rows, \
-                                                          int total_rows, int n) {                               \
-        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);                        \
+                                                          int total_rows, int n, int ipw) {                      \
+        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, ipw);                   \
     }
 HAD_OUT(exl3_had_out_f32_f16, float, half)
 HAD_OUT(exl3_had_out_f32_f32, float, float)
