@@ -31,9 +31,7 @@ from exl3tools.errors import UsageError
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
-HAD_WARPS = 8                # warps per block in the Hadamard passes
-HAD_ITEMS = 4                # 128-value blocks per warp in big passes (HAD_ITEMS in the source)
-HAD_BATCH_FROM = 1 << 14     # items from which a pass batches them (~ 4 warps per SM-slot already)
+HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
 _lock = threading.Lock()
 
@@ -219,25 +217,19 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _had_grid(items: int) -> tuple[int, int]:
-    """(blocks, items per warp): big passes batch 4 items per warp (bandwidth), decode-step
-    passes keep one per warp (latency: as many warps as possible)."""
-    ipw = HAD_ITEMS if items >= HAD_BATCH_FROM else 1
-    return -(-items // (HAD_WARPS * ipw)), ipw
-
-
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None) -> torch.Tensor:
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
-    blocks, ipw = _had_grid(total * (k // 128))
-    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", blocks, 32 * HAD_WARPS, x, xrot, suh_tab, src, exp, rows, total, k, ipw)
+    items = total * (k // 128)
+    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
+               rows, total, k)
     return xrot
 
 
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
             exp=None) -> torch.Tensor:
     name = f"exl3_had_out_{_SUFFIX[acc.dtype]}_{_SUFFIX[y.dtype]}"
-    blocks, ipw = _had_grid(total * (n // 128))
-    mod.launch(name, blocks, 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n, ipw, pdl=PDL)
+    items = total * (n // 128)
+    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n, pdl=PDL)
     return y
 
 

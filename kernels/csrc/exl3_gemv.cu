@@ -367,44 +367,31 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// Each warp takes ipw <= HAD_ITEMS consecutive (row, 128-block) items and issues all their loads
-// before the first butterfly: one item per warp leaves large passes at half the memory bandwidth,
-// while small (decode-step) passes want as many warps as possible; the launcher picks ipw.
-constexpr int HAD_ITEMS = 4;
-
 // xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
 // src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0. x is fp16 or fp32 (the runtime's
 // activations), so no conversion kernel runs before it.
 template <typename TX>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
-                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k, int ipw) {
+                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
-    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ipw;
-    const long items = min((long)total_rows * blocks, first + ipw);
-    const int lane4 = 4 * (threadIdx.x & 31);
-    float v[HAD_ITEMS][4], sv[HAD_ITEMS][4];
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return;
+    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    const int z = o / rows, m = o % rows;
+    const int src = src_idx ? src_idx[z] * rows + m : o;
+    const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
+    const int col = blk * 128 + 4 * (threadIdx.x & 31);
+    float v[4], sv[4];
+    load4(x + (size_t)src * k + col, v);
+    load4(suh + col, sv);
 #pragma unroll
-    for (int q = 0; q < HAD_ITEMS; q++) {
-        if (first + q >= items) break;
-        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
-        const int z = o / rows, m = o % rows;
-        const int src = src_idx ? src_idx[z] * rows + m : o;
-        load4(x + (size_t)src * k + col, v[q]);
-        load4(reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]) + col, sv[q]);
-    }
+    for (int q = 0; q < 4; q++) v[q] *= sv[q];
+    fwht128(v);
 #pragma unroll
-    for (int q = 0; q < HAD_ITEMS; q++) {
-        if (first + q >= items) break;
-        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
-#pragma unroll
-        for (int c = 0; c < 4; c++) v[q][c] *= sv[q][c];
-        fwht128(v[q]);
-#pragma unroll
-        for (int c = 0; c < 4; c++) v[q][c] *= 0.08838834764831845f;   // 1/sqrt(128)
-        store4(xrot + (size_t)o * k + col, v[q]);
-    }
+    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
+    store4(xrot + (size_t)o * k + col, v);
 }
 
 // y[o, :] = H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e, stored as TY (fp16 or the runtime's fp32);
@@ -412,33 +399,26 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
 template <typename TA, typename TY>
 __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
-                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n, int ipw) {
+                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
     pdl_wait();                            // acc is complete only when gemv has finished
     const int blocks = n >> 7;
-    const long first = ((long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * ipw;
-    const long items = min((long)total_rows * blocks, first + ipw);
-    const int lane4 = 4 * (threadIdx.x & 31);
-    float v[HAD_ITEMS][4], sv[HAD_ITEMS][4], bv[HAD_ITEMS][4];
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return;
+    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    const int e = exp_idx ? exp_idx[o / rows] : 0;
+    const int col = blk * 128 + 4 * (threadIdx.x & 31);
+    float v[4];
+    load4(acc + (size_t)o * n + col, v);
+    if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+    fwht128(v);
+    const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
+    const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
+    float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
+    load4(svh + col, sv);
+    if (bias) load4(bias + col, bv);
 #pragma unroll
-    for (int q = 0; q < HAD_ITEMS; q++) {
-        if (first + q >= items) break;
-        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
-        const int e = exp_idx ? exp_idx[o / rows] : 0;
-        load4(acc + (size_t)o * n + col, v[q]);
-        load4(reinterpret_cast<const half*>(svh_ptrs[e]) + col, sv[q]);
-        if (bias_ptrs) load4(reinterpret_cast<const half*>(bias_ptrs[e]) + col, bv[q]);
-        else bv[q][0] = bv[q][1] = bv[q][2] = bv[q][3] = 0.f;
-        if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int q = 0; q < HAD_ITEMS; q++) {
-        if (first + q >= items) break;
-        const int o = (int)((first + q) / blocks), col = (int)((first + q) % blocks) * 128 + lane4;
-        fwht128(v[q]);
-#pragma unroll
-        for (int c = 0; c < 4; c++) v[q][c] = v[q][c] * 0.08838834764831845f * sv[q][c] + bv[q][c];
-        store4(y + (size_t)o * n + col, v[q]);
-    }
+    for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
+    store4(y + (size_t)o * n + col, v);
 }
 #endif  // EXL3_HOST_TEST
 
@@ -472,8 +452,8 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* 
 #define HAD_IN(NAME, TX)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
-                                                          int total_rows, int k, int ipw) {                       \
-        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, ipw);                         \
+                                                          int total_rows, int k) {                                \
+        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k);                              \
     }
 HAD_IN(exl3_had_in_f16, half)
 HAD_IN(exl3_had_in_f32, float)
@@ -481,8 +461,8 @@ HAD_IN(exl3_had_in_f32, float)
 #define HAD_OUT(NAME, TA, TY)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \
                                                           const uint64_t* bias_ptrs, const int* exp_idx, int rows, \
-                                                          int total_rows, int n, int ipw) {                      \
-        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, ipw);                   \
+                                                          int total_rows, int n) {                               \
+        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);                        \
     }
 HAD_OUT(exl3_had_out_f32_f16, float, half)
 HAD_OUT(exl3_had_out_f32_f32, float, float)
