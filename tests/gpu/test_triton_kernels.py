@@ -11,27 +11,10 @@ import numpy as np
 import pytest
 from exl3tools.kernels import reference as ref
 
-WIDTHS = [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]       # K = 1, 1.5, 2, 2.5, ... 8
-CASES = [(w, cb) for w in WIDTHS for cb in ("3inst", "mcg", "mul1") if w % 16 == 0 or cb == "mul1"]
-
-
-def _lin(rng, k, n, width, bias=False):
-    tr = rng.integers(-32768, 32768, size=(k // 16, n // 16, width)).astype(np.int16)
-    suh = (rng.choice([-1.0, 1.0], k) * rng.uniform(0.5, 1.5, k)).astype(np.float16)
-    svh = (rng.choice([-1.0, 1.0], n) * rng.uniform(0.001, 0.01, n)).astype(np.float16)
-    b = rng.normal(0, 0.01, n).astype(np.float16) if bias else None
-    return tr, suh, svh, b
-
-
-def _tensors(torch, tr, suh, svh, b):
-    t = dict(trellis=torch.from_numpy(tr), suh=torch.from_numpy(suh), svh=torch.from_numpy(svh))
-    if b is not None:
-        t["bias"] = torch.from_numpy(b)
-    return t
-
-
-def _rel(y, yref):
-    return float(np.linalg.norm(y - yref) / np.linalg.norm(yref))
+from tests.gpu.kernel_cases import CASES
+from tests.gpu.kernel_cases import as_tensors as _tensors
+from tests.gpu.kernel_cases import random_linear as _lin
+from tests.gpu.kernel_cases import rel_err as _rel
 
 
 @pytest.mark.parametrize("width,cb", CASES)
