@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from exl3tools.errors import UnsupportedArchitectureError, UsageError
-from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE, _on, apply_rope_neox
+from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE
 from exl3tools.runtime.model import CausalLM
 
 WARMUP_STEPS = 2     # eager runs before capture: Triton compiles, lazy buffers, cuBLAS handles
@@ -198,18 +198,7 @@ class GraphDecoder:
 
     def _attention(self, a: Attention, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         B = x.shape[0]
-        q = a.q(x).view(B, a.nq, a.hd)
-        k = a.k(x).view(B, a.nkv, a.hd)
-        v = a.v(x).view(B, a.nkv, a.hd)
-        if a.q_norm is not None:
-            q = a.q_norm(q)
-        if a.k_norm is not None:
-            k = a.k_norm(k)
-        a.inv_freq = _on(a.inv_freq, x.device)
-        freqs = self.pos.to(torch.float32)[:, None] * a.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        q = apply_rope_neox(q, cos, sin, a.rdim)
-        k = apply_rope_neox(k, cos, sin, a.rdim)
+        q, k, v = a.qkv(x, self.pos)
         slot = torch.where(self.active, self.pos, self.max_len)      # inactive rows: the scratch slot
         flat = self._rows * (self.max_len + 1) + slot                  # row b writes slot pos[b]
         kc.view(-1, a.nkv, a.hd).index_copy_(0, flat, k.to(kc.dtype))

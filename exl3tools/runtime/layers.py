@@ -137,7 +137,8 @@ class Attention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normed, RoPE at ``positions``) and v of the rows of ``x``, (T, heads, head_dim)."""
         T = x.shape[0]
         q = self.q(x).view(T, self.nq, self.hd)
         k = self.k(x).view(T, self.nkv, self.hd)
@@ -147,10 +148,13 @@ class Attention:
         if self.k_norm is not None:
             k = self.k_norm(k)
         self.inv_freq = _on(self.inv_freq, x.device)
-        freqs = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        q = apply_rope_neox(q, cos, sin, self.rdim)
-        k = apply_rope_neox(k, cos, sin, self.rdim)
+        return apply_rope_neox(q, cos, sin, self.rdim), apply_rope_neox(k, cos, sin, self.rdim), v
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x, batch.positions)
         out = torch.empty(T, self.nq, self.hd, dtype=q.dtype, device=q.device)
         groups = self.nq // self.nkv
         for sp in batch.spans:
