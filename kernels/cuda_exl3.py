@@ -292,6 +292,14 @@ class CudaLinear:
         self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs([t], self.device) for t in (self.trellis, self.suh, self.svh))
         self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
 
+    @property
+    def device_tensors(self) -> dict:
+        """The stored fields as held on the device (grouped experts share them, no copy)."""
+        t = dict(trellis=self.trellis, suh=self.suh, svh=self.svh)
+        if self.bias is not None:
+            t["bias"] = self.bias
+        return t
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y in x's dtype (fp16 or fp32 straight from the kernels; others via fp32)."""
         shape = x.shape

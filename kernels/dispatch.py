@@ -162,6 +162,8 @@ def _reference_factory(tensors: dict, codebook: str, k_bits: float, device, *, c
         return y.to(x.dtype)
 
     forward.weight = weight  # lets tests and callers reuse the dense W
+    # the stored fields as given (grouped experts build from them instead of re-reading the file)
+    forward.device_tensors = {k: v for k, v in tensors.items() if k != "__codebook__"}
     return forward
 
 

@@ -98,6 +98,21 @@ def test_moe_forward_static_equals_call(name):
         assert _rel(moe.forward_static(x), moe(x)) < 1e-5
 
 
+def test_grouped_experts_share_the_eager_linears_tensors():
+    """Grouped experts are built from the tensors the eager linears already hold: the checkpoint is
+    not read again and no second copy of the experts is made (GPU memory)."""
+    moe = _moes(_model("glm4_moe-3.0bpw-mcg"))[0]
+    moe._grouped = None
+
+    def no_reread(proj):
+        raise AssertionError(f"expert fields of {proj} re-read from the checkpoint")
+    moe.expert_fields = no_reread
+    g = moe.grouped()
+    assert g["gate_up"] is not None and "gate_proj" not in g
+    x = torch.randn(5, _model("glm4_moe-3.0bpw-mcg").info.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert _rel(moe.forward_static(x), moe(x)) < 1e-5
+
+
 @pytest.mark.parametrize("mode,world", [("ep", 2), ("tp", 4)])
 def test_moe_forward_static_per_rank(mode, world):
     """Under TP each rank's static partial equals its eager partial (EP: experts on other ranks add

@@ -45,6 +45,7 @@ class Linear:
     def __init__(self, fields: LinearFields, *, in_real: int | None = None, out_real: int | None = None,
                  backend: str = "reference", device="cpu"):
         self.prefix = fields.prefix
+        self.codebook, self.k_bits = fields.codebook, fields.k_bits
         self.in_pad, self.out_pad = fields.in_features, fields.out_features
         self.in_real = self.in_pad if in_real is None else in_real
         self.out_real = self.out_pad if out_real is None else out_real
@@ -284,9 +285,11 @@ class MoE:
             lut = torch.full((self.router.shape[0],), -1, dtype=torch.int64)
             lut[held] = torch.arange(len(held))
             g = {"lut": lut}
-            fields = {}
-            if self.expert_fields is not None and held:
-                fields = {p: self.expert_fields(p) for p in ("gate_proj", "up_proj", "down_proj")}
+            fields = self._resident_fields(held)
+            if fields is None:
+                fields = {}
+                if self.expert_fields is not None and held:
+                    fields = {p: self.expert_fields(p) for p in ("gate_proj", "up_proj", "down_proj")}
             for p, attr in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
                 fs = fields.get(p)
                 if fs and len({(f.codebook, f.k_bits) for f in fs}) == 1 and fs[0].codebook is not None:
@@ -306,6 +309,24 @@ class MoE:
             g["in_pad"] = self.experts[held[0]].gate.in_pad if held else 0
             self._grouped = g
         return self._grouped
+
+    def _resident_fields(self, held: list[int]) -> dict | None:
+        """The held experts' fields as the eager linears already hold them on the device
+        (``fn.device_tensors``), so grouped experts share those tensors instead of re-reading
+        the checkpoint and keeping a second copy; None when a backend does not expose them."""
+        if not held:
+            return None
+        out = {}
+        for p, attr in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            fs = []
+            for e in held:
+                lin = getattr(self.experts[e], attr)
+                tensors = getattr(lin.fn, "device_tensors", None)
+                if tensors is None or lin.codebook is None:
+                    return None
+                fs.append(LinearFields(lin.prefix, tensors, lin.codebook, lin.k_bits, lin.in_pad, lin.out_pad))
+            out[p] = fs
+        return out
 
     def forward_static(self, x: torch.Tensor) -> torch.Tensor:
         """``__call__``'s result with device ops only: no host sync, shapes fixed by ``x.shape``."""

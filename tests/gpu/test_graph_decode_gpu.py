@@ -89,3 +89,23 @@ def test_experts_slots_match_reference(dev):
             y = ex.slots(x.to(dev), tok[:n].to(dev), exp[:n].to(dev))
             assert y.shape == want[:n].shape and y.dtype == x.dtype
             assert _rel(y, want[:n]) < 2e-3, (backend, n)
+
+
+def test_cuda_grouped_experts_share_device_tensors(dev):
+    """Backend cuda: the grouped experts point at the eager expert linears' device tensors (no
+    second copy of the experts in GPU memory)."""
+    from exl3tools.runtime.layers import MoE
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+
+    if dev == "cpu" or "cuda" not in _gpu_backends():
+        pytest.skip("needs the cuda backend")
+    model = load_runner(fixture_dir("glm4_moe-3.0bpw-mcg") / "model", device="cuda", backend="cuda").model
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    g = moe.grouped()
+    held = sorted(moe.experts)
+    eager = [moe.experts[e].gate.fn.trellis.data_ptr() for e in held]
+    eager += [moe.experts[e].up.fn.trellis.data_ptr() for e in held]
+    assert [t.data_ptr() for t in g["gate_up"].trellis] == eager
+    assert [t.data_ptr() for t in g["down_proj"].trellis] == [moe.experts[e].down.fn.trellis.data_ptr()
+                                                               for e in held]
