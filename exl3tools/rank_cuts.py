@@ -14,7 +14,7 @@ from typing import Any
 from exl3tools.checkpoint.reader import Checkpoint
 from exl3tools.errors import IncompatibleSliceError
 from exl3tools.exl3 import BLOCK
-from exl3tools.layout import MLA_ARCHS, scan
+from exl3tools.layout import MLA_ARCHS, scan_refs
 
 # module prefix pattern -> role. First match wins; no match = replicate (docs/rank-slice.md §3).
 SLICE_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), r) for p, r in (
@@ -153,7 +153,7 @@ class Module:
 
 def collect_modules(ck: Checkpoint) -> dict[str, Module]:
     L = int(ck.config.get("num_hidden_layers", 0) or 0)
-    sc = scan({n: (t.dtype, t.shape) for n, t in ck.tensors.items()}, L)
+    sc = scan_refs(ck.tensors, L)
     mods: dict[str, Module] = {}
     for p, lin in sc.linears.items():
         names = tuple(f"{p}.{s}" for s in lin.suffixes)
