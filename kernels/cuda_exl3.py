@@ -179,18 +179,22 @@ def module(width: int, codebook: str, device) -> Module:
 
 # ------------------------------------------------------------------ workspace
 _workspace: dict[int, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []      # outgrown workspaces: captured graphs may still point at them
 
 
 def workspace(device: torch.device, numel: int) -> torch.Tensor:
     """A zero fp32 buffer of ≥ numel shared by all small-row calls on ``device``.
 
     Every gemv adds into it and the output pass that follows re-zeroes what it read, so it is
-    zero between calls (stream order; one stream per device). Grown only outside graph capture.
+    zero between calls (stream order; one stream per device). Grown only outside graph capture;
+    an outgrown buffer is kept, never freed, because a CUDA graph captured earlier replays into it.
     """
     ws = _workspace.get(device.index)
     if ws is None or ws.numel() < numel:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("cuda backend: workspace must grow during CUDA-graph capture; warm up first")
+        if ws is not None:
+            _retired.append(ws)
         ws = _workspace[device.index] = torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device)
     return ws
 
