@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install dev run test test-gpu lint bench clean
+.PHONY: install dev run test test-gpu lint bench bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: install
 
 bench: install
 	PATH="$(abspath $(BIN)):$$PATH" bash scripts/bench.sh
+
+# On a CUDA machine (the H200 device): kernels vs exllamav3 vs cuBLAS, then end-to-end decode
+# (docs/gpu.md "How to run": carried wheels, fixtures and prebuilt cubins)
+bench-gpu:
+	bash bench/gpu_all.sh tests bench e2e
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache out
