@@ -40,7 +40,9 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write prompt logits (every position) and per-step logits as safetensors.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
-@click.option("--backend", default="reference", show_default=True, help="Kernel backend (exl3tools.kernels.dispatch).")
+@click.option("--backend", default="auto", show_default=True,
+              help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
+                   "exllamav3, reference.")
 @click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
               help="MoE cut when running an unsliced checkpoint with --tp > 1.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,

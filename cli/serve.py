@@ -39,7 +39,9 @@ def _pos(_ctx, _param, value: int) -> int:
               help="Cap the context length (default: the model's).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
-@click.option("--backend", default="reference", show_default=True, help="Kernel backend.")
+@click.option("--backend", default="auto", show_default=True,
+              help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
+                   "exllamav3, reference.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Decode steps as CUDA graphs (static KV cache, one row per --max-batch slot). "
                    "Default: on with a CUDA device; unsupported models (MLA, --tp > 1) decode eagerly.")

@@ -39,6 +39,11 @@ def _nvcc() -> str | None:
     return None
 
 
+def can_build() -> bool:
+    """nvcc is here, or the cache holds prebuilt cubins."""
+    return _nvcc() is not None or any(cache_dir().glob("exl3_gemv_*.cubin"))
+
+
 def cubin_path(k2: int, cb: int) -> Path:
     key = hashlib.sha1(SRC.read_bytes() + repr((FLAGS, k2, cb)).encode()).hexdigest()[:16]
     return cache_dir() / f"exl3_gemv_k{k2}_c{cb}_{key}.cubin"

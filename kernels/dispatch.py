@@ -65,6 +65,29 @@ def get_backend(name: str) -> Factory:
         raise UsageError(f"unknown kernel backend {name!r} (known: {', '.join(known)})") from None
 
 
+AUTO_GPU_ORDER = ("cuda", "triton")     # what "auto" tries on a CUDA device, fastest first
+
+
+def resolve_backend(name: str, device) -> str:
+    """``"auto"``: the fastest backend that loads for ``device`` -- on CUDA our CUDA kernels (when
+    nvcc or prebuilt cubins are there), else Triton; ``reference`` elsewhere. Other names pass."""
+    if name != "auto":
+        return name
+    if str(device).startswith("cuda"):
+        for cand in AUTO_GPU_ORDER:
+            try:
+                get_backend(cand)
+            except UsageError:
+                continue
+            if cand == "cuda":
+                from exl3tools.kernels.cuda_build import can_build
+
+                if not can_build():
+                    continue
+            return cand
+    return "reference"
+
+
 def backend_names() -> list[str]:
     return sorted(set(_BACKENDS) | set(LAZY_BACKENDS))
 

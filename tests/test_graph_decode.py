@@ -165,3 +165,12 @@ def test_make_experts_reference_and_fallback_equal_linears(monkeypatch):
         assert _rel(y, want) < 1e-6
     monkeypatch.setattr(dispatch.DenseExperts, "CHUNK_ELEMS", 3 * x.shape[1] * want.shape[1])  # 3 slots a chunk
     assert _rel(dense.slots(x, tok, exp), want) < 1e-6
+
+
+def test_auto_backend_resolution():
+    """"auto" is the reference decoder on the CPU; explicit names pass through untouched."""
+    from exl3tools.kernels.dispatch import resolve_backend
+
+    assert resolve_backend("auto", "cpu") == "reference"
+    assert resolve_backend("reference-otf", "cuda") == "reference-otf"
+    assert resolve_backend("auto", "cuda") in ("cuda", "triton", "reference")

@@ -18,6 +18,7 @@ from typing import Hashable
 import torch
 
 from exl3tools.errors import CheckpointError, Exl3Error, RuntimeFailure, UsageError
+from exl3tools.kernels.dispatch import resolve_backend
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.loader import Layout, open_rank, resolve
@@ -393,7 +394,7 @@ def _torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "reference",
+def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto",
                 max_cache_tokens: int = DEFAULT_CACHE_TOKENS, max_context: int | None = None,
                 moe: str = "tp", graph_decode: bool | str = False, graph_slots: int = 32,
                 graph_max_len: int | None = None) -> Runner | None:
@@ -410,6 +411,7 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "refer
     """
     if graph_decode not in (True, False, "force"):
         raise UsageError(f"graph_decode must be True, False or 'force', got {graph_decode!r}")
+    backend = resolve_backend(backend, device)
     env = _torchrun_env()
     if env is not None:
         rank, world = env

@@ -58,7 +58,7 @@ class ServeConfig:
     tp: int = 1
     moe: str = "tp"  # how an unsliced checkpoint's experts are cut over --tp ranks: "tp" | "ep"
     device: str = "cpu"
-    backend: str = "reference"
+    backend: str = "auto"
     api_keys: tuple[str, ...] = ()
     max_batch: int = 32
     max_queue: int = 256
