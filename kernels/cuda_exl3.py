@@ -149,11 +149,17 @@ class Module:
                                 attrs=ctypes.pointer(d.pdl), n_attrs=1)
             return d.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None)
 
-        res = go()
-        if res == 201:                              # CUDA_ERROR_INVALID_CONTEXT: a fresh thread
+        # the module lives in its device's primary context; a thread may have another (or none)
+        # current (several GPUs in one process, a fresh server thread): switch for the launch only
+        cur = d.current_ctx()
+        switch = cur.value != self.ctx.value
+        if switch:
             d.check(d.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-            res = go()
-        d.check(res, name)
+        try:
+            d.check(go(), name)
+        finally:
+            if switch:
+                d.lib.cuCtxSetCurrent(cur)
 
 
 _modules: dict[tuple, Module] = {}
