@@ -28,17 +28,17 @@ def split_revision(spec: str) -> tuple[str, str | None]:
     return repo, rev or None
 
 
-def open_source(spec: str, *, strict: bool = True) -> tuple[Checkpoint, str]:
+def open_source(spec: str) -> tuple[Checkpoint, str]:
     """(checkpoint, source) where source is 'local', 'hub-cache' or 'hub-headers'."""
     if Path(spec).exists() or not looks_like_repo_id(spec):
-        return Checkpoint.open(spec, strict=strict), "local"
+        return Checkpoint.open(spec), "local"
     repo, rev = split_revision(spec)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         local = snapshot_download(repo, revision=rev, local_files_only=True)
-        return Checkpoint.open(local, strict=strict), "hub-cache"
+        return Checkpoint.open(local), "hub-cache"
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
         pass
     if os.environ.get("HF_HUB_OFFLINE") == "1":

@@ -1,8 +1,8 @@
 """validate checks that need headers and JSON only: structure (E1xx), EXL3 linears (E2xx),
 architecture completeness (E3xx), quantization_config / tensor_storage consistency.
 
-open_tolerant is Checkpoint.open(strict=False) that never stops at the first broken JSON file:
-validate must report every problem, and keep checking what is still readable.
+open_tolerant reads a checkpoint as Checkpoint.open does, but turns every problem into a finding
+instead of raising: validate must report every problem, and keep checking what is still readable.
 """
 
 from __future__ import annotations

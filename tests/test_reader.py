@@ -59,9 +59,9 @@ def test_index_problems_are_found(tmp_path):
     (tmp_path / "s/model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(CheckpointError, match="ghost.weight"):
         Checkpoint.open(tmp_path / "s")
-    ck = Checkpoint.open(tmp_path / "s", strict=False)
-    codes = {c for c, _ in ck.issues}
-    assert {"E111", "E112"} <= codes
+    del idx["weight_map"]["ghost.weight"]          # only the unindexed tensor left: loaders survive it
+    (tmp_path / "s/model.safetensors.index.json").write_text(json.dumps(idx))
+    assert any(c == "E112" and moved in m for c, m in Checkpoint.open(tmp_path / "s").issues)
 
 
 def test_missing_shard_and_bad_index(tmp_path):
@@ -69,7 +69,6 @@ def test_missing_shard_and_bad_index(tmp_path):
     (tmp_path / "s/model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match="missing"):
         Checkpoint.open(tmp_path / "s")
-    assert "E110" in {c for c, _ in Checkpoint.open(tmp_path / "s", strict=False).issues}
     (tmp_path / "s/model.safetensors.index.json").write_text('{"weight_map": {"a": "../../etc/passwd"}}')
     with pytest.raises(CheckpointError, match="outside"):
         Checkpoint.open(tmp_path / "s")

@@ -17,7 +17,6 @@ import numpy as np
 from exl3tools.checkpoint.header import (
     DTYPES,
     Header,
-    HeaderError,
     TensorInfo,
     gc_paused,
     loads_json,
@@ -91,11 +90,12 @@ class Checkpoint:
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Checkpoint:
-        """Open a checkpoint directory.
+    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        """Open a checkpoint directory; raise on the first broken header, file or index entry.
 
-        strict=True raises on any header problem; strict=False records what it can in
-        ``issues`` (validate uses this to report every problem, not only the first).
+        Problems loaders survive (a shard the index does not name, a tensor missing from the index,
+        header oddities) are kept in ``issues``. validate has its own opener that records every
+        problem instead of raising (validate_checks.open_tolerant).
         """
         root = Path(path)
         if not root.exists():
@@ -146,36 +146,19 @@ class Checkpoint:
         for fname in files:
             fpath = root / fname
             if not fpath.is_file():
-                msg = f"{fpath}: listed in {INDEX_NAME} but missing"
-                if strict:
-                    raise CheckpointError(msg)
-                issues.append(("E110", msg))
-                continue
-            try:
-                h = read_header(fpath)
-            except HeaderError as exc:
-                if strict:
-                    raise
-                issues.append((getattr(exc, "code", "E103"), str(exc)))
-                continue
+                raise CheckpointError(f"{fpath}: listed in {INDEX_NAME} but missing")
+            h = read_header(fpath)
             headers[fname] = h
             issues.extend(h.issues)
             for name, info in h.tensors.items():
                 if name in tensors:
-                    msg = f"{fpath}: tensor {name!r} also in {tensors[name].file.name}"
-                    if strict:
-                        raise CheckpointError(msg)
-                    issues.append(("E113", msg))
-                    continue
+                    raise CheckpointError(f"{fpath}: tensor {name!r} also in {tensors[name].file.name}")
                 tensors[name] = TensorRef(fpath, info)
 
         if index is not None:
             for name, fname in index.items():
                 if fname in headers and name not in headers[fname].tensors:
-                    msg = f"{root / fname}: tensor {name!r} listed in {INDEX_NAME} but not in the file"
-                    if strict:
-                        raise CheckpointError(msg)
-                    issues.append(("E111", msg))
+                    raise CheckpointError(f"{root / fname}: tensor {name!r} listed in {INDEX_NAME} but not in the file")
             for name, ref in tensors.items():
                 if name not in index:
                     issues.append(("E112", f"{ref.file}: tensor {name!r} not listed in {INDEX_NAME} (loaders skip it)"))
