@@ -315,6 +315,8 @@ class CudaLinear:
         shape = x.shape
         x2 = _act(x, self.k)
         rows = x2.shape[0]
+        if rows == 0:                      # a grid of 0 blocks is a launch error
+            return x.new_empty(*shape[:-1], self.n)
         xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
         y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
         if rows <= SMALL_ROWS:
@@ -352,6 +354,8 @@ class CudaExperts:
     def slots(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
         """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync."""
         S = tok.shape[0]
+        if S == 0:
+            return x.new_empty(0, self.n)
         x2 = _act(x, self.k)
         tok32 = tok.to(torch.int32).contiguous()
         exp32 = exp.to(torch.int32).contiguous()
