@@ -165,10 +165,15 @@ class Module:
 _modules: dict[tuple, Module] = {}
 
 
-def module(width: int, codebook: str, device) -> Module:
+def cuda_device(device) -> torch.device:
+    """``device`` with its index ("cuda" -> the current CUDA device): modules and workspaces are
+    kept per device index."""
     device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def module(width: int, codebook: str, device) -> Module:
+    device = cuda_device(device)
     if width % 8 or not 16 <= width <= 128:
         raise UsageError(f"illegal trellis width {width}")
     if codebook not in CODEBOOKS:
@@ -286,9 +291,7 @@ class CudaLinear:
     """One EXL3 linear on the GPU; ``__call__(x) -> x @ W + bias`` at padded dims."""
 
     def __init__(self, tensors: dict, codebook: str, device):
-        self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device)
         self.trellis = tensors["trellis"].to(self.device, torch.int16).contiguous()
         self.kt, self.nt, self.width = self.trellis.shape
         self.k, self.n = self.kt * 16, self.nt * 16
@@ -332,9 +335,7 @@ class CudaExperts:
     """One projection (gate, up or down) of many experts with the same shape, K and codebook."""
 
     def __init__(self, tensors_per_expert: list[dict], codebook: str, device):
-        self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device)
         dev = self.device
         self.trellis = [t["trellis"].to(dev, torch.int16).contiguous() for t in tensors_per_expert]
         shapes = {tuple(t.shape) for t in self.trellis}
