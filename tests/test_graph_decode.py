@@ -174,3 +174,10 @@ def test_auto_backend_resolution():
     assert resolve_backend("auto", "cpu") == "reference"
     assert resolve_backend("reference-otf", "cuda") == "reference-otf"
     assert resolve_backend("auto", "cuda") in ("cuda", "triton", "reference")
+
+
+def test_cache_bytes_is_what_the_decoder_allocates():
+    from exl3tools.runtime.graph_decode import GraphDecoder
+
+    model = _model("llama-4.0bpw-mul1")
+    assert GraphDecoder.cache_bytes(model, 3, 40) == GraphDecoder(model, 3, 40, graphs=False).kv_bytes()

@@ -30,8 +30,13 @@ from exl3tools.runtime.model import CausalLM
 WARMUP_STEPS = 2     # eager runs before capture: Triton compiles, lazy buffers, cuBLAS handles
 
 
+KV_DTYPE = torch.float32
+
+
 class GraphDecoder:
-    def __init__(self, model: CausalLM, batch: int, max_len: int, graphs: bool | None = None):
+    @staticmethod
+    def check(model: CausalLM) -> None:
+        """Raise where the graph path cannot run ``model`` (non-GQA layers, TP > 1)."""
         for i, layer in enumerate(model.layers):
             if not (isinstance(layer, DecoderLayer) and type(layer.attn) is Attention
                     and isinstance(layer.mlp, (GatedMLP, MoE))):
@@ -40,6 +45,15 @@ class GraphDecoder:
                     f"{model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
         if model.tp.world > 1:
             raise UsageError("graph decode runs TP=1 models only")
+
+    @staticmethod
+    def cache_bytes(model: CausalLM, batch: int, max_len: int) -> int:
+        """Bytes of the static KV cache the constructor allocates (K and V, max_len + 1 slots)."""
+        item = torch.empty((), dtype=KV_DTYPE).element_size()
+        return sum(2 * batch * (max_len + 1) * layer.attn.nkv * layer.attn.hd * item for layer in model.layers)
+
+    def __init__(self, model: CausalLM, batch: int, max_len: int, graphs: bool | None = None):
+        self.check(model)
         if batch < 1 or max_len < 2:
             raise UsageError(f"graph decode needs batch >= 1 and max_len >= 2 (got {batch}, {max_len})")
         self.model, self.batch, self.max_len = model, int(batch), int(max_len)
@@ -49,8 +63,8 @@ class GraphDecoder:
             raise UsageError("CUDA graphs need the model on a CUDA device")
         with torch.inference_mode():
             # slot max_len is scratch: inactive rows write there; an active row never sees it
-            self.kv = [(torch.zeros(self.batch, self.max_len + 1, a.nkv, a.hd, device=self.device),
-                        torch.zeros(self.batch, self.max_len + 1, a.nkv, a.hd, device=self.device))
+            self.kv = [(torch.zeros(self.batch, self.max_len + 1, a.nkv, a.hd, dtype=KV_DTYPE, device=self.device),
+                        torch.zeros(self.batch, self.max_len + 1, a.nkv, a.hd, dtype=KV_DTYPE, device=self.device))
                        for a in (layer.attn for layer in model.layers)]
             self.pos = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
             self.tokens = torch.zeros(self.batch, dtype=torch.int64, device=self.device)

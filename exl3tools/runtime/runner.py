@@ -126,21 +126,20 @@ class Runner:
 
         m = self.model
         max_len = min(m.info.max_context, self.max_cache_tokens, max_len or m.info.max_context)
-        if self.world > 1:
-            why = "it runs TP=1 models only"
-        elif m.embed.device.type != "cuda" and not force:
+        why = None
+        try:
+            GraphDecoder.check(m)
+        except Exl3Error as exc:
+            why = str(exc)
+        if why is None and m.embed.device.type != "cuda" and not force:
             why = "it needs a CUDA device"
-        else:
-            why = None
-            per_token = sum(2 * 4 * layer.attn.nkv * layer.attn.hd for layer in m.layers
-                            if hasattr(layer, "attn") and hasattr(layer.attn, "nkv"))
-            need = slots * (max_len + 1) * per_token
-            if m.embed.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(m.embed.device)
-                if need > GRAPH_MEMORY_FRACTION * free:
-                    why = (f"its static KV cache ({slots} rows x {max_len} tokens = {need / 2**30:.1f} GiB) "
-                           f"exceeds {GRAPH_MEMORY_FRACTION:.0%} of free GPU memory; lower --max-batch or "
-                           f"--max-context")
+        if why is None and m.embed.device.type == "cuda":
+            need = GraphDecoder.cache_bytes(m, slots, max_len)
+            free, _ = torch.cuda.mem_get_info(m.embed.device)
+            if need > GRAPH_MEMORY_FRACTION * free:
+                why = (f"its static KV cache ({slots} rows x {max_len} tokens = {need / 2**30:.1f} GiB) "
+                       f"exceeds {GRAPH_MEMORY_FRACTION:.0%} of free GPU memory; lower --max-batch or "
+                       f"--max-context")
         if why is None:
             try:
                 gd = GraphDecoder(m, slots, max_len, graphs=m.embed.device.type == "cuda")
