@@ -83,18 +83,9 @@ class GraphDecoder:
             raise UsageError(f"prefill needs {self.batch} prompts, got {len(prompts)}")
         if any(not p or len(p) >= self.max_len for p in prompts):
             raise UsageError(f"every prompt needs 1..{self.max_len - 1} tokens")
-        caches = [self.model.new_cache() for _ in prompts]
-        logits = self.model.forward([(c, [int(t) for t in p]) for c, p in zip(caches, prompts, strict=True)])
-        for (k, v), layer in zip(self.kv, self.model.layers, strict=True):
-            k.zero_()
-            v.zero_()
-            for b, c in enumerate(caches):
-                n = len(prompts[b])
-                k[b, :n] = c.layers[layer.attn.layer]["k"][:n]
-                v[b, :n] = c.layers[layer.attn.layer]["v"][:n]
-        self.pos.copy_(torch.tensor([len(p) for p in prompts], dtype=torch.int64))
-        self._host_len = [len(p) for p in prompts]
-        return logits.to(self.device)
+        for row in range(self.batch):
+            self.reset_row(row)
+        return self.extend_rows(list(enumerate(prompts)))
 
     def row_length(self, row: int) -> int:
         """Tokens in ``row``'s cache (host copy, no sync)."""
