@@ -197,7 +197,7 @@ class GraphDecoder:
             h = h + self._attention(layer.attn, layer.attn_norm(h), k, v)
             x = layer.mlp_norm(h)
             h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
-        logits = m.head(m.norm(h))[:, :m.info.vocab_size].float()
+        logits = m.logits(m.norm(h))
         self.pos.add_(self.active.to(torch.int64))
         return logits
 

@@ -53,7 +53,12 @@ class CausalLM:
             h = layer(h, batch)
         if not all_logits:
             h = h[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
-        logits = self.head(self.norm(h))
+        return self.logits(self.norm(h)).cpu()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head of final-normed states: gathered across ranks when the head is cut by vocab,
+        trimmed to the real vocab, float32 (on the model's device)."""
+        logits = self.head(h)
         if self.head_sharded:
             logits = self.tp.all_gather_cat(logits, dim=-1)
-        return logits[:, :self.info.vocab_size].float().cpu()
+        return logits[:, :self.info.vocab_size].float()

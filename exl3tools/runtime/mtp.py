@@ -62,11 +62,7 @@ class MTPHead:
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(states.float())], dim=-1))
         batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64, device=dev))
         h = self.final_norm(self.block(x, batch))
-        logits = t.head(h)
-        if t.head_sharded:
-            logits = t.tp.all_gather_cat(logits, dim=-1)
-        logits = logits[:, :t.info.vocab_size].float()
-        return h, logits
+        return h, t.logits(h)
 
 
 def load_mtp(ctx: BuildContext, model) -> MTPHead | None:
@@ -100,11 +96,7 @@ def forward_states(model, cache: SeqCache, tokens: list[int]) -> tuple[torch.Ten
     for layer in model.layers:
         h = layer(h, batch)
     h = model.norm(h)
-    logits = model.head(h)
-    if model.head_sharded:
-        logits = model.tp.all_gather_cat(logits, dim=-1)
-    logits = logits[:, :model.info.vocab_size].float()
-    return h, logits
+    return h, model.logits(h)
 
 
 @dataclass(slots=True)

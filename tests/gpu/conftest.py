@@ -6,15 +6,9 @@ import os
 
 import pytest
 
+from tests.conftest import cuda_available
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def kernel_device() -> str:
