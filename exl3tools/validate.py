@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exl3tools.errors import CheckpointError, NotACheckpointError, NotFoundError
+from exl3tools.errors import CheckpointError
 from exl3tools.validate_rules import RULES
 
 SEVERITY_ORDER = ("error", "warning")
@@ -135,13 +135,9 @@ def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
     ``progress(total_bytes, files)`` (deep mode) returns a callback taking bytes read.
     Raises NotFoundError / NotACheckpointError for paths that are not checkpoints at all (exit 2).
     """
-    from exl3tools.checkpoint.reader import Checkpoint
+    from exl3tools.checkpoint.reader import Checkpoint, existing_dir
 
-    root = path.root if isinstance(path, Checkpoint) else Path(path)
-    if not root.exists():
-        raise NotFoundError(f"{root}: no such file or directory")
-    if not root.is_dir():
-        raise NotACheckpointError(f"{root}: not a directory (give the checkpoint folder)")
+    root = existing_dir(path.root if isinstance(path, Checkpoint) else path)
     t0 = time.perf_counter()
     from exl3tools import validate_ranks
     from exl3tools.checkpoint.header import gc_paused

@@ -40,6 +40,16 @@ def merge_quantization_config(qfile: dict[str, Any] | None, qcfg: dict[str, Any]
     return merged
 
 
+def existing_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path; the one-line errors for a path that is missing or is not a folder."""
+    root = Path(path)
+    if not root.exists():
+        raise NotFoundError(f"{root}: no such file or directory")
+    if not root.is_dir():
+        raise NotACheckpointError(f"{root}: not a directory (give the checkpoint folder)")
+    return root
+
+
 def unsafe_file_name(fname: str) -> bool:
     """An index entry that is not a plain file name inside the checkpoint (path traversal)."""
     return "/" in fname or "\\" in fname or fname in ("", ".", "..")
@@ -97,11 +107,7 @@ class Checkpoint:
         header oddities) are kept in ``issues``. validate has its own opener that records every
         problem instead of raising (validate_checks.open_tolerant).
         """
-        root = Path(path)
-        if not root.exists():
-            raise NotFoundError(f"{root}: no such file or directory")
-        if not root.is_dir():
-            raise NotACheckpointError(f"{root}: not a directory (give the checkpoint folder)")
+        root = existing_dir(path)
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise NotACheckpointError(f"{root}: no config.json, not a Hugging Face checkpoint directory")

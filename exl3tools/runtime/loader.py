@@ -15,12 +15,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from exl3tools.checkpoint.reader import Checkpoint, load_json
+from exl3tools.checkpoint.reader import Checkpoint, existing_dir, load_json
 from exl3tools.errors import (
     CheckpointError,
     IncompleteOutputError,
     NotACheckpointError,
-    NotFoundError,
     UsageError,
 )
 
@@ -51,11 +50,7 @@ def rank_dirs(root: Path) -> dict[int, tuple[int, Path]]:
 def resolve(path: str | Path, tp: int) -> Layout:
     """Check the layout against ``tp`` before any process is started (names only, no file opened
     except the unsliced checkpoint's own config)."""
-    root = Path(path)
-    if not root.exists():
-        raise NotFoundError(f"{root}: no such file or directory")
-    if not root.is_dir():
-        raise NotACheckpointError(f"{root}: not a directory (give the checkpoint folder)")
+    root = existing_dir(path)
     if RANK_DIR.match(root.name) and not (root / "config.json").is_file():
         raise NotACheckpointError(f"{root}: rank directory without config.json")
     if RANK_DIR.match(root.name):
