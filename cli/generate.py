@@ -45,16 +45,16 @@ def _token_ids(text: str) -> list[int]:
                    "exllamav3, reference.")
 @click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
               help="MoE cut when running an unsliced checkpoint with --tp > 1.")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
-              help="Decode steps as CUDA graphs (CUDA, TP=1, GQA models; a static KV row of the whole "
-                   "context, so --no-cuda-graphs is faster for short runs of long-context models).")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Decode steps as CUDA graphs over the paged KV cache (default: on with a CUDA device "
+                   "for GQA models).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
 @click.option("--mtp", type=click.IntRange(0), default=0, show_default=True,
               help="Speculative decoding with the model's MTP head, N draft tokens per step (greedy only).")
 def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None, max_tokens: int,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                  add_bos: bool, ignore_eos: bool, logits_out: Path | None, device: str, backend: str,
-                 moe: str, cuda_graphs: bool, as_json: bool, mtp: int) -> None:
+                 moe: str, cuda_graphs: bool | None, as_json: bool, mtp: int) -> None:
     """Generate a completion for a prompt with the CPU/GPU runtime.
 
     \b
@@ -73,7 +73,8 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
         raise UsageError("--mtp runs greedy decoding only (--temperature 0, no --logits-out)")
     t0 = time.perf_counter()
     runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,
-                         graph_decode=cuda_graphs and not mtp, graph_slots=1)
+                         decode="eager" if mtp else {None: None, True: "graphs", False: "eager"}[cuda_graphs],
+                         max_num_seqs=1)
     if runner is None:  # a torchrun worker rank: it served rank 0 until the end
         return
     with runner:

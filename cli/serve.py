@@ -27,30 +27,40 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", "api_keys", multiple=True,
               help="Accept this Bearer key (repeatable). Without any key the API is open.")
-@click.option("--max-batch", default=32, show_default=True, callback=_pos,
-              help="Most sequences decoded together.")
+@click.option("--max-num-seqs", "--max-batch", "max_batch", default=32, show_default=True, callback=_pos,
+              help="Most sequences decoded together (one CUDA graph per batch bucket up to it).")
 @click.option("--max-queue", default=256, show_default=True, callback=_pos,
               help="Most sequences waiting; beyond it requests get 429 + Retry-After.")
 @click.option("--max-cache-tokens", type=int, default=None,
-              help="KV-cache budget in tokens (default: the runtime's).")
+              help="KV-cache size in tokens (default: from --gpu-memory-utilization on CUDA, 32768 on the CPU).")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
+              help="Share of the GPU's memory the server may use: the KV cache gets what weights and the "
+                   "measured activation peak leave of it.")
+@click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16", show_default=True,
+              help="Tokens per KV-cache block (paged cache, prefix caching by whole blocks).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
+              show_default=True, help="KV-cache element type (auto: bf16 on CUDA, fp32 on the CPU).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True,
+              show_default=True, help="Reuse cached KV blocks of a repeated prompt prefix.")
 @click.option("--max-prefill-tokens", default=512, show_default=True, callback=_pos,
               help="Prompt tokens per engine step (long prompts are chunked so decoding goes on).")
-@click.option("--max-context", type=click.IntRange(1, None), default=None,
-              help="Cap the context length (default: the model's).")
+@click.option("--max-model-len", "--max-context", "max_context", type=click.IntRange(1, None), default=None,
+              help="Cap the context length (default: the model's, and what the KV cache holds).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
 @click.option("--backend", default="auto", show_default=True,
               help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
                    "exllamav3, reference.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
-              help="Decode steps as CUDA graphs (static KV cache, one row per --max-batch slot). "
-                   "Default: on with a CUDA device; unsupported models (MLA, --tp > 1) decode eagerly.")
+              help="Decode steps as CUDA graphs, one per batch-size bucket, over the paged KV cache. "
+                   "Default: on with a CUDA device; MLA/DSA models decode eagerly.")
 @click.option("--threads", "cpu_threads", type=click.IntRange(1, None), default=None,
               help="CPU threads for the model (default: all cores but one).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
-              max_batch: int, max_queue: int, max_cache_tokens: int | None, max_prefill_tokens: int,
+              max_batch: int, max_queue: int, max_cache_tokens: int | None, gpu_memory_utilization: float,
+              block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int,
               max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
               cpu_threads: int | None, log_level: str) -> None:
@@ -76,7 +86,9 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
                       max_prefill_tokens=max_prefill_tokens, max_context=max_context,
-                      cpu_threads=cpu_threads, cuda_graphs=cuda_graphs)
+                      cpu_threads=cpu_threads, cuda_graphs=cuda_graphs,
+                      gpu_memory_utilization=gpu_memory_utilization, block_size=int(block_size),
+                      kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(

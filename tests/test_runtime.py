@@ -115,7 +115,7 @@ def test_mixed_batch_equals_separate_runs():
 
 
 def test_runner_rejects_bad_steps(tmp_path):
-    r = load_runner(DEMO / "model", max_cache_tokens=8, max_context=6)
+    r = load_runner(DEMO / "model", max_cache_tokens=8, max_context=6, block_size=4)   # 2 blocks
     with pytest.raises(UsageError, match="unknown sequence"):
         r.step([("nope", [1])])
     r.add_sequence(1)
@@ -125,11 +125,11 @@ def test_runner_rejects_bad_steps(tmp_path):
         r.step([(1, [5000])])
     with pytest.raises(ContextLengthError):
         r.step([(1, [1] * 7)])
-    r.step([(1, [1] * 5)])
+    r.step([(1, [1] * 5)])                        # 5 tokens: both blocks
     r.add_sequence(2)
     with pytest.raises(CacheFullError):
         r.step([(2, [1, 2, 3, 4])])
-    assert r.cache_tokens_free() == 3
+    assert r.cache_tokens_free() == 0 and r.sequence_length(2) == 0
     r.free_sequence(1)
     assert r.cache_tokens_free() == 8
     r.close()

@@ -180,10 +180,10 @@ class FlakyRunner:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def step(self, batch):
+    def step(self, batch, **kw):
         if any(7 in toks for _, toks in batch):
             raise RuntimeError("simulated device fault")
-        return self._inner.step(batch)
+        return self._inner.step(batch, **kw)
 
 
 def test_runner_failure_is_a_500_and_the_server_lives_on():

@@ -138,6 +138,12 @@ class Attention:
         self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
 
+    def cache_spec(self) -> list:
+        """Per token: K and V of this rank's KV heads (runtime/kv_pool.py)."""
+        from exl3tools.runtime.kv_pool import PlaneSpec
+
+        return [PlaneSpec("k", (self.nkv, self.hd)), PlaneSpec("v", (self.nkv, self.hd))]
+
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (normed, RoPE at ``positions``) and v of the rows of ``x``, (T, heads, head_dim)."""
         T = x.shape[0]
@@ -162,6 +168,9 @@ class Attention:
             kv = sp.cache.extend(self.layer, {"k": k[sp.row:sp.row + sp.n], "v": v[sp.row:sp.row + sp.n]})
             kk, vv = kv["k"], kv["v"]                   # (L, nkv, d), L = pos + n
             L = kk.shape[0]
+            if q.device.type == "cuda":                 # flash/mem-efficient kernels; the CPU keeps the plain path
+                out[sp.row:sp.row + sp.n] = _sdpa(q[sp.row:sp.row + sp.n], kk, vv, sp.pos, self.scale)
+                continue
             kk = kk.transpose(0, 1).repeat_interleave(groups, 0)     # (nq, L, d)
             vv = vv.transpose(0, 1).repeat_interleave(groups, 0)
             for c0 in range(0, sp.n, QUERY_CHUNK):                  # bounds the (nq, n, L) scores
@@ -175,6 +184,18 @@ class Attention:
                 o = torch.matmul(torch.softmax(scores, dim=-1), vv)
                 out[sp.row + c0:sp.row + c1] = o.transpose(0, 1)
         return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """Causal attention of n queries at positions pos0.. over L = pos0 + n keys (GQA), (n, nq, d)."""
+    n, L = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)
+    if n == L:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:   # a chunk after cached tokens: query i sees keys 0..pos0 + i
+        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(pos0, pos0 + n, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 # ------------------------------------------------------------------ MLPs

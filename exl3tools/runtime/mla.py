@@ -110,6 +110,17 @@ class MLAttention:
         self.indexer, self.dsa_shared = indexer, dsa_shared
         self.index_topk = index_topk if (indexer is not None or dsa_shared) else 0
 
+    def cache_spec(self) -> list:
+        """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key.
+        float32 whatever the pool's dtype: the latent is small and the eager MLA path computes in
+        float32 (DSA's top-k is decided by near-ties that a bf16 cache would flip)."""
+        from exl3tools.runtime.kv_pool import PlaneSpec
+
+        specs = [PlaneSpec(CACHE_CKV, (self.kv_lora,), torch.float32), PlaneSpec(CACHE_KPE, (self.rope,), torch.float32)]
+        if self.indexer is not None:
+            specs.append(PlaneSpec(CACHE_KIDX, (self.indexer.hd,), torch.float32))
+        return specs
+
     def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.q_proj is not None:
             return self.q_proj(x), None

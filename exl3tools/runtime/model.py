@@ -35,9 +35,11 @@ class CausalLM:
         return SeqCache(len(self.layers))
 
     @torch.inference_mode()
-    def forward(self, items: list[tuple[SeqCache, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
-        """Append each sequence's tokens to its cache; logits (float32, on the CPU) for the last new
-        token of each sequence, shape (len(items), vocab), or for every new row when ``all_logits``."""
+    def forward(self, items: list[tuple[SeqCache, list[int]]], *, all_logits: bool = False,
+                to_cpu: bool = True) -> torch.Tensor:
+        """Append each sequence's tokens to its cache (a SeqCache, or a kv_pool.PagedSeqView);
+        logits (float32, on the CPU unless ``to_cpu`` is False) for the last new token of each
+        sequence, shape (len(items), vocab), or for every new row when ``all_logits``."""
         spans, ids, pos = [], [], []
         row = 0
         for cache, tokens in items:
@@ -53,7 +55,8 @@ class CausalLM:
             h = layer(h, batch)
         if not all_logits:
             h = h[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
-        return self.logits(self.norm(h)).cpu()
+        logits = self.logits(self.norm(h))
+        return logits.cpu() if to_cpu else logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """lm_head of final-normed states: gathered across ranks when the head is cut by vocab,

@@ -2,8 +2,10 @@
 
 The HTTP server and ``exl3tools generate`` build on this and nothing deeper. A Runner owns the
 model, the tokenizer and the KV caches of the sequences it was told about. ``step`` takes any mix
-of prefill (many tokens for one sequence) and decode (one token for many sequences) and runs it as
-one packed forward. With ``tp > 1`` the Runner lives on rank 0 and drives the other ranks.
+of prefill (many tokens for one sequence) and decode (one token for many sequences): a step of
+single tokens runs the fixed-shape decode step (CUDA graphs per batch bucket), any other one packed
+eager forward. The KV cache is paged (block manager on rank 0, a pool of blocks on every rank) with
+prefix caching. With ``tp > 1`` the Runner lives on rank 0 and drives the other ranks.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
 
-DEFAULT_CACHE_TOKENS = 32768
-GRAPH_MEMORY_FRACTION = 0.5   # the static KV cache may take at most this share of free GPU memory
+DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+GRAPH_RESERVE = 512 * 2**20           # kept free beside the KV cache: graph pool, logits, sampling
 
 log = logging.getLogger("exl3tools.runtime")
 
@@ -62,7 +66,10 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
 # ------------------------------------------------------------------ worker side
 def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
                device: str = "cpu", max_context: int | None = None, moe: str = "tp", trace: bool = False) -> None:
-    """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'."""
+    """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'.
+
+    Rank 0 owns the block manager; a worker keeps only its own KV pool (same blocks, its heads)
+    and follows the block tables and slots each command carries."""
     device = rank_device(device, rank, world)   # before the group: NCCL binds the current device
     D.init_group(rank, world, device, port)
     try:
@@ -75,16 +82,20 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
         except Exl3Error as exc:
             err = exc
         D.exchange_status(err, D.trace_opens_stop() if trace else None)
-        caches: dict = {}
+        paged: PagedState | None = None
         while True:
             cmd = D.broadcast()
             op = cmd[0]
-            if op == "step":
-                model.forward([(caches[s], toks) for s, toks in cmd[1]], all_logits=cmd[2])
-            elif op == "add":
-                caches[cmd[1]] = model.new_cache()
-            elif op == "free":
-                caches.pop(cmd[1], None)
+            if op == "pstep":
+                paged.forward(cmd[1], all_logits=cmd[2])
+            elif op == "pdecode":
+                paged.decode(*cmd[1:])
+            elif op == "kv_init":
+                paged = PagedState(model, **cmd[1])
+            elif op == "capture":
+                paged.decoder.capture()
+            elif op == "profile":
+                profile_forward(model, cmd[1])
             elif op == "mtp":  # speculative decoding with the MTP head, in lockstep with rank 0
                 from exl3tools.runtime.mtp import worker_op
 
@@ -95,62 +106,150 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
         D.destroy()
 
 
+def profile_forward(model: CausalLM, n: int) -> None:
+    """One eager forward of ``n`` tokens on a throwaway cache: the activation peak a step reaches."""
+    model.forward([(model.new_cache(), [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
+
+
+class PagedState:
+    """The tensors every rank holds for the paged cache: the KV pool and, where the model allows,
+    the static decode step (runtime/paged_decode.py). Commands carry block tables and slots."""
+
+    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
+                 max_blocks: int, decode: str):
+        from exl3tools.runtime.kv_pool import KVPool, layer_specs
+        from exl3tools.runtime.paged_decode import PagedDecoder
+
+        self.model = model
+        self.pool = KVPool(layer_specs(model), num_blocks, block_size, getattr(torch, dtype), model.embed.device)
+        self.decoder = None
+        if decode in ("static", "graphs"):
+            self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs")
+
+    def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
+        """Eager forward; each item is (block table, tokens cached, new tokens). Device logits."""
+        from exl3tools.runtime.kv_pool import PagedSeqView
+
+        views = [(PagedSeqView(self.pool, self.pool.slots(table, n0 + len(toks)), n0), toks)
+                 for table, n0, toks in items]
+        return self.model.forward(views, all_logits=all_logits, to_cpu=False)
+
+    def decode(self, tokens, positions, slots, rows, updates) -> torch.Tensor:
+        self.decoder.set_blocks(updates)
+        return self.decoder.step(tokens, positions, slots, rows)
+
+
 # ------------------------------------------------------------------ rank 0 side
 class Runner:
-    """Model + tokenizer + KV caches; see module doc. Not thread-safe: call from one thread."""
+    """Model + tokenizer + the paged KV cache; see module doc. Not thread-safe: call from one thread.
+
+    The cache is a pool of ``block_size``-token blocks (runtime/block_manager.py owns them,
+    runtime/kv_pool.py holds the tensors). Its size comes from ``max_cache_tokens`` when given,
+    else on a CUDA device from a memory budget: ``gpu_memory_utilization`` of the GPU, less what
+    is in use after loading (weights, CUDA context) and the activation peak of one eager step of
+    ``max_num_batched_tokens`` tokens (measured), less ``GRAPH_RESERVE`` for graphs and logits;
+    else ``DEFAULT_CACHE_TOKENS``. ``decode``: "graphs" (CUDA graphs per batch bucket), "static"
+    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA models,
+    eager elsewhere.
+    """
 
     def __init__(self, model: CausalLM, ckpt_dir: Path, name: str, *, world: int = 1, procs=(),
-                 max_cache_tokens: int = DEFAULT_CACHE_TOKENS, opened: dict | None = None,
-                 graph_slots: int = 0, graph_max_len: int | None = None, graph_force: bool = False):
+                 max_cache_tokens: int | None = None, opened: dict | None = None, max_num_seqs: int = 32,
+                 block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto",
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, decode: str | None = None,
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 512):
+        from exl3tools.runtime.block_manager import BlockManager
+        from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs
+
         self.model = model
         self.world, self._procs = world, list(procs)
         self.model_name = name
         self.vocab_size = model.info.vocab_size
-        self.max_context = model.info.max_context
-        self.max_cache_tokens = int(max_cache_tokens)
         self.opened_files = opened or {}       # rank -> files opened while loading (when traced)
-        self._caches: dict[Hashable, object] = {}
         self._closed = False
-        self.graph = None                      # a GraphDecoder when decode runs on the static path
-        if graph_slots > 0:
-            self.graph = self._graph_decoder(int(graph_slots), graph_max_len, graph_force)
-        if self.graph is not None:
-            self.max_context = self.graph.max_len
-            self._free_rows = list(range(self.graph.batch))
+        self.max_num_seqs = int(max_num_seqs)
+        dev = model.embed.device
+        if not 0 < gpu_memory_utilization <= 1:
+            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+        dtype = kv_dtype_for(kv_dtype, dev)
+        specs = layer_specs(model)
+        per_token = bytes_per_token(specs, dtype)
+        self.weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+        if max_cache_tokens is not None:
+            if int(max_cache_tokens) < 1:
+                raise UsageError(f"max_cache_tokens must be >= 1, got {max_cache_tokens}")
+            num_blocks = -(-int(max_cache_tokens) // block_size) + 1
+        elif dev.type == "cuda":
+            num_blocks = self._budget_blocks(per_token * block_size, gpu_memory_utilization,
+                                             max_num_batched_tokens)
+        else:
+            num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        self.block_size = block_size
+        self.max_context = min(model.info.max_context, self.blocks.usable_blocks * block_size)
+        if self.max_context < model.info.max_context:
+            log.warning("the KV cache holds %d tokens: the longest context is %d, not %d",
+                        self.blocks.usable_blocks * block_size, self.max_context, model.info.max_context)
+        mode = self._decode_mode(decode)
+        max_blocks = -(-self.max_context // block_size)
+        state = dict(num_blocks=num_blocks, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
+                     max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode)
+        self._send(("kv_init", state))
+        self.paged = PagedState(model, **state)
+        self.decode_mode = mode
+        if mode == "graphs":
+            self._send(("capture",))
+            self.paged.decoder.capture()
+        self._rows = list(range(self.max_num_seqs))
+        self._seqs: dict[Hashable, _Seq] = {}
+        self.kv_bytes = self.paged.pool.nbytes()
+        self.max_cache_tokens = self.blocks.usable_blocks * block_size
+        log.info("KV cache: %d blocks x %d tokens (%s, %d B/token), %.2f GiB%s; longest context %d tokens; "
+                 "decode %s, up to %d sequences", self.blocks.usable_blocks, block_size, state["dtype"], per_token,
+                 self.kv_bytes / 2**30,
+                 "" if self.weights_bytes is None else f"; weights {self.weights_bytes / 2**30:.2f} GiB",
+                 self.max_context, mode, self.max_num_seqs)
         self._load_tokenizer(ckpt_dir)
 
-    # -- graph decode (runtime/graph_decode.py): one static row per sequence
-    def _graph_decoder(self, slots: int, max_len: int | None, force: bool):
-        """A GraphDecoder of ``slots`` rows, or None (logged once) where the eager path must run."""
-        from exl3tools.runtime.graph_decode import GraphDecoder
+    def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int) -> int:
+        dev = self.model.embed.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        self._send(("profile", int(batched_tokens)))
+        profile_forward(self.model, int(batched_tokens))
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE
+        blocks = budget // block_bytes
+        log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, activation peak %.2f GiB "
+                 "(%d tokens), KV budget %.2f GiB at --gpu-memory-utilization %.2f", total / 2**30,
+                 (total - free) / 2**30, peak / 2**30, batched_tokens, max(budget, 0) / 2**30, util)
+        if blocks < 2:
+            raise CacheFullError(f"no GPU memory left for the KV cache ({max(budget, 0) / 2**20:.0f} MiB "
+                                 f"budget at --gpu-memory-utilization {util}); raise it or use more GPUs")
+        return int(blocks)
 
-        m = self.model
-        max_len = min(m.info.max_context, self.max_cache_tokens, max_len or m.info.max_context)
-        why = None
+    def _decode_mode(self, decode: str | None) -> str:
+        from exl3tools.runtime.paged_decode import check
+
+        if decode not in (None, "eager", "static", "graphs"):
+            raise UsageError(f"decode must be eager, static or graphs, got {decode!r}")
+        cuda = self.model.embed.device.type == "cuda"
+        want = decode or ("graphs" if cuda else "eager")
+        if want == "eager":
+            return want
         try:
-            GraphDecoder.check(m)
+            check(self.model)
         except Exl3Error as exc:
-            why = str(exc)
-        if why is None and m.embed.device.type != "cuda" and not force:
-            why = "it needs a CUDA device"
-        if why is None and m.embed.device.type == "cuda":
-            need = GraphDecoder.cache_bytes(m, slots, max_len)
-            free, _ = torch.cuda.mem_get_info(m.embed.device)
-            if need > GRAPH_MEMORY_FRACTION * free:
-                why = (f"its static KV cache ({slots} rows x {max_len} tokens = {need / 2**30:.1f} GiB) "
-                       f"exceeds {GRAPH_MEMORY_FRACTION:.0%} of free GPU memory; lower --max-batch or "
-                       f"--max-context")
-        if why is None:
-            try:
-                gd = GraphDecoder(m, slots, max_len, graphs=m.embed.device.type == "cuda")
-            except Exl3Error as exc:
-                why = str(exc)
-        if why is not None:
-            log.warning("CUDA-graph decode off, decoding eagerly: %s", why)
-            return None
-        log.info("CUDA-graph decode on: %d rows x %d tokens, graphs %s", slots, max_len,
-                 "on" if gd.graphs else "off (static path)")
-        return gd
+            if decode is not None:
+                log.warning("static decode off, decoding eagerly: %s", exc)
+            return "eager"
+        if want == "graphs" and not cuda:
+            raise UsageError("CUDA graphs need a CUDA device")
+        return want
 
     # -- metadata
     def _load_tokenizer(self, d: Path) -> None:
@@ -206,107 +305,111 @@ class Runner:
         return None
 
     # -- sequences
-    def add_sequence(self, seq_id: Hashable) -> None:
-        if seq_id in self._caches:
+    def add_sequence(self, seq_id: Hashable, tokens: list[int] | tuple[int, ...] = ()) -> int:
+        """Start ``seq_id``. With ``tokens`` (its prompt, or prompt + output after a preemption),
+        whole blocks of them already in the prefix cache are reused: returns how many tokens are
+        cached (the caller sends only the rest to ``step``)."""
+        if seq_id in self._seqs:
             raise UsageError(f"sequence {seq_id!r} already exists")
-        if self.graph is not None:
-            if not self._free_rows:
-                raise CacheFullError(f"all {self.graph.batch} graph-decode rows are in use")
-            row = self._free_rows.pop(0)
-            self.graph.reset_row(row)
-            self._caches[seq_id] = _GraphSeq(row)
-            return
-        self._send(("add", seq_id))
-        self._caches[seq_id] = self.model.new_cache()
+        if not self._rows:
+            raise CacheFullError(f"all {self.max_num_seqs} sequence slots are in use")
+        cached = self.blocks.open(seq_id, [int(t) for t in tokens][:self.max_context])
+        self._seqs[seq_id] = _Seq(self._rows.pop(0), list(tokens[:cached]))
+        return cached
 
     def free_sequence(self, seq_id: Hashable) -> None:
-        c = self._caches.pop(seq_id, None)
-        if isinstance(c, _GraphSeq):
-            self.graph.reset_row(c.row)
-            self._free_rows.append(c.row)
-        elif c is not None:
-            self._send(("free", seq_id))
+        s = self._seqs.pop(seq_id, None)
+        if s is not None:
+            self.blocks.free(seq_id)
+            self._rows.append(s.row)
 
     def sequence_length(self, seq_id: Hashable) -> int:
-        return self._cache(seq_id).length
+        self._seq(seq_id)
+        return self.blocks.length(seq_id)
 
     def cache_tokens_used(self) -> int:
-        return sum(c.length for c in self._caches.values())
+        return sum(self.blocks.length(k) for k in self._seqs)
 
     def cache_tokens_free(self) -> int:
-        return max(0, self.max_cache_tokens - self.cache_tokens_used())
+        return self.blocks.free_blocks() * self.block_size
 
-    def _cache(self, seq_id):
+    def cache_usage(self) -> float:
+        return self.blocks.used_blocks() / self.blocks.usable_blocks
+
+    def fits(self, appends: list[tuple[Hashable | None, int]]) -> bool:
+        """Whether the cache can take each (sequence or None for a new one, new tokens) at once."""
+        need = sum(self.blocks.new_blocks_needed(s if s in self._seqs else None, n) for s, n in appends)
+        return need <= self.blocks.free_blocks()
+
+    def prefix_stats(self):
+        return self.blocks.stats()
+
+    def _seq(self, seq_id):
         try:
-            return self._caches[seq_id]
+            return self._seqs[seq_id]
         except KeyError:
             raise UsageError(f"unknown sequence {seq_id!r} (call add_sequence first)") from None
 
     # -- forward
-    def step(self, batch: list[tuple[Hashable, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
+    def step(self, batch: list[tuple[Hashable, list[int]]], *, all_logits: bool = False,
+             device_logits: bool = False) -> torch.Tensor:
         """Append each sequence's new tokens to its cache; float32 logits ``[len(batch), vocab]``
-        after each sequence's last new token (``all_logits``: ``[total new tokens, vocab]``)."""
+        after each sequence's last new token (``all_logits``: ``[total new tokens, vocab]``), on
+        the CPU, or on the model's device with ``device_logits``."""
         if self._closed:
             raise RuntimeFailure("runner is closed")
         if not batch:
             return torch.empty(0, self.vocab_size)
-        seen, items, need = set(), [], 0
+        seen, items = set(), []
+        vocab = self.model.embed.shape[0]
         for seq_id, toks in batch:
             if seq_id in seen:
                 raise UsageError(f"sequence {seq_id!r} appears twice in one step")
             seen.add(seq_id)
-            cache = self._cache(seq_id)
+            seq = self._seq(seq_id)
             toks = [int(t) for t in toks]
             if not toks:
                 raise UsageError(f"sequence {seq_id!r}: no new tokens")
-            bad = [t for t in toks if not 0 <= t < self.model.embed.shape[0]]
+            bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
-                raise UsageError(f"token id {bad[0]} out of range 0..{self.model.embed.shape[0] - 1}")
-            if cache.length + len(toks) > self.max_context:
-                raise ContextLengthError(f"sequence {seq_id!r} would reach {cache.length + len(toks)} tokens, "
+                raise UsageError(f"token id {bad[0]} out of range 0..{vocab - 1}")
+            n0 = self.blocks.length(seq_id)
+            if n0 + len(toks) > self.max_context:
+                raise ContextLengthError(f"sequence {seq_id!r} would reach {n0 + len(toks)} tokens, "
                                          f"more than max_context {self.max_context}")
-            need += len(toks)
-            items.append((cache, toks))
-        if need > self.cache_tokens_free():
-            raise CacheFullError(f"KV cache full: {need} new tokens, {self.cache_tokens_free()} free "
-                                 f"of {self.max_cache_tokens}")
-        if self.graph is not None:
-            return self._graph_step(items, all_logits)
-        self._send(("step", [(s, [int(t) for t in toks]) for s, toks in batch], all_logits))
+            items.append((seq_id, seq, toks, n0))
+        if not self.fits([(s, len(t)) for s, _, t, _ in items]):
+            raise CacheFullError(f"KV cache full: {sum(len(t) for _, _, t, _ in items)} new tokens do not fit in "
+                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
+        slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         try:
-            return self.model.forward(items, all_logits=all_logits)
+            if (self.paged.decoder is not None and not all_logits and all(len(t) == 1 for _, _, t, _ in items)
+                    and len(items) <= self.max_num_seqs):
+                logits = self._decode(items, slots).clone()    # a view of the step's static output
+            else:
+                wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
+                self._send(("pstep", wire, all_logits))
+                logits = self.paged.forward(wire, all_logits=all_logits)
         except RuntimeError as exc:
             if self.world > 1:
                 raise RuntimeFailure(f"tensor-parallel step failed: {str(exc).splitlines()[0]}") from exc
             raise
+        finally:
+            for s, seq, t, _ in items:     # the K/V were written (or the step failed and the sequence dies)
+                seq.tokens.extend(t)
+                self.blocks.commit(s, seq.tokens)
+        return logits if device_logits else logits.float().cpu()
 
-    def _graph_step(self, items: list, all_logits: bool) -> torch.Tensor:
-        """Single new tokens: one GraphDecoder.step over every row (rows not in the batch stay put);
-        several new tokens (prefill, a chunk): an eager forward into the rows' static slots."""
-        gd = self.graph
-        single = [] if all_logits else [i for i, (_, toks) in enumerate(items) if len(toks) == 1]
-        multi = [i for i in range(len(items)) if i not in set(single)]
-        out: list = [None] * len(items)
-        if single:
-            tokens, active = [0] * gd.batch, [False] * gd.batch
-            for i in single:
-                seq, toks = items[i]
-                tokens[seq.row], active[seq.row] = toks[0], True
-            logits = gd.step(torch.tensor(tokens, dtype=torch.int64), active)
-            rows = logits[torch.tensor([items[i][0].row for i in single], device=logits.device)].float().cpu()
-            for j, i in enumerate(single):
-                out[i] = rows[j:j + 1]
-        if multi:
-            logits = gd.extend_rows([(items[i][0].row, items[i][1]) for i in multi],
-                                    all_logits=all_logits).float().cpu()
-            at = 0
-            for i in multi:
-                n = len(items[i][1]) if all_logits else 1
-                out[i] = logits[at:at + n]
-                at += n
-        for seq, toks in items:
-            seq.length += len(toks)
-        return torch.cat(out, 0)
+    def _decode(self, items: list, slots: list[list[int]]) -> torch.Tensor:
+        updates = []
+        for s, seq, _, _ in items:
+            table = self.blocks.table(s)
+            updates.extend((seq.row, c, table[c]) for c in range(seq.synced, len(table)))
+            seq.synced = len(table)
+        args = ([t[0] for _, _, t, _ in items], [n0 for _, _, _, n0 in items], [sl[0] for sl in slots],
+                [seq.row for _, seq, _, _ in items], updates)
+        self._send(("pdecode", *args))
+        return self.paged.decode(*args)
 
     def _send(self, cmd) -> None:
         if self.world > 1:
@@ -320,7 +423,7 @@ class Runner:
         if self._closed:
             return
         self._closed = True
-        self._caches.clear()
+        self._seqs.clear()
         if self.world > 1:
             try:
                 D.broadcast(("stop",))
@@ -336,13 +439,25 @@ class Runner:
         self.close()
 
 
-class _GraphSeq:
-    """A sequence on the graph path: its row of the static cache and its length (host side)."""
+class _Seq:
+    """A live sequence on rank 0: its slot row of the decode step's block tables, the tokens in
+    its cache (prefix hashing needs them) and how many table entries the device has."""
 
-    __slots__ = ("row", "length")
+    __slots__ = ("row", "tokens", "synced")
 
-    def __init__(self, row: int):
-        self.row, self.length = row, 0
+    def __init__(self, row: int, tokens: list[int]):
+        self.row, self.tokens, self.synced = row, tokens, 0
+
+
+def kv_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA, float32 on the CPU (the reference path stays exact)."""
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise UsageError(f"--kv-cache-dtype must be auto, bf16, fp16 or fp32, got {name!r}")
+    return table[name]
 
 
 def rank_device(device: str, rank: int, world: int) -> str:
@@ -394,22 +509,18 @@ def _torchrun_env() -> tuple[int, int] | None:
 
 
 def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto",
-                max_cache_tokens: int = DEFAULT_CACHE_TOKENS, max_context: int | None = None,
-                moe: str = "tp", graph_decode: bool | str = False, graph_slots: int = 32,
-                graph_max_len: int | None = None) -> Runner | None:
+                max_cache_tokens: int | None = None, max_context: int | None = None, moe: str = "tp",
+                decode: str | None = None, max_num_seqs: int = 32, block_size: int = DEFAULT_BLOCK_SIZE,
+                kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+                prefix_caching: bool = True, max_num_batched_tokens: int = 512) -> Runner | None:
     """Load a checkpoint (unsliced, or a rank-slice output for ``tp`` ranks) and return its Runner.
 
     ``tp > 1`` spawns ranks 1..tp-1 as processes. Under torchrun (``RANK``/``WORLD_SIZE`` set)
     nothing is spawned: rank 0 gets the Runner; other ranks serve rank 0 inside this call and get
     ``None`` back once rank 0 closes its Runner. ``moe`` ("tp" | "ep") only matters for an
-    unsliced checkpoint with ``tp > 1`` (a rank-slice output carries its own cut).
-
-    ``graph_decode``: True decodes through a GraphDecoder (static KV cache of ``graph_slots`` rows
-    x ``graph_max_len`` tokens, CUDA graphs) where that works -- CUDA, TP=1, GQA -- and eagerly
-    elsewhere (logged); "force" takes the static path on the CPU too (no graphs; for tests).
+    unsliced checkpoint with ``tp > 1`` (a rank-slice output carries its own cut). The cache and
+    decode options are Runner's.
     """
-    if graph_decode not in (True, False, "force"):
-        raise UsageError(f"graph_decode must be True, False or 'force', got {graph_decode!r}")
     backend = resolve_backend(backend, device)
     env = _torchrun_env()
     if env is not None:
@@ -456,10 +567,21 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto"
             _reap(procs, wait=5.0)
         raise
     name = layout.root.name if layout.root.name not in ("model",) else layout.root.parent.name
-    runner = Runner(model, layout.rank_dir(0), name, world=world, procs=procs,
-                    max_cache_tokens=max_cache_tokens, opened=opened,
-                    graph_slots=graph_slots if graph_decode else 0, graph_max_len=graph_max_len,
-                    graph_force=graph_decode == "force")
+    try:
+        runner = Runner(model, layout.rank_dir(0), name, world=world, procs=procs,
+                        max_cache_tokens=max_cache_tokens, opened=opened, max_num_seqs=max_num_seqs,
+                        block_size=block_size, kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
+                        decode=decode, prefix_caching=prefix_caching,
+                        max_num_batched_tokens=max_num_batched_tokens)
+    except BaseException:
+        if world > 1:       # the workers wait for a command: release them
+            try:
+                D.broadcast(("stop",))
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+            D.destroy()
+            _reap(procs, wait=5.0)
+        raise
     if world > 1:
         atexit.register(runner.close)
     if model is None:  # pragma: no cover - exchange_status raised already

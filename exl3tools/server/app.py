@@ -60,15 +60,19 @@ class ServeConfig:
     device: str = "cpu"
     backend: str = "auto"
     api_keys: tuple[str, ...] = ()
-    max_batch: int = 32
+    max_batch: int = 32             # --max-num-seqs
     max_queue: int = 256
-    max_cache_tokens: int | None = None
+    max_cache_tokens: int | None = None  # KV cache size in tokens; None: from the memory budget (CUDA)
     max_prefill_tokens: int = 512
-    max_context: int | None = None  # cap the model's context (runner default: config.json)
+    max_context: int | None = None  # --max-model-len: cap the model's context (default: config.json)
     cpu_threads: int | None = None  # None: all cores but one, which the event loop keeps
-    # decode through CUDA graphs (runtime/graph_decode.py, one static row per --max-batch slot):
-    # None = on for a CUDA device; True/False; "force" = the static path on the CPU too (tests)
+    # decode steps (runtime/paged_decode.py): None = CUDA graphs per batch bucket on a CUDA device,
+    # eager on the CPU; True = graphs; False = eager; "force" = the fixed-shape step without graphs
     cuda_graphs: bool | str | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    prefix_caching: bool = True
 
 
 def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
@@ -83,9 +87,10 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
             kwargs["max_cache_tokens"] = cfg.max_cache_tokens
         if cfg.max_context is not None:
             kwargs["max_context"] = cfg.max_context
-        graphs = cfg.device.startswith("cuda") if cfg.cuda_graphs is None else cfg.cuda_graphs
-        if graphs:
-            kwargs.update(graph_decode=graphs, graph_slots=cfg.max_batch)
+        decode = {None: None, True: "graphs", False: "eager", "force": "static"}[cfg.cuda_graphs]
+        kwargs.update(decode=decode, max_num_seqs=cfg.max_batch, block_size=cfg.block_size,
+                      kv_dtype=cfg.kv_cache_dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      prefix_caching=cfg.prefix_caching, max_num_batched_tokens=cfg.max_prefill_tokens)
         if cfg.device == "cpu":
             _cpu_threads(cfg.cpu_threads)
         return load_runner(local_path(cfg.model_path), **kwargs)
@@ -440,7 +445,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             handle.cancel()
         server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
         return JSONResponse(fmt.response(list(choices.values()), handle.prompt_tokens,
-                                         handle.completion_tokens))
+                                         handle.completion_tokens, handle.cached_tokens))
 
     async def _stream(handle: Any, fmt: Formatter, include_usage: bool):
         offsets: dict[int, int] = {}
@@ -464,7 +469,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             else:
                 server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
                 if include_usage:
-                    yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens))
+                    yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens))
             yield "data: [DONE]\n\n"
         finally:  # client gone (task cancelled) or done: either way the engine lets go
             handle.cancel()

@@ -87,6 +87,7 @@ class RequestHandle:
         self.seqs: list[Sequence] = []
         self.remaining = n_seqs
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0       # prompt tokens served from the prefix cache
         self.completion_tokens = 0
         self.t_arrival = time.monotonic()
         self.cancelled = False
@@ -179,6 +180,14 @@ class Engine:
     def cache_tokens_used(self) -> int:
         r = self.runner
         return max(0, self.cache_budget - r.cache_tokens_free()) if r is not None else 0
+
+    def prefix_stats(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens found there) since start."""
+        r = self.runner
+        if r is None or not hasattr(r, "prefix_stats"):
+            return 0, 0
+        st = r.prefix_stats()
+        return st.queried_tokens, st.hit_tokens
 
     def submit(self, loop: Any, prompts: list[list[int]], params: SamplingParams, n: int
                ) -> RequestHandle:
@@ -290,14 +299,15 @@ class Engine:
         if not self._running:
             return False
         batch = self._plan()
-        while len(batch) > 1 and sum(len(c) for _, c in batch) > self.runner.cache_tokens_free():
+        while len(batch) > 1 and not self.runner.fits([(seq.seq_id, len(c)) for seq, c in batch]):
             self._preempt(self._running[-1])
             batch = self._plan()
         if not batch:
             return False
         t0 = time.perf_counter()
         try:
-            logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch])
+            # logits stay on the model's device: sampling runs there, only token ids come back
+            logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True)
         except Exception:
             log.exception("runner.step failed")
             for seq, _ in batch:
@@ -417,7 +427,8 @@ class Engine:
 
     def _admit(self) -> None:
         """FIFO admission while the batch has room and the cache can take the sequence's pending
-        tokens on top of what the running ones still need for their next step."""
+        tokens on top of what the running ones still need (their pending tokens and one more).
+        The runner reuses cached prefix blocks: those tokens count as already computed."""
         with self._cond:
             while self._waiting and len(self._running) < self.max_batch:
                 seq = self._waiting[0]
@@ -425,11 +436,12 @@ class Engine:
                     self._waiting.popleft()
                     self._count_cancel(seq)
                     continue
-                committed = sum(s.pending for s in self._running) + len(self._running)
-                if seq.pending + 1 > self.runner.cache_tokens_free() - committed:
+                need = [(s.seq_id, s.pending + 1) for s in self._running] + [(None, seq.pending + 1)]
+                if not self.runner.fits(need):
                     break  # wait for running sequences to finish and free their cache
                 self._waiting.popleft()
-                self.runner.add_sequence(seq.seq_id)
+                seq.num_cached = self.runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids)
+                seq.handle.cached_tokens += seq.num_cached
                 self._running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -486,6 +498,7 @@ class Engine:
                 "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
                 "steps": self.steps, "cancelled_total": self.cancelled_total,
                 "preempted_total": self.preempted_total,
+                "prefix_cache_queried_tokens": self.prefix_stats()[0], "prefix_cache_hit_tokens": self.prefix_stats()[1],
                 "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
 
 

@@ -40,6 +40,10 @@ class Metrics:
                                 registry=r)
         self.cache_usage = Gauge(f"{PREFIX}_kv_cache_usage_ratio", "KV-cache tokens used / budget",
                                  registry=r)
+        self.prefix_queries = Gauge(f"{PREFIX}_prefix_cache_queries_tokens",
+                                    "Prompt tokens looked up in the prefix cache (cumulative)", registry=r)
+        self.prefix_hits = Gauge(f"{PREFIX}_prefix_cache_hits_tokens",
+                                 "Prompt tokens found in the prefix cache, not recomputed (cumulative)", registry=r)
         self.ready = Gauge(f"{PREFIX}_model_ready", "1 once the model answered its first step",
                            ["model"], registry=r)
         self._ready_child = self.ready.labels(model=model_name)
@@ -51,6 +55,8 @@ class Metrics:
         self.cache_used.set_function(engine.cache_tokens_used)
         self.cache_usage.set_function(
             lambda: engine.cache_tokens_used() / engine.cache_budget if engine.cache_budget else 0.0)
+        self.prefix_queries.set_function(lambda: engine.prefix_stats()[0])
+        self.prefix_hits.set_function(lambda: engine.prefix_stats()[1])
         self._ready_child.set_function(lambda: 1.0 if engine.state == "ready" else 0.0)
 
     def render(self) -> bytes:

@@ -19,9 +19,12 @@ class Choice:
     finish_reason: str | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
+    cache served (as OpenAI and vLLM report them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(obj: Any) -> str:
@@ -69,7 +72,8 @@ class Formatter:
 
     # ------------------------------------------------------------ whole responses
 
-    def response(self, choices: list[Choice], prompt_tokens: int, completion_tokens: int) -> dict:
+    def response(self, choices: list[Choice], prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int = 0) -> dict:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             text = "".join(c.text)
@@ -85,7 +89,7 @@ class Formatter:
             out.append(body)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "system_fingerprint": None,
-                "choices": out, "usage": usage(prompt_tokens, completion_tokens)}
+                "choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     # ------------------------------------------------------------ stream chunks
 
@@ -117,5 +121,5 @@ class Formatter:
         out.append(self._chunk([choice]))
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return self._chunk([], usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens))

@@ -1,0 +1,174 @@
+"""Decode steps over the paged KV cache with fixed shapes: one CUDA graph per batch-size bucket.
+
+``PagedDecoder(model, pool, max_seqs, max_blocks)`` owns the static inputs of a decode step --
+token ids, positions, the slot each new K/V goes to, each row's block-table row and context length
+-- and a device block-table matrix with one row per sequence *slot* (the runner gives each live
+sequence a slot; only the blocks it gains are copied to the device, never the whole table). A step
+of ``n`` sequences runs the smallest bucket ``>= n`` (1, 2, 4, 8, 16, 24, 32, then steps of 16);
+padded rows write their K/V into the pool's scratch block and attend over nothing.
+
+Per layer: q/k/v (+ norms, RoPE) as the eager attention, the new K/V written with
+``index_copy_`` at their slots, attention through the block tables (``kernels.paged_attention``:
+Triton on CUDA, the same contract in plain torch elsewhere), the MLP (``MoE.forward_static``: no
+host sync). Cost follows the sequences' real lengths, never ``max_blocks``.
+
+With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into one shared memory
+pool, and a step is: one host-to-device copy of the packed inputs, one replay. GQA layers only
+(llama, qwen3_moe, glm4_moe); MLA/DSA models decode through the eager paged path for now.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from exl3tools.errors import UnsupportedArchitectureError, UsageError
+from exl3tools.runtime.block_manager import SCRATCH_BLOCK
+from exl3tools.runtime.kv_pool import KVPool
+from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE
+from exl3tools.runtime.model import CausalLM
+
+log = logging.getLogger("exl3tools.runtime")
+
+WARMUP_STEPS = 2     # eager runs before a capture: Triton compiles, lazy buffers, cuBLAS handles
+N_INPUTS = 5         # packed host inputs: tokens, positions, slots, slot rows, context lengths
+
+
+def buckets(max_seqs: int) -> list[int]:
+    out = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_seqs]
+    b = 48
+    while b < max_seqs:
+        out.append(b)
+        b += 16
+    return out + [int(max_seqs)]
+
+
+def check(model: CausalLM) -> None:
+    """Raise where the static decode step cannot run ``model`` (non-GQA layers)."""
+    for i, layer in enumerate(model.layers):
+        if not (isinstance(layer, DecoderLayer) and type(layer.attn) is Attention
+                and isinstance(layer.mlp, (GatedMLP, MoE))):
+            raise UnsupportedArchitectureError(
+                f"the static decode step supports GQA models (llama, qwen3_moe, glm4_moe); "
+                f"{model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
+
+
+def attention_fn(device: torch.device):
+    from exl3tools.kernels import paged_attention
+
+    return paged_attention.paged_decode if device.type == "cuda" else paged_attention.paged_decode_reference
+
+
+class PagedDecoder:
+    def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False):
+        check(model)
+        if max_seqs < 1 or max_blocks < 1:
+            raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
+        self.model, self.pool = model, pool
+        self.max_seqs, self.max_blocks = int(max_seqs), int(max_blocks)
+        self.device = model.embed.device
+        if graphs and self.device.type != "cuda":
+            raise UsageError("CUDA graphs need the model on a CUDA device")
+        self.graphs = bool(graphs)
+        self.buckets = buckets(self.max_seqs)
+        self._attend = attention_fn(self.device)
+        dev = self.device
+        with torch.inference_mode():
+            self.inputs = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, device=dev)
+            self.tables = torch.zeros(self.max_seqs, self.max_blocks, dtype=torch.int32, device=dev)
+            self.out = torch.zeros(self.max_seqs, model.info.vocab_size, dtype=torch.float32, device=dev)
+        pin = dev.type == "cuda"
+        self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._copied = torch.cuda.Event() if pin else None   # the pinned inputs may be rewritten once it fired
+
+    # ------------------------------------------------------------------ table rows
+    @torch.inference_mode()
+    def set_blocks(self, updates: list[tuple[int, int, int]]) -> None:
+        """Write (slot row, column, block id) entries of the device block tables (one copy)."""
+        if not updates:
+            return
+        u = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int]) -> torch.Tensor:
+        """Decode one token for each of ``n`` sequences: token ``tokens[i]`` at ``positions[i]``
+        goes to cache slot ``slots[i]``; sequence ``i`` owns block-table row ``rows[i]``. Logits
+        (n, vocab) float32 on the device (a view of a static buffer: read it before the next step)."""
+        n = len(tokens)
+        if not 1 <= n <= self.max_seqs:
+            raise UsageError(f"a decode step takes 1..{self.max_seqs} sequences, got {n}")
+        if max(positions) >= self.max_blocks * self.pool.block_size:
+            raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
+        bs = next(b for b in self.buckets if b >= n)
+        h = self._host
+        if self._copied is not None:
+            self._copied.synchronize()
+        h[:, n:bs] = 0                                 # padded rows: token 0 at the scratch block, nothing to read
+        h[2, n:bs] = SCRATCH_BLOCK * self.pool.block_size
+        h[0, :n] = torch.tensor(tokens, dtype=torch.int64)
+        h[1, :n] = torch.tensor(positions, dtype=torch.int64)
+        h[2, :n] = torch.tensor(slots, dtype=torch.int64)
+        h[3, :n] = torch.tensor(rows, dtype=torch.int64)
+        h[4, :n] = h[1, :n] + 1
+        self.inputs[:, :bs].copy_(h[:, :bs], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if self.graphs:
+            if bs not in self._graphs:
+                self.capture([bs])
+            self._graphs[bs].replay()
+        else:
+            self._body(bs)
+        return self.out[:n]
+
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture the graphs of ``sizes`` (default: every bucket), largest first, in one pool."""
+        if not self.graphs:
+            return
+        sizes = sorted(set(sizes or self.buckets), reverse=True)
+        dev = self.device
+        saved = self.inputs.clone()
+        self.inputs.zero_()
+        self.inputs[2].fill_(SCRATCH_BLOCK * self.pool.block_size)   # warm-ups write only scratch
+        pool = getattr(self, "_mempool", None)
+        if pool is None:
+            pool = self._mempool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in sizes:
+                if bs in self._graphs:
+                    continue
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_STEPS):
+                        self._body(bs)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._body(bs)
+                self._graphs[bs] = g
+        self.inputs.copy_(saved)
+        torch.cuda.synchronize(dev)
+
+    def _body(self, bs: int) -> None:
+        """One decode step of ``bs`` rows from the static inputs; device ops only, fixed shapes."""
+        m = self.model
+        tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
+        tables = self.tables.index_select(0, rows)
+        ctx = ctx.to(torch.int32)
+        h = m.embed.index_select(0, tokens).float()
+        for layer, planes in zip(m.layers, self.pool.planes, strict=True):
+            a = layer.attn
+            q, k, v = a.qkv(layer.attn_norm(h), positions)
+            kp, vp = planes["k"], planes["v"]
+            kp.index_copy_(0, slots, k.to(kp.dtype))
+            vp.index_copy_(0, slots, v.to(vp.dtype))
+            o = self._attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
+            h = h + a.reduce(a.o(o.reshape(bs, a.nq * a.hd)))
+            x = layer.mlp_norm(h)
+            h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+        self.out[:bs].copy_(m.logits(m.norm(h)))
