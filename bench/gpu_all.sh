@@ -4,11 +4,13 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [e2e]     (default: all four)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [serve]     (default: all)
+# The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
+# machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" "$OUT/logs"
 L=$OUT/logs
-STAGES=${*:-tests quick bench e2e}
+STAGES=${*:-tests quick bench paged e2e serve}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 EXL3TOOLS_KERNEL_CACHE=/tmp/exl3k
 export EXL3TOOLS_CUDA_CACHE=${EXL3TOOLS_CUDA_CACHE:-$PWD/.cudacache} TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -29,9 +31,10 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 cat "$L/gpu.txt"
 
 # exllamav3: a carried prebuilt extension imports at once; else its JIT build (~4 min cold)
-( MAX_JOBS=${EXL3_JOBS:-12} python3 -c "import exllamav3; from exllamav3.ext import exllamav3_ext as e; print('exllamav3 ok', e.__file__)" \
-  > "$L/build.log" 2>&1; echo "build rc $?" >> "$L/build.log" ) &
-BUILD=$!
+if ! grep -q "build rc 0" /tmp/exl3build.log 2>/dev/null && ! pgrep -f exl3build_marker >/dev/null; then
+  setsid bash -c "MAX_JOBS=${EXL3_JOBS:-12} python3 -c \"import exllamav3; from exllamav3.ext import exllamav3_ext as e; print('exllamav3 ok', e.__file__)\" > /tmp/exl3build.log 2>&1; echo \"build rc \$?\" >> /tmp/exl3build.log # exl3build_marker" &
+fi
+wait_build() { while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do sleep 2; done; cp /tmp/exl3build.log "$L/build.log"; }
 # our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
 python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
 ( [ -d /tmp/air6 ] || python3 bench/synth_checkpoint.py /tmp/air6 > "$L/synth.log" 2>&1 ) &
@@ -48,7 +51,13 @@ if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
     --json "$L/quick.json" > "$L/quick.log" 2>&1
   el "quick rc $?"; sed -n '/in->out/,$p' "$L/quick.log"
 fi
-el "waiting for exllamav3"; wait $BUILD; tail -n 2 "$L/build.log"
+if [[ $STAGES == *paged* ]]; then
+  timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1
+  el "paged rc $?"; grep -E "^\|" "$L/paged.log" | tail -n 40
+fi
+if [[ $STAGES == *bench* || $STAGES == *e2e* || $STAGES == *serve* ]]; then
+  el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log"
+fi
 SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)   # built here: bring it back
 if [ -n "$SO" ]; then xz -T0 -3 -c "$SO" > /tmp/exl3so.xz && split -b 15M /tmp/exl3so.xz "$OUT/exl3so.xz." \
   && el "exllamav3_ext.so $(stat -c %s "$SO") B -> $(stat -c %s /tmp/exl3so.xz) B xz, split into $OUT"; fi
@@ -64,6 +73,12 @@ if [[ $STAGES == *e2e* ]]; then
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
+if [[ $STAGES == *serve* ]]; then
+  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda ${SERVE_ARGS:-} \
+    --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
+  el "serve rc $?"
+fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
+echo "=== serve"; tail -n 30 "$L/serve.log" 2>/dev/null
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"

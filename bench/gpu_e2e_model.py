@@ -8,9 +8,9 @@ serving-expectations.md, "End-to-end anchor"), but any GQA/MoE checkpoint both r
 Per impl: load, prefill a short prompt per row (the same token ids for every impl), then greedy
 decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed steps.
 
-- ``ours:<backend>``: ``load_runner(CKPT, device="cuda", backend=<backend>)``, then
-  ``GraphDecoder(runner.model, batch, max_len)`` (one CUDA-graph replay per step), timed with CUDA
-  events. Without runtime/graph_decode.py it falls back to ``Runner.step`` (eager, mode "runner").
+- ``ours:<backend>``: ``load_runner(CKPT, device="cuda", backend=<backend>)``, then ``Runner.step``
+  per decode step as the server runs it (paged KV cache, the CUDA graph of the batch bucket replayed,
+  greedy tokens back to the host), timed with CUDA events.
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -236,24 +236,16 @@ def run_ours(ckpt: str, backend: str, batches: list[int], a) -> list[dict]:
     impl = f"ours:{backend}"
     t0 = time.perf_counter()
     runner = load_runner(ckpt, device="cuda", backend=backend, max_context=a.max_len,
-                         max_cache_tokens=max(batches) * a.max_len)
+                         max_cache_tokens=max(batches) * a.max_len, max_num_seqs=max(batches))
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    print(f"[{impl}] loaded in {load_s:.2f} s", flush=True)
-    try:
-        from exl3tools.runtime.graph_decode import GraphDecoder
-    except ImportError as exc:
-        GraphDecoder = None
-        print(f"[{impl}] runtime/graph_decode.py not importable ({exc}); timing Runner.step instead", flush=True)
+    print(f"[{impl}] loaded in {load_s:.2f} s, decode {runner.decode_mode}", flush=True)
     rows = []
     for B in batches:
         prompts = make_prompts(B, a.prompt_len, runner.vocab_size)
         row = {"impl": impl, "batch": B, "steps": a.steps, "load_s": round(load_s, 3)}
         try:
-            if GraphDecoder is not None:
-                _ours_graph(GraphDecoder, runner, prompts, a, row)
-            else:
-                _ours_runner(runner, prompts, a, row)
+            _ours_runner(runner, prompts, a, row)
             row["tokens_per_s"] = B * 1e3 / row["ms_per_step"]
         except Exception as exc:  # noqa: BLE001 - one failing impl must not lose the others
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
@@ -263,27 +255,6 @@ def run_ours(ckpt: str, backend: str, batches: list[int], a) -> list[dict]:
     del runner
     _free()
     return rows
-
-
-def _ours_graph(GraphDecoder, runner, prompts, a, row) -> None:
-    import torch
-
-    row["mode"] = "graph"
-    dec = GraphDecoder(runner.model, len(prompts), a.max_len)
-    t = time.perf_counter()
-    state = {"tok": dec.prefill(prompts).argmax(-1)}
-    torch.cuda.synchronize()
-    row["prefill_ms"] = 1e3 * (time.perf_counter() - t)
-    if hasattr(dec, "kv_bytes"):   # its static cache is read whole every step; not in the weight bytes
-        row["kv_cache_bytes"] = int(dec.kv_bytes())
-
-    def step():
-        state["tok"] = dec.step(state["tok"]).argmax(-1)
-    for _ in range(a.warmup):
-        step()
-    row["ms_per_step"] = _time_cuda(step, a.steps)
-    if getattr(a, "profile", 0):
-        _profile(step, a.profile, f"{row['impl']} batch {len(prompts)}")
 
 
 def _profile(step, n: int, title: str) -> None:
@@ -302,21 +273,29 @@ def _profile(step, n: int, title: str) -> None:
 
 
 def _ours_runner(runner, prompts, a, row) -> None:
-    """Fallback without graph_decode: Runner.step (eager, logits come back to the CPU each step)."""
-    row["mode"] = "runner"
+    """What the server runs: Runner.step over the paged cache (decode steps replay the CUDA graph of
+    their batch bucket), logits kept on the device, greedy tokens back to the host every step."""
+    import torch
+
+    row["mode"] = f"paged-{runner.decode_mode}"
     ids = list(range(len(prompts)))
     for s in ids:
         runner.add_sequence(s)
     try:
         t = time.perf_counter()
-        state = {"tok": runner.step(list(zip(ids, prompts, strict=True))).argmax(-1).tolist()}
+        state = {"tok": runner.step(list(zip(ids, prompts, strict=True)), device_logits=True).argmax(-1).tolist()}
+        torch.cuda.synchronize()
         row["prefill_ms"] = 1e3 * (time.perf_counter() - t)
+        row["kv_cache_bytes"] = int(runner.kv_bytes)
 
         def step():
-            state["tok"] = runner.step([(s, [t]) for s, t in zip(ids, state["tok"], strict=True)]).argmax(-1).tolist()
+            logits = runner.step([(s, [t]) for s, t in zip(ids, state["tok"], strict=True)], device_logits=True)
+            state["tok"] = logits.argmax(-1).tolist()
         for _ in range(a.warmup):
             step()
         row["ms_per_step"] = _time_cuda(step, a.steps)
+        if getattr(a, "profile", 0):
+            _profile(step, a.profile, f"{row['impl']} batch {len(prompts)}")
     finally:
         for s in ids:
             runner.free_sequence(s)
