@@ -301,13 +301,28 @@ def _ours_runner(runner, prompts, a, row) -> None:
             runner.free_sequence(s)
 
 
-def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
+def load_exllamav3(ckpt: str, max_num_tokens: int, n_caches: int = 1, device: str = "cuda:0"):
+    """exllamav3 as its examples load it: Config.from_directory, Model.from_config, ``n_caches`` caches
+    of ``max_num_tokens`` (multiple of its 256-token page; they must exist before load), model.load,
+    Tokenizer. Returns (config, model, caches, tokenizer, load seconds). bench/gpu_serve.py uses it too."""
     import torch
+    from exllamav3 import Cache, Config, Model, Tokenizer
 
+    t0 = time.perf_counter()
+    config = Config.from_directory(ckpt)
+    model = Model.from_config(config)
+    caches = [Cache(model, max_num_tokens=max_num_tokens) for _ in range(n_caches)]
+    model.load(device=device, progressbar=False)
+    tokenizer = Tokenizer.from_config(config)
+    torch.cuda.synchronize()
+    return config, model, caches, tokenizer, time.perf_counter() - t0
+
+
+def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
     try:
         import importlib.metadata
 
-        from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
+        from exllamav3 import ArgmaxSampler, Generator, Job
         version = importlib.metadata.version("exllamav3")
     except Exception as exc:  # noqa: BLE001 - ImportError, OSError (no CUDA_HOME), build failures
         msg = f"exllamav3 not usable here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -315,15 +330,8 @@ def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
         return [{"impl": "exllamav3", "mode": m, "batch": B, "error": msg[:160]}
                 for B in batches for m in a.exl3_modes]
     print(f"[exllamav3] version {version}", flush=True)
-    t0 = time.perf_counter()
-    config = Config.from_directory(ckpt)
-    model = Model.from_config(config)
-    ntok = max(batches) * a.max_len
-    caches = {m: Cache(model, max_num_tokens=ntok) for m in a.exl3_modes}   # caches exist before load
-    model.load(device="cuda:0", progressbar=False)
-    tokenizer = Tokenizer.from_config(config)
-    torch.cuda.synchronize()
-    load_s = time.perf_counter() - t0
+    config, model, cache_list, tokenizer, load_s = load_exllamav3(ckpt, max(batches) * a.max_len, len(a.exl3_modes))
+    caches = dict(zip(a.exl3_modes, cache_list, strict=True))
     print(f"[exllamav3] loaded in {load_s:.2f} s", flush=True)
     V = config.vocab_size
     gen = Generator(model=model, cache=caches["generator"], tokenizer=tokenizer) if "generator" in caches else None
@@ -347,7 +355,7 @@ def run_exllamav3(ckpt: str, batches: list[int], a) -> list[dict]:
         model.unload()
     except Exception as exc:  # noqa: BLE001 - the rows are measured already
         print(f"[exllamav3] unload: {exc}", flush=True)
-    del model, caches
+    del model, caches, cache_list
     _free()
     return rows
 

@@ -1,0 +1,877 @@
+"""Serving benchmark as a user sees it: `exl3tools serve` through the official openai client, next to
+exllamav3's Generator on the same checkpoint, in the same run.
+
+    python3 bench/gpu_serve.py CKPT [--device cuda] [--config NAME:ARGS ...] [--tokens 128] [--repeats 3]
+        [--streams 8,32] [--prompt-len 2048] [--ctx 4096] [--ctx-streams 1,8] [--exllamav3 auto|on|off]
+        [--json OUT.json] [--out DIR]
+
+Per ``--config NAME:ARGS`` (default ``ml32k:--max-context 32768``) the real server runs as a
+subprocess (``exl3tools serve CKPT --device DEV --host 127.0.0.1 --port FREE ARGS``, log in
+``--out``), is waited for (GET /health 200), measured, and stopped (SIGINT, then SIGTERM, then kill)
+before the next one. Every request is a streamed completion of token-id prompts at temperature 0 with
+``ignore_eos`` (so it yields exactly ``max_tokens`` tokens) and ``return_token_ids`` (one chunk per
+token event, counted from the ids and checked against the usage chunk); prompts are
+``gpu_e2e_model.make_prompts`` (BOS then random valid ids, fixed seeds, distinct per stream and phase).
+Before timing (unless ``--no-warmup``): 8-token completions at every batch size used, one long prefill.
+
+1. one stream of ``--tokens`` from a 32-token prompt, ``--repeats`` times: decode tok/s =
+   (tokens after the first) / (first -> last token), TTFT; medians;
+2. N concurrent streams for N in ``--streams``: aggregate tok/s = all tokens / (first request sent ->
+   last token), and the median per-stream decode tok/s;
+3. TTFT of ``--prompt-len`` prompts, max_tokens 1: median of ``--ttft-prompts`` distinct prompts (cold)
+   and of the same prompts sent again (prefix-cache hit, where the engine has one);
+4. decode with ``--ctx``-token prompts for N in ``--ctx-streams``: tokens produced while every stream
+   is past its prefill and none has finished, over that window (prefill excluded; falls back to
+   tokens after each stream's first over first first token -> last token when the window holds
+   fewer than 2 tokens per stream); one stream: ``--repeats`` times, median;
+5. memory: nvidia-smi's per-process figure for the server's process tree (else the change of the
+   GPUs' total used memory since the script started), or peak RSS without nvidia-smi, sampled after
+   every phase (max); GET /metrics once (the kv / cache / prefix / preempt lines) and GET
+   /v1/engine/stats (KV budget, preemptions per phase).
+
+exllamav3 (``--exllamav3 auto``: when it imports and the device is CUDA) runs after the servers are
+stopped, in this process: ``gpu_e2e_model.load_exllamav3`` with one cache of
+max(streams) x (longest prompt + tokens) tokens (rounded up to its 256-token page), its
+``Generator`` with one ``Job`` per stream (``ArgmaxSampler``, no stop conditions, the same token ids),
+timed per ``iterate()`` the same way; memory both by the same nvidia-smi method and
+torch.cuda.max_memory_allocated.
+
+The tables come last: one row per config plus exllamav3, then ours/exllamav3 per column. ``--json``
+writes every raw number (rewritten after each phase, so a killed run keeps what it measured).
+Exit status: 0; 1 when a server died or a phase failed (its log's tail is printed; the other configs
+still run); 2 on bad usage; 130 on SIGINT/SIGTERM (after stopping the server and printing the tables).
+CPU smoke test: tests/test_bench_gpu_serve.py (``--device cpu`` on ``synth_checkpoint.py --small``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_serve import free_port  # noqa: E402
+from gpu_e2e_model import make_prompts, parse_ints  # noqa: E402
+
+PAGE = 256                       # exllamav3's cache page, tokens
+SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51}
+DEFAULT_CONFIG = "ml32k:--max-context 32768"
+RESERVED_ARGS = ("--port", "--host", "--device")
+
+
+class BenchError(RuntimeError):
+    """A phase failed; the message says which and why."""
+
+
+class ServerDied(BenchError):
+    pass
+
+
+# ------------------------------------------------------------------ pure helpers (CPU-tested)
+def parse_config(s: str) -> tuple[str, list[str]]:
+    """``NAME:ARGS`` -> (NAME, shlex-split ARGS). Port, host and device belong to the script."""
+    name, sep, rest = s.partition(":")
+    name = name.strip()
+    if not sep or not name or any(c in name for c in " /|"):
+        raise argparse.ArgumentTypeError(f"--config takes NAME:ARGS, e.g. 'ml32k:--max-context 32768': {s!r}")
+    args = shlex.split(rest)
+    for x in args:
+        if x.split("=", 1)[0] in RESERVED_ARGS:
+            raise argparse.ArgumentTypeError(f"--config {name}: {x.split('=', 1)[0]} is set by the script")
+    return name, args
+
+
+def api_key_of(args: list[str]) -> str | None:
+    for i, x in enumerate(args):
+        if x == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if x.startswith("--api-key="):
+            return x.split("=", 1)[1]
+    return None
+
+
+def round_pages(n: int, page: int = PAGE) -> int:
+    return -(-n // page) * page
+
+
+@dataclass
+class Stream:
+    """One request: when it was sent, and (arrival time, tokens) per chunk that carried tokens."""
+    t_send: float
+    events: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(k for _, k in self.events)
+
+
+def stream_stats(s: Stream) -> dict:
+    t_first, t_last = s.events[0][0], s.events[-1][0]
+    after = s.tokens - s.events[0][1]
+    dt = t_last - t_first
+    return {"tokens": s.tokens, "ttft_ms": 1e3 * (t_first - s.t_send), "total_ms": 1e3 * (t_last - s.t_send),
+            "decode_tok_s": after / dt if dt > 0 and after > 0 else None}
+
+
+def group_stats(streams: list[Stream]) -> dict:
+    """Aggregate figures of streams sent together (see the module docstring, points 2 and 4)."""
+    per = [stream_stats(s) for s in streams]
+    t0 = min(s.t_send for s in streams)
+    firsts = [s.events[0][0] for s in streams]
+    lasts = [s.events[-1][0] for s in streams]
+    total = sum(s.tokens for s in streams)
+    wall = max(lasts) - t0
+    out = {"streams": len(streams), "tokens": total, "wall_s": wall,
+           "tok_s": total / wall if wall > 0 else None,
+           "per_stream_decode_tok_s_median": _median([p["decode_tok_s"] for p in per]),
+           "ttft_ms_median": _median([p["ttft_ms"] for p in per]),
+           "ttft_ms_max": max(p["ttft_ms"] for p in per)}
+    after = sum(s.tokens - s.events[0][1] for s in streams)
+    span = max(lasts) - min(firsts)
+    out["decode_after_first_tok_s"] = after / span if span > 0 and after > 0 else None
+    a, b = max(firsts), min(lasts)                 # every stream is decoding in (a, b]
+    n = sum(k for s in streams for t, k in s.events if a < t <= b)
+    out["steady_window_s"] = max(0.0, b - a)
+    out["steady_tok_s"] = n / (b - a) if b > a and n > 0 else None
+    if out["steady_tok_s"] is not None and n >= 2 * len(streams):
+        out["decode_tok_s"], out["decode_method"] = out["steady_tok_s"], "steady window"
+    else:
+        out["decode_tok_s"], out["decode_method"] = out["decode_after_first_tok_s"], "after first tokens"
+    out["per_stream"] = per
+    return out
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def columns(a) -> list[tuple[str, str]]:
+    """(summary key, table header) in table order."""
+    cols = [("single_tok_s", "1 stream tok/s")]
+    cols += [(f"streams_{n}_tok_s", f"{n} streams") for n in a.streams]
+    cols += [(f"ctx_{n}_tok_s", f"{n} stream{'s' if n > 1 else ''} @ctx{a.ctx}") for n in a.ctx_streams]
+    cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
+             ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
+    return cols
+
+
+def summarize(res: dict) -> dict:
+    """The table's numbers from one measurement (ours or exllamav3)."""
+    out = {}
+    if "single" in res:
+        out["single_tok_s"] = res["single"]["decode_tok_s"]
+        out["single_ttft_ms"] = res["single"]["ttft_ms"]
+    for n, g in res.get("streams", {}).items():
+        out[f"streams_{n}_tok_s"] = g["tok_s"]
+        out[f"streams_{n}_per_stream_tok_s"] = g["per_stream_decode_tok_s_median"]
+    for n, g in res.get("ctx", {}).items():
+        out[f"ctx_{n}_tok_s"] = g["decode_tok_s"]
+    if "ttft" in res:
+        out["ttft_cold_ms"] = res["ttft"]["cold_ms"]
+        out["ttft_hit_ms"] = res["ttft"]["hit_ms"]
+    if res.get("memory"):
+        out["mem_gb"] = res["memory"]["gb"]
+    return out
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
+    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |",
+           "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+    out += ["| " + " | ".join(r[i].ljust(w[i]) for i in range(len(head))) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _fmt(x, key: str) -> str:
+    if x is None:
+        return "-"
+    if key == "mem_gb":
+        return f"{x:.2f}"
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def tables(a, named: list[tuple[str, dict | None]], ref: dict | None) -> str:
+    """Results table (one row per config, then exllamav3), then ours/exllamav3 per column."""
+    cols = columns(a)
+    head = ["config"] + [h for _, h in cols]
+    rows = [[name] + [_fmt((s or {}).get(k), k) for k, _ in cols] for name, s in named]
+    ratio_rows = []
+    for name, s in named:
+        if name == "exllamav3":
+            continue
+        cells = []
+        for k, _ in cols:
+            x, y = (s or {}).get(k), (ref or {}).get(k)
+            cells.append(f"{x / y:.2f}x" if x is not None and y else "-")
+        ratio_rows.append([name] + cells)
+    return (md_table(head, rows) + "\n\nours / exllamav3 (tok/s: > 1 is faster; TTFT and memory: < 1 is less)\n\n"
+            + md_table(head, ratio_rows))
+
+
+# ------------------------------------------------------------------ the measurement plan (both engines)
+def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print) -> dict:
+    """Phases 1-4 through ``run(prompts, max_tokens) -> list[Stream]`` (one stream per prompt, sent
+    together), filling ``res``. ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON."""
+    res = {} if res is None else res
+    S, T = a.short_prompt_len, a.tokens
+    if a.warmup:
+        t = time.perf_counter()
+        run(make_prompts(1, S, vocab, SEEDS["warmup"]), min(T, 8))
+        for n in sorted(set(a.streams + a.ctx_streams)):
+            run(make_prompts(n, S, vocab, SEEDS["warmup"] + n), min(T, 8))
+        run(make_prompts(1, a.prompt_len, vocab, SEEDS["warmup"] - 1), 1)     # a long prefill's first call
+        res["warmup_s"] = time.perf_counter() - t
+        after_phase("warmup", res)
+
+    prompt = make_prompts(1, S, vocab, SEEDS["single"])
+    runs = [stream_stats(run(prompt, T)[0]) for _ in range(a.repeats)]
+    res["single"] = {"runs": runs, "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
+                     "ttft_ms": _median([r["ttft_ms"] for r in runs])}
+    log(f"  1 stream: {res['single']['decode_tok_s']:.1f} tok/s decode, TTFT {res['single']['ttft_ms']:.1f} ms")
+    after_phase("single", res)
+
+    res["streams"] = {}
+    for n in a.streams:
+        g = group_stats(run(make_prompts(n, S, vocab, SEEDS["streams"] + n), T))
+        res["streams"][n] = g
+        log(f"  {n} streams: {g['tok_s']:.1f} tok/s aggregate, {g['per_stream_decode_tok_s_median'] or 0:.1f} "
+            f"tok/s per stream (median), TTFT median {g['ttft_ms_median']:.1f} ms")
+        after_phase(f"streams_{n}", res)
+
+    prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
+    cold = [stream_stats(run([p], 1)[0])["ttft_ms"] for p in prompts]
+    hit = [stream_stats(run([p], 1)[0])["ttft_ms"] for p in prompts]
+    res["ttft"] = {"prompt_len": a.prompt_len, "cold_runs_ms": cold, "hit_runs_ms": hit,
+                   "cold_ms": statistics.median(cold), "hit_ms": statistics.median(hit)}
+    log(f"  TTFT {a.prompt_len}: cold {res['ttft']['cold_ms']:.1f} ms, again {res['ttft']['hit_ms']:.1f} ms")
+    after_phase("ttft", res)
+
+    res["ctx"] = {}
+    for n in a.ctx_streams:
+        ps = make_prompts(n, a.ctx, vocab, SEEDS["ctx"] + n)
+        reps = a.repeats if n == 1 else 1
+        groups = [group_stats(run(ps, T)) for _ in range(reps)]
+        g = dict(groups[-1])
+        if reps > 1:
+            g["repeats"] = [x["decode_tok_s"] for x in groups]
+            g["decode_tok_s"] = _median(g["repeats"])
+        res["ctx"][n] = g
+        log(f"  {n} stream{'s' if n > 1 else ''} @ctx{a.ctx}: {g['decode_tok_s'] or 0:.1f} tok/s decode ({g['decode_method']}), "
+            f"TTFT median {g['ttft_ms_median']:.0f} ms")
+        after_phase(f"ctx_{n}", res)
+    return res
+
+
+def check_streams(streams: list[Stream], max_tokens: int, usage: list[int | None] | None = None,
+                  slack: int = 0) -> None:
+    """Each stream brought max_tokens tokens (± slack), as its usage says."""
+    for i, s in enumerate(streams):
+        if not s.events or abs(s.tokens - max_tokens) > slack:
+            raise BenchError(f"stream {i} produced {s.tokens} tokens, expected {max_tokens}")
+        if usage is not None and usage[i] is not None and usage[i] != max_tokens:
+            raise BenchError(f"stream {i}: usage says {usage[i]} completion tokens, expected {max_tokens}")
+
+
+# ------------------------------------------------------------------ memory
+def _run_quiet(cmd: list[str], timeout: float = 20) -> str | None:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (tensor-parallel workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo and len(out) < 4096:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def gpu_total_used_mib() -> float | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    txt = _run_quiet(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
+    try:
+        return sum(float(x) for x in txt.split()) if txt else None
+    except ValueError:
+        return None
+
+
+def gpu_proc_mib(pids: list[int]) -> float | None:
+    """Summed used_memory of these pids over all GPUs (None: nvidia-smi absent or no pid matched, as
+    inside a container with its own pid namespace)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    txt = _run_quiet(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
+    if txt is None:
+        return None
+    want, total, hit = set(pids), 0.0, False
+    for line in txt.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in want:
+            try:
+                total += float(parts[1])
+                hit = True
+            except ValueError:
+                pass
+    return total if hit else None
+
+
+def rss_peak_bytes(pids: list[int]) -> int:
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def memory_sample(pid: int, baseline_mib: float | None) -> dict:
+    pids = process_tree(pid)
+    mib = gpu_proc_mib(pids)
+    if mib is not None:
+        return {"gb": mib * 2**20 / 1e9, "source": "nvidia-smi per process", "pids": pids}
+    used = gpu_total_used_mib()
+    if used is not None and baseline_mib is not None:
+        return {"gb": max(0.0, used - baseline_mib) * 2**20 / 1e9, "source": "nvidia-smi total used - baseline",
+                "pids": pids}
+    return {"gb": rss_peak_bytes(pids) / 1e9, "source": "peak RSS (VmHWM)", "pids": pids}
+
+
+def keep_max_memory(res: dict, sample: dict) -> None:
+    old = res.get("memory")
+    if old is None or sample["gb"] > old["gb"]:
+        res["memory"] = sample
+
+
+# ------------------------------------------------------------------ our server
+class Server:
+    def __init__(self, a, name: str, args: list[str], out: Path) -> None:
+        self.name, self.args, self.port = name, args, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.key = api_key_of(args)
+        self.log_path = out / f"serve_{name}.log"
+        self.cmd = serve_command(a.ckpt, a.device, self.port, args)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        with open(self.log_path, "wb") as log:
+            log.write((shlex.join(self.cmd) + "\n").encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raise ServerDied if it exited (waiting up to ``grace`` s: a connection error can reach the
+        client before the dying process can be reaped)."""
+        if self.proc is not None and grace > 0:
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if not self.alive():
+            raise ServerDied(f"server {self.name} exited with status {self.proc.returncode}")
+
+    def wait_ready(self, timeout: float) -> float:
+        import httpx
+
+        t0 = time.monotonic()
+        with httpx.Client(trust_env=False, timeout=5) as c:
+            while True:
+                self.check_alive()
+                try:
+                    if c.get(f"{self.url}/health").status_code == 200:
+                        return time.monotonic() - t0
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - t0 > timeout:
+                    raise BenchError(f"server {self.name}: /health not 200 after {timeout:.0f} s")
+                time.sleep(0.25)
+
+    def get(self, path: str, timeout: float = 30):
+        import httpx
+
+        with httpx.Client(trust_env=False, timeout=timeout) as c:
+            return c.get(f"{self.url}{path}", headers=self.headers())
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGINT (clean shutdown), then SIGTERM, then SIGKILL of its process group."""
+        p = self.proc
+        if p is None:
+            return None
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if p.poll() is not None:
+                break
+            try:
+                if sig == signal.SIGKILL:
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)
+                p.wait(wait)
+            except subprocess.TimeoutExpired:
+                print(f"[{self.name}] still running {wait:.0f} s after {sig.name}", flush=True)
+            except ProcessLookupError:
+                break
+        try:                                   # leftovers of its group (tensor-parallel workers)
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return p.returncode
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+
+def serve_command(ckpt: str, device: str, port: int, args: list[str]) -> list[str]:
+    """``python -m exl3tools.cli serve`` when exl3tools.cli imports (installed, or linked as
+    bench/gpu_all.sh does); else the same through a bootstrap that maps exl3tools.cli/kernels/schemas
+    to the repo's top-level folders, as pyproject's package-dir does."""
+    import importlib.util
+
+    tail = ["serve", ckpt, "--device", device, "--host", "127.0.0.1", "--port", str(port), *args]
+    try:
+        ok = importlib.util.find_spec("exl3tools.cli") is not None
+    except ImportError:
+        ok = False
+    if ok:
+        return [sys.executable, "-m", "exl3tools.cli", *tail]
+    boot = (f"import sys, exl3tools; exl3tools.__path__.append({str(REPO)!r}); "
+            "sys.argv[0] = 'exl3tools'; from exl3tools.cli import main; main()")
+    return [sys.executable, "-c", boot, *tail]
+
+
+def scrape_metrics(text: str) -> list[str]:
+    keys = ("kv", "cache", "prefix", "preempt")
+    return [ln for ln in text.splitlines() if ln and not ln.startswith("#") and "_created" not in ln
+            and any(k in ln.lower() for k in keys)]
+
+
+def budget_notes(a, name: str, stats: dict | None, max_model_len: int | None) -> list[str]:
+    notes = []
+    need = {f"{n} streams": n * (a.short_prompt_len + a.tokens) for n in a.streams}
+    need |= {f"{n} stream(s) @ctx{a.ctx}": n * (a.ctx + a.tokens) for n in a.ctx_streams}
+    budget = (stats or {}).get("cache_tokens_budget")
+    if budget:
+        for case, k in need.items():
+            if k > budget:
+                notes.append(f"{name}: {case} needs {k} KV tokens > the server's budget {budget}: it queues or "
+                             "preempts (raise --max-cache-tokens)")
+    if max_model_len and max(a.ctx, a.prompt_len) + a.tokens > max_model_len:
+        notes.append(f"{name}: max_model_len {max_model_len} < {max(a.ctx, a.prompt_len) + a.tokens}")
+    return notes
+
+
+def run_server_config(a, name: str, args: list[str], report: dict, baseline_mib, save) -> dict:
+    """Start, measure and stop one server; its entry is in report["configs"] from the start, so what
+    a failed or interrupted run measured is saved and printed too."""
+    entry: dict = {"name": name, "args": args, "results": {"phases": {}}}
+    report["configs"].append(entry)
+    notes = report["notes"]
+    srv = Server(a, name, args, a.out)
+    entry.update(command=srv.cmd, log=str(srv.log_path), port=srv.port)
+    print(f"[{name}] {shlex.join(srv.cmd)}", flush=True)
+    print(f"[{name}] log: {srv.log_path}", flush=True)
+    srv.start()
+    try:
+        entry["ready_s"] = srv.wait_ready(a.ready_timeout)
+        print(f"[{name}] ready after {entry['ready_s']:.1f} s", flush=True)
+        _measure_server(a, srv, entry, baseline_mib, save, notes)
+    except (Exception, KeyboardInterrupt) as exc:
+        try:
+            srv.check_alive(grace=0 if isinstance(exc, ServerDied) else 1.0)
+            died = False
+        except ServerDied:
+            died = True
+        msg = f"{type(exc).__name__}: {exc}"
+        if died and not isinstance(exc, ServerDied):
+            msg = f"server exited with status {srv.proc.returncode} ({msg})"
+        if isinstance(exc, KeyboardInterrupt):
+            entry["error"] = "interrupted (SIGINT/SIGTERM)"
+            print(f"[{name}] interrupted", flush=True)
+        else:
+            entry["error"] = msg
+            print(f"[{name}] FAILED: {msg}\n[{name}] last lines of {srv.log_path}:\n{srv.log_tail()}", flush=True)
+        if isinstance(exc, KeyboardInterrupt):
+            entry["stop_status"] = srv.stop(a.stop_timeout)
+            raise
+    finally:
+        entry["summary"] = summarize(entry["results"])
+        if "stop_status" not in entry:
+            t = time.perf_counter()
+            entry["stop_status"] = srv.stop(a.stop_timeout)
+            print(f"[{name}] stopped (status {entry['stop_status']}, {time.perf_counter() - t:.1f} s)", flush=True)
+    return entry
+
+
+def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list[str]) -> None:
+    import httpx
+    from openai import AsyncOpenAI
+
+    loop = asyncio.new_event_loop()
+    n_conn = max(a.streams + a.ctx_streams) + 8
+    http = httpx.AsyncClient(trust_env=False, timeout=a.request_timeout,
+                             limits=httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn))
+    client = AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=srv.key or "unused", http_client=http,
+                         max_retries=0, timeout=a.request_timeout)
+    res = entry["results"]
+    try:
+        models = loop.run_until_complete(asyncio.wait_for(client.models.list(), 60))
+        card = models.data[0]
+        model = card.id
+        entry["model"] = model
+        entry["max_model_len"] = getattr(card, "max_model_len", None)
+        stats0 = _engine_stats(srv)
+        entry["engine_stats_start"] = stats0
+        for n in budget_notes(a, srv.name, stats0, entry["max_model_len"]):
+            print(f"[{srv.name}] note: {n}", flush=True)
+            notes.append(n)
+
+        async def one(prompt: list[int], max_tokens: int) -> tuple[Stream, int | None]:
+            s = Stream(time.perf_counter())
+            usage = None
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+                for c in chunk.choices:
+                    ids = getattr(c, "token_ids", None)
+                    k = len(ids) if ids is not None else (1 if c.text else 0)
+                    if k:
+                        s.events.append((now, k))
+                if len(s.events) > max_tokens + 8:
+                    raise BenchError(f"more than {max_tokens} token chunks in one stream")
+            return s, usage
+
+        def run(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+            async def all_() -> list:
+                got = await asyncio.gather(*(one(p, max_tokens) for p in prompts), return_exceptions=True)
+                for g in got:
+                    if isinstance(g, BaseException):
+                        raise g
+                return got
+            srv.check_alive()
+            try:
+                got = loop.run_until_complete(asyncio.wait_for(all_(), a.request_timeout))
+            except asyncio.TimeoutError as exc:
+                raise BenchError(f"{len(prompts)} request(s) not done after {a.request_timeout:.0f} s") from exc
+            except Exception:
+                srv.check_alive(grace=3.0)       # a dead server says so rather than a connection error
+                raise
+            streams = [g[0] for g in got]
+            check_streams(streams, max_tokens, [g[1] for g in got])
+            return streams
+
+        pre = {"preempted": (stats0 or {}).get("preempted_total")}
+
+        def after_phase(phase: str, r: dict) -> None:
+            srv.check_alive()
+            keep_max_memory(r, memory_sample(srv.proc.pid, baseline_mib))
+            st = _engine_stats(srv)
+            p = (st or {}).get("preempted_total")
+            ph = {"t": time.perf_counter(), "memory_gb": r["memory"]["gb"]}
+            if p is not None and pre["preempted"] is not None:
+                ph["preempted"] = p - pre["preempted"]
+                if ph["preempted"]:
+                    notes.append(f"{srv.name}: {ph['preempted']} sequence(s) preempted during {phase}")
+                pre["preempted"] = p
+            res["phases"][phase] = ph
+            save()
+
+        measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True))
+        res["engine_stats_end"] = _engine_stats(srv)
+        try:
+            r = srv.get("/metrics")
+            res["metrics"] = scrape_metrics(r.text) if r.status_code == 200 else [f"HTTP {r.status_code}"]
+        except Exception as exc:  # noqa: BLE001 - a missing endpoint must not lose the numbers
+            res["metrics"] = [f"{type(exc).__name__}: {exc}"]
+        mem = res["memory"]
+        print(f"[{srv.name}] memory {mem['gb']:.2f} GB ({mem['source']}); metrics: {res['metrics']}", flush=True)
+    finally:
+        try:                                    # an interrupted batch leaves tasks behind: end them quietly
+            pending = asyncio.all_tasks(loop)
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=10))
+            loop.run_until_complete(asyncio.wait_for(client.close(), 10))
+        except Exception:  # noqa: BLE001
+            pass
+        loop.close()
+
+
+def _engine_stats(srv: Server) -> dict | None:
+    try:
+        r = srv.get("/v1/engine/stats")
+        return r.json() if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - an optional endpoint
+        return None
+
+
+# ------------------------------------------------------------------ exllamav3
+def exllamav3_usable(a) -> tuple[bool, str]:
+    if not a.device.startswith("cuda"):
+        return False, f"device {a.device} is not CUDA"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "torch.cuda is not available"
+        import exllamav3  # noqa: F401 - may JIT-build its extension (minutes) without a prebuilt one
+    except Exception as exc:  # noqa: BLE001 - ImportError, OSError (no CUDA_HOME), build failures
+        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return True, ""
+
+
+def exllamav3_cache_tokens(a) -> int:
+    longest = max(a.ctx, a.prompt_len, a.short_prompt_len)
+    return round_pages(max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens))
+
+
+def run_exllamav3_side(a, report: dict, baseline_mib, save) -> dict:
+    """exllamav3's Generator through the same plan, in this process; report["exllamav3"] from the start."""
+    import importlib.metadata
+
+    import torch
+    from exllamav3 import ArgmaxSampler, Generator, Job
+    from gpu_e2e_model import _free, load_exllamav3
+
+    try:
+        version = importlib.metadata.version("exllamav3")
+    except importlib.metadata.PackageNotFoundError:     # on PYTHONPATH without its metadata
+        version = getattr(sys.modules["exllamav3"], "__version__", "unknown")
+    res: dict = {"phases": {}}
+    entry: dict = {"name": "exllamav3", "version": version, "results": res}
+    report["exllamav3"] = entry
+    notes = report["notes"]
+    dev = a.device if ":" in a.device else "cuda:0"
+    torch.cuda.set_device(torch.device(dev))
+    torch.cuda.reset_peak_memory_stats()
+    ntok = exllamav3_cache_tokens(a)
+    entry["cache_tokens"] = ntok
+    print(f"[exllamav3] {entry['version']}: loading with a {ntok}-token cache on {dev}", flush=True)
+    config, model, caches, tokenizer, load_s = load_exllamav3(a.ckpt, ntok, 1, dev)
+    entry["load_s"] = load_s
+    print(f"[exllamav3] loaded in {load_s:.1f} s", flush=True)
+    gen = Generator(model=model, cache=caches[0], tokenizer=tokenizer)
+    serial = [0]
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+        streams, ids = [], {}
+        for p in prompts:
+            serial[0] += 1
+            ids[serial[0]] = len(streams)
+            streams.append(Stream(time.perf_counter()))
+            gen.enqueue(Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_tokens,
+                            sampler=ArgmaxSampler(), stop_conditions=None, identifier=serial[0]))
+        deadline = time.monotonic() + a.request_timeout
+        its, max_its = 0, 4 * (len(prompts) * max_tokens + sum(map(len, prompts))) + 1000   # bounded loop
+        while gen.num_remaining_jobs():
+            results = gen.iterate()
+            now = time.perf_counter()
+            for r in results:
+                if r.get("stage") != "streaming" or r.get("identifier") not in ids:
+                    continue
+                t = r.get("token_ids")
+                k = int(t.numel()) if t is not None else 0
+                if k:
+                    streams[ids[r["identifier"]]].events.append((now, k))
+            its += 1
+            if time.monotonic() > deadline or its > max_its:
+                raise BenchError(f"exllamav3: {gen.num_remaining_jobs()} job(s) not done after "
+                                 f"{a.request_timeout:.0f} s / {its} iterations")
+        check_streams(streams, max_tokens, slack=1)      # its max_new_tokens may count the prefill's token
+        return streams
+
+    def after_phase(phase: str, r: dict) -> None:
+        torch.cuda.synchronize()
+        keep_max_memory(r, memory_sample(os.getpid(), baseline_mib))
+        r["phases"][phase] = {"t": time.perf_counter(), "memory_gb": r["memory"]["gb"]}
+        save()
+
+    try:
+        measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[exllamav3]{m}", flush=True))
+        res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        res["max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+        notes.append(f"exllamav3 {entry['version']}: torch.cuda.max_memory_allocated "
+                     f"{res['max_memory_allocated_gb']:.2f} GB, reserved {res['max_memory_reserved_gb']:.2f} GB "
+                     f"(table: {res['memory']['source']}, {ntok}-token cache)")
+    finally:
+        entry["summary"] = summarize(res)
+        gen = None                              # noqa: F841 - run() holds the generator's cell
+        try:
+            model.unload()
+        except Exception as exc:  # noqa: BLE001 - the numbers are measured already
+            print(f"[exllamav3] unload: {exc}", flush=True)
+        del model, caches
+        _free()
+    return entry
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ckpt")
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (for the servers and exllamav3)")
+    ap.add_argument("--config", dest="configs", action="append", type=parse_config, default=None,
+                    metavar="NAME:ARGS", help=f"server configuration, repeatable (default {DEFAULT_CONFIG!r})")
+    ap.add_argument("--tokens", type=int, default=128, help="completion tokens per stream")
+    ap.add_argument("--repeats", type=int, default=3, help="single-stream repeats (median)")
+    ap.add_argument("--streams", type=parse_ints, default=[8, 32], help="concurrent streams, e.g. 8,32")
+    ap.add_argument("--short-prompt-len", type=int, default=32, help="prompt tokens of the decode phases")
+    ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens of the TTFT phase")
+    ap.add_argument("--ttft-prompts", type=int, default=3, help="distinct cold TTFT prompts (median)")
+    ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens of the long-context decode phase")
+    ap.add_argument("--ctx-streams", type=parse_ints, default=[1, 8])
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the warm-up requests (each batch size, one long prefill) before timing")
+    ap.add_argument("--exllamav3", choices=("auto", "on", "off"), default="auto",
+                    help="auto: when exllamav3 imports and the device is CUDA")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("out/gpu_serve"), help="server logs")
+    ap.add_argument("--ready-timeout", type=float, default=600, help="seconds until /health is 200")
+    ap.add_argument("--request-timeout", type=float, default=600, help="seconds for one batch of requests")
+    ap.add_argument("--stop-timeout", type=float, default=30, help="seconds after SIGINT before SIGTERM")
+    a = ap.parse_args(argv)
+    a.configs = a.configs or [parse_config(DEFAULT_CONFIG)]
+    names = [n for n, _ in a.configs]
+    if len(set(names)) != len(names) or "exllamav3" in names:
+        ap.error("config names must be distinct and not 'exllamav3'")
+    if min(a.tokens, a.repeats, a.short_prompt_len, a.prompt_len, a.ttft_prompts, a.ctx) < 1 or a.tokens < 2:
+        ap.error("--tokens >= 2; --repeats, --short-prompt-len, --prompt-len, --ttft-prompts, --ctx >= 1")
+    if not (Path(a.ckpt) / "config.json").is_file():
+        ap.error(f"{a.ckpt}: no config.json (a checkpoint directory)")
+    cfg = json.loads((Path(a.ckpt) / "config.json").read_text())
+    a.vocab = int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 0)
+    if a.vocab < 8:
+        ap.error(f"{a.ckpt}/config.json: no usable vocab_size")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _sigterm)
+    import openai
+
+    t_start = time.perf_counter()
+    gpu_name = _run_quiet(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) if shutil.which(
+        "nvidia-smi") else None
+    baseline_mib = gpu_total_used_mib()
+    report: dict = {
+        "checkpoint": str(a.ckpt), "device": a.device, "gpu": gpu_name.strip() if gpu_name else None,
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "openai": openai.__version__},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "configs"},
+        "baseline_gpu_used_mib": baseline_mib, "configs": [], "exllamav3": None, "notes": []}
+    notes: list[str] = report["notes"]
+
+    def save() -> None:
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            tmp = a.json.with_suffix(a.json.suffix + ".tmp")
+            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+            tmp.replace(a.json)
+
+    failed = False
+    interrupted = False
+    on = f"{a.device} ({report['gpu']})" if report["gpu"] else a.device
+    print(f"gpu_serve: {a.ckpt} on {on}; "
+          f"{a.tokens} tokens per stream, streams {a.streams}, TTFT at {a.prompt_len}, ctx {a.ctx} x {a.ctx_streams}",
+          flush=True)
+    try:
+        for name, args in a.configs:
+            entry = run_server_config(a, name, args, report, baseline_mib, save)
+            failed |= "error" in entry
+            save()
+        if a.exllamav3 == "off":
+            notes.append("exllamav3: off (--exllamav3 off)")
+        else:
+            ok, why = exllamav3_usable(a)
+            if not ok:
+                msg = f"exllamav3: not available, skipped ({why})"
+                print(msg, flush=True)
+                notes.append(msg)
+                report["exllamav3"] = {"skipped": why}
+                failed |= a.exllamav3 == "on"
+            else:
+                try:
+                    run_exllamav3_side(a, report, baseline_mib, save)
+                except Exception as exc:  # noqa: BLE001 - our rows still print
+                    msg = f"{type(exc).__name__}: {exc}"
+                    print(f"[exllamav3] FAILED: {msg}", flush=True)
+                    report["exllamav3"] = dict(report["exllamav3"] or {}, error=msg)
+                    failed = True
+    except KeyboardInterrupt:
+        interrupted = failed = True
+        print("interrupted: printing what was measured", flush=True)
+    report["elapsed_s"] = time.perf_counter() - t_start
+    save()
+
+    named = [(c["name"], c.get("summary")) for c in report["configs"]]
+    ex = report["exllamav3"] or {}
+    named.append(("exllamav3", ex.get("summary")))
+    for c in report["configs"]:
+        if "error" in c:
+            notes.append(f"{c['name']}: FAILED: {c['error']}")
+    if ex.get("error"):
+        notes.append(f"exllamav3: FAILED: {ex['error']}")
+    print(f"\nnotes ({report['elapsed_s']:.0f} s in all; raw numbers: {a.json or 'pass --json'}; logs: {a.out}):")
+    for n in notes:
+        print(f"- {n}")
+    print()
+    print(tables(a, named, ex.get("summary")), flush=True)
+    return 130 if interrupted else (1 if failed else 0)
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""bench/gpu_serve.py on the CPU: the real server end to end on synth_checkpoint.py --small (tiny
+settings), its stream arithmetic, and its exllamav3 side driven by a stand-in Generator (exllamav3
+itself needs CUDA; the H200 run is the real check)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_e2e_model  # noqa: E402
+import gpu_serve as gs  # noqa: E402
+import synth_checkpoint as sc  # noqa: E402
+
+TINY = ["--tokens", "8", "--streams", "2", "--prompt-len", "64", "--ttft-prompts", "2", "--ctx", "128",
+        "--ctx-streams", "1,2", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth") / "small"
+    assert sc.main([str(out), "--small"]) == 0
+    return out
+
+
+def _check_summary(summary: dict, streams=(2,), ctx_streams=(1, 2)) -> None:
+    want = {"single_tok_s", "single_ttft_ms", "ttft_cold_ms", "ttft_hit_ms", "mem_gb"}
+    want |= {f"streams_{n}_tok_s" for n in streams} | {f"ctx_{n}_tok_s" for n in ctx_streams}
+    assert want <= set(summary), want - set(summary)
+    for k, v in summary.items():
+        assert v is not None and v > 0, (k, v)
+
+
+@pytest.mark.slow
+def test_end_to_end_cpu(small, tmp_path):
+    """The default config (--max-context 32768) on the CPU: every column measured, the tables last."""
+    js = tmp_path / "r.json"
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_serve.py"), str(small), "--device", "cpu", *TINY,
+                        "--json", str(js), "--out", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=180, cwd=REPO)
+    took = time.perf_counter() - t
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(js.read_text())
+    (cfg,) = r["configs"]
+    assert cfg["name"] == "ml32k" and cfg["args"] == ["--max-context", "32768"] and "error" not in cfg
+    _check_summary(cfg["summary"])
+    res = cfg["results"]
+    assert [x["tokens"] for x in res["single"]["runs"]] == [8]
+    assert res["streams"]["2"]["tokens"] == 16 and res["ctx"]["2"]["tokens"] == 16
+    assert res["memory"]["source"] == "peak RSS (VmHWM)"
+    assert any("kv_cache" in ln for ln in res["metrics"])
+    assert cfg["stop_status"] is not None                       # it was stopped, not left running
+    assert r["exllamav3"] == {"skipped": "device cpu is not CUDA"}
+    out = p.stdout.rstrip().splitlines()
+    assert "exllamav3: not available, skipped (device cpu is not CUDA)" in p.stdout
+    head = ("| config | 1 stream tok/s | 2 streams | 1 stream @ctx128 | 2 streams @ctx128 | TTFT 64 cold ms "
+            "| TTFT 64 prefix-hit ms | RSS GB |")
+    assert [" ".join(ln.split()) for ln in out if ln.startswith("| config")] == [head, head]
+    assert out[-1].startswith("| ml32k ") and out[-7].startswith("| exllamav3 ")   # results, then ratios, last
+    print(f"gpu_serve end to end: {took:.1f} s")
+
+
+def test_group_stats_windows():
+    """Aggregate = all tokens over first send -> last token; decode at N streams = tokens while every
+    stream is past its first token and none has finished, over that window."""
+    a = gs.Stream(0.0, [(1.0, 1)] + [(1.0 + 0.1 * i, 1) for i in range(1, 20)])   # decodes 1.0 .. 2.9
+    b = gs.Stream(0.0, [(2.0, 1)] + [(2.0 + 0.1 * i, 1) for i in range(1, 20)])   # decodes 2.0 .. 3.9
+    g = gs.group_stats([a, b])
+    assert g["tok_s"] == pytest.approx(40 / 3.9)
+    assert g["steady_window_s"] == pytest.approx(0.9)
+    assert g["decode_method"] == "steady window"
+    assert g["decode_tok_s"] == pytest.approx(18 / 0.9)        # 9 tokens each in (2.0, 2.9]
+    assert g["per_stream_decode_tok_s_median"] == pytest.approx(19 / 1.9)
+    assert g["ttft_ms_median"] == pytest.approx(1500)
+    c = gs.Stream(0.0, [(3.5, 1), (3.6, 1)])                  # starts after a finished: no common window
+    g = gs.group_stats([a, c])
+    assert g["decode_method"] == "after first tokens"
+    assert g["decode_tok_s"] == pytest.approx(20 / 2.6)
+    one = gs.group_stats([a])
+    assert one["decode_tok_s"] == pytest.approx(gs.stream_stats(a)["decode_tok_s"]) == pytest.approx(10)
+
+
+def test_parse_config_and_cache_size(small):
+    assert gs.parse_config("ml128k:--max-context 131072 --api-key 'k 1'") == (
+        "ml128k", ["--max-context", "131072", "--api-key", "k 1"])
+    assert gs.api_key_of(["--max-context", "8", "--api-key", "k 1"]) == "k 1"
+    for bad in ("noname", ":--max-context 8", "x:--port 9", "x:--host=0.0.0.0", "x:--device cuda:1"):
+        with pytest.raises(Exception):  # noqa: B017 - argparse.ArgumentTypeError
+            gs.parse_config(bad)
+    a = gs.parse_args([str(small)])
+    assert a.configs == [("ml32k", ["--max-context", "32768"])] and a.streams == [8, 32]
+    assert gs.exllamav3_cache_tokens(a) == 32 * (4096 + 128) == 135168     # a whole number of pages
+    a = gs.parse_args([str(small), *TINY])
+    assert gs.exllamav3_cache_tokens(a) == 512 and a.vocab == 2048
+    with pytest.raises(SystemExit):
+        gs.parse_args([str(small), "--config", "a:", "--config", "a:--max-batch 4"])
+
+
+def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
+    """The exllamav3 path (load, Jobs, iterate, token accounting, memory, summary) with a stand-in
+    Generator that streams one token per job per iterate(), some held back and sent two at a time."""
+    loaded = {}
+
+    class Job:
+        def __init__(self, input_ids, max_new_tokens, sampler, stop_conditions, identifier):
+            assert input_ids.shape[0] == 1 and stop_conditions is None and isinstance(sampler, ArgmaxSampler)
+            self.n, self.left, self.identifier, self.held = input_ids.shape[1], max_new_tokens, identifier, 0
+
+    class ArgmaxSampler:
+        pass
+
+    class Generator:
+        def __init__(self, model, cache, tokenizer):
+            self.jobs = []
+
+        def enqueue(self, job):
+            self.jobs.append(job)
+
+        def num_remaining_jobs(self):
+            return len(self.jobs)
+
+        def iterate(self):
+            out = []
+            for j in self.jobs:
+                j.left -= 1
+                j.held += 1
+                if j.held == 2 or j.left == 0 or j.left % 3:
+                    out.append({"stage": "streaming", "identifier": j.identifier, "eos": j.left == 0,
+                                "token_ids": torch.zeros(1, j.held, dtype=torch.long)})
+                    j.held = 0
+            self.jobs = [j for j in self.jobs if j.left > 0]
+            return out
+
+    class Model:
+        def unload(self):
+            loaded["unloaded"] = True
+
+    def load(ckpt, ntok, n_caches, device):
+        loaded.update(ckpt=ckpt, ntok=ntok, device=device)
+        return object(), Model(), [object()], object(), 0.01
+
+    monkeypatch.setitem(sys.modules, "exllamav3", types.SimpleNamespace(
+        ArgmaxSampler=ArgmaxSampler, Generator=Generator, Job=Job, __version__="stand-in"))
+    monkeypatch.setattr(gpu_e2e_model, "load_exllamav3", load)
+    monkeypatch.setattr(gpu_e2e_model, "_free", lambda: None)
+    for name in ("set_device", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *_a, **_k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *_a: 2e9)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_a: 3e9)
+    a = gs.parse_args([str(small), "--device", "cuda", *TINY])
+    report = {"notes": [], "exllamav3": None}
+    entry = gs.run_exllamav3_side(a, report, None, lambda: None)
+    assert report["exllamav3"] is entry and loaded == {"ckpt": str(small), "ntok": 512, "device": "cuda:0",
+                                                       "unloaded": True}
+    assert entry["version"] == "stand-in" and entry["results"]["max_memory_allocated_gb"] == 2.0
+    _check_summary(entry["summary"])
+    res = entry["results"]
+    assert res["streams"][2]["tokens"] == 16 and [x["tokens"] for x in res["single"]["runs"]] == [8]
+    assert set(res["phases"]) == {"warmup", "single", "streams_2", "ttft", "ctx_1", "ctx_2"}
+    assert any("max_memory_allocated 2.00 GB" in n for n in report["notes"])
