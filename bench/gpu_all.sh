@@ -74,7 +74,9 @@ if [[ $STAGES == *e2e* ]]; then
   el "e2e rc $?"
 fi
 if [[ $STAGES == *serve* ]]; then
-  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda ${SERVE_ARGS:-} \
+  if [ -n "${SERVE_ARGS:-}" ]; then eval "CONFIGS=($SERVE_ARGS)"; else
+    CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"); fi
+  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
 fi

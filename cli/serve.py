@@ -42,8 +42,9 @@ def _pos(_ctx, _param, value: int) -> int:
               show_default=True, help="KV-cache element type (auto: bf16 on CUDA, fp32 on the CPU).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True,
               show_default=True, help="Reuse cached KV blocks of a repeated prompt prefix.")
-@click.option("--max-prefill-tokens", default=512, show_default=True, callback=_pos,
-              help="Prompt tokens per engine step (long prompts are chunked so decoding goes on).")
+@click.option("--max-prefill-tokens", "--max-num-batched-tokens", "max_prefill_tokens", type=click.IntRange(1, None),
+              default=None, help="Prompt tokens per engine step (long prompts are chunked so decoding goes on; "
+                                 "default 2048 on CUDA, 512 on the CPU).")
 @click.option("--max-model-len", "--max-context", "max_context", type=click.IntRange(1, None), default=None,
               help="Cap the context length (default: the model's, and what the KV cache holds).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
@@ -60,7 +61,7 @@ def _pos(_ctx, _param, value: int) -> int:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
               max_batch: int, max_queue: int, max_cache_tokens: int | None, gpu_memory_utilization: float,
-              block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int,
+              block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int | None,
               max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
               cpu_threads: int | None, log_level: str) -> None:
@@ -82,6 +83,8 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
     _check_path(path, tp)
     if max_cache_tokens is not None and max_cache_tokens < 1:
         raise UsageError("--max-cache-tokens must be at least 1")
+    if max_prefill_tokens is None:
+        max_prefill_tokens = 2048 if device.startswith("cuda") else 512
     cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, moe=moe, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
