@@ -1,6 +1,6 @@
 """Paged decode attention (kernels/paged_attention.py) on the GPU: µs, K/V GB/s and HBM-roofline share.
 
-    python3 bench/gpu_paged_attention.py [--quick] [--json OUT.json] [--sweep] [--q-dtype bfloat16]
+    python3 bench/gpu_paged_attention.py [--quick] [--json OUT.json] [--sweep] [--mixed] [--q-dtype bfloat16]
 
 GLM-4.5-Air attention shapes (96 query heads, 8 kv heads, head dim 128, bf16 cache), block size 16
 and 32, batch 1/8/32, every row at the same context length 1k..128k (configurations whose paged +
@@ -13,7 +13,9 @@ cache). Each configuration is timed three ways, as CUDA-graph replays, median µ
           kv head are its 12 "query positions" (non-causal, so the same maths as GQA decode)
 GB/s counts the K/V bytes a decode must read (B * ctx * nkv * D * 2 bytes * 2); roofline = 4.26 TB/s
 (measured H200 HBM read rate, as bench/gpu_bench.py). err = max |ours - sdpa| / max |sdpa| (bf16 sdpa).
---sweep also times tile/warps/stages/splits variants per configuration and reports the best.
+--sweep also times tile/warps/stages/splits variants per configuration and reports the best (slow:
+use with --quick). --mixed first times a batch of 32 rows, one at 128k and 31 at 1k tokens, with the
+default split rule and with more splits + min_split_tiles (the imbalance paged_attention.py notes).
 """
 
 from __future__ import annotations
@@ -122,11 +124,53 @@ def run_config(pa, bs: int, B: int, ctx: int, q_dtype, scale: float, gen, do_swe
     return row
 
 
+def run_mixed(pa, q_dtype, scale: float, gen, bs: int = 16, B: int = 32, long: int = MAX_CTX,
+              short: int = 1024) -> list[dict]:
+    lens_l = [long] + [short] * (B - 1)
+    need = [n // bs for n in lens_l]
+    k_cache = torch.empty(sum(need) + 1, bs, NKV, D, device=DEV, dtype=torch.bfloat16).normal_(generator=gen)
+    v_cache = torch.empty_like(k_cache).normal_(generator=gen)
+    ids = torch.randperm(sum(need), device=DEV, generator=gen).to(torch.int32)
+    bt = torch.zeros(B, MAX_CTX // bs, dtype=torch.int32, device=DEV)
+    for b, (off, n) in enumerate(zip(itertools.accumulate([0] + need[:-1]), need, strict=True)):
+        bt[b, :n] = ids[off:off + n]
+    lens = torch.tensor(lens_l, dtype=torch.int32, device=DEV)
+    q = torch.randn(B, NQ, D, device=DEV, generator=gen).to(q_dtype)
+    out = torch.empty(B, NQ, D, device=DEV)
+    kv_bytes = sum(lens_l) * NKV * D * 2 * 2
+    ref = pa.paged_decode(q, k_cache, v_cache, bt, lens, scale).clone()
+    rows = []
+    default = pa.default_num_splits(q, k_cache, bt)
+    for ns, mt in [(default, 1), (4, 16), (16, 16), (32, 16), (64, 16), (64, 4), (128, 16)]:
+        got = pa._paged_decode(q, k_cache, v_cache, bt, lens, scale, num_splits=ns, min_split_tiles=mt)
+        err = float((got - ref).abs().max() / ref.abs().max())
+        us = graph_us(lambda ns=ns, mt=mt: pa._paged_decode(q, k_cache, v_cache, bt, lens, scale, num_splits=ns,
+                                                            out=out, min_split_tiles=mt))
+        rows.append(dict(bs=bs, B=B, long=long, short=short, num_splits=ns, min_split_tiles=mt, us=us,
+                         gbs=kv_bytes / us / 1e3, roof=kv_bytes / HBM * 1e6 / us, err_vs_default=err))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_mixed(rows) -> None:
+    if not rows:
+        return
+    r0 = rows[0]
+    print(f"\nmixed batch: B {r0['B']}, one row at {r0['long'] // 1024}k, the rest at {r0['short'] // 1024}k "
+          f"(bs {r0['bs']}, wide table)\n")
+    print("| num_splits | min_split_tiles | µs | GB/s | %roof | err vs default |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['num_splits']} | {r['min_split_tiles']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+              f"{100 * r['roof']:.0f}% | {r['err_vs_default']:.1e} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="block size 16, batch 1 and 32, ctx 4k and 32k")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also search tile/warps/stages/splits")
+    ap.add_argument("--mixed", action="store_true", help="also one 128k row among 31 1k rows")
     ap.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-gb", type=float, default=40.0, help="skip configs whose caches exceed this")
     a = ap.parse_args()
@@ -142,6 +186,8 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs; nq {NQ} nkv {NKV} D {D} bf16 cache, "
           f"q {a.q_dtype}", flush=True)
+    mixed = run_mixed(pa, q_dtype, scale, gen) if a.mixed else []
+    torch.cuda.empty_cache()
     results = []
     for bs, B, ctx in itertools.product(bss, batches, ctxs):
         kv_bytes = B * ctx * NKV * D * 2 * 2
@@ -154,7 +200,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"configs": results, "mixed": mixed}, f, indent=1)
+    print_mixed(mixed)
     print_table(results, a.sweep)
     return 0
 

@@ -11,7 +11,13 @@ the output directly; else it writes a normalised partial (o, lse) per split and 
 
 Graph safety: both launch grids depend only on shapes and num_splits; each program derives its tile
 range from context_lens[b] on the device, so cost follows the real lengths, never the table width,
-and block-table entries at or past ceil(len / block_size) are never read.
+and block-table entries at or past ceil(len / block_size) are never read. Callers keep
+context_lens[b] <= max_blocks * block_size.
+
+Known limit: every row gets the same number of splits. With one long row among many short ones
+(B * nkv already fills the GPU, so the default is one split) the long row runs on only nkv programs;
+a larger num_splits plus ``_paged_decode(min_split_tiles=...)`` (short rows keep to few splits)
+spreads it: bench/gpu_paged_attention.py --mixed measures that case.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
-PROGRAMS_PER_SM = 2      # resident programs per SM at the default 16-bit config (76 KB smem, ~180 regs)
+MAX_SPLITS = 128         # default rule's cap: B 1 x 1 kv head at 128k = 16 tiles of 64 per split
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 32         # splits per merge step: a 32 x 256 fp32 tile is 64 registers a thread
 
@@ -36,7 +42,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, plse_ptr,
-                  qk_scale, num_splits, NQ, G, D, HCHUNKS,
+                  qk_scale, num_splits, min_tiles, NQ, G, D, HCHUNKS,
                   skb, skt, skh, svb, svt, svh, sbt,
                   DP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, TN: tl.constexpr,
                   KV_DT: tl.constexpr, DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr,
@@ -48,7 +54,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, plse_pt
 
     L = tl.load(len_ptr + b)
     ntiles = tl.cdiv(L, TN)
-    tps = tl.cdiv(ntiles, num_splits)
+    tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tiles)   # tiles per split (>= 1)
     t0 = sp * tps
     t1 = tl.minimum(t0 + tps, ntiles)
 
@@ -126,13 +132,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, plse_pt
 
 
 @triton.jit
-def _merge_kernel(po_ptr, plse_ptr, len_ptr, out_ptr, num_splits, NQ, D,
+def _merge_kernel(po_ptr, plse_ptr, len_ptr, out_ptr, num_splits, min_tiles, NQ, D,
                   DP: tl.constexpr, TN: tl.constexpr, SC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     L = tl.load(len_ptr + b)
     ntiles = tl.cdiv(L, TN)
-    tps = tl.maximum(tl.cdiv(ntiles, num_splits), 1)
+    tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tiles)
     n_act = tl.cdiv(ntiles, tps)              # the splits kernel 1 wrote (0 when L == 0)
     d = tl.arange(0, DP)
     dmask = d < D
@@ -214,24 +220,38 @@ def _new_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def _programs_per_sm(head_dim: int, dtype: torch.dtype) -> int:
+    """Resident programs per SM at default_config (sm_90, from the compiled smem/register use):
+    16-bit D <= 64 and fp32 ~25-41 KB / <= 96 registers; 16-bit D 128-256 76-84 KB / 184-230."""
+    return 4 if dtype == torch.float32 or _pow2(head_dim) <= 64 else 2
+
+
+def _choose_splits(programs: int, slots: int, limit: int) -> int:
+    """Fewest splits whose wave cost is within 5% of the best over 1..limit. Wave cost:
+    ceil(programs * s / slots) / s (time in units of one unsplit program, each wave as long as one
+    program). A last, partial wave runs on the bandwidth of its few programs: 8 x 40 = 320 programs
+    on 264 slots cost 2 at 1 split, 1.25 at 4 splits."""
+    cost = {s: math.ceil(programs * s / slots) / s for s in range(1, max(1, limit) + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= 1.05 * best)
+
+
 def default_num_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                        tile_n: int | None = None) -> int:
-    """As many splits as fit in one wave of resident programs (PROGRAMS_PER_SM per SM): a second,
-    partial wave would run at the bandwidth of its few programs (B 8 x 8 kv heads x 5 splits = 320
-    programs on 264 slots: 61% busy; 4 splits: 256, 97%). Once B * nkv fills the GPU, one split (no
-    merge). Never more splits than tiles in the table. From shapes only: a replayed graph keeps it
-    while the lengths change."""
+    """Splits per (row, kv head) from shapes only (a replayed graph keeps it while the lengths
+    change): enough programs to fill every resident slot without a thin last wave, at most
+    MAX_SPLITS and never more than tiles in the table. B * nkv that already fills the GPU evenly
+    gets 1 (no merge kernel). On the interpreter: at most INTERPRET_PROGRAMS programs."""
     B, nq, D = q.shape
     bs, nkv = k_cache.shape[1], k_cache.shape[2]
     tn = tile_n or default_config(D, k_cache.dtype)[0]
-    hchunks = math.ceil((nq // nkv) / _head_block(nq // nkv, D))
-    if q.is_cuda:
-        slots = PROGRAMS_PER_SM * _sm_count(q.device.index if q.device.index is not None
-                                            else torch.cuda.current_device())
-    else:
-        slots = INTERPRET_PROGRAMS
+    programs = B * nkv * math.ceil((nq // nkv) / _head_block(nq // nkv, D))
     max_tiles = max(1, math.ceil(block_tables.shape[1] * bs / tn))
-    return max(1, min(slots // (B * nkv * hchunks), max_tiles))
+    if not q.is_cuda:
+        return max(1, min(INTERPRET_PROGRAMS // programs, max_tiles))
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    slots = _programs_per_sm(D, k_cache.dtype) * _sm_count(index)
+    return _choose_splits(programs, slots, min(max_tiles, MAX_SPLITS))
 
 
 def _head_block(g: int, D: int) -> int:
@@ -255,8 +275,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None, out=None,
-                  tile_n=None, num_warps=None, num_stages=None):
-    """paged_decode with the tile configuration exposed (bench/gpu_paged_attention.py --sweep)."""
+                  tile_n=None, num_warps=None, num_stages=None, min_split_tiles=1):
+    """paged_decode with the tile configuration exposed (bench/gpu_paged_attention.py --sweep).
+
+    ``min_split_tiles``: a row uses at most ceil(tiles / min_split_tiles) of the splits. With many
+    splits (mixed lengths: one long row among short ones) short rows then stay in one or two
+    programs while the long row spreads over all of them."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
     B, nq, D = q.shape
     bs, nkv = k_cache.shape[1], k_cache.shape[2]
@@ -282,7 +306,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num
         plse = torch.empty(B, nq, splits, device=q.device, dtype=torch.float32)
     _split_kernel[(B, nkv * hchunks, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, po, plse,
-        float(scale) * LOG2E, splits, nq, g, D, hchunks,
+        float(scale) * LOG2E, splits, max(1, int(min_split_tiles)), nq, g, D, hchunks,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         DP=dp, HB=hb, BS=bs, TN=tn, KV_DT=kv_dt, DOT_DT=dot_dt,
@@ -290,7 +314,8 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num
         num_warps=warps, num_stages=stages)
     if not direct:
         sc = min(_pow2(splits), MERGE_CHUNK)
-        _merge_kernel[(B, nq)](po, plse, context_lens, out, splits, nq, D, DP=dp, TN=tn, SC=sc, num_warps=4)
+        _merge_kernel[(B, nq)](po, plse, context_lens, out, splits, max(1, int(min_split_tiles)), nq, D,
+                               DP=dp, TN=tn, SC=sc, num_warps=4)
     return out
 
 

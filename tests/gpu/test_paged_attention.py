@@ -129,13 +129,13 @@ def test_wide_table_tiles_and_splits(dev, monkeypatch):
 
     q, k, v, bt, lens, scale, ref = _inputs(7, 3, 4, 2, 64, 32, "bfloat16", "float32", dev, width_extra=300,
                                             lens=[150, 0, 77])
-    combos = [(16, 3), (32, 1), (128, 2)]
+    combos = [(16, 3, 1), (32, 1, 1), (128, 2, 1), (16, 12, 4)]    # (tile, splits, min tiles per split)
     if FULL:
-        combos += [(tn, ns) for tn in (16, 32, 64, 128) for ns in (1, 2, 5, 10, 40, 200)]
-    for tn, ns in combos:
-        got = pa._paged_decode(q, k, v, bt, lens, scale, num_splits=ns, tile_n=tn)
+        combos += [(tn, ns, mt) for tn in (16, 32, 64, 128) for ns in (1, 2, 5, 10, 40, 200) for mt in (1, 3)]
+    for tn, ns, mt in combos:
+        got = pa._paged_decode(q, k, v, bt, lens, scale, num_splits=ns, tile_n=tn, min_split_tiles=mt)
         assert got.shape == (3, 4, 64) and torch.isfinite(got).all()
-        assert _rel(got, ref) < TOL["bfloat16"], (tn, ns, _rel(got, ref))
+        assert _rel(got, ref) < TOL["bfloat16"], (tn, ns, mt, _rel(got, ref))
     # 150 tokens = 10 tiles of 16 over 12 splits (two never written), merged 2 splits at a time
     monkeypatch.setattr(pa, "MERGE_CHUNK", 2)
     got = pa._paged_decode(q, k, v, bt, lens, scale, num_splits=12, tile_n=16)
@@ -143,13 +143,16 @@ def test_wide_table_tiles_and_splits(dev, monkeypatch):
     assert _rel(pa.paged_decode_reference(q, k, v, bt, lens, scale), ref) < TOL["bfloat16"]
 
 
-def test_cuda_graph_replay_with_new_tables(dev):
+@pytest.mark.parametrize("splits", [None, 1])
+def test_cuda_graph_replay_with_new_tables(dev, splits):
+    """Captured once, replayed with other q / K/V / block tables / lengths written into the same
+    tensors: the Triton path and the torch reference (the CPU runtime's static step) both follow."""
     import torch
     from exl3tools.kernels import paged_attention as pa
 
     if dev != "cuda":
         pytest.skip("CUDA graphs need CUDA")
-    B, nq, nkv, D, bs = 4, 24, 2, 128, 16
+    B, nq, nkv, D, bs = 8, 24, 2, 128, 16
     sets = [_inputs(s, B, nq, nkv, D, bs, "bfloat16", "float32", "cpu", width_extra=0) for s in (11, 12, 13)]
     W = 64                                                   # static table width, wider than any set
     nb = max(s[1].shape[0] for s in sets)
@@ -172,7 +175,7 @@ def test_cuda_graph_replay_with_new_tables(dev):
         return ref
 
     def step():
-        pa.paged_decode(q, kv[:, 0], kv[:, 1], bt, lens, 1 / math.sqrt(D), out=out)
+        pa.paged_decode(q, kv[:, 0], kv[:, 1], bt, lens, 1 / math.sqrt(D), num_splits=splits, out=out)
         pa.paged_decode_reference(q, kv[:, 0], kv[:, 1], bt, lens, 1 / math.sqrt(D), out=out_ref)
 
     load(sets[0])
@@ -211,3 +214,19 @@ def test_rejects_bad_inputs(dev):
         pa.paged_decode(q[:, :3], k, k, bt, lens, 1.0)
     with pytest.raises(ValueError):
         pa.paged_decode(q, k, k, bt, lens, 1.0, out=torch.empty(2, 4, 32, device=dev, dtype=torch.float16))
+
+
+def test_split_rule():
+    """Wave-aware default (H200: 132 SMs x 2 resident programs at D 128): fills the slots, no thin
+    last wave, one split once B * nkv covers the GPU."""
+    pytest.importorskip("triton")
+    from exl3tools.kernels.paged_attention import _choose_splits
+
+    slots = 264
+    assert _choose_splits(8, slots, 128) >= 30            # B 1 x 8 kv heads: ~one full wave
+    assert _choose_splits(256, slots, 128) == 1           # B 32 x 8: already 97% of one wave
+    assert _choose_splits(320, slots, 128) == 4           # B 40 x 8: 1 split = 1.2 waves
+    assert _choose_splits(8, slots, 5) == 5               # capped by the tiles in the table
+    for programs in range(1, 600, 7):                    # every slot busy, or one split
+        s = _choose_splits(programs, slots, 128)
+        assert s == 1 or programs * s >= 0.9 * min(slots, 128 * programs)
