@@ -27,8 +27,12 @@ import os
 from functools import lru_cache
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # runtime-only installs have no triton: paged_decode_reference still works
+    triton = tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -37,129 +41,130 @@ MAX_SPLITS = 128         # default rule's cap: B 1 x 1 kv head at 128k = 16 tile
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 32         # splits per merge step: a 32 x 256 fp32 tile is 64 registers a thread
 
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, plse_ptr,
-                  qk_scale, num_splits, min_tiles, NQ, G, D, HCHUNKS,
-                  skb, skt, skh, svb, svt, svh, sbt,
-                  DP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, TN: tl.constexpr,
-                  KV_DT: tl.constexpr, DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr,
-                  IS_FP32: tl.constexpr, DIRECT: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1) // HCHUNKS
-    hc = tl.program_id(1) % HCHUNKS
-    sp = tl.program_id(2)
+if triton is not None:
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, plse_ptr,
+                      qk_scale, num_splits, min_tiles, NQ, G, D, HCHUNKS,
+                      skb, skt, skh, svb, svt, svh, sbt,
+                      DP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr, TN: tl.constexpr,
+                      KV_DT: tl.constexpr, DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr,
+                      IS_FP32: tl.constexpr, DIRECT: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1) // HCHUNKS
+        hc = tl.program_id(1) % HCHUNKS
+        sp = tl.program_id(2)
 
-    L = tl.load(len_ptr + b)
-    ntiles = tl.cdiv(L, TN)
-    tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tiles)   # tiles per split (>= 1)
-    t0 = sp * tps
-    t1 = tl.minimum(t0 + tps, ntiles)
+        L = tl.load(len_ptr + b)
+        ntiles = tl.cdiv(L, TN)
+        tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tiles)   # tiles per split (>= 1)
+        t0 = sp * tps
+        t1 = tl.minimum(t0 + tps, ntiles)
 
-    hq = hc * HB + tl.arange(0, HB)          # head index inside the group
-    rmask = hq < G
-    head = kvh * G + hq
-    d = tl.arange(0, DP)
-    dmask = d < D
-    qmask = rmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * NQ * D + head[:, None] * D + d[None, :], mask=qmask, other=0.0)
-    if IS_FP32:
-        q_hi = q.to(tl.float32)
-        q_lo = q_hi
-    elif Q_SPLIT:
-        # q (fp32, or the other 16-bit type) as hi + lo in the cache dtype: two MMAs give ~16 mantissa
-        # bits of q instead of 8 (bf16), with exact products and fp32 accumulation
-        qf = q.to(tl.float32)
-        q_hi = qf.to(KV_DT)
-        q_lo = (qf - q_hi.to(tl.float32)).to(KV_DT).to(DOT_DT)
-        q_hi = q_hi.to(DOT_DT)
-    else:
-        q_hi = q.to(DOT_DT)
-        q_lo = q_hi
-
-    m_i = tl.full([HB], float("-inf"), tl.float32)
-    l_i = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, DP], tl.float32)
-    j = tl.arange(0, TN)
-    k_base = k_ptr + kvh.to(tl.int64) * skh
-    v_base = v_ptr + kvh.to(tl.int64) * svh
-    bt_row = bt_ptr + b.to(tl.int64) * sbt
-    for it in range(t0, t1):
-        t = it * TN + j
-        tmask = t < L
-        # one table entry per token (broadcast within a block); past-the-end entries stay unread
-        blk = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
-        slot = (t % BS).to(tl.int64)
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + (blk * skb + slot * skt)[:, None] + d[None, :], mask=kvmask, other=0.0)
+        hq = hc * HB + tl.arange(0, HB)          # head index inside the group
+        rmask = hq < G
+        head = kvh * G + hq
+        d = tl.arange(0, DP)
+        dmask = d < D
+        qmask = rmask[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + b.to(tl.int64) * NQ * D + head[:, None] * D + d[None, :], mask=qmask, other=0.0)
         if IS_FP32:
-            s = tl.dot(q_hi, tl.trans(k), input_precision="ieee")
+            q_hi = q.to(tl.float32)
+            q_lo = q_hi
+        elif Q_SPLIT:
+            # q (fp32, or the other 16-bit type) as hi + lo in the cache dtype: two MMAs give ~16 mantissa
+            # bits of q instead of 8 (bf16), with exact products and fp32 accumulation
+            qf = q.to(tl.float32)
+            q_hi = qf.to(KV_DT)
+            q_lo = (qf - q_hi.to(tl.float32)).to(KV_DT).to(DOT_DT)
+            q_hi = q_hi.to(DOT_DT)
         else:
-            kt = tl.trans(k.to(DOT_DT))
-            s = tl.dot(q_hi, kt)
-            if Q_SPLIT:
-                s = tl.dot(q_lo, kt, s)
-        s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))     # finite: every visited tile has a token < L
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(v_base + (blk * svb + slot * svt)[:, None] + d[None, :], mask=kvmask, other=0.0)
-        if IS_FP32:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
+            q_hi = q.to(DOT_DT)
+            q_lo = q_hi
+
+        m_i = tl.full([HB], float("-inf"), tl.float32)
+        l_i = tl.zeros([HB], tl.float32)
+        acc = tl.zeros([HB, DP], tl.float32)
+        j = tl.arange(0, TN)
+        k_base = k_ptr + kvh.to(tl.int64) * skh
+        v_base = v_ptr + kvh.to(tl.int64) * svh
+        bt_row = bt_ptr + b.to(tl.int64) * sbt
+        for it in range(t0, t1):
+            t = it * TN + j
+            tmask = t < L
+            # one table entry per token (broadcast within a block); past-the-end entries stay unread
+            blk = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
+            slot = (t % BS).to(tl.int64)
+            kvmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + (blk * skb + slot * skt)[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if IS_FP32:
+                s = tl.dot(q_hi, tl.trans(k), input_precision="ieee")
+            else:
+                kt = tl.trans(k.to(DOT_DT))
+                s = tl.dot(q_hi, kt)
+                if Q_SPLIT:
+                    s = tl.dot(q_lo, kt, s)
+            s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))     # finite: every visited tile has a token < L
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = tl.load(v_base + (blk * svb + slot * svt)[:, None] + d[None, :], mask=kvmask, other=0.0)
+            if IS_FP32:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                # p in [0, 1] as hi + lo of the cache dtype: a bare bf16 p costs ~2^-9 relative per weight
+                vd = v.to(DOT_DT)
+                p_hi = p.to(KV_DT)
+                p_lo = (p - p_hi.to(tl.float32)).to(KV_DT)
+                acc = tl.dot(p_hi.to(DOT_DT), vd, acc)
+                acc = tl.dot(p_lo.to(DOT_DT), vd, acc)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]                 # zeros for an empty range (context_lens[b] == 0)
+        if DIRECT:
+            tl.store(out_ptr + b.to(tl.int64) * NQ * D + head[:, None] * D + d[None, :], o, mask=qmask)
         else:
-            # p in [0, 1] as hi + lo of the cache dtype: a bare bf16 p costs ~2^-9 relative per weight
-            vd = v.to(DOT_DT)
-            p_hi = p.to(KV_DT)
-            p_lo = (p - p_hi.to(tl.float32)).to(KV_DT)
-            acc = tl.dot(p_hi.to(DOT_DT), vd, acc)
-            acc = tl.dot(p_lo.to(DOT_DT), vd, acc)
-        m_i = m_new
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]                 # zeros for an empty range (context_lens[b] == 0)
-    if DIRECT:
-        tl.store(out_ptr + b.to(tl.int64) * NQ * D + head[:, None] * D + d[None, :], o, mask=qmask)
-    else:
-        # only splits with tiles write; the merge recomputes which ones those are
-        wmask = hq < G * (t0 < t1).to(tl.int32)
-        row = (b.to(tl.int64) * NQ + head) * num_splits + sp
-        tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=wmask[:, None] & dmask[None, :])
-        tl.store(plse_ptr + row, m_i + tl.log2(l_safe), mask=wmask)
+            # only splits with tiles write; the merge recomputes which ones those are
+            wmask = hq < G * (t0 < t1).to(tl.int32)
+            row = (b.to(tl.int64) * NQ + head) * num_splits + sp
+            tl.store(po_ptr + row[:, None] * D + d[None, :], o, mask=wmask[:, None] & dmask[None, :])
+            tl.store(plse_ptr + row, m_i + tl.log2(l_safe), mask=wmask)
 
 
-@triton.jit
-def _merge_kernel(po_ptr, plse_ptr, len_ptr, out_ptr, num_splits, min_tiles, NQ, D,
-                  DP: tl.constexpr, TN: tl.constexpr, SC: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    L = tl.load(len_ptr + b)
-    ntiles = tl.cdiv(L, TN)
-    tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tiles)
-    n_act = tl.cdiv(ntiles, tps)              # the splits kernel 1 wrote (0 when L == 0)
-    d = tl.arange(0, DP)
-    dmask = d < D
-    row0 = (b.to(tl.int64) * NQ + h) * num_splits
-    m = tl.full([1], float("-inf"), tl.float32)
-    den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([DP], tl.float32)
-    for c in range(0, n_act, SC):
-        s = c + tl.arange(0, SC)
-        smask = s < n_act
-        lse = tl.load(plse_ptr + row0 + s, mask=smask, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the chunk holds at least one written split
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        o = tl.load(po_ptr + (row0 + s)[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :],
-                    other=0.0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        den = den * alpha + tl.sum(w, 0)
-        m = m_new
-    res = acc / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + (b.to(tl.int64) * NQ + h) * D + d, res, mask=dmask)
+    @triton.jit
+    def _merge_kernel(po_ptr, plse_ptr, len_ptr, out_ptr, num_splits, min_tiles, NQ, D,
+                      DP: tl.constexpr, TN: tl.constexpr, SC: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        L = tl.load(len_ptr + b)
+        ntiles = tl.cdiv(L, TN)
+        tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tiles)
+        n_act = tl.cdiv(ntiles, tps)              # the splits kernel 1 wrote (0 when L == 0)
+        d = tl.arange(0, DP)
+        dmask = d < D
+        row0 = (b.to(tl.int64) * NQ + h) * num_splits
+        m = tl.full([1], float("-inf"), tl.float32)
+        den = tl.zeros([1], tl.float32)
+        acc = tl.zeros([DP], tl.float32)
+        for c in range(0, n_act, SC):
+            s = c + tl.arange(0, SC)
+            smask = s < n_act
+            lse = tl.load(plse_ptr + row0 + s, mask=smask, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))  # finite: the chunk holds at least one written split
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            o = tl.load(po_ptr + (row0 + s)[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :],
+                        other=0.0)
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+            den = den * alpha + tl.sum(w, 0)
+            m = m_new
+        res = acc / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + (b.to(tl.int64) * NQ + h) * D + d, res, mask=dmask)
 
 
 @lru_cache(maxsize=None)
@@ -189,12 +194,12 @@ def default_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
 def _check(q, k_cache, v_cache, block_tables, context_lens):
     if q.dim() != 3 or not q.is_contiguous():
         raise ValueError(f"q must be a contiguous (B, nq, D) tensor, got {tuple(q.shape)}")
-    if q.dtype not in _TL_DTYPE:
+    if q.dtype not in _DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k/v caches must both be (num_blocks, block_size, nkv, D), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _TL_DTYPE:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in _DTYPES:
         raise ValueError(f"k/v cache dtypes {k_cache.dtype}/{v_cache.dtype}: need one of bf16, fp16, fp32")
     B, nq, D = q.shape
     _, bs, nkv, dk = k_cache.shape
@@ -281,6 +286,8 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num
     ``min_split_tiles``: a row uses at most ceil(tiles / min_split_tiles) of the splits. With many
     splits (mixed lengths: one long row among short ones) short rows then stay in one or two
     programs while the long row spreads over all of them."""
+    if triton is None:
+        raise RuntimeError("paged_decode needs triton (paged_decode_reference does not)")
     _check(q, k_cache, v_cache, block_tables, context_lens)
     B, nq, D = q.shape
     bs, nkv = k_cache.shape[1], k_cache.shape[2]
@@ -294,7 +301,7 @@ def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num
     out = _new_out(q, out)
     if B == 0:
         return out
-    kv_dt = _TL_DTYPE[k_cache.dtype]
+    kv_dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[k_cache.dtype]
     # the interpreter's tl.dot multiplies bf16 bit patterns as uint16 (triton 3.5-3.9): feed it the
     # same bf16-rounded operands as fp32, whose numpy matmul is exact for these products
     dot_dt = tl.float32 if INTERPRET and kv_dt == tl.bfloat16 else kv_dt
