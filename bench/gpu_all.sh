@@ -55,7 +55,7 @@ if [[ $STAGES == *paged* ]]; then
   timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1
   el "paged rc $?"; grep -E "^\|" "$L/paged.log" | tail -n 40
 fi
-if [[ $STAGES == *bench* || $STAGES == *e2e* || $STAGES == *serve* ]]; then
+if [[ $STAGES == *bench* || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
   el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log"
 fi
 SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)   # built here: bring it back
@@ -68,7 +68,7 @@ if [[ $STAGES == *bench* ]]; then
 fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
-  timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch 1,8 --steps 64 \
+  timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch ${E2E_BATCH:-1,8,32} --steps 64 \
     --impls ${E2E_IMPLS:-ours:cuda,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
