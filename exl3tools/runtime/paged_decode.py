@@ -125,6 +125,7 @@ class PagedDecoder:
             self._body(bs)
         return self.out[:n]
 
+    @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
         """Capture the graphs of ``sizes`` (default: every bucket), largest first, in one pool."""
         if not self.graphs:
@@ -137,20 +138,19 @@ class PagedDecoder:
         pool = getattr(self, "_mempool", None)
         if pool is None:
             pool = self._mempool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for bs in sizes:
-                if bs in self._graphs:
-                    continue
-                side = torch.cuda.Stream(dev)
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    for _ in range(WARMUP_STEPS):
-                        self._body(bs)
-                torch.cuda.current_stream(dev).wait_stream(side)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+        for bs in sizes:
+            if bs in self._graphs:
+                continue
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_STEPS):
                     self._body(bs)
-                self._graphs[bs] = g
+            torch.cuda.current_stream(dev).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._body(bs)
+            self._graphs[bs] = g
         self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
 

@@ -20,7 +20,7 @@ def test_gpu_logits_match_cpu_reference(dev, name):
     prompt = [1, 17, 300, 42, 1999, 7, 512, 88, 1024, 5, 6, 77]
     out = {}
     for backend, device in (("reference", "cpu"), ("triton", "cuda")):
-        r = load_runner(model, device=device, backend=backend)
+        r = load_runner(model, device=device, backend=backend, max_cache_tokens=4096)
         r.add_sequence("s")
         pre = r.step([("s", prompt)], all_logits=True).float().cpu()
         steps = [r.step([("s", [t])]).float().cpu() for t in (3, 900, 11)]   # cached decode

@@ -22,7 +22,7 @@ def test_gpu_mla_logits_match_cpu_reference(dev, name):
     prompt = g["prompt_p64"].tolist()[:40]           # > index_topk: the DSA path runs
     out, toks = {}, {}
     for backend, device in (("reference", "cpu"), ("triton", "cuda")):
-        r = load_runner(fixture_dir(name) / "model", device=device, backend=backend)
+        r = load_runner(fixture_dir(name) / "model", device=device, backend=backend, max_cache_tokens=4096)
         r.add_sequence("s")
         pre = r.step([("s", prompt)], all_logits=True).float().cpu()
         steps = [r.step([("s", [t])]).float().cpu() for t in (3, 900, 11)]

@@ -46,7 +46,7 @@ def test_paged_graph_runner_on_cuda_matches_cpu_reference(name, kv):
     ref_runner = load_runner(path, max_context=48)
     ref = schedule(Reference(ref_runner.model))
     runner = load_runner(path, device="cuda", backend=backend, max_context=48, max_num_seqs=3, block_size=4,
-                         kv_dtype=kv, gpu_memory_utilization=0.3)
+                         kv_dtype=kv, max_cache_tokens=4096)
     assert runner.decode_mode == "graphs"
     got = schedule(runner)
     assert runner.paged.decoder._graphs                # decode steps replayed captured graphs
@@ -68,7 +68,7 @@ def test_paged_decode_triton_matches_reference_in_the_model():
     outs = []
     for fn in (paged_attention.paged_decode, paged_attention.paged_decode_reference):
         r = load_runner(path, device="cuda", backend=_cuda_backend(), max_context=256, max_num_seqs=4,
-                        decode="static", kv_dtype="bf16", gpu_memory_utilization=0.3)
+                        decode="static", kv_dtype="bf16", max_cache_tokens=4096)
         r.paged.decoder._attend = fn
         for i in range(3):
             r.add_sequence(i)
@@ -87,7 +87,7 @@ def test_serve_on_cuda_graphs_prefix_cache_and_seeded_streams():
 
     backend = _cuda_backend()
     app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", device="cuda",
-                                 backend=backend, max_batch=32, max_context=1024, gpu_memory_utilization=0.3))
+                                 backend=backend, max_batch=32, max_context=1024, max_cache_tokens=32768))
     with LiveServer(app) as s:
         runner = app.state.server.engine.runner
         assert runner.decode_mode == "graphs" and runner.paged.decoder._graphs
