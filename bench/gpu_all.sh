@@ -76,7 +76,7 @@ fi
 if [[ $STAGES == *serve* ]]; then
   if [ -n "${SERVE_ARGS:-}" ]; then eval "CONFIGS=($SERVE_ARGS)"; else
     CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"); fi
-  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" \
+  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" ${SERVE_EXTRA:-} \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
 fi
