@@ -18,6 +18,7 @@ from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_linear
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
 QUERY_CHUNK = 512   # prefill queries per attention chunk
+STATIC_MOE_SLOTS = 512   # (token, expert) pairs up to which a CUDA MoE call takes the grouped path
 
 
 # ------------------------------------------------------------------ batch description
@@ -270,6 +271,11 @@ class MoE:
         return sel, w * self.scaling
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] * self.top_k <= STATIC_MOE_SLOTS:
+            # a short prefill chunk on the GPU: the grouped, sync-free path (one launch per projection)
+            # instead of a Python loop over ~100 touched experts (H200, serve: a 32-token prompt's TTFT
+            # was 351 ms through the loop; a 32-row decode step through the grouped path takes 9.9 ms)
+            return self.forward_static(x)
         sel, w = self.route(x)
         out = torch.zeros_like(x)
         # group the (token, slot) pairs by expert with one sort and one host sync
