@@ -22,7 +22,7 @@ from exl3tools.cli import main
 from exl3tools.checkpoint.header import header_bytes, read_header
 from exl3tools.exl3 import MARKERS
 from exl3tools.validate import validate
-from exl3tools.validate_rules import RULES
+from exl3tools.validate.rules import RULES
 from tests.conftest import DEMO, FIXTURE_NAMES, REPO, fixture_dir
 
 ST = "model.safetensors"
@@ -503,7 +503,7 @@ def test_report_api(tmp_path):
 
 def test_multi_shard_forked_workers(tmp_path, monkeypatch):
     """Sharded checkpoint (index + 3 files) through the forked per-file workers: clean, then damaged."""
-    import exl3tools.validate_numeric as N
+    import exl3tools.validate.numeric as N
 
     monkeypatch.setattr(N, "FORK_MIN_TENSORS", 0)
     model = tmp_path / "model"
@@ -570,5 +570,5 @@ def test_validate_is_torch_free():
             "    try:\n        main()\n    except SystemExit:\n        pass\n"
             "print(' '.join(sys.modules))")
     mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
-    assert "exl3tools.validate_numeric" in mods
+    assert "exl3tools.validate.numeric" in mods
     assert "torch" not in mods and "exllamav3" not in mods and "cli" not in mods and "kernels" not in mods

@@ -105,7 +105,7 @@ class Checkpoint:
 
         Problems loaders survive (a shard the index does not name, a tensor missing from the index,
         header oddities) are kept in ``issues``. validate has its own opener that records every
-        problem instead of raising (validate_checks.open_tolerant).
+        problem instead of raising (validate.structure.open_tolerant).
         """
         root = existing_dir(path)
         cfg_path = root / "config.json"

@@ -4,12 +4,11 @@ A set is ``DST/manifest.json`` + ``DST/rank-r-of-N/``. Checked: the manifest aga
 every listed file (size; sha256 for small files, for all with --deep), the rank dirs against ``tp``,
 each rank's ``exl3tools`` config block, each rank's tensors against the manifest, the slices of one
 tensor across ranks, and then each rank dir as a checkpoint whose expected modules are localized
-to its slices (``localize``). A directory without its manifest is incomplete, never complete.
+to its slices (``context.localize``). A directory without its manifest is incomplete, never complete.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -18,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exl3tools.layout import Expected, expert_of
+from exl3tools.checkpoint.header import read_header
+from exl3tools.checkpoint.manifest import check_schema
+from exl3tools.errors import HeaderError, IncompleteOutputError
+from exl3tools.validate.single import check_checkpoint
 
 MANIFEST = "manifest.json"
 RANK_DIR = re.compile(r"^rank-(\d+)-of-(\d+)$")
@@ -33,67 +35,7 @@ def is_rank_set(root: Path) -> bool:
             or any(RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir()))
 
 
-def _local(real: int, m: dict) -> int:
-    return max(0, min(real - m["first"], m["last"] - m["first"]))
-
-
-def _cut(m: Any) -> tuple[str, int, int] | None:
-    if isinstance(m, dict) and m.get("cut") in ("column", "row", "tp", "experts"):
-        f, la = m.get("first"), m.get("last")
-        if isinstance(f, int) and isinstance(la, int):
-            return m["cut"], f, la
-    return None
-
-
-def localize(expected: list[Expected], block: dict) -> tuple[list[Expected], dict[str, tuple[int, int]]]:
-    """Expected modules of one rank: cut dims shrunk to the slice, experts of other ranks dropped.
-
-    Returns (expected, padded) where padded[prefix] = the (k, n) this rank's trellis must have.
-    """
-    mods = block.get("modules") if isinstance(block.get("modules"), dict) else {}
-    out: list[Expected] = []
-    padded: dict[str, tuple[int, int]] = {}
-    from exl3tools.layout import pad128
-
-    for e in expected:
-        if e.kind == "linear":
-            ex = expert_of(e.name)
-            m = mods.get(e.name.split(".mlp.experts.")[0] + ".mlp.experts") if ex is not None else mods.get(e.name)
-            c = _cut(m)
-            if c is None:
-                out.append(e)
-                continue
-            cut, first, last = c
-            proj = e.name.rsplit(".", 1)[-1]
-            if cut == "experts":
-                if first <= ex < last:
-                    out.append(e)
-                continue
-            if cut == "tp":
-                cut = "column" if proj in ("gate_proj", "up_proj") else "row"
-            if cut == "column":
-                out.append(dataclasses.replace(e, out_real=_local(e.out_real, m)))
-                padded[e.name] = (pad128(e.in_real), last - first)
-            else:
-                out.append(dataclasses.replace(e, in_real=_local(e.in_real, m)))
-                padded[e.name] = (last - first, pad128(e.out_real))
-        else:
-            m = mods.get(e.name.rsplit(".", 1)[0])
-            c = _cut(m)
-            if c is None or not e.shape:
-                out.append(e)
-                continue
-            cut, first, last = c
-            shape = ((last - first, *e.shape[1:]) if cut == "column" else
-                     (e.shape[0], last - first, *e.shape[2:]) if len(e.shape) > 1 else e.shape)
-            out.append(dataclasses.replace(e, shape=shape))
-    return out, padded
-
-
 def _load_manifest(root: Path, sink) -> dict | None:
-    from exl3tools.checkpoint.manifest import check_schema
-    from exl3tools.errors import IncompleteOutputError
-
     p = root / MANIFEST
     try:
         obj = json.loads(p.read_text(encoding="utf-8"))
@@ -180,9 +122,6 @@ def _check_rank_block(root: Path, man: dict, entry: dict, sink) -> None:
 
 def _check_rank_tensors(root: Path, entry: dict, sink) -> dict[str, tuple[int, ...]]:
     """Tensors of one rank vs its manifest entry; returns name -> shape found."""
-    from exl3tools.checkpoint.header import read_header
-    from exl3tools.errors import HeaderError
-
     d = entry["dir"]
     shapes: dict[str, tuple[int, ...]] = {}
     for p in sorted((root / d).glob("*.safetensors")):
@@ -274,8 +213,6 @@ def _check_slices(man: dict, shapes: dict[str, dict[str, tuple[int, ...]]], sink
 
 
 def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress) -> dict[str, Any]:
-    from exl3tools.validate import check_checkpoint
-
     dirs = sorted((p.name for p in root.iterdir() if p.is_dir() and RANK_DIR.match(p.name)),
                   key=lambda n: int(RANK_DIR.match(n).group(1)))
     man = _load_manifest(root, sink) if (root / MANIFEST).is_file() else None

@@ -1,5 +1,4 @@
-"""validate checks that need headers and JSON only: structure (E1xx), EXL3 linears (E2xx),
-architecture completeness (E3xx), quantization_config / tensor_storage consistency.
+"""E1xx structure: files, headers, index, config.json, quantization_config(.json) and tensor_storage.
 
 open_tolerant reads a checkpoint as Checkpoint.open does, but turns every problem into a finding
 instead of raising: validate must report every problem, and keep checking what is still readable.
@@ -9,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,27 +21,17 @@ from exl3tools.checkpoint.reader import (
     merge_quantization_config,
     unsafe_file_name,
 )
-from exl3tools.errors import CheckpointError, HeaderError, NotACheckpointError, UnsupportedArchitectureError
+from exl3tools.errors import CheckpointError, HeaderError, NotACheckpointError
 from exl3tools.exl3 import CODEBOOKS, WIDTH_TO_K
-from exl3tools.layout import (
-    Expected,
-    Scan,
-    expected_modules,
-    expert_of,
-    layer_of,
-    pad128,
-    scan_refs,
-)
-from exl3tools.validate import Sink
+from exl3tools.validate.context import Context
+from exl3tools.validate.findings import Sink
 
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
 LEGAL_K = set(WIDTH_TO_K.values())
 TORCH_DTYPES = {"torch.float16": "F16", "torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float64": "F64",
                 "torch.int16": "I16", "torch.int32": "I32", "torch.int64": "I64", "torch.int8": "I8",
                 "torch.uint8": "U8", "torch.bool": "BOOL", "torch.float8_e4m3fn": "F8_E4M3",
                 "torch.float8_e5m2": "F8_E5M2"}
 MULTIPLIERS = {"mcg_multiplier": ("mcg", 0xCBAC1FED), "mul1_multiplier": ("mul1", 0x83DCD12D)}
-EXL3_PARTS = ("suh", "svh", "su", "sv", "mcg", "mul1", "scale")
 
 
 def _is_num(x: object) -> bool:
@@ -195,80 +182,6 @@ def _truncation(path: Path) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------- context
-@dataclass
-class Context:
-    ckpt: Checkpoint
-    sink: Sink
-    bad_files: set[str]
-    scan: Scan
-    num_layers: int | None
-    expected: list[Expected] | None
-    real: dict[str, tuple[int, int]]
-    mtp_layers: list[int]
-    rank: dict | None = None                        # a rank dir's config.json "exl3tools" block
-    padded: dict[str, tuple[int, int]] = field(default_factory=dict)  # rank slices: expected (k, n)
-    broken: set[str] = field(default_factory=set)   # linear prefixes not safe to decode
-    layer_file: dict[int | None, str] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, ckpt: Checkpoint, sink: Sink, bad: set[str]) -> Context:
-        cfg = ckpt.config
-        L = cfg.get("num_hidden_layers")
-        L = L if isinstance(L, int) and not isinstance(L, bool) and L >= 0 else None
-        sc = scan_refs(ckpt.tensors, L)
-        mtp = [li for li in sorted(sc.layers) if L is not None and li >= L]
-        expected = None
-        if ckpt.config:
-            try:
-                expected = expected_modules(cfg, mtp)
-            except UnsupportedArchitectureError as exc:
-                msg = str(exc)
-                if "lacks" in msg:
-                    sink.add("E100", "config.json", None, msg)
-                else:
-                    sink.add("W301", "config.json", None, msg)
-            except (TypeError, ValueError, AttributeError) as exc:
-                sink.add("E100", "config.json", None, f"config values unusable ({type(exc).__name__}: {exc})")
-        block = cfg.get("exl3tools")
-        rank = block if isinstance(block, dict) and block.get("format") == "exl3tools.rank-slice" else None
-        padded: dict[str, tuple[int, int]] = {}
-        if rank is not None and expected is not None:
-            from exl3tools.validate_ranks import localize
-
-            expected, padded = localize(expected, rank)
-        real = {e.name: (e.in_real, e.out_real) for e in expected or () if e.kind == "linear"}
-        return cls(ckpt, sink, bad, sc, L, expected, real, mtp, rank, padded)
-
-    def _layer_files(self) -> dict[int | None, str]:
-        if not self.layer_file:  # built on first use: only missing tensors need it
-            for n, r in self.ckpt.tensors.items():
-                self.layer_file.setdefault(layer_of(n), r.file.name)
-        return self.layer_file
-
-    def file_of(self, name: str) -> str | None:
-        ref = self.ckpt.tensors.get(name)
-        return ref.file.name if ref else None
-
-    def unreadable(self, name: str) -> bool:
-        """Is ``name`` (a tensor or a module prefix) possibly in a file whose header failed?"""
-        if not self.bad_files:
-            return False
-        idx = self.ckpt.index
-        if idx is None:
-            return True
-        for n in (name, f"{name}.trellis", f"{name}.suh", f"{name}.weight"):
-            if idx.get(n) in self.bad_files:
-                return True
-        return False
-
-    def guess_file(self, name: str) -> str | None:
-        if self.ckpt.index and name in self.ckpt.index:
-            return self.ckpt.index[name]
-        lf = self._layer_files()
-        return lf.get(layer_of(name)) or lf.get(None)
-
-
 # ----------------------------------------------------------------------------- quantization_config
 def check_quant_config(ctx: Context) -> None:
     ck, add = ctx.ckpt, ctx.sink.add
@@ -331,202 +244,6 @@ def check_qfile(ctx: Context) -> None:
     check_tensor_storage(ctx)
     if isinstance(qfile, dict):  # can be ~100 MB of dicts on GLM-5: done with it
         qfile.pop("tensor_storage", None)
-
-
-# ----------------------------------------------------------------------------- EXL3 linears
-def check_linears(ctx: Context) -> None:
-    ck, add, T = ctx.ckpt, ctx.sink.add, ctx.ckpt.tensors
-    q = ck.quantization_config or {}
-    cfg_cb = q.get("codebook") if q.get("codebook") in CODEBOOKS else None
-    cb_mismatch: list[str] = []
-    real_of, padded_of = ctx.real.get, ctx.padded.get
-    for p, lin in ctx.scan.linears.items():
-        ref = T[f"{p}.trellis"]
-        tr = ref.info
-        f = ref.file.name
-        sufs = lin.suffixes  # exactly the EXL3 suffixes s with f"{p}.{s}" in T: no lookups for the absent ones
-        broken = False
-        if tr.dtype != "I16":
-            add("E202", f, f"{p}.trellis", f"trellis dtype {tr.dtype}, must be I16")
-            broken = True
-        if lin.signs == "missing":
-            have = [s for s in ("suh", "svh", "su", "sv") if s in lin.suffixes]
-            need = [s for s in ("suh", "svh") if s not in lin.suffixes]
-            add("E201", f, p, f"trellis without {' and '.join(need)}" + (f" (has {', '.join(have)})" if have else ""))
-            broken = True
-        elif lin.signs == "mixed":
-            add("E219", f, p, f"mixes legacy su/sv with suh/svh ({', '.join(s for s in lin.suffixes if s[0] == 's')})")
-            broken = True
-        if lin.bits is None:
-            add("E209", f, f"{p}.trellis", f"trellis last dim {lin.width} is not a legal K (16..128 step 16, 24, 40, 56)")
-            broken = True
-        elif lin.width in (24, 40, 56) and lin.codebook != "mul1":
-            add("E210", f, f"{p}.trellis", f"half-integer K {lin.bits:g} requires the mul1 marker (codebook is {lin.codebook})")
-            broken = True
-        for s, dt, size in (("suh", "F16", lin.k), ("svh", "F16", lin.n), ("su", "I16", lin.k // 16), ("sv", "I16", lin.n // 16)):
-            if s not in sufs:
-                continue
-            i = T[f"{p}.{s}"].info
-            if i.dtype != dt or len(i.shape) != 1:
-                add("E205", f, f"{p}.{s}", f"{s} is {i.dtype}{list(i.shape)}, must be {dt} rank 1")
-                broken = True
-            elif i.shape[0] != size:
-                dim = "k" if s in ("suh", "su") else "n"
-                add("E206", f, f"{p}.{s}", f"{s} length {i.shape[0]} but trellis {list(tr.shape)} gives {dim} -> {size}")
-                broken = True
-        if lin.k % 128 or lin.n % 128:
-            add("E207", f, f"{p}.trellis", f"padded dims k={lin.k}, n={lin.n} are not multiples of 128")
-            broken = True
-        real = real_of(p)
-        want = padded_of(p) or (real and (pad128(real[0]), pad128(real[1])))
-        if want and (want[0] != lin.k or want[1] != lin.n):
-            how = "this rank's slice is" if p in ctx.padded else f"config.json dims {real[0]} -> {real[1]} pad to"
-            add("E208", f, f"{p}.trellis", f"trellis {list(tr.shape)} is k={lin.k}, n={lin.n}; "
-                f"{how} k={want[0]}, n={want[1]}")
-            broken = True
-        for m in ("mcg", "mul1"):
-            if m not in sufs:
-                continue
-            ref = T[f"{p}.{m}"]
-            if ref.info.dtype != "I32" or ref.info.shape != ():
-                add("E211", f, f"{p}.{m}", f"marker is {ref.info.dtype}{list(ref.info.shape)}, must be a 0-d I32")
-                broken = True
-        if lin.codebook == "both":
-            add("E213", f, p, "has both mcg and mul1 markers")
-            broken = True
-        elif cfg_cb and lin.codebook != cfg_cb:
-            cb_mismatch.append(p)
-        b = T[f"{p}.bias"] if lin.has_bias else None
-        if b is not None and (b.info.dtype != "F16" or b.info.shape != (lin.n,)):
-            add("E217", f, f"{p}.bias", f"bias is {b.info.dtype}{list(b.info.shape)}, must be F16 [{lin.n}]")
-        if "scale" in sufs:
-            add("E218", f, f"{p}.scale", "legacy scale tensor present: exllamav3 1.6.5 ignores it, so the decode would be wrong")
-        if broken:
-            ctx.broken.add(p)
-
-    if cb_mismatch:
-        if len(cb_mismatch) == len(ctx.scan.linears) and len(cb_mismatch) > 1:
-            got = Counter(ctx.scan.linears[p].codebook for p in cb_mismatch).most_common(1)[0][0]
-            add("E214", "config.json", None, f"quantization_config.codebook is {cfg_cb!r} but every linear is {got}")
-        else:
-            for p in cb_mismatch:
-                add("E214", ctx.file_of(f"{p}.trellis"), p,
-                    f"codebook {ctx.scan.linears[p].codebook}, quantization_config.codebook is {cfg_cb}")
-
-    # one codebook per layer; one K per (layer, projection) across experts
-    by_layer: dict[int | None, list] = defaultdict(list)
-    by_proj: dict[tuple[int | None, str], list] = defaultdict(list)
-    for lin in ctx.scan.linears.values():
-        if lin.codebook == "both":
-            continue
-        by_layer[lin.layer].append(lin)
-        if lin.expert is not None:
-            by_proj[(lin.layer, lin.prefix.rsplit(".", 1)[-1])].append(lin)
-    for li, lins in by_layer.items():
-        if li is None:
-            continue
-        counts = Counter(x.codebook for x in lins)
-        if len(counts) > 1:
-            major = counts.most_common(1)[0][0]
-            summary = ", ".join(f"{c} x{n}" for c, n in counts.most_common())
-            for x in lins:
-                if x.codebook != major:
-                    add("E215", ctx.file_of(f"{x.prefix}.trellis"), x.prefix,
-                        f"layer {li} mixes codebooks ({summary}); this linear is {x.codebook}")
-    for (li, proj), lins in by_proj.items():
-        counts = Counter(x.width for x in lins)
-        if len(counts) > 1:
-            major = counts.most_common(1)[0][0]
-            for x in lins:
-                if x.width != major:
-                    add("E216", ctx.file_of(f"{x.prefix}.trellis"), x.prefix,
-                        f"K {WIDTH_TO_K.get(x.width, x.width / 16):g} but the other experts' {proj} in layer {li} "
-                        f"have K {WIDTH_TO_K.get(major, major / 16):g}")
-
-    # EXL3 parts with no (rank-3) trellis
-    for n, (_dtype, shape) in ctx.scan.dense.items():
-        prefix, _, suffix = n.rpartition(".")
-        if suffix == "trellis":
-            if not (len(shape) == 2 and f"{prefix}.signs" in T):
-                add("E203", ctx.file_of(n), n, f"trellis shape {list(shape)} is not rank 3")
-                if len(shape) != 2:
-                    ctx.broken.add(prefix)
-        elif suffix in EXL3_PARTS and prefix not in ctx.scan.linears and f"{prefix}.signs" not in T:
-            if f"{prefix}.trellis" not in T:
-                add("E204", ctx.file_of(n), n, f"{suffix} without {prefix}.trellis")
-
-
-# ----------------------------------------------------------------------------- architecture
-def check_architecture(ctx: Context) -> None:
-    if ctx.expected is None:
-        return
-    ck, add, T, sc = ctx.ckpt, ctx.sink.add, ctx.ckpt.tensors, ctx.scan
-    cfg = ck.config
-    if ctx.bad_files and ck.index is None:
-        add("W305", None, None, "completeness not checked: a file without an index could not be read")
-        return
-    skipped = 0
-    covered: set[str] = set()
-    for e in ctx.expected:
-        if e.kind == "linear":
-            lin = sc.linears.get(e.name)
-            if lin is not None:
-                covered.update(f"{e.name}.{s}" for s in lin.suffixes)
-                if e.bias and not lin.has_bias:
-                    add("E307", ctx.file_of(f"{e.name}.trellis"), e.name, "no bias but config.json says attention_bias")
-                continue
-            w = T.get(f"{e.name}.weight")
-            if w is not None and f"{e.name}.trellis" not in T:  # unquantized linear (bitrate 16)
-                covered.update({f"{e.name}.weight", f"{e.name}.bias"})
-                _check_dense(ctx, f"{e.name}.weight", (e.out_real, e.in_real))
-                continue
-            if ctx.unreadable(e.name):
-                skipped += 1
-                continue
-            code = "E309" if e.mtp else "E303" if expert_of(e.name) is not None else "E301"
-            what = "MTP layer linear" if e.mtp else "expert projection" if code == "E303" else "linear"
-            add(code, ctx.guess_file(e.name), e.name,
-                f"{what} missing ({e.in_real} -> {e.out_real}; no .trellis or .weight)")
-        else:
-            if e.name in T:
-                covered.add(e.name)
-                _check_dense(ctx, e.name, e.shape)
-            elif (e.name == "model.embed_tokens.weight" and "model.embed_tokens.trellis" in T
-                  and "model.embed_tokens.signs" in T):
-                covered.update({"model.embed_tokens.trellis", "model.embed_tokens.signs"})
-            elif ctx.unreadable(e.name):
-                skipped += 1
-            else:
-                code = "E309" if e.mtp else "E302"
-                add(code, ctx.guess_file(e.name), e.name,
-                    f"{'MTP layer tensor' if e.mtp else 'tensor'} missing (expected {list(e.shape) or 'dense'})")
-    if skipped:
-        add("W305", None, None, f"{skipped} expected modules not checked: their files could not be read")
-    for n in T:
-        if n not in covered:
-            add("W302", ctx.file_of(n), n, "unexpected tensor: no loader for this architecture reads it")
-
-    nextn = cfg.get("num_nextn_predict_layers") or 0
-    nextn = nextn if isinstance(nextn, int) else 0
-    L = ctx.num_layers
-    if L is None:
-        return
-    if nextn > 0 and not ctx.mtp_layers:
-        add("W303", "config.json", None, f"num_nextn_predict_layers is {nextn} but no MTP layer "
-            f"(model.layers.{L}.*) is stored: the quant dropped it, speculative decoding is unavailable")
-    for li in ctx.mtp_layers:
-        if li >= L + nextn:
-            add("W304", ctx._layer_files().get(li), f"model.layers.{li}",
-                f"layer {li} is beyond num_hidden_layers {L} + num_nextn_predict_layers {nextn}")
-
-
-def _check_dense(ctx: Context, name: str, shape: tuple[int, ...]) -> None:
-    i = ctx.ckpt.tensors[name].info
-    f = ctx.file_of(name)
-    if i.dtype not in FLOAT_DTYPES:
-        ctx.sink.add("E305", f, name, f"dtype {i.dtype}, expected a float dtype (BF16/F16/F32)")
-    if shape and i.shape != tuple(shape):
-        ctx.sink.add("E304", f, name, f"shape {list(i.shape)}, expected {list(shape)}")
 
 
 # ----------------------------------------------------------------------------- tensor_storage

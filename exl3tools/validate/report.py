@@ -8,8 +8,8 @@ from collections import defaultdict
 from rich.console import Console
 from rich.markup import escape
 
-from exl3tools.validate import Finding, Report
-from exl3tools.validate_rules import RULES
+from exl3tools.validate.findings import Finding, Report
+from exl3tools.validate.rules import RULES
 
 SHOW_PER_CODE = 20
 
