@@ -30,7 +30,7 @@ def rank_slice_cmd(src: str, dst: str, tp: int, moe: str, layout: str, dry_run: 
     exl3tools verify ./GLM-5-exl3 ./GLM-5-tp4
     """
     from exl3tools.checkpoint import Checkpoint
-    from exl3tools.rank_slice import check_destination, plan_rank_slices, write_rank_shards
+    from exl3tools.slicing import check_destination, plan_rank_slices, write_rank_shards
 
     ck = Checkpoint.open(src)
     plan = plan_rank_slices(ck, tp, moe, layout)
@@ -57,7 +57,7 @@ def rank_slice_cmd(src: str, dst: str, tp: int, moe: str, layout: str, dry_run: 
     total = sum(t.nbytes for sp in plan.shards for outs in sp.outputs for t in outs)
     dequant = None
     if layout == "vllm-hybrid":
-        from exl3tools.rank_slice import dequantize_to_writer as dequant
+        from exl3tools.slicing import dequantize_to_writer as dequant
     prog, advance = byte_bar(total, f"rank-slice tp={tp}")
     with prog:
         man = write_rank_shards(ck, plan, dst, resume=resume, threads=threads, progress=advance, dequant=dequant)

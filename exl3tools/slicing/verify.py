@@ -20,6 +20,7 @@ import numpy as np
 from exl3tools.checkpoint.manifest import MANIFEST_NAME, load_manifest, sha256_file
 from exl3tools.checkpoint.reader import Checkpoint, pread_exact
 from exl3tools.errors import VerifyError
+from exl3tools.slicing.plan import source_info
 
 CHUNK = 64 << 20
 
@@ -93,8 +94,6 @@ def verify_sliced(src: str | Path, sliced: str | Path, *, decode_samples: int = 
     sliced = Path(sliced)
     ck = Checkpoint.open(src)
     rep = VerifyReport()
-    from exl3tools.rank_slice import source_info
-
     si = source_info(ck)
     if si.fingerprint != man.source.fingerprint:
         raise VerifyError(f"{sliced} was cut from a different source ({man.source.fingerprint[:19]}…, "

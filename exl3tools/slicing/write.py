@@ -41,7 +41,7 @@ from exl3tools.checkpoint.writer import (
     write_atomic_text,
 )
 from exl3tools.errors import OutputExistsError
-from exl3tools.rank_plan import OutTensor, RankPlan
+from exl3tools.slicing.plan import OutTensor, RankPlan
 
 JOURNAL = ".rank-slice.journal"
 CHUNK_BYTES = 32 << 20          # bound on one read; peak RSS ~ a few of these + the write budget
@@ -91,41 +91,6 @@ class _Journal:
             self.count += 1
             if self.kill_after is not None and self.count >= self.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
-                 targets: list[tuple[Any, OutTensor]], progress: Callable[[int], None]) -> None:
-    """Read one source tensor once, in chunks of whole dim-0 rows, and feed every target its part."""
-    if not shape or math.prod(shape) == 0:
-        data = pread_fd(fd, begin, math.prod(shape) * itemsize) if shape == () else b""
-        for w, _t in targets:
-            w.write(data)
-            progress(len(data))
-        return
-    row = math.prod(shape[1:]) * itemsize
-    rows_per = max(1, CHUNK_BYTES // max(row, 1))
-    for a in range(0, shape[0], rows_per):
-        b = min(shape[0], a + rows_per)
-        need = [(w, t) for w, t in targets
-                if not (t.dim == 0 and (t.stop <= a or t.start >= b))]
-        if not need:
-            continue
-        buf = pread_fd(fd, begin + a * row, (b - a) * row)
-        arr = None
-        for w, t in need:
-            if t.dim is None:
-                piece = memoryview(buf)
-            elif t.dim == 0:
-                s, e = max(t.start, a) - a, min(t.stop, b) - a
-                piece = memoryview(buf)[s * row:e * row]
-            else:
-                if arr is None:
-                    arr = np.frombuffer(buf, dtype=np.uint8).reshape((b - a,) + shape[1:] + (itemsize,))
-                idx = [slice(None)] * arr.ndim
-                idx[t.dim] = slice(t.start, t.stop)
-                piece = memoryview(np.ascontiguousarray(arr[tuple(idx)]).reshape(-1))
-            w.write(piece)
-            progress(piece.nbytes)
 
 
 SMALL_COPY = 1 << 20             # pieces below this go through a plain bytes copy
