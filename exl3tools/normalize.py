@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from exl3tools.checkpoint.copy import copy_tensor
 from exl3tools.checkpoint.header import DTYPES
-from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint, pread_fd
+from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint
 from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, json_bytes, write_atomic
 from exl3tools.errors import IncompatibleSliceError, OutputExistsError
 from exl3tools.exl3 import BLOCK, MARKERS, unpack_signs
@@ -194,44 +195,6 @@ def _rename_storage(qcfg: dict, plan: NormalizePlan, out_shapes: dict[str, NTens
     return {**qcfg, "tensor_storage": new_ts}
 
 
-COPY_CHUNK = 32 << 20  # bound on one read
-
-
-def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
-                 targets: list[tuple[Any, Any]], progress: Callable[[int], None]) -> None:
-    """Read one source tensor once, in chunks of whole dim-0 rows, and feed every target its part."""
-    if not shape or math.prod(shape) == 0:
-        data = pread_fd(fd, begin, math.prod(shape) * itemsize) if shape == () else b""
-        for w, _t in targets:
-            w.write(data)
-            progress(len(data))
-        return
-    row = math.prod(shape[1:]) * itemsize
-    rows_per = max(1, COPY_CHUNK // max(row, 1))
-    for a in range(0, shape[0], rows_per):
-        b = min(shape[0], a + rows_per)
-        need = [(w, t) for w, t in targets
-                if not (t.dim == 0 and (t.stop <= a or t.start >= b))]
-        if not need:
-            continue
-        buf = pread_fd(fd, begin + a * row, (b - a) * row)
-        arr = None
-        for w, t in need:
-            if t.dim is None:
-                piece = memoryview(buf)
-            elif t.dim == 0:
-                s, e = max(t.start, a) - a, min(t.stop, b) - a
-                piece = memoryview(buf)[s * row:e * row]
-            else:
-                if arr is None:
-                    arr = np.frombuffer(buf, dtype=np.uint8).reshape((b - a,) + shape[1:] + (itemsize,))
-                idx = [slice(None)] * arr.ndim
-                idx[t.dim] = slice(t.start, t.stop)
-                piece = memoryview(np.ascontiguousarray(arr[tuple(idx)]).reshape(-1))
-            w.write(piece)
-            progress(piece.nbytes)
-
-
 def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[str],
                     progress: Callable[[int], None] | None = None) -> None:
     """Write the normalized checkpoint to ``dst`` (temp names + rename; the index last)."""
@@ -256,7 +219,8 @@ def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[
                     w.write(data)
                     prog(len(data))
                 else:
-                    _stream_copy(fd, info.begin, info.shape, info.itemsize, [(w, t)], prog)
+                    copy_tensor(fd, info.begin, info.shape, info.itemsize, [(w, t)], prog,
+                                path=ck.root / src_file)
                 weight_map[t.name] = out_file
                 total += t.nbytes
             w.close()

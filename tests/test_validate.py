@@ -217,9 +217,15 @@ def duplicate_file(model: Path) -> None:
     write_st(model / "model-extra.safetensors", [find(entries, "model.norm.weight")])
 
 
-def stray_file(model: Path) -> None:
+def stray_copy(model: Path) -> None:
+    """An old copy of an indexed shard left in the folder: exllamav3 globs *.safetensors and loads it."""
     with_index()(model)
     shutil.copy(model / ST, model / "stale-copy.safetensors")
+
+
+def stray_file(model: Path) -> None:
+    with_index()(model)
+    write_st(model / "extra.safetensors", [["scratch.weight", "F16", [4], b"\0<" * 4]])
 
 
 def zero_trellis(model: Path) -> None:
@@ -283,6 +289,7 @@ CASES = [
     ("indexed-tensor-not-in-file", "demo", with_index({f"{L1}.mlp.experts.99.up_proj.suh": ST}), "E111"),
     ("orphan-tensor-not-in-index", "demo", with_index(omit=(f"{L1}.mlp.experts.3.up_proj.suh",)), "E112"),
     ("duplicate-tensor", "demo", duplicate_file, "E113"),
+    ("stray-copy-of-indexed-shard", "demo", stray_copy, "E119"),
     ("index-not-json", "demo", lambda m: (m / "model.safetensors.index.json").write_text("{oops"), "E114"),
     ("shard-file-missing", "demo", remove_file, "E101"),
     ("config-not-json", "demo", lambda m: (m / "config.json").write_text('{"architectures": ['), "E100"),

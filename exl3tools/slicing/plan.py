@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from exl3tools.checkpoint import jsonio
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.manifest import SourceFile, SourceInfo
 from exl3tools.checkpoint.reader import Checkpoint
@@ -80,7 +81,7 @@ class RankPlan:
 
 # ---------------------------------------------------------------------------- fingerprints
 def source_info(ck: Checkpoint) -> SourceInfo:
-    cfg_bytes = (ck.root / "config.json").read_bytes()
+    cfg_bytes = jsonio.read_regular(ck.root / "config.json", "config.json", jsonio.MAX_JSON_BYTES)
     h = hashlib.sha256(cfg_bytes)
     files = []
     for fname in sorted(ck.headers):

@@ -46,6 +46,8 @@ def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
         else:
             stats = check_checkpoint(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress)
             ranks.check_lone_rank_dir(root, sink)
+    if sink.dropped:
+        stats["findings_not_listed"] = sum(sink.dropped.values())
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     stats["mode"] = "deep" if deep else "sampled"
     return Report(str(root), sink.sorted(), stats)

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from exl3tools.checkpoint.counts import config_problems
 from exl3tools.checkpoint.reader import Checkpoint
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.layout import Expected, Scan, expected_modules, expert_of, layer_of, pad128, scan_refs
@@ -31,12 +32,15 @@ class Context:
     @classmethod
     def build(cls, ckpt: Checkpoint, sink: Sink, bad: set[str]) -> Context:
         cfg = ckpt.config
-        L = cfg.get("num_hidden_layers")
+        problems = config_problems(cfg, max(len(ckpt.tensors), len(ckpt.index or ())))
+        for p in problems:  # a count that is not plausible bounds no loop: completeness is not checked
+            sink.add("E100", "config.json", None, p)
+        L = cfg.get("num_hidden_layers") if not problems else None
         L = L if isinstance(L, int) and not isinstance(L, bool) and L >= 0 else None
         sc = scan_refs(ckpt.tensors, L)
         mtp = [li for li in sorted(sc.layers) if L is not None and li >= L]
         expected = None
-        if ckpt.config:
+        if ckpt.config and not problems:
             try:
                 expected = expected_modules(cfg, mtp)
             except UnsupportedArchitectureError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,12 @@ class Report:
                 "stats": self.stats, "findings": [f.to_json() for f in self.findings]}
 
 
+MAX_PER_CODE = 10_000  # findings kept per rule: 10^6 hostile tensors must not become 10^6 findings
+
+
 class Sink:
-    """Collects findings; checks call ``add``. Identical findings are kept once."""
+    """Collects findings; checks call ``add``. Identical findings are kept once; past MAX_PER_CODE
+    findings of one rule the rest are only counted (one summary finding says how many)."""
 
     def __init__(self, root: Path, prefix: str = "", parent: Sink | None = None):
         self.root = root
@@ -76,6 +81,8 @@ class Sink:
         self._seen: set[tuple] = set() if parent is None else parent._seen
         self.findings: list[Finding] = [] if parent is None else parent.findings
         self._lock = threading.Lock() if parent is None else parent._lock  # numeric checks run in threads
+        self._kept: Counter[str] = Counter() if parent is None else parent._kept
+        self.dropped: Counter[str] = Counter() if parent is None else parent.dropped
 
     def child(self, sub: str) -> Sink:
         """A sink for checks of ``root/sub`` that reports paths relative to this root."""
@@ -94,12 +101,23 @@ class Sink:
 
     def add(self, code: str, file: str | Path | None, tensor: str | None, message: str) -> None:
         rule = RULES[code]  # KeyError = a check using an undocumented code: a bug
+        if self._kept[code] >= MAX_PER_CODE:
+            with self._lock:
+                self.dropped[code] += 1
+            return
         f = Finding(code, rule.severity, self.rel(file), tensor, message)
         key = (f.code, f.file, f.tensor, f.message)
         with self._lock:
             if key not in self._seen:
                 self._seen.add(key)
                 self.findings.append(f)
+                self._kept[code] += 1
+
+    def skip(self, code: str, n: int) -> None:
+        """Count ``n`` findings of ``code`` that a check did not even build (past the per-rule cap)."""
+        if n > 0:
+            with self._lock:
+                self.dropped[code] += n
 
     _PATH_PREFIX = re.compile(r"^(?P<path>[^:]+?): (?P<rest>.*)$")
     _TENSOR = re.compile(r"tensor '(?P<t>[^']+)'")
@@ -112,8 +130,10 @@ class Sink:
         self.add(code if code in RULES else "E104", path, t.group("t") if t else None, rest)
 
     def sorted(self) -> tuple[Finding, ...]:
-        return tuple(sorted(self.findings, key=lambda f: (SEVERITY_ORDER.index(f.severity), f.code,
-                                                          f.file or "", f.tensor or "")))
+        more = [Finding(c, RULES[c].severity, None, None, f"{n:,} more {c} findings not listed "
+                        f"(at most {MAX_PER_CODE:,} per rule)") for c, n in self.dropped.items()]
+        return tuple(sorted(self.findings + more, key=lambda f: (SEVERITY_ORDER.index(f.severity), f.code,
+                                                                 f.file or "", f.tensor or "")))
 
 
 Progress = Callable[[int], None]  # called with bytes just read (deep mode)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3tools.checkpoint.header import Header, read_header
+from exl3tools.checkpoint.jsonio import path_kind
 from exl3tools.checkpoint.reader import (
     INDEX_NAME,
     Checkpoint,
@@ -46,22 +47,22 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
     when config.json carries the quantization_config; check_qfile_deferred parses and checks it later
     (in a worker process, in parallel with the other checks).
     """
-    cfg_path, idx_path = root / "config.json", root / INDEX_NAME
+    cfg_path, idx_path, qpath = root / "config.json", root / INDEX_NAME, root / "quantization_config.json"
     globbed = sorted(p.name for p in root.glob("*.safetensors"))
-    if not cfg_path.is_file() and not globbed and not idx_path.is_file():
+    cfg_kind, idx_kind, q_kind = path_kind(cfg_path), path_kind(idx_path), path_kind(qpath)
+    if cfg_kind is None and not globbed and idx_kind is None:
         raise NotACheckpointError(f"{root}: no config.json and no *.safetensors: not a checkpoint directory")
 
     config: dict[str, Any] = {}
-    if not cfg_path.is_file():
+    if cfg_kind is None:
         sink.add("E100", "config.json", None, "config.json missing")
-    else:
+    else:  # a FIFO, device or directory is reported by the reader, never opened for reading
         config = _json_object(cfg_path, "config.json", "E100", sink) or {}
 
     qfile = None
-    qpath = root / "quantization_config.json"
     qcfg = config.get("quantization_config")
-    deferred = defer_qfile and isinstance(qcfg, dict) and qpath.is_file()
-    if qpath.is_file() and not deferred:
+    deferred = defer_qfile and isinstance(qcfg, dict) and q_kind == "file"
+    if q_kind is not None and not deferred:
         qfile = _json_object(qpath, "quantization_config.json", "E115", sink)
     if qcfg is not None and not isinstance(qcfg, dict):
         sink.add("E116", "config.json", None, "quantization_config is not an object")
@@ -69,7 +70,7 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
     merged = merge_quantization_config(qfile, qcfg)
 
     index: dict[str, str] | None = None
-    if idx_path.is_file():
+    if idx_kind is not None:
         idx = _json_object(idx_path, INDEX_NAME, "E114", sink)
         wm = idx.get("weight_map") if idx is not None else None
         if idx is not None and not isinstance(wm, dict):
@@ -86,10 +87,10 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
                     sink.add("E114", INDEX_NAME, name, f"weight_map names file {fname!r} outside the checkpoint")
                 else:
                     index[name] = fname
+    strays: list[str] = []
     if index is not None:
         files = sorted(set(index.values()))
-        for name in sorted(set(globbed) - set(files)):
-            sink.add("W101", name, None, f"safetensors file not referenced by {INDEX_NAME} (loaders ignore it)")
+        strays = sorted(set(globbed) - set(files))
     else:
         files = globbed
     if not files:
@@ -101,7 +102,7 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
     bad: set[str] = set()
     for fname in files:
         fpath = root / fname
-        if not fpath.is_file():
+        if path_kind(fpath) is None:
             sink.add("E110", fname, None, f"listed in {INDEX_NAME} but missing")
             bad.add(fname)
             continue
@@ -143,10 +144,34 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
             for name, ref in tensors.items():
                 if name not in index:
                     sink.add("E112", ref.file.name, name, f"not listed in {INDEX_NAME} (loaders skip it)")
+        _check_strays(root, strays, index, tensors, sink)
     ckpt = Checkpoint(root, config, merged, qfile, headers, tensors, index, [])
     if deferred:
         ckpt.issues.append(("deferred", str(qpath)))
     return ckpt, bad
+
+
+def _check_strays(root: Path, strays: list[str], index: dict[str, str], tensors: dict[str, TensorRef],
+                  sink: Sink) -> None:
+    """Shards the index does not name. HF loaders and vLLM skip them, but exllamav3 loads every
+    *.safetensors in the folder, a later file overriding an earlier one: a stray copy of an indexed
+    tensor can silently replace it (E119); any other stray file is a W101."""
+    for name in strays:
+        try:
+            h = read_header(root / name)
+        except (HeaderError, OSError) as exc:
+            sink.add("W101", name, None, f"not referenced by {INDEX_NAME}, and unreadable ({str(exc)[len(str(root / name)) + 2:]}); "
+                     "exllamav3 loads every *.safetensors here: delete it")
+            continue
+        dup = [t for t in h.tensors if t in index]
+        if dup:
+            where = tensors[dup[0]].file.name if dup[0] in tensors else index[dup[0]]
+            sink.add("E119", name, dup[0], f"not referenced by {INDEX_NAME}, but holds {len(dup)} indexed tensor(s) "
+                     f"(this one is indexed in {where}); exllamav3 loads every *.safetensors here and the later "
+                     "file wins: delete it")
+        else:
+            sink.add("W101", name, None, f"not referenced by {INDEX_NAME}: HF loaders and vLLM skip its "
+                     f"{len(h.tensors)} tensor(s), exllamav3 loads them; delete it or add it to the index")
 
 
 def _json_object(path: Path, what: str, code: str, sink: Sink) -> dict | None:
@@ -237,7 +262,7 @@ def check_qfile(ctx: Context) -> None:
             add("W102", "quantization_config.json", None, f"differs from config.json quantization_config in {', '.join(diff)}")
     if ctx.rank is not None:
         pass  # rank dirs drop tensor_storage on purpose (docs/rank-slice.md §1)
-    elif qfile is None and not (ck.root / "quantization_config.json").is_file():
+    elif qfile is None and path_kind(ck.root / "quantization_config.json") is None:
         add("W103", None, None, "no quantization_config.json (vLLM's EXL3 backend requires its tensor_storage)")
     elif isinstance(qfile, dict) and not (isinstance(qfile.get("tensor_storage"), dict) and qfile["tensor_storage"]):
         add("W103", "quantization_config.json", None, "no tensor_storage (vLLM's EXL3 backend requires it)")
