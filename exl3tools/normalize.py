@@ -27,7 +27,14 @@ import numpy as np
 from exl3tools.checkpoint.copy import copy_tensor
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint
-from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, json_bytes, write_atomic
+from exl3tools.checkpoint.writer import (
+    ShardWriter,
+    fsync_dir,
+    index_json,
+    json_bytes,
+    refuse_overlap,
+    write_atomic,
+)
 from exl3tools.errors import IncompatibleSliceError, OutputExistsError
 from exl3tools.exl3 import BLOCK, MARKERS, unpack_signs
 
@@ -199,6 +206,7 @@ def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[
                     progress: Callable[[int], None] | None = None) -> None:
     """Write the normalized checkpoint to ``dst`` (temp names + rename; the index last)."""
     dst = Path(dst)
+    refuse_overlap(ck.root, dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise OutputExistsError(f"{dst}: exists and is not empty")
     dst.mkdir(parents=True, exist_ok=True)

@@ -241,6 +241,17 @@ def test_manifest_tp_1e9(rank_set, tmp_path):
     assert_clean(cli_guarded("verify", str(DEMO / "model"), str(out)), 1, "not plausible")
 
 
+def test_deeply_nested_manifest(rank_set, tmp_path):
+    """10^5 levels of nesting in manifest.json was exit 70 (RecursionError) in verify and validate."""
+    out = set_copy(rank_set, tmp_path)
+    man = json.loads((out / "manifest.json").read_text())
+    text = json.dumps({**man, "tool_version": "@@"}).replace('"@@"', "[" * 100_000 + "]" * 100_000)
+    (out / "manifest.json").write_text(text)
+    _, by = validate_json(out)
+    assert "nests deeper than 64 levels" in by["E502"][0]["message"]
+    assert_clean(cli("verify", str(DEMO / "model"), str(out)), 1, "manifest.json", "nests deeper")
+
+
 # ----------------------------------------------------------------------------- item 5: rank-slice destinations
 def test_resume_over_another_tp_is_refused(tmp_path):
     """--tp 2 --resume over a partial --tp 4 output exited 0 and wrote a manifest over stale rank dirs."""

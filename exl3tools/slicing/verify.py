@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from exl3tools.checkpoint.jsonio import path_kind
 from exl3tools.checkpoint.manifest import MANIFEST_NAME, load_manifest, sha256_file
 from exl3tools.checkpoint.reader import Checkpoint, pread_exact
 from exl3tools.errors import VerifyError
@@ -108,8 +109,10 @@ def verify_sliced(src: str | Path, sliced: str | Path, *, decode_samples: int = 
     # files: sizes and hashes; no unlisted safetensors
     for rel, fe in sorted(man.files.items()):
         p = sliced / rel
-        if not p.is_file():
-            rep.problems.append(f"{rel}: listed in manifest.json but missing")
+        kind = path_kind(p)
+        if kind != "file":
+            rep.problems.append(f"{rel}: listed in manifest.json but "
+                                + ("missing" if kind is None else f"{kind}, not a regular file"))
             continue
         if p.stat().st_size != fe.size:
             rep.problems.append(f"{rel}: {p.stat().st_size} bytes, manifest says {fe.size}")

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from exl3tools.checkpoint.header import Header, read_header
+from exl3tools.checkpoint.header import SPLIT_HEADER_BYTES, Header, read_header
 from exl3tools.checkpoint.jsonio import path_kind
 from exl3tools.checkpoint.reader import (
     INDEX_NAME,
@@ -191,6 +191,8 @@ def _truncation(path: Path) -> str | None:
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
+            if n > SPLIT_HEADER_BYTES:  # a real shard's header is a few MB: do not re-parse a hostile one
+                return None
             obj = json.loads(f.read(n))
         size = os.path.getsize(path)
         ends = sorted((v["data_offsets"][0], v["data_offsets"][1]) for k, v in obj.items() if k != "__metadata__")
