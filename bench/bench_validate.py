@@ -171,9 +171,10 @@ def _values(name: str, dt: str, shape, cfg: dict, rng) -> bytes:
 
 def fill_sampled_ranges(root: Path, cfg: dict) -> int:
     """Write valid bytes where sampled-mode validate must not find zeros; returns bytes written."""
-    from exl3tools.validate import Sink
-    from exl3tools.validate_checks import Context, open_tolerant
-    from exl3tools.validate_numeric import strip_span
+    from exl3tools.validate.context import Context
+    from exl3tools.validate.findings import Sink
+    from exl3tools.validate.numeric import strip_span
+    from exl3tools.validate.structure import open_tolerant
 
     sink = Sink(root)
     ckpt, bad = open_tolerant(root, sink)

@@ -6,6 +6,7 @@ Exit codes (documented in README.md):
   2  usage or I/O problem: bad options, missing path, not a checkpoint, unwritable output
   3  refused: a valid request exl3tools cannot do (unsupported architecture, illegal cut)
   4  runtime failure (a worker or tensor-parallel peer died)
+ 70  internal error: a bug in exl3tools (please report it; --debug shows the traceback)
 130  interrupted
 Tracebacks only with --debug or EXL3TOOLS_DEBUG=1.
 """
@@ -13,6 +14,7 @@ Tracebacks only with --debug or EXL3TOOLS_DEBUG=1.
 from __future__ import annotations
 
 from exl3tools import errors as E
+from exl3tools.text import printable
 
 EXIT_OK = 0
 EXIT_BAD_CHECKPOINT = 1
@@ -48,9 +50,9 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) for a known error, None for a bug."""
     for cls, code, label in ERROR_TABLE:
         if isinstance(exc, cls):
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else cls.__name__
+            text = str(exc).strip() or cls.__name__
             if isinstance(exc, OSError) and not isinstance(exc, E.Exl3Error):
                 name = exc.filename or ""
                 text = f"{name}: {exc.strerror or text}" if name else text
-            return code, f"{label}: {text}"
+            return code, f"{label}: {printable(text)}"  # one line, whatever a name in it holds
     return None

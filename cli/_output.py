@@ -8,6 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
+from exl3tools.text import for_console
+
 console = Console(highlight=False)            # tables and results, stdout
 err_console = Console(stderr=True, highlight=False)  # status, warnings, progress
 
@@ -27,11 +29,11 @@ def _default(o: Any) -> Any:
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/] {message}")
+    err_console.print(f"[yellow]warning:[/] {for_console(message)}")
 
 
 def status(message: str) -> None:
-    err_console.print(message)
+    err_console.print(for_console(message))
 
 
 def byte_progress(label: str, *, transient: bool = False, disable: bool = False):

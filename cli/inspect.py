@@ -6,6 +6,8 @@ import click
 from exl3tools.cli._output import console, emit_json, warn
 from rich.table import Table
 
+from exl3tools.text import for_console
+
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
@@ -39,7 +41,7 @@ def inspect_cmd(path: str, tp: int | None, tensor: str | None, as_json: bool) ->
         if as_json:
             emit_json(rep.to_json())
             return
-        t = Table(title=f"{rep.prefix}  ({rep.family})", show_header=False)
+        t = Table(title=f"{for_console(rep.prefix)}  ({rep.family})", show_header=False)
         t.add_row("padded (in, out)", f"({rep.k_padded}, {rep.n_padded})")
         t.add_row("real (in, out)", f"({rep.in_real}, {rep.out_real})")
         t.add_row("bits K", rep.bits)
@@ -57,10 +59,10 @@ def inspect_cmd(path: str, tp: int | None, tensor: str | None, as_json: bool) ->
         return
     for msg in s.issues:
         warn(msg)
-    head = Table(title=f"{s.path}  [{s.source}]", show_header=False)
-    head.add_row("architecture", f"{s.architecture} ({s.model_type})")
-    head.add_row("dims", ", ".join(f"{k}={v}" for k, v in s.dims.items()))
-    head.add_row("quantization", ", ".join(f"{k}={v}" for k, v in s.quantization.items()) or "none (not EXL3)")
+    head = Table(title=f"{for_console(s.path)}  \\[{s.source}]", show_header=False)
+    head.add_row("architecture", for_console(f"{s.architecture} ({s.model_type})"))
+    head.add_row("dims", for_console(", ".join(f"{k}={v}" for k, v in s.dims.items())))
+    head.add_row("quantization", for_console(", ".join(f"{k}={v}" for k, v in s.quantization.items())) or "none (not EXL3)")
     head.add_row("layers", ", ".join(f"{n} {k}" for k, n in sorted(s.layers.items())))
     head.add_row("experts", f"routed={s.experts['routed']} shared={s.experts['shared']} top_k={s.experts['top_k']}"
                  f" present/layer={s.experts['present_per_moe_layer']}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 from exl3tools.cli._output import byte_bar, console, emit_json, status
 
+from exl3tools.text import for_console
+
 
 @click.command("normalize")
 @click.argument("src", type=click.Path())
@@ -28,10 +30,10 @@ def normalize_cmd(src: str, dst: str, dry_run: bool, as_json: bool) -> None:
         if as_json:
             emit_json(plan.to_json())
         else:
-            console.print(f"[bold]normalize plan[/] for {src}: "
+            console.print(f"[bold]normalize plan[/] for {for_console(src)}: "
                           + ("nothing to change (already normalized)" if plan.is_noop else f"{len(plan.actions)} change(s)"))
             for a in plan.actions:
-                console.print(f"  {a}", soft_wrap=True)
+                console.print(f"  {for_console(a)}", soft_wrap=True)
         if dry_run:
             return
     total = sum(t.nbytes for _, _, ts in plan.shards for t in ts)

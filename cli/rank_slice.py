@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 from exl3tools.cli._output import byte_bar, console, emit_json, status, warn
 
+from exl3tools.text import for_console
+
 
 @click.command("rank-slice")
 @click.argument("src", type=click.Path())
@@ -30,7 +32,7 @@ def rank_slice_cmd(src: str, dst: str, tp: int, moe: str, layout: str, dry_run: 
     exl3tools verify ./GLM-5-exl3 ./GLM-5-tp4
     """
     from exl3tools.checkpoint import Checkpoint
-    from exl3tools.rank_slice import check_destination, plan_rank_slices, write_rank_shards
+    from exl3tools.slicing import check_destination, plan_rank_slices, write_rank_shards
 
     ck = Checkpoint.open(src)
     plan = plan_rank_slices(ck, tp, moe, layout)
@@ -43,21 +45,21 @@ def rank_slice_cmd(src: str, dst: str, tp: int, moe: str, layout: str, dry_run: 
         for c in plan.cuts:
             console.print(f"[bold]rank {c['rank']}[/]")
             for a, e in c["attention"].items():
-                console.print(f"  {a}: {_fmt(e)}", soft_wrap=True)
+                console.print(f"  {for_console(a)}: {for_console(_fmt(e))}", soft_wrap=True)
             for m, e in c["modules"].items():
-                console.print(f"  {m}: {_fmt(e)}", soft_wrap=True)
+                console.print(f"  {for_console(m)}: {for_console(_fmt(e))}", soft_wrap=True)
         for o in s["outputs"]:
             console.print(f"{o['dir']}: {o['tensors']} tensors, {o['bytes'] / 1e9:.3f} GB")
         for n in plan.notes:
-            console.print(f"note: {n}")
+            console.print(f"note: {for_console(n)}")
         return
-    check_destination(Path(dst), resume)
+    check_destination(Path(dst), resume, ck.root)
     for n in plan.notes:
         warn(n)
     total = sum(t.nbytes for sp in plan.shards for outs in sp.outputs for t in outs)
     dequant = None
     if layout == "vllm-hybrid":
-        from exl3tools.rank_slice import dequantize_to_writer as dequant
+        from exl3tools.slicing import dequantize_to_writer as dequant
     prog, advance = byte_bar(total, f"rank-slice tp={tp}")
     with prog:
         man = write_rank_shards(ck, plan, dst, resume=resume, threads=threads, progress=advance, dequant=dequant)

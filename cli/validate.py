@@ -29,7 +29,7 @@ def validate_cmd(path: str, deep: bool, strict: bool, as_json: bool, junit: str 
     exl3tools validate ./out/tp4 --json
     """
     from exl3tools.validate import validate
-    from exl3tools.validate_report import junit_xml, render
+    from exl3tools.validate.report import junit_xml, render
 
     progress = None
     bar = None

@@ -22,7 +22,7 @@ def verify_cmd(src: str, sliced: str, decode_samples: int, seed: int, no_hash: b
     """
 
     from exl3tools.checkpoint.manifest import load_manifest
-    from exl3tools.verify import verify_sliced
+    from exl3tools.slicing import verify_sliced
 
     man = load_manifest(sliced)
     total = sum(r.tensor_bytes for r in man.ranks)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from exl3tools.checkpoint import Checkpoint
-from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, write_atomic
-from exl3tools.errors import MissingTensorError, OutputExistsError, UsageError
+from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, refuse_overlap, write_atomic
+from exl3tools.errors import CheckpointError, MissingTensorError, OutputExistsError, UsageError
 from exl3tools.exl3 import unpack_signs
 from exl3tools.inspect import require_exl3
 from exl3tools.layout import layer_of, real_dims, scan_refs
@@ -70,6 +70,7 @@ def plan_dequantize(ck: Checkpoint, dst: str | Path, dtype: str = "bf16", only: 
     if dtype not in OUT_DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(OUT_DTYPES)}")
     require_exl3(ck)
+    refuse_overlap(ck.root, dst)
     odt = OUT_DTYPES[dtype]
     isz = {"BF16": 2, "F16": 2, "F32": 4}[odt]
     sc = scan_refs(ck.tensors, ck.config.get("num_hidden_layers"))
@@ -80,6 +81,7 @@ def plan_dequantize(ck: Checkpoint, dst: str | Path, dtype: str = "bf16", only: 
         unknown = [k for k in wanted if k not in sc.linears and k not in ck.tensors]
         if unknown:
             raise MissingTensorError(f"{ck.root}: no tensor or EXL3 linear {unknown[0]!r}")
+    _refuse_broken_linears(ck, wanted)
     groups: dict[str, list[OutTensor]] = {}
     padded: list[str] = []
     for p, lin in sc.linears.items():
@@ -100,6 +102,25 @@ def plan_dequantize(ck: Checkpoint, dst: str | Path, dtype: str = "bf16", only: 
     shards = tuple((f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(sorted(groups[g], key=lambda t: t.name)))
                    for i, g in enumerate(order))
     return DequantPlan(str(ck.root), str(dst), dtype, shards, tuple(padded))
+
+
+def _refuse_broken_linears(ck: Checkpoint, wanted: set[str] | None) -> None:
+    """validate's EXL3-linear rules (E2xx), run on the linears about to be decoded: a trellis of the
+    wrong dtype or rank, sign vectors that do not fit it, or config dims its padding cannot hold would
+    decode to wrong weights without any error. Refused, with the first finding."""
+    from exl3tools.validate.context import Context
+    from exl3tools.validate.findings import Sink
+    from exl3tools.validate.linears import check_linears
+
+    def concerns(tensor: str) -> bool:
+        return wanted is None or any(tensor == p or tensor.startswith(f"{p}.") for p in wanted)
+
+    sink = Sink(ck.root)
+    check_linears(Context.build(ck, sink, set()))
+    bad = [f for f in sink.findings if f.severity == "error" and f.code.startswith("E2") and concerns(f.tensor or "")]
+    if bad:
+        more = f" (and {len(bad) - 1} more; exl3tools validate lists them)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{ck.root}: {bad[0].line}{more}: dequantizing it would write wrong weights")
 
 
 def to_dtype_bytes(x: np.ndarray, odt: str) -> bytes:
@@ -131,8 +152,14 @@ def _linear_slabs(ck: Checkpoint, p: str, shape: tuple[int, int], odt: str) -> I
 def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = False,
                      progress: Callable[[int], None] | None = None) -> Path:
     dst = Path(plan.dst)
-    if (dst / "config.json").exists() and not overwrite:
-        raise OutputExistsError(f"{dst}: already holds a checkpoint (use --overwrite)")
+    refuse_overlap(ck.root, dst)
+    if dst.exists() and not dst.is_dir():
+        raise OutputExistsError(f"{dst}: exists and is not a directory")
+    if dst.is_dir() and any(dst.iterdir()):
+        if not (dst / "config.json").is_file():  # --overwrite replaces a checkpoint, not any folder
+            raise OutputExistsError(f"{dst}: a non-empty folder that is not a checkpoint; choose an empty or new DST")
+        if not overwrite:
+            raise OutputExistsError(f"{dst}: already holds a checkpoint (use --overwrite)")
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for fname, tensors in plan.shards:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from exl3tools.checkpoint import DTYPES, Checkpoint, Header, TensorInfo
+from exl3tools.checkpoint.counts import config_problems
 from exl3tools.checkpoint.reader import TensorRef, load_json, merge_quantization_config
 from exl3tools.errors import CheckpointError, NotFoundError
 
@@ -64,6 +65,8 @@ def _open_remote_headers(repo: str, rev: str | None) -> Checkpoint:
     except (EntryNotFoundError, HfHubHTTPError, OSError) as exc:
         raise NotFoundError(f"{repo}: could not reach the Hub ({type(exc).__name__})") from None
     config = load_json(local_dir / "config.json", "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"hf://{repo}/config.json: not a JSON object")
     qfile = load_json(local_dir / "quantization_config.json", "quantization_config.json") \
         if (local_dir / "quantization_config.json").is_file() else None
     merged = merge_quantization_config(qfile, config.get("quantization_config"))
@@ -79,4 +82,7 @@ def _open_remote_headers(repo: str, rev: str | None) -> Checkpoint:
             tensors[name] = TensorRef(Path(f"hf://{repo}/{fname}"), infos[name])
         size = max((t.end for t in infos.values()), default=0)
         headers[fname] = Header(f"hf://{repo}/{fname}", 0, 0, size, infos, fm.metadata)
+    problems = config_problems(config, len(tensors))
+    if problems:
+        raise CheckpointError(f"hf://{repo}/config.json: {problems[0]}")
     return Checkpoint(Path(f"hf://{repo}"), config, merged, qfile, headers, tensors, None, [])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exl3tools.checkpoint.header import gc_paused
-from exl3tools.errors import UnsupportedArchitectureError
+from exl3tools.errors import CheckpointError, UnsupportedArchitectureError
 from exl3tools.exl3 import BLOCK, HALF_WIDTHS, k_from_width
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
@@ -249,10 +249,20 @@ def expected_modules(config: Mapping, mtp_layers: Iterable[int] = ()) -> list[Ex
     ``mtp_layers``: the MTP layer indices actually present (MTP is optional: exllamav3 drops it for
     glm4_moe/deepseek_v3 and keeps it for GLM-5); their modules are listed with ``mtp=True``.
     """
-    arch = (config.get("architectures") or [None])[0]
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"architecture {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    try:
+        return _expected(config, arch, mtp_layers)
+    except UnsupportedArchitectureError:
+        raise
+    except (TypeError, ValueError, LookupError, AttributeError) as exc:  # a key of the wrong JSON type
+        raise CheckpointError(f"config.json: values unusable for {arch} ({type(exc).__name__}: {exc})") from None
+
+
+def _expected(config: Mapping, arch: str, mtp_layers: Iterable[int]) -> list[Expected]:
     H, V, L = _num(config, "hidden_size"), _num(config, "vocab_size"), _num(config, "num_hidden_layers")
     out: list[Expected] = [Expected("model.embed_tokens.weight", "dense", shape=(V, H)),
                            Expected("model.norm.weight", "dense", shape=(H,))]
@@ -367,8 +377,9 @@ def expected_modules(config: Mapping, mtp_layers: Iterable[int] = ()) -> list[Ex
 
 def real_dims(config: Mapping, names: Iterable[str]) -> dict[str, tuple[int, int]]:
     """prefix -> (in_real, out_real) for every expected linear; {} for an unknown architecture."""
+    L = config.get("num_hidden_layers")
+    L = L if isinstance(L, int) and not isinstance(L, bool) else 0
     try:
-        L = int(config.get("num_hidden_layers", 0))
         exp = expected_modules(config, mtp_layers_present(names, L))
     except UnsupportedArchitectureError:
         return {}

@@ -24,9 +24,17 @@ from typing import Any
 
 import numpy as np
 
+from exl3tools.checkpoint.copy import copy_tensor
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint
-from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, json_bytes, write_atomic
+from exl3tools.checkpoint.writer import (
+    ShardWriter,
+    fsync_dir,
+    index_json,
+    json_bytes,
+    refuse_overlap,
+    write_atomic,
+)
 from exl3tools.errors import IncompatibleSliceError, OutputExistsError
 from exl3tools.exl3 import BLOCK, MARKERS, unpack_signs
 
@@ -197,9 +205,8 @@ def _rename_storage(qcfg: dict, plan: NormalizePlan, out_shapes: dict[str, NTens
 def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[str],
                     progress: Callable[[int], None] | None = None) -> None:
     """Write the normalized checkpoint to ``dst`` (temp names + rename; the index last)."""
-    from exl3tools.rank_write import _stream_copy
-
     dst = Path(dst)
+    refuse_overlap(ck.root, dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise OutputExistsError(f"{dst}: exists and is not empty")
     dst.mkdir(parents=True, exist_ok=True)
@@ -220,7 +227,8 @@ def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[
                     w.write(data)
                     prog(len(data))
                 else:
-                    _stream_copy(fd, info.begin, info.shape, info.itemsize, [(w, t)], prog)
+                    copy_tensor(fd, info.begin, info.shape, info.itemsize, [(w, t)], prog,
+                                path=ck.root / src_file)
                 weight_map[t.name] = out_file
                 total += t.nbytes
             w.close()

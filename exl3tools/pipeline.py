@@ -13,8 +13,8 @@ from pathlib import Path
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.checkpoint.manifest import RankManifest
 from exl3tools.normalize import apply_normalize, plan_normalize
-from exl3tools.rank_slice import dequantize_to_writer, plan_rank_slices, write_rank_shards
-from exl3tools.verify import VerifyReport, verify_sliced
+from exl3tools.slicing import dequantize_to_writer, plan_rank_slices, write_rank_shards
+from exl3tools.slicing.verify import VerifyReport, verify_sliced
 
 
 def needs_normalize(ck: Checkpoint) -> bool:

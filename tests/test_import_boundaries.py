@@ -34,3 +34,40 @@ def test_cli_inspect_run_is_torch_free():
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    try:\n        main()\n    except SystemExit:\n        pass")
     assert "torch" not in mods
+
+
+# Each subpackage's modules, bottom floor first: a module may import only floors below it (checked on
+# the source, function-level imports included), so the stages cannot grow an import circle again.
+FLOORS = {
+    "exl3tools.validate": ["rules", "findings", "context", "structure", "linears", "architecture", "numeric",
+                           "deep", "single", "ranks", "report", "__init__"],
+    "exl3tools.slicing": ["cuts", "plan", "write", "vllm_hybrid", "verify", "__init__"],
+}
+
+
+def _sibling_imports(package: str, path) -> set[str]:
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == package:
+                found.update(a.name for a in node.names)
+            elif node.module.startswith(package + "."):
+                found.add(node.module[len(package) + 1:].split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name[len(package) + 1:].split(".")[0] for a in node.names
+                         if a.name.startswith(package + "."))
+    return found
+
+
+def test_subpackages_import_downward_only():
+    from tests.conftest import REPO
+
+    for package, floors in FLOORS.items():
+        folder = REPO / package.replace(".", "/")
+        assert sorted(p.stem for p in folder.glob("*.py")) == sorted(floors), f"{package}: update FLOORS"
+        for i, mod in enumerate(floors):
+            imported = _sibling_imports(package, folder / f"{mod}.py") & set(floors)
+            upward = imported - set(floors[:i])
+            assert not upward, f"{package}.{mod} imports {sorted(upward)}, which are not below it"

@@ -18,8 +18,7 @@ from safetensors import safe_open
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.checkpoint.manifest import check_schema, load_manifest, schema
 from exl3tools.errors import IncompatibleSliceError, IncompleteOutputError, VerifyError
-from exl3tools.rank_slice import plan_rank_slices, split128, write_rank_shards
-from exl3tools.verify import verify_sliced
+from exl3tools.slicing import plan_rank_slices, split128, verify_sliced, write_rank_shards
 from tests.conftest import fixture_dir
 
 TP_FIXTURES = ["glm5_moe_dsa-tp-4.0bpw-mcg", "glm4_moe-tp-2.0bpw-mul1"]
@@ -271,7 +270,7 @@ def test_vllm_hybrid_layout(tmp_path: Path, tp: int) -> None:
     src = fixture_dir(name) / "model"
     ck = Checkpoint.open(src)
     out = tmp_path / "h"
-    from exl3tools.rank_slice import dequantize_to_writer
+    from exl3tools.slicing import dequantize_to_writer
 
     write_rank_shards(ck, plan_rank_slices(ck, tp, "tp", "vllm-hybrid"), out, dequant=dequantize_to_writer)
     assert verify_sliced(src, out, decode_samples=3).ok

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from exl3tools.checkpoint.reader import Checkpoint
-from exl3tools.rank_slice import plan_rank_slices, write_rank_shards
 from exl3tools.runtime.runner import load_runner
+from exl3tools.slicing import plan_rank_slices, write_rank_shards
 from tests.conftest import fixture_dir
 
 NAME = "glm4_moe-tp-2.0bpw-mul1"

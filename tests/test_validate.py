@@ -22,7 +22,7 @@ from exl3tools.cli import main
 from exl3tools.checkpoint.header import header_bytes, read_header
 from exl3tools.exl3 import MARKERS
 from exl3tools.validate import validate
-from exl3tools.validate_rules import RULES
+from exl3tools.validate.rules import RULES
 from tests.conftest import DEMO, FIXTURE_NAMES, REPO, fixture_dir
 
 ST = "model.safetensors"
@@ -217,9 +217,15 @@ def duplicate_file(model: Path) -> None:
     write_st(model / "model-extra.safetensors", [find(entries, "model.norm.weight")])
 
 
-def stray_file(model: Path) -> None:
+def stray_copy(model: Path) -> None:
+    """An old copy of an indexed shard left in the folder: exllamav3 globs *.safetensors and loads it."""
     with_index()(model)
     shutil.copy(model / ST, model / "stale-copy.safetensors")
+
+
+def stray_file(model: Path) -> None:
+    with_index()(model)
+    write_st(model / "extra.safetensors", [["scratch.weight", "F16", [4], b"\0<" * 4]])
 
 
 def zero_trellis(model: Path) -> None:
@@ -283,6 +289,7 @@ CASES = [
     ("indexed-tensor-not-in-file", "demo", with_index({f"{L1}.mlp.experts.99.up_proj.suh": ST}), "E111"),
     ("orphan-tensor-not-in-index", "demo", with_index(omit=(f"{L1}.mlp.experts.3.up_proj.suh",)), "E112"),
     ("duplicate-tensor", "demo", duplicate_file, "E113"),
+    ("stray-copy-of-indexed-shard", "demo", stray_copy, "E119"),
     ("index-not-json", "demo", lambda m: (m / "model.safetensors.index.json").write_text("{oops"), "E114"),
     ("shard-file-missing", "demo", remove_file, "E101"),
     ("config-not-json", "demo", lambda m: (m / "config.json").write_text('{"architectures": ['), "E100"),
@@ -503,7 +510,7 @@ def test_report_api(tmp_path):
 
 def test_multi_shard_forked_workers(tmp_path, monkeypatch):
     """Sharded checkpoint (index + 3 files) through the forked per-file workers: clean, then damaged."""
-    import exl3tools.validate_numeric as N
+    import exl3tools.validate.numeric as N
 
     monkeypatch.setattr(N, "FORK_MIN_TENSORS", 0)
     model = tmp_path / "model"
@@ -570,5 +577,5 @@ def test_validate_is_torch_free():
             "    try:\n        main()\n    except SystemExit:\n        pass\n"
             "print(' '.join(sys.modules))")
     mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
-    assert "exl3tools.validate_numeric" in mods
+    assert "exl3tools.validate.numeric" in mods
     assert "torch" not in mods and "exllamav3" not in mods and "cli" not in mods and "kernels" not in mods

@@ -18,8 +18,7 @@ from exl3tools.checkpoint.manifest import (
     schema,
 )
 from exl3tools.errors import IncompleteOutputError, VerifyError
-from exl3tools.rank_slice import plan_rank_slices, write_rank_shards
-from exl3tools.verify import verify_sliced
+from exl3tools.slicing import plan_rank_slices, verify_sliced, write_rank_shards
 from tests.conftest import fixture_dir
 
 

@@ -8,17 +8,16 @@ that leave every tensor readable (gaps, trailing bytes) are recorded in ``Header
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exl3tools.errors import HeaderError
+from exl3tools.checkpoint.jsonio import gc_paused, loads_json, open_regular, split_object
+from exl3tools.errors import HeaderError, NotFoundError
 
 # safetensors dtype -> (itemsize in bytes, numpy dtype string or None where numpy has none)
 DTYPES: dict[str, tuple[int, str | None]] = {
@@ -78,36 +77,13 @@ _INT_ONLY = frozenset((int,))
 # object.__setattr__ calls (237k TensorInfos per GLM-5 checkpoint)
 _INFO_SETTERS = (object.__new__, *(TensorInfo.__dict__[f].__set__ for f in ("name", "dtype", "shape", "begin", "end")))
 
-try:  # orjson parses a 240k-tensor GLM-5 header ~1.8x faster than the stdlib; both are strict JSON
-    import orjson
-
-    def loads_json(raw: bytes) -> Any:
-        return orjson.loads(raw)
-except ImportError:  # pragma: no cover - orjson is a dependency, but the stdlib is enough
-    def loads_json(raw: bytes) -> Any:
-        return json.loads(raw.decode("utf-8"))
-
-
-def parse_header(raw_prefix: bytes, file_size: int, path: str = "<bytes>") -> Header:
+def parse_header(raw_prefix: bytes | bytearray, file_size: int, path: str = "<bytes>") -> Header:
     """Parse a header from the first bytes of a file (at least 8 + N bytes of it)."""
     with gc_paused():
         return _parse_header(raw_prefix, file_size, path)
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while building ~10^6 small acyclic objects (a 256-expert header):
-    its generation-0 passes otherwise cost ~3x the parse itself."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _parse_header(raw_prefix: bytes, file_size: int, path: str) -> Header:
+def _parse_header(raw_prefix: bytes | bytearray, file_size: int, path: str) -> Header:
     if file_size < 8 or len(raw_prefix) < 8:
         raise _fail(path, "E102", f"file is {file_size} bytes, too short for a safetensors header")
     n = int.from_bytes(raw_prefix[:8], "little")
@@ -117,63 +93,72 @@ def _parse_header(raw_prefix: bytes, file_size: int, path: str) -> Header:
         raise _fail(path, "E102", f"header length {n} runs past the end of the {file_size}-byte file (truncated)")
     if len(raw_prefix) < 8 + n:
         raise _fail(path, "E102", "header truncated")
-    try:
-        obj = loads_json(raw_prefix[8:8 + n])
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        raise _fail(path, "E103", f"header is not valid JSON ({type(exc).__name__})") from None
-    if not isinstance(obj, dict):
-        raise _fail(path, "E103", "header JSON is not an object")
     data_start = 8 + n
     data_len = file_size - data_start
-    metadata = obj.pop("__metadata__", None)
-    if metadata is not None and not (isinstance(metadata, dict)
-                                     and all(isinstance(v, str) for v in metadata.values())):
-        raise _fail(path, "E104", "__metadata__ must map strings to strings")
-
+    metadata = None
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     # (dtype, shape) -> (bytes, shape tuple): a GLM-5 shard has ~6k tensors but only ~50 distinct shapes
     known: dict[tuple[str, tuple], tuple[int, tuple[int, ...]]] = {}
     new, set_name, set_dtype, set_shape, set_begin, set_end = _INFO_SETTERS
-    for name, entry in obj.items():
-        if type(entry) is not dict and not isinstance(entry, dict):
-            raise _fail(path, "E104", f"tensor {name!r}: entry is not an object")
-        dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        try:
-            hit = known.get((dtype, tuple(shape))) if type(shape) is list else None
-        except TypeError:  # unhashable dtype or dims: the checks below word the error
-            hit = None
-        # a hit means equal values; `type(d) is int` still has to hold (True == 1, 2.0 == 2)
-        if hit is not None and _INT_ONLY.issuperset(map(type, shape)):
-            expected, shape_t = hit
-        else:
-            size = _ITEMSIZE.get(dtype)  # type: ignore[arg-type]
-            if size is None:
-                raise _fail(path, "E104", f"tensor {name!r}: unknown dtype {dtype!r}")
-            # `type(x) is int` on purpose: bool is an int subclass and must not pass as a dim or offset
-            if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-                raise _fail(path, "E104", f"tensor {name!r}: bad shape {shape!r}")
-            expected, shape_t = math.prod(shape) * size, tuple(shape)
-            known[(dtype, shape_t)] = (expected, shape_t)
-        if type(offs) is not list or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int:
-            raise _fail(path, "E104", f"tensor {name!r}: bad data_offsets {offs!r}")
-        b, e = offs
-        if b < 0 or e < b or e > data_len:
-            raise _fail(path, "E105", f"tensor {name!r}: data_offsets [{b}, {e}] outside the {data_len}-byte data buffer")
-        if e - b != expected:
-            raise _fail(path, "E108", f"tensor {name!r}: {dtype}{shape} needs {expected} bytes, offsets span {e - b}")
-        b += data_start
-        e += data_start
-        t = new(TensorInfo)  # TensorInfo(name, dtype, shape_t, b, e) at half the cost of the frozen __init__
-        set_name(t, name)
-        set_dtype(t, dtype)
-        set_shape(t, shape_t)
-        set_begin(t, b)
-        set_end(t, e)
-        tensors[name] = t
-        if e > b:
-            spans.append((b, e, name))
+    for obj, p0, p1, wrapped in _pieces(raw_prefix, n, path):
+        if "__metadata__" in obj:
+            if metadata is not None:
+                raise _fail(path, "E104", "key '__metadata__' appears twice in the header")
+            metadata = obj.pop("__metadata__")
+            if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+                raise _fail(path, "E104", "__metadata__ must map strings to strings")
+        before = len(tensors)
+        pop = obj.pop
+        for name in list(obj):
+            # each parsed entry is dropped as soon as its TensorInfo exists: a 10^6-entry header never
+            # holds both forms in full
+            entry = pop(name)
+            if name in tensors:  # the same name in two pieces of a split header
+                raise _fail(path, "E104", f"key {name!r} appears twice in the header (a JSON parser keeps either one)")
+            if type(entry) is not dict and not isinstance(entry, dict):
+                raise _fail(path, "E104", f"tensor {name!r}: entry is not an object")
+            dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+            try:
+                hit = known.get((dtype, tuple(shape))) if type(shape) is list else None
+            except TypeError:  # unhashable dtype or dims: the checks below word the error
+                hit = None
+            # a hit means equal values; `type(d) is int` still has to hold (True == 1, 2.0 == 2)
+            if hit is not None and _INT_ONLY.issuperset(map(type, shape)):
+                expected, shape_t = hit
+            else:
+                # a list or object as dtype is unhashable: only a string can name one
+                size = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+                if size is None:
+                    raise _fail(path, "E104", f"tensor {name!r}: unknown dtype {dtype!r}")
+                # `type(x) is int` on purpose: bool is an int subclass and must not pass as a dim or offset
+                if type(shape) is not list or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+                    raise _fail(path, "E104", f"tensor {name!r}: bad shape {shape!r}")
+                expected, shape_t = math.prod(shape) * size, tuple(shape)
+                if len(known) < 4096:  # distinct shapes are few; a hostile header must not grow it
+                    known[(dtype, shape_t)] = (expected, shape_t)
+            if type(offs) is not list or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int:
+                raise _fail(path, "E104", f"tensor {name!r}: bad data_offsets {offs!r}")
+            b, e = offs
+            if b < 0 or e < b or e > data_len:
+                raise _fail(path, "E105", f"tensor {name!r}: data_offsets [{b}, {e}] outside the {data_len}-byte data buffer")
+            if e - b != expected:
+                raise _fail(path, "E108", f"tensor {name!r}: {dtype}{shape} needs {expected} bytes, offsets span {e - b}")
+            b += data_start
+            e += data_start
+            t = new(TensorInfo)  # TensorInfo(name, dtype, shape_t, b, e) at half the cost of the frozen __init__
+            set_name(t, name)
+            set_dtype(t, dtype)
+            set_shape(t, shape_t)
+            set_begin(t, b)
+            set_end(t, e)
+            tensors[name] = t
+            if e > b:
+                spans.append((b, e, name))
 
+        dup = _duplicate_key(raw_prefix, p0, p1, len(tensors) - before, wrapped)
+        if dup is not None:
+            raise _fail(path, "E104", f"key {dup!r} appears twice in the header (a JSON parser keeps either one)")
     issues: list[tuple[str, str]] = []
     spans.sort()
     pos = data_start
@@ -188,13 +173,65 @@ def _parse_header(raw_prefix: bytes, file_size: int, path: str) -> Header:
     return Header(path, n, data_start, file_size, tensors, metadata, tuple(issues))
 
 
+_ENTRY_KEYS = (b'"dtype"', b'"shape"', b'"data_offsets"')
+
+
+SPLIT_HEADER_BYTES = 8 << 20  # larger headers are parsed in pieces ...
+PIECE_VALUES = 1 << 18        # ... of about this many brackets and commas (~25k tensor entries)
+
+
+def _pieces(raw: bytes | bytearray, n: int, path: str) -> Iterator[tuple[dict, int, int, bool]]:
+    """The header object as (dict, start, end, wrapped): whole, or for a header over 8 MiB in pieces of
+    whole members (``raw[start:end]`` wrapped in braces), so a 10^6-entry header never exists as one
+    tree of 10^7 Python objects (peak memory ~ the raw bytes plus one piece)."""
+    ranges = split_object(raw, 8, 8 + n, PIECE_VALUES) if n > SPLIT_HEADER_BYTES else None
+    texts = [(memoryview(raw)[8:8 + n], 8, 8 + n, False)] if ranges is None else \
+        ((b"{" + raw[a:b] + b"}", a, b, True) for a, b in ranges)
+    for text, a, b, wrapped in texts:
+        try:  # a view, not a copy, when whole: the JSON of a hostile header is up to 100 MB
+            obj = loads_json(text)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            raise _fail(path, "E103", f"header is not valid JSON ({type(exc).__name__})") from None
+        if not isinstance(obj, dict):
+            raise _fail(path, "E103", "header JSON is not an object")
+        yield obj, a, b, wrapped
+        del obj, text
+
+
+def _duplicate_key(raw: bytes | bytearray, start: int, end: int, entries: int, wrapped: bool) -> str | None:
+    """A key repeated in one JSON object of the header (two entries of one tensor, or one key twice in
+    an entry), or None. Parsers disagree on which copy wins, so the file means different things to
+    different loaders. Fast path: each entry key occurs exactly once per tensor; only otherwise
+    (duplicates, or those strings inside names or metadata) is the header re-parsed pair by pair."""
+    if all(raw.count(k, start, end) == entries for k in _ENTRY_KEYS):
+        return None
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(items)
+        if len(d) != len(items) and not found:
+            seen: set[str] = set()
+            for k, _ in items:
+                if k in seen:
+                    found.append(k)
+                    break
+                seen.add(k)
+        return d
+
+    text = raw[start:end].decode("utf-8")
+    json.loads("{" + text + "}" if wrapped else text, object_pairs_hook=pairs)
+    return found[0] if found else None
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and parse only the header of a safetensors file (never the data)."""
     p = str(path)
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except FileNotFoundError:
+    try:  # a FIFO, directory or device named *.safetensors is refused, not opened for reading
+        fd = open_regular(p, "file", HeaderError)
+    except NotFoundError:
         raise _fail(p, "E101", "file does not exist") from None
+    except HeaderError as exc:
+        raise _fail(p, "E101", str(exc)[len(p) + 2:]) from None
     try:
         size = os.fstat(fd).st_size
         first = os.pread(fd, 8, 0)
@@ -203,8 +240,15 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         n = int.from_bytes(first, "little")
         if n > MAX_HEADER_BYTES or 8 + n > size:
             return parse_header(first, size, p)  # raises with the right message
-        raw = first + os.pread(fd, n, 8)
-        return parse_header(raw, size, p)
+        raw = bytearray(8 + n)  # read in place: no second copy of a header of up to 100 MB
+        raw[:8] = first
+        got = 8
+        while got < 8 + n:
+            k = os.preadv(fd, [memoryview(raw)[got:]], got)
+            if k <= 0:
+                break
+            got += k
+        return parse_header(raw if got == 8 + n else raw[:got], size, p)
     finally:
         os.close(fd)
 

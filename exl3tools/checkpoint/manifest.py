@@ -13,11 +13,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from exl3tools.checkpoint import jsonio
+from exl3tools.checkpoint.reader import existing_dir
 from exl3tools.errors import IncompleteOutputError
 
 SCHEMA_NAME = "exl3tools.rank_manifest"
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_TP = 4096  # ranks one manifest may declare; rank-slice itself writes at most 256
 
 # name -> [src | None, dim | None | "dequantize", start | None, stop | None]
 SliceSpec = tuple[str | None, int | str | None, int | None, int | None]
@@ -138,14 +141,23 @@ def check_schema(obj: Any) -> None:
     except jsonschema.ValidationError as exc:
         path = "/".join(str(p) for p in exc.absolute_path)
         raise IncompleteOutputError(f"manifest.json does not match its schema at '{path}': {exc.message}") from None
-    for i, r in enumerate(obj["ranks"]):
+    # plausibility beyond the schema: every count a consumer may loop over is bounded by what is stored
+    tp, ranks = obj["tp"], obj["ranks"]
+    if tp > MAX_TP:
+        raise IncompleteOutputError(f"manifest.json: tp {tp} is not plausible (at most {MAX_TP})")
+    if len(ranks) > tp:
+        raise IncompleteOutputError(f"manifest.json: {len(ranks)} rank entries for tp {tp}")
+    for i, r in enumerate(ranks):
+        if r["rank"] is not None and r["rank"] >= tp:
+            raise IncompleteOutputError(f"manifest.json: ranks/{i}/rank is {r['rank']}, tp is {tp}")
         tensors = r.get("tensors")
         if not isinstance(tensors, dict):
             raise IncompleteOutputError(f"manifest.json: ranks/{i}/tensors is not an object")
         for name, spec in tensors.items():
             if not _spec_ok(spec):
                 raise IncompleteOutputError(f"manifest.json does not match its schema at "
-                                            f"'ranks/{i}/tensors/{name}': {spec!r} is not [src, dim, start, stop]")
+                                            f"'ranks/{i}/tensors/{name}': {spec!r} is not "
+                                            "[src, dim, start, stop] with start <= stop")
 
 
 def _nat(x: Any) -> bool:
@@ -157,19 +169,22 @@ def _spec_ok(spec: Any) -> bool:
         return False
     src, dim, a, b = spec
     return ((src is None or isinstance(src, str)) and (dim is None or dim == "dequantize" or _nat(dim))
-            and (a is None or _nat(a)) and (b is None or _nat(b)))
+            and (a is None or _nat(a)) and (b is None or _nat(b)) and (a is None or b is None or a <= b))
+
+
+def read_manifest_json(path: Path) -> Any:
+    """The parsed manifest.json at ``path`` (bounded, regular files only); IncompleteOutputError if it
+    cannot be read or parsed."""
+    return jsonio.load_json(path, MANIFEST_NAME, limit=jsonio.MAX_MANIFEST_BYTES, error=IncompleteOutputError)
 
 
 def load_manifest(out_dir: str | Path) -> RankManifest:
     """The manifest of a sliced output; IncompleteOutputError when absent (never finished) or bad."""
-    p = Path(out_dir) / MANIFEST_NAME
-    if not p.is_file():
+    p = existing_dir(out_dir) / MANIFEST_NAME  # no such folder at all: NotFoundError (exit 2)
+    if jsonio.path_kind(p) is None:
         raise IncompleteOutputError(f"{out_dir}: no {MANIFEST_NAME}: the output was never completed "
                                     "(rerun rank-slice with --resume)")
-    try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IncompleteOutputError(f"{p}: not valid JSON ({type(exc).__name__})") from None
+    obj = read_manifest_json(p)
     check_schema(obj)
     return RankManifest.from_json(obj)
 

@@ -14,21 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from exl3tools.checkpoint.header import (
-    DTYPES,
-    Header,
-    TensorInfo,
-    gc_paused,
-    loads_json,
-    read_header,
-)
+from exl3tools.checkpoint import jsonio
+from exl3tools.checkpoint.counts import config_problems
+from exl3tools.checkpoint.header import DTYPES, Header, TensorInfo, read_header
 from exl3tools.errors import CheckpointError, NotACheckpointError, NotFoundError
 
 INDEX_NAME = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json",
                    "merges.txt", "added_tokens.json")
-MAX_JSON_BYTES = 64 * 1024 * 1024  # config/index files larger than this are hostile
 
 
 def merge_quantization_config(qfile: dict[str, Any] | None, qcfg: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -74,17 +68,20 @@ class TensorRef:
 
 
 def load_json(path: Path, what: str) -> Any:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise NotFoundError(f"{path}: {what} does not exist") from None
-    if size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{path}: {what} is {size} bytes, larger than any real one")
-    try:
-        with gc_paused():  # a GLM-5 index / tensor_storage holds ~10^6 small objects
-            return loads_json(path.read_bytes())
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc.__class__.__name__})") from None
+    """A checkpoint's JSON file, read by the one bounded reader (checkpoint/jsonio.py)."""
+    return jsonio.load_json(path, what)
+
+
+def json_file(root: Path, name: str) -> Path | None:
+    """``root/name`` when it is a regular file, None when it does not exist; CheckpointError when it
+    is something else (a FIFO would hang the reader, a directory is no config)."""
+    p = root / name
+    kind = jsonio.path_kind(p)
+    if kind is None:
+        return None
+    if kind != "file":
+        raise CheckpointError(jsonio.not_regular(p, name, kind))
+    return p
 
 
 @dataclass(slots=True)
@@ -105,11 +102,11 @@ class Checkpoint:
 
         Problems loaders survive (a shard the index does not name, a tensor missing from the index,
         header oddities) are kept in ``issues``. validate has its own opener that records every
-        problem instead of raising (validate_checks.open_tolerant).
+        problem instead of raising (validate.structure.open_tolerant).
         """
         root = existing_dir(path)
-        cfg_path = root / "config.json"
-        if not cfg_path.is_file():
+        cfg_path = json_file(root, "config.json")
+        if cfg_path is None:
             raise NotACheckpointError(f"{root}: no config.json, not a Hugging Face checkpoint directory")
         config = load_json(cfg_path, "config.json")
         if not isinstance(config, dict):
@@ -117,8 +114,8 @@ class Checkpoint:
         issues: list[tuple[str, str]] = []
 
         qfile = None
-        qpath = root / "quantization_config.json"
-        if qpath.is_file():
+        qpath = json_file(root, "quantization_config.json")
+        if qpath is not None:
             qfile = load_json(qpath, "quantization_config.json")
             if not isinstance(qfile, dict):
                 raise CheckpointError(f"{qpath}: not a JSON object")
@@ -128,8 +125,8 @@ class Checkpoint:
         merged = merge_quantization_config(qfile, qcfg)
 
         index = None
-        idx_path = root / INDEX_NAME
-        if idx_path.is_file():
+        idx_path = json_file(root, INDEX_NAME)
+        if idx_path is not None:
             idx = load_json(idx_path, INDEX_NAME)
             wm = idx.get("weight_map") if isinstance(idx, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -151,8 +148,11 @@ class Checkpoint:
         tensors: dict[str, TensorRef] = {}
         for fname in files:
             fpath = root / fname
-            if not fpath.is_file():
+            kind = jsonio.path_kind(fpath)
+            if kind is None:
                 raise CheckpointError(f"{fpath}: listed in {INDEX_NAME} but missing")
+            if kind != "file":
+                raise CheckpointError(jsonio.not_regular(fpath, "safetensors shard", kind))
             h = read_header(fpath)
             headers[fname] = h
             issues.extend(h.issues)
@@ -161,6 +161,9 @@ class Checkpoint:
                     raise CheckpointError(f"{fpath}: tensor {name!r} also in {tensors[name].file.name}")
                 tensors[name] = TensorRef(fpath, info)
 
+        problems = config_problems(config, max(len(tensors), len(index or ())))
+        if problems:  # every loop over layers, experts and heads takes its bound from these counts
+            raise CheckpointError(f"{cfg_path}: {problems[0]}")
         if index is not None:
             for name, fname in index.items():
                 if fname in headers and name not in headers[fname].tensors:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from exl3tools.checkpoint.header import header_bytes
+from exl3tools.checkpoint.reader import pread_fd
+from exl3tools.errors import CheckpointError, UsageError
 
 
 def tmp_name(path: Path) -> Path:
@@ -82,27 +83,46 @@ class NullWriter:
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> tuple[int, str]:
     """Write a small file via temp + fsync + rename; returns (size, sha256)."""
-    p = Path(path)
-    tmp = tmp_name(p)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    def dump(fd: int) -> None:
         _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, p)
+
+    _atomic(Path(path), dump)
     return len(data), hashlib.sha256(data).hexdigest()
 
 
 def write_atomic_text(path: str | os.PathLike[str], dump: Any) -> None:
     """Stream text into a file via temp + fsync + rename: ``dump(fh)`` writes it."""
-    p = Path(path)
+    def via_text(fd: int) -> None:
+        with open(fd, "w", encoding="utf-8", buffering=1 << 20, closefd=False) as fh:
+            dump(fh)
+
+    _atomic(Path(path), via_text)
+
+
+def _atomic(p: Path, fill: Any) -> None:
+    """``fill(fd)`` writes the temp file; fsync, rename. On any failure (a full disk) the temp file is
+    removed: a failed write leaves nothing behind."""
     tmp = tmp_name(p)
-    with open(tmp, "w", encoding="utf-8", buffering=1 << 20) as fh:
-        dump(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, p)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            fill(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def refuse_overlap(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """An output that is its source, lies inside it or holds it would be written over the files it is
+    read from (``rank-slice M M`` overwrote M/config.json)."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if s == d or s in d.parents or d in s.parents:
+        how = "is" if s == d else "is inside" if s in d.parents else "contains"
+        raise UsageError(f"{dst}: the output {how} the source {src}; choose a destination outside it")
 
 
 def json_bytes(obj: object, indent: int | None = 2) -> bytes:
@@ -128,12 +148,13 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class FileRange:
-    """``length`` bytes at ``offset`` of an open source file (and its read-only map): an
-    AsyncShardWriter hashes them through the map and copies them in-kernel (copy_file_range)."""
-    mm: Any
+    """``length`` bytes at ``offset`` of an open source file: an AsyncShardWriter hashes them (read by
+    pread, so a source truncated meanwhile is an error, not a SIGBUS) and copies them in-kernel
+    (copy_file_range)."""
     fd: int
     offset: int
     length: int
+    path: Path | None = None
 
     @property
     def nbytes(self) -> int:
@@ -145,6 +166,7 @@ def _nbytes(item: Any) -> int:
 
 
 WRITEBACK_STEP = 64 << 20
+HASH_STEP = 4 << 20  # a FileRange is hashed in pieces of this size
 
 
 class ByteBudget:
@@ -213,13 +235,11 @@ class AsyncShardWriter(ShardWriter):
     _in_kernel = True  # copy_file_range works between these files (cleared on EXDEV and friends)
 
     def _copy_range(self, r: FileRange) -> None:
-        view = memoryview(r.mm)[r.offset:r.offset + r.length]
-        try:
-            self.sha.update(view)
+        for off in range(r.offset, r.offset + r.length, HASH_STEP):  # bounded memory per writer
+            piece = pread_fd(r.fd, off, min(HASH_STEP, r.offset + r.length - off), r.path)
+            self.sha.update(piece)
             if not self._in_kernel:
-                _write_all(self.fd, view)
-        finally:
-            view.release()
+                _write_all(self.fd, piece)
         off, left = r.offset, r.length
         while left and self._in_kernel:
             try:
@@ -228,19 +248,15 @@ class AsyncShardWriter(ShardWriter):
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or left != r.length:
                     raise
                 self._in_kernel = False   # e.g. source and output on different filesystems
-                view = memoryview(r.mm)[r.offset:r.offset + r.length]
-                try:
-                    _write_all(self.fd, view)
-                finally:
-                    view.release()
+                for o in range(r.offset, r.offset + r.length, HASH_STEP):
+                    _write_all(self.fd, pread_fd(r.fd, o, min(HASH_STEP, r.offset + r.length - o), r.path))
                 break
             if n <= 0:
-                raise OSError(f"copy_file_range returned {n} at byte {off}")
+                raise CheckpointError(f"{r.path or '<source>'}: file ends before byte {off + left} (truncated "
+                                      "while it was copied)")
             off += n
             left -= n
         self.written += r.length
-        lo = r.offset - r.offset % mmap.PAGESIZE
-        r.mm.madvise(mmap.MADV_DONTNEED, lo, r.offset + r.length - lo)  # keep RSS bounded
 
     def write(self, data: bytes | memoryview) -> None:
         if not hasattr(self, "_t"):          # the header, from __init__

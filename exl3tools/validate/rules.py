@@ -28,8 +28,8 @@ GROUPS = {"1": "structure", "2": "EXL3 linear", "3": "architecture", "4": "numer
 
 _TABLE = [
     # ---- E1xx structure: files, headers, index, config
-    ("E100", "config.json missing, not JSON, not an object, or lacking a required key"),
-    ("E101", "safetensors file missing or unreadable, or no safetensors file at all"),
+    ("E100", "config.json missing, not a readable JSON object, lacking a required key, or declaring an implausible count"),
+    ("E101", "safetensors file missing, unreadable or not a regular file (FIFO, directory, device), or none at all"),
     ("E102", "safetensors header length bomb, or file truncated (shorter than its header says)"),
     ("E103", "safetensors header is not valid JSON (or not an object)"),
     ("E104", "bad header entry: unknown dtype, bad shape, bad data_offsets or __metadata__"),
@@ -42,12 +42,13 @@ _TABLE = [
     ("E111", "indexed tensor not in the file the index names"),
     ("E112", "tensor in a file but not in the index (loaders skip it)"),
     ("E113", "tensor name stored twice (in two files)"),
-    ("E114", "model.safetensors.index.json invalid (not JSON, no weight_map, path outside the checkpoint)"),
+    ("E114", "model.safetensors.index.json invalid (not a readable JSON file, no weight_map, path outside the checkpoint)"),
     ("E115", "quantization_config.json is not valid JSON or not an object"),
     ("E116", "no quantization_config, or quant_method is not exl3"),
     ("E117", "quantization_config field invalid (bits, head_bits, mtp_bits, codebook)"),
     ("E118", "quantization_config disagrees with the tensors (head_bits vs lm_head K, mtp_bits vs MTP K)"),
-    ("W101", "safetensors file not referenced by the index (ignored by loaders)"),
+    ("E119", "safetensors file not in the index holds an indexed tensor (exllamav3 loads every file: the later wins)"),
+    ("W101", "safetensors file not referenced by the index (HF loaders and vLLM skip it, exllamav3 loads it)"),
     ("W102", "config.json quantization_config and quantization_config.json disagree"),
     ("W103", "no quantization_config.json / tensor_storage (vLLM's EXL3 backend requires it)"),
     # ---- E2xx EXL3 linears

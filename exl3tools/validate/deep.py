@@ -1,5 +1,5 @@
 """validate --deep: read every byte once: sha256 of every file, every dense tensor, a full decode of
-every linear (on worker threads, bounded queue). The per-tensor checks are validate_numeric's."""
+every linear (on worker threads, bounded queue). The per-tensor checks are numeric.py's."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 
 from exl3tools.checkpoint.reader import to_numpy
 from exl3tools.kernels.reference import decode_rotated, rotate_out
-from exl3tools.validate_checks import Context
-from exl3tools.validate_numeric import Checks, _codebook, _small_reads
+from exl3tools.validate.context import Context
+from exl3tools.validate.numeric import Checks, _codebook, _small_reads
 
 CHUNK = 64 << 20            # bytes per read of bytes nobody interprets
 DENSE_CHUNK = 16 << 20      # dense bytes checked per step (float32 copy: 2-4x this)

@@ -1,24 +1,17 @@
-"""validate(path) -> Report[Finding]: every problem of an EXL3 checkpoint, before anything loads it.
-
-Default mode reads headers, JSON files and small samples (sign vectors, markers, one trellis strip
-per linear, up to a budget of decoded 128x128 blocks); ``deep=True`` reads every byte (sha256 of
-every file, every linear decoded, every dense tensor checked). Rules and codes: validate_rules.py,
-docs/validate.md. A rank-slice output (DST with manifest.json / rank-r-of-N dirs) is recognised and
-checked as a set (validate_ranks.py).
-"""
+"""Finding, Report and Sink: what every validate check produces, and where it collects it."""
 
 from __future__ import annotations
 
 import re
 import threading
-import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from exl3tools.errors import CheckpointError
-from exl3tools.validate_rules import RULES
+from exl3tools.validate.rules import RULES
 
 SEVERITY_ORDER = ("error", "warning")
 
@@ -75,8 +68,12 @@ class Report:
                 "stats": self.stats, "findings": [f.to_json() for f in self.findings]}
 
 
+MAX_PER_CODE = 10_000  # findings kept per rule: 10^6 hostile tensors must not become 10^6 findings
+
+
 class Sink:
-    """Collects findings; checks call ``add``. Identical findings are kept once."""
+    """Collects findings; checks call ``add``. Identical findings are kept once; past MAX_PER_CODE
+    findings of one rule the rest are only counted (one summary finding says how many)."""
 
     def __init__(self, root: Path, prefix: str = "", parent: Sink | None = None):
         self.root = root
@@ -84,6 +81,8 @@ class Sink:
         self._seen: set[tuple] = set() if parent is None else parent._seen
         self.findings: list[Finding] = [] if parent is None else parent.findings
         self._lock = threading.Lock() if parent is None else parent._lock  # numeric checks run in threads
+        self._kept: Counter[str] = Counter() if parent is None else parent._kept
+        self.dropped: Counter[str] = Counter() if parent is None else parent.dropped
 
     def child(self, sub: str) -> Sink:
         """A sink for checks of ``root/sub`` that reports paths relative to this root."""
@@ -102,12 +101,23 @@ class Sink:
 
     def add(self, code: str, file: str | Path | None, tensor: str | None, message: str) -> None:
         rule = RULES[code]  # KeyError = a check using an undocumented code: a bug
+        if self._kept[code] >= MAX_PER_CODE:
+            with self._lock:
+                self.dropped[code] += 1
+            return
         f = Finding(code, rule.severity, self.rel(file), tensor, message)
         key = (f.code, f.file, f.tensor, f.message)
         with self._lock:
             if key not in self._seen:
                 self._seen.add(key)
                 self.findings.append(f)
+                self._kept[code] += 1
+
+    def skip(self, code: str, n: int) -> None:
+        """Count ``n`` findings of ``code`` that a check did not even build (past the per-rule cap)."""
+        if n > 0:
+            with self._lock:
+                self.dropped[code] += n
 
     _PATH_PREFIX = re.compile(r"^(?P<path>[^:]+?): (?P<rest>.*)$")
     _TENSOR = re.compile(r"tensor '(?P<t>[^']+)'")
@@ -120,69 +130,11 @@ class Sink:
         self.add(code if code in RULES else "E104", path, t.group("t") if t else None, rest)
 
     def sorted(self) -> tuple[Finding, ...]:
-        return tuple(sorted(self.findings, key=lambda f: (SEVERITY_ORDER.index(f.severity), f.code,
-                                                          f.file or "", f.tensor or "")))
+        more = [Finding(c, RULES[c].severity, None, None, f"{n:,} more {c} findings not listed "
+                        f"(at most {MAX_PER_CODE:,} per rule)") for c, n in self.dropped.items()]
+        return tuple(sorted(self.findings + more, key=lambda f: (SEVERITY_ORDER.index(f.severity), f.code,
+                                                                 f.file or "", f.tensor or "")))
 
 
 Progress = Callable[[int], None]  # called with bytes just read (deep mode)
-
-
-def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
-             progress: Callable[[int, int], Progress] | None = None) -> Report:
-    """Validate a checkpoint directory, a rank-slice output set, or one of its rank dirs.
-
-    ``path``: a directory, or an opened Checkpoint (its directory is re-read tolerantly).
-    ``progress(total_bytes, files)`` (deep mode) returns a callback taking bytes read.
-    Raises NotFoundError / NotACheckpointError for paths that are not checkpoints at all (exit 2).
-    """
-    from exl3tools.checkpoint.reader import Checkpoint, existing_dir
-
-    root = existing_dir(path.root if isinstance(path, Checkpoint) else path)
-    t0 = time.perf_counter()
-    from exl3tools import validate_ranks
-    from exl3tools.checkpoint.header import gc_paused
-
-    # No cyclic GC while checking: a GLM-5 checkpoint is ~2M long-lived acyclic objects (headers, scan,
-    # index, tensor_storage), and the full collections their allocation triggers cost ~1 s.
-    with gc_paused():
-        if validate_ranks.is_rank_set(root):
-            sink = Sink(root)
-            stats = validate_ranks.check_rank_set(root, sink, deep=deep, sample_blocks=sample_blocks,
-                                                  progress=progress)
-        else:
-            sink = Sink(root)
-            stats = check_checkpoint(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress)
-            validate_ranks.check_lone_rank_dir(root, sink)
-    stats["seconds"] = round(time.perf_counter() - t0, 3)
-    stats["mode"] = "deep" if deep else "sampled"
-    return Report(str(root), sink.sorted(), stats)
-
-
-def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
-                     progress: Callable[[int, int], Progress] | None) -> dict[str, Any]:
-    from exl3tools import validate_checks as C
-    from exl3tools import validate_deep
-    from exl3tools import validate_numeric as N
-
-    parallel = not deep and N.can_fork()
-    opened = C.open_tolerant(root, sink, defer_qfile=parallel)
-    if opened is None:
-        return {"files": 0, "tensors": 0}
-    ckpt, bad_files = opened
-    ctx = C.Context.build(ckpt, sink, bad_files)
-    run = None if deep else N.start_sampled(ctx)  # forks workers; quantization_config.json job starts now
-    try:
-        C.check_quant_config(ctx)
-        C.check_linears(ctx)
-    except BaseException:
-        if run is not None:
-            N.abort_sampled(run)
-        raise
-    if run is None:
-        C.check_architecture(ctx)
-        C.check_qfile(ctx)
-        num = validate_deep.check_deep(ctx, progress)
-    else:  # the architecture check runs in this process while workers read samples
-        num = N.finish_sampled(run, sample_blocks, meanwhile=lambda: C.check_architecture(ctx))
-    return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),
-            "file_bytes": ckpt.file_bytes, "architecture": ckpt.architecture, **num}
+ProgressFactory = Callable[[int, int], "Progress | None"]  # (total bytes, files) -> Progress

@@ -15,9 +15,9 @@ from exl3tools.checkpoint.reader import Checkpoint
 from exl3tools.errors import IncompatibleSliceError
 from exl3tools.exl3 import BLOCK
 from exl3tools.layout import real_dims
-from exl3tools.rank_cuts import collect_modules, decide_cuts, role_of, tensor_slice
-from exl3tools.rank_plan import OutTensor, RankPlan, ShardPlan, _plan_fingerprint, source_info
-from exl3tools.rank_write import CHUNK_BYTES
+from exl3tools.slicing.cuts import collect_modules, decide_cuts, role_of, tensor_slice
+from exl3tools.slicing.plan import OutTensor, RankPlan, ShardPlan, _plan_fingerprint, source_info
+from exl3tools.slicing.write import CHUNK_BYTES
 
 # ---------------------------------------------------------------------------- layout vllm-hybrid
 HYBRID_SCHEMA = "model.layers.{L}.mlp.experts.{E}.{proj}.rank{r}.{trellis|suh|svh|mcg}"

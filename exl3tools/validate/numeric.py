@@ -4,7 +4,7 @@ Sampled mode (the default) reads only small ranges, coalesced into few preads: e
 marker and bias; every small dense tensor (a 1 MiB window of large ones); one 8-tile strip of a
 sampled 128x128 block of every trellis (all-zero bytes there mean the data were never written);
 and decodes that block for up to ``sample_blocks`` linears with kernels/reference.py.
-Deep mode (validate_deep.py) runs the same per-tensor checks (class Checks) on every byte.
+Deep mode (deep.py) runs the same per-tensor checks (class Checks) on every byte.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.reader import to_numpy
 from exl3tools.exl3 import MARKERS
 from exl3tools.kernels.reference import decode_rotated, had_cols, had_rows
-from exl3tools.validate_checks import Context
+from exl3tools.validate.context import Context
+from exl3tools.validate.structure import check_qfile
 
 DENSE_SAMPLE = 1 << 20      # bytes read from one dense tensor in sampled mode
 MERGE_GAP = 64 << 10        # coalesce reads separated by less than this
@@ -411,8 +412,6 @@ def start_sampled(ctx: Context) -> SampledRun:
     """Fork the workers now and start the deferred quantization_config.json job in one of them: it
     needs the scan but not check_linears, so it overlaps the checks this process still runs. File jobs
     are sent later with what those checks found (``ctx.broken``) as arguments."""
-    from exl3tools.validate_checks import check_qfile
-
     global _STATE
     _STATE = (ctx, check_qfile)
     workers = min(os.cpu_count() or 1, len(ctx.ckpt.headers) + 1, MAX_PROCS)

@@ -4,21 +4,23 @@ A set is ``DST/manifest.json`` + ``DST/rank-r-of-N/``. Checked: the manifest aga
 every listed file (size; sha256 for small files, for all with --deep), the rank dirs against ``tp``,
 each rank's ``exl3tools`` config block, each rank's tensors against the manifest, the slices of one
 tensor across ranks, and then each rank dir as a checkpoint whose expected modules are localized
-to its slices (``localize``). A directory without its manifest is incomplete, never complete.
+to its slices (``context.localize``). A directory without its manifest is incomplete, never complete.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exl3tools.layout import Expected, expert_of
+from exl3tools.checkpoint.header import read_header
+from exl3tools.checkpoint.jsonio import load_json, path_kind
+from exl3tools.checkpoint.manifest import check_schema, read_manifest_json
+from exl3tools.errors import CheckpointError, HeaderError, IncompleteOutputError
+from exl3tools.validate.single import check_checkpoint
 
 MANIFEST = "manifest.json"
 RANK_DIR = re.compile(r"^rank-(\d+)-of-(\d+)$")
@@ -29,76 +31,16 @@ EXL3_SLICED = ("trellis", "suh", "svh", "su", "sv")
 
 def is_rank_set(root: Path) -> bool:
     """A rank-slice output: its manifest, rank dirs, or rank-slice's journal (an unfinished run)."""
-    return ((root / MANIFEST).is_file() or (root / ".rank-slice.journal").is_file()
+    return (path_kind(root / MANIFEST) is not None or path_kind(root / ".rank-slice.journal") is not None
             or any(RANK_DIR.match(p.name) for p in root.iterdir() if p.is_dir()))
 
 
-def _local(real: int, m: dict) -> int:
-    return max(0, min(real - m["first"], m["last"] - m["first"]))
-
-
-def _cut(m: Any) -> tuple[str, int, int] | None:
-    if isinstance(m, dict) and m.get("cut") in ("column", "row", "tp", "experts"):
-        f, la = m.get("first"), m.get("last")
-        if isinstance(f, int) and isinstance(la, int):
-            return m["cut"], f, la
-    return None
-
-
-def localize(expected: list[Expected], block: dict) -> tuple[list[Expected], dict[str, tuple[int, int]]]:
-    """Expected modules of one rank: cut dims shrunk to the slice, experts of other ranks dropped.
-
-    Returns (expected, padded) where padded[prefix] = the (k, n) this rank's trellis must have.
-    """
-    mods = block.get("modules") if isinstance(block.get("modules"), dict) else {}
-    out: list[Expected] = []
-    padded: dict[str, tuple[int, int]] = {}
-    from exl3tools.layout import pad128
-
-    for e in expected:
-        if e.kind == "linear":
-            ex = expert_of(e.name)
-            m = mods.get(e.name.split(".mlp.experts.")[0] + ".mlp.experts") if ex is not None else mods.get(e.name)
-            c = _cut(m)
-            if c is None:
-                out.append(e)
-                continue
-            cut, first, last = c
-            proj = e.name.rsplit(".", 1)[-1]
-            if cut == "experts":
-                if first <= ex < last:
-                    out.append(e)
-                continue
-            if cut == "tp":
-                cut = "column" if proj in ("gate_proj", "up_proj") else "row"
-            if cut == "column":
-                out.append(dataclasses.replace(e, out_real=_local(e.out_real, m)))
-                padded[e.name] = (pad128(e.in_real), last - first)
-            else:
-                out.append(dataclasses.replace(e, in_real=_local(e.in_real, m)))
-                padded[e.name] = (last - first, pad128(e.out_real))
-        else:
-            m = mods.get(e.name.rsplit(".", 1)[0])
-            c = _cut(m)
-            if c is None or not e.shape:
-                out.append(e)
-                continue
-            cut, first, last = c
-            shape = ((last - first, *e.shape[1:]) if cut == "column" else
-                     (e.shape[0], last - first, *e.shape[2:]) if len(e.shape) > 1 else e.shape)
-            out.append(dataclasses.replace(e, shape=shape))
-    return out, padded
-
-
 def _load_manifest(root: Path, sink) -> dict | None:
-    from exl3tools.checkpoint.manifest import check_schema
-    from exl3tools.errors import IncompleteOutputError
-
     p = root / MANIFEST
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        sink.add("E502", MANIFEST, None, f"not valid JSON ({type(exc).__name__})")
+        obj = read_manifest_json(p)
+    except (IncompleteOutputError, OSError) as exc:
+        sink.add("E502", MANIFEST, None, _problem(exc, p))
         return None
     try:
         check_schema(obj)
@@ -134,8 +76,10 @@ def _check_files(root: Path, man: dict, sink, deep: bool, progress) -> int:
     hashed = 0
     for rel, meta in sorted(files.items()):
         p = root / rel
-        if not p.is_file():
-            sink.add("E503", rel, None, "listed in manifest.json but missing")
+        kind = path_kind(p)
+        if kind != "file":
+            sink.add("E503", rel, None, "listed in manifest.json but missing" if kind is None else
+                     f"listed in manifest.json but {kind}, not a regular file")
             continue
         size = p.stat().st_size
         if size != meta["size"]:
@@ -149,16 +93,28 @@ def _check_files(root: Path, man: dict, sink, deep: bool, progress) -> int:
     listed = set(files)
     for p in sorted(root.rglob("*")):
         rel = str(p.relative_to(root))
-        if p.is_file() and rel not in listed and p.name not in IGNORED:
-            sink.add("W501", rel, None, "not listed in manifest.json (leftover temp file or foreign file?)")
+        kind = path_kind(p)
+        if kind not in (None, "a directory") and rel not in listed and p.name not in IGNORED:
+            what = "" if kind == "file" else f" ({kind})"
+            sink.add("W501", rel, None, f"not listed in manifest.json{what} (leftover temp file or foreign file?)")
     return hashed
 
 
-def _rank_config(root: Path, d: str) -> dict | None:
+def _config(path: Path) -> tuple[Any, str | None]:
+    """(parsed config.json, None) or (None, the one-line problem); bounded, regular files only."""
     try:
-        cfg = json.loads((root / d / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
+        return load_json(path, "config.json"), None
+    except (CheckpointError, OSError) as exc:
+        return None, _problem(exc, path)
+
+
+def _problem(exc: BaseException, path: Path) -> str:
+    text = str(exc)
+    return text[len(str(path)) + 2:] if text.startswith(f"{path}: ") else text
+
+
+def _rank_config(root: Path, d: str) -> dict | None:
+    cfg, _ = _config(root / d / "config.json")
     return cfg.get("exl3tools") if isinstance(cfg, dict) else None
 
 
@@ -180,9 +136,6 @@ def _check_rank_block(root: Path, man: dict, entry: dict, sink) -> None:
 
 def _check_rank_tensors(root: Path, entry: dict, sink) -> dict[str, tuple[int, ...]]:
     """Tensors of one rank vs its manifest entry; returns name -> shape found."""
-    from exl3tools.checkpoint.header import read_header
-    from exl3tools.errors import HeaderError
-
     d = entry["dir"]
     shapes: dict[str, tuple[int, ...]] = {}
     for p in sorted((root / d).glob("*.safetensors")):
@@ -274,13 +227,12 @@ def _check_slices(man: dict, shapes: dict[str, dict[str, tuple[int, ...]]], sink
 
 
 def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress) -> dict[str, Any]:
-    from exl3tools.validate import check_checkpoint
-
     dirs = sorted((p.name for p in root.iterdir() if p.is_dir() and RANK_DIR.match(p.name)),
                   key=lambda n: int(RANK_DIR.match(n).group(1)))
-    man = _load_manifest(root, sink) if (root / MANIFEST).is_file() else None
+    has_manifest = path_kind(root / MANIFEST) is not None
+    man = _load_manifest(root, sink) if has_manifest else None
     stats: dict[str, Any] = {"rank_dirs": len(dirs)}
-    if not (root / MANIFEST).is_file():
+    if not has_manifest:
         sink.add("E501", MANIFEST, None, f"missing: {len(dirs)} rank dir(s) but no manifest, so this output "
                  "was never completed (rerun rank-slice with --resume)")
     if man is not None:
@@ -288,9 +240,11 @@ def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress
         stats["hashed_bytes"] = _check_files(root, man, sink, deep, progress)
         listed = [e["dir"] for e in man["ranks"]]
         if man["layout"] == "ranks":
-            want = [f"rank-{r}-of-{man['tp']}" for r in range(man["tp"])]
-            if sorted(listed) != sorted(want) or [e["rank"] for e in man["ranks"]] != list(range(man["tp"])):
-                sink.add("E504", MANIFEST, None, f"ranks {listed} do not match tp {man['tp']} ({want})")
+            # tp is bounded by the ranks actually listed before anything is built from it
+            want = [f"rank-{r}-of-{man['tp']}" for r in range(man["tp"])] if man["tp"] == len(listed) else None
+            if want is None or sorted(listed) != sorted(want) or [e["rank"] for e in man["ranks"]] != list(range(man["tp"])):
+                sink.add("E504", MANIFEST, None, f"ranks {listed} do not match tp {man['tp']}"
+                         + (f" ({want})" if want else f" ({len(listed)} rank entries)"))
             for d in sorted(set(dirs) - set(listed)):
                 sink.add("E504", d, None, "rank dir not in manifest.json")
         for entry in man["ranks"]:
@@ -305,7 +259,8 @@ def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress
             return stats
         dirs = [e["dir"] for e in man["ranks"] if (root / e["dir"]).is_dir()]
     for d in dirs:
-        if (root / d / "config.json").is_file():
+        kind = path_kind(root / d / "config.json")
+        if kind == "file":
             sub = check_checkpoint(root / d, sink.child(d), deep=deep, sample_blocks=sample_blocks, progress=progress)
             for k in ("tensors", "linears", "bytes_read", "decoded_blocks", "decoded_linears"):
                 if k in sub:
@@ -313,16 +268,16 @@ def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress
             if "sha256" in sub:
                 stats.setdefault("sha256", {}).update({f"{d}/{k}": v for k, v in sub["sha256"].items()})
         else:
-            sink.add("E504", d, None, "rank dir has no config.json")
+            sink.add("E504", d, None, "rank dir has no config.json" if kind is None else
+                     f"rank dir's config.json is {kind}, not a regular file")
     return stats
 
 
 def _check_hybrid(root: Path, man: dict, sink) -> None:
     """vllm-hybrid (rank-sliced-formats.md §2.1): the hybrid_tr3_tail block the fork's loader requires."""
-    try:
-        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        sink.add("E505", "config.json", None, "missing or not valid JSON")
+    cfg, problem = _config(root / "config.json")
+    if problem is not None:
+        sink.add("E505", "config.json", None, problem)
         return
     h = cfg.get("hybrid_tr3_tail") if isinstance(cfg, dict) else None
     if not isinstance(h, dict):
@@ -344,7 +299,7 @@ def check_lone_rank_dir(root: Path, sink) -> None:
     if not m and not (isinstance(block, dict) and block.get("format") == "exl3tools.rank-slice"):
         return
     parent = root.resolve().parent
-    if not (parent / MANIFEST).is_file():
+    if path_kind(parent / MANIFEST) is None:
         sink.add("E508", "config.json", None, f"rank dir of a rank-slice set, but {parent / MANIFEST} is missing: "
                  "the set was never completed")
         return

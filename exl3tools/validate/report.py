@@ -8,17 +8,18 @@ from collections import defaultdict
 from rich.console import Console
 from rich.markup import escape
 
-from exl3tools.validate import Finding, Report
-from exl3tools.validate_rules import RULES
+from exl3tools.text import for_console
+from exl3tools.validate.findings import MAX_PER_CODE, Finding, Report
+from exl3tools.validate.rules import RULES
 
 SHOW_PER_CODE = 20
 
 
 def render(report: Report, console: Console, *, strict: bool = False, show: int = SHOW_PER_CODE) -> None:
     s = report.stats
-    head = f"[bold]{escape(report.path)}[/]"
+    head = f"[bold]{for_console(report.path)}[/]"
     if s.get("architecture"):
-        head += f"  {s['architecture']}"
+        head += f"  {for_console(s['architecture'])}"
     bits = [f"{s[k]} {k}" for k in ("files", "tensors", "linears") if k in s]
     if "decoded_blocks" in s:
         bits.append(f"{s['decoded_blocks']} sampled blocks decoded")
@@ -43,13 +44,13 @@ def render(report: Report, console: Console, *, strict: bool = False, show: int 
             console.print(f"  [bold {color}]{code}[/] {escape(RULES[code].title)} [dim]({len(fs)})[/]")
             for f in fs[:show]:
                 where = ":".join(x for x in (f.file, f.tensor) if x)
-                console.print(f"    {escape(where)}{': ' if where else ''}{escape(f.message)}", soft_wrap=True)
+                console.print(f"    {for_console(where)}{': ' if where else ''}{for_console(f.message)}", soft_wrap=True)
             if len(fs) > show:
-                console.print(f"    [dim]... and {len(fs) - show} more (--json lists all)[/]")
+                console.print(f"    [dim]... and {len(fs) - show} more (--json lists up to {MAX_PER_CODE:,} per rule)[/]")
     if "sha256" in s:
         console.print("\n[dim]sha256:[/]")
         for name, h in s["sha256"].items():
-            console.print(f"  {h}  {escape(name)}", soft_wrap=True)
+            console.print(f"  {h}  {for_console(name)}", soft_wrap=True)
     n_e, n_w = len(report.errors), len(report.warnings)
     if report.ok(strict):
         verdict = "[bold green]OK[/]" + (f" ({n_w} warning{'s' if n_w != 1 else ''})" if n_w else "")

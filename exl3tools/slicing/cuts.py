@@ -163,15 +163,15 @@ def collect_modules(ck: Checkpoint) -> dict[str, Module]:
         if leaf == "weight" and len(shape) == 2 and role_of(prefix) != "replicate":
             names = (name,) + ((f"{prefix}.bias",) if f"{prefix}.bias" in sc.dense else ())
             mods[prefix] = Module(prefix, "dense_linear", names, shape[0], shape[1])
+    owned = {t for m in mods.values() for t in m.tensors}
+    grouped: dict[str, list[str]] = {}  # lists, then one tuple each: appending to a tuple is quadratic
     for name in sc.dense:
         prefix = name.rpartition(".")[0] or name
-        if prefix in mods and name in mods[prefix].tensors:
+        if name in owned or (prefix in mods and mods[prefix].kind != "dense"):
             continue
-        m = mods.get(prefix)
-        if m is None:
-            mods[prefix] = Module(prefix, "dense", (name,))
-        elif m.kind == "dense":
-            mods[prefix] = Module(prefix, "dense", m.tensors + (name,))
+        grouped.setdefault(prefix, []).append(name)
+    for prefix, names in grouped.items():
+        mods[prefix] = Module(prefix, "dense", tuple(names))
     return mods
 
 

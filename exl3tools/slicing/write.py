@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import mmap
 import os
 import signal
 import threading
@@ -17,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from exl3tools import __version__
+from exl3tools.checkpoint import jsonio
+from exl3tools.checkpoint.copy import copy_tensor
+from exl3tools.checkpoint.jsonio import open_regular
 from exl3tools.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -28,20 +27,20 @@ from exl3tools.checkpoint.manifest import (
     load_manifest,
     sha256_file,
 )
-from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint, pread_fd
+from exl3tools.checkpoint.reader import INDEX_NAME, TOKENIZER_FILES, Checkpoint
 from exl3tools.checkpoint.writer import (
     AsyncShardWriter,
     ByteBudget,
-    FileRange,
     NullWriter,
     fsync_dir,
     index_json,
     json_bytes,
+    refuse_overlap,
     write_atomic,
     write_atomic_text,
 )
-from exl3tools.errors import OutputExistsError
-from exl3tools.rank_plan import OutTensor, RankPlan
+from exl3tools.errors import CheckpointError, IncompleteOutputError, OutputExistsError
+from exl3tools.slicing.plan import OutTensor, RankPlan
 
 JOURNAL = ".rank-slice.journal"
 CHUNK_BYTES = 32 << 20          # bound on one read; peak RSS ~ a few of these + the write budget
@@ -62,22 +61,30 @@ class _Journal:
         kill = os.environ.get(KILL_ENV)
         self.kill_after = int(kill) if kill else None
 
+    def entries(self) -> list[dict[str, Any]]:
+        """The journal's records (a torn last line from a crash, or any line that is no record, skipped)."""
+        if jsonio.path_kind(self.path) is None:
+            return []
+        out = []
+        for line in jsonio.read_regular(self.path, "rank-slice journal", jsonio.MAX_JSON_BYTES).splitlines():
+            try:
+                e = jsonio.loads_bounded(line, "journal line", 4, ValueError)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int):
+                out.append(e)
+        return out
+
     def load(self, expected: set[str], previous: dict[str, FileEntry] | None = None) -> None:
         """Trust journal lines (and a previous complete manifest of the same plan) whose file still
         has the recorded size and sha256."""
         entries = [{"path": k, "size": v.size, "sha256": v.sha256, "plan": self.plan_fp}
                    for k, v in (previous or {}).items()]
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    entries.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
-        for e in entries:
-            if e.get("plan") != self.plan_fp or e.get("path") not in expected or e["path"] in self.done:
+        for e in entries + self.entries():
+            if e.get("plan") != self.plan_fp or e["path"] not in expected or e["path"] in self.done:
                 continue
             p = self.path.parent / e["path"]
-            if p.is_file() and p.stat().st_size == e["size"] and sha256_file(p) == e["sha256"]:
+            if p.is_file() and p.stat().st_size == e["size"] and sha256_file(p) == e.get("sha256"):
                 self.done[e["path"]] = FileEntry(e["size"], e["sha256"])
 
     def record(self, rel: str, size: int, sha: str) -> None:
@@ -93,90 +100,6 @@ class _Journal:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _stream_copy(fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
-                 targets: list[tuple[Any, OutTensor]], progress: Callable[[int], None]) -> None:
-    """Read one source tensor once, in chunks of whole dim-0 rows, and feed every target its part."""
-    if not shape or math.prod(shape) == 0:
-        data = pread_fd(fd, begin, math.prod(shape) * itemsize) if shape == () else b""
-        for w, _t in targets:
-            w.write(data)
-            progress(len(data))
-        return
-    row = math.prod(shape[1:]) * itemsize
-    rows_per = max(1, CHUNK_BYTES // max(row, 1))
-    for a in range(0, shape[0], rows_per):
-        b = min(shape[0], a + rows_per)
-        need = [(w, t) for w, t in targets
-                if not (t.dim == 0 and (t.stop <= a or t.start >= b))]
-        if not need:
-            continue
-        buf = pread_fd(fd, begin + a * row, (b - a) * row)
-        arr = None
-        for w, t in need:
-            if t.dim is None:
-                piece = memoryview(buf)
-            elif t.dim == 0:
-                s, e = max(t.start, a) - a, min(t.stop, b) - a
-                piece = memoryview(buf)[s * row:e * row]
-            else:
-                if arr is None:
-                    arr = np.frombuffer(buf, dtype=np.uint8).reshape((b - a,) + shape[1:] + (itemsize,))
-                idx = [slice(None)] * arr.ndim
-                idx[t.dim] = slice(t.start, t.stop)
-                piece = memoryview(np.ascontiguousarray(arr[tuple(idx)]).reshape(-1))
-            w.write(piece)
-            progress(piece.nbytes)
-
-
-SMALL_COPY = 1 << 20             # pieces below this go through a plain bytes copy
-
-
-def _map_copy(mm: mmap.mmap, fd: int, begin: int, shape: tuple[int, ...], itemsize: int,
-              targets: list[tuple[Any, OutTensor]], progress: Callable[[int], None]) -> None:
-    """Feed every target its part of one source tensor. Contiguous parts (whole tensors, dim-0
-    slices) travel as FileRange: the writer hashes them through the map and copies them in-kernel
-    (copy_file_range); strided parts are gathered from the map in chunks of dim-0 rows."""
-    nbytes = math.prod(shape) * itemsize
-    if nbytes == 0:
-        return
-    row = nbytes // shape[0] if shape else nbytes
-
-    def send(w: Any, off: int, n: int) -> None:
-        for o in range(off, off + n, CHUNK_BYTES):
-            m = min(CHUNK_BYTES, off + n - o)
-            # small pieces by pread: touching the map would also map (fault-around) neighbours
-            w.write(pread_fd(fd, o, m) if m < SMALL_COPY else FileRange(mm, fd, o, m))
-            progress(m)
-
-    strided = []
-    for w, t in targets:
-        if t.dim is None:
-            send(w, begin, nbytes)
-        elif t.dim == 0:
-            send(w, begin + t.start * row, (t.stop - t.start) * row)
-        else:
-            strided.append((w, t))
-    if not strided:
-        return
-    arr = np.frombuffer(mm, np.uint8, count=nbytes, offset=begin).reshape(shape + (itemsize,))
-    try:
-        step = max(1, CHUNK_BYTES // row)
-        for r0 in range(0, shape[0], step):
-            r1 = min(shape[0], r0 + step)
-            for w, t in strided:
-                idx: list[slice] = [slice(None)] * arr.ndim
-                idx[0] = slice(r0, r1)
-                idx[t.dim] = slice(t.start, t.stop)
-                piece = memoryview(np.ascontiguousarray(arr[tuple(idx)]).reshape(-1))
-                w.write(piece)
-                progress(piece.nbytes)
-            lo = begin + r0 * row
-            lo -= lo % mmap.PAGESIZE
-            mm.madvise(mmap.MADV_DONTNEED, lo, begin + r1 * row - lo)  # keep RSS bounded
-    finally:
-        del arr
-
-
 def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal: _Journal,
                      progress: Callable[[int], None], dequant: Callable | None, budget: ByteBudget) -> None:
     sp = plan.shards[si]
@@ -189,12 +112,16 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
     for i, outs in enumerate(sp.outputs):
         for t in outs:
             by_src.setdefault(t.src, []).append((i, t))
-    fd = os.open(ck.root / sp.source_file, os.O_RDONLY)
-    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    src = ck.root / sp.source_file
+    fd = open_regular(src, "safetensors shard")
     writers: list[Any] = []
     ahead = 0  # the kernel reads [.., ahead) in the background while we slice and hash
     try:
         try:
+            size = os.fstat(fd).st_size
+            if size != hd.file_size:  # changed since its header was read: the plan no longer holds
+                raise CheckpointError(f"{src}: {size} bytes now, {hd.file_size} when it was opened "
+                                      f"({'truncated' if size < hd.file_size else 'rewritten'} meanwhile)")
             for i, outs in enumerate(sp.outputs):
                 writers.append(NullWriter() if rels[i] in journal.done else
                                AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs], budget))
@@ -219,8 +146,8 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                     os.posix_fadvise(fd, start, ahead - start, os.POSIX_FADV_WILLNEED)
                 group = [(i, t) for i, t in by_src[t0.src] if cursors[i] < len(sp.outputs[i])
                          and sp.outputs[i][cursors[i]] is t]
-                _map_copy(mm, fd, info.begin, info.shape, info.itemsize,
-                          [(writers[i], t) for i, t in group], progress)
+                copy_tensor(fd, info.begin, info.shape, info.itemsize, [(writers[i], t) for i, t in group],
+                            progress, path=src, ranges=True)
                 for i, _ in group:
                     cursors[i] += 1
             done = [(rels[i], w.close()) for i, w in enumerate(writers) if not isinstance(w, NullWriter)]
@@ -229,10 +156,6 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                 w.abort()
             raise
     finally:
-        try:
-            mm.close()
-        except BufferError:  # a view still alive after an error: the process is failing anyway
-            pass
         os.close(fd)
     for rel, (size, sha) in done:
         journal.record(rel, size, sha)
@@ -268,7 +191,10 @@ class _PlanTensors(Mapping):
         return ((t.name, tuple(t.spec())) for t in self._outs())
 
 
-def check_destination(dst: Path, resume: bool) -> None:
+def check_destination(dst: Path, resume: bool, src: Path | None = None) -> None:
+    """DST must not overlap SRC, and must be empty or absent unless --resume."""
+    if src is not None:
+        refuse_overlap(src, dst)
     if dst.exists() and not dst.is_dir():
         raise OutputExistsError(f"{dst}: exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()) and not resume:
@@ -276,28 +202,63 @@ def check_destination(dst: Path, resume: bool) -> None:
         raise OutputExistsError(f"{dst}: {what} is already there (use --resume, or another DST)")
 
 
+def _small_names(plan: RankPlan) -> set[str]:
+    """The names this plan writes in each output dir."""
+    return {s.out_name for s in plan.shards} | {INDEX_NAME, "config.json", "quantization_config.json",
+                                                 *TOKENIZER_FILES}
+
+
+def _check_resumable(dst: Path, plan: RankPlan, journal: _Journal) -> dict[str, FileEntry] | None:
+    """--resume continues this plan only. Anything in DST it would not write (the rank dirs of another
+    --tp, a journal or manifest of another plan) would end up under a manifest that does not describe
+    it, so it is refused. Returns the files of a complete manifest of this same plan, if there is one."""
+    names = _small_names(plan)
+    allowed = {MANIFEST_NAME, JOURNAL} | (names if "." in plan.dirs else set(plan.dirs))
+    foreign = [p.name for p in dst.iterdir() if p.name not in allowed and not _is_tmp(p.name)]
+    for d in plan.dirs:
+        if d != "." and (dst / d).is_dir():
+            foreign += [f"{d}/{p.name}" for p in (dst / d).iterdir() if p.name not in names and not _is_tmp(p.name)]
+    if foreign:
+        raise OutputExistsError(f"{dst}: --resume would keep {', '.join(sorted(foreign)[:3])}"
+                                f"{' ...' if len(foreign) > 3 else ''}, which this plan (tp {plan.tp}, moe {plan.moe}, "
+                                f"layout {plan.layout}) does not write: an output of another plan? Use another DST")
+    others = {e.get("plan") for e in journal.entries()} - {plan.fingerprint, None}
+    previous = None
+    if jsonio.path_kind(dst / MANIFEST_NAME) is not None:
+        try:
+            old = load_manifest(dst)
+        except IncompleteOutputError:  # a broken manifest is not trusted; the journal decides
+            old = None
+        if old is not None:
+            if old.plan_fingerprint != plan.fingerprint:
+                others.add(old.plan_fingerprint)
+            else:
+                previous = old.files
+    if others:
+        raise OutputExistsError(f"{dst}: --resume of a different plan (DST was written for "
+                                f"{sorted(str(o) for o in others)[0][:19]}..., this plan is {plan.fingerprint[:19]}...; "
+                                "another --tp, --moe, --layout or source): use another DST")
+    return previous
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str], *, resume: bool = False,
                       threads: int | None = None, progress: Callable[[int], None] | None = None,
                       dequant: Callable | None = None) -> RankManifest:
     """Write every output of ``plan`` under ``dst``; manifest.json last. Returns the manifest."""
     dst = Path(dst)
-    check_destination(dst, resume)
+    check_destination(dst, resume, ck.root)
     dst.mkdir(parents=True, exist_ok=True)
-    previous = None
-    if resume and (dst / MANIFEST_NAME).is_file():
-        try:
-            old = load_manifest(dst)
-            previous = old.files if old.plan_fingerprint == plan.fingerprint else None
-        except Exception:  # a broken manifest is simply not trusted
-            previous = None
+    journal = _Journal(dst, plan.fingerprint)
+    previous = _check_resumable(dst, plan, journal) if resume else None
     (dst / MANIFEST_NAME).unlink(missing_ok=True)  # a resumed run is incomplete until it ends
     for d in plan.dirs:
         (dst / d).mkdir(parents=True, exist_ok=True)
-    journal = _Journal(dst, plan.fingerprint)
     if resume:
-        small = (INDEX_NAME, "config.json", "quantization_config.json") + TOKENIZER_FILES
-        expected = {f"{d}/{n}" if d != "." else n for d in plan.dirs
-                    for n in [s.out_name for s in plan.shards] + list(small)}
+        expected = {f"{d}/{n}" if d != "." else n for d in plan.dirs for n in _small_names(plan)}
         journal.load(expected, previous)
     lock = threading.Lock()
 
@@ -337,7 +298,7 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
                 {k: v for k, v in ck.quantization_config_file.items() if k != "tensor_storage"})
         for tf in TOKENIZER_FILES:
             if (ck.root / tf).is_file():
-                small[tf] = (ck.root / tf).read_bytes()
+                small[tf] = jsonio.read_regular(ck.root / tf, tf, jsonio.MAX_TEXT_BYTES)
         for name, data in small.items():
             r = f"{d}/{name}" if d != "." else name
             if r in journal.done and journal.done[r].sha256 == hashlib.sha256(data).hexdigest():

@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from exl3tools.checkpoint.jsonio import path_kind
 from exl3tools.checkpoint.manifest import MANIFEST_NAME, load_manifest, sha256_file
 from exl3tools.checkpoint.reader import Checkpoint, pread_exact
 from exl3tools.errors import VerifyError
+from exl3tools.slicing.plan import source_info
 
 CHUNK = 64 << 20
 
@@ -93,8 +95,6 @@ def verify_sliced(src: str | Path, sliced: str | Path, *, decode_samples: int = 
     sliced = Path(sliced)
     ck = Checkpoint.open(src)
     rep = VerifyReport()
-    from exl3tools.rank_slice import source_info
-
     si = source_info(ck)
     if si.fingerprint != man.source.fingerprint:
         raise VerifyError(f"{sliced} was cut from a different source ({man.source.fingerprint[:19]}…, "
@@ -109,8 +109,10 @@ def verify_sliced(src: str | Path, sliced: str | Path, *, decode_samples: int = 
     # files: sizes and hashes; no unlisted safetensors
     for rel, fe in sorted(man.files.items()):
         p = sliced / rel
-        if not p.is_file():
-            rep.problems.append(f"{rel}: listed in manifest.json but missing")
+        kind = path_kind(p)
+        if kind != "file":
+            rep.problems.append(f"{rel}: listed in manifest.json but "
+                                + ("missing" if kind is None else f"{kind}, not a regular file"))
             continue
         if p.stat().st_size != fe.size:
             rep.problems.append(f"{rel}: {p.stat().st_size} bytes, manifest says {fe.size}")

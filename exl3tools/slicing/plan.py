@@ -1,6 +1,6 @@
 """The rank-slice plan: a value saying which bytes of which source tensor go to which output file.
 
-``plan_rank_slices`` takes headers + config and returns a RankPlan; nothing is written. The only
+``plan_ranks`` takes headers + config and returns a RankPlan; nothing is written. The only
 reads beyond what Checkpoint.open already did are the header bytes hashed into the fingerprint.
 """
 
@@ -13,12 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from exl3tools.checkpoint import jsonio
 from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.manifest import SourceFile, SourceInfo
 from exl3tools.checkpoint.reader import Checkpoint
-from exl3tools.errors import UsageError
-from exl3tools.layout import real_dims
-from exl3tools.rank_cuts import collect_modules, cut_json, decide_cuts, role_of, tensor_slice
+from exl3tools.errors import NotExl3Error
+from exl3tools.slicing.cuts import collect_modules, cut_json, decide_cuts, role_of, tensor_slice
 
 FORMAT = "exl3tools.rank-slice"
 FORMAT_VERSION = 1
@@ -81,7 +81,7 @@ class RankPlan:
 
 # ---------------------------------------------------------------------------- fingerprints
 def source_info(ck: Checkpoint) -> SourceInfo:
-    cfg_bytes = (ck.root / "config.json").read_bytes()
+    cfg_bytes = jsonio.read_regular(ck.root / "config.json", "config.json", jsonio.MAX_JSON_BYTES)
     h = hashlib.sha256(cfg_bytes)
     files = []
     for fname in sorted(ck.headers):
@@ -107,21 +107,9 @@ def _plan_fingerprint(source: SourceInfo, tp: int, moe: str, layout: str, dirs: 
 
 
 # ---------------------------------------------------------------------------- planning
-def plan_rank_slices(ck: Checkpoint, tp: int, moe: str = "tp", layout: str = "ranks") -> RankPlan:
-    """The complete slicing plan (a value; nothing is written)."""
-    if tp < 1:
-        raise UsageError(f"--tp must be >= 1, got {tp}")
-    if moe not in ("tp", "ep"):
-        raise UsageError(f"--moe must be tp or ep, got {moe!r}")
-    if layout == "vllm-hybrid":
-        from exl3tools.vllm_hybrid import plan_hybrid  # here: vllm_hybrid builds on this module
-
-        return plan_hybrid(ck, tp, moe)
-    if layout != "ranks":
-        raise UsageError(f"--layout must be ranks or vllm-hybrid, got {layout!r}")
+def plan_ranks(ck: Checkpoint, tp: int, moe: str) -> RankPlan:
+    """The plan of layout "ranks": one directory per rank (a value; nothing is written)."""
     if not ck.is_exl3:
-        from exl3tools.errors import NotExl3Error
-
         raise NotExl3Error(f"{ck.root}: quantization_config.quant_method is not exl3")
     mods = collect_modules(ck)
     cuts, attn, experts, notes = decide_cuts(ck, mods, tp, moe)
@@ -179,8 +167,3 @@ def plan_rank_slices(ck: Checkpoint, tp: int, moe: str = "tp", layout: str = "ra
     fp = _plan_fingerprint(source, tp, moe, "ranks", dirs, shards, configs)
     return RankPlan(tp, moe, "ranks", source, dirs, tuple(shards), tuple(configs), tuple(notes), fp,
                     tuple(cut_tables))
-
-
-
-def real_dims_of(ck: Checkpoint) -> dict[str, tuple[int, int]]:
-    return real_dims(ck.config, ck.tensors)
