@@ -25,6 +25,17 @@ def run(*args, env: dict | None = None):
     return CliRunner().invoke(main, list(map(str, args)), env=env)
 
 
+@pytest.fixture
+def never_binds(monkeypatch):
+    """serve must refuse before it binds: a server that starts fails the test instead of hanging it."""
+    import uvicorn
+
+    def run(self, *a, **k):
+        raise AssertionError("serve started a server")
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+
+
 def one_line_error(res, code: int, text: str) -> None:
     assert res.exit_code == code, res.output
     assert text in res.output, res.output
@@ -52,7 +63,7 @@ def test_generate_bad_options_are_usage_errors(opts, text):
 
 @pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("cmd", ["generate", "serve"])
-def test_device_cuda_without_cuda_is_a_usage_error(cmd):
+def test_device_cuda_without_cuda_is_a_usage_error(cmd, never_binds):
     args = ["generate", MODEL, "--token-ids", "1"] if cmd == "generate" else ["serve", MODEL, "--port", "0"]
     one_line_error(run(*args, "--device", "cuda"), 2, "no CUDA device here")
 
@@ -92,7 +103,7 @@ def test_a_broken_tokenizer_json_is_a_checkpoint_error(tmp_path, content, code, 
     ([], {"EXL3TOOLS_SERVE_API_KEYS": " "}, "EXL3TOOLS_SERVE_API_KEYS is set but empty"),
     (["--device", "bogus"], {}, "use cpu, cuda or cuda:N"),
 ])
-def test_serve_refuses_empty_keys_and_bad_devices_before_binding(args, env, text):
+def test_serve_refuses_empty_keys_and_bad_devices_before_binding(args, env, text, never_binds):
     one_line_error(run("serve", MODEL, "--port", "0", *args, env=env), 2, text)
 
 
