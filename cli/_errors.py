@@ -3,11 +3,13 @@
 Exit codes (documented in README.md):
   0  success
   1  the checkpoint (or sliced output) is broken / validate found errors / verify failed
-  2  usage or I/O problem: bad options, missing path, not a checkpoint, unwritable output
+  2  usage or I/O problem: bad options, missing path, not a checkpoint, unwritable output,
+     an optional dependency not installed (the message names the extra)
   3  refused: a valid request exl3tools cannot do (unsupported architecture, illegal cut)
   4  runtime failure (a worker or tensor-parallel peer died)
  70  internal error: a bug in exl3tools (please report it; --debug shows the traceback)
 130  interrupted
+ 70  internal error: a bug (anything not in the table below); please report it with --debug output
 Tracebacks only with --debug or EXL3TOOLS_DEBUG=1.
 """
 
@@ -46,8 +48,23 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
 ]
 
 
+# A core install (no extras) lacks these: name the extra that brings each (pyproject.toml).
+EXTRA_FOR_MODULE = {
+    "torch": "runtime", "tokenizers": "runtime", "jinja2": "runtime",
+    "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve",
+    "prometheus_client": "serve",
+    "exllamav3": "gpu", "triton": "gpu",
+}
+
+
 def classify(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) for a known error, None for a bug."""
+    if isinstance(exc, ModuleNotFoundError):
+        extra = EXTRA_FOR_MODULE.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            return None
+        return EXIT_USAGE, (f"missing dependency: {exc.name} is not installed; "
+                            f"pip install 'exl3tools[{extra}]'")
     for cls, code, label in ERROR_TABLE:
         if isinstance(exc, cls):
             text = str(exc).strip() or cls.__name__

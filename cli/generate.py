@@ -31,7 +31,7 @@ def _token_ids(text: str) -> list[int]:
               help="0 = greedy. Default: generation_config.json's temperature, else 0.")
 @click.option("--top-k", type=click.IntRange(0), default=None,
               help="0 = off. Default: generation_config.json's top_k, else 0.")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0), default=None,
+@click.option("--top-p", type=float, default=None,
               help="Default: generation_config.json's top_p, else 1.")
 @click.option("--seed", type=int, default=None, help="Sampling seed (reproducible runs).")
 @click.option("--add-bos/--no-add-bos", default=False, show_default=True,
@@ -63,18 +63,28 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
     """
     from exl3tools.cli._output import emit_json, status
+    from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file
 
     from exl3tools.runtime.runner import load_runner
     from exl3tools.runtime.sampling import make_generator, sample
+    from exl3tools.server.limits import sampling_value_problem
 
     if (prompt is None) == (token_ids is None):
         raise UsageError("give exactly one of --prompt or --token-ids")
     if mtp and (temperature not in (None, 0.0) or logits_out is not None):
         raise UsageError("--mtp runs greedy decoding only (--temperature 0, no --logits-out)")
+    for problem in (sampling_value_problem("--temperature", temperature, upper=float("inf"), zero_ok=True),
+                    sampling_value_problem("--top-p", top_p, upper=1.0, zero_ok=False)):
+        if problem:
+            raise UsageError(problem)
+    ids = _token_ids(token_ids) if token_ids is not None else None
+    check_device(device)  # all before loading: a bad option must not cost a model load
+    check_output_file(logits_out, "--logits-out")
     t0 = time.perf_counter()
-    runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,
-                         decode="eager" if mtp else {None: None, True: "graphs", False: "eager"}[cuda_graphs],
-                         max_num_seqs=1)
+    with LoadProgress():
+        runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,
+                             decode="eager" if mtp else {None: None, True: "graphs", False: "eager"}[cuda_graphs],
+                             max_num_seqs=1)
     if runner is None:  # a torchrun worker rank: it served rank 0 until the end
         return
     with runner:
@@ -83,9 +93,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
         temperature = d.get("temperature", 0.0) if temperature is None else temperature
         top_k = d.get("top_k", 0) if top_k is None else top_k
         top_p = d.get("top_p", 1.0) if top_p is None else top_p
-        if token_ids is not None:
-            ids = _token_ids(token_ids)
-        else:
+        if ids is None:
             if runner.tokenizer is None:
                 raise UsageError(f"{path}: no tokenizer.json; use --token-ids")
             ids = runner.tokenizer.encode(prompt).ids
@@ -93,6 +101,9 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
                 ids = [runner.bos_token_id] + ids
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
+        if len(ids) + max_tokens > runner.max_context:  # up front, not after generating
+            raise UsageError(f"the prompt ({len(ids)} tokens) plus --max-tokens {max_tokens} exceeds "
+                             f"the model's context of {runner.max_context} tokens")
         if mtp:  # runtime/mtp.py: exact speculative decoding, same tokens as plain greedy
             from exl3tools.runtime.mtp import generate_cli
 

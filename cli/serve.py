@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from exl3tools.cli._runtime import LoadProgress, api_keys_option, check_device
 
 from exl3tools.errors import NotFoundError, UsageError
 
@@ -25,8 +26,9 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to bind (0.0.0.0 exposes the server to the network).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", "api_keys", multiple=True,
-              help="Accept this Bearer key (repeatable). Without any key the API is open.")
+@click.option("--api-key", "api_keys", multiple=True, callback=api_keys_option,
+              help="Accept this Bearer key (repeatable; never empty). Else EXL3TOOLS_SERVE_API_KEY "
+                   "(one key) / EXL3TOOLS_SERVE_API_KEYS (several). Without any key the API is open.")
 @click.option("--max-num-seqs", "--max-batch", "max_batch", default=32, show_default=True, callback=_pos,
               help="Most sequences decoded together (one CUDA graph per batch bucket up to it).")
 @click.option("--max-queue", default=256, show_default=True, callback=_pos,
@@ -81,6 +83,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             raise NotFoundError(f"no PATH given and the demo checkpoint is missing ({DEMO_MODEL})")
         path = str(DEMO_MODEL)
     _check_path(path, tp)
+    check_device(device)
     if max_cache_tokens is not None and max_cache_tokens < 1:
         raise UsageError("--max-cache-tokens must be at least 1")
     if max_prefill_tokens is None:
@@ -101,12 +104,16 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                                            timeout_graceful_shutdown=5))
     engine = app.state.server.engine
 
+    progress = LoadProgress(logging.getLogger("exl3tools.serve"))  # a bar while the weights load
+
     def on_state(state: str) -> None:  # a server that can never load should not linger
+        progress.close()
         if state == "failed":
             server.should_exit = True
 
     engine.on_state = on_state
-    server.run()
+    with progress:
+        server.run()
     if engine.load_exception is not None:
         raise engine.load_exception
 

@@ -2,12 +2,17 @@
 
 Order: a local directory; else the local hub cache (works offline); else, online, the small JSON
 files plus every shard's safetensors header fetched by HTTP range request (no weights downloaded).
+
+Offline, huggingface_hub retries each request five times with backoff (~30 s, then an
+httpx ConnectError). So the first remote call is one request without retries and with a timeout
+(``HUB_TIMEOUT_S``); if the Hub cannot be reached the command fails at once, in one line.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 from exl3tools.checkpoint import DTYPES, Checkpoint, Header, TensorInfo
@@ -15,6 +20,7 @@ from exl3tools.checkpoint.counts import config_problems
 from exl3tools.checkpoint.reader import TensorRef, load_json, merge_quantization_config
 from exl3tools.errors import CheckpointError, NotFoundError
 
+HUB_TIMEOUT_S = 10.0  # the first request to the Hub; HF_HUB_ETAG_TIMEOUT overrides it
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 SMALL_FILES = ["config.json", "quantization_config.json", "model.safetensors.index.json", "tokenizer.json",
                "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "special_tokens_map.json"]
@@ -47,12 +53,41 @@ def open_source(spec: str) -> tuple[Checkpoint, str]:
     return _open_remote_headers(repo, rev), "hub-headers"
 
 
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when the network fails (httpx2, httpx or requests, by version;
+    requests' errors are OSErrors)."""
+    out: list[type[BaseException]] = [OSError]
+    for mod in ("httpx2", "httpx"):  # only those the Hub client imported already
+        err = getattr(sys.modules.get(mod), "TransportError", None)
+        if isinstance(err, type):
+            out.append(err)
+    return tuple(out)
+
+
+def _repo_files(repo: str, rev: str | None) -> set[str]:
+    """The repository's file names: one request, no retries, bounded by a timeout."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_TIMEOUT_S)
+    try:
+        info = HfApi().model_info(repo, revision=rev, timeout=timeout)
+    except HfHubHTTPError:
+        raise  # the Hub answered: not found, gated, ... (handled by the caller)
+    except transport_errors() as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise NotFoundError(f"{repo}: not a local path, not in the Hugging Face cache, and the Hub at "
+                            f"{constants.ENDPOINT} cannot be reached ({type(exc).__name__}"
+                            f"{': ' + why if why else ''})") from None
+    return {s.rfilename for s in info.siblings or ()}
+
+
 def _open_remote_headers(repo: str, rev: str | None) -> Checkpoint:
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
 
     try:
-        files = set(HfApi().list_repo_files(repo, revision=rev))
+        files = _repo_files(repo, rev)
         local_dir = None
         for name in SMALL_FILES:
             if name in files:
@@ -62,7 +97,9 @@ def _open_remote_headers(repo: str, rev: str | None) -> Checkpoint:
         meta = HfApi().get_safetensors_metadata(repo, revision=rev)
     except RepositoryNotFoundError:
         raise NotFoundError(f"{repo}: no such Hugging Face repository (or no access)") from None
-    except (EntryNotFoundError, HfHubHTTPError, OSError) as exc:
+    except NotFoundError:
+        raise
+    except (EntryNotFoundError, HfHubHTTPError, *transport_errors()) as exc:
         raise NotFoundError(f"{repo}: could not reach the Hub ({type(exc).__name__})") from None
     config = load_json(local_dir / "config.json", "config.json")
     if not isinstance(config, dict):

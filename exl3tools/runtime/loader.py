@@ -96,5 +96,26 @@ def open_rank(layout: Layout, rank: int) -> tuple[Checkpoint, bool]:
     return ckpt, False
 
 
+MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json we parse (real ones are < 50 MB)
+
+
+def load_tokenizer(path: Path):
+    """``tokenizer.json`` as a ``tokenizers.Tokenizer``, None when there is no such file.
+    Unreadable: the OSError (exit 2); too large or not a tokenizer: CheckpointError (exit 1)."""
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    if path.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise CheckpointError(f"{path}: {path.stat().st_size} bytes, more than a tokenizer.json can be")
+    with path.open("rb") as f:  # PermissionError and friends surface as themselves
+        data = f.read(MAX_TOKENIZER_BYTES + 1)
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for bad JSON
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: not a readable tokenizer ({first})") from None
+
+
 def read_config(layout: Layout) -> dict:
     return load_json(layout.rank_dir(0) / "config.json", "config.json")

@@ -23,7 +23,7 @@ from exl3tools.errors import CheckpointError, Exl3Error, RuntimeFailure, UsageEr
 from exl3tools.kernels.dispatch import resolve_backend
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime.arch import BuildContext, arch_module
-from exl3tools.runtime.loader import Layout, open_rank, resolve
+from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
@@ -253,10 +253,7 @@ class Runner:
 
     # -- metadata
     def _load_tokenizer(self, d: Path) -> None:
-        from tokenizers import Tokenizer
-
-        tok_path = d / "tokenizer.json"
-        self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+        self.tokenizer = load_tokenizer(d / "tokenizer.json")  # unreadable/corrupt: a one-line error
         cfg = _json(d / "config.json") or {}
         gen = _json(d / "generation_config.json") or {}
         tcfg = _json(d / "tokenizer_config.json") or {}

@@ -7,7 +7,9 @@ would be: the model code only ever sees the local shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -15,6 +17,10 @@ import torch
 from exl3tools.checkpoint.reader import Checkpoint
 from exl3tools.errors import CheckpointError, MissingTensorError
 from exl3tools.exl3 import TILE, k_from_width, marker_ok, unpack_signs
+
+# Load progress: progress_hook(bytes just read, bytes in this checkpoint) after every tensor read.
+# The CLI sets it while it loads (exl3tools.cli._runtime.LoadProgress); None: silent.
+progress_hook: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +59,14 @@ class WeightSource:
         return tuple(self.ckpt.ref(name).shape)
 
     def numpy(self, name: str, dim: int | None = None, first: int = 0, last: int = 0) -> np.ndarray:
-        if dim is None:
-            return self.ckpt.read_numpy(name)
-        return self.ckpt.read_numpy_slice(name, dim, first, last)
+        arr = self.ckpt.read_numpy(name) if dim is None else self.ckpt.read_numpy_slice(name, dim, first, last)
+        if progress_hook is not None:
+            progress_hook(arr.size * self.ckpt.ref(name).info.itemsize, self.total_bytes)  # bytes on disk
+        return arr
+
+    @cached_property
+    def total_bytes(self) -> int:
+        return sum(ref.info.nbytes for ref in self.ckpt.tensors.values())
 
     def tensor(self, name: str, dtype: torch.dtype | None = torch.float32, dim: int | None = None,
                first: int = 0, last: int = 0) -> torch.Tensor:

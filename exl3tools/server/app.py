@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from exl3tools.errors import NotFoundError
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
+from exl3tools.server.limits import PromptGuard, check_api_keys
 from exl3tools.server.metrics import Metrics
 from exl3tools.server.protocol import (
     MAX_BODY_BYTES,
@@ -143,6 +144,13 @@ class Server:
         self._template: ChatTemplate | None = None
         self._template_checked = False
         self._token_text: TokenText | None = None
+        self._guard: PromptGuard | None = None
+
+    def guard(self) -> PromptGuard:
+        """Prompt-size checks that run before any tokenization (server/limits.py)."""
+        if self._guard is None:
+            self._guard = PromptGuard.for_runner(self.runner, self.engine.cache_budget)
+        return self._guard
 
     def token_text(self) -> TokenText:
         if self._token_text is None:
@@ -206,8 +214,10 @@ class Server:
         check_completion_extras(req)
         runner = self.runner
         self.token_text()  # built once, here in a worker thread: parsing a big tokenizer takes time
+        texts = completion_prompts(req)
+        self.guard().check_prompts(texts)  # sizes first: tokenizing megabytes stalls the server
         prompts: list[list[int]] = []
-        for p in completion_prompts(req):
+        for p in texts:
             if isinstance(p, str):
                 ids = runner.tokenizer.encode(p, add_special_tokens=True).ids
             else:
@@ -235,9 +245,11 @@ class Server:
         check_chat_extras(req)
         runner = self.runner
         self.token_text()
-        text = self.template().render(message_dicts(req),
-                                      add_generation_prompt=req.add_generation_prompt,
+        messages = message_dicts(req)
+        self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
+        text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt,
                                       **(req.chat_template_kwargs or {}))
+        self.guard().check_text(len(text), "messages")
         ids = runner.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", param="messages")
@@ -308,7 +320,7 @@ class Gate:
             elif name == b"x-api-key" and got is None:
                 got = value.strip()
         # compare_digest against every key: no early exit that leaks which key matched
-        return got is not None and any([hmac.compare_digest(got, k) for k in self._keys])
+        return bool(got) and any([hmac.compare_digest(got, k) for k in self._keys])  # never a blank key
 
 
 _KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions",
@@ -324,6 +336,7 @@ def _error_response(exc: APIError) -> JSONResponse:
 
 def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                hooks: dict[str, Callable] | None = None) -> FastAPI:
+    check_api_keys(cfg.api_keys)  # an empty key would admit every blank x-api-key header
     server = Server(cfg, load or runtime_loader(cfg), hooks or runtime_hooks())
 
     @asynccontextmanager
@@ -387,12 +400,12 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(await _read_body(request), CompletionRequest)
+        req = await run_in_threadpool(parse_body, await _read_body(request), CompletionRequest)  # off the loop
         return await _generate(request, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_body(await _read_body(request), ChatCompletionRequest)
+        req = await run_in_threadpool(parse_body, await _read_body(request), ChatCompletionRequest)  # off the loop
         return await _generate(request, req, chat=True)
 
     async def _generate(request: Request, req: Any, *, chat: bool) -> Response:

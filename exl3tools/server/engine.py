@@ -199,7 +199,7 @@ class Engine:
             raise APIError(400, f"this request asks for {seqs_needed} sequences (prompts x n); the "
                            f"server queues at most {self.max_queue}", param="n",
                            code="too_many_sequences")
-        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts) * n)
+        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts))  # once, not x n
         tok = self.runner.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._cond:

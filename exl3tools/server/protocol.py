@@ -1,17 +1,25 @@
 """OpenAI request types, their validation, and the OpenAI error shape.
 
 Pydantic runs in strict mode: ``"max_tokens": "5"`` or ``true`` is a 400, as with OpenAI.
-Unknown fields are tolerated (clients send many), but every sampling field we do not implement is
-rejected explicitly when set to a non-default value: never silently ignore sampling.
+Unknown top-level fields are a 400 naming them, as OpenAI answers "Unrecognized request argument":
+a typo such as ``max_token`` must not pass silently. Accepted are OpenAI's own request fields (as
+the official client sends them) and the documented extensions (top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, min_tokens, return_token_ids; chat: chat_template_kwargs,
+add_generation_prompt). Every sampling field or feature we do not implement is rejected
+explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
+caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from exl3tools.server.limits import sampling_value_problem
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completions request
@@ -20,6 +28,11 @@ MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 16 * 1024 * 1024
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Integer literals longer than this are refused before int() sees them: no field takes more than
+# 20 digits, and Python's int() raises ValueError (an HTTP 500) beyond 4300.
+MAX_INT_DIGITS = 100
+# Keys the server itself passes to the chat template: chat_template_kwargs may not set them.
+TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 
 
 class APIError(Exception):
@@ -56,7 +69,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Request(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")  # the top level: unknown fields are a 400
+
+
+class _Sampling(_Request):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -78,6 +95,16 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _float32_sampler(cls, v: float | None, info: Any) -> float | None:
+        upper = 2.0 if info.field_name == "temperature" else 1.0
+        problem = sampling_value_problem(info.field_name, v, upper=upper,
+                                         zero_ok=info.field_name == "temperature")
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 class CompletionRequest(_Sampling):
@@ -113,6 +140,29 @@ class ChatCompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    modalities: list[str] | None = None
+    # OpenAI fields that change nothing here: accepted, ignored.
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    parallel_tool_calls: Any = None  # tools themselves are refused
+    # OpenAI features this server lacks: a 400 unsupported_parameter unless null.
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+UNSUPPORTED_CHAT_FIELDS = ("audio", "function_call", "functions", "moderation", "prediction",
+                           "reasoning_effort", "verbosity", "web_search_options")
 
 
 # --------------------------------------------------------------------------- sampling values
@@ -155,19 +205,82 @@ def parse_body(raw: bytes, model_cls: type[_Strict]) -> Any:
     except UnicodeDecodeError as exc:
         raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})",
                           code="invalid_encoding") from None
+    long_ints: list[_LongInt] = []
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=lambda s: _parse_int(s, long_ints))
     except (json.JSONDecodeError, RecursionError) as exc:
         msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
         raise bad_request(f"request body is not valid JSON: {msg}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if long_ints or _SURROGATE_ESCAPE.search(text):
+        _refuse_unencodable(obj)
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
         raise _from_validation(exc) from None
     except RecursionError:
         raise bad_request("request body is nested too deeply", code="invalid_json") from None
+
+
+class _LongInt:
+    """An integer literal of more than MAX_INT_DIGITS digits, kept as text until it is refused."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(s: str, seen: list[_LongInt]) -> int | _LongInt:
+    if len(s.lstrip("-")) <= MAX_INT_DIGITS:
+        return int(s)
+    seen.append(_LongInt(len(s.lstrip("-"))))
+    return seen[-1]
+
+
+# JSON's only way to a lone surrogate: a \uD800-\uDFFF escape (a valid pair decodes to one code
+# point). Such a string cannot be encoded as UTF-8: not by the tokenizer, not in our error body.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _unencodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _printable(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _refuse_unencodable(obj: Any) -> None:
+    """400 naming the first value (in document order) that is a lone surrogate (in a string or a
+    key) or an over-long integer; nothing otherwise."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(obj, ())]
+    while stack:
+        v, path = stack.pop()
+        param = ".".join(path) or None
+        if isinstance(v, _LongInt):
+            raise bad_request(f"{param}: integer literal of {v.digits} digits (at most {MAX_INT_DIGITS})",
+                              param=param)
+        if isinstance(v, str) and _unencodable(v):
+            raise bad_request(f"{param}: string holds a lone UTF-16 surrogate (\\ud800-\\udfff); "
+                              "send valid Unicode", param=param, code="invalid_encoding")
+        if isinstance(v, dict):
+            items = []
+            for k, x in v.items():
+                key = _printable(k)
+                if _unencodable(k):
+                    p = ".".join((*path, key))
+                    raise bad_request(f"{p}: key holds a lone UTF-16 surrogate; send valid Unicode",
+                                      param=p, code="invalid_encoding")
+                items.append((x, (*path, key)))
+            stack.extend(reversed(items))
+        elif isinstance(v, list):
+            stack.extend(reversed([(x, (*path, str(i))) for i, x in enumerate(v)]))
 
 
 def _from_validation(exc: ValidationError) -> APIError:
@@ -178,9 +291,12 @@ def _from_validation(exc: ValidationError) -> APIError:
     param = ".".join(_clean_loc(loc)) or None
     kind = err["type"]
     code = ("missing_required_parameter" if kind == "missing"
+            else "unknown_parameter" if kind == "extra_forbidden"
             else "invalid_type" if kind.endswith("_type") or kind in ("union_tag_invalid",)
             else "invalid_value")
-    msg = f"{param}: {err['msg']}" if param else err["msg"]
+    text = "unknown parameter (not an OpenAI field nor a documented extension)" \
+        if kind == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    msg = f"{param}: {text}" if param else text
     return bad_request(msg, param=param, code=code)
 
 
@@ -261,6 +377,18 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools",
                           code="unsupported_parameter")
+    for name in UNSUPPORTED_CHAT_FIELDS:
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name} is not supported by this server", param=name,
+                              code="unsupported_parameter")
+    if req.modalities not in (None, ["text"]):
+        raise bad_request("modalities other than [\"text\"] are not supported by this server",
+                          param="modalities", code="unsupported_parameter")
+    for key in TEMPLATE_RESERVED:
+        if key in (req.chat_template_kwargs or {}):
+            where = "the request's own field" if key == "add_generation_prompt" else "set by the server"
+            raise bad_request(f"chat_template_kwargs.{key} is {where}; it cannot be a template kwarg",
+                              param=f"chat_template_kwargs.{key}")
     if req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice is not supported by this server", param="tool_choice",
                           code="unsupported_parameter")
