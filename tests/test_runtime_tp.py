@@ -78,6 +78,25 @@ def test_tp_matches_tp1_and_reads_only_own_rank(sliced, tp1, tp, monkeypatch):
         assert all(f.startswith(own) for f in mine), (rank, [f for f in mine if not f.startswith(own)])
 
 
+@pytest.mark.slow
+def test_tp2_static_decode_step_and_prefix_hits(sliced, tp1):
+    """The paged engine at TP 2: rank 0's block tables drive every rank's pool, decode steps take the
+    fixed-shape step (graphs' CPU twin), and a repeated prompt is served from the prefix cache."""
+    _, dirs = sliced
+    g, prompt1, rows1 = tp1
+    with load_runner(dirs[2], tp=2, decode="static", block_size=4, max_num_seqs=2) as r:
+        assert r.decode_mode == "static"
+        prompt, rows = _run(r, g)
+        p = g["prompt_p16"].tolist()
+        cached = r.add_sequence("t", p)
+        last = r.step([("t", p[cached:])])
+        r.free_sequence("t")
+    assert cached == 12
+    assert (prompt - prompt1).abs().max().item() < TP_ATOL
+    assert (rows - rows1).abs().max().item() < TP_ATOL
+    assert (last[0] - prompt1[-1]).abs().max().item() < TP_ATOL
+
+
 def _cli(*args, timeout=180):
     return subprocess.run([sys.executable, "-m", "exl3tools.cli", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout,
