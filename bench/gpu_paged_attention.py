@@ -25,10 +25,13 @@ import itertools
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import bench_graph  # noqa: E402  (bench/ is not a package)
 
 HBM = 4.26e12
 DEV = "cuda"            # a module global so a CPU dry run of the plumbing can point it elsewhere
@@ -40,19 +43,8 @@ BLOCK_SIZES = [16, 32]
 
 
 def graph_us(fn) -> float:
-    """Median µs of CUDA-graph replays of fn (no host launch overhead), cold L2."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    us = do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
-    del g
-    return us
+    """Median µs of CUDA-graph replays of fn (no host launch overhead): gpu_bench's timer."""
+    return bench_graph(fn)
 
 
 def make_case(B: int, ctx: int, bs: int, q_dtype: torch.dtype, gen: torch.Generator):
