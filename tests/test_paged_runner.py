@@ -156,3 +156,23 @@ def test_limits_back_pressure_and_slots():
         Runner(_model(name), fixture_dir(name) / "model", name, decode="graphs", max_cache_tokens=16)
     with pytest.raises(UsageError):
         load_runner(fixture_dir(name) / "model", decode="yes")
+
+
+def test_a_failed_step_never_feeds_the_prefix_cache(monkeypatch):
+    name = "llama-4.0bpw-mul1"
+    r = _paged(name, "eager")
+    prompt = list(range(30, 52))
+    r.add_sequence("a", prompt)
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated device fault")
+    monkeypatch.setattr(r.paged, "forward", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        r.step([("a", prompt)])
+    monkeypatch.undo()
+    assert r.sequence_length("a") == 0
+    r.free_sequence("a")
+    assert r.add_sequence("b", prompt) == 0            # nothing of the failed step was hashed
+    r.step([("b", prompt)])
+    r.free_sequence("b")
+    assert r.add_sequence("c", prompt) == 20           # a good step is

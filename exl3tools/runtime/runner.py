@@ -244,8 +244,7 @@ class Runner:
         try:
             check(self.model)
         except Exl3Error as exc:
-            if decode is not None:
-                log.warning("static decode off, decoding eagerly: %s", exc)
+            (log.warning if decode is not None else log.info)("fixed-shape decode off, decoding eagerly: %s", exc)
             return "eager"
         if want == "graphs" and not cuda:
             raise UsageError("CUDA graphs need a CUDA device")
@@ -391,10 +390,11 @@ class Runner:
             if self.world > 1:
                 raise RuntimeFailure(f"tensor-parallel step failed: {str(exc).splitlines()[0]}") from exc
             raise
-        finally:
-            for s, seq, t, _ in items:     # the K/V were written (or the step failed and the sequence dies)
-                seq.tokens.extend(t)
-                self.blocks.commit(s, seq.tokens)
+        # only now are the K/V written: a failed step commits nothing, so no block it touched is ever
+        # hashed into the prefix cache (its reserved blocks go back with the sequence)
+        for s, seq, t, _ in items:
+            seq.tokens.extend(t)
+            self.blocks.commit(s, seq.tokens)
         return logits if device_logits else logits.float().cpu()
 
     def _decode(self, items: list, slots: list[list[int]]) -> torch.Tensor:

@@ -299,7 +299,9 @@ class Engine:
         if not self._running:
             return False
         batch = self._plan()
-        while len(batch) > 1 and not self.runner.fits([(seq.seq_id, len(c)) for seq, c in batch]):
+        # out of blocks: the newest running sequence (in this batch or holding blocks mid-prefill)
+        # gives its cache back, until the step fits or one sequence is left
+        while len(self._running) > 1 and not self.runner.fits([(seq.seq_id, len(c)) for seq, c in batch]):
             self._preempt(self._running[-1])
             batch = self._plan()
         if not batch:
