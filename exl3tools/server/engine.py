@@ -443,7 +443,8 @@ class Engine:
                     break  # wait for running sequences to finish and free their cache
                 self._waiting.popleft()
                 seq.num_cached = self.runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids)
-                seq.handle.cached_tokens += seq.num_cached
+                if not seq.output_ids:     # prompt tokens served from cache (not a preempted one's history)
+                    seq.handle.cached_tokens += seq.num_cached
                 self._running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
