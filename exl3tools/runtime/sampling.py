@@ -116,11 +116,13 @@ def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[floa
     """(log-probability of ``token``, the ``top_n`` most likely (token, logprob) pairs), from the
     unmodified distribution (temperature 1), as OpenAI-style APIs report them."""
     lp = torch.log_softmax(logits_row.float().reshape(-1), -1)
-    top: list[tuple[int, float]] = []
-    if top_n > 0:
-        v, i = torch.topk(lp, min(top_n, lp.numel()))
-        top = [(int(a), float(b)) for a, b in zip(i, v, strict=True)]
-    return float(lp[token]), top
+    if top_n <= 0:
+        return float(lp[token]), []
+    v, i = torch.topk(lp, min(top_n, lp.numel()))
+    # one device-to-host copy (token ids < 2**53 are exact in float64): on a GPU, one sync per row
+    host = torch.cat([lp[token:token + 1].double(), v.double(), i.double()]).tolist()
+    k = v.numel()
+    return host[0], [(int(a), b) for a, b in zip(host[1 + k:], host[1:1 + k], strict=True)]
 
 
 def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator:
