@@ -104,3 +104,17 @@ def test_top_p_boundary_is_inclusive_in_both():
     assert sample_batch(rows, [1.0] * 16, [0] * 16, [p0] * 16, gens) == [0] * 16
     assert {sample(row, 1.0, 0, p0, make_generator(s)) for s in range(16)} == {0}
     assert len(set(sample_batch(rows, [1.0] * 16, [0] * 16, [0.99] * 16, gens))) > 1
+
+
+def test_logprobs_matches_log_softmax():
+    from exl3tools.runtime.sampling import logprobs
+
+    g = torch.Generator().manual_seed(3)
+    row = torch.randn(1000, generator=g) * 4
+    ref = torch.log_softmax(row.double(), -1)
+    lp, top = logprobs(row, 17, 5)
+    assert abs(lp - ref[17].item()) < 1e-5
+    want = torch.topk(ref, 5)
+    assert [t for t, _ in top] == want.indices.tolist()
+    assert max(abs(b - a) for (_, b), a in zip(top, want.values.tolist(), strict=True)) < 1e-5
+    assert logprobs(row, 17, 0) == (lp, [])
