@@ -166,7 +166,7 @@ def _nbytes(item: Any) -> int:
 
 
 WRITEBACK_STEP = 64 << 20
-HASH_STEP = 4 << 20  # a FileRange is hashed in pieces of this size
+HASH_STEP = 1 << 20  # a FileRange is hashed in pieces of this size (one buffer per writer thread)
 
 
 class ByteBudget:
