@@ -130,7 +130,15 @@ def json_bytes(obj: object, indent: int | None = 2) -> bytes:
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> bytes:
-    return json_bytes({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=4)
+    """The same bytes as ``json_bytes({"metadata": ..., "weight_map": ...}, indent=4)``, but with one
+    C-encoded string per name: the stdlib encodes any indented JSON in pure Python (~15 s for 10^6
+    names)."""
+    if not weight_map:
+        return json_bytes({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=4)
+    enc = json.encoder.encode_basestring_ascii
+    body = ",\n".join(f"        {enc(k)}: {enc(v)}" for k, v in weight_map.items())
+    return (f'{{\n    "metadata": {{\n        "total_size": {json.dumps(total_size)}\n    }},\n'
+            f'    "weight_map": {{\n{body}\n    }}\n}}\n').encode()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
