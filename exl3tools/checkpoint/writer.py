@@ -99,6 +99,16 @@ def write_atomic_text(path: str | os.PathLike[str], dump: Any) -> None:
     _atomic(Path(path), via_text)
 
 
+def copy_atomic(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy a (small) file via temp + fsync + rename; a failed copy leaves nothing behind."""
+    def fill(fd: int) -> None:
+        with open(src, "rb") as f:
+            while b := f.read(16 << 20):
+                _write_all(fd, b)
+
+    _atomic(Path(dst), fill)
+
+
 def _atomic(p: Path, fill: Any) -> None:
     """``fill(fd)`` writes the temp file; fsync, rename. On any failure (a full disk) the temp file is
     removed: a failed write leaves nothing behind."""
