@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 from exl3tools.cli._output import byte_progress, console, emit_json, err_console
 
@@ -28,6 +26,7 @@ def validate_cmd(path: str, deep: bool, strict: bool, as_json: bool, junit: str 
     exl3tools validate ./GLM-5-exl3 --deep --junit-xml validate.xml
     exl3tools validate ./out/tp4 --json
     """
+    from exl3tools.checkpoint.writer import write_atomic
     from exl3tools.validate import validate
     from exl3tools.validate.report import junit_xml, render
 
@@ -51,9 +50,7 @@ def validate_cmd(path: str, deep: bool, strict: bool, as_json: bool, junit: str 
         report = validate(path, deep=deep, sample_blocks=sample_blocks, progress=progress)
 
     if junit:
-        tmp = Path(junit).with_name(f".{Path(junit).name}.tmp")
-        tmp.write_bytes(junit_xml(report, strict=strict))
-        tmp.replace(junit)
+        write_atomic(junit, junit_xml(report, strict=strict))
     if as_json:
         doc = report.to_json()
         doc["ok"] = report.ok(strict)

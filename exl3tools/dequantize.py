@@ -8,7 +8,6 @@ grouped by top-level module (embedding, each decoder layer, head); the index is 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from exl3tools.checkpoint import Checkpoint
-from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, refuse_overlap, write_atomic
+from exl3tools.checkpoint.writer import (
+    ShardWriter,
+    copy_atomic,
+    fsync_dir,
+    index_json,
+    refuse_overlap,
+    write_atomic,
+)
 from exl3tools.errors import CheckpointError, MissingTensorError, OutputExistsError, UsageError
 from exl3tools.exl3 import unpack_signs
 from exl3tools.inspect import require_exl3
@@ -181,7 +187,7 @@ def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = Fal
             w.abort()
             raise
     for f in ck.tokenizer_files():
-        shutil.copyfile(f, dst / f.name)
+        copy_atomic(f, dst / f.name)
     config = {k: v for k, v in ck.config.items() if k != "quantization_config"}
     config["torch_dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[plan.dtype]
     config["dtype"] = config["torch_dtype"]

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from exl3tools.checkpoint.header import DTYPES
 from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint
 from exl3tools.checkpoint.writer import (
     ShardWriter,
+    copy_atomic,
     fsync_dir,
     index_json,
     json_bytes,
@@ -244,9 +244,7 @@ def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[
         if p.name == "quantization_config.json" and plan.renames and ck.quantization_config_file:
             write_atomic(dst / p.name, json_bytes(_rename_storage(ck.quantization_config_file, plan, out_shapes), 4))
         else:
-            tmp = dst / f".{p.name}.tmp"
-            shutil.copyfile(p, tmp)
-            os.replace(tmp, dst / p.name)
+            copy_atomic(p, dst / p.name)
     write_atomic(dst / INDEX_NAME, index_json(dict(sorted(weight_map.items())), total))
     fsync_dir(dst)
 

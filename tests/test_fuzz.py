@@ -256,3 +256,13 @@ def test_manifest_reader(sliced, data):
         load_manifest(out)
     except IncompleteOutputError:
         pass
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=12), st.text(max_size=12), max_size=6), st.integers(0, 2 ** 63))
+def test_index_json_is_the_indented_dump(weight_map, total):
+    """index_json formats by hand (the stdlib's indented encoder is pure Python): same bytes."""
+    from exl3tools.checkpoint.writer import index_json, json_bytes
+
+    assert index_json(weight_map, total) == json_bytes({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                       indent=4)

@@ -16,8 +16,9 @@ import numpy as np
 from exl3tools.checkpoint.reader import pread_fd
 from exl3tools.checkpoint.writer import FileRange
 
-CHUNK_BYTES = 32 << 20  # bound on one read: peak memory is a few of these per reader
-SMALL_COPY = 1 << 20    # pieces below this travel as bytes even where the writer could copy in-kernel
+CHUNK_BYTES = 32 << 20   # bound on one contiguous piece handed to a writer
+STRIDED_BYTES = 8 << 20  # rows read at once for strided (column) cuts: one such buffer per reader
+SMALL_COPY = 1 << 20     # pieces below this travel as bytes even where the writer could copy in-kernel
 
 
 def copy_tensor(fd: int, begin: int, shape: tuple[int, ...], itemsize: int, targets: list[tuple[Any, Any]],
@@ -45,7 +46,7 @@ def copy_tensor(fd: int, begin: int, shape: tuple[int, ...], itemsize: int, targ
             send(w, begin + t.start * row, (t.stop - t.start) * row)
         else:
             strided.append((w, t))
-    step = max(1, CHUNK_BYTES // row)
+    step = max(1, STRIDED_BYTES // row)
     for r0 in range(0, shape[0] if strided else 0, step):
         r1 = min(shape[0], r0 + step)
         raw = pread_fd(fd, begin + r0 * row, (r1 - r0) * row, path)

@@ -26,6 +26,10 @@ MAX_TP = 4096  # ranks one manifest may declare; rank-slice itself writes at mos
 SliceSpec = tuple[str | None, int | str | None, int | None, int | None]
 
 
+_name = json.encoder.encode_basestring_ascii       # what json.dumps(str) writes, without its per-call setup
+_compact = json.JSONEncoder(separators=(",", ":")).encode  # one encoder, not one per tensor
+
+
 @dataclass(frozen=True, slots=True)
 class SourceFile:
     name: str
@@ -80,7 +84,7 @@ class RankManifest:
             fh.write("," if i else "")
             fh.write(json.dumps(rj, separators=(",", ":"))[:-1] + ',"tensors":{')
             for j, (name, spec) in enumerate(r.tensors.items()):
-                fh.write(("," if j else "") + json.dumps(name) + ":" + json.dumps(list(spec), separators=(",", ":")))
+                fh.write(("," if j else "") + _name(name) + ":" + _compact(list(spec)))
             fh.write("}}")
         fh.write('],"files":' + json.dumps(files, separators=(",", ":")) + "}\n")
 

@@ -30,6 +30,8 @@ SLICE_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), r) 
 
 
 def role_of(prefix: str) -> str:
+    if ".mlp." not in prefix and ".self_attn." not in prefix and prefix != "lm_head":
+        return "replicate"  # no rule can match: skip the 8 regexes (called ~6x per module)
     for pat, role in SLICE_RULES:
         if pat.search(prefix):
             return role
