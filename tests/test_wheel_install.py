@@ -17,10 +17,8 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -93,24 +91,14 @@ def test_inspect_and_validate_the_shipped_demo(venv):
 
 
 def test_serve_without_a_path_serves_the_shipped_demo(venv):
-    from tests.test_server_cli import free_port
+    from tests.test_server_cli import free_port, wait_healthy
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.Popen([str(venv["cli"]), "serve", "--port", str(port), "--log-level", "warning"],
                             cwd=venv["cwd"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no /health 200 in 120 s"
-            time.sleep(0.1)
+        url = wait_healthy(proc, port)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model="glm4_moe-3.0bpw-mcg", prompt="Hello", max_tokens=3)
         assert r.usage.completion_tokens >= 1 and r.model == "glm4_moe-3.0bpw-mcg"
