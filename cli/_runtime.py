@@ -92,7 +92,7 @@ class LoadProgress:
         self._task = None
         self._lock = threading.Lock()
         self.tensors = self.bytes = 0
-        self._t0 = time.perf_counter()
+        self._t0 = self._t_last = 0.0  # first and last read
         self._open = False
 
     def hook(self, nbytes: int, total: int) -> None:
@@ -101,6 +101,8 @@ class LoadProgress:
                 return
             if self._task is None:
                 self._task = self._progress.add_task("load", total=total, tensors=0)
+                self._t0 = time.perf_counter()
+            self._t_last = time.perf_counter()
             self.tensors += 1
             self.bytes += nbytes
             self._progress.update(self._task, advance=nbytes, tensors=self.tensors)
@@ -108,7 +110,6 @@ class LoadProgress:
     def __enter__(self) -> LoadProgress:
         from exl3tools.runtime import weights
 
-        self._t0 = time.perf_counter()
         self._open = True
         weights.progress_hook = self.hook
         self._progress.start()
@@ -125,7 +126,7 @@ class LoadProgress:
                 weights.progress_hook = None
         self._progress.stop()
         if self.tensors and self._log is not None:
-            dt = time.perf_counter() - self._t0
+            dt = self._t_last - self._t0
             self._log.info("read %d tensors, %.1f MB in %.1f s (%.0f MB/s)", self.tensors,
                            self.bytes / 1e6, dt, self.bytes / 1e6 / max(dt, 1e-9))
 

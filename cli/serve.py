@@ -69,7 +69,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
               cpu_threads: int | None, log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
-    Without PATH, serves the demo checkpoint shipped in the repository. Binds early: /health
+    Without PATH, serves the demo checkpoint shipped with exl3tools. Binds early: /health
     answers 503 + Retry-After while the model loads, 200 once it answered a first forward pass.
     """
     import logging
