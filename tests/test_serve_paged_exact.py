@@ -1,0 +1,77 @@
+"""Served logprobs on the paged engine equal the plain CPU runtime's (teacher-forced over the served
+tokens), on a cold prompt, on a prefix-cache hit of the same prompt, and for requests that were
+preempted under a tiny KV cache and recomputed: a real server on 127.0.0.1, the openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import torch  # noqa: E402
+
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import DEMO  # noqa: E402
+
+TOL = 1e-4
+N = 6
+PROMPTS = [[1] + list(range(100 + 37 * i, 100 + 37 * i + 30)) for i in range(4)]
+
+
+def _reference_logprobs(model, prompt: list[int], out: list[int]) -> list[float]:
+    cache = model.new_cache()
+    logits = model.forward([(cache, prompt)])
+    lps = []
+    for t in out:
+        lps.append(torch.log_softmax(logits[0].double(), -1)[t].item())
+        logits = model.forward([(cache, [t])])
+    return lps
+
+
+def _ask(client, prompt, n=N):
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=n, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    return c.model_dump()["token_ids"], c.logprobs.token_logprobs, r.usage
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "force"])
+def test_served_logprobs_equal_the_reference(cuda_graphs):
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=4, max_context=96,
+                      block_size=4, cuda_graphs=cuda_graphs)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        model = app.state.server.engine.runner.model
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        ids, lps, usage = _ask(client, PROMPTS[0])
+        assert usage.prompt_tokens_details.cached_tokens == 0
+        ref = _reference_logprobs(model, PROMPTS[0], ids)
+        assert max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < TOL
+        ids2, lps2, usage2 = _ask(client, PROMPTS[0])            # whole blocks from the prefix cache
+        assert usage2.prompt_tokens_details.cached_tokens == 28
+        assert ids2 == ids and max(abs(a - b) for a, b in zip(lps2, ref, strict=True)) < TOL
+
+
+def test_preempted_requests_keep_the_reference_logprobs():
+    # 12 blocks of 4 tokens; four 7-token prompts are admitted, then their 24-token outputs outgrow the
+    # cache: the newest give their blocks back, are re-admitted (their own blocks from the prefix cache
+    # where still there) and recompute the rest
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=4, max_context=48,
+                      max_cache_tokens=48, block_size=4)
+    app = create_app(cfg)
+    prompts = [p[:7] for p in PROMPTS]
+    with LiveServer(app) as s:
+        engine = app.state.server.engine
+        model = engine.runner.model
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: _ask(client, p, 24), prompts))
+        assert engine.preempted_total > 0
+        for p, (ids, lps, _) in zip(prompts, got, strict=True):
+            ref = _reference_logprobs(model, p, ids)
+            assert len(ids) == 24 and max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < TOL
+        assert engine.runner.cache_tokens_used() == 0
