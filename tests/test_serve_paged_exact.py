@@ -5,6 +5,7 @@ preempted under a tiny KV cache and recomputed: a real server on 127.0.0.1, the 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 
@@ -75,3 +76,31 @@ def test_preempted_requests_keep_the_reference_logprobs():
             ref = _reference_logprobs(model, p, ids)
             assert len(ids) == 24 and max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < TOL
         assert engine.runner.cache_tokens_used() == 0
+
+
+def test_a_long_prompt_is_chunked_beside_running_decodes():
+    """--max-prefill-tokens 16: a 200-token prompt enters in chunks of at most 16 tokens, and every
+    step that carries one of its chunks also decodes the stream already running."""
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=4, max_context=256,
+                      block_size=4, max_prefill_tokens=16)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        runner = app.state.server.engine.runner
+        steps, step = [], runner.step
+        runner.step = lambda batch, **kw: steps.append([len(t) for _, t in batch]) or step(batch, **kw)
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="demo", temperature=0, extra_body={"ignore_eos": True})
+        with cf.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(lambda: list(client.completions.create(prompt=[1, 2, 3], max_tokens=60, stream=True,
+                                                                       **kw)))
+            deadline = time.monotonic() + 60
+            while not any(len(b) == 1 and b[0] == 1 for b in steps):   # the first stream is decoding
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            long = pool.submit(client.completions.create, prompt=list(range(5, 205)), max_tokens=2, **kw)
+            long.result()
+            first.result()
+        runner.step = step
+        chunked = [b for b in steps if any(n > 1 for n in b)][1:]        # after the first prompt's prefill
+        assert len(chunked) >= 200 // 16 and all(max(b) <= 16 for b in chunked)
+        assert all(1 in b for b in chunked[:-1])                          # decoding went on meanwhile
