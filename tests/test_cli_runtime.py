@@ -49,11 +49,11 @@ def one_line_error(res, code: int, text: str) -> None:
 @pytest.mark.parametrize("opts,text", [
     (["--temperature", "nan"], "--temperature must be a finite number"),
     (["--temperature", "inf"], "--temperature must be a finite number"),
-    (["--temperature", "-1"], "--temperature must be 0 <="),
+    (["--temperature", "-1"], "--temperature must be >= 0, got -1"),
     (["--temperature", "1e-46"], "underflows the float32 sampler"),
     (["--top-p", "nan"], "--top-p must be a finite number"),
     (["--top-p", "1e-46"], "underflows the float32 sampler"),
-    (["--top-p", "0"], "--top-p must be 0 <"),
+    (["--top-p", "0"], "--top-p must be > 0 and <= 1, got 0"),
     (["--device", "bogus"], "--device 'bogus': use cpu, cuda or cuda:N"),
     (["--device", "cuda:x"], "use cpu, cuda or cuda:N"),
 ])

@@ -38,8 +38,9 @@ def sampling_value_problem(name: str, value: float | None, *, upper: float, zero
     if not math.isfinite(value):
         return f"{name} must be a finite number, got {value}"
     if value < 0 or value > upper or (value == 0 and not zero_ok):
-        low = "0 <=" if zero_ok else "0 <"
-        return f"{name} must be {low} {name} <= {upper:g}, got {value:g}"
+        low = ">= 0" if zero_ok else "> 0"
+        high = f" and <= {upper:g}" if math.isfinite(upper) else ""
+        return f"{name} must be {low}{high}, got {value:g}"
     if 0 < value < MIN_SAMPLING_VALUE:
         zero = " (use 0 for greedy decoding)" if zero_ok else ""
         return (f"{name} {value:g} underflows the float32 sampler: give 0 or at least "
