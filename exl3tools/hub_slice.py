@@ -447,12 +447,22 @@ def rank_slice_remote(ck: Checkpoint, src: RemoteSource, plan: Any, dst: Path, r
                       fetch_progress: Callable[[int], None] | None = None,
                       write_progress: Callable[[int], None] | None = None):
     """Fetch the ranges of ``ranks`` into the mirror, then write them like the local path."""
-    from exl3tools.slicing import check_destination, write_rank_shards
+    from exl3tools.slicing import check_destination
 
     check_destination(dst, resume, ck.root)
     fetch_ranges(src, needed_ranges(ck, plan_outputs(plan, ranks), gap), parallel=parallel,
                  progress=fetch_progress)
-    man = write_rank_shards(ck, plan, dst, resume=resume, progress=write_progress, ranks=ranks)
+    return write_from_mirror(ck, src, plan, dst, ranks, resume=resume, keep_cache=keep_cache,
+                             progress=write_progress)
+
+
+def write_from_mirror(ck: Checkpoint, src: RemoteSource, plan: Any, dst: Path, ranks: list[int], *,
+                      resume: bool = False, keep_cache: bool = False,
+                      progress: Callable[[int], None] | None = None):
+    """The local writer over the (fetched) mirror; the mirror is dropped afterwards unless kept."""
+    from exl3tools.slicing import write_rank_shards
+
+    man = write_rank_shards(ck, plan, dst, resume=resume, progress=progress, ranks=ranks)
     if not keep_cache:
         drop_mirror(src)
     return man

@@ -89,6 +89,8 @@ class _Handler(BaseHTTPRequestHandler):
         st = self.state
         path = unquote(urlparse(self.path).path)
         api = f"/api/models/{st.repo}"
+        if not (path.startswith(api + "/") or path == api or path.startswith(f"/{st.repo}/")):
+            return self._send(404, b'{"error":"Repository not found"}', {"X-Error-Code": "RepoNotFound"}, head)
         if path == api or re.fullmatch(re.escape(api) + r"/revision/[^/]+", path):
             return self._json({"id": st.repo, "modelId": st.repo, "sha": st.commit, "private": False,
                                "siblings": [{"rfilename": f} for f in st.files()], "tags": []})

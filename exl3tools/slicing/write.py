@@ -151,7 +151,8 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                     for i, _ in group:
                         cursors[i] += 1
                     continue
-                copy_tensor(fd, info.begin, info.shape, info.itemsize, [(writers[i], t) for i, t in group],
+                copy_tensor(fd, info.begin, info.shape, info.itemsize,
+                            [(writers[i], t) for i, t in group if i in selected],
                             progress, path=src, ranges=True)
                 for i, _ in group:
                     cursors[i] += 1
