@@ -8,8 +8,8 @@ Flow (docs/rank-slice.md, "From the Hub"):
     plan_rank_slices(ck)     the same plan as the local path: the mirror's headers are the real ones
     fetch_ranges(src, need)  exactly the source byte ranges of the selected ranks, in parallel, through
                              huggingface_hub's HTTP client (get_session, build_hf_headers, hf_hub_url:
-                             its token, HF_ENDPOINT and redirects), each range streamed in 1 MiB
-                             chunks into the mirror; a dropped connection resumes at the next byte
+                             its token, HF_ENDPOINT and redirects), each range streamed into the
+                             mirror as it arrives; a dropped connection resumes at the next byte
     write_rank_shards(...)   the local writer, reading the mirror: same bytes, same atomic,
                              manifest-last output
 
@@ -42,7 +42,6 @@ from exl3tools.checkpoint.writer import write_atomic
 from exl3tools.errors import CheckpointError, NotFoundError, RevisionChangedError, TransferError, UsageError
 from exl3tools.hub import SMALL_FILES, split_revision, transport_errors
 
-CHUNK = 1 << 20              # bytes per write into the mirror (peak RSS ~ PARALLEL x CHUNK)
 PIECE = 64 << 20             # longer ranges are fetched as several requests, in parallel
 PARALLEL = 8                 # concurrent range requests
 SYNC_BYTES = 64 << 20        # fsync the mirror and log its complete ranges every this many bytes
@@ -332,7 +331,8 @@ def _check_response(src: RemoteSource, rf: RemoteFile, r: Any, a: int, b: int) -
 
 def fetch_range(src: RemoteSource, rf: RemoteFile, fd: int, a: int, b: int,
                 progress: Callable[[int], None], stop: threading.Event | None = None) -> None:
-    """Bytes [a, b) of ``rf`` into ``fd`` at the same offsets, in CHUNK pieces. A dropped connection
+    """Bytes [a, b) of ``rf`` into ``fd`` at the same offsets, written as they arrive (the client's
+    read size, ~64 KiB, bounds the memory per request). A dropped connection
     or a retryable status resumes at the first byte not yet written."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
@@ -357,7 +357,7 @@ def fetch_range(src: RemoteSource, rf: RemoteFile, fd: int, a: int, b: int,
                     raise TransferError(f"hf://{src.repo}/{rf.name}: HTTP {r.status_code} for bytes "
                                         f"{pos}-{b - 1}") from None
                 _check_response(src, rf, r, pos, b)
-                for chunk in r.iter_bytes(CHUNK):
+                for chunk in r.iter_bytes():  # as it arrives (a chunk size would hold back a tail)
                     take = memoryview(chunk)[: b - pos]
                     os.pwrite(fd, take, pos)
                     pos += len(take)
