@@ -168,6 +168,15 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
 
+def hub_settings(url: str, home: Path) -> tuple[dict[str, str], dict[str, object]]:
+    """(environment, huggingface_hub.constants) values that point an already imported huggingface_hub
+    at ``url`` with its home (token, caches) in ``home``; HF_HUB_OFFLINE and HF_TOKEN are unset."""
+    env = {"HF_ENDPOINT": url, "HF_HOME": str(home)}
+    consts = {"ENDPOINT": url, "HUGGINGFACE_CO_URL_TEMPLATE": url + "/{repo_id}/resolve/{revision}/{filename}",
+              "HF_HOME": str(home), "HF_HUB_CACHE": str(Path(home) / "hub"), "HF_HUB_OFFLINE": False}
+    return env, consts
+
+
 class FakeHub:
     """``with FakeHub(model_dir, "org/name") as hub: hub.url`` -> http://127.0.0.1:PORT."""
 

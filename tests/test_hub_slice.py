@@ -22,7 +22,7 @@ from exl3tools import hub_slice as H
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.slicing import plan_rank_slices, write_rank_shards
 from tests.conftest import REPO, fixture_dir
-from tests.hub_server import COMMIT_A, COMMIT_B, FakeHub
+from tests.hub_server import COMMIT_A, COMMIT_B, FakeHub, hub_settings
 
 DEMO = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
 REPO_ID = "org/model-exl3"
@@ -34,15 +34,13 @@ def hub_env(monkeypatch, tmp_path):
     from huggingface_hub import constants
 
     def point(url: str) -> None:
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.setattr(constants, "ENDPOINT", url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-        monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        env, consts = hub_settings(url, tmp_path / "hf")
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for k in ("HF_HUB_OFFLINE", "HF_TOKEN"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in consts.items():
+            monkeypatch.setattr(constants, k, v)
 
     return point
 
