@@ -468,6 +468,43 @@ def write_from_mirror(ck: Checkpoint, src: RemoteSource, plan: Any, dst: Path, r
     return man
 
 
+def slices_dir(src: RemoteSource, tp: int, moe: str) -> Path:
+    """The cache layout of rank-slice outputs: $HF_HOME/exl3tools/slices/models--ORG--NAME/COMMIT/tpN-MOE."""
+    return cache_root().parent / "slices" / f"models--{src.repo.replace('/', '--')}" / src.commit / f"tp{tp}-{moe}"
+
+
+def ensure_slices(spec: str, tp: int, moe: str = "tp", *, parallel: int = PARALLEL,
+                  progress: Callable[[int], None] | None = None) -> Path:
+    """A complete rank-slice output of REPO[@REV] for ``tp``/``moe`` in the cache (what ``serve REPO
+    --tp N`` loads). Ranks already there (a manifest of this plan, or files a journal of an
+    interrupted run records) are kept; only the ranges of the ranks still missing are fetched."""
+    from exl3tools.checkpoint.manifest import MANIFEST_NAME
+    from exl3tools.slicing import write_rank_shards
+    from exl3tools.slicing.write import JOURNAL
+
+    ck, src, plan = remote_plan(spec, tp, moe)
+    dst = slices_dir(src, tp, moe)
+    if (dst / MANIFEST_NAME).is_file():
+        drop_mirror(src)
+        return dst
+    done: set[str] = set()
+    try:
+        for line in (dst / JOURNAL).read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict) and e.get("plan") == plan.fingerprint:
+                done.add(str(e.get("path")))
+    except FileNotFoundError:
+        pass
+    missing = [r for r in range(tp) if any(f"{plan.dirs[r]}/{sp.out_name}" not in done for sp in plan.shards)]
+    fetch_ranges(src, needed_ranges(ck, plan_outputs(plan, missing)), parallel=parallel, progress=progress)
+    write_rank_shards(ck, plan, dst, resume=dst.exists())  # --resume re-hashes what the journal records
+    drop_mirror(src)
+    return dst
+
+
 def drop_mirror(src: RemoteSource) -> None:
     shutil.rmtree(src.mirror, ignore_errors=True)
 

@@ -182,3 +182,31 @@ def test_cli_dry_run_slice_and_verify_against_the_repo(tmp_path, hub_env):
             res = run(main, ["rank-slice", args[0], str(tmp_path / "o2"), *args[1:]])
             assert res.exit_code == 2 and msg in res.output, res.output
             assert len(res.output.strip().splitlines()) == 1
+
+
+def test_serve_path_for_tp_slices_into_the_cache_then_reuses_it(tmp_path, hub_env):
+    """serve REPO --tp 2 loads from a rank-slice output in the cache, fetched by ranges; a rank lost
+    from an interrupted run is fetched again (its ranges only), a complete one costs headers only."""
+    from exl3tools.runtime.loader import resolve
+    from exl3tools.server.app import local_path
+
+    with FakeHub(DEMO, REPO_ID) as hub:
+        hub_env(hub.url)
+        path = Path(local_path(REPO_ID, 2, "ep"))
+        assert path.is_relative_to(tmp_path / "hf") and resolve(path, 2).kind == "ranks"
+        ck = Checkpoint.open(DEMO)
+        plan = plan_rank_slices(ck, 2, "ep")
+        assert _data_bytes(hub, ck) == H.fetch_summary(plan, ck, [0, 1])["fetch_bytes"]
+        _same_rank_dirs(path, _local(DEMO, tmp_path, 2, "ep"), list(plan.dirs))
+        hub.state.gets.clear()
+        assert Path(local_path(f"{REPO_ID}@main", 2, "ep")) == path and _data_bytes(hub, ck) == 0
+        # an interrupted run: rank 1's shard never finished, the journal records the rest
+        (path / "manifest.json").unlink()
+        (path / "rank-1-of-2" / "model-00001-of-00001.safetensors").unlink()
+        journal = [json.dumps({"path": f, "size": v["size"], "sha256": v["sha256"], "plan": plan.fingerprint})
+                   for f, v in json.loads((tmp_path / "local-2-ep" / "manifest.json").read_text())["files"].items()
+                   if f.startswith("rank-0-of-2/")]
+        (path / ".rank-slice.journal").write_text("\n".join(journal) + "\n")
+        local_path(REPO_ID, 2, "ep")
+        assert _data_bytes(hub, ck) == H.fetch_summary(plan, ck, [1])["fetch_bytes"]
+    _same_rank_dirs(path, tmp_path / "local-2-ep", list(plan.dirs))
