@@ -210,3 +210,17 @@ def test_serve_path_for_tp_slices_into_the_cache_then_reuses_it(tmp_path, hub_en
         local_path(REPO_ID, 2, "ep")
         assert _data_bytes(hub, ck) == H.fetch_summary(plan, ck, [1])["fetch_bytes"]
     _same_rank_dirs(path, tmp_path / "local-2-ep", list(plan.dirs))
+
+
+def test_generate_repo_with_tp_loads_the_cached_slices(tmp_path, hub_env, monkeypatch):
+    from exl3tools.runtime import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "load_runner", lambda path, **kw: seen.append((Path(path), kw["tp"])))  # a worker: None
+    with FakeHub(DEMO, REPO_ID) as hub:
+        hub_env(hub.url)
+        res = CliRunner().invoke(main, ["generate", REPO_ID, "--tp", "2", "--moe", "ep", "--token-ids", "1,2"])
+    assert res.exit_code == 0, res.output
+    (path, tp), = seen
+    assert tp == 2 and path.name == "tp2-ep" and path.is_relative_to(tmp_path / "hf")
+    assert (path / "manifest.json").is_file()
