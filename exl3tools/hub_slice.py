@@ -188,10 +188,22 @@ def open_remote(spec: str, mirror: Path | None = None) -> tuple[Checkpoint, Remo
             if not (mirror / name).is_file() or (mirror / name).read_bytes() != data:
                 write_atomic(mirror / name, data)
     if INDEX_NAME in names:
-        wm = json.loads((mirror / INDEX_NAME).read_text()).get("weight_map", {})
-        shards = sorted(set(wm.values())) if isinstance(wm, dict) else []
+        try:
+            idx = json.loads((mirror / INDEX_NAME).read_bytes())
+        except ValueError:
+            idx = None
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"hf://{repo}/{INDEX_NAME}: no weight_map object")
+        shards = sorted({str(v) for v in wm.values()})
     else:
         shards = sorted(n for n in names if n.endswith(".safetensors") and "/" not in n)
+    # names come from the server: a shard is written as mirror/NAME, so no folders, no "..", and it
+    # must be a file the repository lists
+    bad = [n for n in shards if "/" in n or "\\" in n or n.startswith(".") or not n.endswith(".safetensors")
+           or n not in names]
+    if bad:
+        raise CheckpointError(f"hf://{repo}: shard name {bad[0]!r} is not a top-level .safetensors file of the repo")
     if not shards:
         raise NotFoundError(f"{spec}: no safetensors files in the repository")
     files = []

@@ -224,3 +224,17 @@ def test_generate_repo_with_tp_loads_the_cached_slices(tmp_path, hub_env, monkey
     (path, tp), = seen
     assert tp == 2 and path.name == "tp2-ep" and path.is_relative_to(tmp_path / "hf")
     assert (path / "manifest.json").is_file()
+
+
+def test_hostile_index_shard_name_refused(tmp_path, hub_env):
+    """The index comes from the server; a shard named ../x would be written outside the mirror."""
+    repo_dir = tmp_path / "repo"
+    repo_dir.mkdir()
+    for p in DEMO.iterdir():
+        (repo_dir / p.name).write_bytes(p.read_bytes())
+    (repo_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../evil.safetensors"}}))
+    with FakeHub(repo_dir, REPO_ID) as hub:
+        hub_env(hub.url)
+        res = CliRunner().invoke(main, ["rank-slice", REPO_ID, str(tmp_path / "out"), "--tp", "2", "--moe", "ep"])
+    assert res.exit_code == 1 and "shard name '../evil.safetensors'" in res.output, res.output
+    assert not list((tmp_path / "hf").rglob("evil*")) and not (tmp_path / "out").exists()
