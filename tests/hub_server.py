@@ -6,7 +6,7 @@ It answers the endpoints huggingface_hub uses: ``/api/models/{repo}[/revision/{r
 like LFS files: ``ETag``/``X-Linked-Etag`` are their sha256, ``X-Linked-Size`` their size; every
 response carries ``X-Repo-Commit``. Every GET of a file is logged with the bytes actually sent, so
 tests can count what a client fetched. Knobs a test may set: ``drop_once`` (file -> close the socket
-after that many bytes of the next GET of it, once), ``flip_commit_after`` (after that many range GETs
+after that many bytes of the next GET of it, once, or ``drop_times`` times), ``flip_commit_after`` (after that many range GETs
 of safetensors files, the revision points to another commit).
 """
 
@@ -40,6 +40,7 @@ class HubState:
     repo: str
     commit: str = COMMIT_A
     drop_once: dict[str, int] = field(default_factory=dict)
+    drop_times: int = 1   # how many GETs drop_once cuts short before it is spent
     flip_commit_after: int | None = None
     gets: list[Get] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -131,7 +132,11 @@ class _Handler(BaseHTTPRequestHandler):
             code = 206
             hdr["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         with st.lock:
-            drop = st.drop_once.pop(name, None) if rng else None
+            drop = st.drop_once.get(name) if rng else None
+            if drop is not None:
+                st.drop_times -= 1
+                if st.drop_times <= 0:
+                    del st.drop_once[name]
             if lfs and rng and st.flip_commit_after is not None:
                 st.flip_commit_after -= 1
                 if st.flip_commit_after < 0:

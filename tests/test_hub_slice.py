@@ -238,3 +238,16 @@ def test_hostile_index_shard_name_refused(tmp_path, hub_env):
         res = CliRunner().invoke(main, ["rank-slice", REPO_ID, str(tmp_path / "out"), "--tp", "2", "--moe", "ep"])
     assert res.exit_code == 1 and "shard name '../evil.safetensors'" in res.output, res.output
     assert not list((tmp_path / "hf").rglob("evil*")) and not (tmp_path / "out").exists()
+
+
+def test_connection_that_never_delivers_gives_up_exit_2(tmp_path, hub_env, monkeypatch):
+    monkeypatch.setattr(H.time, "sleep", lambda s: None)  # no backoff waits in the test
+    with FakeHub(DEMO, REPO_ID) as hub:
+        hub_env(hub.url)
+        ck, rs, plan = H.remote_plan(REPO_ID, 2, "ep")
+        hub.state.drop_once, hub.state.drop_times = {"model.safetensors": 0}, 10**6
+        res = CliRunner().invoke(main, ["rank-slice", REPO_ID, str(tmp_path / "out"), "--tp", "2", "--moe", "ep",
+                                        "--parallel", "1"])
+    assert res.exit_code == 2, res.output
+    assert f"failed {H.RETRIES + 1} times in a row" in res.output and "download failed: hf://" in res.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
