@@ -2,9 +2,11 @@
 
 Exit codes (documented in README.md):
   0  success
-  1  the checkpoint (or sliced output) is broken / validate found errors / verify failed
+  1  the checkpoint (or sliced output) is broken / validate found errors / verify failed /
+     a Hub repo's revision moved (or a file of it changed) while it was being sliced
   2  usage or I/O problem: bad options, missing path, not a checkpoint, unwritable output,
-     an optional dependency not installed (the message names the extra)
+     an optional dependency not installed (the message names the extra), a Hub download that
+     failed after its retries
   3  refused: a valid request exl3tools cannot do (unsupported architecture, illegal cut)
   4  runtime failure (a worker or tensor-parallel peer died)
  70  internal error: a bug in exl3tools (please report it; --debug shows the traceback)
@@ -33,6 +35,8 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (E.OutputExistsError, EXIT_USAGE, "output exists"),
     (E.UnsupportedArchitectureError, EXIT_REFUSED, "unsupported architecture"),
     (E.IncompatibleSliceError, EXIT_REFUSED, "cannot slice"),
+    (E.RevisionChangedError, EXIT_BAD_CHECKPOINT, "revision changed"),
+    (E.TransferError, EXIT_USAGE, "download failed"),
     (E.IncompleteOutputError, EXIT_BAD_CHECKPOINT, "incomplete output"),
     (E.VerifyError, EXIT_BAD_CHECKPOINT, "verify failed"),
     (E.NotExl3Error, EXIT_BAD_CHECKPOINT, "not EXL3"),

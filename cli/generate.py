@@ -60,11 +60,13 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     \b
     exl3tools generate ./model --prompt "Hello" --max-tokens 32
     exl3tools generate ./model-tp2 --tp 2 --token-ids 1,77,300 --logits-out out.safetensors
+    exl3tools generate org/model-exl3 --tp 2 --prompt "Hi"   (rank-sliced from the Hub into its cache)
     exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
     """
     from exl3tools.cli._output import emit_json, status
     from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file
 
+    from exl3tools.hub import looks_like_repo_id
     from exl3tools.runtime.runner import load_runner
     from exl3tools.runtime.sampling import make_generator, sample
     from exl3tools.server.limits import sampling_value_problem
@@ -80,6 +82,10 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     ids = _token_ids(token_ids) if token_ids is not None else None
     check_device(device)  # all before loading: a bad option must not cost a model load
     check_output_file(logits_out, "--logits-out")
+    if tp > 1 and not path.exists() and looks_like_repo_id(str(path)):  # slice from the Hub, by ranges
+        from exl3tools.hub_slice import ensure_slices
+
+        path = ensure_slices(str(path), tp, moe)
     t0 = time.perf_counter()
     with LoadProgress():
         runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 from exl3tools.cli._output import byte_bar, console, emit_json
 
@@ -19,17 +21,22 @@ def verify_cmd(src: str, sliced: str, decode_samples: int, seed: int, no_hash: b
 
     \b
     exl3tools verify ./GLM-5-exl3 ./GLM-5-tp4
+    exl3tools verify org/GLM-5-exl3 ./GLM-5-tp4     (SRC a Hub repo: its ranges are fetched afresh)
     """
 
     from exl3tools.checkpoint.manifest import load_manifest
+    from exl3tools.hub import looks_like_repo_id
     from exl3tools.slicing import verify_sliced
 
     man = load_manifest(sliced)
     total = sum(r.tensor_bytes for r in man.ranks)
     prog, advance = byte_bar(total, "verify")
+    verify = verify_sliced
+    if not Path(src).exists() and looks_like_repo_id(src.removeprefix("hf://")):
+        from exl3tools.hub_slice import verify_remote as verify  # fetches the source ranges afresh
     with prog:
-        rep = verify_sliced(src, sliced, decode_samples=decode_samples, seed=seed, hash_files=not no_hash,
-                            progress=advance)
+        rep = verify(src, sliced, decode_samples=decode_samples, seed=seed, hash_files=not no_hash,
+                     progress=advance)
     if as_json:
         emit_json(rep.to_json())
         return

@@ -65,3 +65,11 @@ class VerifyError(Exl3Error, ValueError):
 
 class RuntimeFailure(Exl3Error, RuntimeError):
     """The runtime failed (e.g. a tensor-parallel peer died)."""
+
+
+class RevisionChangedError(Exl3Error, ValueError):
+    """A Hub repo's revision (or one of its files) changed between planning and fetching."""
+
+
+class TransferError(Exl3Error, ConnectionError):
+    """Fetching from the Hub failed (after retries), or the server answered something unusable."""

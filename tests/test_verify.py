@@ -26,7 +26,10 @@ def test_schema_matches_dataclasses() -> None:
     sch = schema()
     top = set(sch["required"])
     assert top == {f.name for f in dataclasses.fields(RankManifest)} | {"schema"}
-    assert set(sch["properties"]["source"]["required"]) == {f.name for f in dataclasses.fields(SourceInfo)}
+    src_fields = dataclasses.fields(SourceInfo)
+    assert set(sch["properties"]["source"]["required"]) == {
+        f.name for f in src_fields if f.default is dataclasses.MISSING}  # repo/revision: only from a Hub repo
+    assert set(sch["properties"]["source"]["properties"]) == {f.name for f in src_fields}
     assert set(sch["properties"]["source"]["properties"]["files"]["items"]["required"]) == {
         f.name for f in dataclasses.fields(SourceFile)}
     assert set(sch["properties"]["ranks"]["items"]["required"]) == {f.name for f in dataclasses.fields(RankEntry)}

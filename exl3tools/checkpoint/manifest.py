@@ -44,6 +44,8 @@ class SourceInfo:
     architecture: str
     config_sha256: str
     files: tuple[SourceFile, ...]
+    repo: str | None = None        # a Hugging Face repo id, when sliced straight from the Hub
+    revision: str | None = None    # the commit sha that repo's revision resolved to
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,7 @@ class RankManifest:
                 "architecture": self.source.architecture, "config_sha256": self.source.config_sha256,
                 "files": [{"name": f.name, "size": f.size, "header_sha256": f.header_sha256}
                           for f in self.source.files],
+                **({"repo": self.source.repo, "revision": self.source.revision} if self.source.repo else {}),
             },
             "plan_fingerprint": self.plan_fingerprint,
             "ranks": [{"rank": r.rank, "dir": r.dir, "tensor_bytes": r.tensor_bytes,
@@ -115,7 +118,8 @@ class RankManifest:
         return cls(
             tool_version=obj["tool_version"], layout=obj["layout"], tp=obj["tp"], moe=obj["moe"],
             source=SourceInfo(src["path"], src["fingerprint"], src["architecture"], src["config_sha256"],
-                              tuple(SourceFile(f["name"], f["size"], f["header_sha256"]) for f in src["files"])),
+                              tuple(SourceFile(f["name"], f["size"], f["header_sha256"]) for f in src["files"]),
+                              src.get("repo"), src.get("revision")),
             plan_fingerprint=obj["plan_fingerprint"],
             ranks=tuple(RankEntry(r["rank"], r["dir"], r["tensor_bytes"],
                                   {k: tuple(v) for k, v in r["tensors"].items()}) for r in obj["ranks"]),

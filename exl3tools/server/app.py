@@ -94,17 +94,23 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
                       prefix_caching=cfg.prefix_caching, max_num_batched_tokens=cfg.max_prefill_tokens)
         if cfg.device == "cpu":
             _cpu_threads(cfg.cpu_threads)
-        return load_runner(local_path(cfg.model_path), **kwargs)
+        return load_runner(local_path(cfg.model_path, cfg.tp, cfg.moe), **kwargs)
     return load
 
 
-def local_path(spec: str) -> str:
+def local_path(spec: str, tp: int = 1, moe: str = "tp") -> str:
     """A local checkpoint path as is; a hub repo id (``owner/name[@rev]``) downloaded to the hub
-    cache first (this runs while /health says 503 loading)."""
+    cache first, or with ``tp`` > 1 rank-sliced straight from the hub into the cache, fetching only
+    the byte ranges of ranks not there yet (this runs while /health says 503 loading)."""
     from exl3tools.hub import looks_like_repo_id, split_revision
 
     if Path(spec).exists() or not looks_like_repo_id(spec):
         return spec
+    if tp > 1:
+        from exl3tools.hub_slice import ensure_slices
+
+        log.info("rank-slicing %s for --tp %d from the Hugging Face hub (or its local cache)", spec, tp)
+        return str(ensure_slices(spec, tp, moe))
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from exl3tools.checkpoint.writer import (
     write_atomic,
     write_atomic_text,
 )
-from exl3tools.errors import CheckpointError, IncompleteOutputError, OutputExistsError
+from exl3tools.errors import CheckpointError, IncompleteOutputError, OutputExistsError, UsageError
 from exl3tools.slicing.plan import OutTensor, RankPlan
 
 JOURNAL = ".rank-slice.journal"
@@ -101,11 +101,12 @@ class _Journal:
 
 
 def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal: _Journal,
-                     progress: Callable[[int], None], dequant: Callable | None, budget: ByteBudget) -> None:
+                     progress: Callable[[int], None], dequant: Callable | None, budget: ByteBudget,
+                     selected: frozenset[int]) -> None:
     sp = plan.shards[si]
     rels = [f"{d}/{sp.out_name}" if d != "." else sp.out_name for d in plan.dirs]
-    if all(r in journal.done for r in rels):
-        progress(sum(t.nbytes for outs in sp.outputs for t in outs))
+    if all(rels[i] in journal.done for i in selected):
+        progress(sum(t.nbytes for i in selected for t in sp.outputs[i]))
         return
     hd = ck.headers[sp.source_file]
     by_src: dict[str, list[tuple[int, OutTensor]]] = {}   # source tensor -> its targets
@@ -123,7 +124,7 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                 raise CheckpointError(f"{src}: {size} bytes now, {hd.file_size} when it was opened "
                                       f"({'truncated' if size < hd.file_size else 'rewritten'} meanwhile)")
             for i, outs in enumerate(sp.outputs):
-                writers.append(NullWriter() if rels[i] in journal.done else
+                writers.append(NullWriter() if rels[i] in journal.done or i not in selected else
                                AsyncShardWriter(dst / rels[i], [(t.name, t.dtype, t.shape) for t in outs], budget))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             # walk the outputs in each writer's order: one pass over the source when every writer
@@ -146,7 +147,12 @@ def _write_one_shard(ck: Checkpoint, plan: RankPlan, si: int, dst: Path, journal
                     os.posix_fadvise(fd, start, ahead - start, os.POSIX_FADV_WILLNEED)
                 group = [(i, t) for i, t in by_src[t0.src] if cursors[i] < len(sp.outputs[i])
                          and sp.outputs[i][cursors[i]] is t]
-                copy_tensor(fd, info.begin, info.shape, info.itemsize, [(writers[i], t) for i, t in group],
+                if all(i not in selected for i, _ in group):  # only ranks not asked for (--ranks)
+                    for i, _ in group:
+                        cursors[i] += 1
+                    continue
+                copy_tensor(fd, info.begin, info.shape, info.itemsize,
+                            [(writers[i], t) for i, t in group if i in selected],
                             progress, path=src, ranges=True)
                 for i, _ in group:
                     cursors[i] += 1
@@ -247,18 +253,24 @@ def _is_tmp(name: str) -> bool:
 
 def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str], *, resume: bool = False,
                       threads: int | None = None, progress: Callable[[int], None] | None = None,
-                      dequant: Callable | None = None) -> RankManifest:
-    """Write every output of ``plan`` under ``dst``; manifest.json last. Returns the manifest."""
+                      dequant: Callable | None = None, ranks: Iterable[int] | None = None) -> RankManifest:
+    """Write every output of ``plan`` under ``dst`` (or only the output dirs ``ranks``); manifest.json
+    last, listing only what was written. Returns the manifest."""
     dst = Path(dst)
+    selected = frozenset(range(len(plan.dirs)) if ranks is None else ranks)
+    if not selected or not selected <= set(range(len(plan.dirs))):
+        raise UsageError(f"--ranks must name ranks 0..{len(plan.dirs) - 1}, got {sorted(selected)}")
     check_destination(dst, resume, ck.root)
     dst.mkdir(parents=True, exist_ok=True)
     journal = _Journal(dst, plan.fingerprint)
     previous = _check_resumable(dst, plan, journal) if resume else None
     (dst / MANIFEST_NAME).unlink(missing_ok=True)  # a resumed run is incomplete until it ends
-    for d in plan.dirs:
-        (dst / d).mkdir(parents=True, exist_ok=True)
+    for i, d in enumerate(plan.dirs):
+        if i in selected:
+            (dst / d).mkdir(parents=True, exist_ok=True)
     if resume:
-        expected = {f"{d}/{n}" if d != "." else n for d in plan.dirs for n in _small_names(plan)}
+        expected = {f"{d}/{n}" if d != "." else n for i, d in enumerate(plan.dirs) if i in selected
+                    for n in _small_names(plan)}
         journal.load(expected, previous)
     lock = threading.Lock()
 
@@ -273,10 +285,10 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
     budget = ByteBudget()
     if nthreads == 1:
         for si in range(len(plan.shards)):
-            _write_one_shard(ck, plan, si, dst, journal, prog, dequant, budget)
+            _write_one_shard(ck, plan, si, dst, journal, prog, dequant, budget, selected)
     else:
         with ThreadPoolExecutor(nthreads) as pool:
-            futs = [pool.submit(_write_one_shard, ck, plan, si, dst, journal, prog, dequant, budget)
+            futs = [pool.submit(_write_one_shard, ck, plan, si, dst, journal, prog, dequant, budget, selected)
                     for si in range(len(plan.shards))]
             try:
                 for f in futs:
@@ -289,6 +301,8 @@ def write_rank_shards(ck: Checkpoint, plan: RankPlan, dst: str | os.PathLike[str
     # small files per output dir: index, config, quantization_config, tokenizer files
     ranks = []
     for i, d in enumerate(plan.dirs):
+        if i not in selected:
+            continue
         base = dst / d
         wm = {t.name: s.out_name for s in plan.shards for t in s.outputs[i]}
         total = sum(t.nbytes for s in plan.shards for t in s.outputs[i])
