@@ -144,7 +144,9 @@ def test_stream_equals_non_stream_for_the_same_seed_chat(client):
     texts, finish, usage = _stream_chat(client, **kw)
     assert texts == {c.index: c.message.content for c in full.choices}
     assert finish == {c.index: c.finish_reason for c in full.choices}
-    assert usage.model_dump() == full.usage.model_dump()
+    # the second request may be served from the prefix cache: only cached_tokens may differ
+    strip = lambda u: {k: v for k, v in u.model_dump().items() if k != "prompt_tokens_details"}  # noqa: E731
+    assert strip(usage) == strip(full.usage)
 
 
 def test_stream_equals_non_stream_for_the_same_seed_completion(client):
@@ -155,7 +157,8 @@ def test_stream_equals_non_stream_for_the_same_seed_completion(client):
     texts, finish, lps, usage = _stream_completion(client, **kw)
     assert texts[0] == full.choices[0].text
     assert finish[0] == full.choices[0].finish_reason
-    assert lps[0] == full.choices[0].logprobs.token_logprobs
+    # a prefix-cache hit computes the prompt's tail alone: the same values up to float32 rounding
+    assert lps[0] == pytest.approx(full.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert usage.completion_tokens == full.usage.completion_tokens
 
 
