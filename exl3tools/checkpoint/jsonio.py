@@ -77,7 +77,8 @@ def path_kind(path: str | os.PathLike[str]) -> str | None:
 
 def not_regular(path: str | os.PathLike[str], what: str, kind: str) -> str:
     """The one-line message for a name that exists but is not a regular file."""
-    return f"{path}: {what} is {kind}, not a regular file"
+    subject = "" if os.path.basename(path) == what else f"{what} "  # "x/config.json: is a FIFO ..."
+    return f"{path}: {subject}is {kind}, not a regular file"
 
 
 def open_regular(path: str | os.PathLike[str], what: str, error: type[Exception] = CheckpointError) -> int:
