@@ -75,9 +75,15 @@ def path_kind(path: str | os.PathLike[str]) -> str | None:
     return "file" if stat.S_ISREG(mode) else kind_of_mode(mode)
 
 
+def _where(path: str | os.PathLike[str], what: str) -> str:
+    """How a message starts: "x/model.bin: safetensors file", or just "x/config.json:" when ``what``
+    would repeat the file name."""
+    return f"{path}:" if os.path.basename(path) == what else f"{path}: {what}"
+
+
 def not_regular(path: str | os.PathLike[str], what: str, kind: str) -> str:
     """The one-line message for a name that exists but is not a regular file."""
-    return f"{path}: {what} is {kind}, not a regular file"
+    return f"{_where(path, what)} is {kind}, not a regular file"
 
 
 def open_regular(path: str | os.PathLike[str], what: str, error: type[Exception] = CheckpointError) -> int:
@@ -89,7 +95,7 @@ def open_regular(path: str | os.PathLike[str], what: str, error: type[Exception]
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise NotFoundError(f"{path}: {what} does not exist") from None
+        raise NotFoundError(f"{_where(path, what)} does not exist") from None
     try:
         mode = os.fstat(fd).st_mode
     except BaseException:
@@ -108,7 +114,7 @@ def read_regular(path: str | os.PathLike[str], what: str, limit: int,
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise error(f"{path}: {what} is {size} bytes, more than the {limit}-byte limit")
+            raise error(f"{_where(path, what)} is {size} bytes, more than the {limit}-byte limit")
         chunks, got = [], 0
         while got <= limit:  # read to EOF, but never past the limit (the file may be growing)
             b = os.read(fd, min(limit + 1 - got, 16 << 20))
@@ -119,19 +125,19 @@ def read_regular(path: str | os.PathLike[str], what: str, limit: int,
     finally:
         os.close(fd)
     if got > limit:
-        raise error(f"{path}: {what} grew past the {limit}-byte limit while it was read")
+        raise error(f"{_where(path, what)} grew past the {limit}-byte limit while it was read")
     return b"".join(chunks)
 
 
 def load_json(path: str | os.PathLike[str], what: str, *, limit: int = MAX_JSON_BYTES,
               max_depth: int = MAX_JSON_DEPTH, error: type[Exception] = CheckpointError) -> Any:
     """Parse a JSON file that is regular, at most ``limit`` bytes and at most ``max_depth`` deep."""
-    return loads_bounded(read_regular(path, what, limit, error), f"{path}: {what}", max_depth, error)
+    return loads_bounded(read_regular(path, what, limit, error), _where(path, what), max_depth, error)
 
 
 def loads_bounded(raw: bytes, where: str, max_depth: int = MAX_JSON_DEPTH,
                   error: type[Exception] = CheckpointError) -> Any:
-    """Parse ``raw``; ``where`` ("path: what") starts the error message."""
+    """Parse ``raw``; ``where`` ("path:" or "path: what") starts the error message."""
     if nesting_exceeds(raw, max_depth):
         raise error(f"{where} nests deeper than {max_depth} levels")
     try:
