@@ -55,7 +55,7 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
     device = rank_device(device, rank, world)
     block = ckpt.config.get("exl3tools") if layout.kind == "ranks" else None
     if cut:
-        from exl3tools.rank_slice import plan_rank_slices
+        from exl3tools.slicing import plan_rank_slices
 
         block = plan_rank_slices(ckpt, world, moe).configs[rank]["exl3tools"]
     ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, block, backend, device,

@@ -3,7 +3,7 @@
 ``GqaSpec`` holds what differs between the three; ``build_gqa`` reads the tensors. Under TP the
 local sizes (heads, expert ranges, intermediate slices) come from this rank's ``exl3tools`` block
 (docs/rank-slice.md §4): read from a rank directory's config.json, or planned in memory with the
-same rules (exl3tools.rank_slice) when an unsliced checkpoint is run with TP > 1, in which case
+same rules (exl3tools.slicing) when an unsliced checkpoint is run with TP > 1, in which case
 the cuts are applied while reading.
 """
 
