@@ -63,7 +63,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
     """
     from exl3tools.cli._output import emit_json, status
-    from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file
+    from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file, preflight_plan
 
     from exl3tools.runtime.runner import load_runner
     from exl3tools.runtime.sampling import make_generator, sample
@@ -80,6 +80,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     ids = _token_ids(token_ids) if token_ids is not None else None
     check_device(device)  # all before loading: a bad option must not cost a model load
     check_output_file(logits_out, "--logits-out")
+    preflight_plan(path, device=device, tp=tp, moe=moe, max_num_seqs=1, batched_tokens=512)  # docs/plan.md
     t0 = time.perf_counter()
     with LoadProgress():
         runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,

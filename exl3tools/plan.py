@@ -163,7 +163,9 @@ def fmt_bytes(n: int) -> str:
 
 def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: str = "tp",
                 util: float = 0.9, block_size: int = 16, kv_dtype: str = "auto", max_model_len: int | None = None,
-                max_num_seqs: int = 32, batched_tokens: int = DEFAULT_BATCHED_TOKENS) -> MemoryPlan:
+                max_num_seqs: int = 32, batched_tokens: int = DEFAULT_BATCHED_TOKENS, in_use: int = 0) -> MemoryPlan:
+    """The plan (a value). ``in_use``: bytes of the GPU already taken by others (serve's preflight
+    passes ``total - free`` from torch.cuda.mem_get_info); the runtime subtracts them too."""
     if not 0 < util <= 1:
         raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -173,7 +175,7 @@ def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: s
     cfg = ck.config
     arch = ck.architecture
     holdings, attention = rank_holdings(ck, tp, moe)
-    usable = int(util * gpu_total)
+    usable = int(util * gpu_total) - in_use
     act = activation_estimate(cfg, batched_tokens)
     ranks = []
     for r in range(tp):

@@ -124,3 +124,22 @@ def test_parse_bytes():
     for bad in ("", "12XB", "-3GB", "0"):
         with pytest.raises(UsageError):
             parse_bytes(bad)
+
+
+def test_preflight_refuses_before_loading_with_the_plan_message(monkeypatch):
+    """serve/generate on CUDA: the same plan, against the memory free now (mem_get_info faked)."""
+    from exl3tools.cli._runtime import preflight_plan
+
+    src = str(fixture_dir("llama-4.0bpw-mul1") / "model")
+    total = 2**30
+    with pytest.raises(DoesNotFitError) as e:
+        preflight_plan(src, device="cuda:0", tp=1, moe="tp", mem_get_info=lambda i: (total, total))
+    expect = plan_memory(Checkpoint.open(src), gpu="cuda:0", gpu_total=total).message
+    assert str(e.value) == expect and "does not fit on cuda:0 (1.00 GiB)" in expect
+    big = 64 * 2**30
+    preflight_plan(src, device="cuda", tp=1, moe="tp", mem_get_info=lambda i: (big, big))  # fits
+    with pytest.raises(DoesNotFitError):   # the same GPU with 63.5 GiB taken by another process
+        preflight_plan(src, device="cuda", tp=1, moe="tp", mem_get_info=lambda i: (big - 63 * 2**30 - 2**29, big))
+    seen = []
+    preflight_plan(src, device="cpu", tp=1, moe="tp", mem_get_info=lambda i: seen.append(i))
+    assert seen == []                     # the CPU is never planned
