@@ -1,0 +1,54 @@
+"""exl3tools diff: per linear and per layer error between two checkpoints, worst first."""
+
+from __future__ import annotations
+
+import click
+from exl3tools.cli._output import console, emit_json, err_console
+from rich.table import Table
+
+from exl3tools.text import for_console
+
+
+def _fmt(r) -> list[str]:
+    sqnr = "inf" if r.sqnr_db is None else f"{r.sqnr_db:.2f}"
+    return [for_console(r.name), f"{r.rel_err:.6f}", sqnr, f"{r.cosine:.6f}"]
+
+
+@click.command("diff")
+@click.argument("a", type=click.Path(exists=True, file_okay=False))
+@click.argument("b", type=click.Path(exists=True, file_okay=False))
+@click.option("--top", type=click.IntRange(1, None), default=20, show_default=True, help="Linears shown in the table.")
+@click.option("--json", "as_json", is_flag=True, help="Emit one JSON document (schemas/diff.v1.json), every linear.")
+def diff_cmd(a: str, b: str, top: int, as_json: bool) -> None:
+    """Relative error, SQNR and cosine of A's decoded linears against B's (the reference), per
+    linear and per layer, worst first. A and B: EXL3 checkpoints, or one EXL3 and one plain HF
+    (bf16/fp16/fp32) checkpoint of the same model. One linear at a time, in bounded memory.
+
+    \b
+    exl3tools diff ./model-3.0bpw ./model-4.0bpw
+    exl3tools diff ./model-exl3 ./model-bf16 --json > diff.json
+    """
+    from rich.progress import Progress
+
+    from exl3tools.checkpoint import Checkpoint
+    from exl3tools.diff import diff_checkpoints
+
+    cka, ckb = Checkpoint.open(a), Checkpoint.open(b)
+    with Progress(console=err_console, transient=True, disable=as_json) as prog:
+        task = prog.add_task("decoding linears", total=None)
+        rep = diff_checkpoints(cka, ckb, progress=lambda done, total: prog.update(task, completed=done, total=total))
+    if as_json:
+        emit_json(rep.to_json())
+        return
+    for title, rows in (("layers, worst first", rep.layers), (f"linears, worst {min(top, len(rep.linears))} of "
+                                                             f"{len(rep.linears)}", rep.linears[:top])):
+        t = Table(title=title)
+        for c in ("name", "rel err", "SQNR dB", "cosine"):
+            t.add_column(c, justify="left" if c == "name" else "right")
+        for r in rows:
+            t.add_row(*_fmt(r))
+        console.print(t)
+    for side, names in (("A", rep.missing_in_a), ("B", rep.missing_in_b)):
+        if names:
+            console.print(f"{len(names)} linears missing in {side}: {for_console(', '.join(names[:5]))}"
+                          + (" ..." if len(names) > 5 else ""))
