@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("exl3tools.cli.verify", "verify_cmd"),
     "plan": ("exl3tools.cli.plan", "plan_cmd"),
     "diff": ("exl3tools.cli.diff", "diff_cmd"),
+    "eval": ("exl3tools.cli.eval", "eval_cmd"),
     "generate": ("exl3tools.cli.generate", "generate_cmd"),
     "serve": ("exl3tools.cli.serve", "serve_cmd"),
 }
