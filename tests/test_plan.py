@@ -143,3 +143,23 @@ def test_preflight_refuses_before_loading_with_the_plan_message(monkeypatch):
     seen = []
     preflight_plan(src, device="cpu", tp=1, moe="tp", mem_get_info=lambda i: seen.append(i))
     assert seen == []                     # the CPU is never planned
+
+
+def test_plan_reads_a_repo_id_through_the_hub_cache(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import DEMO
+
+    snap = tmp_path / "hub" / "models--exl3tools--demo-exl3" / "snapshots" / ("a" * 40)
+    shutil.copytree(DEMO / "model", snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("a" * 40)
+    code = ("import sys; from exl3tools.cli import main; "
+            "sys.argv=['exl3tools','plan','exl3tools/demo-exl3','--gpu','h200','--json']; main()")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["fits"] and doc["ranks"][0]["weight_bytes"] == _plan(DEMO / "model").ranks[0].weight_bytes
