@@ -52,6 +52,7 @@ class DiffReport:
     layers: list[DiffRow]
     missing_in_a: list[str] = field(default_factory=list)
     missing_in_b: list[str] = field(default_factory=list)
+    activations: dict[str, Any] | None = None   # diff --prompt/--token-ids (runtime/evaluate.py)
 
     def to_json(self) -> dict[str, Any]:
         return {"$schema": SCHEMA_ID, "schema_version": 1, **asdict(self)}

@@ -86,3 +86,28 @@ def test_diff_refuses_other_models_in_one_line():
         f"error: usage error: {a} is LlamaForCausalLM but {b} is Qwen3MoeForCausalLM"]
     res = CliRunner().invoke(main, ["diff", a, "/nonexistent"])
     assert res.exit_code == 2 and "does not exist" in res.stderr
+
+
+def test_token_ids_localize_the_damaged_layer(tmp_path):
+    """--token-ids: hidden states agree exactly up to the damaged layer, then drift; logits KL > 0."""
+    src = fixture_dir("llama-4.0bpw-mul1") / "model"
+    dst = _damaged_copy(src, tmp_path / "bad", "model.layers.1.self_attn.k_proj.suh", "flip")
+    res = CliRunner().invoke(main, ["diff", str(dst), str(src), "--token-ids", "1,77,300,5,99,1000,42,7", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    act = doc["activations"]
+    assert act["tokens"] == 8 and [r["layer"] for r in act["layers"]] == [0, 1]
+    assert act["layers"][0]["cosine_min"] > 1 - 1e-12
+    assert act["layers"][1]["cosine_min"] < 0.999 and act["logits"]["kl_mean"] > 0
+
+
+def test_token_ids_against_itself_mla():
+    src = str(fixture_dir("deepseek_v3-3.0bpw-3inst") / "model")
+    res = CliRunner().invoke(main, ["diff", src, src, "--token-ids", "1,2,3,4,5", "--json"])
+    assert res.exit_code == 0, res.output
+    act = json.loads(res.stdout)["activations"]
+    assert act["logits"]["kl_max"] == 0.0 and act["logits"]["top1_agree"] == 1.0
+    assert all(r["cosine_min"] > 1 - 1e-12 for r in act["layers"])
+    res = CliRunner().invoke(main, ["diff", src, src, "--token-ids", "1,x"])
+    assert res.exit_code == 2 and "--token-ids must be comma-separated integers" in res.stderr

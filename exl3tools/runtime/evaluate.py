@@ -117,3 +117,52 @@ def evaluate(runner, tokens: list[int], *, window: int, stride: int, reference=N
         res.update(reference=reference_path, reference_perplexity=torch.cat(ref_nll).mean().exp().item(),
                    kl=kl_summary(torch.cat(kls), agree / all_nll.numel()))
     return EvalResult(**res)
+
+
+# ------------------------------------------------------------------ diff --prompt: activations
+class _Recorder:
+    """Stands in for one decoder layer during a forward and keeps its output hidden states."""
+
+    def __init__(self, layer, out: list):
+        self._layer, self._out = layer, out
+
+    def __call__(self, h, batch):
+        h = self._layer(h, batch)
+        self._out.append(h.detach().float().cpu())
+        return h
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
+def _hidden_and_logits(runner, tokens: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    if runner.world != 1:
+        raise UsageError("diff --prompt/--token-ids runs each model on one process (no --tp)")
+    model, states = runner.model, []
+    layers = model.layers
+    model.layers = [_Recorder(layer, states) for layer in layers]
+    try:
+        logits = _window_logits(runner, tokens, runner.vocab_size)
+    finally:
+        model.layers = layers
+    return states, logits
+
+
+def activation_diff(runner_a, runner_b, tokens: list[int]) -> dict[str, Any]:
+    """Per decoder layer, the cosine of A's output hidden states to B's (mean and min over tokens),
+    and KL(B || A) of the final logits per position (mean, max) with top-1 agreement: B is the
+    reference, as in ``exl3tools diff``."""
+    check_tokens(tokens)
+    ha, la = _hidden_and_logits(runner_a, tokens)
+    hb, lb = _hidden_and_logits(runner_b, tokens)
+    if len(ha) != len(hb):
+        raise UsageError(f"the models have {len(ha)} and {len(hb)} decoder layers")
+    layers = []
+    for i, (a, b) in enumerate(zip(ha, hb, strict=True)):
+        cos = torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+        layers.append({"layer": i, "cosine_mean": cos.mean().item(), "cosine_min": cos.min().item()})
+    vocab = min(la.shape[-1], lb.shape[-1])
+    kl = kl_per_position(lb[:, :vocab], la[:, :vocab])
+    return {"tokens": len(tokens), "layers": layers,
+            "logits": {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+                       "top1_agree": (la[:, :vocab].argmax(-1) == lb[:, :vocab].argmax(-1)).double().mean().item()}}
