@@ -143,7 +143,7 @@ def preflight_plan(path: str, *, device: str, tp: int, moe: str, mem_get_info=No
     import torch
 
     from exl3tools.checkpoint import Checkpoint
-    from exl3tools.plan import plan_memory
+    from exl3tools.plan import CUDA_CONTEXT, plan_memory
     from exl3tools.runtime.loader import resolve
 
     if resolve(path, tp).kind != "unsliced" or (mem_get_info is None and not torch.cuda.is_available()):
@@ -151,5 +151,7 @@ def preflight_plan(path: str, *, device: str, tp: int, moe: str, mem_get_info=No
     first = (torch.device(device).index or 0) if tp == 1 else 0
     info = mem_get_info or torch.cuda.mem_get_info
     free, total = min((info(i) for i in range(first, first + tp)), key=lambda ft: ft[0])
+    # mem_get_info just created this process's CUDA context: plan counts it already (CUDA_CONTEXT)
+    in_use = max(total - free - CUDA_CONTEXT, 0)
     plan_memory(Checkpoint.open(path), gpu=str(device), gpu_total=total,
-                tp=tp, moe=moe, in_use=total - free, **opts).raise_unless_fits()
+                tp=tp, moe=moe, in_use=in_use, **opts).raise_unless_fits()

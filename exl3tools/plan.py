@@ -196,8 +196,7 @@ def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: s
     need = worst.weight_bytes + worst.scratch_bytes + (need_tokens + block_size) * worst.kv_bytes_per_token
     where = f"{gpu} ({fmt_bytes(gpu_total)})" + (f" x {tp}" if tp > 1 else "")
     if fits:
-        message = (f"fits on {where}: {tokens} KV tokens per sequence pool, longest context "
-                   f"{min(want, tokens)}")
+        message = f"fits on {where}: {tokens} KV tokens in the pool, longest context {min(want, tokens)}"
     else:
         message = (f"{ck.root}: does not fit on {where}: rank {worst.rank} needs {fmt_bytes(need)} "
                    f"(weights {fmt_bytes(worst.weight_bytes)} + scratch {fmt_bytes(worst.scratch_bytes)} + KV for "
