@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import click
 from exl3tools.cli._output import console, emit_json, err_console
@@ -40,12 +41,13 @@ def diff_cmd(a: str, b: str, top: int, prompt: str | None, token_ids: str | None
     from exl3tools.checkpoint import Checkpoint
     from exl3tools.diff import diff_checkpoints
 
+    ids = _prompt_ids(a, prompt, token_ids) if prompt is not None or token_ids is not None else None
     cka, ckb = Checkpoint.open(a), Checkpoint.open(b)
     with Progress(console=err_console, transient=True, disable=as_json) as prog:
         task = prog.add_task("decoding linears", total=None)
         rep = diff_checkpoints(cka, ckb, progress=lambda done, total: prog.update(task, completed=done, total=total))
-    if prompt is not None or token_ids is not None:
-        rep = replace(rep, activations=_activations(a, b, prompt, token_ids, device))
+    if ids is not None:
+        rep = replace(rep, activations=_activations(a, b, ids, device))
     if as_json:
         emit_json(rep.to_json())
         return
@@ -74,23 +76,31 @@ def diff_cmd(a: str, b: str, top: int, prompt: str | None, token_ids: str | None
                           + (" ..." if len(names) > 5 else ""))
 
 
-def _activations(a: str, b: str, prompt: str | None, token_ids: str | None, device: str) -> dict:
-    from exl3tools.cli._runtime import check_device
+def _prompt_ids(a: str, prompt: str | None, token_ids: str | None) -> list[int]:
+    """Checked before any weight is decoded: a bad option must not cost the whole diff."""
     from exl3tools.cli.generate import _token_ids
 
     from exl3tools.errors import UsageError
-    from exl3tools.runtime.evaluate import activation_diff
-    from exl3tools.runtime.runner import load_runner
 
     if prompt is not None and token_ids is not None:
         raise UsageError("give one of --prompt or --token-ids")
+    if token_ids is not None:
+        return _token_ids(token_ids)
+    from exl3tools.runtime.loader import load_tokenizer
+
+    tok = load_tokenizer(Path(a) / "tokenizer.json")
+    if tok is None:
+        raise UsageError(f"{a}: no tokenizer.json to encode --prompt (use --token-ids)")
+    return tok.encode(prompt, add_special_tokens=False).ids
+
+
+def _activations(a: str, b: str, ids: list[int], device: str) -> dict:
+    from exl3tools.cli._runtime import check_device
+
+    from exl3tools.runtime.evaluate import activation_diff
+    from exl3tools.runtime.runner import load_runner
+
     check_device(device)
-    opts = dict(device=device, decode="eager", max_num_seqs=1)
+    opts = dict(device=device, decode="eager", max_num_seqs=1, max_cache_tokens=len(ids))
     with load_runner(a, **opts) as ra, load_runner(b, **opts) as rb:
-        if token_ids is not None:
-            ids = _token_ids(token_ids)
-        elif ra.tokenizer is None:
-            raise UsageError(f"{a}: no tokenizer.json to encode --prompt (use --token-ids)")
-        else:
-            ids = ra.tokenizer.encode(prompt, add_special_tokens=False).ids
         return activation_diff(ra, rb, ids)

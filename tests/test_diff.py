@@ -35,7 +35,8 @@ def _damaged_copy(src, dst, tensor: str, how: str):
     return dst
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES[:5])   # the two -tp fixtures take 10 s each, same code
+# one fixture per codebook (mul1, mcg, 3inst); the others run the same code on more linears
+@pytest.mark.parametrize("name", [FIXTURE_NAMES[0], FIXTURE_NAMES[2], FIXTURE_NAMES[3]])
 def test_diff_with_itself_is_exactly_zero(name):
     ck = Checkpoint.open(fixture_dir(name) / "model")
     rep = diff_checkpoints(ck, ck)

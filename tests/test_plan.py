@@ -53,29 +53,31 @@ def test_plan_equals_runtime_on_every_fixture(fixture):
     jsonschema.validate(p.to_json(), SCHEMA)
 
 
-@pytest.mark.parametrize("name", ["llama-4.0bpw-mul1", "glm4_moe-tp-2.0bpw-mul1"])
-def test_plan_tp2_matches_each_rank(name, tmp_path):
-    """KV per token of each rank's model built in memory; weights = what a rank reads from its
-    rank-slice output (the same cut, read whole)."""
+def test_plan_tp2_kv_per_rank_matches_the_runtime():
+    """GLM-4 tp (8 q / 4 kv heads of 128) cuts KV heads over 2 ranks: rank 0's model, cut in memory."""
     import torch
 
     from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs
+
+    src = fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model"
+    p = _plan(src, tp=2, kv_dtype="bf16")
+    model, _ = _runtime(src, 2, 0)
+    assert p.ranks[0].kv_bytes_per_token == bytes_per_token(layer_specs(model), torch.bfloat16)
+    assert p.ranks[0].kv_bytes_per_token * 2 == _plan(src, kv_dtype="bf16").ranks[0].kv_bytes_per_token
+
+
+def test_plan_tp2_weights_are_what_each_rank_reads(tmp_path):
+    """Per rank, the bytes the runtime reads from that rank's rank-slice output (the same cut)."""
     from exl3tools.slicing import plan_rank_slices, write_rank_shards
 
-    src = fixture_dir(name) / "model"
-    p = _plan(src, tp=2, kv_dtype="bf16")
+    src = fixture_dir("llama-4.0bpw-mul1") / "model"
+    p = _plan(src, tp=2)
     ck = Checkpoint.open(src)
     write_rank_shards(ck, plan_rank_slices(ck, 2, "tp"), tmp_path / "out")
-    model, _ = _runtime(src, 2, 0)                     # rank 0 cut in memory
-    assert p.ranks[0].kv_bytes_per_token == bytes_per_token(layer_specs(model), torch.bfloat16)
-    model, read = _runtime(tmp_path / "out" / "rank-1-of-2", 2, 1)   # rank 1 from its slice
-    assert p.ranks[1].kv_bytes_per_token == bytes_per_token(layer_specs(model), torch.bfloat16)
-    assert p.ranks[1].weight_bytes == read
-    assert p.ranks[0].weight_bytes == sum(r.info.nbytes for r in Checkpoint.open(
-        tmp_path / "out" / "rank-0-of-2").tensors.values())
-    whole = _plan(src, kv_dtype="bf16").ranks[0].kv_bytes_per_token
-    # GLM-4 tp (8 q / 4 kv heads of 128) cuts heads over 2 ranks; llama's 64-wide heads stay whole
-    assert p.ranks[0].kv_bytes_per_token * (2 if name.startswith("glm4") else 1) == whole
+    for r in range(2):
+        _, read = _runtime(tmp_path / "out" / f"rank-{r}-of-2", 2, r)
+        assert p.ranks[r].weight_bytes == read
+    assert p.ranks[0].weight_bytes < sum(ref.info.nbytes for ref in ck.tensors.values())
 
 
 def test_kv_tokens_formula():
