@@ -101,3 +101,22 @@ def test_cli_eval_bad_text_is_one_line(tmp_path):
     empty.write_text("", encoding="utf-8")
     res = CliRunner().invoke(main, ["eval", src, "--text", str(empty)])
     assert res.exit_code == 2 and "eval needs at least 2" in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_longest_fixture_context_chunked_prefill_equals_one_plain_forward():
+    """The CPU part of issue 17's long-context check: at the fixtures' longest context (4096), the
+    paged runtime fed in 512-token prefill chunks (as serve schedules them) gives the logits of one
+    plain forward over the whole prompt, so eval's NLL does not drift with length."""
+    src = fixture_dir("llama-4.0bpw-mul1") / "model"
+    with load_runner(src, decode="eager", max_num_seqs=1) as r:
+        n = r.model.info.max_context
+        assert n == 4096
+        toks = [1] + [(37 * i + 11) % 2040 + 6 for i in range(n - 1)]
+        plain = r.model.forward([(r.model.new_cache(), toks)], all_logits=True)
+        r.add_sequence("long")
+        paged = torch.cat([r.step([("long", toks[c:c + 512])], all_logits=True) for c in range(0, n, 512)])
+    torch.testing.assert_close(paged, plain, rtol=0, atol=1e-5)
+    tgt = torch.tensor(toks[1:])[:, None]
+    nll = [(-torch.log_softmax(x[:-1].double(), -1).gather(1, tgt)).mean().item() for x in (plain, paged)]
+    assert nll[0] == pytest.approx(nll[1], abs=1e-9)
