@@ -22,6 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "normalize": ("exl3tools.cli.normalize", "normalize_cmd"),
     "rank-slice": ("exl3tools.cli.rank_slice", "rank_slice_cmd"),
     "verify": ("exl3tools.cli.verify", "verify_cmd"),
+    "plan": ("exl3tools.cli.plan", "plan_cmd"),
+    "diff": ("exl3tools.cli.diff", "diff_cmd"),
+    "eval": ("exl3tools.cli.eval", "eval_cmd"),
     "generate": ("exl3tools.cli.generate", "generate_cmd"),
     "serve": ("exl3tools.cli.serve", "serve_cmd"),
 }

@@ -7,7 +7,8 @@ Exit codes (documented in README.md):
   2  usage or I/O problem: bad options, missing path, not a checkpoint, unwritable output,
      an optional dependency not installed (the message names the extra), a Hub download that
      failed after its retries
-  3  refused: a valid request exl3tools cannot do (unsupported architecture, illegal cut)
+  3  refused: a valid request exl3tools cannot do (unsupported architecture, illegal cut, the model
+     does not fit the GPU memory: plan, serve, generate)
   4  runtime failure (a worker or tensor-parallel peer died)
  70  internal error: a bug in exl3tools (please report it; --debug shows the traceback)
 130  interrupted
@@ -37,6 +38,7 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (E.IncompatibleSliceError, EXIT_REFUSED, "cannot slice"),
     (E.RevisionChangedError, EXIT_BAD_CHECKPOINT, "revision changed"),
     (E.TransferError, EXIT_USAGE, "download failed"),
+    (E.DoesNotFitError, EXIT_REFUSED, "does not fit"),
     (E.IncompleteOutputError, EXIT_BAD_CHECKPOINT, "incomplete output"),
     (E.VerifyError, EXIT_BAD_CHECKPOINT, "verify failed"),
     (E.NotExl3Error, EXIT_BAD_CHECKPOINT, "not EXL3"),

@@ -132,3 +132,26 @@ class LoadProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def preflight_plan(path: str, *, device: str, tp: int, moe: str, mem_get_info=None, **opts) -> None:
+    """Before any weight is read: on a CUDA device, refuse (DoesNotFitError, exit 3) when exl3tools
+    plan says the checkpoint cannot fit the memory free now (docs/plan.md). Only an unsliced local
+    checkpoint is planned; ``opts`` are plan_memory's (util, block_size, kv_dtype, ...)."""
+    if not str(device).startswith("cuda") or not Path(path).is_dir():
+        return
+    import torch
+
+    from exl3tools.checkpoint import Checkpoint
+    from exl3tools.plan import CUDA_CONTEXT, plan_memory
+    from exl3tools.runtime.loader import resolve
+
+    if resolve(path, tp).kind != "unsliced" or (mem_get_info is None and not torch.cuda.is_available()):
+        return
+    first = (torch.device(device).index or 0) if tp == 1 else 0
+    info = mem_get_info or torch.cuda.mem_get_info
+    free, total = min((info(i) for i in range(first, first + tp)), key=lambda ft: ft[0])
+    # mem_get_info just created this process's CUDA context: plan counts it already (CUDA_CONTEXT)
+    in_use = max(total - free - CUDA_CONTEXT, 0)
+    plan_memory(Checkpoint.open(path), gpu=str(device), gpu_total=total,
+                tp=tp, moe=moe, in_use=in_use, **opts).raise_unless_fits()

@@ -64,7 +64,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
     """
     from exl3tools.cli._output import emit_json, status
-    from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file
+    from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file, preflight_plan
 
     from exl3tools.hub import looks_like_repo_id
     from exl3tools.runtime.runner import load_runner
@@ -86,6 +86,8 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
         from exl3tools.hub_slice import ensure_slices
 
         path = ensure_slices(str(path), tp, moe)
+    else:
+        preflight_plan(path, device=device, tp=tp, moe=moe, max_num_seqs=1, batched_tokens=512)  # docs/plan.md
     t0 = time.perf_counter()
     with LoadProgress():
         runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,

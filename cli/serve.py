@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from exl3tools.cli._runtime import LoadProgress, api_keys_option, check_device
+from exl3tools.cli._runtime import LoadProgress, api_keys_option, check_device, preflight_plan
 
 from exl3tools.errors import NotFoundError, UsageError
 
@@ -88,6 +88,9 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
         raise UsageError("--max-cache-tokens must be at least 1")
     if max_prefill_tokens is None:
         max_prefill_tokens = 2048 if device.startswith("cuda") else 512
+    if max_cache_tokens is None:  # refuse in one line before reading a weight (docs/plan.md)
+        preflight_plan(path, device=device, tp=tp, moe=moe, util=gpu_memory_utilization, block_size=int(block_size),
+                       kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens)
     cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, moe=moe, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,

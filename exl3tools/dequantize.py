@@ -139,8 +139,9 @@ def to_dtype_bytes(x: np.ndarray, odt: str) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
-def _linear_slabs(ck: Checkpoint, p: str, shape: tuple[int, int], odt: str) -> Iterator[bytes]:
-    """HF weight rows (output channels) of linear p, slab by slab."""
+def linear_rows(ck: Checkpoint, p: str, shape: tuple[int, int]) -> Iterator[np.ndarray]:
+    """HF weight rows (output channels) of EXL3 linear p at real ``shape`` (out, in), float32,
+    ``SLAB_COLUMNS`` rows at a time (bounded memory); ``exl3tools diff`` reads the same slabs."""
     from exl3tools.kernels.reference import decode_linear
 
     o_r, i_r = shape
@@ -152,7 +153,12 @@ def _linear_slabs(ck: Checkpoint, p: str, shape: tuple[int, int], odt: str) -> I
         c1 = min(c0 + SLAB_COLUMNS, -(-o_r // 128) * 128)
         tr = ck.read_numpy_slice(f"{p}.trellis", 1, c0 // 16, c1 // 16)
         w = decode_linear(tr, suh, svh[c0:c1], codebook)
-        yield to_dtype_bytes(w[:i_r, : min(c1, o_r) - c0].T, odt)
+        yield w[:i_r, : min(c1, o_r) - c0].T
+
+
+def _linear_slabs(ck: Checkpoint, p: str, shape: tuple[int, int], odt: str) -> Iterator[bytes]:
+    for rows in linear_rows(ck, p, shape):
+        yield to_dtype_bytes(rows, odt)
 
 
 def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = False,

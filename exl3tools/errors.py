@@ -63,6 +63,10 @@ class VerifyError(Exl3Error, ValueError):
     """Sliced output does not reassemble to its source."""
 
 
+class DoesNotFitError(Exl3Error, ValueError):
+    """The model (weights, scratch and the KV cache asked for) does not fit in the GPU memory given."""
+
+
 class RuntimeFailure(Exl3Error, RuntimeError):
     """The runtime failed (e.g. a tensor-parallel peer died)."""
 

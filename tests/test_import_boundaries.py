@@ -26,6 +26,15 @@ def test_core_and_inspect_are_torch_free():
     assert "cli" not in mods and "kernels" not in mods
 
 
+def test_plan_and_diff_are_torch_free():
+    mods = _modules_after(
+        "import exl3tools.plan, exl3tools.cli.plan, exl3tools.diff, exl3tools.cli.diff\n"
+        "from exl3tools.checkpoint import Checkpoint\n"
+        f"exl3tools.plan.plan_memory(Checkpoint.open({str(DEMO / 'model')!r}), gpu='h200', gpu_total=2**37, tp=2, moe='ep')\n"
+        f"exl3tools.diff.diff_checkpoints(Checkpoint.open({str(DEMO / 'model')!r}), Checkpoint.open({str(DEMO / 'model')!r}))")
+    assert "torch" not in mods and "cli" not in mods
+
+
 def test_cli_inspect_run_is_torch_free():
     mods = _modules_after(
         "import sys\nfrom exl3tools.cli import main\n"

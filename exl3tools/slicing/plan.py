@@ -107,8 +107,9 @@ def _plan_fingerprint(source: SourceInfo, tp: int, moe: str, layout: str, dirs: 
 
 
 # ---------------------------------------------------------------------------- planning
-def plan_ranks(ck: Checkpoint, tp: int, moe: str) -> RankPlan:
-    """The plan of layout "ranks": one directory per rank (a value; nothing is written)."""
+def _rank_tensors(ck: Checkpoint, tp: int, moe: str):
+    """(modules, cuts, attention entries, expert entries, notes, per-file outputs per rank): what
+    each rank holds, from headers and config only (no file is read)."""
     if not ck.is_exl3:
         raise NotExl3Error(f"{ck.root}: quantization_config.quant_method is not exl3")
     mods = collect_modules(ck)
@@ -117,13 +118,8 @@ def plan_ranks(ck: Checkpoint, tp: int, moe: str) -> RankPlan:
     missing = [n for n in ck.tensors if n not in owner]
     if missing:  # collect_modules must cover every tensor; a gap here is a bug, not bad input
         raise RuntimeError(f"tensors without a module: {missing[:5]}")
-    source = source_info(ck)
-    dirs = tuple(f"rank-{r}-of-{tp}" for r in range(tp))
-
-    files = sorted(ck.headers)
-    nfiles = len(files)
-    shards: list[ShardPlan] = []
-    for i, fname in enumerate(files):
+    per_file: list[tuple[str, tuple[tuple[OutTensor, ...], ...]]] = []
+    for fname in sorted(ck.headers):
         hd = ck.headers[fname]
         order = sorted(hd.tensors.values(), key=lambda t: t.begin)
         per_rank: list[tuple[OutTensor, ...]] = []
@@ -144,7 +140,25 @@ def plan_ranks(ck: Checkpoint, tp: int, moe: str) -> RankPlan:
                     t = shared[key] = OutTensor(info.name, info.name, info.dtype, shape, dim, a, b)
                 outs.append(t)
             per_rank.append(tuple(outs))
-        shards.append(ShardPlan(fname, f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors", tuple(per_rank)))
+        per_file.append((fname, tuple(per_rank)))
+    return mods, cuts, attn, experts, notes, per_file
+
+
+def rank_holdings(ck: Checkpoint, tp: int, moe: str) -> tuple[list[list[OutTensor]], list[dict[str, dict]]]:
+    """Per rank: the tensors it holds (as the runtime reads them, cut or whole) and its attention
+    entries (heads per layer). Headers only: usable on a hub checkpoint read through its headers."""
+    _, _, attn, _, _, per_file = _rank_tensors(ck, tp, moe)
+    return [[t for _, outs in per_file for t in outs[r]] for r in range(tp)], attn
+
+
+def plan_ranks(ck: Checkpoint, tp: int, moe: str) -> RankPlan:
+    """The plan of layout "ranks": one directory per rank (a value; nothing is written)."""
+    mods, cuts, attn, experts, notes, per_file = _rank_tensors(ck, tp, moe)
+    source = source_info(ck)
+    dirs = tuple(f"rank-{r}-of-{tp}" for r in range(tp))
+    nfiles = len(per_file)
+    shards = [ShardPlan(fname, f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors", outs)
+              for i, (fname, outs) in enumerate(per_file)]
 
     configs = []
     cut_tables = []
