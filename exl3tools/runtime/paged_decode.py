@@ -121,8 +121,8 @@ class PagedDecoder:
             if bs not in self._graphs:
                 self.capture([bs])
             self._graphs[bs].replay()
-        else:
-            self._body(bs)
+        else:   # no graph to keep fixed: read only the table columns the longest row needs
+            self._body(bs, -(-(max(positions) + 1) // self.pool.block_size))
         return self.out[:n]
 
     @torch.inference_mode()
@@ -154,11 +154,14 @@ class PagedDecoder:
         self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
 
-    def _body(self, bs: int) -> None:
-        """One decode step of ``bs`` rows from the static inputs; device ops only, fixed shapes."""
+    def _body(self, bs: int, width: int | None = None) -> None:
+        """One decode step of ``bs`` rows from the static inputs; device ops only, fixed shapes
+        (``width``: block-table columns to read, default all)."""
         m = self.model
         tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
         tables = self.tables.index_select(0, rows)
+        if width is not None:
+            tables = tables[:, :width]
         ctx = ctx.to(torch.int32)
         h = m.embed.index_select(0, tokens).float()
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
