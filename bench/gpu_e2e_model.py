@@ -286,7 +286,7 @@ def _ours_runner(runner, prompts, a, row) -> None:
         state = {"tok": runner.step(list(zip(ids, prompts, strict=True)), device_logits=True).argmax(-1).tolist()}
         torch.cuda.synchronize()
         row["prefill_ms"] = 1e3 * (time.perf_counter() - t)
-        row["kv_cache_bytes"] = int(runner.kv_bytes)
+        row["kv_cache_bytes"] = int(runner.paged.pool.nbytes())
 
         def step():
             logits = runner.step([(s, [t]) for s, t in zip(ids, state["tok"], strict=True)], device_logits=True)

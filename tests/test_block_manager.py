@@ -1,5 +1,5 @@
 """The paged KV cache's block manager (pure Python): allocation, prefix hits, reference counts,
-LRU eviction, back-pressure, truncation."""
+LRU eviction, back-pressure."""
 
 from __future__ import annotations
 
@@ -70,21 +70,17 @@ def test_refcounts_lru_eviction_and_back_pressure():
     assert _run(bm, "f", [1, 2, 3, 4, 7]) == 0
 
 
-def test_truncate_and_errors():
+def test_errors():
     bm = BlockManager(8, 4)
     bm.open("a")
     bm.reserve("a", 10)
-    bm.commit("a", list(range(7)))                     # 7 written (a speculative tail reserved)
-    bm.truncate("a", 5)
-    assert bm.length("a") == 5 and len(bm.table("a")) == 2
-    with pytest.raises(UsageError, match="hashed"):
-        bm.truncate("a", 3)
+    bm.commit("a", list(range(7)))
     with pytest.raises(UsageError, match="already exists"):
         bm.open("a")
     with pytest.raises(UsageError, match="unknown"):
         bm.reserve("zz", 1)
     with pytest.raises(UsageError, match="beyond"):
-        bm.commit("a", list(range(9)))
+        bm.commit("a", list(range(13)))              # 10 reserved: 3 blocks of 4
     with pytest.raises(UsageError):
         BlockManager(1, 4)
 

@@ -151,7 +151,7 @@ def test_limits_back_pressure_and_slots():
         r.step([(2, [1])])
     r.free_sequence(1)
     r.free_sequence(3)
-    assert r.cache_tokens_used() == 0 and r.cache_usage() == 0
+    assert r.cache_tokens_used() == 0 and r.blocks.used_blocks() == 0
     with pytest.raises(UsageError):
         Runner(_model(name), fixture_dir(name) / "model", name, decode="graphs", max_cache_tokens=16)
     with pytest.raises(UsageError):

@@ -173,19 +173,6 @@ class BlockManager:
         for b in reversed(s.table):        # tail first: the LRU evicts a chain's tail before its head
             self._release(b)
 
-    def truncate(self, seq_id: Hashable, n: int) -> None:
-        """Drop tokens past ``n`` (rejected speculative tokens): blocks wholly past it are freed."""
-        s = self._seq(seq_id)
-        if n > s.length:
-            raise UsageError(f"sequence {seq_id!r}: truncate to {n} > length {s.length}")
-        if s.hashed * self.block_size > n:
-            raise UsageError("truncate into a hashed (shared) block is not supported")
-        keep = self.blocks_for(n)
-        for b in s.table[keep:]:
-            self._release(b)
-        del s.table[keep:]
-        s.length = n
-
     # ------------------------------------------------------------------ internals
     def _seq(self, seq_id: Hashable) -> _Seq:
         try:

@@ -174,7 +174,7 @@ class Runner:
         dtype = kv_dtype_for(kv_dtype, dev)
         specs = layer_specs(model)
         per_token = bytes_per_token(specs, dtype)
-        self.weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+        weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
         if max_cache_tokens is not None:
             if int(max_cache_tokens) < 1:
                 raise UsageError(f"max_cache_tokens must be >= 1, got {max_cache_tokens}")
@@ -202,12 +202,10 @@ class Runner:
             self.paged.decoder.capture()
         self._rows = list(range(self.max_num_seqs))
         self._seqs: dict[Hashable, _Seq] = {}
-        self.kv_bytes = self.paged.pool.nbytes()
-        self.max_cache_tokens = self.blocks.usable_blocks * block_size
         log.info("KV cache: %d blocks x %d tokens (%s, %d B/token), %.2f GiB%s; longest context %d tokens; "
                  "decode %s, up to %d sequences", self.blocks.usable_blocks, block_size, state["dtype"], per_token,
-                 self.kv_bytes / 2**30,
-                 "" if self.weights_bytes is None else f"; weights {self.weights_bytes / 2**30:.2f} GiB",
+                 self.paged.pool.nbytes() / 2**30,
+                 "" if weights_bytes is None else f"; weights {weights_bytes / 2**30:.2f} GiB",
                  self.max_context, mode, self.max_num_seqs)
         self._load_tokenizer(ckpt_dir)
 
@@ -328,9 +326,6 @@ class Runner:
 
     def cache_tokens_free(self) -> int:
         return self.blocks.free_blocks() * self.block_size
-
-    def cache_usage(self) -> float:
-        return self.blocks.used_blocks() / self.blocks.usable_blocks
 
     def fits(self, appends: list[tuple[Hashable | None, int]]) -> bool:
         """Whether the cache can take each (sequence or None for a new one, new tokens) at once."""

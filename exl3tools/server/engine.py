@@ -497,11 +497,12 @@ class Engine:
             log.exception("free_sequence(%s) failed", seq.seq_id)
 
     def stats(self) -> dict[str, Any]:
+        queried, hits = self.prefix_stats()
         return {"state": self.state, "queue_depth": self.queue_depth, "running": self.running,
                 "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
                 "steps": self.steps, "cancelled_total": self.cancelled_total,
                 "preempted_total": self.preempted_total,
-                "prefix_cache_queried_tokens": self.prefix_stats()[0], "prefix_cache_hit_tokens": self.prefix_stats()[1],
+                "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hits,
                 "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
 
 
