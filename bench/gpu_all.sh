@@ -4,7 +4,7 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [serve]     (default: all)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve]     (default: all but prefill)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -79,6 +79,11 @@ if [[ $STAGES == *serve* ]]; then
   timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" ${SERVE_EXTRA:-} \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
+  for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
+fi
+if [[ $STAGES == *prefill* ]]; then
+  timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py /tmp/air6 --json "$L/prefill.json" > "$L/prefill.log" 2>&1
+  el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30
 fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null

@@ -388,6 +388,8 @@ class Server:
     def start(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        if self.name.startswith("prof"):   # a config named prof*: cProfile of the engine thread
+            env["EXL3TOOLS_PROFILE_ENGINE"] = str(self.log_path.with_suffix(".prof"))
         with open(self.log_path, "wb") as log:
             log.write((shlex.join(self.cmd) + "\n").encode())
             log.flush()

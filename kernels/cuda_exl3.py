@@ -9,6 +9,8 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place.
 ``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
 slot, experts addressed through device pointer tables: no host sync, no sorting.
+``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows: one weight decode per
+tile instead of per row (MoE prefill and wide decode batches).
 
 The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
 cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
@@ -365,6 +367,25 @@ class CudaExperts:
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, 1, S, acc, slot_exp=exp32)
         y = torch.empty(S, self.n, dtype=x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, S, self.n, exp=exp32)
+        return y.to(x.dtype)
+
+    def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
+              rows: int) -> torch.Tensor:
+        """Rows grouped by expert (dispatch module doc): y[o] = x[src[o]] @ W_{row_exp[o]} + bias;
+        tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
+        come out as bias). Each tile decodes its expert's weights once for all its rows."""
+        N = row_exp.shape[0]
+        if N == 0:
+            return x.new_empty(0, self.n)
+        x2 = _act(x, self.k)
+        src32 = None if src is None else src.to(torch.int32).contiguous()
+        rexp32 = row_exp.to(torch.int32).contiguous()
+        texp32 = tile_exp.to(torch.int32).contiguous()
+        xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32)
+        acc = workspace(self.device, N * self.n)
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32)
+        y = torch.empty(N, self.n, dtype=x2.dtype, device=self.device)
+        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32)
         return y.to(x.dtype)
 
 

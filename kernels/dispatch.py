@@ -22,7 +22,15 @@ Grouped experts (one projection of many experts, for MoE decode without host syn
 
 ``x`` is ``(T, k)``, ``tok``/``exp`` int64 device tensors ``(S,)``, ``y`` ``(S, n)`` in
 ``x.dtype``, padded dims as above. ``slots`` must not synchronise with the host and its launch
-shapes may depend only on ``S`` (CUDA-graph capturable). A backend registers one with
+shapes may depend only on ``S`` (CUDA-graph capturable). Optionally, rows grouped by expert::
+
+    obj.tiles(x, src, row_exp, tile_exp, rows) -> y   # y[o] = x[src[o]] @ W_{row_exp[o]} + bias
+                                                       # (src None: x[o]); tile t = rows
+                                                       # [t*rows, (t+1)*rows), all of expert
+                                                       # tile_exp[t]; -1: skipped (rows unspecified)
+
+so a backend decodes each expert's weights once per tile, not once per row (runtime.layers
+builds the tiles). A backend registers one with
 ``register_experts`` (from its module, like ``register_backend``); ``make_experts`` falls back to
 ``LoopExperts`` over the backend's per-expert linears (correct, slow: every expert sees every slot).
 """
@@ -151,6 +159,18 @@ class DenseExperts:
         y = torch.cat(parts) if len(parts) != 1 else parts[0]
         if self.bias is not None:
             y = y + self.bias.index_select(0, exp)
+        return y.to(x.dtype)
+
+    def tiles(self, x, src, row_exp, tile_exp, rows):
+        """One batched GEMM over the tiles: each tile's rows times its expert's W."""
+        import torch
+
+        xs = (x if src is None else x.index_select(0, src)).to(torch.float32)
+        nt = tile_exp.shape[0]
+        w = self.weight.index_select(0, tile_exp.clamp(min=0))             # (tiles, k, n)
+        y = torch.bmm(xs.view(nt, rows, -1), w).reshape(nt * rows, -1)
+        if self.bias is not None:
+            y = y + self.bias.index_select(0, row_exp)
         return y.to(x.dtype)
 
 

@@ -359,3 +359,160 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     o = torch.matmul(p, v) / torch.where(den > 0, den, 1.0)
     out.copy_(o.reshape(B, nq, D))
     return out
+
+
+# ------------------------------------------------------------------ prefill (variable length, causal)
+if triton is not None:
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, st_ptr, qs_ptr, len_ptr, out_ptr, qk_scale, NQ, G, D,
+                        skt, skh, svt, svh, sst,
+                        DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KV_DT: tl.constexpr,
+                        DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
+        b = tl.program_id(0)
+        mb = tl.program_id(1)
+        h = tl.program_id(2)
+        r0 = tl.load(qs_ptr + b)
+        n = tl.load(qs_ptr + b + 1) - r0
+        if mb * BM < n:
+            L = tl.load(len_ptr + b)
+            pos0 = L - n                           # the new tokens are the last n of the context
+            i = mb * BM + tl.arange(0, BM)
+            imask = i < n
+            qpos = pos0 + i
+            d = tl.arange(0, DP)
+            dmask = d < D
+            qmask = imask[:, None] & dmask[None, :]
+            q_off = (r0 + i).to(tl.int64)[:, None] * NQ * D + h * D + d[None, :]
+            q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
+            if IS_FP32:
+                q_hi = q.to(tl.float32)
+                q_lo = q_hi
+            elif Q_SPLIT:                          # as in _split_kernel: q as hi + lo of the cache dtype
+                qf = q.to(tl.float32)
+                q_hi = qf.to(KV_DT)
+                q_lo = (qf - q_hi.to(tl.float32)).to(KV_DT).to(DOT_DT)
+                q_hi = q_hi.to(DOT_DT)
+            else:
+                q_hi = q.to(DOT_DT)
+                q_lo = q_hi
+            kvh = h // G
+            k_base = k_ptr + kvh.to(tl.int64) * skh
+            v_base = v_ptr + kvh.to(tl.int64) * svh
+            st_row = st_ptr + b.to(tl.int64) * sst
+            m_i = tl.full([BM], float("-inf"), tl.float32)
+            l_i = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, DP], tl.float32)
+            j = tl.arange(0, BN)
+            kv_end = tl.minimum(L, pos0 + mb * BM + BM)   # causal: no key past this block's last query
+            for start in range(0, kv_end, BN):
+                t = start + j
+                tmask = t < kv_end
+                slot = tl.load(st_row + t, mask=tmask, other=0).to(tl.int64)
+                kvmask = tmask[:, None] & dmask[None, :]
+                k = tl.load(k_base + (slot * skt)[:, None] + d[None, :], mask=kvmask, other=0.0)
+                if IS_FP32:
+                    s = tl.dot(q_hi, tl.trans(k), input_precision="ieee")
+                else:
+                    kt = tl.trans(k.to(DOT_DT))
+                    s = tl.dot(q_hi, kt)
+                    if Q_SPLIT:
+                        s = tl.dot(q_lo, kt, s)
+                # every row sees key 0 in the first tile, so its running max is finite from then on
+                s = tl.where((t[None, :] <= qpos[:, None]) & tmask[None, :], s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                v = tl.load(v_base + (slot * svt)[:, None] + d[None, :], mask=kvmask, other=0.0)
+                if IS_FP32:
+                    acc = tl.dot(p, v, acc, input_precision="ieee")
+                else:
+                    vd = v.to(DOT_DT)
+                    p_hi = p.to(KV_DT)
+                    p_lo = (p - p_hi.to(tl.float32)).to(KV_DT)
+                    acc = tl.dot(p_hi.to(DOT_DT), vd, acc)
+                    acc = tl.dot(p_lo.to(DOT_DT), vd, acc)
+                m_i = m_new
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + q_off, o, mask=qmask)
+
+
+def _check_prefill(q, k_plane, v_plane, slot_table, q_start, ctx_lens):
+    if q.dim() != 3 or not q.is_contiguous() or q.dtype not in _DTYPES:
+        raise ValueError(f"q must be a contiguous (N, nq, D) float tensor, got {tuple(q.shape)} {q.dtype}")
+    if k_plane.dim() != 3 or k_plane.shape != v_plane.shape or k_plane.dtype != v_plane.dtype:
+        raise ValueError(f"k/v planes must both be (slots, nkv, D), got {tuple(k_plane.shape)} and "
+                         f"{tuple(v_plane.shape)}")
+    N, nq, D = q.shape
+    if k_plane.shape[2] != D or nq % k_plane.shape[1] or D > MAX_HEAD_DIM:
+        raise ValueError(f"q (nq={nq}, D={D}) does not fit the planes {tuple(k_plane.shape)}")
+    B = ctx_lens.shape[0]
+    for name, t, shape in (("q_start", q_start, (B + 1,)), ("ctx_lens", ctx_lens, (B,))):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    if slot_table.dtype != torch.int32 or slot_table.dim() != 2 or slot_table.shape[0] != B \
+            or slot_table.stride(1) != 1:
+        raise ValueError(f"slot_table must be int32 (B, max_len) with contiguous rows, got "
+                         f"{slot_table.dtype} {tuple(slot_table.shape)}")
+    if k_plane.stride(2) != 1 or v_plane.stride(2) != 1:
+        raise ValueError("the k/v planes' head dim must be contiguous")
+
+
+def paged_prefill(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, slot_table: torch.Tensor,
+                  q_start: torch.Tensor, ctx_lens: torch.Tensor, scale: float, max_new: int, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a packed batch of new tokens over the paged cache (flash-attention style).
+
+    Sequence b's new tokens are rows ``q_start[b]:q_start[b+1]`` of ``q`` (N, nq, D), at positions
+    ``ctx_lens[b] - n_b .. ctx_lens[b] - 1``, and their K/V are already written. Token t of
+    sequence b lives at ``plane[slot_table[b, t]]`` (planes (slots, nkv, D)); entries at or past
+    ctx_lens[b] are never read. Query row i attends to keys 0 .. its own position, GQA head
+    h -> kv head h // (nq // nkv). ``max_new``: the largest n_b (sizes the grid). (N, nq, D) fp32.
+    """
+    if triton is None:
+        raise RuntimeError("paged_prefill needs triton (paged_prefill_reference does not)")
+    _check_prefill(q, k_plane, v_plane, slot_table, q_start, ctx_lens)
+    N, nq, D = q.shape
+    out = _new_out(q, out)
+    B = ctx_lens.shape[0]
+    if B == 0 or N == 0 or max_new <= 0:
+        return out
+    nkv = k_plane.shape[1]
+    dp = max(16, _pow2(D))
+    kv_dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[k_plane.dtype]
+    dot_dt = tl.float32 if INTERPRET and kv_dt == tl.bfloat16 else kv_dt
+    is_fp32 = kv_dt == tl.float32
+    bm = 16 if is_fp32 else 64           # fp32 dots run on FMAs: small tiles keep registers in check
+    bn = 16 if is_fp32 else (64 if dp <= 128 else 32)
+    _prefill_kernel[(B, triton.cdiv(max_new, bm), nq)](
+        q, k_plane, v_plane, slot_table, q_start, ctx_lens, out, float(scale) * LOG2E, nq, nq // nkv, D,
+        k_plane.stride(0), k_plane.stride(1), v_plane.stride(0), v_plane.stride(1), slot_table.stride(0),
+        DP=dp, BM=bm, BN=bn, KV_DT=kv_dt, DOT_DT=dot_dt, Q_SPLIT=q.dtype != k_plane.dtype, IS_FP32=is_fp32,
+        num_warps=4, num_stages=2)
+    return out
+
+
+def paged_prefill_reference(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
+                            slot_table: torch.Tensor, q_start: torch.Tensor, ctx_lens: torch.Tensor,
+                            scale: float, max_new: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_prefill in plain torch (fp32, one sequence at a time): the test oracle."""
+    del max_new
+    _check_prefill(q, k_plane, v_plane, slot_table, q_start, ctx_lens)
+    N, nq, D = q.shape
+    nkv = k_plane.shape[1]
+    out = _new_out(q, out)
+    starts, lens = q_start.tolist(), ctx_lens.tolist()
+    for b, L in enumerate(lens):
+        r0, r1 = starts[b], starts[b + 1]
+        n = r1 - r0
+        if n == 0:
+            continue
+        idx = slot_table[b, :L].to(torch.int64)
+        k = k_plane[idx].float().transpose(0, 1).repeat_interleave(nq // nkv, 0)      # (nq, L, D)
+        v = v_plane[idx].float().transpose(0, 1).repeat_interleave(nq // nkv, 0)
+        s = torch.matmul(q[r0:r1].float().transpose(0, 1), k.transpose(1, 2)) * scale  # (nq, n, L)
+        qpos = torch.arange(L - n, L, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(L, device=q.device)[None, :] > qpos, float("-inf"))
+        out[r0:r1] = torch.matmul(torch.softmax(s, -1), v).transpose(0, 1)
+    return out

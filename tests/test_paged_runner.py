@@ -176,3 +176,25 @@ def test_a_failed_step_never_feeds_the_prefix_cache(monkeypatch):
     r.step([("b", prompt)])
     r.free_sequence("b")
     assert r.add_sequence("c", prompt) == 20           # a good step is
+
+
+@pytest.mark.parametrize("name", ["llama-4.0bpw-mul1", "qwen3_moe-2.5bpw-mul1"])
+def test_paged_prefill_kernel_matches_plain_cache(name, monkeypatch):
+    """The GPU's eager attention (kernels.paged_attention.paged_prefill: new K/V written, then one
+    kernel over every sequence's blocks) run by Triton's interpreter on the CPU: the same schedule
+    (prefills, a chunk after cached tokens, mixed decode rows) gives the plain cache's logits."""
+    pytest.importorskip("triton")
+    import exl3tools.kernels.paged_attention as pa
+
+    import exl3tools.runtime.layers as layers
+
+    if not pa.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    monkeypatch.setattr(layers, "PAGED_PREFILL_ON_CPU", True)
+    calls = []
+    real = pa.paged_prefill
+    monkeypatch.setattr(pa, "paged_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, got = schedule(Reference(_model(name))), schedule(_paged(name, "eager"))
+    assert calls                                   # the kernel ran, not the plain path
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))

@@ -8,6 +8,7 @@ Cut (row-parallel / expert-parallel) modules all-reduce their own partial sums, 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,9 @@ from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
 QUERY_CHUNK = 512   # prefill queries per attention chunk
 STATIC_MOE_SLOTS = 512   # (token, expert) pairs up to which a CUDA MoE call takes the grouped path
+# (token, expert) pairs from which grouped experts run expert-sorted tiles (one weight decode per
+# tile) rather than one row per pair; env-overridable so bench/gpu_moe.py can measure both paths
+MOE_TILES_MIN_SLOTS = int(os.environ.get("EXL3TOOLS_MOE_TILES_MIN_SLOTS", "64"))
 
 
 # ------------------------------------------------------------------ batch description
@@ -163,6 +167,16 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x, batch.positions)
+        pp = paged_prefill_meta(batch, q)
+        if pp is not None:      # the GPU: write the new K/V, one kernel over every sequence's blocks
+            planes = pp.pool.planes[self.layer]
+            kp, vp = planes["k"], planes["v"]
+            kp.index_copy_(0, pp.new_slots, k.to(kp.dtype))
+            vp.index_copy_(0, pp.new_slots, v.to(vp.dtype))
+            for sp in batch.spans:
+                sp.cache.lengths[self.layer] += sp.n
+            out = pp.attend(q.contiguous(), kp, vp, pp.slot_table, pp.q_start, pp.ctx_lens, self.scale, pp.max_new)
+            return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
         out = torch.empty(T, self.nq, self.hd, dtype=q.dtype, device=q.device)
         groups = self.nq // self.nkv
         for sp in batch.spans:
@@ -185,6 +199,56 @@ class Attention:
                 o = torch.matmul(torch.softmax(scores, dim=-1), vv)
                 out[sp.row + c0:sp.row + c1] = o.transpose(0, 1)
         return self.reduce(self.o(out.reshape(T, self.nq * self.hd)))
+
+
+# the paged prefill kernel on the CPU too (Triton's interpreter; tests of the GPU path's logic)
+PAGED_PREFILL_ON_CPU = os.environ.get("EXL3TOOLS_PAGED_PREFILL_CPU") == "1"
+
+
+@dataclass(slots=True)
+class PagedPrefill:
+    """What kernels.paged_attention.paged_prefill needs for one forward, built once per batch."""
+
+    pool: object
+    new_slots: torch.Tensor        # (rows,) int64: where each new row's K/V goes
+    slot_table: torch.Tensor       # (B, max_len) int32: slot of each position of each sequence
+    q_start: torch.Tensor          # (B + 1,) int32
+    ctx_lens: torch.Tensor         # (B,) int32
+    max_new: int
+    attend: object
+
+
+def paged_prefill_meta(batch: Batch, q: torch.Tensor) -> PagedPrefill | None:
+    """The paged prefill metadata of ``batch`` (cached in ``batch.extras``), or None where the
+    plain path runs: CPU (unless PAGED_PREFILL_ON_CPU), no Triton, or caches that are not paged
+    views of one pool."""
+    if "paged_prefill" in batch.extras:
+        return batch.extras["paged_prefill"]
+    meta = None
+    from exl3tools.runtime.kv_pool import PagedSeqView
+
+    caches = [sp.cache for sp in batch.spans]
+    if ((q.is_cuda or PAGED_PREFILL_ON_CPU) and caches and all(isinstance(c, PagedSeqView) for c in caches)
+            and all(c.pool is caches[0].pool for c in caches)):
+        try:
+            from exl3tools.kernels.paged_attention import paged_prefill, triton
+        except ImportError:
+            triton = None
+        if triton is not None:
+            dev = q.device
+            lens = [sp.pos + sp.n for sp in batch.spans]
+            width = max(lens)
+            table = torch.stack([F.pad(c._slots[:n], (0, width - n)) for c, n in zip(caches, lens, strict=True)])
+            new = torch.cat([c._slots[sp.pos:sp.pos + sp.n] for c, sp in zip(caches, batch.spans, strict=True)])
+            starts = [0]
+            for sp in batch.spans:
+                starts.append(starts[-1] + sp.n)
+            meta = PagedPrefill(caches[0].pool, new.to(dev), table.to(dev, torch.int32),
+                                torch.tensor(starts, dtype=torch.int32, device=dev),
+                                torch.tensor(lens, dtype=torch.int32, device=dev),
+                                max(sp.n for sp in batch.spans), paged_prefill)
+    batch.extras["paged_prefill"] = meta
+    return meta
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
@@ -271,10 +335,10 @@ class MoE:
         return sel, w * self.scaling
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] * self.top_k <= STATIC_MOE_SLOTS:
-            # a short prefill chunk on the GPU: the grouped, sync-free path (one launch per projection)
-            # instead of a Python loop over ~100 touched experts (H200, serve: a 32-token prompt's TTFT
-            # was 351 ms through the loop; a 32-row decode step through the grouped path takes 9.9 ms)
+        if x.is_cuda and (x.shape[0] * self.top_k <= STATIC_MOE_SLOTS or self._tiled()):
+            # on the GPU the grouped, sync-free path (a few launches per projection) instead of a
+            # Python loop over ~100 touched experts (H200, serve: a 32-token prompt's TTFT was
+            # 351 ms through the loop); long prefills go through expert-sorted tiles
             return self.forward_static(x)
         sel, w = self.route(x)
         out = torch.zeros_like(x)
@@ -355,8 +419,17 @@ class MoE:
             out[p] = fs
         return out
 
-    def forward_static(self, x: torch.Tensor) -> torch.Tensor:
-        """``__call__``'s result with device ops only: no host sync, shapes fixed by ``x.shape``."""
+    def _tiled(self) -> bool:
+        """Whether every grouped projection can run expert-sorted tiles."""
+        if not self.experts:
+            return False
+        g = self.grouped()
+        return all(hasattr(g[p], "tiles") for p in ("gate_up", "gate_proj", "up_proj", "down_proj") if p in g)
+
+    def forward_static(self, x: torch.Tensor, tiles: bool | None = None) -> torch.Tensor:
+        """``__call__``'s result with device ops only: no host sync, shapes fixed by ``x.shape``.
+        ``tiles``: expert-sorted tiles (None: from ``MOE_TILES_MIN_SLOTS`` pairs, where the backend
+        has them) or one row per (token, expert) pair."""
         sel, w = self.route(x)
         T, H = x.shape
         if not self.experts:              # an EP rank without experts here: only the reduce
@@ -365,6 +438,10 @@ class MoE:
         g["lut"] = _on(g["lut"], x.device)
         S = T * self.top_k
         loc = g["lut"][sel.reshape(-1)]                        # (S,) local expert, -1 if not held
+        if tiles is None:
+            tiles = S >= MOE_TILES_MIN_SLOTS and self._tiled()
+        if tiles:
+            return self._finish(x, self._tiles_sum(x, g, loc, w))
         keep = (loc >= 0).to(w.dtype)
         loc = loc.clamp(min=0)
         tok = torch.arange(T, device=x.device).repeat_interleave(self.top_k)
@@ -377,6 +454,70 @@ class MoE:
         y = g["down_proj"].slots(act, torch.arange(S, device=x.device), loc)[:, :H]
         y = y * (w.reshape(-1) * keep)[:, None]                # a slot on another rank adds zero
         return self._finish(x, y.reshape(T, self.top_k, H).sum(1))
+
+
+    def _tiles_sum(self, x: torch.Tensor, g: dict, loc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The routed sum through expert-sorted tiles (``expert_tiles``): gate/up and down each
+        decode an expert's weights once per tile of up to 64 of its rows."""
+        T, H = x.shape
+        E, S = len(self.experts), loc.shape[0]
+        R = tile_rows(S, E)
+        tile_exp, row_exp, slot, valid = expert_tiles(loc, E, R)
+        tok = torch.where(valid, slot, 0) // self.top_k          # source token of each tile row
+        xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+        N = row_exp.shape[0]
+        if "gate_up" in g:
+            up_tiles = torch.where(tile_exp >= 0, tile_exp + E, -1)
+            gu = g["gate_up"].tiles(xp, torch.cat([tok, tok]), torch.cat([row_exp, row_exp + E]),
+                                    torch.cat([tile_exp, up_tiles]), R)
+            act = F.silu(gu[:N]) * gu[N:]
+        else:
+            act = (F.silu(g["gate_proj"].tiles(xp, tok, row_exp, tile_exp, R))
+                   * g["up_proj"].tiles(xp, tok, row_exp, tile_exp, R))
+        y = g["down_proj"].tiles(act, None, row_exp, tile_exp, R)[:, :H]
+        wrow = torch.where(valid, w.reshape(-1)[slot.clamp(max=S - 1)], 0.0)   # a pair on another rank: 0
+        # back to (token, k) order, then a fixed-order sum over k (deterministic, unlike atomics)
+        per_slot = torch.zeros(S + 1, H, dtype=y.dtype, device=y.device)
+        per_slot.index_copy_(0, slot, y * wrow[:, None].to(y.dtype))
+        return per_slot[:S].view(T, self.top_k, H).sum(1)
+
+
+def tile_rows(slots: int, experts: int) -> int:
+    """Rows per tile: about 1.5x the mean rows per expert, 8 to 64 (the kernel's row blocks)."""
+    mean = slots / max(1, experts)
+    for r in (8, 16, 32):
+        if 1.5 * mean <= r:
+            return r
+    return 64
+
+
+def expert_tiles(loc: torch.Tensor, n_exp: int, rows: int):
+    """(token, expert) pairs grouped by expert into tiles of ``rows`` rows, with device ops only.
+
+    ``loc``: (S,) local expert of each pair, -1 for one this rank does not hold. Returns
+    ``tile_exp`` (NT,) (-1: an unused tile), ``row_exp`` (NT*rows,) (a valid expert id for every
+    row), ``slot`` (NT*rows,) the pair each row computes (S for padding) and ``valid`` (NT*rows,).
+    NT = S // rows + min(E, S) bounds the tiles any routing needs (each expert's last tile is
+    the only partial one), so shapes depend on S alone (CUDA-graph capturable)."""
+    S, dev = loc.shape[0], loc.device
+    key = torch.where(loc >= 0, loc, n_exp)
+    order = torch.argsort(key, stable=True)                    # pairs by expert, held ones first
+    counts = torch.bincount(key, minlength=n_exp + 1)[:n_exp]
+    ntiles = (counts + rows - 1) // rows
+    tile_end = torch.cumsum(ntiles, 0)
+    tile_start = tile_end - ntiles
+    pair_start = torch.cumsum(counts, 0) - counts
+    NT = S // rows + min(n_exp, S)
+    t = torch.arange(NT, device=dev)
+    te = torch.searchsorted(tile_end, t, right=True)           # the expert owning tile t (n_exp: none)
+    used = te < n_exp
+    te = te.clamp(max=n_exp - 1)
+    r = (t - tile_start[te])[:, None] * rows + torch.arange(rows, device=dev)   # rank within the expert
+    valid = used[:, None] & (r < counts[te][:, None])
+    pos = (pair_start[te][:, None] + r).clamp(max=S - 1)
+    slot = torch.where(valid, order[pos], S)
+    tile_exp = torch.where(used, te, -1)
+    return tile_exp, te.repeat_interleave(rows), slot.reshape(-1), valid.reshape(-1)
 
 
 # ------------------------------------------------------------------ decoder block

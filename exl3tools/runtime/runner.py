@@ -95,7 +95,7 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
             elif op == "capture":
                 paged.decoder.capture()
             elif op == "profile":
-                profile_forward(model, cmd[1])
+                profile_forward(model, *cmd[1:])
             elif op == "mtp":  # speculative decoding with the MTP head, in lockstep with rank 0
                 from exl3tools.runtime.mtp import worker_op
 
@@ -106,9 +106,17 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
         D.destroy()
 
 
-def profile_forward(model: CausalLM, n: int) -> None:
-    """One eager forward of ``n`` tokens on a throwaway cache: the activation peak a step reaches."""
-    model.forward([(model.new_cache(), [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
+def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
+    """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
+    the measured activation peak is serve's); returns the pool's bytes (not activations)."""
+    from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
+
+    bs = DEFAULT_BLOCK_SIZE
+    nb = -(-n // bs) + 1
+    pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), model.embed.device)
+    view = PagedSeqView(pool, pool.slots(list(range(1, nb)), n), 0)
+    model.forward([(view, [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
+    return pool.nbytes()
 
 
 class PagedState:
@@ -181,7 +189,7 @@ class Runner:
             num_blocks = -(-int(max_cache_tokens) // block_size) + 1
         elif dev.type == "cuda":
             num_blocks = self._budget_blocks(per_token * block_size, gpu_memory_utilization,
-                                             max_num_batched_tokens)
+                                             max_num_batched_tokens, str(dtype).removeprefix("torch."))
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
@@ -209,15 +217,15 @@ class Runner:
                  self.max_context, mode, self.max_num_seqs)
         self._load_tokenizer(ckpt_dir)
 
-    def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int) -> int:
+    def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str) -> int:
         dev = self.model.embed.device
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-        self._send(("profile", int(batched_tokens)))
-        profile_forward(self.model, int(batched_tokens))
+        self._send(("profile", int(batched_tokens), dtype))
+        pool_bytes = profile_forward(self.model, int(batched_tokens), dtype)
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
+        peak = torch.cuda.max_memory_allocated(dev) - base - pool_bytes
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
         budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE
@@ -334,6 +342,15 @@ class Runner:
 
     def prefix_stats(self):
         return self.blocks.stats()
+
+    def memory_stats(self) -> dict | None:
+        """Rank 0's device memory in bytes: KV pool, torch's allocated / reserved / peak (None on
+        the CPU): what serve holds beside the weights."""
+        dev = self.model.embed.device
+        if dev.type != "cuda":
+            return None
+        return {"kv_pool": self.paged.pool.nbytes(), "allocated": torch.cuda.memory_allocated(dev),
+                "reserved": torch.cuda.memory_reserved(dev), "peak_allocated": torch.cuda.max_memory_allocated(dev)}
 
     def _seq(self, seq_id):
         try:

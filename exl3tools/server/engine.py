@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -241,6 +242,13 @@ class Engine:
         if self.on_state is not None:
             self.on_state("ready")
         log.info("engine ready: %s, cache budget %d tokens", runner.model_name, self.cache_budget)
+        prof_path = os.environ.get("EXL3TOOLS_PROFILE_ENGINE")   # cProfile of this thread (bench/gpu_serve.py)
+        prof = None
+        if prof_path:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         try:
             self._loop()
         except BaseException as exc:  # the engine cannot go on: say so, and release every client
@@ -255,6 +263,10 @@ class Engine:
             for seq in waiting + self._running:
                 self._fail(seq)
             self._flush()
+        finally:
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(prof_path)
         for seq in list(self._running):
             self._free(seq)
         close = getattr(runner, "close", None)
@@ -498,7 +510,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         queried, hits = self.prefix_stats()
-        return {"state": self.state, "queue_depth": self.queue_depth, "running": self.running,
+        mem = getattr(self.runner, "memory_stats", None)
+        return {"memory": mem() if mem is not None else None,"state": self.state, "queue_depth": self.queue_depth, "running": self.running,
                 "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
                 "steps": self.steps, "cancelled_total": self.cancelled_total,
                 "preempted_total": self.preempted_total,

@@ -162,7 +162,7 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 
 // ------------------------------------------------------------------ skinny GEMM
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
-// trellis_ptrs[slot_exp ? slot_exp[z] : 0]. Work unit per warp: NT adjacent n-tiles x a k-range.
+// trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot). Work unit per warp: NT adjacent n-tiles x a k-range.
 // The MMA runs transposed, D(n16 x rows8) = Ŵᵀ(n16 x k16) · xᵀ(k16 x rows8): the lane's decoded
 // tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
 // activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
@@ -182,6 +182,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     const int i1 = min(kt, i0 + kps);
     if (i0 >= i1) return;
     const int e = slot_exp ? slot_exp[z] : 0;
+    if (e < 0) return;                     // an unused tile of a grouped MoE call: no work, acc stays 0
     const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
     const int g = lane >> 2, t = lane & 3;
     const int k2 = kt * 8;                 // uint32 per activation row

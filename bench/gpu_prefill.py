@@ -1,0 +1,131 @@
+"""Prefill on the GPU, piece by piece: the MoE layer's paths and whole eager forwards.
+
+    python3 bench/gpu_prefill.py CKPT [--tokens 1,8,32,256,2048] [--json OUT.json]
+
+On the synthetic GLM-4.5-Air-shaped checkpoint (bench/synth_checkpoint.py), one run prints:
+- one MoE layer at T tokens (T x top_k (token, expert) pairs): ``pairs`` (one row per pair, each
+  decodes its expert), ``tiles`` (expert-sorted tiles, runtime.layers.expert_tiles), and ``loop``
+  (host-grouped loop over experts) where T x top_k > 512; CUDA events, median of 5;
+- whole eager forwards through the paged pool as serve runs them (``Runner.step`` of one new
+  sequence: T-token prompt; and 8 sequences x 32 tokens), ms and tok/s, with the peak of
+  ``torch.cuda.max_memory_allocated`` above the weights and KV pool;
+- a torch.profiler table (top CUDA kernels) of the 2048-token forward.
+Nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _time(fn, reps: int = 5) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ckpt")
+    ap.add_argument("--tokens", default="1,8,16,32,64,256,2048")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    import torch
+
+    from exl3tools.runtime.layers import MoE, tile_rows
+    from exl3tools.runtime.runner import load_runner
+
+    torch.manual_seed(0)
+    runner = load_runner(a.ckpt, device="cuda", max_cache_tokens=40000, max_num_seqs=32)
+    model = runner.model
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    H = model.info.hidden_size
+    res: dict = {"moe": [], "forward": []}
+    print("| tokens | pairs | tile rows | pairs ms | tiles ms | loop ms | tiles/pairs |")
+    print("|---|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for T in [int(t) for t in a.tokens.split(",")]:
+            x = torch.randn(T, H, device="cuda")
+            S = T * moe.top_k
+            row = {"tokens": T, "pairs": S, "tile_rows": tile_rows(S, len(moe.experts))}
+            if S <= 4096:
+                row["pairs_ms"] = _time(lambda x=x: moe.forward_static(x, tiles=False))
+            row["tiles_ms"] = _time(lambda x=x: moe.forward_static(x, tiles=True))
+            if S > 512:
+                import exl3tools.runtime.layers as L
+
+                keep = L.MoE._tiled
+                L.MoE._tiled = lambda self: False       # the host-grouped loop
+                try:
+                    row["loop_ms"] = _time(lambda x=x: moe(x), reps=3)
+                finally:
+                    L.MoE._tiled = keep
+            if "pairs_ms" in row:
+                row["tiles_over_pairs"] = row["tiles_ms"] / row["pairs_ms"]
+            res["moe"].append(row)
+            f = lambda k, row=row: f"{row[k]:.3f}" if k in row else "-"   # noqa: E731
+            print(f"| {T} | {S} | {row['tile_rows']} | {f('pairs_ms')} | {f('tiles_ms')} | {f('loop_ms')} | "
+                  f"{f('tiles_over_pairs')} |", flush=True)
+
+    print("\n| forward | ms | tok/s | activation peak GiB |")
+    print("|---|---|---|---|")
+    sid = iter(range(10**6))
+
+    def prefill(lengths: list[int]) -> None:
+        ids = []
+        for n in lengths:
+            s = next(sid)
+            runner.add_sequence(s)
+            ids.append((s, [(7 * i + s) % 1000 + 3 for i in range(n)]))
+        runner.step(ids, device_logits=True)
+        for s, _ in ids:
+            runner.free_sequence(s)
+
+    for name, lengths in (("1 x 32", [32]), ("8 x 32", [32] * 8), ("1 x 512", [512]), ("1 x 2048", [2048])):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = _time(lambda lengths=lengths: prefill(lengths), reps=3)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        n = sum(lengths)
+        res["forward"].append({"case": name, "ms": ms, "tok_s": n / ms * 1e3, "peak_gib": peak})
+        print(f"| {name} | {ms:.2f} | {n / ms * 1e3:.0f} | {peak:.2f} |", flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill([2048])
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    print(table)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill([32])
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    res["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
