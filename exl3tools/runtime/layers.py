@@ -502,7 +502,8 @@ def expert_tiles(loc: torch.Tensor, n_exp: int, rows: int):
     S, dev = loc.shape[0], loc.device
     key = torch.where(loc >= 0, loc, n_exp)
     order = torch.argsort(key, stable=True)                    # pairs by expert, held ones first
-    counts = torch.bincount(key, minlength=n_exp + 1)[:n_exp]
+    # not torch.bincount: on CUDA it reads the max back to the host (no graph capture)
+    counts = torch.zeros(n_exp + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:n_exp]
     ntiles = (counts + rows - 1) // rows
     tile_end = torch.cumsum(ntiles, 0)
     tile_start = tile_end - ntiles
