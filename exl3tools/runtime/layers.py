@@ -20,9 +20,12 @@ from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
 QUERY_CHUNK = 512   # prefill queries per attention chunk
 STATIC_MOE_SLOTS = 512   # (token, expert) pairs up to which a CUDA MoE call takes the grouped path
-# (token, expert) pairs from which grouped experts run expert-sorted tiles (one weight decode per
-# tile) rather than one row per pair; env-overridable so bench/gpu_moe.py can measure both paths
-MOE_TILES_MIN_SLOTS = int(os.environ.get("EXL3TOOLS_MOE_TILES_MIN_SLOTS", "64"))
+# (token, expert) pairs from which the fixed-shape (graph) decode step runs expert-sorted tiles (one
+# weight decode per tile) rather than one row per pair. H200, synthetic GLM-4.5-Air (128 experts,
+# top 8), bench/gpu_e2e_model.py: batch 32 (256 pairs) 3222 -> 4384 tok/s with tiles, batch 8
+# (64 pairs) 1969 -> 1857. Eager calls pay ~0.9 ms of launches for the tiles' bookkeeping and take
+# them only above STATIC_MOE_SLOTS (bench/gpu_prefill.py). Env-overridable for measurements.
+MOE_TILES_MIN_SLOTS = int(os.environ.get("EXL3TOOLS_MOE_TILES_MIN_SLOTS", "128"))
 
 
 # ------------------------------------------------------------------ batch description
@@ -339,7 +342,7 @@ class MoE:
             # on the GPU the grouped, sync-free path (a few launches per projection) instead of a
             # Python loop over ~100 touched experts (H200, serve: a 32-token prompt's TTFT was
             # 351 ms through the loop); long prefills go through expert-sorted tiles
-            return self.forward_static(x)
+            return self.forward_static(x, tiles=x.shape[0] * self.top_k > STATIC_MOE_SLOTS)
         sel, w = self.route(x)
         out = torch.zeros_like(x)
         # group the (token, slot) pairs by expert with one sort and one host sync
