@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "bench"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -223,13 +224,12 @@ def run_ours(path: str, lengths, prompts, positions, a) -> dict[int, SideOut]:
 
 
 def run_exllamav3(path: str, lengths, prompts, positions, a) -> dict[int, SideOut]:
-    from exllamav3 import Cache, Config, Model
+    from gpu_e2e_model import load_exllamav3  # its loading, as the decode benchmark does it
 
     cache_len = -(-max(lengths) // PAGE) * PAGE
-    config = Config.from_directory(path)
-    model = Model.from_config(config)
-    cache = Cache(model, max_num_tokens=cache_len)
-    model.load(device=a.device if ":" in a.device else "cuda:0", progressbar=False)
+    config, model, (cache,), _tok, load_s = load_exllamav3(path, cache_len, 1,
+                                                           a.device if ":" in a.device else "cuda:0")
+    print(f"[exllamav3] loaded in {load_s:.1f} s, cache {cache_len} tokens", flush=True)
     vocab = config.vocab_size
 
     def forward(toks: list[int], past: int) -> torch.Tensor:

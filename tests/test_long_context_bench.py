@@ -101,3 +101,47 @@ def test_command_line_ours_only_on_the_cpu(tmp_path, capsys):
     assert "| llama" in capsys.readouterr().out
     assert lc.main([str(tmp_path), "--sides", "ours", "--device", "cpu"]) == 2      # no config.json
     assert lc.main([f"llama={fixture_dir(NAME) / 'model'}", "--device", "cpu"]) == 2  # exllamav3 on the CPU
+
+
+def test_exllamav3_side_glue_with_a_stand_in_model(runner, monkeypatch):
+    """run_checkpoint with both sides, exllamav3's loader replaced by a stand-in whose forward is our
+    runner (padded vocab, fp16 logits like exllamav3's head): the calls it gets are exllamav3's
+    (past_len per chunk, batch_shape (1, cache rounded to its 256-token page)) and the KL is 0."""
+    import argparse as ap
+    import types
+
+    import gpu_e2e_model
+
+    calls = []
+
+    class Model:
+        def __init__(self):
+            self.sid = None
+
+        def forward(self, ids, params):
+            assert ids.dtype == torch.long and ids.shape[0] == 1 and params["attn_mode"] == "flash_attn"
+            calls.append((params["past_len"], ids.shape[1], params["batch_shape"]))
+            if params["past_len"] == 0:
+                if self.sid is not None:
+                    runner.free_sequence(self.sid)
+                self.sid = f"x{len(calls)}"
+                runner.add_sequence(self.sid)
+            assert runner.sequence_length(self.sid) == params["past_len"]
+            lg = runner.step([(self.sid, ids[0].tolist())], all_logits=True)
+            return torch.nn.functional.pad(lg, (0, 64), value=-1e4).half()[None]
+
+        def unload(self):
+            runner.free_sequence(self.sid)
+
+    model = Model()
+    config = types.SimpleNamespace(vocab_size=runner.vocab_size)
+    monkeypatch.setattr(gpu_e2e_model, "load_exllamav3", lambda path, n, k, dev: (config, model, [object()], None, 0.0))
+    monkeypatch.setattr(lc, "run_ours", lambda path, lengths, prompts, positions, a: {
+        L: _side(runner, prompts[L], positions[L], a.chunk) for L in lengths})
+    a = ap.Namespace(lengths=[40, 300], positions=6, chunk=128, seed=0, sides=["ours", "exllamav3"],
+                     device="cpu", backend="auto")
+    rows = lc.run_checkpoint("llama", str(fixture_dir(NAME) / "model"), a)
+    assert [c[0] for c in calls] == [0, 0, 128, 256] and {c[2] for c in calls} == {(1, 512)}
+    assert [r["tokens"] for r in rows] == [40, 300] and all("error" not in r for r in rows)
+    for r in rows:    # fp16 logits on one side: tiny, not zero
+        assert 0 <= r["kl_max"] < 1e-4 and r["top1_agree"] > 0.8 and abs(r["nll_gap"]) < 1e-2
