@@ -4,7 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve]     (default: all but prefill)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx]
+# (default: all but prefill and longctx)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -73,6 +74,13 @@ if [[ $STAGES == *e2e* ]]; then
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
+if [[ $STAGES == *longctx* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token prompts (docs/gpu.md)
+  wait_build; tail -n 1 "$L/build.log"
+  timeout ${LONGCTX_TIMEOUT:-300} python3 bench/gpu_long_context.py air6=/tmp/air6 \
+    glm5=$PWD/${FIXTURES:-.gpucarry}/fixtures/glm5_moe_dsa-3.0bpw-mul1/model ${LONGCTX_ARGS:-} \
+    --json "$L/longctx.json" > "$L/longctx.log" 2>&1
+  el "longctx rc $?"
+fi
 if [[ $STAGES == *serve* ]]; then
   if [ -n "${SERVE_ARGS:-}" ]; then eval "CONFIGS=($SERVE_ARGS)"; else
     CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"); fi
@@ -88,4 +96,5 @@ fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
 echo "=== serve"; tail -n 30 "$L/serve.log" 2>/dev/null
+echo "=== longctx"; grep -E "^\||error|failed" "$L/longctx.log" 2>/dev/null
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"

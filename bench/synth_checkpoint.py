@@ -38,6 +38,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from exl3tools.checkpoint.header import header_bytes  # noqa: E402
 from exl3tools.checkpoint.writer import ShardWriter, fsync_dir, index_json, json_bytes, write_atomic  # noqa: E402
 
 # tokenizer source: the shared fixture (EXL3TOOLS_FIXTURES honoured, as tests/conftest.py), else the
@@ -268,9 +269,12 @@ class Source:
 
 def write_checkpoint(out: Path, *, layers: int = 6, dense_layers: int = 1, experts: int | None = None,
                      bits: float = 3, head_bits: float = 6, codebook: str = "mul1", small: bool = False,
-                     shard_mb: int = 2048, seed: int = 0, progress: bool = False, dims: dict | None = None) -> dict:
+                     shard_mb: int = 2048, seed: int = 0, progress: bool = False, dims: dict | None = None,
+                     sparse: bool = False) -> dict:
     """Write the checkpoint into ``out``; returns a summary (files, bytes, seconds). ``dims``
-    overrides the AIR / SMALL dimension set (tests rebuild the fixture's dims with it)."""
+    overrides the AIR / SMALL dimension set (tests rebuild the fixture's dims with it). ``sparse``:
+    headers only, the tensor data a hole (zeros, no disk): a checkpoint larger than any GPU for the
+    plan/preflight tests, which read headers only; not one to run."""
     if codebook not in ("mul1", "mcg", "3inst"):
         raise SystemExit(f"unknown codebook {codebook!r}")
     for b in (bits, head_bits):
@@ -293,6 +297,14 @@ def write_checkpoint(out: Path, *, layers: int = 6, dense_layers: int = 1, exper
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards, strict=True):
         tensors = [t for m in shard for t in m.tensors]
+        if sparse:
+            head, offsets = header_bytes([(t.name, t.dtype, t.shape) for t in tensors])
+            with open(out / fname, "wb") as f:
+                f.write(head)
+                f.truncate(len(head) + (offsets[-1][1] if offsets else 0))
+            weight_map.update((t.name, fname) for t in tensors)
+            total += sum(t.nbytes for t in tensors)
+            continue
         w = ShardWriter(out / fname, [(t.name, t.dtype, t.shape) for t in tensors])
         try:
             for m in shard:
@@ -343,11 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-mb", type=int, default=2048, help="max shard size in MiB (whole layers per shard)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny same-architecture variant for CPU tests")
+    ap.add_argument("--sparse", action="store_true", help="headers only, data left as holes (plan tests)")
     a = ap.parse_args(argv)
     num = lambda x: int(x) if x == int(x) else x  # noqa: E731
     s = write_checkpoint(a.out, layers=a.layers or (3 if a.small else 6), dense_layers=a.dense_layers,
                          experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits), codebook=a.codebook,
-                         small=a.small, shard_mb=a.shard_mb, seed=a.seed, progress=True)
+                         small=a.small, shard_mb=a.shard_mb, seed=a.seed, progress=True, sparse=a.sparse)
     print(f"wrote {s['path']}: {len(s['files'])} file(s), {s['bytes'] / 1e9:.3f} GB tensor data, "
           f"{s['linears']} EXL3 linears, {s['seconds']} s")
     return 0

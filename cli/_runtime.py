@@ -153,5 +153,7 @@ def preflight_plan(path: str, *, device: str, tp: int, moe: str, mem_get_info=No
     free, total = min((info(i) for i in range(first, first + tp)), key=lambda ft: ft[0])
     # mem_get_info just created this process's CUDA context: plan counts it already (CUDA_CONTEXT)
     in_use = max(total - free - CUDA_CONTEXT, 0)
-    plan_memory(Checkpoint.open(path), gpu=str(device), gpu_total=total,
+    # the message names the GPU: "cuda:0 [NVIDIA H200]" (a faked mem_get_info: the device string only)
+    gpu = str(device) if mem_get_info is not None else f"{device} [{torch.cuda.get_device_name(first)}]"
+    plan_memory(Checkpoint.open(path), gpu=gpu, gpu_total=total,
                 tp=tp, moe=moe, in_use=in_use, **opts).raise_unless_fits()

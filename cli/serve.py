@@ -90,7 +90,8 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
         max_prefill_tokens = 2048 if device.startswith("cuda") else 512
     if max_cache_tokens is None:  # refuse in one line before reading a weight (docs/plan.md)
         preflight_plan(path, device=device, tp=tp, moe=moe, util=gpu_memory_utilization, block_size=int(block_size),
-                       kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens)
+                       kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens,
+                       max_model_len=max_context)
     cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, moe=moe, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
