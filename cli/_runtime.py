@@ -25,6 +25,9 @@ def check_device(device: str) -> str:
         raise UsageError(f"--device {device!r}: use cpu, cuda or cuda:N")
     if device == "cpu":
         return device
+    # before CUDA starts: prefill steps of every length reuse freed activation memory without
+    # fragmenting the cache (H200 serve: 1.4 GB reserved beyond the allocated peak without it)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     if not torch.cuda.is_available():

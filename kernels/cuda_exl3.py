@@ -370,13 +370,15 @@ class CudaExperts:
         return y.to(x.dtype)
 
     def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
-              rows: int) -> torch.Tensor:
+              rows: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows grouped by expert (dispatch module doc): y[o] = x[src[o]] @ W_{row_exp[o]} + bias;
         tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
-        come out as bias). Each tile decodes its expert's weights once for all its rows."""
+        come out as bias). Each tile decodes its expert's weights once for all its rows.
+        ``out_dtype``: fp16 or fp32 straight from the output pass (default x's)."""
         N = row_exp.shape[0]
+        out_dtype = out_dtype or x.dtype
         if N == 0:
-            return x.new_empty(0, self.n)
+            return x.new_empty(0, self.n, dtype=out_dtype)
         x2 = _act(x, self.k)
         src32 = None if src is None else src.to(torch.int32).contiguous()
         rexp32 = row_exp.to(torch.int32).contiguous()
@@ -384,9 +386,10 @@ class CudaExperts:
         xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32)
         acc = workspace(self.device, N * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32)
-        y = torch.empty(N, self.n, dtype=x2.dtype, device=self.device)
+        del xrot
+        y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32)
-        return y.to(x.dtype)
+        return y.to(out_dtype)
 
 
 def _cuda_factory(tensors: dict, codebook: str, k_bits: float, device):

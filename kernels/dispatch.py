@@ -24,7 +24,8 @@ Grouped experts (one projection of many experts, for MoE decode without host syn
 ``x.dtype``, padded dims as above. ``slots`` must not synchronise with the host and its launch
 shapes may depend only on ``S`` (CUDA-graph capturable). Optionally, rows grouped by expert::
 
-    obj.tiles(x, src, row_exp, tile_exp, rows) -> y   # y[o] = x[src[o]] @ W_{row_exp[o]} + bias
+    obj.tiles(x, src, row_exp, tile_exp, rows, out_dtype=None) -> y
+                                                       # y[o] = x[src[o]] @ W_{row_exp[o]} + bias
                                                        # (src None: x[o]); tile t = rows
                                                        # [t*rows, (t+1)*rows), all of expert
                                                        # tile_exp[t]; -1: skipped (rows unspecified)
@@ -161,7 +162,7 @@ class DenseExperts:
             y = y + self.bias.index_select(0, exp)
         return y.to(x.dtype)
 
-    def tiles(self, x, src, row_exp, tile_exp, rows):
+    def tiles(self, x, src, row_exp, tile_exp, rows, out_dtype=None):
         """One batched GEMM over the tiles: each tile's rows times its expert's W."""
         import torch
 
@@ -171,7 +172,7 @@ class DenseExperts:
         y = torch.bmm(xs.view(nt, rows, -1), w).reshape(nt * rows, -1)
         if self.bias is not None:
             y = y + self.bias.index_select(0, row_exp)
-        return y.to(x.dtype)
+        return y.to(out_dtype or x.dtype)
 
 
 # ------------------------------------------------------------------ reference (CPU) backend

@@ -469,19 +469,26 @@ class MoE:
         tok = torch.where(valid, slot, 0) // self.top_k          # source token of each tile row
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
         N = row_exp.shape[0]
+        # on the GPU gate/up come out in fp16: the down projection rounds its input to fp16 anyway
+        # (its Hadamard pass feeds fp16 MMAs), and a 2048-token prefill keeps ~0.5 GB less alive
+        mid = torch.float16 if x.is_cuda else x.dtype
         if "gate_up" in g:
             up_tiles = torch.where(tile_exp >= 0, tile_exp + E, -1)
             gu = g["gate_up"].tiles(xp, torch.cat([tok, tok]), torch.cat([row_exp, row_exp + E]),
-                                    torch.cat([tile_exp, up_tiles]), R)
-            act = F.silu(gu[:N]) * gu[N:]
+                                    torch.cat([tile_exp, up_tiles]), R, out_dtype=mid)
+            act = F.silu(gu[:N]).mul_(gu[N:])
+            del gu
         else:
-            act = (F.silu(g["gate_proj"].tiles(xp, tok, row_exp, tile_exp, R))
-                   * g["up_proj"].tiles(xp, tok, row_exp, tile_exp, R))
-        y = g["down_proj"].tiles(act, None, row_exp, tile_exp, R)[:, :H]
+            act = F.silu(g["gate_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid))
+            act.mul_(g["up_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid))
+        y = g["down_proj"].tiles(act, None, row_exp, tile_exp, R, out_dtype=x.dtype)
+        del act
         wrow = torch.where(valid, w.reshape(-1)[slot.clamp(max=S - 1)], 0.0)   # a pair on another rank: 0
+        y = y[:, :H].mul_(wrow[:, None].to(y.dtype))
         # back to (token, k) order, then a fixed-order sum over k (deterministic, unlike atomics)
         per_slot = torch.zeros(S + 1, H, dtype=y.dtype, device=y.device)
-        per_slot.index_copy_(0, slot, y * wrow[:, None].to(y.dtype))
+        per_slot.index_copy_(0, slot, y)
+        del y
         return per_slot[:S].view(T, self.top_k, H).sum(1)
 
 
