@@ -144,6 +144,14 @@ class BlockManager:
         bs = self.block_size
         return [s.table[p // bs] * bs + p % bs for p in range(s.length, s.length + int(new_tokens))]
 
+    def advance(self, seq_id: Hashable, n: int) -> None:
+        """``n`` reserved tokens are written but not known yet (a chained decode step reads its
+        input token on the device): the length grows now; ``commit`` hashes their blocks later."""
+        s = self._seq(seq_id)
+        if s.length + n > len(s.table) * self.block_size:
+            raise UsageError(f"sequence {seq_id!r}: advance of {n} tokens beyond its reserved blocks")
+        s.length += n
+
     def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """``tokens`` (the sequence's whole history, prompt + output) are now written up to
         ``len(tokens)``: advance the length and register the hashes of blocks that became full."""

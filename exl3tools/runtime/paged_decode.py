@@ -94,10 +94,13 @@ class PagedDecoder:
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
-    def step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int]) -> torch.Tensor:
+    def step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int],
+             device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one token for each of ``n`` sequences: token ``tokens[i]`` at ``positions[i]``
         goes to cache slot ``slots[i]``; sequence ``i`` owns block-table row ``rows[i]``. Logits
-        (n, vocab) float32 on the device (a view of a static buffer: read it before the next step)."""
+        (n, vocab) float32 on the device (a view of a static buffer: read it before the next step).
+        ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
+        never read back to the host first)."""
         n = len(tokens)
         if not 1 <= n <= self.max_seqs:
             raise UsageError(f"a decode step takes 1..{self.max_seqs} sequences, got {n}")
@@ -117,6 +120,8 @@ class PagedDecoder:
         self.inputs[:, :bs].copy_(h[:, :bs], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if device_tokens is not None:
+            self.inputs[0, :n].copy_(device_tokens)
         if self.graphs:
             if bs not in self._graphs:
                 self.capture([bs])

@@ -142,9 +142,9 @@ class PagedState:
                  for table, n0, toks in items]
         return self.model.forward(views, all_logits=all_logits, to_cpu=False)
 
-    def decode(self, tokens, positions, slots, rows, updates) -> torch.Tensor:
+    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None) -> torch.Tensor:
         self.decoder.set_blocks(updates)
-        return self.decoder.step(tokens, positions, slots, rows)
+        return self.decoder.step(tokens, positions, slots, rows, device_tokens)
 
 
 # ------------------------------------------------------------------ rank 0 side
@@ -375,6 +375,8 @@ class Runner:
                 raise UsageError(f"sequence {seq_id!r} appears twice in one step")
             seen.add(seq_id)
             seq = self._seq(seq_id)
+            if seq.unknown:
+                raise UsageError(f"sequence {seq_id!r}: a chained step's input token is not committed yet")
             toks = [int(t) for t in toks]
             if not toks:
                 raise UsageError(f"sequence {seq_id!r}: no new tokens")
@@ -409,16 +411,62 @@ class Runner:
             self.blocks.commit(s, seq.tokens)
         return logits if device_logits else logits.float().cpu()
 
-    def _decode(self, items: list, slots: list[list[int]]) -> torch.Tensor:
+    def _decode(self, items: list, slots: list[list[int]], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         updates = []
         for s, seq, _, _ in items:
             table = self.blocks.table(s)
             updates.extend((seq.row, c, table[c]) for c in range(seq.synced, len(table)))
             seq.synced = len(table)
-        args = ([t[0] for _, _, t, _ in items], [n0 for _, _, _, n0 in items], [sl[0] for sl in slots],
-                [seq.row for _, seq, _, _ in items], updates)
+        args = ([t[0] if t else 0 for _, _, t, _ in items], [n0 for _, _, _, n0 in items],
+                [sl[0] for sl in slots], [seq.row for _, seq, _, _ in items], updates)
         self._send(("pdecode", *args))
-        return self.paged.decode(*args)
+        return self.paged.decode(*args, device_tokens)
+
+    @property
+    def can_chain(self) -> bool:
+        """Whether ``step_chained`` works here: the fixed-shape decode step on one rank."""
+        return self.paged.decoder is not None and self.world == 1
+
+    def step_chained(self, seq_ids: list[Hashable], tokens: torch.Tensor) -> torch.Tensor:
+        """A decode step whose input tokens are a device tensor (the previous step's samples, in
+        ``seq_ids`` order), launched before anyone reads them: the host prepares step N+1 while
+        the GPU runs step N. Device logits ``[len(seq_ids), vocab]``. The cache grows by one token
+        per sequence now; ``commit_tokens`` tells the runner those tokens once they are known
+        (prefix hashing needs them); until then the sequence takes no other step."""
+        if not self.can_chain:
+            raise UsageError("chained decode steps need the fixed-shape decode step on one rank")
+        if self._closed:
+            raise RuntimeFailure("runner is closed")
+        if not 1 <= len(seq_ids) <= self.max_num_seqs or len(set(seq_ids)) != len(seq_ids):
+            raise UsageError(f"a chained step takes 1..{self.max_num_seqs} distinct sequences")
+        items = []
+        for s in seq_ids:
+            seq = self._seq(s)
+            n0 = self.blocks.length(s)
+            if n0 + 1 > self.max_context:
+                raise ContextLengthError(f"sequence {s!r} would reach {n0 + 1} tokens, more than max_context "
+                                         f"{self.max_context}")
+            items.append((s, seq, None, n0))
+        if not self.fits([(s, 1) for s in seq_ids]):
+            raise CacheFullError(f"KV cache full: {len(seq_ids)} new tokens do not fit in "
+                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
+        slots = [self.blocks.reserve(s, 1) for s in seq_ids]
+        logits = self._decode(items, slots, tokens).clone()
+        for s, seq, _, _ in items:
+            self.blocks.advance(s, 1)
+            seq.unknown += 1
+        return logits
+
+    def commit_tokens(self, pairs: list[tuple[Hashable, int]]) -> None:
+        """The input tokens of a chained step, now known (sequences freed meanwhile are skipped)."""
+        for s, t in pairs:
+            seq = self._seqs.get(s)
+            if seq is None or not seq.unknown:
+                continue
+            seq.tokens.append(int(t))
+            seq.unknown -= 1
+            if not seq.unknown:
+                self.blocks.commit(s, seq.tokens)
 
     def _send(self, cmd) -> None:
         if self.world > 1:
@@ -452,10 +500,11 @@ class _Seq:
     """A live sequence on rank 0: its slot row of the decode step's block tables, the tokens in
     its cache (prefix hashing needs them) and how many table entries the device has."""
 
-    __slots__ = ("row", "tokens", "synced")
+    __slots__ = ("row", "tokens", "synced", "unknown")
 
     def __init__(self, row: int, tokens: list[int]):
         self.row, self.tokens, self.synced = row, tokens, 0
+        self.unknown = 0     # tokens written by chained steps, not committed yet
 
 
 def kv_dtype_for(name: str, device: torch.device) -> torch.dtype:

@@ -57,12 +57,24 @@ def sample_batch(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequ
     """``sample`` for every row of ``logits [B, vocab]`` in a few tensor ops, each row with its own
     settings and generator; the same tokens as calling ``sample`` row by row, in order. Greedy rows
     (temperature <= 0) take the argmax and leave their generator alone."""
+    out = sample_batch_device(logits, temperature, top_k, top_p, generators).tolist()
+    bad = [i for i, t in enumerate(out) if t < 0]
+    if bad:
+        raise ValueError(f"cannot sample rows {bad}: NaN or no finite logit")
+    return out
+
+
+def sample_batch_device(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
+                        top_p: Sequence[float], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """``sample_batch`` without a host synchronisation: the tokens stay on the logits' device
+    (int64 ``[B]``), -1 for a sampled row that holds NaN or no finite logit. The serving engine
+    feeds them to the next decode step before it reads them (runtime.runner.Runner.step_chained)."""
     logits = logits.float().reshape(len(temperature), -1)
     n, vocab = logits.shape
     dev = logits.device
     hot = [i for i in range(n) if temperature[i] is not None and temperature[i] > 0]
     if not hot:
-        return torch.argmax(logits, -1).tolist()
+        return torch.argmax(logits, -1)
     cold = [i for i in range(n) if i not in set(hot)]
     out = torch.zeros(n, dtype=torch.int64, device=dev)
     if cold:
@@ -75,13 +87,47 @@ def sample_batch(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequ
         x = logits[rows[0]:rows[0] + 1] if len(rows) == 1 else (
             logits.index_select(0, torch.tensor(rows, device=dev)) if len(rows) < n else logits)
         toks.append(_draw_rows(x, [temperature[i] for i in rows], [top_k[i] for i in rows],
-                               [top_p[i] for i in rows], [generators[i] for i in rows], rows))
+                               [top_p[i] for i in rows], [generators[i] for i in rows]))
     tok = toks[0] if len(toks) == 1 else torch.cat(toks)
-    return out.index_copy(0, torch.tensor(hot, device=dev), tok).tolist()
+    return out.index_copy(0, torch.tensor(hot, device=dev), tok)
 
 
-def _draw_rows(x: torch.Tensor, temps: list, ks: list, ps: list, gens: list, names: list) -> torch.Tensor:
-    """``sample``'s steps on rows that all sample (temperature > 0); returns their tokens."""
+class DeviceTokens:
+    """Sampled tokens left on the device, with their host copy already under way (a pinned
+    buffer, copied in stream order right after sampling): ``tolist`` waits for that copy only,
+    not for work launched after it (the next decode step), and ``rows`` feeds them on."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tensor = tokens
+        self._event = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+    def rows(self, keep: list[int] | None = None) -> torch.Tensor:
+        """The tokens of rows ``keep`` (all: None) on the device, -1 (not sampled) read as 0."""
+        t = self.tensor if keep is None else self.tensor.index_select(0, torch.tensor(keep, device=self.tensor.device))
+        return t.clamp(min=0)
+
+
+def sample_device(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
+                  top_p: Sequence[float], generators: Sequence[torch.Generator | None]) -> DeviceTokens:
+    """``sample_batch_device`` with the host copy started (the serving engine's sampler)."""
+    return DeviceTokens(sample_batch_device(logits, temperature, top_k, top_p, generators))
+
+
+def _draw_rows(x: torch.Tensor, temps: list, ks: list, ps: list, gens: list) -> torch.Tensor:
+    """``sample``'s steps on rows that all sample (temperature > 0); returns their tokens (-1 where
+    a row holds NaN or no finite logit)."""
     h, vocab = x.shape
     dev = x.device
     x = x / torch.tensor(temps, dtype=torch.float32, device=dev)[:, None]
@@ -105,11 +151,9 @@ def _draw_rows(x: torch.Tensor, temps: list, ks: list, ps: list, gens: list, nam
     cdf = torch.cumsum(torch.softmax(x, -1).double(), -1)
     total = cdf[:, -1:]
     bad = ~torch.isfinite(total[:, 0])
-    if bool(bad.any()):
-        rows_bad = [names[j] for j in bad.nonzero().flatten().tolist()]
-        raise ValueError(f"cannot sample rows {rows_bad}: NaN or no finite logit")
     u = torch.cat([_uniform(g, dev) for g in gens])[:, None]
-    return torch.searchsorted(cdf, u * total, right=True).clamp_max(vocab - 1)[:, 0]
+    tok = torch.searchsorted(cdf, u * total, right=True).clamp_max(vocab - 1)[:, 0]
+    return torch.where(bad, -1, tok)
 
 
 def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:

@@ -135,6 +135,7 @@ def runtime_hooks() -> dict[str, Callable]:
     from exl3tools.runtime import sampling
 
     return {"sample": sampling.sample, "sample_batch": sampling.sample_batch,
+            "sample_device": sampling.sample_device,
             "logprobs": sampling.logprobs, "make_generator": sampling.make_generator}
 
 

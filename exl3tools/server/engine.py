@@ -77,6 +77,16 @@ class Sequence:
         return self.prompt[start:min(end, n_prompt)] + self.output_ids[:max(0, end - n_prompt)]
 
 
+class _Inflight:
+    """A launched step: the rows that produce a token ((row, sequence)), the device logits and
+    the device tokens sampled from them (None: sampled when read)."""
+
+    __slots__ = ("ready", "logits", "tokens", "chained")
+
+    def __init__(self, ready: list, logits: Any, tokens: Any, chained: bool = False) -> None:
+        self.ready, self.logits, self.tokens, self.chained = ready, logits, tokens, chained
+
+
 class RequestHandle:
     """The event loop's side of a request: an asyncio queue of Events, and cancel()."""
 
@@ -127,13 +137,19 @@ class Engine:
     def __init__(self, load: Callable[[], Any], *, max_batch: int = 32, max_queue: int = 256,
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
-                 make_generator: Callable | None = None, sample_batch: Callable | None = None) -> None:
+                 make_generator: Callable | None = None, sample_batch: Callable | None = None,
+                 sample_device: Callable | None = None, chain: bool = True) -> None:
         self._load = load
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.metrics = metrics
         self._sample_fn, self._logprobs_fn, self._make_gen = sample, logprobs, make_generator
         self._sample_batch_fn = sample_batch  # None: one sample() call per row
+        # tokens left on the device (runtime.sampling.sample_device -> DeviceTokens): with ``chain``,
+        # a decode step's samples feed the next step before the host reads them (see _chain)
+        self._sample_device_fn = sample_device
+        self.chain = chain
+        self._inflight: _Inflight | None = None
         self.runner: Any = None
         self.state = "loading"  # loading -> ready | failed
         self.load_error: str | None = None
@@ -289,6 +305,7 @@ class Engine:
                         self._cond.wait(0.01)
             except Exception:  # a bug here must not kill the engine: fail the batch, go on
                 log.exception("engine step failed")
+                self._inflight = None
                 for seq in list(self._running):
                     self._fail(seq)
                 self._sweep()
@@ -305,51 +322,137 @@ class Engine:
             runner.free_sequence(seq_id)
 
     def _step(self) -> bool:
-        """One scheduling round and forward pass; False when there was nothing to run."""
+        """One scheduling round and forward pass; False when there was nothing to run.
+
+        A step in flight (launched, its tokens still on the device) is either planned here or was
+        chained by the previous round. Before reading its tokens, ``_chain`` may launch the next
+        decode step on them, so the GPU works while the host emits this step's tokens."""
         self._reap_cancelled()
         self._admit()
-        if not self._running:
-            return False
-        batch = self._plan()
-        # out of blocks: the newest running sequence (in this batch or holding blocks mid-prefill)
-        # gives its cache back, until the step fits or one sequence is left
-        while len(self._running) > 1 and not self.runner.fits([(seq.seq_id, len(c)) for seq, c in batch]):
-            self._preempt(self._running[-1])
-            batch = self._plan()
-        if not batch:
-            return False
+        fl = self._inflight
         t0 = time.perf_counter()
-        try:
-            # logits stay on the model's device: sampling runs there, only token ids come back
-            logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True)
-        except Exception:
-            log.exception("runner.step failed")
-            for seq, _ in batch:
-                self._fail(seq)
-            self._sweep()
-            return True
-        self.steps += 1
+        if fl is None:
+            if not self._running:
+                return False
+            batch = self._plan()
+            # out of blocks: the newest running sequence (in this batch or holding blocks mid-prefill)
+            # gives its cache back, until the step fits or one sequence is left
+            while len(self._running) > 1 and not self.runner.fits([(seq.seq_id, len(c)) for seq, c in batch]):
+                self._preempt(self._running[-1])
+                batch = self._plan()
+            if not batch:
+                return False
+            try:
+                # logits stay on the model's device: sampling runs there, only token ids come back
+                logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True)
+            except Exception:
+                log.exception("runner.step failed")
+                for seq, _ in batch:
+                    self._fail(seq)
+                self._sweep()
+                return True
+            self.steps += 1
+            ready: list[tuple[int, Sequence]] = []
+            for i, (seq, chunk) in enumerate(batch):
+                seq.num_cached += len(chunk)
+                if seq.pending == 0 and not seq.finished:  # mid-prefill logits are not wanted
+                    ready.append((i, seq))
+            fl = _Inflight(ready, logits, self._launch_sample(logits, ready))
+        self._inflight = None
+        nxt = self._chain(fl)
         t1 = time.perf_counter()
-        now = time.monotonic()
-        ready: list[tuple[int, Sequence]] = []
-        for i, (seq, chunk) in enumerate(batch):
-            seq.num_cached += len(chunk)
-            if seq.pending == 0 and not seq.finished:  # mid-prefill logits are not wanted
-                ready.append((i, seq))
-        if ready:
-            self._sample_ready(logits, ready, now)
+        if fl.ready:
+            self._sample_ready(fl, nxt, time.monotonic())
+        self._inflight = nxt
         self._sweep()
         t2 = time.perf_counter()
         self.time_forward += t1 - t0
         self.time_sample += t2 - t1
         return True
 
-    def _sample_ready(self, logits: Any, ready: list[tuple[int, Sequence]], now: float) -> None:
-        """All rows of this step in one sampler call; if that fails (a NaN row), row by row, so
-        only the broken sequence fails."""
+    def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
+        """The ready rows' tokens, sampled on the logits' device without a host sync (None: no
+        device sampler; ``_sample_ready`` samples)."""
+        if self._sample_device_fn is None or not ready:
+            return None
+        self._ensure_generators(ready, logits.device)
+        rows = [i for i, _ in ready]
+        ps = [seq.params for _, seq in ready]
+        try:
+            sub = logits if rows == list(range(len(logits))) else logits[rows]
+            return self._sample_device_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
+                                          [p.top_p for p in ps],
+                                          [seq.generator if p.temperature > 0 else None
+                                           for p, (_, seq) in zip(ps, ready, strict=True)])
+        except Exception:
+            log.warning("device sampling failed; sampling row by row", exc_info=True)
+            return None
+
+    def _chain(self, fl: _Inflight) -> _Inflight | None:
+        """Launch the next decode step on ``fl``'s device tokens, before they are read, when that
+        step is certain to be the next one: every running sequence gets a token from ``fl``, none
+        is waiting, cancelled, asks for logprobs or ends by length at this token (a stop token or
+        string found once the tokens are read wastes the chained row, which is dropped)."""
+        runner = self.runner
+        if not (self.chain and fl.tokens is not None and getattr(runner, "can_chain", False)):
+            return None
+        if self._waiting or self._stop:
+            return None
+        seqs = [seq for _, seq in fl.ready if not seq.finished]
+        if not seqs or len(seqs) != len(self._running) or {id(s) for s in seqs} != {id(s) for s in self._running}:
+            return None
+        for seq in seqs:
+            p = seq.params
+            n_out = len(seq.output_ids) + 1                # with this step's token
+            if (p.logprobs is not None or seq.handle.cancelled or n_out >= p.max_tokens
+                    or len(seq.prompt) + n_out >= runner.max_context):
+                return None
+        keep = None if len(seqs) == len(fl.ready) else [j for j, (_, seq) in enumerate(fl.ready) if not seq.finished]
+        try:
+            # a row that could not be sampled (-1) fails when read; its chained row reads token 0
+            logits = runner.step_chained([s.seq_id for s in seqs], fl.tokens.rows(keep))
+        except Exception:
+            log.warning("chained decode step failed; planning the next step instead", exc_info=True)
+            return None
+        self.steps += 1
+        for seq in seqs:
+            seq.num_cached += 1
+        ready = list(enumerate(seqs))
+        return _Inflight(ready, logits, self._launch_sample(logits, ready), chained=True)
+
+    def _ensure_generators(self, ready: list[tuple[int, Sequence]], device: Any) -> None:
         for _, seq in ready:
             if seq.params.temperature > 0 and not hasattr(seq.generator, "manual_seed"):
-                seq.generator = self._make_gen(seq.generator, device=logits.device)
+                seq.generator = self._make_gen(seq.generator, device=device)
+
+    def _sample_ready(self, fl: _Inflight, nxt: _Inflight | None, now: float) -> None:
+        """Read ``fl``'s tokens (the one host sync of a step) and emit them; tell the runner the
+        tokens ``nxt`` (chained on them) wrote. Without device tokens: all rows in one sampler
+        call; if that fails (a NaN row), row by row, so only the broken sequence fails."""
+        logits, ready = fl.logits, fl.ready
+        tokens = None
+        if fl.tokens is not None:
+            try:
+                tokens = [t if t >= 0 else None for t in fl.tokens.tolist()]
+            except Exception:
+                log.exception("reading sampled tokens failed")
+        if nxt is not None:
+            known = {id(seq): t for t, (_, seq) in zip(tokens or [None] * len(ready), ready, strict=True)}
+            self.runner.commit_tokens([(s.seq_id, known[id(s)]) for _, s in nxt.ready
+                                       if known.get(id(s)) is not None])
+        if tokens is None and fl.tokens is None:
+            tokens = self._sample_host(logits, ready)
+        for j, (i, seq) in enumerate(ready):
+            if seq.finished:        # cancelled, or stopped at the step this one was chained on
+                continue
+            try:
+                self._sample(seq, logits[i], now, None if tokens is None else tokens[j])
+            except Exception:
+                log.exception("sampling failed")
+                self._fail(seq)
+
+    def _sample_host(self, logits: Any, ready: list[tuple[int, Sequence]]) -> list | None:
+        self._ensure_generators(ready, logits.device)
         tokens = None
         if self._sample_batch_fn is not None:
             rows = [i for i, _ in ready]
@@ -363,12 +466,7 @@ class Engine:
             except Exception:
                 log.warning("batched sampling failed; sampling row by row", exc_info=True)
                 tokens = None
-        for j, (i, seq) in enumerate(ready):
-            try:
-                self._sample(seq, logits[i], now, None if tokens is None else tokens[j])
-            except Exception:
-                log.exception("sampling failed")
-                self._fail(seq)
+        return tokens
 
     def _sample(self, seq: Sequence, row: Any, now: float, token: int | None = None) -> None:
         """Emit one token for ``seq``: ``token`` if the batched sampler drew it, else drawn here."""

@@ -1,0 +1,75 @@
+"""Chained decode steps (server/engine.py ``_chain``, Runner.step_chained): the next decode step is
+launched on the previous step's sampled tokens while they are still on the device. With the
+fixed-shape decode step forced on the CPU, a real server answers the official openai client with
+exactly the tokens, text and logprobs of the unchained engine: greedy and seeded sampling,
+concurrent requests that end at different lengths, stop strings and EOS-free streams, a
+preempting-free mix of logprobs and plain requests, and a cancelled stream."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import DEMO  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far", "1, 2, 3,", "Hello"]
+
+
+def _requests(client):
+    ids = lambda r: [c.model_dump()["choices"][0]["token_ids"] for c in [r]][0]  # noqa: E731
+    kw = dict(model="demo", extra_body={"ignore_eos": True, "return_token_ids": True})
+    jobs = [dict(prompt=PROMPTS[0], max_tokens=9, temperature=0),
+            dict(prompt=PROMPTS[1], max_tokens=4, temperature=0.8, seed=7),
+            dict(prompt=PROMPTS[2], max_tokens=12, temperature=1.0, top_p=0.9, seed=3),
+            dict(prompt=PROMPTS[3], max_tokens=7, temperature=0.7, seed=11, n=2)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:      # concurrent: rows finish at different steps
+        many = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+    out = [[c.model_dump()["token_ids"] for c in r.choices] for r in many]
+    out.append([c.text for r in many for c in r.choices])
+    stop = client.completions.create(**kw, prompt=PROMPTS[0], max_tokens=12, temperature=0.9, seed=5,
+                                     stop=[" the", "e"])
+    out.append([stop.choices[0].text, stop.choices[0].finish_reason])
+    lp = client.completions.create(**kw, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=3)
+    out.append([ids(lp), lp.choices[0].logprobs.token_logprobs])
+    pieces = []
+    for chunk in client.completions.create(**kw, prompt=PROMPTS[2], max_tokens=10, temperature=0.5, seed=2,
+                                           stream=True):
+        pieces.extend(c.text for c in chunk.choices)
+    out.append("".join(pieces))
+    stream = client.completions.create(**kw, prompt=PROMPTS[3], max_tokens=40, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()                                      # cancelled mid-stream
+    return out
+
+
+def _run(chain: bool):
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=6, max_context=96,
+                      cuda_graphs="force", block_size=8)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        engine = app.state.server.engine
+        engine.chain = chain
+        runner = engine.runner
+        chained = []
+        real = runner.step_chained
+        runner.step_chained = lambda ids, tok: chained.append(len(ids)) or real(ids, tok)
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        out = _requests(client)
+        after = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=3, temperature=0)
+        out.append(after.choices[0].text)
+        assert runner.cache_tokens_used() == 0 and engine.running == 0
+        return out, chained
+
+
+def test_chained_steps_give_the_unchained_engines_answers():
+    plain, none = _run(False)
+    chained, steps = _run(True)
+    assert none == []
+    assert len(steps) >= 10 and max(steps) >= 2, steps     # chaining ran, on batches too
+    assert chained == plain
