@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from exl3tools.checkpoint.reader import to_numpy
-from exl3tools.kernels.reference import decode_rotated, rotate_out
+from exl3tools.kernels.reference import decode_linear
 from exl3tools.validate.context import Context
 from exl3tools.validate.numeric import Checks, _codebook, _small_reads
 
@@ -80,7 +80,7 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
 
 
 def _decode_check(checks: Checks, prefix: str, tr: np.ndarray, suh: np.ndarray, svh: np.ndarray, cb: str) -> None:
-    checks.decoded_block(prefix, rotate_out(decode_rotated(tr, cb), suh, svh))
+    checks.decoded_block(prefix, decode_linear(tr, suh, svh, cb))
 
 
 def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:
