@@ -139,30 +139,48 @@ def to_dtype_bytes(x: np.ndarray, odt: str) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
+def _fields(ck: Checkpoint, p: str) -> tuple[np.ndarray, np.ndarray, str]:
+    names = ck.tensors
+    suh = ck.read_numpy(f"{p}.suh") if f"{p}.suh" in names else unpack_signs(ck.read_numpy(f"{p}.su"))
+    svh = ck.read_numpy(f"{p}.svh") if f"{p}.svh" in names else unpack_signs(ck.read_numpy(f"{p}.sv"))
+    codebook = "mcg" if f"{p}.mcg" in names else "mul1" if f"{p}.mul1" in names else "3inst"
+    return suh, svh, codebook
+
+
+def _slabs(ck: Checkpoint, p: str, o_r: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(first output channel, padded end, trellis columns) per ``SLAB_COLUMNS`` slab."""
+    for c0 in range(0, o_r, SLAB_COLUMNS):
+        c1 = min(c0 + SLAB_COLUMNS, -(-o_r // 128) * 128)
+        yield c0, c1, ck.read_numpy_slice(f"{p}.trellis", 1, c0 // 16, c1 // 16)
+
+
 def linear_rows(ck: Checkpoint, p: str, shape: tuple[int, int]) -> Iterator[np.ndarray]:
     """HF weight rows (output channels) of EXL3 linear p at real ``shape`` (out, in), float32,
     ``SLAB_COLUMNS`` rows at a time (bounded memory); ``exl3tools diff`` reads the same slabs."""
     from exl3tools.kernels.reference import decode_linear
 
     o_r, i_r = shape
-    names = set(ck.tensors)
-    suh = ck.read_numpy(f"{p}.suh") if f"{p}.suh" in names else unpack_signs(ck.read_numpy(f"{p}.su"))
-    svh = ck.read_numpy(f"{p}.svh") if f"{p}.svh" in names else unpack_signs(ck.read_numpy(f"{p}.sv"))
-    codebook = "mcg" if f"{p}.mcg" in names else "mul1" if f"{p}.mul1" in names else "3inst"
-    for c0 in range(0, o_r, SLAB_COLUMNS):
-        c1 = min(c0 + SLAB_COLUMNS, -(-o_r // 128) * 128)
-        tr = ck.read_numpy_slice(f"{p}.trellis", 1, c0 // 16, c1 // 16)
+    suh, svh, codebook = _fields(ck, p)
+    for c0, c1, tr in _slabs(ck, p, o_r):
         w = decode_linear(tr, suh, svh[c0:c1], codebook)
         yield w[:i_r, : min(c1, o_r) - c0].T
 
 
-def _linear_slabs(ck: Checkpoint, p: str, shape: tuple[int, int], odt: str) -> Iterator[bytes]:
-    for rows in linear_rows(ck, p, shape):
-        yield to_dtype_bytes(rows, odt)
+def _linear_slabs(ck: Checkpoint, p: str, shape: tuple[int, int], odt: str, gpu=None) -> Iterator[bytes]:
+    if gpu is None:
+        for rows in linear_rows(ck, p, shape):
+            yield to_dtype_bytes(rows, odt)
+        return
+    # the same slabs decoded on the GPU, cropped and rounded there: the bytes equal the CPU path's
+    o_r, i_r = shape
+    suh, svh, codebook = _fields(ck, p)
+    for c0, c1, tr in _slabs(ck, p, o_r):
+        yield gpu.hf_rows_bytes(tr, suh, svh[c0:c1], codebook, min(c1, o_r) - c0, i_r, odt)
 
 
 def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = False,
-                     progress: Callable[[int], None] | None = None) -> Path:
+                     progress: Callable[[int], None] | None = None, gpu=None) -> Path:
+    """Write the plan. ``gpu``: a kernels.gpu_decode.GpuDecoder to decode on (same bytes), or None (CPU)."""
     dst = Path(plan.dst)
     refuse_overlap(ck.root, dst)
     if dst.exists() and not dst.is_dir():
@@ -179,7 +197,7 @@ def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = Fal
         try:
             for t in tensors:
                 if t.source == "linear":
-                    for chunk in _linear_slabs(ck, t.key, t.shape, t.dtype):  # type: ignore[arg-type]
+                    for chunk in _linear_slabs(ck, t.key, t.shape, t.dtype, gpu):  # type: ignore[arg-type]
                         w.write(chunk)
                 elif t.source == "bias":
                     w.write(to_dtype_bytes(ck.read_numpy(f"{t.key}.bias")[: t.shape[0]].astype(np.float32), t.dtype))

@@ -1,7 +1,9 @@
 """Reference EXL3 decoder (numpy, vectorised): trellis -> Ŵ (rotated basis) -> W (original basis).
 
 This is the executable form of exl3-format.md §5; every faster kernel is tested against it.
-Ŵ is bit-exact (fp16). W is computed in float32 from Ŵ (the goldens are within ~9e-4 max|W|).
+Ŵ is bit-exact (fp16). W is computed in float32 from Ŵ (the goldens are within ~9e-4 max|W|): each
+Hadamard output is one float32 FMA chain over j = 0..127 in order (OpenBLAS's sgemm, checked by
+tests/test_decoder.py), which the GPU decoder (kernels/gpu_decode.py) repeats bit for bit.
 Arrays follow the file layout: W and Ŵ are (in_features k, out_features n).
 """
 
@@ -15,6 +17,7 @@ LOP3_AND, LOP3_XOR = np.uint32(0x8FFF8FFF), np.uint32(0x3B603B60)
 MUL1_KAPPA = 1774 / 2**18          # fp16 0x1EEE
 MUL1_BETA = -10.3828125            # fp16 0xC931
 CHUNK_TILES = 4096                 # tiles decoded per numpy pass: bounds temporaries to ~10 MB
+BAND_COLS = 512                    # decode_linear works on 128 x 512 bands: ~1 MB of buffers, in L2
 
 
 # ------------------------------------------------------------------ pieces (unit-tested)
@@ -155,20 +158,90 @@ def had_cols(x: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(x).reshape(-1, 128) @ h).reshape(k, n)  # one GEMM, not k small ones
 
 
+@lru_cache(maxsize=None)
+def _lut32(codebook: str) -> np.ndarray:
+    lut = codebook_lut(codebook).astype(np.float32)  # fp16 -> fp32 is exact
+    lut.setflags(write=False)
+    return lut
+
+
+@lru_cache(maxsize=64)
+def _band_plan(ct: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a band of 8 x ct tiles, laid out as the (128, 16*ct) block of Ŵ it covers: the index of
+    each element's word pair in the band's flattened (8*ct, width/2) pairs, and its right shift."""
+    i1, shift = _gather_plan(width)
+    a, r, j, c = np.ix_(np.arange(8), np.arange(16), np.arange(ct), np.arange(16))
+    e = 16 * r + c                                              # element within its tile
+    idx = ((a * ct + j) * (width // 2) + i1[e]).reshape(128, 16 * ct).astype(np.intp)
+    sh = np.broadcast_to(shift[e], (8, 16, ct, 16)).reshape(128, 16 * ct).astype(np.uint64)
+    idx.setflags(write=False)
+    sh.setflags(write=False)
+    return idx, sh
+
+
+def _rotate_band(x: np.ndarray, su: np.ndarray, sv: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
+    """out = diag(su) · H · x · H_n · diag(sv) for one 128-row band x (float32, clobbered), the same
+    float32 operations in the same order as had_rows, * suh, had_cols, * svh on the whole matrix."""
+    h = hadamard128()
+    np.matmul(h, x, out=tmp)
+    tmp *= su[:, None]
+    np.matmul(tmp.reshape(-1, 128), h, out=x.reshape(-1, 128))
+    np.multiply(x, sv[None, :], out=out)
+
+
+def _check_dims(k: int, n: int, suh: np.ndarray, svh: np.ndarray) -> None:
+    if k % 128 or n % 128:
+        raise ValueError(f"W is {k} x {n}: both dims must be multiples of 128")
+    if suh.shape != (k,) or svh.shape != (n,):
+        raise ValueError(f"W is {k} x {n}, but suh {suh.shape} / svh {svh.shape}")
+
+
 def rotate_out(what: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
-    """W = diag(suh) · H_k · Ŵ · H_n · diag(svh), float32 (k, n)."""
-    w = had_rows(what.astype(np.float32))
-    w *= suh.astype(np.float32)[:, None]
-    w = had_cols(w)
-    w *= svh.astype(np.float32)[None, :]
-    return w
+    """W = diag(suh) · H_k · Ŵ · H_n · diag(svh), float32 (k, n), band by band (bounded temporaries)."""
+    k, n = what.shape
+    _check_dims(k, n, suh, svh)
+    su, sv = suh.astype(np.float32), svh.astype(np.float32)
+    out = np.empty((k, n), np.float32)
+    for c0 in range(0, n, BAND_COLS):
+        c1 = min(n, c0 + BAND_COLS)
+        tmp = np.empty((128, c1 - c0), np.float32)
+        for r0 in range(0, k, 128):
+            x = what[r0:r0 + 128, c0:c1].astype(np.float32)
+            _rotate_band(x, su[r0:r0 + 128], sv[c0:c1], tmp, out[r0:r0 + 128, c0:c1])
+    return out
 
 
 def decode_linear(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, codebook: str) -> np.ndarray:
-    """Original-basis W, float32 (k, n) = (in, out); the HF weight is ``W.T[:out_real, :in_real]``."""
-    if suh.shape[0] != 16 * trellis.shape[0] or svh.shape[0] != 16 * trellis.shape[1]:
-        raise ValueError(f"trellis {trellis.shape} does not match suh {suh.shape} / svh {svh.shape}")
-    return rotate_out(decode_rotated(trellis, codebook), suh, svh)
+    """Original-basis W, float32 (k, n) = (in, out); the HF weight is ``W.T[:out_real, :in_real]``.
+
+    Equal bit for bit to ``rotate_out(decode_rotated(trellis, codebook), suh, svh)``, but fused: each
+    128 x BAND_COLS band goes trellis -> states -> fp32 values -> rotated while it sits in cache.
+    """
+    if trellis.ndim != 3:
+        raise ValueError(f"trellis must be rank 3, got shape {trellis.shape}")
+    kt, nt, width = trellis.shape
+    k, n = 16 * kt, 16 * nt
+    _check_dims(k, n, suh, svh)
+    _gather_plan(width)                                        # rejects an illegal width
+    words = np.asarray(trellis).astype(np.int16, copy=False).view(np.uint16)
+    lut = _lut32(codebook)
+    su, sv = suh.astype(np.float32), svh.astype(np.float32)
+    out = np.empty((k, n), np.float32)
+    for c0 in range(0, n, BAND_COLS):
+        c1 = min(n, c0 + BAND_COLS)
+        idx, sh = _band_plan((c1 - c0) // 16, width)
+        g = np.empty(idx.shape, np.uint64)
+        x, tmp = np.empty(idx.shape, np.float32), np.empty(idx.shape, np.float32)
+        for r0 in range(0, k, 128):
+            w = words[r0 // 16:r0 // 16 + 8, c0 // 16:c1 // 16].astype(np.uint32)
+            u32 = (w[..., 0::2] | (w[..., 1::2] << np.uint32(16))).astype(np.uint64).reshape(-1, width // 2)
+            pairs = (np.roll(u32, 1, axis=1) << np.uint64(32)) | u32   # as in decode_rotated
+            np.take(pairs.reshape(-1), idx, out=g, mode="clip")        # "clip": no bounds-check copy
+            np.right_shift(g, sh, out=g)
+            np.bitwise_and(g, np.uint64(0xFFFF), out=g)
+            np.take(lut, g.view(np.int64), out=x, mode="clip")
+            _rotate_band(x, su[r0:r0 + 128], sv[c0:c1], tmp, out[r0:r0 + 128, c0:c1])
+    return out
 
 
 def rotated_from_weight(w: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:

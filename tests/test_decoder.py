@@ -135,6 +135,59 @@ def test_128_aligned_slices_decode_exactly(width):
     assert np.allclose(col, full[:, 128:256], rtol=0, atol=1e-5) and np.allclose(row, full[128:256], rtol=0, atol=1e-5)
 
 
+def _whole_matrix_w(what, suh, svh):
+    """The pre-issue-15 decode_linear (whole-matrix Hadamards): the oracle for the banded one."""
+    w = ref.had_rows(what.astype(np.float32))
+    w *= suh.astype(np.float32)[:, None]
+    w = ref.had_cols(w)
+    w *= svh.astype(np.float32)[None, :]
+    return w
+
+
+@pytest.mark.parametrize("kt,nt,width,codebook", [
+    (8, 8, 48, "3inst"), (16, 72, 40, "mul1"), (24, 40, 64, "mcg"), (8, 200, 16, "mul1"),
+    (32, 8, 128, "mcg"), (16, 96, 56, "mul1")])  # n below, at and past BAND_COLS, uneven last band
+def test_fused_decode_linear_is_bit_identical_to_whole_matrix_form(kt, nt, width, codebook):
+    rng = np.random.default_rng(kt * nt + width)
+    tr = rng.integers(-32768, 32768, size=(kt, nt, width), dtype=np.int16)
+    suh = rng.standard_normal(16 * kt).astype(np.float16)
+    svh = rng.standard_normal(16 * nt).astype(np.float16)
+    want = _whole_matrix_w(ref.decode_rotated(tr, codebook), suh, svh)
+    assert np.array_equal(ref.decode_linear(tr, suh, svh, codebook), want)
+    assert np.array_equal(ref.rotate_out(ref.decode_rotated(tr, codebook), suh, svh), want)
+    # a strided, big-endian trellis (what a column slice of a file can be) decodes the same
+    wide = np.concatenate([tr, tr], axis=1)[:, :nt].astype(">i2")
+    assert np.array_equal(ref.decode_linear(wide, suh, svh, codebook), want)
+
+
+def test_decode_linear_rejects_bad_shapes():
+    tr = np.zeros((8, 8, 48), np.int16)
+    with pytest.raises(ValueError):
+        ref.decode_linear(tr, np.ones(64, np.float16), np.ones(128, np.float16), "mul1")
+    with pytest.raises(ValueError):
+        ref.decode_linear(tr[:4], np.ones(64, np.float16), np.ones(128, np.float16), "mul1")
+    with pytest.raises(ValueError):
+        ref.decode_linear(np.zeros((8, 8, 20), np.int16), np.ones(128, np.float16), np.ones(128, np.float16), "mul1")
+
+
+def test_hadamard_is_the_sequential_fp32_fma_chain():
+    """Each output of both Hadamards is fma(h[a, j], x[j], acc) for j = 0..127 in order, from 0; the
+    GPU decoder (kernels/gpu_decode.py) computes exactly that. If this fails, the host's BLAS sums in
+    another order and GPU vs CPU W are equal only to float32 rounding, not bit for bit."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((256, 256)).astype(np.float16).astype(np.float32)
+    h = ref.hadamard128().astype(np.longdouble)
+    def chain(a, b):  # (m, 128) @ (128, n); a * b exact in longdouble, one rounding per step
+        acc = np.zeros((a.shape[0], b.shape[1]), np.float32)
+        for j in range(128):
+            acc = (a[:, j:j + 1].astype(np.longdouble) * b[j:j + 1, :] + acc).astype(np.float32)
+        return acc
+    rows = np.concatenate([chain(h, x[i:i + 128]) for i in (0, 128)])
+    assert np.array_equal(ref.had_rows(x), rows)
+    cols = chain(x.reshape(-1, 128), h).reshape(256, 256)
+    assert np.array_equal(ref.had_cols(x), cols)
+
+
 # ------------------------------------------------------------------ fixtures
 def _check_checkpoint(model_dir, goldens_path, samples_path=None):
     ck = Checkpoint.open(model_dir)
@@ -146,7 +199,8 @@ def _check_checkpoint(model_dir, goldens_path, samples_path=None):
         tr = ck.read_numpy(f"{p}.trellis")
         suh, svh = ck.read_numpy(f"{p}.suh"), ck.read_numpy(f"{p}.svh")
         what = ref.decode_rotated(tr, lin.codebook)
-        w = ref.rotate_out(what, suh, svh)
+        w = ref.decode_linear(tr, suh, svh, lin.codebook)
+        assert np.array_equal(w, _whole_matrix_w(what, suh, svh)), p
         if p in golden:
             g = golden[p].astype(np.float32)
             assert g.shape == w.shape, p

@@ -28,11 +28,12 @@ __all__ = ["validate", "Report", "Finding"]
 
 
 def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
-             progress: ProgressFactory | None = None) -> Report:
+             progress: ProgressFactory | None = None, gpu: Any = None) -> Report:
     """Validate a checkpoint directory, a rank-slice output set, or one of its rank dirs.
 
     ``path``: a directory, or an opened Checkpoint (its directory is re-read tolerantly).
     ``progress(total_bytes, files)`` (deep mode) returns a callback taking bytes read.
+    ``gpu`` (deep mode): a kernels.gpu_decode.GpuDecoder to decode the linears on, or None (CPU).
     Raises NotFoundError / NotACheckpointError for paths that are not checkpoints at all (exit 2).
     """
     root = existing_dir(path.root if isinstance(path, Checkpoint) else path)
@@ -42,9 +43,10 @@ def validate(path: Any, *, deep: bool = False, sample_blocks: int = 256,
     # index, tensor_storage), and the full collections their allocation triggers cost ~1 s.
     with gc_paused():
         if ranks.is_rank_set(root):
-            stats = ranks.check_rank_set(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress)
+            stats = ranks.check_rank_set(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress,
+                                          gpu=gpu)
         else:
-            stats = check_checkpoint(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress)
+            stats = check_checkpoint(root, sink, deep=deep, sample_blocks=sample_blocks, progress=progress, gpu=gpu)
             ranks.check_lone_rank_dir(root, sink)
     if sink.dropped:
         stats["findings_not_listed"] = sum(sink.dropped.values())

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from exl3tools.checkpoint.reader import to_numpy
-from exl3tools.kernels.reference import decode_rotated, rotate_out
+from exl3tools.kernels.reference import decode_linear
 from exl3tools.validate.context import Context
 from exl3tools.validate.numeric import Checks, _codebook, _small_reads
 
@@ -23,7 +23,9 @@ DECODE_BYTES = 2 << 20      # trellis bytes decoded per step (W float32: ~10x th
 
 
 
-def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None]] | None) -> dict[str, Any]:
+def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None]] | None,
+               gpu: Any = None) -> dict[str, Any]:
+    """``gpu``: a kernels.gpu_decode.GpuDecoder (same W bit for bit), or None for the CPU reference."""
     checks = Checks(ctx, None)
     ck, T = ctx.ckpt, ctx.ckpt.tensors
     total = sum(h.file_size for h in ck.headers.values())
@@ -61,7 +63,7 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
                     for begin, end, name in sorted(by_file[path]):
                         if begin > pos:
                             pos = _stream(read, pos, begin)
-                        _deep_tensor(ctx, checks, name, path, begin, end, read, handlers)
+                        _deep_tensor(ctx, checks, name, path, begin, end, read, handlers, gpu)
                         pos = max(pos, end)
                     pos = _stream(read, pos, h.file_size)
                 except EOFError as exc:
@@ -79,8 +81,9 @@ def check_deep(ctx: Context, progress: Callable[[int, int], Callable[[int], None
     return {"bytes_read": nbytes, "decoded_linears": checks.decoded, "sha256": hashes}
 
 
-def _decode_check(checks: Checks, prefix: str, tr: np.ndarray, suh: np.ndarray, svh: np.ndarray, cb: str) -> None:
-    checks.decoded_block(prefix, rotate_out(decode_rotated(tr, cb), suh, svh))
+def _decode_check(checks: Checks, prefix: str, tr: np.ndarray, suh: np.ndarray, svh: np.ndarray, cb: str,
+                  gpu: Any = None) -> None:
+    checks.decoded_block(prefix, (gpu.decode_linear if gpu is not None else decode_linear)(tr, suh, svh, cb))
 
 
 def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:
@@ -93,7 +96,7 @@ def _stream(read: Callable[[int, int], bytes], start: int, stop: int) -> int:
 
 
 def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: int, read,
-                 handlers: dict) -> None:
+                 handlers: dict, gpu: Any = None) -> None:
     info = ctx.ckpt.tensors[name].info
     prefix, _, suffix = name.rpartition(".")
     lin = ctx.scan.linears.get(prefix) if suffix == "trellis" else None
@@ -114,7 +117,7 @@ def _deep_tensor(ctx, checks: Checks, name: str, path: Path, begin: int, end: in
                 checks.trellis_strip(prefix, raw[-8 * width * 2:])
             if (r1 - r0) % 8 == 0:
                 tr = np.frombuffer(raw, dtype="<i2").reshape(r1 - r0, nt, width)
-                checks.submit(_decode_check, checks, prefix, tr, suh[16 * r0:16 * r1], svh, _codebook(lin))
+                checks.submit(_decode_check, checks, prefix, tr, suh[16 * r0:16 * r1], svh, _codebook(lin), gpu)
         checks.decoded += 1
         return
     handler = handlers.get((path, begin))

@@ -226,7 +226,7 @@ def _check_slices(man: dict, shapes: dict[str, dict[str, tuple[int, ...]]], sink
             sink.add("E507", None, name, f"replicated copies differ in shape across ranks: {sorted(got)}")
 
 
-def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress) -> dict[str, Any]:
+def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress, gpu: Any = None) -> dict[str, Any]:
     dirs = sorted((p.name for p in root.iterdir() if p.is_dir() and RANK_DIR.match(p.name)),
                   key=lambda n: int(RANK_DIR.match(n).group(1)))
     has_manifest = path_kind(root / MANIFEST) is not None
@@ -261,7 +261,8 @@ def check_rank_set(root: Path, sink, *, deep: bool, sample_blocks: int, progress
     for d in dirs:
         kind = path_kind(root / d / "config.json")
         if kind == "file":
-            sub = check_checkpoint(root / d, sink.child(d), deep=deep, sample_blocks=sample_blocks, progress=progress)
+            sub = check_checkpoint(root / d, sink.child(d), deep=deep, sample_blocks=sample_blocks, progress=progress,
+                                   gpu=gpu)
             for k in ("tensors", "linears", "bytes_read", "decoded_blocks", "decoded_linears"):
                 if k in sub:
                     stats[k] = stats.get(k, 0) + sub[k]

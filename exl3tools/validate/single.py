@@ -15,7 +15,7 @@ from exl3tools.validate.structure import check_qfile, check_quant_config, open_t
 
 
 def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
-                     progress: ProgressFactory | None) -> dict[str, Any]:
+                     progress: ProgressFactory | None, gpu: Any = None) -> dict[str, Any]:
     parallel = not deep and N.can_fork()
     opened = open_tolerant(root, sink, defer_qfile=parallel)
     if opened is None:
@@ -33,7 +33,7 @@ def check_checkpoint(root: Path, sink: Sink, *, deep: bool, sample_blocks: int,
     if run is None:
         check_architecture(ctx)
         check_qfile(ctx)
-        num = D.check_deep(ctx, progress)
+        num = D.check_deep(ctx, progress, gpu)
     else:  # the architecture check runs in this process while workers read samples
         num = N.finish_sampled(run, sample_blocks, meanwhile=lambda: check_architecture(ctx))
     return {"files": len(ckpt.headers), "tensors": len(ckpt.tensors), "linears": len(ctx.scan.linears),
