@@ -28,27 +28,28 @@ def _clone(g):
 
 
 def test_engine_samples_a_step_in_one_batched_call():
-    """16 concurrent sampled sequences with mixed settings: the engine calls sample_batch once
-    per step with every ready row (never per-row sample), and each call's tokens equal per-row
-    `sample` on the same rows with copies of the same generators."""
+    """16 concurrent sampled sequences with mixed settings: the engine calls its device sampler
+    once per step with every ready row (never per-row sample), and each call's tokens equal
+    per-row `sample` on the same rows with copies of the same generators."""
     calls: list[int] = []
     per_row: list[int] = []
     mismatches: list = []
 
-    def sample_batch(logits, temps, ks, ps, gens):
+    def sample_device(logits, temps, ks, ps, gens):   # the engine's sampler: tokens stay on the device
         copies = [_clone(g) for g in gens]
-        got = sampling.sample_batch(logits, temps, ks, ps, gens)
+        out = sampling.sample_device(logits, temps, ks, ps, gens)
+        got = out.tolist()
         want = [sampling.sample(logits[i], temps[i], ks[i], ps[i], copies[i]) for i in range(len(got))]
         calls.append(len(got))
         if got != want:
             mismatches.append((got, want))
-        return got
+        return out
 
     def sample(*a):
         per_row.append(1)
         return sampling.sample(*a)
 
-    hooks = {**runtime_hooks(), "sample_batch": sample_batch, "sample": sample}
+    hooks = {**runtime_hooks(), "sample_device": sample_device, "sample": sample}
     app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name=MODEL), hooks=hooks)
     settings = [{"temperature": 0.9, "seed": 3}, {"temperature": 0}, {"temperature": 1.2, "top_k": 20, "seed": 4},
                 {"temperature": 0.7, "top_p": 0.8, "seed": 5}]
@@ -74,8 +75,8 @@ def test_engine_samples_a_step_in_one_batched_call():
 
 
 def test_a_nan_row_fails_only_its_own_sequence():
-    """The batched sampler refuses a step with a NaN row; the engine then samples row by row, so
-    the poisoned request gets a 500 and its neighbour, decoding in the same steps, carries on."""
+    """The batched sampler marks a NaN row (-1); the engine then samples that row alone, so the
+    poisoned request gets a 500 and its neighbour, decoding in the same steps, carries on."""
     from exl3tools.server.app import runtime_loader
 
     cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name=MODEL)
@@ -97,14 +98,13 @@ def test_a_nan_row_fails_only_its_own_sequence():
 
     raised: list[int] = []
 
-    def sample_batch(logits, *a):
-        try:
-            return sampling.sample_batch(logits, *a)
-        except ValueError:
+    def sample_device(logits, *a):     # a row that cannot be sampled comes back as -1
+        out = sampling.sample_device(logits, *a)
+        if min(out.tolist()) < 0:
             raised.append(len(logits))
-            raise
+        return out
 
-    hooks = {**runtime_hooks(), "sample_batch": sample_batch}
+    hooks = {**runtime_hooks(), "sample_device": sample_device}
     with LiveServer(create_app(cfg, load=load, hooks=hooks)) as s:
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
@@ -176,12 +176,12 @@ def test_server_applies_generation_config_defaults(tmp_path, greedy):
                                   "eos_token_id": [2, greedy[1]]})
     seen: list[tuple] = []
 
-    def sample_batch(logits, temps, ks, ps, gens):
+    def sample_device(logits, temps, ks, ps, gens):
         seen.extend(zip(temps, ks, ps, strict=True))
-        return sampling.sample_batch(logits, temps, ks, ps, gens)
+        return sampling.sample_device(logits, temps, ks, ps, gens)
 
     app = create_app(ServeConfig(model_path=str(model), served_model_name=MODEL),
-                     hooks={**runtime_hooks(), "sample_batch": sample_batch})
+                     hooks={**runtime_hooks(), "sample_device": sample_device})
     with LiveServer(app) as s:
         def post(**kw):
             r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT,
