@@ -195,13 +195,20 @@ _workspace: dict[int, torch.Tensor] = {}
 _retired: list[torch.Tensor] = []      # outgrown workspaces: captured graphs may still point at them
 
 
+WORKSPACE_KEEP = 1 << 24     # floats (64 MiB): larger requests outside graph capture get a buffer of their own
+
+
 def workspace(device: torch.device, numel: int) -> torch.Tensor:
     """A zero fp32 buffer of ≥ numel shared by all small-row calls on ``device``.
 
     Every gemv adds into it and the output pass that follows re-zeroes what it read, so it is
     zero between calls (stream order; one stream per device). Grown only outside graph capture;
     an outgrown buffer is kept, never freed, because a CUDA graph captured earlier replays into it.
+    A request above WORKSPACE_KEEP floats outside capture (a long prefill's MoE tiles) gets a
+    fresh zeroed buffer, freed after the call: the shared one, and what it retires, stay small.
     """
+    if numel > WORKSPACE_KEEP and not torch.cuda.is_current_stream_capturing():
+        return torch.zeros(numel, dtype=torch.float32, device=device)
     ws = _workspace.get(device.index)
     if ws is None or ws.numel() < numel:
         if torch.cuda.is_current_stream_capturing():

@@ -37,8 +37,12 @@ def test_tile_rows_follows_the_mean():
     assert tile_rows(2048, 128) == 32 and tile_rows(16384, 128) == 64
 
 
+@pytest.mark.parametrize("chunk_rows", [8192, 16])       # 16: several chunks of tiles per call
 @pytest.mark.parametrize("name", ["qwen3_moe-2.5bpw-mul1", "glm4_moe-3.0bpw-mcg"])
-def test_tiled_moe_equals_pairs_and_loop(name):
+def test_tiled_moe_equals_pairs_and_loop(name, chunk_rows, monkeypatch):
+    import exl3tools.runtime.layers as layers
+
+    monkeypatch.setattr(layers, "MOE_CHUNK_ROWS", chunk_rows)
     model = build_local_model(resolve(fixture_dir(name) / "model", 1), 0, 1)
     moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
     assert moes

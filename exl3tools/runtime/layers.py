@@ -26,6 +26,7 @@ STATIC_MOE_SLOTS = 512   # (token, expert) pairs up to which a CUDA MoE call tak
 # (64 pairs) 1969 -> 1857. Eager calls pay ~0.9 ms of launches for the tiles' bookkeeping and take
 # them only above STATIC_MOE_SLOTS (bench/gpu_prefill.py). Env-overridable for measurements.
 MOE_TILES_MIN_SLOTS = int(os.environ.get("EXL3TOOLS_MOE_TILES_MIN_SLOTS", "128"))
+MOE_CHUNK_ROWS = 8192    # tile rows per chunk of a tiled MoE call (bounds a long prefill's scratch)
 
 
 # ------------------------------------------------------------------ batch description
@@ -461,17 +462,34 @@ class MoE:
 
     def _tiles_sum(self, x: torch.Tensor, g: dict, loc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The routed sum through expert-sorted tiles (``expert_tiles``): gate/up and down each
-        decode an expert's weights once per tile of up to 64 of its rows."""
+        decode an expert's weights once per tile of up to 64 of its rows. Tiles are independent,
+        so they run in chunks of about MOE_CHUNK_ROWS rows: a long prefill's intermediates stay
+        bounded, at no extra weight decoding."""
         T, H = x.shape
         E, S = len(self.experts), loc.shape[0]
         R = tile_rows(S, E)
         tile_exp, row_exp, slot, valid = expert_tiles(loc, E, R)
         tok = torch.where(valid, slot, 0) // self.top_k          # source token of each tile row
+        wrow = torch.where(valid, w.reshape(-1)[slot.clamp(max=S - 1)], 0.0)   # a pair on another rank: 0
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+        # back to (token, k) order, then a fixed-order sum over k (deterministic, unlike atomics)
+        per_slot = torch.zeros(S + 1, H, dtype=x.dtype, device=x.device)
+        NT = tile_exp.shape[0]
+        step = max(1, MOE_CHUNK_ROWS // R)
+        for c0 in range(0, NT, step):
+            c1 = min(NT, c0 + step)
+            r0, r1 = c0 * R, c1 * R
+            y = self._tiles_chunk(xp, g, E, R, tok[r0:r1], row_exp[r0:r1], tile_exp[c0:c1])
+            per_slot.index_copy_(0, slot[r0:r1], y[:, :H].mul_(wrow[r0:r1, None].to(y.dtype)))
+        return per_slot[:S].view(T, self.top_k, H).sum(1)
+
+    @staticmethod
+    def _tiles_chunk(xp, g: dict, E: int, R: int, tok, row_exp, tile_exp) -> torch.Tensor:
+        """Down(silu(gate) * up) of one chunk of tiles: (rows, out) in xp's dtype."""
         N = row_exp.shape[0]
         # on the GPU gate/up come out in fp16: the down projection rounds its input to fp16 anyway
-        # (its Hadamard pass feeds fp16 MMAs), and a 2048-token prefill keeps ~0.5 GB less alive
-        mid = torch.float16 if x.is_cuda else x.dtype
+        # (its Hadamard pass feeds fp16 MMAs)
+        mid = torch.float16 if xp.is_cuda else xp.dtype
         if "gate_up" in g:
             up_tiles = torch.where(tile_exp >= 0, tile_exp + E, -1)
             gu = g["gate_up"].tiles(xp, torch.cat([tok, tok]), torch.cat([row_exp, row_exp + E]),
@@ -481,15 +499,7 @@ class MoE:
         else:
             act = F.silu(g["gate_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid))
             act.mul_(g["up_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid))
-        y = g["down_proj"].tiles(act, None, row_exp, tile_exp, R, out_dtype=x.dtype)
-        del act
-        wrow = torch.where(valid, w.reshape(-1)[slot.clamp(max=S - 1)], 0.0)   # a pair on another rank: 0
-        y = y[:, :H].mul_(wrow[:, None].to(y.dtype))
-        # back to (token, k) order, then a fixed-order sum over k (deterministic, unlike atomics)
-        per_slot = torch.zeros(S + 1, H, dtype=y.dtype, device=y.device)
-        per_slot.index_copy_(0, slot, y)
-        del y
-        return per_slot[:S].view(T, self.top_k, H).sum(1)
+        return g["down_proj"].tiles(act, None, row_exp, tile_exp, R, out_dtype=xp.dtype)
 
 
 def tile_rows(slots: int, experts: int) -> int:
