@@ -46,6 +46,56 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if triton is not None:
     @triton.jit
+    def _q_parts(q, KV_DT: tl.constexpr, DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
+        """q as the dot operands: fp32 as is; with Q_SPLIT (q fp32, or the other 16-bit type) as
+        hi + lo in the cache dtype: two MMAs give ~16 mantissa bits of q instead of 8 (bf16), with
+        exact products and fp32 accumulation."""
+        if IS_FP32:
+            q_hi = q.to(tl.float32)
+            q_lo = q_hi
+        elif Q_SPLIT:
+            qf = q.to(tl.float32)
+            q_hi = qf.to(KV_DT)
+            q_lo = (qf - q_hi.to(tl.float32)).to(KV_DT).to(DOT_DT)
+            q_hi = q_hi.to(DOT_DT)
+        else:
+            q_hi = q.to(DOT_DT)
+            q_lo = q_hi
+        return q_hi, q_lo
+
+    @triton.jit
+    def _scores(q_hi, q_lo, k, DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
+        """q · kᵀ in fp32 (unscaled)."""
+        if IS_FP32:
+            s = tl.dot(q_hi, tl.trans(k), input_precision="ieee")
+        else:
+            kt = tl.trans(k.to(DOT_DT))
+            s = tl.dot(q_hi, kt)
+            if Q_SPLIT:
+                s = tl.dot(q_lo, kt, s)
+        return s
+
+    @triton.jit
+    def _online_softmax(s, v, m_i, l_i, acc, KV_DT: tl.constexpr, DOT_DT: tl.constexpr, IS_FP32: tl.constexpr):
+        """One tile of online softmax (base 2; s scaled, -inf where masked, finite row maxima):
+        the updated (m_i, l_i, acc)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if IS_FP32:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            # p in [0, 1] as hi + lo of the cache dtype: a bare bf16 p costs ~2^-9 relative per weight
+            vd = v.to(DOT_DT)
+            p_hi = p.to(KV_DT)
+            p_lo = (p - p_hi.to(tl.float32)).to(KV_DT)
+            acc = tl.dot(p_hi.to(DOT_DT), vd, acc)
+            acc = tl.dot(p_lo.to(DOT_DT), vd, acc)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr, po_ptr, plse_ptr,
                       qk_scale, num_splits, min_tiles, NQ, G, D, HCHUNKS,
                       skb, skt, skh, svb, svt, svh, sbt,
@@ -70,19 +120,7 @@ if triton is not None:
         dmask = d < D
         qmask = rmask[:, None] & dmask[None, :]
         q = tl.load(q_ptr + b.to(tl.int64) * NQ * D + head[:, None] * D + d[None, :], mask=qmask, other=0.0)
-        if IS_FP32:
-            q_hi = q.to(tl.float32)
-            q_lo = q_hi
-        elif Q_SPLIT:
-            # q (fp32, or the other 16-bit type) as hi + lo in the cache dtype: two MMAs give ~16 mantissa
-            # bits of q instead of 8 (bf16), with exact products and fp32 accumulation
-            qf = q.to(tl.float32)
-            q_hi = qf.to(KV_DT)
-            q_lo = (qf - q_hi.to(tl.float32)).to(KV_DT).to(DOT_DT)
-            q_hi = q_hi.to(DOT_DT)
-        else:
-            q_hi = q.to(DOT_DT)
-            q_lo = q_hi
+        q_hi, q_lo = _q_parts(q, KV_DT, DOT_DT, Q_SPLIT, IS_FP32)
 
         m_i = tl.full([HB], float("-inf"), tl.float32)
         l_i = tl.zeros([HB], tl.float32)
@@ -99,30 +137,10 @@ if triton is not None:
             slot = (t % BS).to(tl.int64)
             kvmask = tmask[:, None] & dmask[None, :]
             k = tl.load(k_base + (blk * skb + slot * skt)[:, None] + d[None, :], mask=kvmask, other=0.0)
-            if IS_FP32:
-                s = tl.dot(q_hi, tl.trans(k), input_precision="ieee")
-            else:
-                kt = tl.trans(k.to(DOT_DT))
-                s = tl.dot(q_hi, kt)
-                if Q_SPLIT:
-                    s = tl.dot(q_lo, kt, s)
-            s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))     # finite: every visited tile has a token < L
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+            s = _scores(q_hi, q_lo, k, DOT_DT, Q_SPLIT, IS_FP32)
+            s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))   # row max finite: a token < L
             v = tl.load(v_base + (blk * svb + slot * svt)[:, None] + d[None, :], mask=kvmask, other=0.0)
-            if IS_FP32:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            else:
-                # p in [0, 1] as hi + lo of the cache dtype: a bare bf16 p costs ~2^-9 relative per weight
-                vd = v.to(DOT_DT)
-                p_hi = p.to(KV_DT)
-                p_lo = (p - p_hi.to(tl.float32)).to(KV_DT)
-                acc = tl.dot(p_hi.to(DOT_DT), vd, acc)
-                acc = tl.dot(p_lo.to(DOT_DT), vd, acc)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, KV_DT, DOT_DT, IS_FP32)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]                 # zeros for an empty range (context_lens[b] == 0)
@@ -384,17 +402,7 @@ if triton is not None:
             qmask = imask[:, None] & dmask[None, :]
             q_off = (r0 + i).to(tl.int64)[:, None] * NQ * D + h * D + d[None, :]
             q = tl.load(q_ptr + q_off, mask=qmask, other=0.0)
-            if IS_FP32:
-                q_hi = q.to(tl.float32)
-                q_lo = q_hi
-            elif Q_SPLIT:                          # as in _split_kernel: q as hi + lo of the cache dtype
-                qf = q.to(tl.float32)
-                q_hi = qf.to(KV_DT)
-                q_lo = (qf - q_hi.to(tl.float32)).to(KV_DT).to(DOT_DT)
-                q_hi = q_hi.to(DOT_DT)
-            else:
-                q_hi = q.to(DOT_DT)
-                q_lo = q_hi
+            q_hi, q_lo = _q_parts(q, KV_DT, DOT_DT, Q_SPLIT, IS_FP32)
             kvh = h // G
             k_base = k_ptr + kvh.to(tl.int64) * skh
             v_base = v_ptr + kvh.to(tl.int64) * svh
@@ -410,30 +418,11 @@ if triton is not None:
                 slot = tl.load(st_row + t, mask=tmask, other=0).to(tl.int64)
                 kvmask = tmask[:, None] & dmask[None, :]
                 k = tl.load(k_base + (slot * skt)[:, None] + d[None, :], mask=kvmask, other=0.0)
-                if IS_FP32:
-                    s = tl.dot(q_hi, tl.trans(k), input_precision="ieee")
-                else:
-                    kt = tl.trans(k.to(DOT_DT))
-                    s = tl.dot(q_hi, kt)
-                    if Q_SPLIT:
-                        s = tl.dot(q_lo, kt, s)
+                s = _scores(q_hi, q_lo, k, DOT_DT, Q_SPLIT, IS_FP32)
                 # every row sees key 0 in the first tile, so its running max is finite from then on
                 s = tl.where((t[None, :] <= qpos[:, None]) & tmask[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
                 v = tl.load(v_base + (slot * svt)[:, None] + d[None, :], mask=kvmask, other=0.0)
-                if IS_FP32:
-                    acc = tl.dot(p, v, acc, input_precision="ieee")
-                else:
-                    vd = v.to(DOT_DT)
-                    p_hi = p.to(KV_DT)
-                    p_lo = (p - p_hi.to(tl.float32)).to(KV_DT)
-                    acc = tl.dot(p_hi.to(DOT_DT), vd, acc)
-                    acc = tl.dot(p_lo.to(DOT_DT), vd, acc)
-                m_i = m_new
+                m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, KV_DT, DOT_DT, IS_FP32)
             o = acc / l_i[:, None]
             tl.store(out_ptr + q_off, o, mask=qmask)
 

@@ -23,3 +23,14 @@ def kernel_device() -> str:
 def dev() -> str:
     pytest.importorskip("triton")
     return kernel_device()
+
+
+def cuda_backend() -> str:
+    """"cuda" (our CUDA kernels), or skip where they cannot be built or loaded here."""
+    from exl3tools.kernels import dispatch
+
+    try:
+        dispatch.get_backend("cuda")
+    except Exception as exc:  # noqa: BLE001 - not built here
+        pytest.skip(f"cuda backend unavailable: {exc}")
+    return "cuda"

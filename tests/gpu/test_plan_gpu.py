@@ -32,6 +32,7 @@ import types
 import pytest
 
 from tests.conftest import REPO, cuda_available, fixture_dir
+from tests.gpu.conftest import cuda_backend
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
@@ -40,16 +41,6 @@ TOKENS = 4096
 BLOCK = 16
 MARKERS = ("mcg", "mul1")
 DERIVED = ("inv_freq", "lut")
-
-
-def _cuda_backend() -> str:
-    from exl3tools.kernels import dispatch
-
-    try:
-        dispatch.get_backend("cuda")
-    except Exception as exc:  # noqa: BLE001 - not built here
-        pytest.skip(f"cuda backend unavailable: {exc}")
-    return "cuda"
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +114,7 @@ def test_plan_bytes_are_what_the_runtime_allocates(model_dir):
     from exl3tools.plan import plan_memory
     from exl3tools.runtime.runner import load_runner
 
-    backend = _cuda_backend()
+    backend = cuda_backend()
     ck = Checkpoint.open(model_dir)
     total = torch.cuda.mem_get_info()[1]
     rank = plan_memory(ck, gpu="cuda", gpu_total=total, block_size=BLOCK, kv_dtype="auto").ranks[0]

@@ -11,21 +11,12 @@ import concurrent.futures as cf
 import pytest
 
 from tests.conftest import cuda_available
+from tests.gpu.conftest import cuda_backend
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 NAMES = ["glm4_moe-3.0bpw-mcg", "llama-4.0bpw-mul1", "qwen3_moe-2.5bpw-mul1"]
 REL = {"fp32": 1e-2, "bf16": 3e-2}     # fp16 kernels (and a bf16 cache) vs the fp32 reference
-
-
-def _cuda_backend() -> str:
-    from exl3tools.kernels import dispatch
-
-    try:
-        dispatch.get_backend("cuda")
-    except Exception as exc:  # noqa: BLE001 - not built here
-        pytest.skip(f"cuda backend unavailable: {exc}")
-    return "cuda"
 
 
 def _rel(a, b) -> float:
@@ -42,7 +33,7 @@ def test_paged_graph_runner_on_cuda_matches_cpu_reference(name, kv):
     from tests.test_paged_runner import Reference, schedule
 
     path = fixture_dir(name) / "model"
-    backend = _cuda_backend()
+    backend = cuda_backend()
     ref_runner = load_runner(path, max_context=48)
     ref = schedule(Reference(ref_runner.model))
     runner = load_runner(path, device="cuda", backend=backend, max_context=48, max_num_seqs=3, block_size=4,
@@ -67,7 +58,7 @@ def test_paged_decode_triton_matches_reference_in_the_model():
     path = fixture_dir("glm4_moe-3.0bpw-mcg") / "model"
     outs = []
     for fn in (paged_attention.paged_decode, paged_attention.paged_decode_reference):
-        r = load_runner(path, device="cuda", backend=_cuda_backend(), max_context=256, max_num_seqs=4,
+        r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=256, max_num_seqs=4,
                         decode="static", kv_dtype="bf16", max_cache_tokens=4096)
         r.paged.decoder._attend = fn
         for i in range(3):
@@ -85,7 +76,7 @@ def test_serve_on_cuda_graphs_prefix_cache_and_seeded_streams():
     from exl3tools.server.testing import LiveServer
     from tests.conftest import DEMO
 
-    backend = _cuda_backend()
+    backend = cuda_backend()
     app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", device="cuda",
                                  backend=backend, max_batch=32, max_context=1024, max_cache_tokens=32768))
     with LiveServer(app) as s:
