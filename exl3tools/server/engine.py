@@ -2,9 +2,12 @@
 
 Each step: drop cancelled sequences (freeing their cache), admit waiting sequences while the batch
 and the KV-cache budget allow, run one ``runner.step`` over a mix of prefill chunks and decode
-tokens, sample each sequence that produced a token, and free the cache of every sequence that
-finished. Results go to the event loop through ``loop.call_soon_threadsafe``, so the loop never
-blocks on the model. The engine never touches a device: the runner and ``runtime.sampling`` do.
+tokens, sample each sequence that produced a token (on the logits' device), and free the cache of
+every sequence that finished. When the next step is certain to decode the same sequences, it is
+chained: launched on the sampled tokens before the host reads them (``_chain``), so the GPU runs
+step N+1 while the host emits step N. Results go to the event loop through
+``loop.call_soon_threadsafe``, so the loop never blocks on the model. The engine never touches a
+device: the runner and ``runtime.sampling`` do.
 """
 
 from __future__ import annotations
