@@ -84,10 +84,10 @@ class _Inflight:
     """A launched step: the rows that produce a token ((row, sequence)), the device logits and
     the device tokens sampled from them (None: sampled when read)."""
 
-    __slots__ = ("ready", "logits", "tokens", "chained")
+    __slots__ = ("ready", "logits", "tokens")
 
-    def __init__(self, ready: list, logits: Any, tokens: Any, chained: bool = False) -> None:
-        self.ready, self.logits, self.tokens, self.chained = ready, logits, tokens, chained
+    def __init__(self, ready: list, logits: Any, tokens: Any) -> None:
+        self.ready, self.logits, self.tokens = ready, logits, tokens
 
 
 class RequestHandle:
@@ -421,7 +421,7 @@ class Engine:
         for seq in seqs:
             seq.num_cached += 1
         ready = list(enumerate(seqs))
-        return _Inflight(ready, logits, self._launch_sample(logits, ready), chained=True)
+        return _Inflight(ready, logits, self._launch_sample(logits, ready))
 
     def _ensure_generators(self, ready: list[tuple[int, Sequence]], device: Any) -> None:
         for _, seq in ready:
