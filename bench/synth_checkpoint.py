@@ -553,16 +553,14 @@ def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05}-of-{n:05}.safetensors" for i in range(n)]
     summary = {"path": str(out), "architecture": cfg["architectures"][0], "files": names,
                "bytes": sum(t.nbytes for m in mods for t in m.tensors), "families": family_bytes(mods),
-               "linears": sum(m.bits is not None for m in mods), "mtp_layers": int(cfg.get("num_nextn_predict_layers")
-                                                                                   or 0) if any(m.mtp for m in mods) else 0}
+               "linears": sum(m.bits is not None for m in mods),
+               "mtp_layers": len({m.top for m in mods if m.mtp})}
     if dry_run:
         return {**summary, "seconds": 0.0, "dry_run": True}
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
     src = Source(seed)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05}-of-{n:05}.safetensors" for i in range(n)]
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards, strict=True):
         tensors = [t for m in shard for t in m.tensors]
