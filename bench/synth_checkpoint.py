@@ -1,21 +1,51 @@
-"""Write a synthetic EXL3 checkpoint with GLM-4.5-Air dimensions (random trellis, valid structure).
+"""Write a synthetic EXL3 checkpoint with real MoE model dimensions (random trellis, valid structure).
 
-    python3 bench/synth_checkpoint.py OUT_DIR [--layers 6] [--dense-layers 1] [--experts 128]
-        [--bits 3] [--head-bits 6] [--codebook mul1] [--shard-mb 2048] [--seed 0] [--small]
+    python3 bench/synth_checkpoint.py OUT_DIR [--arch glm4_moe|glm5|deepseek_v3] [--layers N]
+        [--dense-layers N] [--experts N] [--bits 3] [--head-bits 6] [--mtp-bits 4] [--no-mtp]
+        [--index-share] [--grouped-routing] [--codebook mul1] [--shard-mb 2048] [--seed 0]
+        [--small] [--sparse] [--dry-run]
 
 Any int16 bit pattern is a valid trellis (exl3-format.md §3.5), so random bytes decode to valid
-weights: this is the model the end-to-end decode benchmark (bench/gpu_e2e_model.py) loads into
-exllamav3 1.6.5 and into our runtime. Layout copies fixture glm4_moe-3.0bpw-mcg, written by
-exllamav3 1.6.5's converter: tensor names, dtypes and shapes, the tensor_storage map of
-quantization_config.json, module-granular shards (`model-0000i-of-0000N.safetensors` + index).
+weights: these are the models the decode and serving benchmarks (bench/gpu_e2e_model.py,
+bench/gpu_serve.py) load into exllamav3 1.6.5 and into our runtime. Three shapes (`--arch`):
+
+- `glm4_moe` (default): GLM-4.5-Air (zai-org/GLM-4.5-Air config.json), 6 layers (1 dense) by
+  default, 6.2 GB at 3 bpw. Layout copies fixture glm4_moe-3.0bpw-mcg.
+- `glm5` (glm_moe_dsa): GLM-5 (zai-org/GLM-5 config.json: hidden 6144, 64 heads, q_lora 2048,
+  kv_lora 512, nope 192 / rope 64 / v 256, DSA indexer 32 x 128 with index_topk 2048, 256 routed
+  experts top-8 + 1 shared of 2048, dense 12288, vocab 154880), 6 layers (3 dense + 3 MoE) + the
+  MTP layer by default: 19.4 GB at 3 bpw (of it the MTP layer at 4 bpw, 5.0 GB). Layout copies
+  fixture glm5_moe_dsa-3.0bpw-mul1 (MTP included): every layer's indexer_types is "full"
+  (GLM-5/5.1); `--index-share` writes GLM-5.2's IndexShare schedule instead ("full" on layers 0-2
+  and every 4th layer from 2; "shared" layers carry no indexer tensors; exllamav3 1.6.5's converter
+  cannot make these, its loader and ours read them).
+- `deepseek_v3`: DeepSeek-V3 (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, nope 128 / rope 64
+  / v 128, 256 routed experts top-8 + 1 shared of 2048, dense 18432, vocab 129280, YaRN x40), 6
+  layers (3 dense + 3 MoE) + an MTP layer by default: 22.2 GB at 3 bpw (MTP layer 5.8 GB). Layout
+  copies fixture deepseek_v3-3.0bpw-3inst; its MTP layer is named like GLM-5's (exllamav3 drops
+  DeepSeek's MTP when converting, and our runtime does not load it for deepseek_v3 yet). Routing is
+  written flat (n_group 1, topk_group 1) because our runtime and exllamav3 1.6.5 both refuse
+  group-limited routing; `--grouped-routing` writes DeepSeek-V3's n_group 8 / topk_group 4 (same
+  tensors; for header-only tools such as plan and validate).
+
+Layout, as exllamav3 1.6.5's converter writes it: tensor names, dtypes and shapes, the tensor_storage
+map of quantization_config.json (MLA kv_b_proj and the MTP layer stored but not listed there),
+module-granular shards (`model-0000i-of-0000N.safetensors` + index).
 
 - EXL3 linears: trellis I16 [k/16, n/16, 16K], suh/svh F16, marker I32 0-d (none for 3inst),
-  q/k/v bias F16. suh = ±1, svh = ±1/sqrt(k) (the quantizer folds every scale into these; this
-  keeps activations O(1) so exllamav3's fp16 path neither overflows nor flattens); svh = 0 on
-  padded output columns (dense intermediate 10944 -> 11008).
-- embed_tokens / norms BF16, router F16 [E, H], e_score_correction_bias F32 [E].
-- Memory is bounded: tensors are generated per linear (largest: lm_head, ~470 MB at K=6) and
-  streamed through ShardWriter; nothing is held per shard. Random bytes come from numpy SFC64.
+  q/k/v bias F16 (glm4_moe). suh = ±1, svh = ±1/sqrt(k) (the quantizer folds every scale into
+  these; this keeps activations O(1) so exllamav3's fp16 path neither overflows nor flattens);
+  svh = 0 on padded output columns (dense intermediate 10944 -> 11008, MLA kv_a 576 -> 640).
+- embed_tokens / norms BF16, router F16 [E, H], e_score_correction_bias F32 [E]; MLA kv_b_proj F16
+  [heads x (nope + v), kv_lora]; DSA indexer wk F16 [index_head_dim, H], weights_proj F16
+  [index_n_heads, H], k_norm weight/bias F16 [index_head_dim] (wq_b is EXL3).
+- MTP layer (`model.layers.{num_hidden_layers}`, as the GLM-5 fixture): enorm, hnorm, eh_proj
+  (EXL3 2H -> H), a full decoder block (MLA, indexer for GLM-5, MoE), shared_head.norm; all EXL3
+  at `--mtp-bits` (the converter's default 4); no copy of the embedding or lm_head.
+- Memory is bounded: tensors are generated per linear and streamed through ShardWriter; nothing
+  is held per shard. Random bytes come from numpy SFC64.
+- `--small`: a tiny same-architecture variant for CPU tests. `--sparse`: headers only, data left
+  as holes. `--dry-run`: print the plan (bytes per family, files) and write nothing.
 - tokenizer.json / tokenizer_config.json / generation_config.json come from the fixture; its
   2048-entry vocabulary is padded with `<|synth_i|>` tokens up to vocab_size so every sampled id
   decodes (exllamav3's Generator streams text).
@@ -60,6 +90,48 @@ SMALL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head
              intermediate_size=320, moe_intermediate_size=128, n_routed_experts=16,
              num_experts_per_tok=4, n_shared_experts=1, vocab_size=2048, rope_theta=10000.0,
              routed_scaling_factor=2.5, max_position_embeddings=4096)
+
+# GLM-5 (zai-org/GLM-5 config.json, as mirrored by unsloth/GLM-5 and NeMo's GlmMoeDsaConfig
+# defaults; GLM-5.1 and GLM-5.2 have the same shapes). Keys are config.json's.
+GLM5 = dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+            qk_rope_head_dim=64, v_head_dim=256, intermediate_size=12288, moe_intermediate_size=2048,
+            n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, index_n_heads=32, index_head_dim=128,
+            index_topk=2048, vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-05,
+            routed_scaling_factor=2.5, rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"})
+# the fixture's attention widths (latent 512, head dims 192/64/256, indexer 4 x 128) on a tiny body;
+# index_topk 32 so a 40-token prompt already takes the sparse path
+GLM5_SMALL = dict(GLM5, hidden_size=256, num_attention_heads=4, q_lora_rank=256, intermediate_size=256,
+                  moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4, index_n_heads=4,
+                  index_topk=32, vocab_size=2048, max_position_embeddings=4096)
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json; rope_scaling in transformers-5 form)
+DSV3 = dict(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432, moe_intermediate_size=2048,
+            n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
+            vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-06, routed_scaling_factor=2.5,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", "factor": 40.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0})
+DSV3_SMALL = dict(DSV3, hidden_size=256, num_attention_heads=4, q_lora_rank=256, intermediate_size=512,
+                  moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=4, vocab_size=2048)
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    model_type: str
+    full: dict
+    small: dict
+    layers: int            # default num_hidden_layers (MTP layer not counted)
+    dense_layers: int      # default first_k_dense_replace
+    small_layers: int
+    small_dense: int
+    codebook: str = "mul1"
+
+
+ARCHS = {
+    "glm4_moe": Arch("glm4_moe", AIR, SMALL, 6, 1, 3, 1),
+    "glm5": Arch("glm_moe_dsa", GLM5, GLM5_SMALL, 6, 3, 4, 1),
+    "deepseek_v3": Arch("deepseek_v3", DSV3, DSV3_SMALL, 6, 3, 4, 1),
+}
 
 
 def pad128(x: int) -> int:
@@ -111,14 +183,85 @@ def make_config(dims: dict, layers: int, dense_layers: int, experts: int | None)
     }
 
 
+def index_share_types(n: int) -> list[str]:
+    """GLM-5.2's IndexShare schedule (config.json indexer_types): "full" on layers 0-2 and on every
+    4th layer from 2; the 3 layers after each reuse its top-k ("shared")."""
+    return ["full" if i < 3 or i % 4 == 2 else "shared" for i in range(n)]
+
+
+def make_mla_config(arch: str, dims: dict, layers: int, dense_layers: int, experts: int | None, *,
+                    mtp: bool = True, index_share: bool = False, grouped_routing: bool = False) -> dict:
+    """config.json (before quantization_config) for glm5 / deepseek_v3, in the fixtures' transformers-5
+    form (same keys as glm5_moe_dsa-3.0bpw-mul1 / deepseek_v3-3.0bpw-3inst), real values from dims."""
+    d = dict(dims)
+    if experts is not None:
+        d["n_routed_experts"] = experts
+    d["num_experts_per_tok"] = min(d["num_experts_per_tok"], d["n_routed_experts"])
+    nope, rope, nh = d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["num_attention_heads"]
+    groups = (d.get("n_group", 1), d.get("topk_group", 1)) if grouped_routing else (1, 1)
+    if groups[0] > 1 and d["n_routed_experts"] % groups[0]:
+        raise SystemExit(f"--experts {d['n_routed_experts']} is not a multiple of n_group {groups[0]}")
+    cfg = {
+        "architectures": ["GlmMoeDsaForCausalLM" if arch == "glm5" else "DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,                  # the fixture tokenizer's ids, not the real model's
+        "dtype": "bfloat16",
+        "eos_token_id": 2,
+        "first_k_dense_replace": dense_layers,
+        "head_dim": rope,                   # transformers: head_dim = qk_rope_head_dim for MLA
+        "hidden_act": "silu",
+        "hidden_size": d["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": d["intermediate_size"],
+        "kv_lora_rank": d["kv_lora_rank"],
+        "max_position_embeddings": d["max_position_embeddings"],
+        "model_type": ARCHS[arch].model_type,
+        "moe_intermediate_size": d["moe_intermediate_size"],
+        "n_group": groups[0],
+        "n_routed_experts": d["n_routed_experts"],
+        "n_shared_experts": d["n_shared_experts"],
+        "norm_topk_prob": True,
+        "num_attention_heads": nh,
+        "num_experts_per_tok": d["num_experts_per_tok"],
+        "num_hidden_layers": layers,
+        "num_key_value_heads": nh,
+        "num_nextn_predict_layers": 1 if mtp else 0,
+        "pad_token_id": 0,
+        "q_lora_rank": d["q_lora_rank"],
+        "qk_head_dim": nope + rope,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "rms_norm_eps": d["rms_norm_eps"],
+        "rope_parameters": dict(d["rope_parameters"]),
+        "routed_scaling_factor": d["routed_scaling_factor"],
+        "tie_word_embeddings": False,
+        "topk_group": groups[1],
+        "transformers_version": "5.17.0",
+        "use_cache": True,
+        "v_head_dim": d["v_head_dim"],
+        "vocab_size": d["vocab_size"],
+    }
+    if arch == "glm5":
+        cfg |= {"index_head_dim": d["index_head_dim"], "index_n_heads": d["index_n_heads"],
+                "index_topk": d["index_topk"],
+                "indexer_types": index_share_types(layers) if index_share else ["full"] * layers,
+                "layer_types": ["deepseek_sparse_attention"] * layers, "mlp_bias": False,
+                "mlp_layer_types": ["dense" if i < dense_layers else "sparse" for i in range(layers)]}
+    else:
+        cfg |= {"pretraining_tp": 1, "rope_interleave": True}
+    return dict(sorted(cfg.items()))
+
+
 # ------------------------------------------------------------------ plan
 @dataclass(frozen=True, slots=True)
 class Tensor:
     name: str
     dtype: str                 # safetensors dtype
     shape: tuple[int, ...]
-    kind: str                  # trellis | suh | svh | bias | marker | embed | norm | router | score_bias
+    kind: str                  # trellis | suh | svh | bias | marker | embed | norm | norm16 | normal | router | score_bias
     real: int = 0              # svh: real out width (columns past it are 0)
+    std: float = 0.0           # normal: F16 N(0, std^2)
 
     @property
     def nbytes(self) -> int:
@@ -132,9 +275,12 @@ class Module:
     tensors: tuple[Tensor, ...]
     bits: float | None = None  # EXL3 leaves only
     codebook: str = ""
+    listed: bool = True        # in tensor_storage (the converter leaves out MLA kv_b_proj and the MTP layer)
+    mtp: bool = False
 
 
-def exl3_module(key: str, top: str, k_real: int, n_real: int, bits: float, codebook: str, bias: bool) -> Module:
+def exl3_module(key: str, top: str, k_real: int, n_real: int, bits: float, codebook: str, bias: bool,
+                mtp: bool = False) -> Module:
     k, n = pad128(k_real), pad128(n_real)
     width = int(round(16 * bits)) if bits == int(bits) else 16 * int(bits) + 8
     ts = [Tensor(f"{key}.suh", "F16", (k,), "suh"), Tensor(f"{key}.svh", "F16", (n,), "svh", real=n_real)]
@@ -143,11 +289,13 @@ def exl3_module(key: str, top: str, k_real: int, n_real: int, bits: float, codeb
     if codebook in MARKERS:
         ts.append(Tensor(f"{key}.{codebook}", "I32", (), "marker"))
     ts.append(Tensor(f"{key}.trellis", "I16", (k // 16, n // 16, width), "trellis"))
-    return Module(key, top, tuple(ts), bits, codebook)
+    return Module(key, top, tuple(ts), bits, codebook, listed=not mtp, mtp=mtp)
 
 
-def plan(cfg: dict, bits: float, head_bits: float, codebook: str) -> list[Module]:
+def plan(cfg: dict, bits: float, head_bits: float, codebook: str, mtp_bits: float = 4) -> list[Module]:
     """Every leaf module in the converter's order (fixture tensor_storage order)."""
+    if cfg["model_type"] != "glm4_moe":
+        return plan_mla(cfg, bits, head_bits, codebook, mtp_bits)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     E, Im, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
@@ -181,6 +329,89 @@ def plan(cfg: dict, bits: float, head_bits: float, codebook: str) -> list[Module
     return mods
 
 
+def plan_mla(cfg: dict, bits: float, head_bits: float, codebook: str, mtp_bits: float) -> list[Module]:
+    """glm_moe_dsa / deepseek_v3: leaf modules in the converter's tensor_storage order (fixtures
+    glm5_moe_dsa-3.0bpw-mul1, deepseek_v3-3.0bpw-3inst); the MTP layer, unlisted, after lm_head."""
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    nh, ql, kvl = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    E, Im, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    Is = Im * cfg["n_shared_experts"]
+    dsa = cfg["model_type"] == "glm_moe_dsa"
+    indexer = cfg.get("indexer_types") or []
+
+    def layer(li: int, mtp: bool) -> list[Module]:
+        p = f"model.layers.{li}"
+        b = mtp_bits if mtp else bits
+
+        def dense(name, shape, kind, dtype="BF16", std=0.0, listed=True):
+            return Module(f"{p}.{name}", p, (Tensor(f"{p}.{name}.weight", dtype, shape, kind, std=std),),
+                          listed=listed and not mtp, mtp=mtp)
+
+        def lin(name, k, n):
+            return exl3_module(f"{p}.{name}", p, k, n, b, codebook, False, mtp)
+
+        mods = []
+        if mtp:
+            mods += [dense("enorm", (H,), "norm"), dense("hnorm", (H,), "norm"), lin("eh_proj", 2 * H, H)]
+        mods += [dense("input_layernorm", (H,), "norm"),
+                 lin("self_attn.q_a_proj", H, ql), dense("self_attn.q_a_layernorm", (ql,), "norm"),
+                 lin("self_attn.q_b_proj", ql, nh * (nope + rope)),
+                 lin("self_attn.kv_a_proj_with_mqa", H, kvl + rope), dense("self_attn.kv_a_layernorm", (kvl,), "norm"),
+                 dense("self_attn.kv_b_proj", (nh * (nope + vd), kvl), "normal", "F16", kvl ** -0.5, listed=False),
+                 lin("self_attn.o_proj", nh * vd, H)]
+        if dsa and (mtp or indexer[li] == "full"):      # "shared" layers reuse an earlier top-k: no indexer
+            ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
+            ip = f"{p}.self_attn.indexer"
+            mods += [lin("self_attn.indexer.wq_b", ql, ih * ihd),
+                     dense("self_attn.indexer.wk", (ihd, H), "normal", "F16", H ** -0.5),
+                     Module(f"{ip}.k_norm", p, (Tensor(f"{ip}.k_norm.bias", "F16", (ihd,), "normal", std=0.02),
+                                                Tensor(f"{ip}.k_norm.weight", "F16", (ihd,), "norm16")),
+                            listed=not mtp, mtp=mtp),
+                     dense("self_attn.indexer.weights_proj", (ih, H), "normal", "F16", H ** -0.5)]
+        mods.append(dense("post_attention_layernorm", (H,), "norm"))
+        if not mtp and li < cfg["first_k_dense_replace"]:
+            mods += [lin("mlp.up_proj", H, Id), lin("mlp.gate_proj", H, Id), lin("mlp.down_proj", Id, H)]
+        else:
+            mods.append(Module(f"{p}.mlp.gate", p, (Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (E,), "score_bias"),
+                                                    Tensor(f"{p}.mlp.gate.weight", "F16", (E, H), "router")),
+                               listed=not mtp, mtp=mtp))
+            for e in range(E):
+                mods += [lin(f"mlp.experts.{e}.up_proj", H, Im), lin(f"mlp.experts.{e}.gate_proj", H, Im),
+                         lin(f"mlp.experts.{e}.down_proj", Im, H)]
+            if cfg["n_shared_experts"]:
+                mods += [lin("mlp.shared_experts.up_proj", H, Is), lin("mlp.shared_experts.gate_proj", H, Is),
+                         lin("mlp.shared_experts.down_proj", Is, H)]
+        if mtp:
+            mods.append(dense("shared_head.norm", (H,), "norm"))
+        return mods
+
+    mods = [Module("model.embed_tokens", "model.embed_tokens", (Tensor("model.embed_tokens.weight", "BF16", (V, H), "embed"),))]
+    for li in range(L):
+        mods += layer(li, False)
+    mods.append(Module("model.norm", "model.norm", (Tensor("model.norm.weight", "BF16", (H,), "norm"),)))
+    mods.append(exl3_module("lm_head", "lm_head", H, V, head_bits, codebook, False))
+    for li in range(L, L + int(cfg.get("num_nextn_predict_layers") or 0)):
+        mods += layer(li, True)
+    return mods
+
+
+FAMILY_ORDER = ("embed", "attention", "dense_mlp", "experts", "shared_experts", "router", "norms", "head", "mtp")
+
+
+def family_bytes(mods: list[Module]) -> dict[str, int]:
+    """Tensor bytes per family (the --dry-run breakdown)."""
+    out = dict.fromkeys(FAMILY_ORDER, 0)
+    for m in mods:
+        n = sum(t.nbytes for t in m.tensors)
+        fam = ("mtp" if m.mtp else "embed" if m.key == "model.embed_tokens" else "head" if m.key == "lm_head"
+               else "experts" if ".mlp.experts." in m.key else "shared_experts" if ".shared_experts." in m.key
+               else "router" if m.key.endswith(".mlp.gate") else "attention" if ".self_attn." in m.key
+               and m.tensors[0].kind != "norm" else "dense_mlp" if ".mlp." in m.key else "norms")
+        out[fam] += n
+    return out
+
+
 def shard_plan(mods: list[Module], shard_bytes: int) -> list[list[Module]]:
     """Pack whole top-level modules in order into shards of at most shard_bytes (an oversized
     module gets its own shard), as exllamav3's compile does."""
@@ -207,6 +438,8 @@ def tensor_storage(mods: list[Module]) -> dict:
                    "F32": "torch.float32"}
     out = {}
     for m in mods:
+        if not m.listed:
+            continue
         entry: dict = {"stored_tensors": {t.name: {"shape": list(t.shape), "n_bytes": t.nbytes,
                                                     "dtype": torch_dtype[t.dtype]} for t in m.tensors}}
         if m.bits is not None:
@@ -247,6 +480,10 @@ class Source:
                 done += m
         elif t.kind == "norm":              # bf16 1.0 .. 1.12
             yield (0x3F80 | (self.u16(n) & 0x000F)).astype(np.uint16)
+        elif t.kind == "norm16":            # fp16 1.0 .. 1.12 (DSA indexer k_norm, a LayerNorm)
+            yield (1.0 + (self.u16(n) & 0x000F) / 128).astype(np.float16)
+        elif t.kind == "normal":            # fp16 N(0, std^2): kv_b_proj, indexer wk / weights_proj / k_norm bias
+            yield (self.rng.standard_normal(n, dtype=np.float32) * t.std).astype(np.float16)
         elif t.kind == "suh":               # ±1
             yield np.where(self.u16(n) & 1, 1.0, -1.0).astype(np.float16)
         elif t.kind == "svh":               # ±1/sqrt(k); exactly 0 on padded output columns
@@ -267,33 +504,63 @@ class Source:
             raise ValueError(t.kind)
 
 
-def write_checkpoint(out: Path, *, layers: int = 6, dense_layers: int = 1, experts: int | None = None,
-                     bits: float = 3, head_bits: float = 6, codebook: str = "mul1", small: bool = False,
-                     shard_mb: int = 2048, seed: int = 0, progress: bool = False, dims: dict | None = None,
-                     sparse: bool = False) -> dict:
-    """Write the checkpoint into ``out``; returns a summary (files, bytes, seconds). ``dims``
-    overrides the AIR / SMALL dimension set (tests rebuild the fixture's dims with it). ``sparse``:
-    headers only, the tensor data a hole (zeros, no disk): a checkpoint larger than any GPU for the
-    plan/preflight tests, which read headers only; not one to run."""
+def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layers: int | None = None,
+               experts: int | None = None, bits: float = 3, head_bits: float = 6, mtp_bits: float = 4,
+               mtp: bool = True, index_share: bool = False, grouped_routing: bool = False, codebook: str = "mul1",
+               small: bool = False, dims: dict | None = None) -> tuple[dict, dict, list[Module]]:
+    """(config.json, quantization_config, leaf modules): the checkpoint as a value, nothing written.
+    ``mtp``, ``mtp_bits``: glm5 / deepseek_v3 only (glm4_moe gets no MTP layer, as the fixture)."""
+    if arch not in ARCHS:
+        raise SystemExit(f"unknown --arch {arch!r} (one of {', '.join(ARCHS)})")
+    a = ARCHS[arch]
     if codebook not in ("mul1", "mcg", "3inst"):
         raise SystemExit(f"unknown codebook {codebook!r}")
-    for b in (bits, head_bits):
+    for b in (bits, head_bits, mtp_bits):
         if b not in (1, 2, 3, 4, 5, 6, 7, 8, 1.5, 2.5, 3.5) or (b != int(b) and codebook != "mul1"):
             raise SystemExit(f"bits {b}: need 1..8, or 1.5/2.5/3.5 with mul1")
-    if not 0 <= dense_layers <= layers:
-        raise SystemExit("--dense-layers must be within 0..--layers")
-    t0 = time.time()
-    cfg = make_config(dims or (SMALL if small else AIR), layers, dense_layers, experts)
+    if index_share and arch != "glm5":
+        raise SystemExit("--index-share is a glm5 option (GLM-5.2's shared DSA indexers)")
+    if grouped_routing and arch != "deepseek_v3":
+        raise SystemExit("--grouped-routing is a deepseek_v3 option (GLM-5 routes with n_group 1)")
+    layers = a.layers if layers is None else layers
+    dense_layers = (a.small_dense if small else a.dense_layers) if dense_layers is None else dense_layers
+    if layers < 1 or not 0 <= dense_layers <= layers:
+        raise SystemExit("--layers must be >= 1 and --dense-layers within 0..--layers")
+    d = dims or (a.small if small else a.full)
     qcfg = {"quant_method": "exl3", "version": VERSION, "bits": float(bits), "head_bits": head_bits,
             "calibration": {"rows": 250, "cols": 2048}, "out_scales": "auto", "codebook": codebook}
-    mods = plan(cfg, bits, head_bits, codebook)
+    if arch == "glm4_moe":
+        cfg = make_config(d, layers, dense_layers, experts)
+    else:
+        cfg = make_mla_config(arch, d, layers, dense_layers, experts, mtp=mtp, index_share=index_share,
+                              grouped_routing=grouped_routing)
+        if mtp:
+            qcfg["mtp_bits"] = mtp_bits         # compile.py writes it whenever an MTP model is converted
+    return cfg, qcfg, plan(cfg, bits, head_bits, codebook, mtp_bits)
+
+
+def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress: bool = False,
+                     sparse: bool = False, dry_run: bool = False, **opts) -> dict:
+    """Write the checkpoint into ``out``; returns a summary (files, bytes, bytes per family, seconds).
+    ``opts`` are build_plan's; ``dims`` overrides the arch's full / small dimension set (tests rebuild
+    the fixtures' dims with it). ``sparse``: headers only, the tensor data a hole (zeros, no disk): a
+    checkpoint larger than any GPU for the plan/preflight tests, which read headers only; not one to
+    run. ``dry_run``: the summary only, nothing written."""
+    t0 = time.time()
+    cfg, qcfg, mods = build_plan(**opts)
     shards = shard_plan(mods, shard_mb << 20)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05}-of-{n:05}.safetensors" for i in range(n)]
+    summary = {"path": str(out), "architecture": cfg["architectures"][0], "files": names,
+               "bytes": sum(t.nbytes for m in mods for t in m.tensors), "families": family_bytes(mods),
+               "linears": sum(m.bits is not None for m in mods),
+               "mtp_layers": len({m.top for m in mods if m.mtp})}
+    if dry_run:
+        return {**summary, "seconds": 0.0, "dry_run": True}
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
     src = Source(seed)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05}-of-{n:05}.safetensors" for i in range(n)]
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards, strict=True):
         tensors = [t for m in shard for t in m.tensors]
@@ -326,8 +593,8 @@ def write_checkpoint(out: Path, *, layers: int = 6, dense_layers: int = 1, exper
         write_atomic(out / "model.safetensors.index.json", index_json(weight_map, total))
     write_atomic(out / "config.json", json_bytes({**cfg, "quantization_config": qcfg}, 4))  # last: the manifest
     fsync_dir(out)
-    return {"path": str(out), "files": names, "bytes": total, "seconds": round(time.time() - t0, 2),
-            "linears": sum(m.bits is not None for m in mods)}
+    assert total == summary["bytes"]
+    return {**summary, "seconds": round(time.time() - t0, 2)}
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -346,23 +613,39 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 6; 3 with --small)")
-    ap.add_argument("--dense-layers", type=int, default=1)
-    ap.add_argument("--experts", type=int, default=None, help="routed experts (default 128; 16 with --small)")
+    ap.add_argument("--arch", default="glm4_moe", choices=tuple(ARCHS),
+                    help="glm4_moe (GLM-4.5-Air), glm5 (glm_moe_dsa), deepseek_v3")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers, MTP layer not counted (default 6; --small: 3, or 4 for glm5/deepseek_v3)")
+    ap.add_argument("--dense-layers", type=int, default=None,
+                    help="first_k_dense_replace (default 1; 3 for glm5/deepseek_v3, 1 with --small)")
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default 128 / 256; 16 with --small)")
     ap.add_argument("--bits", type=float, default=3)
     ap.add_argument("--head-bits", type=float, default=6)
+    ap.add_argument("--mtp-bits", type=float, default=4, help="MTP layer K (glm5/deepseek_v3; converter default 4)")
+    ap.add_argument("--no-mtp", action="store_true", help="glm5/deepseek_v3: write no MTP layer")
+    ap.add_argument("--index-share", action="store_true",
+                    help="glm5: GLM-5.2's IndexShare indexer_types (full/shared) instead of all full")
+    ap.add_argument("--grouped-routing", action="store_true",
+                    help="deepseek_v3: n_group 8 / topk_group 4 as DeepSeek-V3 (our runtime and exllamav3 refuse it)")
     ap.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
     ap.add_argument("--shard-mb", type=int, default=2048, help="max shard size in MiB (whole layers per shard)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny same-architecture variant for CPU tests")
     ap.add_argument("--sparse", action="store_true", help="headers only, data left as holes (plan tests)")
+    ap.add_argument("--dry-run", action="store_true", help="print the sizes and write nothing")
     a = ap.parse_args(argv)
     num = lambda x: int(x) if x == int(x) else x  # noqa: E731
-    s = write_checkpoint(a.out, layers=a.layers or (3 if a.small else 6), dense_layers=a.dense_layers,
-                         experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits), codebook=a.codebook,
-                         small=a.small, shard_mb=a.shard_mb, seed=a.seed, progress=True, sparse=a.sparse)
-    print(f"wrote {s['path']}: {len(s['files'])} file(s), {s['bytes'] / 1e9:.3f} GB tensor data, "
-          f"{s['linears']} EXL3 linears, {s['seconds']} s")
+    arch = ARCHS[a.arch]
+    s = write_checkpoint(a.out, arch=a.arch, layers=a.layers or (arch.small_layers if a.small else arch.layers),
+                         dense_layers=a.dense_layers, experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits),
+                         mtp_bits=num(a.mtp_bits), mtp=not a.no_mtp, index_share=a.index_share,
+                         grouped_routing=a.grouped_routing, codebook=a.codebook, small=a.small, shard_mb=a.shard_mb,
+                         seed=a.seed, progress=True, sparse=a.sparse, dry_run=a.dry_run)
+    fams = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in s["families"].items() if v)
+    verb = "would write" if a.dry_run else "wrote"
+    print(f"{verb} {s['path']}: {s['architecture']}, {len(s['files'])} file(s), {s['bytes'] / 1e9:.3f} GB tensor data "
+          f"({fams} GB), {s['linears']} EXL3 linears, {s['mtp_layers']} MTP layer(s), {s['seconds']} s")
     return 0
 
 
