@@ -292,13 +292,28 @@ def exl3_module(key: str, top: str, k_real: int, n_real: int, bits: float, codeb
     return Module(key, top, tuple(ts), bits, codebook, listed=not mtp, mtp=mtp)
 
 
+def moe_modules(p: str, lin, cfg: dict, H: int, Im: int, Is: int, mtp: bool = False) -> list[Module]:
+    """A MoE block in the converter's order: router (score bias + weight), routed experts, shared."""
+    E = cfg["n_routed_experts"]
+    mods = [Module(f"{p}.mlp.gate", p, (Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (E,), "score_bias"),
+                                        Tensor(f"{p}.mlp.gate.weight", "F16", (E, H), "router")),
+                   listed=not mtp, mtp=mtp)]
+    for e in range(E):
+        mods += [lin(f"mlp.experts.{e}.up_proj", H, Im), lin(f"mlp.experts.{e}.gate_proj", H, Im),
+                 lin(f"mlp.experts.{e}.down_proj", Im, H)]
+    if cfg["n_shared_experts"]:
+        mods += [lin("mlp.shared_experts.up_proj", H, Is), lin("mlp.shared_experts.gate_proj", H, Is),
+                 lin("mlp.shared_experts.down_proj", Is, H)]
+    return mods
+
+
 def plan(cfg: dict, bits: float, head_bits: float, codebook: str, mtp_bits: float = 4) -> list[Module]:
     """Every leaf module in the converter's order (fixture tensor_storage order)."""
     if cfg["model_type"] != "glm4_moe":
         return plan_mla(cfg, bits, head_bits, codebook, mtp_bits)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    E, Im, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    Im, Id = cfg["moe_intermediate_size"], cfg["intermediate_size"]
     Is = Im * cfg["n_shared_experts"]
     mods = [Module("model.embed_tokens", "model.embed_tokens",
                    (Tensor("model.embed_tokens.weight", "BF16", (V, H), "embed"),))]
@@ -316,14 +331,7 @@ def plan(cfg: dict, bits: float, head_bits: float, codebook: str, mtp_bits: floa
         if li < cfg["first_k_dense_replace"]:
             mods += [lin("mlp.up_proj", H, Id), lin("mlp.gate_proj", H, Id), lin("mlp.down_proj", Id, H)]
             continue
-        mods.append(Module(f"{p}.mlp.gate", p, (Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (E,), "score_bias"),
-                                                Tensor(f"{p}.mlp.gate.weight", "F16", (E, H), "router"))))
-        for e in range(E):
-            mods += [lin(f"mlp.experts.{e}.up_proj", H, Im), lin(f"mlp.experts.{e}.gate_proj", H, Im),
-                     lin(f"mlp.experts.{e}.down_proj", Im, H)]
-        if cfg["n_shared_experts"]:
-            mods += [lin("mlp.shared_experts.up_proj", H, Is), lin("mlp.shared_experts.gate_proj", H, Is),
-                     lin("mlp.shared_experts.down_proj", Is, H)]
+        mods += moe_modules(p, lin, cfg, H, Im, Is)
     mods.append(Module("model.norm", "model.norm", (Tensor("model.norm.weight", "BF16", (H,), "norm"),)))
     mods.append(exl3_module("lm_head", "lm_head", H, V, head_bits, codebook, False))
     return mods
@@ -335,7 +343,7 @@ def plan_mla(cfg: dict, bits: float, head_bits: float, codebook: str, mtp_bits: 
     H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     nh, ql, kvl = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    E, Im, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    Im, Id = cfg["moe_intermediate_size"], cfg["intermediate_size"]
     Is = Im * cfg["n_shared_experts"]
     dsa = cfg["model_type"] == "glm_moe_dsa"
     indexer = cfg.get("indexer_types") or []
@@ -373,15 +381,7 @@ def plan_mla(cfg: dict, bits: float, head_bits: float, codebook: str, mtp_bits: 
         if not mtp and li < cfg["first_k_dense_replace"]:
             mods += [lin("mlp.up_proj", H, Id), lin("mlp.gate_proj", H, Id), lin("mlp.down_proj", Id, H)]
         else:
-            mods.append(Module(f"{p}.mlp.gate", p, (Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (E,), "score_bias"),
-                                                    Tensor(f"{p}.mlp.gate.weight", "F16", (E, H), "router")),
-                               listed=not mtp, mtp=mtp))
-            for e in range(E):
-                mods += [lin(f"mlp.experts.{e}.up_proj", H, Im), lin(f"mlp.experts.{e}.gate_proj", H, Im),
-                         lin(f"mlp.experts.{e}.down_proj", Im, H)]
-            if cfg["n_shared_experts"]:
-                mods += [lin("mlp.shared_experts.up_proj", H, Is), lin("mlp.shared_experts.gate_proj", H, Is),
-                         lin("mlp.shared_experts.down_proj", Is, H)]
+            mods += moe_modules(p, lin, cfg, H, Im, Is, mtp=mtp)
         if mtp:
             mods.append(dense("shared_head.norm", (H,), "norm"))
         return mods

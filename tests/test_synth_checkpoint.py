@@ -53,13 +53,19 @@ def test_layout_equals_the_exllamav3_fixture(tmp_path):
     out = tmp_path / "fx"
     sc.write_checkpoint(out, layers=2, dense_layers=1, codebook="mcg", dims=dims, shard_mb=8192)
     assert _header(out / "model.safetensors") == _header(fx / "model.safetensors")
+    # calibration differs; no MTP promised
+    assert_configs_match(out, fx, {"quantization_config", "num_nextn_predict_layers"})
+
+
+def assert_configs_match(out: Path, fx: Path, config_diff: set[str]) -> None:
+    """quantization_config.json equal (tensor_storage in order; calibration aside) and config.json
+    equal except for the keys ``config_diff``."""
     ours, theirs = (json.loads((d / "quantization_config.json").read_text()) for d in (out, fx))
     assert list(ours["tensor_storage"].items()) == list(theirs["tensor_storage"].items())
     assert {k: v for k, v in ours.items() if k not in ("tensor_storage", "calibration")} == \
         {k: v for k, v in theirs.items() if k not in ("tensor_storage", "calibration")}
-    mine = json.loads((out / "config.json").read_text())
-    diff = {k for k in set(mine) | set(cfg) if mine.get(k) != cfg.get(k)}
-    assert diff == {"quantization_config", "num_nextn_predict_layers"}   # calibration; no MTP promised
+    mine, cfg = (json.loads((d / "config.json").read_text()) for d in (out, fx))
+    assert {k for k in set(mine) | set(cfg) if mine.get(k) != cfg.get(k)} == config_diff
 
 
 def test_small_is_sharded_and_marked(small):
