@@ -79,6 +79,9 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+DENSE_FP32 = (".kv_b_proj.weight", ".indexer.wk.weight", ".indexer.weights_proj.weight")
+
+
 def model_bytes(ckpt_dir) -> dict:
     """What step_bytes needs, from the safetensors headers and config.json (no tensor data read)."""
     from exl3tools.checkpoint import Checkpoint
@@ -118,6 +121,10 @@ def model_bytes(ckpt_dir) -> dict:
             li = int(name.split(".")[2])
             if li in layers:
                 layers[li]["norms"] += nb
+        elif name.startswith("model.layers.") and name.endswith(DENSE_FP32):
+            li = int(name.split(".")[2])
+            if li in layers:      # MLA kv_b_proj, DSA indexer projections: 16-bit on disk, fp32 in the runtime
+                layers[li]["other"] += 2 * nb
         elif name == "model.norm.weight":
             norms_final = nb
     emb = ck.tensors.get("model.embed_tokens.weight")
