@@ -410,6 +410,8 @@ class Engine:
             if (p.logprobs is not None or seq.handle.cancelled or n_out >= p.max_tokens
                     or len(seq.prompt) + n_out >= runner.max_context):
                 return None
+        if not runner.fits([(s.seq_id, 1) for s in seqs]):
+            return None                                    # out of blocks: the planner preempts
         keep = None if len(seqs) == len(fl.ready) else [j for j, (_, seq) in enumerate(fl.ready) if not seq.finished]
         try:
             # a row that could not be sampled (-1) fails when read; its chained row reads token 0
