@@ -12,6 +12,7 @@ CDF at one uniform per row, taken from that row's own generator.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -167,6 +168,72 @@ def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[floa
     host = torch.cat([lp[token:token + 1].double(), v.double(), i.double()]).tolist()
     k = v.numel()
     return host[0], [(int(a), b) for a, b in zip(host[1 + k:], host[1:1 + k], strict=True)]
+
+
+class Adjust:
+    """One sequence's logits processing before sampling, on the logits' device, in this order:
+    ``logit_bias`` (added), ``min_tokens`` (EOS and stop token ids at -inf until that many tokens
+    are out), ``repetition_penalty`` over prompt and output (a positive logit divided by it, a
+    negative one multiplied: HF/vLLM), ``frequency_penalty`` x count and ``presence_penalty`` x
+    (count > 0) over the output (subtracted: OpenAI), then ``min_p`` for sampled rows (tokens whose
+    probability at the row's temperature is below min_p x the top one's, at -inf: on raw logits that
+    is ``l < l_max + T ln(min_p)``). The sampling chain (temperature, top-k, top-p, draw) follows.
+    Logprobs are reported from the unprocessed logits. ``add(token)`` after each emitted token."""
+
+    def __init__(self, params, prompt: Sequence[int], banned: Sequence[int], vocab: int, device):
+        self.p, self.vocab, self.device = params, int(vocab), device
+        self.n_out = 0
+        f32 = dict(dtype=torch.float32, device=device)
+        self.counts = torch.zeros(self.vocab, **f32) if (params.presence_penalty or params.frequency_penalty) else None
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(self.vocab, dtype=torch.bool, device=device)
+            ids = [t for t in prompt if 0 <= t < self.vocab]
+            if ids:
+                self.seen[torch.tensor(ids, device=device)] = True
+        self.bias = None
+        if params.logit_bias:
+            ids, vals = zip(*params.logit_bias, strict=True)
+            self.bias = torch.zeros(self.vocab, **f32).index_put_(
+                (torch.tensor(ids, device=device),), torch.tensor(vals, **f32))
+        self.banned = None
+        ban = sorted({t for t in banned if 0 <= t < self.vocab})
+        if params.min_tokens and ban:
+            self.banned = torch.tensor(ban, device=device)
+
+    def add(self, token: int) -> None:
+        self.n_out += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
+
+    def apply(self, row: torch.Tensor) -> torch.Tensor:
+        """The processed copy of one logits row (vocab,), float32."""
+        p = self.p
+        x = row.float().clone()
+        if self.bias is not None:
+            x += self.bias[:x.numel()]
+        if self.banned is not None and self.n_out < p.min_tokens:
+            x[self.banned] = float("-inf")
+        if self.seen is not None:
+            x = torch.where(self.seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
+        if self.counts is not None:
+            x -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
+        if p.min_p and p.temperature and p.temperature > 0:
+            x = x.masked_fill(x < x.max() + float(p.temperature) * math.log(p.min_p), float("-inf"))
+        return x
+
+
+def adjust_rows(logits: torch.Tensor, adjusts: Sequence[Adjust | None]) -> torch.Tensor:
+    """``logits`` [B, vocab] with each row's ``Adjust`` applied (a new tensor only if any)."""
+    if not any(a is not None for a in adjusts):
+        return logits
+    out = logits.float().clone()
+    for i, a in enumerate(adjusts):
+        if a is not None:
+            out[i] = a.apply(out[i])
+    return out
 
 
 def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator:

@@ -136,6 +136,7 @@ def runtime_hooks() -> dict[str, Callable]:
 
     return {"sample": sampling.sample, "sample_batch": sampling.sample_batch,
             "sample_device": sampling.sample_device,
+            "make_adjust": sampling.Adjust, "adjust_rows": sampling.adjust_rows,
             "logprobs": sampling.logprobs, "make_generator": sampling.make_generator}
 
 

@@ -53,7 +53,7 @@ class Event:
 
 class Sequence:
     __slots__ = ("seq_id", "index", "prompt", "params", "handle", "output_ids", "num_cached",
-                 "tracker", "generator", "finished", "t_last")
+                 "tracker", "generator", "finished", "t_last", "adjust")
 
     def __init__(self, seq_id: int, index: int, prompt: list[int], params: SamplingParams,
                  handle: RequestHandle, tracker: TextTracker) -> None:
@@ -64,6 +64,7 @@ class Sequence:
         self.generator: Any = None  # made lazily on the logits' device
         self.finished = False
         self.t_last = 0.0
+        self.adjust: Any = None     # logits processing state (penalties, bias...), made on first use
 
     @property
     def pending(self) -> int:
@@ -141,7 +142,8 @@ class Engine:
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
                  make_generator: Callable | None = None, sample_batch: Callable | None = None,
-                 sample_device: Callable | None = None, chain: bool = True) -> None:
+                 sample_device: Callable | None = None, chain: bool = True,
+                 make_adjust: Callable | None = None, adjust_rows: Callable | None = None) -> None:
         self._load = load
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -151,6 +153,7 @@ class Engine:
         # tokens left on the device (runtime.sampling.sample_device -> DeviceTokens): with ``chain``,
         # a decode step's samples feed the next step before the host reads them (see _chain)
         self._sample_device_fn = sample_device
+        self._make_adjust, self._adjust_rows = make_adjust, adjust_rows   # runtime.sampling.Adjust
         self.chain = chain
         self._inflight: _Inflight | None = None
         self.runner: Any = None
@@ -382,7 +385,7 @@ class Engine:
         rows = [i for i, _ in ready]
         ps = [seq.params for _, seq in ready]
         try:
-            sub = logits if rows == list(range(len(logits))) else logits[rows]
+            sub = self._adjusted(logits if rows == list(range(len(logits))) else logits[rows], ready)
             return self._sample_device_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
                                           [p.top_p for p in ps],
                                           [seq.generator if p.temperature > 0 else None
@@ -407,9 +410,9 @@ class Engine:
         for seq in seqs:
             p = seq.params
             n_out = len(seq.output_ids) + 1                # with this step's token
-            if (p.logprobs is not None or seq.handle.cancelled or n_out >= p.max_tokens
+            if (p.logprobs is not None or p.adjusts_logits or seq.handle.cancelled or n_out >= p.max_tokens
                     or len(seq.prompt) + n_out >= runner.max_context):
-                return None
+                return None         # (processed logits need this step's token on the host first)
         if not runner.fits([(s.seq_id, 1) for s in seqs]):
             return None                                    # out of blocks: the planner preempts
         keep = None if len(seqs) == len(fl.ready) else [j for j, (_, seq) in enumerate(fl.ready) if not seq.finished]
@@ -429,6 +432,18 @@ class Engine:
         for _, seq in ready:
             if seq.params.temperature > 0 and not hasattr(seq.generator, "manual_seed"):
                 seq.generator = self._make_gen(seq.generator, device=device)
+            if seq.adjust is None and seq.params.adjusts_logits:
+                if self._make_adjust is None:
+                    raise RuntimeError("this engine has no logits processing (make_adjust)")
+                p, runner = seq.params, self.runner
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(runner.eos_token_ids))
+                seq.adjust = self._make_adjust(p, seq.prompt, banned, runner.vocab_size, device)
+
+    def _adjusted(self, sub: Any, ready: list[tuple[int, Sequence]]) -> Any:
+        """The ready rows' logits with each sequence's processing applied (penalties, bias...)."""
+        if not any(seq.adjust is not None for _, seq in ready):
+            return sub
+        return self._adjust_rows(sub, [seq.adjust for _, seq in ready])
 
     def _sample_ready(self, fl: _Inflight, nxt: _Inflight | None, now: float) -> None:
         """Read ``fl``'s tokens (the one host sync of a step) and emit them; tell the runner the
@@ -463,7 +478,7 @@ class Engine:
             rows = [i for i, _ in ready]
             ps = [seq.params for _, seq in ready]
             try:
-                sub = logits if rows == list(range(len(logits))) else logits[rows]
+                sub = self._adjusted(logits if rows == list(range(len(logits))) else logits[rows], ready)
                 tokens = self._sample_batch_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
                                                [p.top_p for p in ps],
                                                [seq.generator if p.temperature > 0 else None
@@ -480,12 +495,15 @@ class Engine:
             if p.temperature > 0 and not hasattr(seq.generator, "manual_seed"):
                 seq.generator = self._make_gen(seq.generator, device=row.device)
             gen = seq.generator if p.temperature > 0 else None
-            token = int(self._sample_fn(row, p.temperature, p.top_k, p.top_p, gen))
+            token = int(self._sample_fn(row if seq.adjust is None else seq.adjust.apply(row), p.temperature,
+                                        p.top_k, p.top_p, gen))
         ev = Event(seq.index, token_ids=[token])
         if p.logprobs is not None:
             lp, top = self._logprobs_fn(row, token, p.logprobs)
             ev.logprobs = [TokenLogprob(token, lp, top)]
         seq.output_ids.append(token)
+        if seq.adjust is not None:
+            seq.adjust.add(token)
         seq.handle.completion_tokens += 1
         self._observe_token(seq, now)
         runner = self.runner

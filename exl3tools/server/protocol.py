@@ -5,7 +5,8 @@ Unknown top-level fields are a 400 naming them, as OpenAI answers "Unrecognized 
 a typo such as ``max_token`` must not pass silently. Accepted are OpenAI's own request fields (as
 the official client sends them) and the documented extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, return_token_ids; chat: chat_template_kwargs,
-add_generation_prompt). Every sampling field or feature we do not implement is rejected
+add_generation_prompt); presence/frequency/repetition penalties, logit_bias, min_p and min_tokens
+are applied (runtime/sampling.py ``Adjust``). Every feature we do not implement is rejected
 explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
 caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
 """
@@ -88,13 +89,13 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     return_token_ids: bool = False  # extension (as vLLM): choices carry token_ids
     user: str | None = None
-    # Accepted only at their neutral value (explicit rejection beats silent ignoring).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    # logits processing before sampling (runtime/sampling.py Adjust; OpenAI / vLLM semantics)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -181,6 +182,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k: chosen token + k alternatives
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are processed before sampling (runtime.sampling.Adjust)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or (self.min_p and self.temperature > 0))
 
 
 @dataclass(slots=True)
@@ -305,16 +318,23 @@ def _clean_loc(loc: list[str]) -> list[str]:
     return [p for p in loc if "[" not in p and p not in ("str", "int", "float", "bool")]
 
 
-def _reject_unsupported(req: _Sampling) -> None:
-    neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-               "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "min_tokens": (None, 0)}
-    for name, ok in neutral.items():
-        if getattr(req, name) not in ok:
-            raise bad_request(f"{name} is not supported by this server", param=name,
-                              code="unsupported_parameter")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", param="logit_bias",
-                          code="unsupported_parameter")
+MAX_LOGIT_BIAS = 300    # entries (OpenAI's limit)
+
+
+def _logit_bias(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}."""
+    bias = req.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 12 or not 0 <= int(key) < vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key[:40]!r}",
+                              param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def _stops(req: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -335,8 +355,9 @@ def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None,
                     vocab_size: int, defaults: dict | None = None) -> SamplingParams:
     """``defaults`` (the model's generation_config.json: temperature, top_p, top_k) fill the
     fields the request leaves out; then OpenAI's 1 / 1 / off."""
-    _reject_unsupported(req)
     stop, stop_ids = _stops(req, vocab_size)
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
     d = defaults or {}
     top_k = d.get("top_k", 0) if req.top_k is None else req.top_k
     top_k = top_k if top_k > 0 else 0
@@ -344,7 +365,11 @@ def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None,
     top_p = d.get("top_p", 1.0) if req.top_p is None else req.top_p
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=req.seed, stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
-                          ignore_eos=req.ignore_eos)
+                          ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty or 0.0,
+                          frequency_penalty=req.frequency_penalty or 0.0,
+                          repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                          logit_bias=_logit_bias(req, vocab_size), min_p=req.min_p or 0.0,
+                          min_tokens=req.min_tokens or 0)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
