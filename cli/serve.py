@@ -47,6 +47,10 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--max-prefill-tokens", "--max-num-batched-tokens", "max_prefill_tokens", type=click.IntRange(1, None),
               default=None, help="Prompt tokens per engine step (long prompts are chunked so decoding goes on; "
                                  "default 2048 on CUDA, 512 on the CPU).")
+@click.option("--speculative-tokens", type=click.IntRange(0, 8), default=0, show_default=True,
+              help="MTP speculative decoding: draft this many tokens per step with the checkpoint's MTP head "
+                   "(GLM-5), verify them in one forward; greedy output is unchanged, sampled output keeps "
+                   "the model's distribution. 0: off.")
 @click.option("--max-model-len", "--max-context", "max_context", type=click.IntRange(1, None), default=None,
               help="Cap the context length (default: the model's, and what the KV cache holds).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
@@ -64,7 +68,7 @@ def _pos(_ctx, _param, value: int) -> int:
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
               max_batch: int, max_queue: int, max_cache_tokens: int | None, gpu_memory_utilization: float,
               block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int | None,
-              max_context: int | None,
+              speculative_tokens: int, max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
               cpu_threads: int | None, log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
@@ -98,7 +102,8 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                       max_prefill_tokens=max_prefill_tokens, max_context=max_context,
                       cpu_threads=cpu_threads, cuda_graphs=cuda_graphs,
                       gpu_memory_utilization=gpu_memory_utilization, block_size=int(block_size),
-                      kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching)
+                      kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+                      speculative_tokens=speculative_tokens)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(

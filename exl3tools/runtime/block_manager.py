@@ -174,6 +174,14 @@ class BlockManager:
                 self._by_hash[h] = b
             s.hashed, s.last_hash = i + 1, h
 
+    def trim(self, seq_id: Hashable) -> None:
+        """Give back the table's blocks past its committed length (slots reserved for drafts that
+        speculative decoding rejected; such blocks were never full, so never hashed)."""
+        s = self._seq(seq_id)
+        keep = self.blocks_for(s.length)
+        while len(s.table) > keep:
+            self._release(s.table.pop())
+
     def free(self, seq_id: Hashable) -> None:
         s = self._seqs.pop(seq_id, None)
         if s is None:

@@ -36,10 +36,12 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, items: list[tuple[SeqCache, list[int]]], *, all_logits: bool = False,
-                to_cpu: bool = True) -> torch.Tensor:
+                to_cpu: bool = True, states: bool = False):
         """Append each sequence's tokens to its cache (a SeqCache, or a kv_pool.PagedSeqView);
         logits (float32, on the CPU unless ``to_cpu`` is False) for the last new token of each
-        sequence, shape (len(items), vocab), or for every new row when ``all_logits``."""
+        sequence, shape (len(items), vocab), or for every new row when ``all_logits``. With
+        ``states``: (logits, the final-normed hidden state of every new row on the model's device),
+        what an MTP draft head reads (runtime/mtp.py)."""
         spans, ids, pos = [], [], []
         row = 0
         for cache, tokens in items:
@@ -53,6 +55,11 @@ class CausalLM:
         h = self.embed[torch.tensor(ids, dtype=torch.int64, device=dev)].float()
         for layer in self.layers:
             h = layer(h, batch)
+        if states:
+            hn = self.norm(h)
+            rows = hn if all_logits else hn[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
+            logits = self.logits(rows)
+            return (logits.cpu() if to_cpu else logits), hn
         if not all_logits:
             h = h[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
         logits = self.logits(self.norm(h))

@@ -134,13 +134,15 @@ class PagedState:
         if decode in ("static", "graphs"):
             self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs")
 
-    def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False) -> torch.Tensor:
-        """Eager forward; each item is (block table, tokens cached, new tokens). Device logits."""
+    def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
+                states: bool = False):
+        """Eager forward; each item is (block table, tokens cached, new tokens). Device logits
+        (with ``states``: and the final-normed states of every new row, CausalLM.forward)."""
         from exl3tools.runtime.kv_pool import PagedSeqView
 
         views = [(PagedSeqView(self.pool, self.pool.slots(table, n0 + len(toks)), n0), toks)
                  for table, n0, toks in items]
-        return self.model.forward(views, all_logits=all_logits, to_cpu=False)
+        return self.model.forward(views, all_logits=all_logits, to_cpu=False, states=states)
 
     def decode(self, tokens, positions, slots, rows, updates, device_tokens=None) -> torch.Tensor:
         self.decoder.set_blocks(updates)
@@ -165,7 +167,7 @@ class Runner:
                  max_cache_tokens: int | None = None, opened: dict | None = None, max_num_seqs: int = 32,
                  block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto",
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, decode: str | None = None,
-                 prefix_caching: bool = True, max_num_batched_tokens: int = 512):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 512, speculative_tokens: int = 0):
         from exl3tools.runtime.block_manager import BlockManager
         from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs
 
@@ -176,6 +178,14 @@ class Runner:
         self.opened_files = opened or {}       # rank -> files opened while loading (when traced)
         self._closed = False
         self.max_num_seqs = int(max_num_seqs)
+        self.spec_k = int(speculative_tokens)
+        if self.spec_k < 0:
+            raise UsageError(f"--speculative-tokens must be >= 0, got {speculative_tokens}")
+        if self.spec_k and getattr(model, "mtp", None) is None:
+            raise UsageError(f"{name}: --speculative-tokens needs a checkpoint with an MTP head (GLM-5: "
+                             "model.layers.{num_hidden_layers}.*); this one has none")
+        if self.spec_k and world > 1:
+            raise UsageError("--speculative-tokens with --tp > 1 is not supported yet")
         dev = model.embed.device
         if not 0 < gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -307,16 +317,20 @@ class Runner:
         return None
 
     # -- sequences
-    def add_sequence(self, seq_id: Hashable, tokens: list[int] | tuple[int, ...] = ()) -> int:
+    def add_sequence(self, seq_id: Hashable, tokens: list[int] | tuple[int, ...] = (), *,
+                     speculative: bool = True) -> int:
         """Start ``seq_id``. With ``tokens`` (its prompt, or prompt + output after a preemption),
         whole blocks of them already in the prefix cache are reused: returns how many tokens are
-        cached (the caller sends only the rest to ``step``)."""
+        cached (the caller sends only the rest to ``step``). ``speculative``: keep the MTP draft
+        state for it (only when the Runner has ``speculative_tokens``)."""
         if seq_id in self._seqs:
             raise UsageError(f"sequence {seq_id!r} already exists")
         if not self._rows:
             raise CacheFullError(f"all {self.max_num_seqs} sequence slots are in use")
         cached = self.blocks.open(seq_id, [int(t) for t in tokens][:self.max_context])
-        self._seqs[seq_id] = _Seq(self._rows.pop(0), list(tokens[:cached]))
+        seq = self._seqs[seq_id] = _Seq(self._rows.pop(0), list(tokens[:cached]))
+        if self.spec_k and speculative:
+            seq.spec = _Spec(self.model.mtp)
         return cached
 
     def free_sequence(self, seq_id: Hashable) -> None:
@@ -375,8 +389,8 @@ class Runner:
                 raise UsageError(f"sequence {seq_id!r} appears twice in one step")
             seen.add(seq_id)
             seq = self._seq(seq_id)
-            if seq.unknown:
-                raise UsageError(f"sequence {seq_id!r}: a chained step's input token is not committed yet")
+            if seq.unknown or seq.pending is not None:
+                raise UsageError(f"sequence {seq_id!r}: a chained or verify step is not committed yet")
             toks = [int(t) for t in toks]
             if not toks:
                 raise UsageError(f"sequence {seq_id!r}: no new tokens")
@@ -399,7 +413,15 @@ class Runner:
             else:
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
                 self._send(("pstep", wire, all_logits))
-                logits = self.paged.forward(wire, all_logits=all_logits)
+                if any(seq.spec is not None for _, seq, _, _ in items):
+                    logits, hn = self.paged.forward(wire, all_logits=all_logits, states=True)
+                    row = 0
+                    for _, seq, t, _ in items:
+                        if seq.spec is not None:
+                            seq.spec.extend(hn[row:row + len(t)], t)
+                        row += len(t)
+                else:
+                    logits = self.paged.forward(wire, all_logits=all_logits)
         except RuntimeError as exc:
             if self.world > 1:
                 raise RuntimeFailure(f"tensor-parallel step failed: {str(exc).splitlines()[0]}") from exc
@@ -457,6 +479,77 @@ class Runner:
             seq.unknown += 1
         return logits
 
+    # -- speculative decoding with the MTP head (runtime/mtp.py; the engine accepts or rejects)
+    def draft(self, seq_id: Hashable, last_token: int, k: int, draw) -> tuple[list[int], list[torch.Tensor]]:
+        """``k`` draft tokens after ``last_token`` (the sequence's newest token, not in the cache
+        yet) from the MTP head: ``draw(logits row) -> token`` picks each; returns the drafts and
+        the head's logits rows they were drawn from (device). The head's cache keeps only the
+        exact (state, token) pairs."""
+        from exl3tools.runtime.mtp import truncate
+
+        sp = self._seq(seq_id).spec
+        if sp is None:
+            raise UsageError(f"sequence {seq_id!r} has no draft state")
+        head = self.model.mtp
+        states, tokens = sp.take(int(last_token))
+        g, dl = head.forward(sp.cache, states, tokens)
+        committed = sp.cache.length
+        rows = [dl[-1]]
+        drafts = [int(draw(dl[-1]))]
+        while len(drafts) < k:
+            g, dl = head.forward(sp.cache, g[-1:], [drafts[-1]])
+            rows.append(dl[-1])
+            drafts.append(int(draw(dl[-1])))
+        truncate(sp.cache, committed)
+        return drafts, rows
+
+    def verify(self, batch: list[tuple[Hashable, list[int]]]) -> torch.Tensor:
+        """One target forward over each sequence's ``[last token] + drafts`` (device logits of
+        every row, float32). Nothing is committed: ``accept`` keeps a prefix and gives back the
+        rest."""
+        if self._closed:
+            raise RuntimeFailure("runner is closed")
+        items = []
+        for s, toks in batch:
+            seq = self._seq(s)
+            if seq.spec is None or seq.pending is not None or seq.unknown:
+                raise UsageError(f"sequence {s!r} cannot take a verify step now")
+            n0 = self.blocks.length(s)
+            if n0 + len(toks) > self.max_context:
+                raise ContextLengthError(f"sequence {s!r} would reach {n0 + len(toks)} tokens, more than "
+                                         f"max_context {self.max_context}")
+            items.append((s, seq, [int(t) for t in toks], n0))
+        if not self.fits([(s, len(t)) for s, _, t, _ in items]):
+            raise CacheFullError(f"KV cache full: {sum(len(t) for _, _, t, _ in items)} new tokens do not fit in "
+                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
+        for s, _, t, _ in items:
+            self.blocks.reserve(s, len(t))
+        wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
+        try:
+            logits, hn = self.paged.forward(wire, all_logits=True, states=True)
+        except BaseException:
+            for s, *_ in items:
+                self.blocks.trim(s)
+            raise
+        row = 0
+        for _, seq, t, _ in items:
+            seq.pending = (t, hn[row:row + len(t)])
+            row += len(t)
+        return logits
+
+    def accept(self, seq_id: Hashable, n: int) -> None:
+        """Keep the first ``n`` (>= 1) tokens of the last ``verify`` of ``seq_id`` in its cache;
+        the rest of the written slots are given back (blocks past the new length freed)."""
+        seq = self._seq(seq_id)
+        toks, states = seq.pending
+        if not 1 <= n <= len(toks):
+            raise UsageError(f"accept {n} of {len(toks)} verified tokens")
+        seq.pending = None
+        seq.tokens.extend(toks[:n])
+        self.blocks.commit(seq_id, seq.tokens)
+        self.blocks.trim(seq_id)
+        seq.spec.extend(states[:n], toks[:n])
+
     def commit_tokens(self, pairs: list[tuple[Hashable, int]]) -> None:
         """The input tokens of a chained step, now known (sequences freed meanwhile are skipped)."""
         for s, t in pairs:
@@ -500,11 +593,39 @@ class _Seq:
     """A live sequence on rank 0: its slot row of the decode step's block tables, the tokens in
     its cache (prefix hashing needs them) and how many table entries the device has."""
 
-    __slots__ = ("row", "tokens", "synced", "unknown")
+    __slots__ = ("row", "tokens", "synced", "unknown", "spec", "pending")
 
     def __init__(self, row: int, tokens: list[int]):
         self.row, self.tokens, self.synced = row, tokens, 0
         self.unknown = 0     # tokens written by chained steps, not committed yet
+        self.spec: _Spec | None = None     # MTP draft state (speculative decoding)
+        self.pending = None  # (tokens, states) of a verify step not accepted yet
+
+
+class _Spec:
+    """A sequence's MTP draft state: the head's own cache (one layer, outside the block pool) and
+    the (target state at position i, token at i + 1) pairs it has not read yet. ``states`` holds
+    one row more than ``tokens``: the newest state waits for the token sampled after it."""
+
+    __slots__ = ("cache", "states", "tokens")
+
+    def __init__(self, head):
+        self.cache = head.new_cache()
+        self.states: list[torch.Tensor] = []
+        self.tokens: list[int] = []
+
+    def extend(self, states: torch.Tensor, tokens: list[int]) -> None:
+        """The target computed ``tokens`` (at consecutive positions) with these final states."""
+        # the first token pairs with the state before it; with no state yet (a prompt's first
+        # computed token, after cached prefix blocks too) it has none and is skipped
+        self.tokens.extend(tokens if self.states else tokens[1:])
+        self.states.append(states)
+
+    def take(self, token: int) -> tuple[torch.Tensor, list[int]]:
+        """All pending pairs, ``token`` completing the newest; the pending lists are emptied."""
+        states, tokens = torch.cat(self.states), self.tokens + [token]
+        self.states, self.tokens = [], []
+        return states, tokens
 
 
 def kv_dtype_for(name: str, device: torch.device) -> torch.dtype:
@@ -570,7 +691,8 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto"
                 max_cache_tokens: int | None = None, max_context: int | None = None, moe: str = "tp",
                 decode: str | None = None, max_num_seqs: int = 32, block_size: int = DEFAULT_BLOCK_SIZE,
                 kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                prefix_caching: bool = True, max_num_batched_tokens: int = 512) -> Runner | None:
+                prefix_caching: bool = True, max_num_batched_tokens: int = 512,
+                speculative_tokens: int = 0) -> Runner | None:
     """Load a checkpoint (unsliced, or a rank-slice output for ``tp`` ranks) and return its Runner.
 
     ``tp > 1`` spawns ranks 1..tp-1 as processes. Under torchrun (``RANK``/``WORLD_SIZE`` set)
@@ -630,7 +752,7 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto"
                         max_cache_tokens=max_cache_tokens, opened=opened, max_num_seqs=max_num_seqs,
                         block_size=block_size, kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
                         decode=decode, prefix_caching=prefix_caching,
-                        max_num_batched_tokens=max_num_batched_tokens)
+                        max_num_batched_tokens=max_num_batched_tokens, speculative_tokens=speculative_tokens)
     except BaseException:
         if world > 1:       # the workers wait for a command: release them
             try:

@@ -236,6 +236,60 @@ def adjust_rows(logits: torch.Tensor, adjusts: Sequence[Adjust | None]) -> torch
     return out
 
 
+def distribution(row: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The float64 probabilities ``sample`` draws from (temperature > 0): temperature, top-k, top-p."""
+    logits = row.float().reshape(-1)
+    logits = logits / torch.tensor(float(temperature), dtype=torch.float32, device=logits.device)
+    if top_k and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, -1)
+        before = torch.cumsum(probs, -1) - probs
+        p_t = torch.tensor(float(top_p), dtype=torch.float32, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(before >= p_t, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    return torch.softmax(logits, -1).double()
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    cdf = torch.cumsum(probs, -1)
+    if not bool(torch.isfinite(cdf[-1])) or float(cdf[-1]) <= 0:
+        raise ValueError("cannot sample: no probability mass")
+    u = _uniform(generator, probs.device)
+    return int(torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp_max(cdf.numel() - 1))
+
+
+def accept_drafts(target: torch.Tensor, draft_rows: Sequence[torch.Tensor], drafts: Sequence[int],
+                  temperature: float, top_k: int, top_p: float,
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative decoding's verdict for one sequence: (drafts accepted, the token after them).
+
+    ``target`` [k+1, vocab]: the target's logits at the last token and at each draft;
+    ``draft_rows``: the draft head's logits each draft was drawn from. Greedy (temperature <= 0):
+    drafts are kept while they are the target's argmax, and the next token is the target's argmax
+    (exactly greedy decoding). Sampled: draft d_i is kept with probability min(1, p(d_i) / q(d_i))
+    (p, q: the target's and the draft's distributions after temperature / top-k / top-p); at the
+    first rejection the token is drawn from max(0, p - q) renormalised, after k acceptances from
+    p: every emitted token then follows the target's distribution exactly (Leviathan et al. 2023)."""
+    if temperature is None or temperature <= 0:
+        preds = target.float().argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and preds[a] == drafts[a]:
+            a += 1
+        return a, int(preds[a])
+    for i, d in enumerate(drafts):
+        p = distribution(target[i], temperature, top_k, top_p)
+        q = distribution(draft_rows[i], temperature, top_k, top_p)
+        u = float(_uniform(generator, p.device))
+        if float(q[d]) > 0 and u < min(1.0, float(p[d]) / float(q[d])):
+            continue
+        resid = (p - q).clamp(min=0)
+        return i, _draw(resid if float(resid.sum()) > 0 else p, generator)
+    return len(drafts), _draw(distribution(target[len(drafts)], temperature, top_k, top_p), generator)
+
+
 def make_generator(seed: int | None, device: torch.device | str | None = None) -> torch.Generator:
     """A generator for ``sample`` on ``device`` (default CPU): torch refuses a CPU generator
     for CUDA tensors. ``seed=None``: a random seed."""

@@ -74,6 +74,7 @@ class ServeConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
+    speculative_tokens: int = 0   # MTP drafts per decode step (0: off)
 
 
 def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
@@ -92,6 +93,8 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
         kwargs.update(decode=decode, max_num_seqs=cfg.max_batch, block_size=cfg.block_size,
                       kv_dtype=cfg.kv_cache_dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
                       prefix_caching=cfg.prefix_caching, max_num_batched_tokens=cfg.max_prefill_tokens)
+        if cfg.speculative_tokens:
+            kwargs["speculative_tokens"] = cfg.speculative_tokens
         if cfg.device == "cpu":
             _cpu_threads(cfg.cpu_threads)
         return load_runner(local_path(cfg.model_path, cfg.tp, cfg.moe), **kwargs)
@@ -137,6 +140,7 @@ def runtime_hooks() -> dict[str, Callable]:
     return {"sample": sampling.sample, "sample_batch": sampling.sample_batch,
             "sample_device": sampling.sample_device,
             "make_adjust": sampling.Adjust, "adjust_rows": sampling.adjust_rows,
+            "accept_drafts": sampling.accept_drafts,
             "logprobs": sampling.logprobs, "make_generator": sampling.make_generator}
 
 
@@ -466,7 +470,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             handle.cancel()
         server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
         return JSONResponse(fmt.response(list(choices.values()), handle.prompt_tokens,
-                                         handle.completion_tokens, handle.cached_tokens))
+                                         handle.completion_tokens, handle.cached_tokens,
+                                         (handle.accepted_tokens, handle.rejected_tokens)))
 
     async def _stream(handle: Any, fmt: Formatter, include_usage: bool):
         offsets: dict[int, int] = {}
@@ -490,7 +495,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             else:
                 server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
                 if include_usage:
-                    yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens))
+                    yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens,
+                                              (handle.accepted_tokens, handle.rejected_tokens)))
             yield "data: [DONE]\n\n"
         finally:  # client gone (task cancelled) or done: either way the engine lets go
             handle.cancel()

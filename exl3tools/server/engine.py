@@ -103,6 +103,7 @@ class RequestHandle:
         self.remaining = n_seqs
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0       # prompt tokens served from the prefix cache
+        self.accepted_tokens = self.rejected_tokens = 0   # MTP drafts (speculative decoding)
         self.completion_tokens = 0
         self.t_arrival = time.monotonic()
         self.cancelled = False
@@ -143,7 +144,8 @@ class Engine:
                  sample: Callable | None = None, logprobs: Callable | None = None,
                  make_generator: Callable | None = None, sample_batch: Callable | None = None,
                  sample_device: Callable | None = None, chain: bool = True,
-                 make_adjust: Callable | None = None, adjust_rows: Callable | None = None) -> None:
+                 make_adjust: Callable | None = None, adjust_rows: Callable | None = None,
+                 accept_drafts: Callable | None = None) -> None:
         self._load = load
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -154,6 +156,8 @@ class Engine:
         # a decode step's samples feed the next step before the host reads them (see _chain)
         self._sample_device_fn = sample_device
         self._make_adjust, self._adjust_rows = make_adjust, adjust_rows   # runtime.sampling.Adjust
+        self._accept_fn = accept_drafts      # speculative decoding's verdict (runtime.sampling)
+        self.spec_drafted = self.spec_accepted = 0
         self.chain = chain
         self._inflight: _Inflight | None = None
         self.runner: Any = None
@@ -340,14 +344,18 @@ class Engine:
         if fl is None:
             if not self._running:
                 return False
-            batch = self._plan()
+            batch, spec = self._split_spec(self._plan())
             # out of blocks: the newest running sequence (in this batch or holding blocks mid-prefill)
             # gives its cache back, until the step fits or one sequence is left
-            while len(self._running) > 1 and not self.runner.fits([(seq.seq_id, len(c)) for seq, c in batch]):
+            while len(self._running) > 1 and not self.runner.fits(
+                    [(seq.seq_id, len(c)) for seq, c in batch] + [(seq.seq_id, k + 1) for seq, k in spec]):
                 self._preempt(self._running[-1])
-                batch = self._plan()
+                batch, spec = self._split_spec(self._plan())
+            if spec:
+                self._spec_step(spec)
             if not batch:
-                return False
+                self._sweep()
+                return bool(spec)
             try:
                 # logits stay on the model's device: sampling runs there, only token ids come back
                 logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True)
@@ -375,6 +383,77 @@ class Engine:
         self.time_forward += t1 - t0
         self.time_sample += t2 - t1
         return True
+
+    # ----------------------------------------------------------------- speculative decoding (MTP)
+    def _spec_kw(self, seq: Sequence) -> dict:
+        """add_sequence's ``speculative`` flag where the runner drafts: not for rows that need
+        logprobs or processed logits (they decode one token at a time)."""
+        if not getattr(self.runner, "spec_k", 0):
+            return {}
+        p = seq.params
+        return {"speculative": p.logprobs is None and not p.adjusts_logits}
+
+    def _split_spec(self, batch: list[tuple[Sequence, list[int]]]) -> tuple[list, list[tuple[Sequence, int]]]:
+        """(the rest, [(sequence, drafts)]): decoding rows the MTP head drafts for this step."""
+        k = getattr(self.runner, "spec_k", 0)
+        if not k:
+            return batch, []
+        rest, spec = [], []
+        for seq, chunk in batch:
+            p = seq.params
+            room = min(p.max_tokens - len(seq.output_ids),
+                       self.runner.max_context - len(seq.prompt) - len(seq.output_ids)) - 1
+            if (len(chunk) == 1 and seq.output_ids and seq.pending == 1 and room >= 1
+                    and p.logprobs is None and not p.adjusts_logits):
+                spec.append((seq, min(k, room)))
+            else:
+                rest.append((seq, chunk))
+        return rest, spec
+
+    def _spec_step(self, rows: list[tuple[Sequence, int]]) -> None:
+        """Draft with the MTP head, verify all rows in one target forward, keep each row's accepted
+        drafts and the token after them (runtime.sampling.accept_drafts), emit those tokens."""
+        runner = self.runner
+        self._ensure_generators([(0, seq) for seq, _ in rows], runner.model.embed.device)
+        drafted = []
+        try:
+            for seq, k in rows:
+                p = seq.params
+                gen = seq.generator if p.temperature > 0 else None
+                drafts, qrows = runner.draft(seq.seq_id, seq.output_ids[-1], k,
+                                             lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k,
+                                                                                     p.top_p, gen))
+                drafted.append((seq, drafts, qrows))
+            logits = runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted])
+        except Exception:
+            log.exception("speculative step failed")
+            for seq, _ in rows:
+                self._fail(seq)
+            return
+        self.steps += 1
+        now = time.monotonic()
+        row = 0
+        for seq, drafts, qrows in drafted:
+            p, k = seq.params, len(drafts)
+            target = logits[row:row + k + 1]
+            row += k + 1
+            try:
+                a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
+                                           seq.generator if p.temperature > 0 else None)
+                runner.accept(seq.seq_id, a + 1)
+            except Exception:
+                log.exception("accepting drafts failed")
+                self._fail(seq)
+                continue
+            seq.num_cached += a + 1
+            self.spec_drafted += k
+            self.spec_accepted += a
+            seq.handle.accepted_tokens += a
+            seq.handle.rejected_tokens += k - a
+            for j, tok in enumerate(drafts[:a] + [bonus]):
+                if seq.finished:
+                    break
+                self._sample(seq, target[j], now, tok)
 
     def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
         """The ready rows' tokens, sampled on the logits' device without a host sync (None: no
@@ -575,7 +654,8 @@ class Engine:
                 if not self.runner.fits(need):
                     break  # wait for running sequences to finish and free their cache
                 self._waiting.popleft()
-                seq.num_cached = self.runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids)
+                seq.num_cached = self.runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids,
+                                                          **self._spec_kw(seq))
                 if not seq.output_ids:     # prompt tokens served from cache (not a preempted one's history)
                     seq.handle.cached_tokens += seq.num_cached
                 self._running.append(seq)
@@ -637,6 +717,7 @@ class Engine:
                 "steps": self.steps, "cancelled_total": self.cancelled_total,
                 "preempted_total": self.preempted_total,
                 "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hits,
+                "spec_drafted_tokens": self.spec_drafted, "spec_accepted_tokens": self.spec_accepted,
                 "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
 
 

@@ -19,12 +19,19 @@ class Choice:
     finish_reason: str | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          spec: tuple[int, int] = (0, 0)) -> dict:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix
-    cache served (as OpenAI and vLLM report them)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    cache served (as OpenAI and vLLM report them); with speculative decoding,
+    ``completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens``: the
+    MTP drafts the model kept / threw away (OpenAI's fields for predicted tokens)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if any(spec):
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": spec[0],
+                                            "rejected_prediction_tokens": spec[1]}
+    return out
 
 
 def sse(obj: Any) -> str:
@@ -73,7 +80,7 @@ class Formatter:
     # ------------------------------------------------------------ whole responses
 
     def response(self, choices: list[Choice], prompt_tokens: int, completion_tokens: int,
-                 cached_tokens: int = 0) -> dict:
+                 cached_tokens: int = 0, spec: tuple[int, int] = (0, 0)) -> dict:
         out = []
         for c in sorted(choices, key=lambda c: c.index):
             text = "".join(c.text)
@@ -89,7 +96,7 @@ class Formatter:
             out.append(body)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "system_fingerprint": None,
-                "choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+                "choices": out, "usage": usage(prompt_tokens, completion_tokens, cached_tokens, spec)}
 
     # ------------------------------------------------------------ stream chunks
 
@@ -121,5 +128,6 @@ class Formatter:
         out.append(self._chunk([choice]))
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens))
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                    spec: tuple[int, int] = (0, 0)) -> dict:
+        return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens, spec))

@@ -1,0 +1,143 @@
+"""MTP speculative decoding in serve (issue 14): the Runner drafts with the checkpoint's MTP head,
+verifies every row in one target forward over the paged cache, keeps the accepted prefix and gives
+the rejected slots back; the engine decides with runtime.sampling.accept_drafts.
+
+On the GLM-5 fixture (MLA + DSA + MTP head): greedy decoding through draft/verify/accept equals
+plain greedy decoding and leaves the cache exactly as long as the emitted text, blocks included;
+the served answers with --speculative-tokens 1..3 equal those without (openai client, real server);
+usage reports accepted/rejected drafts; and rejection sampling keeps the target's distribution
+(chi-square over many draws from real fixture logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3tools.runtime import sampling
+from exl3tools.runtime.runner import load_runner
+from tests.conftest import fixture_dir
+
+NAME = "glm5_moe_dsa-3.0bpw-mul1"
+PROMPT = list(range(3, 43))          # 40 tokens: past the fixture's index_topk (32), sparse attention on
+
+
+def _greedy_plain(path, n):
+    with load_runner(path, max_cache_tokens=256, block_size=4) as r:
+        r.add_sequence(0)
+        out, new = [], PROMPT
+        for _ in range(n):
+            out.append(int(r.step([(0, new)])[0].argmax()))
+            new = [out[-1]]
+        return out
+
+
+def test_draft_verify_accept_is_greedy_decoding_and_rolls_back():
+    """The fixture's random MTP head never guesses right, so the drafts here are the true greedy
+    continuation with draft j + 1 corrupted at step j % 4: every step accepts 0, 1, 2 or 3 drafts in
+    turn, and the rejected slots must be given back exactly for the text to stay greedy."""
+    path = fixture_dir(NAME) / "model"
+    n = 40
+    want = _greedy_plain(path, n + 4)
+    with load_runner(path, max_cache_tokens=256, block_size=4, speculative_tokens=3) as r:
+        r.add_sequence(0)
+        out = [int(r.step([(0, PROMPT)])[0].argmax())]
+        seen = set()
+        step = 0
+        while len(out) < n:
+            oracle = want[len(out):len(out) + 3]
+            wrong = step % 4                          # the draft that is corrupted (3: none)
+            it = iter(t if j != wrong else (t + 1) % 2048 for j, t in enumerate(oracle))
+            drafts, qrows = r.draft(0, out[-1], 3, lambda row, it=it: next(it))
+            target = r.verify([(0, [out[-1]] + drafts)])
+            a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
+            assert a == min(wrong, 3)
+            seen.add(a)
+            r.accept(0, a + 1)
+            out += drafts[:a] + [bonus]
+            step += 1
+            # the cache holds the prompt and every emitted token but the newest; no block past it
+            assert r.sequence_length(0) == len(PROMPT) + len(out) - 1
+            assert len(r.blocks.table(0)) == -(-r.sequence_length(0) // 4)
+        assert out == want[:len(out)] and seen == {0, 1, 2, 3}
+        # a mid-run block hashed for the prefix cache holds the real tokens: a new sequence with
+        # this text reuses it and gets the plain logits
+        hist = PROMPT + out[:-1]
+        cached = r.add_sequence(1, hist)
+        assert cached >= 40
+        got = r.step([(1, hist[cached:])])[0]
+        assert int(got.argmax()) == out[-1]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """First emitted token of a verdict over real fixture logits (target at the last token, MTP
+    draft rows): its frequency over 6000 seeded draws matches the target's distribution."""
+    path = fixture_dir(NAME) / "model"
+    with load_runner(path, max_cache_tokens=256, speculative_tokens=2) as r:
+        r.add_sequence(0)
+        last = int(r.step([(0, PROMPT)])[0].argmax())
+        gen = torch.Generator().manual_seed(0)
+        drafts, qrows = r.draft(0, last, 2, lambda row: sampling.sample(row, 1.0, 20, 1.0, gen))
+        target = r.verify([(0, [last] + drafts)])
+    T, K = 1.0, 20                                   # top-k 20: a support small enough to count
+    p = sampling.distribution(target[0], T, K, 1.0)
+    support = torch.nonzero(p > 0).flatten().tolist()
+    counts = dict.fromkeys(support, 0)
+    n = 6000
+    for s in range(n):
+        g = torch.Generator().manual_seed(1000 + s)
+        # a fresh draft per trial, drawn from q as the engine does
+        d0 = sampling.sample(qrows[0], T, K, 1.0, g)
+        a, bonus = sampling.accept_drafts(target[:2], qrows[:1], [d0], T, K, 1.0, g)
+        tok = d0 if a >= 1 else bonus
+        counts[tok] += 1
+    expected = {t: n * float(p[t]) for t in support}
+    big = [t for t in support if expected[t] >= 5]
+    chi2 = sum((counts[t] - expected[t]) ** 2 / expected[t] for t in big)
+    rest_obs = sum(counts[t] for t in support if t not in big)
+    rest_exp = sum(expected[t] for t in support if t not in big)
+    if rest_exp >= 5:
+        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
+    df = len(big) - (0 if rest_exp >= 5 else 1)
+    # 0.1 % critical value of chi-square, Wilson-Hilferty approximation
+    z = 3.09
+    crit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert chi2 < crit, (chi2, crit, df)
+    assert sum(counts[t] for t in support) == n
+
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+
+def _served(k: int):
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
+
+    cfg = ServeConfig(model_path=str(fixture_dir(NAME) / "model"), served_model_name="m", max_batch=4,
+                      max_context=160, block_size=4, speculative_tokens=k)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="m", extra_body={"ignore_eos": True, "return_token_ids": True})
+        import concurrent.futures as cf
+
+        jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=0),
+                dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
+                dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
+        with cf.ThreadPoolExecutor(3) as pool:
+            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+        stats = app.state.server.engine.stats()
+        assert app.state.server.engine.runner.cache_tokens_used() == 0
+        return [r.model_dump()["choices"][0]["token_ids"] for r in rs], [r.usage for r in rs], stats
+
+
+def test_served_greedy_text_is_the_same_with_drafts():
+    plain, _, st0 = _served(0)
+    assert st0["spec_drafted_tokens"] == 0
+    for k in (1, 3):
+        got, usage, st = _served(k)
+        assert got == plain, k
+        assert st["spec_drafted_tokens"] > 0 and 0 <= st["spec_accepted_tokens"] <= st["spec_drafted_tokens"]
+        d = usage[0].completion_tokens_details
+        assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
+        assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
