@@ -128,6 +128,11 @@ def _served(k: int):
             rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
         stats = app.state.server.engine.stats()
         assert app.state.server.engine.runner.cache_tokens_used() == 0
+        import httpx
+
+        metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(f"{s.url}/metrics").text.splitlines()
+                   if ln.startswith("exl3tools_spec_")}
+        assert metrics["exl3tools_spec_draft_tokens"] == stats["spec_drafted_tokens"]
         return [r.model_dump()["choices"][0]["token_ids"] for r in rs], [r.usage for r in rs], stats
 
 

@@ -44,6 +44,12 @@ class Metrics:
                                     "Prompt tokens looked up in the prefix cache (cumulative)", registry=r)
         self.prefix_hits = Gauge(f"{PREFIX}_prefix_cache_hits_tokens",
                                  "Prompt tokens found in the prefix cache, not recomputed (cumulative)", registry=r)
+        self.spec_drafted = Gauge(f"{PREFIX}_spec_draft_tokens", "MTP draft tokens proposed (speculative decoding)",
+                                  registry=r)
+        self.spec_accepted = Gauge(f"{PREFIX}_spec_accepted_tokens", "MTP draft tokens the model accepted",
+                                   registry=r)
+        self.spec_rate = Gauge(f"{PREFIX}_spec_acceptance_ratio", "Accepted / proposed MTP draft tokens",
+                               registry=r)
         self.ready = Gauge(f"{PREFIX}_model_ready", "1 once the model answered its first step",
                            ["model"], registry=r)
         self._ready_child = self.ready.labels(model=model_name)
@@ -57,6 +63,9 @@ class Metrics:
             lambda: engine.cache_tokens_used() / engine.cache_budget if engine.cache_budget else 0.0)
         self.prefix_queries.set_function(lambda: engine.prefix_stats()[0])
         self.prefix_hits.set_function(lambda: engine.prefix_stats()[1])
+        self.spec_drafted.set_function(lambda: engine.spec_drafted)
+        self.spec_accepted.set_function(lambda: engine.spec_accepted)
+        self.spec_rate.set_function(lambda: engine.spec_accepted / engine.spec_drafted if engine.spec_drafted else 0.0)
         self._ready_child.set_function(lambda: 1.0 if engine.state == "ready" else 0.0)
 
     def render(self) -> bytes:
