@@ -146,3 +146,30 @@ def test_served_greedy_text_is_the_same_with_drafts():
         d = usage[0].completion_tokens_details
         assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
         assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
+
+
+def test_drafting_sequences_survive_preemption():
+    """A cache of ~2.5 sequences while four draft at once: sequences are preempted (their draft
+    state goes with their blocks) and re-admitted; greedy answers equal the no-draft server's."""
+    import concurrent.futures as cf
+
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
+
+    def run(k):
+        cfg = ServeConfig(model_path=str(fixture_dir(NAME) / "model"), served_model_name="m", max_batch=4,
+                          max_context=64, block_size=4, max_cache_tokens=100, speculative_tokens=k)
+        app = create_app(cfg)
+        with LiveServer(app) as s:
+            client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            kw = dict(model="m", max_tokens=20, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            with cf.ThreadPoolExecutor(4) as pool:
+                rs = list(pool.map(lambda i: client.completions.create(prompt=PROMPT[i:i + 20], **kw), range(4)))
+            eng = app.state.server.engine
+            assert eng.runner.cache_tokens_used() == 0
+            return [r.model_dump()["choices"][0]["token_ids"] for r in rs], eng.preempted_total, eng.spec_drafted
+
+    plain, pre0, _ = run(0)
+    got, pre2, drafted = run(2)
+    assert pre0 > 0 and pre2 > 0 and drafted > 0
+    assert got == plain
