@@ -97,7 +97,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8} --steps 32 \
       --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
     el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
-    timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda --config "$arch:--max-model-len 32768" \
+    SPEC=(); [ $arch = glm5 ] && SPEC=(--config "${arch}_mtp2:--max-model-len 32768 --speculative-tokens 2")
+    timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda --config "$arch:--max-model-len 32768" "${SPEC[@]}" \
       ${MLA_SERVE_EXTRA:---streams 8 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
       --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
     el "mla serve $arch rc $?"; tail -n 12 "$L/serve_$arch.log"
