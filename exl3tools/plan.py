@@ -3,8 +3,8 @@
 Headers and config only, no torch. Per rank:
 
 - ``weight_bytes``: exactly the tensors the rank holds, as the rank-slice planner cuts them
-  (slicing.plan.rank_holdings; at ``--tp 1`` every tensor, MTP layer included): what the runtime
-  reads for that rank.
+  (slicing.plan.rank_holdings; at ``--tp 1`` every tensor; an MTP layer only where the runtime
+  builds its head, GLM-5): what the runtime reads for that rank.
 - ``kv_bytes_per_token``: what the runtime's paged pool stores per token (runtime/kv_pool.py over
   each attention's ``cache_spec()``): GQA ``2 x kv_heads_local x head_dim x dtype`` per layer; MLA
   ``(kv_lora_rank + qk_rope_head_dim) x 4`` (fp32 whatever ``--kv-cache-dtype``) per layer, plus the
@@ -152,6 +152,16 @@ def activation_estimate(cfg: dict, tokens: int) -> int:
     return 4 * tokens * (4 * hidden + 3 * inter + 2 * vocab)
 
 
+MTP_BUILT = ("GlmMoeDsaForCausalLM",)   # architectures whose runtime loads the MTP layer (runtime/mtp.py)
+
+
+def _mtp_tensor(name: str, n_layers: int) -> bool:
+    """A tensor of an MTP layer (``model.layers.{i}.*`` with i >= num_hidden_layers)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() \
+        and int(parts[2]) >= n_layers
+
+
 def _fp32_copies(tensors) -> int:
     return sum(2 * (t.nbytes // 2) for t in tensors
                if t.dtype in ("BF16", "F16") and t.name.rsplit(".", 1)[-1] not in _LINEAR_FIELDS)
@@ -175,6 +185,9 @@ def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: s
     cfg = ck.config
     arch = ck.architecture
     holdings, attention = rank_holdings(ck, tp, moe)
+    if arch not in MTP_BUILT:           # the runtime builds no MTP head here: those tensors stay on disk
+        n_layers = int(cfg.get("num_hidden_layers") or 0)
+        holdings = [[t for t in h if not _mtp_tensor(t.name, n_layers)] for h in holdings]
     usable = int(util * gpu_total) - in_use
     act = activation_estimate(cfg, batched_tokens)
     ranks = []

@@ -165,3 +165,25 @@ def test_plan_reads_a_repo_id_through_the_hub_cache(tmp_path):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["fits"] and doc["ranks"][0]["weight_bytes"] == _plan(DEMO / "model").ranks[0].weight_bytes
+
+
+def test_plan_counts_an_mtp_layer_only_where_the_runtime_builds_it(tmp_path):
+    """DeepSeek-V3: the runtime builds no MTP head, so its layer stays on disk (same weight bytes
+    with or without it); GLM-5: the head is loaded, so its layer counts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import synth_checkpoint as sc
+
+    from exl3tools.checkpoint import Checkpoint
+    from exl3tools.plan import plan_memory
+
+    def weights(arch, mtp):
+        d = tmp_path / f"{arch}-{mtp}"
+        args = [str(d), "--arch", arch, "--small"] + ([] if mtp else ["--no-mtp"])
+        assert sc.main(args) == 0
+        return plan_memory(Checkpoint.open(d), gpu="h200", gpu_total=141 * 2**30).ranks[0].weight_bytes
+
+    assert weights("deepseek_v3", True) == weights("deepseek_v3", False)
+    assert weights("glm5", True) > weights("glm5", False)

@@ -189,13 +189,15 @@ def test_full_size_deepseek_v3_plan():
 @pytest.mark.parametrize("arch, kv_per_token", [("glm5", 6 * (512 + 64) * 4 + 6 * 128 * 4),
                                                 ("deepseek_v3", 6 * (512 + 64) * 4)])
 def test_full_size_sparse_plans_on_one_h200(tmp_path, arch, kv_per_token):
-    """The header-only real-size checkpoint: plan reads exactly the planned bytes (MTP included) and
-    says it fits one H200 at its full context."""
+    """The header-only real-size checkpoint: plan reads exactly the planned bytes (the MTP layer
+    only where the runtime builds its head: GLM-5) and says it fits one H200 at its full context."""
     s = sc.write_checkpoint(tmp_path / arch, arch=arch, sparse=True)
     assert len(s["files"]) == 7 and 10e9 < s["bytes"] < 40e9
     p = _cli("plan", str(tmp_path / arch), "--gpu", "h200")
     assert p["architecture"] == ARCH[arch] and p["fits"]
-    assert p["ranks"][0]["weight_bytes"] == s["bytes"]
+    loaded = s if arch == "glm5" else sc.write_checkpoint(tmp_path / f"{arch}-no-mtp", arch=arch, sparse=True,
+                                                          mtp=False)
+    assert p["ranks"][0]["weight_bytes"] == loaded["bytes"]
     assert p["ranks"][0]["kv_bytes_per_token"] == kv_per_token
     assert p["max_context"] == json.loads((tmp_path / arch / "config.json").read_text())["max_position_embeddings"]
 
