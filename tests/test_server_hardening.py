@@ -229,3 +229,30 @@ def test_openai_features_we_lack_are_refused_not_ignored(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, **kw)
     assert e.value.code == "unsupported_parameter" and e.value.param == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [[1]] * 65}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": [1] * ((1 << 20) + 1)}, "prompt"),
+    ({"messages": [{"role": "user", "content": ""}] * 16385}, "messages"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+])
+def test_oversized_lists_are_refused_before_validation(body, param):
+    """Count caps run on the parsed JSON: validation (a model object per element; a 7 MB body of
+    2M one-token prompts took ~1 GB to refuse) never sees such a body."""
+    import json
+
+    from exl3tools.server.protocol import APIError, parse_body
+
+    class Never:
+        @classmethod
+        def model_validate(cls, obj):
+            raise AssertionError("validated an oversized body")
+
+    raw = json.dumps({"model": "m", **body}).encode()
+    with pytest.raises(APIError) as e:
+        parse_body(raw, Never)
+    assert e.value.status == 400 and e.value.param == param
