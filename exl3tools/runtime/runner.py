@@ -623,6 +623,8 @@ class _Spec:
 
     def take(self, token: int) -> tuple[torch.Tensor, list[int]]:
         """All pending pairs, ``token`` completing the newest; the pending lists are emptied."""
+        if not self.states:
+            raise UsageError("no target state to draft from: the sequence has computed no token yet")
         states, tokens = torch.cat(self.states), self.tokens + [token]
         self.states, self.tokens = [], []
         return states, tokens
