@@ -20,26 +20,9 @@ import torch
 
 def sample(logits_row: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> int:
-    logits = logits_row.float().reshape(-1)
     if temperature is None or temperature <= 0:
-        return int(torch.argmax(logits))
-    logits = logits / torch.tensor(float(temperature), dtype=torch.float32, device=logits.device)
-    if top_k and 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-        probs = torch.softmax(sorted_logits, -1)
-        before = torch.cumsum(probs, -1) - probs          # mass strictly above each token
-        p_t = torch.tensor(float(top_p), dtype=torch.float32, device=logits.device)
-        drop = before >= p_t                              # keeps at least the top token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    cdf = torch.cumsum(torch.softmax(logits, -1).double(), -1)
-    if not bool(torch.isfinite(cdf[-1])):
-        raise ValueError("cannot sample: the logits row holds NaN or no finite value")
-    u = _uniform(generator, logits.device)
-    return int(torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp_max(cdf.numel() - 1))
+        return int(torch.argmax(logits_row.float().reshape(-1)))
+    return _draw(distribution(logits_row, temperature, top_k, top_p), generator)
 
 
 def _uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -237,7 +220,8 @@ def adjust_rows(logits: torch.Tensor, adjusts: Sequence[Adjust | None]) -> torch
 
 
 def distribution(row: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The float64 probabilities ``sample`` draws from (temperature > 0): temperature, top-k, top-p."""
+    """The float64 probabilities ``sample`` draws from (temperature > 0): temperature, then top-k,
+    then top-p (the token whose mass above reaches ``top_p`` is dropped; the top one always stays)."""
     logits = row.float().reshape(-1)
     logits = logits / torch.tensor(float(temperature), dtype=torch.float32, device=logits.device)
     if top_k and 0 < top_k < logits.numel():
@@ -246,7 +230,7 @@ def distribution(row: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
     if top_p is not None and 0 < top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, -1)
-        before = torch.cumsum(probs, -1) - probs
+        before = torch.cumsum(probs, -1) - probs          # mass strictly above each token
         p_t = torch.tensor(float(top_p), dtype=torch.float32, device=logits.device)
         sorted_logits = sorted_logits.masked_fill(before >= p_t, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
@@ -254,9 +238,10 @@ def distribution(row: torch.Tensor, temperature: float, top_k: int = 0, top_p: f
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """The inverse CDF of ``probs`` (float64 cumulative sums) at one uniform from ``generator``."""
     cdf = torch.cumsum(probs, -1)
     if not bool(torch.isfinite(cdf[-1])) or float(cdf[-1]) <= 0:
-        raise ValueError("cannot sample: no probability mass")
+        raise ValueError("cannot sample: the logits row holds NaN or no finite value")
     u = _uniform(generator, probs.device)
     return int(torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp_max(cdf.numel() - 1))
 
