@@ -173,3 +173,42 @@ def test_drafting_sequences_survive_preemption():
     got, pre2, drafted = run(2)
     assert pre0 > 0 and pre2 > 0 and drafted > 0
     assert got == plain
+
+
+def test_tp2_drafts_in_lockstep_and_stay_greedy():
+    """--tp 2 (gloo, CPU processes) on the GLM-5 tp fixture: every rank runs its part of the MTP
+    head in step with rank 0 (draft, verify, accept, free); oracle drafts with 0-2 accepted per
+    step give exactly the TP=1 greedy text."""
+    path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
+    prompt = PROMPT[:24]
+    with load_runner(path, max_cache_tokens=256, block_size=4) as r:
+        r.add_sequence(0)
+        want, new = [], prompt
+        for _ in range(16):
+            want.append(int(r.step([(0, new)])[0].argmax()))
+            new = [want[-1]]
+    with load_runner(path, tp=2, max_cache_tokens=256, block_size=4, speculative_tokens=2) as r:
+        r.add_sequence(0, prompt)
+        out = [int(r.step([(0, prompt)])[0].argmax())]
+        step, seen = 0, set()
+        while len(out) < 12:
+            oracle = want[len(out):len(out) + 2]
+            wrong = step % 3
+            it = iter(t if j != wrong else (t + 1) % 1024 for j, t in enumerate(oracle))
+            drafts, qrows = r.draft(0, out[-1], 2, lambda row, it=it: next(it))
+            target = r.verify([(0, [out[-1]] + drafts)])
+            a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
+            seen.add(a)
+            r.accept(0, a + 1)
+            out += drafts[:a] + [bonus]
+            step += 1
+        assert out == want[:len(out)] and seen == {0, 1, 2}
+        r.free_sequence(0)
+        cached = r.add_sequence(1, prompt)             # after the free: prefix hit, drafts again
+        assert cached > 0
+        out1 = [int(r.step([(1, prompt[cached:])])[0].argmax())]
+        drafts, qrows = r.draft(1, out1[-1], 2, lambda row: int(row.argmax()))
+        target = r.verify([(1, [out1[-1]] + drafts)])
+        a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
+        r.accept(1, a + 1)
+        assert (out1 + drafts[:a] + [bonus]) == want[:len(out1) + a + 1]

@@ -83,11 +83,18 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
             err = exc
         D.exchange_status(err, D.trace_opens_stop() if trace else None)
         paged: PagedState | None = None
+        drafts = WorkerDrafts(model)
         while True:
             cmd = D.broadcast()
             op = cmd[0]
             if op == "pstep":
-                paged.forward(cmd[1], all_logits=cmd[2])
+                if len(cmd) > 3 and any(s is not None for s in cmd[3]):   # rows with draft state
+                    _, hn = paged.forward(cmd[1], all_logits=cmd[2], states=True)
+                    drafts.extend(cmd[1], cmd[3], hn)
+                else:
+                    paged.forward(cmd[1], all_logits=cmd[2])
+            elif op in WorkerDrafts.OPS:
+                drafts.run(paged, cmd)
             elif op == "pdecode":
                 paged.decode(*cmd[1:])
             elif op == "kv_init":
@@ -104,6 +111,62 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 break
     finally:
         D.destroy()
+
+
+class WorkerDrafts:
+    """A worker rank's side of speculative decoding (rank 0's Runner.draft/verify/accept): its own
+    part of the MTP head runs in lockstep (the head's collectives), so it keeps the same draft
+    state per sequence, fed from its own copy of the target's final states."""
+
+    OPS = ("draft", "draft_next", "draft_end", "pverify", "accept", "sfree")
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.specs: dict = {}
+        self.pending: dict = {}
+        self.drafting: dict = {}
+
+    def _spec(self, sid) -> _Spec:
+        sp = self.specs.get(sid)
+        if sp is None:
+            sp = self.specs[sid] = _Spec(self.model.mtp)
+        return sp
+
+    def extend(self, wire, sids, hn: torch.Tensor) -> None:
+        row = 0
+        for (_, _, toks), sid in zip(wire, sids, strict=True):
+            if sid is not None:
+                self._spec(sid).extend(hn[row:row + len(toks)], toks)
+            row += len(toks)
+
+    def run(self, paged: PagedState, cmd) -> None:
+        from exl3tools.runtime.mtp import truncate
+
+        op, head = cmd[0], self.model.mtp
+        if op == "draft":
+            sp = self._spec(cmd[1])
+            states, tokens = sp.take(cmd[2])
+            g, _ = head.forward(sp.cache, states, tokens)
+            self.drafting[cmd[1]] = (g, sp.cache.length)
+        elif op == "draft_next":
+            g, committed = self.drafting[cmd[1]]
+            g, _ = head.forward(self.specs[cmd[1]].cache, g[-1:], [cmd[2]])
+            self.drafting[cmd[1]] = (g, committed)
+        elif op == "draft_end":
+            _, committed = self.drafting.pop(cmd[1])
+            truncate(self.specs[cmd[1]].cache, committed)
+        elif op == "pverify":
+            _, hn = paged.forward(cmd[1], all_logits=True, states=True)
+            row = 0
+            for (_, _, toks), sid in zip(cmd[1], cmd[2], strict=True):
+                self.pending[sid] = (toks, hn[row:row + len(toks)])
+                row += len(toks)
+        elif op == "accept":
+            toks, states = self.pending.pop(cmd[1])
+            self._spec(cmd[1]).extend(states[:cmd[2]], toks[:cmd[2]])
+        elif op == "sfree":
+            for d in (self.specs, self.pending, self.drafting):
+                d.pop(cmd[1], None)
 
 
 def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
@@ -184,8 +247,6 @@ class Runner:
         if self.spec_k and getattr(model, "mtp", None) is None:
             raise UsageError(f"{name}: --speculative-tokens needs a checkpoint with an MTP head (GLM-5: "
                              "model.layers.{num_hidden_layers}.*); this one has none")
-        if self.spec_k and world > 1:
-            raise UsageError("--speculative-tokens with --tp > 1 is not supported yet")
         dev = model.embed.device
         if not 0 < gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -338,6 +399,8 @@ class Runner:
         if s is not None:
             self.blocks.free(seq_id)
             self._rows.append(s.row)
+            if s.spec is not None:
+                self._send(("sfree", seq_id))
 
     def sequence_length(self, seq_id: Hashable) -> int:
         self._seq(seq_id)
@@ -412,7 +475,8 @@ class Runner:
                 logits = self._decode(items, slots).clone()    # a view of the step's static output
             else:
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
-                self._send(("pstep", wire, all_logits))
+                spec_ids = [s if seq.spec is not None else None for s, seq, _, _ in items]
+                self._send(("pstep", wire, all_logits, spec_ids))
                 if any(seq.spec is not None for _, seq, _, _ in items):
                     logits, hn = self.paged.forward(wire, all_logits=all_logits, states=True)
                     row = 0
@@ -492,14 +556,17 @@ class Runner:
             raise UsageError(f"sequence {seq_id!r} has no draft state")
         head = self.model.mtp
         states, tokens = sp.take(int(last_token))
+        self._send(("draft", seq_id, int(last_token)))      # the other ranks run their head part in step
         g, dl = head.forward(sp.cache, states, tokens)
         committed = sp.cache.length
         rows = [dl[-1]]
         drafts = [int(draw(dl[-1]))]
         while len(drafts) < k:
+            self._send(("draft_next", seq_id, drafts[-1]))
             g, dl = head.forward(sp.cache, g[-1:], [drafts[-1]])
             rows.append(dl[-1])
             drafts.append(int(draw(dl[-1])))
+        self._send(("draft_end", seq_id))
         truncate(sp.cache, committed)
         return drafts, rows
 
@@ -526,6 +593,7 @@ class Runner:
             self.blocks.reserve(s, len(t))
         wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
         try:
+            self._send(("pverify", wire, [s for s, *_ in items]))
             logits, hn = self.paged.forward(wire, all_logits=True, states=True)
         except BaseException:
             for s, *_ in items:
@@ -545,6 +613,7 @@ class Runner:
         if not 1 <= n <= len(toks):
             raise UsageError(f"accept {n} of {len(toks)} verified tokens")
         seq.pending = None
+        self._send(("accept", seq_id, int(n)))
         seq.tokens.extend(toks[:n])
         self.blocks.commit(seq_id, seq.tokens)
         self.blocks.trim(seq_id)
