@@ -49,8 +49,10 @@ def _token_ids(text: str) -> list[int]:
               help="Decode steps as CUDA graphs over the paged KV cache (default: on with a CUDA device "
                    "for GQA models).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result instead of streaming text.")
-@click.option("--mtp", type=click.IntRange(0), default=0, show_default=True,
-              help="Speculative decoding with the model's MTP head, N draft tokens per step (greedy only).")
+@click.option("--mtp", type=click.IntRange(0, 8), default=0, show_default=True,
+              help="Speculative decoding with the model's MTP head, N draft tokens per step: greedy by default "
+                   "(exactly the plain greedy tokens); with --temperature, rejection sampling keeps the model's "
+                   "distribution.")
 def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None, max_tokens: int,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                  add_bos: bool, ignore_eos: bool, logits_out: Path | None, device: str, backend: str,
@@ -73,8 +75,8 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
 
     if (prompt is None) == (token_ids is None):
         raise UsageError("give exactly one of --prompt or --token-ids")
-    if mtp and (temperature not in (None, 0.0) or logits_out is not None):
-        raise UsageError("--mtp runs greedy decoding only (--temperature 0, no --logits-out)")
+    if mtp and logits_out is not None:
+        raise UsageError("--mtp and --logits-out do not go together (drafted steps keep no prompt logits)")
     for problem in (sampling_value_problem("--temperature", temperature, upper=float("inf"), zero_ok=True),
                     sampling_value_problem("--top-p", top_p, upper=1.0, zero_ok=False)):
         if problem:
@@ -92,7 +94,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     with LoadProgress():
         runner = load_runner(path, tp=tp, device=device, backend=backend, moe=moe,
                              decode="eager" if mtp else {None: None, True: "graphs", False: "eager"}[cuda_graphs],
-                             max_num_seqs=1)
+                             max_num_seqs=1, speculative_tokens=mtp)
     if runner is None:  # a torchrun worker rank: it served rank 0 until the end
         return
     with runner:
@@ -112,11 +114,13 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
         if len(ids) + max_tokens > runner.max_context:  # up front, not after generating
             raise UsageError(f"the prompt ({len(ids)} tokens) plus --max-tokens {max_tokens} exceeds "
                              f"the model's context of {runner.max_context} tokens")
-        if mtp:  # runtime/mtp.py: exact speculative decoding, same tokens as plain greedy
+        if mtp:  # runtime/mtp.py: speculative decoding (greedy: the plain greedy tokens)
             from exl3tools.runtime.mtp import generate_cli
 
             return generate_cli(runner, ids, max_tokens, mtp, ignore_eos=ignore_eos, as_json=as_json,
-                                t_load=t_load, tp=tp)
+                                t_load=t_load, tp=tp, temperature=temperature, top_k=top_k, top_p=top_p,
+                                generator=make_generator(seed, device=runner.model.embed.device)
+                                if temperature > 0 else None)
         gen = make_generator(seed)
         runner.add_sequence("cli")
         t1 = time.perf_counter()

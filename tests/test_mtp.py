@@ -161,5 +161,17 @@ def test_generate_cli_mtp_refusals():
     r = CliRunner().invoke(main, ["generate", ds, "--token-ids", "1,2,3", "--max-tokens", "2", "--mtp", "1"])
     assert r.exit_code != 0 and "no MTP head" in r.output
     glm = str(fixture_dir(GLM5) / "model")
-    r = CliRunner().invoke(main, ["generate", glm, "--token-ids", "1,2", "--mtp", "1", "--temperature", "0.7"])
-    assert r.exit_code != 0 and "greedy" in r.output
+    r = CliRunner().invoke(main, ["generate", glm, "--token-ids", "1,2", "--mtp", "1", "--logits-out", "x.st"])
+    assert r.exit_code != 0 and "--logits-out" in r.output
+
+
+def test_generate_cli_mtp_samples_reproducibly_with_a_seed():
+    """--mtp with --temperature: rejection sampling, the same tokens for the same seed."""
+    glm = str(fixture_dir(GLM5) / "model")
+    args = ["generate", glm, "--token-ids", "1,500,600,700", "--max-tokens", "8", "--json", "--mtp", "2",
+            "--temperature", "0.9", "--seed", "5", "--ignore-eos"]
+    a, b = (CliRunner().invoke(main, args) for _ in range(2))
+    assert a.exit_code == 0 and b.exit_code == 0, a.output
+    ja, jb = json.loads(a.output), json.loads(b.output)
+    assert ja["completion_ids"] == jb["completion_ids"] and len(ja["completion_ids"]) == 8
+    assert ja["mtp"]["drafted"] > 0

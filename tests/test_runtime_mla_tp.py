@@ -42,11 +42,11 @@ def test_tp2_rank_slice_equals_tp1_with_mtp(tmp_path, monkeypatch):
     assert att["model.layers.1.self_attn"]["cut"] == "heads" and att["model.layers.3.self_attn"]["q_heads"] == [2, 4]
     dst = tmp_path / "tp2"
     write_rank_shards(ck, plan, dst)
-    with load_runner(src / "model") as r:
+    with load_runner(src / "model", speculative_tokens=2) as r:
         p1, rows1, toks1, _ = _run(r, g)
     assert (p1 - g["exl3_logits_p64"]).abs().max() < 0.05
     monkeypatch.setenv("EXL3TOOLS_TRACE_OPENS", "1")
-    with load_runner(dst, tp=2) as r:
+    with load_runner(dst, tp=2, speculative_tokens=2) as r:
         p2, rows2, toks2, st = _run(r, g)
         opened = r.opened_files
         assert r.model.mtp is not None and r.model.mtp.block.attn.nh == 2   # rank 0's half of the heads

@@ -14,6 +14,9 @@ Speculative decoding (greedy): draft ``k`` tokens with the head, run the target 
 ``[last token, d1..dk]``, accept the longest prefix where the target's argmax equals the draft,
 append the target's own token at the first mismatch (or after the last draft). Every emitted
 token is the target's argmax given the emitted prefix, so the output equals plain greedy decoding.
+``greedy_mtp`` does it on plain per-sequence caches (the reference the tests hold the head to);
+``runner_generate`` (``exl3tools generate --mtp``) goes through the serving engine's steps instead
+(Runner.draft / verify / accept on the paged cache, any TP, greedy or rejection sampling).
 """
 
 from __future__ import annotations
@@ -181,30 +184,65 @@ def greedy_mtp(model, prompt: list[int], max_new: int, draft_len: int = 1,
     return out, stats
 
 
-# ------------------------------------------------------------------ Runner glue (CLI, TP workers)
+# ------------------------------------------------------------------ Runner glue (CLI)
 def runner_generate(runner, prompt: list[int], max_new: int, draft_len: int, *, stop: set[int] | None = None,
-                    on_tokens=None) -> tuple[list[int], SpecStats]:
-    """``greedy_mtp`` through a Runner; with TP every rank runs it in lockstep (``worker_op``)."""
+                    on_tokens=None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    generator=None) -> tuple[list[int], SpecStats]:
+    """One completion through the serving engine's speculative steps (Runner.draft / verify /
+    accept over the paged cache; with TP every rank follows in lockstep). Greedy (temperature 0)
+    gives exactly plain greedy decoding; sampled, the verdict keeps the model's distribution
+    (sampling.accept_drafts). The runner must be loaded with ``speculative_tokens >= draft_len``."""
     from exl3tools.errors import UsageError
+    from exl3tools.runtime import sampling
 
     if getattr(runner.model, "mtp", None) is None:
         raise UsageError(f"{runner.model_name}: this checkpoint has no MTP head (--mtp needs GLM-5 with "
                          "model.layers.{num_hidden_layers}.* tensors)")
     if draft_len < 1:
         raise UsageError("--mtp must be >= 1")
-    runner._send(("mtp", list(prompt), int(max_new), int(draft_len), sorted(stop) if stop else None))
-    return greedy_mtp(runner.model, list(prompt), max_new, draft_len, stop=stop, on_tokens=on_tokens)
+    if getattr(runner, "spec_k", 0) < draft_len:
+        raise UsageError(f"the runner drafts at most {getattr(runner, 'spec_k', 0)} tokens: load it with "
+                         f"speculative_tokens={draft_len}")
+    stats = SpecStats()
+    sid = ("mtp", id(stats))
 
+    def pick(row) -> int:
+        return sampling.sample(row, temperature, top_k, top_p, generator)
 
-def worker_op(model, cmd) -> None:
-    """A TP worker's side of ``runner_generate`` (runtime/runner.py serve_rank, op "mtp")."""
-    _, prompt, max_new, draft_len, stop = cmd
-    greedy_mtp(model, prompt, max_new, draft_len, stop=set(stop) if stop else None)
+    def emit(new: list[int], done: int) -> list[int]:
+        keep = new[:max(0, max_new - done)]
+        if stop:
+            cut = next((i for i, t in enumerate(keep) if t in stop), None)
+            keep = keep if cut is None else keep[:cut + 1]
+        if keep and on_tokens:
+            on_tokens(keep)
+        return keep
+
+    cached = runner.add_sequence(sid, list(prompt))
+    try:
+        logits = runner.step([(sid, list(prompt)[cached:])], device_logits=True)
+        stats.target_forwards += 1
+        out = emit([pick(logits[0])], 0)
+        while out and len(out) < max_new and not (stop and out[-1] in stop):
+            tok = out[-1]
+            drafts, rows = runner.draft(sid, tok, min(draft_len, max_new - len(out)), pick)
+            target = runner.verify([(sid, [tok] + drafts)])
+            stats.target_forwards += 1
+            a, nxt = sampling.accept_drafts(target, rows, drafts, temperature, top_k, top_p, generator)
+            runner.accept(sid, a + 1)
+            stats.drafted += len(drafts)
+            stats.accepted += a
+            stats.accepted_per_step.append(a)
+            out += emit(drafts[:a] + [nxt], len(out))
+    finally:
+        runner.free_sequence(sid)
+    return out, stats
 
 
 def generate_cli(runner, ids: list[int], max_tokens: int, draft_len: int, *, ignore_eos: bool, as_json: bool,
-                 t_load: float, tp: int) -> None:
-    """``exl3tools generate --mtp N``: stream the greedy completion, then print the acceptance rate."""
+                 t_load: float, tp: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 generator=None) -> None:
+    """``exl3tools generate --mtp N``: stream the completion, then print the acceptance rate."""
     import time
 
     import click
@@ -226,7 +264,7 @@ def generate_cli(runner, ids: list[int], max_tokens: int, draft_len: int, *, ign
     t0 = time.perf_counter()
     toks, st = ([], SpecStats()) if max_tokens == 0 else runner_generate(
         runner, ids, max_tokens, draft_len, stop=None if ignore_eos else set(runner.eos_token_ids),
-        on_tokens=on_tokens)
+        on_tokens=on_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     dt = time.perf_counter() - t0
     text = runner.tokenizer.decode(toks) if runner.tokenizer is not None else None
     mtp = {"draft_len": draft_len, "drafted": st.drafted, "accepted": st.accepted,

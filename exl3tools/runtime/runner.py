@@ -103,10 +103,6 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 paged.decoder.capture()
             elif op == "profile":
                 profile_forward(model, *cmd[1:])
-            elif op == "mtp":  # speculative decoding with the MTP head, in lockstep with rank 0
-                from exl3tools.runtime.mtp import worker_op
-
-                worker_op(model, cmd)
             elif op == "stop":
                 break
     finally:
@@ -245,8 +241,8 @@ class Runner:
         if self.spec_k < 0:
             raise UsageError(f"--speculative-tokens must be >= 0, got {speculative_tokens}")
         if self.spec_k and getattr(model, "mtp", None) is None:
-            raise UsageError(f"{name}: --speculative-tokens needs a checkpoint with an MTP head (GLM-5: "
-                             "model.layers.{num_hidden_layers}.*); this one has none")
+            raise UsageError(f"{name}: this checkpoint has no MTP head, which speculative decoding "
+                             "(--speculative-tokens, --mtp) needs (GLM-5: model.layers.{num_hidden_layers}.*)")
         dev = model.embed.device
         if not 0 < gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
