@@ -362,19 +362,9 @@ class CudaExperts:
         self.bias_tab = _ptrs(self.bias, dev)
 
     def slots(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
-        """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync."""
-        S = tok.shape[0]
-        if S == 0:
-            return x.new_empty(0, self.n)
-        x2 = _act(x, self.k)
-        tok32 = tok.to(torch.int32).contiguous()
-        exp32 = exp.to(torch.int32).contiguous()
-        xrot = had_in(self.mod, x2, self.suh_tab, 1, S, self.k, src=tok32, exp=exp32)
-        acc = workspace(self.device, S * self.n)
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, 1, S, acc, slot_exp=exp32)
-        y = torch.empty(S, self.n, dtype=x2.dtype, device=self.device)
-        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, S, self.n, exp=exp32)
-        return y.to(x.dtype)
+        """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync: the
+        tiled call with one row per tile (the same three launches)."""
+        return self.tiles(x, tok, exp, exp, 1)
 
     def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
               rows: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -389,7 +379,7 @@ class CudaExperts:
         x2 = _act(x, self.k)
         src32 = None if src is None else src.to(torch.int32).contiguous()
         rexp32 = row_exp.to(torch.int32).contiguous()
-        texp32 = tile_exp.to(torch.int32).contiguous()
+        texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
         xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32)
         acc = workspace(self.device, N * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32)

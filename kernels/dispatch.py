@@ -140,9 +140,9 @@ class LoopExperts:
 
 
 class DenseExperts:
-    """Experts as one dense fp32 stack ``(E, k, n)``: per slot a gathered W and a batched GEMV.
-
-    Slots run in chunks so the gathered weights stay near ``CHUNK_ELEMS`` floats."""
+    """Experts as one dense fp32 stack ``(E, k, n)``: per tile a gathered W and a batched GEMM
+    (``slots``: one row per tile). Tiles run in chunks so the gathered weights stay near
+    ``CHUNK_ELEMS`` floats."""
 
     CHUNK_ELEMS = 1 << 26
 
@@ -150,26 +150,19 @@ class DenseExperts:
         self.weight, self.bias = weight, bias            # (E, k, n) fp32, (E, n) fp32 or None
 
     def slots(self, x, tok, exp):
-        import torch
-
-        xs = x.index_select(0, tok).to(torch.float32)
-        _, k, n = self.weight.shape
-        step = max(1, self.CHUNK_ELEMS // (k * n))
-        parts = [torch.bmm(xs[a:a + step, None, :], self.weight.index_select(0, exp[a:a + step]))[:, 0]
-                 for a in range(0, xs.shape[0], step)]
-        y = torch.cat(parts) if len(parts) != 1 else parts[0]
-        if self.bias is not None:
-            y = y + self.bias.index_select(0, exp)
-        return y.to(x.dtype)
+        return self.tiles(x, tok, exp, exp, 1)
 
     def tiles(self, x, src, row_exp, tile_exp, rows, out_dtype=None):
-        """One batched GEMM over the tiles: each tile's rows times its expert's W."""
+        """Each tile's rows times its expert's W (the dispatch module doc's contract)."""
         import torch
 
         xs = (x if src is None else x.index_select(0, src)).to(torch.float32)
         nt = tile_exp.shape[0]
-        w = self.weight.index_select(0, tile_exp.clamp(min=0))             # (tiles, k, n)
-        y = torch.bmm(xs.view(nt, rows, -1), w).reshape(nt * rows, -1)
+        _, k, n = self.weight.shape
+        step = max(1, self.CHUNK_ELEMS // (k * n))
+        xt, te = xs.view(nt, rows, -1), tile_exp.clamp(min=0)
+        parts = [torch.bmm(xt[a:a + step], self.weight.index_select(0, te[a:a + step])) for a in range(0, nt, step)]
+        y = (torch.cat(parts) if len(parts) != 1 else parts[0]).reshape(nt * rows, n)
         if self.bias is not None:
             y = y + self.bias.index_select(0, row_exp)
         return y.to(out_dtype or x.dtype)

@@ -458,19 +458,24 @@ class Engine:
     def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
         """The ready rows' tokens, sampled on the logits' device without a host sync (None: no
         device sampler; ``_sample_ready`` samples)."""
-        if self._sample_device_fn is None or not ready:
+        if not ready:
             return None
-        self._ensure_generators(ready, logits.device)
+        return self._sample_rows(self._sample_device_fn, logits, ready, "device sampling failed")
+
+    def _sample_rows(self, fn: Callable | None, logits: Any, ready: list[tuple[int, Sequence]], what: str) -> Any:
+        """``fn`` (a batched sampler) over the ready rows, each with its processed logits, settings
+        and generator; None when there is no ``fn`` or it fails (then rows are sampled one by one)."""
+        self._ensure_generators(ready, logits.device)   # also for the row-by-row fallback
+        if fn is None:
+            return None
         rows = [i for i, _ in ready]
         ps = [seq.params for _, seq in ready]
         try:
             sub = self._adjusted(logits if rows == list(range(len(logits))) else logits[rows], ready)
-            return self._sample_device_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
-                                          [p.top_p for p in ps],
-                                          [seq.generator if p.temperature > 0 else None
-                                           for p, (_, seq) in zip(ps, ready, strict=True)])
+            return fn(sub, [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                      [seq.generator if p.temperature > 0 else None for p, (_, seq) in zip(ps, ready, strict=True)])
         except Exception:
-            log.warning("device sampling failed; sampling row by row", exc_info=True)
+            log.warning("%s; sampling row by row", what, exc_info=True)
             return None
 
     def _chain(self, fl: _Inflight) -> _Inflight | None:
@@ -540,7 +545,7 @@ class Engine:
             self.runner.commit_tokens([(s.seq_id, known[id(s)]) for _, s in nxt.ready
                                        if known.get(id(s)) is not None])
         if tokens is None and fl.tokens is None:
-            tokens = self._sample_host(logits, ready)
+            tokens = self._sample_rows(self._sample_batch_fn, logits, ready, "batched sampling failed")
         for j, (i, seq) in enumerate(ready):
             if seq.finished:        # cancelled, or stopped at the step this one was chained on
                 continue
@@ -549,23 +554,6 @@ class Engine:
             except Exception:
                 log.exception("sampling failed")
                 self._fail(seq)
-
-    def _sample_host(self, logits: Any, ready: list[tuple[int, Sequence]]) -> list | None:
-        self._ensure_generators(ready, logits.device)
-        tokens = None
-        if self._sample_batch_fn is not None:
-            rows = [i for i, _ in ready]
-            ps = [seq.params for _, seq in ready]
-            try:
-                sub = self._adjusted(logits if rows == list(range(len(logits))) else logits[rows], ready)
-                tokens = self._sample_batch_fn(sub, [p.temperature for p in ps], [p.top_k for p in ps],
-                                               [p.top_p for p in ps],
-                                               [seq.generator if p.temperature > 0 else None
-                                                for p, (_, seq) in zip(ps, ready, strict=True)])
-            except Exception:
-                log.warning("batched sampling failed; sampling row by row", exc_info=True)
-                tokens = None
-        return tokens
 
     def _sample(self, seq: Sequence, row: Any, now: float, token: int | None = None) -> None:
         """Emit one token for ``seq``: ``token`` if the batched sampler drew it, else drawn here."""
