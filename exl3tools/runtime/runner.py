@@ -129,11 +129,9 @@ class WorkerDrafts:
         return sp
 
     def extend(self, wire, sids, hn: torch.Tensor) -> None:
-        row = 0
-        for (_, _, toks), sid in zip(wire, sids, strict=True):
+        for (_, _, toks), sid, states in zip(wire, sids, _rows_of(hn, wire), strict=True):
             if sid is not None:
-                self._spec(sid).extend(hn[row:row + len(toks)], toks)
-            row += len(toks)
+                self._spec(sid).extend(states, toks)
 
     def run(self, paged: PagedState, cmd) -> None:
         from exl3tools.runtime.mtp import truncate
@@ -153,10 +151,8 @@ class WorkerDrafts:
             truncate(self.specs[cmd[1]].cache, committed)
         elif op == "pverify":
             _, hn = paged.forward(cmd[1], all_logits=True, states=True)
-            row = 0
-            for (_, _, toks), sid in zip(cmd[1], cmd[2], strict=True):
-                self.pending[sid] = (toks, hn[row:row + len(toks)])
-                row += len(toks)
+            for (_, _, toks), sid, states in zip(cmd[1], cmd[2], _rows_of(hn, cmd[1]), strict=True):
+                self.pending[sid] = (toks, states)
         elif op == "accept":
             toks, states = self.pending.pop(cmd[1])
             self._spec(cmd[1]).extend(states[:cmd[2]], toks[:cmd[2]])
@@ -456,14 +452,8 @@ class Runner:
             bad = [t for t in toks if not 0 <= t < vocab]
             if bad:
                 raise UsageError(f"token id {bad[0]} out of range 0..{vocab - 1}")
-            n0 = self.blocks.length(seq_id)
-            if n0 + len(toks) > self.max_context:
-                raise ContextLengthError(f"sequence {seq_id!r} would reach {n0 + len(toks)} tokens, "
-                                         f"more than max_context {self.max_context}")
-            items.append((seq_id, seq, toks, n0))
-        if not self.fits([(s, len(t)) for s, _, t, _ in items]):
-            raise CacheFullError(f"KV cache full: {sum(len(t) for _, _, t, _ in items)} new tokens do not fit in "
-                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
+            items.append((seq_id, seq, toks, self._length_before(seq_id, len(toks))))
+        self._check_room([(s, len(t)) for s, _, t, _ in items])
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         try:
             if (self.paged.decoder is not None and not all_logits and all(len(t) == 1 for _, _, t, _ in items)
@@ -475,11 +465,9 @@ class Runner:
                 self._send(("pstep", wire, all_logits, spec_ids))
                 if any(seq.spec is not None for _, seq, _, _ in items):
                     logits, hn = self.paged.forward(wire, all_logits=all_logits, states=True)
-                    row = 0
-                    for _, seq, t, _ in items:
+                    for (_, seq, t, _), states in zip(items, _rows_of(hn, wire), strict=True):
                         if seq.spec is not None:
-                            seq.spec.extend(hn[row:row + len(t)], t)
-                        row += len(t)
+                            seq.spec.extend(states, t)
                 else:
                     logits = self.paged.forward(wire, all_logits=all_logits)
         except RuntimeError as exc:
@@ -492,6 +480,19 @@ class Runner:
             seq.tokens.extend(t)
             self.blocks.commit(s, seq.tokens)
         return logits if device_logits else logits.float().cpu()
+
+    def _length_before(self, seq_id: Hashable, n: int) -> int:
+        """The sequence's cached length, refusing a step of ``n`` tokens past max_context."""
+        n0 = self.blocks.length(seq_id)
+        if n0 + n > self.max_context:
+            raise ContextLengthError(f"sequence {seq_id!r} would reach {n0 + n} tokens, more than max_context "
+                                     f"{self.max_context}")
+        return n0
+
+    def _check_room(self, appends: list[tuple[Hashable, int]]) -> None:
+        if not self.fits(appends):
+            raise CacheFullError(f"KV cache full: {sum(n for _, n in appends)} new tokens do not fit in "
+                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
 
     def _decode(self, items: list, slots: list[list[int]], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         updates = []
@@ -521,17 +522,8 @@ class Runner:
             raise RuntimeFailure("runner is closed")
         if not 1 <= len(seq_ids) <= self.max_num_seqs or len(set(seq_ids)) != len(seq_ids):
             raise UsageError(f"a chained step takes 1..{self.max_num_seqs} distinct sequences")
-        items = []
-        for s in seq_ids:
-            seq = self._seq(s)
-            n0 = self.blocks.length(s)
-            if n0 + 1 > self.max_context:
-                raise ContextLengthError(f"sequence {s!r} would reach {n0 + 1} tokens, more than max_context "
-                                         f"{self.max_context}")
-            items.append((s, seq, None, n0))
-        if not self.fits([(s, 1) for s in seq_ids]):
-            raise CacheFullError(f"KV cache full: {len(seq_ids)} new tokens do not fit in "
-                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
+        items = [(s, self._seq(s), None, self._length_before(s, 1)) for s in seq_ids]
+        self._check_room([(s, 1) for s in seq_ids])
         slots = [self.blocks.reserve(s, 1) for s in seq_ids]
         logits = self._decode(items, slots, tokens).clone()
         for s, seq, _, _ in items:
@@ -577,14 +569,8 @@ class Runner:
             seq = self._seq(s)
             if seq.spec is None or seq.pending is not None or seq.unknown:
                 raise UsageError(f"sequence {s!r} cannot take a verify step now")
-            n0 = self.blocks.length(s)
-            if n0 + len(toks) > self.max_context:
-                raise ContextLengthError(f"sequence {s!r} would reach {n0 + len(toks)} tokens, more than "
-                                         f"max_context {self.max_context}")
-            items.append((s, seq, [int(t) for t in toks], n0))
-        if not self.fits([(s, len(t)) for s, _, t, _ in items]):
-            raise CacheFullError(f"KV cache full: {sum(len(t) for _, _, t, _ in items)} new tokens do not fit in "
-                                 f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
+            items.append((s, seq, [int(t) for t in toks], self._length_before(s, len(toks))))
+        self._check_room([(s, len(t)) for s, _, t, _ in items])
         for s, _, t, _ in items:
             self.blocks.reserve(s, len(t))
         wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
@@ -595,10 +581,8 @@ class Runner:
             for s, *_ in items:
                 self.blocks.trim(s)
             raise
-        row = 0
-        for _, seq, t, _ in items:
-            seq.pending = (t, hn[row:row + len(t)])
-            row += len(t)
+        for (_, seq, t, _), states in zip(items, _rows_of(hn, wire), strict=True):
+            seq.pending = (t, states)
         return logits
 
     def accept(self, seq_id: Hashable, n: int) -> None:
@@ -665,6 +649,11 @@ class _Seq:
         self.unknown = 0     # tokens written by chained steps, not committed yet
         self.spec: _Spec | None = None     # MTP draft state (speculative decoding)
         self.pending = None  # (tokens, states) of a verify step not accepted yet
+
+
+def _rows_of(hn: torch.Tensor, wire) -> tuple[torch.Tensor, ...]:
+    """A packed forward's per-row states split by sequence (``wire`` items end with their tokens)."""
+    return hn.split([len(item[-1]) for item in wire])
 
 
 class _Spec:
