@@ -391,7 +391,7 @@ class Engine:
         if not getattr(self.runner, "spec_k", 0):
             return {}
         p = seq.params
-        return {"speculative": p.logprobs is None and not p.adjusts_logits}
+        return {"speculative": not p.token_by_token}
 
     def _split_spec(self, batch: list[tuple[Sequence, list[int]]]) -> tuple[list, list[tuple[Sequence, int]]]:
         """(the rest, [(sequence, drafts)]): decoding rows the MTP head drafts for this step."""
@@ -404,7 +404,7 @@ class Engine:
             room = min(p.max_tokens - len(seq.output_ids),
                        self.runner.max_context - len(seq.prompt) - len(seq.output_ids)) - 1
             if (len(chunk) == 1 and seq.output_ids and seq.pending == 1 and room >= 1
-                    and p.logprobs is None and not p.adjusts_logits):
+                    and not p.token_by_token):
                 spec.append((seq, min(k, room)))
             else:
                 rest.append((seq, chunk))
@@ -494,7 +494,7 @@ class Engine:
         for seq in seqs:
             p = seq.params
             n_out = len(seq.output_ids) + 1                # with this step's token
-            if (p.logprobs is not None or p.adjusts_logits or seq.handle.cancelled or n_out >= p.max_tokens
+            if (p.token_by_token or seq.handle.cancelled or n_out >= p.max_tokens
                     or len(seq.prompt) + n_out >= runner.max_context):
                 return None         # (processed logits need this step's token on the host first)
         if not runner.fits([(s.seq_id, 1) for s in seqs]):

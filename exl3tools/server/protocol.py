@@ -30,6 +30,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_PROMPT_TOKENS = 1 << 20      # token ids in one prompt (any model's context is shorter)
 MAX_MESSAGES = 16384             # chat messages per request
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300             # entries (OpenAI's limit)
 MAX_BODY_BYTES = 16 * 1024 * 1024
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Integer literals longer than this are refused before int() sees them: no field takes more than
@@ -193,6 +194,12 @@ class SamplingParams:
     min_tokens: int = 0
 
     @property
+    def token_by_token(self) -> bool:
+        """Logprobs or processed logits: each token is read on the host before the next step
+        (the engine neither chains nor drafts such a row)."""
+        return self.logprobs is not None or self.adjusts_logits
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether the logits are processed before sampling (runtime.sampling.Adjust)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
@@ -340,14 +347,9 @@ def _clean_loc(loc: list[str]) -> list[str]:
     return [p for p in loc if "[" not in p and p not in ("str", "int", "float", "bool")]
 
 
-MAX_LOGIT_BIAS = 300    # entries (OpenAI's limit)
-
-
 def _logit_bias(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias: {"token id": bias in [-100, 100]}."""
-    bias = req.logit_bias or {}
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    bias = req.logit_bias or {}      # its entry count: parse_body's _refuse_oversized_lists
     out = []
     for key, value in bias.items():
         if not key.isdigit() or len(key) > 12 or not 0 <= int(key) < vocab_size:
@@ -360,14 +362,12 @@ def _logit_bias(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...
 
 
 def _stops(req: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP:
-        raise bad_request(f"at most {MAX_STOP} stop sequences", param="stop")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])   # counts: parse_body
     for s in stop:
         if not s or len(s) > MAX_STOP_LEN:
             raise bad_request(f"stop sequences must have 1 to {MAX_STOP_LEN} characters", param="stop")
     ids = list(req.stop_token_ids or [])
-    if len(ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab_size for t in ids):
+    if any(not 0 <= t < vocab_size for t in ids):
         raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size})",
                           param="stop_token_ids")
     return tuple(stop), tuple(ids)
@@ -403,9 +403,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(x, int) for x in p):
         return [list(p)]
-    if len(p) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-    return list(p)
+    return list(p)                   # at most MAX_PROMPTS: parse_body's _refuse_oversized_lists
 
 
 def check_completion_extras(req: CompletionRequest) -> None:
