@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla]
-# (default: all but prefill, longctx and mla)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [memory]
+# (default: all but prefill, longctx, mla and memory)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -103,6 +103,10 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
     el "mla serve $arch rc $?"; tail -n 12 "$L/serve_$arch.log"
   done
+fi
+if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
+  timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py /tmp/air6 --json "$L/memory.json" > "$L/memory.log" 2>&1
+  el "memory rc $?"; cat "$L/memory.log" | grep -v "^20..-" | tail -n 30
 fi
 if [[ $STAGES == *prefill* ]]; then
   timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py /tmp/air6 --json "$L/prefill.json" > "$L/prefill.log" 2>&1
