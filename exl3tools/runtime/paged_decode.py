@@ -78,6 +78,8 @@ class PagedDecoder:
             self.inputs = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, device=dev)
             self.tables = torch.zeros(self.max_seqs, self.max_blocks, dtype=torch.int32, device=dev)
             self.out = torch.zeros(self.max_seqs, model.info.vocab_size, dtype=torch.float32, device=dev)
+            # each row's final-normed state (what the MTP head drafts from)
+            self.states = torch.zeros(self.max_seqs, model.info.hidden_size, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -96,9 +98,13 @@ class PagedDecoder:
     @torch.inference_mode()
     def step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int],
              device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode one token for each of ``n`` sequences: token ``tokens[i]`` at ``positions[i]``
-        goes to cache slot ``slots[i]``; sequence ``i`` owns block-table row ``rows[i]``. Logits
-        (n, vocab) float32 on the device (a view of a static buffer: read it before the next step).
+        """One token for each of ``n`` rows: token ``tokens[i]`` at ``positions[i]`` goes to cache
+        slot ``slots[i]``; row ``i`` reads block-table row ``rows[i]`` up to its own position. Rows
+        may share a table row: a sequence's few new tokens (a short prompt, a prefix hit's tail,
+        speculative drafts) are rows at consecutive positions, each attending causally, since every
+        row's K/V is written before any row attends. Logits (n, vocab) float32 on the device (a
+        view of a static buffer: read it before the next step; ``states[:n]``: the final-normed
+        states).
         ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
         never read back to the host first)."""
         n = len(tokens)
@@ -179,4 +185,6 @@ class PagedDecoder:
             h = h + a.reduce(a.o(o.reshape(bs, a.nq * a.hd)))
             x = layer.mlp_norm(h)
             h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
-        self.out[:bs].copy_(m.logits(m.norm(h)))
+        hn = m.norm(h)
+        self.states[:bs].copy_(hn)
+        self.out[:bs].copy_(m.logits(hn))
