@@ -90,18 +90,28 @@ if [[ $STAGES == *serve* ]]; then
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
 fi
 if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
+  # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0
+  [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* && -f bench/gpu_mla_attention.py ]] && {
+    timeout ${MLA_KERNEL_TIMEOUT:-90} python3 bench/gpu_mla_attention.py --json "$L/mla_kernel.json" > "$L/mla_kernel.log" 2>&1
+    el "mla kernel rc $?"; grep -E "^\|" "$L/mla_kernel.log" | tail -n 30; }
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     d=/tmp/synth_$arch
     [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
-    timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8} --steps 32 \
-      --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
-    el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
-    SPEC=(); [ $arch = glm5 ] && SPEC=(--config "${arch}_mtp2:--max-model-len 32768 --speculative-tokens 2")
-    timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda --config "$arch:--max-model-len 32768" "${SPEC[@]}" \
-      ${MLA_SERVE_EXTRA:---streams 8 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
-      --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
-    el "mla serve $arch rc $?"; tail -n 12 "$L/serve_$arch.log"
+    if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
+      timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
+        --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
+      el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
+    fi
+    if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
+      CFG=(--config "$arch:--max-model-len 32768")
+      if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
+        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
+      timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
+        ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
+        --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
+      el "mla serve $arch rc $?"; tail -n 14 "$L/serve_$arch.log"
+    fi
   done
 fi
 if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
