@@ -1,0 +1,68 @@
+"""The fixed-shape decode step with the fused glue kernels (runtime/fused_step.py,
+kernels/fused_decode.py) run by Triton's interpreter on the CPU: the continuous-batching schedule of
+tests/test_paged_runner.py gives the plain cache's logits, every routing call picks MoE.route's
+experts, and the switch (PagedDecoder(fused=...), EXL3TOOLS_FUSED) does what it says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3tools.errors import UsageError
+from tests.test_paged_runner import REL, Reference, _model, _paged, _rel, schedule
+
+NAMES = ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"]
+
+
+def _interpret():
+    pytest.importorskip("triton")
+    from exl3tools.kernels import fused_decode
+
+    if not fused_decode.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    return fused_decode
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
+    fk = _interpret()
+    real = fk.route
+    calls = []
+
+    def checked(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None):
+        out = real(logits, top_k, routing, norm, scaling, bias, lut, n_held)
+        ref = fk.route_reference(logits, top_k, routing, norm, scaling, bias, lut, n_held)
+        T = logits.shape[0]
+        assert torch.equal(out["loc"].view(T, -1).sort(1).values, ref["loc"].view(T, -1).sort(1).values)
+        calls.append(T)
+        return out
+    monkeypatch.setattr(fk, "route", checked)
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    r = _paged(name, "static")
+    assert r.paged.decoder._fused is not None
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    assert bool(calls) == (name != "llama-4.0bpw-mul1")       # the MoE layers routed through the kernel
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))
+
+
+def test_switch(monkeypatch):
+    from exl3tools.runtime import fused_step
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("EXL3TOOLS_FUSED", raising=False)
+    assert fused_step.resolve(None, cpu) is False                 # the CPU keeps the torch reference
+    assert fused_step.resolve(False, cpu) is False
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    assert fused_step.resolve(None, torch.device("cuda")) is False
+    from exl3tools.kernels import fused_decode
+
+    if not fused_decode.available(cpu):
+        with pytest.raises(UsageError, match="fused"):
+            fused_step.resolve(True, cpu)
+    else:
+        assert fused_step.resolve(True, cpu) is True
+        monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+        assert fused_step.resolve(None, cpu) is True
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    assert _paged("llama-4.0bpw-mul1", "static").paged.decoder._fused is None
