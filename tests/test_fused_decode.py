@@ -66,3 +66,17 @@ def test_switch(monkeypatch):
         assert fused_step.resolve(None, cpu) is True
     monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
     assert _paged("llama-4.0bpw-mul1", "static").paged.decoder._fused is None
+
+
+def test_e2e_bench_takes_the_unfused_impl():
+    import argparse
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_e2e_model as g
+
+    assert g.parse_impls("ours:cuda,ours:cuda:unfused,exllamav3") == ["ours:cuda", "ours:cuda:unfused", "exllamav3"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        g.parse_impls("ours:cuda:maybe")
