@@ -85,19 +85,26 @@ def instrument(runner, log: Log) -> None:
         kind = "moe" if isinstance(layer.mlp, MoE) else "dense"
         if kind == "moe":
             g = layer.mlp.grouped()
-            for key, obj in list(g.items()):
-                if hasattr(obj, "slots"):
-                    wrapped = type("Counted", (), {})()
-                    wrapped.slots = _wrap(log, obj.slots, "exl3_experts", GEMV_KERNELS)
-                    if hasattr(obj, "tiles"):
-                        wrapped.tiles = _wrap(log, obj.tiles, "exl3_experts", GEMV_KERNELS)
-                    g[key] = wrapped
+            merged = dec._fused._with_shared(layer.mlp) if dec._fused is not None else None
+            _wrap_experts(log, g)
+            if merged is not None:
+                _wrap_experts(log, merged)
             if layer.mlp.shared is not None:
                 mlp(layer.mlp.shared)
         else:
             mlp(layer.mlp)
         _tag(log, layer.attn.q, f"layer{i}:{kind}")
     _tag(log, model.head, "head")
+
+
+def _wrap_experts(log: Log, g: dict) -> None:
+    for key, obj in list(g.items()):
+        if hasattr(obj, "slots"):
+            wrapped = type("Counted", (), {})()
+            wrapped.slots = _wrap(log, obj.slots, "exl3_experts", GEMV_KERNELS)
+            if hasattr(obj, "tiles"):
+                wrapped.tiles = _wrap(log, obj.tiles, "exl3_experts", GEMV_KERNELS)
+            g[key] = wrapped
 
 
 def _tag(log: Log, lin, where: str) -> None:

@@ -118,7 +118,7 @@ if triton is not None:
     def _route_kernel(lg_ptr, bias_ptr, lut_ptr, w_ptr, loc_ptr, gsrc_ptr, gexp_ptr, dexp_ptr, wk_ptr,
                       E, NE, S, scaling, slg,
                       K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr,
-                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SHARED: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, EP)
         em = e < E
@@ -160,15 +160,20 @@ if triton is not None:
         loc = tl.load(lut_ptr + sel, mask=km, other=-1).to(tl.int32)   # local expert, -1: not held
         keep = loc >= 0
         locc = tl.where(keep, loc, 0)
-        o = t * K + kk
-        tl.store(w_ptr + o, w, mask=km)
-        tl.store(loc_ptr + o, loc.to(tl.int64), mask=km)
+        tl.store(w_ptr + t * K + kk, w, mask=km)
+        tl.store(loc_ptr + t * K + kk, loc.to(tl.int64), mask=km)
+        wk = tl.where(keep, w, 0.0)
+        if SHARED:          # pair K of each token: the shared expert, index NE - 1, weight 1
+            km = kk <= K
+            locc = tl.where(kk == K, NE - 1, locc)
+            wk = tl.where(kk == K, 1.0, wk)
+        o = t * (K + SHARED) + kk
         tl.store(gsrc_ptr + o, t.to(tl.int32) + 0 * kk, mask=km)
         tl.store(gsrc_ptr + S + o, t.to(tl.int32) + 0 * kk, mask=km)
         tl.store(gexp_ptr + o, locc, mask=km)
         tl.store(gexp_ptr + S + o, locc + NE, mask=km)
         tl.store(dexp_ptr + o, locc, mask=km)
-        tl.store(wk_ptr + o, tl.where(keep, w, 0.0), mask=km)
+        tl.store(wk_ptr + o, wk, mask=km)
 
     # ------------------------------------------------------------------ SiLU(a) * b
     @triton.jit
@@ -279,12 +284,15 @@ def qk_rope_store_reference(q, k, v, positions, slots, inv_freq, rdim, k_plane, 
 
 # ------------------------------------------------------------------ routing
 def route(logits: torch.Tensor, top_k: int, routing: str, norm: bool, scaling: float = 1.0,
-          bias: torch.Tensor | None = None, lut: torch.Tensor | None = None, n_held: int | None = None) -> dict:
+          bias: torch.Tensor | None = None, lut: torch.Tensor | None = None, n_held: int | None = None,
+          shared: bool = False) -> dict:
     """MoE.route's choice and weights for each row of router ``logits`` (T, E) fp32, plus what the
-    grouped expert calls take. Returns (S = T * top_k, pair s = token s // top_k, its j-th pick):
-    ``w`` (T, k) weights (scaling applied), ``loc`` (S,) int64 local expert (``lut``; -1: not held),
-    ``gate_src``/``gate_exp`` (2S,) int32: token and expert index of a gate+up call over 2 x n_held
-    experts (up at +n_held), ``down_exp`` (S,) int32, ``wk`` (S,) fp32: w, 0 where not held."""
+    grouped expert calls take. Returns ``w`` (T, k) weights (scaling applied), ``loc`` (T*k,) int64
+    local expert of each pick (``lut``; -1: not held), and per pair (k per token, plus one for the
+    shared expert with ``shared``: P = k + shared pairs per token, S = T * P, pair s of token
+    s // P): ``gate_src``/``gate_exp`` (2S,) int32, token and expert index of a gate+up call over
+    2 x NE experts (NE = n_held + shared; up at +NE; the shared expert is index n_held),
+    ``down_exp`` (S,) int32, ``wk`` (S,) fp32: w (0 where not held; 1 for the shared expert)."""
     T, E = _rows(logits, "logits").shape
     if routing not in ("softmax", "sigmoid"):
         raise ValueError(f"routing {routing!r}")
@@ -292,29 +300,29 @@ def route(logits: torch.Tensor, top_k: int, routing: str, norm: bool, scaling: f
     if lut is None:
         lut = torch.arange(E, dtype=torch.int32, device=dev)
     n_held = E if n_held is None else int(n_held)
-    S = T * top_k
-    out = _route_out(T, top_k, dev)
+    S = T * (top_k + int(shared))
+    out = _route_out(T, top_k, S, dev)
     if T == 0:
         return out
     _route_kernel[(T,)](
         logits, logits if bias is None else bias, lut, out["w"], out["loc"], out["gate_src"], out["gate_exp"],
-        out["down_exp"], out["wk"], E, n_held, S, float(scaling), logits.stride(0),
-        K=int(top_k), KP=_pow2(top_k), EP=_pow2(E), SIGMOID=routing == "sigmoid", NORM=bool(norm),
-        HAS_BIAS=bias is not None, num_warps=1 if E <= 256 else 4)
+        out["down_exp"], out["wk"], E, n_held + int(shared), S, float(scaling), logits.stride(0),
+        K=int(top_k), KP=_pow2(top_k + 1), EP=_pow2(E), SIGMOID=routing == "sigmoid", NORM=bool(norm),
+        HAS_BIAS=bias is not None, SHARED=bool(shared), num_warps=1 if E <= 256 else 4)
     return out
 
 
-def _route_out(T: int, k: int, dev) -> dict:
-    S = T * k
+def _route_out(T: int, k: int, S: int, dev) -> dict:
     return {"w": torch.empty(T, k, dtype=torch.float32, device=dev),
-            "loc": torch.empty(S, dtype=torch.int64, device=dev),
+            "loc": torch.empty(T * k, dtype=torch.int64, device=dev),
             "gate_src": torch.empty(2 * S, dtype=torch.int32, device=dev),
             "gate_exp": torch.empty(2 * S, dtype=torch.int32, device=dev),
             "down_exp": torch.empty(S, dtype=torch.int32, device=dev),
             "wk": torch.empty(S, dtype=torch.float32, device=dev)}
 
 
-def route_reference(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None) -> dict:
+def route_reference(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None,
+                    shared=False) -> dict:
     """``route`` with MoE.route's torch ops."""
     T, E = logits.shape
     if routing == "softmax":
@@ -336,11 +344,17 @@ def route_reference(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=No
     lut = torch.arange(E, device=logits.device) if lut is None else lut
     n_held = E if n_held is None else n_held
     loc = lut.long()[sel.reshape(-1)]
-    keep = loc >= 0
-    locc = loc.clamp(min=0).to(torch.int32)
-    tok = torch.arange(T, device=logits.device, dtype=torch.int32).repeat_interleave(top_k)
-    return {"w": w, "loc": loc, "gate_src": torch.cat([tok, tok]), "gate_exp": torch.cat([locc, locc + n_held]),
-            "down_exp": locc, "wk": w.reshape(-1) * keep}
+    wk = w * (loc >= 0).view(T, top_k)
+    locc = loc.clamp(min=0).to(torch.int32).view(T, top_k)
+    if shared:
+        locc = torch.cat([locc, torch.full((T, 1), n_held, dtype=torch.int32, device=logits.device)], 1)
+        wk = torch.cat([wk, torch.ones(T, 1, device=logits.device)], 1)
+    P = locc.shape[1]
+    ne = n_held + int(shared)
+    tok = torch.arange(T, device=logits.device, dtype=torch.int32).repeat_interleave(P)
+    locc = locc.reshape(-1)
+    return {"w": w, "loc": loc, "gate_src": torch.cat([tok, tok]), "gate_exp": torch.cat([locc, locc + ne]),
+            "down_exp": locc, "wk": wk.reshape(-1)}
 
 
 # ------------------------------------------------------------------ SiLU(a) * b

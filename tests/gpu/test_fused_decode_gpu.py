@@ -114,6 +114,17 @@ def test_route_selects_the_reference_experts(dev, case):
     assert torch.equal(part["down_exp"].cpu(), want.clamp(min=0).int())
     assert torch.equal(part["gate_exp"][S:].cpu(), part["down_exp"].cpu() + held)
     assert torch.equal(part["gate_exp"][:S].cpu(), part["down_exp"].cpu())
+    # a shared expert as pair k of every token: index held, weight 1, up rows at +held + 1
+    sh = fk.route(logits, k, routing, norm, scaling, bias, lut.to(dev), held, shared=True)
+    P = k + 1
+    assert torch.equal(sh["loc"].cpu(), part["loc"].cpu())
+    assert torch.equal(sh["gate_src"].cpu(), torch.arange(T, dtype=torch.int32).repeat_interleave(P).repeat(2))
+    dexp, wk = sh["down_exp"].view(T, P).cpu(), sh["wk"].view(T, P).cpu()
+    assert torch.equal(dexp[:, :k], part["down_exp"].view(T, k).cpu()) and (dexp[:, k] == held).all()
+    assert torch.equal(wk[:, :k], part["wk"].view(T, k).cpu()) and (wk[:, k] == 1).all()
+    assert torch.equal(sh["gate_exp"].cpu(), torch.cat([dexp.reshape(-1), dexp.reshape(-1) + held + 1]))
+    shr = fk.route_reference(logits, k, routing, norm, scaling, bias, lut.to(dev), held, shared=True)
+    assert torch.equal(shr["gate_exp"].view(2, T, P)[:, :, k].cpu(), sh["gate_exp"].view(2, T, P)[:, :, k].cpu())
 
 
 @pytest.mark.parametrize("R,N", [(3, 300), (8, 1408), (16, 10944)])
