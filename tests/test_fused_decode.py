@@ -48,6 +48,35 @@ def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
 
+@pytest.mark.parametrize("variant", ["shared-apart", "tiles"])
+def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
+    """glm4_moe's MoE layers the other two ways: the shared expert as its own linears
+    (EXL3TOOLS_FUSED_SHARED=0's path), and expert-sorted tiles (the wide-batch path, forced)."""
+    _interpret()
+    from exl3tools.runtime import fused_step
+
+    name = "glm4_moe-3.0bpw-mcg"
+    if variant == "shared-apart":
+        monkeypatch.setattr(fused_step, "SHARED_IN_GROUP", False)
+    else:
+        monkeypatch.setattr(fused_step, "MOE_TILES_MIN_SLOTS", 1)
+    calls = []
+    real = fused_step.FusedGqaStep._with_shared
+    monkeypatch.setattr(fused_step.FusedGqaStep, "_with_shared", lambda self, m: calls.append(1) or real(self, m))
+    tiles = []
+    from exl3tools.runtime.layers import MoE
+
+    real_tiles = MoE._tiles_sum
+    monkeypatch.setattr(MoE, "_tiles_sum", lambda self, *a: tiles.append(1) or real_tiles(self, *a))
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    r = _paged(name, "static")
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    assert bool(tiles) == (variant == "tiles") and bool(calls) == (variant != "tiles")
+    assert all(v is None for v in r.paged.decoder._fused._shared.values())
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, variant, s, _rel(x, y))
+
+
 def test_switch(monkeypatch):
     from exl3tools.runtime import fused_step
 
