@@ -68,7 +68,7 @@ def instrument(runner, log: Log) -> None:
     model = runner.model
     dec = runner.paged.decoder
     dec._attend = _wrap(log, dec._attend, "paged_attention", 1)
-    for name in ("residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
+    for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
         setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
 
     def lin(x: Linear):

@@ -6,7 +6,8 @@ GPU time even inside a CUDA graph. These kernels do that glue in a few launches 
 
 - ``residual_rmsnorm``: ``h += delta (+ sum_j wk[j] * y[t*K + j])``; ``x = rmsnorm(h) * w``. One
   launch per norm: the residual add of the previous block, the MoE's weighted expert sum and the
-  next norm (attn_norm, mlp_norm or the final norm) together.
+  next norm (attn_norm, mlp_norm or the final norm) together; ``embed_rmsnorm``: the same kernel
+  gathering the embedding rows of the step's tokens (layer 0's norm).
 - ``qk_rope_store``: per-head q/k RMSNorm (optional), NeoX RoPE on the leading ``rdim`` channels,
   q out (T, nq, hd) and the new K and V written into the paged planes at their slots.
 - ``route``: softmax / sigmoid (+ score-correction bias for the choice only), top-k (lowest index
@@ -52,13 +53,18 @@ def _warps(block: int) -> int:
 if triton is not None:
     # ------------------------------------------------------------------ residual + RMSNorm
     @triton.jit
-    def _residual_rmsnorm_kernel(h_ptr, d_ptr, y_ptr, wk_ptr, w_ptr, x_ptr, H, K, eps,
+    def _residual_rmsnorm_kernel(h_ptr, d_ptr, y_ptr, wk_ptr, w_ptr, x_ptr, tok_ptr, H, K, eps,
                                  sh, sd, sy, sx,
-                                 HAS_D: tl.constexpr, HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+                                 HAS_D: tl.constexpr, HAS_Y: tl.constexpr, WRITE_H: tl.constexpr,
+                                 GATHER: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < H
-        h = tl.load(h_ptr + r * sh + c, mask=m, other=0.0).to(tl.float32)
+        if GATHER:   # h = embedding row of token r (d_ptr: the table, sd its row stride)
+            tok = tl.load(tok_ptr + r).to(tl.int64)
+            h = tl.load(d_ptr + tok * sd + c, mask=m, other=0.0).to(tl.float32)
+        else:
+            h = tl.load(h_ptr + r * sh + c, mask=m, other=0.0).to(tl.float32)
         if HAS_Y:    # the routed experts' rows of token r, weighted, summed in k order
             acc = tl.zeros([BLOCK], tl.float32)
             for j in range(K):
@@ -69,7 +75,7 @@ if triton is not None:
             h = h + acc
         elif HAS_D:
             h = h + tl.load(d_ptr + r * sd + c, mask=m, other=0.0).to(tl.float32)
-        if HAS_D or HAS_Y:
+        if WRITE_H:
             tl.store(h_ptr + r * sh + c, h, mask=m)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / H + eps)
         w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
@@ -214,10 +220,33 @@ def residual_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: t
     block = _pow2(H)
     _residual_rmsnorm_kernel[(T,)](
         h, h if delta is None else delta, h if y is None else y, h if wk is None else wk.contiguous(),
-        weight, x, H, K, float(eps), h.stride(0), 0 if delta is None else delta.stride(0),
+        weight, x, h, H, K, float(eps), h.stride(0), 0 if delta is None else delta.stride(0),
         0 if y is None else y.stride(0), x.stride(0),
-        HAS_D=delta is not None, HAS_Y=y is not None, BLOCK=block, num_warps=_warps(block))
+        HAS_D=delta is not None, HAS_Y=y is not None, WRITE_H=delta is not None or y is not None,
+        GATHER=False, BLOCK=block, num_warps=_warps(block))
     return x
+
+
+def embed_rmsnorm(embed: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, x): h = embed[tokens] as fp32 (T, H), x = rmsnorm(h) * weight: the step's first
+    residual state and layer 0's normed input in one launch (no gather, no cast kernels)."""
+    _rows(embed, "embed")
+    T, H = tokens.shape[0], embed.shape[1]
+    h = torch.empty(T, H, dtype=torch.float32, device=embed.device)
+    x = torch.empty_like(h)
+    if T == 0:
+        return h, x
+    block = _pow2(H)
+    _residual_rmsnorm_kernel[(T,)](
+        h, embed, h, h, weight, x, tokens, H, 0, float(eps), h.stride(0), embed.stride(0), 0, x.stride(0),
+        HAS_D=False, HAS_Y=False, WRITE_H=True, GATHER=True, BLOCK=block, num_warps=_warps(block))
+    return h, x
+
+
+def embed_rmsnorm_reference(embed, tokens, weight, eps):
+    h = embed.index_select(0, tokens).float()
+    return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def residual_rmsnorm_reference(h, weight, eps, delta=None, y=None, wk=None):

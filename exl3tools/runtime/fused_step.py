@@ -2,7 +2,7 @@
 
 Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
 
-    x = rmsnorm(h)                                           (layer 0's attn_norm)
+    h, x = embedding rows, rmsnorm(h)                        (layer 0's attn_norm, one kernel)
     per layer:  q, k, v = projections(x)
                 q = qk_rope_store(q, k, v -> paged planes)   (q/k norm, RoPE, both K/V writes)
                 o = paged attention; d = o_proj(o)
@@ -52,8 +52,8 @@ def _dev(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 
 class FusedGqaStep:
-    """``__call__(h, positions, slots, tables, ctx, attend) -> x``: every layer of ``model`` on the
-    embedded rows ``h`` (updated in place), returning the final-normed states for the head;
+    """``__call__(tokens, positions, slots, tables, ctx, attend) -> x``: every layer of ``model`` on
+    the step's tokens, returning the final-normed states for the head;
     ``attend``: the paged decode attention (kernels.paged_attention contract)."""
 
     def __init__(self, model, pool):
@@ -70,10 +70,10 @@ class FusedGqaStep:
         self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
         self._shared: dict[int, dict | None] = {}
 
-    def __call__(self, h, positions, slots, tables, ctx, attend) -> torch.Tensor:
+    def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
         layers = self.model.layers
         first = layers[0].attn_norm
-        x = fk.residual_rmsnorm(h, first.weight, first.eps)
+        h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
         for layer, nxt in zip(layers, self.norms, strict=True):
             d = self.attention(layer.attn, x, positions, slots, tables, ctx, attend)
             x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)

@@ -178,10 +178,10 @@ class PagedDecoder:
         if width is not None:
             tables = tables[:, :width]
         ctx = ctx.to(torch.int32)
-        h = m.embed.index_select(0, tokens).float()
         if self._fused is not None:
-            self.out[:bs].copy_(m.logits(self._fused(h, positions, slots, tables, ctx, self._attend)))
+            self.out[:bs].copy_(m.logits(self._fused(tokens, positions, slots, tables, ctx, self._attend)))
             return
+        h = m.embed.index_select(0, tokens).float()
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
             q, k, v = a.qkv(layer.attn_norm(h), positions)

@@ -54,6 +54,21 @@ def test_residual_rmsnorm(dev, T, H, terms):
     _close(x1, x2, 1e-5)
 
 
+@pytest.mark.parametrize("H,dtype", [(256, "bfloat16"), (4096, "bfloat16"), (300, "float32")])
+def test_embed_rmsnorm(dev, H, dtype):
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    g = torch.Generator().manual_seed(H)
+    embed = torch.randn(1000, H, generator=g).to(dev, getattr(torch, dtype))
+    tokens = torch.tensor([999, 0, 5, 5, 17, 123, 1, 998]).to(dev)
+    w = torch.randn(H, generator=g).to(dev)
+    h1, x1 = fk.embed_rmsnorm(embed, tokens, w, 1e-5)
+    h2, x2 = fk.embed_rmsnorm_reference(embed, tokens, w, 1e-5)
+    assert h1.dtype == torch.float32 and torch.equal(h1.cpu(), h2.cpu())
+    _close(x1, x2, 1e-5)
+
+
 @pytest.mark.parametrize("case", ROPE_CASES)
 def test_qk_rope_store(dev, case):
     import torch
