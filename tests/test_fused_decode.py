@@ -57,7 +57,7 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
 
     name = "glm4_moe-3.0bpw-mcg"
     if variant == "shared-apart":
-        monkeypatch.setattr(fused_step, "SHARED_IN_GROUP", False)
+        monkeypatch.setenv("EXL3TOOLS_FUSED_SHARED", "0")
     else:
         monkeypatch.setattr(fused_step, "MOE_TILES_MIN_SLOTS", 1)
     calls = []
@@ -108,6 +108,7 @@ def test_e2e_bench_takes_the_unfused_impl():
     sys.path.insert(0, str(REPO / "bench"))
     import gpu_e2e_model as g
 
-    assert g.parse_impls("ours:cuda,ours:cuda:unfused,exllamav3") == ["ours:cuda", "ours:cuda:unfused", "exllamav3"]
+    assert g.parse_impls("ours:cuda,ours:cuda:unfused,exllamav3,ours:cuda:shared-apart") == [
+        "ours:cuda", "ours:cuda:unfused", "exllamav3", "ours:cuda:shared-apart"]
     with pytest.raises(argparse.ArgumentTypeError):
         g.parse_impls("ours:cuda:maybe")

@@ -31,9 +31,6 @@ from exl3tools.errors import UsageError
 from exl3tools.kernels import fused_decode as fk
 from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, GatedMLP, MoE, _identity
 
-# the shared expert inside the routed experts' grouped calls (env-overridable for measurements)
-SHARED_IN_GROUP = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
-
 
 def resolve(fused: bool | None, device: torch.device) -> bool:
     """Whether the decode step of a model on ``device`` runs the fused kernels."""
@@ -69,6 +66,8 @@ class FusedGqaStep:
         model.norm.weight = _dev(model.norm.weight, dev)
         self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
         self._shared: dict[int, dict | None] = {}
+        # the shared expert inside the routed experts' grouped calls ("0": apart; for measurements)
+        self.shared_in_group = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
         layers = self.model.layers
@@ -144,7 +143,7 @@ class FusedGqaStep:
         tiles or without resident tensors."""
         key = id(mlp)
         if key not in self._shared:
-            self._shared[key] = _group_with_shared(mlp)
+            self._shared[key] = _group_with_shared(mlp) if self.shared_in_group else None
         return self._shared[key]
 
 
@@ -152,7 +151,7 @@ def _group_with_shared(mlp: MoE) -> dict | None:
     from exl3tools.kernels.dispatch import make_experts
 
     sh = mlp.shared
-    if sh is None or sh.sharded or not mlp.experts or not SHARED_IN_GROUP:
+    if sh is None or sh.sharded or not mlp.experts:
         return None
     held = sorted(mlp.experts)
     fields = mlp._resident_fields(held)
