@@ -15,6 +15,10 @@ host sync). Cost follows the sequences' real lengths, never ``max_blocks``.
 With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into one shared memory
 pool, and a step is: one host-to-device copy of the packed inputs, one replay. GQA layers only
 (llama, qwen3_moe, glm4_moe); MLA/DSA models decode through the eager paged path for now.
+
+``fused`` (default: ``EXL3TOOLS_FUSED``, on for CUDA): the layers run through
+``runtime.fused_step`` (Triton glue kernels: residual + RMSNorm, q/k norm + RoPE + K/V write,
+routing, SiLU*mul; docs/gpu.md "Fused decode step"); off, the torch loop below (the reference).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def attention_fn(device: torch.device):
 
 
 class PagedDecoder:
-    def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False):
+    def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False,
+                 fused: bool | None = None):
         check(model)
         if max_seqs < 1 or max_blocks < 1:
             raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
@@ -73,6 +78,11 @@ class PagedDecoder:
         self.graphs = bool(graphs)
         self.buckets = buckets(self.max_seqs)
         self._attend = attention_fn(self.device)
+        self._fused = None
+        from exl3tools.runtime import fused_step
+
+        if fused_step.resolve(fused, self.device):
+            self._fused = fused_step.FusedGqaStep(model, pool)
         dev = self.device
         with torch.inference_mode():
             self.inputs = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, device=dev)
@@ -174,6 +184,9 @@ class PagedDecoder:
         if width is not None:
             tables = tables[:, :width]
         ctx = ctx.to(torch.int32)
+        if self._fused is not None:
+            self.out[:bs].copy_(m.logits(self._fused(tokens, positions, slots, tables, ctx, self._attend)))
+            return
         h = m.embed.index_select(0, tokens).float()
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
