@@ -185,7 +185,9 @@ class PagedDecoder:
             tables = tables[:, :width]
         ctx = ctx.to(torch.int32)
         if self._fused is not None:
-            self.out[:bs].copy_(m.logits(self._fused(tokens, positions, slots, tables, ctx, self._attend)))
+            hn = self._fused(tokens, positions, slots, tables, ctx, self._attend)
+            self.states[:bs].copy_(hn)
+            self.out[:bs].copy_(m.logits(hn))
             return
         h = m.embed.index_select(0, tokens).float()
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
