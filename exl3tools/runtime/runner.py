@@ -214,7 +214,7 @@ class Runner:
     is in use after loading (weights, CUDA context) and the activation peak of one eager step of
     ``max_num_batched_tokens`` tokens (measured), less ``GRAPH_RESERVE`` for graphs and logits;
     else ``DEFAULT_CACHE_TOKENS``. ``decode``: "graphs" (CUDA graphs per batch bucket), "static"
-    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA models,
+    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA and MLA models,
     eager elsewhere.
     """
 
@@ -456,8 +456,9 @@ class Runner:
         self._check_room([(s, len(t)) for s, _, t, _ in items])
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         try:
+            # rows with MTP draft state need their final states: the eager forward gives them
             if (self.paged.decoder is not None and not all_logits and all(len(t) == 1 for _, _, t, _ in items)
-                    and len(items) <= self.max_num_seqs):
+                    and len(items) <= self.max_num_seqs and all(seq.spec is None for _, seq, _, _ in items)):
                 logits = self._decode(items, slots).clone()    # a view of the step's static output
             else:
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
@@ -507,8 +508,9 @@ class Runner:
 
     @property
     def can_chain(self) -> bool:
-        """Whether ``step_chained`` works here: the fixed-shape decode step on one rank."""
-        return self.paged.decoder is not None and self.world == 1
+        """Whether ``step_chained`` works here: the fixed-shape decode step on one rank, no MTP drafts
+        (a chained row's token is unknown when its draft state would need it)."""
+        return self.paged.decoder is not None and self.world == 1 and not self.spec_k
 
     def step_chained(self, seq_ids: list[Hashable], tokens: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are a device tensor (the previous step's samples, in
