@@ -68,11 +68,15 @@ def attention_fn(device: torch.device):
 
 
 def mla_attention_fn(device: torch.device):
+    """(MLA decode attention, DSA indexer scores): Triton on CUDA (or the interpreter with
+    MLA_DECODE_ON_CPU), else the torch references (None: runtime.dsa.paged_scores_reference)."""
     from exl3tools.kernels import mla_attention
 
     if device.type == "cuda" or MLA_DECODE_ON_CPU:
-        return mla_attention.mla_decode
-    return mla_attention.mla_decode_reference
+        from exl3tools.kernels import dsa_indexer
+
+        return mla_attention.mla_decode, dsa_indexer.paged_scores
+    return mla_attention.mla_decode_reference, None
 
 
 @dataclass(slots=True)
@@ -102,7 +106,7 @@ class PagedDecoder:
         self.graphs = bool(graphs)
         self.buckets = buckets(self.max_seqs)
         self._attend = attention_fn(self.device)
-        self._attend_mla = mla_attention_fn(self.device)
+        self._attend_mla, self._dsa_scores = mla_attention_fn(self.device)
         dev = self.device
         with torch.inference_mode():
             self.inputs = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, device=dev)
@@ -199,7 +203,7 @@ class PagedDecoder:
             tables = tables[:, :width]
         ctx = ctx.to(torch.int32)
         h = m.embed.index_select(0, tokens).float()
-        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla)
+        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores)
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
             if isinstance(a, MLAttention):          # per attention kind: MLA/DSA's own step (runtime/mla.py)

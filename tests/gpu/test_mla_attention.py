@@ -124,3 +124,29 @@ def test_mla_decode_rejects_bad_inputs(dev):
         mla_decode(**bad, scale=1.0)
     with pytest.raises(ValueError, match="float32"):
         mla_decode(**dict(t, ckv=t["ckv"].half()), scale=1.0)
+
+
+@pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
+                                                                        if FULL else []))
+def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
+    """kernels/dsa_indexer.paged_scores vs runtime.dsa.paged_scores_reference: -inf at the same
+    places (past each row's length, the whole padded width), fp16 values equal to within one ulp."""
+    from exl3tools.kernels.dsa_indexer import paged_scores
+
+    from exl3tools.runtime.dsa import paged_scores_reference
+
+    t, lens = _case(B, NH, D, 16, bs, "ragged", 0, dev, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(B, NH, D, generator=gen).half().float().to(dev)
+    w = torch.randn(B, NH, generator=gen).half().float().to(dev)
+    kidx = torch.randn(t["ckv"].shape[0], bs, D, generator=gen).half().float().to(dev)
+    scale = D ** -0.5 * NH ** -0.5
+    got = paged_scores(q, w, kidx, t["block_tables"], t["context_lens"], scale).cpu()
+    want = paged_scores_reference(q, w, kidx, t["block_tables"], t["context_lens"], scale).cpu()
+    assert got.shape == want.shape == (B, t["block_tables"].shape[1] * bs)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    for b, n in enumerate(lens):
+        assert fin[b, :n].all() and not fin[b, n:].any()
+    assert ((got[fin] - want[fin]).abs() <= want[fin].abs() * 2**-10 + 1e-7).all()
+    assert (got[fin] == want[fin]).float().mean() > 0.99
