@@ -91,9 +91,12 @@ if [[ $STAGES == *serve* ]]; then
 fi
 if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
   # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0
-  [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* && -f bench/gpu_mla_attention.py ]] && {
-    timeout ${MLA_KERNEL_TIMEOUT:-90} python3 bench/gpu_mla_attention.py --json "$L/mla_kernel.json" > "$L/mla_kernel.log" 2>&1
-    el "mla kernel rc $?"; grep -E "^\|" "$L/mla_kernel.log" | tail -n 30; }
+  if [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* ]]; then
+    # the paged MLA decode kernel alone first (Triton ieee/tf32x3, DSA selection, indexer, torch, roofline)
+    timeout ${MLA_KERNEL_TIMEOUT:-180} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick} \
+      --json "$L/mla_attention.json" > "$L/mla_attention.log" 2>&1
+    el "mla kernel rc $?"; grep -E "^\||Error" "$L/mla_attention.log"
+  fi
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     d=/tmp/synth_$arch
     [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1

@@ -86,11 +86,12 @@ def test_paged_runner_matches_plain_cache(name, decode):
         assert _rel(x, y) < REL, (name, decode, s, _rel(x, y))
 
 
-def test_paged_runner_mla_and_dsa_eager():
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_paged_runner_mla_and_dsa(decode):
     for name in ("deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"):
         model = _model(name)
-        r = Runner(model, fixture_dir(name) / "model", name, decode="static", max_cache_tokens=128, block_size=4)
-        assert r.decode_mode == "eager"          # MLA: no fixed-shape step yet, the eager paged path
+        r = Runner(model, fixture_dir(name) / "model", name, decode=decode, max_cache_tokens=128, block_size=4)
+        assert r.decode_mode == decode           # MLA: the fixed-shape step too (MLAttention.decode_static)
         ref = Reference(model)
         for x in (r, ref):
             x.add_sequence(0)

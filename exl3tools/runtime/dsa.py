@@ -55,13 +55,18 @@ class Indexer:
         k = _fp16(F.layer_norm(k, (self.hd,), self.kn_w, self.kn_b, self.eps))
         return _fp16(self._rope_front(k, pos))
 
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp16-rounded roped queries (n, H_i, D_i) and head weights (n, H_i) of n rows."""
+        n = x.shape[0]
+        q = _fp16(self.wq_b(q_resid)).view(n, self.nh, self.hd)
+        q = _fp16(self._rope_front(q, pos))
+        return q, _fp16(x @ self.wproj.t())
+
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
                pos0: int) -> torch.Tensor:
         """fp16-rounded scores (n, L) of n query rows at positions pos0.. against every cached key."""
         n = x.shape[0]
-        q = _fp16(self.wq_b(q_resid)).view(n, self.nh, self.hd)
-        q = _fp16(self._rope_front(q, pos))
-        w = _fp16(x @ self.wproj.t())                                            # (n, H_i)
+        q, w = self.queries(x, q_resid, pos)
         logits = torch.einsum("nhd,ld->nhl", q, keys)
         s = (F.relu(logits) * w[:, :, None]).sum(1) * self.scale
         L = keys.shape[0]
@@ -81,3 +86,49 @@ class Indexer:
         keep &= torch.isfinite(s)
         self.last_selection = keep
         return keep
+
+    def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, kidx: torch.Tensor,
+                     tables: torch.Tensor, ctx: torch.Tensor, score_fn=None) -> torch.Tensor:
+        """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
+        device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
+        ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
+        int32, -1 for none (kernels/mla_attention.py's ``sel``)."""
+        self._to(x.device)
+        q, w = self.queries(x, q_resid, pos)
+        s = (score_fn or paged_scores_reference)(q, w, kidx, tables, ctx, self.scale)
+        return topk_positions(s, ctx, self.topk)
+
+
+def paged_scores_reference(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, tables: torch.Tensor,
+                           ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp16-rounded indexer scores (B, W * block_size) of one query per row against its paged keys,
+    -inf at and past ``ctx[b]`` (``Indexer.scores`` for a decode row); fixed shapes, no host sync."""
+    B, W = tables.shape
+    bs = kidx.shape[1]
+    T = W * bs
+    t = torch.arange(T, device=q.device)
+    valid = t[None, :] < ctx.to(torch.int64)[:, None]                            # (B, T)
+    blk = torch.where(valid, tables.to(torch.int64).repeat_interleave(bs, 1), 0)
+    keys = kidx.reshape(-1, kidx.shape[2])[blk * bs + t % bs]                      # (B, T, D_i)
+    keys = torch.where(valid[..., None], keys, 0.0)
+    logits = torch.einsum("bhd,btd->bht", q, keys)
+    s = (F.relu(logits) * w[:, :, None]).sum(1) * scale
+    return _fp16(s.masked_fill(~valid, float("-inf")))
+
+
+def topk_positions(s: torch.Tensor, ctx: torch.Tensor, topk: int) -> torch.Tensor:
+    """Indexer.select's choice as position lists, device ops only: rows with ``ctx > topk`` keep
+    their ``topk`` best finite scores, ties in ascending position (one int64 key per entry: the
+    fp16 score's order, then the position reversed, so topk has no ties to break); other rows
+    keep positions ``0 .. ctx - 1``. (B, min(topk, T)) int32, -1 for an unused entry."""
+    B, T = s.shape
+    K = min(int(topk), T)
+    idx = torch.arange(T, device=s.device)
+    bits = s.to(torch.float16).view(torch.int16).to(torch.int64)
+    mag = bits & 0x7FFF
+    order = torch.where(bits < 0, -mag, mag)                    # monotone in the value; -0 == +0
+    top = torch.topk(order * (1 << 32) + (T - 1 - idx), K, dim=1).indices
+    keep = torch.isfinite(s.gather(1, top))
+    lens = ctx.to(torch.int64)[:, None]
+    dense = torch.where(idx[None, :K] < lens, idx[None, :K], -1)
+    return torch.where(lens > topk, torch.where(keep, top, -1), dense).to(torch.int32)

@@ -176,3 +176,39 @@ class MLAttention:
             o_lat = torch.einsum("htl,lc->thc", p, cc)
             out[r] = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
         return self.reduce(self.o(out.reshape(T, self.nh * self.vd)))
+
+    # ------------------------------------------------------------------ fixed-shape decode step
+    def decode_static(self, x: torch.Tensor, st) -> torch.Tensor:
+        """One decode token per row of ``x`` (B, hidden; already normed) with device ops only and
+        shapes fixed by B and the table width (runtime/paged_decode.py's CUDA-graph step). ``st``:
+        positions, slots, tables, ctx (int32, this token included), pool, mla_attend (kernels/
+        mla_attention.py's contract) and a per-step ``extras`` dict (a full DSA layer publishes its
+        selection there for the "shared" layers after it). The same result as ``__call__``."""
+        B = x.shape[0]
+        self._to(x.device)
+        pos = st.positions
+        q, q_resid = self._queries(x)
+        q = q.view(B, self.nh, self.nope + self.rope)
+        q_pe = rope_gptj(q[..., self.nope:], pos, self.inv_freq, self.attn_factor).contiguous()
+        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
+        lat = self.kv_a(x)
+        planes = st.pool.planes[self.layer]
+        planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]))
+        planes[CACHE_KPE].index_copy_(0, st.slots, rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos,
+                                                              self.inv_freq, self.attn_factor))
+        sel = None
+        if self.indexer is not None:
+            planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos))
+            if self.index_topk:
+                sel = self.indexer.select_paged(x, q_resid, pos, st.pool.blocks(self.layer, CACHE_KIDX),
+                                                st.tables, st.ctx, st.dsa_scores)
+                st.extras["dsa_sel"] = sel
+        elif self.dsa_shared and self.index_topk:
+            sel = st.extras.get("dsa_sel")
+            if sel is None:
+                raise UnsupportedArchitectureError(
+                    f"layer {self.layer}: shared DSA layer found no selection from a full layer")
+        o_lat = st.mla_attend(q_lat, q_pe, st.pool.blocks(self.layer, CACHE_CKV),
+                              st.pool.blocks(self.layer, CACHE_KPE), st.tables, st.ctx, self.scale, sel=sel)
+        out = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
+        return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))

@@ -24,6 +24,8 @@ routing, SiLU*mul; docs/gpu.md "Fused decode step"); off, the torch loop below (
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +33,7 @@ from exl3tools.errors import UnsupportedArchitectureError, UsageError
 from exl3tools.runtime.block_manager import SCRATCH_BLOCK
 from exl3tools.runtime.kv_pool import KVPool
 from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE
+from exl3tools.runtime.mla import MLAttention
 from exl3tools.runtime.model import CausalLM
 
 log = logging.getLogger("exl3tools.runtime")
@@ -48,20 +51,50 @@ def buckets(max_seqs: int) -> list[int]:
     return out + [int(max_seqs)]
 
 
+# the Triton MLA kernel on the CPU too (Triton's interpreter; tests of the GPU path's logic)
+MLA_DECODE_ON_CPU = os.environ.get("EXL3TOOLS_MLA_DECODE_CPU") == "1"
+
+
 def check(model: CausalLM) -> None:
-    """Raise where the static decode step cannot run ``model`` (non-GQA layers)."""
+    """Raise where the static decode step cannot run ``model`` (GQA and MLA/DSA layers only)."""
     for i, layer in enumerate(model.layers):
-        if not (isinstance(layer, DecoderLayer) and type(layer.attn) is Attention
+        if not (isinstance(layer, DecoderLayer) and (type(layer.attn) is Attention or isinstance(layer.attn, MLAttention))
                 and isinstance(layer.mlp, (GatedMLP, MoE))):
             raise UnsupportedArchitectureError(
-                f"the static decode step supports GQA models (llama, qwen3_moe, glm4_moe); "
-                f"{model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
+                f"the static decode step supports GQA and MLA models (llama, qwen3_moe, glm4_moe, deepseek_v3, "
+                f"glm_moe_dsa); {model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
 
 
 def attention_fn(device: torch.device):
     from exl3tools.kernels import paged_attention
 
     return paged_attention.paged_decode if device.type == "cuda" else paged_attention.paged_decode_reference
+
+
+def mla_attention_fn(device: torch.device):
+    """(MLA decode attention, DSA indexer scores): Triton on CUDA (or the interpreter with
+    MLA_DECODE_ON_CPU), else the torch references (None: runtime.dsa.paged_scores_reference)."""
+    from exl3tools.kernels import mla_attention
+
+    if device.type == "cuda" or MLA_DECODE_ON_CPU:
+        from exl3tools.kernels import dsa_indexer
+
+        return mla_attention.mla_decode, dsa_indexer.paged_scores
+    return mla_attention.mla_decode_reference, None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What a layer's ``decode_static`` reads besides its input rows (MLAttention.decode_static)."""
+
+    positions: torch.Tensor      # (bs,) int64
+    slots: torch.Tensor          # (bs,) int64: where each row's new cache entries go
+    tables: torch.Tensor         # (bs, width) int32 block-table rows
+    ctx: torch.Tensor            # (bs,) int32 context lengths, the new token included
+    pool: KVPool
+    mla_attend: object           # kernels.mla_attention's mla_decode or its reference
+    dsa_scores: object = None    # indexer scores over the paged keys (None: dsa.paged_scores_reference)
+    extras: dict = field(default_factory=dict)   # per step: the DSA selection shared layers reuse
 
 
 class PagedDecoder:
@@ -78,10 +111,12 @@ class PagedDecoder:
         self.graphs = bool(graphs)
         self.buckets = buckets(self.max_seqs)
         self._attend = attention_fn(self.device)
+        self._attend_mla, self._dsa_scores = mla_attention_fn(self.device)
         self._fused = None
         from exl3tools.runtime import fused_step
 
-        if fused_step.resolve(fused, self.device):
+        gqa = all(type(layer.attn) is Attention for layer in model.layers)   # the fused step is GQA's
+        if gqa and fused_step.resolve(fused, self.device):
             self._fused = fused_step.FusedGqaStep(model, pool)
         dev = self.device
         with torch.inference_mode():
@@ -190,8 +225,14 @@ class PagedDecoder:
             self.out[:bs].copy_(m.logits(hn))
             return
         h = m.embed.index_select(0, tokens).float()
+        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores)
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
+            if isinstance(a, MLAttention):          # per attention kind: MLA/DSA's own step (runtime/mla.py)
+                h = h + a.decode_static(layer.attn_norm(h), st)
+                x = layer.mlp_norm(h)
+                h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+                continue
             q, k, v = a.qkv(layer.attn_norm(h), positions)
             kp, vp = planes["k"], planes["v"]
             kp.index_copy_(0, slots, k.to(kp.dtype))

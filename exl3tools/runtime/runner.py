@@ -224,7 +224,7 @@ class Runner:
     is in use after loading (weights, CUDA context) and the activation peak of one eager step of
     ``max_num_batched_tokens`` tokens (measured), less ``GRAPH_RESERVE`` for graphs and logits;
     else ``DEFAULT_CACHE_TOKENS``. ``decode``: "graphs" (CUDA graphs per batch bucket), "static"
-    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA models,
+    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA and MLA models,
     eager elsewhere.
     """
 
@@ -543,8 +543,9 @@ class Runner:
 
     @property
     def can_chain(self) -> bool:
-        """Whether ``step_chained`` works here: the fixed-shape decode step on one rank."""
-        return self.paged.decoder is not None and self.world == 1
+        """Whether ``step_chained`` works here: the fixed-shape decode step on one rank, no MTP drafts
+        (a chained row's token is unknown when its draft state would need it)."""
+        return self.paged.decoder is not None and self.world == 1 and not self.spec_k
 
     def step_chained(self, seq_ids: list[Hashable], tokens: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are a device tensor (the previous step's samples, in

@@ -1,0 +1,119 @@
+"""Paged MLA decode attention (kernels/mla_attention.py) on the GPU: µs, latent GB/s and HBM-roofline share.
+
+    python3 bench/gpu_mla_attention.py [--quick] [--heads 64] [--json OUT.json]
+
+GLM-5 / DeepSeek-V3 shapes: H absorbed heads (64 GLM-5, 128 DeepSeek-V3), latent C 512, rope 64,
+fp32 latent planes (MLAttention.cache_spec), block size 64, batch 1/8/32, every row at one context
+length 1k..32k, block ids a random permutation. Timed as CUDA-graph replays (median µs, cold L2):
+- triton ieee / tf32x3: our kernel, both dot precisions (EXL3TOOLS_MLA_PRECISION picks the default)
+- dsa K=2048: the kernel over a 2048-entry selection (GLM-5's index_topk): cost must stop
+  following the context once it exceeds K
+- indexer: kernels/dsa_indexer.paged_scores (H_i 32, D_i 128) + dsa.topk_positions, the rest of a
+  DSA layer's attention-side decode cost
+- torch: mla_decode_reference (gathers every table column; skipped past --max-ref-gb)
+GB/s counts the latent bytes a dense decode must read (B * ctx * (C + rope) * 4); roofline =
+4.26 TB/s (measured H200 HBM read rate, as bench/gpu_bench.py). err = max |triton - torch| / max |torch|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import bench_graph  # noqa: E402  (bench/ is not a package)
+
+HBM = 4.26e12
+C, R, BS = 512, 64, 64
+CTXS = [1024, 4096, 16384, 32768]
+BATCHES = [1, 8, 32]
+TOPK = 2048
+
+
+def make_case(B: int, H: int, ctx: int, gen: torch.Generator):
+    nblk = ctx // BS
+    nb = B * nblk + 1
+    ckv = torch.empty(nb, BS, C, device="cuda").normal_(generator=gen)
+    kpe = torch.empty(nb, BS, R, device="cuda").normal_(generator=gen)
+    tables = torch.randperm(nb - 1, device="cuda", generator=gen).to(torch.int32).view(B, nblk).contiguous()
+    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    q_lat = torch.randn(B, H, C, device="cuda", generator=gen) * 0.05
+    q_pe = torch.randn(B, H, R, device="cuda", generator=gen) * 0.05
+    sel = torch.stack([torch.randperm(ctx, device="cuda", generator=gen)[:TOPK] for _ in range(B)]).to(torch.int32)
+    return q_lat, q_pe, ckv, kpe, tables, lens, sel
+
+
+def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
+    from exl3tools.kernels.dsa_indexer import paged_scores
+    from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
+
+    from exl3tools.runtime.dsa import topk_positions
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, gen)
+    scale = 192 ** -0.5
+    out = torch.empty_like(q_lat)
+    row = {"B": B, "H": H, "ctx": ctx}
+    for prec in ("ieee", "tf32x3"):
+        row[f"{prec}_us"] = bench_graph(lambda p=prec: mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale,
+                                                                   out=out, precision=p))
+    row["dsa_us"] = bench_graph(lambda: mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel, out=out))
+    qi = torch.randn(B, 32, 128, device="cuda", generator=gen)
+    wi = torch.randn(B, 32, device="cuda", generator=gen)
+    kidx = torch.empty(ckv.shape[0], BS, 128, device="cuda").normal_(generator=gen)
+    row["indexer_us"] = bench_graph(lambda: topk_positions(paged_scores(qi, wi, kidx, tables, lens, 0.01), lens, TOPK))
+    nbytes = B * ctx * (C + R) * 4
+    best = min(row["ieee_us"], row["tf32x3_us"])
+    row["GBps"] = nbytes / (best * 1e-6) / 1e9
+    row["roofline"] = nbytes / HBM / (best * 1e-6)
+    got = mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale)
+    if B * ctx * (C + R) * 4 * 3 / 1e9 <= max_ref_gb:       # the gathered copies dominate its memory
+        row["torch_us"] = bench_graph(lambda: mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale,
+                                                                   out=out))
+        ref = mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale)
+        row["err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+        tf = mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale, precision="tf32x3")
+        row["err_tf32x3"] = ((tf - ref).abs().max() / ref.abs().max()).item()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 32, ctx 4k and 32k")
+    ap.add_argument("--heads", default="64,128", help="absorbed heads per row (GLM-5 64, DeepSeek-V3 128)")
+    ap.add_argument("--max-ref-gb", type=float, default=8.0, help="skip the torch reference above this")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
+    rows = []
+    print("| H | B | ctx | ieee µs | tf32x3 µs | dsa K=2048 µs | indexer µs | torch µs | GB/s | roofline | err | err tf32x3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for H in (int(h) for h in a.heads.split(",")):
+        for B in batches:
+            for ctx in ctxs:
+                try:
+                    r = run(B, H, ctx, a.max_ref_gb)
+                except torch.cuda.OutOfMemoryError:
+                    print(f"| {H} | {B} | {ctx} | OOM |")
+                    torch.cuda.empty_cache()
+                    continue
+                rows.append(r)
+
+                def f(k, fmt="{:.1f}", r=r):
+                    return fmt.format(r[k]) if k in r else "-"
+                print(f"| {H} | {B} | {ctx} | {f('ieee_us')} | {f('tf32x3_us')} | {f('dsa_us')} | {f('indexer_us')} | "
+                      f"{f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | {f('err', '{:.1e}')} | "
+                      f"{f('err_tf32x3', '{:.1e}')} |", flush=True)
+                torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

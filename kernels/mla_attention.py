@@ -1,0 +1,284 @@
+"""Paged MLA decode attention (DeepSeek-V3, GLM-5): flash-decoding over the latent cache, in Triton,
+plus a plain torch reference of the same contract.
+
+One query token per row b with H absorbed heads: ``q_lat`` (B, H, C) (``q_nope · W_UK``) and
+``q_pe`` (B, H, R). Token t of row b has its latent ``ckv[blk, t % bs]`` (C) and rope key
+``kpe[blk, t % bs]`` (R), ``blk = block_tables[b, t // bs]``; the score of head h is
+``(q_lat[h] · ckv_t + q_pe[h] · kpe_t) * scale``, and the output ``o_lat[h] = Σ_t p[h, t] ckv_t``
+(B, H, C) float32 (the caller applies W_UV). Every head reads the same latent rows, so one program
+loads each latent tile once for a group of HB heads (the point of MLA decode).
+
+Which tokens a row attends to:
+
+- ``sel`` None: tokens ``0 .. context_lens[b] - 1``;
+- ``sel`` (B, K) int32 (DSA): entries ``sel[b, j] >= 0`` are the positions to attend to (each at
+  most once, ``< context_lens[b]``); ``-1`` entries are skipped. The kernel walks the K entries,
+  so a sparse layer reads K latent rows whatever the context.
+
+Kernel 1, grid (B, head_chunks, num_splits): one program = HB heads, one contiguous range of
+TN-entry tiles; online softmax in fp32 (base 2). One split writes the output directly; else every
+split writes a normalised partial (o, lse) (an empty range: zeros, lse -inf) and kernel 2 merges.
+Both grids depend on shapes and num_splits only; tile ranges come from context_lens on the device
+(graph-capturable; cost follows the real lengths without ``sel``, K with it).
+
+Precision: the planes are fp32 (MLAttention.cache_spec). ``precision`` "ieee" (default) runs the
+dots as exact fp32 FMAs; "tf32x3" uses tensor cores with three TF32 products (~fp32 accuracy), set
+by ``EXL3TOOLS_MLA_PRECISION`` or the argument (bench/gpu_mla_attention.py compares them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # runtime-only installs have no triton: mla_decode_reference still works
+    triton = tl = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+PRECISION = os.environ.get("EXL3TOOLS_MLA_PRECISION", "ieee")
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
+MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
+
+
+if triton is not None:
+    @triton.jit
+    def _mla_split_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, len_ptr, sel_ptr, out_ptr, po_ptr, plse_ptr,
+                          qk_scale, num_splits, H, C, R, K,
+                          s_cb, s_ct, s_pb, s_pt, s_bt, s_sel,
+                          CP: tl.constexpr, RP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
+                          TN: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr):
+        b = tl.program_id(0)
+        hc = tl.program_id(1)
+        sp = tl.program_id(2)
+        L = tl.load(len_ptr + b)
+        if HAS_SEL:
+            n = K
+        else:
+            n = L
+        ntiles = tl.cdiv(n, TN)
+        tps = tl.maximum(tl.cdiv(ntiles, num_splits), 1)
+        t0 = sp * tps
+        t1 = tl.minimum(t0 + tps, ntiles)
+
+        h = hc * HB + tl.arange(0, HB)
+        hmask = h < H
+        c = tl.arange(0, CP)
+        cmask = c < C
+        r = tl.arange(0, RP)
+        rmask = r < R
+        row = b.to(tl.int64) * H + h
+        ql = tl.load(ql_ptr + row[:, None] * C + c[None, :], mask=hmask[:, None] & cmask[None, :], other=0.0)
+        qp = tl.load(qp_ptr + row[:, None] * R + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+
+        m_i = tl.full([HB], float("-inf"), tl.float32)
+        l_i = tl.zeros([HB], tl.float32)
+        acc = tl.zeros([HB, CP], tl.float32)
+        j = tl.arange(0, TN)
+        bt_row = bt_ptr + b.to(tl.int64) * s_bt
+        sel_row = sel_ptr + b.to(tl.int64) * s_sel
+        for it in range(t0, t1):
+            e = it * TN + j
+            if HAS_SEL:
+                t = tl.load(sel_row + e, mask=e < K, other=-1)
+                tmask = (t >= 0) & (t < L)
+                t = tl.where(tmask, t, 0)
+            else:
+                t = e
+                tmask = t < L
+            # past-the-end and skipped entries never dereference a table entry
+            blk = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
+            slot = (t % BS).to(tl.int64)
+            kc = tl.load(ckv_ptr + (blk * s_cb + slot * s_ct)[:, None] + c[None, :],
+                         mask=tmask[:, None] & cmask[None, :], other=0.0)
+            kp = tl.load(kpe_ptr + (blk * s_pb + slot * s_pt)[:, None] + r[None, :],
+                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+            s = tl.dot(ql, tl.trans(kc), input_precision=PREC)
+            s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
+            s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a tile of skipped entries: no NaN
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p, kc, acc * alpha[:, None], input_precision=PREC)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]                 # zeros where nothing was attended to
+        omask = hmask[:, None] & cmask[None, :]
+        if DIRECT:
+            tl.store(out_ptr + row[:, None] * C + c[None, :], o, mask=omask)
+        else:
+            prow = row * num_splits + sp
+            tl.store(po_ptr + prow[:, None] * C + c[None, :], o, mask=omask)
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(plse_ptr + prow, lse, mask=hmask)
+
+    @triton.jit
+    def _mla_merge_kernel(po_ptr, plse_ptr, out_ptr, num_splits, C, CP: tl.constexpr, SC: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)       # b * H + h
+        c = tl.arange(0, CP)
+        cmask = c < C
+        m = tl.full([1], float("-inf"), tl.float32)
+        den = tl.zeros([1], tl.float32)
+        acc = tl.zeros([CP], tl.float32)
+        for c0 in range(0, num_splits, SC):
+            s = c0 + tl.arange(0, SC)
+            smask = s < num_splits
+            lse = tl.load(plse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            o = tl.load(po_ptr + (row * num_splits + s)[:, None] * C + c[None, :],
+                        mask=smask[:, None] & cmask[None, :], other=0.0)
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+            den = den * alpha + tl.sum(w, 0)
+            m = m_new
+        tl.store(out_ptr + row * C + c, acc / tl.where(den > 0, den, 1.0), mask=cmask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel):
+    if q_lat.dim() != 3 or q_pe.dim() != 3 or q_lat.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(f"q_lat (B, H, C) and q_pe (B, H, R) disagree: {tuple(q_lat.shape)} {tuple(q_pe.shape)}")
+    for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("ckv", ckv), ("kpe", kpe)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    if not (q_lat.is_contiguous() and q_pe.is_contiguous()):
+        raise ValueError("q_lat and q_pe must be contiguous")
+    B, H, C = q_lat.shape
+    R = q_pe.shape[2]
+    if ckv.dim() != 3 or kpe.dim() != 3 or ckv.shape[:2] != kpe.shape[:2] or ckv.shape[2] != C or kpe.shape[2] != R:
+        raise ValueError(f"planes must be (num_blocks, block_size, C={C}) and (.., R={R}), got "
+                         f"{tuple(ckv.shape)} and {tuple(kpe.shape)}")
+    bs = ckv.shape[1]
+    if bs & (bs - 1) or ckv.stride(2) != 1 or kpe.stride(2) != 1:
+        raise ValueError(f"block_size {bs} must be a power of two and the planes' last dim contiguous")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != B \
+            or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be int32 (B, max_blocks) with contiguous rows, got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (B,) or not context_lens.is_contiguous():
+        raise ValueError(f"context_lens must be contiguous int32 (B,), got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    if sel is not None and (sel.dtype != torch.int32 or sel.dim() != 2 or sel.shape[0] != B or sel.stride(1) != 1):
+        raise ValueError(f"sel must be int32 (B, K) with contiguous rows, got {sel.dtype} {tuple(sel.shape)}")
+
+
+def _new_out(q_lat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q_lat.shape, device=q_lat.device, dtype=torch.float32)
+    if out.shape != q_lat.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 {tuple(q_lat.shape)} tensor")
+    return out
+
+
+def default_config(H: int, precision: str) -> tuple[int, int, int]:
+    """(HB heads per program, TN entries per tile, num_warps). fp32 FMA dots: small tiles keep the
+    (HB, C) accumulator, the query and the latent tile in registers; tensor cores take 64 heads."""
+    if precision == "ieee":
+        return min(16, max(16, _pow2(H))), 16, 8
+    return min(64, max(16, _pow2(H))), 32, 8
+
+
+def default_num_splits(B: int, hchunks: int, entries: int, tn: int, cuda: bool, device_index: int = 0) -> int:
+    """Splits from shapes only (a replayed graph keeps them): about two programs per SM, never
+    more tiles than the table (or the selection) has, at most MAX_SPLITS."""
+    programs = max(1, B * hchunks)
+    max_tiles = max(1, math.ceil(entries / tn))
+    if not cuda:
+        return max(1, min(INTERPRET_PROGRAMS // programs, max_tiles))
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return max(1, min(math.ceil(2 * sms / programs), max_tiles, MAX_SPLITS))
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+               sel: torch.Tensor | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
+               precision: str | None = None, head_block: int | None = None, tile_n: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
+    """Paged MLA decode (module doc): (B, H, C) float32 ``o_lat``, into ``out`` when given. No host
+    sync: capturable in a CUDA graph, replayable with new tables / lengths / selections."""
+    if triton is None:
+        raise RuntimeError("mla_decode needs triton (mla_decode_reference does not)")
+    _check(q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel)
+    B, H, C = q_lat.shape
+    R = q_pe.shape[2]
+    out = _new_out(q_lat, out)
+    if B == 0:
+        return out
+    prec = precision or PRECISION
+    if INTERPRET:
+        prec = "ieee"
+    hb, tn, warps = default_config(H, prec)
+    hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
+    hchunks = math.ceil(H / hb)
+    entries = sel.shape[1] if sel is not None else block_tables.shape[1] * ckv.shape[1]
+    index = q_lat.device.index if q_lat.device.index is not None else (
+        torch.cuda.current_device() if q_lat.is_cuda else 0)
+    splits = num_splits or default_num_splits(B, hchunks, entries, tn, q_lat.is_cuda, index)
+    direct = splits == 1
+    if direct:
+        po = plse = out
+    else:
+        po = torch.empty(B, H, splits, C, device=q_lat.device, dtype=torch.float32)
+        plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
+    s = sel if sel is not None else context_lens
+    _mla_split_kernel[(B, hchunks, splits)](
+        q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,
+        float(scale) * LOG2E, splits, H, C, R, sel.shape[1] if sel is not None else 0,
+        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
+        sel.stride(0) if sel is not None else 0,
+        CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
+        PREC=prec, DIRECT=direct, num_warps=warps, num_stages=2)
+    if not direct:
+        _mla_merge_kernel[(B * H,)](po, plse, out, splits, C, CP=max(16, _pow2(C)),
+                                    SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)
+    return out
+
+
+def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                         sel: torch.Tensor | None = None, num_splits: int | None = None,
+                         out: torch.Tensor | None = None, **_) -> torch.Tensor:
+    """mla_decode in plain torch (fp32): the CPU runtime's path and the test oracle. Fixed shapes,
+    no host sync: gathers every table column (or the K selected positions) and masks."""
+    del num_splits
+    _check(q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel)
+    B, H, C = q_lat.shape
+    bs = ckv.shape[1]
+    W = block_tables.shape[1]
+    out = _new_out(q_lat, out)
+    lens = context_lens.to(torch.int64)[:, None]
+    if sel is None:
+        pos = torch.arange(W * bs, device=q_lat.device).expand(B, W * bs)
+    else:
+        pos = sel.to(torch.int64)
+    valid = (pos >= 0) & (pos < lens)                                            # (B, T)
+    pos = torch.where(valid, pos, 0)
+    blk = block_tables.to(torch.int64).gather(1, pos // bs)
+    blk = torch.where(valid, blk, 0)                   # unused table entries are never dereferenced
+    flat = blk * bs + pos % bs
+    cc = ckv.reshape(-1, C)[flat]                                                # (B, T, C)
+    kp = kpe.reshape(-1, kpe.shape[2])[flat]
+    cc = torch.where(valid[..., None], cc, 0.0)        # unwritten slots may hold NaN
+    kp = torch.where(valid[..., None], kp, 0.0)
+    s = (torch.einsum("bhc,btc->bht", q_lat, cc) + torch.einsum("bhr,btr->bht", q_pe, kp)) * scale
+    s = torch.where(valid[:, None, :], s, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    out.copy_(torch.einsum("bht,btc->bhc", p, cc) / torch.where(den > 0, den, 1.0))
+    return out

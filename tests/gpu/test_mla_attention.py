@@ -1,0 +1,152 @@
+"""Paged MLA decode attention (kernels/mla_attention.py): the Triton kernel and the torch reference
+against a float64 oracle written from the contract (per row: the attended positions, their latent
+and rope rows looked up through the block table).
+
+Every case poisons ``out`` with NaN, shuffles the block ids, fills table entries past each row's
+length with ids that must never be read (a NaN block, out-of-range and negative ids) and NaNs the
+unused slots of each row's last block; DSA cases pass a selection list with skipped (-1) entries.
+On CUDA real shapes run (H 64/128, C 512, rope 64, contexts up to 32k); on the Triton interpreter
+(TRITON_INTERPRET=1) small ones, within seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import cuda_available
+
+FULL = cuda_available()
+
+# (B, H, C, R, block_size, lengths kind, selection K or 0, num_splits, precision)
+if FULL:
+    CASES = [(B, H, 512, 64, bs, "ragged", k, None, prec)
+             for B in (1, 5) for H in (64, 128) for bs in (16, 64) for k in (0, 256) for prec in ("ieee", "tf32x3")]
+    CASES += [(5, 16, 512, 64, 16, "ragged", 0, 3, "ieee"), (5, 128, 512, 64, 64, "ragged", 256, 3, "tf32x3")]
+    CASES += [(2, 64, 512, 64, 64, "long", k, None, prec) for k in (0, 2048) for prec in ("ieee", "tf32x3")]
+else:
+    CASES = [
+        (1, 4, 32, 16, 4, "ragged", 0, None, "ieee"),
+        (3, 4, 32, 16, 8, "ragged", 0, 1, "ieee"),
+        (4, 2, 48, 16, 4, "ragged", 0, 3, "ieee"),      # C not a power of two, more splits than tiles
+        (3, 20, 32, 16, 16, "ragged", 0, 2, "ieee"),    # two head chunks (16 + 4)
+        (3, 4, 32, 16, 4, "ragged", 8, 2, "ieee"),      # DSA selection, K 8
+        (4, 4, 32, 16, 8, "ragged", 24, None, "ieee"),
+    ]
+
+
+def _lens(B: int, bs: int, kind: str, gen: torch.Generator) -> list[int]:
+    if kind == "long":
+        return [32768, 9000][:B]
+    pool = [0, 2 * bs + 5, 1, bs, 3 * bs, 2 * bs - 1]
+    out = [pool[i] for i in range(min(B, len(pool)))]
+    out += [int(torch.randint(1, 5 * bs, (1,), generator=gen)) for _ in range(B - len(out))]
+    return out if B > 1 else [int(torch.randint(2, 4 * bs, (1,), generator=gen))]
+
+
+def _case(B, H, C, R, bs, kind, K, dev, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = _lens(B, bs, kind, gen)
+    W = max(1, max(-(-n // bs) for n in lens)) + 1
+    nblocks = B * W + 2
+    ckv = torch.randn(nblocks, bs, C, generator=gen)
+    kpe = torch.randn(nblocks, bs, R, generator=gen)
+    nan_block = nblocks - 1
+    ckv[nan_block] = float("nan")
+    kpe[nan_block] = float("nan")
+    ids = torch.randperm(nblocks - 1, generator=gen)
+    tables = torch.empty(B, W, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[b, :k] = ids[used:used + k].to(torch.int32)
+        used += k
+        junk = [nan_block, nblocks + 7, -3, 10**6]
+        for c in range(k, W):
+            tables[b, c] = junk[c % len(junk)]
+        if n % bs:
+            ckv[tables[b, k - 1], n % bs:] = float("nan")
+            kpe[tables[b, k - 1], n % bs:] = float("nan")
+    sel = None
+    if K:
+        sel = torch.full((B, K), -1, dtype=torch.int32)
+        for b, n in enumerate(lens):
+            pick = torch.randperm(n, generator=gen)[:K] if n > K else torch.arange(n)
+            slots = torch.randperm(K, generator=gen)[:len(pick)]
+            sel[b, slots] = pick.to(torch.int32)
+    q_lat = torch.randn(B, H, C, generator=gen) * 0.05
+    q_pe = torch.randn(B, H, R, generator=gen) * 0.05
+    t = dict(q_lat=q_lat, q_pe=q_pe, ckv=ckv, kpe=kpe, block_tables=tables,
+             context_lens=torch.tensor(lens, dtype=torch.int32), sel=sel)
+    return {k: (v.to(dev) if v is not None else None) for k, v in t.items()}, lens
+
+
+def _oracle(t, lens, scale):
+    q_lat, q_pe = t["q_lat"].double().cpu(), t["q_pe"].double().cpu()
+    ckv, kpe = t["ckv"].double().cpu(), t["kpe"].double().cpu()
+    tables, sel = t["block_tables"].cpu(), t["sel"]
+    bs = ckv.shape[1]
+    out = torch.zeros(q_lat.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        pos = list(range(n)) if sel is None else [p for p in sel[b].tolist() if p >= 0]
+        if not pos:
+            continue
+        cc = torch.stack([ckv[tables[b, p // bs], p % bs] for p in pos])
+        kp = torch.stack([kpe[tables[b, p // bs], p % bs] for p in pos])
+        s = (q_lat[b] @ cc.T + q_pe[b] @ kp.T) * scale
+        out[b] = torch.softmax(s, -1) @ cc
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_mla_decode_matches_oracle(dev, case):
+    from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
+
+    B, H, C, R, bs, kind, K, ns, prec = case
+    t, lens = _case(B, H, C, R, bs, kind, K, dev)
+    scale = (C // 4 + R) ** -0.5
+    want = _oracle(t, lens, scale)
+    for fn in (mla_decode, mla_decode_reference):
+        out = torch.full((B, H, C), float("nan"), device=dev)
+        got = fn(**t, scale=scale, num_splits=ns, out=out, precision=prec)
+        assert got is out
+        err = (got.cpu().double() - want).abs().max().item()
+        tol = 2e-5 if prec == "ieee" else 1e-4
+        assert err < tol, (fn.__name__, case, err)
+
+
+def test_mla_decode_rejects_bad_inputs(dev):
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    t, _ = _case(2, 4, 32, 16, 4, "ragged", 0, dev)
+    bad = dict(t, block_tables=t["block_tables"].to(torch.int64))
+    with pytest.raises(ValueError, match="block_tables"):
+        mla_decode(**bad, scale=1.0)
+    with pytest.raises(ValueError, match="float32"):
+        mla_decode(**dict(t, ckv=t["ckv"].half()), scale=1.0)
+
+
+@pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
+                                                                        if FULL else []))
+def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
+    """kernels/dsa_indexer.paged_scores vs runtime.dsa.paged_scores_reference: -inf at the same
+    places (past each row's length, the whole padded width), fp16 values equal to within one ulp."""
+    from exl3tools.kernels.dsa_indexer import paged_scores
+
+    from exl3tools.runtime.dsa import paged_scores_reference
+
+    t, lens = _case(B, NH, D, 16, bs, "ragged", 0, dev, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(B, NH, D, generator=gen).half().float().to(dev)
+    w = torch.randn(B, NH, generator=gen).half().float().to(dev)
+    kidx = torch.randn(t["ckv"].shape[0], bs, D, generator=gen).half().float().to(dev)
+    scale = D ** -0.5 * NH ** -0.5
+    got = paged_scores(q, w, kidx, t["block_tables"], t["context_lens"], scale).cpu()
+    want = paged_scores_reference(q, w, kidx, t["block_tables"], t["context_lens"], scale).cpu()
+    assert got.shape == want.shape == (B, t["block_tables"].shape[1] * bs)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    for b, n in enumerate(lens):
+        assert fin[b, :n].all() and not fin[b, n:].any()
+    assert ((got[fin] - want[fin]).abs() <= want[fin].abs() * 2**-10 + 1e-7).all()
+    assert (got[fin] == want[fin]).float().mean() > 0.99

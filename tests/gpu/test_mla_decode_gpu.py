@@ -1,0 +1,97 @@
+"""MLA/DSA decode on CUDA through the fixed-shape step captured in CUDA graphs (PagedDecoder with
+MLAttention.decode_static, kernels/mla_attention.py, kernels/dsa_indexer.py) against the eager
+paged path on the same GPU and model, on the DeepSeek-V3 and GLM-5 fixtures: three sequences of
+different lengths, one past index_topk (sparse DSA), over several steps; speculative decoding
+(MTP drafts eager) with graphs on emits the plain greedy tokens. The kernel itself at real shapes:
+tests/gpu/test_mla_attention.py. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import cuda_available
+from tests.gpu.conftest import cuda_backend
+
+pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+
+MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
+# the graphs pad a batch of 3 to bucket 4: the linear kernels may take other paths than the eager
+# batch of 3 (fp16 partial sums); the attention itself agrees to ~1e-6
+REL = 1e-2
+
+
+def _rel(a, b) -> float:
+    return ((a.float().cpu() - b.float().cpu()).abs().max() / b.float().cpu().abs().max()).item()
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_mla_graphs_equal_eager_on_cuda(name):
+    from exl3tools.runtime.runner import Runner, load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_mla_static_decode import _run
+
+    path = fixture_dir(name) / "model"
+    model = load_runner(path, device="cuda", backend=cuda_backend(), max_context=64, max_cache_tokens=256).model
+    default = Runner(model, path, name, max_cache_tokens=256, block_size=4, max_num_seqs=3)
+    assert default.decode_mode == "graphs"             # the default on CUDA for MLA models now
+    eager, graphs = _run(model, name, "eager"), _run(model, name, "graphs")
+    for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
+        assert g.shape == e.shape, i
+        assert _rel(g, e) < REL, (name, i, _rel(g, e))
+
+
+def test_mla_static_triton_equals_static_reference_attention():
+    """The same fixed-shape step with the Triton kernels vs the torch references (no graphs)."""
+    import torch
+    from exl3tools.kernels import mla_attention
+
+    from exl3tools.runtime.runner import Runner, load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_mla_static_decode import PROMPTS
+
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    path = fixture_dir(name) / "model"
+    model = load_runner(path, device="cuda", backend=cuda_backend(), max_context=64, max_cache_tokens=256).model
+    outs = []
+    for ref in (False, True):
+        r = Runner(model, path, name, decode="static", max_cache_tokens=256, block_size=4, max_num_seqs=3)
+        if ref:
+            r.paged.decoder._attend_mla, r.paged.decoder._dsa_scores = mla_attention.mla_decode_reference, None
+        for sid, p in PROMPTS.items():
+            r.add_sequence(sid)
+            r.step([(sid, p)])
+        outs.append(torch.cat([r.step([(s, [7 + i]) for s in PROMPTS]) for i in range(4)]))
+    assert _rel(outs[0], outs[1]) < 1e-4
+
+
+def test_speculative_decoding_with_graphs_is_greedy():
+    from exl3tools.runtime import sampling
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    path = fixture_dir(name) / "model"
+    prompt = list(range(3, 43))
+    kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=2)
+    with load_runner(path, decode="eager", **kw) as r:
+        r.add_sequence(0)
+        want, new = [], prompt
+        for _ in range(12):
+            want.append(int(r.step([(0, new)])[0].argmax()))
+            new = [want[-1]]
+    with load_runner(path, speculative_tokens=2, **kw) as r:
+        assert r.decode_mode == "graphs" and not r.can_chain
+        r.add_sequence(0)
+        r.add_sequence(1, speculative=False)           # a plain row beside it: graph steps
+        out = [int(r.step([(0, prompt)])[0].argmax())]
+        plain = [int(r.step([(1, prompt)])[0].argmax())]
+        while len(out) < 12:
+            drafts, qrows = r.draft(0, out[-1], 2, lambda row: int(row.argmax()))
+            target = r.verify([(0, [out[-1]] + drafts)])
+            a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
+            r.accept(0, a + 1)
+            out += drafts[:a] + [bonus]
+            plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
+        assert r.paged.decoder._graphs
+        assert out[:12] == want
+        assert plain == want[:len(plain)] and len(plain) >= 5

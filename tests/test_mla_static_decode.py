@@ -1,0 +1,145 @@
+"""The fixed-shape decode step for MLA/DSA models (MLAttention.decode_static inside
+runtime/paged_decode.py's PagedDecoder, decode="static" on the CPU with the torch reference
+attention) against the eager paged path, on the real DeepSeek-V3 and GLM-5 fixtures: a batch of
+three sequences of different lengths, one of them past index_topk (32) so the DSA selection is
+sparse, over several steps; the fixture with a "shared" indexer layer; the DSA selection against
+Indexer.select directly (near-ties and -0.0 included); the Triton kernel inside the step
+(interpreter); MTP sequences keep the eager path."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import pytest
+import torch
+
+from exl3tools.runtime.runner import Runner, load_runner
+from tests.conftest import fixture_dir
+
+REL = 1e-4
+MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
+# prompt lengths: 40 > index_topk (sparse from the first step), 29 turns sparse at step 4, 5 stays dense
+PROMPTS = {"a": list(range(3, 43)), "b": [7 * i % 2000 + 1 for i in range(29)], "c": [11, 900, 5, 1999, 64]}
+STEPS = [[5, 77, 1000], [3, 4, 5], [900, 11, 42], [1, 2, 3], [64, 128, 256], [8, 9, 10]]
+
+
+@lru_cache(maxsize=None)
+def _model(name: str, indexer_types: tuple[str, ...] | None = None):
+    if indexer_types is None:
+        return load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model
+    from exl3tools.checkpoint.reader import Checkpoint
+    from exl3tools.runtime.arch import BuildContext
+    from exl3tools.runtime.arch.glm_moe_dsa import build
+    from exl3tools.runtime.tp import TPContext
+    from exl3tools.runtime.weights import WeightSource
+
+    ck = Checkpoint.open(fixture_dir(name) / "model")
+    return build(BuildContext(dict(ck.config, indexer_types=list(indexer_types)), WeightSource(ck), TPContext(), False))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+
+
+def _run(model, name: str, decode: str) -> list[torch.Tensor]:
+    r = Runner(model, fixture_dir(name) / "model", name, decode=decode, max_cache_tokens=256, block_size=4,
+               max_num_seqs=3)
+    assert r.decode_mode == decode
+    out = []
+    for sid, p in PROMPTS.items():
+        r.add_sequence(sid)
+        out.append(r.step([(sid, p)]))
+    for toks in STEPS:
+        out.append(r.step([(sid, [t]) for sid, t in zip(PROMPTS, toks, strict=True)]))
+    r.step([("b", [17])])                         # a batch of one (bucket 1) after batches of three
+    out.append(r.step([("c", [18]), ("a", [19])]))
+    return out
+
+
+def _compare(model, name: str) -> None:
+    eager, static = _run(model, name, "eager"), _run(model, name, "static")
+    for i, (x, y) in enumerate(zip(static, eager, strict=True)):
+        assert x.shape == y.shape, i
+        assert _rel(x, y) < REL, (name, i, _rel(x, y))
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_static_mla_decode_equals_eager(name):
+    _compare(_model(name), name)
+
+
+def test_static_decode_with_a_shared_indexer_layer():
+    name = "glm5_moe_dsa-tp-4.0bpw-mcg"
+    model = _model(name, ("full", "shared", "full"))
+    assert model.layers[1].attn.dsa_shared and model.layers[1].attn.indexer is None
+    _compare(model, name)
+
+
+def test_static_step_takes_the_sparse_selection(monkeypatch):
+    """The decode step really runs DSA: with its selection dropped (dense attention in the static
+    step only) the long sequence's rows move and the short one's do not."""
+    from exl3tools.runtime.dsa import Indexer
+
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    model = _model(name)
+    eager = _run(model, name, "eager")
+    monkeypatch.setattr(Indexer, "select_paged", lambda self, *a, **k: None)
+    dense = _run(model, name, "static")
+    assert _rel(dense[3][0], eager[3][0]) > 1e-3                # "a": 41 keys > index_topk
+    assert _rel(dense[3][2], eager[3][2]) < REL                 # "c": 6 keys, dense anyway
+
+
+def test_topk_positions_is_indexer_select():
+    """Device selection (dsa.topk_positions) vs Indexer.select's stable sort, on rows with ties
+    at the threshold, -0.0 against +0.0, -inf past the context, and short (dense) rows."""
+    from exl3tools.runtime.dsa import topk_positions
+
+    gen = torch.Generator().manual_seed(0)
+    T, k = 48, 8
+    s = (torch.randint(0, 6, (5, T), generator=gen).float() / 4).half().float()   # many exact ties
+    s[1, ::3] = -0.0
+    s[1, 1::3] = 0.0
+    s[2] = -torch.rand(T, generator=gen).half().float()
+    ctx = torch.tensor([48, 40, 30, 8, 3], dtype=torch.int32)
+    for b, n in enumerate(ctx.tolist()):
+        s[b, n:] = float("-inf")
+    got = topk_positions(s, ctx, k)
+    assert got.shape == (5, k) and got.dtype == torch.int32
+    for b, n in enumerate(ctx.tolist()):
+        row = s[b, :n]
+        if n > k:
+            want = torch.sort(row, descending=True, stable=True).indices[:k]
+        else:
+            want = torch.arange(n)
+        assert sorted(got[b][got[b] >= 0].tolist()) == sorted(want.tolist()), b
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
+def test_static_step_with_the_triton_kernel_on_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    from exl3tools.runtime import paged_decode
+
+    monkeypatch.setattr(paged_decode, "MLA_DECODE_ON_CPU", True)
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    _compare(_model(name), name)
+
+
+def test_speculative_rows_keep_the_eager_path_and_no_chaining():
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    path = fixture_dir(name) / "model"
+    with load_runner(path, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode="static") as r:
+        assert r.decode_mode == "static" and not r.can_chain
+        calls = []
+        step = r.paged.decoder.step
+        r.paged.decoder.step = lambda *a: calls.append(len(a[0])) or step(*a)
+        r.add_sequence(0)
+        r.add_sequence(1, speculative=False)
+        last = int(r.step([(0, PROMPTS["a"])])[0].argmax())
+        r.step([(1, PROMPTS["c"])])
+        r.step([(0, [last])])                        # a draft-state row: eager (it needs its states)
+        assert calls == []
+        r.step([(1, [5])])
+        assert calls == [1]
+        drafts, _ = r.draft(0, 3, 2, lambda row: int(row.argmax()))   # the head still has its states
+        assert len(drafts) == 2
