@@ -43,7 +43,7 @@ SYNTH=$!
 
 if [[ $STAGES == *tests* ]]; then
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
-    -n ${TEST_JOBS:-3} tests/gpu tests/test_cuda_bit_logic.py ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
+    -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
     > "$L/tests.log" 2>&1
   el "tests rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests.log" | tail -n 25
 fi

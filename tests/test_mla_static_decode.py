@@ -4,7 +4,7 @@ attention) against the eager paged path, on the real DeepSeek-V3 and GLM-5 fixtu
 three sequences of different lengths, one of them past index_topk (32) so the DSA selection is
 sparse, over several steps; the fixture with a "shared" indexer layer; the DSA selection against
 Indexer.select directly (near-ties and -0.0 included); the Triton kernel inside the step
-(interpreter); MTP sequences keep the eager path."""
+(interpreter); MTP sequences run the step and feed their head from its states."""
 
 from __future__ import annotations
 
@@ -125,21 +125,27 @@ def test_static_step_with_the_triton_kernel_on_the_interpreter(monkeypatch):
     _compare(_model(name), name)
 
 
-def test_speculative_rows_keep_the_eager_path_and_no_chaining():
+def test_speculative_rows_run_the_decode_step_and_feed_the_head():
+    """Rows with MTP draft state run the fixed-shape step too (a 40-token prompt as 40 rows, then a
+    decode row): the step keeps every row's final-normed state, which feeds the head, so the drafts'
+    logits equal the eager path's; no chained steps with drafts."""
     name = "glm5_moe_dsa-3.0bpw-mul1"
     path = fixture_dir(name) / "model"
-    with load_runner(path, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode="static") as r:
-        assert r.decode_mode == "static" and not r.can_chain
-        calls = []
-        step = r.paged.decoder.step
-        r.paged.decoder.step = lambda *a: calls.append(len(a[0])) or step(*a)
-        r.add_sequence(0)
-        r.add_sequence(1, speculative=False)
-        last = int(r.step([(0, PROMPTS["a"])])[0].argmax())
-        r.step([(1, PROMPTS["c"])])
-        r.step([(0, [last])])                        # a draft-state row: eager (it needs its states)
-        assert calls == []
-        r.step([(1, [5])])
-        assert calls == [1]
-        drafts, _ = r.draft(0, 3, 2, lambda row: int(row.argmax()))   # the head still has its states
-        assert len(drafts) == 2
+    got = {}
+    for decode in ("eager", "static"):
+        with load_runner(path, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode=decode,
+                         max_num_seqs=48) as r:
+            assert r.decode_mode == decode and not r.can_chain
+            calls = []
+            if r.paged.decoder is not None:
+                step = r.paged.decoder.step
+                r.paged.decoder.step = lambda *a: calls.append(len(a[0])) or step(*a)
+            r.add_sequence(0)
+            logits = [r.step([(0, PROMPTS["a"])])]
+            logits.append(r.step([(0, [int(logits[0][0].argmax())])]))
+            drafts, rows = r.draft(0, 3, 2, lambda row: int(row.argmax()))
+            got[decode] = (torch.cat(logits), drafts, torch.stack(rows).float().cpu())
+            assert calls == ([] if decode == "eager" else [len(PROMPTS["a"]), 1])
+    (le, de, re_), (ls, ds, rs) = got["eager"], got["static"]
+    assert _rel(ls, le) < REL and _rel(rs, re_) < REL
+    assert len(ds) == len(de) == 2
