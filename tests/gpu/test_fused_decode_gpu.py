@@ -8,6 +8,8 @@ exactly on CUDA."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.conftest import cuda_available
@@ -157,6 +159,15 @@ def test_silu_mul(dev, R, N):
 GQA = ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"]
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_schedule(name: str):
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import Reference, schedule
+
+    return schedule(Reference(load_runner(fixture_dir(name) / "model", max_context=48).model))
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", GQA)
@@ -168,10 +179,10 @@ def test_graph_decode_fused_matches_unfused(name, kv, monkeypatch):
     from tests.conftest import fixture_dir
     from tests.gpu.conftest import cuda_backend
     from tests.gpu.test_serve_paged_gpu import REL, _rel
-    from tests.test_paged_runner import Reference, schedule
+    from tests.test_paged_runner import schedule
 
     path = fixture_dir(name) / "model"
-    ref = schedule(Reference(load_runner(path, max_context=48).model))
+    ref = _cpu_schedule(name)
     outs = {}
     for fused in ("0", "1"):
         monkeypatch.setenv("EXL3TOOLS_FUSED", fused)
