@@ -86,9 +86,14 @@ def test_qk_rope_store(dev, case):
     qn, kn = ((torch.rand(hd, generator=g) + 0.5).to(dev) for _ in range(2)) if qk_norm else (None, None)
     dtype = getattr(torch, dt)
     planes = [torch.full((64, nkv, hd), float("nan"), dtype=dtype, device=dev) for _ in range(4)]
-    q1 = fk.qk_rope_store(q, k, v, pos, slots, inv, rdim, planes[0], planes[1], qn, kn, 1e-6)
-    q2 = fk.qk_rope_store_reference(q, k, v, pos, slots, inv, rdim, planes[2], planes[3], qn, kn, 1e-6)
-    _close(q1, q2, 2e-5)        # cos/sin of angles up to 3.2e4 rad: a few fp32 ulps of the angle
+    cos, sin = fk.rope_tables(pos, inv)
+    q1 = fk.qk_rope_store(q, k, v, cos, sin, slots, rdim, planes[0], planes[1], qn, kn, 1e-6)
+    q2 = fk.qk_rope_store_reference(q, k, v, cos, sin, slots, rdim, planes[2], planes[3], qn, kn, 1e-6)
+    _close(q1, q2, 1e-6)
+    if qn is None:      # the runtime's own RoPE (Attention.qkv's ops)
+        from exl3tools.runtime.layers import apply_rope_neox
+
+        _close(q1, apply_rope_neox(q.reshape(T, nq, hd), cos, sin, rdim), 1e-6)
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots.cpu()] = False
     for got, ref in ((planes[0], planes[2]), (planes[1], planes[3])):
