@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from exl3tools.errors import UsageError
 from exl3tools.kernels import fused_decode as fk
-from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, GatedMLP, MoE, _identity
+from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLayer, GatedMLP, MoE, _identity
 
 
 def resolve(fused: bool | None, device: torch.device) -> bool:
@@ -43,6 +43,12 @@ def resolve(fused: bool | None, device: torch.device) -> bool:
     if fused and not fk.available(device):
         raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")
     return bool(fused)
+
+
+def supports(model) -> bool:
+    """Whether every layer is a GQA block this step runs (other attention kinds: the torch loop)."""
+    return all(isinstance(layer, DecoderLayer) and type(layer.attn) is Attention
+               and isinstance(layer.mlp, (GatedMLP, MoE)) for layer in model.layers)
 
 
 def _dev(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
