@@ -9,7 +9,8 @@ GPU time even inside a CUDA graph. These kernels do that glue in a few launches 
   next norm (attn_norm, mlp_norm or the final norm) together; ``embed_rmsnorm``: the same kernel
   gathering the embedding rows of the step's tokens (layer 0's norm).
 - ``qk_rope_store``: per-head q/k RMSNorm (optional), NeoX RoPE on the leading ``rdim`` channels,
-  q out (T, nq, hd) and the new K and V written into the paged planes at their slots.
+  q out (T, nq, hd) and the new K and V written into the paged planes at their slots; the cos/sin
+  tables come from ``rope_tables`` (torch, once per step for all layers).
 - ``route``: softmax / sigmoid (+ score-correction bias for the choice only), top-k (lowest index
   on ties), renormalisation, ``routed_scaling_factor``, and the index arrays the grouped expert
   calls take (int32, so no cast launches): one program per token row.
@@ -17,7 +18,7 @@ GPU time even inside a CUDA graph. These kernels do that glue in a few launches 
 
 Each kernel has a ``*_reference`` twin in plain torch with the same contract (the CPU path and the
 test oracle). Rounding differs from the torch ops by fp32 ulps (sums in another order, Triton's
-cos/sin/exp); expert choices are the reference's unless two candidates tie within an ulp.
+exp); expert choices are the reference's unless two candidates tie within an ulp.
 Every launch grid depends only on shapes: graph-capturable. Under ``TRITON_INTERPRET=1`` they run
 on CPU tensors (tests).
 """
@@ -83,7 +84,7 @@ if triton is not None:
 
     # ------------------------------------------------------------------ q/k norm + RoPE + K/V store
     @triton.jit
-    def _norm_rope(src, w_ptr, pos, inv_ptr, eps, HD, RDIM, HAS_NORM: tl.constexpr, DP: tl.constexpr):
+    def _norm_rope(src, w_ptr, cos_row, sin_row, eps, HD, RDIM, HAS_NORM: tl.constexpr, DP: tl.constexpr):
         d = tl.arange(0, DP)
         dm = d < HD
         half = RDIM // 2
@@ -96,25 +97,26 @@ if triton is not None:
             x = x * rstd * tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
             xp = xp * rstd * tl.load(w_ptr + p, mask=dm, other=0.0).to(tl.float32)
         f = tl.where(d < half, d, d - half)
-        ang = pos * tl.load(inv_ptr + f, mask=rot, other=0.0)
-        cs, sn = tl.cos(ang), tl.sin(ang)
+        cs = tl.load(cos_row + f, mask=rot, other=1.0)
+        sn = tl.load(sin_row + f, mask=rot, other=0.0)
         out = tl.where(d < half, x * cs - xp * sn, x * cs + xp * sn)
         return tl.where(rot, out, x), d, dm
 
     @triton.jit
-    def _qk_rope_store_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, inv_ptr, qn_ptr, kn_ptr,
-                              qo_ptr, kp_ptr, vp_ptr, NQ, HD, RDIM, eps, sq, sk, sv, skp, svp,
+    def _qk_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr,
+                              qo_ptr, kp_ptr, vp_ptr, NQ, HD, RDIM, eps, sq, sk, sv, skp, svp, scs,
                               HAS_NORM: tl.constexpr, DP: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         hid = tl.program_id(1)
-        pos = tl.load(pos_ptr + t).to(tl.float32)
+        cos_row = cos_ptr + t * scs
+        sin_row = sin_ptr + t * scs
         if hid < NQ:
-            out, d, dm = _norm_rope(q_ptr + t * sq + hid * HD, qn_ptr, pos, inv_ptr, eps, HD, RDIM, HAS_NORM, DP)
+            out, d, dm = _norm_rope(q_ptr + t * sq + hid * HD, qn_ptr, cos_row, sin_row, eps, HD, RDIM, HAS_NORM, DP)
             tl.store(qo_ptr + (t * NQ + hid) * HD + d, out, mask=dm)
         else:
             kh = hid - NQ
             slot = tl.load(slot_ptr + t).to(tl.int64)
-            out, d, dm = _norm_rope(k_ptr + t * sk + kh * HD, kn_ptr, pos, inv_ptr, eps, HD, RDIM, HAS_NORM, DP)
+            out, d, dm = _norm_rope(k_ptr + t * sk + kh * HD, kn_ptr, cos_row, sin_row, eps, HD, RDIM, HAS_NORM, DP)
             tl.store(kp_ptr + slot * skp + kh * HD + d, out.to(kp_ptr.dtype.element_ty), mask=dm)
             v = tl.load(v_ptr + t * sv + kh * HD + d, mask=dm, other=0.0)
             tl.store(vp_ptr + slot * svp + kh * HD + d, v.to(vp_ptr.dtype.element_ty), mask=dm)
@@ -261,14 +263,23 @@ def residual_rmsnorm_reference(h, weight, eps, delta=None, y=None, wk=None):
 
 
 # ------------------------------------------------------------------ q/k norm + RoPE + K/V store
-def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  slots: torch.Tensor, inv_freq: torch.Tensor, rdim: int, k_plane: torch.Tensor,
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, rdim / 2) fp32 of ``positions`` x ``inv_freq``: the torch ops of
+    Attention.qkv (bit-identical angles; Triton's cos/sin may be approximate at 1e4+ radians),
+    once per step for every layer that shares ``inv_freq``."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  slots: torch.Tensor, rdim: int, k_plane: torch.Tensor,
                   v_plane: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                   eps: float = 1e-6) -> torch.Tensor:
     """q, k, v (T, heads * hd) as the projections return them (rows may be wider, padded):
-    q/k RMSNorm per head (when both weights are given), NeoX RoPE on the first ``rdim`` channels at
-    ``positions``; K and V written to ``k_plane/v_plane[slots[t]]`` (planes (slots, nkv, hd), cast
-    to their dtype); returns q (T, nq, hd) fp32."""
+    q/k RMSNorm per head (when both weights are given), NeoX RoPE on the first ``rdim`` channels
+    with ``cos``/``sin`` (T, rdim / 2) (``rope_tables``); K and V written to
+    ``k_plane/v_plane[slots[t]]`` (planes (slots, nkv, hd), cast to their dtype); returns q
+    (T, nq, hd) fp32."""
     nkv, hd = k_plane.shape[1], k_plane.shape[2]
     T = q.shape[0]
     nq = (q.shape[1] // hd) if q.dim() == 2 else q.shape[1]
@@ -281,15 +292,17 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     if T == 0:
         return qo
     has_norm = q_norm is not None
+    if cos.shape != (T, rdim // 2) or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"cos/sin must be ({T}, {rdim // 2}) of one layout, got {tuple(cos.shape)}")
     _qk_rope_store_kernel[(T, nq + nkv)](
-        q2, k2, v2, positions, slots, inv_freq, q_norm if has_norm else inv_freq,
-        k_norm if has_norm else inv_freq, qo, k_plane, v_plane, nq, hd, int(rdim), float(eps),
-        q2.stride(0), k2.stride(0), v2.stride(0), k_plane.stride(0), v_plane.stride(0),
+        q2, k2, v2, cos, sin, slots, q_norm if has_norm else cos,
+        k_norm if has_norm else cos, qo, k_plane, v_plane, nq, hd, int(rdim), float(eps),
+        q2.stride(0), k2.stride(0), v2.stride(0), k_plane.stride(0), v_plane.stride(0), cos.stride(0),
         HAS_NORM=has_norm, DP=_pow2(hd), num_warps=1 if hd <= 128 else 2)
     return qo
 
 
-def qk_rope_store_reference(q, k, v, positions, slots, inv_freq, rdim, k_plane, v_plane, q_norm=None,
+def qk_rope_store_reference(q, k, v, cos, sin, slots, rdim, k_plane, v_plane, q_norm=None,
                             k_norm=None, eps=1e-6):
     from exl3tools.runtime.layers import apply_rope_neox
 
@@ -303,8 +316,6 @@ def qk_rope_store_reference(q, k, v, positions, slots, inv_freq, rdim, k_plane, 
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
     if q_norm is not None:
         q, k = norm(q, q_norm), norm(k, k_norm)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
     q, k = apply_rope_neox(q, cos, sin, rdim), apply_rope_neox(k, cos, sin, rdim)
     k_plane.index_copy_(0, slots, k.to(k_plane.dtype))
     v_plane.index_copy_(0, slots, v.to(v_plane.dtype))

@@ -97,6 +97,9 @@ def test_switch(monkeypatch):
         assert fused_step.resolve(None, cpu) is True
     monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
     assert _paged("llama-4.0bpw-mul1", "static").paged.decoder._fused is None
+    # GQA layers only: an MLA model keeps the torch loop wherever it gets a static step
+    assert fused_step.supports(_model("glm4_moe-3.0bpw-mcg"))
+    assert not fused_step.supports(_model("deepseek_v3-3.0bpw-3inst"))
 
 
 def test_e2e_bench_takes_the_unfused_impl():

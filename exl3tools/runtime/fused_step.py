@@ -3,6 +3,7 @@
 Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
 
     h, x = embedding rows, rmsnorm(h)                        (layer 0's attn_norm, one kernel)
+    cos, sin = rope_tables(positions)                       (torch, once per step)
     per layer:  q, k, v = projections(x)
                 q = qk_rope_store(q, k, v -> paged planes)   (q/k norm, RoPE, both K/V writes)
                 o = paged attention; d = o_proj(o)
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from exl3tools.errors import UsageError
 from exl3tools.kernels import fused_decode as fk
-from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, GatedMLP, MoE, _identity
+from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLayer, GatedMLP, MoE, _identity
 
 
 def resolve(fused: bool | None, device: torch.device) -> bool:
@@ -42,6 +43,12 @@ def resolve(fused: bool | None, device: torch.device) -> bool:
     if fused and not fk.available(device):
         raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")
     return bool(fused)
+
+
+def supports(model) -> bool:
+    """Whether every layer is a GQA block this step runs (other attention kinds: the torch loop)."""
+    return all(isinstance(layer, DecoderLayer) and type(layer.attn) is Attention
+               and isinstance(layer.mlp, (GatedMLP, MoE)) for layer in model.layers)
 
 
 def _dev(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -73,22 +80,26 @@ class FusedGqaStep:
         layers = self.model.layers
         first = layers[0].attn_norm
         h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
+        rope: dict[int, tuple] = {}       # cos/sin per distinct inv_freq (one for these models)
         for layer, nxt in zip(layers, self.norms, strict=True):
-            d = self.attention(layer.attn, x, positions, slots, tables, ctx, attend)
+            a = layer.attn
+            if id(a.inv_freq) not in rope:
+                rope[id(a.inv_freq)] = fk.rope_tables(positions, a.inv_freq)
+            d = self.attention(a, x, rope[id(a.inv_freq)], slots, tables, ctx, attend)
             x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
             d, y, wk = self.mlp(layer.mlp, x)
             x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk)
         return x
 
-    def attention(self, a, x, positions, slots, tables, ctx, attend) -> torch.Tensor:
-        """o_proj of the paged attention of the rows of ``x`` (their K/V written first)."""
+    def attention(self, a, x, rope, slots, tables, ctx, attend) -> torch.Tensor:
+        """o_proj of the paged attention of the rows of ``x`` (their K/V written first);
+        ``rope``: (cos, sin) of the step's positions (kernels.fused_decode.rope_tables)."""
         planes = self.pool.planes[a.layer]
         qn = kn = None
         eps = 1e-6
         if a.q_norm is not None and a.k_norm is not None:
             qn, kn, eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.eps
-        q = fk.qk_rope_store(a.q(x), a.k(x), a.v(x), positions, slots, a.inv_freq, a.rdim,
-                             planes["k"], planes["v"], qn, kn, eps)
+        q = fk.qk_rope_store(a.q(x), a.k(x), a.v(x), *rope, slots, a.rdim, planes["k"], planes["v"], qn, kn, eps)
         o = attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
         return a.reduce(a.o(o.reshape(x.shape[0], a.nq * a.hd)))
 

@@ -115,8 +115,7 @@ class PagedDecoder:
         self._fused = None
         from exl3tools.runtime import fused_step
 
-        gqa = all(type(layer.attn) is Attention for layer in model.layers)   # the fused step is GQA's
-        if gqa and fused_step.resolve(fused, self.device):
+        if fused_step.resolve(fused, self.device) and fused_step.supports(model):
             self._fused = fused_step.FusedGqaStep(model, pool)
         dev = self.device
         with torch.inference_mode():

@@ -8,6 +8,8 @@ exactly on CUDA."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.conftest import cuda_available
@@ -84,9 +86,14 @@ def test_qk_rope_store(dev, case):
     qn, kn = ((torch.rand(hd, generator=g) + 0.5).to(dev) for _ in range(2)) if qk_norm else (None, None)
     dtype = getattr(torch, dt)
     planes = [torch.full((64, nkv, hd), float("nan"), dtype=dtype, device=dev) for _ in range(4)]
-    q1 = fk.qk_rope_store(q, k, v, pos, slots, inv, rdim, planes[0], planes[1], qn, kn, 1e-6)
-    q2 = fk.qk_rope_store_reference(q, k, v, pos, slots, inv, rdim, planes[2], planes[3], qn, kn, 1e-6)
-    _close(q1, q2, 2e-5)        # cos/sin of angles up to 3.2e4 rad: a few fp32 ulps of the angle
+    cos, sin = fk.rope_tables(pos, inv)
+    q1 = fk.qk_rope_store(q, k, v, cos, sin, slots, rdim, planes[0], planes[1], qn, kn, 1e-6)
+    q2 = fk.qk_rope_store_reference(q, k, v, cos, sin, slots, rdim, planes[2], planes[3], qn, kn, 1e-6)
+    _close(q1, q2, 1e-6)
+    if qn is None:      # the runtime's own RoPE (Attention.qkv's ops)
+        from exl3tools.runtime.layers import apply_rope_neox
+
+        _close(q1, apply_rope_neox(q.reshape(T, nq, hd), cos, sin, rdim), 1e-6)
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots.cpu()] = False
     for got, ref in ((planes[0], planes[2]), (planes[1], planes[3])):
@@ -157,6 +164,15 @@ def test_silu_mul(dev, R, N):
 GQA = ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"]
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_schedule(name: str):
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import Reference, schedule
+
+    return schedule(Reference(load_runner(fixture_dir(name) / "model", max_context=48).model))
+
+
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", GQA)
@@ -168,10 +184,10 @@ def test_graph_decode_fused_matches_unfused(name, kv, monkeypatch):
     from tests.conftest import fixture_dir
     from tests.gpu.conftest import cuda_backend
     from tests.gpu.test_serve_paged_gpu import REL, _rel
-    from tests.test_paged_runner import Reference, schedule
+    from tests.test_paged_runner import schedule
 
     path = fixture_dir(name) / "model"
-    ref = schedule(Reference(load_runner(path, max_context=48).model))
+    ref = _cpu_schedule(name)
     outs = {}
     for fused in ("0", "1"):
         monkeypatch.setenv("EXL3TOOLS_FUSED", fused)
