@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla]
-# (default: all but prefill, longctx and mla)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [memory]
+# (default: all but prefill, longctx, mla and memory)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -90,23 +90,36 @@ if [[ $STAGES == *serve* ]]; then
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
 fi
 if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
-  # the paged MLA decode kernel alone first (Triton ieee/tf32x3, DSA selection, indexer, torch, roofline)
-  timeout ${MLA_KERNEL_TIMEOUT:-240} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick --sweep 64,8,16384} \
-    --json "$L/mla_attention.json" > "$L/mla_attention.log" 2>&1
-  el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
+  # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0
+  if [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* ]]; then
+    # the paged MLA decode kernel alone first (Triton ieee/tf32x3, DSA selection, indexer, torch, roofline)
+    timeout ${MLA_KERNEL_TIMEOUT:-240} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick --sweep 64,8,16384} \
+      --json "$L/mla_attention.json" > "$L/mla_attention.log" 2>&1
+    el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
+  fi
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     d=/tmp/synth_$arch
     [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
-    timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8} --steps 32 \
-      --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
-    el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
-    SPEC=(); [ $arch = glm5 ] && SPEC=(--config "${arch}_mtp2:--max-model-len 32768 --speculative-tokens 2")
-    timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda --config "$arch:--max-model-len 32768" "${SPEC[@]}" \
-      ${MLA_SERVE_EXTRA:---streams 8 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
-      --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
-    el "mla serve $arch rc $?"; tail -n 12 "$L/serve_$arch.log"
+    if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
+      timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
+        --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
+      el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
+    fi
+    if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
+      CFG=(--config "$arch:--max-model-len 32768")
+      if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
+        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
+      timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
+        ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
+        --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
+      el "mla serve $arch rc $?"; tail -n 14 "$L/serve_$arch.log"
+    fi
   done
+fi
+if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
+  timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py /tmp/air6 --json "$L/memory.json" > "$L/memory.log" 2>&1
+  el "memory rc $?"; cat "$L/memory.log" | grep -v "^20..-" | tail -n 30
 fi
 if [[ $STAGES == *prefill* ]]; then
   timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py /tmp/air6 --json "$L/prefill.json" > "$L/prefill.log" 2>&1

@@ -10,7 +10,10 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
 
 - ``ours:<backend>``: ``load_runner(CKPT, device="cuda", backend=<backend>)``, then ``Runner.step``
   per decode step as the server runs it (paged KV cache, the CUDA graph of the batch bucket replayed,
-  greedy tokens back to the host), timed with CUDA events.
+  greedy tokens back to the host), timed with CUDA events. ``ours:<backend>:unfused`` (or
+  ``:fused``) loads with ``EXL3TOOLS_FUSED=0`` (``1``): the decode step's torch glue instead of
+  the fused Triton kernels (docs/gpu.md "Fused decode step"), side by side in one run;
+  ``:shared-apart``: fused, but the shared expert in its own linears (``EXL3TOOLS_FUSED_SHARED=0``).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +42,9 @@ if str(REPO) not in sys.path:
 
 HBM = 4.26e12          # measured H200 HBM read rate, B/s (serving-expectations.md §6)
 IMPL_KINDS = ("ours", "exllamav3")
+# ours:<backend>:<variant> -> environment while the runner loads (docs/gpu.md "Fused decode step")
+VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FUSED": "0"},
+            "shared-apart": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_FUSED_SHARED": "0"}}
 
 
 # ------------------------------------------------------------------ pure helpers (CPU-tested)
@@ -56,12 +63,12 @@ def parse_impls(s: str) -> list[str]:
         if not x:
             continue
         kind, _, backend = x.partition(":")
-        if kind == "ours" and backend:
+        if kind == "ours" and backend and backend.partition(":")[2] in VARIANTS:
             pass
         elif kind == "exllamav3" and not backend:
             pass
         else:
-            raise argparse.ArgumentTypeError(f"unknown impl {x!r} (use ours:<backend> or exllamav3)")
+            raise argparse.ArgumentTypeError(f"unknown impl {x!r} (use ours:<backend>[:unfused|:fused|:shared-apart] or exllamav3)")
         if x not in out:
             out.append(x)
     if not out:
@@ -241,12 +248,25 @@ def run_ours(ckpt: str, backend: str, batches: list[int], a) -> list[dict]:
     from exl3tools.runtime.runner import load_runner
 
     impl = f"ours:{backend}"
+    backend, _, variant = backend.partition(":")
+    env = VARIANTS[variant]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)          # read when the decode step is built, i.e. during the load
     t0 = time.perf_counter()
-    runner = load_runner(ckpt, device="cuda", backend=backend, max_context=a.max_len,
-                         max_cache_tokens=max(batches) * a.max_len, max_num_seqs=max(batches))
+    try:
+        runner = load_runner(ckpt, device="cuda", backend=backend, max_context=a.max_len,
+                             max_cache_tokens=max(batches) * a.max_len, max_num_seqs=max(batches))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    print(f"[{impl}] loaded in {load_s:.2f} s, decode {runner.decode_mode}", flush=True)
+    decoder = getattr(getattr(runner, "paged", None), "decoder", None)
+    fused = getattr(decoder, "_fused", None) is not None
+    print(f"[{impl}] loaded in {load_s:.2f} s, decode {runner.decode_mode}, fused glue {fused}", flush=True)
     rows = []
     for B in batches:
         prompts = make_prompts(B, a.prompt_len, runner.vocab_size)
@@ -284,7 +304,8 @@ def _ours_runner(runner, prompts, a, row) -> None:
     their batch bucket), logits kept on the device, greedy tokens back to the host every step."""
     import torch
 
-    row["mode"] = f"paged-{runner.decode_mode}"
+    decoder = getattr(getattr(runner, "paged", None), "decoder", None)
+    row["mode"] = f"paged-{runner.decode_mode}" + ("+fused" if getattr(decoder, "_fused", None) is not None else "")
     ids = list(range(len(prompts)))
     for s in ids:
         runner.add_sequence(s)

@@ -3,7 +3,7 @@
     python3 bench/synth_checkpoint.py OUT_DIR [--arch glm4_moe|glm5|deepseek_v3] [--layers N]
         [--dense-layers N] [--experts N] [--bits 3] [--head-bits 6] [--mtp-bits 4] [--no-mtp]
         [--index-share] [--grouped-routing] [--codebook mul1] [--shard-mb 2048] [--seed 0]
-        [--small] [--sparse] [--dry-run]
+        [--jobs N] [--small] [--sparse] [--dry-run]
 
 Any int16 bit pattern is a valid trellis (exl3-format.md §3.5), so random bytes decode to valid
 weights: these are the models the decode and serving benchmarks (bench/gpu_e2e_model.py,
@@ -43,7 +43,8 @@ module-granular shards (`model-0000i-of-0000N.safetensors` + index).
   (EXL3 2H -> H), a full decoder block (MLA, indexer for GLM-5, MoE), shared_head.norm; all EXL3
   at `--mtp-bits` (the converter's default 4); no copy of the embedding or lm_head.
 - Memory is bounded: tensors are generated per linear and streamed through ShardWriter; nothing
-  is held per shard. Random bytes come from numpy SFC64.
+  is held per shard. Random bytes come from numpy SFC64, one stream per shard, so `--jobs`
+  processes (default min(8, cores)) write shards side by side and the bytes never depend on it.
 - `--small`: a tiny same-architecture variant for CPU tests. `--sparse`: headers only, data left
   as holes. `--dry-run`: print the plan (bytes per family, files) and write nothing.
 - tokenizer.json / tokenizer_config.json / generation_config.json come from the fixture; its
@@ -457,8 +458,8 @@ class Source:
 
     CHUNK = 64 << 20
 
-    def __init__(self, seed: int):
-        self.rng = np.random.Generator(np.random.SFC64(seed))
+    def __init__(self, seed):
+        self.rng = np.random.Generator(np.random.SFC64(seed))   # an int or a sequence: (seed, shard)
 
     def u16(self, n: int) -> np.ndarray:
         return self.rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
@@ -540,12 +541,13 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
 
 
 def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress: bool = False,
-                     sparse: bool = False, dry_run: bool = False, **opts) -> dict:
+                     sparse: bool = False, dry_run: bool = False, jobs: int = 1, **opts) -> dict:
     """Write the checkpoint into ``out``; returns a summary (files, bytes, bytes per family, seconds).
     ``opts`` are build_plan's; ``dims`` overrides the arch's full / small dimension set (tests rebuild
     the fixtures' dims with it). ``sparse``: headers only, the tensor data a hole (zeros, no disk): a
     checkpoint larger than any GPU for the plan/preflight tests, which read headers only; not one to
-    run. ``dry_run``: the summary only, nothing written."""
+    run. ``dry_run``: the summary only, nothing written. ``jobs``: shards written in parallel processes
+    (the bytes are the same for any value)."""
     t0 = time.time()
     cfg, qcfg, mods = build_plan(**opts)
     shards = shard_plan(mods, shard_mb << 20)
@@ -560,33 +562,28 @@ def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
-    src = Source(seed)
     weight_map, total = {}, 0
-    for fname, shard in zip(names, shards, strict=True):
-        tensors = [t for m in shard for t in m.tensors]
-        if sparse:
-            head, offsets = header_bytes([(t.name, t.dtype, t.shape) for t in tensors])
-            with open(out / fname, "wb") as f:
-                f.write(head)
-                f.truncate(len(head) + (offsets[-1][1] if offsets else 0))
-            weight_map.update((t.name, fname) for t in tensors)
-            total += sum(t.nbytes for t in tensors)
-            continue
-        w = ShardWriter(out / fname, [(t.name, t.dtype, t.shape) for t in tensors])
-        try:
-            for m in shard:
-                k_in = next((t.shape[0] for t in m.tensors if t.kind == "suh"), 0)
-                for t in m.tensors:
-                    for arr in src.chunks(t, k_in):
-                        w.write(arr.tobytes() if arr.ndim == 0 else memoryview(np.ascontiguousarray(arr)))
-                    weight_map[t.name] = fname
-        except BaseException:
-            w.abort()
-            raise
-        size, _ = w.close()
-        total += sum(t.nbytes for t in tensors)
-        if progress:
-            print(f"  {fname}: {size / 1e9:.2f} GB ({time.time() - t0:.1f} s)", flush=True)
+    work = [(out / fname, shard, (seed, i), sparse) for i, (fname, shard) in enumerate(zip(names, shards, strict=True))]
+    jobs = max(1, min(int(jobs or 1), n))
+    # shards are independent (each has its own random stream, seeded by (seed, shard index)): the
+    # bytes do not depend on --jobs, and processes write them side by side (RNG + sha256 + disk per core)
+    if jobs == 1:
+        done = map(_write_shard, work)
+    else:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        pool = cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork"))
+        done = pool.map(_write_shard, work)
+    try:
+        for (path, shard, _, _), size in zip(work, done, strict=True):
+            weight_map.update((t.name, path.name) for m in shard for t in m.tensors)
+            total += sum(t.nbytes for m in shard for t in m.tensors)
+            if progress and not sparse:
+                print(f"  {path.name}: {size / 1e9:.2f} GB ({time.time() - t0:.1f} s)", flush=True)
+    finally:
+        if jobs > 1:
+            pool.shutdown(cancel_futures=True)
     _write_tokenizer(out, cfg["vocab_size"])
     write_atomic(out / "quantization_config.json", json_bytes({**qcfg, "tensor_storage": tensor_storage(mods)}, 4))
     if n > 1:
@@ -595,6 +592,30 @@ def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress
     fsync_dir(out)
     assert total == summary["bytes"]
     return {**summary, "seconds": round(time.time() - t0, 2)}
+
+
+def _write_shard(job: tuple) -> int:
+    """One shard file: (path, modules, seed, sparse) -> its size in bytes (temp name, then rename)."""
+    path, shard, seed, sparse = job
+    tensors = [t for m in shard for t in m.tensors]
+    if sparse:
+        head, offsets = header_bytes([(t.name, t.dtype, t.shape) for t in tensors])
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + (offsets[-1][1] if offsets else 0))
+        return len(head) + (offsets[-1][1] if offsets else 0)
+    src = Source(seed)
+    w = ShardWriter(path, [(t.name, t.dtype, t.shape) for t in tensors])
+    try:
+        for m in shard:
+            k_in = next((t.shape[0] for t in m.tensors if t.kind == "suh"), 0)
+            for t in m.tensors:
+                for arr in src.chunks(t, k_in):
+                    w.write(arr.tobytes() if arr.ndim == 0 else memoryview(np.ascontiguousarray(arr)))
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()[0]
 
 
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -631,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
     ap.add_argument("--shard-mb", type=int, default=2048, help="max shard size in MiB (whole layers per shard)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="shards written in parallel processes (default: min(8, cores)); same bytes for any value")
     ap.add_argument("--small", action="store_true", help="tiny same-architecture variant for CPU tests")
     ap.add_argument("--sparse", action="store_true", help="headers only, data left as holes (plan tests)")
     ap.add_argument("--dry-run", action="store_true", help="print the sizes and write nothing")
@@ -641,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                          dense_layers=a.dense_layers, experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits),
                          mtp_bits=num(a.mtp_bits), mtp=not a.no_mtp, index_share=a.index_share,
                          grouped_routing=a.grouped_routing, codebook=a.codebook, small=a.small, shard_mb=a.shard_mb,
-                         seed=a.seed, progress=True, sparse=a.sparse, dry_run=a.dry_run)
+                         seed=a.seed, progress=True, sparse=a.sparse, dry_run=a.dry_run, jobs=a.jobs)
     fams = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in s["families"].items() if v)
     verb = "would write" if a.dry_run else "wrote"
     print(f"{verb} {s['path']}: {s['architecture']}, {len(s['files'])} file(s), {s['bytes'] / 1e9:.3f} GB tensor data "

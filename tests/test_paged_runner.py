@@ -199,3 +199,32 @@ def test_paged_prefill_kernel_matches_plain_cache(name, monkeypatch):
     assert calls                                   # the kernel ran, not the plain path
     for s, (x, y) in enumerate(zip(got, ref, strict=True)):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
+
+
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
+def test_short_prompts_and_mixed_steps_run_as_decode_rows(name, monkeypatch):
+    """Up to max_num_seqs new tokens in a step run through the fixed-shape decode step, one row per
+    token (rows of a sequence share its block-table row, attend causally): a prompt across block
+    boundaries, all_logits, a prefix hit's tail, a prompt beside a decoding sequence."""
+    r, ref = _paged(name, "static", max_num_seqs=8), Reference(_model(name))
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: pytest.fail("eager forward for <= 8 rows"))
+    for x in (r, ref):
+        x.add_sequence("A")
+    got, want = r.step([("A", A)], all_logits=True), ref.step([("A", A)], all_logits=True)
+    assert got.shape == want.shape == (len(A), want.shape[1]) and _rel(got, want) < REL
+    for x in (r, ref):
+        x.add_sequence("B")
+    got, want = r.step([("A", [5]), ("B", B)]), ref.step([("A", [5]), ("B", B)])
+    assert got.shape == want.shape == (2, want.shape[1]) and _rel(got, want) < REL
+    for t in (6, 7):
+        assert _rel(r.step([("A", [t]), ("B", [t])]), ref.step([("A", [t]), ("B", [t])])) < REL
+    r.free_sequence("B")
+    hist = B + [6, 7]
+    cached = r.add_sequence("B2", hist)                 # whole blocks of B come back from the cache
+    assert cached == 4
+    ref.add_sequence("B2")
+    assert _rel(r.step([("B2", hist[cached:])]), ref.step([("B2", hist)])) < REL
+    monkeypatch.undo()
+    r.add_sequence("C")                                 # 11 rows > 8: the eager forward again
+    ref.add_sequence("C")
+    assert _rel(r.step([("C", C)]), ref.step([("C", C)])) < REL

@@ -40,8 +40,18 @@ def _all_headers(d: Path) -> dict:
 def small(tmp_path_factory) -> Path:
     """--small, 3 layers (1 dense + 2 MoE), cut into several shards with an index."""
     out = tmp_path_factory.mktemp("synth") / "small"
-    assert sc.main([str(out), "--small", "--layers", "3", "--shard-mb", "1"]) == 0
+    assert sc.main([str(out), "--small", "--layers", "3", "--shard-mb", "1", "--jobs", "2"]) == 0
     return out
+
+
+def test_bytes_do_not_depend_on_jobs(small, tmp_path):
+    """Each shard has its own random stream: one process writes what two wrote, byte for byte."""
+    one = tmp_path / "one"
+    sc.write_checkpoint(one, small=True, layers=3, shard_mb=1, jobs=1)
+    files = sorted(p.name for p in small.iterdir())
+    assert files == sorted(p.name for p in one.iterdir()) and len(files) > 3
+    for f in files:
+        assert (small / f).read_bytes() == (one / f).read_bytes(), f
 
 
 def test_layout_equals_the_exllamav3_fixture(tmp_path):

@@ -24,7 +24,11 @@ selected rows; its indexer reads every key).
 
 With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into one shared memory
 pool, and a step is: one host-to-device copy of the packed inputs, one replay. The MTP head
-(``model.mtp``) is not part of the step: drafts and verify steps run eagerly.
+(``model.mtp``) is not part of the step: its drafts run eagerly.
+
+``fused`` (default: ``EXL3TOOLS_FUSED``, on for CUDA): GQA models' layers run through
+``runtime.fused_step`` (Triton glue kernels: residual + RMSNorm, q/k norm + RoPE + K/V write,
+routing, SiLU*mul; docs/gpu.md "Fused decode step"); off (and for MLA models), the torch loop below.
 """
 
 from __future__ import annotations
@@ -104,7 +108,8 @@ class StepInputs:
 
 
 class PagedDecoder:
-    def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False):
+    def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False,
+                 fused: bool | None = None):
         check(model)
         if max_seqs < 1 or max_blocks < 1:
             raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
@@ -117,11 +122,19 @@ class PagedDecoder:
         self.buckets = buckets(self.max_seqs)
         self._attend = attention_fn(self.device)
         self._attend_mla, self._dsa_scores = mla_attention_fn(self.device)
+        self._fused = None
+        from exl3tools.runtime import fused_step
+
+        gqa = all(type(layer.attn) is Attention for layer in model.layers)   # the fused step is GQA's
+        if gqa and fused_step.resolve(fused, self.device):
+            self._fused = fused_step.FusedGqaStep(model, pool)
         dev = self.device
         with torch.inference_mode():
             self.inputs = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, device=dev)
             self.tables = torch.zeros(self.max_seqs, self.max_blocks, dtype=torch.int32, device=dev)
             self.out = torch.zeros(self.max_seqs, model.info.vocab_size, dtype=torch.float32, device=dev)
+            # each row's final-normed state (what the MTP head drafts from)
+            self.states = torch.zeros(self.max_seqs, model.info.hidden_size, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -140,9 +153,13 @@ class PagedDecoder:
     @torch.inference_mode()
     def step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int],
              device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode one token for each of ``n`` sequences: token ``tokens[i]`` at ``positions[i]``
-        goes to cache slot ``slots[i]``; sequence ``i`` owns block-table row ``rows[i]``. Logits
-        (n, vocab) float32 on the device (a view of a static buffer: read it before the next step).
+        """One token for each of ``n`` rows: token ``tokens[i]`` at ``positions[i]`` goes to cache
+        slot ``slots[i]``; row ``i`` reads block-table row ``rows[i]`` up to its own position. Rows
+        may share a table row: a sequence's few new tokens (a short prompt, a prefix hit's tail,
+        speculative drafts) are rows at consecutive positions, each attending causally, since every
+        row's K/V is written before any row attends. Logits (n, vocab) float32 on the device (a
+        view of a static buffer: read it before the next step; ``states[:n]``: the final-normed
+        states).
         ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
         never read back to the host first)."""
         n = len(tokens)
@@ -212,6 +229,11 @@ class PagedDecoder:
         if width is not None:
             tables = tables[:, :width]
         ctx = ctx.to(torch.int32)
+        if self._fused is not None:
+            hn = self._fused(tokens, positions, slots, tables, ctx, self._attend)
+            self.states[:bs].copy_(hn)
+            self.out[:bs].copy_(m.logits(hn))
+            return
         h = m.embed.index_select(0, tokens).float()
         st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores)
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
@@ -229,4 +251,6 @@ class PagedDecoder:
             h = h + a.reduce(a.o(o.reshape(bs, a.nq * a.hd)))
             x = layer.mlp_norm(h)
             h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
-        self.out[:bs].copy_(m.logits(m.norm(h)))
+        hn = m.norm(h)
+        self.states[:bs].copy_(hn)
+        self.out[:bs].copy_(m.logits(hn))

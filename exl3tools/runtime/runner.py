@@ -2,9 +2,9 @@
 
 The HTTP server and ``exl3tools generate`` build on this and nothing deeper. A Runner owns the
 model, the tokenizer and the KV caches of the sequences it was told about. ``step`` takes any mix
-of prefill (many tokens for one sequence) and decode (one token for many sequences): a step of
-single tokens runs the fixed-shape decode step (CUDA graphs per batch bucket), any other one packed
-eager forward. The KV cache is paged (block manager on rank 0, a pool of blocks on every rank) with
+of prefill (many tokens for one sequence) and decode (one token for many sequences): a step of at
+most ``max_num_seqs`` new tokens runs the fixed-shape decode step (CUDA graphs per batch bucket, one
+row per token), a larger one a packed eager forward. The KV cache is paged (block manager on rank 0, a pool of blocks on every rank) with
 prefix caching. With ``tp > 1`` the Runner lives on rank 0 and drives the other ranks.
 """
 
@@ -96,7 +96,12 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
             elif op in WorkerDrafts.OPS:
                 drafts.run(paged, cmd)
             elif op == "pdecode":
-                paged.decode(*cmd[1:])
+                args, spec = cmd[1:6], cmd[6] if len(cmd) > 6 else None
+                if spec is not None and any(sid is not None for sid, _ in spec):
+                    _, hn = paged.decode(*args, states=True)
+                    drafts.extend(_split_rows(args[0], [n for _, n in spec]), [sid for sid, _ in spec], hn)
+                else:
+                    paged.decode(*args)
             elif op == "kv_init":
                 paged = PagedState(model, **cmd[1])
             elif op == "capture":
@@ -150,7 +155,10 @@ class WorkerDrafts:
             _, committed = self.drafting.pop(cmd[1])
             truncate(self.specs[cmd[1]].cache, committed)
         elif op == "pverify":
-            _, hn = paged.forward(cmd[1], all_logits=True, states=True)
+            if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
+                _, hn = paged.decode(*cmd[3], states=True)
+            else:
+                _, hn = paged.forward(cmd[1], all_logits=True, states=True)
             for (_, _, toks), sid, states in zip(cmd[1], cmd[2], _rows_of(hn, cmd[1]), strict=True):
                 self.pending[sid] = (toks, states)
         elif op == "accept":
@@ -199,9 +207,11 @@ class PagedState:
                  for table, n0, toks in items]
         return self.model.forward(views, all_logits=all_logits, to_cpu=False, states=states)
 
-    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None) -> torch.Tensor:
+    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False):
+        """The fixed-shape step over rows (PagedDecoder.step); with ``states``: (logits, states)."""
         self.decoder.set_blocks(updates)
-        return self.decoder.step(tokens, positions, slots, rows, device_tokens)
+        logits = self.decoder.step(tokens, positions, slots, rows, device_tokens)
+        return (logits, self.decoder.states[:len(rows)]) if states else logits
 
 
 # ------------------------------------------------------------------ rank 0 side
@@ -456,10 +466,15 @@ class Runner:
         self._check_room([(s, len(t)) for s, _, t, _ in items])
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         try:
-            # rows with MTP draft state need their final states: the eager forward gives them
-            if (self.paged.decoder is not None and not all_logits and all(len(t) == 1 for _, _, t, _ in items)
-                    and len(items) <= self.max_num_seqs and all(seq.spec is None for _, seq, _, _ in items)):
-                logits = self._decode(items, slots).clone()    # a view of the step's static output
+            if self._fits_decoder(items):
+                spec = [(s if seq.spec is not None else None, len(t)) for s, seq, t, _ in items]
+                logits, hn = self._decode(items, slots, spec=spec)
+                rows = hn.split([len(t) for _, _, t, _ in items])
+                for (_, seq, t, _), states in zip(items, rows, strict=True):
+                    if seq.spec is not None:
+                        seq.spec.extend(states.clone(), t)
+                # a view of the step's static output: copy the rows asked for
+                logits = logits.clone() if all_logits else logits[torch.tensor(_last_rows(items), device=logits.device)]
             else:
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
                 spec_ids = [s if seq.spec is not None else None for s, seq, _, _ in items]
@@ -495,16 +510,36 @@ class Runner:
             raise CacheFullError(f"KV cache full: {sum(n for _, n in appends)} new tokens do not fit in "
                                  f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
 
-    def _decode(self, items: list, slots: list[list[int]], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        updates = []
-        for s, seq, _, _ in items:
+    def _fits_decoder(self, items: list) -> bool:
+        """Whether a step's rows (every new token is one) fit the fixed-shape decode step: then a
+        short prompt, a prefix hit's recomputed tail or a verify replays a graph, not an eager
+        forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200)."""
+        return self.paged.decoder is not None and sum(len(t) for _, _, t, _ in items) <= self.max_num_seqs
+
+    def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
+        """The decode step's rows: each new token of each sequence at its position and slot,
+        reading its sequence's block-table row (a chained item, tokens None, is one row)."""
+        updates, tokens, positions, flat, rows = [], [], [], [], []
+        for (s, seq, t, n0), sl in zip(items, slots, strict=True):
             table = self.blocks.table(s)
             updates.extend((seq.row, c, table[c]) for c in range(seq.synced, len(table)))
             seq.synced = len(table)
-        args = ([t[0] if t else 0 for _, _, t, _ in items], [n0 for _, _, _, n0 in items],
-                [sl[0] for sl in slots], [seq.row for _, seq, _, _ in items], updates)
-        self._send(("pdecode", *args))
-        return self.paged.decode(*args, device_tokens)
+            t = t or [0]
+            tokens.extend(t)
+            positions.extend(range(n0, n0 + len(t)))
+            flat.extend(sl[:len(t)])
+            rows.extend([seq.row] * len(t))
+        return tokens, positions, flat, rows, updates
+
+    def _decode(self, items: list, slots: list[list[int]], device_tokens: torch.Tensor | None = None,
+                spec: list | None = None):
+        """Logits of every row; with ``spec`` ((draft-state id or None, rows) per item, sent to
+        the workers so they feed their head too): (logits, final-normed states)."""
+        args = self._decode_args(items, slots)
+        self._send(("pdecode", *args, spec))     # chained steps (device_tokens) run on one rank only
+        if spec is None:
+            return self.paged.decode(*args, device_tokens)
+        return self.paged.decode(*args, device_tokens, states=True)
 
     @property
     def can_chain(self) -> bool:
@@ -573,12 +608,17 @@ class Runner:
                 raise UsageError(f"sequence {s!r} cannot take a verify step now")
             items.append((s, seq, [int(t) for t in toks], self._length_before(s, len(toks))))
         self._check_room([(s, len(t)) for s, _, t, _ in items])
-        for s, _, t, _ in items:
-            self.blocks.reserve(s, len(t))
+        slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
         try:
-            self._send(("pverify", wire, [s for s, *_ in items]))
-            logits, hn = self.paged.forward(wire, all_logits=True, states=True)
+            if self._fits_decoder(items):        # [last] + drafts of every row: one graph replay
+                args = self._decode_args(items, slots)
+                self._send(("pverify", wire, [s for s, *_ in items], args))
+                logits, hn = self.paged.decode(*args, states=True)
+                logits, hn = logits.clone(), hn.clone()
+            else:
+                self._send(("pverify", wire, [s for s, *_ in items], None))
+                logits, hn = self.paged.forward(wire, all_logits=True, states=True)
         except BaseException:
             for s, *_ in items:
                 self.blocks.trim(s)
@@ -651,6 +691,24 @@ class _Seq:
         self.unknown = 0     # tokens written by chained steps, not committed yet
         self.spec: _Spec | None = None     # MTP draft state (speculative decoding)
         self.pending = None  # (tokens, states) of a verify step not accepted yet
+
+
+def _last_rows(items: list) -> list[int]:
+    """Index of each item's last new token among a step's packed rows."""
+    out, n = [], 0
+    for it in items:
+        n += len(it[2])
+        out.append(n - 1)
+    return out
+
+
+def _split_rows(tokens: list[int], counts: list[int]) -> list[tuple]:
+    """Flat decode-step tokens back into wire-like items ((), 0, tokens) per sequence."""
+    out, i = [], 0
+    for n in counts:
+        out.append(((), 0, tokens[i:i + n]))
+        i += n
+    return out
 
 
 def _rows_of(hn: torch.Tensor, wire) -> tuple[torch.Tensor, ...]:

@@ -47,6 +47,34 @@ def test_paged_graph_runner_on_cuda_matches_cpu_reference(name, kv):
     runner.close()
 
 
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
+def test_short_prompts_replay_the_decode_graphs(name, monkeypatch):
+    """Steps of <= max_num_seqs new tokens (a prompt, a prompt beside a decode) replay the decode
+    graphs, one row per token, and match the CPU reference."""
+    import torch
+
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import A, B, Reference
+
+    path = fixture_dir(name) / "model"
+    ref = Reference(load_runner(path, max_context=48).model)
+    r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=8, block_size=4,
+                    kv_dtype="bf16", max_cache_tokens=4096)
+    assert r.decode_mode == "graphs"
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: pytest.fail("eager forward for <= 8 rows"))
+    for x in (r, ref):
+        x.add_sequence("A")
+    got, want = r.step([("A", A)], all_logits=True), ref.step([("A", A)], all_logits=True)
+    assert got.shape == want.shape and got.dtype == torch.float32 and _rel(got, want) < REL["bf16"]
+    for x in (r, ref):
+        x.add_sequence("B")
+    assert _rel(r.step([("A", [5]), ("B", B)]), ref.step([("A", [5]), ("B", B)])) < REL["bf16"]
+    for t in (6, 7):
+        assert _rel(r.step([("A", [t]), ("B", [t])]), ref.step([("A", [t]), ("B", [t])])) < REL["bf16"]
+    r.close()
+
+
 def test_paged_decode_triton_matches_reference_in_the_model():
     """The decode step with the Triton kernel vs the same step with the torch reference kernel."""
     import torch

@@ -1,0 +1,179 @@
+"""Kernels per fixed-shape decode step, fused glue (kernels/fused_decode.py) on vs off, on the CPU.
+
+    TRITON_INTERPRET=1 python bench/count_decode_kernels.py [MODEL_DIR] [--batch 1,8]
+
+Runs one ``PagedDecoder._body`` (decode="static": the graph body without capture) of a GQA
+checkpoint (default: fixture glm4_moe-3.0bpw-mcg, 1 dense + 1 MoE layer) and logs every aten op
+it dispatches (TorchDispatchMode). Counted as a GPU kernel: every op that is not a view or an
+allocation; a Triton call of kernels/fused_decode.py: 1; an EXL3 linear or grouped-expert call:
+3 (our CUDA backend: had_in, gemv, had_out; the CPU reference's own ops inside are not logged).
+Paged attention: 1 (its Triton kernel with one split; the CPU reference's ops not logged).
+Printed per layer (a layer's row includes the next layer's attention norm; "embed" holds the
+host-side input packing, the input copy and layer 0's norm; the last layer the final norm), so a
+deeper model's count is the sum (GLM-4.5-Air synthetic: 1 dense + 5 MoE). Approximate where an op
+is several CUDA kernels (topk, repeat_interleave); not counted: the int64 -> int32 index casts
+inside the unfused path's grouped-expert calls (2 per call on CUDA; the fused path passes int32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(os.environ.get("EXL3TOOLS_FIXTURES", REPO.parent / "shared" / "fixtures"))
+FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+        "_to_copy_noop", "set_", "resize_", "is_nonzero", "item", "_local_scalar_dense"}
+GEMV_KERNELS = 3
+
+
+class Log(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.paused = 0
+        self.where = "step"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not self.paused and not func.is_view and name not in FREE:
+            self.ops[(self.where, name)] += 1
+        return out
+
+
+def _wrap(log: Log, fn, label: str, kernels: int):
+    def run(*a, **k):
+        log.paused += 1
+        try:
+            return fn(*a, **k)
+        finally:
+            log.paused -= 1
+            if not log.paused:
+                log.ops[(log.where, label)] += kernels
+    return run
+
+
+def instrument(runner, log: Log) -> None:
+    from exl3tools.kernels import fused_decode
+
+    from exl3tools.runtime.layers import DecoderLayer, GatedMLP, Linear, MoE
+
+    model = runner.model
+    dec = runner.paged.decoder
+    dec._attend = _wrap(log, dec._attend, "paged_attention", 1)
+    for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
+        setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
+
+    def lin(x: Linear):
+        x.fn = _wrap(log, x.fn, "exl3_linear", GEMV_KERNELS)
+
+    def mlp(m: GatedMLP):
+        for p in (m.gate, m.up, m.down):
+            lin(p)
+    lin(model.head)
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        for p in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o):
+            lin(p)
+        kind = "moe" if isinstance(layer.mlp, MoE) else "dense"
+        if kind == "moe":
+            g = layer.mlp.grouped()
+            merged = dec._fused._with_shared(layer.mlp) if dec._fused is not None else None
+            _wrap_experts(log, g)
+            if merged is not None:
+                _wrap_experts(log, merged)
+            if layer.mlp.shared is not None:
+                mlp(layer.mlp.shared)
+        else:
+            mlp(layer.mlp)
+        _tag(log, layer.attn.q, f"layer{i}:{kind}")
+    _tag(log, model.head, "head")
+
+
+def _wrap_experts(log: Log, g: dict) -> None:
+    for key, obj in list(g.items()):
+        if hasattr(obj, "slots"):
+            wrapped = type("Counted", (), {})()
+            wrapped.slots = _wrap(log, obj.slots, "exl3_experts", GEMV_KERNELS)
+            if hasattr(obj, "tiles"):
+                wrapped.tiles = _wrap(log, obj.tiles, "exl3_experts", GEMV_KERNELS)
+            g[key] = wrapped
+
+
+def _tag(log: Log, lin, where: str) -> None:
+    """Attribute what follows to ``where`` from the first call of ``lin`` on (a layer's q
+    projection, the head): per layer, its attention norm counts with the layer before."""
+    fn = lin.fn
+
+    def tagged(*a, **k):
+        log.where = where
+        return fn(*a, **k)
+    lin.fn = tagged
+
+
+def count(model_dir: Path, fused: bool, batch: int) -> collections.Counter:
+    from exl3tools.runtime.runner import load_runner
+
+    os.environ["EXL3TOOLS_FUSED"] = "1" if fused else "0"
+    r = load_runner(model_dir, max_context=64, max_cache_tokens=512, max_num_seqs=max(batch, 1),
+                    block_size=16, decode="static")
+    assert (r.paged.decoder._fused is not None) == fused
+    ids = list(range(batch))
+    for s in ids:
+        r.add_sequence(s)
+        r.step([(s, list(range(3, 12)))])
+    r.step([(s, [5]) for s in ids])
+    from exl3tools.kernels import fused_decode
+
+    saved = dict(vars(fused_decode))
+    log = Log()
+    try:
+        instrument(r, log)
+        with torch.inference_mode(), log:
+            log.where = "embed"
+            r.step([(s, [7]) for s in ids])
+    finally:
+        vars(fused_decode).update(saved)
+        r.close()
+    return log.ops
+
+
+def summary(ops: collections.Counter) -> dict[str, int]:
+    out: dict[str, int] = collections.Counter()
+    for (where, _), n in ops.items():
+        out[where] += n
+    return dict(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default=str(FIXTURES / "glm4_moe-3.0bpw-mcg" / "model"))
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--detail", action="store_true", help="print every op name with its count")
+    a = ap.parse_args(argv)
+    for B in [int(x) for x in a.batch.split(",")]:
+        res = {f: count(Path(a.model), f, B) for f in (False, True)}
+        print(f"batch {B}: kernels per decode step (torch loop -> fused)")
+        wheres = sorted({w for ops in res.values() for w, _ in ops}, key=lambda w: (w != "embed", w))
+        for w in wheres:
+            un = sum(n for (x, _), n in res[False].items() if x == w)
+            fu = sum(n for (x, _), n in res[True].items() if x == w)
+            print(f"  {w:16s} {un:4d} -> {fu:4d}")
+        print(f"  {'total':16s} {sum(res[False].values()):4d} -> {sum(res[True].values()):4d}")
+        if a.detail:
+            for f in (False, True):
+                print(f"  --- {'fused' if f else 'torch loop'}")
+                for (w, name), n in sorted(res[f].items()):
+                    print(f"    {w:16s} {name:28s} {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

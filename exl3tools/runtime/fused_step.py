@@ -1,0 +1,180 @@
+"""The GQA layers of the fixed-shape decode step with the fused glue kernels (kernels/fused_decode.py).
+
+Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
+
+    h, x = embedding rows, rmsnorm(h)                        (layer 0's attn_norm, one kernel)
+    per layer:  q, k, v = projections(x)
+                q = qk_rope_store(q, k, v -> paged planes)   (q/k norm, RoPE, both K/V writes)
+                o = paged attention; d = o_proj(o)
+                x = residual_rmsnorm(h += d; mlp_norm)
+                MLP: dense  -> d = down(silu_mul(gate(x), up(x)))
+                     MoE    -> route (one kernel: choice, weights, index arrays; the shared expert
+                               as one more pair per token), gate+up grouped, silu_mul, down grouped
+                x = residual_rmsnorm(h += d + sum_j w_j y_j; next attn_norm, or the final norm)
+
+so the residual adds, the routed sum and the norms are one kernel per norm. MoE layers whose
+outputs are all-reduced (TP) keep ``MoE.forward_static`` and only the residual/norm fusion; the
+tiled expert path (wide batches) keeps its bookkeeping and takes the fused routing.
+
+The switch: ``PagedDecoder(fused=...)``, default from ``EXL3TOOLS_FUSED`` ("0": off, "1": on
+where the kernels run, unset: on for CUDA only); ``resolve`` decides.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from exl3tools.errors import UsageError
+from exl3tools.kernels import fused_decode as fk
+from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, GatedMLP, MoE, _identity
+
+
+def resolve(fused: bool | None, device: torch.device) -> bool:
+    """Whether the decode step of a model on ``device`` runs the fused kernels."""
+    if fused is None:
+        env = os.environ.get("EXL3TOOLS_FUSED")
+        if env == "0":
+            return False
+        return fk.available(device) and (env == "1" or device.type == "cuda")
+    if fused and not fk.available(device):
+        raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")
+    return bool(fused)
+
+
+def _dev(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device, torch.float32).contiguous()
+
+
+class FusedGqaStep:
+    """``__call__(tokens, positions, slots, tables, ctx, attend) -> x``: every layer of ``model`` on
+    the step's tokens, returning the final-normed states for the head;
+    ``attend``: the paged decode attention (kernels.paged_attention contract)."""
+
+    def __init__(self, model, pool):
+        self.model, self.pool = model, pool
+        dev = model.embed.device
+        for layer in model.layers:                       # norms, rope, routers on the device once
+            for n in (layer.attn_norm, layer.mlp_norm, layer.attn.q_norm, layer.attn.k_norm):
+                if n is not None:
+                    n.weight = _dev(n.weight, dev)
+            layer.attn.inv_freq = _dev(layer.attn.inv_freq, dev)
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.router, layer.mlp.bias = _dev(layer.mlp.router, dev), _dev(layer.mlp.bias, dev)
+        model.norm.weight = _dev(model.norm.weight, dev)
+        self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+        self._shared: dict[int, dict | None] = {}
+        # the shared expert inside the routed experts' grouped calls ("0": apart; for measurements)
+        self.shared_in_group = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
+
+    def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
+        layers = self.model.layers
+        first = layers[0].attn_norm
+        h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
+        for layer, nxt in zip(layers, self.norms, strict=True):
+            d = self.attention(layer.attn, x, positions, slots, tables, ctx, attend)
+            x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
+            d, y, wk = self.mlp(layer.mlp, x)
+            x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk)
+        return x
+
+    def attention(self, a, x, positions, slots, tables, ctx, attend) -> torch.Tensor:
+        """o_proj of the paged attention of the rows of ``x`` (their K/V written first)."""
+        planes = self.pool.planes[a.layer]
+        qn = kn = None
+        eps = 1e-6
+        if a.q_norm is not None and a.k_norm is not None:
+            qn, kn, eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.eps
+        q = fk.qk_rope_store(a.q(x), a.k(x), a.v(x), positions, slots, a.inv_freq, a.rdim,
+                             planes["k"], planes["v"], qn, kn, eps)
+        o = attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
+        return a.reduce(a.o(o.reshape(x.shape[0], a.nq * a.hd)))
+
+    def mlp(self, mlp, x):
+        """(delta, y, wk): the MLP's output as ``delta`` plus, for routed experts, their rows ``y``
+        (T * top_k, >= H) and weights ``wk`` (T * top_k,), for residual_rmsnorm to sum."""
+        if isinstance(mlp, GatedMLP):
+            return mlp.reduce(mlp.down(fk.silu_mul(mlp.gate(x), mlp.up(x)))), None, None
+        if not isinstance(mlp, MoE) or mlp.reduce is not _identity or not mlp.experts:
+            return mlp.forward_static(x), None, None
+        T, H = x.shape
+        g = mlp.grouped()
+        g["lut"] = g["lut"].to(x.device)
+        logits = x @ mlp.router.t()
+        S = T * mlp.top_k
+        tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled()
+        merged = None if tiled else self._with_shared(mlp)
+        if merged is not None:          # the shared expert as one more pair per token
+            r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],
+                         len(mlp.experts), shared=True)
+            xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+            S = T * (mlp.top_k + 1)
+            gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
+            act = fk.silu_mul(gu[:S], gu[S:])
+            return None, merged["down_proj"].tiles(act, None, r["down_exp"], r["down_exp"], 1), r["wk"]
+        r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"], len(mlp.experts))
+        sh = mlp.shared
+        shared = None if sh is None else sh.down(fk.silu_mul(sh.gate(x), sh.up(x)))
+        if tiled:
+            routed = mlp._tiles_sum(x, g, r["loc"], r["w"])
+            return (routed if shared is None else routed + shared), None, None
+        xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+        if "gate_up" in g:
+            gu = g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
+            act = fk.silu_mul(gu[:S], gu[S:])
+        else:
+            src, exp = r["gate_src"][:S], r["down_exp"]
+            act = fk.silu_mul(g["gate_proj"].slots(xp, src, exp), g["up_proj"].slots(xp, src, exp))
+        down = g["down_proj"]
+        if hasattr(down, "tiles"):     # one row per tile, rows in pair order: no source index
+            y = down.tiles(act, None, r["down_exp"], r["down_exp"], 1)
+        else:
+            y = down.slots(act, torch.arange(S, device=x.device), r["down_exp"])
+        return shared, y, r["wk"]
+
+    def _with_shared(self, mlp: MoE) -> dict | None:
+        """{"gate_up", "down_proj"}: the held experts plus the shared expert as grouped projections
+        (gate_up: [gates, shared gate, ups, shared up]; down: [downs, shared down]) over the
+        tensors the linears already hold (no copy on the GPU), so the shared expert rides in the
+        routed calls: 6 launches fewer per MoE layer. None where it cannot: no shared expert, a
+        cut one, shapes, codebooks or K that differ from the routed experts', a backend without
+        tiles or without resident tensors."""
+        key = id(mlp)
+        if key not in self._shared:
+            self._shared[key] = _group_with_shared(mlp) if self.shared_in_group else None
+        return self._shared[key]
+
+
+def _group_with_shared(mlp: MoE) -> dict | None:
+    from exl3tools.kernels.dispatch import make_experts
+
+    sh = mlp.shared
+    if sh is None or sh.sharded or not mlp.experts:
+        return None
+    held = sorted(mlp.experts)
+    fields = mlp._resident_fields(held)
+    if fields is None:
+        return None
+    extra = {}
+    for p, lin in (("gate_proj", sh.gate), ("up_proj", sh.up), ("down_proj", sh.down)):
+        t = getattr(lin.fn, "device_tensors", None)
+        if t is None or lin.codebook is None:
+            return None
+        extra[p] = (t, lin.codebook, lin.k_bits)
+    out = {}
+    for name, parts in (("gate_up", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        tensors, kinds = [], set()
+        for p in parts:
+            t, cb, kb = extra[p]
+            tensors += [f.tensors for f in fields[p]] + [t]
+            kinds |= {(f.codebook, f.k_bits) for f in fields[p]} | {(cb, kb)}
+        shapes = {tuple(t["trellis"].shape) for t in tensors}
+        if len(kinds) != 1 or len(shapes) != 1 or len({"bias" in t for t in tensors}) != 1:
+            return None
+        (cb, kb), = kinds
+        out[name] = make_experts(tensors, cb, kb, mlp.device, mlp.backend)
+        if not hasattr(out[name], "tiles"):
+            return None
+    return out

@@ -1,0 +1,220 @@
+"""The fused decode-step kernels (kernels/fused_decode.py) against their torch references, at small
+and real (GLM-4.5-Air, Qwen3-MoE) shapes, on CUDA or on the Triton interpreter (TRITON_INTERPRET=1);
+on CUDA also the captured decode step with the fused kernels on vs off on the GQA fixtures.
+
+Expert choices must be identical (indices), weights within fp32 rounding; K/V written to a 16-bit
+cache within one ulp of the reference's rounding on the interpreter (its bf16 cast truncates),
+exactly on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import cuda_available
+
+# (T, H): small, GLM-4.5-Air hidden at batch 1 and 8
+NORM_CASES = [(1, 256), (3, 300), (1, 4096), (8, 4096)]
+# (T, nq, nkv, hd, rdim, qk_norm, cache dtype)
+ROPE_CASES = [(3, 4, 2, 64, 32, False, "float32"), (2, 8, 2, 64, 64, True, "bfloat16"),
+              (1, 96, 8, 128, 64, False, "bfloat16"), (8, 96, 8, 128, 64, False, "float32"),
+              (4, 32, 4, 128, 128, True, "bfloat16")]
+# (T, E, k, routing, norm, bias, scaling)
+ROUTE_CASES = [(3, 16, 4, "sigmoid", True, True, 2.5), (1, 128, 8, "sigmoid", True, True, 1.0),
+               (8, 128, 8, "sigmoid", True, True, 2.5), (5, 160, 8, "sigmoid", False, False, 1.0),
+               (8, 128, 8, "softmax", True, False, 1.0), (3, 256, 8, "softmax", False, False, 1.0),
+               (2, 16, 4, "softmax", True, False, 1.0)]
+
+
+def _close(a, b, tol):
+    import torch
+
+    a, b = a.float().cpu(), b.float().cpu()
+    assert a.shape == b.shape and torch.isfinite(a).all()
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= tol, err
+
+
+@pytest.mark.parametrize("T,H", NORM_CASES)
+@pytest.mark.parametrize("terms", ["none", "delta", "routed", "both"])
+def test_residual_rmsnorm(dev, T, H, terms):
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    g = torch.Generator().manual_seed(T * H)
+    h = torch.randn(T, H, generator=g).to(dev)
+    w = torch.randn(H, generator=g).to(dev)
+    delta = torch.randn(T, H + 64, generator=g)[:, :H].to(dev) if terms in ("delta", "both") else None
+    K = 8
+    y = torch.randn(T * K, H + 128, generator=g).to(dev) if terms in ("routed", "both") else None
+    wk = torch.rand(T * K, generator=g).to(dev) if y is not None else None
+    h1, h2 = h.clone(), h.clone()
+    x1 = fk.residual_rmsnorm(h1, w, 1e-5, delta, y, wk)
+    x2 = fk.residual_rmsnorm_reference(h2, w, 1e-5, delta, y, wk)
+    _close(h1, h2, 1e-6)
+    _close(x1, x2, 1e-5)
+
+
+@pytest.mark.parametrize("H,dtype", [(256, "bfloat16"), (4096, "bfloat16"), (300, "float32")])
+def test_embed_rmsnorm(dev, H, dtype):
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    g = torch.Generator().manual_seed(H)
+    embed = torch.randn(1000, H, generator=g).to(dev, getattr(torch, dtype))
+    tokens = torch.tensor([999, 0, 5, 5, 17, 123, 1, 998]).to(dev)
+    w = torch.randn(H, generator=g).to(dev)
+    h1, x1 = fk.embed_rmsnorm(embed, tokens, w, 1e-5)
+    h2, x2 = fk.embed_rmsnorm_reference(embed, tokens, w, 1e-5)
+    assert h1.dtype == torch.float32 and torch.equal(h1.cpu(), h2.cpu())
+    _close(x1, x2, 1e-5)
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_qk_rope_store(dev, case):
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    T, nq, nkv, hd, rdim, qk_norm, dt = case
+    g = torch.Generator().manual_seed(nq * hd + T)
+    q = torch.randn(T, nq * hd + 128, generator=g)[:, :nq * hd].to(dev)     # a padded projection's view
+    k, v = (torch.randn(T, nkv * hd, generator=g).to(dev) for _ in range(2))
+    pos = torch.tensor([0, 1, 17, 4095, 31999, 5, 77, 1000][:T]).to(dev)
+    slots = torch.randperm(64, generator=g)[:T].to(dev)
+    inv = (1.0 / (1e6 ** (torch.arange(0, rdim, 2, dtype=torch.float64) / rdim))).float().to(dev)
+    qn, kn = ((torch.rand(hd, generator=g) + 0.5).to(dev) for _ in range(2)) if qk_norm else (None, None)
+    dtype = getattr(torch, dt)
+    planes = [torch.full((64, nkv, hd), float("nan"), dtype=dtype, device=dev) for _ in range(4)]
+    q1 = fk.qk_rope_store(q, k, v, pos, slots, inv, rdim, planes[0], planes[1], qn, kn, 1e-6)
+    q2 = fk.qk_rope_store_reference(q, k, v, pos, slots, inv, rdim, planes[2], planes[3], qn, kn, 1e-6)
+    _close(q1, q2, 2e-5)        # cos/sin of angles up to 3.2e4 rad: a few fp32 ulps of the angle
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    for got, ref in ((planes[0], planes[2]), (planes[1], planes[3])):
+        assert torch.isnan(got.cpu()[untouched]).all()           # nothing written elsewhere
+        tol = 2e-5 if dt == "float32" else (2 ** -7 if dev == "cpu" else 2 ** -8)
+        _close(got[slots], ref[slots], tol)
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES)
+def test_route_selects_the_reference_experts(dev, case):
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    T, E, k, routing, norm, with_bias, scaling = case
+    g = torch.Generator().manual_seed(E * T + k)
+    logits = torch.randn(T, E, generator=g).to(dev)
+    logits[0, 3] = logits[0, 5] = logits[0].max() + 1.0        # an exact tie: the lower index first
+    bias = (torch.rand(E, generator=g) * 0.2).to(dev) if with_bias else None
+    got = fk.route(logits, k, routing, norm, scaling, bias)
+    ref = fk.route_reference(logits, k, routing, norm, scaling, bias)
+    # the picks as sets per row (torch.topk's order among equals is not specified), then per pick
+    gl, rl = got["loc"].view(T, k).cpu(), ref["loc"].view(T, k).cpu()
+    assert torch.equal(gl.sort(1).values, rl.sort(1).values)
+    og, orf = gl.argsort(1), rl.argsort(1)
+    _close(got["w"].cpu().gather(1, og), ref["w"].cpu().gather(1, orf), 1e-6)
+    assert fk.route(logits[:1], 1, "softmax", True)["loc"].tolist() == [3]    # a tie: the lower index
+    # experts held elsewhere (-1 in the rank's table): weight 0, index 0, up rows at +held
+    lut = torch.arange(E)
+    lut[1::5] = -1
+    held = int((lut >= 0).sum())
+    lut[lut >= 0] = torch.arange(held)
+    part = fk.route(logits, k, routing, norm, scaling, bias, lut.to(dev), held)
+    want = lut[got["loc"].cpu()]
+    assert torch.equal(part["loc"].cpu(), want)
+    _close(part["wk"].cpu(), got["w"].reshape(-1).cpu() * (want >= 0), 1e-7)
+    for key in ("gate_src", "gate_exp", "down_exp"):
+        assert part[key].dtype == torch.int32
+    S = T * k
+    assert torch.equal(part["gate_src"].cpu(), torch.arange(T, dtype=torch.int32).repeat_interleave(k).repeat(2))
+    assert torch.equal(part["down_exp"].cpu(), want.clamp(min=0).int())
+    assert torch.equal(part["gate_exp"][S:].cpu(), part["down_exp"].cpu() + held)
+    assert torch.equal(part["gate_exp"][:S].cpu(), part["down_exp"].cpu())
+    # a shared expert as pair k of every token: index held, weight 1, up rows at +held + 1
+    sh = fk.route(logits, k, routing, norm, scaling, bias, lut.to(dev), held, shared=True)
+    P = k + 1
+    assert torch.equal(sh["loc"].cpu(), part["loc"].cpu())
+    assert torch.equal(sh["gate_src"].cpu(), torch.arange(T, dtype=torch.int32).repeat_interleave(P).repeat(2))
+    dexp, wk = sh["down_exp"].view(T, P).cpu(), sh["wk"].view(T, P).cpu()
+    assert torch.equal(dexp[:, :k], part["down_exp"].view(T, k).cpu()) and (dexp[:, k] == held).all()
+    assert torch.equal(wk[:, :k], part["wk"].view(T, k).cpu()) and (wk[:, k] == 1).all()
+    assert torch.equal(sh["gate_exp"].cpu(), torch.cat([dexp.reshape(-1), dexp.reshape(-1) + held + 1]))
+    shr = fk.route_reference(logits, k, routing, norm, scaling, bias, lut.to(dev), held, shared=True)
+    assert torch.equal(shr["gate_exp"].view(2, T, P)[:, :, k].cpu(), sh["gate_exp"].view(2, T, P)[:, :, k].cpu())
+
+
+@pytest.mark.parametrize("R,N", [(3, 300), (8, 1408), (16, 10944)])
+def test_silu_mul(dev, R, N):
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    g = torch.Generator().manual_seed(N)
+    gu = torch.randn(2 * R, N + 64, generator=g).to(dev) * 4
+    a, b = gu[:R, :N], gu[R:, :N]
+    _close(fk.silu_mul(a, b), fk.silu_mul_reference(a, b), 1e-6)
+
+
+# ------------------------------------------------------------------ the whole step, CUDA
+GQA = ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"]
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", GQA)
+def test_graph_decode_fused_matches_unfused(name, kv, monkeypatch):
+    """The captured decode step with the fused kernels vs the torch loop and vs the CPU reference,
+    same checkpoint, same schedule (tests/test_paged_runner.py: prefills, batches of 1-2, block
+    boundaries), at tests/gpu/test_serve_paged_gpu.py's tolerances."""
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.gpu.conftest import cuda_backend
+    from tests.gpu.test_serve_paged_gpu import REL, _rel
+    from tests.test_paged_runner import Reference, schedule
+
+    path = fixture_dir(name) / "model"
+    ref = schedule(Reference(load_runner(path, max_context=48).model))
+    outs = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_FUSED", fused)
+        r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=3,
+                        block_size=4, kv_dtype=kv, max_cache_tokens=4096)
+        assert r.decode_mode == "graphs"
+        assert (r.paged.decoder._fused is not None) == (fused == "1")
+        outs[fused] = schedule(r)
+        assert r.paged.decoder._graphs
+        r.close()
+    for s, (a, b, c) in enumerate(zip(outs["1"], outs["0"], ref, strict=True)):
+        assert _rel(a, c) < REL[kv], (name, kv, s, _rel(a, c), _rel(b, c))
+        assert _rel(a, b) < REL[kv], (name, kv, s, _rel(a, b))
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_fused_moe_layer_matches_forward_static(batch):
+    """One MoE layer of the glm4_moe fixture on CUDA: the fused MLP (routing kernel, grouped
+    gate+up, silu_mul, down, routed sum in the residual norm) against MoE.forward_static,
+    for the slot path (1, 8 rows) and the tiled path (32 rows x 4 = 128 pairs)."""
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    from exl3tools.runtime.fused_step import FusedGqaStep
+    from exl3tools.runtime.layers import MoE
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.gpu.conftest import cuda_backend
+
+    r = load_runner(fixture_dir("glm4_moe-3.0bpw-mcg") / "model", device="cuda", backend=cuda_backend(),
+                    max_context=48, decode="static")
+    model = r.model
+    step = FusedGqaStep(model, r.paged.pool)
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    x = torch.randn(batch, model.info.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        want = moe.forward_static(x)
+        d, y, wk = step.mlp(moe, x)
+        h = torch.zeros_like(x)
+        fk.residual_rmsnorm(h, torch.ones(x.shape[1], device="cuda"), 1e-5, d, y, wk)
+        sel, _ = moe.route(x)
+        r2 = fk.route(x @ moe.router.t(), moe.top_k, moe.routing, moe.norm, moe.scaling, moe.bias)
+    assert torch.equal(sel.sort(1).values.cpu(), r2["loc"].view(batch, -1).sort(1).values.cpu())
+    _close(h, want, 2e-3)
+    r.close()

@@ -1,0 +1,30 @@
+"""bench/gpu_memory.py's trace replay (the GPU part runs on the device): the peak of live bytes and
+who held them, on a hand-written allocator trace."""
+
+import sys
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_memory as gm  # noqa: E402
+
+F = lambda path, line, name: [{"filename": "/usr/lib/torch/x.py", "line": 1, "name": "t"},  # noqa: E731
+                              {"filename": path, "line": line, "name": name}]
+
+
+def test_peak_live_groups_by_our_innermost_frame():
+    a = F("/r/exl3tools/runtime/layers.py", 10, "forward")
+    b = F("/r/kernels/dispatch.py", 20, "tiles")
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": a},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": b},
+        {"action": "alloc", "addr": 9, "size": 1 << 31, "frames": a},      # the KV pool: not counted
+        {"action": "free_requested", "addr": 2, "size": 50, "frames": b},
+        {"action": "alloc", "addr": 3, "size": 30, "frames": a},
+        {"action": "alloc", "addr": 4, "size": 40, "frames": []},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": a},
+    ]
+    best, groups = gm.peak_live({"device_traces": [trace]})
+    assert best == 170                                  # 100 + 30 + 40 (50 was freed before)
+    assert groups == [("runtime/layers.py:10 forward", 130, 2), ("(outside exl3tools)", 40, 1)]
+    assert gm.owner(b) == "kernels/dispatch.py:20 tiles"

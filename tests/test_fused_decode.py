@@ -1,0 +1,114 @@
+"""The fixed-shape decode step with the fused glue kernels (runtime/fused_step.py,
+kernels/fused_decode.py) run by Triton's interpreter on the CPU: the continuous-batching schedule of
+tests/test_paged_runner.py gives the plain cache's logits, every routing call picks MoE.route's
+experts, and the switch (PagedDecoder(fused=...), EXL3TOOLS_FUSED) does what it says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3tools.errors import UsageError
+from tests.test_paged_runner import REL, Reference, _model, _paged, _rel, schedule
+
+NAMES = ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"]
+
+
+def _interpret():
+    pytest.importorskip("triton")
+    from exl3tools.kernels import fused_decode
+
+    if not fused_decode.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    return fused_decode
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
+    fk = _interpret()
+    real = fk.route
+    calls = []
+
+    def checked(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None, shared=False):
+        out = real(logits, top_k, routing, norm, scaling, bias, lut, n_held, shared)
+        ref = fk.route_reference(logits, top_k, routing, norm, scaling, bias, lut, n_held, shared)
+        T = logits.shape[0]
+        assert torch.equal(out["loc"].view(T, -1).sort(1).values, ref["loc"].view(T, -1).sort(1).values)
+        assert torch.equal(out["gate_exp"], ref["gate_exp"]) or not torch.equal(out["loc"], ref["loc"])
+        calls.append(shared)
+        return out
+    monkeypatch.setattr(fk, "route", checked)
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    r = _paged(name, "static")
+    assert r.paged.decoder._fused is not None
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    # the MoE layers routed through the kernel; glm4_moe's shared expert inside the grouped calls
+    assert set(calls) == {"llama-4.0bpw-mul1": set(), "qwen3_moe-2.5bpw-mul1": {False}}.get(name, {True})
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))
+
+
+@pytest.mark.parametrize("variant", ["shared-apart", "tiles"])
+def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
+    """glm4_moe's MoE layers the other two ways: the shared expert as its own linears
+    (EXL3TOOLS_FUSED_SHARED=0's path), and expert-sorted tiles (the wide-batch path, forced)."""
+    _interpret()
+    from exl3tools.runtime import fused_step
+
+    name = "glm4_moe-3.0bpw-mcg"
+    if variant == "shared-apart":
+        monkeypatch.setenv("EXL3TOOLS_FUSED_SHARED", "0")
+    else:
+        monkeypatch.setattr(fused_step, "MOE_TILES_MIN_SLOTS", 1)
+    calls = []
+    real = fused_step.FusedGqaStep._with_shared
+    monkeypatch.setattr(fused_step.FusedGqaStep, "_with_shared", lambda self, m: calls.append(1) or real(self, m))
+    tiles = []
+    from exl3tools.runtime.layers import MoE
+
+    real_tiles = MoE._tiles_sum
+    monkeypatch.setattr(MoE, "_tiles_sum", lambda self, *a: tiles.append(1) or real_tiles(self, *a))
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    r = _paged(name, "static")
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    assert bool(tiles) == (variant == "tiles") and bool(calls) == (variant != "tiles")
+    assert all(v is None for v in r.paged.decoder._fused._shared.values())
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, variant, s, _rel(x, y))
+
+
+def test_switch(monkeypatch):
+    from exl3tools.runtime import fused_step
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("EXL3TOOLS_FUSED", raising=False)
+    assert fused_step.resolve(None, cpu) is False                 # the CPU keeps the torch reference
+    assert fused_step.resolve(False, cpu) is False
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    assert fused_step.resolve(None, torch.device("cuda")) is False
+    from exl3tools.kernels import fused_decode
+
+    if not fused_decode.available(cpu):
+        with pytest.raises(UsageError, match="fused"):
+            fused_step.resolve(True, cpu)
+    else:
+        assert fused_step.resolve(True, cpu) is True
+        monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+        assert fused_step.resolve(None, cpu) is True
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    assert _paged("llama-4.0bpw-mul1", "static").paged.decoder._fused is None
+
+
+def test_e2e_bench_takes_the_unfused_impl():
+    import argparse
+    import sys
+
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_e2e_model as g
+
+    assert g.parse_impls("ours:cuda,ours:cuda:unfused,exllamav3,ours:cuda:shared-apart") == [
+        "ours:cuda", "ours:cuda:unfused", "exllamav3", "ours:cuda:shared-apart"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        g.parse_impls("ours:cuda:maybe")
