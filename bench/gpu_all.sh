@@ -93,9 +93,9 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
   # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0
   if [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* ]]; then
     # the paged MLA decode kernel alone first (Triton ieee/tf32x3, DSA selection, indexer, torch, roofline)
-    timeout ${MLA_KERNEL_TIMEOUT:-180} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick} \
+    timeout ${MLA_KERNEL_TIMEOUT:-240} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick --sweep 64,8,16384} \
       --json "$L/mla_attention.json" > "$L/mla_attention.log" 2>&1
-    el "mla kernel rc $?"; grep -E "^\||Error" "$L/mla_attention.log"
+    el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
   fi
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     d=/tmp/synth_$arch

@@ -1,6 +1,6 @@
 """Paged MLA decode attention (kernels/mla_attention.py) on the GPU: µs, latent GB/s and HBM-roofline share.
 
-    python3 bench/gpu_mla_attention.py [--quick] [--heads 64] [--json OUT.json]
+    python3 bench/gpu_mla_attention.py [--quick] [--heads 64] [--sweep H,B,CTX] [--json OUT.json]
 
 GLM-5 / DeepSeek-V3 shapes: H absorbed heads (64 GLM-5, 128 DeepSeek-V3), latent C 512, rope 64,
 fp32 latent planes (MLAttention.cache_spec), block size 64, batch 1/8/32, every row at one context
@@ -81,13 +81,43 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
     return row
 
 
+def sweep(H: int, B: int, ctx: int) -> list[dict]:
+    """Tile configurations of both precisions at one shape (µs; a failing compile is reported)."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, gen)
+    out = torch.empty_like(q_lat)
+    rows = []
+    for prec in ("ieee", "tf32x3"):
+        for hb in (16, 32, 64):
+            for tn in (16, 32):
+                for warps in (4, 8):
+                    kw = dict(precision=prec, head_block=hb, tile_n=tn, num_warps=warps, out=out)
+                    r = {"H": H, "B": B, "ctx": ctx, "precision": prec, "HB": hb, "TN": tn, "warps": warps}
+                    try:
+                        r["us"] = bench_graph(lambda kw=kw: mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, 0.07, **kw))
+                    except Exception as exc:  # noqa: BLE001 - out of registers / shared memory
+                        r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
+                    print(json.dumps(r), flush=True)
+                    rows.append(r)
+    ok = [r for r in rows if "us" in r]
+    for prec in ("ieee", "tf32x3"):
+        best = min((r for r in ok if r["precision"] == prec), key=lambda r: r["us"], default=None)
+        print(f"best {prec}: {best}", flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1 and 32, ctx 4k and 32k")
     ap.add_argument("--heads", default="64,128", help="absorbed heads per row (GLM-5 64, DeepSeek-V3 128)")
     ap.add_argument("--max-ref-gb", type=float, default=8.0, help="skip the torch reference above this")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", default=None, metavar="H,B,CTX",
+                    help="also time head block / tile / warps variants at this shape (e.g. 64,8,16384)")
     a = ap.parse_args()
+    swept = sweep(*(int(v) for v in a.sweep.split(","))) if a.sweep else []
     ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
     rows = []
     print("| H | B | ctx | ieee µs | tf32x3 µs | dsa K=2048 µs | indexer µs | torch µs | GB/s | roofline | err | err tf32x3 |")
@@ -111,7 +141,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"configs": rows, "sweep": swept}, fh, indent=1)
     return 0
 
 

@@ -4,7 +4,8 @@ attention) against the eager paged path, on the real DeepSeek-V3 and GLM-5 fixtu
 three sequences of different lengths, one of them past index_topk (32) so the DSA selection is
 sparse, over several steps; the fixture with a "shared" indexer layer; the DSA selection against
 Indexer.select directly (near-ties and -0.0 included); the Triton kernel inside the step
-(interpreter); MTP sequences run the step and feed their head from its states."""
+(interpreter); rows of one sequence in one step (causal, across index_topk); speculative decoding
+through the step."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from functools import lru_cache
 import pytest
 import torch
 
+from exl3tools.runtime import sampling
 from exl3tools.runtime.runner import Runner, load_runner
 from tests.conftest import fixture_dir
 
@@ -149,3 +151,62 @@ def test_speculative_rows_run_the_decode_step_and_feed_the_head():
     (le, de, re_), (ls, ds, rs) = got["eager"], got["static"]
     assert _rel(ls, le) < REL and _rel(rs, re_) < REL
     assert len(ds) == len(de) == 2
+
+
+def test_rows_of_one_sequence_across_index_topk():
+    """A step of several new tokens of one sequence runs the static step, one row per token sharing
+    its block-table row: rows at positions 29..36 see 30..37 keys, so the first three attend densely
+    and the rest select index_topk (32) keys each, causally, as the eager chunk does."""
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    model = _model(name)
+    outs = []
+    for decode in ("eager", "static"):
+        r = Runner(model, fixture_dir(name) / "model", name, decode=decode, max_cache_tokens=256, block_size=4,
+                   max_num_seqs=8)
+        calls = []
+        if r.paged.decoder is not None:
+            step = r.paged.decoder.step
+            r.paged.decoder.step = lambda *a, step=step, calls=calls: calls.append(len(a[0])) or step(*a)
+        r.add_sequence("b")
+        r.add_sequence("c")
+        r.step([("b", PROMPTS["b"])])
+        r.step([("c", PROMPTS["c"][:2])])
+        outs.append(r.step([("b", list(range(100, 106))), ("c", [12, 13])], all_logits=True))
+        outs.append(r.step([("b", [200, 201])], all_logits=True))
+        assert calls == ([] if decode == "eager" else [2, 8, 2])
+    for x, y in zip(outs[2:], outs[:2], strict=True):
+        assert x.shape == y.shape and _rel(x, y) < REL, _rel(x, y)
+
+
+def test_speculative_decoding_through_the_static_step_is_greedy():
+    """--speculative-tokens with the fixed-shape step: verify steps ([last] + drafts) and rows with
+    draft state take the step (their final states feed the head), drafts stay eager, no chaining;
+    the emitted tokens are plain greedy decoding."""
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    path = fixture_dir(name) / "model"
+    prompt = PROMPTS["b"]                              # 29 tokens: the drafts cross index_topk
+    kw = dict(max_cache_tokens=256, block_size=4, max_num_seqs=4)
+    with load_runner(path, decode="eager", **kw) as r:
+        r.add_sequence(0)
+        want, new = [], prompt
+        for _ in range(10):
+            want.append(int(r.step([(0, new)])[0].argmax()))
+            new = [want[-1]]
+    with load_runner(path, speculative_tokens=2, decode="static", **kw) as r:
+        assert r.decode_mode == "static" and not r.can_chain
+        calls = []
+        step = r.paged.decoder.step
+        r.paged.decoder.step = lambda *a: calls.append(len(a[0])) or step(*a)
+        r.add_sequence(0)
+        r.add_sequence(1, speculative=False)
+        out = [int(r.step([(0, prompt)])[0].argmax())]
+        plain = [int(r.step([(1, prompt)])[0].argmax())]
+        while len(out) < 10:
+            drafts, qrows = r.draft(0, out[-1], 2, lambda row: int(row.argmax()))
+            target = r.verify([(0, [out[-1]] + drafts)])
+            a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
+            r.accept(0, a + 1)
+            out += drafts[:a] + [bonus]
+            plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
+        assert out[:10] == want and plain == want[:len(plain)]
+        assert 3 in calls and 1 in calls                # verifies and plain decodes took the step

@@ -193,12 +193,12 @@ class MLAttention:
         q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
         lat = self.kv_a(x)
         planes = st.pool.planes[self.layer]
-        planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]))
-        planes[CACHE_KPE].index_copy_(0, st.slots, rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos,
-                                                              self.inv_freq, self.attn_factor))
+        kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
+        planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]).float())
+        planes[CACHE_KPE].index_copy_(0, st.slots, kpe.float())
         sel = None
         if self.indexer is not None:
-            planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos))
+            planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).float())
             if self.index_topk:
                 sel = self.indexer.select_paged(x, q_resid, pos, st.pool.blocks(self.layer, CACHE_KIDX),
                                                 st.tables, st.ctx, st.dsa_scores)

@@ -7,18 +7,28 @@ sequence a slot; only the blocks it gains are copied to the device, never the wh
 of ``n`` sequences runs the smallest bucket ``>= n`` (1, 2, 4, 8, 16, 24, 32, then steps of 16);
 padded rows write their K/V into the pool's scratch block and attend over nothing.
 
-Per layer: q/k/v (+ norms, RoPE) as the eager attention, the new K/V written with
-``index_copy_`` at their slots, attention through the block tables (``kernels.paged_attention``:
-Triton on CUDA, the same contract in plain torch elsewhere), the MLP (``MoE.forward_static``: no
-host sync). Cost follows the sequences' real lengths, never ``max_blocks``.
+Per layer, by attention kind:
+
+- GQA (llama, qwen3_moe, glm4_moe): q/k/v (+ norms, RoPE) as the eager attention, the new K/V
+  written with ``index_copy_`` at their slots, attention through the block tables
+  (``kernels.paged_attention``: Triton on CUDA, the same contract in plain torch elsewhere);
+- MLA (deepseek_v3, glm_moe_dsa): ``MLAttention.decode_static`` (runtime/mla.py): the latent
+  ``ckv``/``kpe`` (and DSA ``kidx``) written at the slots, absorbed queries through
+  ``kernels.mla_attention`` (one latent tile per head group, split-K); a DSA "full" layer scores the
+  token against its paged keys (``kernels.dsa_indexer``) and selects on the device exactly as
+  ``Indexer.select`` (``dsa.topk_positions``), a "shared" layer reuses that selection (``StepInputs.extras``);
+
+then the MLP (``MoE.forward_static``: no host sync; dense MLPs as they are). Cost follows the
+sequences' real lengths, never ``max_blocks`` (a DSA layer's attention reads its ``index_topk``
+selected rows; its indexer reads every key).
 
 With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into one shared memory
-pool, and a step is: one host-to-device copy of the packed inputs, one replay. GQA layers only
-(llama, qwen3_moe, glm4_moe); MLA/DSA models decode through the eager paged path for now.
+pool, and a step is: one host-to-device copy of the packed inputs, one replay. The MTP head
+(``model.mtp``) is not part of the step: its drafts run eagerly.
 
-``fused`` (default: ``EXL3TOOLS_FUSED``, on for CUDA): the layers run through
+``fused`` (default: ``EXL3TOOLS_FUSED``, on for CUDA): GQA models' layers run through
 ``runtime.fused_step`` (Triton glue kernels: residual + RMSNorm, q/k norm + RoPE + K/V write,
-routing, SiLU*mul; docs/gpu.md "Fused decode step"); off, the torch loop below (the reference).
+routing, SiLU*mul; docs/gpu.md "Fused decode step"); off (and for MLA models), the torch loop below.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 MLAttention.decode_static, kernels/mla_attention.py, kernels/dsa_indexer.py) against the eager
 paged path on the same GPU and model, on the DeepSeek-V3 and GLM-5 fixtures: three sequences of
 different lengths, one past index_topk (sparse DSA), over several steps; speculative decoding
-(MTP drafts eager) with graphs on emits the plain greedy tokens. The kernel itself at real shapes:
+(MTP drafts eager, verify steps in the graphs) with graphs on emits the plain greedy tokens. The kernel itself at real shapes:
 tests/gpu/test_mla_attention.py. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_speculative_decoding_with_graphs_is_greedy():
     name = "glm5_moe_dsa-3.0bpw-mul1"
     path = fixture_dir(name) / "model"
     prompt = list(range(3, 43))
-    kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=2)
+    kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=4)
     with load_runner(path, decode="eager", **kw) as r:
         r.add_sequence(0)
         want, new = [], prompt
