@@ -141,7 +141,7 @@ def test_speculative_rows_run_the_decode_step_and_feed_the_head():
             calls = []
             if r.paged.decoder is not None:
                 step = r.paged.decoder.step
-                r.paged.decoder.step = lambda *a: calls.append(len(a[0])) or step(*a)
+                r.paged.decoder.step = lambda *a, step=step, calls=calls: calls.append(len(a[0])) or step(*a)
             r.add_sequence(0)
             logits = [r.step([(0, PROMPTS["a"])])]
             logits.append(r.step([(0, [int(logits[0][0].argmax())])]))
