@@ -92,6 +92,27 @@ def test_static_step_takes_the_sparse_selection(monkeypatch):
     assert _rel(dense[3][2], eager[3][2]) < REL                 # "c": 6 keys, dense anyway
 
 
+def test_dense_variant_until_a_row_passes_index_topk():
+    """A step whose rows all see <= index_topk (32) keys runs the variant without DSA's scores and
+    top-k (exact: selection starts past topk); the first step past it takes the sparse one."""
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    model = _model(name)
+    outs, seen = {}, []
+    for decode in ("eager", "static"):
+        r = Runner(model, fixture_dir(name) / "model", name, decode=decode, max_cache_tokens=256, block_size=4,
+                   max_num_seqs=3)
+        if decode == "static":
+            body = r.paged.decoder._body
+            r.paged.decoder._body = lambda bs, width=None, sparse=True, body=body: seen.append(sparse) or body(bs, width, sparse)
+        r.add_sequence("x")
+        out = [r.step([("x", list(range(3, 33)))])]             # 30 tokens: the eager forward
+        out += [r.step([("x", [100 + t])]) for t in range(5)]    # contexts 31 .. 35
+        outs[decode] = out
+    assert seen == [False, False, True, True, True]
+    for x, y in zip(outs["static"], outs["eager"], strict=True):
+        assert _rel(x, y) < REL
+
+
 def test_topk_positions_is_indexer_select():
     """Device selection (dsa.topk_positions) vs Indexer.select's stable sort, on rows with ties
     at the threshold, -0.0 against +0.0, -inf past the context, and short (dense) rows."""

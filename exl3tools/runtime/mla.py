@@ -199,11 +199,11 @@ class MLAttention:
         sel = None
         if self.indexer is not None:
             planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).float())
-            if self.index_topk:
+            if self.index_topk and st.sparse:          # else every row sees <= index_topk keys: all of them
                 sel = self.indexer.select_paged(x, q_resid, pos, st.pool.blocks(self.layer, CACHE_KIDX),
                                                 st.tables, st.ctx, st.dsa_scores)
                 st.extras["dsa_sel"] = sel
-        elif self.dsa_shared and self.index_topk:
+        elif self.dsa_shared and self.index_topk and st.sparse:
             sel = st.extras.get("dsa_sel")
             if sel is None:
                 raise UnsupportedArchitectureError(

@@ -105,6 +105,7 @@ class StepInputs:
     mla_attend: object           # kernels.mla_attention's mla_decode or its reference
     dsa_scores: object = None    # indexer scores over the paged keys (None: dsa.paged_scores_reference)
     extras: dict = field(default_factory=dict)   # per step: the DSA selection shared layers reuse
+    sparse: bool = True          # False: every row's context fits index_topk, so DSA selects everything
 
 
 class PagedDecoder:
@@ -136,7 +137,13 @@ class PagedDecoder:
             self.states = torch.zeros(self.max_seqs, model.info.hidden_size, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
+        # without the indexer's scores and top-k (exact: sparse selection only starts past topk);
+        # each bucket gets both graphs. None: no DSA layer, one variant.
+        tops = [a.index_topk for a in (layer.attn for layer in model.layers)
+                if isinstance(a, MLAttention) and a.index_topk]
+        self.dsa_topk: int | None = min(tops) if tops else None
         self._copied = torch.cuda.Event() if pin else None   # the pinned inputs may be rewritten once it fired
 
     # ------------------------------------------------------------------ table rows
@@ -167,6 +174,7 @@ class PagedDecoder:
         if max(positions) >= self.max_blocks * self.pool.block_size:
             raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
         bs = next(b for b in self.buckets if b >= n)
+        sparse = self.dsa_topk is not None and max(positions) + 1 > self.dsa_topk
         h = self._host
         if self._copied is not None:
             self._copied.synchronize()
@@ -183,11 +191,11 @@ class PagedDecoder:
         if device_tokens is not None:
             self.inputs[0, :n].copy_(device_tokens)
         if self.graphs:
-            if bs not in self._graphs:
+            if (bs, sparse) not in self._graphs:
                 self.capture([bs])
-            self._graphs[bs].replay()
+            self._graphs[bs, sparse].replay()
         else:   # no graph to keep fixed: read only the table columns the longest row needs
-            self._body(bs, -(-(max(positions) + 1) // self.pool.block_size))
+            self._body(bs, -(-(max(positions) + 1) // self.pool.block_size), sparse)
         return self.out[:n]
 
     @torch.inference_mode()
@@ -203,25 +211,28 @@ class PagedDecoder:
         pool = getattr(self, "_mempool", None)
         if pool is None:
             pool = self._mempool = torch.cuda.graph_pool_handle()
+        variants = (False, True) if self.dsa_topk is not None else (False,)
         for bs in sizes:
-            if bs in self._graphs:
-                continue
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_STEPS):
-                    self._body(bs)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._body(bs)
-            self._graphs[bs] = g
+            for sparse in variants:
+                if (bs, sparse) in self._graphs:
+                    continue
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_STEPS):
+                        self._body(bs, sparse=sparse)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._body(bs, sparse=sparse)
+                self._graphs[bs, sparse] = g
         self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
 
-    def _body(self, bs: int, width: int | None = None) -> None:
+    def _body(self, bs: int, width: int | None = None, sparse: bool = True) -> None:
         """One decode step of ``bs`` rows from the static inputs; device ops only, fixed shapes
-        (``width``: block-table columns to read, default all)."""
+        (``width``: block-table columns to read, default all; ``sparse``: DSA may select, else
+        every row's context fits index_topk)."""
         m = self.model
         tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
         tables = self.tables.index_select(0, rows)
@@ -234,7 +245,7 @@ class PagedDecoder:
             self.out[:bs].copy_(m.logits(hn))
             return
         h = m.embed.index_select(0, tokens).float()
-        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores)
+        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores, sparse=sparse)
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
             if isinstance(a, MLAttention):          # per attention kind: MLA/DSA's own step (runtime/mla.py)
