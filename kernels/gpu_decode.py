@@ -1,11 +1,12 @@
-"""EXL3 linears decoded on a CUDA device (dequantize, validate --deep), bit-identical to
-kernels/reference.py ``decode_linear``.
+"""EXL3 linears decoded on a CUDA device (dequantize, validate --deep): kernels/reference.py
+``rotate_out_chain`` bit for bit, and so ``decode_linear`` bit for bit where the host BLAS sums in
+that order (``reference.blas_is_fma_chain()``), within float32 rounding elsewhere.
 
     W = diag(suh) · H_k · Ŵ · H_n · diag(svh)          (exl3-format.md §5.7)
 
-Ŵ comes from cuda_exl3 (bit-exact). The reference computes every Hadamard output as one float32 FMA
-chain over j = 0..127 in order, starting from 0 (OpenBLAS's sgemm; tests/test_decoder.py pins it);
-``_had_kernel`` computes exactly that chain (cuBLAS sums in another order), and the sign/scale
+Ŵ comes from cuda_exl3 (bit-exact). ``_had_kernel`` computes every Hadamard output as one float32 FMA
+chain over j = 0..127 in order, starting from 0 (``reference.hadamard_chain``; cuBLAS sums in another
+order, and so do some CPU BLAS kernels: OpenBLAS's Haswell sgemm on an AMD EPYC), and the sign/scale
 vectors are separate float32 multiplies in the reference's order. The work is done on Wᵀ (n, k),
 which is the Hugging Face layout: H is symmetric, so every chain is the same element for element.
 """

@@ -1,9 +1,13 @@
 """Reference EXL3 decoder (numpy, vectorised): trellis -> Ŵ (rotated basis) -> W (original basis).
 
 This is the executable form of exl3-format.md §5; every faster kernel is tested against it.
-Ŵ is bit-exact (fp16). W is computed in float32 from Ŵ (the goldens are within ~9e-4 max|W|): each
-Hadamard output is one float32 FMA chain over j = 0..127 in order (OpenBLAS's sgemm, checked by
-tests/test_decoder.py), which the GPU decoder (kernels/gpu_decode.py) repeats bit for bit.
+Ŵ is bit-exact (fp16). W is computed in float32 from Ŵ (the goldens are within ~9e-4 max|W|) by BLAS
+GEMMs of one fixed shape (H · X with X 128 x 512, X · H with X 512 x 128, zero-padded), so every form
+here (whole matrix, band by band, validate's tile stacks) gives the same bits on one machine: BLAS
+kernels sum in an order that depends on the call's shape and an element's place in it. The GPU decoder
+(kernels/gpu_decode.py) computes each Hadamard output as the float32 FMA chain over j = 0..127 in order
+(``hadamard_chain``, exact and slow); the two are equal bit for bit where the host BLAS sums that way
+(``blas_is_fma_chain()``: OpenBLAS's sgemm on some x86 cores) and within float32 rounding elsewhere.
 Arrays follow the file layout: W and Ŵ are (in_features k, out_features n).
 """
 
@@ -18,6 +22,7 @@ MUL1_KAPPA = 1774 / 2**18          # fp16 0x1EEE
 MUL1_BETA = -10.3828125            # fp16 0xC931
 CHUNK_TILES = 4096                 # tiles decoded per numpy pass: bounds temporaries to ~10 MB
 BAND_COLS = 512                    # decode_linear works on 128 x 512 bands: ~1 MB of buffers, in L2
+H_BLOCK = BAND_COLS                # every Hadamard GEMM: (128,128)@(128,512) or (512,128)@(128,128)
 
 
 # ------------------------------------------------------------------ pieces (unit-tested)
@@ -142,20 +147,93 @@ def hadamard128(dtype: str = "float32") -> np.ndarray:
     return h
 
 
-def had_rows(x: np.ndarray) -> np.ndarray:
-    """H_k · x: Hadamard on each 128-row block."""
-    k, n = x.shape
+def _h_left(x: np.ndarray, out: np.ndarray) -> None:
+    """out = H · x for x (128, w), w <= H_BLOCK, through the one (128, 128) @ (128, H_BLOCK) GEMM."""
     h = hadamard128(x.dtype.name)
-    # one big GEMM (128 x 128) @ (128, k/128 * n): BLAS is slow on k/128 thin (128 x n) products
-    y = np.tensordot(h, x.reshape(k // 128, 128, n), axes=([1], [1]))  # (128, k/128, n)
-    return np.ascontiguousarray(y.transpose(1, 0, 2)).reshape(k, n)
+    w = x.shape[1]
+    if w == H_BLOCK:
+        np.matmul(h, x, out=out)
+        return
+    pad = np.zeros((128, H_BLOCK), x.dtype)
+    pad[:, :w] = x
+    out[...] = (h @ pad)[:, :w]
+
+
+def _h_right(x: np.ndarray, out: np.ndarray) -> None:
+    """out = x · H for x (r, 128), r <= H_BLOCK, through the one (H_BLOCK, 128) @ (128, 128) GEMM."""
+    h = hadamard128(x.dtype.name)
+    r = x.shape[0]
+    if r == H_BLOCK:
+        np.matmul(x, h, out=out)
+        return
+    pad = np.zeros((H_BLOCK, 128), x.dtype)
+    pad[:r] = x
+    out[...] = (pad @ h)[:r]
+
+
+def _bands(k: int, n: int):
+    """The (row, column) slices of the 128 x BAND_COLS bands every Hadamard here walks."""
+    for c0 in range(0, n, BAND_COLS):
+        for r0 in range(0, k, 128):
+            yield slice(r0, r0 + 128), slice(c0, min(n, c0 + BAND_COLS))
+
+
+def had_rows(x: np.ndarray) -> np.ndarray:
+    """H_k · x: Hadamard on each 128-row block (band by band, as decode_linear does it)."""
+    k, n = x.shape
+    out = np.empty((k, n), x.dtype)
+    for rs, cs in _bands(k, n):
+        band = np.ascontiguousarray(x[rs, cs])
+        y = np.empty_like(band)
+        _h_left(band, y)
+        out[rs, cs] = y
+    return out
 
 
 def had_cols(x: np.ndarray) -> np.ndarray:
-    """x · H_n: Hadamard on each 128-column block."""
+    """x · H_n: Hadamard on each 128-column block (band by band, as decode_linear does it)."""
     k, n = x.shape
-    h = hadamard128(x.dtype.name)
-    return (np.ascontiguousarray(x).reshape(-1, 128) @ h).reshape(k, n)  # one GEMM, not k small ones
+    out = np.empty((k, n), x.dtype)
+    for rs, cs in _bands(k, n):
+        band = np.ascontiguousarray(x[rs, cs])
+        y = np.empty_like(band)
+        _h_right(band.reshape(-1, 128), y.reshape(-1, 128))
+        out[rs, cs] = y
+    return out
+
+
+def hadamard_chain(x: np.ndarray, side: str) -> np.ndarray:
+    """Exact float32 FMA chains, j = 0..127 in order from 0 (what the GPU decoder computes): H · x per
+    128-row block (side "rows") or x · H per 128-column block ("cols"), x float32. Each product is
+    exact in float64 and each step rounds once to float32 (float64 sum then float32 cast: a double
+    rounding needs the float64 sum on a float32 midpoint with a nonzero remainder, i.e. a partial sum
+    below 2^-29 of the next product; not seen). Python-speed: for tests and the BLAS probe."""
+    x = np.asarray(x, np.float32)
+    if side == "cols":
+        return hadamard_chain(x.T, "rows").T
+    k, n = x.shape
+    h = hadamard128().astype(np.float64)
+    blocks = x.reshape(k // 128, 128, n).astype(np.float64)
+    acc = np.zeros((k // 128, 128, n), np.float32)
+    for j in range(128):
+        acc = (h[None, :, j:j + 1] * blocks[:, j:j + 1, :] + acc).astype(np.float32)
+    return acc.reshape(k, n)
+
+
+def rotate_out_chain(what: np.ndarray, suh: np.ndarray, svh: np.ndarray) -> np.ndarray:
+    """rotate_out with hadamard_chain's exact FMA chains: the GPU decoder's W, bit for bit."""
+    w = hadamard_chain(what.astype(np.float32), "rows") * suh.astype(np.float32)[:, None]
+    return hadamard_chain(w, "cols") * svh.astype(np.float32)[None, :]
+
+
+@lru_cache(maxsize=None)
+def blas_is_fma_chain() -> bool:
+    """Whether this host's BLAS computes both Hadamard GEMMs as in-order float32 FMA chains, so that
+    decode_linear equals the GPU decoder bit for bit (else: within float32 rounding)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((128, H_BLOCK)) * rng.choice([1e-3, 1.0, 30.0], (128, 1))).astype(np.float32)
+    return bool(np.array_equal(had_rows(x), hadamard_chain(x, "rows"))
+                and np.array_equal(had_cols(x.T.copy()), hadamard_chain(x.T.copy(), "cols")))
 
 
 @lru_cache(maxsize=None)
@@ -180,12 +258,11 @@ def _band_plan(ct: int, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rotate_band(x: np.ndarray, su: np.ndarray, sv: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> None:
-    """out = diag(su) · H · x · H_n · diag(sv) for one 128-row band x (float32, clobbered), the same
-    float32 operations in the same order as had_rows, * suh, had_cols, * svh on the whole matrix."""
-    h = hadamard128()
-    np.matmul(h, x, out=tmp)
+    """out = diag(su) · H · x · H_n · diag(sv) for one 128 x <= BAND_COLS band x (float32, clobbered):
+    the same GEMM calls on the same data as had_rows, * suh, had_cols, * svh on the whole matrix."""
+    _h_left(x, tmp)
     tmp *= su[:, None]
-    np.matmul(tmp.reshape(-1, 128), h, out=x.reshape(-1, 128))
+    _h_right(tmp.reshape(-1, 128), x.reshape(-1, 128))
     np.multiply(x, sv[None, :], out=out)
 
 

@@ -170,12 +170,11 @@ def test_decode_linear_rejects_bad_shapes():
         ref.decode_linear(np.zeros((8, 8, 20), np.int16), np.ones(128, np.float16), np.ones(128, np.float16), "mul1")
 
 
-def test_hadamard_is_the_sequential_fp32_fma_chain():
-    """Each output of both Hadamards is fma(h[a, j], x[j], acc) for j = 0..127 in order, from 0; the
-    GPU decoder (kernels/gpu_decode.py) computes exactly that. If this fails, the host's BLAS sums in
-    another order and GPU vs CPU W are equal only to float32 rounding, not bit for bit."""
+def test_hadamard_chain_is_the_sequential_fp32_fma_chain():
+    """hadamard_chain (what the GPU decoder computes): each output is fma(h[a, j], x[j], acc) for
+    j = 0..127 in order, from 0; the oracle rounds once per step from an exact long double product."""
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((256, 256)).astype(np.float16).astype(np.float32)
+    x = (rng.standard_normal((256, 256)) * rng.choice([1e-3, 1.0, 30.0], (256, 1))).astype(np.float32)
     h = ref.hadamard128().astype(np.longdouble)
     def chain(a, b):  # (m, 128) @ (128, n); a * b exact in longdouble, one rounding per step
         acc = np.zeros((a.shape[0], b.shape[1]), np.float32)
@@ -183,9 +182,22 @@ def test_hadamard_is_the_sequential_fp32_fma_chain():
             acc = (a[:, j:j + 1].astype(np.longdouble) * b[j:j + 1, :] + acc).astype(np.float32)
         return acc
     rows = np.concatenate([chain(h, x[i:i + 128]) for i in (0, 128)])
-    assert np.array_equal(ref.had_rows(x), rows)
+    assert np.array_equal(ref.hadamard_chain(x, "rows"), rows)
     cols = chain(x.reshape(-1, 128), h).reshape(256, 256)
-    assert np.array_equal(ref.had_cols(x), cols)
+    assert np.array_equal(ref.hadamard_chain(x, "cols"), cols)
+
+
+def test_blas_hadamards_equal_the_chain_where_the_probe_says_so():
+    """had_rows / had_cols (BLAS) equal the FMA chain bit for bit where blas_is_fma_chain() (then CPU
+    and GPU W are the same bits), else within float32 rounding; the probe agrees with fresh data."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((384, 1152)) * rng.choice([1e-3, 1.0, 30.0], (384, 1))).astype(np.float32)
+    for got, want in ((ref.had_rows(x), ref.hadamard_chain(x, "rows")),
+                      (ref.had_cols(x), ref.hadamard_chain(x, "cols"))):
+        if ref.blas_is_fma_chain():
+            assert np.array_equal(got, want)
+        else:
+            assert np.allclose(got, want, rtol=2e-6, atol=1e-6 * np.abs(want).max())
 
 
 # ------------------------------------------------------------------ fixtures

@@ -38,7 +38,9 @@ def _side(runner, prompt, positions, chunk):
 
 def test_ours_vs_ours_at_the_longest_fixture_context(runner):
     """Two chunkings of the same 4096-token prompt (2048 as serve does, 1000 across block and chunk
-    edges): KL exactly 0, top-1 all equal, the same NLL; near-flat random logits give NLL ~ log(vocab)."""
+    edges): KL 0 up to float32 rounding (the CPU BLAS may block a 2048-row and a 1000-row product
+    differently: CI saw 1e-14), top-1 all equal, the same NLL; near-flat random logits give NLL ~
+    log(vocab)."""
     L = runner.max_context
     assert L == 4096
     prompt = lc.make_prompt(L, runner.vocab_size, 0)
@@ -47,8 +49,8 @@ def test_ours_vs_ours_at_the_longest_fixture_context(runner):
     b = _side(runner, prompt, positions, 1000)
     assert a.logits.shape == (len(positions), runner.vocab_size)
     row = lc.compare(a, b, positions, L)
-    assert row["kl_mean"] == 0.0 and row["kl_max"] == 0.0 and row["kl_mean_last_quarter"] == 0.0
-    assert row["top1_agree"] == 1.0 and row["nll_gap"] == 0.0
+    assert row["kl_mean"] < 1e-10 and row["kl_max"] < 1e-9 and row["kl_mean_last_quarter"] < 1e-10
+    assert row["top1_agree"] == 1.0 and abs(row["nll_gap"]) < 1e-6
     assert abs(a.nll - torch.log(torch.tensor(float(runner.vocab_size))).item()) < 1.0
     # the comparison sees a difference: logits of other positions (as a position bug would give)
     shifted = lc.SideOut(a.logits.roll(1, 0), a.nll, 0.0)

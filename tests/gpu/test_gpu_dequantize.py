@@ -1,8 +1,10 @@
 """GPU decode for dequantize / validate --deep (kernels/gpu_decode.py) against the CPU reference.
 
-W on the GPU must equal kernels/reference.py decode_linear bit for bit: the Hadamard kernel runs
-on CUDA or on the Triton CPU interpreter (TRITON_INTERPRET=1); the rest needs CUDA (Ŵ from
-cuda_exl3): every K x codebook, every linear of every fixture, and the CLI end to end.
+W on the GPU must equal kernels/reference.py rotate_out_chain (in-order float32 FMA chains) bit for
+bit, and decode_linear (BLAS) bit for bit where the host's BLAS sums that way
+(reference.blas_is_fma_chain()), else within float32 rounding. The Hadamard kernel runs on CUDA or
+on the Triton CPU interpreter (TRITON_INTERPRET=1); the rest needs CUDA (Ŵ from cuda_exl3): every
+K x codebook, every linear of every fixture, and the CLI end to end.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from tests.gpu.kernel_cases import CASES, random_linear
 cuda = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 
+def _same_w(got, want, what=""):
+    """decode_linear's W: the same bits where the host BLAS is an FMA chain, else float32 rounding."""
+    if ref.blas_is_fma_chain():
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), what
+    else:
+        assert np.allclose(got, want, rtol=2e-6, atol=1e-6 * np.abs(want).max()), what
+
+
 @pytest.mark.parametrize("kt,nt,width,cb", [(16, 24, 48, "mul1"), (8, 8, 40, "3inst"), (24, 8, 64, "mcg")])
 def test_hadamards_equal_reference_bit_for_bit(dev, kt, nt, width, cb):
     import torch
@@ -33,7 +43,8 @@ def test_hadamards_equal_reference_bit_for_bit(dev, kt, nt, width, cb):
     what = ref.decode_rotated(tr, cb)
     got = rotate_out_t(torch.from_numpy(np.ascontiguousarray(what.T)).to(dev),
                        torch.from_numpy(suh).to(dev), torch.from_numpy(svh).to(dev)).cpu().numpy()
-    assert np.array_equal(got.view(np.uint32), ref.decode_linear(tr, suh, svh, cb).T.view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), ref.rotate_out_chain(what, suh, svh).T.view(np.uint32))
+    _same_w(got, ref.decode_linear(tr, suh, svh, cb).T)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +63,10 @@ def gpu():
 def test_every_k_and_codebook_bit_exact(gpu, width, cb):
     rng = np.random.default_rng(width * 3 + len(cb))
     tr, suh, svh, _ = random_linear(rng, 384, 640, width)
-    want = ref.decode_linear(tr, suh, svh, cb)
-    assert np.array_equal(gpu.decode_linear(tr, suh, svh, cb).view(np.uint32), want.view(np.uint32))
+    want = ref.rotate_out_chain(ref.decode_rotated(tr, cb), suh, svh)
+    got = gpu.decode_linear(tr, suh, svh, cb)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    _same_w(got, ref.decode_linear(tr, suh, svh, cb))
     # the HF-layout bytes dequantize writes, in every output dtype
     from exl3tools.dequantize import to_dtype_bytes
 
@@ -73,7 +86,7 @@ def test_every_fixture_linear_bit_exact(gpu, name):
     for p, lin in sc.linears.items():
         tr, suh, svh = (ck.read_numpy(f"{p}.{s}") for s in ("trellis", "suh", "svh"))
         got = gpu.decode_linear(tr, suh, svh, lin.codebook)
-        assert np.array_equal(got.view(np.uint32), ref.decode_linear(tr, suh, svh, lin.codebook).view(np.uint32)), p
+        _same_w(got, ref.decode_linear(tr, suh, svh, lin.codebook), p)
         seen.add((tr.shape[-1], lin.codebook))
     assert seen
 
@@ -88,6 +101,9 @@ def _files(d):
 def test_cli_dequantize_cuda_writes_the_cpu_bytes(gpu, tmp_path, model, dtype):
     from exl3tools.cli import main
 
+    if not ref.blas_is_fma_chain():
+        pytest.skip("this host's BLAS is not an in-order FMA chain: CPU and GPU W agree to float32 "
+                    "rounding only (test_every_fixture_linear_bit_exact), so their bytes may differ")
     src = model if not isinstance(model, str) else fixture_dir(model) / "model"
     outs = {}
     for device in ("cuda", "cpu"):
