@@ -42,6 +42,9 @@ python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(ta
 SYNTH=$!
 
 if [[ $STAGES == *tests* ]]; then
+  # the preview paths (exl3tools/runtime/preview.py) on, so tests/gpu checks them; tests that need
+  # a switch either way set it themselves
+  EXL3TOOLS_FUSED=1 EXL3TOOLS_MLA_GRAPHS=1 EXL3TOOLS_ROW_STEPS=1 \
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
     -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
     > "$L/tests.log" 2>&1
@@ -70,7 +73,7 @@ fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
   timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch ${E2E_BATCH:-1,8,32} --steps 64 \
-    --impls ${E2E_IMPLS:-ours:cuda,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
+    --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:fused,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
@@ -83,7 +86,9 @@ if [[ $STAGES == *longctx* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token pr
 fi
 if [[ $STAGES == *serve* ]]; then
   if [ -n "${SERVE_ARGS:-}" ]; then eval "CONFIGS=($SERVE_ARGS)"; else
-    CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"); fi
+    PV="EXL3TOOLS_FUSED=1 EXL3TOOLS_ROW_STEPS=1"   # the preview paths beside the default (runtime/preview.py)
+    CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml32k_preview:$PV --max-model-len 32768"
+             --config "ml128k_preview:$PV --max-model-len 131072"); fi
   timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" ${SERVE_EXTRA:-} \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
@@ -102,14 +107,15 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
-      timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
+      EXL3TOOLS_MLA_GRAPHS=1 timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
         --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      CFG=(--config "$arch:--max-model-len 32768")
+      PV="EXL3TOOLS_MLA_GRAPHS=1 EXL3TOOLS_ROW_STEPS=1"   # graphs for MLA/DSA: a preview path
+      CFG=(--config "$arch:--max-model-len 32768" --config "${arch}_graphs:$PV --max-model-len 32768")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
-        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
+        CFG+=(--config "${arch}_mtp$k:$PV --max-model-len 32768 --speculative-tokens $k"); done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
         --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1

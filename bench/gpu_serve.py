@@ -5,7 +5,8 @@ exllamav3's Generator on the same checkpoint, in the same run.
         [--streams 8,32] [--prompt-len 2048] [--ctx 4096] [--ctx-streams 1,8] [--exllamav3 auto|on|off]
         [--json OUT.json] [--out DIR]
 
-Per ``--config NAME:ARGS`` (default ``ml32k:--max-context 32768``) the real server runs as a
+Per ``--config NAME:ARGS`` (default ``ml32k:--max-context 32768``; leading ``EXL3TOOLS_X=V`` words
+set the server's environment, e.g. ``fused:EXL3TOOLS_FUSED=1 --max-model-len 32768``) the real server runs as a
 subprocess (``exl3tools serve CKPT --device DEV --host 127.0.0.1 --port FREE ARGS``, log in
 ``--out``), is waited for (GET /health 200), measured, and stopped (SIGINT, then SIGTERM, then kill)
 before the next one. Every request is a streamed completion of token-id prompts at temperature 0 with
@@ -81,8 +82,19 @@ class ServerDied(BenchError):
 
 
 # ------------------------------------------------------------------ pure helpers (CPU-tested)
+def config_env(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading ``EXL3TOOLS_*=VALUE`` words of a config's ARGS (the server's environment, e.g. the
+    preview switches of runtime/preview.py) and the serve arguments after them."""
+    env = {}
+    while args and args[0].startswith("EXL3TOOLS_") and "=" in args[0]:
+        k, v = args[0].split("=", 1)
+        env[k], args = v, args[1:]
+    return env, args
+
+
 def parse_config(s: str) -> tuple[str, list[str]]:
-    """``NAME:ARGS`` -> (NAME, shlex-split ARGS). Port, host and device belong to the script."""
+    """``NAME:[EXL3TOOLS_X=V ...] ARGS`` -> (NAME, shlex-split words). Port, host and device belong to
+    the script."""
     name, sep, rest = s.partition(":")
     name = name.strip()
     if not sep or not name or any(c in name for c in " /|"):
@@ -378,6 +390,7 @@ def keep_max_memory(res: dict, sample: dict) -> None:
 # ------------------------------------------------------------------ our server
 class Server:
     def __init__(self, a, name: str, args: list[str], out: Path) -> None:
+        self.env, args = config_env(args)
         self.name, self.args, self.port = name, args, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.key = api_key_of(args)
@@ -386,7 +399,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         if self.name.startswith("prof"):   # a config named prof*: cProfile of the engine thread
             env["EXL3TOOLS_PROFILE_ENGINE"] = str(self.log_path.with_suffix(".prof"))

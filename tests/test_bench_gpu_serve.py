@@ -93,6 +93,9 @@ def test_parse_config_and_cache_size(small):
     assert gs.parse_config("ml128k:--max-context 131072 --api-key 'k 1'") == (
         "ml128k", ["--max-context", "131072", "--api-key", "k 1"])
     assert gs.api_key_of(["--max-context", "8", "--api-key", "k 1"]) == "k 1"
+    name, args = gs.parse_config("pv:EXL3TOOLS_FUSED=1 EXL3TOOLS_ROW_STEPS=1 --max-context 8")
+    assert gs.config_env(args) == ({"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_ROW_STEPS": "1"}, ["--max-context", "8"])
+    assert gs.config_env(["--max-context", "8", "EXL3TOOLS_FUSED=1"])[0] == {}   # only leading words
     for bad in ("noname", ":--max-context 8", "x:--port 9", "x:--host=0.0.0.0", "x:--device cuda:1"):
         with pytest.raises(Exception):  # noqa: B017 - argparse.ArgumentTypeError
             gs.parse_config(bad)

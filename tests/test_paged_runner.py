@@ -228,3 +228,36 @@ def test_short_prompts_and_mixed_steps_run_as_decode_rows(name, monkeypatch):
     r.add_sequence("C")                                 # 11 rows > 8: the eager forward again
     ref.add_sequence("C")
     assert _rel(r.step([("C", C)]), ref.step([("C", C)])) < REL
+
+
+def test_row_steps_switched_off_keep_multi_token_steps_eager(monkeypatch):
+    """Several rows of one sequence in the decode step are a preview path on CUDA (runtime/preview.py):
+    switched off (as CUDA runners start without EXL3TOOLS_ROW_STEPS=1), a prompt takes the eager
+    forward, single-token rows still the decode step, and the logits are the plain cache's."""
+    name = "glm4_moe-3.0bpw-mcg"
+    r, ref = _paged(name, "static", max_num_seqs=8), Reference(_model(name))
+    assert r._row_steps                                 # the CPU runs them, as the tests above do
+    r._row_steps = False
+    calls = []
+    forward = r.paged.forward
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert _rel(r.step([("A", B)]), ref.step([("A", B)])) < REL and calls == [1]
+    assert _rel(r.step([("A", [4])]), ref.step([("A", [4])])) < REL and calls == [1]
+
+
+def test_preview_switches(monkeypatch):
+    from exl3tools.runtime import fused_step, preview
+    from exl3tools.runtime.paged_decode import has_mla
+
+    for name, env in preview.SWITCHES.items():
+        monkeypatch.delenv(env, raising=False)
+        assert not preview.switched_on(name)
+        monkeypatch.setenv(env, "1")
+        assert preview.switched_on(name)
+        monkeypatch.setenv(env, "0")
+        assert not preview.switched_on(name)
+    monkeypatch.delenv("EXL3TOOLS_FUSED")
+    assert fused_step.resolve(None, torch.device("cuda")) is False   # off on CUDA until run on a GPU
+    assert has_mla(_model("deepseek_v3-3.0bpw-3inst")) and not has_mla(_model("llama-4.0bpw-mul1"))

@@ -17,8 +17,9 @@ so the residual adds, the routed sum and the norms are one kernel per norm. MoE 
 outputs are all-reduced (TP) keep ``MoE.forward_static`` and only the residual/norm fusion; the
 tiled expert path (wide batches) keeps its bookkeeping and takes the fused routing.
 
-The switch: ``PagedDecoder(fused=...)``, default from ``EXL3TOOLS_FUSED`` ("0": off, "1": on
-where the kernels run, unset: on for CUDA only); ``resolve`` decides.
+The switch: ``PagedDecoder(fused=...)``, default from ``EXL3TOOLS_FUSED`` ("1": on where the kernels
+run; unset or "0": off, also on CUDA until the step has run on a GPU: runtime/preview.py);
+``resolve`` decides.
 """
 
 from __future__ import annotations
@@ -30,16 +31,14 @@ import torch.nn.functional as F
 
 from exl3tools.errors import UsageError
 from exl3tools.kernels import fused_decode as fk
+from exl3tools.runtime import preview
 from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLayer, GatedMLP, MoE, _identity
 
 
 def resolve(fused: bool | None, device: torch.device) -> bool:
     """Whether the decode step of a model on ``device`` runs the fused kernels."""
     if fused is None:
-        env = os.environ.get("EXL3TOOLS_FUSED")
-        if env == "0":
-            return False
-        return fk.available(device) and (env == "1" or device.type == "cuda")
+        return fk.available(device) and preview.switched_on("fused")
     if fused and not fk.available(device):
         raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")
     return bool(fused)

@@ -26,7 +26,7 @@ With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into o
 pool, and a step is: one host-to-device copy of the packed inputs, one replay. The MTP head
 (``model.mtp``) is not part of the step: its drafts run eagerly.
 
-``fused`` (default: ``EXL3TOOLS_FUSED``, on for CUDA): GQA models' layers run through
+``fused`` (default: ``EXL3TOOLS_FUSED``, off until run on a GPU): GQA models' layers run through
 ``runtime.fused_step`` (Triton glue kernels: residual + RMSNorm, q/k norm + RoPE + K/V write,
 routing, SiLU*mul; docs/gpu.md "Fused decode step"); off (and for MLA models), the torch loop below.
 """
@@ -73,6 +73,10 @@ def check(model: CausalLM) -> None:
             raise UnsupportedArchitectureError(
                 f"the static decode step supports GQA and MLA models (llama, qwen3_moe, glm4_moe, deepseek_v3, "
                 f"glm_moe_dsa); {model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
+
+
+def has_mla(model: CausalLM) -> bool:
+    return any(isinstance(layer.attn, MLAttention) for layer in model.layers)
 
 
 def attention_fn(device: torch.device):

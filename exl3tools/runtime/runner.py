@@ -22,6 +22,7 @@ import torch
 from exl3tools.errors import CheckpointError, Exl3Error, RuntimeFailure, UsageError
 from exl3tools.kernels.dispatch import resolve_backend
 from exl3tools.runtime import distributed as D
+from exl3tools.runtime import preview
 from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
 from exl3tools.runtime.model import CausalLM
@@ -224,8 +225,9 @@ class Runner:
     is in use after loading (weights, CUDA context) and the activation peak of one eager step of
     ``max_num_batched_tokens`` tokens (measured), less ``GRAPH_RESERVE`` for graphs and logits;
     else ``DEFAULT_CACHE_TOKENS``. ``decode``: "graphs" (CUDA graphs per batch bucket), "static"
-    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA and MLA models,
-    eager elsewhere.
+    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA models (and for
+    MLA models with EXL3TOOLS_MLA_GRAPHS=1: a preview path until it has run on a GPU,
+    runtime/preview.py), eager elsewhere.
     """
 
     def __init__(self, model: CausalLM, ckpt_dir: Path, name: str, *, world: int = 1, procs=(),
@@ -278,6 +280,7 @@ class Runner:
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
+        self._row_steps = dev.type != "cuda" or preview.switched_on("row_steps")
         if mode == "graphs":
             self._send(("capture",))
             self.paged.decoder.capture()
@@ -312,7 +315,7 @@ class Runner:
         return int(blocks)
 
     def _decode_mode(self, decode: str | None) -> str:
-        from exl3tools.runtime.paged_decode import check
+        from exl3tools.runtime.paged_decode import check, has_mla
 
         if decode not in (None, "eager", "static", "graphs"):
             raise UsageError(f"decode must be eager, static or graphs, got {decode!r}")
@@ -320,6 +323,10 @@ class Runner:
         want = decode or ("graphs" if cuda else "eager")
         if want == "eager":
             return want
+        if decode is None and cuda and has_mla(self.model) and not preview.switched_on("mla_graphs"):
+            log.info("MLA/DSA models decode eagerly on CUDA until their fixed-shape step has run on a GPU "
+                     "(EXL3TOOLS_MLA_GRAPHS=1 turns graphs on)")
+            return "eager"
         try:
             check(self.model)
         except Exl3Error as exc:
@@ -514,7 +521,10 @@ class Runner:
         """Whether a step's rows (every new token is one) fit the fixed-shape decode step: then a
         short prompt, a prefix hit's recomputed tail or a verify replays a graph, not an eager
         forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200)."""
-        return self.paged.decoder is not None and sum(len(t) for _, _, t, _ in items) <= self.max_num_seqs
+        if self.paged.decoder is None or sum(len(t or [0]) for _, _, t, _ in items) > self.max_num_seqs:
+            return False
+        # several rows of one sequence: on CUDA a preview path until it has run on a GPU (runtime/preview.py)
+        return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
         """The decode step's rows: each new token of each sequence at its position and slot,

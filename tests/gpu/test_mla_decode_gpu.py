@@ -25,15 +25,17 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", MLA)
-def test_mla_graphs_equal_eager_on_cuda(name):
+def test_mla_graphs_equal_eager_on_cuda(name, monkeypatch):
     from exl3tools.runtime.runner import Runner, load_runner
     from tests.conftest import fixture_dir
     from tests.test_mla_static_decode import _run
 
     path = fixture_dir(name) / "model"
     model = load_runner(path, device="cuda", backend=cuda_backend(), max_context=64, max_cache_tokens=256).model
-    default = Runner(model, path, name, max_cache_tokens=256, block_size=4, max_num_seqs=3)
-    assert default.decode_mode == "graphs"             # the default on CUDA for MLA models now
+    monkeypatch.delenv("EXL3TOOLS_MLA_GRAPHS", raising=False)   # a preview path: eager by default
+    assert Runner(model, path, name, max_cache_tokens=256, block_size=4, max_num_seqs=3).decode_mode == "eager"
+    monkeypatch.setenv("EXL3TOOLS_MLA_GRAPHS", "1")
+    assert Runner(model, path, name, max_cache_tokens=256, block_size=4, max_num_seqs=3).decode_mode == "graphs"
     eager, graphs = _run(model, name, "eager"), _run(model, name, "graphs")
     for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
         assert g.shape == e.shape, i

@@ -1,0 +1,22 @@
+"""Decode paths written for CUDA that have not yet run on a GPU: off on CUDA until a GPU run has
+checked them (tests/gpu, bench/gpu_all.sh), unless their switch is "1". On the CPU (the static step,
+the Triton interpreter) the tests run them as they are; `bench/gpu_all.sh` turns them all on for
+tests/gpu (PREVIEW=1 does the same for its benchmarks), so one device call checks and times both ways.
+A switch leaves this table once its path has passed on a GPU and become the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+SWITCHES = {
+    "fused": "EXL3TOOLS_FUSED",            # Triton glue kernels in the GQA decode step (issue 15)
+    "mla_graphs": "EXL3TOOLS_MLA_GRAPHS",  # MLA/DSA models through the fixed-shape step and graphs (issue 14)
+    "row_steps": "EXL3TOOLS_ROW_STEPS",    # several new tokens of one sequence as rows of the decode step
+}
+
+
+def switched_on(name: str) -> bool:
+    """Whether the preview path ``name`` is asked for ("1")."""
+    return os.environ.get(SWITCHES[name]) == "1"
+
