@@ -231,6 +231,31 @@ def test_openai_features_we_lack_are_refused_not_ignored(client, kw, param):
     assert e.value.code == "unsupported_parameter" and e.value.param == param
 
 
+def test_json_container_bombs_are_refused_before_parsing():
+    """16 MB of "[]," (5.6M empty lists: 5 s and ~300 MB to parse) is refused by a count in C;
+    brackets inside strings do not count, and a body just under the cap still parses."""
+    import time
+
+    from exl3tools.server import protocol as P
+
+    n = (P.MAX_BODY_BYTES - 100) // 3
+    bomb = b'{"model":"m","prompt":[' + b"[]," * (n - 1) + b"[]]}"
+    t = time.perf_counter()
+    with pytest.raises(P.APIError) as e:
+        P.parse_body(bomb, P.CompletionRequest)
+    assert e.value.status == 413 and "JSON arrays and objects" in e.value.message
+    assert time.perf_counter() - t < 2.0                        # was 5 s of parsing
+    code = '"' + "[{" * P.MAX_JSON_CONTAINERS + '\\"]"'       # brackets in a string, an escaped quote
+    with pytest.raises(P.APIError) as e:                        # past the count: refused for its length
+        P.parse_body(('{"model":"m","prompt":' + code + ',"max_tokens":0}').encode(), P.CompletionRequest)
+    assert "JSON arrays" not in e.value.message
+    under = '{"model":"m","prompt":"x","logit_bias":{},"stop":[' + ",".join(['"a"'] * 3) + '],"x":' + \
+        "[" * 50 + "]" * 50 + "}"
+    with pytest.raises(P.APIError) as e:
+        P.parse_body(under.encode(), P.CompletionRequest)
+    assert "JSON arrays" not in e.value.message
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": [[1]] * 65}, "prompt"),
     ({"prompt": ["a"] * 65}, "prompt"),

@@ -32,6 +32,11 @@ MAX_MESSAGES = 16384             # chat messages per request
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300             # entries (OpenAI's limit)
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# JSON arrays + objects in one body, counted before parsing: 16 MB of "[]," is 5.6M empty lists that
+# took 5 s and ~300 MB to parse before any cap could look at them. Legitimate bodies stay far below
+# (16384 messages with multi-part content are ~65k).
+MAX_JSON_CONTAINERS = 1 << 17
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Integer literals longer than this are refused before int() sees them: no field takes more than
 # 20 digits, and Python's int() raises ValueError (an HTTP 500) beyond 4300.
@@ -223,6 +228,7 @@ def parse_body(raw: bytes, model_cls: type[_Strict]) -> Any:
     """Bytes -> validated request, or an APIError(400) naming the offending parameter."""
     if len(raw) > MAX_BODY_BYTES:
         raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    _refuse_container_bombs(raw)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -245,6 +251,18 @@ def parse_body(raw: bytes, model_cls: type[_Strict]) -> Any:
         raise _from_validation(exc) from None
     except RecursionError:
         raise bad_request("request body is nested too deeply", code="invalid_json") from None
+
+
+def _refuse_container_bombs(raw: bytes) -> None:
+    """At most MAX_JSON_CONTAINERS arrays and objects, counted in C before the parser builds them;
+    brackets inside strings (code in a prompt) do not count."""
+    n = raw.count(b"[") + raw.count(b"{")
+    if n > MAX_JSON_CONTAINERS:
+        bare = _JSON_STRING.sub(b"", raw)
+        n = bare.count(b"[") + bare.count(b"{")
+        if n > MAX_JSON_CONTAINERS:
+            raise APIError(413, f"request body holds {n} JSON arrays and objects; at most {MAX_JSON_CONTAINERS}",
+                           code="request_too_large")
 
 
 def _refuse_oversized_lists(obj: dict) -> None:
