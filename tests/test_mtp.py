@@ -175,3 +175,26 @@ def test_generate_cli_mtp_samples_reproducibly_with_a_seed():
     ja, jb = json.loads(a.output), json.loads(b.output)
     assert ja["completion_ids"] == jb["completion_ids"] and len(ja["completion_ids"]) == 8
     assert ja["mtp"]["drafted"] > 0
+
+
+def test_kv_budget_counts_the_mtp_heads_cache():
+    """With speculative decoding the CUDA KV budget also stands for the MTP head's own cache (one
+    layer per sequence, outside the pool, grown by doubling): 2x its bytes per pool token plus
+    MIN_CAPACITY tokens per sequence bound what the head really holds."""
+    import torch
+
+    from exl3tools.runtime.cache import MIN_CAPACITY
+    from exl3tools.runtime.runner import load_runner, mtp_cache_bytes_per_token
+    from tests.conftest import fixture_dir
+
+    r = load_runner(fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model", max_cache_tokens=256, speculative_tokens=2)
+    try:
+        assert mtp_cache_bytes_per_token(r.model, 0) == 0
+        m = mtp_cache_bytes_per_token(r.model, 2)
+        head = r.model.mtp
+        for n in (1, 64, 65, 100, 300):
+            cache = head.new_cache()
+            head.forward(cache, torch.randn(n, head.hnorm.weight.shape[0]), list(range(3, 3 + n)))
+            assert m * n <= cache.nbytes() <= 2 * m * n + m * MIN_CAPACITY, n
+    finally:
+        r.close()

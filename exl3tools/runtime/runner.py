@@ -24,6 +24,7 @@ from exl3tools.kernels.dispatch import resolve_backend
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime import preview
 from exl3tools.runtime.arch import BuildContext, arch_module
+from exl3tools.runtime.cache import MIN_CAPACITY
 from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.tp import TPContext
@@ -263,8 +264,10 @@ class Runner:
                 raise UsageError(f"max_cache_tokens must be >= 1, got {max_cache_tokens}")
             num_blocks = -(-int(max_cache_tokens) // block_size) + 1
         elif dev.type == "cuda":
-            num_blocks = self._budget_blocks(per_token * block_size, gpu_memory_utilization,
-                                             max_num_batched_tokens, str(dtype).removeprefix("torch."))
+            mtp = mtp_cache_bytes_per_token(model, self.spec_k)
+            num_blocks = self._budget_blocks((per_token + 2 * mtp) * block_size, gpu_memory_utilization,
+                                             max_num_batched_tokens, str(dtype).removeprefix("torch."),
+                                             reserve=mtp * MIN_CAPACITY * self.max_num_seqs)
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
@@ -293,7 +296,8 @@ class Runner:
                  self.max_context, mode, self.max_num_seqs)
         self._load_tokenizer(ckpt_dir)
 
-    def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str) -> int:
+    def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
+                       reserve: int = 0) -> int:
         dev = self.model.embed.device
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -304,7 +308,7 @@ class Runner:
         peak = torch.cuda.max_memory_allocated(dev) - base - pool_bytes
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE
+        budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE - reserve
         blocks = budget // block_bytes
         log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, activation peak %.2f GiB "
                  "(%d tokens), KV budget %.2f GiB at --gpu-memory-utilization %.2f", total / 2**30,
@@ -752,6 +756,18 @@ class _Spec:
         states, tokens = torch.cat(self.states), self.tokens + [token]
         self.states, self.tokens = [], []
         return states, tokens
+
+
+def mtp_cache_bytes_per_token(model: CausalLM, speculative_tokens: int) -> int:
+    """Bytes per token of the MTP head's own cache (one layer per drafting sequence, a SeqCache
+    outside the pool, grown by doubling from MIN_CAPACITY tokens); 0 without speculative decoding.
+    Every token it holds the pool holds too, so the KV budget counts it: 2x per pool token, plus
+    MIN_CAPACITY tokens per sequence."""
+    from exl3tools.runtime.kv_pool import bytes_per_token
+
+    if not speculative_tokens or getattr(model, "mtp", None) is None:
+        return 0
+    return bytes_per_token([tuple(model.mtp.block.attn.cache_spec())], torch.float32)
 
 
 def kv_dtype_for(name: str, device: torch.device) -> torch.dtype:
