@@ -500,3 +500,29 @@ def test_stray_shard_messages(tmp_path):
     assert res.exit_code == 1
     assert by["E119"][0]["file"] == "zz-stray.safetensors" and "later file wins" in by["E119"][0]["message"]
     assert by["W101"][0]["file"] == "aa-extra.safetensors" and "exllamav3 loads" in by["W101"][0]["message"]
+
+
+@pytest.mark.parametrize("mb,inner", [(12, b"[]"), (1, b"{}")])
+def test_nesting_bomb_header_is_refused_before_parsing(tmp_path, mb, inner):
+    """A header of nested empty lists (90 MB: 49 s and 3.2 GB in validate) or objects is refused as
+    E104 from its bracket skeleton, before the JSON parser builds millions of containers; above 8 MiB
+    and below it (more brackets than 3 per entry)."""
+    model = demo_copy(tmp_path)
+    st = model / "model.safetensors"
+    n = mb * 2**20 // 3
+    js = b'{"a":{"dtype":"F16","shape":[' + inner + (b"," + inner) * n + b'],"data_offsets":[0,2]}}'
+    st.write_bytes(len(js).to_bytes(8, "little") + js + b"\0\0")
+    res, by = validate_json(model, guarded=True)
+    assert res.returncode == 1 and "nesting bomb" in by["E104"][0]["message"]
+
+
+def test_large_header_with_brackets_in_strings_still_parses(tmp_path):
+    """Over 8 MiB, the skeleton check runs on every header: brackets inside names and metadata
+    strings do not count, so a real-shaped 40k-tensor header reads as before."""
+    names = [f"w[{i}]{{x}}" for i in range(40_000)]
+    hb, _ = header_bytes([(nm, "F16", (1,)) for nm in names], {"note": "[[{" * 2_000_000})
+    assert len(hb) > 8 << 20
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(hb + b"\0\0" * len(names))
+    h = read_header(path)
+    assert len(h.tensors) == len(names) and h.metadata["note"].startswith("[[{")

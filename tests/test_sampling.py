@@ -82,7 +82,7 @@ def test_draws_follow_the_distribution():
     and a token with probability 0 (after top-k) never comes up."""
     p = torch.tensor([0.5, 0.3, 0.15, 0.049, 0.001])
     row = torch.log(p)
-    n = 20000
+    n = 5000
     rows = row.repeat(n, 1)
     toks = torch.tensor(sample_batch(rows, [1.0] * n, [4] * n, [1.0] * n, [make_generator(1)] * n))
     freq = torch.bincount(toks, minlength=5).double() / n

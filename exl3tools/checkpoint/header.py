@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,7 @@ def _parse_header(raw_prefix: bytes | bytearray, file_size: int, path: str) -> H
         raise _fail(path, "E102", f"header length {n} runs past the end of the {file_size}-byte file (truncated)")
     if len(raw_prefix) < 8 + n:
         raise _fail(path, "E102", "header truncated")
+    _refuse_nesting_bombs(raw_prefix, n, path)
     data_start = 8 + n
     data_len = file_size - data_start
     metadata = None
@@ -178,6 +180,26 @@ _ENTRY_KEYS = (b'"dtype"', b'"shape"', b'"data_offsets"')
 
 SPLIT_HEADER_BYTES = 8 << 20  # larger headers are parsed in pieces ...
 PIECE_VALUES = 1 << 18        # ... of about this many brackets and commas (~25k tensor entries)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_SKELETON = re.compile(rb"\{(?:\{\[\]\[\]\}|\{\})*\}")   # the root, of entries and __metadata__
+
+
+def _refuse_nesting_bombs(raw: bytes | bytearray, n: int, path: str) -> None:
+    """A safetensors header has one shape: an object of entry objects holding two int arrays each
+    (and ``__metadata__``: strings). Where its arrays and objects could outnumber that (a large
+    header, or more brackets than 3 per entry), its bracket skeleton outside strings must be
+    ``{`` + (``{[][]}`` | ``{}``)* + ``}``: 90 MB of nested empty lists took validate 49 s and 3.2 GB
+    to parse before any entry check saw them."""
+    brackets = raw.count(b"[", 8, 8 + n) + raw.count(b"{", 8, 8 + n)
+    if n <= SPLIT_HEADER_BYTES and brackets <= 3 * raw.count(b'"data_offsets"', 8, 8 + n) + 64:
+        return
+    skeleton = _JSON_STRING.sub(b"", memoryview(raw)[8:8 + n]).translate(None, _NOT_BRACKETS)
+    if _SKELETON.fullmatch(skeleton) is None:
+        raise _fail(path, "E104", "header nests arrays or objects where a safetensors header has none "
+                    f"({brackets} of them in {n} bytes: a nesting bomb)")
 
 
 def _pieces(raw: bytes | bytearray, n: int, path: str) -> Iterator[tuple[dict, int, int, bool]]:
