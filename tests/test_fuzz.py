@@ -129,6 +129,14 @@ nested = st.recursive(st.none() | st.integers() | tricky_text,
                       lambda c: st.lists(c, max_size=3) | st.dictionaries(tricky_text, c, max_size=3), max_leaves=30)
 
 
+def _containers(obj) -> int:
+    if isinstance(obj, dict):
+        return 1 + sum(_containers(v) for v in obj.values())
+    if isinstance(obj, list):
+        return 1 + sum(_containers(v) for v in obj)
+    return 0
+
+
 @FUZZ
 @given(nested, st.integers(0, 8), st.integers(1, 9), st.data())
 def test_nesting_and_split_agree_with_the_parser(obj, cap, chunk, data):
@@ -139,6 +147,7 @@ def test_nesting_and_split_agree_with_the_parser(obj, cap, chunk, data):
     jsonio._CHUNK = chunk
     try:
         assert jsonio.nesting_exceeds(raw, cap) == (_depth(obj) > cap)
+        assert jsonio.shape(raw) == (_depth(obj), _containers(obj))
         ranges = jsonio.split_object(raw, 0, len(raw), data.draw(st.integers(1, 6))) if isinstance(obj, dict) else None
     finally:
         jsonio._CHUNK = saved

@@ -29,6 +29,9 @@ from exl3tools.errors import CheckpointError, NotFoundError
 MAX_JSON_BYTES = 64 << 20       # config / index / quantization_config: a GLM-5 index is ~20 MB
 MAX_MANIFEST_BYTES = 512 << 20  # a rank manifest grows with tensors x ranks (GLM-5 at tp 8: ~125 MB)
 MAX_JSON_DEPTH = 64             # real configs nest 4 deep; Python's recursion limit is 1000
+# arrays + objects per byte: real configs, indexes and manifests hold one per 64+ bytes; 60 MB of
+# "[]," (one per 3) took validate 8 s and 1.9 GB to parse
+JSON_BYTES_PER_CONTAINER = 16
 MAX_TEXT_BYTES = 256 << 20      # tokenizer.json and friends, copied verbatim
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -138,8 +141,14 @@ def load_json(path: str | os.PathLike[str], what: str, *, limit: int = MAX_JSON_
 def loads_bounded(raw: bytes, where: str, max_depth: int = MAX_JSON_DEPTH,
                   error: type[Exception] = CheckpointError) -> Any:
     """Parse ``raw``; ``where`` ("path:" or "path: what") starts the error message."""
-    if nesting_exceeds(raw, max_depth):
+    brackets = raw.count(b"[") + raw.count(b"{")
+    deepest, n = shape(raw) if brackets > max_depth else (0, 0)   # few brackets: no scan at all
+    if deepest > max_depth:
         raise error(f"{where} nests deeper than {max_depth} levels")
+    cap = len(raw) // JSON_BYTES_PER_CONTAINER + 65536
+    if n > cap:
+        raise error(f"{where} holds {n} JSON arrays and objects in {len(raw)} bytes, more than a real file "
+                    f"(at most {cap}: a nesting bomb)")
     try:
         with gc_paused():  # a GLM-5 index / tensor_storage holds ~10^6 small objects
             return loads_json(raw)
@@ -194,11 +203,21 @@ def _structure(raw: bytes | bytearray, start: int = 0, end: int | None = None,
             yield br + s, levels
 
 
+def shape(raw: bytes | bytearray) -> tuple[int, int]:
+    """(deepest nesting, arrays and objects opened) outside JSON strings, in one vectorised pass."""
+    deepest = n = depth = 0
+    for _, levels in _structure(raw):
+        deepest = max(deepest, int(levels.max()))
+        n += (len(levels) + int(levels[-1]) - depth) // 2    # opens - closes = the change of depth
+        depth = int(levels[-1])
+    return deepest, n
+
+
 def nesting_exceeds(raw: bytes | bytearray, max_depth: int) -> bool:
     """Does any bracket outside JSON strings sit deeper than ``max_depth``?"""
     if raw.count(b"[") + raw.count(b"{") <= max_depth:  # the usual case for configs: no scan at all
         return False
-    return any(int(levels.max()) > max_depth for _, levels in _structure(raw))
+    return shape(raw)[0] > max_depth
 
 
 def split_object(raw: bytes | bytearray, start: int, end: int, piece: int) -> list[tuple[int, int]] | None:
