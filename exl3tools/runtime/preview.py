@@ -1,7 +1,7 @@
 """Decode paths written for CUDA that have not yet run on a GPU: off on CUDA until a GPU run has
 checked them (tests/gpu, bench/gpu_all.sh), unless their switch is "1". On the CPU (the static step,
 the Triton interpreter) the tests run them as they are; `bench/gpu_all.sh` turns them all on for
-tests/gpu (PREVIEW=1 does the same for its benchmarks), so one device call checks and times both ways.
+tests/gpu and serves and times them beside the defaults, so one device call checks and times both.
 A switch leaves this table once its path has passed on a GPU and become the default.
 """
 
