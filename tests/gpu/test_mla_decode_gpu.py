@@ -66,7 +66,7 @@ def test_mla_static_triton_equals_static_reference_attention():
     assert _rel(outs[0], outs[1]) < 1e-4
 
 
-def test_speculative_decoding_with_graphs_is_greedy():
+def test_speculative_decoding_with_graphs_is_greedy(monkeypatch):
     from exl3tools.runtime import sampling
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
@@ -81,8 +81,10 @@ def test_speculative_decoding_with_graphs_is_greedy():
         for _ in range(12):
             want.append(int(r.step([(0, new)])[0].argmax()))
             new = [want[-1]]
+    monkeypatch.setenv("EXL3TOOLS_MLA_GRAPHS", "1")      # preview paths (runtime/preview.py)
+    monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", "1")       # verifies through the graph step
     with load_runner(path, speculative_tokens=2, **kw) as r:
-        assert r.decode_mode == "graphs" and not r.can_chain
+        assert r.decode_mode == "graphs" and not r.can_chain and r._row_steps
         r.add_sequence(0)
         r.add_sequence(1, speculative=False)           # a plain row beside it: graph steps
         out = [int(r.step([(0, prompt)])[0].argmax())]

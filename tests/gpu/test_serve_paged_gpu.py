@@ -59,9 +59,10 @@ def test_short_prompts_replay_the_decode_graphs(name, monkeypatch):
 
     path = fixture_dir(name) / "model"
     ref = Reference(load_runner(path, max_context=48).model)
+    monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", "1")       # a preview path on CUDA (runtime/preview.py)
     r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=8, block_size=4,
                     kv_dtype="bf16", max_cache_tokens=4096)
-    assert r.decode_mode == "graphs"
+    assert r.decode_mode == "graphs" and r._row_steps
     monkeypatch.setattr(r.paged, "forward", lambda *a, **k: pytest.fail("eager forward for <= 8 rows"))
     for x in (r, ref):
         x.add_sequence("A")
