@@ -95,3 +95,16 @@ def test_truncated_shard_is_a_header_error(tmp_path):
     with pytest.raises(HeaderError) as ei:
         Checkpoint.open(tmp_path / "m")
     assert ei.value.code == "E105"
+
+
+def test_quantization_config_may_be_larger_than_other_json(tmp_path):
+    """quantization_config.json's tensor_storage is ~1.2 KB per EXL3 linear (72 MB for GLM-5 at full
+    size, which the 64 MiB JSON limit refused); config.json keeps 64 MiB."""
+    from exl3tools.checkpoint import jsonio
+    from exl3tools.errors import CheckpointError
+
+    p = tmp_path / "q.json"
+    p.write_bytes(b"{" + b" " * (jsonio.MAX_JSON_BYTES + 1) + b"}")
+    assert jsonio.load_json(p, "quantization_config.json") == {}
+    with pytest.raises(CheckpointError, match="limit"):
+        jsonio.load_json(p, "config.json")

@@ -26,12 +26,17 @@ import numpy as np
 
 from exl3tools.errors import CheckpointError, NotFoundError
 
-MAX_JSON_BYTES = 64 << 20       # config / index / quantization_config: a GLM-5 index is ~20 MB
+MAX_JSON_BYTES = 64 << 20       # config / index: a GLM-5 index is ~20 MB
+# quantization_config.json's tensor_storage holds ~1.2 KB per EXL3 linear (exllamav3 writes it
+# indented): 72 MB at GLM-5's 59k linears (bench/synth_checkpoint.py --arch glm5 --layers 78)
+MAX_QUANT_CONFIG_BYTES = 256 << 20
+LIMITS = {"quantization_config.json": MAX_QUANT_CONFIG_BYTES}   # by file, else MAX_JSON_BYTES
 MAX_MANIFEST_BYTES = 512 << 20  # a rank manifest grows with tensors x ranks (GLM-5 at tp 8: ~125 MB)
 MAX_JSON_DEPTH = 64             # real configs nest 4 deep; Python's recursion limit is 1000
 # arrays + objects per byte: real configs, indexes and manifests hold one per 64+ bytes; 60 MB of
 # "[]," (one per 3) took validate 8 s and 1.9 GB to parse
 JSON_BYTES_PER_CONTAINER = 16
+MAX_JSON_CONTAINERS = 1 << 22   # whatever the size (~0.4 GB of Python objects); GLM-5's qconfig: 0.6M
 MAX_TEXT_BYTES = 256 << 20      # tokenizer.json and friends, copied verbatim
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -132,9 +137,11 @@ def read_regular(path: str | os.PathLike[str], what: str, limit: int,
     return b"".join(chunks)
 
 
-def load_json(path: str | os.PathLike[str], what: str, *, limit: int = MAX_JSON_BYTES,
+def load_json(path: str | os.PathLike[str], what: str, *, limit: int | None = None,
               max_depth: int = MAX_JSON_DEPTH, error: type[Exception] = CheckpointError) -> Any:
-    """Parse a JSON file that is regular, at most ``limit`` bytes and at most ``max_depth`` deep."""
+    """Parse a JSON file that is regular, at most ``limit`` bytes (default: LIMITS[what], else
+    MAX_JSON_BYTES) and at most ``max_depth`` deep."""
+    limit = limit or LIMITS.get(what, MAX_JSON_BYTES)
     return loads_bounded(read_regular(path, what, limit, error), _where(path, what), max_depth, error)
 
 
@@ -145,7 +152,7 @@ def loads_bounded(raw: bytes, where: str, max_depth: int = MAX_JSON_DEPTH,
     deepest, n = shape(raw) if brackets > max_depth else (0, 0)   # few brackets: no scan at all
     if deepest > max_depth:
         raise error(f"{where} nests deeper than {max_depth} levels")
-    cap = len(raw) // JSON_BYTES_PER_CONTAINER + 65536
+    cap = min(len(raw) // JSON_BYTES_PER_CONTAINER, MAX_JSON_CONTAINERS) + 65536
     if n > cap:
         raise error(f"{where} holds {n} JSON arrays and objects in {len(raw)} bytes, more than a real file "
                     f"(at most {cap}: a nesting bomb)")
