@@ -150,6 +150,7 @@ if triton is not None:
         for j in tl.static_range(K):
             mx = tl.max(choice, 0)
             idx = tl.min(tl.where(choice == mx, e, EP), 0)            # lowest index among equals
+            idx = tl.minimum(idx, E - 1)      # an all-NaN row matches nothing: never read lut[EP]
             v = tl.sum(tl.where(e == idx, base, 0.0), 0)
             sel = tl.where(kk == j, idx, sel)
             vals = tl.where(kk == j, v, vals)

@@ -186,10 +186,12 @@ def _new_out(q_lat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 def default_config(H: int, precision: str) -> tuple[int, int, int]:
     """(HB heads per program, TN entries per tile, num_warps). fp32 FMA dots: small tiles keep the
-    (HB, C) accumulator, the query and the latent tile in registers; tensor cores take 64 heads."""
+    (HB, C) accumulator, the query and the latent tile in registers. tf32x3 keeps 16 heads too:
+    sm_90 builds of HB 64 x TN 32 need 488 KiB of shared memory (limit 227 KiB) and, with a
+    selection and splits, fail ptxas register allocation; HB 16 x TN 32 needs 144 KiB."""
     if precision == "ieee":
-        return min(16, max(16, _pow2(H))), 16, 8
-    return min(64, max(16, _pow2(H))), 32, 8
+        return 16, 16, 8
+    return 16, 32, 8
 
 
 def default_num_splits(B: int, hchunks: int, entries: int, tn: int, cuda: bool, device_index: int = 0) -> int:

@@ -149,6 +149,21 @@ def test_route_selects_the_reference_experts(dev, case):
     assert torch.equal(shr["gate_exp"].view(2, T, P)[:, :, k].cpu(), sh["gate_exp"].view(2, T, P)[:, :, k].cpu())
 
 
+def test_route_keeps_expert_ids_in_range_on_a_nan_row(dev):
+    """An all-NaN row of router logits matches no maximum; its picks must still be experts that
+    exist (else the grouped calls read past the expert tables: a sticky CUDA error)."""
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    E = 16
+    logits = torch.randn(3, E, generator=torch.Generator().manual_seed(1))
+    logits[1] = float("nan")
+    for routing, norm in (("softmax", True), ("softmax", False), ("sigmoid", True)):
+        out = fk.route(logits.to(dev), 4, routing, norm, 1.0, None, torch.arange(E).to(dev), E)
+        for key in ("loc", "down_exp"):
+            assert 0 <= int(out[key].min()) and int(out[key].max()) < E, (routing, norm, key)
+
+
 @pytest.mark.parametrize("R,N", [(3, 300), (8, 1408), (16, 10944)])
 def test_silu_mul(dev, R, N):
     import torch

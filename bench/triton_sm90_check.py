@@ -1,0 +1,135 @@
+"""Compile every Triton kernel variant the GPU paths launch for sm_90 (H200), on a machine without a
+GPU: no launch, just Triton's compiler and its bundled ptxas, at real model shapes. Catches what the
+CPU interpreter cannot: compile errors, register-allocation failures, shared memory over the H200's
+227 KiB, spills, grid dimensions over 65535. Prints one line per variant and a summary; exit 1 if
+any variant fails. Use the device image's Triton for parity (3.6):
+
+    pip install --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 TRITON_INTERPRET=0 python bench/triton_sm90_check.py [fused] [mla] [dsa]
+
+It replaces triton's JITFunction.run (internal API, checked with 3.6 and 3.9). First found, before
+any GPU run: the MLA tf32x3 configuration at 64+ heads needed 488 KiB of shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.compiler import compile as triton_compile  # noqa: E402
+from triton.runtime import jit as _jit  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+MAX_SHARED = 232448           # H200 (sm_90) opt-in shared memory per block
+PTXAS = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    kwargs["debug"] = kwargs.get("debug", self.debug)
+    binder = _jit.create_function_from_signature(self.signature, self.params, BACKEND)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound_args, specialization, options)
+    tag = f"{self.__name__} grid={grid} " + " ".join(
+        f"{k}={v}" for k, v in kwargs.items() if k.isupper() or k in ("num_warps", "num_stages"))
+    try:
+        k = triton_compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    except Exception as exc:  # noqa: BLE001 - a failed build is the finding
+        RESULTS.append((tag, False, f"{type(exc).__name__}: {str(exc)[:600]}"))
+        return None
+    info = ""
+    if PTXAS.exists():
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / "k.ptx"
+            p.write_text(k.asm["ptx"])
+            r = subprocess.run([str(PTXAS), "-v", "--gpu-name=sm_90a", str(p), "-o", str(Path(d) / "k.o")],
+                               capture_output=True, text=True)
+            info = " ".join(ln.strip() for ln in r.stderr.splitlines() if "Used" in ln or "spill" in ln)
+    shared = k.metadata.shared
+    dims = grid if isinstance(grid, tuple) else (grid,)
+    ok = shared <= MAX_SHARED and all(g <= 65535 for g in dims[1:])
+    RESULTS.append((tag, ok, f"shared={shared}{'' if shared <= MAX_SHARED else ' (over 227 KiB)'} {info}"))
+    return None
+
+
+def fused() -> None:
+    from exl3tools.kernels import fused_decode as fk
+
+    bf16, f16 = torch.bfloat16, torch.float16
+    for T, H in ((1, 4096), (8, 7168), (3, 2880), (1, 5120)):
+        h, w, K = torch.zeros(T, H), torch.ones(H), 8
+        fk.residual_rmsnorm(h, w, 1e-5)
+        fk.residual_rmsnorm(h, w, 1e-5, delta=torch.zeros(T, H))
+        fk.residual_rmsnorm(h, w, 1e-5, delta=torch.zeros(T, H), y=torch.zeros(T * K, H + 64, dtype=bf16),
+                            wk=torch.zeros(T * K))
+        fk.embed_rmsnorm(torch.zeros(1000, H, dtype=bf16), torch.zeros(T, dtype=torch.int64), w, 1e-5)
+    for T, nq, nkv, hd, rdim, norm, kvdt in ((1, 32, 8, 128, 128, True, bf16), (4, 64, 8, 128, 64, False, f16),
+                                             (2, 16, 2, 256, 64, True, torch.float32), (2, 96, 8, 128, 64, False, bf16)):
+        q, k, v = (torch.zeros(T, n * hd, dtype=bf16) for n in (nq, nkv, nkv))
+        cos = sin = torch.zeros(T, rdim // 2)
+        kp, vp = torch.zeros(64, nkv, hd, dtype=kvdt), torch.zeros(64, nkv, hd, dtype=kvdt)
+        qn = torch.ones(hd) if norm else None
+        fk.qk_rope_store(q, k, v, cos, sin, torch.zeros(T, dtype=torch.int64), rdim, kp, vp, qn, qn)
+    for E, k, routing, norm, bias, shared in ((128, 8, "softmax", True, False, False), (256, 8, "sigmoid", True, True, True),
+                                             (160, 6, "softmax", False, False, True), (512, 10, "sigmoid", True, True, True)):
+        fk.route(torch.zeros(4, E), k, routing, norm, 2.5, torch.zeros(E) if bias else None,
+                 torch.arange(E, dtype=torch.int32), E, shared)
+    for R, N in ((8, 18432), (1, 1536), (72, 768)):
+        fk.silu_mul(torch.zeros(R, N, dtype=bf16), torch.zeros(R, N, dtype=bf16))
+
+
+def mla() -> None:
+    from exl3tools.kernels import mla_attention as ma
+
+    B, C, R, bs, W = 4, 512, 64, 64, 32
+    for H in (8, 16, 64, 128):
+        for prec in ("ieee", "tf32x3"):
+            for splits in (1, 8):
+                for K in (None, 2048):
+                    sel = None if K is None else torch.zeros(B, K, dtype=torch.int32)
+                    ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R), torch.zeros(16, bs, C),
+                                  torch.zeros(16, bs, R), torch.zeros(B, W, dtype=torch.int32),
+                                  torch.ones(B, dtype=torch.int32), 0.1, sel=sel, num_splits=splits, precision=prec)
+
+
+def dsa() -> None:
+    from exl3tools.kernels import dsa_indexer as di
+
+    for NH, D, bs in ((64, 128, 64), (32, 128, 16), (64, 128, 256)):
+        di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D),
+                        torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1)
+
+
+def main(argv: list[str]) -> int:
+    parts = {"fused": fused, "mla": mla, "dsa": dsa}
+    which = argv or list(parts)
+    bad = [w for w in which if w not in parts]
+    if bad:
+        print(f"unknown part {bad[0]!r}; choose from {', '.join(parts)}", file=sys.stderr)
+        return 2
+    _jit.JITFunction.run = _compile_only
+    for w in which:
+        try:
+            parts[w]()
+        except Exception as exc:  # noqa: BLE001 - a wrapper that cannot even reach its launch
+            RESULTS.append((f"{w} wrapper", False, f"{type(exc).__name__}: {exc}"))
+    for tag, ok, info in RESULTS:
+        print("ok  " if ok else "FAIL", tag, info[:300])
+    fails = sum(not ok for _, ok, _ in RESULTS)
+    print(f"triton {triton.__version__}, sm_90: {len(RESULTS) - fails} ok, {fails} failed")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
