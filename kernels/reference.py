@@ -178,28 +178,26 @@ def _bands(k: int, n: int):
             yield slice(r0, r0 + 128), slice(c0, min(n, c0 + BAND_COLS))
 
 
-def had_rows(x: np.ndarray) -> np.ndarray:
-    """H_k · x: Hadamard on each 128-row block (band by band, as decode_linear does it)."""
+def _per_band(x: np.ndarray, gemm) -> np.ndarray:
+    """``gemm(band, out)`` on each contiguous 128 x <= BAND_COLS band of x, as decode_linear walks them."""
     k, n = x.shape
     out = np.empty((k, n), x.dtype)
     for rs, cs in _bands(k, n):
         band = np.ascontiguousarray(x[rs, cs])
         y = np.empty_like(band)
-        _h_left(band, y)
+        gemm(band, y)
         out[rs, cs] = y
     return out
+
+
+def had_rows(x: np.ndarray) -> np.ndarray:
+    """H_k · x: Hadamard on each 128-row block (band by band, as decode_linear does it)."""
+    return _per_band(x, _h_left)
 
 
 def had_cols(x: np.ndarray) -> np.ndarray:
     """x · H_n: Hadamard on each 128-column block (band by band, as decode_linear does it)."""
-    k, n = x.shape
-    out = np.empty((k, n), x.dtype)
-    for rs, cs in _bands(k, n):
-        band = np.ascontiguousarray(x[rs, cs])
-        y = np.empty_like(band)
-        _h_right(band.reshape(-1, 128), y.reshape(-1, 128))
-        out[rs, cs] = y
-    return out
+    return _per_band(x, lambda band, y: _h_right(band.reshape(-1, 128), y.reshape(-1, 128)))
 
 
 def hadamard_chain(x: np.ndarray, side: str) -> np.ndarray:
@@ -232,8 +230,9 @@ def blas_is_fma_chain() -> bool:
     decode_linear equals the GPU decoder bit for bit (else: within float32 rounding)."""
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((128, H_BLOCK)) * rng.choice([1e-3, 1.0, 30.0], (128, 1))).astype(np.float32)
+    xt = x.T.copy()
     return bool(np.array_equal(had_rows(x), hadamard_chain(x, "rows"))
-                and np.array_equal(had_cols(x.T.copy()), hadamard_chain(x.T.copy(), "cols")))
+                and np.array_equal(had_cols(xt), hadamard_chain(xt, "cols")))
 
 
 @lru_cache(maxsize=None)
