@@ -44,11 +44,12 @@ SYNTH=$!
 if [[ $STAGES == *tests* ]]; then
   # the preview paths (exl3tools/runtime/preview.py) on, so tests/gpu checks them; tests that need
   # a switch either way set it themselves
-  EXL3TOOLS_FUSED=1 EXL3TOOLS_MLA_GRAPHS=1 EXL3TOOLS_ROW_STEPS=1 \
+  EXL3TOOLS_FUSED=1 EXL3TOOLS_MLA_GRAPHS=1 EXL3TOOLS_ROW_STEPS=1 EXL3TOOLS_TEST_LOG=$L/tests_live.log \
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
     -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
     > "$L/tests.log" 2>&1
   el "tests rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests.log" | tail -n 25
+  grep -E "^(FAILED|SLOW) " "$L/tests_live.log" 2>/dev/null | head -n 60
 fi
 if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
   timeout ${QUICK_TIMEOUT:-150} python3 bench/gpu_bench.py --graph --impls cuda,fp16 --rows 1,8,32,2048 \

@@ -11,7 +11,8 @@ PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platfo
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 mkdir -p .whl
 for w in exllamav3==1.6.5 "llguidance>=1.7" marisa_trie pydantic pydantic_core annotated_types typing_inspection \
-         fastapi starlette uvicorn openai distro jiter sniffio orjson jsonschema jsonschema_specifications \
+         fastapi starlette uvicorn openai httpx2 httpcore2 truststore h11 anyio idna certifi typing_extensions \
+         distro jiter sniffio orjson jsonschema jsonschema_specifications \
          referencing rpds_py; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
     -d .whl "$w" 2>&1 | grep -v "^WARNING" || true
