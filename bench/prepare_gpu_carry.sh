@@ -10,10 +10,35 @@ FIX=${1:-../shared/fixtures}
 PLAT="--platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 mkdir -p .whl
-for w in exllamav3==1.6.5 "llguidance>=1.7" marisa_trie pydantic pydantic_core annotated_types typing_inspection \
-         fastapi starlette uvicorn openai httpx2 httpcore2 truststore h11 anyio idna certifi typing_extensions \
-         distro jiter sniffio orjson jsonschema jsonschema_specifications \
-         referencing rpds_py; do
+# the dependency closure of what the GPU paths import, at the versions this venv runs (its tests
+# passed with them), less what the device image has (torch, triton, numpy, CUDA libraries): a
+# hand-kept list went stale (openai 3 needs httpx2, fastapi 0.165 needs opentelemetry-api); the
+# call carries at most 64 MiB, so what the image has (tokenizers, huggingface_hub) stays out
+PY=${PY:-.venv/bin/python}
+PINS=$("$PY" - <<'PYEOF'
+import re
+from importlib import metadata
+roots = ["fastapi", "uvicorn", "prometheus-client", "openai", "pydantic", "jsonschema", "orjson"]
+skip = re.compile(r"^(torch|triton|numpy|nvidia-.*|cuda-.*|setuptools|pip|wheel|huggingface-hub|hf-xet|tokenizers|safetensors)$")
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+seen, todo = {}, [norm(r) for r in roots]
+while todo:
+    n = todo.pop()
+    if n in seen or skip.match(n):
+        continue
+    try:
+        d = metadata.distribution(n)
+    except metadata.PackageNotFoundError:
+        continue
+    seen[n] = d.version
+    for req in d.requires or []:
+        if "extra ==" in req:
+            continue
+        todo.append(norm(re.match(r"[A-Za-z0-9_.-]+", req).group(0)))
+print(" ".join(f"{n}=={v}" for n, v in sorted(seen.items())))
+PYEOF
+)
+for w in exllamav3==1.6.5 "llguidance>=1.7" marisa_trie $PINS; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT \
     -d .whl "$w" 2>&1 | grep -v "^WARNING" || true
 done

@@ -51,8 +51,8 @@ _REPORT_LOG = os.environ.get("EXL3TOOLS_TEST_LOG")
 def pytest_runtest_logreport(report) -> None:
     """With EXL3TOOLS_TEST_LOG set, append each failure (with its traceback) and each test over 10 s
     as it happens: a device call cut off by its time limit still says what failed and what was slow."""
-    if not _REPORT_LOG or report.when != "call" and not report.failed:
-        return
+    if not _REPORT_LOG or os.environ.get("PYTEST_XDIST_WORKER") or report.when != "call" and not report.failed:
+        return   # under xdist the controller writes (workers forward their reports to it)
     with open(_REPORT_LOG, "a", encoding="utf-8") as f:
         if report.failed:
             f.write(f"FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
