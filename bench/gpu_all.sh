@@ -44,7 +44,7 @@ SYNTH=$!
 if [[ $STAGES == *tests* ]]; then
   # the preview paths (exl3tools/runtime/preview.py) on, so tests/gpu checks them; tests that need
   # a switch either way set it themselves
-  EXL3TOOLS_FUSED=1 EXL3TOOLS_MLA_GRAPHS=1 EXL3TOOLS_ROW_STEPS=1 EXL3TOOLS_TEST_LOG=$L/tests_live.log \
+  EXL3TOOLS_FUSED=1 EXL3TOOLS_ROW_STEPS=1 EXL3TOOLS_TEST_LOG=$L/tests_live.log \
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
     -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
     > "$L/tests.log" 2>&1
@@ -108,13 +108,13 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
-      EXL3TOOLS_MLA_GRAPHS=1 timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
+      timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
         --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      PV="EXL3TOOLS_MLA_GRAPHS=1 EXL3TOOLS_ROW_STEPS=1"   # graphs for MLA/DSA: a preview path
-      CFG=(--config "$arch:--max-model-len 32768" --config "${arch}_graphs:$PV --max-model-len 32768")
+      PV="EXL3TOOLS_ROW_STEPS=1"   # verify rows in the graph step: a preview path
+      CFG=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768" --config "$arch:--max-model-len 32768")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
         CFG+=(--config "${arch}_mtp$k:$PV --max-model-len 32768 --speculative-tokens $k"); done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \

@@ -60,7 +60,7 @@ def _pos(_ctx, _param, value: int) -> int:
                    "exllamav3, reference.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Decode steps as CUDA graphs, one per batch-size bucket, over the paged KV cache. "
-                   "Default: on with a CUDA device; MLA/DSA models decode eagerly.")
+                   "Default: on with a CUDA device (if a capture fails on one GPU, eager decode).")
 @click.option("--threads", "cpu_threads", type=click.IntRange(1, None), default=None,
               help="CPU threads for the model (default: all cores but one).")
 @click.option("--log-level", default="info", show_default=True,

@@ -249,7 +249,6 @@ def test_row_steps_switched_off_keep_multi_token_steps_eager(monkeypatch):
 
 def test_preview_switches(monkeypatch):
     from exl3tools.runtime import fused_step, preview
-    from exl3tools.runtime.paged_decode import has_mla
 
     for name, env in preview.SWITCHES.items():
         monkeypatch.delenv(env, raising=False)
@@ -260,4 +259,25 @@ def test_preview_switches(monkeypatch):
         assert not preview.switched_on(name)
     monkeypatch.delenv("EXL3TOOLS_FUSED")
     assert fused_step.resolve(None, torch.device("cuda")) is False   # off on CUDA until run on a GPU
-    assert has_mla(_model("deepseek_v3-3.0bpw-3inst")) and not has_mla(_model("llama-4.0bpw-mul1"))
+
+
+@pytest.mark.parametrize("name", ["llama-4.0bpw-mul1", "deepseek_v3-3.0bpw-3inst"])
+def test_a_failed_graph_capture_decodes_eagerly(name, caplog):
+    """A capture that fails on one rank (out of memory, a kernel that does not build) leaves a
+    runner that decodes eagerly with the same logits, and says so, instead of a dead server."""
+    r, ref = _paged(name, "static"), Reference(_model(name))
+
+    def boom(*_a, **_k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    r.paged.decoder.capture = boom
+    with caplog.at_level("WARNING", logger="exl3tools"):
+        r._capture()
+    assert r.decode_mode == "eager" and r.paged.decoder is None
+    assert any("CUDA graph capture failed, decoding eagerly" in m and "2.00 GiB" in m and "detail" not in m
+               for m in caplog.messages), caplog.messages
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert _rel(r.step([("A", A)]), ref.step([("A", A)])) < REL
+    for t in ([4], [9]):
+        assert _rel(r.step([("A", t)]), ref.step([("A", t)])) < REL

@@ -75,10 +75,6 @@ def check(model: CausalLM) -> None:
                 f"glm_moe_dsa); {model.info.architecture} layer {i} has {type(layer.attn).__name__} attention")
 
 
-def has_mla(model: CausalLM) -> bool:
-    return any(isinstance(layer.attn, MLAttention) for layer in model.layers)
-
-
 def attention_fn(device: torch.device):
     from exl3tools.kernels import paged_attention
 

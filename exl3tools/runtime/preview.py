@@ -11,7 +11,6 @@ import os
 
 SWITCHES = {
     "fused": "EXL3TOOLS_FUSED",            # Triton glue kernels in the GQA decode step (issue 15)
-    "mla_graphs": "EXL3TOOLS_MLA_GRAPHS",  # MLA/DSA models through the fixed-shape step and graphs (issue 14)
     "row_steps": "EXL3TOOLS_ROW_STEPS",    # several new tokens of one sequence as rows of the decode step
 }
 

@@ -29,6 +29,7 @@ from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
+from exl3tools.text import printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
 DEFAULT_BLOCK_SIZE = 16
@@ -226,9 +227,8 @@ class Runner:
     is in use after loading (weights, CUDA context) and the activation peak of one eager step of
     ``max_num_batched_tokens`` tokens (measured), less ``GRAPH_RESERVE`` for graphs and logits;
     else ``DEFAULT_CACHE_TOKENS``. ``decode``: "graphs" (CUDA graphs per batch bucket), "static"
-    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA for GQA models (and for
-    MLA models with EXL3TOOLS_MLA_GRAPHS=1: a preview path until it has run on a GPU,
-    runtime/preview.py), eager elsewhere.
+    (the same fixed-shape step, no graphs), "eager", or None: graphs on CUDA, eager elsewhere. On
+    one rank a failed capture (out of memory, a kernel that does not build) falls back to eager.
     """
 
     def __init__(self, model: CausalLM, ckpt_dir: Path, name: str, *, world: int = 1, procs=(),
@@ -285,15 +285,14 @@ class Runner:
         self.decode_mode = mode
         self._row_steps = dev.type != "cuda" or preview.switched_on("row_steps")
         if mode == "graphs":
-            self._send(("capture",))
-            self.paged.decoder.capture()
+            self._capture()
         self._rows = list(range(self.max_num_seqs))
         self._seqs: dict[Hashable, _Seq] = {}
         log.info("KV cache: %d blocks x %d tokens (%s, %d B/token), %.2f GiB%s; longest context %d tokens; "
                  "decode %s, up to %d sequences", self.blocks.usable_blocks, block_size, state["dtype"], per_token,
                  self.paged.pool.nbytes() / 2**30,
                  "" if weights_bytes is None else f"; weights {weights_bytes / 2**30:.2f} GiB",
-                 self.max_context, mode, self.max_num_seqs)
+                 self.max_context, self.decode_mode, self.max_num_seqs)
         self._load_tokenizer(ckpt_dir)
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
@@ -319,7 +318,7 @@ class Runner:
         return int(blocks)
 
     def _decode_mode(self, decode: str | None) -> str:
-        from exl3tools.runtime.paged_decode import check, has_mla
+        from exl3tools.runtime.paged_decode import check
 
         if decode not in (None, "eager", "static", "graphs"):
             raise UsageError(f"decode must be eager, static or graphs, got {decode!r}")
@@ -327,10 +326,6 @@ class Runner:
         want = decode or ("graphs" if cuda else "eager")
         if want == "eager":
             return want
-        if decode is None and cuda and has_mla(self.model) and not preview.switched_on("mla_graphs"):
-            log.info("MLA/DSA models decode eagerly on CUDA until their fixed-shape step has run on a GPU "
-                     "(EXL3TOOLS_MLA_GRAPHS=1 turns graphs on)")
-            return "eager"
         try:
             check(self.model)
         except Exl3Error as exc:
@@ -339,6 +334,22 @@ class Runner:
         if want == "graphs" and not cuda:
             raise UsageError("CUDA graphs need a CUDA device")
         return want
+
+    def _capture(self) -> None:
+        """Capture the decode graphs; on one rank, a failure decodes eagerly instead of refusing to
+        serve (the ranks of a TP group must agree on the mode, so there it stays an error)."""
+        self._send(("capture",))
+        try:
+            self.paged.decoder.capture()
+        except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
+            if self.world > 1:
+                raise
+            log.warning("CUDA graph capture failed, decoding eagerly (slower): %s",
+                        printable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            self.paged.decoder = None
+            self.decode_mode = "eager"
+            if self.model.embed.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     # -- metadata
     def _load_tokenizer(self, d: Path) -> None:

@@ -25,16 +25,13 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", MLA)
-def test_mla_graphs_equal_eager_on_cuda(name, monkeypatch):
+def test_mla_graphs_equal_eager_on_cuda(name):
     from exl3tools.runtime.runner import Runner, load_runner
     from tests.conftest import fixture_dir
     from tests.test_mla_static_decode import _run
 
     path = fixture_dir(name) / "model"
     model = load_runner(path, device="cuda", backend=cuda_backend(), max_context=64, max_cache_tokens=256).model
-    monkeypatch.delenv("EXL3TOOLS_MLA_GRAPHS", raising=False)   # a preview path: eager by default
-    assert Runner(model, path, name, max_cache_tokens=256, block_size=4, max_num_seqs=3).decode_mode == "eager"
-    monkeypatch.setenv("EXL3TOOLS_MLA_GRAPHS", "1")
     assert Runner(model, path, name, max_cache_tokens=256, block_size=4, max_num_seqs=3).decode_mode == "graphs"
     eager, graphs = _run(model, name, "eager"), _run(model, name, "graphs")
     for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
@@ -74,7 +71,10 @@ def test_mla_static_triton_equals_static_reference_attention():
     assert rel["ref_both"] < 1e-4, rel
 
 
-def test_speculative_decoding_with_graphs_is_greedy(monkeypatch):
+@pytest.mark.parametrize("row_steps", ["1", "0"])
+def test_speculative_decoding_with_graphs_is_greedy(row_steps, monkeypatch):
+    """Verify steps through the graph step (EXL3TOOLS_ROW_STEPS=1) or, by default on CUDA, through
+    the eager forward beside graph-replayed plain rows: greedy either way."""
     from exl3tools.runtime import sampling
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
@@ -89,10 +89,9 @@ def test_speculative_decoding_with_graphs_is_greedy(monkeypatch):
         for _ in range(12):
             want.append(int(r.step([(0, new)])[0].argmax()))
             new = [want[-1]]
-    monkeypatch.setenv("EXL3TOOLS_MLA_GRAPHS", "1")      # preview paths (runtime/preview.py)
-    monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", "1")       # verifies through the graph step
+    monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", row_steps)
     with load_runner(path, speculative_tokens=2, **kw) as r:
-        assert r.decode_mode == "graphs" and not r.can_chain and r._row_steps
+        assert r.decode_mode == "graphs" and not r.can_chain and r._row_steps == (row_steps == "1")
         r.add_sequence(0)
         r.add_sequence(1, speculative=False)           # a plain row beside it: graph steps
         out = [int(r.step([(0, prompt)])[0].argmax())]
