@@ -18,6 +18,8 @@ Tracebacks only with --debug or EXL3TOOLS_DEBUG=1.
 
 from __future__ import annotations
 
+import traceback
+
 from exl3tools import errors as E
 from exl3tools.text import printable
 
@@ -66,10 +68,17 @@ EXTRA_FOR_MODULE = {
 def classify(exc: BaseException) -> tuple[int, str] | None:
     """(exit code, one-line message) for a known error, None for a bug."""
     if isinstance(exc, ModuleNotFoundError):
-        extra = EXTRA_FOR_MODULE.get((exc.name or "").partition(".")[0])
+        top = (exc.name or "").partition(".")[0]
+        extra, via = EXTRA_FOR_MODULE.get(top), ""
+        if extra is None:   # a dependency of a dependency (fastapi 0.165 imports opentelemetry)
+            for frame, _ in traceback.walk_tb(exc.__traceback__):
+                owner = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+                if owner in EXTRA_FOR_MODULE:
+                    extra, via = EXTRA_FOR_MODULE[owner], f" (imported by {owner})"
+                    break
         if extra is None:
             return None
-        return EXIT_USAGE, (f"missing dependency: {exc.name} is not installed; "
+        return EXIT_USAGE, (f"missing dependency: {exc.name}{via} is not installed; "
                             f"pip install 'exl3tools[{extra}]'")
     for cls, code, label in ERROR_TABLE:
         if isinstance(exc, cls):

@@ -156,6 +156,8 @@ def test_loading_reports_progress(monkeypatch):
 @pytest.mark.parametrize("blocked,args,extra", [
     ("torch", ["generate", str(MODEL), "--prompt", "hi"], "runtime"),
     ("uvicorn", ["serve", "--port", "0"], "serve"),
+    ("opentelemetry", ["serve", "--port", "0"], "serve"),   # fastapi's own dependency (0.165+)
+    ("annotated_doc", ["serve", "--port", "0"], "serve"),
 ])
 def test_a_core_install_names_the_missing_extra(tmp_path, blocked, args, extra):
     code = (f"import sys; sys.modules[{blocked!r}] = None; sys.argv = ['exl3tools', *{args!r}]; "
