@@ -139,7 +139,7 @@ def spawn_workers(world: int, port: int, path: str, opts: dict) -> list[subproce
 
 def worker_main(rank: int, world: int, port: int | None, path: str, opts: dict) -> int:
     """Entry point of a non-zero rank: load, report status, then serve rank 0's commands."""
-    from exl3tools.runtime.runner import serve_rank
+    from exl3tools.runtime.worker import serve_rank
 
     torch.set_num_threads(max(1, int(opts.get("threads") or 1)))
     try:

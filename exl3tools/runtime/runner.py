@@ -27,12 +27,12 @@ from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.cache import MIN_CAPACITY
 from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
 from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
 from exl3tools.text import printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 GRAPH_RESERVE = 512 * 2**20           # kept free beside the KV cache: graph pool, logits, sampling
 
@@ -64,157 +64,6 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
     ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, block, backend, device,
                        max_context)
     return mod.build(ctx)
-
-
-# ------------------------------------------------------------------ worker side
-def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
-               device: str = "cpu", max_context: int | None = None, moe: str = "tp", trace: bool = False) -> None:
-    """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'.
-
-    Rank 0 owns the block manager; a worker keeps only its own KV pool (same blocks, its heads)
-    and follows the block tables and slots each command carries."""
-    device = rank_device(device, rank, world)   # before the group: NCCL binds the current device
-    D.init_group(rank, world, device, port)
-    try:
-        if trace:
-            D.trace_opens_start()
-        err, model = None, None
-        try:
-            model = build_local_model(resolve(path, world), rank, world, backend=backend, device=device,
-                                      max_context=max_context, moe=moe)
-        except Exl3Error as exc:
-            err = exc
-        D.exchange_status(err, D.trace_opens_stop() if trace else None)
-        paged: PagedState | None = None
-        drafts = WorkerDrafts(model)
-        while True:
-            cmd = D.broadcast()
-            op = cmd[0]
-            if op == "pstep":
-                if len(cmd) > 3 and any(s is not None for s in cmd[3]):   # rows with draft state
-                    _, hn = paged.forward(cmd[1], all_logits=cmd[2], states=True)
-                    drafts.extend(cmd[1], cmd[3], hn)
-                else:
-                    paged.forward(cmd[1], all_logits=cmd[2])
-            elif op in WorkerDrafts.OPS:
-                drafts.run(paged, cmd)
-            elif op == "pdecode":
-                args, spec = cmd[1:6], cmd[6] if len(cmd) > 6 else None
-                if spec is not None and any(sid is not None for sid, _ in spec):
-                    _, hn = paged.decode(*args, states=True)
-                    drafts.extend(_split_rows(args[0], [n for _, n in spec]), [sid for sid, _ in spec], hn)
-                else:
-                    paged.decode(*args)
-            elif op == "kv_init":
-                paged = PagedState(model, **cmd[1])
-            elif op == "capture":
-                paged.decoder.capture()
-            elif op == "profile":
-                profile_forward(model, *cmd[1:])
-            elif op == "stop":
-                break
-    finally:
-        D.destroy()
-
-
-class WorkerDrafts:
-    """A worker rank's side of speculative decoding (rank 0's Runner.draft/verify/accept): its own
-    part of the MTP head runs in lockstep (the head's collectives), so it keeps the same draft
-    state per sequence, fed from its own copy of the target's final states."""
-
-    OPS = ("draft", "draft_next", "draft_end", "pverify", "accept", "sfree")
-
-    def __init__(self, model: CausalLM):
-        self.model = model
-        self.specs: dict = {}
-        self.pending: dict = {}
-        self.drafting: dict = {}
-
-    def _spec(self, sid) -> _Spec:
-        sp = self.specs.get(sid)
-        if sp is None:
-            sp = self.specs[sid] = _Spec(self.model.mtp)
-        return sp
-
-    def extend(self, wire, sids, hn: torch.Tensor) -> None:
-        for (_, _, toks), sid, states in zip(wire, sids, _rows_of(hn, wire), strict=True):
-            if sid is not None:
-                self._spec(sid).extend(states, toks)
-
-    def run(self, paged: PagedState, cmd) -> None:
-        from exl3tools.runtime.mtp import truncate
-
-        op, head = cmd[0], self.model.mtp
-        if op == "draft":
-            sp = self._spec(cmd[1])
-            states, tokens = sp.take(cmd[2])
-            g, _ = head.forward(sp.cache, states, tokens)
-            self.drafting[cmd[1]] = (g, sp.cache.length)
-        elif op == "draft_next":
-            g, committed = self.drafting[cmd[1]]
-            g, _ = head.forward(self.specs[cmd[1]].cache, g[-1:], [cmd[2]])
-            self.drafting[cmd[1]] = (g, committed)
-        elif op == "draft_end":
-            _, committed = self.drafting.pop(cmd[1])
-            truncate(self.specs[cmd[1]].cache, committed)
-        elif op == "pverify":
-            if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
-                _, hn = paged.decode(*cmd[3], states=True)
-            else:
-                _, hn = paged.forward(cmd[1], all_logits=True, states=True)
-            for (_, _, toks), sid, states in zip(cmd[1], cmd[2], _rows_of(hn, cmd[1]), strict=True):
-                self.pending[sid] = (toks, states)
-        elif op == "accept":
-            toks, states = self.pending.pop(cmd[1])
-            self._spec(cmd[1]).extend(states[:cmd[2]], toks[:cmd[2]])
-        elif op == "sfree":
-            for d in (self.specs, self.pending, self.drafting):
-                d.pop(cmd[1], None)
-
-
-def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
-    """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
-    the measured activation peak is serve's); returns the pool's bytes (not activations)."""
-    from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
-
-    bs = DEFAULT_BLOCK_SIZE
-    nb = -(-n // bs) + 1
-    pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), model.embed.device)
-    view = PagedSeqView(pool, pool.slots(list(range(1, nb)), n), 0)
-    model.forward([(view, [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
-    return pool.nbytes()
-
-
-class PagedState:
-    """The tensors every rank holds for the paged cache: the KV pool and, where the model allows,
-    the static decode step (runtime/paged_decode.py). Commands carry block tables and slots."""
-
-    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
-                 max_blocks: int, decode: str):
-        from exl3tools.runtime.kv_pool import KVPool, layer_specs
-        from exl3tools.runtime.paged_decode import PagedDecoder
-
-        self.model = model
-        self.pool = KVPool(layer_specs(model), num_blocks, block_size, getattr(torch, dtype), model.embed.device)
-        self.decoder = None
-        if decode in ("static", "graphs"):
-            self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs")
-
-    def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
-                states: bool = False):
-        """Eager forward; each item is (block table, tokens cached, new tokens). Device logits
-        (with ``states``: and the final-normed states of every new row, CausalLM.forward)."""
-        from exl3tools.runtime.kv_pool import PagedSeqView
-
-        views = [(PagedSeqView(self.pool, self.pool.slots(table, n0 + len(toks)), n0), toks)
-                 for table, n0, toks in items]
-        return self.model.forward(views, all_logits=all_logits, to_cpu=False, states=states)
-
-    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False):
-        """The fixed-shape step over rows (PagedDecoder.step); with ``states``: (logits, states)."""
-        self.decoder.set_blocks(updates)
-        logits = self.decoder.step(tokens, positions, slots, rows, device_tokens)
-        return (logits, self.decoder.states[:len(rows)]) if states else logits
 
 
 # ------------------------------------------------------------------ rank 0 side
@@ -415,7 +264,7 @@ class Runner:
         cached = self.blocks.open(seq_id, [int(t) for t in tokens][:self.max_context])
         seq = self._seqs[seq_id] = _Seq(self._rows.pop(0), list(tokens[:cached]))
         if self.spec_k and speculative:
-            seq.spec = _Spec(self.model.mtp)
+            seq.spec = DraftState(self.model.mtp)
         return cached
 
     def free_sequence(self, seq_id: Hashable) -> None:
@@ -503,7 +352,7 @@ class Runner:
                 self._send(("pstep", wire, all_logits, spec_ids))
                 if any(seq.spec is not None for _, seq, _, _ in items):
                     logits, hn = self.paged.forward(wire, all_logits=all_logits, states=True)
-                    for (_, seq, t, _), states in zip(items, _rows_of(hn, wire), strict=True):
+                    for (_, seq, t, _), states in zip(items, rows_of(hn, wire), strict=True):
                         if seq.spec is not None:
                             seq.spec.extend(states, t)
                 else:
@@ -648,7 +497,7 @@ class Runner:
             for s, *_ in items:
                 self.blocks.trim(s)
             raise
-        for (_, seq, t, _), states in zip(items, _rows_of(hn, wire), strict=True):
+        for (_, seq, t, _), states in zip(items, rows_of(hn, wire), strict=True):
             seq.pending = (t, states)
         return logits
 
@@ -714,7 +563,7 @@ class _Seq:
     def __init__(self, row: int, tokens: list[int]):
         self.row, self.tokens, self.synced = row, tokens, 0
         self.unknown = 0     # tokens written by chained steps, not committed yet
-        self.spec: _Spec | None = None     # MTP draft state (speculative decoding)
+        self.spec: DraftState | None = None     # MTP draft state (speculative decoding)
         self.pending = None  # (tokens, states) of a verify step not accepted yet
 
 
@@ -725,48 +574,6 @@ def _last_rows(items: list) -> list[int]:
         n += len(it[2])
         out.append(n - 1)
     return out
-
-
-def _split_rows(tokens: list[int], counts: list[int]) -> list[tuple]:
-    """Flat decode-step tokens back into wire-like items ((), 0, tokens) per sequence."""
-    out, i = [], 0
-    for n in counts:
-        out.append(((), 0, tokens[i:i + n]))
-        i += n
-    return out
-
-
-def _rows_of(hn: torch.Tensor, wire) -> tuple[torch.Tensor, ...]:
-    """A packed forward's per-row states split by sequence (``wire`` items end with their tokens)."""
-    return hn.split([len(item[-1]) for item in wire])
-
-
-class _Spec:
-    """A sequence's MTP draft state: the head's own cache (one layer, outside the block pool) and
-    the (target state at position i, token at i + 1) pairs it has not read yet. ``states`` holds
-    one row more than ``tokens``: the newest state waits for the token sampled after it."""
-
-    __slots__ = ("cache", "states", "tokens")
-
-    def __init__(self, head):
-        self.cache = head.new_cache()
-        self.states: list[torch.Tensor] = []
-        self.tokens: list[int] = []
-
-    def extend(self, states: torch.Tensor, tokens: list[int]) -> None:
-        """The target computed ``tokens`` (at consecutive positions) with these final states."""
-        # the first token pairs with the state before it; with no state yet (a prompt's first
-        # computed token, after cached prefix blocks too) it has none and is skipped
-        self.tokens.extend(tokens if self.states else tokens[1:])
-        self.states.append(states)
-
-    def take(self, token: int) -> tuple[torch.Tensor, list[int]]:
-        """All pending pairs, ``token`` completing the newest; the pending lists are emptied."""
-        if not self.states:
-            raise UsageError("no target state to draft from: the sequence has computed no token yet")
-        states, tokens = torch.cat(self.states), self.tokens + [token]
-        self.states, self.tokens = [], []
-        return states, tokens
 
 
 def mtp_cache_bytes_per_token(model: CausalLM, speculative_tokens: int) -> int:
@@ -868,6 +675,8 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto"
     trace = os.environ.get("EXL3TOOLS_TRACE_OPENS") == "1"
     opts = dict(backend=backend, device=device, max_context=max_context, moe=moe, trace=trace)
     if env is not None and rank != 0:
+        from exl3tools.runtime.worker import serve_rank  # torchrun's worker ranks
+
         serve_rank(str(path), rank=rank, world=world, port=None, **opts)
         return None
     procs = []

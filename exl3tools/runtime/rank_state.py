@@ -1,0 +1,99 @@
+"""What every rank of a Runner holds beside its model: the paged KV pool with the fixed-shape
+decode step (PagedState), a sequence's MTP draft state (DraftState), and the row bookkeeping both
+rank 0 (runtime/runner.py) and the workers (runtime/worker.py) use on a step's packed rows."""
+
+from __future__ import annotations
+
+import torch
+
+from exl3tools.errors import UsageError
+from exl3tools.runtime.model import CausalLM
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
+    """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
+    the measured activation peak is serve's); returns the pool's bytes (not activations)."""
+    from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
+
+    bs = DEFAULT_BLOCK_SIZE
+    nb = -(-n // bs) + 1
+    pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), model.embed.device)
+    view = PagedSeqView(pool, pool.slots(list(range(1, nb)), n), 0)
+    model.forward([(view, [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
+    return pool.nbytes()
+
+
+class PagedState:
+    """The tensors every rank holds for the paged cache: the KV pool and, where the model allows,
+    the static decode step (runtime/paged_decode.py). Commands carry block tables and slots."""
+
+    def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
+                 max_blocks: int, decode: str):
+        from exl3tools.runtime.kv_pool import KVPool, layer_specs
+        from exl3tools.runtime.paged_decode import PagedDecoder
+
+        self.model = model
+        self.pool = KVPool(layer_specs(model), num_blocks, block_size, getattr(torch, dtype), model.embed.device)
+        self.decoder = None
+        if decode in ("static", "graphs"):
+            self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs")
+
+    def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
+                states: bool = False):
+        """Eager forward; each item is (block table, tokens cached, new tokens). Device logits
+        (with ``states``: and the final-normed states of every new row, CausalLM.forward)."""
+        from exl3tools.runtime.kv_pool import PagedSeqView
+
+        views = [(PagedSeqView(self.pool, self.pool.slots(table, n0 + len(toks)), n0), toks)
+                 for table, n0, toks in items]
+        return self.model.forward(views, all_logits=all_logits, to_cpu=False, states=states)
+
+    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False):
+        """The fixed-shape step over rows (PagedDecoder.step); with ``states``: (logits, states)."""
+        self.decoder.set_blocks(updates)
+        logits = self.decoder.step(tokens, positions, slots, rows, device_tokens)
+        return (logits, self.decoder.states[:len(rows)]) if states else logits
+
+
+def split_rows(tokens: list[int], counts: list[int]) -> list[tuple]:
+    """Flat decode-step tokens back into wire-like items ((), 0, tokens) per sequence."""
+    out, i = [], 0
+    for n in counts:
+        out.append(((), 0, tokens[i:i + n]))
+        i += n
+    return out
+
+
+def rows_of(hn: torch.Tensor, wire) -> tuple[torch.Tensor, ...]:
+    """A packed forward's per-row states split by sequence (``wire`` items end with their tokens)."""
+    return hn.split([len(item[-1]) for item in wire])
+
+
+class DraftState:
+    """A sequence's MTP draft state: the head's own cache (one layer, outside the block pool) and
+    the (target state at position i, token at i + 1) pairs it has not read yet. ``states`` holds
+    one row more than ``tokens``: the newest state waits for the token sampled after it."""
+
+    __slots__ = ("cache", "states", "tokens")
+
+    def __init__(self, head):
+        self.cache = head.new_cache()
+        self.states: list[torch.Tensor] = []
+        self.tokens: list[int] = []
+
+    def extend(self, states: torch.Tensor, tokens: list[int]) -> None:
+        """The target computed ``tokens`` (at consecutive positions) with these final states."""
+        # the first token pairs with the state before it; with no state yet (a prompt's first
+        # computed token, after cached prefix blocks too) it has none and is skipped
+        self.tokens.extend(tokens if self.states else tokens[1:])
+        self.states.append(states)
+
+    def take(self, token: int) -> tuple[torch.Tensor, list[int]]:
+        """All pending pairs, ``token`` completing the newest; the pending lists are emptied."""
+        if not self.states:
+            raise UsageError("no target state to draft from: the sequence has computed no token yet")
+        states, tokens = torch.cat(self.states), self.tokens + [token]
+        self.states, self.tokens = [], []
+        return states, tokens

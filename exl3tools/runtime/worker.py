@@ -1,0 +1,119 @@
+"""A tensor-parallel worker (rank > 0): it loads its part of the model, then runs rank 0's
+commands (eager steps, decode steps, MTP drafts) in lockstep until "stop". Rank 0's side is
+runtime/runner.Runner; distributed.py starts the workers."""
+
+from __future__ import annotations
+
+import torch
+
+from exl3tools.errors import Exl3Error
+from exl3tools.runtime import distributed as D
+from exl3tools.runtime.loader import resolve
+from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.rank_state import DraftState, PagedState, profile_forward, rows_of, split_rows
+from exl3tools.runtime.runner import build_local_model, rank_device
+
+
+def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
+               device: str = "cpu", max_context: int | None = None, moe: str = "tp", trace: bool = False) -> None:
+    """Run rank ``rank`` (> 0): load, report, then execute rank 0's commands until 'stop'.
+
+    Rank 0 owns the block manager; a worker keeps only its own KV pool (same blocks, its heads)
+    and follows the block tables and slots each command carries."""
+    device = rank_device(device, rank, world)   # before the group: NCCL binds the current device
+    D.init_group(rank, world, device, port)
+    try:
+        if trace:
+            D.trace_opens_start()
+        err, model = None, None
+        try:
+            model = build_local_model(resolve(path, world), rank, world, backend=backend, device=device,
+                                      max_context=max_context, moe=moe)
+        except Exl3Error as exc:
+            err = exc
+        D.exchange_status(err, D.trace_opens_stop() if trace else None)
+        paged: PagedState | None = None
+        drafts = WorkerDrafts(model)
+        while True:
+            cmd = D.broadcast()
+            op = cmd[0]
+            if op == "pstep":
+                if len(cmd) > 3 and any(s is not None for s in cmd[3]):   # rows with draft state
+                    _, hn = paged.forward(cmd[1], all_logits=cmd[2], states=True)
+                    drafts.extend(cmd[1], cmd[3], hn)
+                else:
+                    paged.forward(cmd[1], all_logits=cmd[2])
+            elif op in WorkerDrafts.OPS:
+                drafts.run(paged, cmd)
+            elif op == "pdecode":
+                args, spec = cmd[1:6], cmd[6] if len(cmd) > 6 else None
+                if spec is not None and any(sid is not None for sid, _ in spec):
+                    _, hn = paged.decode(*args, states=True)
+                    drafts.extend(split_rows(args[0], [n for _, n in spec]), [sid for sid, _ in spec], hn)
+                else:
+                    paged.decode(*args)
+            elif op == "kv_init":
+                paged = PagedState(model, **cmd[1])
+            elif op == "capture":
+                paged.decoder.capture()
+            elif op == "profile":
+                profile_forward(model, *cmd[1:])
+            elif op == "stop":
+                break
+    finally:
+        D.destroy()
+
+
+class WorkerDrafts:
+    """A worker rank's side of speculative decoding (rank 0's Runner.draft/verify/accept): its own
+    part of the MTP head runs in lockstep (the head's collectives), so it keeps the same draft
+    state per sequence, fed from its own copy of the target's final states."""
+
+    OPS = ("draft", "draft_next", "draft_end", "pverify", "accept", "sfree")
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.specs: dict = {}
+        self.pending: dict = {}
+        self.drafting: dict = {}
+
+    def _spec(self, sid) -> DraftState:
+        sp = self.specs.get(sid)
+        if sp is None:
+            sp = self.specs[sid] = DraftState(self.model.mtp)
+        return sp
+
+    def extend(self, wire, sids, hn: torch.Tensor) -> None:
+        for (_, _, toks), sid, states in zip(wire, sids, rows_of(hn, wire), strict=True):
+            if sid is not None:
+                self._spec(sid).extend(states, toks)
+
+    def run(self, paged: PagedState, cmd) -> None:
+        from exl3tools.runtime.mtp import truncate
+
+        op, head = cmd[0], self.model.mtp
+        if op == "draft":
+            sp = self._spec(cmd[1])
+            states, tokens = sp.take(cmd[2])
+            g, _ = head.forward(sp.cache, states, tokens)
+            self.drafting[cmd[1]] = (g, sp.cache.length)
+        elif op == "draft_next":
+            g, committed = self.drafting[cmd[1]]
+            g, _ = head.forward(self.specs[cmd[1]].cache, g[-1:], [cmd[2]])
+            self.drafting[cmd[1]] = (g, committed)
+        elif op == "draft_end":
+            _, committed = self.drafting.pop(cmd[1])
+            truncate(self.specs[cmd[1]].cache, committed)
+        elif op == "pverify":
+            if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
+                _, hn = paged.decode(*cmd[3], states=True)
+            else:
+                _, hn = paged.forward(cmd[1], all_logits=True, states=True)
+            for (_, _, toks), sid, states in zip(cmd[1], cmd[2], rows_of(hn, cmd[1]), strict=True):
+                self.pending[sid] = (toks, states)
+        elif op == "accept":
+            toks, states = self.pending.pop(cmd[1])
+            self._spec(cmd[1]).extend(states[:cmd[2]], toks[:cmd[2]])
+        elif op == "sfree":
+            for d in (self.specs, self.pending, self.drafting):
+                d.pop(cmd[1], None)
