@@ -97,17 +97,20 @@ def mla() -> None:
         for prec in ("ieee", "tf32x3"):
             for splits in (1, 8):
                 for K in (None, 2048):
-                    sel = None if K is None else torch.zeros(B, K, dtype=torch.int32)
-                    ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R), torch.zeros(16, bs, C),
-                                  torch.zeros(16, bs, R), torch.zeros(B, W, dtype=torch.int32),
-                                  torch.ones(B, dtype=torch.int32), 0.1, sel=sel, num_splits=splits, precision=prec)
+                    for dt in ((torch.float32, torch.float16) if splits == 8 else (torch.float32,)):
+                        sel = None if K is None else torch.zeros(B, K, dtype=torch.int32)
+                        ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R), torch.zeros(16, bs, C, dtype=dt),
+                                      torch.zeros(16, bs, R, dtype=dt), torch.zeros(B, W, dtype=torch.int32),
+                                      torch.ones(B, dtype=torch.int32), 0.1, sel=sel, num_splits=splits,
+                                      precision=prec)
 
 
 def dsa() -> None:
     from exl3tools.kernels import dsa_indexer as di
 
-    for NH, D, bs in ((64, 128, 64), (32, 128, 16), (64, 128, 256)):
-        di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D),
+    for NH, D, bs, dt in ((64, 128, 64, torch.float32), (32, 128, 16, torch.float32), (64, 128, 256, torch.float32),
+                          (64, 128, 64, torch.float16), (64, 128, 64, torch.bfloat16)):
+        di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D, dtype=dt),
                         torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1)
 
 

@@ -23,7 +23,7 @@ from exl3tools.text import for_console
 @click.option("--gpu-memory-utilization", "util", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True)
 @click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16", show_default=True)
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
-              help="GQA K/V dtype (auto: bf16 on CUDA); MLA's latent cache is always fp32.")
+              help="KV-cache element type (auto: bf16 on CUDA for GQA K/V, fp32 for MLA's latent cache).")
 @click.option("--json", "as_json", is_flag=True, help="Emit one JSON document (schemas/plan.v1.json).")
 def plan_cmd(path: str, tp: int, moe: str, gpu_memory: str | None, gpu_name: str | None, max_model_len: int | None,
              max_num_seqs: int, batched: int, util: float, block_size: str, kv_cache_dtype: str, as_json: bool) -> None:

@@ -41,7 +41,7 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--block-size", type=click.Choice(["8", "16", "32", "64"]), default="16", show_default=True,
               help="Tokens per KV-cache block (paged cache, prefix caching by whole blocks).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
-              show_default=True, help="KV-cache element type (auto: bf16 on CUDA, fp32 on the CPU).")
+              show_default=True, help="KV-cache element type (auto: bf16 on CUDA, fp32 on the CPU and for MLA/DSA models, whose latent fp16 halves).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "prefix_caching", default=True,
               show_default=True, help="Reuse cached KV blocks of a repeated prompt prefix.")
 @click.option("--max-prefill-tokens", "--max-num-batched-tokens", "max_prefill_tokens", type=click.IntRange(1, None),

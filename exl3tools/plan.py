@@ -7,8 +7,9 @@ Headers and config only, no torch. Per rank:
   builds its head, GLM-5): what the runtime reads for that rank.
 - ``kv_bytes_per_token``: what the runtime's paged pool stores per token (runtime/kv_pool.py over
   each attention's ``cache_spec()``): GQA ``2 x kv_heads_local x head_dim x dtype`` per layer; MLA
-  ``(kv_lora_rank + qk_rope_head_dim) x 4`` (fp32 whatever ``--kv-cache-dtype``) per layer, plus the
-  DSA indexer key ``index_head_dim x 4`` on "full" indexer layers. The MTP layer is not in the pool.
+  ``(kv_lora_rank + qk_rope_head_dim) x dtype`` per layer, plus the DSA indexer key
+  ``index_head_dim x dtype`` on "full" indexer layers, where ``--kv-cache-dtype auto`` is fp32 for MLA
+  (4 bytes; fp16/bf16: 2). The MTP layer is not in the pool.
 - ``scratch_bytes`` (an estimate; the runtime measures its own at startup):
   ``GRAPH_RESERVE`` (512 MiB, the runtime's reserve for CUDA graphs, logits and sampling)
   + ``CUDA_CONTEXT`` (512 MiB, in use before any tensor)
@@ -52,6 +53,7 @@ GPUS: dict[str, int] = {
 MLA_ARCHS = {"DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"}
 GQA_ARCHS = {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"}
 KV_DTYPE_BYTES = {"auto": 2, "bf16": 2, "fp16": 2, "fp32": 4}   # auto: bf16 on CUDA
+MLA_KV_DTYPE_BYTES = {**KV_DTYPE_BYTES, "auto": 4}              # auto: fp32 for MLA (runner.kv_dtype_for)
 _LINEAR_FIELDS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -118,17 +120,18 @@ class MemoryPlan:
             raise DoesNotFitError(self.message)
 
 
-def kv_bytes_per_token(cfg: dict, architecture: str, attention: dict[str, dict], dtype_bytes: int) -> int:
+def kv_bytes_per_token(cfg: dict, architecture: str, attention: dict[str, dict], kv_dtype: str) -> int:
     """Bytes one token takes in the runtime's KV pool on one rank (see module doc)."""
     n_layers = int(cfg["num_hidden_layers"])
+    dtype_bytes = (MLA_KV_DTYPE_BYTES if architecture in MLA_ARCHS else KV_DTYPE_BYTES)[kv_dtype]
     if architecture in MLA_ARCHS:
-        per = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * 4
+        per = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * dtype_bytes
         total = per * n_layers
         if architecture == "GlmMoeDsaForCausalLM":
             types = list(cfg.get("indexer_types") or [])[:n_layers]   # as runtime/arch/glm_moe_dsa.py
             if len(types) < n_layers or any(t not in ("full", "shared") for t in types) or types[0] != "full":
                 raise UnsupportedArchitectureError(f"unexpected indexer_types {types!r} for {n_layers} layers")
-            total += types.count("full") * int(cfg["index_head_dim"]) * 4
+            total += types.count("full") * int(cfg["index_head_dim"]) * dtype_bytes
         return total
     if architecture not in GQA_ARCHS:
         raise UnsupportedArchitectureError(f"plan does not know the KV cache of {architecture}")
@@ -193,7 +196,7 @@ def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: s
     ranks = []
     for r in range(tp):
         w = sum(t.nbytes for t in holdings[r])
-        per_tok = kv_bytes_per_token(cfg, arch, attention[r], KV_DTYPE_BYTES[kv_dtype])
+        per_tok = kv_bytes_per_token(cfg, arch, attention[r], kv_dtype)
         copies = _fp32_copies(holdings[r])
         scratch = GRAPH_RESERVE + CUDA_CONTEXT + act + copies
         budget = usable - w - scratch

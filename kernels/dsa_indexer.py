@@ -22,6 +22,7 @@ try:
 except ImportError:   # runtime-only installs: runtime.dsa.paged_scores_reference still works
     triton = tl = None
 
+PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE = 32          # 64 x 128 fp32 FMA dot at TN 64 spills ~7 KB a thread on sm_90; TN 32, 8 warps: ~0.2 KB
 
 
@@ -47,7 +48,7 @@ if triton is not None:
             tmask = t < L
             blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + t // BS, mask=tmask, other=0).to(tl.int64)
             k = tl.load(k_ptr + (blk * s_kb + (t % BS).to(tl.int64) * s_kt)[:, None] + d[None, :],
-                        mask=tmask[:, None] & dmask[None, :], other=0.0)
+                        mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
             logits = tl.dot(q, tl.trans(k), input_precision="ieee")             # (HP, TN)
             s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale
             s = s.to(tl.float16).to(tl.float32)
@@ -60,15 +61,16 @@ def _pow2(n: int) -> int:
 
 def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (B, H_i, D) and w (B, H_i) float32, kidx (num_blocks, block_size, D) float32, tables
-    (B, W) int32, context_lens (B,) int32: scores (B, W * block_size) float32 (module doc)."""
+    """q (B, H_i, D) and w (B, H_i) float32, kidx (num_blocks, block_size, D) in the pool's dtype
+    (fp32, fp16 or bf16, read as fp32), tables (B, W) int32, context_lens (B,) int32: scores
+    (B, W * block_size) float32 (module doc)."""
     if triton is None:
         raise RuntimeError("paged_scores needs triton (runtime.dsa.paged_scores_reference does not)")
     B, NH, D = q.shape
-    if (q.dtype, w.dtype, kidx.dtype) != (torch.float32,) * 3 or tuple(w.shape) != (B, NH) \
+    if (q.dtype, w.dtype) != (torch.float32,) * 2 or kidx.dtype not in PLANE_DTYPES or tuple(w.shape) != (B, NH) \
             or kidx.dim() != 3 or kidx.shape[2] != D or kidx.stride(2) != 1:
-        raise ValueError(f"q {tuple(q.shape)}, w {tuple(w.shape)}, kidx {tuple(kidx.shape)}: need float32 "
-                         "(B, H, D), (B, H), (num_blocks, block_size, D)")
+        raise ValueError(f"q {tuple(q.shape)}, w {tuple(w.shape)}, kidx {tuple(kidx.shape)} {kidx.dtype}: need "
+                         "float32 (B, H, D), (B, H) and (num_blocks, block_size, D) in fp32, fp16 or bf16")
     if block_tables.dtype != torch.int32 or block_tables.shape[0] != B or block_tables.stride(1) != 1 \
             or context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (B,):
         raise ValueError("block_tables must be int32 (B, W) with contiguous rows, context_lens int32 (B,)")

@@ -21,7 +21,8 @@ split writes a normalised partial (o, lse) (an empty range: zeros, lse -inf) and
 Both grids depend on shapes and num_splits only; tile ranges come from context_lens on the device
 (graph-capturable; cost follows the real lengths without ``sel``, K with it).
 
-Precision: the planes are fp32 (MLAttention.cache_spec). ``precision`` "ieee" (default) runs the
+Precision: the planes are the pool's dtype (fp32, fp16 or bf16: MLAttention.cache_spec), widened to
+fp32 as they are loaded. ``precision`` "ieee" (default) runs the
 dots as exact fp32 FMAs; "tf32x3" uses tensor cores with three TF32 products (~fp32 accuracy), set
 by ``EXL3TOOLS_MLA_PRECISION`` or the argument (bench/gpu_mla_attention.py compares them).
 """
@@ -45,6 +46,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
+PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype; read as fp32
 
 
 if triton is not None:
@@ -96,9 +98,9 @@ if triton is not None:
             blk = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
             slot = (t % BS).to(tl.int64)
             kc = tl.load(ckv_ptr + (blk * s_cb + slot * s_ct)[:, None] + c[None, :],
-                         mask=tmask[:, None] & cmask[None, :], other=0.0)
+                         mask=tmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
             kp = tl.load(kpe_ptr + (blk * s_pb + slot * s_pt)[:, None] + r[None, :],
-                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+                         mask=tmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
             s = tl.dot(ql, tl.trans(kc), input_precision=PREC)
             s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
             s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
@@ -152,9 +154,11 @@ def _pow2(n: int) -> int:
 def _check(q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel):
     if q_lat.dim() != 3 or q_pe.dim() != 3 or q_lat.shape[:2] != q_pe.shape[:2]:
         raise ValueError(f"q_lat (B, H, C) and q_pe (B, H, R) disagree: {tuple(q_lat.shape)} {tuple(q_pe.shape)}")
-    for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("ckv", ckv), ("kpe", kpe)):
+    for name, t in (("q_lat", q_lat), ("q_pe", q_pe)):
         if t.dtype != torch.float32:
             raise ValueError(f"{name} must be float32, got {t.dtype}")
+    if ckv.dtype not in PLANE_DTYPES or kpe.dtype != ckv.dtype:
+        raise ValueError(f"ckv and kpe must share one of float32, float16, bfloat16, got {ckv.dtype} and {kpe.dtype}")
     if not (q_lat.is_contiguous() and q_pe.is_contiguous()):
         raise ValueError("q_lat and q_pe must be contiguous")
     B, H, C = q_lat.shape
@@ -272,8 +276,8 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Ten
     blk = block_tables.to(torch.int64).gather(1, pos // bs)
     blk = torch.where(valid, blk, 0)                   # unused table entries are never dereferenced
     flat = blk * bs + pos % bs
-    cc = ckv.reshape(-1, C)[flat]                                                # (B, T, C)
-    kp = kpe.reshape(-1, kpe.shape[2])[flat]
+    cc = ckv.reshape(-1, C)[flat].float()                                        # (B, T, C)
+    kp = kpe.reshape(-1, kpe.shape[2])[flat].float()
     cc = torch.where(valid[..., None], cc, 0.0)        # unwritten slots may hold NaN
     kp = torch.where(valid[..., None], kp, 0.0)
     s = (torch.einsum("bhc,btc->bht", q_lat, cc) + torch.einsum("bhr,btr->bht", q_pe, kp)) * scale

@@ -20,6 +20,7 @@ from exl3tools.runtime.runner import Runner, load_runner
 from tests.conftest import fixture_dir
 
 REL = 1e-4
+FP16_REL = 5e-3   # fp16 planes vs fp32 ones: the rounding of every cached latent (3.4e-4 measured)
 MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
 # prompt lengths: 40 > index_topk (sparse from the first step), 29 turns sparse at step 4, 5 stays dense
 PROMPTS = {"a": list(range(3, 43)), "b": [7 * i % 2000 + 1 for i in range(29)], "c": [11, 900, 5, 1999, 64]}
@@ -44,9 +45,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
 
 
-def _run(model, name: str, decode: str) -> list[torch.Tensor]:
+def _run(model, name: str, decode: str, kv_dtype: str = "auto") -> list[torch.Tensor]:
     r = Runner(model, fixture_dir(name) / "model", name, decode=decode, max_cache_tokens=256, block_size=4,
-               max_num_seqs=3)
+               max_num_seqs=3, kv_dtype=kv_dtype)
     assert r.decode_mode == decode
     out = []
     for sid, p in PROMPTS.items():
@@ -59,8 +60,8 @@ def _run(model, name: str, decode: str) -> list[torch.Tensor]:
     return out
 
 
-def _compare(model, name: str) -> None:
-    eager, static = _run(model, name, "eager"), _run(model, name, "static")
+def _compare(model, name: str, kv_dtype: str = "auto") -> None:
+    eager, static = _run(model, name, "eager", kv_dtype), _run(model, name, "static", kv_dtype)
     for i, (x, y) in enumerate(zip(static, eager, strict=True)):
         assert x.shape == y.shape, i
         assert _rel(x, y) < REL, (name, i, _rel(x, y))
@@ -69,6 +70,26 @@ def _compare(model, name: str) -> None:
 @pytest.mark.parametrize("name", MLA)
 def test_static_mla_decode_equals_eager(name):
     _compare(_model(name), name)
+
+
+@pytest.mark.parametrize("name", MLA[:2])
+def test_fp16_planes(name):
+    """--kv-cache-dtype fp16 for an MLA model: the latent, rope-key and indexer planes are fp16 (half
+    the bytes of auto's fp32); the static step reads them as eager decode does; logits stay near the
+    fp32 pool's (the planes round to fp16, as exllamav3's cache does)."""
+    from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs
+
+    model = _model(name)
+    r = Runner(model, fixture_dir(name) / "model", name, decode="static", max_cache_tokens=64, block_size=4,
+               max_num_seqs=3, kv_dtype="fp16")
+    assert {t.dtype for planes in r.paged.pool.planes for t in planes.values()} == {torch.float16}
+    specs = layer_specs(model)
+    assert 2 * bytes_per_token(specs, torch.float16) == bytes_per_token(specs, torch.float32)
+    _compare(model, name, "fp16")
+    fp16, fp32 = _run(model, name, "eager", "fp16"), _run(model, name, "eager")
+    err = max(_rel(x, y) for x, y in zip(fp16, fp32, strict=True))
+    print(name, "fp16 vs fp32 planes", err)
+    assert 0 < err < FP16_REL, err
 
 
 def test_static_decode_with_a_shared_indexer_layer():
@@ -146,6 +167,7 @@ def test_static_step_with_the_triton_kernel_on_the_interpreter(monkeypatch):
     monkeypatch.setattr(paged_decode, "MLA_DECODE_ON_CPU", True)
     name = "glm5_moe_dsa-3.0bpw-mul1"
     _compare(_model(name), name)
+    _compare(_model(name), name, "fp16")   # fp16 planes, widened as the kernels load them
 
 
 def test_speculative_rows_run_the_decode_step_and_feed_the_head():

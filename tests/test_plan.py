@@ -44,9 +44,14 @@ def test_plan_equals_runtime_on_every_fixture(fixture):
     from exl3tools.runtime.runner import GRAPH_RESERVE as RUNTIME_RESERVE
 
     assert GRAPH_RESERVE == RUNTIME_RESERVE
+    from exl3tools.runtime.mla import has_mla
+    from exl3tools.runtime.runner import kv_dtype_for
+
     model, read = _runtime(fixture / "model", 1, 0)
     specs = layer_specs(model)
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    auto = kv_dtype_for("auto", torch.device("cuda"), mla=has_mla(model))   # what serve --device cuda takes
+    assert auto == (torch.float32 if has_mla(model) else torch.bfloat16)
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16), ("auto", auto)):
         p = _plan(fixture / "model", kv_dtype=name)
         assert p.ranks[0].kv_bytes_per_token == bytes_per_token(specs, dt), name
         assert p.ranks[0].weight_bytes == read      # every tensor the runtime reads, MTP included

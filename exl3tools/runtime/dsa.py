@@ -109,7 +109,7 @@ def paged_scores_reference(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor,
     t = torch.arange(T, device=q.device)
     valid = t[None, :] < ctx.to(torch.int64)[:, None]                            # (B, T)
     blk = torch.where(valid, tables.to(torch.int64).repeat_interleave(bs, 1), 0)
-    keys = kidx.reshape(-1, kidx.shape[2])[blk * bs + t % bs]                      # (B, T, D_i)
+    keys = kidx.reshape(-1, kidx.shape[2])[blk * bs + t % bs].float()              # (B, T, D_i)
     keys = torch.where(valid[..., None], keys, 0.0)
     logits = torch.einsum("bhd,btd->bht", q, keys)
     s = (F.relu(logits) * w[:, :, None]).sum(1) * scale

@@ -111,14 +111,15 @@ class MLAttention:
         self.index_topk = index_topk if (indexer is not None or dsa_shared) else 0
 
     def cache_spec(self) -> list:
-        """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key.
-        float32 whatever the pool's dtype: the latent is small and the eager MLA path computes in
-        float32 (DSA's top-k is decided by near-ties that a bf16 cache would flip)."""
+        """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key, in
+        the pool's dtype. Attention computes in float32 whatever the planes hold; ``--kv-cache-dtype
+        auto`` gives MLA models a float32 pool (runner.kv_dtype_for), fp16 halves it (exllamav3
+        caches the latent in fp16) at the price of DSA top-k near-ties a rounded key may flip."""
         from exl3tools.runtime.kv_pool import PlaneSpec
 
-        specs = [PlaneSpec(CACHE_CKV, (self.kv_lora,), torch.float32), PlaneSpec(CACHE_KPE, (self.rope,), torch.float32)]
+        specs = [PlaneSpec(CACHE_CKV, (self.kv_lora,)), PlaneSpec(CACHE_KPE, (self.rope,))]
         if self.indexer is not None:
-            specs.append(PlaneSpec(CACHE_KIDX, (self.indexer.hd,), torch.float32))
+            specs.append(PlaneSpec(CACHE_KIDX, (self.indexer.hd,)))
         return specs
 
     def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,11 +195,11 @@ class MLAttention:
         lat = self.kv_a(x)
         planes = st.pool.planes[self.layer]
         kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
-        planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]).float())
-        planes[CACHE_KPE].index_copy_(0, st.slots, kpe.float())
+        planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
+        planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
         sel = None
         if self.indexer is not None:
-            planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).float())
+            planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).to(planes[CACHE_KIDX].dtype))
             if self.index_topk and st.sparse:          # else every row sees <= index_topk keys: all of them
                 sel = self.indexer.select_paged(x, q_resid, pos, st.pool.blocks(self.layer, CACHE_KIDX),
                                                 st.tables, st.ctx, st.dsa_scores)
@@ -212,3 +213,8 @@ class MLAttention:
                               st.pool.blocks(self.layer, CACHE_KPE), st.tables, st.ctx, self.scale, sel=sel)
         out = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
+
+
+def has_mla(model) -> bool:
+    """Whether any layer of ``model`` is an MLAttention (its KV pool defaults to float32)."""
+    return any(isinstance(layer.attn, MLAttention) for layer in model.layers)

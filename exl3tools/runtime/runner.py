@@ -26,6 +26,7 @@ from exl3tools.runtime import preview
 from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.cache import MIN_CAPACITY
 from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
+from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
 from exl3tools.runtime.tp import TPContext
@@ -104,7 +105,7 @@ class Runner:
         dev = model.embed.device
         if not 0 < gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-        dtype = kv_dtype_for(kv_dtype, dev)
+        dtype = kv_dtype_for(kv_dtype, dev, mla=has_mla(model))
         specs = layer_specs(model)
         per_token = bytes_per_token(specs, dtype)
         weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
@@ -588,12 +589,13 @@ def mtp_cache_bytes_per_token(model: CausalLM, speculative_tokens: int) -> int:
     return bytes_per_token([tuple(model.mtp.block.attn.cache_spec())], torch.float32)
 
 
-def kv_dtype_for(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA, float32 on the CPU (the reference path stays exact)."""
+def kv_dtype_for(name: str, device: torch.device, *, mla: bool = False) -> torch.dtype:
+    """"auto": bfloat16 on CUDA, float32 on the CPU (the reference path stays exact) and for MLA
+    models (their fp16 planes have not yet run on a GPU; fp16 asks for them)."""
     table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
              "fp32": torch.float32, "float32": torch.float32}
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" and not mla else torch.float32
     if name not in table:
         raise UsageError(f"--kv-cache-dtype must be auto, bf16, fp16 or fp32, got {name!r}")
     return table[name]

@@ -122,8 +122,28 @@ def test_mla_decode_rejects_bad_inputs(dev):
     bad = dict(t, block_tables=t["block_tables"].to(torch.int64))
     with pytest.raises(ValueError, match="block_tables"):
         mla_decode(**bad, scale=1.0)
-    with pytest.raises(ValueError, match="float32"):
-        mla_decode(**dict(t, ckv=t["ckv"].half()), scale=1.0)
+    with pytest.raises(ValueError, match="share one of"):
+        mla_decode(**dict(t, ckv=t["ckv"].half()), scale=1.0)      # planes of two dtypes
+    with pytest.raises(ValueError, match="q_lat must be float32"):
+        mla_decode(**dict(t, q_lat=t["q_lat"].half()), scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[-2]], ids=["dense", "dsa"])
+def test_mla_decode_reads_16_bit_planes(dev, case, dtype):
+    """--kv-cache-dtype fp16/bf16 planes (MLAttention.cache_spec follows the pool): the kernel and
+    the reference widen them to fp32 as they load, so both equal the float64 oracle of the rounded
+    planes as closely as with fp32 planes."""
+    from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
+
+    B, H, C, R, bs, kind, K, ns, prec = case
+    t, lens = _case(B, H, C, R, bs, kind, K, dev)
+    t = dict(t, ckv=t["ckv"].to(getattr(torch, dtype)), kpe=t["kpe"].to(getattr(torch, dtype)))
+    scale = (C // 4 + R) ** -0.5
+    want = _oracle(t, lens, scale)
+    for fn in (mla_decode, mla_decode_reference):
+        err = (fn(**t, scale=scale, num_splits=ns, precision=prec).cpu().double() - want).abs().max().item()
+        assert err < 2e-5, (fn.__name__, case, dtype, err)
 
 
 @pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
@@ -143,6 +163,10 @@ def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
     scale = D ** -0.5 * NH ** -0.5
     got = paged_scores(q, w, kidx, t["block_tables"], t["context_lens"], scale).cpu()
     want = paged_scores_reference(q, w, kidx, t["block_tables"], t["context_lens"], scale).cpu()
+    # an fp16 plane holding the same (fp16-exact) keys is widened on load: the same scores
+    args = (q, w, kidx.half(), t["block_tables"], t["context_lens"], scale)
+    assert torch.equal(paged_scores(*args).cpu(), got)
+    assert torch.equal(paged_scores_reference(*args).cpu(), want)
     assert got.shape == want.shape == (B, t["block_tables"].shape[1] * bs)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
