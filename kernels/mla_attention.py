@@ -21,8 +21,9 @@ split writes a normalised partial (o, lse) (an empty range: zeros, lse -inf) and
 Both grids depend on shapes and num_splits only; tile ranges come from context_lens on the device
 (graph-capturable; cost follows the real lengths without ``sel``, K with it).
 
-Precision: the planes are the pool's dtype (fp32, fp16 or bf16: MLAttention.cache_spec), widened to
-fp32 as they are loaded. ``precision`` "ieee" (default) runs the
+Precision: the planes are the pool's dtype (MLAttention.cache_spec). fp16 planes take fp16 tensor-core
+dots with fp32 accumulation (the query and the probabilities rounded to fp16); bf16 planes are
+widened to fp32 as they load. On fp32 (and widened) planes ``precision`` "ieee" (default) runs the
 dots as exact fp32 FMAs; "tf32x3" uses tensor cores with three TF32 products (~fp32 accuracy), set
 by ``EXL3TOOLS_MLA_PRECISION`` or the argument (bench/gpu_mla_attention.py compares them).
 """
@@ -98,18 +99,30 @@ if triton is not None:
             blk = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
             slot = (t % BS).to(tl.int64)
             kc = tl.load(ckv_ptr + (blk * s_cb + slot * s_ct)[:, None] + c[None, :],
-                         mask=tmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+                         mask=tmask[:, None] & cmask[None, :], other=0.0)
             kp = tl.load(kpe_ptr + (blk * s_pb + slot * s_pt)[:, None] + r[None, :],
-                         mask=tmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            s = tl.dot(ql, tl.trans(kc), input_precision=PREC)
-            s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
+                         mask=tmask[:, None] & rmask[None, :], other=0.0)
+            if kc.dtype == tl.float16:
+                # fp16 planes: fp16 tensor-core dots, fp32 accumulation (q and p rounded to fp16, as
+                # flash attention does); widening the tiles instead spills on sm_90 (32 registers,
+                # ~5 KB a thread: bench/triton_sm90_check.py)
+                s = tl.dot(ql.to(tl.float16), tl.trans(kc))
+                s = tl.dot(qp.to(tl.float16), tl.trans(kp), s)
+            else:
+                kc = kc.to(tl.float32)      # bf16 planes are widened (fp32 planes: a no-op)
+                kp = kp.to(tl.float32)
+                s = tl.dot(ql, tl.trans(kc), input_precision=PREC)
+                s = tl.dot(qp, tl.trans(kp), s, input_precision=PREC)
             s = tl.where(tmask[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a tile of skipped entries: no NaN
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p, kc, acc * alpha[:, None], input_precision=PREC)
+            if kc.dtype == tl.float16:
+                acc = tl.dot(p.to(tl.float16), kc, acc * alpha[:, None])
+            else:
+                acc = tl.dot(p, kc, acc * alpha[:, None], input_precision=PREC)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)

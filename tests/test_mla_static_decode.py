@@ -60,11 +60,11 @@ def _run(model, name: str, decode: str, kv_dtype: str = "auto") -> list[torch.Te
     return out
 
 
-def _compare(model, name: str, kv_dtype: str = "auto") -> None:
+def _compare(model, name: str, kv_dtype: str = "auto", rel: float = REL) -> None:
     eager, static = _run(model, name, "eager", kv_dtype), _run(model, name, "static", kv_dtype)
     for i, (x, y) in enumerate(zip(static, eager, strict=True)):
         assert x.shape == y.shape, i
-        assert _rel(x, y) < REL, (name, i, _rel(x, y))
+        assert _rel(x, y) < rel, (name, i, _rel(x, y))
 
 
 @pytest.mark.parametrize("name", MLA)
@@ -167,7 +167,9 @@ def test_static_step_with_the_triton_kernel_on_the_interpreter(monkeypatch):
     monkeypatch.setattr(paged_decode, "MLA_DECODE_ON_CPU", True)
     name = "glm5_moe_dsa-3.0bpw-mul1"
     _compare(_model(name), name)
-    _compare(_model(name), name, "fp16")   # fp16 planes, widened as the kernels load them
+    # fp16 planes: the kernel's fp16 tensor-core dots round the query and the probabilities too
+    # (1.0e-4 here), the eager path widens the planes
+    _compare(_model(name), name, "fp16", rel=1e-3)
 
 
 def test_speculative_rows_run_the_decode_step_and_feed_the_head():

@@ -131,9 +131,10 @@ def test_mla_decode_rejects_bad_inputs(dev):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[-2]], ids=["dense", "dsa"])
 def test_mla_decode_reads_16_bit_planes(dev, case, dtype):
-    """--kv-cache-dtype fp16/bf16 planes (MLAttention.cache_spec follows the pool): the kernel and
-    the reference widen them to fp32 as they load, so both equal the float64 oracle of the rounded
-    planes as closely as with fp32 planes."""
+    """--kv-cache-dtype fp16/bf16 planes (MLAttention.cache_spec follows the pool) against the
+    float64 oracle of the rounded planes: the reference and the kernel on bf16 widen them as they
+    load (fp32 accuracy); the kernel on fp16 runs fp16 tensor-core dots (query and probabilities
+    rounded to fp16, fp32 accumulation: ~2e-4 here)."""
     from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
 
     B, H, C, R, bs, kind, K, ns, prec = case
@@ -143,7 +144,8 @@ def test_mla_decode_reads_16_bit_planes(dev, case, dtype):
     want = _oracle(t, lens, scale)
     for fn in (mla_decode, mla_decode_reference):
         err = (fn(**t, scale=scale, num_splits=ns, precision=prec).cpu().double() - want).abs().max().item()
-        assert err < 2e-5, (fn.__name__, case, dtype, err)
+        tol = 1e-3 if fn is mla_decode and dtype == "float16" else 2e-5
+        assert err < tol, (fn.__name__, case, dtype, err)
 
 
 @pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
