@@ -62,6 +62,9 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
         row[f"{prec}_us"] = bench_graph(lambda p=prec: mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale,
                                                                    out=out, precision=p))
     row["dsa_us"] = bench_graph(lambda: mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel, out=out))
+    ckv16, kpe16 = ckv.half(), kpe.half()    # --kv-cache-dtype fp16: fp16 tensor-core dots, half the bytes
+    row["fp16_us"] = bench_graph(lambda: mla_decode(q_lat, q_pe, ckv16, kpe16, tables, lens, scale, out=out))
+    row["fp16_roofline"] = B * ctx * (C + R) * 2 / HBM / (row["fp16_us"] * 1e-6)
     qi = torch.randn(B, 32, 128, device="cuda", generator=gen)
     wi = torch.randn(B, 32, device="cuda", generator=gen)
     kidx = torch.empty(ckv.shape[0], BS, 128, device="cuda").normal_(generator=gen)
@@ -78,6 +81,9 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
         row["err"] = ((got - ref).abs().max() / ref.abs().max()).item()
         tf = mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, scale, precision="tf32x3")
         row["err_tf32x3"] = ((tf - ref).abs().max() / ref.abs().max()).item()
+        h = mla_decode(q_lat, q_pe, ckv16, kpe16, tables, lens, scale)   # vs fp32 math on the rounded planes
+        ref16 = mla_decode_reference(q_lat, q_pe, ckv16, kpe16, tables, lens, scale)
+        row["err_fp16"] = ((h - ref16).abs().max() / ref16.abs().max()).item()
     return row
 
 
@@ -120,8 +126,9 @@ def main() -> int:
     swept = sweep(*(int(v) for v in a.sweep.split(","))) if a.sweep else []
     ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
     rows = []
-    print("| H | B | ctx | ieee µs | tf32x3 µs | dsa K=2048 µs | indexer µs | torch µs | GB/s | roofline | err | err tf32x3 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | indexer µs | torch µs | GB/s | "
+          "roofline | fp16 roofline | err | err tf32x3 | err fp16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for H in (int(h) for h in a.heads.split(",")):
         for B in batches:
             for ctx in ctxs:
@@ -135,9 +142,10 @@ def main() -> int:
 
                 def f(k, fmt="{:.1f}", r=r):
                     return fmt.format(r[k]) if k in r else "-"
-                print(f"| {H} | {B} | {ctx} | {f('ieee_us')} | {f('tf32x3_us')} | {f('dsa_us')} | {f('indexer_us')} | "
-                      f"{f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | {f('err', '{:.1e}')} | "
-                      f"{f('err_tf32x3', '{:.1e}')} |", flush=True)
+                print(f"| {H} | {B} | {ctx} | {f('ieee_us')} | {f('tf32x3_us')} | {f('fp16_us')} | {f('dsa_us')} | "
+                      f"{f('indexer_us')} | {f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | "
+                      f"{f('fp16_roofline', '{:.0%}')} | {f('err', '{:.1e}')} | {f('err_tf32x3', '{:.1e}')} | "
+                      f"{f('err_fp16', '{:.1e}')} |", flush=True)
                 torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as fh:
