@@ -114,7 +114,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
       PV="EXL3TOOLS_ROW_STEPS=1"   # verify rows in the graph step: a preview path
-      CFG=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768" --config "$arch:--max-model-len 32768")
+      CFG=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768" --config "$arch:--max-model-len 32768"
+           --config "${arch}_fp16:--max-model-len 32768 --kv-cache-dtype fp16")   # half the latent bytes
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
         CFG+=(--config "${arch}_mtp$k:$PV --max-model-len 32768 --speculative-tokens $k"); done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
