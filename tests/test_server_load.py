@@ -82,6 +82,7 @@ def test_64_concurrent_streams_all_complete(server):
     assert wait_for(lambda: stats(server)["running"] == 0)
     s = stats(server)
     assert s["queue_depth"] == 0 and s["cache_tokens_used"] == 0
+    assert s["decode_mode"] == "eager" and s["kv_cache_dtype"] == "float32"   # the CPU's defaults
 
 
 def test_streaming_disconnect_cancels_and_frees_cache(server):
