@@ -96,3 +96,25 @@ def test_template_refusal_and_errors_are_400():
     sandboxed = ChatTemplate("{{ ''.__class__.__mro__ }}")
     with pytest.raises(APIError):
         sandboxed.render([])
+
+
+def test_sse_orjson_writes_what_json_would():
+    """The stream's chunks go through orjson (responses.sse): the same bytes as json.dumps for every
+    ASCII character, unicode line separators, emoji and a lone replacement character; a chunk with
+    logprobs (a -inf one included) and an integer beyond 2^53 take json's path."""
+    import json
+
+    from exl3tools.server.responses import sse
+
+    def plain(obj):
+        return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    text = "".join(map(chr, range(128))) + "é\u2028\u2029\ufffd😀\x7f"
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    assert sse(chunk) == plain(chunk)
+    lp = {"choices": [{"logprobs": {"token_logprobs": [-0.5, float("-inf")]}}]}
+    assert sse(lp, True) == plain(lp) and "-Infinity" in sse(lp, True)
+    big = {"seed": 2**60}
+    assert sse(big) == plain(big)

@@ -487,7 +487,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                         out.append(sse(ev.error.body()))
                         failed = True
                         break
-                    out.extend(sse(chunk) for chunk in fmt.chunks(ev, offsets.get(ev.index, 0)))
+                    out.extend(sse(chunk, bool(ev.logprobs)) for chunk in fmt.chunks(ev, offsets.get(ev.index, 0)))
                     offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
                 yield "".join(out)
                 if failed:
