@@ -136,3 +136,35 @@ def test_serve_on_cuda_graphs_prefix_cache_and_seeded_streams():
         common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         assert common >= min(len(a), len(b)) // 2, (a, b)
         assert runner.cache_tokens_used() == 0
+
+
+def test_a_failed_capture_on_cuda_decodes_eagerly(monkeypatch, caplog):
+    """A capture that fails half-way on the GPU (out of memory at bucket 2, after the larger ones
+    were captured) leaves a runner that decodes eagerly on the same device, says so, and matches
+    the CPU reference: the CUDA state after the aborted capture is usable."""
+    import torch
+
+    from exl3tools.runtime import paged_decode
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import Reference, schedule
+
+    real = paged_decode.PagedDecoder._body
+
+    def body(self, bs, width=None, sparse=True):
+        if bs == 2 and torch.cuda.is_current_stream_capturing():
+            raise torch.OutOfMemoryError("CUDA out of memory (injected while capturing bucket 2)")
+        return real(self, bs, width, sparse)
+
+    monkeypatch.setattr(paged_decode.PagedDecoder, "_body", body)
+    name = "llama-4.0bpw-mul1"
+    path = fixture_dir(name) / "model"
+    ref = schedule(Reference(load_runner(path, max_context=48).model))
+    with caplog.at_level("WARNING", logger="exl3tools"):
+        runner = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=3,
+                             block_size=4, kv_dtype="fp32", max_cache_tokens=4096)
+    assert runner.decode_mode == "eager" and runner.paged.decoder is None
+    assert any("CUDA graph capture failed" in m for m in caplog.messages), caplog.messages
+    for s, (g, r) in enumerate(zip(schedule(runner), ref, strict=True)):
+        assert _rel(g, r) < REL["fp32"], (s, _rel(g, r))
+    runner.close()
