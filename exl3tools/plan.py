@@ -217,5 +217,10 @@ def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: s
         message = (f"{ck.root}: does not fit on {where}: rank {worst.rank} needs {fmt_bytes(need)} "
                    f"(weights {fmt_bytes(worst.weight_bytes)} + scratch {fmt_bytes(worst.scratch_bytes)} + KV for "
                    f"{need_tokens} tokens), {fmt_bytes(usable)} free at --gpu-memory-utilization {util}")
+    if arch in MLA_ARCHS and kv_dtype == "auto" and tokens < want and worst.kv_blocks >= 1:
+        # auto keeps MLA's latent in fp32: fp16 halves every plane
+        half = min(max(max(rk.kv_budget_bytes, 0) // (rk.kv_bytes_per_token // 2 * block_size) - 1, 0) * block_size
+                   for rk in ranks)
+        message += f"; --kv-cache-dtype fp16 (half the latent's bytes) would hold {half} tokens"
     return MemoryPlan(str(ck.root), arch, gpu, gpu_total, util, tp, moe, block_size, kv_dtype, max_num_seqs,
                       batched_tokens, max_model_len, model_ctx, ranks, tokens, min(want, tokens), fits, message)

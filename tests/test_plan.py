@@ -192,3 +192,17 @@ def test_plan_counts_an_mtp_layer_only_where_the_runtime_builds_it(tmp_path):
 
     assert weights("deepseek_v3", True) == weights("deepseek_v3", False)
     assert weights("glm5", True) > weights("glm5", False)
+
+
+def test_an_mla_plan_short_of_its_context_names_fp16():
+    """MLA's latent is fp32 under auto: where the pool holds less than the model's context, the
+    message says how many tokens --kv-cache-dtype fp16 holds (the fp16 plan's own figure)."""
+    src = fixture_dir("deepseek_v3-3.0bpw-3inst") / "model"
+    ck = Checkpoint.open(src)
+    probe = plan_memory(ck, gpu="x", gpu_total=GPUS["h200"])
+    small = probe.ranks[0].weight_bytes + probe.ranks[0].scratch_bytes + 100 * 16 * probe.ranks[0].kv_bytes_per_token
+    auto = plan_memory(ck, gpu="x", gpu_total=int(small / 0.9) + 1)
+    fp16 = plan_memory(ck, gpu="x", gpu_total=int(small / 0.9) + 1, kv_dtype="fp16")
+    assert auto.kv_tokens < auto.model_max_context and fp16.kv_tokens > auto.kv_tokens
+    assert auto.message.endswith(f"--kv-cache-dtype fp16 (half the latent's bytes) would hold {fp16.kv_tokens} tokens")
+    assert "fp16" not in fp16.message and "fp16" not in probe.message   # it holds the context: no hint
