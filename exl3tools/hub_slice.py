@@ -369,13 +369,15 @@ def fetch_range(src: RemoteSource, rf: RemoteFile, fd: int, a: int, b: int,
                     raise TransferError(f"hf://{src.repo}/{rf.name}: HTTP {r.status_code} for bytes "
                                         f"{pos}-{b - 1}") from None
                 _check_response(src, rf, r, pos, b)
-                for chunk in r.iter_bytes():  # as it arrives (a chunk size would hold back a tail)
+                # as it arrives (a chunk size would hold back a tail); read to the end of the body
+                # even past b (none, Content-Range is checked): a response left unread closes its
+                # connection, so every range would pay a new TCP (and TLS) handshake
+                for chunk in r.iter_bytes():
                     take = memoryview(chunk)[: b - pos]
-                    os.pwrite(fd, take, pos)
-                    pos += len(take)
-                    progress(len(take))
-                    if pos >= b:
-                        break
+                    if take:
+                        os.pwrite(fd, take, pos)
+                        pos += len(take)
+                        progress(len(take))
             if pos < b:
                 raise _ShortRead(f"connection ended at byte {pos} of {a}-{b - 1}")
         except retryable as exc:

@@ -43,6 +43,7 @@ class HubState:
     drop_times: int = 1   # how many GETs drop_once cuts short before it is spent
     flip_commit_after: int | None = None
     gets: list[Get] = field(default_factory=list)
+    connections: int = 0  # TCP connections accepted: keep-alive means far fewer than GETs
     lock: threading.Lock = field(default_factory=threading.Lock)
     _sha: dict[str, str] = field(default_factory=dict)
 
@@ -65,6 +66,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # quiet
         pass
+
+    def setup(self) -> None:  # once per TCP connection
+        super().setup()
+        with self.state.lock:
+            self.state.connections += 1
 
     def _send(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None,
               head: bool = False) -> None:

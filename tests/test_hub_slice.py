@@ -93,6 +93,10 @@ def test_bytes_per_rank_equal_the_plan(tmp_path, hub_env, src_name, tp, moe, ran
         hub_env(hub.url)
         ck, rs, plan = H.remote_plan(REPO_ID, tp, moe)
         H.rank_slice_remote(ck, rs, plan, tmp_path / "out", [rank], parallel=8)
+        # one connection per worker thread, kept alive over its ranges (a column cut: ~2700 GETs);
+        # a response left unread used to close its connection: one TCP (TLS) handshake per range
+        ranged = sum(g.ranged for g in hub.state.gets)
+        assert hub.state.connections <= 8 + 4 < ranged, (hub.state.connections, ranged)
         tensor_bytes = sum(t.nbytes for sp in plan.shards for t in sp.outputs[rank])
         assert _data_bytes(hub, ck) == tensor_bytes
         assert H.fetch_summary(plan, ck, [rank])["fetch_bytes"] == tensor_bytes
