@@ -104,6 +104,25 @@ def merge(ranges: Iterable[Range], gap: int = 0) -> list[Range]:
     return [(a, b) for a, b in out]
 
 
+def subtract(ranges: Iterable[Range], done: list[Range]) -> list[Range]:
+    """The parts of ``ranges`` outside ``done`` (sorted, disjoint), in order: one sweep over both."""
+    out: list[Range] = []
+    j = 0
+    for a, b in sorted(ranges):
+        while j < len(done) and done[j][1] <= a:
+            j += 1
+        k = j
+        while a < b and k < len(done) and done[k][0] < b:
+            da, db = done[k]
+            if da > a:
+                out.append((a, da))
+            a = max(a, db)
+            k += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
 def needed_ranges(ck: Checkpoint, outputs: Iterable[tuple[str, tuple]], gap: int = 0) -> dict[str, list[Range]]:
     """source file -> merged byte ranges, for (source file, (src tensor, dim, start, stop)) pairs."""
     per_file: dict[str, list[Range]] = {}
@@ -241,7 +260,8 @@ class _Mirror:
         self.lock, self.log_lock = threading.Lock(), threading.Lock()
         self.pending: list[Range] = []
         self.unsynced = 0
-        self.done = self._load()
+        self.done = self._load()       # sorted, disjoint; ranges completed since are in self.new
+        self.new: list[Range] = []
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         if os.fstat(self.fd).st_size != rf.size:
             os.ftruncate(self.fd, rf.size)
@@ -266,25 +286,19 @@ class _Mirror:
         return merge(out)
 
     def missing(self, ranges: list[Range]) -> list[Range]:
-        out = []
-        for a, b in ranges:
-            for da, db in self.done:
-                if db <= a or da >= b:
-                    continue
-                if da > a:
-                    out.append((a, da))
-                a = max(a, db)
-                if a >= b:
-                    break
-            if a < b:
-                out.append((a, b))
-        return out
+        """The parts of ``ranges`` not yet complete: one sweep over both sorted lists (a column cut
+        of a GLM-5-size rank is ~10^6 ranges, so no range may rescan the completed ones)."""
+        with self.lock:
+            if self.new:
+                self.done, self.new = merge(self.done + self.new), []
+            done = self.done
+        return subtract(ranges, done)
 
     def _record(self, a: int, b: int) -> None:
         """Note [a, b) as complete; the note is made durable (after the data) by ``sync``."""
         with self.lock:
             self.pending.append((a, b))
-            self.done = merge(self.done + [(a, b)])
+            self.new.append((a, b))         # merged into done when next asked (missing)
             self.unsynced += b - a
             due = self.unsynced >= SYNC_BYTES
         if due:
@@ -305,8 +319,10 @@ class _Mirror:
             os.fsync(f.fileno())
 
     def fetch(self, ranges: list[Range], progress: Callable[[int], None] = lambda n: None,
-              stop: threading.Event | None = None) -> None:
-        for a, b in self.missing(ranges):
+              stop: threading.Event | None = None, known_missing: bool = False) -> None:
+        """Fetch what of ``ranges`` is missing (``known_missing``: all of it, as fetch_ranges's
+        pieces are, which skips a merge of the completed ranges per piece)."""
+        for a, b in (ranges if known_missing else self.missing(ranges)):
             fetch_range(self.src, self.rf, self.fd, a, b, progress, stop)
             self._record(a, b)
 
@@ -415,7 +431,7 @@ def fetch_ranges(src: RemoteSource, need: dict[str, list[Range]], *, parallel: i
 
         def run(job: tuple[_Mirror, Range]) -> None:
             m, p = job
-            m.fetch([p], prog, stop)
+            m.fetch([p], prog, stop, known_missing=True)
 
         with ThreadPoolExecutor(max(1, parallel)) as pool:
             futs = [pool.submit(run, j) for j in jobs]
