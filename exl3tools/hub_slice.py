@@ -44,6 +44,7 @@ from exl3tools.hub import SMALL_FILES, split_revision, transport_errors
 
 PIECE = 64 << 20             # longer ranges are fetched as several requests, in parallel
 PARALLEL = 8                 # concurrent range requests
+EXTRA_BYTES = 1 << 20        # bytes past a range read (to keep its connection) before it is cut off
 SYNC_BYTES = 64 << 20        # fsync the mirror and log its complete ranges every this many bytes
 RETRIES = 5                  # consecutive failures without progress before giving up
 MAX_HEADER = 100 << 20       # a safetensors header longer than this is hostile
@@ -386,14 +387,19 @@ def fetch_range(src: RemoteSource, rf: RemoteFile, fd: int, a: int, b: int,
                                         f"{pos}-{b - 1}") from None
                 _check_response(src, rf, r, pos, b)
                 # as it arrives (a chunk size would hold back a tail); read to the end of the body
-                # even past b (none, Content-Range is checked): a response left unread closes its
-                # connection, so every range would pay a new TCP (and TLS) handshake
+                # (Content-Range is checked: nothing past b) since a response left unread closes
+                # its connection and every range would pay a new TCP (and TLS) handshake; a server
+                # that sends on past b anyway is cut off after EXTRA_BYTES
+                extra = 0
                 for chunk in r.iter_bytes():
                     take = memoryview(chunk)[: b - pos]
                     if take:
                         os.pwrite(fd, take, pos)
                         pos += len(take)
                         progress(len(take))
+                    extra += len(chunk) - len(take)
+                    if extra > EXTRA_BYTES:
+                        break
             if pos < b:
                 raise _ShortRead(f"connection ended at byte {pos} of {a}-{b - 1}")
         except retryable as exc:
