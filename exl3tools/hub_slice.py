@@ -41,6 +41,7 @@ from exl3tools.checkpoint.reader import INDEX_NAME, Checkpoint
 from exl3tools.checkpoint.writer import write_atomic
 from exl3tools.errors import CheckpointError, NotFoundError, RevisionChangedError, TransferError, UsageError
 from exl3tools.hub import SMALL_FILES, split_revision, transport_errors
+from exl3tools.text import printable
 
 PIECE = 64 << 20             # longer ranges are fetched as several requests, in parallel
 PARALLEL = 8                 # concurrent range requests
@@ -356,6 +357,10 @@ def _check_response(src: RemoteSource, rf: RemoteFile, r: Any, a: int, b: int) -
             raise RevisionChangedError(f"{where}: the server's file is not {rf.size} bytes any more "
                                        f"(Content-Range {got!r}); run again")
         raise TransferError(f"{where}: asked for {want}, got Content-Range {got!r}")
+    length = r.headers.get("Content-Length")
+    if length is not None and length.strip() != str(b - a):
+        raise TransferError(f"{where}: asked for {b - a} bytes ({want}), the answer says Content-Length "
+                            f"{printable(length.strip()[:40])}")
 
 
 def fetch_range(src: RemoteSource, rf: RemoteFile, fd: int, a: int, b: int,

@@ -44,6 +44,7 @@ class HubState:
     flip_commit_after: int | None = None
     gets: list[Get] = field(default_factory=list)
     connections: int = 0  # TCP connections accepted: keep-alive means far fewer than GETs
+    overrun: int = 0      # hostile: ranged answers carry this many bytes more than asked (Content-Length too)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _sha: dict[str, str] = field(default_factory=dict)
 
@@ -151,8 +152,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         for k, v in hdr.items():
             self.send_header(k, v)
-        self.send_header("Content-Length", str(end - start))
+        over = st.overrun if rng else 0
+        self.send_header("Content-Length", str(end - start + over))
         self.end_headers()
+        if over:
+            self.wfile.write(b"\0" * over)   # the asked bytes are not even first: never written anywhere
         sent = 0
         with open(p, "rb") as f:
             f.seek(start)

@@ -274,3 +274,24 @@ def test_subtract_is_the_set_difference():
     n = 200_000   # ranges: linear (the old per-range rescan: ~11 min here, hours at 10^6)
     ranges = [(i * 10, i * 10 + 4) for i in range(n)]
     assert H.subtract(ranges, [(i * 10, i * 10 + 2) for i in range(0, n, 2)])[:2] == [(2, 4), (10, 14)]
+
+
+def test_an_answer_longer_than_the_range_is_refused(tmp_path, hub_env):
+    """Hostile: a 206 with the right Content-Range but a longer Content-Length (its body starts with
+    bytes that are not the range) is a one-line TransferError naming the file; no range of it is
+    recorded complete, so a rerun against an honest server fetches everything again."""
+    from exl3tools.errors import TransferError
+
+    with FakeHub(DEMO, REPO_ID) as hub:
+        hub_env(hub.url)
+        ck, rs, plan = H.remote_plan(REPO_ID, 2, "ep")
+        hub.state.overrun = 100
+        # retried like any bad answer (a CDN hiccup), then refused with the reason
+        with pytest.raises(TransferError, match=r"model\.safetensors: bytes \d+-\d+ failed 6 times .*asked for \d+ bytes"):
+            H.rank_slice_remote(ck, rs, plan, tmp_path / "out", [0], parallel=1)
+        log = rs.mirror / ".model.safetensors.ranges"   # the header, read while planning, only
+        data_start = ck.headers["model.safetensors"].data_start
+        assert all(json.loads(x)["b"] <= data_start for x in log.read_text().splitlines())
+        hub.state.overrun = 0
+        H.rank_slice_remote(ck, rs, plan, tmp_path / "out2", [0], parallel=1)
+    _same_rank_dirs(tmp_path / "out2", _local(DEMO, tmp_path, 2, "ep"), [plan.dirs[0]])
