@@ -20,6 +20,12 @@ def printable(text: str) -> str:
     return _UNSAFE.sub(_escape, text)
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line of text for a one-line message, else its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def for_console(text: object) -> str:
     """Untrusted text for a Rich console: ``printable``, and Rich markup (``[red]``) neutralised."""
     from rich.markup import escape

@@ -22,6 +22,7 @@ from exl3tools.errors import (
     NotACheckpointError,
     UsageError,
 )
+from exl3tools.text import first_line
 
 RANK_DIR = re.compile(r"^rank-(\d+)-of-(\d+)$")
 
@@ -113,8 +114,7 @@ def load_tokenizer(path: Path):
     try:
         return Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for bad JSON
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: not a readable tokenizer ({first})") from None
+        raise CheckpointError(f"{path}: not a readable tokenizer ({first_line(exc)})") from None
 
 
 def read_config(layout: Layout) -> dict:

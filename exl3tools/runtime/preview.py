@@ -18,4 +18,3 @@ SWITCHES = {
 def switched_on(name: str) -> bool:
     """Whether the preview path ``name`` is asked for ("1")."""
     return os.environ.get(SWITCHES[name]) == "1"
-

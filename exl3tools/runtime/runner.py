@@ -31,7 +31,7 @@ from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
-from exl3tools.text import printable
+from exl3tools.text import first_line, printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -194,8 +194,7 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             if self.world > 1:
                 raise
-            log.warning("CUDA graph capture failed, decoding eagerly (slower): %s",
-                        printable(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+            log.warning("CUDA graph capture failed, decoding eagerly (slower): %s", printable(first_line(exc)))
             self.paged.decoder = None
             self.decode_mode = "eager"
             if self.model.embed.device.type == "cuda":

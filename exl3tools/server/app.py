@@ -44,6 +44,7 @@ from exl3tools.server.protocol import (
 )
 from exl3tools.server.responses import Choice, Formatter, sse
 from exl3tools.server.template import ChatTemplate, no_template
+from exl3tools.text import first_line
 
 log = logging.getLogger("exl3tools.serve")
 
@@ -122,8 +123,7 @@ def local_path(spec: str, tp: int = 1, moe: str = "tp") -> str:
     try:
         return snapshot_download(repo, revision=rev)
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise NotFoundError(f"{spec}: not a local path, and the hub gave no checkpoint ({first})") from None
+        raise NotFoundError(f"{spec}: not a local path, and the hub gave no checkpoint ({first_line(exc)})") from None
 
 
 def _cpu_threads(n: int | None) -> None:
