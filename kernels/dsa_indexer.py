@@ -15,6 +15,7 @@ batch 32 would be half a gigabyte per layer inside a CUDA graph's pool.
 from __future__ import annotations
 
 import torch
+from exl3tools.kernels.mla_attention import PLANE_DTYPES  # the MLA pool's planes, kidx among them
 
 try:
     import triton
@@ -22,7 +23,6 @@ try:
 except ImportError:   # runtime-only installs: runtime.dsa.paged_scores_reference still works
     triton = tl = None
 
-PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE = 32          # 64 x 128 fp32 FMA dot at TN 64 spills ~7 KB a thread on sm_90; TN 32, 8 warps: ~0.2 KB
 
 

@@ -47,7 +47,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
-PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype; read as fp32
+PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype (dsa_indexer's too)
 
 
 if triton is not None:
