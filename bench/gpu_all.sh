@@ -42,9 +42,9 @@ python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(ta
 SYNTH=$!
 
 if [[ $STAGES == *tests* ]]; then
-  # the preview paths (exl3tools/runtime/preview.py) on, so tests/gpu checks them; tests that need
-  # a switch either way set it themselves
-  EXL3TOOLS_FUSED=1 EXL3TOOLS_ROW_STEPS=1 EXL3TOOLS_TEST_LOG=$L/tests_live.log \
+  # PREVIEW: the preview paths' switches (exl3tools/runtime/preview.py SWITCHES, e.g.
+  # "EXL3TOOLS_X=1"), so tests/gpu checks them; tests that need a switch either way set it themselves
+  env ${PREVIEW:-} EXL3TOOLS_TEST_LOG=$L/tests_live.log \
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
     -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
     > "$L/tests.log" 2>&1
@@ -87,9 +87,9 @@ if [[ $STAGES == *longctx* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token pr
 fi
 if [[ $STAGES == *serve* ]]; then
   if [ -n "${SERVE_ARGS:-}" ]; then eval "CONFIGS=($SERVE_ARGS)"; else
-    PV="EXL3TOOLS_FUSED=1 EXL3TOOLS_ROW_STEPS=1"   # the preview paths beside the default (runtime/preview.py)
-    CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml32k_preview:$PV --max-model-len 32768"
-             --config "ml128k_preview:$PV --max-model-len 131072"); fi
+    OFF="EXL3TOOLS_FUSED=0 EXL3TOOLS_ROW_STEPS=0"   # the former previews off (runtime/preview.py OPT_OUTS)
+    CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"
+             --config "ml32k_unfused:$OFF --max-model-len 32768"); fi
   timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" ${SERVE_EXTRA:-} \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
@@ -113,11 +113,13 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      PV="EXL3TOOLS_ROW_STEPS=1"   # verify rows in the graph step: a preview path
-      CFG=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768" --config "$arch:--max-model-len 32768"
-           --config "${arch}_fp16:--max-model-len 32768 --kv-cache-dtype fp16")   # half the latent bytes
+      # MLA_VARIANTS: which of "eager graphs fp16" serve beside the MTP configs
+      CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
+      [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
+      [[ $V == *graphs* ]] && CFG+=(--config "$arch:--max-model-len 32768")
+      [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp16:--max-model-len 32768 --kv-cache-dtype fp16")   # half the latent bytes
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
-        CFG+=(--config "${arch}_mtp$k:$PV --max-model-len 32768 --speculative-tokens $k"); done; fi
+        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
         --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1

@@ -231,13 +231,13 @@ def test_short_prompts_and_mixed_steps_run_as_decode_rows(name, monkeypatch):
 
 
 def test_row_steps_switched_off_keep_multi_token_steps_eager(monkeypatch):
-    """Several rows of one sequence in the decode step are a preview path on CUDA (runtime/preview.py):
-    switched off (as CUDA runners start without EXL3TOOLS_ROW_STEPS=1), a prompt takes the eager
-    forward, single-token rows still the decode step, and the logits are the plain cache's."""
+    """Several rows of one sequence in the decode step can be switched off (EXL3TOOLS_ROW_STEPS=0,
+    runtime/preview.py): then a prompt takes the eager forward, single-token rows still the decode
+    step, and the logits are the plain cache's."""
     name = "glm4_moe-3.0bpw-mcg"
+    monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", "0")
     r, ref = _paged(name, "static", max_num_seqs=8), Reference(_model(name))
-    assert r._row_steps                                 # the CPU runs them, as the tests above do
-    r._row_steps = False
+    assert not r._row_steps
     calls = []
     forward = r.paged.forward
     monkeypatch.setattr(r.paged, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
@@ -248,17 +248,26 @@ def test_row_steps_switched_off_keep_multi_token_steps_eager(monkeypatch):
 
 
 def test_preview_switches(monkeypatch):
+    """A preview is off unless its variable is "1"; a former preview is on unless it is "0"; the
+    fused step on the CPU (the Triton interpreter, slow) only when asked for."""
+    from exl3tools.kernels import fused_decode as fk
     from exl3tools.runtime import fused_step, preview
 
-    for name, env in preview.SWITCHES.items():
+    monkeypatch.setitem(preview.SWITCHES, "trial", "EXL3TOOLS_TRIAL")
+    for name, env, unset in [("trial", "EXL3TOOLS_TRIAL", False), *((n, e, True) for n, e in preview.OPT_OUTS.items())]:
         monkeypatch.delenv(env, raising=False)
-        assert not preview.switched_on(name)
+        assert preview.switched_on(name) is unset
         monkeypatch.setenv(env, "1")
         assert preview.switched_on(name)
         monkeypatch.setenv(env, "0")
         assert not preview.switched_on(name)
     monkeypatch.delenv("EXL3TOOLS_FUSED")
-    assert fused_step.resolve(None, torch.device("cuda")) is False   # off on CUDA until run on a GPU
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fused_step.resolve(None, cuda) is fk.available(cuda) and fused_step.resolve(None, cpu) is False
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    assert fused_step.resolve(None, cpu) is fk.available(cpu)
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    assert fused_step.resolve(None, cuda) is False
 
 
 @pytest.mark.parametrize("name", ["llama-4.0bpw-mul1", "deepseek_v3-3.0bpw-3inst"])

@@ -17,9 +17,9 @@ so the residual adds, the routed sum and the norms are one kernel per norm. MoE 
 outputs are all-reduced (TP) keep ``MoE.forward_static`` and only the residual/norm fusion; the
 tiled expert path (wide batches) keeps its bookkeeping and takes the fused routing.
 
-The switch: ``PagedDecoder(fused=...)``, default from ``EXL3TOOLS_FUSED`` ("1": on where the kernels
-run; unset or "0": off, also on CUDA until the step has run on a GPU: runtime/preview.py);
-``resolve`` decides.
+The switch: ``PagedDecoder(fused=...)``; None: on CUDA unless ``EXL3TOOLS_FUSED=0`` (runtime/preview.py
+OPT_OUTS), on the CPU only with ``EXL3TOOLS_FUSED=1`` under the Triton interpreter (slow: the tests
+that check it ask for it); ``resolve`` decides.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLaye
 def resolve(fused: bool | None, device: torch.device) -> bool:
     """Whether the decode step of a model on ``device`` runs the fused kernels."""
     if fused is None:
+        if torch.device(device).type != "cuda":
+            return fk.available(device) and os.environ.get(preview.OPT_OUTS["fused"]) == "1"
         return fk.available(device) and preview.switched_on("fused")
     if fused and not fk.available(device):
         raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")

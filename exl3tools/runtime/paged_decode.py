@@ -26,7 +26,7 @@ With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into o
 pool, and a step is: one host-to-device copy of the packed inputs, one replay. The MTP head
 (``model.mtp``) is not part of the step: its drafts run eagerly.
 
-``fused`` (default: ``EXL3TOOLS_FUSED``, off until run on a GPU): GQA models' layers run through
+``fused`` (default: on CUDA unless ``EXL3TOOLS_FUSED=0``; fused_step.resolve): GQA models' layers run through
 ``runtime.fused_step`` (Triton glue kernels: residual + RMSNorm, q/k norm + RoPE + K/V write,
 routing, SiLU*mul; docs/gpu.md "Fused decode step"); off (and for MLA models), the torch loop below.
 """

@@ -133,7 +133,7 @@ class Runner:
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
-        self._row_steps = dev.type != "cuda" or preview.switched_on("row_steps")
+        self._row_steps = preview.switched_on("row_steps")
         if mode == "graphs":
             self._capture()
         self._rows = list(range(self.max_num_seqs))
@@ -293,6 +293,11 @@ class Runner:
     def prefix_stats(self):
         return self.blocks.stats()
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The paged pool's element type ("float32", "bfloat16", ...), as /v1/engine/stats reports it."""
+        return str(self.paged.pool.dtype).removeprefix("torch.")
+
     def memory_stats(self) -> dict | None:
         """Rank 0's device memory in bytes: KV pool, torch's allocated / reserved / peak (None on
         the CPU): what serve holds beside the weights."""
@@ -387,7 +392,7 @@ class Runner:
         forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200)."""
         if self.paged.decoder is None or sum(len(t or [0]) for _, _, t, _ in items) > self.max_num_seqs:
             return False
-        # several rows of one sequence: on CUDA a preview path until it has run on a GPU (runtime/preview.py)
+        # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
         return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:

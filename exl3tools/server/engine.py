@@ -700,11 +700,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         queried, hits = self.prefix_stats()
         mem = getattr(self.runner, "memory_stats", None)
-        pool = getattr(getattr(self.runner, "paged", None), "pool", None)
         return {"memory": mem() if mem is not None else None, "state": self.state,
                 # what the runner decodes with: "graphs" unless a capture failed or was turned off
                 "decode_mode": getattr(self.runner, "decode_mode", None),
-                "kv_cache_dtype": str(pool.dtype).removeprefix("torch.") if pool is not None else None,
+                "kv_cache_dtype": getattr(self.runner, "kv_cache_dtype", None),
                 "queue_depth": self.queue_depth, "running": self.running,
                 "cache_tokens_used": self.cache_tokens_used(), "cache_tokens_budget": self.cache_budget,
                 "steps": self.steps, "cancelled_total": self.cancelled_total,

@@ -66,8 +66,12 @@ def test_mla_static_triton_equals_static_reference_attention():
         outs[variant] = torch.cat([r.step([(s, [7 + i]) for s in PROMPTS]) for i in range(4)])
     rel = {v: _rel(outs["triton"], outs[v]) for v in outs}
     print("mla static triton vs", rel)
-    assert rel["triton_again"] == 0, rel
-    assert rel["ref_attention"] < 1e-4, rel        # the attention alone: 7.6e-7 on the interpreter
+    # the same step twice is not bit-identical on CUDA: the split-K GEMVs sum their partials with
+    # atomics in whatever order the blocks finish (H200: 2.4e-4 between two runs of the same code)
+    noise = rel["triton_again"]
+    assert noise < 1e-3, rel
+    # the attention alone: 7.6e-7 on the interpreter; on the H200 at the run-to-run noise (2.3e-4)
+    assert rel["ref_attention"] < 1e-4 + 2 * noise, rel
     # the indexer's scores summed in another order (cuBLAS vs the Triton kernel) can flip a DSA top-k
     # near-tie of this fixture (README: two GLM-5 rows of the exllamav3 comparison): both swapped gave
     # 2.5e-4 on the H200, where the interpreter (numpy dots, the same sums) gives the same bits
