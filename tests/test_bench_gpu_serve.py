@@ -56,6 +56,9 @@ def test_end_to_end_cpu(small, tmp_path):
     res = cfg["results"]
     assert [x["tokens"] for x in res["single"]["runs"]] == [8]
     assert res["streams"]["2"]["tokens"] == 16 and res["ctx"]["2"]["tokens"] == 16
+    # the openai client's own time before its request leaves (httpx's hook): part of every TTFT
+    c = res["ttft"]["client_ms"]
+    assert 0 < c < res["ttft"]["cold_ms"] and "of which the openai client building the request" in p.stdout
     assert res["memory"]["source"] == "peak RSS (VmHWM)"
     assert any("kv_cache" in ln for ln in res["metrics"])
     assert cfg["stop_status"] is not None                       # it was stopped, not left running
