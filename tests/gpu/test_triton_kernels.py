@@ -23,7 +23,8 @@ def test_decode_bit_exact(dev, width, cb):
     from exl3tools.kernels import triton_exl3 as tx
 
     rng = np.random.default_rng(width * 7 + len(cb))
-    tr = _lin(rng, 256, 384, width)[0]
+    # the interpreter at a quarter of the tiles (48 s -> ~15 s for the grid): the same bit logic
+    tr = _lin(rng, *((256, 384) if dev != "cpu" else (128, 192)), width)[0]
     got = tx.decode_rotated(torch.from_numpy(tr).to(dev), cb).cpu().numpy()
     assert np.array_equal(got.view(np.uint16), ref.decode_rotated(tr, cb).view(np.uint16))
 
@@ -36,6 +37,9 @@ def test_linear_matches_reference(dev, width, cb, rows):
 
     if dev == "cpu" and rows not in (1, 7):
         pytest.skip("interpreter: rows 1 and 7 only")
+    if dev == "cpu" and (width, cb) != (48, "mul1") and rows != (1, 7)[CASES.index((width, cb)) % 2]:
+        # both row paths on every case cost 97 s of the CPU suite; K=3 MUL1 keeps both
+        pytest.skip("interpreter: one of rows 1 and 7 per case, alternating")
     rng = np.random.default_rng(width + rows)
     k, n = (384, 256) if rows != 40 else (256, 384)   # k not a multiple of 256: masked last step
     tr, suh, svh, b = _lin(rng, k, n, width, bias=rows % 2 == 1)
