@@ -211,4 +211,59 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy():
         target = r.verify([(1, [out1[-1]] + drafts)])
         a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
         r.accept(1, a + 1)
-        assert (out1 + drafts[:a] + [bonus]) == want[:len(out1) + a + 1]
+        out1 += drafts[:a] + [bonus]
+        assert out1 == want[:len(out1)]
+        # two sequences drafting in one pass (the engine's draft_many; the workers' list commands)
+        r.add_sequence(2)
+        out2 = [int(r.step([(2, prompt[:9])])[0].argmax())]
+        greedy = lambda row: int(row.argmax())   # noqa: E731
+        for _ in range(3):
+            (d1, q1), (d2, q2) = r.draft_many([(1, out1[-1], 2, greedy), (2, out2[-1], 1, greedy)])
+            target = r.verify([(1, [out1[-1]] + d1), (2, [out2[-1]] + d2)])
+            for sid, out, d, q, t in ((1, out1, d1, q1, target[:3]), (2, out2, d2, q2, target[3:])):
+                a, bonus = sampling.accept_drafts(t, q, d, 0.0, 0, 1.0, None)
+                r.accept(sid, a + 1)
+                out += d[:a] + [bonus]
+        assert out1 == want[:len(out1)]
+
+
+def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
+    """Runner.draft_many (what the engine calls: one head forward per depth for every drafting
+    row) gives each sequence the head's rows that drafting it alone gives, for different prompt
+    lengths and draft counts, over two rounds of verify/accept (the head's cache rolled back
+    exactly in between)."""
+    path = fixture_dir(NAME) / "model"
+    prompts = {0: PROMPT, 1: PROMPT[5:17], 2: PROMPT[::-1][:30]}
+    ks = {0: 1, 1: 3, 2: 2}
+
+    def fixed(s, rnd):
+        it = iter([(s * 37 + rnd * 11 + j * 5) % 2048 for j in range(3)])
+        return lambda row, it=it: next(it)
+
+    def run(together: bool):
+        got = []
+        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3) as r:
+            last = {}
+            for s, p in prompts.items():
+                r.add_sequence(s)
+                last[s] = int(r.step([(s, p)])[0].argmax())
+            for rnd in range(2):
+                reqs = [(s, last[s], ks[s], fixed(s, rnd)) for s in prompts]
+                res = r.draft_many(reqs) if together else [r.draft(*q) for q in reqs]
+                got.append(res)
+                target = r.verify([(s, [last[s]] + d) for s, (d, _) in zip(prompts, res, strict=True)])
+                row = 0
+                for s, (d, _) in zip(prompts, res, strict=True):
+                    a = 1 if rnd == 0 and s == 1 else 0          # accept a draft once: rollback of 2, not 3
+                    r.accept(s, a + 1)
+                    last[s] = int(target[row + a].argmax())       # the token after the kept ones
+                    row += len(d) + 1
+        return got
+
+    alone, many = run(False), run(True)
+    for rnd, (xs, ys) in enumerate(zip(alone, many, strict=True)):
+        for s, ((d0, q0), (d1, q1)) in zip(prompts, zip(xs, ys, strict=True), strict=True):
+            assert d0 == d1 and len(q1) == ks[s], (rnd, s)
+            for a, b in zip(q0, q1, strict=True):
+                rel = ((a - b).abs().max() / a.abs().max()).item()
+                assert rel < 1e-4, (rnd, s, rel)

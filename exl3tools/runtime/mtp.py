@@ -54,16 +54,28 @@ class MTPHead:
     def new_cache(self) -> SeqCache:
         return SeqCache(1)
 
-    @torch.inference_mode()
     def forward(self, cache: SeqCache, states: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (state_i, token_i) at positions cache.length..; returns (normed states, logits)."""
+        return self.forward_many([cache], [states], [tokens])
+
+    @torch.inference_mode()
+    def forward_many(self, caches: list[SeqCache], states: list[torch.Tensor],
+                     tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of several sequences in one pass (their rows concatenated in order): one
+        head forward per draft depth for every drafting sequence, not one each."""
         t = self.target
-        n = len(tokens)
-        p0 = cache.length
         dev = t.embed.device
-        emb = t.embed[torch.tensor(tokens, dtype=torch.int64, device=dev)].float()
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(states.float())], dim=-1))
-        batch = Batch([SeqSpan(cache, 0, n, p0)], torch.arange(p0, p0 + n, dtype=torch.int64, device=dev))
+        flat = [tok for toks in tokens for tok in toks]
+        emb = t.embed[torch.tensor(flat, dtype=torch.int64, device=dev)].float()
+        st = torch.cat([s.float() for s in states]) if len(states) > 1 else states[0].float()
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(st)], dim=-1))
+        spans, positions, row = [], [], 0
+        for cache, toks in zip(caches, tokens, strict=True):
+            p0 = cache.length
+            spans.append(SeqSpan(cache, row, len(toks), p0))
+            positions.extend(range(p0, p0 + len(toks)))
+            row += len(toks)
+        batch = Batch(spans, torch.tensor(positions, dtype=torch.int64, device=dev))
         h = self.final_norm(self.block(x, batch))
         return h, t.logits(h)
 

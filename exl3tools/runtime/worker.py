@@ -92,18 +92,24 @@ class WorkerDrafts:
         from exl3tools.runtime.mtp import truncate
 
         op, head = cmd[0], self.model.mtp
-        if op == "draft":
-            sp = self._spec(cmd[1])
-            states, tokens = sp.take(cmd[2])
-            g, _ = head.forward(sp.cache, states, tokens)
-            self.drafting[cmd[1]] = (g, sp.cache.length)
-        elif op == "draft_next":
-            g, committed = self.drafting[cmd[1]]
-            g, _ = head.forward(self.specs[cmd[1]].cache, g[-1:], [cmd[2]])
-            self.drafting[cmd[1]] = (g, committed)
+        if op == "draft":           # [(seq, last token)]: rank 0's Runner.draft_many, the same order
+            sps = [self._spec(s) for s, _ in cmd[1]]
+            taken = [sp.take(t) for sp, (_, t) in zip(sps, cmd[1], strict=True)]
+            g, _ = head.forward_many([sp.cache for sp in sps], [st for st, _ in taken], [t for _, t in taken])
+            row = 0
+            for (s, _), sp, (_, toks) in zip(cmd[1], sps, taken, strict=True):
+                row += len(toks)
+                self.drafting[s] = (g[row - 1:row], sp.cache.length)
+        elif op == "draft_next":    # [(seq, its newest draft)]: the sequences still drafting
+            sids = [s for s, _ in cmd[1]]
+            g, _ = head.forward_many([self.specs[s].cache for s in sids], [self.drafting[s][0] for s in sids],
+                                     [[t] for _, t in cmd[1]])
+            for j, s in enumerate(sids):
+                self.drafting[s] = (g[j:j + 1], self.drafting[s][1])
         elif op == "draft_end":
-            _, committed = self.drafting.pop(cmd[1])
-            truncate(self.specs[cmd[1]].cache, committed)
+            for s in cmd[1]:
+                _, committed = self.drafting.pop(s)
+                truncate(self.specs[s].cache, committed)
         elif op == "pverify":
             if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
                 _, hn = paged.decode(*cmd[3], states=True)

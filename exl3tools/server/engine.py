@@ -415,15 +415,15 @@ class Engine:
         drafts and the token after them (runtime.sampling.accept_drafts), emit those tokens."""
         runner = self.runner
         self._ensure_generators([(0, seq) for seq, _ in rows], runner.model.embed.device)
-        drafted = []
         try:
+            reqs = []
             for seq, k in rows:
                 p = seq.params
                 gen = seq.generator if p.temperature > 0 else None
-                drafts, qrows = runner.draft(seq.seq_id, seq.output_ids[-1], k,
-                                             lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k,
-                                                                                     p.top_p, gen))
-                drafted.append((seq, drafts, qrows))
+                reqs.append((seq.seq_id, seq.output_ids[-1], k,
+                             lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
+            # every row's drafts in one head forward per depth
+            drafted = [(seq, d, q) for (seq, _), (d, q) in zip(rows, runner.draft_many(reqs), strict=True)]
             logits = runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted])
         except Exception:
             log.exception("speculative step failed")
