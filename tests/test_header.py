@@ -98,3 +98,28 @@ def test_slice_runs_match_numpy(dim, start, stop):
     got = b"".join(raw[o:o + n] for o, n in slice_runs(a.shape, 2, dim, start, stop))
     want = np.ascontiguousarray(np.take(a, range(start, stop), axis=dim)).tobytes()
     assert got == want
+
+
+def test_headers_parse_without_orjson(tmp_path):
+    """orjson is optional at run time: without it (a bare PYTHONPATH, a trimmed environment) the
+    stdlib reads the header views the reader passes (a memoryview crashed json.loads's fallback:
+    'memoryview' object has no attribute 'decode'), for a whole header and a split one."""
+    import subprocess
+    import sys
+
+    from exl3tools.checkpoint import header as h
+    from tests.conftest import DEMO
+
+    demo = next(DEMO.glob("*.safetensors"))
+    big = tmp_path / "big.safetensors"                       # over SPLIT_HEADER_BYTES: parsed in pieces
+    n = h.SPLIT_HEADER_BYTES // 60
+    entries = {f"t{i:07d}": {"dtype": "F16", "shape": [1], "data_offsets": [2 * i, 2 * i + 2]} for i in range(n)}
+    big.write_bytes(_raw(entries, bytes(2 * n)))
+    code = ("import sys; sys.modules['orjson'] = None\n"
+            "from exl3tools.checkpoint.header import read_header\n"
+            "from exl3tools.checkpoint import jsonio\n"
+            "assert jsonio.loads_json is jsonio.loads_stdlib\n"
+            "for p in sys.argv[1:]: print(len(read_header(p).tensors))")
+    r = subprocess.run([sys.executable, "-c", code, str(demo), str(big)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [int(x) for x in r.stdout.split()] == [len(read_header(demo).tensors), n]
