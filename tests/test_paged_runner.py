@@ -251,6 +251,7 @@ def test_preview_switches(monkeypatch):
     """A preview is off unless its variable is "1"; a former preview is on unless it is "0"; the
     fused step on the CPU (the Triton interpreter, slow) only when asked for."""
     from exl3tools.kernels import fused_decode as fk
+
     from exl3tools.runtime import fused_step, preview
 
     monkeypatch.setitem(preview.SWITCHES, "trial", "EXL3TOOLS_TRIAL")

@@ -11,12 +11,11 @@ prefix caching. With ``tp > 1`` the Runner lives on rank 0 and drives the other 
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Hashable
 
 import torch
 
@@ -30,6 +29,7 @@ from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
+from exl3tools.runtime.speculative import SpeculativeSteps
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
 from exl3tools.text import first_line, printable
@@ -69,7 +69,7 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
 
 
 # ------------------------------------------------------------------ rank 0 side
-class Runner:
+class Runner(SpeculativeSteps):
     """Model + tokenizer + the paged KV cache; see module doc. Not thread-safe: call from one thread.
 
     The cache is a pool of ``block_size``-token blocks (runtime/block_manager.py owns them,
@@ -449,100 +449,6 @@ class Runner:
         return logits
 
     # -- speculative decoding with the MTP head (runtime/mtp.py; the engine accepts or rejects)
-    def draft(self, seq_id: Hashable, last_token: int, k: int, draw) -> tuple[list[int], list[torch.Tensor]]:
-        """``k`` draft tokens after ``last_token`` (the sequence's newest token, not in the cache
-        yet) from the MTP head: ``draw(logits row) -> token`` picks each; returns the drafts and
-        the head's logits rows they were drawn from (device). The head's cache keeps only the
-        exact (state, token) pairs."""
-        return self.draft_many([(seq_id, last_token, k, draw)])[0]
-
-    def draft_many(self, reqs: list[tuple[Hashable, int, int, Any]]) -> list[tuple[list[int], list[torch.Tensor]]]:
-        """``draft`` for several sequences, (seq_id, last_token, k, draw) each: one head forward
-        per draft depth over every sequence that still drafts (8 streams: 8x fewer launches)."""
-        from exl3tools.runtime.mtp import truncate
-
-        specs = []
-        for seq_id, _, k, _ in reqs:
-            sp = self._seq(seq_id).spec
-            if sp is None:
-                raise UsageError(f"sequence {seq_id!r} has no draft state")
-            if k < 1:
-                raise UsageError(f"sequence {seq_id!r}: at least one draft token, not {k}")
-            specs.append(sp)
-        if not reqs:
-            return []
-        head = self.model.mtp
-        taken = [sp.take(int(last)) for sp, (_, last, _, _) in zip(specs, reqs, strict=True)]
-        # the other ranks run their head part in step (the same sequences in the same order)
-        self._send(("draft", [(s, int(last)) for s, last, _, _ in reqs]))
-        g, dl = head.forward_many([sp.cache for sp in specs], [st for st, _ in taken], [t for _, t in taken])
-        committed = [sp.cache.length for sp in specs]
-        ends = torch.tensor(list(itertools.accumulate(len(t) for _, t in taken)), device=g.device) - 1
-        g, dl = g[ends], dl[ends]                # each sequence's newest row
-        out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
-        live = list(range(len(reqs)))
-        while True:
-            for j, i in enumerate(live):
-                out[i][1].append(dl[j])
-                out[i][0].append(int(reqs[i][3](dl[j])))
-            keep = [j for j, i in enumerate(live) if len(out[i][0]) < reqs[i][2]]
-            if not keep:
-                break
-            live = [live[j] for j in keep]
-            self._send(("draft_next", [(reqs[i][0], out[i][0][-1]) for i in live]))
-            g, dl = head.forward_many([specs[i].cache for i in live], [g[j:j + 1] for j in keep],
-                                      [[out[i][0][-1]] for i in live])
-        self._send(("draft_end", [s for s, *_ in reqs]))
-        for sp, n in zip(specs, committed, strict=True):
-            truncate(sp.cache, n)
-        return out
-
-    def verify(self, batch: list[tuple[Hashable, list[int]]]) -> torch.Tensor:
-        """One target forward over each sequence's ``[last token] + drafts`` (device logits of
-        every row, float32). Nothing is committed: ``accept`` keeps a prefix and gives back the
-        rest."""
-        if self._closed:
-            raise RuntimeFailure("runner is closed")
-        items = []
-        for s, toks in batch:
-            seq = self._seq(s)
-            if seq.spec is None or seq.pending is not None or seq.unknown:
-                raise UsageError(f"sequence {s!r} cannot take a verify step now")
-            items.append((s, seq, [int(t) for t in toks], self._length_before(s, len(toks))))
-        self._check_room([(s, len(t)) for s, _, t, _ in items])
-        slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
-        wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
-        try:
-            if self._fits_decoder(items):        # [last] + drafts of every row: one graph replay
-                args = self._decode_args(items, slots)
-                self._send(("pverify", wire, [s for s, *_ in items], args))
-                logits, hn = self.paged.decode(*args, states=True)
-                logits, hn = logits.clone(), hn.clone()
-            else:
-                self._send(("pverify", wire, [s for s, *_ in items], None))
-                logits, hn = self.paged.forward(wire, all_logits=True, states=True)
-        except BaseException:
-            for s, *_ in items:
-                self.blocks.trim(s)
-            raise
-        for (_, seq, t, _), states in zip(items, rows_of(hn, wire), strict=True):
-            seq.pending = (t, states)
-        return logits
-
-    def accept(self, seq_id: Hashable, n: int) -> None:
-        """Keep the first ``n`` (>= 1) tokens of the last ``verify`` of ``seq_id`` in its cache;
-        the rest of the written slots are given back (blocks past the new length freed)."""
-        seq = self._seq(seq_id)
-        toks, states = seq.pending
-        if not 1 <= n <= len(toks):
-            raise UsageError(f"accept {n} of {len(toks)} verified tokens")
-        seq.pending = None
-        self._send(("accept", seq_id, int(n)))
-        seq.tokens.extend(toks[:n])
-        self.blocks.commit(seq_id, seq.tokens)
-        self.blocks.trim(seq_id)
-        seq.spec.extend(states[:n], toks[:n])
-
     def commit_tokens(self, pairs: list[tuple[Hashable, int]]) -> None:
         """The input tokens of a chained step, now known (sequences freed meanwhile are skipped)."""
         for s, t in pairs:
