@@ -448,7 +448,7 @@ class Runner(SpeculativeSteps):
             seq.unknown += 1
         return logits
 
-    # -- speculative decoding with the MTP head (runtime/mtp.py; the engine accepts or rejects)
+    # (speculative decoding, draft / verify / accept: runtime/speculative.py)
     def commit_tokens(self, pairs: list[tuple[Hashable, int]]) -> None:
         """The input tokens of a chained step, now known (sequences freed meanwhile are skipped)."""
         for s, t in pairs:

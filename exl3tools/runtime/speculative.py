@@ -17,6 +17,8 @@ from exl3tools.runtime.rank_state import rows_of
 
 
 class SpeculativeSteps:
+    """Runner methods for MTP speculative decoding (the engine accepts or rejects the drafts)."""
+
     def draft(self, seq_id: Hashable, last_token: int, k: int, draw) -> tuple[list[int], list[torch.Tensor]]:
         """``k`` draft tokens after ``last_token`` (the sequence's newest token, not in the cache
         yet) from the MTP head: ``draw(logits row) -> token`` picks each; returns the drafts and
