@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [memory]
-# (default: all but prefill, longctx, mla and memory)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [profile] [memory]
+# (default: all but prefill, longctx, mla, profile and memory)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -125,6 +125,20 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
         --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
       el "mla serve $arch rc $?"; tail -n 14 "$L/serve_$arch.log"
     fi
+  done
+fi
+if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a long context (top kernels)
+  # PROFILE_ARCHES: synthetic shapes (air6 = GLM-4.5-Air; glm5, deepseek_v3 via --arch); PROFILE_RUNS:
+  # prompt tokens:cache length per row (the block tables' width: is a 4k context slower at 32k?)
+  for arch in ${PROFILE_ARCHES:-glm5 deepseek_v3}; do
+    d=/tmp/synth_$arch; [ $arch = air6 ] && d=/tmp/air6
+    [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
+    for run in ${PROFILE_RUNS:-32:256 4096:4352 4096:32768}; do
+      f="$L/profile_${arch}_${run/:/_}.log"
+      timeout ${PROFILE_TIMEOUT:-90} python3 bench/gpu_e2e_model.py $d --batch 1 --prompt-len ${run%%:*} \
+        --max-len ${run##*:} --steps 16 --impls ours:cuda --profile 8 > "$f" 2>&1
+      el "profile $arch $run rc $?"; grep -E "^\| ours" "$f"; sed -n '/^--- profile/,+16p' "$f"
+    done
   done
 fi
 if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
