@@ -42,8 +42,10 @@ python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(ta
 SYNTH=$!
 
 if [[ $STAGES == *tests* ]]; then
-  # PREVIEW: the preview paths' switches (exl3tools/runtime/preview.py SWITCHES, e.g.
-  # "EXL3TOOLS_X=1"), so tests/gpu checks them; tests that need a switch either way set it themselves
+  # PREVIEW: the preview paths' switches, default every one in exl3tools/runtime/preview.py SWITCHES
+  # on ("EXL3TOOLS_X=1 ..."), so tests/gpu checks them; tests that need a switch either way set it
+  PREVIEW=${PREVIEW-$(python3 -c "from exl3tools.runtime.preview import SWITCHES as S; print(' '.join(v + '=1' for v in S.values()))")}
+  el "tests/gpu with preview switches: ${PREVIEW:-none}"
   env ${PREVIEW:-} EXL3TOOLS_TEST_LOG=$L/tests_live.log \
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
     -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
@@ -113,11 +115,14 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      # MLA_VARIANTS: which of "eager graphs fp16" serve beside the MTP configs
+      # MLA_VARIANTS: which of "eager graphs fp16 widths" serve beside the MTP configs (widths: the
+      # dsa_widths preview, runtime/preview.py, at --max-model-len 131072 where it should matter most)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
       [[ $V == *graphs* ]] && CFG+=(--config "$arch:--max-model-len 32768")
       [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp16:--max-model-len 32768 --kv-cache-dtype fp16")   # half the latent bytes
+      [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
+                                    --config "${arch}_ml128k_widths:EXL3TOOLS_DSA_WIDTHS=1 --max-model-len 131072")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
         CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \

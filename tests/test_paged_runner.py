@@ -291,3 +291,11 @@ def test_a_failed_graph_capture_decodes_eagerly(name, caplog):
     assert _rel(r.step([("A", A)]), ref.step([("A", A)])) < REL
     for t in ([4], [9]):
         assert _rel(r.step([("A", t)]), ref.step([("A", t)])) < REL
+
+
+def test_dsa_graph_widths_double_up_to_the_table():
+    from exl3tools.runtime.paged_decode import widths
+
+    assert widths(12672, 16) == [256, 512, 1024, 2048, 4096, 8192, 12672]    # GLM-5's 202752 tokens
+    assert widths(2048, 16) == [256, 512, 1024, 2048]
+    assert widths(100, 16) == [100] and widths(256, 64) == [64, 128, 256]

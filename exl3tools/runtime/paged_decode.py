@@ -50,6 +50,7 @@ log = logging.getLogger("exl3tools.runtime")
 
 WARMUP_STEPS = 2     # eager runs before a capture: Triton compiles, lazy buffers, cuBLAS handles
 N_INPUTS = 5         # packed host inputs: tokens, positions, slots, slot rows, context lengths
+WIDTH_MIN_TOKENS = 4096   # the narrowest block-table width a sparse DSA graph is captured for
 
 
 def buckets(max_seqs: int) -> list[int]:
@@ -59,6 +60,18 @@ def buckets(max_seqs: int) -> list[int]:
         out.append(b)
         b += 16
     return out + [int(max_seqs)]
+
+
+def widths(max_blocks: int, block_size: int) -> list[int]:
+    """Block-table widths (blocks) of the sparse DSA graphs with the ``dsa_widths`` preview: doubling
+    from WIDTH_MIN_TOKENS to the full width, so a step's indexer scores and its torch.topk span at
+    most twice its longest context instead of every --max-model-len column (GLM-5 at 202k: ~100x
+    the work of a 4k context, on every DSA layer of every step)."""
+    w, out = max(1, -(-WIDTH_MIN_TOKENS // block_size)), []
+    while w < max_blocks:
+        out.append(w)
+        w *= 2
+    return out + [int(max_blocks)]
 
 
 # the Triton MLA kernel on the CPU too (Triton's interpreter; tests of the GPU path's logic)
@@ -137,13 +150,19 @@ class PagedDecoder:
             self.states = torch.zeros(self.max_seqs, model.info.hidden_size, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
+        self.last_key: tuple[int, bool, int] | None = None      # the graph the last step replayed
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
         # without the indexer's scores and top-k (exact: sparse selection only starts past topk);
         # each bucket gets both graphs. None: no DSA layer, one variant.
         tops = [a.index_topk for a in (layer.attn for layer in model.layers)
                 if isinstance(a, MLAttention) and a.index_topk]
         self.dsa_topk: int | None = min(tops) if tops else None
+        from exl3tools.runtime import preview
+
+        # the sparse variant's block-table widths (a preview on CUDA: runtime/preview.py)
+        self.widths = (widths(self.max_blocks, pool.block_size)
+                       if self.dsa_topk is not None and preview.switched_on("dsa_widths") else [self.max_blocks])
         self._copied = torch.cuda.Event() if pin else None   # the pinned inputs may be rewritten once it fired
 
     # ------------------------------------------------------------------ table rows
@@ -190,12 +209,15 @@ class PagedDecoder:
             self._copied.record()
         if device_tokens is not None:
             self.inputs[0, :n].copy_(device_tokens)
+        need = -(-(max(positions) + 1) // self.pool.block_size)     # table columns the longest row reads
         if self.graphs:
-            if (bs, sparse) not in self._graphs:
+            key = (bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
+            if key not in self._graphs:
                 self.capture([bs])
-            self._graphs[bs, sparse].replay()
+            self._graphs[key].replay()
+            self.last_key = key
         else:   # no graph to keep fixed: read only the table columns the longest row needs
-            self._body(bs, -(-(max(positions) + 1) // self.pool.block_size), sparse)
+            self._body(bs, need, sparse)
         return self.out[:n]
 
     @torch.inference_mode()
@@ -211,21 +233,24 @@ class PagedDecoder:
         pool = getattr(self, "_mempool", None)
         if pool is None:
             pool = self._mempool = torch.cuda.graph_pool_handle()
-        variants = (False, True) if self.dsa_topk is not None else (False,)
+        # (sparse, width): dense over the whole table; DSA's sparse variant once per width
+        variants = [(False, self.max_blocks)]
+        if self.dsa_topk is not None:
+            variants += [(True, w) for w in sorted(self.widths, reverse=True)]
         for bs in sizes:
-            for sparse in variants:
-                if (bs, sparse) in self._graphs:
+            for sparse, width in variants:
+                if (bs, sparse, width) in self._graphs:
                     continue
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_STEPS):
-                        self._body(bs, sparse=sparse)
+                        self._body(bs, width, sparse=sparse)
                 torch.cuda.current_stream(dev).wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self._body(bs, sparse=sparse)
-                self._graphs[bs, sparse] = g
+                    self._body(bs, width, sparse=sparse)
+                self._graphs[bs, sparse, width] = g
         self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 
-SWITCHES: dict[str, str] = {}    # name -> variable: off on CUDA unless "1"
+SWITCHES = {    # name -> variable: off on CUDA unless "1"
+    # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
+    "dsa_widths": "EXL3TOOLS_DSA_WIDTHS",
+}
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, 2026-12-01: 836 vs 541 tok/s at one stream): off only when "0"

@@ -113,3 +113,35 @@ def test_speculative_decoding_with_graphs_is_greedy(row_steps, monkeypatch):
         assert r.paged.decoder._graphs
         assert out[:12] == want
         assert plain == want[:len(plain)] and len(plain) >= 5
+
+
+def test_dsa_width_graphs_equal_eager(monkeypatch):
+    """The dsa_widths preview: sparse DSA steps replay the graph of the narrowest block-table width
+    that holds their longest context (paged_decode.widths), and decode as eager does."""
+    from exl3tools.runtime import paged_decode
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_mla_static_decode import _run
+
+    monkeypatch.setenv("EXL3TOOLS_DSA_WIDTHS", "1")
+    monkeypatch.setattr(paged_decode, "WIDTH_MIN_TOKENS", 8)     # the fixture's contexts are ~50 tokens
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    path = fixture_dir(name) / "model"
+    # a 256-token context: tables of ~64 blocks, where the ~50-token contexts need 12-13
+    model = load_runner(path, device="cuda", backend=cuda_backend(), max_context=256, max_cache_tokens=512).model
+    used = []
+    replay = paged_decode.PagedDecoder.step
+
+    def step(self, *a, **k):
+        out = replay(self, *a, **k)
+        used.append((self.last_key, self.max_blocks, len(self.widths)))
+        return out
+
+    monkeypatch.setattr(paged_decode.PagedDecoder, "step", step)
+    graphs = _run(model, name, "graphs")
+    monkeypatch.undo()
+    eager = _run(model, name, "eager")
+    for i, (g, e) in enumerate(zip(graphs, eager, strict=True)):
+        assert _rel(g, e) < REL, (name, i, _rel(g, e))
+    assert all(n > 1 for *_, n in used)
+    assert any(key[1] and key[2] < full for key, full, _ in used), used     # a narrow sparse graph replayed
