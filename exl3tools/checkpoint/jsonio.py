@@ -152,8 +152,7 @@ def load_json(path: str | os.PathLike[str], what: str, *, limit: int | None = No
 def loads_bounded(raw: bytes, where: str, max_depth: int = MAX_JSON_DEPTH,
                   error: type[Exception] = CheckpointError) -> Any:
     """Parse ``raw``; ``where`` ("path:" or "path: what") starts the error message."""
-    brackets = raw.count(b"[") + raw.count(b"{")
-    deepest, n = shape(raw) if brackets > max_depth else (0, 0)   # few brackets: no scan at all
+    deepest, n = shape_past(raw, max_depth)
     if deepest > max_depth:
         raise error(f"{where} nests deeper than {max_depth} levels")
     cap = min(len(raw) // JSON_BYTES_PER_CONTAINER, MAX_JSON_CONTAINERS) + 65536
@@ -224,11 +223,12 @@ def shape(raw: bytes | bytearray) -> tuple[int, int]:
     return deepest, n
 
 
-def nesting_exceeds(raw: bytes | bytearray, max_depth: int) -> bool:
-    """Does any bracket outside JSON strings sit deeper than ``max_depth``?"""
-    if raw.count(b"[") + raw.count(b"{") <= max_depth:  # the usual case for configs: no scan at all
-        return False
-    return shape(raw)[0] > max_depth
+def shape_past(raw: bytes | bytearray, limit: int) -> tuple[int, int]:
+    """``shape(raw)``, or (0, 0) when ``raw`` holds at most ``limit`` brackets at all, strings
+    included (then neither figure can pass ``limit``): the usual case, counted in C, no scan."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return 0, 0
+    return shape(raw)
 
 
 def split_object(raw: bytes | bytearray, start: int, end: int, piece: int) -> list[tuple[int, int]] | None:

@@ -257,11 +257,10 @@ def _refuse_container_bombs(raw: bytes) -> None:
     """At most MAX_JSON_CONTAINERS arrays and objects, counted before the parser builds them (in C,
     then, past the cap, by jsonio's vectorised scan: brackets inside strings, code in a prompt, do
     not count)."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_CONTAINERS:
-        n = jsonio.shape(raw)[1]
-        if n > MAX_JSON_CONTAINERS:
-            raise APIError(413, f"request body holds {n} JSON arrays and objects; at most {MAX_JSON_CONTAINERS}",
-                           code="request_too_large")
+    n = jsonio.shape_past(raw, MAX_JSON_CONTAINERS)[1]
+    if n > MAX_JSON_CONTAINERS:
+        raise APIError(413, f"request body holds {n} JSON arrays and objects; at most {MAX_JSON_CONTAINERS}",
+                       code="request_too_large")
 
 
 def _refuse_oversized_lists(obj: dict) -> None:
