@@ -267,3 +267,27 @@ def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
             for a, b in zip(q0, q1, strict=True):
                 rel = ((a - b).abs().max() / a.abs().max()).item()
                 assert rel < 1e-4, (rnd, s, rel)
+
+
+def test_the_head_computes_logits_only_for_the_rows_it_drafts_from():
+    """A first draft after a prompt writes every prompt position into the head's cache, but only
+    each sequence's newest row reaches the lm_head (a 32k prompt's rows would be 20 GB of GLM-5
+    logits); the drafts are those of the full computation."""
+    path = fixture_dir(NAME) / "model"
+    with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=2) as r:
+        last = {}
+        for s, p in {0: PROMPT, 1: PROMPT[:23]}.items():
+            r.add_sequence(s)
+            last[s] = int(r.step([(s, p)])[0].argmax())
+        sp = r._seq(0).spec
+        pending = sum(len(x) for x in sp.states)
+        rows, logits = [], r.model.logits
+        r.model.logits = lambda h: rows.append(h.shape[0]) or logits(h)
+        try:
+            greedy = lambda row: int(row.argmax())   # noqa: E731
+            (d0, q0), (d1, _) = r.draft_many([(0, last[0], 2, greedy), (1, last[1], 2, greedy)])
+        finally:
+            r.model.logits = logits
+        assert pending >= 39 and rows == [2, 2]            # depth 1 and depth 2: one row per sequence
+        assert sp.cache.length == pending                   # yet every pair went into the head's cache
+        assert len(d0) == len(d1) == 2 and all(torch.isfinite(q).all() for q in q0)

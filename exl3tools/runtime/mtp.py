@@ -55,14 +55,17 @@ class MTPHead:
         return SeqCache(1)
 
     def forward(self, cache: SeqCache, states: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows (state_i, token_i) at positions cache.length..; returns (normed states, logits)."""
+        """Rows (state_i, token_i) at positions cache.length..; returns the newest row's (normed
+        state, logits), each (1, ...): what the next draft is read from."""
         return self.forward_many([cache], [states], [tokens])
 
     @torch.inference_mode()
     def forward_many(self, caches: list[SeqCache], states: list[torch.Tensor],
                      tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` of several sequences in one pass (their rows concatenated in order): one
-        head forward per draft depth for every drafting sequence, not one each."""
+        """``forward`` of several sequences in one pass (their rows concatenated in order; one row
+        out per sequence): one head forward per draft depth for every drafting sequence, not one
+        each. Only those rows reach the lm_head: a first draft after a 32k-token prompt writes 32k
+        rows into the head's cache, and their logits would be 20 GB of a GLM-5 vocabulary."""
         t = self.target
         dev = t.embed.device
         flat = [tok for toks in tokens for tok in toks]
@@ -76,7 +79,10 @@ class MTPHead:
             positions.extend(range(p0, p0 + len(toks)))
             row += len(toks)
         batch = Batch(spans, torch.tensor(positions, dtype=torch.int64, device=dev))
-        h = self.final_norm(self.block(x, batch))
+        h = self.block(x, batch)
+        if row > len(spans):
+            h = h[torch.tensor([sp.row + sp.n - 1 for sp in spans], device=dev)]
+        h = self.final_norm(h)
         return h, t.logits(h)
 
 

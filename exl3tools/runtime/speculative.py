@@ -7,7 +7,6 @@ workers' side of the same steps is runtime.worker.WorkerDrafts.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Hashable
 
 import torch
@@ -46,9 +45,7 @@ class SpeculativeSteps:
         # the other ranks run their head part in step (the same sequences in the same order)
         self._send(("draft", [(s, int(last)) for s, last, _, _ in reqs]))
         g, dl = head.forward_many([sp.cache for sp in specs], [st for st, _ in taken], [t for _, t in taken])
-        committed = [sp.cache.length for sp in specs]
-        ends = torch.tensor(list(itertools.accumulate(len(t) for _, t in taken)), device=g.device) - 1
-        g, dl = g[ends], dl[ends]                # each sequence's newest row
+        committed = [sp.cache.length for sp in specs]     # g, dl: each sequence's newest row
         out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
         live = list(range(len(reqs)))
         while True:

@@ -96,10 +96,8 @@ class WorkerDrafts:
             sps = [self._spec(s) for s, _ in cmd[1]]
             taken = [sp.take(t) for sp, (_, t) in zip(sps, cmd[1], strict=True)]
             g, _ = head.forward_many([sp.cache for sp in sps], [st for st, _ in taken], [t for _, t in taken])
-            row = 0
-            for (s, _), sp, (_, toks) in zip(cmd[1], sps, taken, strict=True):
-                row += len(toks)
-                self.drafting[s] = (g[row - 1:row], sp.cache.length)
+            for j, ((s, _), sp) in enumerate(zip(cmd[1], sps, strict=True)):
+                self.drafting[s] = (g[j:j + 1], sp.cache.length)
         elif op == "draft_next":    # [(seq, its newest draft)]: the sequences still drafting
             sids = [s for s, _ in cmd[1]]
             g, _ = head.forward_many([self.specs[s].cache for s in sids], [self.drafting[s][0] for s in sids],
