@@ -98,7 +98,7 @@ if [[ $STAGES == *serve* ]]; then
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
 fi
 if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
-  # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0
+  # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0 (empty: none)
   if [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* ]]; then
     # the paged MLA decode kernel alone first (Triton ieee/tf32x3, DSA selection, indexer, torch, roofline)
     timeout ${MLA_KERNEL_TIMEOUT:-240} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick --sweep 64,8,16384} \
@@ -123,7 +123,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp16:--max-model-len 32768 --kv-cache-dtype fp16")   # half the latent bytes
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_widths:EXL3TOOLS_DSA_WIDTHS=1 --max-model-len 131072")
-      if [ $arch = glm5 ]; then for k in ${MLA_SPEC:-1 2 3}; do
+      if [ $arch = glm5 ]; then for k in ${MLA_SPEC-1 2 3}; do
         CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
