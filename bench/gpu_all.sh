@@ -115,8 +115,9 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      # MLA_VARIANTS: which of "eager graphs fp16 widths" serve beside the MTP configs (widths: the
-      # dsa_widths preview, runtime/preview.py, at --max-model-len 131072 where it should matter most)
+      # MLA_VARIANTS: which of "eager graphs fp16 widths mtp_paged" serve beside the MTP configs
+      # (widths: the dsa_widths preview, runtime/preview.py, at --max-model-len 131072 where it should
+      # matter most; mtp_paged: each MTP config again with the head's cache in blocks, its drafts in graphs)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
       [[ $V == *graphs* ]] && CFG+=(--config "$arch:--max-model-len 32768")
@@ -124,7 +125,9 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_widths:EXL3TOOLS_DSA_WIDTHS=1 --max-model-len 131072")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC-1 2 3}; do
-        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k"); done; fi
+        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k")
+        [[ $V == *mtp_paged* ]] && CFG+=(--config "${arch}_mtp${k}_paged:EXL3TOOLS_MTP_PAGED=1 --max-model-len 32768 --speculative-tokens $k")
+      done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
         --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1

@@ -109,12 +109,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(k: int):
+def _served(k: int, cuda_graphs=None):
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
     cfg = ServeConfig(model_path=str(fixture_dir(NAME) / "model"), served_model_name="m", max_batch=4,
-                      max_context=160, block_size=4, speculative_tokens=k)
+                      max_context=160, block_size=4, speculative_tokens=k, cuda_graphs=cuda_graphs)
     app = create_app(cfg)
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -148,9 +148,24 @@ def test_served_greedy_text_is_the_same_with_drafts():
         assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
 
 
-def test_drafting_sequences_survive_preemption():
+def test_served_greedy_text_with_the_heads_cache_in_blocks(monkeypatch):
+    """The mtp_paged preview through the server (eager decode, whose verify rows are computed as
+    plain decoding's: the static step's batched rows can flip this random model's near-tied argmax
+    with or without drafts; its draft step is checked row by row above): the same greedy text as
+    without drafts, drafts made and counted."""
+    plain, _, _ = _served(0)
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
+    got, _, st = _served(2)
+    assert got == plain and st["spec_drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("paged_head", ["0", "1"])
+def test_drafting_sequences_survive_preemption(paged_head, monkeypatch):
     """A cache of ~2.5 sequences while four draft at once: sequences are preempted (their draft
-    state goes with their blocks) and re-admitted; greedy answers equal the no-draft server's."""
+    state goes with their blocks) and re-admitted; greedy answers equal the no-draft server's.
+    Also with the head's cache in the blocks (mtp_paged: a re-admitted sequence's head starts at
+    its cached length)."""
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", paged_head)
     import concurrent.futures as cf
 
     from exl3tools.server.app import ServeConfig, create_app
@@ -227,11 +242,9 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy():
         assert out1 == want[:len(out1)]
 
 
-def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
-    """Runner.draft_many (what the engine calls: one head forward per depth for every drafting
-    row) gives each sequence the head's rows that drafting it alone gives, for different prompt
-    lengths and draft counts, over two rounds of verify/accept (the head's cache rolled back
-    exactly in between)."""
+def _draft_rounds(together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto"):
+    """Three sequences of different prompt lengths and draft counts, drafted (one pass or one at a
+    time), verified and accepted over two rounds (one round keeps a draft): every draft's rows."""
     path = fixture_dir(NAME) / "model"
     prompts = {0: PROMPT, 1: PROMPT[5:17], 2: PROMPT[::-1][:30]}
     ks = {0: 1, 1: 3, 2: 2}
@@ -240,33 +253,62 @@ def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
         it = iter([(s * 37 + rnd * 11 + j * 5) % 2048 for j in range(3)])
         return lambda row, it=it: next(it)
 
-    def run(together: bool):
-        got = []
-        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3) as r:
-            last = {}
-            for s, p in prompts.items():
-                r.add_sequence(s)
-                last[s] = int(r.step([(s, p)])[0].argmax())
-            for rnd in range(2):
-                reqs = [(s, last[s], ks[s], fixed(s, rnd)) for s in prompts]
-                res = r.draft_many(reqs) if together else [r.draft(*q) for q in reqs]
-                got.append(res)
-                target = r.verify([(s, [last[s]] + d) for s, (d, _) in zip(prompts, res, strict=True)])
-                row = 0
-                for s, (d, _) in zip(prompts, res, strict=True):
-                    a = 1 if rnd == 0 and s == 1 else 0          # accept a draft once: rollback of 2, not 3
-                    r.accept(s, a + 1)
-                    last[s] = int(target[row + a].argmax())       # the token after the kept ones
-                    row += len(d) + 1
-        return got
+    got = []
+    with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode=decode,
+                     device=device, backend=backend) as r:
+        last = {}
+        for s, p in prompts.items():
+            r.add_sequence(s)
+            last[s] = int(r.step([(s, p)])[0].argmax())
+        for rnd in range(2):
+            reqs = [(s, last[s], ks[s], fixed(s, rnd)) for s in prompts]
+            res = r.draft_many(reqs) if together else [r.draft(*q) for q in reqs]
+            got.append([(d, [q.float().cpu() for q in qs]) for d, qs in res])
+            target = r.verify([(s, [last[s]] + d) for s, (d, _) in zip(prompts, res, strict=True)])
+            row = 0
+            for s, (d, _) in zip(prompts, res, strict=True):
+                a = 1 if rnd == 0 and s == 1 else 0          # accept a draft once: rollback of 2, not 3
+                r.accept(s, a + 1)
+                last[s] = int(target[row + a].argmax())       # the token after the kept ones
+                row += len(d) + 1
+        assert r.cache_tokens_used() == sum(len(p) for p in prompts.values()) + 4 + 3   # a + 1 kept a round
+    return got, ks
 
-    alone, many = run(False), run(True)
-    for rnd, (xs, ys) in enumerate(zip(alone, many, strict=True)):
-        for s, ((d0, q0), (d1, q1)) in zip(prompts, zip(xs, ys, strict=True), strict=True):
-            assert d0 == d1 and len(q1) == ks[s], (rnd, s)
+
+def _same_rows(xs, ys, ks, tol: float = 1e-4):
+    for rnd, (a_, b_) in enumerate(zip(xs, ys, strict=True)):
+        for s, ((d0, q0), (d1, q1)) in enumerate(zip(a_, b_, strict=True)):
+            assert d0 == d1 and len(q1) == list(ks.values())[s], (rnd, s)
             for a, b in zip(q0, q1, strict=True):
                 rel = ((a - b).abs().max() / a.abs().max()).item()
-                assert rel < 1e-4, (rnd, s, rel)
+                assert rel < tol, (rnd, s, rel)
+
+
+def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
+    """Runner.draft_many (what the engine calls: one head forward per depth for every drafting
+    row) gives each sequence the head's rows that drafting it alone gives, for different prompt
+    lengths and draft counts, over two rounds of verify/accept (the head's cache rolled back
+    exactly in between)."""
+    (alone, ks), (many, _) = _draft_rounds(False), _draft_rounds(True)
+    _same_rows(alone, many, ks)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
+    """The mtp_paged preview: the head's cache in the sequences' blocks (PagedState.head_pool),
+    drafting through the decoder's fixed-shape draft step ("static": rows up to --max-num-seqs) or
+    the eager head over paged views (a first draft after a prompt, or decode "eager"), deeper drafts
+    in slots reserved past the cache: the same rows as the head's own cache gives."""
+    from exl3tools.runtime.paged_decode import PagedDecoder
+
+    want, ks = _draft_rounds(True)
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
+    steps, draft = [], PagedDecoder.draft
+    monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: steps.append(len(a[0])) or draft(self, *a))
+    got, _ = _draft_rounds(True, decode)
+    _same_rows(want, got, ks)
+    # static: the deeper drafts and the second round's pairs through the fixed-shape step
+    assert steps == ([] if decode == "eager" else [2, 1, 4, 2, 1]), steps   # depths 2, 3; 4 pairs, depths 2, 3
 
 
 def test_the_head_computes_logits_only_for_the_rows_it_drafts_from():

@@ -123,7 +123,7 @@ class StepInputs:
 
 class PagedDecoder:
     def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False,
-                 fused: bool | None = None):
+                 fused: bool | None = None, head_pool: KVPool | None = None):
         check(model)
         if max_seqs < 1 or max_blocks < 1:
             raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
@@ -148,6 +148,14 @@ class PagedDecoder:
             self.out = torch.zeros(self.max_seqs, model.info.vocab_size, dtype=torch.float32, device=dev)
             # each row's final-normed state (what the MTP head drafts from)
             self.states = torch.zeros(self.max_seqs, model.info.hidden_size, dtype=torch.float32, device=dev)
+            # the MTP draft step (head_pool: the head's cache in blocks): its input states, output
+            # states and logits
+            self.head_pool = head_pool
+            if head_pool is not None:
+                H, V = model.info.hidden_size, model.info.vocab_size
+                self.draft_in = torch.zeros(self.max_seqs, H, dtype=torch.float32, device=dev)
+                self.draft_states = torch.zeros(self.max_seqs, H, dtype=torch.float32, device=dev)
+                self.draft_out = torch.zeros(self.max_seqs, V, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
@@ -155,7 +163,8 @@ class PagedDecoder:
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
         # without the indexer's scores and top-k (exact: sparse selection only starts past topk);
         # each bucket gets both graphs. None: no DSA layer, one variant.
-        tops = [a.index_topk for a in (layer.attn for layer in model.layers)
+        heads = [model.mtp.block] if head_pool is not None else []
+        tops = [a.index_topk for a in (layer.attn for layer in [*model.layers, *heads])
                 if isinstance(a, MLAttention) and a.index_topk]
         self.dsa_topk: int | None = min(tops) if tops else None
         from exl3tools.runtime import preview
@@ -187,6 +196,42 @@ class PagedDecoder:
         states).
         ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
         never read back to the host first)."""
+        bs, sparse, need = self._load(tokens, positions, slots, rows, device_tokens)
+        if self.graphs:
+            key = (bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
+            if key not in self._graphs:
+                self.capture([bs])
+            self._graphs[key].replay()
+            self.last_key = key
+        else:   # no graph to keep fixed: read only the table columns the longest row needs
+            self._body(bs, need, sparse)
+        return self.out[:len(tokens)]
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int],
+              states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over ``n`` rows as one fixed-shape step (its cache: ``head_pool``, in the
+        rows' own blocks): row ``i`` is the pair (target state ``states[i]``, token ``tokens[i]``)
+        at position ``positions[i]``, as ``step`` lays rows out. (final-normed states, logits) of
+        every row (views of static buffers: read them before the next draft)."""
+        if self.head_pool is None:
+            raise UsageError("this decoder has no MTP head pool")
+        n = len(tokens)
+        bs, sparse, need = self._load(tokens, positions, slots, rows, None)
+        self.draft_in[:n].copy_(states)
+        self.draft_in[n:bs].zero_()
+        if self.graphs:
+            key = ("draft", bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
+            if key not in self._graphs:
+                self.capture([bs])
+            self._graphs[key].replay()
+            self.last_key = key
+        else:
+            self._draft_body(bs, need, sparse)
+        return self.draft_states[:n], self.draft_out[:n]
+
+    def _load(self, tokens, positions, slots, rows, device_tokens) -> tuple[int, bool, int]:
+        """Copy a step's rows into the static inputs: (bucket, sparse, table columns needed)."""
         n = len(tokens)
         if not 1 <= n <= self.max_seqs:
             raise UsageError(f"a decode step takes 1..{self.max_seqs} sequences, got {n}")
@@ -209,16 +254,7 @@ class PagedDecoder:
             self._copied.record()
         if device_tokens is not None:
             self.inputs[0, :n].copy_(device_tokens)
-        need = -(-(max(positions) + 1) // self.pool.block_size)     # table columns the longest row reads
-        if self.graphs:
-            key = (bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
-            if key not in self._graphs:
-                self.capture([bs])
-            self._graphs[key].replay()
-            self.last_key = key
-        else:   # no graph to keep fixed: read only the table columns the longest row needs
-            self._body(bs, need, sparse)
-        return self.out[:n]
+        return bs, sparse, -(-(max(positions) + 1) // self.pool.block_size)   # columns the longest row reads
 
     @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
@@ -237,20 +273,22 @@ class PagedDecoder:
         variants = [(False, self.max_blocks)]
         if self.dsa_topk is not None:
             variants += [(True, w) for w in sorted(self.widths, reverse=True)]
+        bodies = [((), self._body)] + ([(("draft",), self._draft_body)] if self.head_pool is not None else [])
         for bs in sizes:
-            for sparse, width in variants:
-                if (bs, sparse, width) in self._graphs:
+            for (tag, body), (sparse, width) in ((b, v) for b in bodies for v in variants):
+                key = (*tag, bs, sparse, width)
+                if key in self._graphs:
                     continue
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_STEPS):
-                        self._body(bs, width, sparse=sparse)
+                        body(bs, width, sparse=sparse)
                 torch.cuda.current_stream(dev).wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self._body(bs, width, sparse=sparse)
-                self._graphs[bs, sparse, width] = g
+                    body(bs, width, sparse=sparse)
+                self._graphs[key] = g
         self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
 
@@ -289,3 +327,23 @@ class PagedDecoder:
         hn = m.norm(h)
         self.states[:bs].copy_(hn)
         self.out[:bs].copy_(m.logits(hn))
+
+    def _draft_body(self, bs: int, width: int | None = None, sparse: bool = True) -> None:
+        """The MTP head over ``bs`` rows from the static inputs and ``draft_in`` (MTPHead.forward_many
+        as device ops with fixed shapes; its attention reads and writes ``head_pool``)."""
+        m, head = self.model, self.model.mtp
+        tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
+        tables = self.tables.index_select(0, rows)
+        if width is not None:
+            tables = tables[:, :width]
+        emb = m.embed.index_select(0, tokens).float()
+        x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(self.draft_in[:bs])], dim=-1))
+        st = StepInputs(positions, slots, tables, ctx.to(torch.int32), self.head_pool, self._attend_mla,
+                        self._dsa_scores, sparse=sparse)
+        layer = head.block
+        h = x + layer.attn.decode_static(layer.attn_norm(x), st)
+        y = layer.mlp_norm(h)
+        h = h + (layer.mlp.forward_static(y) if isinstance(layer.mlp, MoE) else layer.mlp(y))
+        hn = head.final_norm(h)
+        self.draft_states[:bs].copy_(hn)
+        self.draft_out[:bs].copy_(m.logits(hn))

@@ -13,6 +13,8 @@ import os
 SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
     "dsa_widths": "EXL3TOOLS_DSA_WIDTHS",
+    # the MTP head's cache in the block pool and its drafts as a fixed-shape step (PagedDecoder.draft)
+    "mtp_paged": "EXL3TOOLS_MTP_PAGED",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -30,15 +30,21 @@ class PagedState:
     the static decode step (runtime/paged_decode.py). Commands carry block tables and slots."""
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
-                 max_blocks: int, decode: str):
+                 max_blocks: int, decode: str, mtp_paged: bool = False):
         from exl3tools.runtime.kv_pool import KVPool, layer_specs
         from exl3tools.runtime.paged_decode import PagedDecoder
 
         self.model = model
         self.pool = KVPool(layer_specs(model), num_blocks, block_size, getattr(torch, dtype), model.embed.device)
+        # the MTP head's one layer, in blocks addressed like the pool's (the sequence's own table)
+        self.head_pool = None
+        if mtp_paged and getattr(model, "mtp", None) is not None:
+            self.head_pool = KVPool([tuple(model.mtp.block.attn.cache_spec())], num_blocks, block_size,
+                                    getattr(torch, dtype), model.embed.device)
         self.decoder = None
         if decode in ("static", "graphs"):
-            self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs")
+            self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs",
+                                        head_pool=self.head_pool)
 
     def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
                 states: bool = False):
@@ -76,10 +82,13 @@ class DraftState:
     the (target state at position i, token at i + 1) pairs it has not read yet. ``states`` holds
     one row more than ``tokens``: the newest state waits for the token sampled after it."""
 
-    __slots__ = ("cache", "states", "tokens")
+    __slots__ = ("cache", "length", "states", "tokens")
 
-    def __init__(self, head):
-        self.cache = head.new_cache()
+    def __init__(self, head, paged_start: int | None = None):
+        # paged (PagedState.head_pool): no cache of its own, only how many positions of the
+        # sequence's blocks hold the head's entries; a prefix hit's blocks carry theirs
+        self.cache = head.new_cache() if paged_start is None else None
+        self.length = 0 if paged_start is None else int(paged_start)
         self.states: list[torch.Tensor] = []
         self.tokens: list[int] = []
 

@@ -130,7 +130,9 @@ class Runner(SpeculativeSteps):
         mode = self._decode_mode(decode)
         max_blocks = -(-self.max_context // block_size)
         state = dict(num_blocks=num_blocks, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
-                     max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode)
+                     max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode,
+                     # the head's cache in blocks (a preview; one rank: the workers keep theirs eager)
+                     mtp_paged=bool(self.spec_k and world == 1 and preview.switched_on("mtp_paged")))
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
@@ -265,7 +267,7 @@ class Runner(SpeculativeSteps):
         cached = self.blocks.open(seq_id, [int(t) for t in tokens][:self.max_context])
         seq = self._seqs[seq_id] = _Seq(self._rows.pop(0), list(tokens[:cached]))
         if self.spec_k and speculative:
-            seq.spec = DraftState(self.model.mtp)
+            seq.spec = DraftState(self.model.mtp, paged_start=cached if self.paged.head_pool is not None else None)
         return cached
 
     def free_sequence(self, seq_id: Hashable) -> None:

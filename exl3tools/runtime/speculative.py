@@ -7,6 +7,7 @@ workers' side of the same steps is runtime.worker.WorkerDrafts.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Hashable
 
 import torch
@@ -40,6 +41,8 @@ class SpeculativeSteps:
             specs.append(sp)
         if not reqs:
             return []
+        if self.paged.head_pool is not None:
+            return self._draft_paged(reqs, specs)
         head = self.model.mtp
         taken = [sp.take(int(last)) for sp, (_, last, _, _) in zip(specs, reqs, strict=True)]
         # the other ranks run their head part in step (the same sequences in the same order)
@@ -63,6 +66,56 @@ class SpeculativeSteps:
         for sp, n in zip(specs, committed, strict=True):
             truncate(sp.cache, n)
         return out
+
+    def _draft_paged(self, reqs: list, specs: list) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
+        sits at position p's slot of the sequence's own blocks. Rows that fit ``--max-num-seqs`` run
+        the decoder's fixed-shape draft step (a graph replay on CUDA), others the eager head over
+        paged views. Deeper drafts write past the cache, into slots reserved now (verify reserves
+        the same ones again, accept gives back what it does not keep)."""
+        from exl3tools.runtime.kv_pool import PagedSeqView
+
+        head, dec, pool = self.model.mtp, self.paged.decoder, self.paged.head_pool
+        for s, _, k, _ in reqs:
+            if k > 1:
+                self.blocks.reserve(s, k - 1)
+
+        def run(rows: list[tuple[Hashable, list[int], int]], states: list[torch.Tensor]):
+            """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row."""
+            if dec is not None and sum(len(t) for _, t, _ in rows) <= self.max_num_seqs:
+                items = [(s, self._seq(s), t, n0) for s, t, n0 in rows]
+                bs = self.block_size
+                slots = []
+                for s, t, n0 in rows:
+                    table = self.blocks.table(s)
+                    slots.append([table[p // bs] * bs + p % bs for p in range(n0, n0 + len(t))])
+                tokens, positions, flat, rr, updates = self._decode_args(items, slots)
+                dec.set_blocks(updates)
+                g, dl = dec.draft(tokens, positions, flat, rr, torch.cat(states))
+                ends = torch.tensor(list(itertools.accumulate(len(t) for _, t, _ in rows)), device=g.device) - 1
+                return g[ends].clone(), dl[ends].clone()
+            views = [PagedSeqView(pool, pool.slots(list(self.blocks.table(s)), n0 + len(t)), n0) for s, t, n0 in rows]
+            return head.forward_many(views, states, [t for _, t, _ in rows])
+
+        taken = [sp.take(int(last)) for sp, (_, last, _, _) in zip(specs, reqs, strict=True)]
+        g, dl = run([(s, t, sp.length) for (s, *_), sp, (_, t) in zip(reqs, specs, taken, strict=True)],
+                    [st for st, _ in taken])
+        for sp, (_, t) in zip(specs, taken, strict=True):
+            sp.length += len(t)                  # exact pairs: kept; deeper drafts are not
+        nxt = [sp.length for sp in specs]
+        out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
+        live = list(range(len(reqs)))
+        while True:
+            for j, i in enumerate(live):
+                out[i][1].append(dl[j])
+                out[i][0].append(int(reqs[i][3](dl[j])))
+            keep = [j for j, i in enumerate(live) if len(out[i][0]) < reqs[i][2]]
+            if not keep:
+                return out
+            live = [live[j] for j in keep]
+            g, dl = run([(reqs[i][0], [out[i][0][-1]], nxt[i]) for i in live], [g[j:j + 1] for j in keep])
+            for i in live:
+                nxt[i] += 1
 
     def verify(self, batch: list[tuple[Hashable, list[int]]]) -> torch.Tensor:
         """One target forward over each sequence's ``[last token] + drafts`` (device logits of

@@ -145,3 +145,24 @@ def test_dsa_width_graphs_equal_eager(monkeypatch):
         assert _rel(g, e) < REL, (name, i, _rel(g, e))
     assert all(n > 1 for *_, n in used)
     assert any(key[1] and key[2] < full for key, full, _ in used), used     # a narrow sparse graph replayed
+
+
+def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(monkeypatch):
+    """The mtp_paged preview on CUDA: drafts through the captured draft step (and the eager head
+    over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly."""
+    from exl3tools.runtime.paged_decode import PagedDecoder
+    from tests.test_serve_speculative import _draft_rounds, _same_rows
+
+    want, ks = _draft_rounds(True, "eager", device="cuda", backend=cuda_backend())
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
+    keys, draft = [], PagedDecoder.draft
+
+    def recorded(self, *a):
+        out = draft(self, *a)
+        keys.append(self.last_key)
+        return out
+
+    monkeypatch.setattr(PagedDecoder, "draft", recorded)
+    got, _ = _draft_rounds(True, "graphs", device="cuda", backend=cuda_backend())
+    _same_rows(want, got, ks, tol=REL)
+    assert keys and all(k[0] == "draft" for k in keys), keys       # replayed draft graphs
