@@ -49,19 +49,12 @@ class SpeculativeSteps:
         self._send(("draft", [(s, int(last)) for s, last, _, _ in reqs]))
         g, dl = head.forward_many([sp.cache for sp in specs], [st for st, _ in taken], [t for _, t in taken])
         committed = [sp.cache.length for sp in specs]     # g, dl: each sequence's newest row
-        out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
-        live = list(range(len(reqs)))
-        while True:
-            for j, i in enumerate(live):
-                out[i][1].append(dl[j])
-                out[i][0].append(int(reqs[i][3](dl[j])))
-            keep = [j for j, i in enumerate(live) if len(out[i][0]) < reqs[i][2]]
-            if not keep:
-                break
-            live = [live[j] for j in keep]
-            self._send(("draft_next", [(reqs[i][0], out[i][0][-1]) for i in live]))
-            g, dl = head.forward_many([specs[i].cache for i in live], [g[j:j + 1] for j in keep],
-                                      [[out[i][0][-1]] for i in live])
+
+        def deeper(live, gs, toks):
+            self._send(("draft_next", [(reqs[i][0], t) for i, t in zip(live, toks, strict=True)]))
+            return head.forward_many([specs[i].cache for i in live], gs, [[t] for t in toks])
+
+        out = _draw_depths(reqs, g, dl, deeper)
         self._send(("draft_end", [s for s, *_ in reqs]))
         for sp, n in zip(specs, committed, strict=True):
             truncate(sp.cache, n)
@@ -102,20 +95,15 @@ class SpeculativeSteps:
                     [st for st, _ in taken])
         for sp, (_, t) in zip(specs, taken, strict=True):
             sp.length += len(t)                  # exact pairs: kept; deeper drafts are not
-        nxt = [sp.length for sp in specs]
-        out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
-        live = list(range(len(reqs)))
-        while True:
-            for j, i in enumerate(live):
-                out[i][1].append(dl[j])
-                out[i][0].append(int(reqs[i][3](dl[j])))
-            keep = [j for j, i in enumerate(live) if len(out[i][0]) < reqs[i][2]]
-            if not keep:
-                return out
-            live = [live[j] for j in keep]
-            g, dl = run([(reqs[i][0], [out[i][0][-1]], nxt[i]) for i in live], [g[j:j + 1] for j in keep])
+        nxt = [sp.length for sp in specs]        # where each sequence's next deeper draft goes
+
+        def deeper(live, gs, toks):
+            res = run([(reqs[i][0], [t], nxt[i]) for i, t in zip(live, toks, strict=True)], gs)
             for i in live:
                 nxt[i] += 1
+            return res
+
+        return _draw_depths(reqs, g, dl, deeper)
 
     def verify(self, batch: list[tuple[Hashable, list[int]]]) -> torch.Tensor:
         """One target forward over each sequence's ``[last token] + drafts`` (device logits of
@@ -162,3 +150,20 @@ class SpeculativeSteps:
         self.blocks.commit(seq_id, seq.tokens)
         self.blocks.trim(seq_id)
         seq.spec.extend(states[:n], toks[:n])
+
+
+def _draw_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Each request's drafts, depth by depth, from the head's first rows (g, dl: one per request):
+    its ``draw`` picks a token from its logits row; ``deeper(live, state rows, tokens)`` runs the
+    head once more for the requests still drafting (indices into ``reqs``) and returns (g, dl)."""
+    out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
+    live = list(range(len(reqs)))
+    while True:
+        for j, i in enumerate(live):
+            out[i][1].append(dl[j])
+            out[i][0].append(int(reqs[i][3](dl[j])))
+        keep = [j for j, i in enumerate(live) if len(out[i][0]) < reqs[i][2]]
+        if not keep:
+            return out
+        live = [live[j] for j in keep]
+        g, dl = deeper(live, [g[j:j + 1] for j in keep], [out[i][0][-1] for i in live])
