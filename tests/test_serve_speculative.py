@@ -190,10 +190,13 @@ def test_drafting_sequences_survive_preemption(paged_head, monkeypatch):
     assert got == plain
 
 
-def test_tp2_drafts_in_lockstep_and_stay_greedy():
+@pytest.mark.parametrize("paged_head,decode", [("0", "eager"), ("1", "eager"), ("1", "static")])
+def test_tp2_drafts_in_lockstep_and_stay_greedy(paged_head, decode, monkeypatch):
     """--tp 2 (gloo, CPU processes) on the GLM-5 tp fixture: every rank runs its part of the MTP
     head in step with rank 0 (draft, verify, accept, free); oracle drafts with 0-2 accepted per
-    step give exactly the TP=1 greedy text."""
+    step give exactly the TP=1 greedy text. Also with the head's cache in blocks (mtp_paged: the
+    workers run each draft call rank 0 makes, "hdraft")."""
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", paged_head)
     path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
     prompt = PROMPT[:24]
     with load_runner(path, max_cache_tokens=256, block_size=4) as r:
@@ -202,7 +205,7 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy():
         for _ in range(16):
             want.append(int(r.step([(0, new)])[0].argmax()))
             new = [want[-1]]
-    with load_runner(path, tp=2, max_cache_tokens=256, block_size=4, speculative_tokens=2) as r:
+    with load_runner(path, tp=2, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode=decode) as r:
         r.add_sequence(0, prompt)
         out = [int(r.step([(0, prompt)])[0].argmax())]
         step, seen = 0, set()

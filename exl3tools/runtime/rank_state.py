@@ -63,6 +63,27 @@ class PagedState:
         return (logits, self.decoder.states[:len(rows)]) if states else logits
 
 
+def run_head(paged: PagedState, mode: str, payload, states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP head over rows whose cache is ``paged.head_pool`` (every rank runs the same call):
+    ``mode`` "static": ``payload`` is ((tokens, positions, slots, rows, updates) of the decode
+    step, rows per sequence) and the decoder's draft step runs; "eager": ``payload`` is [(block
+    table, first position, tokens)] per sequence and the head runs over paged views. Each
+    sequence's newest (normed state, logits) row, in order."""
+    import itertools
+
+    from exl3tools.runtime.kv_pool import PagedSeqView
+
+    if mode == "static":
+        (tokens, positions, slots, rows, updates), counts = payload
+        paged.decoder.set_blocks(updates)
+        g, dl = paged.decoder.draft(tokens, positions, slots, rows, torch.cat(states))
+        ends = torch.tensor(list(itertools.accumulate(counts)), device=g.device) - 1
+        return g[ends].clone(), dl[ends].clone()
+    pool = paged.head_pool
+    views = [PagedSeqView(pool, pool.slots(list(table), n0 + len(t)), n0) for table, n0, t in payload]
+    return paged.model.mtp.forward_many(views, states, [t for _, _, t in payload])
+
+
 def split_rows(tokens: list[int], counts: list[int]) -> list[tuple]:
     """Flat decode-step tokens back into wire-like items ((), 0, tokens) per sequence."""
     out, i = [], 0

@@ -131,8 +131,8 @@ class Runner(SpeculativeSteps):
         max_blocks = -(-self.max_context // block_size)
         state = dict(num_blocks=num_blocks, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
                      max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode,
-                     # the head's cache in blocks (a preview; one rank: the workers keep theirs eager)
-                     mtp_paged=bool(self.spec_k and world == 1 and preview.switched_on("mtp_paged")))
+                     # the MTP head's cache in blocks, its drafts in the fixed-shape step (a preview)
+                     mtp_paged=bool(self.spec_k and preview.switched_on("mtp_paged")))
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode

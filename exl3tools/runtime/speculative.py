@@ -7,13 +7,12 @@ workers' side of the same steps is runtime.worker.WorkerDrafts.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Hashable
 
 import torch
 
 from exl3tools.errors import RuntimeFailure, UsageError
-from exl3tools.runtime.rank_state import rows_of
+from exl3tools.runtime.rank_state import rows_of, run_head
 
 
 class SpeculativeSteps:
@@ -66,33 +65,30 @@ class SpeculativeSteps:
         the decoder's fixed-shape draft step (a graph replay on CUDA), others the eager head over
         paged views. Deeper drafts write past the cache, into slots reserved now (verify reserves
         the same ones again, accept gives back what it does not keep)."""
-        from exl3tools.runtime.kv_pool import PagedSeqView
-
-        head, dec, pool = self.model.mtp, self.paged.decoder, self.paged.head_pool
         for s, _, k, _ in reqs:
             if k > 1:
                 self.blocks.reserve(s, k - 1)
 
-        def run(rows: list[tuple[Hashable, list[int], int]], states: list[torch.Tensor]):
-            """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row."""
-            if dec is not None and sum(len(t) for _, t, _ in rows) <= self.max_num_seqs:
-                items = [(s, self._seq(s), t, n0) for s, t, n0 in rows]
+        def run(rows: list[tuple[Hashable, list[int], int]], states: list[torch.Tensor], lasts=None):
+            """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row;
+            the other ranks run the same (``lasts``: the first depth's last tokens, which they take
+            their pending pairs with; deeper: they feed their own rows of the depth before)."""
+            if self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.max_num_seqs:
                 bs = self.block_size
                 slots = []
                 for s, t, n0 in rows:
                     table = self.blocks.table(s)
                     slots.append([table[p // bs] * bs + p % bs for p in range(n0, n0 + len(t))])
-                tokens, positions, flat, rr, updates = self._decode_args(items, slots)
-                dec.set_blocks(updates)
-                g, dl = dec.draft(tokens, positions, flat, rr, torch.cat(states))
-                ends = torch.tensor(list(itertools.accumulate(len(t) for _, t, _ in rows)), device=g.device) - 1
-                return g[ends].clone(), dl[ends].clone()
-            views = [PagedSeqView(pool, pool.slots(list(self.blocks.table(s)), n0 + len(t)), n0) for s, t, n0 in rows]
-            return head.forward_many(views, states, [t for _, t, _ in rows])
+                args = self._decode_args([(s, self._seq(s), t, n0) for s, t, n0 in rows], slots)
+                mode, payload = "static", (args, [len(t) for _, t, _ in rows])
+            else:
+                mode, payload = "eager", [(list(self.blocks.table(s)), n0, t) for s, t, n0 in rows]
+            self._send(("hdraft", lasts, [s for s, _, _ in rows], mode, payload))
+            return run_head(self.paged, mode, payload, states)
 
         taken = [sp.take(int(last)) for sp, (_, last, _, _) in zip(specs, reqs, strict=True)]
         g, dl = run([(s, t, sp.length) for (s, *_), sp, (_, t) in zip(reqs, specs, taken, strict=True)],
-                    [st for st, _ in taken])
+                    [st for st, _ in taken], lasts=[int(last) for _, last, _, _ in reqs])
         for sp, (_, t) in zip(specs, taken, strict=True):
             sp.length += len(t)                  # exact pairs: kept; deeper drafts are not
         nxt = [sp.length for sp in specs]        # where each sequence's next deeper draft goes

@@ -10,7 +10,14 @@ from exl3tools.errors import Exl3Error
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime.loader import resolve
 from exl3tools.runtime.model import CausalLM
-from exl3tools.runtime.rank_state import DraftState, PagedState, profile_forward, rows_of, split_rows
+from exl3tools.runtime.rank_state import (
+    DraftState,
+    PagedState,
+    profile_forward,
+    rows_of,
+    run_head,
+    split_rows,
+)
 from exl3tools.runtime.runner import build_local_model, rank_device
 
 
@@ -69,7 +76,7 @@ class WorkerDrafts:
     part of the MTP head runs in lockstep (the head's collectives), so it keeps the same draft
     state per sequence, fed from its own copy of the target's final states."""
 
-    OPS = ("draft", "draft_next", "draft_end", "pverify", "accept", "sfree")
+    OPS = ("draft", "draft_next", "draft_end", "hdraft", "pverify", "accept", "sfree")
 
     def __init__(self, model: CausalLM):
         self.model = model
@@ -108,6 +115,14 @@ class WorkerDrafts:
             for s in cmd[1]:
                 _, committed = self.drafting.pop(s)
                 truncate(self.specs[s].cache, committed)
+        elif op == "hdraft":        # the head's cache in blocks: rank 0's SpeculativeSteps._draft_paged
+            lasts, sids, mode, payload = cmd[1:]
+            if lasts is not None:   # the first depth: every pending pair
+                states = [st for st, _ in (self._spec(s).take(t) for s, t in zip(sids, lasts, strict=True))]
+            else:
+                states = [self.drafting[s] for s in sids]
+            g, _ = run_head(paged, mode, payload, states)
+            self.drafting = {s: g[j:j + 1] for j, s in enumerate(sids)}
         elif op == "pverify":
             if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
                 _, hn = paged.decode(*cmd[3], states=True)
