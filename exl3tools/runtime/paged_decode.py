@@ -196,15 +196,7 @@ class PagedDecoder:
         states).
         ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
         never read back to the host first)."""
-        bs, sparse, need = self._load(tokens, positions, slots, rows, device_tokens)
-        if self.graphs:
-            key = (bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
-            if key not in self._graphs:
-                self.capture([bs])
-            self._graphs[key].replay()
-            self.last_key = key
-        else:   # no graph to keep fixed: read only the table columns the longest row needs
-            self._body(bs, need, sparse)
+        self._run((), self._body, *self._load(tokens, positions, slots, rows, device_tokens))
         return self.out[:len(tokens)]
 
     @torch.inference_mode()
@@ -220,15 +212,20 @@ class PagedDecoder:
         bs, sparse, need = self._load(tokens, positions, slots, rows, None)
         self.draft_in[:n].copy_(states)
         self.draft_in[n:bs].zero_()
-        if self.graphs:
-            key = ("draft", bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
-            if key not in self._graphs:
-                self.capture([bs])
-            self._graphs[key].replay()
-            self.last_key = key
-        else:
-            self._draft_body(bs, need, sparse)
+        self._run(("draft",), self._draft_body, bs, sparse, need)
         return self.draft_states[:n], self.draft_out[:n]
+
+    def _run(self, tag: tuple, body, bs: int, sparse: bool, need: int) -> None:
+        """Replay the graph of (tag, bucket, sparse, width), captured on first use; without graphs
+        run ``body`` eagerly, reading only the table columns the longest row needs."""
+        if not self.graphs:
+            body(bs, need, sparse)
+            return
+        key = (*tag, bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
+        if key not in self._graphs:
+            self.capture([bs])
+        self._graphs[key].replay()
+        self.last_key = key
 
     def _load(self, tokens, positions, slots, rows, device_tokens) -> tuple[int, bool, int]:
         """Copy a step's rows into the static inputs: (bucket, sparse, table columns needed)."""
@@ -297,11 +294,7 @@ class PagedDecoder:
         (``width``: block-table columns to read, default all; ``sparse``: DSA may select, else
         every row's context fits index_topk)."""
         m = self.model
-        tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
-        tables = self.tables.index_select(0, rows)
-        if width is not None:
-            tables = tables[:, :width]
-        ctx = ctx.to(torch.int32)
+        tokens, positions, slots, tables, ctx = self._step_inputs(bs, width)
         if self._fused is not None:
             hn = self._fused(tokens, positions, slots, tables, ctx, self._attend)
             self.states[:bs].copy_(hn)
@@ -312,38 +305,42 @@ class PagedDecoder:
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
             if isinstance(a, MLAttention):          # per attention kind: MLA/DSA's own step (runtime/mla.py)
-                h = h + a.decode_static(layer.attn_norm(h), st)
-                x = layer.mlp_norm(h)
-                h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+                h = _mlp_static(layer, h + a.decode_static(layer.attn_norm(h), st))
                 continue
             q, k, v = a.qkv(layer.attn_norm(h), positions)
             kp, vp = planes["k"], planes["v"]
             kp.index_copy_(0, slots, k.to(kp.dtype))
             vp.index_copy_(0, slots, v.to(vp.dtype))
             o = self._attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
-            h = h + a.reduce(a.o(o.reshape(bs, a.nq * a.hd)))
-            x = layer.mlp_norm(h)
-            h = h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
+            h = _mlp_static(layer, h + a.reduce(a.o(o.reshape(bs, a.nq * a.hd))))
         hn = m.norm(h)
         self.states[:bs].copy_(hn)
         self.out[:bs].copy_(m.logits(hn))
+
+    def _step_inputs(self, bs: int, width: int | None):
+        """(tokens, positions, slots, block-table rows, int32 context lengths) of the first ``bs``
+        static rows, the tables cut to ``width`` columns (None: all)."""
+        tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
+        tables = self.tables.index_select(0, rows)
+        if width is not None:
+            tables = tables[:, :width]
+        return tokens, positions, slots, tables, ctx.to(torch.int32)
 
     def _draft_body(self, bs: int, width: int | None = None, sparse: bool = True) -> None:
         """The MTP head over ``bs`` rows from the static inputs and ``draft_in`` (MTPHead.forward_many
         as device ops with fixed shapes; its attention reads and writes ``head_pool``)."""
         m, head = self.model, self.model.mtp
-        tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
-        tables = self.tables.index_select(0, rows)
-        if width is not None:
-            tables = tables[:, :width]
+        tokens, positions, slots, tables, ctx = self._step_inputs(bs, width)
         emb = m.embed.index_select(0, tokens).float()
         x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(self.draft_in[:bs])], dim=-1))
-        st = StepInputs(positions, slots, tables, ctx.to(torch.int32), self.head_pool, self._attend_mla,
-                        self._dsa_scores, sparse=sparse)
+        st = StepInputs(positions, slots, tables, ctx, self.head_pool, self._attend_mla, self._dsa_scores, sparse=sparse)
         layer = head.block
-        h = x + layer.attn.decode_static(layer.attn_norm(x), st)
-        y = layer.mlp_norm(h)
-        h = h + (layer.mlp.forward_static(y) if isinstance(layer.mlp, MoE) else layer.mlp(y))
-        hn = head.final_norm(h)
+        hn = head.final_norm(_mlp_static(layer, x + layer.attn.decode_static(layer.attn_norm(x), st)))
         self.draft_states[:bs].copy_(hn)
         self.draft_out[:bs].copy_(m.logits(hn))
+
+
+def _mlp_static(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    """A layer's residual MLP in the fixed-shape step (MoE through its sync-free forward_static)."""
+    x = layer.mlp_norm(h)
+    return h + (layer.mlp.forward_static(x) if isinstance(layer.mlp, MoE) else layer.mlp(x))
