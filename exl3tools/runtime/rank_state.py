@@ -50,11 +50,9 @@ class PagedState:
                 states: bool = False):
         """Eager forward; each item is (block table, tokens cached, new tokens). Device logits
         (with ``states``: and the final-normed states of every new row, CausalLM.forward)."""
-        from exl3tools.runtime.kv_pool import PagedSeqView
-
-        views = [(PagedSeqView(self.pool, self.pool.slots(table, n0 + len(toks)), n0), toks)
-                 for table, n0, toks in items]
-        return self.model.forward(views, all_logits=all_logits, to_cpu=False, states=states)
+        views = paged_views(self.pool, items)
+        return self.model.forward(list(zip(views, (t for _, _, t in items), strict=True)), all_logits=all_logits,
+                                  to_cpu=False, states=states)
 
     def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False):
         """The fixed-shape step over rows (PagedDecoder.step); with ``states``: (logits, states)."""
@@ -71,17 +69,21 @@ def run_head(paged: PagedState, mode: str, payload, states: list[torch.Tensor]) 
     sequence's newest (normed state, logits) row, in order."""
     import itertools
 
-    from exl3tools.runtime.kv_pool import PagedSeqView
-
     if mode == "static":
         (tokens, positions, slots, rows, updates), counts = payload
         paged.decoder.set_blocks(updates)
         g, dl = paged.decoder.draft(tokens, positions, slots, rows, torch.cat(states))
         ends = torch.tensor(list(itertools.accumulate(counts)), device=g.device) - 1
         return g[ends].clone(), dl[ends].clone()
-    pool = paged.head_pool
-    views = [PagedSeqView(pool, pool.slots(list(table), n0 + len(t)), n0) for table, n0, t in payload]
-    return paged.model.mtp.forward_many(views, states, [t for _, _, t in payload])
+    return paged.model.mtp.forward_many(paged_views(paged.head_pool, payload), states, [t for _, _, t in payload])
+
+
+def paged_views(pool, items: list[tuple[list[int], int, list[int]]]) -> list:
+    """A PagedSeqView over ``pool`` per (block table, tokens cached, new tokens) item: the eager
+    forward's caches for one step."""
+    from exl3tools.runtime.kv_pool import PagedSeqView
+
+    return [PagedSeqView(pool, pool.slots(list(table), n0 + len(toks)), n0) for table, n0, toks in items]
 
 
 def split_rows(tokens: list[int], counts: list[int]) -> list[tuple]:
