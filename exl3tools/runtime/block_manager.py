@@ -141,8 +141,13 @@ class BlockManager:
                                    f"of {self.usable_blocks} ({self.block_size} tokens each)")
         for _ in range(need):
             s.table.append(self._fresh())
-        bs = self.block_size
-        return [s.table[p // bs] * bs + p % bs for p in range(s.length, s.length + int(new_tokens))]
+        return self.slots(seq_id, s.length, int(new_tokens))
+
+    def slots(self, seq_id: Hashable, start: int, n: int) -> list[int]:
+        """The slot (block * block_size + offset) of positions start .. start + n - 1 of ``seq_id``,
+        whose table must already hold them."""
+        table, bs = self._seq(seq_id).table, self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
     def advance(self, seq_id: Hashable, n: int) -> None:
         """``n`` reserved tokens are written but not known yet (a chained decode step reads its

@@ -74,11 +74,7 @@ class SpeculativeSteps:
             the other ranks run the same (``lasts``: the first depth's last tokens, which they take
             their pending pairs with; deeper: they feed their own rows of the depth before)."""
             if self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.max_num_seqs:
-                bs = self.block_size
-                slots = []
-                for s, t, n0 in rows:
-                    table = self.blocks.table(s)
-                    slots.append([table[p // bs] * bs + p % bs for p in range(n0, n0 + len(t))])
+                slots = [self.blocks.slots(s, n0, len(t)) for s, t, n0 in rows]
                 args = self._decode_args([(s, self._seq(s), t, n0) for s, t, n0 in rows], slots)
                 mode, payload = "static", (args, [len(t) for _, t, _ in rows])
             else:
