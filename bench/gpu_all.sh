@@ -116,17 +116,18 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
       # MLA_VARIANTS: which of "eager graphs fp16 widths mtp_paged" serve beside the MTP configs
-      # (widths: the dsa_widths preview, runtime/preview.py, at --max-model-len 131072 where it should
-      # matter most; mtp_paged: each MTP config again with the head's cache in blocks, its drafts in graphs)
+      # (fp16: --kv-cache-dtype fp16, what auto picks for MLA on CUDA; widths: at --max-model-len
+      # 131072, with and without the sparse graphs per table width; mtp_paged: each MTP config again
+      # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
       [[ $V == *graphs* ]] && CFG+=(--config "$arch:--max-model-len 32768")
-      [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp16:--max-model-len 32768 --kv-cache-dtype fp16")   # half the latent bytes
+      [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp32:--max-model-len 32768 --kv-cache-dtype fp32")   # the old auto
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
-                                    --config "${arch}_ml128k_widths:EXL3TOOLS_DSA_WIDTHS=1 --max-model-len 131072")
+                                    --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC-1 2 3}; do
         CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k")
-        [[ $V == *mtp_paged* ]] && CFG+=(--config "${arch}_mtp${k}_paged:EXL3TOOLS_MTP_PAGED=1 --max-model-len 32768 --speculative-tokens $k")
+        [[ $V == *mtp_paged* ]] && CFG+=(--config "${arch}_mtp${k}_eager_head:EXL3TOOLS_MTP_PAGED=0 --max-model-len 32768 --speculative-tokens $k")
       done; fi
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \

@@ -52,8 +52,7 @@ GPUS: dict[str, int] = {
 }
 MLA_ARCHS = {"DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"}
 GQA_ARCHS = {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"}
-KV_DTYPE_BYTES = {"auto": 2, "bf16": 2, "fp16": 2, "fp32": 4}   # auto: bf16 on CUDA
-MLA_KV_DTYPE_BYTES = {**KV_DTYPE_BYTES, "auto": 4}              # auto: fp32 for MLA (runner.kv_dtype_for)
+KV_DTYPE_BYTES = {"auto": 2, "bf16": 2, "fp16": 2, "fp32": 4}   # auto on CUDA: bf16, fp16 for MLA (runner.kv_dtype_for)
 _LINEAR_FIELDS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -123,7 +122,7 @@ class MemoryPlan:
 def kv_bytes_per_token(cfg: dict, architecture: str, attention: dict[str, dict], kv_dtype: str) -> int:
     """Bytes one token takes in the runtime's KV pool on one rank (see module doc)."""
     n_layers = int(cfg["num_hidden_layers"])
-    dtype_bytes = (MLA_KV_DTYPE_BYTES if architecture in MLA_ARCHS else KV_DTYPE_BYTES)[kv_dtype]
+    dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     if architecture in MLA_ARCHS:
         per = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * dtype_bytes
         total = per * n_layers
@@ -217,10 +216,5 @@ def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: s
         message = (f"{ck.root}: does not fit on {where}: rank {worst.rank} needs {fmt_bytes(need)} "
                    f"(weights {fmt_bytes(worst.weight_bytes)} + scratch {fmt_bytes(worst.scratch_bytes)} + KV for "
                    f"{need_tokens} tokens), {fmt_bytes(usable)} free at --gpu-memory-utilization {util}")
-    if arch in MLA_ARCHS and kv_dtype == "auto" and tokens < want and worst.kv_blocks >= 1:
-        # auto keeps MLA's latent in fp32: fp16 halves every plane
-        half = min(max(max(rk.kv_budget_bytes, 0) // (rk.kv_bytes_per_token // 2 * block_size) - 1, 0) * block_size
-                   for rk in ranks)
-        message += f"; --kv-cache-dtype fp16 (half the latent's bytes) would hold {half} tokens"
     return MemoryPlan(str(ck.root), arch, gpu, gpu_total, util, tp, moe, block_size, kv_dtype, max_num_seqs,
                       batched_tokens, max_model_len, model_ctx, ranks, tokens, min(want, tokens), fits, message)

@@ -10,6 +10,15 @@ Grid (B, W * bs / TN): one program scores TN keys against every indexer head (th
 lengths; shapes and grid depend on the table width alone (graph-capturable). Unlike the torch
 reference it never materialises the (B, T, D) gathered keys, which at a 32k-token table and
 batch 32 would be half a gigabyte per layer inside a CUDA graph's pool.
+
+``topk_select`` then makes ``dsa.topk_positions``' choice (the same set of positions; the order
+within a row differs, attention does not depend on it) in one program per row and three passes
+over its scores, instead of torch.topk over int64 keys (a radix select of 2-bit digits, ~40 us a
+layer at a 4k context on the H200) plus ~10 elementwise kernels to build the keys. Each fp16
+score maps to a 16-bit key, monotone in its value (-0 = +0; non-finite scores to 0, never chosen);
+pass 1 histograms the keys' high bytes, pass 2 the low bytes within the boundary bin, which fixes
+the threshold key and how many of its ties to take; pass 3 writes every position above the
+threshold and the first ties in ascending position (Indexer.select's stable order).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ except ImportError:   # runtime-only installs: runtime.dsa.paged_scores_referenc
     triton = tl = None
 
 TILE = 32          # 64 x 128 fp32 FMA dot at TN 64 spills ~7 KB a thread on sm_90; TN 32, 8 warps: ~0.2 KB
+TOPK_TILE = 2048   # scores per step of topk_select's passes
 
 
 if triton is not None:
@@ -55,6 +65,69 @@ if triton is not None:
             tl.store(out, tl.where(tmask, s, float("-inf")), mask=t < T)
 
 
+    @triton.jit
+    def _keys(s_row, t, T, L):
+        """16-bit order keys of fp16-valued float32 scores: 0 for non-finite ones and t >= L."""
+        v = tl.load(s_row + t, mask=t < T, other=float("-inf"))
+        bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        mag = bits & 0x7FFF
+        key = tl.where(bits < 0, -mag, mag) + 32768                        # -0 and +0: 32768
+        return tl.where((mag < 0x7C00) & (t < L), key, 0)
+
+    @triton.jit
+    def _boundary(hist, want, NB: tl.constexpr):
+        """The highest bin b whose count of keys at or above b reaches ``want``, and the count above b."""
+        bins = tl.arange(0, NB)
+        above_or_at = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        b = tl.max(tl.where(above_or_at >= want, bins, -1), 0)
+        return b, tl.sum(tl.where(bins > b, hist, 0), 0)
+
+    @triton.jit
+    def _topk_kernel(s_ptr, len_ptr, out_ptr, T, K, topk, TB: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        L = tl.load(len_ptr + row)
+        s_row = s_ptr + row * T
+        o_row = out_ptr + row * K
+        j = tl.arange(0, TB)
+        if L <= topk:                        # every visible position (exllamav3's rule)
+            for j0 in range(0, K, TB):
+                tl.store(o_row + j0 + j, tl.where(j0 + j < L, j0 + j, -1), mask=j0 + j < K)
+        else:
+            bins = tl.arange(0, 256)
+            hist = tl.zeros([256], tl.int32)
+            for t0 in range(0, T, TB):
+                key = _keys(s_row, t0 + j, T, L)
+                hist += tl.histogram(key >> 8, 256)
+            hist = tl.where(bins == 0, 0, hist)                   # key 0: not selectable
+            valid = tl.sum(hist, 0)
+            want = tl.minimum(valid, K)
+            hi, above_hi = _boundary(hist, want, 256)
+            hist2 = tl.zeros([512], tl.int32)
+            for t0 in range(0, T, TB):
+                key = _keys(s_row, t0 + j, T, L)
+                hist2 += tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
+            hist2 = tl.where(tl.arange(0, 512) < 256, hist2, 0)
+            lo, above_lo = _boundary(hist2, want - above_hi, 512)
+            thr = tl.where(want > 0, hi * 256 + lo, 0)
+            above = tl.where(want > 0, above_hi + above_lo, 0)
+            ties = want - above
+            n_gt = 0
+            n_eq = 0
+            for t0 in range(0, T, TB):
+                t = t0 + j
+                key = _keys(s_row, t, T, L)
+                gt = (key > thr).to(tl.int32)
+                eq = ((key == thr) & (key > 0)).to(tl.int32)
+                at_gt = n_gt + tl.cumsum(gt, 0) - 1
+                at_eq = n_eq + tl.cumsum(eq, 0) - 1
+                tl.store(o_row + at_gt, t, mask=gt > 0)
+                tl.store(o_row + above + at_eq, t, mask=(eq > 0) & (at_eq < ties))
+                n_gt += tl.sum(gt, 0)
+                n_eq += tl.sum(eq, 0)
+            for j0 in range(0, K, TB):       # fewer finite scores than K: the rest unused
+                tl.store(o_row + j0 + j, -1, mask=(j0 + j >= want) & (j0 + j < K))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -84,4 +157,21 @@ def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tab
         q, w, kidx, block_tables, context_lens, out, float(scale), NH, D, T,
         kidx.stride(0), kidx.stride(1), block_tables.stride(0),
         HP=max(16, _pow2(NH)), DP=max(16, _pow2(D)), BS=bs, TN=TILE, num_warps=8)
+    return out
+
+
+def topk_select(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """dsa.topk_positions' selection (module doc) from ``paged_scores``' (B, T) float32 scores:
+    (B, min(topk, T)) int32 positions, -1 for an unused entry. No host sync (graph-capturable)."""
+    if triton is None:
+        raise RuntimeError("topk_select needs triton (runtime.dsa.topk_positions does not)")
+    if s.dtype != torch.float32 or s.dim() != 2 or context_lens.dtype != torch.int32 \
+            or tuple(context_lens.shape) != (s.shape[0],):
+        raise ValueError(f"scores must be float32 (B, T) and context_lens int32 (B,), got {s.dtype} "
+                         f"{tuple(s.shape)} and {context_lens.dtype} {tuple(context_lens.shape)}")
+    B, T = s.shape
+    K = min(int(topk), T)
+    out = torch.empty(B, K, device=s.device, dtype=torch.int32)
+    if B and K:
+        _topk_kernel[(B,)](s.contiguous(), context_lens, out, T, K, int(topk), TB=TOPK_TILE, num_warps=8)
     return out

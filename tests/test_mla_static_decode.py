@@ -160,6 +160,36 @@ def test_topk_positions_is_indexer_select():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
+def test_triton_topk_select_is_topk_positions():
+    """kernels/dsa_indexer.topk_select picks dsa.topk_positions' set of positions (its order within a
+    row may differ) on the interpreter: exact ties at the threshold across several 2048-score tiles,
+    -0.0 against +0.0, negative scores, rows with fewer finite scores than K, dense short rows, and
+    a table narrower than topk."""
+    pytest.importorskip("triton")
+    from exl3tools.kernels.dsa_indexer import topk_select
+
+    from exl3tools.runtime.dsa import topk_positions
+
+    gen = torch.Generator().manual_seed(0)
+    s = (torch.randint(0, 3, (7, 5000), generator=gen).float() / 4).half().float()     # ties across tiles
+    s[1, ::3], s[1, 1::3] = -0.0, 0.0
+    s[2] = -torch.rand(5000, generator=gen).half().float()
+    s[3] = torch.randn(5000, generator=gen).half().float()
+    s[4, :4000] = float("-inf")                      # 1000 finite scores of 4500 visible, K 2048
+    ctx = torch.tensor([5000, 4321, 2049, 4700, 4500, 2048, 7], dtype=torch.int32)
+    cases = [(s, ctx, 2048), (s[:, :300], ctx.clamp(max=300), 2048), (s[:, :64], ctx.clamp(max=64), 16)]
+    for sc, cx, k in cases:
+        sc = sc.clone()
+        for b, n in enumerate(cx.tolist()):
+            sc[b, n:] = float("-inf")               # paged_scores' contract: -inf past the context
+        got, want = topk_select(sc, cx, k), topk_positions(sc, cx, k)
+        assert got.shape == want.shape and got.dtype == torch.int32
+        for b in range(sc.shape[0]):
+            assert sorted(got[b][got[b] >= 0].tolist()) == sorted(want[b][want[b] >= 0].tolist()), (k, b)
+            assert (got[b] < 0).sum() == (want[b] < 0).sum(), (k, b)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
 def test_static_step_with_the_triton_kernel_on_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
     from exl3tools.runtime import paged_decode

@@ -50,7 +50,7 @@ def test_plan_equals_runtime_on_every_fixture(fixture):
     model, read = _runtime(fixture / "model", 1, 0)
     specs = layer_specs(model)
     auto = kv_dtype_for("auto", torch.device("cuda"), mla=has_mla(model))   # what serve --device cuda takes
-    assert auto == (torch.float32 if has_mla(model) else torch.bfloat16)
+    assert auto == (torch.float16 if has_mla(model) else torch.bfloat16)
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16), ("auto", auto)):
         p = _plan(fixture / "model", kv_dtype=name)
         assert p.ranks[0].kv_bytes_per_token == bytes_per_token(specs, dt), name
@@ -113,7 +113,7 @@ def test_cli_plan_json_and_refusal():
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     jsonschema.validate(doc, SCHEMA)
-    assert doc["ranks"][0]["kv_bytes_per_token"] == 5632 and doc["fits"]
+    assert doc["ranks"][0]["kv_bytes_per_token"] == 2816 and doc["fits"]
     res = CliRunner().invoke(main, ["plan", src, "--gpu-memory", "1GiB"])
     assert res.exit_code == 3
     lines = res.stderr.strip().splitlines()
@@ -194,15 +194,14 @@ def test_plan_counts_an_mtp_layer_only_where_the_runtime_builds_it(tmp_path):
     assert weights("glm5", True) > weights("glm5", False)
 
 
-def test_an_mla_plan_short_of_its_context_names_fp16():
-    """MLA's latent is fp32 under auto: where the pool holds less than the model's context, the
-    message says how many tokens --kv-cache-dtype fp16 holds (the fp16 plan's own figure)."""
+def test_an_mla_plan_under_auto_is_the_fp16_plan():
+    """MLA's latent is fp16 under auto on CUDA (runner.kv_dtype_for): auto and fp16 plans hold the
+    same tokens, fp32 about half as many."""
     src = fixture_dir("deepseek_v3-3.0bpw-3inst") / "model"
     ck = Checkpoint.open(src)
     probe = plan_memory(ck, gpu="x", gpu_total=GPUS["h200"])
     small = probe.ranks[0].weight_bytes + probe.ranks[0].scratch_bytes + 100 * 16 * probe.ranks[0].kv_bytes_per_token
-    auto = plan_memory(ck, gpu="x", gpu_total=int(small / 0.9) + 1)
-    fp16 = plan_memory(ck, gpu="x", gpu_total=int(small / 0.9) + 1, kv_dtype="fp16")
-    assert auto.kv_tokens < auto.model_max_context and fp16.kv_tokens > auto.kv_tokens
-    assert auto.message.endswith(f"--kv-cache-dtype fp16 (half the latent's bytes) would hold {fp16.kv_tokens} tokens")
-    assert "fp16" not in fp16.message and "fp16" not in probe.message   # it holds the context: no hint
+    plans = {dt: plan_memory(ck, gpu="x", gpu_total=int(small / 0.9) + 1, kv_dtype=dt) for dt in ("auto", "fp16", "fp32")}
+    assert plans["auto"].kv_tokens == plans["fp16"].kv_tokens < plans["auto"].model_max_context
+    assert plans["fp32"].ranks[0].kv_bytes_per_token * 2 == plans["auto"].ranks[0].kv_bytes_per_token * 4
+    assert plans["fp32"].kv_tokens < plans["auto"].kv_tokens

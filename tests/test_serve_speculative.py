@@ -148,13 +148,14 @@ def test_served_greedy_text_is_the_same_with_drafts():
         assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
 
 
-def test_served_greedy_text_with_the_heads_cache_in_blocks(monkeypatch):
-    """The mtp_paged preview through the server (eager decode, whose verify rows are computed as
-    plain decoding's: the static step's batched rows can flip this random model's near-tied argmax
-    with or without drafts; its draft step is checked row by row above): the same greedy text as
-    without drafts, drafts made and counted."""
+def test_served_greedy_text_with_the_heads_own_cache(monkeypatch):
+    """The eager head with its own growing cache (EXL3TOOLS_MTP_PAGED=0; the paged head is the
+    default, test_served_greedy_text_is_the_same_with_drafts) through the server (eager decode,
+    whose verify rows are computed as plain decoding's: the static step's batched rows can flip
+    this random model's near-tied argmax with or without drafts): the same greedy text as without
+    drafts, drafts made and counted."""
     plain, _, _ = _served(0)
-    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     got, _, st = _served(2)
     assert got == plain and st["spec_drafted_tokens"] > 0
 
@@ -298,12 +299,13 @@ def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
-    """The mtp_paged preview: the head's cache in the sequences' blocks (PagedState.head_pool),
+    """mtp_paged (the default): the head's cache in the sequences' blocks (PagedState.head_pool),
     drafting through the decoder's fixed-shape draft step ("static": rows up to --max-num-seqs) or
     the eager head over paged views (a first draft after a prompt, or decode "eager"), deeper drafts
     in slots reserved past the cache: the same rows as the head's own cache gives."""
     from exl3tools.runtime.paged_decode import PagedDecoder
 
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     want, ks = _draft_rounds(True)
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
     steps, draft = [], PagedDecoder.draft
@@ -314,10 +316,12 @@ def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
     assert steps == ([] if decode == "eager" else [2, 1, 4, 2, 1]), steps   # depths 2, 3; 4 pairs, depths 2, 3
 
 
-def test_the_head_computes_logits_only_for_the_rows_it_drafts_from():
+def test_the_head_computes_logits_only_for_the_rows_it_drafts_from(monkeypatch):
     """A first draft after a prompt writes every prompt position into the head's cache, but only
     each sequence's newest row reaches the lm_head (a 32k prompt's rows would be 20 GB of GLM-5
-    logits); the drafts are those of the full computation."""
+    logits); the drafts are those of the full computation. (The eager head's own cache:
+    EXL3TOOLS_MTP_PAGED=0; the paged head: test_the_heads_cache_in_blocks_drafts_as_its_own_cache.)"""
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     path = fixture_dir(NAME) / "model"
     with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=2) as r:
         last = {}

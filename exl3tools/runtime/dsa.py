@@ -88,7 +88,7 @@ class Indexer:
         return keep
 
     def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, kidx: torch.Tensor,
-                     tables: torch.Tensor, ctx: torch.Tensor, score_fn=None) -> torch.Tensor:
+                     tables: torch.Tensor, ctx: torch.Tensor, score_fn=None, topk_fn=None) -> torch.Tensor:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
         device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
         ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
@@ -96,7 +96,7 @@ class Indexer:
         self._to(x.device)
         q, w = self.queries(x, q_resid, pos)
         s = (score_fn or paged_scores_reference)(q, w, kidx, tables, ctx, self.scale)
-        return topk_positions(s, ctx, self.topk)
+        return (topk_fn or topk_positions)(s, ctx, self.topk)
 
 
 def paged_scores_reference(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, tables: torch.Tensor,
@@ -127,7 +127,9 @@ def topk_positions(s: torch.Tensor, ctx: torch.Tensor, topk: int) -> torch.Tenso
     bits = s.to(torch.float16).view(torch.int16).to(torch.int64)
     mag = bits & 0x7FFF
     order = torch.where(bits < 0, -mag, mag)                    # monotone in the value; -0 == +0
-    top = torch.topk(order * (1 << 32) + (T - 1 - idx), K, dim=1).indices
+    # unsorted: attention is order-free, and the sort after the selection cost as much as the
+    # selection (radix sort ~30 us a layer at 4k contexts on the H200, bench/gpu_all.sh profile)
+    top = torch.topk(order * (1 << 32) + (T - 1 - idx), K, dim=1, sorted=False).indices
     keep = torch.isfinite(s.gather(1, top))
     lens = ctx.to(torch.int64)[:, None]
     dense = torch.where(idx[None, :K] < lens, idx[None, :K], -1)

@@ -25,6 +25,13 @@ import torch
 from exl3tools.errors import UnsupportedArchitectureError
 
 CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
+# Prompts of at least SDPA_MIN_ROWS rows attend through decompressed K/V and torch's fused attention
+# on CUDA (MLAttention.attend_decompressed), in PREFILL_DTYPE (fp16 as exllamav3 computes); shorter
+# spans (decode, verify rows) keep the absorbed float32 einsums, cheaper when n is small. The CPU
+# keeps the einsums (the exact reference) unless SDPA_ON_CPU (tests: then in float32).
+SDPA_MIN_ROWS = 32
+PREFILL_DTYPE = torch.float16
+SDPA_ON_CPU = False
 
 
 # ------------------------------------------------------------------ rope
@@ -109,12 +116,13 @@ class MLAttention:
         self.w_uv = w[:, nope:, :].contiguous()                    # (H, v, C)
         self.indexer, self.dsa_shared = indexer, dsa_shared
         self.index_topk = index_topk if (indexer is not None or dsa_shared) else 0
+        self._w16 = None                                           # (W_UK, W_UV) for attend_decompressed
 
     def cache_spec(self) -> list:
         """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key, in
-        the pool's dtype. Attention computes in float32 whatever the planes hold; ``--kv-cache-dtype
-        auto`` gives MLA models a float32 pool (runner.kv_dtype_for), fp16 halves it (exllamav3
-        caches the latent in fp16) at the price of DSA top-k near-ties a rounded key may flip."""
+        the pool's dtype: ``--kv-cache-dtype auto`` gives MLA models an fp16 pool on CUDA (runner.kv_dtype_for;
+        exllamav3 caches the latent in fp16 too), float32 on the CPU; a rounded key may flip a DSA
+        top-k near-tie against the fp32 reference."""
         from exl3tools.runtime.kv_pool import PlaneSpec
 
         specs = [PlaneSpec(CACHE_CKV, (self.kv_lora,)), PlaneSpec(CACHE_KPE, (self.rope,))]
@@ -171,12 +179,38 @@ class MLAttention:
                         raise UnsupportedArchitectureError(
                             f"layer {self.layer}: shared DSA layer found no selection from a full layer")
                 allowed = allowed & keep
+            if sp.n >= SDPA_MIN_ROWS and (dev.type == "cuda" or SDPA_ON_CPU):
+                causal = keep is None and sp.pos == 0        # the plain lower triangle: is_causal
+                out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, None if causal else allowed)
+                continue
             s = (torch.einsum("thc,lc->htl", q_lat[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
             s = s.masked_fill(~allowed[None], float("-inf"))
             p = torch.softmax(s, dim=-1)
             o_lat = torch.einsum("htl,lc->thc", p, cc)
             out[r] = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
         return self.reduce(self.o(out.reshape(T, self.nh * self.vd)))
+
+    def attend_decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
+                            allowed: torch.Tensor | None) -> torch.Tensor:
+        """The same attention as the absorbed einsums, for many query rows (a prompt): per-head K/V
+        decompressed from the latent (``W_UK``, ``W_UV``) and one fused ``scaled_dot_product_attention``
+        in 16 bits (flash / memory-efficient kernels; PREFILL_DTYPE). The absorbed form costs
+        n * L * H * (C + rope) multiply-adds and an (H, n, L) float32 score tensor (16 GB for a
+        2048-token chunk at a 32k context); this one L * H * C * (nope + v) for the decompression
+        and 16-bit attention. ``allowed`` (n, L) bool, or None for the plain causal triangle (n == L).
+        Returns (n, H, v) float32."""
+        dt = PREFILL_DTYPE if cc.is_cuda else torch.float32
+        if self._w16 is None or self._w16[0].device != cc.device or self._w16[0].dtype != dt:
+            self._w16 = (self.w_uk.to(cc.device, dt), self.w_uv.to(cc.device, dt))
+        w_uk, w_uv = self._w16
+        L = cc.shape[0]
+        c = cc.to(dt)
+        k = torch.cat((torch.einsum("lc,hnc->hln", c, w_uk), kp.to(dt)[None].expand(self.nh, L, self.rope)), -1)
+        v = torch.einsum("lc,hvc->hlv", c, w_uv)
+        q = torch.cat((q_nope, q_pe), -1).transpose(0, 1).to(dt)                # (H, n, nope + rope)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if allowed is None else allowed[None], is_causal=allowed is None, scale=self.scale)
+        return o.transpose(0, 1).float()
 
     # ------------------------------------------------------------------ fixed-shape decode step
     def decode_static(self, x: torch.Tensor, st) -> torch.Tensor:
@@ -202,7 +236,7 @@ class MLAttention:
             planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).to(planes[CACHE_KIDX].dtype))
             if self.index_topk and st.sparse:          # else every row sees <= index_topk keys: all of them
                 sel = self.indexer.select_paged(x, q_resid, pos, st.pool.blocks(self.layer, CACHE_KIDX),
-                                                st.tables, st.ctx, st.dsa_scores)
+                                                st.tables, st.ctx, st.dsa_scores, st.dsa_topk)
                 st.extras["dsa_sel"] = sel
         elif self.dsa_shared and self.index_topk and st.sparse:
             sel = st.extras.get("dsa_sel")
@@ -216,5 +250,5 @@ class MLAttention:
 
 
 def has_mla(model) -> bool:
-    """Whether any layer of ``model`` is an MLAttention (its KV pool defaults to float32)."""
+    """Whether any layer of ``model`` is an MLAttention (its KV pool defaults to fp16 on CUDA)."""
     return any(isinstance(layer.attn, MLAttention) for layer in model.layers)

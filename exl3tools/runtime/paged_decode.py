@@ -63,8 +63,8 @@ def buckets(max_seqs: int) -> list[int]:
 
 
 def widths(max_blocks: int, block_size: int) -> list[int]:
-    """Block-table widths (blocks) of the sparse DSA graphs with the ``dsa_widths`` preview: doubling
-    from WIDTH_MIN_TOKENS to the full width, so a step's indexer scores and its torch.topk span at
+    """Block-table widths (blocks) of the sparse DSA graphs (``dsa_widths``, on unless EXL3TOOLS_DSA_WIDTHS=0): doubling
+    from WIDTH_MIN_TOKENS to the full width, so a step's indexer scores and its top-k span at
     most twice its longest context instead of every --max-model-len column (GLM-5 at 202k: ~100x
     the work of a 4k context, on every DSA layer of every step)."""
     w, out = max(1, -(-WIDTH_MIN_TOKENS // block_size)), []
@@ -95,15 +95,16 @@ def attention_fn(device: torch.device):
 
 
 def mla_attention_fn(device: torch.device):
-    """(MLA decode attention, DSA indexer scores): Triton on CUDA (or the interpreter with
-    MLA_DECODE_ON_CPU), else the torch references (None: runtime.dsa.paged_scores_reference)."""
+    """(MLA decode attention, DSA indexer scores, DSA top-k): Triton on CUDA (or the interpreter
+    with MLA_DECODE_ON_CPU), else the torch references (None: runtime.dsa.paged_scores_reference,
+    runtime.dsa.topk_positions)."""
     from exl3tools.kernels import mla_attention
 
     if device.type == "cuda" or MLA_DECODE_ON_CPU:
         from exl3tools.kernels import dsa_indexer
 
-        return mla_attention.mla_decode, dsa_indexer.paged_scores
-    return mla_attention.mla_decode_reference, None
+        return mla_attention.mla_decode, dsa_indexer.paged_scores, dsa_indexer.topk_select
+    return mla_attention.mla_decode_reference, None, None
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class StepInputs:
     pool: KVPool
     mla_attend: object           # kernels.mla_attention's mla_decode or its reference
     dsa_scores: object = None    # indexer scores over the paged keys (None: dsa.paged_scores_reference)
+    dsa_topk: object = None      # their top-k positions (None: dsa.topk_positions)
     extras: dict = field(default_factory=dict)   # per step: the DSA selection shared layers reuse
     sparse: bool = True          # False: every row's context fits index_topk, so DSA selects everything
 
@@ -135,7 +137,7 @@ class PagedDecoder:
         self.graphs = bool(graphs)
         self.buckets = buckets(self.max_seqs)
         self._attend = attention_fn(self.device)
-        self._attend_mla, self._dsa_scores = mla_attention_fn(self.device)
+        self._attend_mla, self._dsa_scores, self._dsa_topk = mla_attention_fn(self.device)
         self._fused = None
         from exl3tools.runtime import fused_step
 
@@ -301,7 +303,8 @@ class PagedDecoder:
             self.out[:bs].copy_(m.logits(hn))
             return
         h = m.embed.index_select(0, tokens).float()
-        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores, sparse=sparse)
+        st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores, self._dsa_topk,
+                        sparse=sparse)
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
             if isinstance(a, MLAttention):          # per attention kind: MLA/DSA's own step (runtime/mla.py)
@@ -333,7 +336,8 @@ class PagedDecoder:
         tokens, positions, slots, tables, ctx = self._step_inputs(bs, width)
         emb = m.embed.index_select(0, tokens).float()
         x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(self.draft_in[:bs])], dim=-1))
-        st = StepInputs(positions, slots, tables, ctx, self.head_pool, self._attend_mla, self._dsa_scores, sparse=sparse)
+        st = StepInputs(positions, slots, tables, ctx, self.head_pool, self._attend_mla, self._dsa_scores,
+                        self._dsa_topk, sparse=sparse)
         layer = head.block
         hn = head.final_norm(_mlp_static(layer, x + layer.attn.decode_static(layer.attn_norm(x), st)))
         self.draft_states[:bs].copy_(hn)

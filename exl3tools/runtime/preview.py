@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import os
 
-SWITCHES = {    # name -> variable: off on CUDA unless "1"
-    # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
-    "dsa_widths": "EXL3TOOLS_DSA_WIDTHS",
-    # the MTP head's cache in the block pool and its drafts as a fixed-shape step (PagedDecoder.draft)
-    "mtp_paged": "EXL3TOOLS_MTP_PAGED",
-}
+SWITCHES: dict[str, str] = {}   # name -> variable: off on CUDA unless "1" (none open now)
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
-# faster (docs/gpu.md, 2026-12-01: 836 vs 541 tok/s at one stream): off only when "0"
+# faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
     "fused": "EXL3TOOLS_FUSED",            # Triton glue kernels in the GQA decode step (issue 15)
     "row_steps": "EXL3TOOLS_ROW_STEPS",    # several new tokens of one sequence as rows of the decode step
+    # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
+    # (2026-12-02, GLM-5 shape at --max-model-len 131072: 8 streams 1111 -> 1237 tok/s)
+    "dsa_widths": "EXL3TOOLS_DSA_WIDTHS",
+    # the MTP head's cache in the block pool and its drafts as a fixed-shape step (PagedDecoder.draft)
+    # (same run, --speculative-tokens 1: one stream 110 -> 187 tok/s, 8 streams 426 -> 568)
+    "mtp_paged": "EXL3TOOLS_MTP_PAGED",
 }
 
 

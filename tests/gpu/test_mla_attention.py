@@ -176,3 +176,24 @@ def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
         assert fin[b, :n].all() and not fin[b, n:].any()
     assert ((got[fin] - want[fin]).abs() <= want[fin].abs() * 2**-10 + 1e-7).all()
     assert (got[fin] == want[fin]).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("T,k", [(300, 16), (5000, 2048)] + ([(4352, 2048), (131072, 2048)] if FULL else []))
+def test_dsa_topk_select_picks_topk_positions_set(dev, T, k):
+    """kernels/dsa_indexer.topk_select vs runtime.dsa.topk_positions on real widths: the same set of
+    positions per row (ties among coarse fp16 scores, contexts below, at and past k, -inf beyond)."""
+    from exl3tools.kernels.dsa_indexer import topk_select
+
+    from exl3tools.runtime.dsa import topk_positions
+
+    gen = torch.Generator().manual_seed(3)
+    s = (torch.randn(6, T, generator=gen) * 4).round().half().float()         # many exact ties
+    ctx = torch.tensor([T, T - 1, k + 1, k, max(T // 3, 1), 5], dtype=torch.int32).clamp(max=T)
+    for b, n in enumerate(ctx.tolist()):
+        s[b, n:] = float("-inf")
+    s, ctx = s.to(dev), ctx.to(dev)
+    got, want = topk_select(s, ctx, k).cpu(), topk_positions(s, ctx, k).cpu()
+    assert got.shape == want.shape
+    for b in range(6):
+        assert sorted(got[b][got[b] >= 0].tolist()) == sorted(want[b][want[b] >= 0].tolist()), b
+        assert (got[b] < 0).sum() == (want[b] < 0).sum(), b

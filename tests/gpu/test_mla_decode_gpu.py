@@ -59,7 +59,7 @@ def test_mla_static_triton_equals_static_reference_attention():
         if variant.startswith("ref"):
             r.paged.decoder._attend_mla = mla_attention.mla_decode_reference
         if variant == "ref_both":
-            r.paged.decoder._dsa_scores = None
+            r.paged.decoder._dsa_scores = r.paged.decoder._dsa_topk = None
         for sid, p in PROMPTS.items():
             r.add_sequence(sid)
             r.step([(sid, p)])
@@ -116,7 +116,7 @@ def test_speculative_decoding_with_graphs_is_greedy(row_steps, monkeypatch):
 
 
 def test_dsa_width_graphs_equal_eager(monkeypatch):
-    """The dsa_widths preview: sparse DSA steps replay the graph of the narrowest block-table width
+    """dsa_widths (the default): sparse DSA steps replay the graph of the narrowest block-table width
     that holds their longest context (paged_decode.widths), and decode as eager does."""
     from exl3tools.runtime import paged_decode
     from exl3tools.runtime.runner import load_runner
@@ -148,11 +148,12 @@ def test_dsa_width_graphs_equal_eager(monkeypatch):
 
 
 def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(monkeypatch):
-    """The mtp_paged preview on CUDA: drafts through the captured draft step (and the eager head
+    """mtp_paged (the default) on CUDA: drafts through the captured draft step (and the eager head
     over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly."""
     from exl3tools.runtime.paged_decode import PagedDecoder
     from tests.test_serve_speculative import _draft_rounds, _same_rows
 
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     want, ks = _draft_rounds(True, "eager", device="cuda", backend=cuda_backend())
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
     keys, draft = [], PagedDecoder.draft

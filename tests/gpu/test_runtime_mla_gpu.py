@@ -35,3 +35,40 @@ def test_gpu_mla_logits_match_cpu_reference(dev, name):
     ref, got = out["reference"], out["triton"]
     err = (got - ref).abs().max().item() / ref.abs().max().item()
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("heads,nope,v_dim", [(64, 192, 256), (128, 128, 128)])   # GLM-5, DeepSeek-V3
+@pytest.mark.parametrize("prefix", [0, 1024])
+def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix):
+    """MLAttention.attend_decompressed (fp16 scaled_dot_product_attention over decompressed K/V, the
+    prompt path on CUDA) against the absorbed attention in float64, at real shapes: a 2048-row
+    prompt (is_causal), and 1024 rows after a 1024-token prefix with a DSA-like sparse mask."""
+    import torch
+
+    from exl3tools.runtime.mla import MLAttention
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    gen = torch.Generator("cuda").manual_seed(0)
+    C, R, L = 512, 64, 2048
+    n = L - prefix
+    kv_b = (torch.randn(heads * (nope + v_dim), C, device="cuda", generator=gen) * C ** -0.5).half()
+    att = MLAttention(layer_idx=0, n_heads=heads, nope=nope, rope=R, v_dim=v_dim, kv_lora=C, kv_a=None,
+                      kv_a_norm=None, kv_b=kv_b, o=None, rope_params=(torch.ones(R // 2), 1.0, 1.0))
+    q_nope = torch.randn(n, heads, nope, device="cuda", generator=gen)
+    q_pe = torch.randn(n, heads, R, device="cuda", generator=gen)
+    cc = torch.randn(L, C, device="cuda", generator=gen)
+    kp = torch.randn(L, R, device="cuda", generator=gen)
+    allowed = torch.arange(L, device="cuda")[None, :] <= torch.arange(n, device="cuda")[:, None] + prefix
+    if prefix:
+        allowed &= torch.rand(n, L, device="cuda", generator=gen) < 0.5
+        allowed[torch.arange(n), torch.arange(n) + prefix] = True
+    got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if prefix else None)
+    d = torch.float64
+    q_lat = torch.einsum("thn,hnc->thc", q_nope.to(d), att.w_uk.to(d))
+    s = (torch.einsum("thc,lc->htl", q_lat, cc.to(d)) + torch.einsum("thr,lr->htl", q_pe.to(d), kp.to(d))) * att.scale
+    p = torch.softmax(s.masked_fill(~allowed[None], float("-inf")), -1)
+    want = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", p, cc.to(d)), att.w_uv.to(d))
+    err = ((got.to(d) - want).abs().max() / want.abs().max()).item()
+    print("decompressed vs absorbed float64", heads, prefix, err)
+    assert got.shape == (n, heads, v_dim) and err < 1e-2, err
