@@ -154,9 +154,10 @@ if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights
   timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py /tmp/air6 --json "$L/memory.json" > "$L/memory.log" 2>&1
   el "memory rc $?"; cat "$L/memory.log" | grep -v "^20..-" | tail -n 30
 fi
-if [[ $STAGES == *prefill* ]]; then
-  timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py /tmp/air6 --json "$L/prefill.json" > "$L/prefill.log" 2>&1
-  el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30
+if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e.g. /tmp/synth_glm5, made by the mla stage)
+  timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-/tmp/air6} ${PREFILL_ARGS:-} \
+    --json "$L/prefill.json" > "$L/prefill.log" 2>&1
+  el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
 fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
