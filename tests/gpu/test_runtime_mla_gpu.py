@@ -63,7 +63,11 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix):
     if prefix:
         allowed &= torch.rand(n, L, device="cuda", generator=gen) < 0.5
         allowed[torch.arange(n), torch.arange(n) + prefix] = True
-    got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if prefix else None)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # the fused kernels, not the math fallback (fp32, the whole score matrix): an error if they refuse
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if prefix else None)
     d = torch.float64
     q_lat = torch.einsum("thn,hnc->thc", q_nope.to(d), att.w_uk.to(d))
     s = (torch.einsum("thc,lc->htl", q_lat, cc.to(d)) + torch.einsum("thr,lr->htl", q_pe.to(d), kp.to(d))) * att.scale
