@@ -48,7 +48,7 @@ def make_case(B: int, H: int, ctx: int, gen: torch.Generator):
 
 
 def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
-    from exl3tools.kernels.dsa_indexer import paged_scores, topk_select
+    from exl3tools.kernels.dsa_indexer import paged_scores, topk_select, topk_select_chunked
     from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
 
     from exl3tools.runtime.dsa import topk_positions
@@ -73,6 +73,8 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
     row["indexer_us"] = bench_graph(lambda: topk_positions(paged_scores(qi, wi, kidx, tables, lens, 0.01), lens, TOPK))
     row["indexer_triton_us"] = bench_graph(lambda: topk_select(paged_scores(qi, wi, kidx, tables, lens, 0.01), lens,
                                                                TOPK))
+    row["indexer_chunked_us"] = bench_graph(lambda: topk_select_chunked(paged_scores(qi, wi, kidx, tables, lens, 0.01),
+                                                                        lens, TOPK))
     nbytes = B * ctx * (C + R) * 4
     best = min(row["ieee_us"], row["tf32x3_us"])
     row["GBps"] = nbytes / (best * 1e-6) / 1e9
@@ -130,9 +132,9 @@ def main() -> int:
     swept = sweep(*(int(v) for v in a.sweep.split(","))) if a.sweep else []
     ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
     rows = []
-    print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | dsa fp16 µs | indexer µs | indexer triton top-k µs | torch µs | GB/s | "
+    print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | dsa fp16 µs | indexer µs | indexer triton top-k µs | chunked top-k µs | torch µs | GB/s | "
           "roofline | fp16 roofline | err | err tf32x3 | err fp16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for H in (int(h) for h in a.heads.split(",")):
         for B in batches:
             for ctx in ctxs:
@@ -147,7 +149,7 @@ def main() -> int:
                 def f(k, fmt="{:.1f}", r=r):
                     return fmt.format(r[k]) if k in r else "-"
                 print(f"| {H} | {B} | {ctx} | {f('ieee_us')} | {f('tf32x3_us')} | {f('fp16_us')} | {f('dsa_us')} | {f('dsa_fp16_us')} | "
-                      f"{f('indexer_us')} | {f('indexer_triton_us')} | {f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | "
+                      f"{f('indexer_us')} | {f('indexer_triton_us')} | {f('indexer_chunked_us')} | {f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | "
                       f"{f('fp16_roofline', '{:.0%}')} | {f('err', '{:.1e}')} | {f('err_tf32x3', '{:.1e}')} | "
                       f"{f('err_fp16', '{:.1e}')} |", flush=True)
                 torch.cuda.empty_cache()

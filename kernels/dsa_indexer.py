@@ -128,6 +128,78 @@ if triton is not None:
                 tl.store(o_row + j0 + j, -1, mask=(j0 + j >= want) & (j0 + j < K))
 
 
+    @triton.jit
+    def _threshold(hist_row, K):
+        """(threshold key, count above it, ties to take, entries to fill) from a row's two histograms."""
+        j = tl.arange(0, 256)
+        h1 = tl.load(hist_row + j)
+        h1 = tl.where(j == 0, 0, h1)
+        want = tl.minimum(tl.sum(h1, 0), K)
+        hi, above_hi = _boundary(h1, want, 256)
+        lo, above_lo = _boundary(tl.load(hist_row + 256 + j), want - above_hi, 256)
+        thr = tl.where(want > 0, hi * 256 + lo, 0)
+        above = tl.where(want > 0, above_hi + above_lo, 0)
+        return thr, above, want - above, want
+
+    @triton.jit
+    def _chunk_hist_kernel(s_ptr, len_ptr, hist_ptr, T, K, topk, LOW: tl.constexpr, TB: tl.constexpr):
+        """Pass 1 (LOW False: high bytes) or 2 (the low bytes within the boundary bin) of one chunk,
+        added into the row's histograms (B, 512) int32: [0, 256) high, [256, 512) low."""
+        row = tl.program_id(0).to(tl.int64)
+        L = tl.load(len_ptr + row)
+        if L > topk:
+            key = _keys(s_ptr + row * T, tl.program_id(1) * TB + tl.arange(0, TB), T, L)
+            hist_row = hist_ptr + row * 512
+            if LOW:
+                j = tl.arange(0, 256)
+                h1 = tl.load(hist_row + j)
+                h1 = tl.where(j == 0, 0, h1)
+                hi, _ = _boundary(h1, tl.minimum(tl.sum(h1, 0), K), 256)
+                b = tl.arange(0, 512)
+                h = tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
+                tl.atomic_add(hist_row + 256 + b, h, mask=(b < 256) & (h > 0))
+            else:
+                tl.atomic_add(hist_row + tl.arange(0, 256), tl.histogram(key >> 8, 256))
+
+    @triton.jit
+    def _chunk_count_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, T, K, topk, CP: tl.constexpr, TB: tl.constexpr):
+        """Pass 3a: how many of one chunk's keys lie above the threshold, and how many at it."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        L = tl.load(len_ptr + row)
+        if L > topk:
+            thr, above, ties, want = _threshold(hist_ptr + row * 512, K)
+            key = _keys(s_ptr + row * T, c * TB + tl.arange(0, TB), T, L)
+            tl.store(cnt_ptr + row * 2 * CP + c, tl.sum((key > thr).to(tl.int32), 0))
+            tl.store(cnt_ptr + row * 2 * CP + CP + c, tl.sum(((key == thr) & (key > 0)).to(tl.int32), 0))
+
+    @triton.jit
+    def _chunk_write_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, out_ptr, T, K, topk, CP: tl.constexpr,
+                            TB: tl.constexpr):
+        """Pass 3b: one chunk's chosen positions at offsets after the chunks before it; output
+        entries [c * TB, (c + 1) * TB) past the chosen ones (or a dense row's) filled here too."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        L = tl.load(len_ptr + row)
+        o_row = out_ptr + row * K
+        j = c * TB + tl.arange(0, TB)
+        if L <= topk:
+            tl.store(o_row + j, tl.where(j < L, j, -1), mask=j < K)
+        else:
+            thr, above, ties, want = _threshold(hist_ptr + row * 512, K)
+            prev = tl.arange(0, CP) < c
+            n_gt = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + tl.arange(0, CP)), 0), 0)
+            n_eq = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + CP + tl.arange(0, CP)), 0), 0)
+            key = _keys(s_ptr + row * T, j, T, L)
+            gt = (key > thr).to(tl.int32)
+            eq = ((key == thr) & (key > 0)).to(tl.int32)
+            at_gt = n_gt + tl.cumsum(gt, 0) - 1
+            at_eq = n_eq + tl.cumsum(eq, 0) - 1
+            tl.store(o_row + at_gt, j, mask=gt > 0)
+            tl.store(o_row + above + at_eq, j, mask=(eq > 0) & (at_eq < ties))
+            tl.store(o_row + j, -1, mask=(j >= want) & (j < K))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -174,4 +246,32 @@ def topk_select(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch
     out = torch.empty(B, K, device=s.device, dtype=torch.int32)
     if B and K:
         _topk_kernel[(B,)](s.contiguous(), context_lens, out, T, K, int(topk), TB=TOPK_TILE, num_warps=8)
+    return out
+
+
+def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """topk_select over chunks of TOPK_TILE scores in parallel (grid rows x chunks, four launches:
+    the two histograms summed with atomics, then per-chunk counts and writes), for wide tables
+    where one program per row walks every chunk three times. The same contract and result set."""
+    if triton is None:
+        raise RuntimeError("topk_select_chunked needs triton (runtime.dsa.topk_positions does not)")
+    if s.dtype != torch.float32 or s.dim() != 2 or context_lens.dtype != torch.int32 \
+            or tuple(context_lens.shape) != (s.shape[0],):
+        raise ValueError(f"scores must be float32 (B, T) and context_lens int32 (B,), got {s.dtype} "
+                         f"{tuple(s.shape)} and {context_lens.dtype} {tuple(context_lens.shape)}")
+    B, T = s.shape
+    K = min(int(topk), T)
+    out = torch.empty(B, K, device=s.device, dtype=torch.int32)
+    if not (B and K):
+        return out
+    s = s.contiguous()
+    chunks = triton.cdiv(T, TOPK_TILE)
+    cp = _pow2(chunks)
+    hist = torch.zeros(B, 512, device=s.device, dtype=torch.int32)
+    cnt = torch.empty(B, 2, cp, device=s.device, dtype=torch.int32)
+    grid = (B, chunks)
+    for low in (False, True):
+        _chunk_hist_kernel[grid](s, context_lens, hist, T, K, int(topk), LOW=low, TB=TOPK_TILE, num_warps=8)
+    _chunk_count_kernel[grid](s, context_lens, hist, cnt, T, K, int(topk), CP=cp, TB=TOPK_TILE, num_warps=8)
+    _chunk_write_kernel[grid](s, context_lens, hist, cnt, out, T, K, int(topk), CP=cp, TB=TOPK_TILE, num_warps=8)
     return out

@@ -160,13 +160,16 @@ def test_topk_positions_is_indexer_select():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
-def test_triton_topk_select_is_topk_positions():
-    """kernels/dsa_indexer.topk_select picks dsa.topk_positions' set of positions (its order within a
-    row may differ) on the interpreter: exact ties at the threshold across several 2048-score tiles,
-    -0.0 against +0.0, negative scores, rows with fewer finite scores than K, dense short rows, and
-    a table narrower than topk."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_triton_topk_select_is_topk_positions(chunked):
+    """kernels/dsa_indexer.topk_select (and topk_select_chunked) picks dsa.topk_positions' set of
+    positions (its order within a row may differ) on the interpreter: exact ties at the threshold
+    across several 2048-score tiles, -0.0 against +0.0, negative scores, rows with fewer finite
+    scores than K, dense short rows, and a table narrower than topk."""
     pytest.importorskip("triton")
-    from exl3tools.kernels.dsa_indexer import topk_select
+    from exl3tools.kernels import dsa_indexer
+
+    topk_select = dsa_indexer.topk_select_chunked if chunked else dsa_indexer.topk_select
 
     from exl3tools.runtime.dsa import topk_positions
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exl3tools.errors import UnsupportedArchitectureError, UsageError
+from exl3tools.runtime import preview
 from exl3tools.runtime.block_manager import SCRATCH_BLOCK
 from exl3tools.runtime.kv_pool import KVPool
 from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE
@@ -103,7 +104,8 @@ def mla_attention_fn(device: torch.device):
     if device.type == "cuda" or MLA_DECODE_ON_CPU:
         from exl3tools.kernels import dsa_indexer
 
-        return mla_attention.mla_decode, dsa_indexer.paged_scores, dsa_indexer.topk_select
+        topk = dsa_indexer.topk_select_chunked if preview.switched_on("dsa_topk_chunks") else dsa_indexer.topk_select
+        return mla_attention.mla_decode, dsa_indexer.paged_scores, topk
     return mla_attention.mla_decode_reference, None, None
 
 
@@ -169,9 +171,7 @@ class PagedDecoder:
         tops = [a.index_topk for a in (layer.attn for layer in [*model.layers, *heads])
                 if isinstance(a, MLAttention) and a.index_topk]
         self.dsa_topk: int | None = min(tops) if tops else None
-        from exl3tools.runtime import preview
-
-        # the sparse variant's block-table widths (a preview on CUDA: runtime/preview.py)
+        # the sparse variant's block-table widths (on unless EXL3TOOLS_DSA_WIDTHS=0: runtime/preview.py)
         self.widths = (widths(self.max_blocks, pool.block_size)
                        if self.dsa_topk is not None and preview.switched_on("dsa_widths") else [self.max_blocks])
         self._copied = torch.cuda.Event() if pin else None   # the pinned inputs may be rewritten once it fired

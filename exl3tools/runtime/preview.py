@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import os
 
-SWITCHES: dict[str, str] = {}   # name -> variable: off on CUDA unless "1" (none open now)
+SWITCHES = {    # name -> variable: off on CUDA unless "1"
+    # DSA top-k over chunks of the scores in parallel (kernels/dsa_indexer.topk_select_chunked)
+    # instead of one program per row, which the H200 timed at 32 us (with the scores) at a 4k
+    # table but 188 us at 32k (bench/gpu_mla_attention.py, 2026-12-02)
+    "dsa_topk_chunks": "EXL3TOOLS_DSA_TOPK_CHUNKS",
+}
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
