@@ -32,6 +32,7 @@ CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
 SDPA_MIN_ROWS = 32
 PREFILL_DTYPE = torch.float16
 SDPA_ON_CPU = False
+DECOMPRESS_BYTES = 256 * 2**20     # decompressed K/V per head group (attend_decompressed)
 
 
 # ------------------------------------------------------------------ rope
@@ -203,18 +204,27 @@ class MLAttention:
         if self._w16 is None or self._w16[0].device != cc.device or self._w16[0].dtype != dt:
             self._w16 = (self.w_uk.to(cc.device, dt), self.w_uv.to(cc.device, dt))
         w_uk, w_uv = self._w16
-        L = cc.shape[0]
-        c = cc.to(dt)
-        k = torch.cat((torch.einsum("lc,hnc->hln", c, w_uk), kp.to(dt)[None].expand(self.nh, L, self.rope)), -1)
-        v = torch.einsum("lc,hvc->hlv", c, w_uv)
+        L, n = cc.shape[0], q_nope.shape[0]
+        c, r = cc.to(dt), kp.to(dt)[None]
         q = torch.cat((q_nope, q_pe), -1).transpose(0, 1).to(dt)                # (H, n, nope + rope)
-        # 4-D (batch 1): the flash and memory-efficient kernels take nothing else; 3-D inputs fall
-        # back to the math path, which widens to fp32 and materialises the scores (H200 profile
-        # of a 2048-token GLM-5 prompt: 56 of 164 ms)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=None if allowed is None else allowed[None, None],
-            is_causal=allowed is None, scale=self.scale)
-        return o[0].transpose(0, 1).float()
+        mask = None if allowed is None else allowed[None, None]
+        # heads in groups whose decompressed K/V fit DECOMPRESS_BYTES (a 128k history is 128 MB a
+        # GLM-5 head): the transient stays bounded whatever the context, which the startup's
+        # activation measure (a prompt without history) cannot see
+        per_head = L * (self.nope + self.rope + self.vd) * c.element_size()
+        g = max(1, min(self.nh, DECOMPRESS_BYTES // max(per_head, 1)))
+        out = torch.empty(n, self.nh, self.vd, dtype=torch.float32, device=cc.device)
+        for h0 in range(0, self.nh, g):
+            h = slice(h0, min(h0 + g, self.nh))
+            k = torch.cat((torch.einsum("lc,hnc->hln", c, w_uk[h]), r.expand(h.stop - h0, L, self.rope)), -1)
+            v = torch.einsum("lc,hvc->hlv", c, w_uv[h])
+            # 4-D (batch 1): the flash and memory-efficient kernels take nothing else; 3-D inputs
+            # fall back to the math path, which widens to fp32 and materialises the scores (H200
+            # profile of a 2048-token GLM-5 prompt: 56 of 164 ms)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[None, h], k[None], v[None], attn_mask=mask, is_causal=allowed is None, scale=self.scale)
+            out[:, h] = o[0].transpose(0, 1)
+        return out
 
     # ------------------------------------------------------------------ fixed-shape decode step
     def decode_static(self, x: torch.Tensor, st) -> torch.Tensor:

@@ -39,16 +39,20 @@ def test_gpu_mla_logits_match_cpu_reference(dev, name):
 
 @pytest.mark.parametrize("heads,nope,v_dim", [(64, 192, 256), (128, 128, 128)])   # GLM-5, DeepSeek-V3
 @pytest.mark.parametrize("prefix", [0, 1024])
-def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix):
+def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, monkeypatch):
     """MLAttention.attend_decompressed (fp16 scaled_dot_product_attention over decompressed K/V, the
     prompt path on CUDA) against the absorbed attention in float64, at real shapes: a 2048-row
-    prompt (is_causal), and 1024 rows after a 1024-token prefix with a DSA-like sparse mask."""
+    prompt (is_causal, all heads in one group), and 1024 rows after a 1024-token prefix with a
+    DSA-like sparse mask (heads in groups of ~8 MB of K/V)."""
     import torch
 
+    from exl3tools.runtime import mla
     from exl3tools.runtime.mla import MLAttention
 
     if dev == "cpu":
         pytest.skip("needs CUDA")
+    if prefix:
+        monkeypatch.setattr(mla, "DECOMPRESS_BYTES", 8 * 2**20)
     gen = torch.Generator("cuda").manual_seed(0)
     C, R, L = 512, 64, 2048
     n = L - prefix
