@@ -34,6 +34,9 @@ def _run(runner, g):
 
 @pytest.mark.slow
 def test_tp2_rank_slice_equals_tp1_with_mtp(tmp_path, monkeypatch):
+    # the eager head with its own cache (the EXL3TOOLS_MTP_PAGED=0 opt-out); the paged head at TP 2:
+    # test_serve_speculative.py::test_tp2_drafts_in_lockstep_and_stay_greedy
+    monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     src = fixture_dir(NAME)
     g = load_file(str(src / "goldens_logits.safetensors"))
     ck = Checkpoint.open(src / "model")

@@ -191,12 +191,13 @@ def test_drafting_sequences_survive_preemption(paged_head, monkeypatch):
     assert got == plain
 
 
-@pytest.mark.parametrize("paged_head,decode", [("0", "eager"), ("1", "eager"), ("1", "static")])
+@pytest.mark.parametrize("paged_head,decode", [("1", "eager"), ("1", "static")])
 def test_tp2_drafts_in_lockstep_and_stay_greedy(paged_head, decode, monkeypatch):
     """--tp 2 (gloo, CPU processes) on the GLM-5 tp fixture: every rank runs its part of the MTP
     head in step with rank 0 (draft, verify, accept, free); oracle drafts with 0-2 accepted per
-    step give exactly the TP=1 greedy text. Also with the head's cache in blocks (mtp_paged: the
-    workers run each draft call rank 0 makes, "hdraft")."""
+    step give exactly the TP=1 greedy text, with the head's cache in blocks (mtp_paged, the
+    default: the workers run each draft call rank 0 makes, "hdraft"), decode eager and static.
+    (The EXL3TOOLS_MTP_PAGED=0 head at TP 2: test_runtime_mla_tp.py's MTP cases.)"""
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", paged_head)
     path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
     prompt = PROMPT[:24]
