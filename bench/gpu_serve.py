@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serve import free_port  # noqa: E402
 from gpu_e2e_model import make_prompts, parse_ints  # noqa: E402
+from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 
 PAGE = 256                       # exllamav3's cache page, tokens
 SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51}
@@ -306,95 +307,6 @@ def check_streams(streams: list[Stream], max_tokens: int, usage: list[int | None
             raise BenchError(f"stream {i} produced {s.tokens} tokens, expected {max_tokens}")
         if usage is not None and usage[i] is not None and usage[i] != max_tokens:
             raise BenchError(f"stream {i}: usage says {usage[i]} completion tokens, expected {max_tokens}")
-
-
-# ------------------------------------------------------------------ memory
-def _run_quiet(cmd: list[str], timeout: float = 20) -> str | None:
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout if p.returncode == 0 else None
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (tensor-parallel workers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo and len(out) < 4096:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def gpu_total_used_mib() -> float | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    txt = _run_quiet(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"])
-    try:
-        return sum(float(x) for x in txt.split()) if txt else None
-    except ValueError:
-        return None
-
-
-def gpu_proc_mib(pids: list[int]) -> float | None:
-    """Summed used_memory of these pids over all GPUs (None: nvidia-smi absent or no pid matched, as
-    inside a container with its own pid namespace)."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    txt = _run_quiet(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"])
-    if txt is None:
-        return None
-    want, total, hit = set(pids), 0.0, False
-    for line in txt.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in want:
-            try:
-                total += float(parts[1])
-                hit = True
-            except ValueError:
-                pass
-    return total if hit else None
-
-
-def rss_peak_bytes(pids: list[int]) -> int:
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
-
-
-def memory_sample(pid: int, baseline_mib: float | None) -> dict:
-    pids = process_tree(pid)
-    mib = gpu_proc_mib(pids)
-    if mib is not None:
-        return {"gb": mib * 2**20 / 1e9, "source": "nvidia-smi per process", "pids": pids}
-    used = gpu_total_used_mib()
-    if used is not None and baseline_mib is not None:
-        return {"gb": max(0.0, used - baseline_mib) * 2**20 / 1e9, "source": "nvidia-smi total used - baseline",
-                "pids": pids}
-    return {"gb": rss_peak_bytes(pids) / 1e9, "source": "peak RSS (VmHWM)", "pids": pids}
-
-
-def keep_max_memory(res: dict, sample: dict) -> None:
-    old = res.get("memory")
-    if old is None or sample["gb"] > old["gb"]:
-        res["memory"] = sample
 
 
 # ------------------------------------------------------------------ our server
@@ -834,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     t_start = time.perf_counter()
-    gpu_name = _run_quiet(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) if shutil.which(
+    gpu_name = run_quiet(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) if shutil.which(
         "nvidia-smi") else None
     baseline_mib = gpu_total_used_mib()
     report: dict = {
