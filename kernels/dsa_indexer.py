@@ -83,6 +83,18 @@ if triton is not None:
         return b, tl.sum(tl.where(bins > b, hist, 0), 0)
 
     @triton.jit
+    def _write_chosen(o_row, t, key, thr, above, ties, n_gt, n_eq):
+        """Positions ``t`` whose key is above the threshold go after the ``n_gt`` written before
+        them, ties after ``above + n_eq`` while fewer than ``ties`` are taken; the new counts."""
+        gt = (key > thr).to(tl.int32)
+        eq = ((key == thr) & (key > 0)).to(tl.int32)
+        at_gt = n_gt + tl.cumsum(gt, 0) - 1
+        at_eq = n_eq + tl.cumsum(eq, 0) - 1
+        tl.store(o_row + at_gt, t, mask=gt > 0)
+        tl.store(o_row + above + at_eq, t, mask=(eq > 0) & (at_eq < ties))
+        return n_gt + tl.sum(gt, 0), n_eq + tl.sum(eq, 0)
+
+    @triton.jit
     def _topk_kernel(s_ptr, len_ptr, out_ptr, T, K, topk, TB: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         L = tl.load(len_ptr + row)
@@ -115,15 +127,7 @@ if triton is not None:
             n_eq = 0
             for t0 in range(0, T, TB):
                 t = t0 + j
-                key = _keys(s_row, t, T, L)
-                gt = (key > thr).to(tl.int32)
-                eq = ((key == thr) & (key > 0)).to(tl.int32)
-                at_gt = n_gt + tl.cumsum(gt, 0) - 1
-                at_eq = n_eq + tl.cumsum(eq, 0) - 1
-                tl.store(o_row + at_gt, t, mask=gt > 0)
-                tl.store(o_row + above + at_eq, t, mask=(eq > 0) & (at_eq < ties))
-                n_gt += tl.sum(gt, 0)
-                n_eq += tl.sum(eq, 0)
+                n_gt, n_eq = _write_chosen(o_row, t, _keys(s_row, t, T, L), thr, above, ties, n_gt, n_eq)
             for j0 in range(0, K, TB):       # fewer finite scores than K: the rest unused
                 tl.store(o_row + j0 + j, -1, mask=(j0 + j >= want) & (j0 + j < K))
 
@@ -190,13 +194,7 @@ if triton is not None:
             prev = tl.arange(0, CP) < c
             n_gt = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + tl.arange(0, CP)), 0), 0)
             n_eq = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + CP + tl.arange(0, CP)), 0), 0)
-            key = _keys(s_ptr + row * T, j, T, L)
-            gt = (key > thr).to(tl.int32)
-            eq = ((key == thr) & (key > 0)).to(tl.int32)
-            at_gt = n_gt + tl.cumsum(gt, 0) - 1
-            at_eq = n_eq + tl.cumsum(eq, 0) - 1
-            tl.store(o_row + at_gt, j, mask=gt > 0)
-            tl.store(o_row + above + at_eq, j, mask=(eq > 0) & (at_eq < ties))
+            _write_chosen(o_row, j, _keys(s_ptr + row * T, j, T, L), thr, above, ties, n_gt, n_eq)
             tl.store(o_row + j, -1, mask=(j >= want) & (j < K))
 
 
@@ -232,18 +230,23 @@ def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tab
     return out
 
 
-def topk_select(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
-    """dsa.topk_positions' selection (module doc) from ``paged_scores``' (B, T) float32 scores:
-    (B, min(topk, T)) int32 positions, -1 for an unused entry. No host sync (graph-capturable)."""
+def _topk_out(name: str, s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> tuple[int, torch.Tensor]:
+    """Checked arguments of the top-k kernels: (K, the (B, K) int32 output to fill)."""
     if triton is None:
-        raise RuntimeError("topk_select needs triton (runtime.dsa.topk_positions does not)")
+        raise RuntimeError(f"{name} needs triton (runtime.dsa.topk_positions does not)")
     if s.dtype != torch.float32 or s.dim() != 2 or context_lens.dtype != torch.int32 \
             or tuple(context_lens.shape) != (s.shape[0],):
         raise ValueError(f"scores must be float32 (B, T) and context_lens int32 (B,), got {s.dtype} "
                          f"{tuple(s.shape)} and {context_lens.dtype} {tuple(context_lens.shape)}")
+    K = min(int(topk), s.shape[1])
+    return K, torch.empty(s.shape[0], K, device=s.device, dtype=torch.int32)
+
+
+def topk_select(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """dsa.topk_positions' selection (module doc) from ``paged_scores``' (B, T) float32 scores:
+    (B, min(topk, T)) int32 positions, -1 for an unused entry. No host sync (graph-capturable)."""
+    K, out = _topk_out("topk_select", s, context_lens, topk)
     B, T = s.shape
-    K = min(int(topk), T)
-    out = torch.empty(B, K, device=s.device, dtype=torch.int32)
     if B and K:
         _topk_kernel[(B,)](s.contiguous(), context_lens, out, T, K, int(topk), TB=TOPK_TILE, num_warps=8)
     return out
@@ -253,15 +256,8 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) 
     """topk_select over chunks of TOPK_TILE scores in parallel (grid rows x chunks, four launches:
     the two histograms summed with atomics, then per-chunk counts and writes), for wide tables
     where one program per row walks every chunk three times. The same contract and result set."""
-    if triton is None:
-        raise RuntimeError("topk_select_chunked needs triton (runtime.dsa.topk_positions does not)")
-    if s.dtype != torch.float32 or s.dim() != 2 or context_lens.dtype != torch.int32 \
-            or tuple(context_lens.shape) != (s.shape[0],):
-        raise ValueError(f"scores must be float32 (B, T) and context_lens int32 (B,), got {s.dtype} "
-                         f"{tuple(s.shape)} and {context_lens.dtype} {tuple(context_lens.shape)}")
+    K, out = _topk_out("topk_select_chunked", s, context_lens, topk)
     B, T = s.shape
-    K = min(int(topk), T)
-    out = torch.empty(B, K, device=s.device, dtype=torch.int32)
     if not (B and K):
         return out
     s = s.contiguous()
