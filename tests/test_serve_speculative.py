@@ -341,3 +341,33 @@ def test_the_head_computes_logits_only_for_the_rows_it_drafts_from(monkeypatch):
         assert pending >= 39 and rows == [2, 2]            # depth 1 and depth 2: one row per sequence
         assert sp.cache.length == pending                   # yet every pair went into the head's cache
         assert len(d0) == len(d1) == 2 and all(torch.isfinite(q).all() for q in q0)
+
+
+def test_greedy_drafts_without_a_draw_are_the_argmax_rows():
+    """draw None (what the engine passes for greedy rows): every such row of a depth takes its
+    argmax in one batch, the same drafts as drawing each row's argmax; a sampled row beside them
+    keeps its own draw; accept_drafts with the batch's argmaxes (preds) gives the same verdict."""
+    path = fixture_dir(NAME) / "model"
+    greedy = lambda row: int(row.float().argmax())   # noqa: E731
+    got = {}
+    for mode in ("draw", "none"):
+        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3) as r:
+            last = {}
+            for s, p in {0: PROMPT, 1: PROMPT[:23], 2: PROMPT[3:30]}.items():
+                r.add_sequence(s)
+                last[s] = int(r.step([(s, p)])[0].argmax())
+            fixed = lambda row: 7                    # noqa: E731 - a "sampled" row: its own draw
+            d = None if mode == "none" else greedy
+            res = r.draft_many([(0, last[0], 3, d), (1, last[1], 2, fixed), (2, last[2], 1, d)])
+            logits = r.verify([(s, [last[s]] + dr) for s, (dr, _) in zip((0, 1, 2), res, strict=True)])
+            preds = logits.argmax(-1).tolist()
+            verdicts = []
+            for i, (s, (dr, q)) in enumerate(zip((0, 1, 2), res, strict=True)):
+                lo = sum(len(x) + 1 for x, _ in res[:i])
+                target = logits[lo:lo + len(dr) + 1]
+                v = sampling.accept_drafts(target, q, dr, 0.0, 0, 1.0, None)
+                assert v == sampling.accept_drafts(target, q, dr, 0.0, 0, 1.0, None, preds=preds[lo:lo + len(dr) + 1])
+                verdicts.append(v)
+            got[mode] = ([dr for dr, _ in res], verdicts)
+    assert got["none"] == got["draw"]
+    assert got["none"][0][1] == [7, 7]

@@ -248,7 +248,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def accept_drafts(target: torch.Tensor, draft_rows: Sequence[torch.Tensor], drafts: Sequence[int],
                   temperature: float, top_k: int, top_p: float,
-                  generator: torch.Generator | None) -> tuple[int, int]:
+                  generator: torch.Generator | None, preds: Sequence[int] | None = None) -> tuple[int, int]:
     """Speculative decoding's verdict for one sequence: (drafts accepted, the token after them).
 
     ``target`` [k+1, vocab]: the target's logits at the last token and at each draft;
@@ -257,9 +257,10 @@ def accept_drafts(target: torch.Tensor, draft_rows: Sequence[torch.Tensor], draf
     (exactly greedy decoding). Sampled: draft d_i is kept with probability min(1, p(d_i) / q(d_i))
     (p, q: the target's and the draft's distributions after temperature / top-k / top-p); at the
     first rejection the token is drawn from max(0, p - q) renormalised, after k acceptances from
-    p: every emitted token then follows the target's distribution exactly (Leviathan et al. 2023)."""
+    p: every emitted token then follows the target's distribution exactly (Leviathan et al. 2023).
+    ``preds``: the greedy case's target argmaxes when the caller took them for a whole batch."""
     if temperature is None or temperature <= 0:
-        preds = target.float().argmax(-1).tolist()
+        preds = target.float().argmax(-1).tolist() if preds is None else list(preds)
         a = 0
         while a < len(drafts) and preds[a] == drafts[a]:
             a += 1

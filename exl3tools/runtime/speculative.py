@@ -20,7 +20,8 @@ class SpeculativeSteps:
 
     def draft(self, seq_id: Hashable, last_token: int, k: int, draw) -> tuple[list[int], list[torch.Tensor]]:
         """``k`` draft tokens after ``last_token`` (the sequence's newest token, not in the cache
-        yet) from the MTP head: ``draw(logits row) -> token`` picks each; returns the drafts and
+        yet) from the MTP head: ``draw(logits row) -> token`` picks each (None: the row's argmax,
+        taken for every such row of a depth at once: one host sync, not one a row); returns the drafts and
         the head's logits rows they were drawn from (device). The head's cache keeps only the
         exact (state, token) pairs."""
         return self.draft_many([(seq_id, last_token, k, draw)])[0]
@@ -146,14 +147,17 @@ class SpeculativeSteps:
 
 def _draw_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Each request's drafts, depth by depth, from the head's first rows (g, dl: one per request):
-    its ``draw`` picks a token from its logits row; ``deeper(live, state rows, tokens)`` runs the
+    its ``draw`` picks a token from its logits row (None: the argmax, all such rows in one sync);
+    ``deeper(live, state rows, tokens)`` runs the
     head once more for the requests still drafting (indices into ``reqs``) and returns (g, dl)."""
     out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in reqs]
     live = list(range(len(reqs)))
     while True:
+        greedy = [j for j, i in enumerate(live) if reqs[i][3] is None]      # draw None: the argmax
+        picks = dict(zip(greedy, dl[greedy].float().argmax(-1).tolist(), strict=True)) if greedy else {}
         for j, i in enumerate(live):
             out[i][1].append(dl[j])
-            out[i][0].append(int(reqs[i][3](dl[j])))
+            out[i][0].append(picks[j] if j in picks else int(reqs[i][3](dl[j])))
         keep = [j for j, i in enumerate(live) if len(out[i][0]) < reqs[i][2]]
         if not keep:
             return out

@@ -420,7 +420,8 @@ class Engine:
             for seq, k in rows:
                 p = seq.params
                 gen = seq.generator if p.temperature > 0 else None
-                reqs.append((seq.seq_id, seq.output_ids[-1], k,
+                # greedy rows: None, the argmax of every such row at once (one host sync a depth)
+                reqs.append((seq.seq_id, seq.output_ids[-1], k, None if p.temperature <= 0 else
                              lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
             # every row's drafts in one head forward per depth
             drafted = [(seq, d, q) for (seq, _), (d, q) in zip(rows, runner.draft_many(reqs), strict=True)]
@@ -432,14 +433,17 @@ class Engine:
             return
         self.steps += 1
         now = time.monotonic()
+        # the greedy rows' verdicts from one argmax over the whole verify (one host sync, not one a row)
+        preds = logits.float().argmax(-1).tolist() if any(s.params.temperature <= 0 for s, _, _ in drafted) else None
         row = 0
         for seq, drafts, qrows in drafted:
             p, k = seq.params, len(drafts)
             target = logits[row:row + k + 1]
+            mine = None if preds is None or p.temperature > 0 else preds[row:row + k + 1]
             row += k + 1
             try:
                 a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
-                                           seq.generator if p.temperature > 0 else None)
+                                           seq.generator if p.temperature > 0 else None, preds=mine)
                 runner.accept(seq.seq_id, a + 1)
             except Exception:
                 log.exception("accepting drafts failed")
