@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [profile] [memory]
-# (default: all but prefill, longctx, mla, profile and memory)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [profile] [memory] [moe]
+# (default: all but prefill, longctx, mla, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -153,6 +153,11 @@ fi
 if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
   timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py /tmp/air6 --json "$L/memory.json" > "$L/memory.log" 2>&1
   el "memory rc $?"; cat "$L/memory.log" | grep -v "^20..-" | tail -n 30
+fi
+if [[ $STAGES == *moe* ]]; then   # issue 15: one MoE projection of a prompt, path by path (bench/gpu_moe_prefill.py)
+  timeout ${MOE_TIMEOUT:-240} python3 bench/gpu_moe_prefill.py ${MOE_ARGS:-} --json "$L/moe_prefill.json" \
+    > "$L/moe_prefill.log" 2>&1
+  el "moe prefill rc $?"; grep -E "^\||Error" "$L/moe_prefill.log" | head -n 12
 fi
 if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e.g. /tmp/synth_glm5, made by the mla stage)
   timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-/tmp/air6} ${PREFILL_ARGS:-} \

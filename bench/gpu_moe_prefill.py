@@ -1,0 +1,152 @@
+"""One MoE projection of a prompt on the GPU, path by path: which one should prefill take (issue 15)?
+
+    python3 bench/gpu_moe_prefill.py [--shape glm5|air] [--tokens 256,2048] [--k 3] [--json OUT.json]
+
+A random EXL3 projection of E experts (GLM-5: 256 experts, 6144 -> 2048; GLM-4.5-Air: 128, 4096 ->
+1408 padded to 1536), K bits, MUL1 codebook, and T tokens x top-8 uniformly routed pairs. Timed
+(CUDA events, median of 5 after a warm-up), each output the same (checked against the dense
+reference of the first 4 experts' rows):
+
+- ``cuda tiles``: kernels/cuda_exl3.CudaExperts.tiles over runtime.layers.expert_tiles (what the
+  runtime's prefill runs today: CUDA-core FMAs on 8-64-row tiles, each decoding its expert);
+- ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
+- ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
+  k) x (E, k, n): the tensor-core floor without any decode;
+- ``decode``: decoding every expert's fp16 weights (kernels/cuda_exl3.decode_t per expert), what a
+  decode-once-then-GEMM path adds to ``dense bmm``.
+
+Also the HBM floor of reading the trellis once. Nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+HBM = 4.26e12
+SHAPES = {"glm5": (256, 6144, 2048), "air": (128, 4096, 1536)}
+TOP_K = 8
+
+
+def _time(fn, reps: int = 5) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def experts(E: int, k: int, n: int, width: int, gen):
+    import torch
+
+    return [{"trellis": torch.randint(-32768, 32768, (k // 16, n // 16, width), dtype=torch.int16, device="cuda",
+                                      generator=gen),
+             "suh": (torch.randint(0, 2, (k,), device="cuda", generator=gen) * 2 - 1).half(),
+             "svh": (torch.rand(n, device="cuda", generator=gen) * 0.01 + 0.001).half()} for _ in range(E)]
+
+
+def run(shape: str, T: int, kbits: int) -> dict:
+    import torch
+    from exl3tools.kernels import cuda_exl3, triton_exl3
+
+    from exl3tools.runtime.layers import expert_tiles, tile_rows
+
+    E, k, n = SHAPES[shape]
+    width = 16 * kbits
+    gen = torch.Generator("cuda").manual_seed(0)
+    ts = experts(E, k, n, width, gen)
+    S = T * TOP_K
+    tok = torch.arange(T, device="cuda").repeat_interleave(TOP_K)
+    exp = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:TOP_K] for _ in range(T)]).reshape(-1)
+    x = torch.randn(T, k, device="cuda", generator=gen).half()
+    row = {"shape": shape, "tokens": T, "pairs": S, "experts": E, "k": k, "n": n, "K": kbits}
+    row["floor_ms"] = E * k * n * kbits / 8 / HBM * 1e3
+
+    cu = cuda_exl3.CudaExperts(ts, "mul1", "cuda")
+    rows = tile_rows(S, E)
+    tile_exp, row_exp, slot, valid = expert_tiles(exp, E, rows)
+    src = torch.where(valid, tok[slot.clamp(max=S - 1)], 0)
+
+    def cuda_tiles():
+        return cu.tiles(x, src, row_exp, tile_exp, rows)
+
+    row["cuda_tiles_ms"] = _time(cuda_tiles)
+    row["tile_rows"] = rows
+    y_cuda = torch.zeros(S, n, device="cuda", dtype=torch.float16)
+    y_cuda[slot[valid]] = cuda_tiles()[valid]
+
+    tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")
+    for bm in (16, 32, 64):
+        try:
+            row[f"triton_bm{bm}_ms"] = _time(lambda bm=bm: tr(x, tok, exp, bm=bm))
+        except Exception as exc:  # noqa: BLE001 - a failed build is a finding
+            row[f"triton_bm{bm}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    y_tr = tr(x, tok, exp, bm=16)
+
+    mods = cu.mod
+    w = torch.stack([cuda_exl3.decode_t(mods, t["trellis"]).t() for t in ts])            # (E, k, n) fp16 Ŵ
+    row["decode_ms"] = _time(lambda: [cuda_exl3.decode_t(mods, t["trellis"]) for t in ts])
+    counts = torch.bincount(exp, minlength=E)
+    mx = int(counts.max())
+    order = torch.argsort(exp, stable=True)
+    rank = torch.arange(S, device="cuda") - (torch.cumsum(counts, 0) - counts)[exp[order]]
+    xp = torch.zeros(E, mx, k, device="cuda", dtype=torch.float16)
+    xp[exp[order], rank] = x[tok[order]]
+    row["dense_bmm_ms"] = _time(lambda: torch.bmm(xp, w))
+    row["max_rows_per_expert"] = mx
+
+    # the same outputs: the reference of the first experts' rows (Hadamards and scales included)
+    from exl3tools.kernels import reference as ref
+
+    sel = (exp < 4).nonzero().reshape(-1)[:64]
+    dense = {e: torch.from_numpy(ref.decode_linear(ts[e]["trellis"].cpu().numpy(), ts[e]["suh"].cpu().numpy(),
+                                                   ts[e]["svh"].cpu().numpy(), "mul1")).float() for e in range(4)}
+    want = torch.stack([x[tok[p]].float().cpu() @ dense[int(exp[p])] for p in sel.tolist()])
+    for name, y in (("cuda", y_cuda), ("triton", y_tr)):
+        got = y[sel].float().cpu()
+        row[f"err_{name}"] = ((got - want).norm() / want.norm()).item()
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="glm5", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", default="256,2048")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    rows = []
+    print("| shape | tokens | pairs | tile rows | cuda tiles ms | triton bm16 | bm32 | bm64 | decode all ms | "
+          "dense bmm ms | HBM floor ms | err cuda | err triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for T in (int(t) for t in a.tokens.split(",")):
+        r = run(a.shape, T, a.k)
+        rows.append(r)
+
+        def f(key, r=r):
+            return f"{r[key]:.3f}" if key in r else r.get(key.replace("_ms", "_error"), "-")
+        print(f"| {r['shape']} | {T} | {r['pairs']} | {r['tile_rows']} | {f('cuda_tiles_ms')} | "
+              f"{f('triton_bm16_ms')} | {f('triton_bm32_ms')} | {f('triton_bm64_ms')} | {f('decode_ms')} | "
+              f"{f('dense_bmm_ms')} | {r['floor_ms']:.3f} | {r['err_cuda']:.1e} | {r['err_triton']:.1e} |", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
