@@ -22,33 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_prefill import cuda_time  # noqa: E402  (bench/ is not a package)
 
 HBM = 4.26e12
 SHAPES = {"glm5": (256, 6144, 2048), "air": (128, 4096, 1536)}
 TOP_K = 8
-
-
-def _time(fn, reps: int = 5) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def experts(E: int, k: int, n: int, width: int, gen):
@@ -85,7 +70,7 @@ def run(shape: str, T: int, kbits: int) -> dict:
     def cuda_tiles():
         return cu.tiles(x, src, row_exp, tile_exp, rows)
 
-    row["cuda_tiles_ms"] = _time(cuda_tiles)
+    row["cuda_tiles_ms"] = cuda_time(cuda_tiles)
     row["tile_rows"] = rows
     y_cuda = torch.zeros(S, n, device="cuda", dtype=torch.float16)
     y_cuda[slot[valid]] = cuda_tiles()[valid]
@@ -93,21 +78,21 @@ def run(shape: str, T: int, kbits: int) -> dict:
     tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")
     for bm in (16, 32, 64):
         try:
-            row[f"triton_bm{bm}_ms"] = _time(lambda bm=bm: tr(x, tok, exp, bm=bm))
+            row[f"triton_bm{bm}_ms"] = cuda_time(lambda bm=bm: tr(x, tok, exp, bm=bm))
         except Exception as exc:  # noqa: BLE001 - a failed build is a finding
             row[f"triton_bm{bm}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     y_tr = tr(x, tok, exp, bm=16)
 
     mods = cu.mod
     w = torch.stack([cuda_exl3.decode_t(mods, t["trellis"]).t() for t in ts])            # (E, k, n) fp16 Ŵ
-    row["decode_ms"] = _time(lambda: [cuda_exl3.decode_t(mods, t["trellis"]) for t in ts])
+    row["decode_ms"] = cuda_time(lambda: [cuda_exl3.decode_t(mods, t["trellis"]) for t in ts])
     counts = torch.bincount(exp, minlength=E)
     mx = int(counts.max())
     order = torch.argsort(exp, stable=True)
     rank = torch.arange(S, device="cuda") - (torch.cumsum(counts, 0) - counts)[exp[order]]
     xp = torch.zeros(E, mx, k, device="cuda", dtype=torch.float16)
     xp[exp[order], rank] = x[tok[order]]
-    row["dense_bmm_ms"] = _time(lambda: torch.bmm(xp, w))
+    row["dense_bmm_ms"] = cuda_time(lambda: torch.bmm(xp, w))
     row["max_rows_per_expert"] = mx
 
     # the same outputs: the reference of the first experts' rows (Hadamards and scales included)

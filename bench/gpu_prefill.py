@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-def _time(fn, reps: int = 5) -> float:
+def cuda_time(fn, reps: int = 5) -> float:
     import torch
 
     fn()
@@ -67,15 +67,15 @@ def main(argv=None) -> int:
             S = T * moe.top_k
             row = {"tokens": T, "pairs": S, "tile_rows": tile_rows(S, len(moe.experts))}
             if S <= 4096:
-                row["pairs_ms"] = _time(lambda x=x: moe.forward_static(x, tiles=False))
-            row["tiles_ms"] = _time(lambda x=x: moe.forward_static(x, tiles=True))
+                row["pairs_ms"] = cuda_time(lambda x=x: moe.forward_static(x, tiles=False))
+            row["tiles_ms"] = cuda_time(lambda x=x: moe.forward_static(x, tiles=True))
             if S > 512:
                 import exl3tools.runtime.layers as L
 
                 keep = L.MoE._tiled
                 L.MoE._tiled = lambda self: False       # the host-grouped loop
                 try:
-                    row["loop_ms"] = _time(lambda x=x: moe(x), reps=3)
+                    row["loop_ms"] = cuda_time(lambda x=x: moe(x), reps=3)
                 finally:
                     L.MoE._tiled = keep
             if "pairs_ms" in row:
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        ms = _time(lambda lengths=lengths: prefill(lengths), reps=3)
+        ms = cuda_time(lambda lengths=lengths: prefill(lengths), reps=3)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         n = sum(lengths)
         res["forward"].append({"case": name, "ms": ms, "tok_s": n / ms * 1e3, "peak_gib": peak})

@@ -362,7 +362,7 @@ def test_greedy_drafts_without_a_draw_are_the_argmax_rows():
             logits = r.verify([(s, [last[s]] + dr) for s, (dr, _) in zip((0, 1, 2), res, strict=True)])
             preds = logits.argmax(-1).tolist()
             verdicts = []
-            for i, (s, (dr, q)) in enumerate(zip((0, 1, 2), res, strict=True)):
+            for i, (dr, q) in enumerate(res):
                 lo = sum(len(x) + 1 for x, _ in res[:i])
                 target = logits[lo:lo + len(dr) + 1]
                 v = sampling.accept_drafts(target, q, dr, 0.0, 0, 1.0, None)
