@@ -25,6 +25,7 @@ from typing import Any
 
 from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.server.detok import TextTracker
+from exl3tools.server.engine_spec import SpeculativeRounds
 from exl3tools.server.protocol import APIError, SamplingParams
 
 log = logging.getLogger("exl3tools.serve")
@@ -138,7 +139,7 @@ def _deliver(items: list[tuple[RequestHandle, Event]]) -> None:  # event loop
         handle.queue.put_nowait(ev)
 
 
-class Engine:
+class Engine(SpeculativeRounds):
     def __init__(self, load: Callable[[], Any], *, max_batch: int = 32, max_queue: int = 256,
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
@@ -383,81 +384,6 @@ class Engine:
         self.time_forward += t1 - t0
         self.time_sample += t2 - t1
         return True
-
-    # ----------------------------------------------------------------- speculative decoding (MTP)
-    def _spec_kw(self, seq: Sequence) -> dict:
-        """add_sequence's ``speculative`` flag where the runner drafts: not for rows that need
-        logprobs or processed logits (they decode one token at a time)."""
-        if not getattr(self.runner, "spec_k", 0):
-            return {}
-        p = seq.params
-        return {"speculative": not p.token_by_token}
-
-    def _split_spec(self, batch: list[tuple[Sequence, list[int]]]) -> tuple[list, list[tuple[Sequence, int]]]:
-        """(the rest, [(sequence, drafts)]): decoding rows the MTP head drafts for this step."""
-        k = getattr(self.runner, "spec_k", 0)
-        if not k:
-            return batch, []
-        rest, spec = [], []
-        for seq, chunk in batch:
-            p = seq.params
-            room = min(p.max_tokens - len(seq.output_ids),
-                       self.runner.max_context - len(seq.prompt) - len(seq.output_ids)) - 1
-            if (len(chunk) == 1 and seq.output_ids and seq.pending == 1 and room >= 1
-                    and not p.token_by_token):
-                spec.append((seq, min(k, room)))
-            else:
-                rest.append((seq, chunk))
-        return rest, spec
-
-    def _spec_step(self, rows: list[tuple[Sequence, int]]) -> None:
-        """Draft with the MTP head, verify all rows in one target forward, keep each row's accepted
-        drafts and the token after them (runtime.sampling.accept_drafts), emit those tokens."""
-        runner = self.runner
-        self._ensure_generators([(0, seq) for seq, _ in rows], runner.model.embed.device)
-        try:
-            reqs = []
-            for seq, k in rows:
-                p = seq.params
-                gen = seq.generator if p.temperature > 0 else None
-                # greedy rows: None, the argmax of every such row at once (one host sync a depth)
-                reqs.append((seq.seq_id, seq.output_ids[-1], k, None if p.temperature <= 0 else
-                             lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
-            # every row's drafts in one head forward per depth
-            drafted = [(seq, d, q) for (seq, _), (d, q) in zip(rows, runner.draft_many(reqs), strict=True)]
-            logits = runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted])
-        except Exception:
-            log.exception("speculative step failed")
-            for seq, _ in rows:
-                self._fail(seq)
-            return
-        self.steps += 1
-        now = time.monotonic()
-        # the greedy rows' verdicts from one argmax over the whole verify (one host sync, not one a row)
-        preds = logits.float().argmax(-1).tolist() if any(s.params.temperature <= 0 for s, _, _ in drafted) else None
-        row = 0
-        for seq, drafts, qrows in drafted:
-            p, k = seq.params, len(drafts)
-            target = logits[row:row + k + 1]
-            mine = None if preds is None or p.temperature > 0 else preds[row:row + k + 1]
-            row += k + 1
-            try:
-                a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
-                                           seq.generator if p.temperature > 0 else None, preds=mine)
-                runner.accept(seq.seq_id, a + 1)
-            except Exception:
-                log.exception("accepting drafts failed")
-                self._fail(seq)
-                continue
-            seq.num_cached += a + 1
-            self.spec_drafted += k
-            self.spec_accepted += a
-            seq.handle.accepted_tokens += a
-            seq.handle.rejected_tokens += k - a
-            for j, tok in enumerate(drafts[:a] + [bonus]):
-                if seq.finished:
-                    break
-                self._sample(seq, target[j], now, tok)
 
     def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
         """The ready rows' tokens, sampled on the logits' device without a host sync (None: no

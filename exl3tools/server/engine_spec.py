@@ -1,0 +1,92 @@
+"""The engine's speculative-decoding rounds (MTP, issue 14): which decoding rows draft this step, and
+the draft / verify / accept / emit round for them. A mixin of server.engine.Engine (its runner,
+samplers and per-sequence bookkeeping); the runner's side is runtime/speculative.py."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from exl3tools.server.engine import Sequence
+
+log = logging.getLogger("exl3tools.serve")
+
+
+class SpeculativeRounds:
+    """Engine methods for MTP speculative decoding (runtime.sampling.accept_drafts decides)."""
+
+    def _spec_kw(self, seq: Sequence) -> dict:
+        """add_sequence's ``speculative`` flag where the runner drafts: not for rows that need
+        logprobs or processed logits (they decode one token at a time)."""
+        if not getattr(self.runner, "spec_k", 0):
+            return {}
+        p = seq.params
+        return {"speculative": not p.token_by_token}
+
+    def _split_spec(self, batch: list[tuple[Sequence, list[int]]]) -> tuple[list, list[tuple[Sequence, int]]]:
+        """(the rest, [(sequence, drafts)]): decoding rows the MTP head drafts for this step."""
+        k = getattr(self.runner, "spec_k", 0)
+        if not k:
+            return batch, []
+        rest, spec = [], []
+        for seq, chunk in batch:
+            p = seq.params
+            room = min(p.max_tokens - len(seq.output_ids),
+                       self.runner.max_context - len(seq.prompt) - len(seq.output_ids)) - 1
+            if (len(chunk) == 1 and seq.output_ids and seq.pending == 1 and room >= 1
+                    and not p.token_by_token):
+                spec.append((seq, min(k, room)))
+            else:
+                rest.append((seq, chunk))
+        return rest, spec
+
+    def _spec_step(self, rows: list[tuple[Sequence, int]]) -> None:
+        """Draft with the MTP head, verify all rows in one target forward, keep each row's accepted
+        drafts and the token after them (runtime.sampling.accept_drafts), emit those tokens."""
+        runner = self.runner
+        self._ensure_generators([(0, seq) for seq, _ in rows], runner.model.embed.device)
+        try:
+            reqs = []
+            for seq, k in rows:
+                p = seq.params
+                gen = seq.generator if p.temperature > 0 else None
+                # greedy rows: None, the argmax of every such row at once (one host sync a depth)
+                reqs.append((seq.seq_id, seq.output_ids[-1], k, None if p.temperature <= 0 else
+                             lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
+            # every row's drafts in one head forward per depth
+            drafted = [(seq, d, q) for (seq, _), (d, q) in zip(rows, runner.draft_many(reqs), strict=True)]
+            logits = runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted])
+        except Exception:
+            log.exception("speculative step failed")
+            for seq, _ in rows:
+                self._fail(seq)
+            return
+        self.steps += 1
+        now = time.monotonic()
+        # the greedy rows' verdicts from one argmax over the whole verify (one host sync, not one a row)
+        preds = logits.float().argmax(-1).tolist() if any(s.params.temperature <= 0 for s, _, _ in drafted) else None
+        row = 0
+        for seq, drafts, qrows in drafted:
+            p, k = seq.params, len(drafts)
+            target = logits[row:row + k + 1]
+            mine = None if preds is None or p.temperature > 0 else preds[row:row + k + 1]
+            row += k + 1
+            try:
+                a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
+                                           seq.generator if p.temperature > 0 else None, preds=mine)
+                runner.accept(seq.seq_id, a + 1)
+            except Exception:
+                log.exception("accepting drafts failed")
+                self._fail(seq)
+                continue
+            seq.num_cached += a + 1
+            self.spec_drafted += k
+            self.spec_accepted += a
+            seq.handle.accepted_tokens += a
+            seq.handle.rejected_tokens += k - a
+            for j, tok in enumerate(drafts[:a] + [bonus]):
+                if seq.finished:
+                    break
+                self._sample(seq, target[j], now, tok)
