@@ -83,6 +83,22 @@ if triton is not None:
         return b, tl.sum(tl.where(bins > b, hist, 0), 0)
 
     @triton.jit
+    def _high_bin(h1, K):
+        """(boundary high byte, keys above it, entries to fill: min(selectable keys, K)) from a row's
+        high-byte histogram; bin 0 holds the unselectable keys (key 0) and is ignored."""
+        h1 = tl.where(tl.arange(0, 256) == 0, 0, h1)
+        want = tl.minimum(tl.sum(h1, 0), K)
+        hi, above_hi = _boundary(h1, want, 256)
+        return hi, above_hi, want
+
+    @triton.jit
+    def _cut(hi, lo, above_hi, above_lo, want):
+        """(threshold key, count above it, ties at it to take) from the two boundary bins."""
+        thr = tl.where(want > 0, hi * 256 + lo, 0)
+        above = tl.where(want > 0, above_hi + above_lo, 0)
+        return thr, above, want - above
+
+    @triton.jit
     def _write_chosen(o_row, t, key, thr, above, ties, n_gt, n_eq):
         """Positions ``t`` whose key is above the threshold go after the ``n_gt`` written before
         them, ties after ``above + n_eq`` while fewer than ``ties`` are taken; the new counts."""
@@ -105,24 +121,18 @@ if triton is not None:
             for j0 in range(0, K, TB):
                 tl.store(o_row + j0 + j, tl.where(j0 + j < L, j0 + j, -1), mask=j0 + j < K)
         else:
-            bins = tl.arange(0, 256)
             hist = tl.zeros([256], tl.int32)
             for t0 in range(0, T, TB):
                 key = _keys(s_row, t0 + j, T, L)
                 hist += tl.histogram(key >> 8, 256)
-            hist = tl.where(bins == 0, 0, hist)                   # key 0: not selectable
-            valid = tl.sum(hist, 0)
-            want = tl.minimum(valid, K)
-            hi, above_hi = _boundary(hist, want, 256)
+            hi, above_hi, want = _high_bin(hist, K)
             hist2 = tl.zeros([512], tl.int32)
             for t0 in range(0, T, TB):
                 key = _keys(s_row, t0 + j, T, L)
                 hist2 += tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
             hist2 = tl.where(tl.arange(0, 512) < 256, hist2, 0)
             lo, above_lo = _boundary(hist2, want - above_hi, 512)
-            thr = tl.where(want > 0, hi * 256 + lo, 0)
-            above = tl.where(want > 0, above_hi + above_lo, 0)
-            ties = want - above
+            thr, above, ties = _cut(hi, lo, above_hi, above_lo, want)
             n_gt = 0
             n_eq = 0
             for t0 in range(0, T, TB):
@@ -136,14 +146,10 @@ if triton is not None:
     def _threshold(hist_row, K):
         """(threshold key, count above it, ties to take, entries to fill) from a row's two histograms."""
         j = tl.arange(0, 256)
-        h1 = tl.load(hist_row + j)
-        h1 = tl.where(j == 0, 0, h1)
-        want = tl.minimum(tl.sum(h1, 0), K)
-        hi, above_hi = _boundary(h1, want, 256)
+        hi, above_hi, want = _high_bin(tl.load(hist_row + j), K)
         lo, above_lo = _boundary(tl.load(hist_row + 256 + j), want - above_hi, 256)
-        thr = tl.where(want > 0, hi * 256 + lo, 0)
-        above = tl.where(want > 0, above_hi + above_lo, 0)
-        return thr, above, want - above, want
+        thr, above, ties = _cut(hi, lo, above_hi, above_lo, want)
+        return thr, above, ties, want
 
     @triton.jit
     def _chunk_hist_kernel(s_ptr, len_ptr, hist_ptr, T, K, topk, LOW: tl.constexpr, TB: tl.constexpr):
@@ -155,10 +161,7 @@ if triton is not None:
             key = _keys(s_ptr + row * T, tl.program_id(1) * TB + tl.arange(0, TB), T, L)
             hist_row = hist_ptr + row * 512
             if LOW:
-                j = tl.arange(0, 256)
-                h1 = tl.load(hist_row + j)
-                h1 = tl.where(j == 0, 0, h1)
-                hi, _ = _boundary(h1, tl.minimum(tl.sum(h1, 0), K), 256)
+                hi, _, _ = _high_bin(tl.load(hist_row + tl.arange(0, 256)), K)
                 b = tl.arange(0, 512)
                 h = tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
                 tl.atomic_add(hist_row + 256 + b, h, mask=(b < 256) & (h > 0))
