@@ -257,11 +257,11 @@ def test_preview_switches(monkeypatch):
     monkeypatch.setitem(preview.SWITCHES, "trial", "EXL3TOOLS_TRIAL")
     for name, env, unset in [("trial", "EXL3TOOLS_TRIAL", False), *((n, e, True) for n, e in preview.OPT_OUTS.items())]:
         monkeypatch.delenv(env, raising=False)
-        assert preview.switched_on(name) is unset
+        assert preview.switched_on(name) is unset and not preview.asked_for(name)
         monkeypatch.setenv(env, "1")
-        assert preview.switched_on(name)
+        assert preview.switched_on(name) and preview.asked_for(name)
         monkeypatch.setenv(env, "0")
-        assert not preview.switched_on(name)
+        assert not preview.switched_on(name) and not preview.asked_for(name)
     monkeypatch.delenv("EXL3TOOLS_FUSED")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert fused_step.resolve(None, cuda) is fk.available(cuda) and fused_step.resolve(None, cpu) is False

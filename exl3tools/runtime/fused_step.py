@@ -39,7 +39,7 @@ def resolve(fused: bool | None, device: torch.device) -> bool:
     """Whether the decode step of a model on ``device`` runs the fused kernels."""
     if fused is None:
         if torch.device(device).type != "cuda":
-            return fk.available(device) and os.environ.get(preview.OPT_OUTS["fused"]) == "1"
+            return fk.available(device) and preview.asked_for("fused")
         return fk.available(device) and preview.switched_on("fused")
     if fused and not fk.available(device):
         raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")

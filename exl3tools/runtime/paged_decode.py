@@ -23,8 +23,9 @@ sequences' real lengths, never ``max_blocks`` (a DSA layer's attention reads its
 selected rows; its indexer reads every key).
 
 With ``graphs=True`` (CUDA) every bucket is captured once, largest first, into one shared memory
-pool, and a step is: one host-to-device copy of the packed inputs, one replay. The MTP head
-(``model.mtp``) is not part of the step: its drafts run eagerly.
+pool, and a step is: one host-to-device copy of the packed inputs, one replay. With a
+``head_pool`` (the MTP head's cache in blocks) the head's draft step (``draft``) is captured per
+bucket beside it.
 
 ``fused`` (default: on CUDA unless ``EXL3TOOLS_FUSED=0``; fused_step.resolve): GQA models' layers run through
 ``runtime.fused_step`` (Triton glue kernels: residual + RMSNorm, q/k norm + RoPE + K/V write,

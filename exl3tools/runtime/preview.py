@@ -31,8 +31,17 @@ OPT_OUTS = {
 }
 
 
+def _variable(name: str) -> str:
+    return OPT_OUTS[name] if name in OPT_OUTS else SWITCHES[name]
+
+
+def asked_for(name: str) -> bool:
+    """Whether the variable of ``name`` (a preview or a former one) is "1": explicitly on."""
+    return os.environ.get(_variable(name)) == "1"
+
+
 def switched_on(name: str) -> bool:
     """Whether the path ``name`` runs: a preview when asked for ("1"), a former one unless "0"."""
     if name in OPT_OUTS:
         return os.environ.get(OPT_OUTS[name]) != "0"
-    return os.environ.get(SWITCHES[name]) == "1"
+    return asked_for(name)

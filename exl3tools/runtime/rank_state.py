@@ -102,7 +102,7 @@ def rows_of(hn: torch.Tensor, wire) -> tuple[torch.Tensor, ...]:
 
 class DraftState:
     """A sequence's MTP draft state: the head's own cache (one layer, outside the block pool; with
-    the mtp_paged preview only its ``length`` in the sequence's blocks) and the (target state at
+    mtp_paged, the default, only its ``length`` in the sequence's blocks) and the (target state at
     position i, token at i + 1) pairs it has not read yet. ``states`` holds one row more than
     ``tokens``: the newest state waits for the token sampled after it."""
 

@@ -131,7 +131,8 @@ class Runner(SpeculativeSteps):
         max_blocks = -(-self.max_context // block_size)
         state = dict(num_blocks=num_blocks, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
                      max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode,
-                     # the MTP head's cache in blocks, its drafts in the fixed-shape step (a preview)
+                     # the MTP head's cache in blocks, its drafts in the fixed-shape step
+                     # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
                      mtp_paged=bool(self.spec_k and preview.switched_on("mtp_paged")))
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
