@@ -156,7 +156,8 @@ def _copy_with(tmp_path, gen: dict):
 
 
 def test_runner_reads_generation_defaults(tmp_path):
-    from exl3tools.runtime.runner import generation_defaults, load_runner
+    from exl3tools.runtime.runner import load_runner
+    from exl3tools.runtime.text_meta import generation_defaults
 
     model = _copy_with(tmp_path, {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True,
                                   "eos_token_id": [2, 7]})

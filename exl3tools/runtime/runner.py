@@ -11,7 +11,6 @@ prefix caching. With ``tp > 1`` the Runner lives on rank 0 and drives the other 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 from pathlib import Path
@@ -25,11 +24,12 @@ from exl3tools.runtime import distributed as D
 from exl3tools.runtime import preview
 from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.cache import MIN_CAPACITY
-from exl3tools.runtime.loader import Layout, load_tokenizer, open_rank, resolve
+from exl3tools.runtime.loader import Layout, open_rank, resolve
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
 from exl3tools.runtime.speculative import SpeculativeSteps
+from exl3tools.runtime.text_meta import read_text_meta
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
 from exl3tools.text import first_line, printable
@@ -147,7 +147,11 @@ class Runner(SpeculativeSteps):
                  self.paged.pool.nbytes() / 2**30,
                  "" if weights_bytes is None else f"; weights {weights_bytes / 2**30:.2f} GiB",
                  self.max_context, self.decode_mode, self.max_num_seqs)
-        self._load_tokenizer(ckpt_dir)
+        meta = read_text_meta(ckpt_dir)
+        self.tokenizer, self.chat_template = meta.tokenizer, meta.chat_template
+        self.eos_token_ids, self.eos_token = meta.eos_token_ids, meta.eos_token
+        self.bos_token_id, self.bos_token = meta.bos_token_id, meta.bos_token
+        self.generation_defaults = meta.generation_defaults
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
                        reserve: int = 0) -> int:
@@ -203,56 +207,6 @@ class Runner(SpeculativeSteps):
             self.decode_mode = "eager"
             if self.model.embed.device.type == "cuda":
                 torch.cuda.empty_cache()
-
-    # -- metadata
-    def _load_tokenizer(self, d: Path) -> None:
-        self.tokenizer = load_tokenizer(d / "tokenizer.json")  # unreadable/corrupt: a one-line error
-        cfg = _json(d / "config.json") or {}
-        gen = _json(d / "generation_config.json") or {}
-        tcfg = _json(d / "tokenizer_config.json") or {}
-        eos: set[int] = set()
-        for src in (cfg.get("eos_token_id"), gen.get("eos_token_id")):
-            if isinstance(src, int):
-                eos.add(src)
-            elif isinstance(src, list):
-                eos.update(int(x) for x in src if isinstance(x, int))
-        eos_tok = tcfg.get("eos_token")
-        eos_tok = eos_tok.get("content") if isinstance(eos_tok, dict) else eos_tok
-        if isinstance(eos_tok, str) and self.tokenizer is not None:
-            tid = self.tokenizer.token_to_id(eos_tok)
-            if tid is not None:
-                eos.add(tid)
-        self.eos_token_ids: set[int] = eos
-        special = _json(d / "special_tokens_map.json") or {}
-        self.eos_token: str | None = self._token_text(tcfg, special, "eos_token",
-                                                      cfg.get("eos_token_id", gen.get("eos_token_id")))
-        self.bos_token: str | None = self._token_text(tcfg, special, "bos_token",
-                                                      cfg.get("bos_token_id", gen.get("bos_token_id")))
-        self.generation_defaults: dict[str, float | int] = generation_defaults(gen)
-        bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
-        self.bos_token_id: int | None = bos if isinstance(bos, int) else None
-        tmpl = tcfg.get("chat_template")
-        if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
-            tmpl = named.get("default") or next(iter(named.values()), None)
-        if not isinstance(tmpl, str) and (d / "chat_template.jinja").is_file():
-            tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
-        self.chat_template: str | None = tmpl if isinstance(tmpl, str) else None
-
-    def _token_text(self, tcfg: dict, special: dict, key: str, ids) -> str | None:
-        """The text of the bos/eos token, as HF tokenizers report it (and chat templates print it):
-        tokenizer_config.json, then special_tokens_map.json (a string or {"content": ...}; an
-        explicit null means none), then the tokenizer's text for config.json's id (the first, for a
-        list)."""
-        for src in (tcfg, special):
-            if key in src:
-                v = src[key]
-                v = v.get("content") if isinstance(v, dict) else v
-                return v if isinstance(v, str) else None
-        tid = ids[0] if isinstance(ids, list) and ids else ids
-        if isinstance(tid, int) and not isinstance(tid, bool) and self.tokenizer is not None:
-            return self.tokenizer.id_to_token(tid)
-        return None
 
     # -- sequences
     def add_sequence(self, seq_id: Hashable, tokens: list[int] | tuple[int, ...] = (), *,
@@ -557,29 +511,6 @@ def _reap(procs, wait: float = 10.0) -> None:
         except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
             p.kill()
             p.wait()
-
-
-def generation_defaults(gen: dict) -> dict[str, float | int]:
-    """generation_config.json's sampling values that are usable: ``temperature`` (>= 0),
-    ``top_p`` (0 < p <= 1), ``top_k`` (>= 0, 0 = off). ``do_sample`` is not consulted (as vLLM):
-    a file that names a temperature means it."""
-    out: dict[str, float | int] = {}
-    num = (int, float)
-    t, p, k = gen.get("temperature"), gen.get("top_p"), gen.get("top_k")
-    if isinstance(t, num) and not isinstance(t, bool) and 0 <= t < float("inf"):
-        out["temperature"] = float(t)
-    if isinstance(p, num) and not isinstance(p, bool) and 0 < p <= 1:
-        out["top_p"] = float(p)
-    if isinstance(k, int) and not isinstance(k, bool):
-        out["top_k"] = max(0, k)
-    return out
-
-
-def _json(p: Path):
-    try:
-        return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
-    except (OSError, ValueError):
-        return None
 
 
 def _torchrun_env() -> tuple[int, int] | None:
