@@ -1,0 +1,67 @@
+"""The tables bench/gpu_serve.py prints last: one row per served config plus exllamav3, then
+ours / exllamav3 per column, from each measurement's summary."""
+
+from __future__ import annotations
+
+
+def columns(a) -> list[tuple[str, str]]:
+    """(summary key, table header) in table order."""
+    cols = [("single_tok_s", "1 stream tok/s")]
+    cols += [(f"streams_{n}_tok_s", f"{n} streams") for n in a.streams]
+    cols += [(f"ctx_{n}_tok_s", f"{n} stream{'s' if n > 1 else ''} @ctx{a.ctx}") for n in a.ctx_streams]
+    cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
+             ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
+    return cols
+
+
+def summarize(res: dict) -> dict:
+    """The table's numbers from one measurement (ours or exllamav3)."""
+    out = {}
+    if "single" in res:
+        out["single_tok_s"] = res["single"]["decode_tok_s"]
+        out["single_ttft_ms"] = res["single"]["ttft_ms"]
+    for n, g in res.get("streams", {}).items():
+        out[f"streams_{n}_tok_s"] = g["tok_s"]
+        out[f"streams_{n}_per_stream_tok_s"] = g["per_stream_decode_tok_s_median"]
+    for n, g in res.get("ctx", {}).items():
+        out[f"ctx_{n}_tok_s"] = g["decode_tok_s"]
+    if "ttft" in res:
+        out["ttft_cold_ms"] = res["ttft"]["cold_ms"]
+        out["ttft_hit_ms"] = res["ttft"]["hit_ms"]
+    if res.get("memory"):
+        out["mem_gb"] = res["memory"]["gb"]
+    return out
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
+    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |",
+           "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+    out += ["| " + " | ".join(r[i].ljust(w[i]) for i in range(len(head))) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _fmt(x, key: str) -> str:
+    if x is None:
+        return "-"
+    if key == "mem_gb":
+        return f"{x:.2f}"
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def tables(a, named: list[tuple[str, dict | None]], ref: dict | None) -> str:
+    """Results table (one row per config, then exllamav3), then ours/exllamav3 per column."""
+    cols = columns(a)
+    head = ["config"] + [h for _, h in cols]
+    rows = [[name] + [_fmt((s or {}).get(k), k) for k, _ in cols] for name, s in named]
+    ratio_rows = []
+    for name, s in named:
+        if name == "exllamav3":
+            continue
+        cells = []
+        for k, _ in cols:
+            x, y = (s or {}).get(k), (ref or {}).get(k)
+            cells.append(f"{x / y:.2f}x" if x is not None and y else "-")
+        ratio_rows.append([name] + cells)
+    return (md_table(head, rows) + "\n\nours / exllamav3 (tok/s: > 1 is faster; TTFT and memory: < 1 is less)\n\n"
+            + md_table(head, ratio_rows))
