@@ -65,9 +65,14 @@ fi
 if [[ $STAGES == *bench* || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
   el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log"
 fi
-SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)   # built here: bring it back
-if [ -n "$SO" ]; then xz -T0 -3 -c "$SO" > /tmp/exl3so.xz && split -b 15M /tmp/exl3so.xz "$OUT/exl3so.xz." \
-  && el "exllamav3_ext.so $(stat -c %s "$SO") B -> $(stat -c %s /tmp/exl3so.xz) B xz, split into $OUT"; fi
+# built here: bring it back (once), so the next call carries it in .exl3so instead of building
+bring_so() {
+  local SO; SO=$(find /tmp/torch_ext -name 'exllamav3_ext*.so' 2>/dev/null | head -n 1)
+  if [ -n "$SO" ] && ! ls "$OUT"/exl3so.xz.* >/dev/null 2>&1; then xz -T0 -3 -c "$SO" > /tmp/exl3so.xz \
+    && split -b 15M /tmp/exl3so.xz "$OUT/exl3so.xz." \
+    && el "exllamav3_ext.so $(stat -c %s "$SO") B -> $(stat -c %s /tmp/exl3so.xz) B xz, split into $OUT"; fi
+}
+bring_so
 if [[ $STAGES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda,exllamav3,fp16} \
     ${BENCH_ARGS:---codebooks mul1,mcg,3inst} --json "$L/bench.json" > "$L/bench.log" 2>&1
@@ -163,6 +168,11 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
   timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-/tmp/air6} ${PREFILL_ARGS:-} \
     --json "$L/prefill.json" > "$L/prefill.log" 2>&1
   el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
+fi
+# SO_WAIT: seconds to wait at the end for a build still running (stages that never needed exllamav3)
+if [ "${SO_WAIT:-0}" -gt 0 ] && ! ls "$OUT"/exl3so.xz.* >/dev/null 2>&1; then
+  timeout "$SO_WAIT" bash -c 'while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do sleep 2; done'
+  tail -n 1 /tmp/exl3build.log 2>/dev/null; bring_so
 fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
