@@ -32,7 +32,8 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 cat "$L/gpu.txt"
 
 # exllamav3: a carried prebuilt extension imports at once; else its JIT build (~4 min cold)
-if ! grep -q "build rc 0" /tmp/exl3build.log 2>/dev/null && ! pgrep -f exl3build_marker >/dev/null; then
+# (EXL3_BUILD=0: no build, for calls whose stages never run exllamav3; its 12 jobs slow the tests)
+if [ "${EXL3_BUILD:-1}" != 0 ] && ! grep -q "build rc 0" /tmp/exl3build.log 2>/dev/null && ! pgrep -f exl3build_marker >/dev/null; then
   setsid bash -c "MAX_JOBS=${EXL3_JOBS:-12} python3 -c \"import exllamav3; from exllamav3.ext import exllamav3_ext as e; print('exllamav3 ok', e.__file__)\" > /tmp/exl3build.log 2>&1; echo \"build rc \$?\" >> /tmp/exl3build.log # exl3build_marker" &
 fi
 wait_build() { while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do sleep 2; done; cp /tmp/exl3build.log "$L/build.log"; }
@@ -168,6 +169,7 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
   timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-/tmp/air6} ${PREFILL_ARGS:-} \
     --json "$L/prefill.json" > "$L/prefill.log" 2>&1
   el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
+  sed -n '/^--- profile 8 x 32/,+20p' "$L/prefill.log" | cut -c1-60,100-200
 fi
 # SO_WAIT: seconds to wait at the end for a build still running (stages that never needed exllamav3)
 if [ "${SO_WAIT:-0}" -gt 0 ] && ! ls "$OUT"/exl3so.xz.* >/dev/null 2>&1; then

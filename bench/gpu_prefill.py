@@ -116,9 +116,13 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
     print(table)
+    # 8 x 32 took 68 ms on the GLM-5 shape where 1 x 512 took 53 (H200, 2026-12-02): where it goes
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        prefill([32])
+        prefill([32] * 8)
         torch.cuda.synchronize()
+    print("--- profile 8 x 32 by CUDA time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print("--- profile 8 x 32 by CPU time")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     res["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     if a.json:

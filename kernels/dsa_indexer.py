@@ -34,6 +34,10 @@ except ImportError:   # runtime-only installs: runtime.dsa.paged_scores_referenc
 
 TILE = 32          # 64 x 128 fp32 FMA dot at TN 64 spills ~7 KB a thread on sm_90; TN 32, 8 warps: ~0.2 KB
 TOPK_TILE = 2048   # scores per step of topk_select's passes
+# From this table width topk_for_width picks topk_select_chunked: one H200 run (bench/gpu_mla_attention.py,
+# 64 heads, with the scores, 2026-12-02) timed one program a row 31.6 us at 4k and 188.9 at 32k,
+# the chunked kernels 35.3 and 101.1 (batch 32: 322 vs 326 at 4k, 2444 vs 2370 at 32k)
+CHUNKED_MIN_WIDTH = 8192
 
 
 if triton is not None:
@@ -274,3 +278,17 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) 
     _chunk_count_kernel[grid](s, context_lens, hist, cnt, T, K, int(topk), CP=cp, TB=TOPK_TILE, num_warps=8)
     _chunk_write_kernel[grid](s, context_lens, hist, cnt, out, T, K, int(topk), CP=cp, TB=TOPK_TILE, num_warps=8)
     return out
+
+
+def topk_for_width(width: int, *, chunked: bool | None = None):
+    """The top-k kernel for a (B, width) score table: ``topk_select_chunked`` from CHUNKED_MIN_WIDTH
+    scores (or always / never with ``chunked`` True / False), else ``topk_select``. The width is
+    fixed per captured graph (runtime/paged_decode.py's widths), so the choice is made once."""
+    if chunked is None:
+        chunked = width >= CHUNKED_MIN_WIDTH
+    return topk_select_chunked if chunked else topk_select
+
+
+def topk_auto(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
+    """topk_select or topk_select_chunked by the table's width (topk_for_width)."""
+    return topk_for_width(s.shape[1])(s, context_lens, topk)

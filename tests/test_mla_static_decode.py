@@ -193,6 +193,28 @@ def test_triton_topk_select_is_topk_positions(chunked):
             assert (got[b] < 0).sum() == (want[b] < 0).sum(), (k, b)
 
 
+def test_topk_kernel_follows_the_table_width(monkeypatch):
+    """The DSA top-k of the CUDA decode step: one program a row below CHUNKED_MIN_WIDTH scores, the
+    chunked kernels from it (topk_auto); EXL3TOOLS_DSA_TOPK_CHUNKS=1 takes the chunked ones at every
+    width, =0 never."""
+    pytest.importorskip("triton")
+    from exl3tools.kernels import dsa_indexer as di
+
+    from exl3tools.runtime import paged_decode
+
+    w = di.CHUNKED_MIN_WIDTH
+    assert di.topk_for_width(w // 2) is di.topk_select and di.topk_for_width(w) is di.topk_select_chunked
+    assert di.topk_for_width(w, chunked=False) is di.topk_select
+    assert di.topk_for_width(16, chunked=True) is di.topk_select_chunked
+    cuda = torch.device("cuda")
+    for value, want in ((None, di.topk_auto), ("0", di.topk_select), ("1", di.topk_select_chunked)):
+        if value is None:
+            monkeypatch.delenv("EXL3TOOLS_DSA_TOPK_CHUNKS", raising=False)
+        else:
+            monkeypatch.setenv("EXL3TOOLS_DSA_TOPK_CHUNKS", value)
+        assert paged_decode.mla_attention_fn(cuda)[2] is want, value
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
 def test_static_step_with_the_triton_kernel_on_the_interpreter(monkeypatch):
     pytest.importorskip("triton")

@@ -105,7 +105,9 @@ def mla_attention_fn(device: torch.device):
     if device.type == "cuda" or MLA_DECODE_ON_CPU:
         from exl3tools.kernels import dsa_indexer
 
-        topk = dsa_indexer.topk_select_chunked if preview.switched_on("dsa_topk_chunks") else dsa_indexer.topk_select
+        # chunked top-k at wide tables unless "0"; "1" takes it at every width (tests/gpu runs it so)
+        topk = (dsa_indexer.topk_select_chunked if preview.asked_for("dsa_topk_chunks") else
+                dsa_indexer.topk_auto if preview.switched_on("dsa_topk_chunks") else dsa_indexer.topk_select)
         return mla_attention.mla_decode, dsa_indexer.paged_scores, topk
     return mla_attention.mla_decode_reference, None, None
 

@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import os
 
-SWITCHES = {    # name -> variable: off on CUDA unless "1"
-    # DSA top-k over chunks of the scores in parallel (kernels/dsa_indexer.topk_select_chunked)
-    # instead of one program per row, which the H200 timed at 32 us (with the scores) at a 4k
-    # table but 188 us at 32k (bench/gpu_mla_attention.py, 2026-12-02)
-    "dsa_topk_chunks": "EXL3TOOLS_DSA_TOPK_CHUNKS",
-}
+SWITCHES: dict[str, str] = {}    # name -> variable: off on CUDA unless "1" (none at present)
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
@@ -28,6 +23,10 @@ OPT_OUTS = {
     # the MTP head's cache in the block pool and its drafts as a fixed-shape step (PagedDecoder.draft)
     # (same run, --speculative-tokens 1: one stream 110 -> 187 tok/s, 8 streams 426 -> 568)
     "mtp_paged": "EXL3TOOLS_MTP_PAGED",
+    # DSA top-k over chunks of the scores in parallel (kernels/dsa_indexer.topk_select_chunked) at
+    # tables from CHUNKED_MIN_WIDTH (8192) wide; "1": at every width (2026-12-02 H200, with the
+    # scores: 101 vs 189 us at a 32k table, 35 vs 32 at 4k)
+    "dsa_topk_chunks": "EXL3TOOLS_DSA_TOPK_CHUNKS",
 }
 
 

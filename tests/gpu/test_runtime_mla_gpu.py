@@ -73,10 +73,15 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if prefix else None)
     d = torch.float64
-    q_lat = torch.einsum("thn,hnc->thc", q_nope.to(d), att.w_uk.to(d))
-    s = (torch.einsum("thc,lc->htl", q_lat, cc.to(d)) + torch.einsum("thr,lr->htl", q_pe.to(d), kp.to(d))) * att.scale
-    p = torch.softmax(s.masked_fill(~allowed[None], float("-inf")), -1)
-    want = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", p, cc.to(d)), att.w_uv.to(d))
+    want = torch.empty(n, heads, v_dim, dtype=d, device="cuda")
+    for h in range(0, heads, 16):   # 16 heads' float64 scores at a time (0.5 GiB, not 4: tests share the GPU)
+        hs = slice(h, h + 16)
+        q_lat = torch.einsum("thn,hnc->thc", q_nope[:, hs].to(d), att.w_uk[hs].to(d))
+        s = (torch.einsum("thc,lc->htl", q_lat, cc.to(d))
+             + torch.einsum("thr,lr->htl", q_pe[:, hs].to(d), kp.to(d))) * att.scale
+        p = torch.softmax(s.masked_fill(~allowed[None], float("-inf")), -1)
+        want[:, hs] = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", p, cc.to(d)), att.w_uv[hs].to(d))
+        del s, p
     err = ((got.to(d) - want).abs().max() / want.abs().max()).item()
     print("decompressed vs absorbed float64", heads, prefix, err)
     assert got.shape == (n, heads, v_dim) and err < 1e-2, err
