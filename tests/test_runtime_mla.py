@@ -256,3 +256,49 @@ def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
     assert True in calls and False in calls          # both is_causal and the explicit mask ran
     for a, b in zip(got, ref, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("name", MLA_FIXTURES[:2])
+def test_fresh_prompts_attend_as_one_batch(name, monkeypatch):
+    """Several new prompts in one eager step of the paged runner (MLAttention.attend_fresh: one
+    cache write per plane, one padded causal attention) give each prompt's logits as when it is
+    prefilled alone, and leave the cache the next decode step reads the same: three prompts of
+    different lengths beside a running sequence's decode row, and a fourth, long one that padding
+    would double, which attends alone. Float32 on the CPU (SDPA_ON_CPU)."""
+    from exl3tools.runtime import mla
+    from exl3tools.runtime.runner import Runner
+
+    m, g = _model(name)
+    monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
+    monkeypatch.setattr(mla, "SDPA_MIN_ROWS", 8)      # glm5's fixture selects past 32 keys
+    ids = g["prompt_p64"].tolist()
+    # the 4th attends alone: past glm5's index_topk (32) it selects keys; deepseek: 4 x 64 > 2 x 120 rows
+    prompts = [ids[:20], ids[5:32], ids[10:19], ids[:40] if "glm5" in name else ids[:64]]
+    lone = [ids[40:60] + [3]]    # the running sequence
+
+    def runner():
+        return Runner(m, fixture_dir(name) / "model", name, decode="eager", max_cache_tokens=512,
+                      block_size=4, max_num_seqs=8, prefix_caching=False)
+
+    groups = []
+    real = mla.MLAttention.attend_fresh
+    monkeypatch.setattr(mla.MLAttention, "attend_fresh",
+                        lambda self, fresh, *a: groups.append(sorted(fresh.spans)) or real(self, fresh, *a))
+    r = runner()
+    r.add_sequence("run")
+    r.step([("run", lone[0][:-1])])
+    for i in range(4):
+        r.add_sequence(i)
+    together = r.step([("run", lone[0][-1:]), *((i, p) for i, p in enumerate(prompts))])
+    nxt = r.step([(i, [7]) for i in range(4)])
+    assert groups and all(gr == [1, 2, 3] for gr in groups), groups
+    groups.clear()
+    want, want_next = [], []
+    for i, p in enumerate(prompts):
+        a = runner()
+        a.add_sequence(i)
+        want.append(a.step([(i, p)])[0])
+        want_next.append(a.step([(i, [7])])[0])
+    assert not groups
+    for got, ref in ((together[1:], torch.stack(want)), (nxt, torch.stack(want_next))):
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5

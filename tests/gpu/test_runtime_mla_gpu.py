@@ -37,6 +37,46 @@ def test_gpu_mla_logits_match_cpu_reference(dev, name):
     assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("name", MLA)
+def test_fresh_prompts_in_one_batch_on_cuda(dev, name, monkeypatch):
+    """Three new prompts in one eager step on CUDA (MLAttention.attend_fresh: fp16 padded causal
+    SDPA over decompressed K/V) give the logits each gets prefilled alone (attend_decompressed),
+    and the next decode step (the Triton kernel over the cache they wrote) agrees too."""
+    import torch
+    from safetensors.torch import load_file
+
+    from exl3tools.runtime import mla
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(mla, "SDPA_MIN_ROWS", 8)      # glm5's fixture selects past 32 keys
+    ids = load_file(str(fixture_dir(name) / "goldens_logits.safetensors"))["prompt_p64"].tolist()
+    prompts = [ids[:20], ids[5:32], ids[10:19]]
+    calls = []
+    real = mla.MLAttention.attend_fresh
+    monkeypatch.setattr(mla.MLAttention, "attend_fresh", lambda self, *a: calls.append(1) or real(self, *a))
+    r = load_runner(fixture_dir(name) / "model", device="cuda", backend="triton", max_cache_tokens=4096,
+                    prefix_caching=False)
+    for i in range(3):
+        r.add_sequence(i)
+    together = r.step([(i, p) for i, p in enumerate(prompts)]).float().cpu()
+    nxt = r.step([(i, [7]) for i in range(3)]).float().cpu()
+    assert calls
+    calls.clear()
+    want, want_next = [], []
+    for i, p in enumerate(prompts):
+        r.add_sequence(10 + i)
+        want.append(r.step([(10 + i, p)]).float().cpu()[0])
+        want_next.append(r.step([(10 + i, [7])]).float().cpu()[0])
+    r.close()
+    assert not calls
+    for got, ref in ((together, torch.stack(want)), (nxt, torch.stack(want_next))):
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, err    # as the CPU-reference test above: fp16 prompt attention
+
+
 @pytest.mark.parametrize("heads,nope,v_dim", [(64, 192, 256), (128, 128, 128)])   # GLM-5, DeepSeek-V3
 @pytest.mark.parametrize("prefix", [0, 1024])
 def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, monkeypatch):
