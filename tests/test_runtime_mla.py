@@ -302,3 +302,20 @@ def test_fresh_prompts_attend_as_one_batch(name, monkeypatch):
     assert not groups
     for got, ref in ((together[1:], torch.stack(want)), (nxt, torch.stack(want_next))):
         assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_indexer_selects_in_row_groups(monkeypatch):
+    """Indexer.select in groups of rows (SCORE_BYTES: a long history's logits are rows x heads x L
+    float32) keeps the same keys as all rows at once: the 64-token prompt (32 keys of up to 64
+    kept per row) with one row a group, and three."""
+    from exl3tools.runtime import dsa
+
+    m, g = _model("glm5_moe_dsa-3.0bpw-mul1")
+    ids = g["prompt_p64"].tolist()
+    idx = next(layer.attn.indexer for layer in m.layers if layer.attn.indexer is not None)
+    ref = _logits(m, ids)
+    want = idx.last_selection.clone()
+    for rows in (1, 3):
+        monkeypatch.setattr(dsa, "SCORE_BYTES", rows * idx.nh * len(ids) * 4)
+        got = _logits(m, ids)
+        assert torch.equal(idx.last_selection, want) and torch.equal(got, ref), rows

@@ -22,6 +22,11 @@ import torch.nn.functional as F
 
 from exl3tools.runtime.mla import rope_gptj
 
+# A prompt chunk's indexer logits are (rows, heads, L) float32, several copies: at a 30k history a
+# 2048-row chunk took 7.9 GB a copy and ran the H200 out of memory inside serve's KV budget (the
+# startup's activation measure sees no history). ``select`` takes its rows in groups of this size.
+SCORE_BYTES = 128 * 2**20
+
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
@@ -76,14 +81,18 @@ class Indexer:
         return _fp16(s)
 
     def select(self, x, q_resid, pos, keys, pos0) -> torch.Tensor:
-        """Boolean keep mask (n, L): each row's top-k finite scores, ties by ascending index."""
-        s = self.scores(x, q_resid, pos, keys, pos0)
-        n, L = s.shape
+        """Boolean keep mask (n, L): each row's top-k finite scores, ties by ascending index.
+        Rows go in groups whose (rows, heads, L) float32 logits fit SCORE_BYTES."""
+        n, L = x.shape[0], keys.shape[0]
         k = min(self.topk, L)
-        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
-        keep = torch.zeros(n, L, dtype=torch.bool, device=s.device)
-        keep.scatter_(1, order, True)
-        keep &= torch.isfinite(s)
+        keep = torch.zeros(n, L, dtype=torch.bool, device=x.device)
+        step = max(1, SCORE_BYTES // (self.nh * L * 4))
+        for r0 in range(0, n, step):
+            r = slice(r0, min(n, r0 + step))
+            s = self.scores(x[r], None if q_resid is None else q_resid[r], pos[r], keys, pos0 + r0)
+            order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+            keep[r].scatter_(1, order, True)
+            keep[r] &= torch.isfinite(s)
         self.last_selection = keep
         return keep
 

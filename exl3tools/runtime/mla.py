@@ -34,6 +34,10 @@ SDPA_MIN_ROWS = 32
 PREFILL_DTYPE = torch.float16
 SDPA_ON_CPU = False
 DECOMPRESS_BYTES = 256 * 2**20     # decompressed K/V per head group (attend_decompressed)
+# The prompt attention's kernels on CUDA: not cuDNN's, which torch picked first and which builds a
+# plan for every new shape (batch, prompt length) on first use: served 8-stream prompts waited
+# 200 ms a step for it on the H200 (2026-12-02). Math only where both refuse (a test forbids it).
+PREFILL_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 # ------------------------------------------------------------------ rope
@@ -262,8 +266,9 @@ class MLAttention:
             # 4-D: the flash and memory-efficient kernels take nothing else; 3-D inputs fall back
             # to the math path, which widens to fp32 and materialises the scores (H200 profile of a
             # 2048-token GLM-5 prompt: 56 of 164 ms)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[:, h], k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+            with _prefill_kernels(q.device):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q[:, h], k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
             out[:, :, h] = o.transpose(1, 2)
         return out
 
@@ -302,6 +307,17 @@ class MLAttention:
                               st.pool.blocks(self.layer, CACHE_KPE), st.tables, st.ctx, self.scale, sel=sel)
         out = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
+
+
+def _prefill_kernels(dev: torch.device):
+    """sdpa_kernel(PREFILL_SDPA) on CUDA; the CPU keeps torch's choice."""
+    import contextlib
+
+    if dev.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, b) for b in PREFILL_SDPA])
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,11 +107,13 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     if prefix:
         allowed &= torch.rand(n, L, device="cuda", generator=gen) < 0.5
         allowed[torch.arange(n), torch.arange(n) + prefix] = True
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # the fused kernels, not the math fallback (fp32, the whole score matrix): an error if they refuse
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+    # the fused kernels, not the math fallback (fp32, the whole score matrix): an error if they
+    # refuse; and not cuDNN's, whose plan per new shape costs a served step ~200 ms
+    monkeypatch.setattr(mla, "PREFILL_SDPA", ("FLASH_ATTENTION", "EFFICIENT_ATTENTION"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if prefix else None)
+    ran = {e.key for e in prof.key_averages()}
+    assert not any("cudnn" in k for k in ran) and any("flash" in k or "efficient" in k for k in ran), ran
     d = torch.float64
     want = torch.empty(n, heads, v_dim, dtype=d, device="cuda")
     for h in range(0, heads, 16):   # 16 heads' float64 scores at a time (0.5 GiB, not 4: tests share the GPU)
