@@ -280,13 +280,11 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) 
     return out
 
 
-def topk_for_width(width: int, *, chunked: bool | None = None):
+def topk_for_width(width: int):
     """The top-k kernel for a (B, width) score table: ``topk_select_chunked`` from CHUNKED_MIN_WIDTH
-    scores (or always / never with ``chunked`` True / False), else ``topk_select``. The width is
-    fixed per captured graph (runtime/paged_decode.py's widths), so the choice is made once."""
-    if chunked is None:
-        chunked = width >= CHUNKED_MIN_WIDTH
-    return topk_select_chunked if chunked else topk_select
+    scores, else ``topk_select``. The width is fixed per captured graph (runtime/paged_decode.py's
+    widths), so each graph makes the choice once, at capture."""
+    return topk_select_chunked if width >= CHUNKED_MIN_WIDTH else topk_select
 
 
 def topk_auto(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:

@@ -204,8 +204,6 @@ def test_topk_kernel_follows_the_table_width(monkeypatch):
 
     w = di.CHUNKED_MIN_WIDTH
     assert di.topk_for_width(w // 2) is di.topk_select and di.topk_for_width(w) is di.topk_select_chunked
-    assert di.topk_for_width(w, chunked=False) is di.topk_select
-    assert di.topk_for_width(16, chunked=True) is di.topk_select_chunked
     cuda = torch.device("cuda")
     for value, want in ((None, di.topk_auto), ("0", di.topk_select), ("1", di.topk_select_chunked)):
         if value is None:
