@@ -20,66 +20,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.engine_spec import SpeculativeRounds
 from exl3tools.server.protocol import APIError, SamplingParams
+from exl3tools.server.requests import Event, RequestHandle, Sequence, TokenLogprob, deliver
 
 log = logging.getLogger("exl3tools.serve")
 
 RETRY_AFTER_S = 1
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass(slots=True)
-class Event:
-    """One step's output for one choice."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    error: APIError | None = None
-
-
-class Sequence:
-    __slots__ = ("seq_id", "index", "prompt", "params", "handle", "output_ids", "num_cached",
-                 "tracker", "generator", "finished", "t_last", "adjust")
-
-    def __init__(self, seq_id: int, index: int, prompt: list[int], params: SamplingParams,
-                 handle: RequestHandle, tracker: TextTracker) -> None:
-        self.seq_id, self.index, self.prompt, self.params = seq_id, index, prompt, params
-        self.handle, self.tracker = handle, tracker
-        self.output_ids: list[int] = []
-        self.num_cached = 0  # tokens of this sequence in the runner's cache
-        self.generator: Any = None  # made lazily on the logits' device
-        self.finished = False
-        self.t_last = 0.0
-        self.adjust: Any = None     # logits processing state (penalties, bias...), made on first use
-
-    @property
-    def pending(self) -> int:
-        """Tokens of prompt + output not yet in the cache: 1 while decoding (the last sampled
-        token), the whole prompt before prefill, prompt + output after a preemption."""
-        return len(self.prompt) + len(self.output_ids) - self.num_cached
-
-    def next_chunk(self, limit: int) -> list[int]:
-        start = self.num_cached
-        end = min(start + limit, len(self.prompt) + len(self.output_ids))
-        n_prompt = len(self.prompt)
-        if start >= n_prompt:
-            return self.output_ids[start - n_prompt:end - n_prompt]
-        return self.prompt[start:min(end, n_prompt)] + self.output_ids[:max(0, end - n_prompt)]
 
 
 class _Inflight:
@@ -90,53 +41,6 @@ class _Inflight:
 
     def __init__(self, ready: list, logits: Any, tokens: Any) -> None:
         self.ready, self.logits, self.tokens = ready, logits, tokens
-
-
-class RequestHandle:
-    """The event loop's side of a request: an asyncio queue of Events, and cancel()."""
-
-    def __init__(self, engine: Engine, loop: Any, n_seqs: int, prompt_tokens: int) -> None:
-        import asyncio
-
-        self._engine, self._loop = engine, loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.seqs: list[Sequence] = []
-        self.remaining = n_seqs
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = 0       # prompt tokens served from the prefix cache
-        self.accepted_tokens = self.rejected_tokens = 0   # MTP drafts (speculative decoding)
-        self.completion_tokens = 0
-        self.t_arrival = time.monotonic()
-        self.cancelled = False
-
-    def push(self, ev: Event) -> None:  # engine thread: delivered in one batch after the step
-        self._engine._outbox.append((self, ev))
-
-    def cancel(self) -> None:  # event loop; idempotent
-        if not self.cancelled and self.remaining > 0:
-            self.cancelled = True
-            self._engine.wake()
-
-    async def events(self, ping: float | None = None):
-        """Lists of events (all that are ready) until every choice finished; an empty list every
-        `ping` seconds of silence."""
-        import asyncio
-
-        while self.remaining > 0:
-            try:
-                evs = [await asyncio.wait_for(self.queue.get(), ping)]
-            except asyncio.TimeoutError:
-                yield []
-                continue
-            while not self.queue.empty():
-                evs.append(self.queue.get_nowait())
-            self.remaining -= sum(ev.finish_reason is not None or ev.error is not None for ev in evs)
-            yield evs
-
-
-def _deliver(items: list[tuple[RequestHandle, Event]]) -> None:  # event loop
-    for handle, ev in items:
-        handle.queue.put_nowait(ev)
 
 
 class Engine(SpeculativeRounds):
@@ -528,7 +432,7 @@ class Engine(SpeculativeRounds):
             by_loop.setdefault(id(handle._loop), (handle._loop, []))[1].append((handle, ev))
         for loop, batch in by_loop.values():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
             except RuntimeError:  # loop closed: the server is shutting down
                 for handle, _ in batch:
                     handle.cancelled = True

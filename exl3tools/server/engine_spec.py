@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from exl3tools.server.engine import Sequence
+    from exl3tools.server.requests import Sequence
 
 log = logging.getLogger("exl3tools.serve")
 

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from exl3tools.server.detok import TokenText
-from exl3tools.server.engine import Event, TokenLogprob
+from exl3tools.server.requests import Event, TokenLogprob
 
 
 @dataclass(slots=True)
