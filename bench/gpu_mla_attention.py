@@ -75,6 +75,15 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
                                                                TOPK))
     row["indexer_chunked_us"] = bench_graph(lambda: topk_select_chunked(paged_scores(qi, wi, kidx, tables, lens, 0.01),
                                                                         lens, TOPK))
+    # the scores alone on the served fp16 plane: the fp32 FMA kernel, and the tensor-core one (preview)
+    qi16, kidx16 = qi.half().float(), kidx.half()
+    row["scores_fp16_us"] = bench_graph(lambda: paged_scores(qi16, wi, kidx16, tables, lens, 0.01))
+    row["scores_tc_us"] = bench_graph(lambda: paged_scores(qi16, wi, kidx16, tables, lens, 0.01, tensor_cores=True))
+    row["scores_tc_roofline"] = B * ctx * 128 * 2 / HBM / (row["scores_tc_us"] * 1e-6)
+    a = paged_scores(qi16, wi, kidx16, tables, lens, 0.01)
+    b = paged_scores(qi16, wi, kidx16, tables, lens, 0.01, tensor_cores=True)
+    fin = torch.isfinite(a)
+    row["scores_tc_same"] = (a[fin] == b[fin]).float().mean().item()
     nbytes = B * ctx * (C + R) * 4
     best = min(row["ieee_us"], row["tf32x3_us"])
     row["GBps"] = nbytes / (best * 1e-6) / 1e9
@@ -132,9 +141,9 @@ def main() -> int:
     swept = sweep(*(int(v) for v in a.sweep.split(","))) if a.sweep else []
     ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
     rows = []
-    print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | dsa fp16 µs | indexer µs | indexer triton top-k µs | chunked top-k µs | torch µs | GB/s | "
-          "roofline | fp16 roofline | err | err tf32x3 | err fp16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | dsa fp16 µs | indexer µs | indexer triton top-k µs | chunked top-k µs | "
+          "scores fp16 µs | scores tc µs | tc roofline | tc same | torch µs | GB/s | roofline | fp16 roofline | err | err tf32x3 | err fp16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for H in (int(h) for h in a.heads.split(",")):
         for B in batches:
             for ctx in ctxs:
@@ -149,7 +158,9 @@ def main() -> int:
                 def f(k, fmt="{:.1f}", r=r):
                     return fmt.format(r[k]) if k in r else "-"
                 print(f"| {H} | {B} | {ctx} | {f('ieee_us')} | {f('tf32x3_us')} | {f('fp16_us')} | {f('dsa_us')} | {f('dsa_fp16_us')} | "
-                      f"{f('indexer_us')} | {f('indexer_triton_us')} | {f('indexer_chunked_us')} | {f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | "
+                      f"{f('indexer_us')} | {f('indexer_triton_us')} | {f('indexer_chunked_us')} | "
+                      f"{f('scores_fp16_us')} | {f('scores_tc_us')} | {f('scores_tc_roofline', '{:.0%}')} | {f('scores_tc_same', '{:.4f}')} | "
+                      f"{f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | "
                       f"{f('fp16_roofline', '{:.0%}')} | {f('err', '{:.1e}')} | {f('err_tf32x3', '{:.1e}')} | "
                       f"{f('err_fp16', '{:.1e}')} |", flush=True)
                 torch.cuda.empty_cache()

@@ -109,9 +109,11 @@ def dsa() -> None:
     from exl3tools.kernels import dsa_indexer as di
 
     for NH, D, bs, dt in ((64, 128, 64, torch.float32), (32, 128, 16, torch.float32), (64, 128, 256, torch.float32),
-                          (64, 128, 64, torch.float16), (64, 128, 64, torch.bfloat16)):
-        di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D, dtype=dt),
-                        torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1)
+                          (64, 128, 64, torch.float16), (32, 128, 64, torch.float16), (64, 128, 64, torch.bfloat16)):
+        for tc in ((False, True) if dt == torch.float16 else (False,)):
+            di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D, dtype=dt),
+                            torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1,
+                            tensor_cores=tc)
     for T in (4352, 131072):       # the top-k kernels (one program a row; chunks in parallel)
         for fn in (di.topk_select, di.topk_select_chunked):
             fn(torch.zeros(8, T), torch.ones(8, dtype=torch.int32), 2048)

@@ -11,6 +11,14 @@ lengths; shapes and grid depend on the table width alone (graph-capturable). Unl
 reference it never materialises the (B, T, D) gathered keys, which at a 32k-token table and
 batch 32 would be half a gigabyte per layer inside a CUDA graph's pool.
 
+``tensor_cores=True`` on an fp16 key plane (the CUDA default for MLA) runs ``_scores_tc_kernel``
+instead: each program loads the fp16 queries once and scores TC_TILES tiles of TC_TN keys with
+fp16 tensor-core dots (fp32 accumulation; the products of fp16 values are exact in fp32, so only
+the summation order differs from the fp32 FMA dot). The FMA kernel reloads the float32 queries
+(16-32 KB, four times the keys' bytes) for every 32 keys: on the H200 its scores and the chunked
+top-k took 2.37 ms at batch 32 and a 32k table (the scores ~2.3 of it, by the bench's columns),
+where reading the keys takes 0.06 ms.
+
 ``topk_select`` then makes ``dsa.topk_positions``' choice (the same set of positions; the order
 within a row differs, attention does not depend on it) in one program per row and three passes
 over its scores, instead of torch.topk over int64 keys (a radix select of 2-bit digits, ~40 us a
@@ -34,6 +42,7 @@ except ImportError:   # runtime-only installs: runtime.dsa.paged_scores_referenc
 
 TILE = 32          # 64 x 128 fp32 FMA dot at TN 64 spills ~7 KB a thread on sm_90; TN 32, 8 warps: ~0.2 KB
 TOPK_TILE = 2048   # scores per step of topk_select's passes
+TC_TN, TC_TILES = 64, 4   # _scores_tc_kernel: keys per dot, dots per program (256 keys a program)
 # From this table width topk_for_width picks topk_select_chunked: one H200 run (bench/gpu_mla_attention.py,
 # 64 heads, with the scores, 2026-12-02) timed one program a row 31.6 us at 4k and 188.9 at 32k,
 # the chunked kernels 35.3 and 101.1 (batch 32: 322 vs 326 at 4k, 2444 vs 2370 at 32k)
@@ -68,6 +77,37 @@ if triton is not None:
             s = s.to(tl.float16).to(tl.float32)
             tl.store(out, tl.where(tmask, s, float("-inf")), mask=t < T)
 
+
+    @triton.jit
+    def _scores_tc_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, len_ptr, out_ptr, scale, NH, D, T,
+                          s_kb, s_kt, s_bt, HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                          TN: tl.constexpr, TILES: tl.constexpr):
+        b = tl.program_id(0)
+        t0 = tl.program_id(1) * (TN * TILES)
+        L = tl.load(len_ptr + b)
+        row = out_ptr + b.to(tl.int64) * T
+        if t0 >= L:
+            for i in tl.static_range(TILES):
+                t = t0 + i * TN + tl.arange(0, TN)
+                tl.store(row + t, tl.full([TN], float("-inf"), tl.float32), mask=t < T)
+        else:
+            h = tl.arange(0, HP)
+            hmask = h < NH
+            d = tl.arange(0, DP)
+            dmask = d < D
+            q = tl.load(q_ptr + (b.to(tl.int64) * NH + h)[:, None] * D + d[None, :],
+                        mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float16)   # fp16-exact values
+            w = tl.load(w_ptr + b.to(tl.int64) * NH + h, mask=hmask, other=0.0)
+            for i in tl.static_range(TILES):
+                t = t0 + i * TN + tl.arange(0, TN)
+                tmask = t < L
+                blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + t // BS, mask=tmask, other=0).to(tl.int64)
+                k = tl.load(k_ptr + (blk * s_kb + (t % BS).to(tl.int64) * s_kt)[:, None] + d[None, :],
+                            mask=tmask[:, None] & dmask[None, :], other=0.0)
+                logits = tl.dot(k, tl.trans(q))                                  # (TN, HP) fp32
+                s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], 1) * scale
+                s = s.to(tl.float16).to(tl.float32)
+                tl.store(row + t, tl.where(tmask, s, float("-inf")), mask=t < T)
 
     @triton.jit
     def _keys(s_row, t, T, L):
@@ -210,10 +250,11 @@ def _pow2(n: int) -> int:
 
 
 def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, *, tensor_cores: bool = False) -> torch.Tensor:
     """q (B, H_i, D) and w (B, H_i) float32, kidx (num_blocks, block_size, D) in the pool's dtype
     (fp32, fp16 or bf16, read as fp32), tables (B, W) int32, context_lens (B,) int32: scores
-    (B, W * block_size) float32 (module doc)."""
+    (B, W * block_size) float32 (module doc). ``tensor_cores``: fp16 tensor-core dots where kidx
+    is fp16 (q's values fp16-exact, as Indexer.queries rounds them); other planes ignore it."""
     if triton is None:
         raise RuntimeError("paged_scores needs triton (runtime.dsa.paged_scores_reference does not)")
     B, NH, D = q.shape
@@ -230,11 +271,21 @@ def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tab
     out = torch.empty(B, T, device=q.device, dtype=torch.float32)
     if B == 0 or T == 0:
         return out
-    _scores_kernel[(B, triton.cdiv(T, TILE))](
-        q, w, kidx, block_tables, context_lens, out, float(scale), NH, D, T,
-        kidx.stride(0), kidx.stride(1), block_tables.stride(0),
-        HP=max(16, _pow2(NH)), DP=max(16, _pow2(D)), BS=bs, TN=TILE, num_warps=8)
+    args = (q, w, kidx, block_tables, context_lens, out, float(scale), NH, D, T,
+            kidx.stride(0), kidx.stride(1), block_tables.stride(0))
+    HP, DP = max(16, _pow2(NH)), max(16, _pow2(D))
+    if tensor_cores and kidx.dtype == torch.float16:
+        _scores_tc_kernel[(B, triton.cdiv(T, TC_TN * TC_TILES))](
+            *args, HP=HP, DP=DP, BS=bs, TN=TC_TN, TILES=TC_TILES, num_warps=4)
+    else:
+        _scores_kernel[(B, triton.cdiv(T, TILE))](*args, HP=HP, DP=DP, BS=bs, TN=TILE, num_warps=8)
     return out
+
+
+def paged_scores_tc(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_scores with tensor_cores=True (the decode step's score function under the preview)."""
+    return paged_scores(q, w, kidx, block_tables, context_lens, scale, tensor_cores=True)
 
 
 def _topk_out(name: str, s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> tuple[int, torch.Tensor]:

@@ -193,10 +193,10 @@ def test_triton_topk_select_is_topk_positions(chunked):
             assert (got[b] < 0).sum() == (want[b] < 0).sum(), (k, b)
 
 
-def test_topk_kernel_follows_the_table_width(monkeypatch):
+def test_dsa_kernels_of_the_cuda_decode_step(monkeypatch):
     """The DSA top-k of the CUDA decode step: one program a row below CHUNKED_MIN_WIDTH scores, the
     chunked kernels from it (topk_auto); EXL3TOOLS_DSA_TOPK_CHUNKS=1 takes the chunked ones at every
-    width, =0 never."""
+    width, =0 never. Its scores: the tensor-core kernel only under EXL3TOOLS_DSA_SCORES_TC=1."""
     pytest.importorskip("triton")
     from exl3tools.kernels import dsa_indexer as di
 
@@ -211,6 +211,11 @@ def test_topk_kernel_follows_the_table_width(monkeypatch):
         else:
             monkeypatch.setenv("EXL3TOOLS_DSA_TOPK_CHUNKS", value)
         assert paged_decode.mla_attention_fn(cuda)[2] is want, value
+    # the indexer scores: the FMA kernel unless the tensor-core preview is asked for
+    monkeypatch.delenv("EXL3TOOLS_DSA_SCORES_TC", raising=False)
+    assert paged_decode.mla_attention_fn(cuda)[1] is di.paged_scores
+    monkeypatch.setenv("EXL3TOOLS_DSA_SCORES_TC", "1")
+    assert paged_decode.mla_attention_fn(cuda)[1] is di.paged_scores_tc
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")

@@ -108,7 +108,8 @@ def mla_attention_fn(device: torch.device):
         # chunked top-k at wide tables unless "0"; "1" takes it at every width (tests/gpu runs it so)
         topk = (dsa_indexer.topk_select_chunked if preview.asked_for("dsa_topk_chunks") else
                 dsa_indexer.topk_auto if preview.switched_on("dsa_topk_chunks") else dsa_indexer.topk_select)
-        return mla_attention.mla_decode, dsa_indexer.paged_scores, topk
+        scores = dsa_indexer.paged_scores_tc if preview.switched_on("dsa_scores_tc") else dsa_indexer.paged_scores
+        return mla_attention.mla_decode, scores, topk
     return mla_attention.mla_decode_reference, None, None
 
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import os
 
-SWITCHES: dict[str, str] = {}    # name -> variable: off on CUDA unless "1" (none at present)
+SWITCHES = {    # name -> variable: off on CUDA unless "1"
+    # DSA indexer scores on fp16 key planes with fp16 tensor-core dots, 256 keys a program and the
+    # queries loaded once (kernels/dsa_indexer._scores_tc_kernel), where the fp32 FMA kernel and
+    # the top-k took 2.37 ms a full layer at batch 32 and a 32k table on the H200 (2026-12-02)
+    "dsa_scores_tc": "EXL3TOOLS_DSA_SCORES_TC",
+}
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
