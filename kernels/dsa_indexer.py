@@ -51,6 +51,25 @@ CHUNKED_MIN_WIDTH = 8192
 
 if triton is not None:
     @triton.jit
+    def _row_queries(q_ptr, w_ptr, b, NH, D, HP: tl.constexpr, DP: tl.constexpr):
+        """Row b's indexer queries (HP, DP) and head weights (HP,), zero-padded; the key columns."""
+        h = tl.arange(0, HP)
+        hmask = h < NH
+        d = tl.arange(0, DP)
+        dmask = d < D
+        q = tl.load(q_ptr + (b.to(tl.int64) * NH + h)[:, None] * D + d[None, :],
+                    mask=hmask[:, None] & dmask[None, :], other=0.0)
+        w = tl.load(w_ptr + b.to(tl.int64) * NH + h, mask=hmask, other=0.0)
+        return q, w, d, dmask
+
+    @triton.jit
+    def _key_tile(k_ptr, bt_ptr, b, t, tmask, d, dmask, s_kb, s_kt, s_bt, BS: tl.constexpr):
+        """Keys at positions t of row b through its block table, in the plane's dtype (0 where masked)."""
+        blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + t // BS, mask=tmask, other=0).to(tl.int64)
+        return tl.load(k_ptr + (blk * s_kb + (t % BS).to(tl.int64) * s_kt)[:, None] + d[None, :],
+                       mask=tmask[:, None] & dmask[None, :], other=0.0)
+
+    @triton.jit
     def _scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, len_ptr, out_ptr, scale, NH, D, T,
                        s_kb, s_kt, s_bt, HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                        TN: tl.constexpr):
@@ -61,17 +80,9 @@ if triton is not None:
         if tl.program_id(1) * TN >= L:
             tl.store(out, tl.full([TN], float("-inf"), tl.float32), mask=t < T)
         else:
-            h = tl.arange(0, HP)
-            hmask = h < NH
-            d = tl.arange(0, DP)
-            dmask = d < D
-            q = tl.load(q_ptr + (b.to(tl.int64) * NH + h)[:, None] * D + d[None, :],
-                        mask=hmask[:, None] & dmask[None, :], other=0.0)
-            w = tl.load(w_ptr + b.to(tl.int64) * NH + h, mask=hmask, other=0.0)
+            q, w, d, dmask = _row_queries(q_ptr, w_ptr, b, NH, D, HP, DP)
             tmask = t < L
-            blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + t // BS, mask=tmask, other=0).to(tl.int64)
-            k = tl.load(k_ptr + (blk * s_kb + (t % BS).to(tl.int64) * s_kt)[:, None] + d[None, :],
-                        mask=tmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+            k = _key_tile(k_ptr, bt_ptr, b, t, tmask, d, dmask, s_kb, s_kt, s_bt, BS).to(tl.float32)
             logits = tl.dot(q, tl.trans(k), input_precision="ieee")             # (HP, TN)
             s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale
             s = s.to(tl.float16).to(tl.float32)
@@ -91,19 +102,12 @@ if triton is not None:
                 t = t0 + i * TN + tl.arange(0, TN)
                 tl.store(row + t, tl.full([TN], float("-inf"), tl.float32), mask=t < T)
         else:
-            h = tl.arange(0, HP)
-            hmask = h < NH
-            d = tl.arange(0, DP)
-            dmask = d < D
-            q = tl.load(q_ptr + (b.to(tl.int64) * NH + h)[:, None] * D + d[None, :],
-                        mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float16)   # fp16-exact values
-            w = tl.load(w_ptr + b.to(tl.int64) * NH + h, mask=hmask, other=0.0)
+            q, w, d, dmask = _row_queries(q_ptr, w_ptr, b, NH, D, HP, DP)
+            q = q.to(tl.float16)                                                 # fp16-exact values
             for i in tl.static_range(TILES):
                 t = t0 + i * TN + tl.arange(0, TN)
                 tmask = t < L
-                blk = tl.load(bt_ptr + b.to(tl.int64) * s_bt + t // BS, mask=tmask, other=0).to(tl.int64)
-                k = tl.load(k_ptr + (blk * s_kb + (t % BS).to(tl.int64) * s_kt)[:, None] + d[None, :],
-                            mask=tmask[:, None] & dmask[None, :], other=0.0)
+                k = _key_tile(k_ptr, bt_ptr, b, t, tmask, d, dmask, s_kb, s_kt, s_bt, BS)
                 logits = tl.dot(k, tl.trans(q))                                  # (TN, HP) fp32
                 s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], 1) * scale
                 s = s.to(tl.float16).to(tl.float32)
