@@ -164,18 +164,16 @@ class MLAttention:
 
         shared = batch.extras.setdefault("dsa_keep", {})
         out = torch.empty(T, self.nh, self.vd, dtype=torch.float32, device=dev)
-        fresh = fresh_prompts(batch, self.index_topk, dev) if batch.spans and (dev.type == "cuda" or SDPA_ON_CPU) else None
+        new = {CACHE_CKV: ckv, CACHE_KPE: kpe} | ({} if kidx is None else {CACHE_KIDX: kidx})   # every row, per plane
+        decompress = dev.type == "cuda" or SDPA_ON_CPU       # prompts through attend_decompressed / attend_fresh
+        fresh = fresh_prompts(batch, self.index_topk, dev) if decompress and batch.spans else None
         if fresh is not None:
-            new = {CACHE_CKV: ckv, CACHE_KPE: kpe} if kidx is None else {CACHE_CKV: ckv, CACHE_KPE: kpe, CACHE_KIDX: kidx}
             self.attend_fresh(fresh, q_nope, q_pe, new, out)
         for si, sp in enumerate(batch.spans):
             if fresh is not None and si in fresh.spans:
                 continue
             r = slice(sp.row, sp.row + sp.n)
-            new = {CACHE_CKV: ckv[r], CACHE_KPE: kpe[r]}
-            if kidx is not None:
-                new[CACHE_KIDX] = kidx[r]
-            full = sp.cache.extend(self.layer, new)
+            full = sp.cache.extend(self.layer, {name: t[r] for name, t in new.items()})
             cc, kp = full[CACHE_CKV], full[CACHE_KPE]                          # (L, C), (L, rope)
             L = cc.shape[0]
             qpos = torch.arange(sp.n, device=dev)[:, None] + sp.pos
@@ -191,7 +189,7 @@ class MLAttention:
                         raise UnsupportedArchitectureError(
                             f"layer {self.layer}: shared DSA layer found no selection from a full layer")
                 allowed = allowed & keep
-            if sp.n >= SDPA_MIN_ROWS and (dev.type == "cuda" or SDPA_ON_CPU):
+            if decompress and sp.n >= SDPA_MIN_ROWS:
                 causal = keep is None and sp.pos == 0        # the plain lower triangle: is_causal
                 out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, None if causal else allowed)
                 continue
