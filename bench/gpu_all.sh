@@ -36,7 +36,14 @@ cat "$L/gpu.txt"
 if [ "${EXL3_BUILD:-1}" != 0 ] && ! grep -q "build rc 0" /tmp/exl3build.log 2>/dev/null && ! pgrep -f exl3build_marker >/dev/null; then
   setsid bash -c "MAX_JOBS=${EXL3_JOBS:-12} python3 -c \"import exllamav3; from exllamav3.ext import exllamav3_ext as e; print('exllamav3 ok', e.__file__)\" > /tmp/exl3build.log 2>&1; echo \"build rc \$?\" >> /tmp/exl3build.log # exl3build_marker" &
 fi
-wait_build() { while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do sleep 2; done; cp /tmp/exl3build.log "$L/build.log"; }
+# wait_build [SECONDS]: until the build ended (rc 1 if SECONDS passed first), its log copied to $L
+wait_build() {
+  local n=0
+  while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do
+    sleep 2; n=$((n + 2)); [ -n "${1:-}" ] && [ $n -ge "$1" ] && return 1
+  done
+  cp /tmp/exl3build.log "$L/build.log"
+}
 # our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
 python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
 ( [ -d /tmp/air6 ] || python3 bench/synth_checkpoint.py /tmp/air6 > "$L/synth.log" 2>&1 ) &
@@ -173,8 +180,7 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
 fi
 # SO_WAIT: seconds to wait at the end for a build still running (stages that never needed exllamav3)
 if [ "${SO_WAIT:-0}" -gt 0 ] && ! ls "$OUT"/exl3so.xz.* >/dev/null 2>&1; then
-  timeout "$SO_WAIT" bash -c 'while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do sleep 2; done'
-  tail -n 1 /tmp/exl3build.log 2>/dev/null; bring_so
+  wait_build "$SO_WAIT" && tail -n 1 "$L/build.log"; bring_so
 fi
 echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
