@@ -11,14 +11,6 @@ lengths; shapes and grid depend on the table width alone (graph-capturable). Unl
 reference it never materialises the (B, T, D) gathered keys, which at a 32k-token table and
 batch 32 would be half a gigabyte per layer inside a CUDA graph's pool.
 
-``tensor_cores=True`` on an fp16 key plane (the CUDA default for MLA) runs ``_scores_tc_kernel``
-instead: each program loads the fp16 queries once and scores TC_TILES tiles of TC_TN keys with
-fp16 tensor-core dots (fp32 accumulation; the products of fp16 values are exact in fp32, so only
-the summation order differs from the fp32 FMA dot). The FMA kernel reloads the float32 queries
-(16-32 KB, four times the keys' bytes) for every 32 keys: on the H200 its scores and the chunked
-top-k took 2.37 ms at batch 32 and a 32k table (the scores ~2.3 of it, by the bench's columns),
-where reading the keys takes 0.06 ms.
-
 ``topk_select`` then makes ``dsa.topk_positions``' choice (the same set of positions; the order
 within a row differs, attention does not depend on it) in one program per row and three passes
 over its scores, instead of torch.topk over int64 keys (a radix select of 2-bit digits, ~40 us a
@@ -27,6 +19,14 @@ score maps to a 16-bit key, monotone in its value (-0 = +0; non-finite scores to
 pass 1 histograms the keys' high bytes, pass 2 the low bytes within the boundary bin, which fixes
 the threshold key and how many of its ties to take; pass 3 writes every position above the
 threshold and the first ties in ascending position (Indexer.select's stable order).
+
+``paged_scores(tensor_cores=True)`` on an fp16 key plane (the CUDA default for MLA) runs
+``_scores_tc_kernel`` instead of the scores kernel above: each program loads the fp16 queries once and scores TC_TILES tiles of TC_TN keys with
+fp16 tensor-core dots (fp32 accumulation; the products of fp16 values are exact in fp32, so only
+the summation order differs from the fp32 FMA dot). The FMA kernel reloads the float32 queries
+(16-32 KB, four times the keys' bytes) for every 32 keys: on the H200 its scores and the chunked
+top-k took 2.37 ms at batch 32 and a 32k table (the scores ~2.3 of it, by the bench's columns),
+where reading the keys takes 0.06 ms.
 """
 
 from __future__ import annotations
