@@ -196,7 +196,7 @@ def test_triton_topk_select_is_topk_positions(chunked):
 def test_dsa_kernels_of_the_cuda_decode_step(monkeypatch):
     """The DSA top-k of the CUDA decode step: one program a row below CHUNKED_MIN_WIDTH scores, the
     chunked kernels from it (topk_auto); EXL3TOOLS_DSA_TOPK_CHUNKS=1 takes the chunked ones at every
-    width, =0 never. Its scores: the tensor-core kernel only under EXL3TOOLS_DSA_SCORES_TC=1."""
+    width, =0 never. Its scores: the tensor-core kernel unless EXL3TOOLS_DSA_SCORES_TC=0."""
     pytest.importorskip("triton")
     from exl3tools.kernels import dsa_indexer as di
 
@@ -211,11 +211,11 @@ def test_dsa_kernels_of_the_cuda_decode_step(monkeypatch):
         else:
             monkeypatch.setenv("EXL3TOOLS_DSA_TOPK_CHUNKS", value)
         assert paged_decode.mla_attention_fn(cuda)[2] is want, value
-    # the indexer scores: the FMA kernel unless the tensor-core preview is asked for
+    # the indexer scores: the tensor-core kernel unless opted out of
     monkeypatch.delenv("EXL3TOOLS_DSA_SCORES_TC", raising=False)
-    assert paged_decode.mla_attention_fn(cuda)[1] is di.paged_scores
-    monkeypatch.setenv("EXL3TOOLS_DSA_SCORES_TC", "1")
     assert paged_decode.mla_attention_fn(cuda)[1] is di.paged_scores_tc
+    monkeypatch.setenv("EXL3TOOLS_DSA_SCORES_TC", "0")
+    assert paged_decode.mla_attention_fn(cuda)[1] is di.paged_scores
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")

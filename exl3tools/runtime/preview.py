@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import os
 
-SWITCHES = {    # name -> variable: off on CUDA unless "1"
-    # DSA indexer scores on fp16 key planes with fp16 tensor-core dots, 256 keys a program and the
-    # queries loaded once (kernels/dsa_indexer._scores_tc_kernel), where the fp32 FMA kernel and
-    # the top-k took 2.37 ms a full layer at batch 32 and a 32k table on the H200 (2026-12-02)
-    "dsa_scores_tc": "EXL3TOOLS_DSA_SCORES_TC",
-}
+SWITCHES: dict[str, str] = {}    # name -> variable: off on CUDA unless "1" (none pending now)
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
@@ -32,6 +27,10 @@ OPT_OUTS = {
     # tables from CHUNKED_MIN_WIDTH (8192) wide; "1": at every width (2026-12-02 H200, with the
     # scores: 101 vs 189 us at a 32k table, 35 vs 32 at 4k)
     "dsa_topk_chunks": "EXL3TOOLS_DSA_TOPK_CHUNKS",
+    # DSA indexer scores with fp16 tensor-core dots, 256 keys a program and the queries loaded once
+    # (kernels/dsa_indexer._scores_tc_kernel); 2026-12-02 H200: 82 -> 12 us at batch 1 and a 32k
+    # table, 2361 -> 82 us at batch 32; GLM-5 shape, one stream at a 30000-token context 270 -> 306 tok/s
+    "dsa_scores_tc": "EXL3TOOLS_DSA_SCORES_TC",
 }
 
 
