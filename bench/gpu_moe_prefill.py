@@ -8,7 +8,10 @@ A random EXL3 projection of E experts (GLM-5: 256 experts, 6144 -> 2048; GLM-4.5
 reference of the first 4 experts' rows):
 
 - ``cuda tiles``: kernels/cuda_exl3.CudaExperts.tiles over runtime.layers.expert_tiles (what the
-  runtime's prefill runs today: CUDA-core FMAs on 8-64-row tiles, each decoding its expert);
+  runtime's prefill runs by default: the gemv kernel's tensor-core MMAs on 8-64-row tiles, each
+  decoding its expert, every lane fetching its activations from global memory);
+- ``exl3_tiles_m*``: each shared-memory tile kernel (cuda_exl3.TILE_KERNELS, the
+  EXL3TOOLS_PREFILL_TILES preview) on tiles of its own rows;
 - ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
 - ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
   k) x (E, k, n): the tensor-core floor without any decode;
@@ -74,6 +77,17 @@ def run(shape: str, T: int, kbits: int) -> dict:
     row["tile_rows"] = rows
     y_cuda = torch.zeros(S, n, device="cuda", dtype=torch.float16)
     y_cuda[slot[valid]] = cuda_tiles()[valid]
+    # the shared-memory tile kernels, each on tiles of its own rows (the 128-row one decodes an
+    # expert with 65-128 pairs once where 64-row tiles decode it twice)
+    smem = {}
+    for mrows, kernel in cuda_exl3.TILE_KERNELS.items():
+        te, re_, sl, va = expert_tiles(exp, E, mrows)
+        sr = torch.where(va, tok[sl.clamp(max=S - 1)], 0)
+        row[f"{kernel}_ms"] = cuda_time(lambda te=te, re_=re_, sr=sr, m=mrows, kn=kernel:
+                                        cu.tiles(x, sr, re_, te, m, kernel=kn))
+        y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
+        y[sl[va]] = cu.tiles(x, sr, re_, te, mrows, kernel=kernel)[va]
+        smem[kernel] = y
 
     tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")
     for bm in (16, 32, 64):
@@ -102,7 +116,7 @@ def run(shape: str, T: int, kbits: int) -> dict:
     dense = {e: torch.from_numpy(ref.decode_linear(ts[e]["trellis"].cpu().numpy(), ts[e]["suh"].cpu().numpy(),
                                                    ts[e]["svh"].cpu().numpy(), "mul1")).float() for e in range(4)}
     want = torch.stack([x[tok[p]].float().cpu() @ dense[int(exp[p])] for p in sel.tolist()])
-    for name, y in (("cuda", y_cuda), ("triton", y_tr)):
+    for name, y in (("cuda", y_cuda), ("triton", y_tr), *smem.items()):
         got = y[sel].float().cpu()
         row[f"err_{name}"] = ((got - want).norm() / want.norm()).item()
     return row
@@ -116,18 +130,25 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     rows = []
-    print("| shape | tokens | pairs | tile rows | cuda tiles ms | triton bm16 | bm32 | bm64 | decode all ms | "
-          "dense bmm ms | HBM floor ms | err cuda | err triton |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    from exl3tools.kernels.cuda_exl3 import TILE_KERNELS
+
+    smem = list(TILE_KERNELS.values())
+    print("| shape | tokens | pairs | tile rows | cuda tiles ms | " + " | ".join(k.replace("exl3_tiles_", "smem ")
+                                                                       for k in smem) +
+          " | triton bm16 | bm32 | bm64 | decode all ms | dense bmm ms | HBM floor ms | err cuda | err smem max | err triton |")
+    print("|---|---|---|---|---|" + "---|" * len(smem) + "---|---|---|---|---|---|---|---|---|")
     for T in (int(t) for t in a.tokens.split(",")):
         r = run(a.shape, T, a.k)
         rows.append(r)
 
         def f(key, r=r):
             return f"{r[key]:.3f}" if key in r else r.get(key.replace("_ms", "_error"), "-")
+        err_smem = max(r[f"err_{k}"] for k in smem)
         print(f"| {r['shape']} | {T} | {r['pairs']} | {r['tile_rows']} | {f('cuda_tiles_ms')} | "
+              + "".join(f"{f(k + '_ms')} | " for k in smem) +
               f"{f('triton_bm16_ms')} | {f('triton_bm32_ms')} | {f('triton_bm64_ms')} | {f('decode_ms')} | "
-              f"{f('dense_bmm_ms')} | {r['floor_ms']:.3f} | {r['err_cuda']:.1e} | {r['err_triton']:.1e} |", flush=True)
+              f"{f('dense_bmm_ms')} | {r['floor_ms']:.3f} | {r['err_cuda']:.1e} | {err_smem:.1e} | "
+              f"{r['err_triton']:.1e} |", flush=True)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         for T in [int(t) for t in a.tokens.split(",")]:
             x = torch.randn(T, H, device="cuda")
             S = T * moe.top_k
-            row = {"tokens": T, "pairs": S, "tile_rows": tile_rows(S, len(moe.experts))}
+            row = {"tokens": T, "pairs": S, "tile_rows": tile_rows(S, len(moe.experts), moe.max_tile_rows())}
             if S <= 4096:
                 row["pairs_ms"] = cuda_time(lambda x=x: moe.forward_static(x, tiles=False))
             row["tiles_ms"] = cuda_time(lambda x=x: moe.forward_static(x, tiles=True))

@@ -9,8 +9,9 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place.
 ``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
 slot, experts addressed through device pointer tables: no host sync, no sorting.
-``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows: one weight decode per
-tile instead of per row (MoE prefill and wide decode batches).
+``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows (128 with the
+shared-memory tile kernels): one weight decode per tile instead of per row (MoE prefill and wide
+decode batches).
 
 The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
 cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
@@ -32,6 +33,11 @@ from exl3tools.errors import UsageError
 
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
+# prefill tiles with the activations staged in shared memory (tiles_body in the source), by the
+# most rows a tile has; the EXL3TOOLS_PREFILL_TILES preview (runtime/preview.py) sends MoE tiles of
+# 64 and 128 rows to them (bench/gpu_moe_prefill.py times every entry beside the gemv kernel)
+TILE_KERNELS = {32: "exl3_tiles_m32_t2", 64: "exl3_tiles_m64_t2", 128: "exl3_tiles_m128_t1"}
+PREFILL_TILE_ROWS = (64, 128)
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -258,11 +264,18 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
 
 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
-         slot_exp=None) -> None:
-    mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
-    nt_per = 2 if nt % 2 == 0 else 1      # 1 and 4 per warp measured no faster (more warps / more ILP)
+         slot_exp=None, kernel: str | None = None) -> None:
+    """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
+    entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64)."""
+    if kernel is None:
+        mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
+        nt_per = 2 if nt % 2 == 0 else 1      # 1 and 4 per warp measured no faster (more warps / more ILP)
+        name = f"exl3_gemv_m{mrows}_t{nt_per}"
+    else:
+        name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
+        if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
+            raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
     groups = nt // nt_per
-    name = f"exl3_gemv_m{mrows}_t{nt_per}"
     # split K so that all units are resident at once (one wave: no tail of half-empty SMs)
     resident = _sm_count(xrot.device) * mod.blocks_per_sm(name, 128) * 4
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
@@ -360,6 +373,16 @@ class CudaExperts:
         self.mod = module(self.width, codebook, dev)
         self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs(t, dev) for t in (self.trellis, self.suh, self.svh))
         self.bias_tab = _ptrs(self.bias, dev)
+        from exl3tools.runtime import preview
+
+        # tiles of up to this many rows (runtime.layers.tile_rows): 128 with the shared-memory tiles
+        self.smem_tiles = preview.switched_on("prefill_tiles")
+        self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
+
+    def _tile_kernel(self, rows: int) -> str | None:
+        if not self.smem_tiles or rows < min(PREFILL_TILE_ROWS):
+            return None
+        return TILE_KERNELS[min(r for r in TILE_KERNELS if r >= rows)]
 
     def slots(self, x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
         """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync: the
@@ -367,11 +390,12 @@ class CudaExperts:
         return self.tiles(x, tok, exp, exp, 1)
 
     def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
-              rows: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              rows: int, out_dtype: torch.dtype | None = None, kernel: str | None = None) -> torch.Tensor:
         """Rows grouped by expert (dispatch module doc): y[o] = x[src[o]] @ W_{row_exp[o]} + bias;
         tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
         come out as bias). Each tile decodes its expert's weights once for all its rows.
-        ``out_dtype``: fp16 or fp32 straight from the output pass (default x's)."""
+        ``out_dtype``: fp16 or fp32 straight from the output pass (default x's). ``kernel``: a
+        TILE_KERNELS entry (benches), else the shared-memory one where switched on, else gemv."""
         N = row_exp.shape[0]
         out_dtype = out_dtype or x.dtype
         if N == 0:
@@ -382,7 +406,8 @@ class CudaExperts:
         texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
         xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32)
         acc = workspace(self.device, N * self.n)
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32)
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
+             kernel=kernel or self._tile_kernel(rows))
         del xrot
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32)

@@ -35,6 +35,9 @@ def test_expert_tiles_cover_each_pair_once(S, E, rows):
 def test_tile_rows_follows_the_mean():
     assert tile_rows(8, 128) == 8 and tile_rows(256, 128) == 8
     assert tile_rows(2048, 128) == 32 and tile_rows(16384, 128) == 64
+    # a backend with 128-row tiles (the shared-memory CUDA kernels): 1.5x the mean fits in one
+    assert tile_rows(16384, 256, 128) == 128 and tile_rows(16384, 128, 128) == 128
+    assert tile_rows(2048, 128, 128) == 32 and tile_rows(8, 128, 16) == 8 and tile_rows(16384, 128, 16) == 16
 
 
 @pytest.mark.parametrize("chunk_rows", [8192, 16])       # 16: several chunks of tiles per call

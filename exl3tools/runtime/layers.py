@@ -428,7 +428,12 @@ class MoE:
         if not self.experts:
             return False
         g = self.grouped()
-        return all(hasattr(g[p], "tiles") for p in ("gate_up", "gate_proj", "up_proj", "down_proj") if p in g)
+        return all(hasattr(g[p], "tiles") for p in PROJECTIONS if p in g)
+
+    def max_tile_rows(self) -> int:
+        """The most rows a tile may have: what every grouped projection's kernels take."""
+        g = self.grouped()
+        return min(getattr(g[p], "max_tile_rows", 64) for p in PROJECTIONS if p in g)
 
     def forward_static(self, x: torch.Tensor, tiles: bool | None = None) -> torch.Tensor:
         """``__call__``'s result with device ops only: no host sync, shapes fixed by ``x.shape``.
@@ -467,7 +472,7 @@ class MoE:
         bounded, at no extra weight decoding."""
         T, H = x.shape
         E, S = len(self.experts), loc.shape[0]
-        R = tile_rows(S, E)
+        R = tile_rows(S, E, self.max_tile_rows())
         tile_exp, row_exp, slot, valid = expert_tiles(loc, E, R)
         tok = torch.where(valid, slot, 0) // self.top_k          # source token of each tile row
         wrow = torch.where(valid, w.reshape(-1)[slot.clamp(max=S - 1)], 0.0)   # a pair on another rank: 0
@@ -502,13 +507,17 @@ class MoE:
         return g["down_proj"].tiles(act, None, row_exp, tile_exp, R, out_dtype=xp.dtype)
 
 
-def tile_rows(slots: int, experts: int) -> int:
-    """Rows per tile: about 1.5x the mean rows per expert, 8 to 64 (the kernel's row blocks)."""
+PROJECTIONS = ("gate_up", "gate_proj", "up_proj", "down_proj")   # the grouped experts' keys (MoE.grouped)
+
+
+def tile_rows(slots: int, experts: int, max_rows: int = 64) -> int:
+    """Rows per tile: about 1.5x the mean rows per expert, 8 to ``max_rows`` (the kernels' row
+    blocks: 64, or 128 where the backend's ``max_tile_rows`` says so)."""
     mean = slots / max(1, experts)
-    for r in (8, 16, 32):
-        if 1.5 * mean <= r:
-            return r
-    return 64
+    for r in (8, 16, 32, 64, 128):
+        if r >= max_rows or 1.5 * mean <= r:
+            return min(r, max_rows)
+    return max_rows
 
 
 def expert_tiles(loc: torch.Tensor, n_exp: int, rows: int):

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import os
 
-SWITCHES: dict[str, str] = {}    # name -> variable: off on CUDA unless "1" (none pending now)
+SWITCHES = {    # name -> variable: off on CUDA unless "1"
+    # MoE prefill tiles of 64 / 128 rows on the shared-memory tile kernels (kernels/csrc tiles_body:
+    # activations staged by cp.async, fragments by ldmatrix; the gemv kernel fetches them per lane
+    # from global memory at 221 registers), where the gemv tiles took 54.7 ms of a 2048-token GLM-5
+    # prompt's 113 ms on the H200 (2026-12-02), decoding most experts twice (64-row tiles)
+    "prefill_tiles": "EXL3TOOLS_PREFILL_TILES",
+}
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"

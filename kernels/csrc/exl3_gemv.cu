@@ -284,6 +284,152 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
 }
 
+// ------------------------------------------------------------------ prefill tiles (x staged in shared memory)
+// The same contract, units and MMA as gemv_body, for tiles of 16-128 rows (MoE prefill): the four
+// warps of a block are four adjacent n-groups of one slot and k-range, so they share the
+// activations. Where gemv_body has every lane fetch its B fragments from global memory (2 loads
+// per 8 rows and k-tile, and P stages of them in registers: 221 registers at 64 rows, 8 warps an
+// SM), here the block copies P k-tiles x MROWS rows into shared memory with cp.async (double
+// buffered) and each warp reads its fragments with ldmatrix.x4 (one per 16 rows and k-tile).
+// Rows >= rows are zero-filled. A slot's tile decodes its expert's weights once for all MROWS
+// rows, so 128-row tiles decode an expert with ~100 pairs once instead of twice.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* smem) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+template <int MROWS, int NT, int P>
+__device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
+                                           const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
+                                           int kt, int nt, int kps, int n_groups, int n_units) {
+    constexpr int MB = MROWS / 8;          // 8-row blocks (even: one ldmatrix.x4 feeds two)
+    constexpr int XS = P * 16 + 8;         // halves per staged row: P k-tiles + 16 B (ldmatrix rows hit distinct banks)
+    static_assert(MB % 2 == 0 && (MROWS * 2 * P) % 128 == 0, "tile shape");
+    __shared__ __align__(16) half xs[2][MROWS][XS];
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31;
+    const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int z = blockIdx.y;
+    // n_groups % 4 == 0 (n % 128 == 0), so a block's warps share split and slot: every early
+    // return below is taken by the whole block (no warp is left waiting at a barrier)
+    const int grp = unit % n_groups, split = unit / n_groups;
+    const int i0 = split * kps;
+    const int i1 = min(kt, i0 + kps);
+    if (unit >= n_units || i0 >= i1) return;
+    const int e = slot_exp ? slot_exp[z] : 0;
+    if (e < 0) return;
+    const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
+    const int g = lane >> 2, t = lane & 3;
+    const int n = nt * 16;
+
+    int word, off;
+    lane_origin(lane, word, off);
+    const int j0 = grp * NT;
+    const size_t row_stride = (size_t)nt * NW;
+    const uint32_t* wp[NL];
+#pragma unroll
+    for (int m = 0; m < NL; m++) wp[m] = tr + (size_t)i0 * row_stride + (size_t)j0 * NW + (word + m) % NW;
+
+    float c[MB][NT][4];
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
+
+    const Consts kc;
+    uint32_t wb[P][NT][NL];
+    auto load_w = [&](int p, bool pred) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int m = 0; m < NL; m++) ldg32_if(wb[p][j][m], wp[m] + j * NW, pred);
+#pragma unroll
+        for (int m = 0; m < NL; m++) wp[m] += row_stride;
+    };
+    // chunk ch = k-tiles i0 + P ch .. + P - 1 of the slot's MROWS rows: 16-byte copies, P * 2 a row
+    const half* xh = reinterpret_cast<const half*>(xrot);
+    const size_t krow = (size_t)kt * 16;
+    auto load_x = [&](int ch, int buf) {
+        const int kcol = (i0 + P * ch) * 16;
+#pragma unroll
+        for (int q = 0; q < MROWS * 2 * P / 128; q++) {
+            const int s = q * 128 + threadIdx.x;
+            const int m = s / (2 * P), seg = s % (2 * P);
+            const bool ok = m < rows;
+            cp_async16(&xs[buf][m][seg * 8], xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + seg * 8, ok);
+        }
+        cp_async_commit();
+    };
+    // ldmatrix.x4 of rows 16q.. : lanes 0-7 rows 0-7 k 0-7, 8-15 rows 0-7 k 8-15, 16-31 rows 8-15:
+    // r[0], r[1] = the B fragment (b0, b1) of 8-row block 2q, r[2], r[3] of block 2q + 1
+    const int lrow = (lane & 7) + ((lane >> 4) << 3), lcol = ((lane >> 3) & 1) * 8;
+    auto step = [&](int p, int buf) {
+        uint32_t a[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            uint32_t b[4];
+            decode_tile(kc, wb[p][j], off, b);
+            a[j][0] = b[0]; a[j][1] = b[2]; a[j][2] = b[1]; a[j][3] = b[3];
+        }
+#pragma unroll
+        for (int q = 0; q < MB / 2; q++) {
+            uint32_t x[4];
+            ldsm4(x, &xs[buf][16 * q + lrow][16 * p + lcol]);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                mma(c[2 * q][j], a[j], x[0], x[1]);
+                mma(c[2 * q + 1][j], a[j], x[2], x[3]);
+            }
+        }
+    };
+    const int count = i1 - i0;             // a multiple of P: kt % 8 == 0 and kps % P == 0
+    const int chunks = count / P;
+#pragma unroll
+    for (int p = 0; p < P; p++) load_w(p, p < count);
+    pdl_wait();
+    load_x(0, 0);
+    for (int ch = 0; ch < chunks; ch++) {
+        const int buf = ch & 1;
+        if (ch + 1 < chunks) {
+            load_x(ch + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            step(p, buf);
+            load_w(p, ch * P + p + P < count);
+        }
+        __syncthreads();                   // every warp is done with buf before chunk ch + 2 refills it
+    }
+
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int m = 8 * mb + 2 * t + q;
+            if (m >= rows) continue;
+            float* out = acc + (size_t)(z * rows + m) * n + (size_t)j0 * 16 + g;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                red1(out + 16 * j, c[mb][j][q]);
+                red1(out + 16 * j + 8, c[mb][j][2 + q]);
+            }
+        }
+}
+
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
 // wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
 // four tiles in flight per warp (grid-stride over tile quads).
@@ -433,8 +579,16 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
         int kt, int nt, int kps, int n_groups, int n_units) {                                         \
         gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
     }
+// TILES(MROWS, NT, MINB): tiles_body with registers for MINB blocks an SM (4: 128, 3: 168)
+#define TILES(MROWS, NT, MINB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, MINB) exl3_tiles_m##MROWS##_t##NT(              \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
+        int kt, int nt, int kps, int n_groups, int n_units) {                                         \
+        tiles_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
+    }
 #else
 #define GEMV(MROWS, NT)
+#define TILES(MROWS, NT, MINB)
 #endif
 GEMV(8, 1)
 GEMV(8, 2)
@@ -444,6 +598,10 @@ GEMV(32, 1)
 GEMV(32, 2)
 GEMV(64, 1)
 GEMV(64, 2)
+TILES(32, 2, 4)
+TILES(64, 1, 4)
+TILES(64, 2, 3)
+TILES(128, 1, 3)
 
 #ifndef EXL3_HOST_TEST
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt) {

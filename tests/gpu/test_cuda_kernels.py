@@ -94,6 +94,56 @@ def test_expert_slots(cx):
         assert _rel(y[s], want) < 2e-3
 
 
+@pytest.mark.parametrize("width,cb", [(48, "mul1"), (24, "mul1"), (64, "3inst"), (128, "mcg")])
+def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
+    """Every shared-memory tile kernel (TILE_KERNELS) against the reference and the gemv kernel:
+    tiles of its own rows and of fewer (zero-filled rows), a partial last tile per expert, unused
+    tiles, many slots (one split) and two slots over a long k (split-K, four warps per block)."""
+    import torch
+
+    from exl3tools.runtime.layers import expert_tiles
+
+    rng = np.random.default_rng(width)
+    E, k, n = 5, 256, 512
+    lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
+    ex = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    w = [ref.decode_linear(tr, suh, svh, cb).astype(np.float64) for tr, suh, svh, _ in lins]
+    T, top = 150, 2
+    x = rng.normal(0, 1, (T, k)).astype(np.float16)
+    exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
+    xd = torch.from_numpy(x).cuda()
+    for kernel in cx.TILE_KERNELS.values():
+        mrows = int(kernel.split("_m")[1].split("_")[0])
+        for rows in {mrows, mrows - 24}:
+            tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, rows)
+            src = torch.where(valid, slot // top, 0)
+            y = ex.tiles(xd, src, row_exp, tile_exp, rows, kernel=kernel).float().cpu().numpy()
+            v = valid.cpu().numpy()
+            s_, re = slot.cpu().numpy()[v], row_exp.cpu().numpy()[v]
+            want = np.stack([x[s // top].astype(np.float64) @ w[e] + lins[e][3] for s, e in zip(s_, re, strict=True)])
+            assert _rel(y[v], want) < 2e-3, (kernel, rows)
+            if rows <= 64:   # the gemv kernel on the same tiles: the same sums up to their order
+                g = ex.tiles(xd, src, row_exp, tile_exp, rows).float().cpu().numpy()
+                assert _rel(y[v], g[v]) < 1e-3, (kernel, rows)
+    # split-K: two slots of one expert over k = 4096 (many k-splits a column group)
+    tr, suh, svh, b = _lin(rng, 4096, 384, width)
+    one = cx.CudaExperts([_tensors(torch, tr, suh, svh, b)], cb, "cuda")
+    wl = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    xl = rng.normal(0, 1, (2 * 64, 4096)).astype(np.float16)
+    zeros = torch.zeros(2 * 64, dtype=torch.int64, device="cuda")
+    for kernel in ("exl3_tiles_m64_t2", "exl3_tiles_m128_t1"):
+        rows = 64 if "m64" in kernel else 128
+        te = torch.zeros(2 * 64 // rows, dtype=torch.int64, device="cuda")
+        y = one.tiles(torch.from_numpy(xl).cuda(), None, zeros, te, rows, kernel=kernel).float().cpu().numpy()
+        assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3, kernel
+    # the preview sends 64- and 128-row tiles to them
+    monkeypatch.setenv("EXL3TOOLS_PREFILL_TILES", "1")
+    on = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    assert on.max_tile_rows == 128 and on._tile_kernel(128) == "exl3_tiles_m128_t1" and on._tile_kernel(32) is None
+    monkeypatch.setenv("EXL3TOOLS_PREFILL_TILES", "0")
+    assert cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda").max_tile_rows == 64
+
+
 def test_graph_replay(cx):
     import torch
 
