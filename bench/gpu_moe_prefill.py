@@ -11,7 +11,7 @@ reference of the first 4 experts' rows):
   runtime's prefill runs by default: the gemv kernel's tensor-core MMAs on 8-64-row tiles, each
   decoding its expert, every lane fetching its activations from global memory);
 - ``exl3_tiles_m*``: each shared-memory tile kernel (cuda_exl3.TILE_KERNELS, the
-  EXL3TOOLS_PREFILL_TILES preview) on tiles of its own rows;
+  EXL3TOOLS_PREFILL_TILES preview) on tiles of its own rows, padding rows skipped;
 - ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
 - ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
   k) x (E, k, n): the tensor-core floor without any decode;
@@ -83,10 +83,11 @@ def run(shape: str, T: int, kbits: int) -> dict:
     for mrows, kernel in cuda_exl3.TILE_KERNELS.items():
         te, re_, sl, va = expert_tiles(exp, E, mrows)
         sr = torch.where(va, tok[sl.clamp(max=S - 1)], 0)
-        row[f"{kernel}_ms"] = cuda_time(lambda te=te, re_=re_, sr=sr, m=mrows, kn=kernel:
-                                        cu.tiles(x, sr, re_, te, m, kernel=kn))
+        cnt = va.view(-1, mrows).sum(1)           # padding rows skipped, as the runtime's MoE asks
+        row[f"{kernel}_ms"] = cuda_time(lambda te=te, re_=re_, sr=sr, m=mrows, kn=kernel, cnt=cnt:
+                                        cu.tiles(x, sr, re_, te, m, kernel=kn, counts=cnt))
         y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
-        y[sl[va]] = cu.tiles(x, sr, re_, te, mrows, kernel=kernel)[va]
+        y[sl[va]] = cu.tiles(x, sr, re_, te, mrows, kernel=kernel, counts=cnt)[va]
         smem[kernel] = y
 
     tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")

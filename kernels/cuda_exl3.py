@@ -9,9 +9,9 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place.
 ``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
 slot, experts addressed through device pointer tables: no host sync, no sorting.
-``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows (128 with the
-shared-memory tile kernels): one weight decode per tile instead of per row (MoE prefill and wide
-decode batches).
+``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows: one weight decode per
+tile instead of per row (MoE prefill and wide decode batches); 64-row tiles on the shared-memory
+tile kernel where the EXL3TOOLS_PREFILL_TILES preview is on, skipping the tiles' padding rows.
 
 The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
 cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
@@ -37,7 +37,11 @@ PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P 
 # most rows a tile has; the EXL3TOOLS_PREFILL_TILES preview (runtime/preview.py) sends MoE tiles of
 # 64 and 128 rows to them (bench/gpu_moe_prefill.py times every entry beside the gemv kernel)
 TILE_KERNELS = {32: "exl3_tiles_m32_t2", 64: "exl3_tiles_m64_t2", 128: "exl3_tiles_m128_t1"}
-PREFILL_TILE_ROWS = (64, 128)
+# H200, one GLM-5 expert projection at 2048 tokens (16k pairs, 256 experts): gemv tiles 6.98 ms,
+# these on 32 / 64 / 128-row tiles 4.15 / 3.97 / 5.31 (the 128-row kernel decodes each expert once
+# but reads its fragments from shared memory for one n-tile, not two); at 256 tokens (16-row
+# tiles) the gemv kernel wins. So 64-row tiles only.
+PREFILL_TILE_ROWS = (64,)
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -247,26 +251,32 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2.contiguous()
 
 
-def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None) -> torch.Tensor:
+def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None,
+           tile_n=None, tile_rows: int = 1) -> torch.Tensor:
+    """``tile_n`` (int32 per tile of ``tile_rows`` rows, or None): rows at and past a tile's count
+    are skipped (left undefined); only for the tile kernels, which zero-fill them."""
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
     items = total * (k // 128)
     mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
-               rows, total, k)
+               rows, total, k, tile_n, tile_rows)
     return xrot
 
 
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
-            exp=None) -> torch.Tensor:
+            exp=None, tile_n=None, tile_rows: int = 1) -> torch.Tensor:
+    """``tile_n``: as in had_in (the tile kernels never add to a skipped row: it stays zero)."""
     name = f"exl3_had_out_{_SUFFIX[acc.dtype]}_{_SUFFIX[y.dtype]}"
     items = total * (n // 128)
-    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n, pdl=PDL)
+    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
+               tile_n, tile_rows, pdl=PDL)
     return y
 
 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
-         slot_exp=None, kernel: str | None = None) -> None:
+         slot_exp=None, kernel: str | None = None, tile_n=None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
-    entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64)."""
+    entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64), which
+    takes ``tile_n`` (int32 valid rows per slot, or None: all)."""
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
         nt_per = 2 if nt % 2 == 0 else 1      # 1 and 4 per warp measured no faster (more warps / more ILP)
@@ -283,8 +293,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     kps = -(-kps // PIPE) * PIPE
     splits = -(-kt // kps)
     units = groups * splits
-    mod.launch(name, (-(-units // 4), slots), 128, xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units,
-               pdl=PDL)
+    args = (xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units) + (() if kernel is None else (tile_n,))
+    mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
 
 
 def decode_t(mod: Module, trellis: torch.Tensor) -> torch.Tensor:
@@ -375,7 +385,7 @@ class CudaExperts:
         self.bias_tab = _ptrs(self.bias, dev)
         from exl3tools.runtime import preview
 
-        # tiles of up to this many rows (runtime.layers.tile_rows): 128 with the shared-memory tiles
+        # tiles of up to this many rows (runtime.layers.tile_rows)
         self.smem_tiles = preview.switched_on("prefill_tiles")
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
 
@@ -390,12 +400,15 @@ class CudaExperts:
         return self.tiles(x, tok, exp, exp, 1)
 
     def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
-              rows: int, out_dtype: torch.dtype | None = None, kernel: str | None = None) -> torch.Tensor:
+              rows: int, out_dtype: torch.dtype | None = None, kernel: str | None = None,
+              counts: torch.Tensor | None = None) -> torch.Tensor:
         """Rows grouped by expert (dispatch module doc): y[o] = x[src[o]] @ W_{row_exp[o]} + bias;
         tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
         come out as bias). Each tile decodes its expert's weights once for all its rows.
         ``out_dtype``: fp16 or fp32 straight from the output pass (default x's). ``kernel``: a
-        TILE_KERNELS entry (benches), else the shared-memory one where switched on, else gemv."""
+        TILE_KERNELS entry (benches), else the shared-memory one where switched on, else gemv.
+        ``counts`` (NT,): the rows of each tile that are real; with a shared-memory kernel the rest
+        are skipped by all three launches and come out undefined (the gemv kernel ignores it)."""
         N = row_exp.shape[0]
         out_dtype = out_dtype or x.dtype
         if N == 0:
@@ -404,13 +417,15 @@ class CudaExperts:
         src32 = None if src is None else src.to(torch.int32).contiguous()
         rexp32 = row_exp.to(torch.int32).contiguous()
         texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
-        xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32)
+        kernel = kernel or self._tile_kernel(rows)
+        tn = None if kernel is None or counts is None else counts.to(torch.int32).contiguous()
+        xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows)
         acc = workspace(self.device, N * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
-             kernel=kernel or self._tile_kernel(rows))
+             kernel=kernel, tile_n=tn)
         del xrot
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
-        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32)
+        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32, tile_n=tn, tile_rows=rows)
         return y.to(out_dtype)
 
 

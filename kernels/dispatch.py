@@ -24,11 +24,13 @@ Grouped experts (one projection of many experts, for MoE decode without host syn
 ``x.dtype``, padded dims as above. ``slots`` must not synchronise with the host and its launch
 shapes may depend only on ``S`` (CUDA-graph capturable). Optionally, rows grouped by expert::
 
-    obj.tiles(x, src, row_exp, tile_exp, rows, out_dtype=None) -> y
+    obj.tiles(x, src, row_exp, tile_exp, rows, out_dtype=None, counts=None) -> y
                                                        # y[o] = x[src[o]] @ W_{row_exp[o]} + bias
                                                        # (src None: x[o]); tile t = rows
                                                        # [t*rows, (t+1)*rows), all of expert
-                                                       # tile_exp[t]; -1: skipped (rows unspecified)
+                                                       # tile_exp[t]; -1: skipped (rows unspecified);
+                                                       # counts[t]: its real rows (a backend may
+                                                       # leave the others unspecified)
 
 so a backend decodes each expert's weights once per tile, not once per row (runtime.layers
 builds the tiles). A backend registers one with
@@ -152,8 +154,9 @@ class DenseExperts:
     def slots(self, x, tok, exp):
         return self.tiles(x, tok, exp, exp, 1)
 
-    def tiles(self, x, src, row_exp, tile_exp, rows, out_dtype=None):
-        """Each tile's rows times its expert's W (the dispatch module doc's contract)."""
+    def tiles(self, x, src, row_exp, tile_exp, rows, out_dtype=None, counts=None):
+        """Each tile's rows times its expert's W (the dispatch module doc's contract; every row
+        computed, ``counts`` unused)."""
         import torch
 
         xs = (x if src is None else x.index_select(0, src)).to(torch.float32)

@@ -480,17 +480,19 @@ class MoE:
         # back to (token, k) order, then a fixed-order sum over k (deterministic, unlike atomics)
         per_slot = torch.zeros(S + 1, H, dtype=x.dtype, device=x.device)
         NT = tile_exp.shape[0]
+        counts = valid.view(NT, R).sum(1)        # real rows per tile: a backend may skip the padding
         step = max(1, MOE_CHUNK_ROWS // R)
         for c0 in range(0, NT, step):
             c1 = min(NT, c0 + step)
             r0, r1 = c0 * R, c1 * R
-            y = self._tiles_chunk(xp, g, E, R, tok[r0:r1], row_exp[r0:r1], tile_exp[c0:c1])
+            y = self._tiles_chunk(xp, g, E, R, tok[r0:r1], row_exp[r0:r1], tile_exp[c0:c1], counts[c0:c1])
             per_slot.index_copy_(0, slot[r0:r1], y[:, :H].mul_(wrow[r0:r1, None].to(y.dtype)))
         return per_slot[:S].view(T, self.top_k, H).sum(1)
 
     @staticmethod
-    def _tiles_chunk(xp, g: dict, E: int, R: int, tok, row_exp, tile_exp) -> torch.Tensor:
-        """Down(silu(gate) * up) of one chunk of tiles: (rows, out) in xp's dtype."""
+    def _tiles_chunk(xp, g: dict, E: int, R: int, tok, row_exp, tile_exp, counts) -> torch.Tensor:
+        """Down(silu(gate) * up) of one chunk of tiles: (rows, out) in xp's dtype; padding rows
+        (past ``counts``) may come out undefined."""
         N = row_exp.shape[0]
         # on the GPU gate/up come out in fp16: the down projection rounds its input to fp16 anyway
         # (its Hadamard pass feeds fp16 MMAs)
@@ -498,13 +500,13 @@ class MoE:
         if "gate_up" in g:
             up_tiles = torch.where(tile_exp >= 0, tile_exp + E, -1)
             gu = g["gate_up"].tiles(xp, torch.cat([tok, tok]), torch.cat([row_exp, row_exp + E]),
-                                    torch.cat([tile_exp, up_tiles]), R, out_dtype=mid)
+                                    torch.cat([tile_exp, up_tiles]), R, out_dtype=mid, counts=counts.repeat(2))
             act = F.silu(gu[:N]).mul_(gu[N:])
             del gu
         else:
-            act = F.silu(g["gate_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid))
-            act.mul_(g["up_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid))
-        return g["down_proj"].tiles(act, None, row_exp, tile_exp, R, out_dtype=xp.dtype)
+            act = F.silu(g["gate_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid, counts=counts))
+            act.mul_(g["up_proj"].tiles(xp, tok, row_exp, tile_exp, R, out_dtype=mid, counts=counts))
+        return g["down_proj"].tiles(act, None, row_exp, tile_exp, R, out_dtype=xp.dtype, counts=counts)
 
 
 PROJECTIONS = ("gate_up", "gate_proj", "up_proj", "down_proj")   # the grouped experts' keys (MoE.grouped)

@@ -292,7 +292,9 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 // SM), here the block copies P k-tiles x MROWS rows into shared memory with cp.async (double
 // buffered) and each warp reads its fragments with ldmatrix.x4 (one per 16 rows and k-tile).
 // Rows >= rows are zero-filled. A slot's tile decodes its expert's weights once for all MROWS
-// rows, so 128-row tiles decode an expert with ~100 pairs once instead of twice.
+// rows, so 128-row tiles decode an expert with ~100 pairs once instead of twice. tile_n (or null):
+// the valid rows of each slot; rows past it are zero-filled too and never added to acc, so the
+// Hadamard passes may skip them (a MoE prefill's tiles are about half padding).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
     const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
@@ -309,7 +311,8 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* smem) {
 template <int MROWS, int NT, int P>
 __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                            const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
-                                           int kt, int nt, int kps, int n_groups, int n_units) {
+                                           int kt, int nt, int kps, int n_groups, int n_units,
+                                           const int* __restrict__ tile_n) {
     constexpr int MB = MROWS / 8;          // 8-row blocks (even: one ldmatrix.x4 feeds two)
     constexpr int XS = P * 16 + 8;         // halves per staged row: P k-tiles + 16 B (ldmatrix rows hit distinct banks)
     static_assert(MB % 2 == 0 && (MROWS * 2 * P) % 128 == 0, "tile shape");
@@ -325,7 +328,8 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
     const int i1 = min(kt, i0 + kps);
     if (unit >= n_units || i0 >= i1) return;
     const int e = slot_exp ? slot_exp[z] : 0;
-    if (e < 0) return;
+    const int nr = tile_n ? min(rows, tile_n[z]) : rows;   // valid rows of this slot
+    if (e < 0 || nr <= 0) return;
     const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
     const int g = lane >> 2, t = lane & 3;
     const int n = nt * 16;
@@ -365,7 +369,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
         for (int q = 0; q < MROWS * 2 * P / 128; q++) {
             const int s = q * 128 + threadIdx.x;
             const int m = s / (2 * P), seg = s % (2 * P);
-            const bool ok = m < rows;
+            const bool ok = m < nr;
             cp_async16(&xs[buf][m][seg * 8], xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + seg * 8, ok);
         }
         cp_async_commit();
@@ -420,7 +424,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
 #pragma unroll
         for (int q = 0; q < 2; q++) {
             const int m = 8 * mb + 2 * t + q;
-            if (m >= rows) continue;
+            if (m >= nr) continue;
             float* out = acc + (size_t)(z * rows + m) * n + (size_t)j0 * 16 + g;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
@@ -520,12 +524,14 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 template <typename TX>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
-                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k) {
+                                            const int* __restrict__ exp_idx, int rows, int total_rows, int k,
+                                            const int* __restrict__ tile_n, int tile_rows) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
     const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (item >= (long)total_rows * blocks) return;
     const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) return;   // a padding row (tiles_body skips it)
     const int z = o / rows, m = o % rows;
     const int src = src_idx ? src_idx[z] * rows + m : o;
     const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
@@ -546,12 +552,15 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
 template <typename TA, typename TY>
 __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
-                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n) {
+                                             const int* __restrict__ exp_idx, int rows, int total_rows, int n,
+                                             const int* __restrict__ tile_n, int tile_rows) {
     pdl_wait();                            // acc is complete only when gemv has finished
     const int blocks = n >> 7;
     const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (item >= (long)total_rows * blocks) return;
     const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    // a padding row of tiles_body's tiles: never added to acc (still zero), y left undefined
+    if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) return;
     const int e = exp_idx ? exp_idx[o / rows] : 0;
     const int col = blk * 128 + 4 * (threadIdx.x & 31);
     float v[4];
@@ -583,8 +592,8 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
 #define TILES(MROWS, NT, MINB)                                                                       \
     extern "C" __global__ void __launch_bounds__(128, MINB) exl3_tiles_m##MROWS##_t##NT(              \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
-        int kt, int nt, int kps, int n_groups, int n_units) {                                         \
-        tiles_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
+        int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n) {                      \
+        tiles_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units, tile_n); \
     }
 #else
 #define GEMV(MROWS, NT)
@@ -599,7 +608,6 @@ GEMV(32, 2)
 GEMV(64, 1)
 GEMV(64, 2)
 TILES(32, 2, 4)
-TILES(64, 1, 4)
 TILES(64, 2, 3)
 TILES(128, 1, 3)
 
@@ -611,8 +619,8 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* 
 #define HAD_IN(NAME, TX)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
-                                                          int total_rows, int k) {                                \
-        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k);                              \
+                                                          int total_rows, int k, const int* tile_n, int tile_rows) { \
+        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows);           \
     }
 HAD_IN(exl3_had_in_f16, half)
 HAD_IN(exl3_had_in_f32, float)
@@ -620,8 +628,8 @@ HAD_IN(exl3_had_in_f32, float)
 #define HAD_OUT(NAME, TA, TY)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \
                                                           const uint64_t* bias_ptrs, const int* exp_idx, int rows, \
-                                                          int total_rows, int n) {                               \
-        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n);                        \
+                                                          int total_rows, int n, const int* tile_n, int tile_rows) { \
+        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, tile_n, tile_rows);     \
     }
 HAD_OUT(exl3_had_out_f32_f16, float, half)
 HAD_OUT(exl3_had_out_f32_f32, float, float)

@@ -98,7 +98,8 @@ def test_expert_slots(cx):
 def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     """Every shared-memory tile kernel (TILE_KERNELS) against the reference and the gemv kernel:
     tiles of its own rows and of fewer (zero-filled rows), a partial last tile per expert, unused
-    tiles, many slots (one split) and two slots over a long k (split-K, four warps per block)."""
+    tiles, with and without the real-row counts (padding skipped), many slots (one split) and two
+    slots over a long k (split-K, four warps per block)."""
     import torch
 
     from exl3tools.runtime.layers import expert_tiles
@@ -125,6 +126,11 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
             if rows <= 64:   # the gemv kernel on the same tiles: the same sums up to their order
                 g = ex.tiles(xd, src, row_exp, tile_exp, rows).float().cpu().numpy()
                 assert _rel(y[v], g[v]) < 1e-3, (kernel, rows)
+            # the real rows per tile: padding skipped by all three launches, the real rows as
+            # before, and the workspace left clean for the next call (checked by the one after)
+            counts = valid.view(-1, rows).sum(1)
+            yc = ex.tiles(xd, src, row_exp, tile_exp, rows, kernel=kernel, counts=counts).float().cpu().numpy()
+            assert _rel(yc[v], y[v]) < 1e-6, (kernel, rows)
     # split-K: two slots of one expert over k = 4096 (many k-splits a column group)
     tr, suh, svh, b = _lin(rng, 4096, 384, width)
     one = cx.CudaExperts([_tensors(torch, tr, suh, svh, b)], cb, "cuda")
@@ -139,7 +145,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     # the preview sends 64- and 128-row tiles to them
     monkeypatch.setenv("EXL3TOOLS_PREFILL_TILES", "1")
     on = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
-    assert on.max_tile_rows == 128 and on._tile_kernel(128) == "exl3_tiles_m128_t1" and on._tile_kernel(32) is None
+    assert on.max_tile_rows == 64 and on._tile_kernel(64) == "exl3_tiles_m64_t2" and on._tile_kernel(32) is None
     monkeypatch.setenv("EXL3TOOLS_PREFILL_TILES", "0")
     assert cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda").max_tile_rows == 64
 
