@@ -70,7 +70,8 @@ if [[ $STAGES == *paged* ]]; then
   timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1
   el "paged rc $?"; grep -E "^\|" "$L/paged.log" | tail -n 40
 fi
-if [[ $STAGES == *bench* || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
+if [ "${EXL3_BUILD:-1}" != 0 ] || [ -f .exl3so/exl3so.xz ]; then HAVE_EXL3=1; else HAVE_EXL3=0; fi
+if [ $HAVE_EXL3 = 1 ] && [[ $STAGES == *bench* || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
   el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log"
 fi
 # built here: bring it back (once), so the next call carries it in .exl3so instead of building
@@ -128,17 +129,18 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      # MLA_VARIANTS: which of "eager graphs fp16 fma tiles widths mtp_paged" serve beside the MTP configs
+      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv widths mtp_paged" serve beside the MTP configs
       # (fp16: --kv-cache-dtype fp16, what auto picks for MLA on CUDA; widths: at --max-model-len
       # 131072, with and without the sparse graphs per table width; fma: the indexer's scores on the
-      # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); tiles: the EXL3TOOLS_PREFILL_TILES=1 preview; mtp_paged: each MTP config again
+      # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); gemv: MoE prefill tiles on the gemv kernel
+      # (EXL3TOOLS_PREFILL_TILES=0); mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
       [[ $V == *graphs* ]] && CFG+=(--config "$arch:--max-model-len 32768")
       [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp32:--max-model-len 32768 --kv-cache-dtype fp32")   # the old auto
       [[ $V == *fma* ]] && CFG+=(--config "${arch}_scores_fma:EXL3TOOLS_DSA_SCORES_TC=0 --max-model-len 32768")
-      [[ $V == *tiles* ]] && CFG+=(--config "${arch}_prefill_tiles:EXL3TOOLS_PREFILL_TILES=1 --max-model-len 32768")
+      [[ $V == *gemv* ]] && CFG+=(--config "${arch}_gemv_tiles:EXL3TOOLS_PREFILL_TILES=0 --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC-1 2 3}; do

@@ -7,11 +7,13 @@ A random EXL3 projection of E experts (GLM-5: 256 experts, 6144 -> 2048; GLM-4.5
 (CUDA events, median of 5 after a warm-up), each output the same (checked against the dense
 reference of the first 4 experts' rows):
 
-- ``cuda tiles``: kernels/cuda_exl3.CudaExperts.tiles over runtime.layers.expert_tiles (what the
-  runtime's prefill runs by default: the gemv kernel's tensor-core MMAs on 8-64-row tiles, each
-  decoding its expert, every lane fetching its activations from global memory);
-- ``exl3_tiles_m*``: each shared-memory tile kernel (cuda_exl3.TILE_KERNELS, the
-  EXL3TOOLS_PREFILL_TILES preview) on tiles of its own rows, padding rows skipped;
+- ``cuda tiles``: kernels/cuda_exl3.CudaExperts.tiles over runtime.layers.expert_tiles on the gemv
+  kernel (the runtime's prefill before the tile kernels, and its tiles of fewer rows): tensor-core
+  MMAs on 8-64-row tiles, each decoding its expert, every lane fetching its activations from
+  global memory;
+- ``exl3_tiles_m*``: each shared-memory tile kernel (cuda_exl3.TILE_KERNELS; the runtime's prefill
+  takes the 64-row one unless EXL3TOOLS_PREFILL_TILES=0) on tiles of its own rows, padding rows
+  skipped;
 - ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
 - ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
   k) x (E, k, n): the tensor-core floor without any decode;

@@ -11,7 +11,7 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 slot, experts addressed through device pointer tables: no host sync, no sorting.
 ``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows: one weight decode per
 tile instead of per row (MoE prefill and wide decode batches); 64-row tiles on the shared-memory
-tile kernel where the EXL3TOOLS_PREFILL_TILES preview is on, skipping the tiles' padding rows.
+tile kernel (unless EXL3TOOLS_PREFILL_TILES=0), skipping the tiles' padding rows.
 
 The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
 cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
@@ -34,8 +34,8 @@ from exl3tools.errors import UsageError
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # prefill tiles with the activations staged in shared memory (tiles_body in the source), by the
-# most rows a tile has; the EXL3TOOLS_PREFILL_TILES preview (runtime/preview.py) sends MoE tiles of
-# 64 and 128 rows to them (bench/gpu_moe_prefill.py times every entry beside the gemv kernel)
+# most rows a tile has; MoE tiles of PREFILL_TILE_ROWS go to them unless EXL3TOOLS_PREFILL_TILES=0
+# (runtime/preview.py; bench/gpu_moe_prefill.py times every entry beside the gemv kernel)
 TILE_KERNELS = {32: "exl3_tiles_m32_t2", 64: "exl3_tiles_m64_t2", 128: "exl3_tiles_m128_t1"}
 # H200, one GLM-5 expert projection at 2048 tokens (16k pairs, 256 experts): gemv tiles 6.98 ms,
 # these on 32 / 64 / 128-row tiles 4.15 / 3.97 / 5.31 (the 128-row kernel decodes each expert once
