@@ -129,11 +129,11 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv widths mtp_paged" serve beside the MTP configs
+      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv dsa_prefill widths mtp_paged" serve beside the MTP configs
       # (fp16: --kv-cache-dtype fp16, what auto picks for MLA on CUDA; widths: at --max-model-len
       # 131072, with and without the sparse graphs per table width; fma: the indexer's scores on the
       # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); gemv: MoE prefill tiles on the gemv kernel
-      # (EXL3TOOLS_PREFILL_TILES=0); mtp_paged: each MTP config again
+      # (EXL3TOOLS_PREFILL_TILES=0); dsa_prefill: the EXL3TOOLS_DSA_PREFILL_KERNELS=1 preview; mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
@@ -141,6 +141,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp32:--max-model-len 32768 --kv-cache-dtype fp32")   # the old auto
       [[ $V == *fma* ]] && CFG+=(--config "${arch}_scores_fma:EXL3TOOLS_DSA_SCORES_TC=0 --max-model-len 32768")
       [[ $V == *gemv* ]] && CFG+=(--config "${arch}_gemv_tiles:EXL3TOOLS_PREFILL_TILES=0 --max-model-len 32768")
+      [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_prefill:EXL3TOOLS_DSA_PREFILL_KERNELS=1 --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
       if [ $arch = glm5 ]; then for k in ${MLA_SPEC-1 2 3}; do
@@ -182,6 +183,7 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
     --json "$L/prefill.json" > "$L/prefill.log" 2>&1
   el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
   sed -n '/^--- profile 8 x 32/,+20p' "$L/prefill.log" | cut -c1-60,100-200
+  sed -n '/^total /p; /^--- profile of the last chunk/,+24p' "$L/prefill.log" | cut -c1-60,100-200   # PREFILL_ARGS="--long N"
 fi
 # SO_WAIT: seconds to wait at the end for a build still running (stages that never needed exllamav3)
 if [ "${SO_WAIT:-0}" -gt 0 ] && ! ls "$OUT"/exl3so.xz.* >/dev/null 2>&1; then

@@ -8,7 +8,9 @@ choice brings it within tolerance, so the exemption cannot hide a real error.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from functools import lru_cache
 
 import pytest
@@ -319,3 +321,40 @@ def test_indexer_selects_in_row_groups(monkeypatch):
         monkeypatch.setattr(dsa, "SCORE_BYTES", rows * idx.nh * len(ids) * 4)
         got = _logits(m, ids)
         assert torch.equal(idx.last_selection, want) and torch.equal(got, ref), rows
+
+
+def test_indexer_select_kernels_keep_the_same_keys(monkeypatch):
+    """Indexer.select_kernels (a prompt's DSA mask through the decode step's score and top-k
+    functions, over the history padded into one shared table) keeps the keys Indexer.select keeps:
+    with the torch references on the glm5 fixture's 64-token prompt, in one row group and in
+    three, at two block sizes; with the Triton kernels (tensor-core scores on fp16 keys, the
+    top-k kernel) on the interpreter for the last 8 rows, up to near-ties of the summation order."""
+    from exl3tools.runtime import dsa
+
+    m, g = _model("glm5_moe_dsa-3.0bpw-mul1")
+    ids = g["prompt_p64"].tolist()
+    idx = next(layer.attn.indexer for layer in m.layers if layer.attn.indexer is not None)
+    seen, select = {}, dsa.Indexer.select
+
+    def spy(self, *args):
+        seen.setdefault(id(self), args)
+        return select(self, *args)
+
+    monkeypatch.setattr(dsa.Indexer, "select", spy)
+    _logits(m, ids)
+    x, q_resid, pos, keys, pos0 = seen[id(idx)]
+    want = select(idx, x, q_resid, pos, keys, pos0)
+    assert 0 < want.sum(1).min() and (want.sum(1) < torch.arange(1, len(ids) + 1)).any()   # sparse rows
+    for block, rows in ((64, None), (16, 3)):
+        if rows:
+            monkeypatch.setattr(dsa, "SCORE_BYTES", rows * len(ids) * 4)
+        got = idx.select_kernels(x, q_resid, pos, keys, pos0, dsa.paged_scores_reference, dsa.topk_positions,
+                                 block=block)
+        assert torch.equal(got, want), (block, rows)
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        return
+    from exl3tools.kernels import dsa_indexer as di
+
+    r = slice(len(ids) - 8, len(ids))
+    got = idx.select_kernels(x[r], q_resid[r], pos[r], keys.half(), pos0 + r.start, di.paged_scores_tc, di.topk_select)
+    assert torch.equal(got.sum(1), want[r].sum(1)) and (got != want[r]).sum(1).max() <= 2

@@ -96,6 +96,32 @@ class Indexer:
         self.last_selection = keep
         return keep
 
+    def select_kernels(self, x, q_resid, pos, keys, pos0, score_fn, topk_fn, block: int = 64) -> torch.Tensor:
+        """``select`` through the decode step's kernels (``score_fn``/``topk_fn`` as in
+        ``select_paged``): ``keys`` (L, D_i) padded into one table of ``block``-key blocks that
+        every row shares, each row its own causal length. The same mask as ``select`` up to the
+        scores' summation order, without the (rows, heads, L) float32 logits or a sort. ``block`` is
+        fixed so that the kernels compile once, not once per history length."""
+        self._to(x.device)
+        n, L, D = x.shape[0], keys.shape[0], keys.shape[1]
+        nb = -(-L // block)
+        plane = keys.new_zeros(nb * block, D)
+        plane[:L] = keys
+        plane = plane.view(nb, block, D)
+        table = torch.arange(nb, dtype=torch.int32, device=x.device)
+        keep = torch.zeros(n, nb * block + 1, dtype=torch.bool, device=x.device)   # + a column for -1
+        step = max(1, SCORE_BYTES // (nb * block * 4))
+        for r0 in range(0, n, step):
+            r = slice(r0, min(n, r0 + step))
+            q, w = self.queries(x[r], None if q_resid is None else q_resid[r], pos[r])
+            m = q.shape[0]
+            ctx = torch.arange(pos0 + r0 + 1, pos0 + r0 + m + 1, dtype=torch.int32, device=x.device)
+            sel = topk_fn(score_fn(q, w, plane, table.expand(m, nb), ctx, self.scale), ctx, self.topk)
+            keep[r].scatter_(1, torch.where(sel >= 0, sel, nb * block).long(), True)
+        keep = keep[:, :L]
+        self.last_selection = keep
+        return keep
+
     def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, kidx: torch.Tensor,
                      tables: torch.Tensor, ctx: torch.Tensor, score_fn=None, topk_fn=None) -> torch.Tensor:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:

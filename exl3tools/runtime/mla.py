@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from exl3tools.errors import UnsupportedArchitectureError
+from exl3tools.runtime import preview
 
 CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
 # Prompts of at least SDPA_MIN_ROWS rows attend through decompressed K/V and torch's fused attention
@@ -181,7 +182,7 @@ class MLAttention:
             keep = None
             if self.index_topk and L > self.index_topk:                        # exllamav3: sparse iff
                 if self.indexer is not None:                                   # visible > index_topk
-                    keep = self.indexer.select(x[r], q_resid[r], pos[r], full[CACHE_KIDX], sp.pos)
+                    keep = self._select(x[r], q_resid[r], pos[r], full[CACHE_KIDX], sp.pos)
                     shared[si] = keep
                 elif self.dsa_shared:
                     keep = shared.get(si)
@@ -213,6 +214,17 @@ class MLAttention:
         q = torch.cat((q_nope, q_pe), -1).transpose(0, 1)[None]                # (1, H, n, nope + rope)
         mask = None if allowed is None else allowed[None, None]
         return self._sdpa_decompressed(q.to(dt), cc.to(dt)[None], kp.to(dt)[None], mask)[0]
+
+    def _select(self, x, q_resid, pos, keys, pos0) -> torch.Tensor:
+        """A prompt span's DSA mask: on CUDA under EXL3TOOLS_DSA_PREFILL_KERNELS=1 (a preview)
+        through the decode step's score and top-k kernels, else ``Indexer.select`` (float32
+        logits of every row, head and key, then a sort)."""
+        if x.device.type == "cuda" and preview.switched_on("dsa_prefill_kernels"):
+            from exl3tools.runtime.paged_decode import mla_attention_fn
+
+            _, score_fn, topk_fn = mla_attention_fn(x.device)
+            return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn, topk_fn)
+        return self.indexer.select(x, q_resid, pos, keys, pos0)
 
     def attend_fresh(self, fresh: FreshPrompts, q_nope: torch.Tensor, q_pe: torch.Tensor,
                      new: dict[str, torch.Tensor], out: torch.Tensor) -> None:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import os
 
-SWITCHES: dict[str, str] = {}    # name -> variable: off on CUDA unless "1" (none pending now)
+SWITCHES = {    # name -> variable: off on CUDA unless "1"
+    # a long prompt's DSA selection through the decode step's kernels (Indexer.select_kernels:
+    # tensor-core scores, the Triton top-k) instead of float32 logits of every row, head and key
+    # and a sort; a 30000-token GLM-5 prompt took 5.6 s on the H200 (2026-12-02), 27k tok/s at 2048
+    "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
+}
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"

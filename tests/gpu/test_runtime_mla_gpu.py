@@ -127,3 +127,34 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     err = ((got.to(d) - want).abs().max() / want.abs().max()).item()
     print("decompressed vs absorbed float64", heads, prefix, err)
     assert got.shape == (n, heads, v_dim) and err < 1e-2, err
+
+
+def test_prompt_dsa_selection_through_the_decode_kernels_on_cuda(dev):
+    """Indexer.select_kernels on CUDA (the EXL3TOOLS_DSA_PREFILL_KERNELS path: tensor-core scores
+    and the top-k kernels over the history as one padded table) keeps the keys Indexer.select
+    keeps, up to near-ties of the summation order: 96 prompt rows over a 5000-token history."""
+    import torch
+
+    from exl3tools.runtime import paged_decode
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    r = load_runner(fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model", device="cuda", backend="triton",
+                    max_cache_tokens=4096)
+    attn = next(layer.attn for layer in r.model.layers if getattr(layer.attn, "indexer", None) is not None)
+    idx, cuda = attn.indexer, torch.device("cuda")
+    L, n = 5000, 96
+    with torch.inference_mode():
+        x_hist = torch.randn(L, r.model.info.hidden_size, device=cuda, generator=torch.Generator(cuda).manual_seed(0))
+        keys = idx.keys(x_hist, torch.arange(L, device=cuda))          # fp16-exact float32
+        x = x_hist[-n:]
+        q_resid = attn._queries(x)[1]
+        pos, pos0 = torch.arange(L - n, L, device=cuda), L - n
+        want = idx.select(x, q_resid, pos, keys, pos0)
+        _, score_fn, topk_fn = paged_decode.mla_attention_fn(cuda)
+        got = idx.select_kernels(x, q_resid, pos, keys.half(), pos0, score_fn, topk_fn)
+    r.close()
+    assert torch.equal(got.sum(1), want.sum(1)) and int(want[0].sum()) == idx.topk
+    assert (got != want).sum(1).max().item() <= 4 and (got == want).all(1).float().mean().item() > 0.5
