@@ -160,6 +160,43 @@ __device__ __forceinline__ void ldg32_if(uint32_t& v, const uint32_t* p, bool pr
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// ------------------------------------------------------------------ shared by the GEMM bodies
+// The lane's running pointers to its NL words of the first tile of n-tile j0 at k-tile i0; each
+// load_tiles call reads one tile row (NT n-tiles) and advances them a tile row (loads go in k order).
+__device__ __forceinline__ void weight_ptrs(const uint32_t* tr, int i0, size_t row_stride, int j0, int word,
+                                            const uint32_t* (&wp)[NL]) {
+#pragma unroll
+    for (int m = 0; m < NL; m++) wp[m] = tr + (size_t)i0 * row_stride + (size_t)j0 * NW + (word + m) % NW;
+}
+template <int NT>
+__device__ __forceinline__ void load_tiles(uint32_t (&wb)[NT][NL], const uint32_t* (&wp)[NL], size_t row_stride,
+                                           bool pred) {
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int m = 0; m < NL; m++) ldg32_if(wb[j][m], wp[m] + j * NW, pred);
+#pragma unroll
+    for (int m = 0; m < NL; m++) wp[m] += row_stride;
+}
+// acc rows row0 + m (m < valid) += the D fragments: d0, d1 = n g, rows 2t, 2t+1; d2, d3 = n g + 8, same rows
+template <int MB, int NT>
+__device__ __forceinline__ void add_fragments(float* __restrict__ acc, const float (&c)[MB][NT][4], int row0,
+                                              int valid, int n, int j0, int g, int t) {
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int m = 8 * mb + 2 * t + q;
+            if (m >= valid) continue;
+            float* out = acc + (size_t)(row0 + m) * n + (size_t)j0 * 16 + g;
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                red1(out + 16 * j, c[mb][j][q]);
+                red1(out + 16 * j + 8, c[mb][j][2 + q]);
+            }
+        }
+}
+
 // ------------------------------------------------------------------ skinny GEMM
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
 // trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot). Work unit per warp: NT adjacent n-tiles x a k-range.
@@ -192,10 +229,8 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     lane_origin(lane, word, off);
     const int j0 = grp * NT;
     const size_t row_stride = (size_t)nt * NW;   // uint32 per tile row
-    // running per-lane pointers, advanced one tile row per load (loads go in k order)
     const uint32_t* wp[NL];
-#pragma unroll
-    for (int m = 0; m < NL; m++) wp[m] = tr + (size_t)i0 * row_stride + (size_t)j0 * NW + (word + m) % NW;
+    weight_ptrs(tr, i0, row_stride, j0, word, wp);
     // B fragment (xᵀ): lane feeds activation row 8mb + g, k = 2t, 2t+1 and 2t+8, 2t+9 of the tile
     const uint32_t* xr[MB];
     bool xv[MB];
@@ -222,14 +257,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 #pragma unroll
         for (int mb = 0; mb < MB; mb++) xb[p][mb][0] = xb[p][mb][1] = 0u;
     // loads are predicated, never branched around; pointers advance regardless (never read past)
-    auto load_w = [&](int p, bool pred) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int m = 0; m < NL; m++) ldg32_if(wb[p][j][m], wp[m] + j * NW, pred);
-#pragma unroll
-        for (int m = 0; m < NL; m++) wp[m] += row_stride;
-    };
+    auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
     auto load_x = [&](int p, bool pred) {
 #pragma unroll
         for (int mb = 0; mb < MB; mb++) {
@@ -268,20 +296,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P - 1; p++)
         if (p < count - it) step(p);
 
-    // D fragment: d0, d1 = n g, rows 2t, 2t+1; d2, d3 = n g + 8, same rows
-#pragma unroll
-    for (int mb = 0; mb < MB; mb++)
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int m = 8 * mb + 2 * t + q;
-            if (m >= rows) continue;
-            float* out = acc + (size_t)(z * rows + m) * n + (size_t)j0 * 16 + g;
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                red1(out + 16 * j, c[mb][j][q]);
-                red1(out + 16 * j + 8, c[mb][j][2 + q]);
-            }
-        }
+    add_fragments<MB, NT>(acc, c, z * rows, rows, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ prefill tiles (x staged in shared memory)
@@ -339,8 +354,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
     const int j0 = grp * NT;
     const size_t row_stride = (size_t)nt * NW;
     const uint32_t* wp[NL];
-#pragma unroll
-    for (int m = 0; m < NL; m++) wp[m] = tr + (size_t)i0 * row_stride + (size_t)j0 * NW + (word + m) % NW;
+    weight_ptrs(tr, i0, row_stride, j0, word, wp);
 
     float c[MB][NT][4];
 #pragma unroll
@@ -352,14 +366,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
 
     const Consts kc;
     uint32_t wb[P][NT][NL];
-    auto load_w = [&](int p, bool pred) {
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int m = 0; m < NL; m++) ldg32_if(wb[p][j][m], wp[m] + j * NW, pred);
-#pragma unroll
-        for (int m = 0; m < NL; m++) wp[m] += row_stride;
-    };
+    auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
     // chunk ch = k-tiles i0 + P ch .. + P - 1 of the slot's MROWS rows: 16-byte copies, P * 2 a row
     const half* xh = reinterpret_cast<const half*>(xrot);
     const size_t krow = (size_t)kt * 16;
@@ -419,19 +426,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
         __syncthreads();                   // every warp is done with buf before chunk ch + 2 refills it
     }
 
-#pragma unroll
-    for (int mb = 0; mb < MB; mb++)
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int m = 8 * mb + 2 * t + q;
-            if (m >= nr) continue;
-            float* out = acc + (size_t)(z * rows + m) * n + (size_t)j0 * 16 + g;
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                red1(out + 16 * j, c[mb][j][q]);
-                red1(out + 16 * j + 8, c[mb][j][2 + q]);
-            }
-        }
+    add_fragments<MB, NT>(acc, c, z * rows, nr, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
