@@ -406,7 +406,8 @@ class CudaExperts:
         tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
         come out as bias). Each tile decodes its expert's weights once for all its rows.
         ``out_dtype``: fp16 or fp32 straight from the output pass (default x's). ``kernel``: a
-        TILE_KERNELS entry (benches), else the shared-memory one where switched on, else gemv.
+        TILE_KERNELS entry (benches), else the shared-memory one for PREFILL_TILE_ROWS (unless
+        EXL3TOOLS_PREFILL_TILES=0), else gemv.
         ``counts`` (NT,): the rows of each tile that are real; with a shared-memory kernel the rest
         are skipped by all three launches and come out undefined (the gemv kernel ignores it)."""
         N = row_exp.shape[0]
