@@ -1,5 +1,6 @@
 // EXL3 trellis kernels for Hopper (sm_90a): skinny GEMM (rows <= 64, dense or one row per MoE
-// slot), bit-exact decode of Ŵ, and the two 128-point Hadamard passes. exl3-format.md §5 is the
+// slot), MoE prefill tiles with the activations in shared memory, bit-exact decode of Ŵ, and the
+// two 128-point Hadamard passes. exl3-format.md §5 is the
 // spec; kernels/reference.py is the oracle the tests compare against.
 //
 // One module is built per (K2, CB) (-DK2=..., -DCB=...): K2 = trellis width / 8 (2K for integer
@@ -300,14 +301,16 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 }
 
 // ------------------------------------------------------------------ prefill tiles (x staged in shared memory)
-// The same contract, units and MMA as gemv_body, for tiles of 16-128 rows (MoE prefill): the four
+// The same contract, units and MMA as gemv_body, for tiles of 32-128 rows (MoE prefill): the four
 // warps of a block are four adjacent n-groups of one slot and k-range, so they share the
 // activations. Where gemv_body has every lane fetch its B fragments from global memory (2 loads
 // per 8 rows and k-tile, and P stages of them in registers: 221 registers at 64 rows, 8 warps an
 // SM), here the block copies P k-tiles x MROWS rows into shared memory with cp.async (double
 // buffered) and each warp reads its fragments with ldmatrix.x4 (one per 16 rows and k-tile).
 // Rows >= rows are zero-filled. A slot's tile decodes its expert's weights once for all MROWS
-// rows, so 128-row tiles decode an expert with ~100 pairs once instead of twice. tile_n (or null):
+// rows; 128-row tiles would decode an expert with ~100 pairs once instead of twice, but at one
+// n-tile a warp they read twice the shared memory per MMA and measured slower (H200: 5.31 vs 3.97
+// ms at 64 rows for one GLM-5 projection at 2048 tokens), so the runtime takes 64. tile_n (or null):
 // the valid rows of each slot; rows past it are zero-filled too and never added to acc, so the
 // Hadamard passes may skip them (a MoE prefill's tiles are about half padding).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
