@@ -2,7 +2,7 @@
 exllamav3's Generator on the same checkpoint, in the same run.
 
     python3 bench/gpu_serve.py CKPT [--device cuda] [--config NAME:ARGS ...] [--tokens 128] [--repeats 3]
-        [--streams 8,32] [--prompt-len 2048] [--ctx 4096] [--ctx-streams 1,8] [--exllamav3 auto|on|off]
+        [--streams 8,32] [--prompt-len 2048] [--ctx 4096[,30000]] [--ctx-streams 1,8] [--exllamav3 auto|on|off]
         [--json OUT.json] [--out DIR]
 
 Per ``--config NAME:ARGS`` (default ``ml32k:--max-context 32768``; leading ``EXL3TOOLS_X=V`` words
@@ -21,7 +21,7 @@ Before timing (unless ``--no-warmup``): 8-token completions at every batch size 
    last token), and the median per-stream decode tok/s;
 3. TTFT of ``--prompt-len`` prompts, max_tokens 1: median of ``--ttft-prompts`` distinct prompts (cold)
    and of the same prompts sent again (prefix-cache hit, where the engine has one);
-4. decode with ``--ctx``-token prompts for N in ``--ctx-streams``: tokens produced while every stream
+4. decode with ``--ctx``-token prompts (each value in turn) for N in ``--ctx-streams``: tokens produced while every stream
    is past its prefill and none has finished, over that window (prefill excluded; falls back to
    tokens after each stream's first over first first token -> last token when the window holds
    fewer than 2 tokens per stream); one stream: ``--repeats`` times, median;
@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port  # noqa: E402
 from gpu_e2e_model import make_prompts, parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
-from serve_report import summarize, tables  # noqa: E402
+from serve_report import ctx_cases, summarize, tables  # noqa: E402
 
 PAGE = 256                       # exllamav3's cache page, tokens
 SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51}
@@ -222,19 +222,20 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print)
     after_phase("ttft", res)
 
     res["ctx"] = {}
-    for n in a.ctx_streams:
-        ps = make_prompts(n, a.ctx, vocab, SEEDS["ctx"] + n)
+    for key, n, c in ctx_cases(a):
+        ps = make_prompts(n, c, vocab, SEEDS["ctx"] + n)
         reps = a.repeats if n == 1 else 1
         groups = [group_stats(run(ps, T)) for _ in range(reps)]
         g = dict(groups[-1])
         if reps > 1:
             g["repeats"] = [x["decode_tok_s"] for x in groups]
             g["decode_tok_s"] = _median(g["repeats"])
-        res["ctx"][n] = g
-        log(f"  {n} stream{'s' if n > 1 else ''} @ctx{a.ctx}: {g['decode_tok_s'] or 0:.1f} tok/s decode ({g['decode_method']}), "
+        res["ctx"][key] = g
+        log(f"  {n} stream{'s' if n > 1 else ''} @ctx{c}: {g['decode_tok_s'] or 0:.1f} tok/s decode ({g['decode_method']}), "
             f"TTFT median {g['ttft_ms_median']:.0f} ms")
-        after_phase(f"ctx_{n}", res)
+        after_phase(f"ctx_{key}", res)
     return res
+
 
 
 def check_streams(streams: list[Stream], max_tokens: int, usage: list[int | None] | None = None,
@@ -367,15 +368,15 @@ def scrape_metrics(text: str) -> list[str]:
 def budget_notes(a, name: str, stats: dict | None, max_model_len: int | None) -> list[str]:
     notes = []
     need = {f"{n} streams": n * (a.short_prompt_len + a.tokens) for n in a.streams}
-    need |= {f"{n} stream(s) @ctx{a.ctx}": n * (a.ctx + a.tokens) for n in a.ctx_streams}
+    need |= {f"{n} stream(s) @ctx{c}": n * (c + a.tokens) for _, n, c in ctx_cases(a)}
     budget = (stats or {}).get("cache_tokens_budget")
     if budget:
         for case, k in need.items():
             if k > budget:
                 notes.append(f"{name}: {case} needs {k} KV tokens > the server's budget {budget}: it queues or "
                              "preempts (raise --max-cache-tokens)")
-    if max_model_len and max(a.ctx, a.prompt_len) + a.tokens > max_model_len:
-        notes.append(f"{name}: max_model_len {max_model_len} < {max(a.ctx, a.prompt_len) + a.tokens}")
+    if max_model_len and max(*a.ctx, a.prompt_len) + a.tokens > max_model_len:
+        notes.append(f"{name}: max_model_len {max_model_len} < {max(*a.ctx, a.prompt_len) + a.tokens}")
     return notes
 
 
@@ -553,7 +554,7 @@ def exllamav3_usable(a) -> tuple[bool, str]:
 
 
 def exllamav3_cache_tokens(a) -> int:
-    longest = max(a.ctx, a.prompt_len, a.short_prompt_len)
+    longest = max(*a.ctx, a.prompt_len, a.short_prompt_len)
     return round_pages(max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens))
 
 
@@ -650,7 +651,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--short-prompt-len", type=int, default=32, help="prompt tokens of the decode phases")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens of the TTFT phase")
     ap.add_argument("--ttft-prompts", type=int, default=3, help="distinct cold TTFT prompts (median)")
-    ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens of the long-context decode phase")
+    ap.add_argument("--ctx", type=parse_ints, default=[4096],
+                    help="prompt tokens of the long-context decode phases, e.g. 4096,30000 (one phase each)")
     ap.add_argument("--ctx-streams", type=parse_ints, default=[1, 8])
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up requests (each batch size, one long prefill) before timing")
@@ -666,7 +668,7 @@ def parse_args(argv: list[str] | None):
     names = [n for n, _ in a.configs]
     if len(set(names)) != len(names) or "exllamav3" in names:
         ap.error("config names must be distinct and not 'exllamav3'")
-    if min(a.tokens, a.repeats, a.short_prompt_len, a.prompt_len, a.ttft_prompts, a.ctx) < 1 or a.tokens < 2:
+    if min(a.tokens, a.repeats, a.short_prompt_len, a.prompt_len, a.ttft_prompts, *a.ctx) < 1 or a.tokens < 2:
         ap.error("--tokens >= 2; --repeats, --short-prompt-len, --prompt-len, --ttft-prompts, --ctx >= 1")
     if not (Path(a.ckpt) / "config.json").is_file():
         ap.error(f"{a.ckpt}: no config.json (a checkpoint directory)")

@@ -4,11 +4,17 @@ ours / exllamav3 per column, from each measurement's summary."""
 from __future__ import annotations
 
 
+def ctx_cases(a) -> list[tuple]:
+    """(result key, streams, prompt tokens) of the long-context phases: keyed by the stream count
+    alone when ``--ctx`` has one value (the tables and JSON as before), else "N@CTX"."""
+    return [(n if len(a.ctx) == 1 else f"{n}@{c}", n, c) for c in a.ctx for n in a.ctx_streams]
+
+
 def columns(a) -> list[tuple[str, str]]:
     """(summary key, table header) in table order."""
     cols = [("single_tok_s", "1 stream tok/s")]
     cols += [(f"streams_{n}_tok_s", f"{n} streams") for n in a.streams]
-    cols += [(f"ctx_{n}_tok_s", f"{n} stream{'s' if n > 1 else ''} @ctx{a.ctx}") for n in a.ctx_streams]
+    cols += [(f"ctx_{key}_tok_s", f"{n} stream{'s' if n > 1 else ''} @ctx{c}") for key, n, c in ctx_cases(a)]
     cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
              ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
     return cols

@@ -109,6 +109,15 @@ def test_parse_config_and_cache_size(small):
     assert gs.exllamav3_cache_tokens(a) == 512 and a.vocab == 2048
     with pytest.raises(SystemExit):
         gs.parse_args([str(small), "--config", "a:", "--config", "a:--max-batch 4"])
+    # several --ctx values: one phase each, keyed N@CTX, one column each, the longest sizes the cache
+    import serve_report
+
+    a = gs.parse_args([str(small), *TINY[:-6], "--ctx", "128,192", "--ctx-streams", "1,2", "--repeats", "1"])
+    assert serve_report.ctx_cases(a) == [("1@128", 1, 128), ("2@128", 2, 128), ("1@192", 1, 192), ("2@192", 2, 192)]
+    assert [h for k, h in serve_report.columns(a) if k.startswith("ctx_")] == [
+        "1 stream @ctx128", "2 streams @ctx128", "1 stream @ctx192", "2 streams @ctx192"]
+    assert gs.exllamav3_cache_tokens(a) >= 2 * (192 + 8)
+    assert serve_report.summarize({"ctx": {"2@192": {"decode_tok_s": 5.0}}}) == {"ctx_2@192_tok_s": 5.0}
 
 
 def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
