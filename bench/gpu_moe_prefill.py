@@ -13,7 +13,7 @@ reference of the first 4 experts' rows):
   global memory;
 - ``exl3_tiles_m*``: each shared-memory tile kernel (cuda_exl3.TILE_KERNELS; the runtime's prefill
   takes the 64-row one unless EXL3TOOLS_PREFILL_TILES=0) on tiles of its own rows, padding rows
-  skipped;
+  skipped; ``fused_out``: the 64-row one with the output pass inside it (EXL3TOOLS_TILES_EPILOGUE);
 - ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
 - ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
   k) x (E, k, n): the tensor-core floor without any decode;
@@ -68,6 +68,7 @@ def run(shape: str, T: int, kbits: int) -> dict:
     row["floor_ms"] = E * k * n * kbits / 8 / HBM * 1e3
 
     cu = cuda_exl3.CudaExperts(ts, "mul1", "cuda")
+    cu.smem_tiles = cu.fused_out = False          # the baseline column: the gemv kernel on every tile
     rows = tile_rows(S, E)
     tile_exp, row_exp, slot, valid = expert_tiles(exp, E, rows)
     src = torch.where(valid, tok[slot.clamp(max=S - 1)], 0)
@@ -91,6 +92,15 @@ def run(shape: str, T: int, kbits: int) -> dict:
         y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
         y[sl[va]] = cu.tiles(x, sr, re_, te, mrows, kernel=kernel, counts=cnt)[va]
         smem[kernel] = y
+        if mrows == 64:   # and with the output pass fused into it (EXL3TOOLS_TILES_EPILOGUE), where one split
+            cu.fused_out = True
+            if cu._fused_out(kernel, x.dtype, te.shape[0]) is not None:
+                row["fused_out_ms"] = cuda_time(lambda te=te, re_=re_, sr=sr, kn=kernel, cnt=cnt:
+                                                cu.tiles(x, sr, re_, te, 64, kernel=kn, counts=cnt))
+                y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
+                y[sl[va]] = cu.tiles(x, sr, re_, te, 64, kernel=kernel, counts=cnt)[va]
+                smem["fused_out"] = y
+            cu.fused_out = False
 
     tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")
     for bm in (16, 32, 64):
@@ -135,7 +145,7 @@ def main(argv=None) -> int:
     rows = []
     from exl3tools.kernels.cuda_exl3 import TILE_KERNELS
 
-    smem = list(TILE_KERNELS.values())
+    smem = [*TILE_KERNELS.values(), "fused_out"]
     print("| shape | tokens | pairs | tile rows | cuda tiles ms | " + " | ".join(k.replace("exl3_tiles_", "smem ")
                                                                        for k in smem) +
           " | triton bm16 | bm32 | bm64 | decode all ms | dense bmm ms | HBM floor ms | err cuda | err smem max | err triton |")
@@ -146,7 +156,7 @@ def main(argv=None) -> int:
 
         def f(key, r=r):
             return f"{r[key]:.3f}" if key in r else r.get(key.replace("_ms", "_error"), "-")
-        err_smem = max(r[f"err_{k}"] for k in smem)
+        err_smem = max(r[f"err_{k}"] for k in smem if f"err_{k}" in r)
         print(f"| {r['shape']} | {T} | {r['pairs']} | {r['tile_rows']} | {f('cuda_tiles_ms')} | "
               + "".join(f"{f(k + '_ms')} | " for k in smem) +
               f"{f('triton_bm16_ms')} | {f('triton_bm32_ms')} | {f('triton_bm64_ms')} | {f('decode_ms')} | "

@@ -285,16 +285,19 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
         if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
-    groups = nt // nt_per
-    # split K so that all units are resident at once (one wave: no tail of half-empty SMs)
-    resident = _sm_count(xrot.device) * mod.blocks_per_sm(name, 128) * 4
+    kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
+    args = (xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units) + (() if kernel is None else (tile_n,))
+    mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
+
+
+def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
+    """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
+    are resident at once (one wave: no tail of half-empty SMs); units == groups: one split."""
+    resident = _sm_count(device) * mod.blocks_per_sm(name, 128) * 4
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
-    splits = -(-kt // kps)
-    units = groups * splits
-    args = (xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units) + (() if kernel is None else (tile_n,))
-    mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
+    return kps, groups, groups * -(-kt // kps)
 
 
 def decode_t(mod: Module, trellis: torch.Tensor) -> torch.Tensor:
@@ -388,6 +391,17 @@ class CudaExperts:
         # tiles of up to this many rows (runtime.layers.tile_rows)
         self.smem_tiles = preview.switched_on("prefill_tiles")
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
+        self.fused_out = preview.switched_on("tiles_epilogue")
+
+    def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
+        """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
+        the EXL3TOOLS_TILES_EPILOGUE preview is on, ``kernel`` is the 64-row tile kernel, y is fp16
+        or fp32, and the launch takes one split (else None: tile kernel + had_out)."""
+        if not self.fused_out or kernel != TILE_KERNELS[64] or out_dtype not in _SUFFIX:
+            return None
+        name = f"exl3_tiles_out_m64_t2_{_SUFFIX[out_dtype]}"
+        kps, groups, units = _units(self.mod, name, self.device, self.kt, self.nt // 2, slots)
+        return (name, kps, groups) if units == groups else None
 
     def _tile_kernel(self, rows: int) -> str | None:
         if not self.smem_tiles or rows < min(PREFILL_TILE_ROWS):
@@ -421,6 +435,13 @@ class CudaExperts:
         kernel = kernel or self._tile_kernel(rows)
         tn = None if kernel is None or counts is None else counts.to(torch.int32).contiguous()
         xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows)
+        fused = self._fused_out(kernel, out_dtype, tile_exp.shape[0])
+        if fused is not None:     # the output pass inside the tile kernel: no workspace, no had_out
+            name, kps, groups = fused
+            y = torch.empty(N, self.n, dtype=out_dtype, device=self.device)
+            self.mod.launch(name, (groups // 4, tile_exp.shape[0]), 128, xrot, self.tr_tab, texp32, None, rows,
+                            self.kt, self.nt, kps, groups, groups, tn, y, self.svh_tab, self.bias_tab, pdl=PDL)
+            return y
         acc = workspace(self.device, N * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
              kernel=kernel, tile_n=tn)

@@ -15,6 +15,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # tensor-core scores, the Triton top-k) instead of float32 logits of every row, head and key
     # and a sort; a 30000-token GLM-5 prompt took 5.6 s on the H200 (2026-12-02), 27k tok/s at 2048
     "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
+    # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
+    # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
+    # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's
+    # 75 ms on the H200 (2026-12-02)
+    "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -16,6 +16,7 @@
 // per state, 1 multiply, 1 dp4a (MUL1) or LOP3 (3INST/MCG), and half an fp16 op, then the MMA.
 
 #include <cuda_fp16.h>
+#include <type_traits>
 #include <stdint.h>
 
 #ifndef K2
@@ -326,15 +327,29 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* smem) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
 }
 
-template <int MROWS, int NT, int P>
+constexpr int YS = 132;   // floats per row of the epilogue's staged outputs (128 + 4: conflict-free writes)
+template <int MB, typename TY>
+__device__ __forceinline__ void tiles_epilogue(const float (&c)[MB][2][4], float (&ys)[32][YS], TY* __restrict__ y,
+                                               const half* __restrict__ svh, const half* __restrict__ bias,
+                                               int row0, int nr, int n, int col0);
+
+// OUT 0: partial sums into acc (had_out follows); OUT 1 / 2: a whole k-range (one split) and NT 2,
+// so the block holds 128 whole columns of its rows: the output Hadamard, svh and bias run here on
+// the block's sums staged in shared memory and y (fp16 / fp32) is written directly; no workspace
+// traffic, no had_out launch (tiles_epilogue).
+template <int MROWS, int NT, int P, int OUT = 0>
 __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                            const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
                                            int kt, int nt, int kps, int n_groups, int n_units,
-                                           const int* __restrict__ tile_n) {
+                                           const int* __restrict__ tile_n, void* __restrict__ y = nullptr,
+                                           const uint64_t* __restrict__ svh_ptrs = nullptr,
+                                           const uint64_t* __restrict__ bias_ptrs = nullptr) {
     constexpr int MB = MROWS / 8;          // 8-row blocks (even: one ldmatrix.x4 feeds two)
     constexpr int XS = P * 16 + 8;         // halves per staged row: P k-tiles + 16 B (ldmatrix rows hit distinct banks)
     static_assert(MB % 2 == 0 && (MROWS * 2 * P) % 128 == 0, "tile shape");
+    static_assert(OUT == 0 || (NT == 2 && MROWS % 32 == 0), "the epilogue needs 128 columns a block");
     __shared__ __align__(16) half xs[2][MROWS][XS];
+    __shared__ __align__(16) float ys[OUT ? 32 : 1][OUT ? YS : 4];
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
     const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -429,7 +444,14 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
         __syncthreads();                   // every warp is done with buf before chunk ch + 2 refills it
     }
 
-    add_fragments<MB, NT>(acc, c, z * rows, nr, n, j0, g, t);
+    if constexpr (OUT == 0) {
+        add_fragments<MB, NT>(acc, c, z * rows, nr, n, j0, g, t);
+    } else {
+        const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
+        using TY = typename std::conditional<OUT == 1, half, float>::type;
+        tiles_epilogue<MB, TY>(c, ys, reinterpret_cast<TY*>(y), reinterpret_cast<const half*>(svh_ptrs[e]), bias,
+                               z * rows, nr, n, j0 * 16 - (threadIdx.x >> 5) * 32);
+    }
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
@@ -519,6 +541,43 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 // xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
 // src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0. x is fp16 or fp32 (the runtime's
 // activations), so no conversion kernel runs before it.
+// tiles_body's fused output pass, rows 32 at a time: each warp stages its two n-tiles' sums (D
+// fragments) in ys, then each warp takes whole rows as had_out_body does (lane L: columns
+// 4L..4L+3 of the block's 128, H128 across the warp, then 1/sqrt(128), svh and bias): the same
+// operations in the same order on the same fp32 sums (one split: acc would have held exactly c).
+template <int MB, typename TY>
+__device__ __forceinline__ void tiles_epilogue(const float (&c)[MB][2][4], float (&ys)[32][YS], TY* __restrict__ y,
+                                               const half* __restrict__ svh, const half* __restrict__ bias,
+                                               int row0, int nr, int n, int col0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
+    load4(svh + col0 + 4 * lane, sv);
+    if (bias) load4(bias + col0 + 4 * lane, bv);
+#pragma unroll
+    for (int h = 0; h < MB / 4; h++) {
+        __syncthreads();                   // the previous pass's rows are read
+#pragma unroll
+        for (int mb = 0; mb < 4; mb++)
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    ys[8 * mb + 2 * t + q][32 * warp + 16 * j + g] = c[4 * h + mb][j][q];
+                    ys[8 * mb + 2 * t + q][32 * warp + 16 * j + g + 8] = c[4 * h + mb][j][2 + q];
+                }
+        __syncthreads();
+        for (int r = warp; r < 32 && 32 * h + r < nr; r += 4) {
+            float v[4];
+            load4(&ys[r][4 * lane], v);
+            fwht128(v);
+#pragma unroll
+            for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
+            store4(y + (size_t)(row0 + 32 * h + r) * n + col0 + 4 * lane, v);
+        }
+    }
+}
+
 template <typename TX>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
@@ -608,6 +667,19 @@ GEMV(64, 2)
 TILES(32, 2, 4)
 TILES(64, 2, 3)
 TILES(128, 1, 3)
+// TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
+#ifndef EXL3_HOST_TEST
+#define TILES_OUT(MROWS, MINB, SUFFIX, OUT)                                                          \
+    extern "C" __global__ void __launch_bounds__(128, MINB) exl3_tiles_out_m##MROWS##_t2_##SUFFIX(     \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
+        int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n, void* y,               \
+        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs) {                                        \
+        tiles_body<MROWS, 2, 4, OUT>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units, \
+                                     tile_n, y, svh_ptrs, bias_ptrs);                                 \
+    }
+TILES_OUT(64, 3, f16, 1)
+TILES_OUT(64, 3, f32, 2)
+#endif
 
 #ifndef EXL3_HOST_TEST
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt) {

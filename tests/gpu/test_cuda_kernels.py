@@ -150,6 +150,48 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     assert cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda").max_tile_rows == 64
 
 
+@pytest.mark.parametrize("out", ["float16", "float32"])
+def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
+    """EXL3TOOLS_TILES_EPILOGUE=1: the 64-row tile kernel applies the output Hadamard, svh and bias
+    itself when a launch takes one split (k = 128: one split whatever the slots): the real rows
+    equal the tile kernel + had_out bit for bit (the same fp32 operations in the same order), and
+    both equal the reference; with k = 4096 (several splits) it falls back to had_out."""
+    import torch
+
+    from exl3tools.runtime.layers import expert_tiles
+
+    dt = getattr(torch, out)
+    rng = np.random.default_rng(7)
+    E, k, n, T, top = 5, 128, 384, 150, 2
+    lins = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
+    tensors = [_tensors(torch, *p) for p in lins]
+    x = rng.normal(0, 1, (T, k)).astype(np.float16)
+    exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
+    tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, 64)
+    src, counts = torch.where(valid, slot // top, 0), valid.view(-1, 64).sum(1)
+    xd = torch.from_numpy(x).cuda()
+    ys = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_TILES_EPILOGUE", flag)
+        ex = cx.CudaExperts(tensors, "mul1", "cuda")
+        assert (ex._fused_out(cx.TILE_KERNELS[64], dt, tile_exp.shape[0]) is not None) == (flag == "1")
+        ys[flag] = ex.tiles(xd, src, row_exp, tile_exp, 64, out_dtype=dt, counts=counts)
+    v = valid.cpu()
+    assert torch.equal(ys["1"].cpu()[v], ys["0"].cpu()[v])
+    s_, re = slot.cpu().numpy()[v.numpy()], row_exp.cpu().numpy()[v.numpy()]
+    w = [ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64) for tr, suh, svh, _ in lins]
+    want = np.stack([x[s // top].astype(np.float64) @ w[e] + lins[e][3] for s, e in zip(s_, re, strict=True)])
+    assert _rel(ys["1"].float().cpu().numpy()[v.numpy()], want) < 2e-3
+    # several splits (a long k over few slots): the unfused kernel and had_out
+    tr, suh, svh, b = _lin(rng, 4096, 384, 48, bias=True)
+    one = cx.CudaExperts([_tensors(torch, tr, suh, svh, b)], "mul1", "cuda")
+    assert one._fused_out(cx.TILE_KERNELS[64], dt, 2) is None
+    xl = rng.normal(0, 1, (128, 4096)).astype(np.float16)
+    zeros = torch.zeros(128, dtype=torch.int64, device="cuda")
+    y = one.tiles(torch.from_numpy(xl).cuda(), None, zeros, zeros[:2], 64, out_dtype=dt).float().cpu().numpy()
+    assert _rel(y, xl.astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b) < 2e-3
+
+
 def test_graph_replay(cx):
     import torch
 
