@@ -1,8 +1,8 @@
 """Build the CUDA kernels of backend ``cuda``: one cubin per (K2, codebook), cached on disk.
 
-kernels/csrc/exl3_gemv.cu is compiled by nvcc with -DK2/-DCB for sm_90a (Hopper). Cubins are
-cached under ``EXL3TOOLS_CUDA_CACHE`` (default ~/.cache/exl3tools/cuda), named by a hash of the
-source and flags, so a folder of prebuilt cubins makes nvcc unnecessary at run time. No torch here:
+kernels/csrc/exl3_gemv.cu (with the csrc/*.cuh it includes) is compiled by nvcc with -DK2/-DCB for
+sm_90a (Hopper). Cubins are cached under ``EXL3TOOLS_CUDA_CACHE`` (default ~/.cache/exl3tools/cuda),
+named by a hash of the sources and flags, so a folder of prebuilt cubins makes nvcc unnecessary at run time. No torch here:
 
     python -m exl3tools.kernels.cuda_build        # prebuild every (K, codebook) in parallel
 """
@@ -44,8 +44,14 @@ def can_build() -> bool:
     return _nvcc() is not None or any(cache_dir().glob("exl3_gemv_*.cubin"))
 
 
+def sources() -> bytes:
+    """SRC and the headers beside it that it includes (csrc/*.cuh), in a fixed order: the cubins'
+    cache key, so an edit to any of them builds anew."""
+    return b"".join(p.read_bytes() for p in [SRC, *sorted(SRC.parent.glob("*.cuh"))])
+
+
 def cubin_path(k2: int, cb: int) -> Path:
-    key = hashlib.sha1(SRC.read_bytes() + repr((FLAGS, k2, cb)).encode()).hexdigest()[:16]
+    key = hashlib.sha1(sources() + repr((FLAGS, k2, cb)).encode()).hexdigest()[:16]
     return cache_dir() / f"exl3_gemv_k{k2}_c{cb}_{key}.cubin"
 
 

@@ -47,3 +47,18 @@ def test_host_bit_logic(tmp_path, k2):
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
     assert f"K2={k2} " in res.stdout and res.stdout.rstrip().endswith("ok"), res.stdout
+
+
+def test_cubin_key_covers_the_included_headers(tmp_path, monkeypatch):
+    """The cubins' cache key hashes exl3_gemv.cu and every csrc/*.cuh it includes: an edit to a
+    header (exl3_tiles.cuh) names a new cubin instead of loading a stale one."""
+    from exl3tools.kernels import cuda_build
+
+    src = tmp_path / "exl3_gemv.cu"
+    src.write_text('#include "exl3_tiles.cuh"\n')
+    (tmp_path / "exl3_tiles.cuh").write_text("// v1\n")
+    monkeypatch.setattr(cuda_build, "SRC", src)
+    first = cuda_build.cubin_path(6, 2).name
+    (tmp_path / "exl3_tiles.cuh").write_text("// v2\n")
+    assert cuda_build.cubin_path(6, 2).name != first
+    assert {p.name for p in SRC.parent.glob("*.cuh")} == {"exl3_tiles.cuh"}

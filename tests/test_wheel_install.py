@@ -66,7 +66,7 @@ def test_the_wheel_ships_the_demo_and_the_cuda_source(venv):
     import zipfile
 
     names = zipfile.ZipFile(venv["wheel"]).namelist()
-    assert "exl3tools/kernels/csrc/exl3_gemv.cu" in names
+    assert {"exl3tools/kernels/csrc/exl3_gemv.cu", "exl3tools/kernels/csrc/exl3_tiles.cuh"} <= set(names)
     assert "exl3tools/demo/glm4_moe-3.0bpw-mcg/model/model.safetensors" in names
     assert not any("goldens" in n for n in names)  # test data stays in the repository
 
