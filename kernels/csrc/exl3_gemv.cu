@@ -180,6 +180,15 @@ __device__ __forceinline__ void load_tiles(uint32_t (&wb)[NT][NL], const uint32_
 #pragma unroll
     for (int m = 0; m < NL; m++) wp[m] += row_stride;
 }
+template <int MB, int NT>
+__device__ __forceinline__ void zero_fragments(float (&c)[MB][NT][4]) {
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
+}
 // acc rows row0 + m (m < valid) += the D fragments: d0, d1 = n g, rows 2t, 2t+1; d2, d3 = n g + 8, same rows
 template <int MB, int NT>
 __device__ __forceinline__ void add_fragments(float* __restrict__ acc, const float (&c)[MB][NT][4], int row0,
@@ -244,12 +253,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     }
 
     float c[MB][NT][4];
-#pragma unroll
-    for (int mb = 0; mb < MB; mb++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
+    zero_fragments<MB, NT>(c);
 
     const Consts kc;
     uint32_t wb[P][NT][NL];

@@ -109,12 +109,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
     weight_ptrs(tr, i0, row_stride, j0, word, wp);
 
     float c[MB][NT][4];
-#pragma unroll
-    for (int mb = 0; mb < MB; mb++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
+    zero_fragments<MB, NT>(c);
 
     const Consts kc;
     uint32_t wb[P][NT][NL];
