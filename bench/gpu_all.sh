@@ -119,9 +119,11 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       --json "$L/mla_attention.json" > "$L/mla_attention.log" 2>&1
     el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
   fi
+  # glm5_flat: the GLM-5 shape with --flat-logits (every MTP draft accepted: MTP's upper bound)
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     d=/tmp/synth_$arch
-    [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
+    SYN="--arch $arch"; [ $arch = glm5_flat ] && SYN="--arch glm5 --flat-logits"
+    [ -d $d ] || python3 bench/synth_checkpoint.py $d $SYN > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
       timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
@@ -144,7 +146,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_prefill:EXL3TOOLS_DSA_PREFILL_KERNELS=1 --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
-      if [ $arch = glm5 ]; then for k in ${MLA_SPEC-1 2 3}; do
+      if [[ $arch == glm5* ]]; then for k in ${MLA_SPEC-1 2 3}; do
         CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k")
         [[ $V == *mtp_paged* ]] && CFG+=(--config "${arch}_mtp${k}_eager_head:EXL3TOOLS_MTP_PAGED=0 --max-model-len 32768 --speculative-tokens $k")
       done; fi

@@ -55,6 +55,7 @@ module-granular shards (`model-0000i-of-0000N.safetensors` + index).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -260,7 +261,7 @@ class Tensor:
     name: str
     dtype: str                 # safetensors dtype
     shape: tuple[int, ...]
-    kind: str                  # trellis | suh | svh | bias | marker | embed | norm | norm16 | normal | router | score_bias
+    kind: str                  # trellis | suh | svh | bias | marker | embed | norm | norm16 | normal | router | score_bias | zero
     real: int = 0              # svh: real out width (columns past it are 0)
     std: float = 0.0           # normal: F16 N(0, std^2)
 
@@ -481,6 +482,8 @@ class Source:
                 done += m
         elif t.kind == "norm":              # bf16 1.0 .. 1.12
             yield (0x3F80 | (self.u16(n) & 0x000F)).astype(np.uint16)
+        elif t.kind == "zero":              # --flat-logits: the norms before lm_head
+            yield np.zeros(n, dtype=np.uint16)
         elif t.kind == "norm16":            # fp16 1.0 .. 1.12 (DSA indexer k_norm, a LayerNorm)
             yield (1.0 + (self.u16(n) & 0x000F) / 128).astype(np.float16)
         elif t.kind == "normal":            # fp16 N(0, std^2): kv_b_proj, indexer wk / weights_proj / k_norm bias
@@ -508,9 +511,14 @@ class Source:
 def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layers: int | None = None,
                experts: int | None = None, bits: float = 3, head_bits: float = 6, mtp_bits: float = 4,
                mtp: bool = True, index_share: bool = False, grouped_routing: bool = False, codebook: str = "mul1",
-               small: bool = False, dims: dict | None = None) -> tuple[dict, dict, list[Module]]:
+               small: bool = False, dims: dict | None = None, flat_logits: bool = False) -> tuple[dict, dict, list[Module]]:
     """(config.json, quantization_config, leaf modules): the checkpoint as a value, nothing written.
-    ``mtp``, ``mtp_bits``: glm5 / deepseek_v3 only (glm4_moe gets no MTP layer, as the fixture)."""
+    ``mtp``, ``mtp_bits``: glm5 / deepseek_v3 only (glm4_moe gets no MTP layer, as the fixture).
+    ``flat_logits``: the norms before lm_head (``model.norm``, the MTP head's ``shared_head.norm``)
+    are zero, so every logit is exactly 0: greedy decoding yields token 0 from the model and its MTP
+    head alike and sampling is uniform under both, so every draft is accepted. The weights and the
+    work per token are as without it: the upper bound of what MTP drafts can buy in serve, where a
+    random head accepts nothing."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r} (one of {', '.join(ARCHS)})")
     a = ARCHS[arch]
@@ -537,7 +545,12 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
                               grouped_routing=grouped_routing)
         if mtp:
             qcfg["mtp_bits"] = mtp_bits         # compile.py writes it whenever an MTP model is converted
-    return cfg, qcfg, plan(cfg, bits, head_bits, codebook, mtp_bits)
+    mods = plan(cfg, bits, head_bits, codebook, mtp_bits)
+    if flat_logits:
+        heads = ("model.norm.weight", "shared_head.norm.weight")
+        mods = [dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, kind="zero") if t.name.endswith(heads)
+                                                     else t for t in m.tensors)) for m in mods]
+    return cfg, qcfg, mods
 
 
 def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress: bool = False,
@@ -649,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="glm5: GLM-5.2's IndexShare indexer_types (full/shared) instead of all full")
     ap.add_argument("--grouped-routing", action="store_true",
                     help="deepseek_v3: n_group 8 / topk_group 4 as DeepSeek-V3 (our runtime and exllamav3 refuse it)")
+    ap.add_argument("--flat-logits", action="store_true",
+                    help="zero norms before lm_head: every logit 0, every MTP draft accepted (MTP's upper bound)")
     ap.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
     ap.add_argument("--shard-mb", type=int, default=2048, help="max shard size in MiB (whole layers per shard)")
     ap.add_argument("--seed", type=int, default=0)
@@ -664,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                          dense_layers=a.dense_layers, experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits),
                          mtp_bits=num(a.mtp_bits), mtp=not a.no_mtp, index_share=a.index_share,
                          grouped_routing=a.grouped_routing, codebook=a.codebook, small=a.small, shard_mb=a.shard_mb,
+                         flat_logits=a.flat_logits,
                          seed=a.seed, progress=True, sparse=a.sparse, dry_run=a.dry_run, jobs=a.jobs)
     fams = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in s["families"].items() if v)
     verb = "would write" if a.dry_run else "wrote"

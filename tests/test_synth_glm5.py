@@ -208,3 +208,28 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
     line = capsys.readouterr().out
     assert "would write" in line and "GlmMoeDsaForCausalLM" in line and "19.396 GB" in line and "1 MTP layer" in line
+
+
+def test_flat_logits_accept_every_mtp_draft(tmp_path):
+    """--flat-logits: the norms before lm_head (the model's and the MTP head's) are zero, so every
+    logit is exactly 0: greedy MTP decoding drafts token 0, the model agrees, every draft is
+    accepted (the bench's upper bound of MTP in serve); the rest of the checkpoint is unchanged."""
+    from exl3tools.runtime.mtp import greedy, greedy_mtp
+    from exl3tools.runtime.runner import load_runner
+
+    out = tmp_path / "flat"
+    assert sc.main([str(out), "--arch", "glm5", "--small", "--flat-logits"]) == 0
+    _, _, mods = sc.build_plan(arch="glm5", small=True, layers=4, flat_logits=True)
+    zero = {t.name for m in mods for t in m.tensors if t.kind == "zero"}
+    assert zero == {"model.norm.weight", "model.layers.4.shared_head.norm.weight"}
+    assert [t.kind for m in sc.build_plan(arch="glm5", small=True, layers=4)[2] for t in m.tensors if t.name in zero] == \
+        ["norm", "norm"]
+    runner = load_runner(out, max_cache_tokens=256)
+    try:
+        runner.add_sequence(0)
+        assert torch.count_nonzero(runner.step([(0, list(range(1, 41)))])) == 0
+        toks, stats = greedy_mtp(runner.model, [5, 6, 7], 9, 2)
+        assert toks == greedy(runner.model, [5, 6, 7], 9) == [0] * 9
+        assert stats.drafted > 0 and stats.acceptance_rate == 1.0
+    finally:
+        runner.close()
