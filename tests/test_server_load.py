@@ -303,3 +303,30 @@ def test_chunked_prefill_gives_the_same_tokens():
         got = [r.json()["choices"][0]["token_ids"] for r in asyncio.run(main())]
         assert stats(s)["steps"] >= 16  # 42 prompt tokens at 4 per step, then 5 decode steps
     assert got == expected
+
+
+def test_prefill_wait_gathers_a_burst_into_one_prefill():
+    """--prefill-wait-ms: an idle engine waits that long after the first request for the rest of a
+    burst, so four completions sent at once prefill in one step and then decode together: the
+    engine runs 1 + (max_tokens - 1) steps for all four. Greedy text is the same as without the
+    wait, which is not bounded to a step count (arrival order decides)."""
+    client_kw = dict(api_key="x", max_retries=0, timeout=60)
+    prompts = ["The capital of France is", "Once upon a time", "In 1492 Columbus", "The quick brown fox"]
+    texts = {}
+    for wait in (0.0, 2.0):
+        with LiveServer(create_app(config(max_batch=8, prefill_wait_s=wait))) as s:
+            client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", **client_kw)
+            before = stats(s)["steps"]
+
+            async def burst(client=client):
+                return await asyncio.gather(*[client.completions.create(
+                    model=MODEL, prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+                    for p in prompts])
+
+            t0 = time.monotonic()
+            out = asyncio.run(burst())
+            texts[wait] = [r.choices[0].text for r in out]
+            if wait:
+                assert stats(s)["steps"] - before == 6
+                assert time.monotonic() - t0 < 30
+    assert texts[0.0] == texts[2.0]

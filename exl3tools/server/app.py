@@ -76,6 +76,7 @@ class ServeConfig:
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
     speculative_tokens: int = 0   # MTP drafts per decode step (0: off)
+    prefill_wait_s: float = 0.0   # idle engine: gather a burst of requests this long into one prefill
 
 
 def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
@@ -151,7 +152,8 @@ class Server:
         self.cfg = cfg
         self.metrics = Metrics(cfg.served_model_name or _path_name(cfg.model_path))
         self.engine = Engine(load, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
-                             max_prefill_tokens=cfg.max_prefill_tokens, metrics=self.metrics, **hooks)
+                             max_prefill_tokens=cfg.max_prefill_tokens, metrics=self.metrics,
+                             prefill_wait_s=cfg.prefill_wait_s, **hooks)
         self.metrics.bind(self.engine)
         self._template: ChatTemplate | None = None
         self._template_checked = False

@@ -50,10 +50,11 @@ class Engine(SpeculativeRounds):
                  make_generator: Callable | None = None, sample_batch: Callable | None = None,
                  sample_device: Callable | None = None, chain: bool = True,
                  make_adjust: Callable | None = None, adjust_rows: Callable | None = None,
-                 accept_drafts: Callable | None = None) -> None:
+                 accept_drafts: Callable | None = None, prefill_wait_s: float = 0.0) -> None:
         self._load = load
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_wait_s = prefill_wait_s   # --prefill-wait-ms: an idle engine gathers a burst
         self.metrics = metrics
         self._sample_fn, self._logprobs_fn, self._make_gen = sample, logprobs, make_generator
         self._sample_batch_fn = sample_batch  # None: one sample() call per row
@@ -214,6 +215,8 @@ class Engine(SpeculativeRounds):
                     self._cond.wait()
                 if self._stop:
                     break
+                if self.prefill_wait_s > 0 and not self._running and self._inflight is None:
+                    self._gather()
             try:
                 if not self._step():  # nothing could run (e.g. the queue head does not fit)
                     with self._cond:
@@ -225,6 +228,17 @@ class Engine(SpeculativeRounds):
                     self._fail(seq)
                 self._sweep()
             self._flush()
+
+    def _gather(self) -> None:
+        """Idle, with requests waiting (the lock held): wait until ``prefill_wait_s`` after the
+        oldest one arrived, or a full batch, for the rest of a burst, so that its prompts prefill in
+        one step instead of the first alone and the others a step later. Nothing running waits."""
+        end = self._waiting[0].handle.t_arrival + self.prefill_wait_s
+        while not self._stop and len(self._waiting) < self.max_batch:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
 
     def _warmup(self, runner: Any) -> None:
         """The first forward pass must succeed before /health says ready."""
