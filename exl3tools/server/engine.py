@@ -217,6 +217,8 @@ class Engine(SpeculativeRounds):
                     break
                 if self.prefill_wait_s > 0 and not self._running and self._inflight is None:
                     self._gather()
+                    if self._stop:
+                        break
             try:
                 if not self._step():  # nothing could run (e.g. the queue head does not fit)
                     with self._cond:
