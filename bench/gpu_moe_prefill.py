@@ -68,39 +68,34 @@ def run(shape: str, T: int, kbits: int) -> dict:
     row["floor_ms"] = E * k * n * kbits / 8 / HBM * 1e3
 
     cu = cuda_exl3.CudaExperts(ts, "mul1", "cuda")
-    cu.smem_tiles = cu.fused_out = False          # the baseline column: the gemv kernel on every tile
-    rows = tile_rows(S, E)
-    tile_exp, row_exp, slot, valid = expert_tiles(exp, E, rows)
-    src = torch.where(valid, tok[slot.clamp(max=S - 1)], 0)
+    outs = {}
 
-    def cuda_tiles():
-        return cu.tiles(x, src, row_exp, tile_exp, rows)
+    def tiled(name: str, rows: int, kernel: str | None = None, skip_padding: bool = False) -> None:
+        """Time ``cu.tiles`` on ``rows``-row tiles as ``name`` and keep its outputs by pair."""
+        te, re_, sl, va = expert_tiles(exp, E, rows)
+        sr = torch.where(va, tok[sl.clamp(max=S - 1)], 0)
+        cnt = va.view(-1, rows).sum(1) if skip_padding else None      # as the runtime's MoE asks
 
-    row["cuda_tiles_ms"] = cuda_time(cuda_tiles)
-    row["tile_rows"] = rows
-    y_cuda = torch.zeros(S, n, device="cuda", dtype=torch.float16)
-    y_cuda[slot[valid]] = cuda_tiles()[valid]
+        def call():
+            return cu.tiles(x, sr, re_, te, rows, kernel=kernel, counts=cnt)
+        row[f"{name}_ms"] = cuda_time(call)
+        y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
+        y[sl[va]] = call()[va]
+        outs[name] = y
+
+    # the baseline column: the gemv kernel on every tile, at the runtime's tile rows
+    cu.smem_tiles = cu.fused_out = False
+    row["tile_rows"] = tile_rows(S, E)
+    tiled("cuda_tiles", row["tile_rows"])
     # the shared-memory tile kernels, each on tiles of its own rows (the 128-row one decodes an
     # expert with 65-128 pairs once where 64-row tiles decode it twice)
-    smem = {}
     for mrows, kernel in cuda_exl3.TILE_KERNELS.items():
-        te, re_, sl, va = expert_tiles(exp, E, mrows)
-        sr = torch.where(va, tok[sl.clamp(max=S - 1)], 0)
-        cnt = va.view(-1, mrows).sum(1)           # padding rows skipped, as the runtime's MoE asks
-        row[f"{kernel}_ms"] = cuda_time(lambda te=te, re_=re_, sr=sr, m=mrows, kn=kernel, cnt=cnt:
-                                        cu.tiles(x, sr, re_, te, m, kernel=kn, counts=cnt))
-        y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
-        y[sl[va]] = cu.tiles(x, sr, re_, te, mrows, kernel=kernel, counts=cnt)[va]
-        smem[kernel] = y
-        if mrows == 64:   # and with the output pass fused into it (EXL3TOOLS_TILES_EPILOGUE), where one split
-            cu.fused_out = True
-            if cu._fused_out(kernel, x.dtype, te.shape[0]) is not None:
-                row["fused_out_ms"] = cuda_time(lambda te=te, re_=re_, sr=sr, kn=kernel, cnt=cnt:
-                                                cu.tiles(x, sr, re_, te, 64, kernel=kn, counts=cnt))
-                y = torch.zeros(S, n, device="cuda", dtype=torch.float16)
-                y[sl[va]] = cu.tiles(x, sr, re_, te, 64, kernel=kernel, counts=cnt)[va]
-                smem["fused_out"] = y
-            cu.fused_out = False
+        tiled(kernel, mrows, kernel, skip_padding=True)
+    # the 64-row one with the output pass fused into it (EXL3TOOLS_TILES_EPILOGUE), where one split
+    cu.fused_out = True
+    if cu._fused_out(cuda_exl3.TILE_KERNELS[64], x.dtype, S // 64 + min(E, S)) is not None:
+        tiled("fused_out", 64, cuda_exl3.TILE_KERNELS[64], skip_padding=True)
+    cu.fused_out = False
 
     tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")
     for bm in (16, 32, 64):
@@ -129,7 +124,7 @@ def run(shape: str, T: int, kbits: int) -> dict:
     dense = {e: torch.from_numpy(ref.decode_linear(ts[e]["trellis"].cpu().numpy(), ts[e]["suh"].cpu().numpy(),
                                                    ts[e]["svh"].cpu().numpy(), "mul1")).float() for e in range(4)}
     want = torch.stack([x[tok[p]].float().cpu() @ dense[int(exp[p])] for p in sel.tolist()])
-    for name, y in (("cuda", y_cuda), ("triton", y_tr), *smem.items()):
+    for name, y in (("triton", y_tr), *outs.items()):
         got = y[sel].float().cpu()
         row[f"err_{name}"] = ((got - want).norm() / want.norm()).item()
     return row
@@ -160,7 +155,7 @@ def main(argv=None) -> int:
         print(f"| {r['shape']} | {T} | {r['pairs']} | {r['tile_rows']} | {f('cuda_tiles_ms')} | "
               + "".join(f"{f(k + '_ms')} | " for k in smem) +
               f"{f('triton_bm16_ms')} | {f('triton_bm32_ms')} | {f('triton_bm64_ms')} | {f('decode_ms')} | "
-              f"{f('dense_bmm_ms')} | {r['floor_ms']:.3f} | {r['err_cuda']:.1e} | {err_smem:.1e} | "
+              f"{f('dense_bmm_ms')} | {r['floor_ms']:.3f} | {r['err_cuda_tiles']:.1e} | {err_smem:.1e} | "
               f"{r['err_triton']:.1e} |", flush=True)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
