@@ -94,6 +94,14 @@ def test_expert_slots(cx):
         assert _rel(y[s], want) < 2e-3
 
 
+def _tile_rows_reference(x, lins, w, slot, row_exp, valid, top):
+    """x[token] @ W_e + bias (float64) of each real row of expert_tiles' tiles, in row order
+    (``w``: the experts' decoded weights, ``lins``: their (trellis, suh, svh, bias))."""
+    v = valid.cpu().numpy()
+    s_, re = slot.cpu().numpy()[v], row_exp.cpu().numpy()[v]
+    return np.stack([x[s // top].astype(np.float64) @ w[e] + lins[e][3] for s, e in zip(s_, re, strict=True)])
+
+
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (24, "mul1"), (64, "3inst"), (128, "mcg")])
 def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     """Every shared-memory tile kernel (TILE_KERNELS) against the reference and the gemv kernel:
@@ -120,9 +128,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
             src = torch.where(valid, slot // top, 0)
             y = ex.tiles(xd, src, row_exp, tile_exp, rows, kernel=kernel).float().cpu().numpy()
             v = valid.cpu().numpy()
-            s_, re = slot.cpu().numpy()[v], row_exp.cpu().numpy()[v]
-            want = np.stack([x[s // top].astype(np.float64) @ w[e] + lins[e][3] for s, e in zip(s_, re, strict=True)])
-            assert _rel(y[v], want) < 2e-3, (kernel, rows)
+            assert _rel(y[v], _tile_rows_reference(x, lins, w, slot, row_exp, valid, top)) < 2e-3, (kernel, rows)
             if rows <= 64:   # the gemv kernel on the same tiles: the same sums up to their order
                 g = ex.tiles(xd, src, row_exp, tile_exp, rows).float().cpu().numpy()
                 assert _rel(y[v], g[v]) < 1e-3, (kernel, rows)
@@ -178,9 +184,8 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
         ys[flag] = ex.tiles(xd, src, row_exp, tile_exp, 64, out_dtype=dt, counts=counts)
     v = valid.cpu()
     assert torch.equal(ys["1"].cpu()[v], ys["0"].cpu()[v])
-    s_, re = slot.cpu().numpy()[v.numpy()], row_exp.cpu().numpy()[v.numpy()]
     w = [ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64) for tr, suh, svh, _ in lins]
-    want = np.stack([x[s // top].astype(np.float64) @ w[e] + lins[e][3] for s, e in zip(s_, re, strict=True)])
+    want = _tile_rows_reference(x, lins, w, slot, row_exp, valid, top)
     assert _rel(ys["1"].float().cpu().numpy()[v.numpy()], want) < 2e-3
     # several splits (a long k over few slots): the unfused kernel and had_out
     tr, suh, svh, b = _lin(rng, 4096, 384, 48, bias=True)
