@@ -289,7 +289,7 @@ def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tab
 
 def paged_scores_tc(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """paged_scores with tensor_cores=True (the decode step's score function under the preview)."""
+    """paged_scores with tensor_cores=True: the decode step's score function unless EXL3TOOLS_DSA_SCORES_TC=0."""
     return paged_scores(q, w, kidx, block_tables, context_lens, scale, tensor_cores=True)
 
 
