@@ -42,6 +42,8 @@ writes every raw number (rewritten after each phase, so a killed run keeps what 
 Exit status: 0; 1 when a server died or a phase failed (its log's tail is printed; the other configs
 still run); 2 on bad usage; 130 on SIGINT/SIGTERM (after stopping the server and printing the tables).
 CPU smoke test: tests/test_bench_gpu_serve.py (``--device cpu`` on ``synth_checkpoint.py --small``).
+Beside this file: the phases and stream figures (serve_measure.py), the exllamav3 side
+(serve_exllamav3.py), the tables (serve_report.py).
 """
 
 from __future__ import annotations
@@ -55,29 +57,23 @@ import platform
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serve import free_port  # noqa: E402
-from gpu_e2e_model import make_prompts, parse_ints  # noqa: E402
+from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
+from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
+from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
 from serve_report import ctx_cases, summarize, tables  # noqa: E402
 
-PAGE = 256                       # exllamav3's cache page, tokens
-SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51}
 DEFAULT_CONFIG = "ml32k:--max-context 32768"
 RESERVED_ARGS = ("--port", "--host", "--device")
-
-
-class BenchError(RuntimeError):
-    """A phase failed; the message says which and why."""
 
 
 class ServerDied(BenchError):
@@ -116,136 +112,6 @@ def api_key_of(args: list[str]) -> str | None:
         if x.startswith("--api-key="):
             return x.split("=", 1)[1]
     return None
-
-
-def round_pages(n: int, page: int = PAGE) -> int:
-    return -(-n // page) * page
-
-
-@dataclass
-class Stream:
-    """One request: when it was sent, and (arrival time, tokens) per chunk that carried tokens;
-    ``t_wire``: when its HTTP request left the openai client (httpx's request hook), so the client's
-    own cost of building it (a 2048-id prompt: ~28 ms of openai's transform on 2 cores) is known."""
-    t_send: float
-    events: list[tuple[float, int]] = field(default_factory=list)
-    t_wire: float | None = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(k for _, k in self.events)
-
-
-def stream_stats(s: Stream) -> dict:
-    t_first, t_last = s.events[0][0], s.events[-1][0]
-    after = s.tokens - s.events[0][1]
-    dt = t_last - t_first
-    return {"tokens": s.tokens, "ttft_ms": 1e3 * (t_first - s.t_send), "total_ms": 1e3 * (t_last - s.t_send),
-            "decode_tok_s": after / dt if dt > 0 and after > 0 else None,
-            "client_ms": None if s.t_wire is None else 1e3 * (s.t_wire - s.t_send)}
-
-
-def group_stats(streams: list[Stream]) -> dict:
-    """Aggregate figures of streams sent together (see the module docstring, points 2 and 4)."""
-    per = [stream_stats(s) for s in streams]
-    t0 = min(s.t_send for s in streams)
-    firsts = [s.events[0][0] for s in streams]
-    lasts = [s.events[-1][0] for s in streams]
-    total = sum(s.tokens for s in streams)
-    wall = max(lasts) - t0
-    out = {"streams": len(streams), "tokens": total, "wall_s": wall,
-           "tok_s": total / wall if wall > 0 else None,
-           "per_stream_decode_tok_s_median": _median([p["decode_tok_s"] for p in per]),
-           "ttft_ms_median": _median([p["ttft_ms"] for p in per]),
-           "ttft_ms_max": max(p["ttft_ms"] for p in per)}
-    after = sum(s.tokens - s.events[0][1] for s in streams)
-    span = max(lasts) - min(firsts)
-    out["decode_after_first_tok_s"] = after / span if span > 0 and after > 0 else None
-    a, b = max(firsts), min(lasts)                 # every stream is decoding in (a, b]
-    n = sum(k for s in streams for t, k in s.events if a < t <= b)
-    out["steady_window_s"] = max(0.0, b - a)
-    out["steady_tok_s"] = n / (b - a) if b > a and n > 0 else None
-    if out["steady_tok_s"] is not None and n >= 2 * len(streams):
-        out["decode_tok_s"], out["decode_method"] = out["steady_tok_s"], "steady window"
-    else:
-        out["decode_tok_s"], out["decode_method"] = out["decode_after_first_tok_s"], "after first tokens"
-    out["per_stream"] = per
-    return out
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-# ------------------------------------------------------------------ the measurement plan (both engines)
-def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print) -> dict:
-    """Phases 1-4 through ``run(prompts, max_tokens) -> list[Stream]`` (one stream per prompt, sent
-    together), filling ``res``. ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON."""
-    res = {} if res is None else res
-    S, T = a.short_prompt_len, a.tokens
-    if a.warmup:
-        t = time.perf_counter()
-        run(make_prompts(1, S, vocab, SEEDS["warmup"]), min(T, 8))
-        for n in sorted(set(a.streams + a.ctx_streams)):
-            run(make_prompts(n, S, vocab, SEEDS["warmup"] + n), min(T, 8))
-        run(make_prompts(1, a.prompt_len, vocab, SEEDS["warmup"] - 1), 1)     # a long prefill's first call
-        res["warmup_s"] = time.perf_counter() - t
-        after_phase("warmup", res)
-
-    prompt = make_prompts(1, S, vocab, SEEDS["single"])
-    runs = [stream_stats(run(prompt, T)[0]) for _ in range(a.repeats)]
-    res["single"] = {"runs": runs, "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
-                     "ttft_ms": _median([r["ttft_ms"] for r in runs])}
-    log(f"  1 stream: {res['single']['decode_tok_s']:.1f} tok/s decode, TTFT {res['single']['ttft_ms']:.1f} ms")
-    after_phase("single", res)
-
-    res["streams"] = {}
-    for n in a.streams:
-        g = group_stats(run(make_prompts(n, S, vocab, SEEDS["streams"] + n), T))
-        res["streams"][n] = g
-        log(f"  {n} streams: {g['tok_s']:.1f} tok/s aggregate, {g['per_stream_decode_tok_s_median'] or 0:.1f} "
-            f"tok/s per stream (median), TTFT median {g['ttft_ms_median']:.1f} ms")
-        after_phase(f"streams_{n}", res)
-
-    prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
-    cold = [stream_stats(run([p], 1)[0]) for p in prompts]
-    hit = [stream_stats(run([p], 1)[0]) for p in prompts]
-    res["ttft"] = {"prompt_len": a.prompt_len, "cold_runs_ms": [c["ttft_ms"] for c in cold],
-                   "hit_runs_ms": [h["ttft_ms"] for h in hit],
-                   "cold_ms": statistics.median(c["ttft_ms"] for c in cold),
-                   "hit_ms": statistics.median(h["ttft_ms"] for h in hit),
-                   "client_ms": _median([x["client_ms"] for x in cold + hit])}
-    client = res["ttft"]["client_ms"]
-    log(f"  TTFT {a.prompt_len}: cold {res['ttft']['cold_ms']:.1f} ms, again {res['ttft']['hit_ms']:.1f} ms"
-        + ("" if client is None else f" (of which the openai client building the request: {client:.1f} ms)"))
-    after_phase("ttft", res)
-
-    res["ctx"] = {}
-    for key, n, c in ctx_cases(a):
-        ps = make_prompts(n, c, vocab, SEEDS["ctx"] + n)
-        reps = a.repeats if n == 1 else 1
-        groups = [group_stats(run(ps, T)) for _ in range(reps)]
-        g = dict(groups[-1])
-        if reps > 1:
-            g["repeats"] = [x["decode_tok_s"] for x in groups]
-            g["decode_tok_s"] = _median(g["repeats"])
-        res["ctx"][key] = g
-        log(f"  {n} stream{'s' if n > 1 else ''} @ctx{c}: {g['decode_tok_s'] or 0:.1f} tok/s decode ({g['decode_method']}), "
-            f"TTFT median {g['ttft_ms_median']:.0f} ms")
-        after_phase(f"ctx_{key}", res)
-    return res
-
-
-
-def check_streams(streams: list[Stream], max_tokens: int, usage: list[int | None] | None = None,
-                  slack: int = 0) -> None:
-    """Each stream brought max_tokens tokens (± slack), as its usage says."""
-    for i, s in enumerate(streams):
-        if not s.events or abs(s.tokens - max_tokens) > slack:
-            raise BenchError(f"stream {i} produced {s.tokens} tokens, expected {max_tokens}")
-        if usage is not None and usage[i] is not None and usage[i] != max_tokens:
-            raise BenchError(f"stream {i}: usage says {usage[i]} completion tokens, expected {max_tokens}")
 
 
 # ------------------------------------------------------------------ our server
@@ -539,105 +405,6 @@ def _engine_stats(srv: Server) -> dict | None:
 
 
 # ------------------------------------------------------------------ exllamav3
-def exllamav3_usable(a) -> tuple[bool, str]:
-    if not a.device.startswith("cuda"):
-        return False, f"device {a.device} is not CUDA"
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False, "torch.cuda is not available"
-        import exllamav3  # noqa: F401 - may JIT-build its extension (minutes) without a prebuilt one
-    except Exception as exc:  # noqa: BLE001 - ImportError, OSError (no CUDA_HOME), build failures
-        return False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-    return True, ""
-
-
-def exllamav3_cache_tokens(a) -> int:
-    longest = max(*a.ctx, a.prompt_len, a.short_prompt_len)
-    return round_pages(max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens))
-
-
-def run_exllamav3_side(a, report: dict, baseline_mib, save) -> dict:
-    """exllamav3's Generator through the same plan, in this process; report["exllamav3"] from the start."""
-    import importlib.metadata
-
-    import torch
-    from exllamav3 import ArgmaxSampler, Generator, Job
-    from gpu_e2e_model import _free, load_exllamav3
-
-    try:
-        version = importlib.metadata.version("exllamav3")
-    except importlib.metadata.PackageNotFoundError:     # on PYTHONPATH without its metadata
-        version = getattr(sys.modules["exllamav3"], "__version__", "unknown")
-    res: dict = {"phases": {}}
-    entry: dict = {"name": "exllamav3", "version": version, "results": res}
-    report["exllamav3"] = entry
-    notes = report["notes"]
-    dev = a.device if ":" in a.device else "cuda:0"
-    torch.cuda.set_device(torch.device(dev))
-    torch.cuda.reset_peak_memory_stats()
-    ntok = exllamav3_cache_tokens(a)
-    entry["cache_tokens"] = ntok
-    print(f"[exllamav3] {entry['version']}: loading with a {ntok}-token cache on {dev}", flush=True)
-    config, model, caches, tokenizer, load_s = load_exllamav3(a.ckpt, ntok, 1, dev)
-    entry["load_s"] = load_s
-    print(f"[exllamav3] loaded in {load_s:.1f} s", flush=True)
-    gen = Generator(model=model, cache=caches[0], tokenizer=tokenizer)
-    serial = [0]
-
-    def run(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
-        streams, ids = [], {}
-        for p in prompts:
-            serial[0] += 1
-            ids[serial[0]] = len(streams)
-            streams.append(Stream(time.perf_counter()))
-            gen.enqueue(Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_tokens,
-                            sampler=ArgmaxSampler(), stop_conditions=None, identifier=serial[0]))
-        deadline = time.monotonic() + a.request_timeout
-        its, max_its = 0, 4 * (len(prompts) * max_tokens + sum(map(len, prompts))) + 1000   # bounded loop
-        while gen.num_remaining_jobs():
-            results = gen.iterate()
-            now = time.perf_counter()
-            for r in results:
-                if r.get("stage") != "streaming" or r.get("identifier") not in ids:
-                    continue
-                t = r.get("token_ids")
-                k = int(t.numel()) if t is not None else 0
-                if k:
-                    streams[ids[r["identifier"]]].events.append((now, k))
-            its += 1
-            if time.monotonic() > deadline or its > max_its:
-                raise BenchError(f"exllamav3: {gen.num_remaining_jobs()} job(s) not done after "
-                                 f"{a.request_timeout:.0f} s / {its} iterations")
-        check_streams(streams, max_tokens, slack=1)      # its max_new_tokens may count the prefill's token
-        return streams
-
-    def after_phase(phase: str, r: dict) -> None:
-        torch.cuda.synchronize()
-        keep_max_memory(r, memory_sample(os.getpid(), baseline_mib))
-        r["phases"][phase] = {"t": time.perf_counter(), "memory_gb": r["memory"]["gb"]}
-        save()
-
-    try:
-        measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[exllamav3]{m}", flush=True))
-        res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        res["max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
-        notes.append(f"exllamav3 {entry['version']}: torch.cuda.max_memory_allocated "
-                     f"{res['max_memory_allocated_gb']:.2f} GB, reserved {res['max_memory_reserved_gb']:.2f} GB "
-                     f"(table: {res['memory']['source']}, {ntok}-token cache)")
-    finally:
-        entry["summary"] = summarize(res)
-        gen = None                              # noqa: F841 - run() holds the generator's cell
-        try:
-            model.unload()
-        except Exception as exc:  # noqa: BLE001 - the numbers are measured already
-            print(f"[exllamav3] unload: {exc}", flush=True)
-        del model, caches
-        _free()
-    return entry
-
-
 # ------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

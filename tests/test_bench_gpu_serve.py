@@ -1,6 +1,6 @@
 """bench/gpu_serve.py on the CPU: the real server end to end on synth_checkpoint.py --small (tiny
-settings), its stream arithmetic, and its exllamav3 side driven by a stand-in Generator (exllamav3
-itself needs CUDA; the H200 run is the real check)."""
+settings), its stream arithmetic (serve_measure.py), and its exllamav3 side (serve_exllamav3.py)
+driven by a stand-in Generator (exllamav3 itself needs CUDA; the H200 run is the real check)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from tests.conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_e2e_model  # noqa: E402
 import gpu_serve as gs  # noqa: E402
+import serve_exllamav3 as sx  # noqa: E402
+import serve_measure as sm  # noqa: E402
 import synth_checkpoint as sc  # noqa: E402
 
 TINY = ["--tokens", "8", "--streams", "2", "--prompt-len", "64", "--ttft-prompts", "2", "--ctx", "128",
@@ -75,21 +77,21 @@ def test_end_to_end_cpu(small, tmp_path):
 def test_group_stats_windows():
     """Aggregate = all tokens over first send -> last token; decode at N streams = tokens while every
     stream is past its first token and none has finished, over that window."""
-    a = gs.Stream(0.0, [(1.0, 1)] + [(1.0 + 0.1 * i, 1) for i in range(1, 20)])   # decodes 1.0 .. 2.9
-    b = gs.Stream(0.0, [(2.0, 1)] + [(2.0 + 0.1 * i, 1) for i in range(1, 20)])   # decodes 2.0 .. 3.9
-    g = gs.group_stats([a, b])
+    a = sm.Stream(0.0, [(1.0, 1)] + [(1.0 + 0.1 * i, 1) for i in range(1, 20)])   # decodes 1.0 .. 2.9
+    b = sm.Stream(0.0, [(2.0, 1)] + [(2.0 + 0.1 * i, 1) for i in range(1, 20)])   # decodes 2.0 .. 3.9
+    g = sm.group_stats([a, b])
     assert g["tok_s"] == pytest.approx(40 / 3.9)
     assert g["steady_window_s"] == pytest.approx(0.9)
     assert g["decode_method"] == "steady window"
     assert g["decode_tok_s"] == pytest.approx(18 / 0.9)        # 9 tokens each in (2.0, 2.9]
     assert g["per_stream_decode_tok_s_median"] == pytest.approx(19 / 1.9)
     assert g["ttft_ms_median"] == pytest.approx(1500)
-    c = gs.Stream(0.0, [(3.5, 1), (3.6, 1)])                  # starts after a finished: no common window
-    g = gs.group_stats([a, c])
+    c = sm.Stream(0.0, [(3.5, 1), (3.6, 1)])                  # starts after a finished: no common window
+    g = sm.group_stats([a, c])
     assert g["decode_method"] == "after first tokens"
     assert g["decode_tok_s"] == pytest.approx(20 / 2.6)
-    one = gs.group_stats([a])
-    assert one["decode_tok_s"] == pytest.approx(gs.stream_stats(a)["decode_tok_s"]) == pytest.approx(10)
+    one = sm.group_stats([a])
+    assert one["decode_tok_s"] == pytest.approx(sm.stream_stats(a)["decode_tok_s"]) == pytest.approx(10)
 
 
 def test_parse_config_and_cache_size(small):
@@ -104,9 +106,9 @@ def test_parse_config_and_cache_size(small):
             gs.parse_config(bad)
     a = gs.parse_args([str(small)])
     assert a.configs == [("ml32k", ["--max-context", "32768"])] and a.streams == [8, 32]
-    assert gs.exllamav3_cache_tokens(a) == 32 * (4096 + 128) == 135168     # a whole number of pages
+    assert sx.exllamav3_cache_tokens(a) == 32 * (4096 + 128) == 135168     # a whole number of pages
     a = gs.parse_args([str(small), *TINY])
-    assert gs.exllamav3_cache_tokens(a) == 512 and a.vocab == 2048
+    assert sx.exllamav3_cache_tokens(a) == 512 and a.vocab == 2048
     with pytest.raises(SystemExit):
         gs.parse_args([str(small), "--config", "a:", "--config", "a:--max-batch 4"])
     # several --ctx values: one phase each, keyed N@CTX, one column each, the longest sizes the cache
@@ -116,7 +118,7 @@ def test_parse_config_and_cache_size(small):
     assert serve_report.ctx_cases(a) == [("1@128", 1, 128), ("2@128", 2, 128), ("1@192", 1, 192), ("2@192", 2, 192)]
     assert [h for k, h in serve_report.columns(a) if k.startswith("ctx_")] == [
         "1 stream @ctx128", "2 streams @ctx128", "1 stream @ctx192", "2 streams @ctx192"]
-    assert gs.exllamav3_cache_tokens(a) >= 2 * (192 + 8)
+    assert sx.exllamav3_cache_tokens(a) >= 2 * (192 + 8)
     assert serve_report.summarize({"ctx": {"2@192": {"decode_tok_s": 5.0}}}) == {"ctx_2@192_tok_s": 5.0}
 
 
@@ -173,7 +175,7 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *_a: 3e9)
     a = gs.parse_args([str(small), "--device", "cuda", *TINY])
     report = {"notes": [], "exllamav3": None}
-    entry = gs.run_exllamav3_side(a, report, None, lambda: None)
+    entry = sx.run_exllamav3_side(a, report, None, lambda: None)
     assert report["exllamav3"] is entry and loaded == {"ckpt": str(small), "ntok": 512, "device": "cuda:0",
                                                        "unloaded": True}
     assert entry["version"] == "stand-in" and entry["results"]["max_memory_allocated_gb"] == 2.0

@@ -1,0 +1,149 @@
+"""bench/gpu_serve.py's measurement plan, the same for our server and exllamav3's Generator: the
+phases (``measure``), one stream's and a group's figures from chunk arrival times, and the checks.
+Pure Python over a ``run(prompts, max_tokens) -> list[Stream]`` callable (CPU-tested through
+tests/test_bench_gpu_serve.py)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from gpu_e2e_model import make_prompts
+from serve_report import ctx_cases
+
+PAGE = 256                       # exllamav3's cache page, tokens
+SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51}
+
+
+class BenchError(RuntimeError):
+    """A phase failed; the message says which and why."""
+
+
+def round_pages(n: int, page: int = PAGE) -> int:
+    return -(-n // page) * page
+
+
+@dataclass
+class Stream:
+    """One request: when it was sent, and (arrival time, tokens) per chunk that carried tokens;
+    ``t_wire``: when its HTTP request left the openai client (httpx's request hook), so the client's
+    own cost of building it (a 2048-id prompt: ~28 ms of openai's transform on 2 cores) is known."""
+    t_send: float
+    events: list[tuple[float, int]] = field(default_factory=list)
+    t_wire: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(k for _, k in self.events)
+
+
+def stream_stats(s: Stream) -> dict:
+    t_first, t_last = s.events[0][0], s.events[-1][0]
+    after = s.tokens - s.events[0][1]
+    dt = t_last - t_first
+    return {"tokens": s.tokens, "ttft_ms": 1e3 * (t_first - s.t_send), "total_ms": 1e3 * (t_last - s.t_send),
+            "decode_tok_s": after / dt if dt > 0 and after > 0 else None,
+            "client_ms": None if s.t_wire is None else 1e3 * (s.t_wire - s.t_send)}
+
+
+def group_stats(streams: list[Stream]) -> dict:
+    """Aggregate figures of streams sent together (see the module docstring, points 2 and 4)."""
+    per = [stream_stats(s) for s in streams]
+    t0 = min(s.t_send for s in streams)
+    firsts = [s.events[0][0] for s in streams]
+    lasts = [s.events[-1][0] for s in streams]
+    total = sum(s.tokens for s in streams)
+    wall = max(lasts) - t0
+    out = {"streams": len(streams), "tokens": total, "wall_s": wall,
+           "tok_s": total / wall if wall > 0 else None,
+           "per_stream_decode_tok_s_median": _median([p["decode_tok_s"] for p in per]),
+           "ttft_ms_median": _median([p["ttft_ms"] for p in per]),
+           "ttft_ms_max": max(p["ttft_ms"] for p in per)}
+    after = sum(s.tokens - s.events[0][1] for s in streams)
+    span = max(lasts) - min(firsts)
+    out["decode_after_first_tok_s"] = after / span if span > 0 and after > 0 else None
+    a, b = max(firsts), min(lasts)                 # every stream is decoding in (a, b]
+    n = sum(k for s in streams for t, k in s.events if a < t <= b)
+    out["steady_window_s"] = max(0.0, b - a)
+    out["steady_tok_s"] = n / (b - a) if b > a and n > 0 else None
+    if out["steady_tok_s"] is not None and n >= 2 * len(streams):
+        out["decode_tok_s"], out["decode_method"] = out["steady_tok_s"], "steady window"
+    else:
+        out["decode_tok_s"], out["decode_method"] = out["decode_after_first_tok_s"], "after first tokens"
+    out["per_stream"] = per
+    return out
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ------------------------------------------------------------------ the measurement plan (both engines)
+def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print) -> dict:
+    """Phases 1-4 through ``run(prompts, max_tokens) -> list[Stream]`` (one stream per prompt, sent
+    together), filling ``res``. ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON."""
+    res = {} if res is None else res
+    S, T = a.short_prompt_len, a.tokens
+    if a.warmup:
+        t = time.perf_counter()
+        run(make_prompts(1, S, vocab, SEEDS["warmup"]), min(T, 8))
+        for n in sorted(set(a.streams + a.ctx_streams)):
+            run(make_prompts(n, S, vocab, SEEDS["warmup"] + n), min(T, 8))
+        run(make_prompts(1, a.prompt_len, vocab, SEEDS["warmup"] - 1), 1)     # a long prefill's first call
+        res["warmup_s"] = time.perf_counter() - t
+        after_phase("warmup", res)
+
+    prompt = make_prompts(1, S, vocab, SEEDS["single"])
+    runs = [stream_stats(run(prompt, T)[0]) for _ in range(a.repeats)]
+    res["single"] = {"runs": runs, "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
+                     "ttft_ms": _median([r["ttft_ms"] for r in runs])}
+    log(f"  1 stream: {res['single']['decode_tok_s']:.1f} tok/s decode, TTFT {res['single']['ttft_ms']:.1f} ms")
+    after_phase("single", res)
+
+    res["streams"] = {}
+    for n in a.streams:
+        g = group_stats(run(make_prompts(n, S, vocab, SEEDS["streams"] + n), T))
+        res["streams"][n] = g
+        log(f"  {n} streams: {g['tok_s']:.1f} tok/s aggregate, {g['per_stream_decode_tok_s_median'] or 0:.1f} "
+            f"tok/s per stream (median), TTFT median {g['ttft_ms_median']:.1f} ms")
+        after_phase(f"streams_{n}", res)
+
+    prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
+    cold = [stream_stats(run([p], 1)[0]) for p in prompts]
+    hit = [stream_stats(run([p], 1)[0]) for p in prompts]
+    res["ttft"] = {"prompt_len": a.prompt_len, "cold_runs_ms": [c["ttft_ms"] for c in cold],
+                   "hit_runs_ms": [h["ttft_ms"] for h in hit],
+                   "cold_ms": statistics.median(c["ttft_ms"] for c in cold),
+                   "hit_ms": statistics.median(h["ttft_ms"] for h in hit),
+                   "client_ms": _median([x["client_ms"] for x in cold + hit])}
+    client = res["ttft"]["client_ms"]
+    log(f"  TTFT {a.prompt_len}: cold {res['ttft']['cold_ms']:.1f} ms, again {res['ttft']['hit_ms']:.1f} ms"
+        + ("" if client is None else f" (of which the openai client building the request: {client:.1f} ms)"))
+    after_phase("ttft", res)
+
+    res["ctx"] = {}
+    for key, n, c in ctx_cases(a):
+        ps = make_prompts(n, c, vocab, SEEDS["ctx"] + n)
+        reps = a.repeats if n == 1 else 1
+        groups = [group_stats(run(ps, T)) for _ in range(reps)]
+        g = dict(groups[-1])
+        if reps > 1:
+            g["repeats"] = [x["decode_tok_s"] for x in groups]
+            g["decode_tok_s"] = _median(g["repeats"])
+        res["ctx"][key] = g
+        log(f"  {n} stream{'s' if n > 1 else ''} @ctx{c}: {g['decode_tok_s'] or 0:.1f} tok/s decode ({g['decode_method']}), "
+            f"TTFT median {g['ttft_ms_median']:.0f} ms")
+        after_phase(f"ctx_{key}", res)
+    return res
+
+
+def check_streams(streams: list[Stream], max_tokens: int, usage: list[int | None] | None = None,
+                  slack: int = 0) -> None:
+    """Each stream brought max_tokens tokens (± slack), as its usage says."""
+    for i, s in enumerate(streams):
+        if not s.events or abs(s.tokens - max_tokens) > slack:
+            raise BenchError(f"stream {i} produced {s.tokens} tokens, expected {max_tokens}")
+        if usage is not None and usage[i] is not None and usage[i] != max_tokens:
+            raise BenchError(f"stream {i}: usage says {usage[i]} completion tokens, expected {max_tokens}")
