@@ -14,11 +14,12 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import synth_checkpoint as sc  # noqa: E402
+import synth_configs  # noqa: E402
 
 
 def write_huge(out):
     """10 layers, 128 experts of 4096 x 11264 at 8 bits: 164 GB of tensor data, ~11 MB on disk."""
-    return sc.write_checkpoint(out, layers=10, dims={**sc.AIR, "moe_intermediate_size": 1408 * 8}, bits=8,
+    return sc.write_checkpoint(out, layers=10, dims={**synth_configs.AIR, "moe_intermediate_size": 1408 * 8}, bits=8,
                                head_bits=8, sparse=True)
 
 

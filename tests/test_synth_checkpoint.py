@@ -19,6 +19,7 @@ from tests.conftest import REPO, fixture_dir
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_e2e_model as g  # noqa: E402
 import synth_checkpoint as sc  # noqa: E402
+import synth_configs  # noqa: E402
 
 
 def _header(path: Path) -> dict:
@@ -59,7 +60,7 @@ def test_layout_equals_the_exllamav3_fixture(tmp_path):
     included) are what exllamav3 1.6.5's converter wrote."""
     fx = fixture_dir("glm4_moe-3.0bpw-mcg") / "model"
     cfg = json.loads((fx / "config.json").read_text())
-    dims = {k: cfg[k] for k in sc.SMALL if k in cfg} | {"rope_theta": 10000.0}
+    dims = {k: cfg[k] for k in synth_configs.SMALL if k in cfg} | {"rope_theta": 10000.0}
     out = tmp_path / "fx"
     sc.write_checkpoint(out, layers=2, dense_layers=1, codebook="mcg", dims=dims, shard_mb=8192)
     assert _header(out / "model.safetensors") == _header(fx / "model.safetensors")
@@ -143,7 +144,7 @@ def test_tokenizer_padded_to_vocab(tmp_path):
 def test_full_size_plan_matches_the_anchor():
     """The default plan is the anchor checkpoint: 6.2 GB, and per-step bytes 1061.6 MB at batch 1
     (head 44 %), 2484 MB at batch 8 with 51.6 distinct experts (serving-expectations.md)."""
-    cfg = sc.make_config(sc.AIR, 6, 1, None)
+    cfg = synth_configs.make_config(synth_configs.AIR, 6, 1, None)
     mods = sc.plan(cfg, 3, 6, "mul1")
     assert round(sum(t.nbytes for m in mods for t in m.tensors) / 1e9, 1) == 6.2
     shards = sc.shard_plan(mods, 2048 << 20)

@@ -19,6 +19,7 @@ from tests.test_synth_checkpoint import assert_configs_match
 
 sys.path.insert(0, str(REPO / "bench"))
 import synth_checkpoint as sc  # noqa: E402
+import synth_configs  # noqa: E402
 
 ARCH = {"glm5": "GlmMoeDsaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -117,7 +118,7 @@ def test_index_share_small(tmp_path):
     assert sc.main([str(out), "--arch", "glm5", "--small", "--layers", "7", "--index-share"]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["indexer_types"] == ["full", "full", "full", "shared", "shared", "shared", "full"]
-    assert sc.index_share_types(12)[6:] == ["full", "shared", "shared", "shared", "full", "shared"]
+    assert synth_configs.index_share_types(12)[6:] == ["full", "shared", "shared", "shared", "full", "shared"]
     h = _headers(out)
     have = {li for li in range(8) if f"model.layers.{li}.self_attn.indexer.wq_b.trellis" in h}
     assert have == {0, 1, 2, 6, 7}
