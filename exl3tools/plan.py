@@ -52,7 +52,7 @@ GPUS: dict[str, int] = {
 }
 MLA_ARCHS = {"DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"}
 GQA_ARCHS = {"LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM"}
-KV_DTYPE_BYTES = {"auto": 2, "bf16": 2, "fp16": 2, "fp32": 4}   # auto on CUDA: bf16, fp16 for MLA (runner.kv_dtype_for)
+KV_DTYPE_BYTES = {"auto": 2, "bf16": 2, "fp16": 2, "fp32": 4}   # auto on CUDA: bf16, fp16 for MLA (kv_pool.kv_dtype_for)
 _LINEAR_FIELDS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -184,7 +184,8 @@ def test_kv_budget_counts_the_mtp_heads_cache():
     import torch
 
     from exl3tools.runtime.cache import MIN_CAPACITY
-    from exl3tools.runtime.runner import load_runner, mtp_cache_bytes_per_token
+    from exl3tools.runtime.kv_pool import mtp_cache_bytes_per_token
+    from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
 
     r = load_runner(fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model", max_cache_tokens=256, speculative_tokens=2)

@@ -44,8 +44,8 @@ def test_plan_equals_runtime_on_every_fixture(fixture):
     from exl3tools.runtime.runner import GRAPH_RESERVE as RUNTIME_RESERVE
 
     assert GRAPH_RESERVE == RUNTIME_RESERVE
+    from exl3tools.runtime.kv_pool import kv_dtype_for
     from exl3tools.runtime.mla import has_mla
-    from exl3tools.runtime.runner import kv_dtype_for
 
     model, read = _runtime(fixture / "model", 1, 0)
     specs = layer_specs(model)
@@ -195,7 +195,7 @@ def test_plan_counts_an_mtp_layer_only_where_the_runtime_builds_it(tmp_path):
 
 
 def test_an_mla_plan_under_auto_is_the_fp16_plan():
-    """MLA's latent is fp16 under auto on CUDA (runner.kv_dtype_for): auto and fp16 plans hold the
+    """MLA's latent is fp16 under auto on CUDA (kv_pool.kv_dtype_for): auto and fp16 plans hold the
     same tokens, fp32 about half as many."""
     src = fixture_dir("deepseek_v3-3.0bpw-3inst") / "model"
     ck = Checkpoint.open(src)

@@ -6,6 +6,9 @@ A layer says what it keeps per token through ``cache_spec()`` (GQA: ``k``/``v`` 
 offset ``s % block_size`` of block ``s // block_size``; ``runtime/block_manager.py`` decides which
 blocks a sequence owns.
 
+``kv_dtype_for`` picks the planes' dtype (``--kv-cache-dtype``), ``bytes_per_token`` and
+``mtp_cache_bytes_per_token`` size the KV budget.
+
 ``PagedSeqView`` gives the eager forward (``CausalLM.forward``) SeqCache's interface over one
 sequence's blocks for the length of one step: ``extend`` writes the new rows into their slots and
 returns the whole history gathered back (what the attention reads).
@@ -16,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from exl3tools.errors import UsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,31 @@ def bytes_per_token(specs: list[tuple[PlaneSpec, ...]], dtype: torch.dtype) -> i
                 n *= d
             total += n * torch.empty((), dtype=p.dtype or dtype).element_size()
     return total
+
+
+def mtp_cache_bytes_per_token(model, speculative_tokens: int) -> int:
+    """Bytes per token of the MTP head's own cache (one layer per drafting sequence, a SeqCache
+    outside the pool, grown by doubling from MIN_CAPACITY tokens); 0 without speculative decoding.
+    Every token it holds the pool holds too, so the KV budget counts it: 2x per pool token, plus
+    MIN_CAPACITY tokens per sequence."""
+    if not speculative_tokens or getattr(model, "mtp", None) is None:
+        return 0
+    return bytes_per_token([tuple(model.mtp.block.attn.cache_spec())], torch.float32)
+
+
+def kv_dtype_for(name: str, device: torch.device, *, mla: bool = False) -> torch.dtype:
+    """"auto": on CUDA bfloat16, and float16 for MLA models (their split kernel's fp16 tensor-core
+    dots ran 4-11x faster than fp32 planes on the H200, bench/gpu_mla_attention.py; exllamav3
+    caches the latent in fp16 too); float32 on the CPU (the reference path stays exact)."""
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.float16 if mla else torch.bfloat16
+    if name not in table:
+        raise UsageError(f"--kv-cache-dtype must be auto, bf16, fp16 or fp32, got {name!r}")
+    return table[name]
 
 
 class KVPool:

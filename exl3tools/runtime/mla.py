@@ -127,7 +127,7 @@ class MLAttention:
 
     def cache_spec(self) -> list:
         """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key, in
-        the pool's dtype: ``--kv-cache-dtype auto`` gives MLA models an fp16 pool on CUDA (runner.kv_dtype_for;
+        the pool's dtype: ``--kv-cache-dtype auto`` gives MLA models an fp16 pool on CUDA (kv_pool.kv_dtype_for;
         exllamav3 caches the latent in fp16 too), float32 on the CPU; a rounded key may flip a DSA
         top-k near-tie against the fp32 reference."""
         from exl3tools.runtime.kv_pool import PlaneSpec

@@ -88,7 +88,12 @@ class Runner(SpeculativeSteps):
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, decode: str | None = None,
                  prefix_caching: bool = True, max_num_batched_tokens: int = 512, speculative_tokens: int = 0):
         from exl3tools.runtime.block_manager import BlockManager
-        from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs
+        from exl3tools.runtime.kv_pool import (
+            bytes_per_token,
+            kv_dtype_for,
+            layer_specs,
+            mtp_cache_bytes_per_token,
+        )
 
         self.model = model
         self.world, self._procs = world, list(procs)
@@ -465,33 +470,6 @@ def _last_rows(items: list) -> list[int]:
         n += len(it[2])
         out.append(n - 1)
     return out
-
-
-def mtp_cache_bytes_per_token(model: CausalLM, speculative_tokens: int) -> int:
-    """Bytes per token of the MTP head's own cache (one layer per drafting sequence, a SeqCache
-    outside the pool, grown by doubling from MIN_CAPACITY tokens); 0 without speculative decoding.
-    Every token it holds the pool holds too, so the KV budget counts it: 2x per pool token, plus
-    MIN_CAPACITY tokens per sequence."""
-    from exl3tools.runtime.kv_pool import bytes_per_token
-
-    if not speculative_tokens or getattr(model, "mtp", None) is None:
-        return 0
-    return bytes_per_token([tuple(model.mtp.block.attn.cache_spec())], torch.float32)
-
-
-def kv_dtype_for(name: str, device: torch.device, *, mla: bool = False) -> torch.dtype:
-    """"auto": on CUDA bfloat16, and float16 for MLA models (their split kernel's fp16 tensor-core
-    dots ran 4-11x faster than fp32 planes on the H200, bench/gpu_mla_attention.py; exllamav3
-    caches the latent in fp16 too); float32 on the CPU (the reference path stays exact)."""
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
-    if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        return torch.float16 if mla else torch.bfloat16
-    if name not in table:
-        raise UsageError(f"--kv-cache-dtype must be auto, bf16, fp16 or fp32, got {name!r}")
-    return table[name]
 
 
 def rank_device(device: str, rank: int, world: int) -> str:
