@@ -257,6 +257,29 @@ def test_speculative_rows_run_the_decode_step_and_feed_the_head():
     assert len(ds) == len(de) == 2
 
 
+def test_a_verify_past_max_num_seqs_rows_takes_the_decode_step():
+    """An MTP verify is 1 + k rows a sequence, so the step takes max_num_seqs x (1 + k) rows: at
+    --max-num-seqs 2 and k = 2 both sequences' 3 rows replay the step (on the H200, 32 streams'
+    64 rows fell to the eager forward: 158 tok/s against 1749 without MTP), with the eager
+    forward's logits."""
+    path = fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model"
+    got = {}
+    for decode in ("eager", "static"):
+        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=2, decode=decode,
+                         max_num_seqs=2) as r:
+            calls, fwd = [], r.paged.forward
+            r.paged.forward = lambda items, fwd=fwd, calls=calls, **k: calls.append(
+                sum(len(t) for *_, t in items)) or fwd(items, **k)
+            for s in (0, 1):
+                r.add_sequence(s)
+                r.step([(s, PROMPTS["ab"[s]])])
+            assert calls == [40, 29]                       # prompts past 6 rows: the eager forward
+            got[decode] = r.verify([(0, [7, 5, 9]), (1, [11, 3, 2])]).float().cpu()
+            assert calls == ([40, 29, 6] if decode == "eager" else [40, 29])
+            assert decode == "eager" or r.paged.decoder.max_rows == 6
+    assert got["static"].shape == (6, got["eager"].shape[1]) and _rel(got["static"], got["eager"]) < REL
+
+
 def test_rows_of_one_sequence_across_index_topk():
     """A step of several new tokens of one sequence runs the static step, one row per token sharing
     its block-table row: rows at positions 29..36 see 30..37 keys, so the first three attend densely

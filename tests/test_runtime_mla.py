@@ -235,7 +235,8 @@ def test_packed_batch_of_sequences_equals_one_at_a_time():
 def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
     """attend_decompressed (CUDA's prompt path: per-head K/V + scaled_dot_product_attention), run in
     float32 on the CPU, gives the absorbed einsums' logits: 32- and 64-token prompts (the latter with
-    sparse DSA rows past index_topk), and a 40-token chunk after a 24-token cached prefix."""
+    sparse DSA rows past index_topk), and a 40-token chunk after a 24-token cached prefix (DSA: a
+    selection mask; without it causal_lower_right, no mask tensor)."""
     from exl3tools.runtime import mla
 
     m, g = _model(name)
@@ -252,10 +253,12 @@ def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
     real = mla.MLAttention.attend_decompressed
     monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
     monkeypatch.setattr(mla, "DECOMPRESS_BYTES", 1)   # one head a group: the grouping runs
-    monkeypatch.setattr(mla.MLAttention, "attend_decompressed",
-                        lambda self, *a: calls.append(a[-1] is None) or real(self, *a))
+    monkeypatch.setattr(mla.MLAttention, "attend_decompressed", lambda self, *a: calls.append(
+        "mask" if a[-1] is not None else "causal" if a[0].shape[0] == a[2].shape[0] else "lower_right")
+        or real(self, *a))
     got = run()
-    assert True in calls and False in calls          # both is_causal and the explicit mask ran
+    # is_causal, and after the prefix DSA's explicit mask or the bottom-right causal bias
+    assert set(calls) >= {"causal", "mask" if m.layers[0].attn.indexer is not None else "lower_right"}, calls
     for a, b in zip(got, ref, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 

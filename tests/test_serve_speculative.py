@@ -301,8 +301,9 @@ def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
     """mtp_paged (the default): the head's cache in the sequences' blocks (PagedState.head_pool),
-    drafting through the decoder's fixed-shape draft step ("static": rows up to --max-num-seqs) or
-    the eager head over paged views (a first draft after a prompt, or decode "eager"), deeper drafts
+    drafting through the decoder's fixed-shape draft step ("static": rows up to --max-num-seqs x
+    (1 + k), here the three prompts' pairs at once) or the eager head over paged views (decode
+    "eager", where each prompt's pairs went through the head right after its step), deeper drafts
     in slots reserved past the cache: the same rows as the head's own cache gives."""
     from exl3tools.runtime.paged_decode import PagedDecoder
 
@@ -313,33 +314,37 @@ def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
     monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: steps.append(len(a[0])) or draft(self, *a))
     got, _ = _draft_rounds(True, decode)
     _same_rows(want, got, ks)
-    # static: the deeper drafts and the second round's pairs through the fixed-shape step
-    assert steps == ([] if decode == "eager" else [2, 1, 4, 2, 1]), steps   # depths 2, 3; 4 pairs, depths 2, 3
+    # static: the prompts' pairs, the deeper drafts and the second round's pairs through the fixed-shape step
+    first = len(PROMPT) + 12 + 30                                 # every prompt's pairs (_draft_rounds)
+    assert steps == ([] if decode == "eager" else [first, 2, 1, 4, 2, 1]), steps   # depths 2, 3; 4 pairs, depths 2, 3
 
 
 def test_the_head_computes_logits_only_for_the_rows_it_drafts_from(monkeypatch):
-    """A first draft after a prompt writes every prompt position into the head's cache, but only
-    each sequence's newest row reaches the lm_head (a 32k prompt's rows would be 20 GB of GLM-5
-    logits); the drafts are those of the full computation. (The eager head's own cache:
+    """A prompt's eager step feeds the head every known pair of it at once (Runner._catch_up), so
+    a long prompt goes through the head chunk by chunk during its prefill, not at its first draft;
+    only each sequence's newest row reaches the lm_head (a 32k prompt's rows would be 20 GB of
+    GLM-5 logits); the drafts are those of the full computation. (The eager head's own cache:
     EXL3TOOLS_MTP_PAGED=0; the paged head: test_the_heads_cache_in_blocks_drafts_as_its_own_cache.)"""
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     path = fixture_dir(NAME) / "model"
-    with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=2) as r:
-        last = {}
-        for s, p in {0: PROMPT, 1: PROMPT[:23]}.items():
-            r.add_sequence(s)
-            last[s] = int(r.step([(s, p)])[0].argmax())
-        sp = r._seq(0).spec
-        pending = sum(len(x) for x in sp.states)
+    with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=2, decode="eager") as r:
         rows, logits = [], r.model.logits
         r.model.logits = lambda h: rows.append(h.shape[0]) or logits(h)
         try:
+            last = {}
+            for s, p in {0: PROMPT, 1: PROMPT[:23]}.items():
+                r.add_sequence(s)
+                last[s] = int(r.step([(s, p)])[0].argmax())
+            assert rows == [1, 1, 1, 1]                     # per prompt: the target's last row, the head's newest
+            sp = r._seq(0).spec
+            assert sp.cache.length == len(PROMPT) - 1 >= 39 # every known pair went into the head's cache
+            assert sum(len(x) for x in sp.states) == 1 and not sp.tokens   # the newest state waits
+            rows.clear()
             greedy = lambda row: int(row.argmax())   # noqa: E731
             (d0, q0), (d1, _) = r.draft_many([(0, last[0], 2, greedy), (1, last[1], 2, greedy)])
         finally:
             r.model.logits = logits
-        assert pending >= 39 and rows == [2, 2]            # depth 1 and depth 2: one row per sequence
-        assert sp.cache.length == pending                   # yet every pair went into the head's cache
+        assert rows == [2, 2]                               # depth 1 and depth 2: one row per sequence
         assert len(d0) == len(d1) == 2 and all(torch.isfinite(q).all() for q in q0)
 
 

@@ -191,8 +191,9 @@ class MLAttention:
                             f"layer {self.layer}: shared DSA layer found no selection from a full layer")
                 allowed = allowed & keep
             if decompress and sp.n >= SDPA_MIN_ROWS:
-                causal = keep is None and sp.pos == 0        # the plain lower triangle: is_causal
-                out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, None if causal else allowed)
+                # no selection: the queries are the last n of the L keys, a causal mask aligned
+                # bottom-right, which the fused kernels take without an (n, L) mask tensor
+                out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, None if keep is None else allowed)
                 continue
             s = (torch.einsum("thc,lc->htl", q_lat[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
             s = s.masked_fill(~allowed[None], float("-inf"))
@@ -208,11 +209,16 @@ class MLAttention:
         in 16 bits (flash / memory-efficient kernels; PREFILL_DTYPE). The absorbed form costs
         n * L * H * (C + rope) multiply-adds and an (H, n, L) float32 score tensor (16 GB for a
         2048-token chunk at a 32k context); this one L * H * C * (nope + v) for the decompression
-        and 16-bit attention. ``allowed`` (n, L) bool, or None for the plain causal triangle (n == L).
+        and 16-bit attention. ``allowed`` (n, L) bool, or None: causal, the n queries being the last
+        n keys (bottom-right aligned: a chunk after a cached history, through ``causal_lower_right``
+        rather than an (n, L) mask that the memory-efficient kernel reads per head and tile).
         Returns (n, H, v) float32."""
+        from torch.nn.attention.bias import causal_lower_right
+
         dt = PREFILL_DTYPE if cc.is_cuda else torch.float32
         q = torch.cat((q_nope, q_pe), -1).transpose(0, 1)[None]                # (1, H, n, nope + rope)
-        mask = None if allowed is None else allowed[None, None]
+        n, L = q.shape[2], cc.shape[0]
+        mask = allowed[None, None] if allowed is not None else None if n == L else causal_lower_right(n, L)
         return self._sdpa_decompressed(q.to(dt), cc.to(dt)[None], kp.to(dt)[None], mask)[0]
 
     def _select(self, x, q_resid, pos, keys, pos0) -> torch.Tensor:
@@ -255,8 +261,8 @@ class MLAttention:
     def _sdpa_decompressed(self, q: torch.Tensor, c: torch.Tensor, r: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
         """(B, H, n, nope + rope) queries over (B, L, C) latents and (B, L, rope) keys, all in one
-        16-bit (or float32) dtype; ``mask`` broadcast to (B, H, n, L), or None: causal with the
-        queries at the start (n == L). Returns (B, n, H, v) float32."""
+        16-bit (or float32) dtype; ``mask`` broadcast to (B, H, n, L), a ``CausalBias``, or None:
+        causal with the queries at the start (n == L). Returns (B, n, H, v) float32."""
         dt = q.dtype
         if self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt:
             self._w16 = (self.w_uk.to(q.device, dt), self.w_uv.to(q.device, dt))

@@ -1,11 +1,12 @@
 """Decode steps over the paged KV cache with fixed shapes: one CUDA graph per batch-size bucket.
 
-``PagedDecoder(model, pool, max_seqs, max_blocks)`` owns the static inputs of a decode step --
-token ids, positions, the slot each new K/V goes to, each row's block-table row and context length
--- and a device block-table matrix with one row per sequence *slot* (the runner gives each live
-sequence a slot; only the blocks it gains are copied to the device, never the whole table). A step
-of ``n`` sequences runs the smallest bucket ``>= n`` (1, 2, 4, 8, 16, 24, 32, then steps of 16);
-padded rows write their K/V into the pool's scratch block and attend over nothing.
+``PagedDecoder(model, pool, max_seqs, max_blocks, max_rows=)`` owns the static inputs of a decode
+step -- token ids, positions, the slot each new K/V goes to, each row's block-table row and context
+length -- and a device block-table matrix with one row per sequence *slot* (the runner gives each
+live sequence a slot; only the blocks it gains are copied to the device, never the whole table). A
+step of ``n`` rows runs the smallest bucket ``>= n`` (1, 2, 4, 8, 16, 24, 32, then steps of 16, up
+to ``max_rows``: more than ``max_seqs`` where MTP verifies ``1 + k`` rows a sequence); padded rows
+write their K/V into the pool's scratch block and attend over nothing.
 
 Per layer, by attention kind:
 
@@ -55,13 +56,13 @@ N_INPUTS = 5         # packed host inputs: tokens, positions, slots, slot rows, 
 WIDTH_MIN_TOKENS = 4096   # the narrowest block-table width a sparse DSA graph is captured for
 
 
-def buckets(max_seqs: int) -> list[int]:
-    out = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_seqs]
+def buckets(max_rows: int) -> list[int]:
+    out = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_rows]
     b = 48
-    while b < max_seqs:
+    while b < max_rows:
         out.append(b)
         b += 16
-    return out + [int(max_seqs)]
+    return out + [int(max_rows)]
 
 
 def widths(max_blocks: int, block_size: int) -> list[int]:
@@ -131,17 +132,21 @@ class StepInputs:
 
 class PagedDecoder:
     def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False,
-                 fused: bool | None = None, head_pool: KVPool | None = None):
+                 fused: bool | None = None, head_pool: KVPool | None = None, max_rows: int | None = None):
         check(model)
         if max_seqs < 1 or max_blocks < 1:
             raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
         self.model, self.pool = model, pool
         self.max_seqs, self.max_blocks = int(max_seqs), int(max_blocks)
+        # rows a step takes (block-table rows stay max_seqs): an MTP verify of 32 sequences with one
+        # draft each is 64 rows, which would otherwise run the eager forward (H200, GLM-5 shape,
+        # 32 streams at --speculative-tokens 1: 158 tok/s against 1749 without MTP)
+        self.max_rows = max(self.max_seqs, int(max_rows or 0))
         self.device = model.embed.device
         if graphs and self.device.type != "cuda":
             raise UsageError("CUDA graphs need the model on a CUDA device")
         self.graphs = bool(graphs)
-        self.buckets = buckets(self.max_seqs)
+        self.buckets = buckets(self.max_rows)
         self._attend = attention_fn(self.device)
         self._attend_mla, self._dsa_scores, self._dsa_topk = mla_attention_fn(self.device)
         self._fused = None
@@ -151,21 +156,21 @@ class PagedDecoder:
             self._fused = fused_step.FusedGqaStep(model, pool)
         dev = self.device
         with torch.inference_mode():
-            self.inputs = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, device=dev)
+            self.inputs = torch.zeros(N_INPUTS, self.max_rows, dtype=torch.int64, device=dev)
             self.tables = torch.zeros(self.max_seqs, self.max_blocks, dtype=torch.int32, device=dev)
-            self.out = torch.zeros(self.max_seqs, model.info.vocab_size, dtype=torch.float32, device=dev)
+            self.out = torch.zeros(self.max_rows, model.info.vocab_size, dtype=torch.float32, device=dev)
             # each row's final-normed state (what the MTP head drafts from)
-            self.states = torch.zeros(self.max_seqs, model.info.hidden_size, dtype=torch.float32, device=dev)
+            self.states = torch.zeros(self.max_rows, model.info.hidden_size, dtype=torch.float32, device=dev)
             # the MTP draft step (head_pool: the head's cache in blocks): its input states, output
             # states and logits
             self.head_pool = head_pool
             if head_pool is not None:
                 H, V = model.info.hidden_size, model.info.vocab_size
-                self.draft_in = torch.zeros(self.max_seqs, H, dtype=torch.float32, device=dev)
-                self.draft_states = torch.zeros(self.max_seqs, H, dtype=torch.float32, device=dev)
-                self.draft_out = torch.zeros(self.max_seqs, V, dtype=torch.float32, device=dev)
+                self.draft_in = torch.zeros(self.max_rows, H, dtype=torch.float32, device=dev)
+                self.draft_states = torch.zeros(self.max_rows, H, dtype=torch.float32, device=dev)
+                self.draft_out = torch.zeros(self.max_rows, V, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
-        self._host = torch.zeros(N_INPUTS, self.max_seqs, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(N_INPUTS, self.max_rows, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
         self.last_key: tuple[int, bool, int] | None = None      # the graph the last step replayed
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
@@ -236,8 +241,8 @@ class PagedDecoder:
     def _load(self, tokens, positions, slots, rows, device_tokens) -> tuple[int, bool, int]:
         """Copy a step's rows into the static inputs: (bucket, sparse, table columns needed)."""
         n = len(tokens)
-        if not 1 <= n <= self.max_seqs:
-            raise UsageError(f"a decode step takes 1..{self.max_seqs} sequences, got {n}")
+        if not 1 <= n <= self.max_rows:
+            raise UsageError(f"a decode step takes 1..{self.max_rows} rows, got {n}")
         if max(positions) >= self.max_blocks * self.pool.block_size:
             raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
         bs = next(b for b in self.buckets if b >= n)

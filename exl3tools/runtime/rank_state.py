@@ -30,7 +30,7 @@ class PagedState:
     the static decode step (runtime/paged_decode.py). Commands carry block tables and slots."""
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
-                 max_blocks: int, decode: str, mtp_paged: bool = False):
+                 max_blocks: int, decode: str, mtp_paged: bool = False, max_rows: int | None = None):
         from exl3tools.runtime.kv_pool import KVPool, layer_specs
         from exl3tools.runtime.paged_decode import PagedDecoder
 
@@ -44,7 +44,7 @@ class PagedState:
         self.decoder = None
         if decode in ("static", "graphs"):
             self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs",
-                                        head_pool=self.head_pool)
+                                        head_pool=self.head_pool, max_rows=max_rows)
 
     def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
                 states: bool = False):
@@ -122,6 +122,16 @@ class DraftState:
         # computed token, after cached prefix blocks too) it has none and is skipped
         self.tokens.extend(tokens if self.states else tokens[1:])
         self.states.append(states)
+
+    def take_known(self) -> tuple[torch.Tensor, list[int]] | None:
+        """The pending pairs whose token is known (every state but the newest), removed; the newest
+        state stays pending for the token sampled after it. None: no such pair."""
+        if not self.tokens:
+            return None
+        n = len(self.tokens)
+        states, tokens = torch.cat(self.states), self.tokens
+        self.states, self.tokens = [states[n:]], []
+        return states[:n], tokens
 
     def take(self, token: int) -> tuple[torch.Tensor, list[int]]:
         """All pending pairs, ``token`` completing the newest; the pending lists are emptied."""

@@ -3,8 +3,9 @@
 The HTTP server and ``exl3tools generate`` build on this and nothing deeper. A Runner owns the
 model, the tokenizer and the KV caches of the sequences it was told about. ``step`` takes any mix
 of prefill (many tokens for one sequence) and decode (one token for many sequences): a step of at
-most ``max_num_seqs`` new tokens runs the fixed-shape decode step (CUDA graphs per batch bucket, one
-row per token), a larger one a packed eager forward. The KV cache is paged (block manager on rank 0, a pool of blocks on every rank) with
+most ``max_num_seqs`` new tokens (``max_num_seqs * (1 + speculative_tokens)`` with MTP, whose verify
+is 1 + k rows a sequence) runs the fixed-shape decode step (CUDA graphs per batch bucket, one row
+per token), a larger one a packed eager forward. The KV cache is paged (block manager on rank 0, a pool of blocks on every rank) with
 prefix caching. With ``tp > 1`` the Runner lives on rank 0 and drives the other ranks.
 """
 
@@ -138,7 +139,9 @@ class Runner(SpeculativeSteps):
                      max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode,
                      # the MTP head's cache in blocks, its drafts in the fixed-shape step
                      # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
-                     mtp_paged=bool(self.spec_k and preview.switched_on("mtp_paged")))
+                     mtp_paged=bool(self.spec_k and preview.switched_on("mtp_paged")),
+                     # a verify is 1 + k rows a sequence: the step takes every sequence's at once
+                     max_rows=self.max_num_seqs * (1 + self.spec_k))
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
@@ -304,6 +307,7 @@ class Runner(SpeculativeSteps):
             items.append((seq_id, seq, toks, self._length_before(seq_id, len(toks))))
         self._check_room([(s, len(t)) for s, _, t, _ in items])
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
+        eager_spec = []       # sequences whose prompt chunk took the eager forward: the head catches up
         try:
             if self._fits_decoder(items):
                 spec = [(s if seq.spec is not None else None, len(t)) for s, seq, t, _ in items]
@@ -320,9 +324,10 @@ class Runner(SpeculativeSteps):
                 self._send(("pstep", wire, all_logits, spec_ids))
                 if any(seq.spec is not None for _, seq, _, _ in items):
                     logits, hn = self.paged.forward(wire, all_logits=all_logits, states=True)
-                    for (_, seq, t, _), states in zip(items, rows_of(hn, wire), strict=True):
+                    for (s, seq, t, _), states in zip(items, rows_of(hn, wire), strict=True):
                         if seq.spec is not None:
                             seq.spec.extend(states, t)
+                            eager_spec.append(s)
                 else:
                     logits = self.paged.forward(wire, all_logits=all_logits)
         except RuntimeError as exc:
@@ -334,6 +339,8 @@ class Runner(SpeculativeSteps):
         for s, seq, t, _ in items:
             seq.tokens.extend(t)
             self.blocks.commit(s, seq.tokens)
+        if eager_spec:
+            self._catch_up(eager_spec)
         return logits if device_logits else logits.float().cpu()
 
     def _length_before(self, seq_id: Hashable, n: int) -> int:
@@ -353,7 +360,7 @@ class Runner(SpeculativeSteps):
         """Whether a step's rows (every new token is one) fit the fixed-shape decode step: then a
         short prompt, a prefix hit's recomputed tail or a verify replays a graph, not an eager
         forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200)."""
-        if self.paged.decoder is None or sum(len(t or [0]) for _, _, t, _ in items) > self.max_num_seqs:
+        if self.paged.decoder is None or sum(len(t or [0]) for _, _, t, _ in items) > self.paged.decoder.max_rows:
             return False
         # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
         return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)

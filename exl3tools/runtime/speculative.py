@@ -62,8 +62,8 @@ class SpeculativeSteps:
 
     def _draft_paged(self, reqs: list, specs: list) -> list[tuple[list[int], list[torch.Tensor]]]:
         """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
-        sits at position p's slot of the sequence's own blocks. Rows that fit ``--max-num-seqs`` run
-        the decoder's fixed-shape draft step (a graph replay on CUDA), others the eager head over
+        sits at position p's slot of the sequence's own blocks. Rows that fit the decoder's ``max_rows``
+        (``--max-num-seqs`` x (1 + k)) run the decoder's fixed-shape draft step (a graph replay on CUDA), others the eager head over
         paged views. Deeper drafts write past the cache, into slots reserved now (verify reserves
         the same ones again, accept gives back what it does not keep)."""
         for s, _, k, _ in reqs:
@@ -74,7 +74,7 @@ class SpeculativeSteps:
             """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row;
             the other ranks run the same (``lasts``: the first depth's last tokens, which they take
             their pending pairs with; deeper: they feed their own rows of the depth before)."""
-            if self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.max_num_seqs:
+            if self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.paged.decoder.max_rows:
                 slots = [self.blocks.slots(s, n0, len(t)) for s, t, n0 in rows]
                 args = self._decode_args([(s, self._seq(s), t, n0) for s, t, n0 in rows], slots)
                 mode, payload = "static", (args, [len(t) for _, t, _ in rows])
@@ -97,6 +97,32 @@ class SpeculativeSteps:
             return res
 
         return _draw_depths(reqs, g, dl, deeper)
+
+    def _catch_up(self, seq_ids: list[Hashable]) -> None:
+        """Feed the MTP head the known pairs of these sequences now (after a prompt chunk's eager
+        forward), one eager head pass each, so a long prompt's pairs go through the head chunk by
+        chunk during its prefill rather than all at its first draft: there a 30000-token prompt's
+        pairs took seconds after the first token (H200, GLM-5 shape, --speculative-tokens 1: one
+        stream at a 30000-token context decoded 27 tok/s, 122 at 4096). The other ranks take the
+        same pairs from their own states ("hcatch")."""
+        todo = []
+        for s in seq_ids:
+            sp = self._seq(s).spec
+            known = sp.take_known() if sp is not None else None
+            if known is not None:
+                todo.append((s, sp, *known))
+        if not todo:
+            return
+        if self.paged.head_pool is not None:       # the head's entries in the sequence's own blocks
+            payload = [(list(self.blocks.table(s)), sp.length, t) for s, sp, _, t in todo]
+            self._send(("hcatch", [s for s, *_ in todo], payload))
+            run_head(self.paged, "eager", payload, [st for _, _, st, _ in todo])
+            for _, sp, _, t in todo:
+                sp.length += len(t)
+        else:
+            self._send(("hcatch", [s for s, *_ in todo], None))
+            self.model.mtp.forward_many([sp.cache for _, sp, _, _ in todo], [st for _, _, st, _ in todo],
+                                        [t for *_, t in todo])
 
     def verify(self, batch: list[tuple[Hashable, list[int]]]) -> torch.Tensor:
         """One target forward over each sequence's ``[last token] + drafts`` (device logits of

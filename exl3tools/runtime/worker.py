@@ -76,7 +76,7 @@ class WorkerDrafts:
     part of the MTP head runs in lockstep (the head's collectives), so it keeps the same draft
     state per sequence, fed from its own copy of the target's final states."""
 
-    OPS = ("draft", "draft_next", "draft_end", "hdraft", "pverify", "accept", "sfree")
+    OPS = ("draft", "draft_next", "draft_end", "hdraft", "hcatch", "pverify", "accept", "sfree")
 
     def __init__(self, model: CausalLM):
         self.model = model
@@ -123,6 +123,13 @@ class WorkerDrafts:
                 states = [self.drafting[s] for s in sids]
             g, _ = run_head(paged, mode, payload, states)
             self.drafting = {s: g[j:j + 1] for j, s in enumerate(sids)}
+        elif op == "hcatch":        # a prompt chunk's known pairs: rank 0's SpeculativeSteps._catch_up
+            sids, payload = cmd[1:]
+            known = [self._spec(s).take_known() for s in sids]
+            if payload is not None:
+                run_head(paged, "eager", payload, [st for st, _ in known])
+            else:
+                head.forward_many([self.specs[s].cache for s in sids], [st for st, _ in known], [t for _, t in known])
         elif op == "pverify":
             if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
                 _, hn = paged.decode(*cmd[3], states=True)

@@ -78,12 +78,13 @@ def test_fresh_prompts_in_one_batch_on_cuda(dev, name, monkeypatch):
 
 
 @pytest.mark.parametrize("heads,nope,v_dim", [(64, 192, 256), (128, 128, 128)])   # GLM-5, DeepSeek-V3
-@pytest.mark.parametrize("prefix", [0, 1024])
-def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, monkeypatch):
+@pytest.mark.parametrize("prefix,sparse", [(0, False), (1024, True), (1024, False)])
+def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, sparse, monkeypatch):
     """MLAttention.attend_decompressed (fp16 scaled_dot_product_attention over decompressed K/V, the
     prompt path on CUDA) against the absorbed attention in float64, at real shapes: a 2048-row
     prompt (is_causal, all heads in one group), and 1024 rows after a 1024-token prefix with a
-    DSA-like sparse mask (heads in groups of ~8 MB of K/V)."""
+    DSA-like sparse mask or causally (causal_lower_right, no mask tensor; heads in groups of ~8 MB
+    of K/V)."""
     import torch
 
     from exl3tools.runtime import mla
@@ -104,14 +105,14 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     cc = torch.randn(L, C, device="cuda", generator=gen)
     kp = torch.randn(L, R, device="cuda", generator=gen)
     allowed = torch.arange(L, device="cuda")[None, :] <= torch.arange(n, device="cuda")[:, None] + prefix
-    if prefix:
+    if sparse:
         allowed &= torch.rand(n, L, device="cuda", generator=gen) < 0.5
         allowed[torch.arange(n), torch.arange(n) + prefix] = True
     # the fused kernels, not the math fallback (fp32, the whole score matrix): an error if they
     # refuse; and not cuDNN's, whose plan per new shape costs a served step ~200 ms
     monkeypatch.setattr(mla, "PREFILL_SDPA", ("FLASH_ATTENTION", "EFFICIENT_ATTENTION"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if prefix else None)
+        got = att.attend_decompressed(q_nope, q_pe, cc, kp, allowed if sparse else None)
     ran = {e.key for e in prof.key_averages()}
     assert not any("cudnn" in k for k in ran) and any("flash" in k or "efficient" in k for k in ran), ran
     d = torch.float64
