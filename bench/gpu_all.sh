@@ -39,6 +39,9 @@ fi
 # wait_build [SECONDS]: until the build ended (rc 1 if SECONDS passed first), its log copied to $L
 wait_build() {
   local n=0
+  # no build started (EXL3_BUILD=0, with or without a carried .exl3so): nothing to wait for (a
+  # call with EXL3_BUILD=0 and .exl3so once waited here until its timeout)
+  if [ ! -f /tmp/exl3build.log ] && ! pgrep -f exl3build_marker >/dev/null; then return 0; fi
   while ! grep -q "build rc" /tmp/exl3build.log 2>/dev/null; do
     sleep 2; n=$((n + 2)); [ -n "${1:-}" ] && [ $n -ge "$1" ] && return 1
   done
@@ -72,7 +75,7 @@ if [[ $STAGES == *paged* ]]; then
 fi
 if [ "${EXL3_BUILD:-1}" != 0 ] || [ -f .exl3so/exl3so.xz ]; then HAVE_EXL3=1; else HAVE_EXL3=0; fi
 if [ $HAVE_EXL3 = 1 ] && [[ $STAGES == *bench* || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
-  el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log"
+  el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log" 2>/dev/null
 fi
 # built here: bring it back (once), so the next call carries it in .exl3so instead of building
 bring_so() {
@@ -95,7 +98,7 @@ if [[ $STAGES == *e2e* ]]; then
   el "e2e rc $?"
 fi
 if [[ $STAGES == *longctx* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token prompts (docs/gpu.md)
-  wait_build; tail -n 1 "$L/build.log"
+  wait_build; tail -n 1 "$L/build.log" 2>/dev/null
   timeout ${LONGCTX_TIMEOUT:-300} python3 bench/gpu_long_context.py air6=/tmp/air6 \
     glm5=$PWD/${FIXTURES:-.gpucarry}/fixtures/glm5_moe_dsa-3.0bpw-mul1/model ${LONGCTX_ARGS:-} \
     --json "$L/longctx.json" > "$L/longctx.log" 2>&1
