@@ -13,12 +13,14 @@ import os
 SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # a long prompt's DSA selection through the decode step's kernels (Indexer.select_kernels:
     # tensor-core scores, the Triton top-k) instead of float32 logits of every row, head and key
-    # and a sort; a 30000-token GLM-5 prompt took 5.6 s on the H200 (2026-12-02), 27k tok/s at 2048
+    # and a sort. Its GPU test passes, but served on the H200 (2026-12-02 night, GLM-5 shape) it is
+    # slower: a 30000-token prompt 6.1 -> 9.5 s, a 4096-token one 0.36 -> 0.98 s; it stays off
     "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
     # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
     # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
     # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's
-    # 75 ms on the H200 (2026-12-02)
+    # 75 ms on the H200 (2026-12-02). Its GPU test (bit-equal to tile kernel + had_out) passed on
+    # the H200 (2026-12-02 night, tests/gpu with it on); not yet timed
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
 }
 
