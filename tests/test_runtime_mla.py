@@ -263,6 +263,42 @@ def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+@pytest.mark.parametrize("name", [n for n in MLA_FIXTURES if "glm5" in n])
+def test_dsa_prompt_rows_over_their_selected_keys(name, kernel, monkeypatch):
+    """EXL3TOOLS_DSA_SPARSE_PREFILL=1 (a preview): DSA prompt rows attend over their selected keys
+    only, each row a query of the decode step's MLA kernel (MLAttention.attend_selected), and give
+    the logits of the dense attention under the selection mask: a 64-token prompt (rows past
+    index_topk select) and a 40-token chunk after a 24-token cached prefix, float32 on the CPU
+    through the kernel's torch reference or the Triton kernel in the interpreter."""
+    from exl3tools.runtime import mla, paged_decode
+
+    if kernel == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1 (make test sets it)")
+        monkeypatch.setattr(paged_decode, "MLA_DECODE_ON_CPU", True)
+    m, g = _model(name)
+    ids = g["prompt_p64"].tolist()
+
+    def run():
+        cache = m.new_cache()
+        m.forward([(cache, ids[:24])])
+        return _logits(m, ids), m.forward([(cache, ids[24:])], all_logits=True)
+
+    monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
+    ref = run()
+    monkeypatch.setenv("EXL3TOOLS_DSA_SPARSE_PREFILL", "1")
+    calls = []
+    real = mla.MLAttention.attend_selected
+    monkeypatch.setattr(mla.MLAttention, "attend_selected",
+                        lambda self, *a, **k: calls.append(a[4].shape) or real(self, *a, **k))
+    got = run()
+    topk = int(m.layers[0].attn.index_topk)
+    assert calls and all(c[1] == topk for c in calls), calls      # every layer, both prompts
+    for a, b in zip(got, ref, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
 @pytest.mark.parametrize("name", MLA_FIXTURES[:2])
 def test_fresh_prompts_attend_as_one_batch(name, monkeypatch):
     """Several new prompts in one eager step of the paged runner (MLAttention.attend_fresh: one

@@ -80,12 +80,15 @@ class Indexer:
         s = s.masked_fill(~visible, float("-inf"))
         return _fp16(s)
 
-    def select(self, x, q_resid, pos, keys, pos0) -> torch.Tensor:
+    def select(self, x, q_resid, pos, keys, pos0, *, positions: bool = False) -> torch.Tensor:
         """Boolean keep mask (n, L): each row's top-k finite scores, ties by ascending index.
-        Rows go in groups whose (rows, heads, L) float32 logits fit SCORE_BYTES."""
+        ``positions``: the same choice as (n, min(topk, L)) int32 key positions, -1 for an unused
+        entry (kernels/mla_attention.py's ``sel``). Rows go in groups whose (rows, heads, L)
+        float32 logits fit SCORE_BYTES."""
         n, L = x.shape[0], keys.shape[0]
         k = min(self.topk, L)
         keep = torch.zeros(n, L, dtype=torch.bool, device=x.device)
+        sel = torch.empty(n, k, dtype=torch.int32, device=x.device) if positions else None
         step = max(1, SCORE_BYTES // (self.nh * L * 4))
         for r0 in range(0, n, step):
             r = slice(r0, min(n, r0 + step))
@@ -93,8 +96,10 @@ class Indexer:
             order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
             keep[r].scatter_(1, order, True)
             keep[r] &= torch.isfinite(s)
+            if sel is not None:
+                sel[r] = torch.where(torch.isfinite(s.gather(1, order)), order, -1).to(torch.int32)
         self.last_selection = keep
-        return keep
+        return keep if sel is None else sel
 
     def select_kernels(self, x, q_resid, pos, keys, pos0, score_fn, topk_fn, block: int = 64) -> torch.Tensor:
         """``select`` through the decode step's kernels (``score_fn``/``topk_fn`` as in

@@ -167,6 +167,8 @@ class MLAttention:
         out = torch.empty(T, self.nh, self.vd, dtype=torch.float32, device=dev)
         new = {CACHE_CKV: ckv, CACHE_KPE: kpe} | ({} if kidx is None else {CACHE_KIDX: kidx})   # every row, per plane
         decompress = dev.type == "cuda" or SDPA_ON_CPU       # prompts through attend_decompressed / attend_fresh
+        # DSA prompt rows over their selected keys only (a preview: runtime/preview.py)
+        sparse_rows = decompress and self.index_topk and preview.switched_on("dsa_sparse_prefill")
         fresh = fresh_prompts(batch, self.index_topk, dev) if decompress and batch.spans else None
         if fresh is not None:
             self.attend_fresh(fresh, q_nope, q_pe, new, out)
@@ -181,14 +183,20 @@ class MLAttention:
             allowed = torch.arange(L, device=dev)[None, :] <= qpos                        # causal (n, L)
             keep = None
             if self.index_topk and L > self.index_topk:                        # exllamav3: sparse iff
+                # the selection as a mask, or as positions for attend_selected (sparse_rows); a
+                # "shared" layer finds what the full layer before it published, in the same form
+                as_positions = bool(sparse_rows) and sp.n >= SDPA_MIN_ROWS
                 if self.indexer is not None:                                   # visible > index_topk
-                    keep = self._select(x[r], q_resid[r], pos[r], full[CACHE_KIDX], sp.pos)
+                    keep = self._select(x[r], q_resid[r], pos[r], full[CACHE_KIDX], sp.pos, as_positions)
                     shared[si] = keep
                 elif self.dsa_shared:
                     keep = shared.get(si)
                     if keep is None:
                         raise UnsupportedArchitectureError(
                             f"layer {self.layer}: shared DSA layer found no selection from a full layer")
+                if as_positions:
+                    out[r] = self.attend_selected(q_lat[r], q_pe[r], cc, kp, keep, sp.pos)
+                    continue
                 allowed = allowed & keep
             if decompress and sp.n >= SDPA_MIN_ROWS:
                 # no selection: the queries are the last n of the L keys, a causal mask aligned
@@ -221,16 +229,43 @@ class MLAttention:
         mask = allowed[None, None] if allowed is not None else None if n == L else causal_lower_right(n, L)
         return self._sdpa_decompressed(q.to(dt), cc.to(dt)[None], kp.to(dt)[None], mask)[0]
 
-    def _select(self, x, q_resid, pos, keys, pos0) -> torch.Tensor:
-        """A prompt span's DSA mask: on CUDA under EXL3TOOLS_DSA_PREFILL_KERNELS=1 (a preview)
-        through the decode step's score and top-k kernels, else ``Indexer.select`` (float32
-        logits of every row, head and key, then a sort)."""
-        if x.device.type == "cuda" and preview.switched_on("dsa_prefill_kernels"):
+    def _select(self, x, q_resid, pos, keys, pos0, positions: bool = False) -> torch.Tensor:
+        """A prompt span's DSA mask (``positions``: its key positions, ``Indexer.select``): on
+        CUDA under EXL3TOOLS_DSA_PREFILL_KERNELS=1 (a preview, masks only) through the decode
+        step's score and top-k kernels, else ``Indexer.select`` (float32 logits of every row, head
+        and key, then a sort)."""
+        if not positions and x.device.type == "cuda" and preview.switched_on("dsa_prefill_kernels"):
             from exl3tools.runtime.paged_decode import mla_attention_fn
 
             _, score_fn, topk_fn = mla_attention_fn(x.device)
             return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn, topk_fn)
-        return self.indexer.select(x, q_resid, pos, keys, pos0)
+        return self.indexer.select(x, q_resid, pos, keys, pos0, positions=positions)
+
+    def attend_selected(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
+                        sel: torch.Tensor, pos0: int, block: int = 64) -> torch.Tensor:
+        """DSA prompt rows over their selected keys only: each row is one query of the decode
+        step's MLA kernel (``mla_attention_fn``: Triton on CUDA, its torch reference elsewhere),
+        absorbed ``q_lat`` (n, H, C) and ``q_pe`` (n, H, rope) over the history's latent ``cc``
+        (L, C) and rope keys ``kp`` (L, rope), laid out as one table of ``block``-row blocks that
+        every row shares (a stride-0 table), row i seeing ``pos0 + i + 1`` keys; ``sel`` (n, K)
+        int32 positions, -1 unused (``Indexer.select(positions=True)``). n * K * H * (C + rope)
+        multiply-adds whatever the history, where attend_decompressed costs n * L * H * (nope +
+        rope + v) plus the decompression. Returns (n, H, v) float32."""
+        from exl3tools.runtime.paged_decode import mla_attention_fn
+
+        attend = mla_attention_fn(q_lat.device)[0]
+        n, L = q_lat.shape[0], cc.shape[0]
+        nb = -(-L // block)
+
+        def plane(t: torch.Tensor) -> torch.Tensor:       # the pool's dtype, as the decode step reads it
+            out = t.new_zeros(nb * block, t.shape[1])
+            out[:L] = t
+            return out.view(nb, block, t.shape[1])
+        table = torch.arange(nb, dtype=torch.int32, device=q_lat.device)[None].expand(n, nb)
+        ctx = torch.arange(pos0 + 1, pos0 + n + 1, dtype=torch.int32, device=q_lat.device)
+        o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), plane(cc), plane(kp), table, ctx,
+                       self.scale, sel=sel.contiguous())
+        return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
 
     def attend_fresh(self, fresh: FreshPrompts, q_nope: torch.Tensor, q_pe: torch.Tensor,
                      new: dict[str, torch.Tensor], out: torch.Tensor) -> None:

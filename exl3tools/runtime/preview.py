@@ -16,6 +16,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # and a sort. Its GPU test passes, but served on the H200 (2026-12-02 night, GLM-5 shape) it is
     # slower: a 30000-token prompt 6.1 -> 9.5 s, a 4096-token one 0.36 -> 0.98 s; it stays off
     "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
+    # a long prompt's DSA rows attend over their selected keys only (MLAttention.attend_selected:
+    # the decode step's MLA kernel, one row a query, absorbed queries over the latent) instead of
+    # densely over the whole decompressed history with the selection as a mask; what exllamav3's
+    # dsa_attn does. Not yet run on a GPU
+    "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
     # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
     # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
     # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's

@@ -130,6 +130,55 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     assert got.shape == (n, heads, v_dim) and err < 1e-2, err
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_dsa_prompt_rows_over_their_selected_keys_on_cuda(dev, dtype):
+    """MLAttention.attend_selected (the EXL3TOOLS_DSA_SPARSE_PREFILL preview: each prompt row a
+    query of the decode step's Triton MLA kernel over its selected latent rows) against the
+    absorbed attention in float64 under the same selection, at GLM-5's shape: 1024 rows after a
+    3072-token history, 2048 keys each (a few rows with -1 entries), planes as the pool stores them."""
+    import torch
+
+    from exl3tools.runtime.mla import MLAttention
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    gen = torch.Generator("cuda").manual_seed(1)
+    heads, nope, v_dim, C, R, K = 64, 192, 256, 512, 64, 2048
+    prefix, n = 3072, 1024
+    L = prefix + n
+    kv_b = (torch.randn(heads * (nope + v_dim), C, device="cuda", generator=gen) * C ** -0.5).half()
+    att = MLAttention(layer_idx=0, n_heads=heads, nope=nope, rope=R, v_dim=v_dim, kv_lora=C, kv_a=None,
+                      kv_a_norm=None, kv_b=kv_b, o=None, rope_params=(torch.ones(R // 2), 1.0, 1.0))
+    att._to(torch.device("cuda"))
+    q_lat = torch.randn(n, heads, C, device="cuda", generator=gen)
+    q_pe = torch.randn(n, heads, R, device="cuda", generator=gen)
+    cc = torch.randn(L, C, device="cuda", generator=gen).to(getattr(torch, dtype))
+    kp = torch.randn(L, R, device="cuda", generator=gen).to(getattr(torch, dtype))
+    # each row's K visible positions (causal: row i sees prefix + i + 1 keys), its own one among them
+    vis = torch.arange(n, device="cuda") + prefix + 1
+    pick = torch.rand(n, L, device="cuda", generator=gen).masked_fill(
+        torch.arange(L, device="cuda")[None] >= vis[:, None], 2.0)
+    pick[torch.arange(n, device="cuda"), vis - 1] = -1.0                  # its own key, once
+    sel = pick.argsort(1)[:, :K].to(torch.int32)
+    sel[:8, K // 2:] = -1                                              # unused entries
+    got = att.attend_selected(q_lat, q_pe, cc, kp, sel, prefix)
+    d = torch.float64
+    keep = torch.zeros(n, L, dtype=torch.bool, device="cuda")
+    keep.scatter_(1, torch.where(sel >= 0, sel, 0).long(), True)
+    keep[:8, 0] = (sel[:8] == 0).any(1)
+    want = torch.empty(n, heads, v_dim, dtype=d, device="cuda")
+    for h in range(0, heads, 16):
+        hs = slice(h, h + 16)
+        s = (torch.einsum("thc,lc->htl", q_lat[:, hs].to(d), cc.to(d))
+             + torch.einsum("thr,lr->htl", q_pe[:, hs].to(d), kp.to(d))) * att.scale
+        p = torch.softmax(s.masked_fill(~keep[None], float("-inf")), -1)
+        want[:, hs] = torch.einsum("thc,hvc->thv", torch.einsum("htl,lc->thc", p, cc.to(d)), att.w_uv[hs].to(d))
+        del s, p
+    err = ((got.to(d) - want).abs().max() / want.abs().max()).item()
+    print("attend_selected vs absorbed float64", dtype, err)
+    assert got.shape == (n, heads, v_dim) and err < (1e-2 if dtype == "float16" else 1e-4), err
+
+
 def test_prompt_dsa_selection_through_the_decode_kernels_on_cuda(dev):
     """Indexer.select_kernels on CUDA (the EXL3TOOLS_DSA_PREFILL_KERNELS path: tensor-core scores
     and the top-k kernels over the history as one padded table) keeps the keys Indexer.select
