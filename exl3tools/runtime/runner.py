@@ -5,8 +5,9 @@ model, the tokenizer and the KV caches of the sequences it was told about. ``ste
 of prefill (many tokens for one sequence) and decode (one token for many sequences): a step of at
 most ``max_num_seqs`` new tokens (``max_num_seqs * (1 + speculative_tokens)`` with MTP, whose verify
 is 1 + k rows a sequence) runs the fixed-shape decode step (CUDA graphs per batch bucket, one row
-per token), a larger one a packed eager forward. The KV cache is paged (block manager on rank 0, a pool of blocks on every rank) with
-prefix caching. With ``tp > 1`` the Runner lives on rank 0 and drives the other ranks.
+per token), a larger one a packed eager forward. The KV cache is paged (block manager on rank 0, a
+pool of blocks on every rank) with prefix caching. With ``tp > 1`` the Runner lives on rank 0 and
+drives the other ranks.
 """
 
 from __future__ import annotations

@@ -62,10 +62,11 @@ class SpeculativeSteps:
 
     def _draft_paged(self, reqs: list, specs: list) -> list[tuple[list[int], list[torch.Tensor]]]:
         """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
-        sits at position p's slot of the sequence's own blocks. Rows that fit the decoder's ``max_rows``
-        (``--max-num-seqs`` x (1 + k)) run the decoder's fixed-shape draft step (a graph replay on CUDA), others the eager head over
-        paged views. Deeper drafts write past the cache, into slots reserved now (verify reserves
-        the same ones again, accept gives back what it does not keep)."""
+        sits at position p's slot of the sequence's own blocks. Rows that fit the decoder's
+        ``max_rows`` (``--max-num-seqs`` x (1 + k)) run its fixed-shape draft step (a graph replay
+        on CUDA), others the eager head over paged views. Deeper drafts write past the cache, into
+        slots reserved now (verify reserves the same ones again, accept gives back what it does not
+        keep)."""
         for s, _, k, _ in reqs:
             if k > 1:
                 self.blocks.reserve(s, k - 1)
