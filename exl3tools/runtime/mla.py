@@ -239,7 +239,9 @@ class MLAttention:
 
             _, score_fn, topk_fn = mla_attention_fn(x.device)
             return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn, topk_fn)
-        return self.indexer.select(x, q_resid, pos, keys, pos0, positions=positions)
+        if positions:
+            return self.indexer.select(x, q_resid, pos, keys, pos0, positions=True)
+        return self.indexer.select(x, q_resid, pos, keys, pos0)
 
     def attend_selected(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
                         sel: torch.Tensor, pos0: int, block: int = 64) -> torch.Tensor:
