@@ -103,29 +103,38 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
 
 
 def sweep(H: int, B: int, ctx: int) -> list[dict]:
-    """Tile configurations of both precisions at one shape (µs; a failing compile is reported)."""
+    """Tile configurations at one shape (µs; a failing compile is reported): fp32 planes in both
+    precisions, and fp16 planes (serve's default for MLA on CUDA: tensor-core dots), dense and with
+    a 2048-key DSA selection. fp16 candidates that compile for sm_90 without spills
+    (bench/triton_sm90_check.py's ptxas): HB 16 x TN 16/32/64 and HB 32 x TN 16/32 at 8 warps; HB 64
+    spills everywhere."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     gen = torch.Generator("cuda").manual_seed(0)
     q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, gen)
+    ckv16, kpe16 = ckv.half(), kpe.half()
     out = torch.empty_like(q_lat)
     rows = []
-    for prec in ("ieee", "tf32x3"):
+    kinds = [("fp32", "ieee", None), ("fp32", "tf32x3", None), ("fp16", "ieee", None), ("fp16", "ieee", sel)]
+    for planes, prec, s in kinds:
+        c, k = (ckv16, kpe16) if planes == "fp16" else (ckv, kpe)
         for hb in (16, 32, 64):
-            for tn in (16, 32):
+            for tn in (16, 32, 64):
                 for warps in (4, 8):
-                    kw = dict(precision=prec, head_block=hb, tile_n=tn, num_warps=warps, out=out)
-                    r = {"H": H, "B": B, "ctx": ctx, "precision": prec, "HB": hb, "TN": tn, "warps": warps}
+                    kw = dict(precision=prec, head_block=hb, tile_n=tn, num_warps=warps, out=out, sel=s)
+                    r = {"H": H, "B": B, "ctx": ctx, "planes": planes, "precision": prec, "dsa": s is not None,
+                         "HB": hb, "TN": tn, "warps": warps}
                     try:
-                        r["us"] = bench_graph(lambda kw=kw: mla_decode(q_lat, q_pe, ckv, kpe, tables, lens, 0.07, **kw))
+                        r["us"] = bench_graph(lambda kw=kw, c=c, k=k: mla_decode(q_lat, q_pe, c, k, tables, lens, 0.07, **kw))
                     except Exception as exc:  # noqa: BLE001 - out of registers / shared memory
                         r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
                     print(json.dumps(r), flush=True)
                     rows.append(r)
     ok = [r for r in rows if "us" in r]
-    for prec in ("ieee", "tf32x3"):
-        best = min((r for r in ok if r["precision"] == prec), key=lambda r: r["us"], default=None)
-        print(f"best {prec}: {best}", flush=True)
+    for planes, prec, s in kinds:
+        best = min((r for r in ok if (r["planes"], r["precision"], r["dsa"]) == (planes, prec, s is not None)),
+                   key=lambda r: r["us"], default=None)
+        print(f"best {planes} {prec}{' dsa' if s is not None else ''}: {best}", flush=True)
     return rows
 
 
