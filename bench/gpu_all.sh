@@ -123,7 +123,9 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
   fi
   # glm5_flat: the GLM-5 shape with --flat-logits (every MTP draft accepted: MTP's upper bound)
+  [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* || ${MLA_PARTS:-kernel e2e serve} == *serve* ]] || MLA_ARCHES=none
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
+    [ $arch = none ] && continue       # the kernel part alone: no checkpoint to make
     d=/tmp/synth_$arch
     SYN="--arch $arch"; [ $arch = glm5_flat ] && SYN="--arch glm5 --flat-logits"
     [ -d $d ] || python3 bench/synth_checkpoint.py $d $SYN > "$L/synth_$arch.log" 2>&1
