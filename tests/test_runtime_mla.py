@@ -263,6 +263,46 @@ def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 
+def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
+    """EXL3TOOLS_MLA_FLASH_PAD=1 (a preview): where the value head is smaller than the query's
+    (DeepSeek-V3: 128 < 192), attend_decompressed decompresses V with zero columns up to the query's
+    size, so flash attention can take it on CUDA, and drops them after: the same logits (a 64-token
+    prompt, is_causal; a 40-token chunk after a 24-token prefix, causal_lower_right). Float32 on the
+    CPU (PAD_V_ON_CPU)."""
+    from exl3tools.runtime import mla
+
+    name = "deepseek_v3-3.0bpw-3inst"
+    m, g = _model(name)
+    ids = g["prompt_p64"].tolist()
+    att = m.layers[0].attn
+    assert att.vd < att.nope + att.rope
+
+    def run():
+        for layer in m.layers:
+            layer.attn._w16 = None
+        cache = m.new_cache()
+        m.forward([(cache, ids[:24])])
+        return _logits(m, ids), m.forward([(cache, ids[24:])], all_logits=True)
+
+    monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
+    monkeypatch.setattr(mla, "PAD_V_ON_CPU", True)
+    ref = run()
+    monkeypatch.setenv("EXL3TOOLS_MLA_FLASH_PAD", "1")
+    sizes = []
+
+    class Spy(torch.overrides.TorchFunctionMode):   # not a patched function: CausalBias dispatches on it
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                sizes.append((args[0].shape[-1], args[2].shape[-1]))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        got = run()
+    assert sizes and all(qs == vs == att.nope + att.rope for qs, vs in sizes), sizes
+    for a, b in zip(got, ref, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
 @pytest.mark.parametrize("name", [n for n in MLA_FIXTURES if "glm5" in n])
 def test_dsa_prompt_rows_over_their_selected_keys(name, kernel, monkeypatch):

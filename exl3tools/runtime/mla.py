@@ -39,6 +39,7 @@ DECOMPRESS_BYTES = 256 * 2**20     # decompressed K/V per head group (attend_dec
 # plan for every new shape (batch, prompt length) on first use: served 8-stream prompts waited
 # 200 ms a step for it on the H200 (2026-12-02). Math only where both refuse (a test forbids it).
 PREFILL_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+PAD_V_ON_CPU = False   # tests: attend_decompressed's zero-padded V (the mla_flash_pad preview) on the CPU
 
 
 # ------------------------------------------------------------------ rope
@@ -123,7 +124,7 @@ class MLAttention:
         self.w_uv = w[:, nope:, :].contiguous()                    # (H, v, C)
         self.indexer, self.dsa_shared = indexer, dsa_shared
         self.index_topk = index_topk if (indexer is not None or dsa_shared) else 0
-        self._w16 = None                                           # (W_UK, W_UV) for attend_decompressed
+        self._w16 = None                                           # (W_UK, W_UV[, W_UV padded]) for attend_decompressed
 
     def cache_spec(self) -> list:
         """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key, in
@@ -300,15 +301,27 @@ class MLAttention:
         """(B, H, n, nope + rope) queries over (B, L, C) latents and (B, L, rope) keys, all in one
         16-bit (or float32) dtype; ``mask`` broadcast to (B, H, n, L), a ``CausalBias``, or None:
         causal with the queries at the start (n == L). Returns (B, n, H, v) float32."""
+        from torch.nn.attention.bias import CausalBias
+
         dt = q.dtype
+        qk = self.nope + self.rope
+        # flash attention takes one head size for q, k and v (DeepSeek-V3: 192 and 128, so it got
+        # the memory-efficient kernel): V decompressed with zero columns up to q's size, where no
+        # (n, L) mask rules flash out anyway; a preview (EXL3TOOLS_MLA_FLASH_PAD, runtime/preview.py)
+        pad = (self.vd < qk <= 256 and (mask is None or isinstance(mask, CausalBias))
+               and (q.is_cuda or PAD_V_ON_CPU) and preview.switched_on("mla_flash_pad"))
         if self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt:
-            self._w16 = (self.w_uk.to(q.device, dt), self.w_uv.to(q.device, dt))
-        w_uk, w_uv = self._w16
+            w_uv = self.w_uv.to(q.device, dt)
+            self._w16 = (self.w_uk.to(q.device, dt), w_uv,
+                         torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
+                         if self.vd < qk else w_uv)
+        w_uk, w_uv = self._w16[0], self._w16[2 if pad else 1]
+        vd = w_uv.shape[1]
         B, L, n = c.shape[0], c.shape[1], q.shape[2]
         # heads in groups whose decompressed K/V fit DECOMPRESS_BYTES (a 128k history is 128 MB a
         # GLM-5 head): the transient stays bounded whatever the context, which the startup's
         # activation measure (a prompt without history) cannot see
-        per_head = B * L * (self.nope + self.rope + self.vd) * c.element_size()
+        per_head = B * L * (qk + vd) * c.element_size()
         g = max(1, min(self.nh, DECOMPRESS_BYTES // max(per_head, 1)))
         out = torch.empty(B, n, self.nh, self.vd, dtype=torch.float32, device=q.device)
         for h0 in range(0, self.nh, g):
@@ -322,7 +335,7 @@ class MLAttention:
             with _prefill_kernels(q.device):
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q[:, h], k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
-            out[:, :, h] = o.transpose(1, 2)
+            out[:, :, h] = o[..., :self.vd].transpose(1, 2)
         return out
 
     # ------------------------------------------------------------------ fixed-shape decode step

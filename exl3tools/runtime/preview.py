@@ -21,6 +21,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # densely over the whole decompressed history with the selection as a mask; what exllamav3's
     # dsa_attn does. Not yet run on a GPU
     "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
+    # MLA prompt attention without an (n, L) mask through flash attention where the value head is
+    # smaller than the query's (DeepSeek-V3: 128 < 192): V decompressed with zero columns so the
+    # three head sizes agree (MLAttention._sdpa_decompressed), instead of the memory-efficient
+    # kernel; DeepSeek-V3's 30000-token prompt took 3.35-3.48 s against exllamav3's 2.2 s on the
+    # H200 (2026-12-02 night). Not yet run on a GPU
+    "mla_flash_pad": "EXL3TOOLS_MLA_FLASH_PAD",
     # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
     # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
     # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's
