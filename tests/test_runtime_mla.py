@@ -108,8 +108,8 @@ def test_step23_is_a_dsa_near_tie():
     orig = ix.select
     seen = {}
 
-    def flip(x, q_resid, pos, keys, pos0):
-        keep = orig(x, q_resid, pos, keys, pos0)
+    def flip(x, q_resid, pos, keys, pos0, **kw):
+        keep = orig(x, q_resid, pos, keys, pos0, **kw)
         s = ix.scores(x, q_resid, pos, keys, pos0)[-1]
         order = torch.sort(s, descending=True, stable=True).indices
         k31, k32 = int(order[31]), int(order[32])          # last kept / first dropped
@@ -209,7 +209,7 @@ def test_shared_indexer_layer_reuses_the_full_layers_selection():
     assert shared.layers[1].attn.indexer is None and shared.layers[1].attn.dsa_shared
     full = build(BuildContext(ck.config, WeightSource(ck), TPContext(), False))
     ix0, ix1 = full.layers[0].attn.indexer, full.layers[1].attn.indexer
-    ix1.select = lambda *a: ix0.last_selection          # layer 1 takes layer 0's choice
+    ix1.select = lambda *a, **kw: ix0.last_selection    # layer 1 takes layer 0's choice
     ids = g["prompt_p64"].tolist()
     a, b = _logits(shared, ids), _logits(full, ids)
     assert torch.equal(a, b)
@@ -415,9 +415,9 @@ def test_indexer_select_kernels_keep_the_same_keys(monkeypatch):
     idx = next(layer.attn.indexer for layer in m.layers if layer.attn.indexer is not None)
     seen, select = {}, dsa.Indexer.select
 
-    def spy(self, *args):
+    def spy(self, *args, **kw):
         seen.setdefault(id(self), args)
-        return select(self, *args)
+        return select(self, *args, **kw)
 
     monkeypatch.setattr(dsa.Indexer, "select", spy)
     _logits(m, ids)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from exl3tools.runtime.mla import rope_gptj
+from exl3tools.runtime.layers import causal_mask
+from exl3tools.runtime.mla import as_blocks, rope_gptj
 
 # A prompt chunk's indexer logits are (rows, heads, L) float32, several copies: at a 30k history a
 # 2048-row chunk took 7.9 GB a copy and ran the H200 out of memory inside serve's KV budget (the
@@ -74,10 +75,7 @@ class Indexer:
         q, w = self.queries(x, q_resid, pos)
         logits = torch.einsum("nhd,ld->nhl", q, keys)
         s = (F.relu(logits) * w[:, :, None]).sum(1) * self.scale
-        L = keys.shape[0]
-        dev = s.device
-        visible = torch.arange(L, device=dev)[None, :] < (torch.arange(n, device=dev)[:, None] + pos0 + 1)
-        s = s.masked_fill(~visible, float("-inf"))
+        s = s.masked_fill(~causal_mask(n, pos0, keys.shape[0], s.device), float("-inf"))
         return _fp16(s)
 
     def select(self, x, q_resid, pos, keys, pos0, *, positions: bool = False) -> torch.Tensor:
@@ -108,11 +106,9 @@ class Indexer:
         scores' summation order, without the (rows, heads, L) float32 logits or a sort. ``block`` is
         fixed so that the kernels compile once, not once per history length."""
         self._to(x.device)
-        n, L, D = x.shape[0], keys.shape[0], keys.shape[1]
-        nb = -(-L // block)
-        plane = keys.new_zeros(nb * block, D)
-        plane[:L] = keys
-        plane = plane.view(nb, block, D)
+        n, L = x.shape[0], keys.shape[0]
+        plane = as_blocks(keys, block)
+        nb = plane.shape[0]
         table = torch.arange(nb, dtype=torch.int32, device=x.device)
         keep = torch.zeros(n, nb * block + 1, dtype=torch.bool, device=x.device)   # + a column for -1
         step = max(1, SCORE_BYTES // (nb * block * 4))

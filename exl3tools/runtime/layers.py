@@ -255,6 +255,11 @@ def paged_prefill_meta(batch: Batch, q: torch.Tensor) -> PagedPrefill | None:
     return meta
 
 
+def causal_mask(n: int, pos0: int, L: int, dev: torch.device) -> torch.Tensor:
+    """(n, L) bool: query i (at position pos0 + i) sees keys 0 .. pos0 + i."""
+    return torch.arange(L, device=dev)[None, :] <= torch.arange(n, device=dev)[:, None] + pos0
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
     """Causal attention of n queries at positions pos0.. over L = pos0 + n keys (GQA), (n, nq, d)."""
     n, L = q.shape[0], k.shape[0]
@@ -262,8 +267,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, scale: f
     if n == L:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:   # a chunk after cached tokens: query i sees keys 0..pos0 + i
-        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(pos0, pos0 + n, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_mask(n, pos0, L, q.device), scale=scale,
+                                           enable_gqa=True)
     return o[0].transpose(0, 1)
 
 

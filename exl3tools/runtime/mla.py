@@ -25,6 +25,7 @@ import torch
 
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.runtime import preview
+from exl3tools.runtime.layers import causal_mask
 
 CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
 # Prompts of at least SDPA_MIN_ROWS rows attend through decompressed K/V and torch's fused attention
@@ -40,6 +41,15 @@ DECOMPRESS_BYTES = 256 * 2**20     # decompressed K/V per head group (attend_dec
 # 200 ms a step for it on the H200 (2026-12-02). Math only where both refuse (a test forbids it).
 PREFILL_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 PAD_V_ON_CPU = False   # tests: attend_decompressed's zero-padded V (the mla_flash_pad preview) on the CPU
+
+
+def as_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows ``t`` (L, D) as a paged plane (ceil(L / block), block, D), zero-padded at the end: a
+    history laid out for the decode step's kernels, with ``arange`` as its block table."""
+    L, D = t.shape
+    out = t.new_zeros(-(-L // block) * block, D)
+    out[:L] = t
+    return out.view(-1, block, D)
 
 
 # ------------------------------------------------------------------ rope
@@ -180,8 +190,6 @@ class MLAttention:
             full = sp.cache.extend(self.layer, {name: t[r] for name, t in new.items()})
             cc, kp = full[CACHE_CKV], full[CACHE_KPE]                          # (L, C), (L, rope)
             L = cc.shape[0]
-            qpos = torch.arange(sp.n, device=dev)[:, None] + sp.pos
-            allowed = torch.arange(L, device=dev)[None, :] <= qpos                        # causal (n, L)
             keep = None
             if self.index_topk and L > self.index_topk:                        # exllamav3: sparse iff
                 # the selection as a mask, or as positions for attend_selected (sparse_rows); a
@@ -198,11 +206,13 @@ class MLAttention:
                 if as_positions:
                     out[r] = self.attend_selected(q_lat[r], q_pe[r], cc, kp, keep, sp.pos)
                     continue
-                allowed = allowed & keep
+            # the (n, L) mask only where it is read: without a selection the fused kernels take the
+            # causal bottom-right alignment (the queries are the last n of the L keys) as a bias
+            allowed = None if keep is None and decompress and sp.n >= SDPA_MIN_ROWS else causal_mask(sp.n, sp.pos, L, dev)
+            if keep is not None:
+                allowed &= keep
             if decompress and sp.n >= SDPA_MIN_ROWS:
-                # no selection: the queries are the last n of the L keys, a causal mask aligned
-                # bottom-right, which the fused kernels take without an (n, L) mask tensor
-                out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, None if keep is None else allowed)
+                out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, allowed)
                 continue
             s = (torch.einsum("thc,lc->htl", q_lat[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
             s = s.masked_fill(~allowed[None], float("-inf"))
@@ -240,9 +250,7 @@ class MLAttention:
 
             _, score_fn, topk_fn = mla_attention_fn(x.device)
             return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn, topk_fn)
-        if positions:
-            return self.indexer.select(x, q_resid, pos, keys, pos0, positions=True)
-        return self.indexer.select(x, q_resid, pos, keys, pos0)
+        return self.indexer.select(x, q_resid, pos, keys, pos0, positions=positions)
 
     def attend_selected(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
                         sel: torch.Tensor, pos0: int, block: int = 64) -> torch.Tensor:
@@ -257,16 +265,11 @@ class MLAttention:
         from exl3tools.runtime.paged_decode import mla_attention_fn
 
         attend = mla_attention_fn(q_lat.device)[0]
-        n, L = q_lat.shape[0], cc.shape[0]
-        nb = -(-L // block)
-
-        def plane(t: torch.Tensor) -> torch.Tensor:       # the pool's dtype, as the decode step reads it
-            out = t.new_zeros(nb * block, t.shape[1])
-            out[:L] = t
-            return out.view(nb, block, t.shape[1])
-        table = torch.arange(nb, dtype=torch.int32, device=q_lat.device)[None].expand(n, nb)
+        n = q_lat.shape[0]
+        ckv, kpe = as_blocks(cc, block), as_blocks(kp, block)      # the pool's dtype, as the decode step reads it
+        table = torch.arange(ckv.shape[0], dtype=torch.int32, device=q_lat.device)[None].expand(n, -1)
         ctx = torch.arange(pos0 + 1, pos0 + n + 1, dtype=torch.int32, device=q_lat.device)
-        o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), plane(cc), plane(kp), table, ctx,
+        o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,
                        self.scale, sel=sel.contiguous())
         return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
 
