@@ -136,13 +136,15 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv dsa_prefill dsa_sparse flash_pad widths mtp_paged" serve beside the MTP configs
+      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv dsa_prefill dsa_sparse flash_pad prompt_steps widths mtp_paged"
+      # serve beside the MTP configs
       # (fp16: --kv-cache-dtype fp16, what auto picks for MLA on CUDA; widths: at --max-model-len
       # 131072, with and without the sparse graphs per table width; fma: the indexer's scores on the
       # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); gemv: MoE prefill tiles on the gemv kernel
       # (EXL3TOOLS_PREFILL_TILES=0); dsa_prefill: the EXL3TOOLS_DSA_PREFILL_KERNELS=1 preview; dsa_sparse: the
       # EXL3TOOLS_DSA_SPARSE_PREFILL=1 preview (prompt rows over their selected keys); flash_pad: the
-      # EXL3TOOLS_MLA_FLASH_PAD=1 preview (DeepSeek-V3's prompt attention on flash); mtp_paged: each MTP config again
+      # EXL3TOOLS_MLA_FLASH_PAD=1 preview (DeepSeek-V3's prompt attention on flash); prompt_steps: the
+      # EXL3TOOLS_PROMPT_GRAPHS=1 preview (short prompts beside decoding rows in graphs); mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
@@ -153,6 +155,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_prefill:EXL3TOOLS_DSA_PREFILL_KERNELS=1 --max-model-len 32768")
       [[ $V == *dsa_sparse* ]] && CFG+=(--config "${arch}_dsa_sparse:EXL3TOOLS_DSA_SPARSE_PREFILL=1 --max-model-len 32768")
       [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=1 --max-model-len 32768")
+      [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=1 --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
       if [[ $arch == glm5* ]]; then for k in ${MLA_SPEC-1 2 3}; do

@@ -339,7 +339,10 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                     raise BenchError(f"more than {max_tokens} token chunks in one stream")
             return s, usage
 
+        last_run = {"t": time.monotonic()}
+
         def run(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+            last_run["t"] = time.monotonic()     # the server's step trace is on the same clock
             async def all_() -> list:
                 got = await asyncio.gather(*(one(p, max_tokens) for p in prompts), return_exceptions=True)
                 for g in got:
@@ -372,6 +375,11 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                     notes.append(f"{srv.name}: {ph['preempted']} sequence(s) preempted during {phase}")
                 pre["preempted"] = p
             res["phases"][phase] = ph
+            if phase.startswith("streams_"):
+                b = burst_steps(srv, last_run["t"])
+                if b is not None:
+                    res.setdefault("bursts", {})[phase] = b
+                    print(f"[{srv.name}]  {phase} burst: {burst_line(b)}", flush=True)
             save()
 
         measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True))
@@ -394,6 +402,38 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         except Exception:  # noqa: BLE001
             pass
         loop.close()
+
+
+def burst_steps(srv: Server, t0: float, keep: int = 12) -> list[dict] | None:
+    """The server's steps from ``t0`` (time.monotonic()) until the last one that admitted a
+    sequence (at most ``keep``), times in ms from ``t0``: how a burst of prompts was scheduled."""
+    try:
+        r = srv.get("/v1/engine/steps")
+        steps = r.json()["steps"] if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - an optional endpoint
+        return None
+    if steps is None:
+        return None
+    steps = [s for s in steps if s["t"] >= t0]
+    last = max((i for i, s in enumerate(steps) if s.get("admitted")), default=-1)
+    out = []
+    for s in steps[:min(last + 2, keep)]:
+        d = {k: s.get(k) for k in ("path", "seqs", "rows", "prefill", "ms")}
+        d["at_ms"] = round((s["t"] - t0) * 1e3, 2)
+        d["admitted"] = [[round((a - t0) * 1e3, 2) for a in pair] for pair in s.get("admitted", [])]
+        out.append(d)
+    return out
+
+
+def burst_line(steps: list[dict]) -> str:
+    """``at+ms path rows(prefill)`` per step, with the received..queued ms of the sequences it admitted."""
+    parts = []
+    for s in steps:
+        adm = s["admitted"]
+        extra = f" adm {len(adm)} recv {min(a for a, _ in adm):.0f}-{max(a for a, _ in adm):.0f} " \
+                f"queued {min(q for _, q in adm):.0f}-{max(q for _, q in adm):.0f}" if adm else ""
+        parts.append(f"{s['at_ms']:.0f}+{s['ms'] or 0:.1f} {s['path']} {s['rows']}({s['prefill']}){extra}")
+    return "; ".join(parts)
 
 
 def _engine_stats(srv: Server) -> dict | None:

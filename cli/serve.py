@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -126,6 +128,12 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             server.should_exit = True
 
     engine.on_state = on_state
+    interval = os.environ.get("EXL3TOOLS_SWITCH_INTERVAL_MS")   # the GIL's (docs/serve.md "Diagnostics")
+    if interval:
+        try:
+            sys.setswitchinterval(float(interval) / 1e3)
+        except ValueError:
+            raise UsageError(f"EXL3TOOLS_SWITCH_INTERVAL_MS must be a positive number of ms, got {interval!r}") from None
     with progress:
         server.run()
     if engine.load_exception is not None:

@@ -64,6 +64,11 @@ def test_end_to_end_cpu(small, tmp_path):
     assert res["memory"]["source"] == "peak RSS (VmHWM)"
     assert any("kv_cache" in ln for ln in res["metrics"])
     assert cfg["stop_status"] is not None                       # it was stopped, not left running
+    # the burst's schedule from /v1/engine/steps: the steps that admitted the two streams, then one more
+    burst = res["bursts"]["streams_2"]
+    assert sum(len(s["admitted"]) for s in burst) == 2 and not burst[-1]["admitted"]
+    assert all(0 <= rcv <= q <= s["at_ms"] for s in burst for rcv, q in s["admitted"])
+    assert "[ml32k]  streams_2 burst: " in p.stdout
     assert r["exllamav3"] == {"skipped": "device cpu is not CUDA"}
     out = p.stdout.rstrip().splitlines()
     assert "exllamav3: not available, skipped (device cpu is not CUDA)" in p.stdout

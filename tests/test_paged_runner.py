@@ -6,6 +6,7 @@ re-admission, block boundaries, limits."""
 from __future__ import annotations
 
 from functools import lru_cache
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,6 +229,85 @@ def test_short_prompts_and_mixed_steps_run_as_decode_rows(name, monkeypatch):
     r.add_sequence("C")                                 # 11 rows > 8: the eager forward again
     ref.add_sequence("C")
     assert _rel(r.step([("C", C)]), ref.step([("C", C)])) < REL
+
+
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
+def test_prompt_steps_replay_larger_buckets(name, monkeypatch):
+    """Past the decode buckets (max_num_seqs rows), short prompts beside decoding rows run the
+    fixed-shape step in a prompt bucket, the eager forward untouched, with the plain cache's
+    logits of each sequence's last row; all_logits, a DSA selection (a row past index_topk) or
+    more context reads than PROMPT_GRAPH_READS take the eager forward."""
+    import exl3tools.runtime.runner as R
+
+    r, ref = _paged(name, "static", max_num_seqs=3, prompt_rows=16), Reference(_model(name))
+    d = r.paged.decoder
+    assert (d.max_rows, d.prompt_buckets) == (3, [4, 8, 16])
+    eager, forward = [], r.paged.forward
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: eager.append(1) or forward(*a, **k))
+
+    def both(batch, **kw):
+        got, want = r.step(batch, **kw), ref.step(batch, **kw)
+        assert got.shape == want.shape and _rel(got, want) < REL, (batch, _rel(got, want))
+        return r.last_path
+
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert both([("A", A)]) == "prompt"                         # 7 rows: bucket 8
+    for x in (r, ref):
+        x.add_sequence("B")
+    assert both([("A", [5]), ("B", B)]) == "prompt"             # 1 + 3 rows: bucket 4
+    for x in (r, ref):
+        x.add_sequence("C")
+    assert both([("A", [6]), ("C", C), ("B", [7])]) == "prompt"  # 1 + 11 + 1: bucket 16
+    assert both([("A", [8]), ("B", [9]), ("C", [10])]) == "decode" and not eager
+    r.free_sequence("C")
+    ref.free_sequence("C")
+    for x in (r, ref):
+        x.add_sequence("D")
+    assert both([("D", C[:5])], all_logits=True) == "eager" and eager == [1]
+    monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 5 * 10 - 1)     # D's next 5 rows read 10 + ... > 49
+    assert both([("D", C[5:10]), ("A", [11])]) == "eager" and eager == [1, 1]
+    monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 512 * 512)
+    if d.dsa_topk is not None:        # glm5: index_topk 32; A holds 11 tokens
+        assert both([("A", list(range(40, 55))), ("B", [12])]) == "prompt"     # A ends at 26: dense
+        assert both([("A", list(range(3, 10))), ("B", [13])]) == "eager"      # A ends at 33: selects
+    with pytest.raises(UsageError, match="draft step takes"):       # the MTP head's step: decode buckets only
+        type(d).draft(SimpleNamespace(head_pool=1, max_rows=3), [1] * 4, [0] * 4, [0] * 4, [0] * 4, None)
+
+
+def test_prompt_graphs_preview_sets_the_prompt_rows(monkeypatch):
+    """prompt_rows defaults to PROMPT_GRAPH_ROWS (within the prefill budget) when the
+    prompt_graphs preview is on, else no prompt buckets."""
+    name = "llama-4.0bpw-mul1"
+    monkeypatch.delenv("EXL3TOOLS_PROMPT_GRAPHS", raising=False)
+    assert _paged(name, "static").paged.decoder.prompt_buckets == []
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "1")
+    d = _paged(name, "static", max_num_batched_tokens=64).paged.decoder
+    assert d.prompt_rows == 64 + 3 and d.prompt_buckets == [4, 8, 16, 24, 32, 48, 64, 67]
+    assert _paged(name, "static", max_num_batched_tokens=4096).paged.decoder.prompt_rows == 512
+    monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", "0")
+    assert _paged(name, "static").paged.decoder.prompt_buckets == []
+
+
+def test_a_failed_prompt_graph_capture_keeps_the_decode_steps(caplog):
+    """A prompt bucket whose capture fails (out of memory) drops every prompt bucket, says so, and
+    prompt steps take the eager forward again; the decode buckets stay."""
+    name = "llama-4.0bpw-mul1"
+    r, ref = _paged(name, "static", max_num_seqs=3, prompt_rows=16), Reference(_model(name))
+    d = r.paged.decoder
+
+    def boom(_jobs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB\nmore")
+
+    d._capture_keys = boom
+    with caplog.at_level("WARNING", logger="exl3tools"):
+        d._capture_prompt(d.prompt_buckets)
+    assert d.prompt_buckets == [] and d.buckets == [1, 2, 3]
+    assert any("prompt-step graphs" in m and "1.00 GiB" in m and "more" not in m for m in caplog.messages)
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert _rel(r.step([("A", A)]), ref.step([("A", A)])) < REL and r.last_path == "eager"
+    assert _rel(r.step([("A", [3])]), ref.step([("A", [3])])) < REL and r.last_path == "decode"
 
 
 def test_row_steps_switched_off_keep_multi_token_steps_eager(monkeypatch):

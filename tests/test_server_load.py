@@ -329,4 +329,14 @@ def test_prefill_wait_gathers_a_burst_into_one_prefill():
             if wait:
                 assert stats(s)["steps"] - before == 6
                 assert time.monotonic() - t0 < 30
+                # /v1/engine/steps: one prefill step admitted all four (received, then queued, before
+                # it ran), then five decode steps of the four
+                trace = httpx.get(f"{s.url}/v1/engine/steps").json()
+                steps = [x for x in trace["steps"] if x["t"] >= t0]
+                first = steps[0]
+                assert len(steps) == 6 and first["seqs"] == first["prefill"] == len(first["admitted"]) == 4
+                assert all(t0 <= rcv <= queued <= first["t"] for rcv, queued in first["admitted"])
+                assert all(x["path"] == "eager" and x["seqs"] == x["rows"] == 4 and x["prefill"] == 0
+                           and "admitted" not in x and x["ms"] > 0 for x in steps[1:])
+                assert trace["now"] >= steps[-1]["t"]
     assert texts[0.0] == texts[2.0]

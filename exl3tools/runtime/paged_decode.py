@@ -4,9 +4,12 @@
 step -- token ids, positions, the slot each new K/V goes to, each row's block-table row and context
 length -- and a device block-table matrix with one row per sequence *slot* (the runner gives each
 live sequence a slot; only the blocks it gains are copied to the device, never the whole table). A
-step of ``n`` rows runs the smallest bucket ``>= n`` (1, 2, 4, 8, 16, 24, 32, then steps of 16, up
-to ``max_rows``: more than ``max_seqs`` where MTP verifies ``1 + k`` rows a sequence); padded rows
-write their K/V into the pool's scratch block and attend over nothing.
+step of ``n`` rows runs the smallest bucket ``>= n`` (``buckets``: 1, 2, 4, ... up to ``max_rows``,
+more than ``max_seqs`` where MTP verifies ``1 + k`` rows a sequence); padded rows write their K/V
+into the pool's scratch block and attend over nothing. With ``prompt_rows`` larger buckets take
+prompt steps (short prompts beside decoding rows) that would otherwise run the eager forward:
+launch-bound at a few hundred tokens (~20 ms for 32 tokens on an H200, GLM-4.5-Air shape, where
+a replay of 8 rows takes ~3 ms).
 
 Per layer, by attention kind:
 
@@ -52,17 +55,18 @@ from exl3tools.runtime.model import CausalLM
 log = logging.getLogger("exl3tools.runtime")
 
 WARMUP_STEPS = 2     # eager runs before a capture: Triton compiles, lazy buffers, cuBLAS handles
-N_INPUTS = 5         # packed host inputs: tokens, positions, slots, slot rows, context lengths
+N_INPUTS = 6         # packed host inputs: tokens, positions, slots, slot rows, context lengths, logit rows
 WIDTH_MIN_TOKENS = 4096   # the narrowest block-table width a sparse DSA graph is captured for
 
 
 def buckets(max_rows: int) -> list[int]:
-    out = [b for b in (1, 2, 4, 8, 16, 24, 32) if b < max_rows]
-    b = 48
-    while b < max_rows:
-        out.append(b)
-        b += 16
-    return out + [int(max_rows)]
+    """Batch sizes a step is padded to: 1, 2, 4, 8, 16, 24, 32, 48, 64, then 1.5x and 2x each power
+    of two (96, 128, 192, 256, 384, ...; at most a third of a bucket is padding), and ``max_rows``."""
+    ladder, p = [1, 2, 4, 8, 16, 24, 32, 48, 64], 64
+    while p < max_rows:
+        ladder += [p * 3 // 2, p * 2]
+        p *= 2
+    return [b for b in ladder if b < max_rows] + [int(max_rows)]
 
 
 def widths(max_blocks: int, block_size: int) -> list[int]:
@@ -132,7 +136,8 @@ class StepInputs:
 
 class PagedDecoder:
     def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False,
-                 fused: bool | None = None, head_pool: KVPool | None = None, max_rows: int | None = None):
+                 fused: bool | None = None, head_pool: KVPool | None = None, max_rows: int | None = None,
+                 prompt_rows: int | None = None):
         check(model)
         if max_seqs < 1 or max_blocks < 1:
             raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
@@ -142,11 +147,16 @@ class PagedDecoder:
         # draft each is 64 rows, which would otherwise run the eager forward (H200, GLM-5 shape,
         # 32 streams at --speculative-tokens 1: 158 tok/s against 1749 without MTP)
         self.max_rows = max(self.max_seqs, int(max_rows or 0))
+        # prompt steps (``prompt_rows`` > max_rows): up to that many rows -- short prompts beside
+        # decoding sequences -- in larger buckets of the main step only, dense (no DSA selection),
+        # with the logits of each sequence's last row alone; runtime/runner.py decides which steps
+        self.prompt_rows = max(self.max_rows, int(prompt_rows or 0))
         self.device = model.embed.device
         if graphs and self.device.type != "cuda":
             raise UsageError("CUDA graphs need the model on a CUDA device")
         self.graphs = bool(graphs)
         self.buckets = buckets(self.max_rows)
+        self.prompt_buckets = [b for b in buckets(self.prompt_rows) if b > self.max_rows]
         self._attend = attention_fn(self.device)
         self._attend_mla, self._dsa_scores, self._dsa_topk = mla_attention_fn(self.device)
         self._fused = None
@@ -156,11 +166,11 @@ class PagedDecoder:
             self._fused = fused_step.FusedGqaStep(model, pool)
         dev = self.device
         with torch.inference_mode():
-            self.inputs = torch.zeros(N_INPUTS, self.max_rows, dtype=torch.int64, device=dev)
+            self.inputs = torch.zeros(N_INPUTS, self.prompt_rows, dtype=torch.int64, device=dev)
             self.tables = torch.zeros(self.max_seqs, self.max_blocks, dtype=torch.int32, device=dev)
             self.out = torch.zeros(self.max_rows, model.info.vocab_size, dtype=torch.float32, device=dev)
             # each row's final-normed state (what the MTP head drafts from)
-            self.states = torch.zeros(self.max_rows, model.info.hidden_size, dtype=torch.float32, device=dev)
+            self.states = torch.zeros(self.prompt_rows, model.info.hidden_size, dtype=torch.float32, device=dev)
             # the MTP draft step (head_pool: the head's cache in blocks): its input states, output
             # states and logits
             self.head_pool = head_pool
@@ -170,7 +180,7 @@ class PagedDecoder:
                 self.draft_states = torch.zeros(self.max_rows, H, dtype=torch.float32, device=dev)
                 self.draft_out = torch.zeros(self.max_rows, V, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
-        self._host = torch.zeros(N_INPUTS, self.max_rows, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(N_INPUTS, self.prompt_rows, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
         self.last_key: tuple[int, bool, int] | None = None      # the graph the last step replayed
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
@@ -204,11 +214,13 @@ class PagedDecoder:
         speculative drafts) are rows at consecutive positions, each attending causally, since every
         row's K/V is written before any row attends. Logits (n, vocab) float32 on the device (a
         view of a static buffer: read it before the next step; ``states[:n]``: the final-normed
-        states).
+        states). A prompt step (``n`` > ``max_rows``, up to ``prompt_rows``; no DSA selection)
+        returns the logits of each sequence's last row only, (sequences, vocab), in row order.
         ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
         never read back to the host first)."""
-        self._run((), self._body, *self._load(tokens, positions, slots, rows, device_tokens))
-        return self.out[:len(tokens)]
+        bs, sparse, need = self._load(tokens, positions, slots, rows, device_tokens)
+        self._run((), self._body, bs, sparse, need)
+        return self.out[:len(tokens) if bs <= self.max_rows else len(last_rows(rows))]
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int],
@@ -220,6 +232,8 @@ class PagedDecoder:
         if self.head_pool is None:
             raise UsageError("this decoder has no MTP head pool")
         n = len(tokens)
+        if n > self.max_rows:
+            raise UsageError(f"a draft step takes 1..{self.max_rows} rows, got {n}")
         bs, sparse, need = self._load(tokens, positions, slots, rows, None)
         self.draft_in[:n].copy_(states)
         self.draft_in[n:bs].zero_()
@@ -234,19 +248,27 @@ class PagedDecoder:
             return
         key = (*tag, bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
         if key not in self._graphs:
-            self.capture([bs])
+            if bs > self.max_rows:
+                self._capture_prompt([bs])
+            else:
+                self.capture([bs])
+        if key not in self._graphs:             # a prompt bucket whose capture failed: this once, eagerly
+            body(bs, key[-1], sparse)
+            return
         self._graphs[key].replay()
         self.last_key = key
 
     def _load(self, tokens, positions, slots, rows, device_tokens) -> tuple[int, bool, int]:
         """Copy a step's rows into the static inputs: (bucket, sparse, table columns needed)."""
         n = len(tokens)
-        if not 1 <= n <= self.max_rows:
-            raise UsageError(f"a decode step takes 1..{self.max_rows} rows, got {n}")
+        if not 1 <= n <= self.prompt_rows:
+            raise UsageError(f"a decode step takes 1..{self.prompt_rows} rows, got {n}")
         if max(positions) >= self.max_blocks * self.pool.block_size:
             raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
-        bs = next(b for b in self.buckets if b >= n)
+        bs = next(b for b in self.buckets + self.prompt_buckets if b >= n)
         sparse = self.dsa_topk is not None and max(positions) + 1 > self.dsa_topk
+        if bs > self.max_rows and (sparse or device_tokens is not None):
+            raise UsageError("a prompt step takes no DSA selection and no device tokens")
         h = self._host
         if self._copied is not None:
             self._copied.synchronize()
@@ -257,6 +279,10 @@ class PagedDecoder:
         h[2, :n] = torch.tensor(slots, dtype=torch.int64)
         h[3, :n] = torch.tensor(rows, dtype=torch.int64)
         h[4, :n] = h[1, :n] + 1
+        if bs > self.max_rows:                         # a prompt step: the rows whose logits are wanted
+            last = last_rows(rows)
+            h[5, :self.max_seqs] = 0
+            h[5, :len(last)] = torch.tensor(last, dtype=torch.int64)
         self.inputs[:, :bs].copy_(h[:, :bs], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -266,10 +292,23 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
-        """Capture the graphs of ``sizes`` (default: every bucket), largest first, in one pool."""
+        """Capture the graphs of ``sizes`` (default: every bucket, the prompt buckets first),
+        largest first, in one pool (smaller graphs reuse the blocks of larger ones)."""
         if not self.graphs:
             return
-        sizes = sorted(set(sizes or self.buckets), reverse=True)
+        if sizes is None:
+            self._capture_prompt(self.prompt_buckets)
+        # (sparse, width): dense over the whole table; DSA's sparse variant once per width
+        variants = [(False, self.max_blocks)]
+        if self.dsa_topk is not None:
+            variants += [(True, w) for w in sorted(self.widths, reverse=True)]
+        bodies = [((), self._body)] + ([(("draft",), self._draft_body)] if self.head_pool is not None else [])
+        self._capture_keys([(b, v, bs) for bs in sorted(set(sizes or self.buckets), reverse=True)
+                            for b in bodies for v in variants])
+
+    @torch.inference_mode()
+    def _capture_keys(self, jobs: list) -> None:
+        """Capture each ((tag, body), (sparse, width), bucket) not captured yet, in order, in one pool."""
         dev = self.device
         saved = self.inputs.clone()
         self.inputs.zero_()
@@ -277,13 +316,8 @@ class PagedDecoder:
         pool = getattr(self, "_mempool", None)
         if pool is None:
             pool = self._mempool = torch.cuda.graph_pool_handle()
-        # (sparse, width): dense over the whole table; DSA's sparse variant once per width
-        variants = [(False, self.max_blocks)]
-        if self.dsa_topk is not None:
-            variants += [(True, w) for w in sorted(self.widths, reverse=True)]
-        bodies = [((), self._body)] + ([(("draft",), self._draft_body)] if self.head_pool is not None else [])
-        for bs in sizes:
-            for (tag, body), (sparse, width) in ((b, v) for b in bodies for v in variants):
+        try:
+            for (tag, body), (sparse, width), bs in jobs:
                 key = (*tag, bs, sparse, width)
                 if key in self._graphs:
                     continue
@@ -297,8 +331,24 @@ class PagedDecoder:
                 with torch.cuda.graph(g, pool=pool):
                     body(bs, width, sparse=sparse)
                 self._graphs[key] = g
-        self.inputs.copy_(saved)
+        finally:
+            self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
+
+    def _capture_prompt(self, sizes: list[int]) -> None:
+        """Capture prompt buckets (the main step, dense variant); a failure (out of memory) drops
+        every prompt bucket, so such steps take the eager forward, and keeps the decode graphs."""
+        if not sizes:
+            return
+        try:
+            self._capture_keys([(((), self._body), (False, self.max_blocks), bs)
+                                for bs in sorted(set(sizes), reverse=True)])
+        except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
+            log.warning("prompt-step graphs of %s rows failed, prompt steps run eagerly: %s", sizes,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._graphs = {k: g for k, g in self._graphs.items() if k[-3] <= self.max_rows}
+            self.prompt_buckets = []     # the runner sends no more prompt steps
+            torch.cuda.empty_cache()
 
     def _body(self, bs: int, width: int | None = None, sparse: bool = True) -> None:
         """One decode step of ``bs`` rows from the static inputs; device ops only, fixed shapes
@@ -307,9 +357,7 @@ class PagedDecoder:
         m = self.model
         tokens, positions, slots, tables, ctx = self._step_inputs(bs, width)
         if self._fused is not None:
-            hn = self._fused(tokens, positions, slots, tables, ctx, self._attend)
-            self.states[:bs].copy_(hn)
-            self.out[:bs].copy_(m.logits(hn))
+            self._finish(self._fused(tokens, positions, slots, tables, ctx, self._attend), bs)
             return
         h = m.embed.index_select(0, tokens).float()
         st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores, self._dsa_topk,
@@ -325,14 +373,20 @@ class PagedDecoder:
             vp.index_copy_(0, slots, v.to(vp.dtype))
             o = self._attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
             h = _mlp_static(layer, h + a.reduce(a.o(o.reshape(bs, a.nq * a.hd))))
-        hn = m.norm(h)
+        self._finish(m.norm(h), bs)
+
+    def _finish(self, hn: torch.Tensor, bs: int) -> None:
+        """The step's outputs from its final-normed states: every row's logits, or in a prompt
+        step (``bs`` > max_rows) those of the logit rows (input row 5; one per sequence)."""
         self.states[:bs].copy_(hn)
-        self.out[:bs].copy_(m.logits(hn))
+        if bs > self.max_rows:
+            hn = hn.index_select(0, self.inputs[5, :self.max_seqs])
+        self.out[:hn.shape[0]].copy_(self.model.logits(hn))
 
     def _step_inputs(self, bs: int, width: int | None):
         """(tokens, positions, slots, block-table rows, int32 context lengths) of the first ``bs``
         static rows, the tables cut to ``width`` columns (None: all)."""
-        tokens, positions, slots, rows, ctx = self.inputs[:, :bs]
+        tokens, positions, slots, rows, ctx = self.inputs[:5, :bs]
         tables = self.tables.index_select(0, rows)
         if width is not None:
             tables = tables[:, :width]
@@ -351,6 +405,12 @@ class PagedDecoder:
         hn = head.final_norm(_mlp_static(layer, x + layer.attn.decode_static(layer.attn_norm(x), st)))
         self.draft_states[:bs].copy_(hn)
         self.draft_out[:bs].copy_(m.logits(hn))
+
+
+def last_rows(rows: list[int]) -> list[int]:
+    """Index of each sequence's last row in a step's rows (``rows``: each row's slot row; a
+    sequence's rows are consecutive)."""
+    return [i for i in range(len(rows)) if i + 1 == len(rows) or rows[i + 1] != rows[i]]
 
 
 def _mlp_static(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 75 ms on the H200 (2026-12-02). Its GPU test (bit-equal to tile kernel + had_out) passed on
     # the H200 (2026-12-02 night, tests/gpu with it on); not yet timed
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
+    # steps of more rows than the decode buckets (short prompts beside decoding rows, up to
+    # PROMPT_GRAPH_ROWS) replay larger buckets of the fixed-shape step (runtime/paged_decode.py)
+    # instead of the eager forward: a burst of eight 32-token prompts beside running streams took
+    # ~60 ms a step on the H200 (GLM-4.5-Air shape, TTFTs 33 / 95 / 160 ms). Not yet run on a GPU
+    "prompt_graphs": "EXL3TOOLS_PROMPT_GRAPHS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

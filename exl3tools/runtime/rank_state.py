@@ -30,7 +30,8 @@ class PagedState:
     the static decode step (runtime/paged_decode.py). Commands carry block tables and slots."""
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
-                 max_blocks: int, decode: str, mtp_paged: bool = False, max_rows: int | None = None):
+                 max_blocks: int, decode: str, mtp_paged: bool = False, max_rows: int | None = None,
+                 prompt_rows: int | None = None):
         from exl3tools.runtime.kv_pool import KVPool, layer_specs
         from exl3tools.runtime.paged_decode import PagedDecoder
 
@@ -44,7 +45,7 @@ class PagedState:
         self.decoder = None
         if decode in ("static", "graphs"):
             self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs",
-                                        head_pool=self.head_pool, max_rows=max_rows)
+                                        head_pool=self.head_pool, max_rows=max_rows, prompt_rows=prompt_rows)
 
     def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
                 states: bool = False):

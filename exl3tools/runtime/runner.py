@@ -39,6 +39,10 @@ from exl3tools.text import first_line, printable
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 GRAPH_RESERVE = 512 * 2**20           # kept free beside the KV cache: graph pool, logits, sampling
+PROMPT_GRAPH_ROWS = 512               # prompt steps of up to this many rows replay graphs (prompt_graphs)
+# a prompt step's rows each read their whole context through the decode kernels (no prefill
+# kernel's one pass): steps whose multi-row sequences read more (rows x context) run eagerly
+PROMPT_GRAPH_READS = 512 * 512
 
 log = logging.getLogger("exl3tools.runtime")
 
@@ -88,7 +92,8 @@ class Runner(SpeculativeSteps):
                  max_cache_tokens: int | None = None, opened: dict | None = None, max_num_seqs: int = 32,
                  block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto",
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, decode: str | None = None,
-                 prefix_caching: bool = True, max_num_batched_tokens: int = 512, speculative_tokens: int = 0):
+                 prefix_caching: bool = True, max_num_batched_tokens: int = 512, speculative_tokens: int = 0,
+                 prompt_rows: int | None = None):
         from exl3tools.runtime.block_manager import BlockManager
         from exl3tools.runtime.kv_pool import (
             bytes_per_token,
@@ -114,6 +119,10 @@ class Runner(SpeculativeSteps):
         if not 0 < gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
         dtype = kv_dtype_for(kv_dtype, dev, mla=has_mla(model))
+        self._row_steps = preview.switched_on("row_steps")
+        if prompt_rows is None:     # the prompt_graphs preview (runtime/preview.py): off unless asked for
+            on = self._row_steps and preview.switched_on("prompt_graphs")
+            prompt_rows = min(PROMPT_GRAPH_ROWS, int(max_num_batched_tokens) + self.max_num_seqs) if on else 0
         specs = layer_specs(model)
         per_token = bytes_per_token(specs, dtype)
         weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
@@ -125,7 +134,7 @@ class Runner(SpeculativeSteps):
             mtp = mtp_cache_bytes_per_token(model, self.spec_k)
             num_blocks = self._budget_blocks((per_token + 2 * mtp) * block_size, gpu_memory_utilization,
                                              max_num_batched_tokens, str(dtype).removeprefix("torch."),
-                                             reserve=mtp * MIN_CAPACITY * self.max_num_seqs)
+                                             reserve=mtp * MIN_CAPACITY * self.max_num_seqs, graph_rows=prompt_rows)
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
@@ -142,11 +151,13 @@ class Runner(SpeculativeSteps):
                      # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
                      mtp_paged=bool(self.spec_k and preview.switched_on("mtp_paged")),
                      # a verify is 1 + k rows a sequence: the step takes every sequence's at once
-                     max_rows=self.max_num_seqs * (1 + self.spec_k))
+                     max_rows=self.max_num_seqs * (1 + self.spec_k),
+                     # larger buckets for prompt steps (short prompts beside decoding rows)
+                     prompt_rows=int(prompt_rows))
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
-        self._row_steps = preview.switched_on("row_steps")
+        self.last_path: str | None = None    # the last step's: "decode", "prompt" (graph buckets) or "eager"
         if mode == "graphs":
             self._capture()
         self._rows = list(range(self.max_num_seqs))
@@ -163,7 +174,7 @@ class Runner(SpeculativeSteps):
         self.generation_defaults = meta.generation_defaults
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
-                       reserve: int = 0) -> int:
+                       reserve: int = 0, graph_rows: int = 0) -> int:
         dev = self.model.embed.device
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -174,7 +185,10 @@ class Runner(SpeculativeSteps):
         peak = torch.cuda.max_memory_allocated(dev) - base - pool_bytes
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE - reserve
+        # prompt-step graphs keep their activations in the graph pool beside an eager step's
+        # (estimated from the eager peak, doubled for what does not shrink with rows: decoded weights)
+        graphs = int(peak * min(1.0, 2 * graph_rows / max(1, batched_tokens)))
+        budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE - reserve - graphs
         blocks = budget // block_bytes
         log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, activation peak %.2f GiB "
                  "(%d tokens), KV budget %.2f GiB at --gpu-memory-utilization %.2f", total / 2**30,
@@ -310,16 +324,23 @@ class Runner(SpeculativeSteps):
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         eager_spec = []       # sequences whose prompt chunk took the eager forward: the head catches up
         try:
-            if self._fits_decoder(items):
+            if self._fits_decoder(items, all_logits):
                 spec = [(s if seq.spec is not None else None, len(t)) for s, seq, t, _ in items]
                 logits, hn = self._decode(items, slots, spec=spec)
                 rows = hn.split([len(t) for _, _, t, _ in items])
                 for (_, seq, t, _), states in zip(items, rows, strict=True):
                     if seq.spec is not None:
                         seq.spec.extend(states.clone(), t)
-                # a view of the step's static output: copy the rows asked for
-                logits = logits.clone() if all_logits else logits[torch.tensor(_last_rows(items), device=logits.device)]
+                # a view of the step's static output: copy the rows asked for (a prompt step's
+                # are each sequence's last row already)
+                prompt = sum(len(t) for _, _, t, _ in items) > self.paged.decoder.max_rows
+                self.last_path = "prompt" if prompt else "decode"
+                if all_logits or prompt:
+                    logits = logits.clone()
+                else:
+                    logits = logits[torch.tensor(_last_rows(items), device=logits.device)]
             else:
+                self.last_path = "eager"
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
                 spec_ids = [s if seq.spec is not None else None for s, seq, _, _ in items]
                 self._send(("pstep", wire, all_logits, spec_ids))
@@ -357,14 +378,24 @@ class Runner(SpeculativeSteps):
             raise CacheFullError(f"KV cache full: {sum(n for _, n in appends)} new tokens do not fit in "
                                  f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
 
-    def _fits_decoder(self, items: list) -> bool:
+    def _fits_decoder(self, items: list, all_logits: bool = False) -> bool:
         """Whether a step's rows (every new token is one) fit the fixed-shape decode step: then a
         short prompt, a prefix hit's recomputed tail or a verify replays a graph, not an eager
-        forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200)."""
-        if self.paged.decoder is None or sum(len(t or [0]) for _, _, t, _ in items) > self.paged.decoder.max_rows:
+        forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200). Past the decode
+        buckets, a prompt step (``prompt_rows``) takes them where it wants the last rows' logits
+        only, selects nothing (DSA) and its rows read at most PROMPT_GRAPH_READS context tokens."""
+        d = self.paged.decoder
+        if d is None:
             return False
-        # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
-        return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)
+        n = sum(len(t or [0]) for _, _, t, _ in items)
+        if n <= d.max_rows:
+            # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
+            return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)
+        if all_logits or not d.prompt_buckets or n > d.prompt_buckets[-1]:
+            return False
+        end = max(n0 + len(t or [0]) for _, _, t, n0 in items)
+        reads = sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1)
+        return (d.dsa_topk is None or end <= d.dsa_topk) and reads <= PROMPT_GRAPH_READS
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
         """The decode step's rows: each new token of each sequence at its position and slot,

@@ -412,22 +412,29 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
     async def engine_stats() -> dict[str, Any]:
         return server.engine.stats()
 
+    @app.get("/v1/engine/steps")
+    async def engine_steps() -> dict[str, Any]:
+        # the engine's recent steps (Engine.recent_steps), times on this host's time.monotonic()
+        return {"now": time.monotonic(), "steps": server.engine.recent_steps()}
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        received = time.monotonic()
         req = await run_in_threadpool(parse_body, await _read_body(request), CompletionRequest)  # off the loop
-        return await _generate(request, req, chat=False)
+        return await _generate(request, req, chat=False, received=received)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        received = time.monotonic()
         req = await run_in_threadpool(parse_body, await _read_body(request), ChatCompletionRequest)  # off the loop
-        return await _generate(request, req, chat=True)
+        return await _generate(request, req, chat=True, received=received)
 
-    async def _generate(request: Request, req: Any, *, chat: bool) -> Response:
+    async def _generate(request: Request, req: Any, *, chat: bool, received: float) -> Response:
         server.runner  # noqa: B018 -- 503 while loading, before anything else
         server.check_model(req.model)
         prep = await run_in_threadpool(server.prepare_chat if chat else server.prepare_completion, req)
         eng = server.engine
-        handle = eng.submit(asyncio.get_running_loop(), prep.prompts, prep.params, prep.n)
+        handle = eng.submit(asyncio.get_running_loop(), prep.prompts, prep.params, prep.n, received)
         server.metrics.prompt_tokens.inc(handle.prompt_tokens)
         fmt = Formatter(chat=chat, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                         created=int(time.time()), model=server.model_name,

@@ -31,6 +31,7 @@ from exl3tools.server.requests import Event, RequestHandle, Sequence, TokenLogpr
 log = logging.getLogger("exl3tools.serve")
 
 RETRY_AFTER_S = 1
+TRACE_STEPS = 512     # the last steps kept for /v1/engine/steps
 
 
 class _Inflight:
@@ -85,6 +86,10 @@ class Engine(SpeculativeRounds):
         self.time_sample = 0.0
         self.cancelled_total = 0
         self.preempted_total = 0
+        # the last TRACE_STEPS steps: when each ran, what it held, which path took it, and the
+        # (received, queued) times of the sequences it admitted (a burst's schedule, read back)
+        self.trace: deque[dict[str, Any]] = deque(maxlen=TRACE_STEPS)
+        self._admitted: list[tuple[float, float]] = []
 
     # ----------------------------------------------------------------- event loop side
 
@@ -122,9 +127,10 @@ class Engine(SpeculativeRounds):
         st = r.prefix_stats()
         return st.queried_tokens, st.hit_tokens
 
-    def submit(self, loop: Any, prompts: list[list[int]], params: SamplingParams, n: int
-               ) -> RequestHandle:
-        """Queue prompts x n choices; 429 when the queue is full, 503 while not ready."""
+    def submit(self, loop: Any, prompts: list[list[int]], params: SamplingParams, n: int,
+               received: float | None = None) -> RequestHandle:
+        """Queue prompts x n choices; 429 when the queue is full, 503 while not ready.
+        ``received``: time.monotonic() when the request reached the server (default: now)."""
         if self.state != "ready":
             raise not_ready(self)
         seqs_needed = len(prompts) * n
@@ -132,7 +138,7 @@ class Engine(SpeculativeRounds):
             raise APIError(400, f"this request asks for {seqs_needed} sequences (prompts x n); the "
                            f"server queues at most {self.max_queue}", param="n",
                            code="too_many_sequences")
-        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts))  # once, not x n
+        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts), received)  # once, not x n
         tok = self.runner.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._cond:
@@ -262,6 +268,7 @@ class Engine(SpeculativeRounds):
         self._admit()
         fl = self._inflight
         t0 = time.perf_counter()
+        rec: dict[str, Any] = {"t": time.monotonic(), "path": "chained"}
         if fl is None:
             if not self._running:
                 return False
@@ -276,6 +283,9 @@ class Engine(SpeculativeRounds):
                 self._spec_step(spec)
             if not batch:
                 self._sweep()
+                if spec:
+                    rec.update(path="speculative", seqs=len(spec), ms=round((time.perf_counter() - t0) * 1e3, 3))
+                    self.trace.append(rec)
                 return bool(spec)
             try:
                 # logits stay on the model's device: sampling runs there, only token ids come back
@@ -287,12 +297,17 @@ class Engine(SpeculativeRounds):
                 self._sweep()
                 return True
             self.steps += 1
+            rec.update(path=getattr(self.runner, "last_path", None), seqs=len(batch),
+                       rows=sum(len(c) for _, c in batch),
+                       prefill=sum(not (seq.pending == 1 and seq.output_ids) for seq, _ in batch))
             ready: list[tuple[int, Sequence]] = []
             for i, (seq, chunk) in enumerate(batch):
                 seq.num_cached += len(chunk)
                 if seq.pending == 0 and not seq.finished:  # mid-prefill logits are not wanted
                     ready.append((i, seq))
             fl = _Inflight(ready, logits, self._launch_sample(logits, ready))
+        if rec["path"] == "chained":
+            rec["seqs"] = rec["rows"] = len(fl.ready)
         self._inflight = None
         nxt = self._chain(fl)
         t1 = time.perf_counter()
@@ -303,6 +318,10 @@ class Engine(SpeculativeRounds):
         t2 = time.perf_counter()
         self.time_forward += t1 - t0
         self.time_sample += t2 - t1
+        rec["ms"] = round((t2 - t0) * 1e3, 3)
+        if self._admitted:
+            rec["admitted"], self._admitted = self._admitted, []
+        self.trace.append(rec)
         return True
 
     def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
@@ -494,6 +513,7 @@ class Engine(SpeculativeRounds):
                 self._waiting.popleft()
                 seq.num_cached = self.runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids,
                                                           **self._spec_kw(seq))
+                self._admitted.append((seq.handle.t_received, seq.handle.t_arrival))
                 if not seq.output_ids:     # prompt tokens served from cache (not a preempted one's history)
                     seq.handle.cached_tokens += seq.num_cached
                 self._running.append(seq)
@@ -546,6 +566,14 @@ class Engine(SpeculativeRounds):
             self.runner.free_sequence(seq.seq_id)
         except Exception:
             log.exception("free_sequence(%s) failed", seq.seq_id)
+
+    def recent_steps(self) -> list[dict[str, Any]]:
+        """The last TRACE_STEPS steps, oldest first: ``t`` (time.monotonic() at its start), ``ms``
+        (to its tokens read), ``path`` (the runner's: "decode", "prompt" or "eager" graph-less
+        forward; "chained": launched on the step before), ``seqs``, ``rows``, ``prefill`` (sequences
+        still in their prompt) and ``admitted``: (received, queued) monotonic times of the
+        sequences it admitted."""
+        return list(self.trace)
 
     def stats(self) -> dict[str, Any]:
         queried, hits = self.prefix_stats()

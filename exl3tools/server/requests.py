@@ -66,7 +66,8 @@ class Sequence:
 class RequestHandle:
     """The event loop's side of a request: an asyncio queue of Events, and cancel()."""
 
-    def __init__(self, engine: Engine, loop: Any, n_seqs: int, prompt_tokens: int) -> None:
+    def __init__(self, engine: Engine, loop: Any, n_seqs: int, prompt_tokens: int,
+                 received: float | None = None) -> None:
         import asyncio
 
         self._engine, self._loop = engine, loop
@@ -77,7 +78,8 @@ class RequestHandle:
         self.cached_tokens = 0       # prompt tokens served from the prefix cache
         self.accepted_tokens = self.rejected_tokens = 0   # MTP drafts (speculative decoding)
         self.completion_tokens = 0
-        self.t_arrival = time.monotonic()
+        self.t_arrival = time.monotonic()       # queued
+        self.t_received = self.t_arrival if received is None else received   # reached the server
         self.cancelled = False
 
     def push(self, ev: Event) -> None:  # engine thread: delivered in one batch after the step

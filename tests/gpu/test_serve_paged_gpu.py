@@ -76,6 +76,37 @@ def test_short_prompts_replay_the_decode_graphs(name, monkeypatch):
     r.close()
 
 
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
+def test_prompt_steps_replay_prompt_graphs(name, monkeypatch):
+    """The prompt_graphs preview on CUDA: steps past the decode buckets (short prompts beside a
+    decoding sequence) replay the prompt buckets' graphs, never the eager forward, and match the
+    CPU reference; the graphs were captured at load."""
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import A, B, C, Reference
+
+    path = fixture_dir(name) / "model"
+    ref = Reference(load_runner(path, max_context=48).model)
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "1")
+    r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=2, block_size=4,
+                    kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=30)
+    d = r.paged.decoder
+    assert r.decode_mode == "graphs" and d.prompt_buckets == [4, 8, 16, 24, 32]
+    assert {k[-3] for k in d._graphs if k[-3] > d.max_rows} == set(d.prompt_buckets)
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: pytest.fail("eager forward for a prompt step"))
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert _rel(r.step([("A", A)]), ref.step([("A", A)])) < REL["bf16"] and r.last_path == "prompt"
+    for x in (r, ref):
+        x.add_sequence("B")
+    assert _rel(r.step([("A", [5]), ("B", B + C)]), ref.step([("A", [5]), ("B", B + C)])) < REL["bf16"]
+    assert r.last_path == "prompt" and d.last_key == (16, False, d.max_blocks)
+    for t in (6, 7):
+        assert _rel(r.step([("A", [t]), ("B", [t])]), ref.step([("A", [t]), ("B", [t])])) < REL["bf16"]
+        assert r.last_path == "decode"
+    r.close()
+
+
 def test_paged_decode_triton_matches_reference_in_the_model():
     """The decode step with the Triton kernel vs the same step with the torch reference kernel."""
     import torch
