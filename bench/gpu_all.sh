@@ -142,8 +142,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       # 131072, with and without the sparse graphs per table width; fma: the indexer's scores on the
       # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); gemv: MoE prefill tiles on the gemv kernel
       # (EXL3TOOLS_PREFILL_TILES=0); dsa_prefill: the EXL3TOOLS_DSA_PREFILL_KERNELS=1 preview; dsa_sparse: the
-      # EXL3TOOLS_DSA_SPARSE_PREFILL=1 preview (prompt rows over their selected keys); flash_pad: the
-      # EXL3TOOLS_MLA_FLASH_PAD=1 preview (DeepSeek-V3's prompt attention on flash); prompt_steps: the
+      # EXL3TOOLS_DSA_SPARSE_PREFILL=1 preview (prompt rows over their selected keys); flash_pad: its opt-out
+      # EXL3TOOLS_MLA_FLASH_PAD=0 (DeepSeek-V3's prompt attention off flash); prompt_steps: the
       # EXL3TOOLS_PROMPT_GRAPHS=1 preview (short prompts beside decoding rows in graphs); mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
@@ -154,7 +154,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *gemv* ]] && CFG+=(--config "${arch}_gemv_tiles:EXL3TOOLS_PREFILL_TILES=0 --max-model-len 32768")
       [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_prefill:EXL3TOOLS_DSA_PREFILL_KERNELS=1 --max-model-len 32768")
       [[ $V == *dsa_sparse* ]] && CFG+=(--config "${arch}_dsa_sparse:EXL3TOOLS_DSA_SPARSE_PREFILL=1 --max-model-len 32768")
-      [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=1 --max-model-len 32768")
+      [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_no_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=0 --max-model-len 32768")
       [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=1 --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")

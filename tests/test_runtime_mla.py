@@ -264,8 +264,8 @@ def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
 
 
 def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
-    """EXL3TOOLS_MLA_FLASH_PAD=1 (a preview): where the value head is smaller than the query's
-    (DeepSeek-V3: 128 < 192), attend_decompressed decompresses V with zero columns up to the query's
+    """The mla_flash_pad path (the default; EXL3TOOLS_MLA_FLASH_PAD=0 opts out): where the value
+    head is smaller than the query's (DeepSeek-V3: 128 < 192), attend_decompressed decompresses V with zero columns up to the query's
     size, so flash attention can take it on CUDA, and drops them after: the same logits (a 64-token
     prompt, is_causal; a 40-token chunk after a 24-token prefix, causal_lower_right). Float32 on the
     CPU (PAD_V_ON_CPU)."""
@@ -286,8 +286,9 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
 
     monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
     monkeypatch.setattr(mla, "PAD_V_ON_CPU", True)
+    monkeypatch.setenv("EXL3TOOLS_MLA_FLASH_PAD", "0")
     ref = run()
-    monkeypatch.setenv("EXL3TOOLS_MLA_FLASH_PAD", "1")
+    monkeypatch.delenv("EXL3TOOLS_MLA_FLASH_PAD")
     sizes = []
 
     class Spy(torch.overrides.TorchFunctionMode):   # not a patched function: CausalBias dispatches on it

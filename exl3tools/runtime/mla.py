@@ -310,7 +310,7 @@ class MLAttention:
         qk = self.nope + self.rope
         # flash attention takes one head size for q, k and v (DeepSeek-V3: 192 and 128, so it got
         # the memory-efficient kernel): V decompressed with zero columns up to q's size, where no
-        # (n, L) mask rules flash out anyway; a preview (EXL3TOOLS_MLA_FLASH_PAD, runtime/preview.py)
+        # (n, L) mask rules flash out anyway (EXL3TOOLS_MLA_FLASH_PAD=0 opts out, runtime/preview.py)
         pad = (self.vd < qk <= 256 and (mask is None or isinstance(mask, CausalBias))
                and (q.is_cuda or PAD_V_ON_CPU) and preview.switched_on("mla_flash_pad"))
         if self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt:

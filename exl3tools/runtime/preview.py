@@ -19,14 +19,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # a long prompt's DSA rows attend over their selected keys only (MLAttention.attend_selected:
     # the decode step's MLA kernel, one row a query, absorbed queries over the latent) instead of
     # densely over the whole decompressed history with the selection as a mask; what exllamav3's
-    # dsa_attn does. Not yet run on a GPU
+    # dsa_attn does. Its GPU tests pass, but served on the H200 (2026-12-02, GLM-5 shape) a
+    # 30000-token prompt took 21.9 s against 6.8 s dense: the decode kernel, one row a query, is
+    # no prefill kernel. It stays off
     "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
-    # MLA prompt attention without an (n, L) mask through flash attention where the value head is
-    # smaller than the query's (DeepSeek-V3: 128 < 192): V decompressed with zero columns so the
-    # three head sizes agree (MLAttention._sdpa_decompressed), instead of the memory-efficient
-    # kernel; DeepSeek-V3's 30000-token prompt took 3.35-3.48 s against exllamav3's 2.2 s on the
-    # H200 (2026-12-02 night). Not yet run on a GPU
-    "mla_flash_pad": "EXL3TOOLS_MLA_FLASH_PAD",
     # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
     # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
     # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's
@@ -63,6 +59,12 @@ OPT_OUTS = {
     # tiles' padding rows skipped; 2026-12-02 H200, GLM-5 shape: one expert projection at 2048
     # tokens 6.81 -> 3.57 ms, the eager forward of a 2048-token prompt 112.6 -> 75.3 ms
     "prefill_tiles": "EXL3TOOLS_PREFILL_TILES",
+    # MLA prompt attention without an (n, L) mask through flash attention where the value head is
+    # smaller than the query's (DeepSeek-V3: 128 < 192): V decompressed with zero columns so the
+    # three head sizes agree (MLAttention._sdpa_decompressed), not the memory-efficient kernel;
+    # 2026-12-02 H200, DeepSeek-V3 shape: a 30000-token prompt through serve 3.59 -> 3.13 s
+    # (exllamav3 2.46 s in the same run)
+    "mla_flash_pad": "EXL3TOOLS_MLA_FLASH_PAD",
 }
 
 

@@ -84,7 +84,7 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     prompt path on CUDA) against the absorbed attention in float64, at real shapes: a 2048-row
     prompt (is_causal, all heads in one group), and 1024 rows after a 1024-token prefix with a
     DSA-like sparse mask or causally (causal_lower_right, no mask tensor; heads in groups of ~8 MB
-    of K/V); under EXL3TOOLS_MLA_FLASH_PAD=1 DeepSeek-V3's V padded to 192 for flash."""
+    of K/V); with mla_flash_pad (the default) DeepSeek-V3's V padded to 192 for flash."""
     import torch
 
     from exl3tools.runtime import mla
@@ -118,7 +118,7 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
     from exl3tools.runtime import preview
 
     # DeepSeek-V3 without an (n, L) mask: flash, with V padded to q's head size, under
-    # EXL3TOOLS_MLA_FLASH_PAD=1 (tests/gpu runs the preview switches on)
+    # mla_flash_pad: on unless EXL3TOOLS_MLA_FLASH_PAD=0
     if not sparse and v_dim < nope + 64 and preview.switched_on("mla_flash_pad"):
         assert any("flash" in k for k in ran), ran
     d = torch.float64
