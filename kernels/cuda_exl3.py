@@ -214,10 +214,12 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
     Every gemv adds into it and the output pass that follows re-zeroes what it read, so it is
     zero between calls (stream order; one stream per device). Grown only outside graph capture;
     an outgrown buffer is kept, never freed, because a CUDA graph captured earlier replays into it.
-    A request above WORKSPACE_KEEP floats outside capture (a long prefill's MoE tiles) gets a
-    fresh zeroed buffer, freed after the call: the shared one, and what it retires, stay small.
+    A request above WORKSPACE_KEEP floats (a long prefill's MoE tiles) gets a fresh zeroed buffer,
+    freed after the call: the shared one, and what it retires, stay small. Under capture (a
+    prompt-step graph of hundreds of rows) that buffer comes from the graph's pool and its zeroing
+    is part of the graph, since its warm-up never grew the shared one.
     """
-    if numel > WORKSPACE_KEEP and not torch.cuda.is_current_stream_capturing():
+    if numel > WORKSPACE_KEEP:
         return torch.zeros(numel, dtype=torch.float32, device=device)
     ws = _workspace.get(device.index)
     if ws is None or ws.numel() < numel:

@@ -296,7 +296,8 @@ def test_a_failed_prompt_graph_capture_keeps_the_decode_steps(caplog):
     r, ref = _paged(name, "static", max_num_seqs=3, prompt_rows=16), Reference(_model(name))
     d = r.paged.decoder
 
-    def boom(_jobs):
+    def boom(_jobs, pool):
+        assert pool == "_prompt_pool"
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB\nmore")
 
     d._capture_keys = boom

@@ -307,15 +307,17 @@ class PagedDecoder:
                             for b in bodies for v in variants])
 
     @torch.inference_mode()
-    def _capture_keys(self, jobs: list) -> None:
-        """Capture each ((tag, body), (sparse, width), bucket) not captured yet, in order, in one pool."""
+    def _capture_keys(self, jobs: list, pool: str = "_mempool") -> None:
+        """Capture each ((tag, body), (sparse, width), bucket) not captured yet, in order, into the
+        graph pool held in attribute ``pool`` (made on first use)."""
         dev = self.device
         saved = self.inputs.clone()
         self.inputs.zero_()
         self.inputs[2].fill_(SCRATCH_BLOCK * self.pool.block_size)   # warm-ups write only scratch
-        pool = getattr(self, "_mempool", None)
-        if pool is None:
-            pool = self._mempool = torch.cuda.graph_pool_handle()
+        handle = getattr(self, pool, None)
+        if handle is None:
+            handle = torch.cuda.graph_pool_handle()
+            setattr(self, pool, handle)
         try:
             for (tag, body), (sparse, width), bs in jobs:
                 key = (*tag, bs, sparse, width)
@@ -328,7 +330,7 @@ class PagedDecoder:
                         body(bs, width, sparse=sparse)
                 torch.cuda.current_stream(dev).wait_stream(side)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=handle):
                     body(bs, width, sparse=sparse)
                 self._graphs[key] = g
         finally:
@@ -341,14 +343,18 @@ class PagedDecoder:
         if not sizes:
             return
         try:
+            # a pool of their own: a capture that fails leaves its pool unusable (the decode
+            # graphs' next capture into it tripped an allocator assert, so everything ran eagerly)
             self._capture_keys([(((), self._body), (False, self.max_blocks), bs)
-                                for bs in sorted(set(sizes), reverse=True)])
+                                for bs in sorted(set(sizes), reverse=True)], pool="_prompt_pool")
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             log.warning("prompt-step graphs of %s rows failed, prompt steps run eagerly: %s", sizes,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self._graphs = {k: g for k, g in self._graphs.items() if k[-3] <= self.max_rows}
             self.prompt_buckets = []     # the runner sends no more prompt steps
-            torch.cuda.empty_cache()
+            self._prompt_pool = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _body(self, bs: int, width: int | None = None, sparse: bool = True) -> None:
         """One decode step of ``bs`` rows from the static inputs; device ops only, fixed shapes
