@@ -2,8 +2,8 @@
 exllamav3's Generator on the same checkpoint, in the same run.
 
     python3 bench/gpu_serve.py CKPT [--device cuda] [--config NAME:ARGS ...] [--tokens 128] [--repeats 3]
-        [--streams 8,32] [--prompt-len 2048] [--ctx 4096[,30000]] [--ctx-streams 1,8] [--exllamav3 auto|on|off]
-        [--json OUT.json] [--out DIR]
+        [--streams 8,32] [--prompt-len 2048] [--ctx 4096[,30000]] [--ctx-streams 1,8] [--join N:CTX:M]
+        [--exllamav3 auto|on|off] [--json OUT.json] [--out DIR]
 
 Per ``--config NAME:ARGS`` (default ``ml32k:--max-context 32768``; leading ``EXL3TOOLS_X=V`` words
 set the server's environment, e.g. ``fused:EXL3TOOLS_FUSED=1 --max-model-len 32768``) the real server runs as a
@@ -25,7 +25,12 @@ Before timing (unless ``--no-warmup``): 8-token completions at every batch size 
    is past its prefill and none has finished, over that window (prefill excluded; falls back to
    tokens after each stream's first over first first token -> last token when the window holds
    fewer than 2 tokens per stream); one stream: ``--repeats`` times, median;
-5. memory: nvidia-smi's per-process figure for the server's process tree (else the change of the
+5. ``--join N:CTX:M``: N streams decode after CTX-token prompts; once each has 8 tokens, M
+   short prompts are sent: their TTFT, and the running streams' longest gap between tokens while
+   the new ones are admitted (first new request -> last new first token) against their median gap
+   before (what a user mid-answer sees when others arrive); the server's schedule of each burst
+   comes from GET /v1/engine/steps;
+6. memory: nvidia-smi's per-process figure for the server's process tree (else the change of the
    GPUs' total used memory since the script started), or peak RSS without nvidia-smi, sampled after
    every phase (max); GET /metrics once (the kv / cache / prefix / preempt lines) and GET
    /v1/engine/stats (KV budget, preemptions per phase).
@@ -318,7 +323,11 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
             print(f"[{srv.name}] note: {n}", flush=True)
             notes.append(n)
 
-        async def one(prompt: list[int], max_tokens: int) -> tuple[Stream, int | None]:
+        async def one(prompt: list[int], max_tokens: int, gate=None, seen=None) -> tuple[Stream, int | None]:
+            """One streamed completion; ``gate``: an asyncio.Event to wait for before sending;
+            ``seen(stream)``: called after each chunk that carried tokens."""
+            if gate is not None:
+                await gate.wait()
             s = Stream(time.perf_counter())
             current.set(s)
             usage = None
@@ -335,16 +344,28 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                     k = len(ids) if ids is not None else (1 if c.text else 0)
                     if k:
                         s.events.append((now, k))
+                        if seen is not None:
+                            seen(s)
                 if len(s.events) > max_tokens + 8:
                     raise BenchError(f"more than {max_tokens} token chunks in one stream")
             return s, usage
 
         last_run = {"t": time.monotonic()}
 
-        def run(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+        def run(prompts: list[list[int]], max_tokens: int, join_after: tuple[int, int] | None = None) -> list[Stream]:
             last_run["t"] = time.monotonic()     # the server's step trace is on the same clock
+
             async def all_() -> list:
-                got = await asyncio.gather(*(one(p, max_tokens) for p in prompts), return_exceptions=True)
+                n, k = join_after or (len(prompts), 0)
+                gate, base = asyncio.Event(), {}
+
+                def seen(s: Stream) -> None:       # the first n streams: open the gate once each has k tokens
+                    base[id(s)] = s
+                    if len(base) == n and all(b.tokens >= k for b in base.values()):
+                        gate.set()
+                coros = [one(p, max_tokens, seen=seen) for p in prompts[:n]]
+                coros += [one(p, max_tokens, gate=gate) for p in prompts[n:]]
+                got = await asyncio.gather(*coros, return_exceptions=True)
                 for g in got:
                     if isinstance(g, BaseException):
                         raise g
@@ -461,6 +482,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--ctx", type=parse_ints, default=[4096],
                     help="prompt tokens of the long-context decode phases, e.g. 4096,30000 (one phase each)")
     ap.add_argument("--ctx-streams", type=parse_ints, default=[1, 8])
+    ap.add_argument("--join", type=parse_join, default=None, metavar="N:CTX:M",
+                    help="also: M short prompts sent while N streams decode after CTX-token prompts")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up requests (each batch size, one long prefill) before timing")
     ap.add_argument("--exllamav3", choices=("auto", "on", "off"), default="auto",
@@ -484,6 +507,16 @@ def parse_args(argv: list[str] | None):
     if a.vocab < 8:
         ap.error(f"{a.ckpt}/config.json: no usable vocab_size")
     return a
+
+
+def parse_join(s: str) -> tuple[int, int, int]:
+    try:
+        n, c, m = (int(x) for x in s.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--join takes N:CTX:M (three integers), got {s!r}") from None
+    if min(n, c, m) < 1:
+        raise argparse.ArgumentTypeError(f"--join N:CTX:M must be >= 1 each, got {s!r}")
+    return n, c, m
 
 
 def main(argv: list[str] | None = None) -> int:

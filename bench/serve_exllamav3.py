@@ -29,7 +29,11 @@ def exllamav3_usable(a) -> tuple[bool, str]:
 
 def exllamav3_cache_tokens(a) -> int:
     longest = max(*a.ctx, a.prompt_len, a.short_prompt_len)
-    return round_pages(max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens))
+    need = max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens)
+    if getattr(a, "join", None):          # N streams at CTX and M short ones at once
+        n, c, m = a.join
+        need = max(need, n * (c + a.tokens) + m * (a.short_prompt_len + a.tokens))
+    return round_pages(need)
 
 
 def run_exllamav3_side(a, report: dict, baseline_mib, save) -> dict:
@@ -60,17 +64,26 @@ def run_exllamav3_side(a, report: dict, baseline_mib, save) -> dict:
     gen = Generator(model=model, cache=caches[0], tokenizer=tokenizer)
     serial = [0]
 
-    def run(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+    def run(prompts: list[list[int]], max_tokens: int, join_after: tuple[int, int] | None = None) -> list[Stream]:
         streams, ids = [], {}
-        for p in prompts:
-            serial[0] += 1
-            ids[serial[0]] = len(streams)
-            streams.append(Stream(time.perf_counter()))
-            gen.enqueue(Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_tokens,
-                            sampler=ArgmaxSampler(), stop_conditions=None, identifier=serial[0]))
+        n, k = join_after or (len(prompts), 0)
+
+        def enqueue(ps: list[list[int]]) -> None:
+            for p in ps:
+                serial[0] += 1
+                ids[serial[0]] = len(streams)
+                streams.append(Stream(time.perf_counter()))
+                gen.enqueue(Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_tokens,
+                                sampler=ArgmaxSampler(), stop_conditions=None, identifier=serial[0]))
+
+        enqueue(prompts[:n])
+        later = prompts[n:]               # the join phase's: once each of the first n has k tokens
         deadline = time.monotonic() + a.request_timeout
         its, max_its = 0, 4 * (len(prompts) * max_tokens + sum(map(len, prompts))) + 1000   # bounded loop
-        while gen.num_remaining_jobs():
+        while gen.num_remaining_jobs() or later:
+            if later and all(s.tokens >= k for s in streams[:n]):
+                enqueue(later)
+                later = []
             results = gen.iterate()
             now = time.perf_counter()
             for r in results:

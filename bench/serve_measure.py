@@ -5,6 +5,7 @@ tests/test_bench_gpu_serve.py)."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,8 @@ from gpu_e2e_model import make_prompts
 from serve_report import ctx_cases
 
 PAGE = 256                       # exllamav3's cache page, tokens
-SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51}
+SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51, "join": 61}
+JOIN_AFTER_TOKENS = 8            # the join phase's new prompts go out once every running stream has this many
 
 
 class BenchError(RuntimeError):
@@ -75,6 +77,24 @@ def group_stats(streams: list[Stream]) -> dict:
     return out
 
 
+def join_stats(base: list[Stream], new: list[Stream]) -> dict:
+    """What running streams feel when new requests arrive: the new ones' TTFT, and each running
+    stream's longest gap between tokens while the new ones are being admitted (from the first new
+    request sent to the last new stream's first token), beside its median gap before them."""
+    t_join = min(s.t_send for s in new)
+    t_done = max(s.events[0][0] for s in new)
+    before, stalls = [], []
+    for s in base:
+        pairs = list(itertools.pairwise(s.events))
+        before += [b - a for (a, _), (b, _) in pairs if b <= t_join]
+        stalls.append(max([b - a for (a, _), (b, _) in pairs if b > t_join and a < t_done], default=0.0))
+    ttfts = [1e3 * (s.events[0][0] - s.t_send) for s in new]
+    return {"base": len(base), "joiners": len(new), "joiner_ttft_ms_median": statistics.median(ttfts),
+            "joiner_ttft_ms_max": max(ttfts), "itl_ms_median_before": 1e3 * _median(before) if before else None,
+            "stall_ms_max": 1e3 * max(stalls), "stall_ms_median": 1e3 * statistics.median(stalls),
+            "window_ms": 1e3 * (t_done - t_join)}
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -82,8 +102,10 @@ def _median(xs):
 
 # ------------------------------------------------------------------ the measurement plan (both engines)
 def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print) -> dict:
-    """Phases 1-4 through ``run(prompts, max_tokens) -> list[Stream]`` (one stream per prompt, sent
-    together), filling ``res``. ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON."""
+    """Phases 1-4 (and the join phase with ``a.join``) through ``run(prompts, max_tokens, join_after=None)
+    -> list[Stream]`` (one stream per prompt, sent together; with ``join_after`` (n, k) the prompts
+    after the first n go out once each of those n streams has k tokens), filling ``res``.
+    ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON."""
     res = {} if res is None else res
     S, T = a.short_prompt_len, a.tokens
     if a.warmup:
@@ -136,6 +158,17 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print)
         log(f"  {n} stream{'s' if n > 1 else ''} @ctx{c}: {g['decode_tok_s'] or 0:.1f} tok/s decode ({g['decode_method']}), "
             f"TTFT median {g['ttft_ms_median']:.0f} ms")
         after_phase(f"ctx_{key}", res)
+
+    if getattr(a, "join", None):
+        n, c, m = a.join
+        base, new = make_prompts(n, c, vocab, SEEDS["join"]), make_prompts(m, S, vocab, SEEDS["join"] + 1)
+        streams = run(base + new, T, join_after=(n, JOIN_AFTER_TOKENS))
+        j = res["join"] = {"ctx": c, **join_stats(streams[:n], streams[n:])}
+        log(f"  join: {m} new {S}-token prompts beside {n} streams @ctx{c}: their TTFT median "
+            f"{j['joiner_ttft_ms_median']:.0f} ms (max {j['joiner_ttft_ms_max']:.0f}); the running streams' longest "
+            f"gap {j['stall_ms_max']:.0f} ms (median {j['stall_ms_median']:.0f}) against "
+            f"{j['itl_ms_median_before'] or 0:.1f} ms between tokens before")
+        after_phase("join", res)
     return res
 
 

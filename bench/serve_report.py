@@ -15,6 +15,9 @@ def columns(a) -> list[tuple[str, str]]:
     cols = [("single_tok_s", "1 stream tok/s")]
     cols += [(f"streams_{n}_tok_s", f"{n} streams") for n in a.streams]
     cols += [(f"ctx_{key}_tok_s", f"{n} stream{'s' if n > 1 else ''} @ctx{c}") for key, n, c in ctx_cases(a)]
+    if getattr(a, "join", None):
+        n, c, m = a.join
+        cols += [("join_stall_ms", f"stall ms, {m} join {n} @ctx{c}"), ("join_ttft_ms", f"TTFT ms of the {m}")]
     cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
              ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
     return cols
@@ -31,6 +34,9 @@ def summarize(res: dict) -> dict:
         out[f"streams_{n}_per_stream_tok_s"] = g["per_stream_decode_tok_s_median"]
     for n, g in res.get("ctx", {}).items():
         out[f"ctx_{n}_tok_s"] = g["decode_tok_s"]
+    if "join" in res:
+        out["join_stall_ms"] = res["join"]["stall_ms_max"]
+        out["join_ttft_ms"] = res["join"]["joiner_ttft_ms_median"]
     if "ttft" in res:
         out["ttft_cold_ms"] = res["ttft"]["cold_ms"]
         out["ttft_hit_ms"] = res["ttft"]["hit_ms"]
@@ -69,5 +75,5 @@ def tables(a, named: list[tuple[str, dict | None]], ref: dict | None) -> str:
             x, y = (s or {}).get(k), (ref or {}).get(k)
             cells.append(f"{x / y:.2f}x" if x is not None and y else "-")
         ratio_rows.append([name] + cells)
-    return (md_table(head, rows) + "\n\nours / exllamav3 (tok/s: > 1 is faster; TTFT and memory: < 1 is less)\n\n"
+    return (md_table(head, rows) + "\n\nours / exllamav3 (tok/s: > 1 is faster; ms and memory: < 1 is less)\n\n"
             + md_table(head, ratio_rows))

@@ -127,6 +127,39 @@ def test_parse_config_and_cache_size(small):
     assert serve_report.summarize({"ctx": {"2@192": {"decode_tok_s": 5.0}}}) == {"ctx_2@192_tok_s": 5.0}
 
 
+def test_join_phase_end_to_end_cpu(small, tmp_path):
+    """--join N:CTX:M on the real CPU server: the M short prompts go out once the N running streams
+    have JOIN_AFTER_TOKENS tokens each; their TTFT and the running streams' longest gap while they
+    are admitted are measured and tabled."""
+    js = tmp_path / "r.json"
+    args = ["--tokens", "24", "--streams", "2", "--prompt-len", "64", "--ttft-prompts", "1", "--ctx", "96",
+            "--ctx-streams", "1", "--repeats", "1", "--join", "2:96:2", "--no-warmup"]
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_serve.py"), str(small), "--device", "cpu", *args,
+                        "--json", str(js), "--out", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (cfg,) = json.loads(js.read_text())["configs"]
+    j = cfg["results"]["join"]
+    assert (j["base"], j["joiners"], j["ctx"]) == (2, 2, 96) and "join" in cfg["results"]["phases"]
+    assert 0 < j["joiner_ttft_ms_median"] <= j["joiner_ttft_ms_max"] and j["window_ms"] > 0
+    assert j["stall_ms_max"] >= j["stall_ms_median"] > 0 and j["itl_ms_median_before"] > 0
+    assert cfg["summary"]["join_stall_ms"] == j["stall_ms_max"]
+    assert "stall ms, 2 join 2 @ctx96" in p.stdout and "join: 2 new 32-token prompts beside 2 streams" in p.stdout
+    with pytest.raises(SystemExit):
+        gs.parse_args([str(small), "--join", "2:96"])
+
+
+def test_join_stats_windows():
+    """The stall is each running stream's longest gap overlapping the join window (first new request
+    sent -> last new first token); the gaps before the window give the usual inter-token time."""
+    base = [sm.Stream(0.0, [(0.1 * i, 1) for i in range(1, 11)]), sm.Stream(0.0, [(0.1 * i, 1) for i in (1, 2, 3, 4, 9, 10)])]
+    new = [sm.Stream(0.45, [(0.85, 1), (0.95, 1)]), sm.Stream(0.5, [(0.7, 1)])]
+    j = sm.join_stats(base, new)
+    assert j["stall_ms_max"] == pytest.approx(500) and j["stall_ms_median"] == pytest.approx(300)
+    assert j["itl_ms_median_before"] == pytest.approx(100) and j["window_ms"] == pytest.approx(400)
+    assert j["joiner_ttft_ms_median"] == pytest.approx(300) and j["joiner_ttft_ms_max"] == pytest.approx(400)
+
+
 def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     """The exllamav3 path (load, Jobs, iterate, token accounting, memory, summary) with a stand-in
     Generator that streams one token per job per iterate(), some held back and sent two at a time."""
@@ -188,4 +221,9 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     res = entry["results"]
     assert res["streams"][2]["tokens"] == 16 and [x["tokens"] for x in res["single"]["runs"]] == [8]
     assert set(res["phases"]) == {"warmup", "single", "streams_2", "ttft", "ctx_1", "ctx_2"}
+    # the join phase: the new jobs are enqueued once each running one has its tokens
+    a = gs.parse_args([str(small), "--device", "cuda", "--tokens", "24", *TINY[2:], "--join", "2:64:3"])
+    assert sx.exllamav3_cache_tokens(a) == sm.round_pages(max(2 * (128 + 24), 2 * (64 + 24) + 3 * (32 + 24)))
+    j = sx.run_exllamav3_side(a, {"notes": [], "exllamav3": None}, None, lambda: None)["results"]["join"]
+    assert (j["base"], j["joiners"]) == (2, 3) and j["joiner_ttft_ms_max"] > 0
     assert any("max_memory_allocated 2.00 GB" in n for n in report["notes"])

@@ -235,8 +235,8 @@ def test_short_prompts_and_mixed_steps_run_as_decode_rows(name, monkeypatch):
 def test_prompt_steps_replay_larger_buckets(name, monkeypatch):
     """Past the decode buckets (max_num_seqs rows), short prompts beside decoding rows run the
     fixed-shape step in a prompt bucket, the eager forward untouched, with the plain cache's
-    logits of each sequence's last row; all_logits, a DSA selection (a row past index_topk) or
-    more context reads than PROMPT_GRAPH_READS take the eager forward."""
+    logits of each sequence's last row, DSA selecting where a row is past index_topk; all_logits
+    or more context reads than PROMPT_GRAPH_READS take the eager forward."""
     import exl3tools.runtime.runner as R
 
     r, ref = _paged(name, "static", max_num_seqs=3, prompt_rows=16), Reference(_model(name))
@@ -269,8 +269,9 @@ def test_prompt_steps_replay_larger_buckets(name, monkeypatch):
     assert both([("D", C[5:10]), ("A", [11])]) == "eager" and eager == [1, 1]
     monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 512 * 512)
     if d.dsa_topk is not None:        # glm5: index_topk 32; A holds 11 tokens
-        assert both([("A", list(range(40, 55))), ("B", [12])]) == "prompt"     # A ends at 26: dense
-        assert both([("A", list(range(3, 10))), ("B", [13])]) == "eager"      # A ends at 33: selects
+        assert both([("A", list(range(40, 55))), ("B", [12])]) == "prompt" and not d.last_sparse   # A ends at 26
+        assert both([("A", list(range(3, 10))), ("B", [13])]) == "prompt" and d.last_sparse   # at 33: selects
+        assert eager == [1, 1]
     with pytest.raises(UsageError, match="draft step takes"):       # the MTP head's step: decode buckets only
         type(d).draft(SimpleNamespace(head_pool=1, max_rows=3), [1] * 4, [0] * 4, [0] * 4, [0] * 4, None)
 

@@ -7,7 +7,7 @@ live sequence a slot; only the blocks it gains are copied to the device, never t
 step of ``n`` rows runs the smallest bucket ``>= n`` (``buckets``: 1, 2, 4, ... up to ``max_rows``,
 more than ``max_seqs`` where MTP verifies ``1 + k`` rows a sequence); padded rows write their K/V
 into the pool's scratch block and attend over nothing. With ``prompt_rows`` larger buckets take
-prompt steps (short prompts beside decoding rows) that would otherwise run the eager forward:
+prompt steps (short prompts beside decoding rows, at any context) that would otherwise run the eager forward:
 launch-bound at a few hundred tokens (~20 ms for 32 tokens on an H200, GLM-4.5-Air shape, where
 a replay of 8 rows takes ~3 ms).
 
@@ -148,7 +148,7 @@ class PagedDecoder:
         # 32 streams at --speculative-tokens 1: 158 tok/s against 1749 without MTP)
         self.max_rows = max(self.max_seqs, int(max_rows or 0))
         # prompt steps (``prompt_rows`` > max_rows): up to that many rows -- short prompts beside
-        # decoding sequences -- in larger buckets of the main step only, dense (no DSA selection),
+        # decoding sequences -- in larger buckets of the main step only (no MTP draft graphs),
         # with the logits of each sequence's last row alone; runtime/runner.py decides which steps
         self.prompt_rows = max(self.max_rows, int(prompt_rows or 0))
         self.device = model.embed.device
@@ -183,6 +183,7 @@ class PagedDecoder:
         self._host = torch.zeros(N_INPUTS, self.prompt_rows, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
         self.last_key: tuple[int, bool, int] | None = None      # the graph the last step replayed
+        self.last_sparse = False                                 # whether the last step could select (DSA)
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
         # without the indexer's scores and top-k (exact: sparse selection only starts past topk);
         # each bucket gets both graphs. None: no DSA layer, one variant.
@@ -214,8 +215,8 @@ class PagedDecoder:
         speculative drafts) are rows at consecutive positions, each attending causally, since every
         row's K/V is written before any row attends. Logits (n, vocab) float32 on the device (a
         view of a static buffer: read it before the next step; ``states[:n]``: the final-normed
-        states). A prompt step (``n`` > ``max_rows``, up to ``prompt_rows``; no DSA selection)
-        returns the logits of each sequence's last row only, (sequences, vocab), in row order.
+        states). A prompt step (``n`` > ``max_rows``, up to ``prompt_rows``) returns the logits
+        of each sequence's last row only, (sequences, vocab), in row order.
         ``device_tokens`` (n,) int64 on the device replaces ``tokens`` (the previous step's samples,
         never read back to the host first)."""
         bs, sparse, need = self._load(tokens, positions, slots, rows, device_tokens)
@@ -243,6 +244,7 @@ class PagedDecoder:
     def _run(self, tag: tuple, body, bs: int, sparse: bool, need: int) -> None:
         """Replay the graph of (tag, bucket, sparse, width), captured on first use; without graphs
         run ``body`` eagerly, reading only the table columns the longest row needs."""
+        self.last_sparse = sparse
         if not self.graphs:
             body(bs, need, sparse)
             return
@@ -267,8 +269,8 @@ class PagedDecoder:
             raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
         bs = next(b for b in self.buckets + self.prompt_buckets if b >= n)
         sparse = self.dsa_topk is not None and max(positions) + 1 > self.dsa_topk
-        if bs > self.max_rows and (sparse or device_tokens is not None):
-            raise UsageError("a prompt step takes no DSA selection and no device tokens")
+        if bs > self.max_rows and device_tokens is not None:
+            raise UsageError("a prompt step takes no device tokens")
         h = self._host
         if self._copied is not None:
             self._copied.synchronize()
@@ -298,13 +300,16 @@ class PagedDecoder:
             return
         if sizes is None:
             self._capture_prompt(self.prompt_buckets)
-        # (sparse, width): dense over the whole table; DSA's sparse variant once per width
-        variants = [(False, self.max_blocks)]
-        if self.dsa_topk is not None:
-            variants += [(True, w) for w in sorted(self.widths, reverse=True)]
         bodies = [((), self._body)] + ([(("draft",), self._draft_body)] if self.head_pool is not None else [])
         self._capture_keys([(b, v, bs) for bs in sorted(set(sizes or self.buckets), reverse=True)
-                            for b in bodies for v in variants])
+                            for b in bodies for v in self._variants()])
+
+    def _variants(self) -> list[tuple[bool, int]]:
+        """(sparse, width) of each graph of a bucket: dense over the whole table; DSA's sparse
+        variant once per width."""
+        if self.dsa_topk is None:
+            return [(False, self.max_blocks)]
+        return [(False, self.max_blocks)] + [(True, w) for w in sorted(self.widths, reverse=True)]
 
     @torch.inference_mode()
     def _capture_keys(self, jobs: list, pool: str = "_mempool") -> None:
@@ -338,15 +343,15 @@ class PagedDecoder:
         torch.cuda.synchronize(dev)
 
     def _capture_prompt(self, sizes: list[int]) -> None:
-        """Capture prompt buckets (the main step, dense variant); a failure (out of memory) drops
+        """Capture prompt buckets (the main step, each variant); a failure (out of memory) drops
         every prompt bucket, so such steps take the eager forward, and keeps the decode graphs."""
         if not sizes:
             return
         try:
             # a pool of their own: a capture that fails leaves its pool unusable (the decode
             # graphs' next capture into it tripped an allocator assert, so everything ran eagerly)
-            self._capture_keys([(((), self._body), (False, self.max_blocks), bs)
-                                for bs in sorted(set(sizes), reverse=True)], pool="_prompt_pool")
+            self._capture_keys([(((), self._body), v, bs) for bs in sorted(set(sizes), reverse=True)
+                                for v in self._variants()], pool="_prompt_pool")
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             log.warning("prompt-step graphs of %s rows failed, prompt steps run eagerly: %s", sizes,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -31,8 +31,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
     # steps of more rows than the decode buckets (short prompts beside decoding rows, up to
     # PROMPT_GRAPH_ROWS) replay larger buckets of the fixed-shape step (runtime/paged_decode.py)
-    # instead of the eager forward: a burst of eight 32-token prompts beside running streams took
-    # ~60 ms a step on the H200 (GLM-4.5-Air shape, TTFTs 33 / 95 / 160 ms). Not yet run on a GPU
+    # instead of the eager forward, whose fixed cost stalls every running stream: on the H200
+    # (2026-12-02, /v1/engine/steps) a GLM-5-shape eager step of 70-528 rows took 84-99 ms, a
+    # GLM-4.5-Air one of 129-869 rows 33-86 ms. Its GPU tests pass (the dense variant); served on
+    # the GLM-4.5-Air shape the burst's steps took 9-29 ms each as prompt graphs, 8 streams' TTFT
+    # median 49 ms (62-157 eager), aggregates unchanged (2279 / 4007 tok/s at 8 / 32 streams). The
+    # GLM-5 shape and DSA's sparse prompt graphs have not run on a GPU yet
     "prompt_graphs": "EXL3TOOLS_PROMPT_GRAPHS",
 }
 

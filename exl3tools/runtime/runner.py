@@ -383,7 +383,8 @@ class Runner(SpeculativeSteps):
         short prompt, a prefix hit's recomputed tail or a verify replays a graph, not an eager
         forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200). Past the decode
         buckets, a prompt step (``prompt_rows``) takes them where it wants the last rows' logits
-        only, selects nothing (DSA) and its rows read at most PROMPT_GRAPH_READS context tokens."""
+        only and its sequences of several rows read at most PROMPT_GRAPH_READS context tokens
+        (decoding rows beside them may sit at any context, DSA selecting for them)."""
         d = self.paged.decoder
         if d is None:
             return False
@@ -393,9 +394,8 @@ class Runner(SpeculativeSteps):
             return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)
         if all_logits or not d.prompt_buckets or n > d.prompt_buckets[-1]:
             return False
-        end = max(n0 + len(t or [0]) for _, _, t, n0 in items)
-        reads = sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1)
-        return (d.dsa_topk is None or end <= d.dsa_topk) and reads <= PROMPT_GRAPH_READS
+        return sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1) \
+            <= PROMPT_GRAPH_READS
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
         """The decode step's rows: each new token of each sequence at its position and slot,

@@ -80,7 +80,7 @@ def test_short_prompts_replay_the_decode_graphs(name, monkeypatch):
 def test_prompt_steps_replay_prompt_graphs(name, monkeypatch):
     """The prompt_graphs preview on CUDA: steps past the decode buckets (short prompts beside a
     decoding sequence) replay the prompt buckets' graphs, never the eager forward, and match the
-    CPU reference; the graphs were captured at load."""
+    CPU reference, DSA's sparse variant too; the graphs were captured at load."""
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
     from tests.test_paged_runner import A, B, C, Reference
@@ -104,6 +104,10 @@ def test_prompt_steps_replay_prompt_graphs(name, monkeypatch):
     for t in (6, 7):
         assert _rel(r.step([("A", [t]), ("B", [t])]), ref.step([("A", [t]), ("B", [t])])) < REL["bf16"]
         assert r.last_path == "decode"
+    if d.dsa_topk is not None:          # glm5 (index_topk 32): A's new rows reach 36, so the step selects
+        batch = [("A", list(range(40, 66))), ("B", [8])]
+        assert _rel(r.step(batch), ref.step(batch)) < REL["bf16"]
+        assert r.last_path == "prompt" and d.last_key[:2] == (32, True)
     r.close()
 
 
