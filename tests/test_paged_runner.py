@@ -290,6 +290,42 @@ def test_prompt_graphs_preview_sets_the_prompt_rows(monkeypatch):
     assert _paged(name, "static").paged.decoder.prompt_buckets == []
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
+def test_mla_eager_rows_attend_through_the_decode_kernels(name, monkeypatch):
+    """The mla_eager_rows preview: in an eager step (a prompt chunk of SDPA_MIN_ROWS+ rows), the
+    decode and verify rows beside it attend in one pass of the decode step's attention
+    (MLAttention.attend_rows: their torch references on the CPU), DSA selecting past index_topk
+    (glm5's fixture: 32) in its full layer and reusing that in its shared one; the plain cache's
+    logits. The prompts go through the decompressed SDPA path as on CUDA (SDPA_ON_CPU)."""
+    from exl3tools.runtime import mla
+
+    monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
+    monkeypatch.setenv("EXL3TOOLS_MLA_EAGER_ROWS", "1")
+    model = _model(name)
+    r = Runner(model, fixture_dir(name) / "model", name, decode="eager", max_cache_tokens=256, block_size=4)
+    ref = Reference(model)
+    calls = []
+    real = mla.MLAttention.attend_rows
+    monkeypatch.setattr(mla.MLAttention, "attend_rows",
+                        lambda self, rows, *a: calls.append((self.layer, len(rows.rows))) or real(self, rows, *a))
+    for x in (r, ref):
+        x.add_sequence("A")
+        x.add_sequence("B")
+    prompt = list(range(3, 40))                    # 37 rows: the decompressed path
+    assert _rel(r.step([("A", prompt)]), ref.step([("A", prompt)])) < REL and not calls
+    batch = [("A", [5]), ("B", prompt)]            # A's decode row beside B's prompt
+    assert _rel(r.step(batch), ref.step(batch)) < REL
+    assert {n for _, n in calls} == {1} and len(calls) == len(model.layers)
+    calls.clear()
+    r.add_sequence("C")
+    ref.add_sequence("C")
+    batch = [("A", [6, 7, 8]), ("C", list(range(50, 90))), ("B", [9])]   # 3 verify-like rows, a prompt, a decode row
+    assert _rel(r.step(batch, all_logits=True), ref.step(batch, all_logits=True)) < REL
+    assert {n for _, n in calls} == {4}
+    # A and B now hold 41 and 38 tokens: past glm5's index_topk, the rows select
+    assert r.sequence_length("A") > 32 and r.sequence_length("B") > 32
+
+
 def test_a_failed_prompt_graph_capture_keeps_the_decode_steps(caplog):
     """A prompt bucket whose capture fails (out of memory) drops every prompt bucket, says so, and
     prompt steps take the eager forward again; the decode buckets stay."""

@@ -97,6 +97,24 @@ def test_tp2_static_decode_step_and_prefix_hits(sliced, tp1):
     assert (last[0] - prompt1[-1]).abs().max().item() < TP_ATOL
 
 
+@pytest.mark.slow
+def test_tp2_prompt_steps(sliced, tp1, monkeypatch):
+    """Prompt steps (the prompt_graphs preview's larger buckets; the fixed-shape step is their CPU
+    twin) at TP 2: every rank runs the same bucket, rank 0 gets the sequence's last-row logits."""
+    _, dirs = sliced
+    g, prompt1, rows1 = tp1
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "1")
+    with load_runner(dirs[2], tp=2, decode="static", block_size=4, max_num_seqs=2,
+                     max_num_batched_tokens=30) as r:
+        assert r.paged.decoder.prompt_buckets == [4, 8, 16, 24, 32]
+        r.add_sequence("s")
+        last = r.step([("s", g["prompt_p16"].tolist())])
+        assert r.last_path == "prompt"
+        rows = [r.step([("s", [t])])[0] for t in g["exl3_greedy_p16"][:STEPS].tolist()]
+    assert (last[0] - prompt1[-1]).abs().max().item() < TP_ATOL
+    assert (torch.stack(rows) - rows1).abs().max().item() < TP_ATOL
+
+
 def _cli(*args, timeout=180):
     return subprocess.run([sys.executable, "-m", "exl3tools.cli", "generate", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout,

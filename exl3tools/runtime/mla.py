@@ -183,8 +183,13 @@ class MLAttention:
         fresh = fresh_prompts(batch, self.index_topk, dev) if decompress and batch.spans else None
         if fresh is not None:
             self.attend_fresh(fresh, q_nope, q_pe, new, out)
+        # decode and verify rows beside a prompt chunk: one pass of the decode step's kernels (a
+        # preview: runtime/preview.py), not a gather of each one's history and four einsums each
+        rows = short_rows(batch, dev, fresh) if decompress and preview.switched_on("mla_eager_rows") else None
+        if rows is not None:
+            self.attend_rows(rows, x, q_resid, q_lat, q_pe, new, out, shared)
         for si, sp in enumerate(batch.spans):
-            if fresh is not None and si in fresh.spans:
+            if (fresh is not None and si in fresh.spans) or (rows is not None and si in rows.spans):
                 continue
             r = slice(sp.row, sp.row + sp.n)
             full = sp.cache.extend(self.layer, {name: t[r] for name, t in new.items()})
@@ -272,6 +277,41 @@ class MLAttention:
         o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,
                        self.scale, sel=sel.contiguous())
         return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
+
+    def attend_rows(self, rows: ShortRows, x: torch.Tensor, q_resid: torch.Tensor, q_lat: torch.Tensor,
+                    q_pe: torch.Tensor, new: dict[str, torch.Tensor], out: torch.Tensor, shared: dict) -> None:
+        """Short spans (decode and verify rows) of an eager step as rows of the decode step's
+        attention (``decode_static``'s, through ``paged_decode.mla_attention_fn``): their latent
+        written at their slots, DSA's selection by the paged scores and top-k where a row sees more
+        than index_topk keys (a "shared" layer reuses the full layer's), absorbed queries over the
+        blocks. The per-span loop gathers each row's whole history per layer and runs four einsums
+        and a mask: ~48 torch calls per sequence and layer, ~1.6 s of host time for a step of 32
+        decoding sequences on a 78-layer GLM-5. Writes the rows of ``rows.rows`` of ``out``."""
+        from exl3tools.runtime.paged_decode import mla_attention_fn
+
+        attend, score_fn, topk_fn = mla_attention_fn(x.device)
+        planes = rows.pool.planes[self.layer]
+        for name, t in new.items():
+            planes[name].index_copy_(0, rows.slots, t.index_select(0, rows.rows).to(planes[name].dtype))
+        for cache, n in rows.lengths:
+            cache.lengths[self.layer] += n
+        sel = None
+        if self.index_topk and rows.longest > self.index_topk:     # else every row keeps all its keys
+            if self.indexer is not None:
+                r = rows.rows
+                sel = self.indexer.select_paged(x.index_select(0, r), q_resid.index_select(0, r),
+                                                rows.positions, rows.pool.blocks(self.layer, CACHE_KIDX),
+                                                rows.tables, rows.ctx, score_fn, topk_fn)
+                shared["rows"] = sel
+            elif self.dsa_shared:
+                sel = shared.get("rows")
+                if sel is None:
+                    raise UnsupportedArchitectureError(
+                        f"layer {self.layer}: shared DSA layer found no selection from a full layer")
+        o_lat = attend(q_lat.index_select(0, rows.rows).contiguous(), q_pe.index_select(0, rows.rows).contiguous(),
+                       rows.pool.blocks(self.layer, CACHE_CKV), rows.pool.blocks(self.layer, CACHE_KPE),
+                       rows.tables, rows.ctx, self.scale, sel=sel)
+        out.index_copy_(0, rows.rows, torch.einsum("thc,hvc->thv", o_lat, self.w_uv))
 
     def attend_fresh(self, fresh: FreshPrompts, q_nope: torch.Tensor, q_pe: torch.Tensor,
                      new: dict[str, torch.Tensor], out: torch.Tensor) -> None:
@@ -400,6 +440,53 @@ class FreshPrompts:
     gather: torch.Tensor           # (prompts, longest) int64 batch rows, padded with the span's first
     pick: torch.Tensor             # (rows,) int64: each row's index in gather's flattening
     lengths: tuple                 # ((PagedSeqView, n), ...): each cache's length after the write
+
+
+@dataclass(frozen=True, slots=True)
+class ShortRows:
+    """The short spans of a batch that MLAttention.attend_rows takes together (short_rows)."""
+
+    spans: frozenset[int]          # their indices in batch.spans
+    pool: object                   # the KVPool of their caches
+    rows: torch.Tensor             # (R,) int64: their rows in the batch, spans in order
+    slots: torch.Tensor            # (R,) int64: each row's cache slot
+    positions: torch.Tensor        # (R,) int64
+    tables: torch.Tensor           # (R, width) int32: each row's sequence's block table
+    ctx: torch.Tensor              # (R,) int32: keys each row sees, itself included
+    lengths: tuple                 # ((PagedSeqView, n), ...): rows each cache gains per layer
+    longest: int                   # the most keys a row sees (past index_topk, DSA selects)
+
+
+def short_rows(batch, dev: torch.device, fresh: FreshPrompts | None) -> ShortRows | None:
+    """The spans of fewer than SDPA_MIN_ROWS rows (decode and verify rows) in one paged pool, not
+    among ``fresh``'s, as rows of the decode kernels (cached in ``batch.extras``); None: none."""
+    if "mla_rows" in batch.extras:
+        return batch.extras["mla_rows"]
+    from exl3tools.runtime.kv_pool import PagedSeqView
+
+    taken = fresh.spans if fresh is not None else frozenset()
+    group = [si for si, sp in enumerate(batch.spans)
+             if si not in taken and sp.n < SDPA_MIN_ROWS and isinstance(sp.cache, PagedSeqView)]
+    if group:
+        pool = batch.spans[group[0]].cache.pool
+        group = [si for si in group if batch.spans[si].cache.pool is pool]
+    meta = None
+    if group:
+        spans = [batch.spans[si] for si in group]
+        bs = pool.block_size
+        width = max(-(-(sp.pos + sp.n) // bs) for sp in spans)
+        tables = []
+        for sp in spans:
+            t = (sp.cache._slots[:sp.pos + sp.n:bs] // bs).to(torch.int32)
+            tables.append(torch.nn.functional.pad(t, (0, width - t.shape[0])).expand(sp.n, -1))
+        rows = torch.cat([torch.arange(sp.row, sp.row + sp.n) for sp in spans]).to(dev)
+        positions = batch.positions.to(dev).index_select(0, rows)
+        meta = ShortRows(frozenset(group), pool, rows,
+                         torch.cat([sp.cache._slots[sp.pos:sp.pos + sp.n] for sp in spans]).to(dev),
+                         positions, torch.cat(tables).to(dev), (positions + 1).to(torch.int32),
+                         tuple((sp.cache, sp.n) for sp in spans), max(sp.pos + sp.n for sp in spans))
+    batch.extras["mla_rows"] = meta
+    return meta
 
 
 def fresh_prompts(batch, index_topk: int, dev: torch.device) -> FreshPrompts | None:

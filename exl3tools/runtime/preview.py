@@ -38,6 +38,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # median 49 ms (62-157 eager), aggregates unchanged (2279 / 4007 tok/s at 8 / 32 streams). The
     # GLM-5 shape and DSA's sparse prompt graphs have not run on a GPU yet
     "prompt_graphs": "EXL3TOOLS_PROMPT_GRAPHS",
+    # MLA models' eager steps (a prompt chunk beside decoding sequences): the decode and verify
+    # rows attend in one pass of the decode step's kernels (MLAttention.attend_rows) instead of
+    # one history gather and four einsums per sequence and layer (~48 torch calls each: 32
+    # decoding sequences on a 78-layer GLM-5 make ~120k calls a step). Not yet run on a GPU
+    "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

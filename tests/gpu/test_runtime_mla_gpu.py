@@ -78,6 +78,44 @@ def test_fresh_prompts_in_one_batch_on_cuda(dev, name, monkeypatch):
         assert err < 1e-2, err    # as the CPU-reference test above: fp16 prompt attention
 
 
+@pytest.mark.parametrize("name", MLA)
+def test_eager_rows_through_the_decode_kernels_on_cuda(dev, name, monkeypatch):
+    """The mla_eager_rows preview on CUDA: an eager step's decode and verify rows beside a prompt
+    chunk attend through the Triton decode kernels (MLAttention.attend_rows; glm5 selecting past
+    its index_topk of 32) and give the CPU reference runtime's logits."""
+    import torch
+    from safetensors.torch import load_file
+
+    from exl3tools.runtime import mla
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("EXL3TOOLS_MLA_EAGER_ROWS", "1")
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "0")
+    ids = load_file(str(fixture_dir(name) / "goldens_logits.safetensors"))["prompt_p64"].tolist()
+    calls = []
+    real = mla.MLAttention.attend_rows
+    monkeypatch.setattr(mla.MLAttention, "attend_rows", lambda self, *a: calls.append(1) or real(self, *a))
+    out = {}
+    for backend, device in (("reference", "cpu"), ("triton", "cuda")):
+        r = load_runner(fixture_dir(name) / "model", device=device, backend=backend, max_cache_tokens=4096,
+                        decode="eager")
+        for s in "ABC":
+            r.add_sequence(s)
+        got = [r.step([("A", ids[:37])], all_logits=True)]
+        got.append(r.step([("A", [5]), ("B", ids[3:40])]))
+        got.append(r.step([("A", [6, 7, 8]), ("C", ids[10:50]), ("B", [9])], all_logits=True))
+        got.append(r.step([("A", [10]), ("B", [11]), ("C", [12])]))
+        out[backend] = torch.cat([g.float().cpu() for g in got])
+        r.close()
+    assert calls                                   # on CUDA (the CPU's eager path keeps its einsums)
+    ref, got = out["reference"], out["triton"]
+    err = (got - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 1e-2, err
+
+
 @pytest.mark.parametrize("heads,nope,v_dim", [(64, 192, 256), (128, 128, 128)])   # GLM-5, DeepSeek-V3
 @pytest.mark.parametrize("prefix,sparse", [(0, False), (1024, True), (1024, False)])
 def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, sparse, monkeypatch):
