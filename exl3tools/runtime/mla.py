@@ -209,7 +209,11 @@ class MLAttention:
                         raise UnsupportedArchitectureError(
                             f"layer {self.layer}: shared DSA layer found no selection from a full layer")
                 if as_positions:
-                    out[r] = self.attend_selected(q_lat[r], q_pe[r], cc, kp, keep, sp.pos)
+                    # the history as the pool stores it (fp16 on CUDA: the kernel's tensor-core
+                    # dots; extend reads it back in float32, which took its FMA path: 3.2x slower
+                    # than the dense path on the H200)
+                    dt = sp.cache.pool.planes[self.layer][CACHE_CKV].dtype if hasattr(sp.cache, "pool") else cc.dtype
+                    out[r] = self.attend_selected(q_lat[r], q_pe[r], cc.to(dt), kp.to(dt), keep, sp.pos)
                     continue
             # the (n, L) mask only where it is read: without a selection the fused kernels take the
             # causal bottom-right alignment (the queries are the last n of the L keys) as a bias

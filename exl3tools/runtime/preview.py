@@ -20,8 +20,9 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # the decode step's MLA kernel, one row a query, absorbed queries over the latent) instead of
     # densely over the whole decompressed history with the selection as a mask; what exllamav3's
     # dsa_attn does. Its GPU tests pass, but served on the H200 (2026-12-02, GLM-5 shape) a
-    # 30000-token prompt took 21.9 s against 6.8 s dense: the decode kernel, one row a query, is
-    # no prefill kernel. It stays off
+    # 30000-token prompt took 21.9 s against 6.8 s dense: that run handed the kernel the history
+    # in float32 (read back through the cache), so it took the FMA dots; it now gets the pool's
+    # fp16 planes (tensor-core dots, as its GPU test ran). To be timed again
     "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
     # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
     # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
