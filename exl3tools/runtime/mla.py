@@ -289,8 +289,9 @@ class MLAttention:
         written at their slots, DSA's selection by the paged scores and top-k where a row sees more
         than index_topk keys (a "shared" layer reuses the full layer's), absorbed queries over the
         blocks. The per-span loop gathers each row's whole history per layer and runs four einsums
-        and a mask: ~48 torch calls per sequence and layer, ~1.6 s of host time for a step of 32
-        decoding sequences on a 78-layer GLM-5. Writes the rows of ``rows.rows`` of ``out``."""
+        and a mask: ~48 torch calls per sequence and layer (counted on the CPU fixtures), so ~120k
+        for a step beside 32 decoding sequences on a 78-layer GLM-5. Writes the rows of
+        ``rows.rows`` of ``out``."""
         from exl3tools.runtime.paged_decode import mla_attention_fn
 
         attend, score_fn, topk_fn = mla_attention_fn(x.device)

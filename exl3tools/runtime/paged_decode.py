@@ -294,8 +294,9 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
-        """Capture the graphs of ``sizes`` (default: every bucket, the prompt buckets first),
-        largest first, in one pool (smaller graphs reuse the blocks of larger ones)."""
+        """Capture the graphs of ``sizes`` (default: every bucket; the prompt buckets first, into
+        a pool of their own), largest first, the decode buckets in one pool (smaller graphs reuse
+        the blocks of larger ones)."""
         if not self.graphs:
             return
         if sizes is None:
