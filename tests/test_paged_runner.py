@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from exl3tools.errors import UsageError
+from exl3tools.runtime.block_manager import SCRATCH_BLOCK
 from exl3tools.runtime.runner import CacheFullError, ContextLengthError, Runner, load_runner
 from tests.conftest import fixture_dir
 
@@ -346,6 +347,9 @@ def test_a_failed_prompt_graph_capture_keeps_the_decode_steps(caplog):
         x.add_sequence("A")
     assert _rel(r.step([("A", A)]), ref.step([("A", A)])) < REL and r.last_path == "eager"
     assert _rel(r.step([("A", [3])]), ref.step([("A", [3])])) < REL and r.last_path == "decode"
+    # a TP worker whose capture failed still runs its rank 0's prompt steps (bucket 8, no graph)
+    out = d.step([5] * 7, list(range(7)), [SCRATCH_BLOCK * r.block_size] * 7, [0] * 7)
+    assert out.shape == (1, ref.model.info.vocab_size)
 
 
 def test_row_steps_switched_off_keep_multi_token_steps_eager(monkeypatch):

@@ -156,7 +156,11 @@ class PagedDecoder:
             raise UsageError("CUDA graphs need the model on a CUDA device")
         self.graphs = bool(graphs)
         self.buckets = buckets(self.max_rows)
-        self.prompt_buckets = [b for b in buckets(self.prompt_rows) if b > self.max_rows]
+        # the prompt steps' bucket sizes; ``prompt_buckets``: those with graphs (the runner sends
+        # prompt steps only while there are any; a TP worker whose capture failed still takes its
+        # rank 0's, without a graph)
+        self._prompt_ladder = [b for b in buckets(self.prompt_rows) if b > self.max_rows]
+        self.prompt_buckets = list(self._prompt_ladder)
         self._attend = attention_fn(self.device)
         self._attend_mla, self._dsa_scores, self._dsa_topk = mla_attention_fn(self.device)
         self._fused = None
@@ -250,11 +254,11 @@ class PagedDecoder:
             return
         key = (*tag, bs, sparse, next(w for w in self.widths if w >= need) if sparse else self.max_blocks)
         if key not in self._graphs:
-            if bs > self.max_rows:
-                self._capture_prompt([bs])
-            else:
+            if bs <= self.max_rows:
                 self.capture([bs])
-        if key not in self._graphs:             # a prompt bucket whose capture failed: this once, eagerly
+            elif self.prompt_buckets:
+                self._capture_prompt([bs])
+        if key not in self._graphs:             # a prompt bucket whose capture failed: eagerly
             body(bs, key[-1], sparse)
             return
         self._graphs[key].replay()
@@ -267,7 +271,7 @@ class PagedDecoder:
             raise UsageError(f"a decode step takes 1..{self.prompt_rows} rows, got {n}")
         if max(positions) >= self.max_blocks * self.pool.block_size:
             raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
-        bs = next(b for b in self.buckets + self.prompt_buckets if b >= n)
+        bs = next(b for b in self.buckets + self._prompt_ladder if b >= n)
         sparse = self.dsa_topk is not None and max(positions) + 1 > self.dsa_topk
         if bs > self.max_rows and device_tokens is not None:
             raise UsageError("a prompt step takes no device tokens")
