@@ -200,6 +200,10 @@ class PagedDecoder:
                        if self.dsa_topk is not None and preview.switched_on("dsa_widths") else [self.max_blocks])
         self._copied = torch.cuda.Event() if pin else None   # the pinned inputs may be rewritten once it fired
 
+    @property
+    def graphs_captured(self) -> int:
+        return len(self._graphs)
+
     # ------------------------------------------------------------------ table rows
     @torch.inference_mode()
     def set_blocks(self, updates: list[tuple[int, int, int]]) -> None:

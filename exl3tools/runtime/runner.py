@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Hashable
 
@@ -220,8 +221,13 @@ class Runner(SpeculativeSteps):
         """Capture the decode graphs; on one rank, a failure decodes eagerly instead of refusing to
         serve (the ranks of a TP group must agree on the mode, so there it stays an error)."""
         self._send(("capture",))
+        t0 = time.perf_counter()
         try:
             self.paged.decoder.capture()
+            d = self.paged.decoder
+            log.info("CUDA graphs: %d captured in %.1f s (decode buckets up to %d rows%s)", d.graphs_captured,
+                     time.perf_counter() - t0, d.max_rows,
+                     f", prompt buckets up to {d.prompt_buckets[-1]}" if d.prompt_buckets else "")
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             if self.world > 1:
                 raise
