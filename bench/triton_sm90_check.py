@@ -104,6 +104,11 @@ def mla() -> None:
                                       torch.zeros(16, bs, R, dtype=dt), torch.zeros(B, W, dtype=torch.int32),
                                       torch.ones(B, dtype=torch.int32), 0.1, sel=sel, num_splits=splits,
                                       precision=prec)
+        if H >= 32:      # DSA prompt rows on fp16 planes (MLAttention.attend_selected): 32 heads x 32 keys
+            ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R), torch.zeros(16, bs, C, dtype=torch.float16),
+                          torch.zeros(16, bs, R, dtype=torch.float16), torch.zeros(B, W, dtype=torch.int32),
+                          torch.ones(B, dtype=torch.int32), 0.1, sel=torch.zeros(B, 2048, dtype=torch.int32),
+                          num_splits=1, head_block=32, tile_n=32, num_warps=8)
 
 
 def dsa() -> None:

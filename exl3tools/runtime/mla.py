@@ -278,8 +278,11 @@ class MLAttention:
         ckv, kpe = as_blocks(cc, block), as_blocks(kp, block)      # the pool's dtype, as the decode step reads it
         table = torch.arange(ckv.shape[0], dtype=torch.int32, device=q_lat.device)[None].expand(n, -1)
         ctx = torch.arange(pos0 + 1, pos0 + n + 1, dtype=torch.int32, device=q_lat.device)
+        # fp16 planes: 32 heads x 32 keys a program (no spills on sm_90: bench/triton_sm90_check.py),
+        # each latent tile read half as often as at the decode step's 16 heads; not yet timed
+        kw = dict(head_block=32, tile_n=32, num_warps=8) if ckv.dtype == torch.float16 and self.nh >= 32 else {}
         o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,
-                       self.scale, sel=sel.contiguous())
+                       self.scale, sel=sel.contiguous(), **kw)
         return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
 
     def attend_rows(self, rows: ShortRows, x: torch.Tensor, q_resid: torch.Tensor, q_lat: torch.Tensor,

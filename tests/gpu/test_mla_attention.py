@@ -148,6 +148,24 @@ def test_mla_decode_reads_16_bit_planes(dev, case, dtype):
         assert err < tol, (fn.__name__, case, dtype, err)
 
 
+@pytest.mark.parametrize("config", [(32, 32, 8), (16, 16, 8)])
+def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config):
+    """Other (heads, keys, warps) per program than the default, as MLAttention.attend_selected runs
+    DSA prompt rows (32 x 32 x 8 on fp16 planes), against the float64 oracle: a DSA case with two
+    head chunks."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    B, H, C, R, bs, kind, K, _, _ = CASES[-2]
+    H = max(H, 40)                                 # two chunks of 32 heads, the second partial
+    t, lens = _case(B, H, C, R, bs, kind, K, dev)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (C // 4 + R) ** -0.5
+    hb, tn, w = config
+    err = (mla_decode(**t, scale=scale, num_splits=1, head_block=hb, tile_n=tn, num_warps=w).cpu().double()
+           - _oracle(t, lens, scale)).abs().max().item()
+    assert err < 1e-3, (config, err)
+
+
 @pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
                                                                         if FULL else []))
 def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
