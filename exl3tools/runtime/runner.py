@@ -133,9 +133,14 @@ class Runner(SpeculativeSteps):
             num_blocks = -(-int(max_cache_tokens) // block_size) + 1
         elif dev.type == "cuda":
             mtp = mtp_cache_bytes_per_token(model, self.spec_k)
+            # DSA's sparse prompt graphs hold float32 indexer scores (and top-k scratch) of every
+            # row against the whole table: 512 rows x 202752 keys x 4 B = 415 MB, twice
+            dsa = any(getattr(layer.attn, "index_topk", 0) for layer in model.layers)
+            scores = 8 * prompt_rows * model.info.max_context if dsa else 0
             num_blocks = self._budget_blocks((per_token + 2 * mtp) * block_size, gpu_memory_utilization,
                                              max_num_batched_tokens, str(dtype).removeprefix("torch."),
-                                             reserve=mtp * MIN_CAPACITY * self.max_num_seqs, graph_rows=prompt_rows)
+                                             reserve=mtp * MIN_CAPACITY * self.max_num_seqs + scores,
+                                             graph_rows=prompt_rows)
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
