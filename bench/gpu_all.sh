@@ -199,6 +199,7 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
     --json "$L/prefill.json" > "$L/prefill.log" 2>&1
   el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
   sed -n '/^--- profile 8 x 32/,+20p' "$L/prefill.log" | cut -c1-60,100-200
+  sed -n '/^--- profile of the mixed step/,+20p' "$L/prefill.log" | cut -c1-60,100-200
   sed -n '/^total /p; /^--- profile of the last chunk/,+24p' "$L/prefill.log" | cut -c1-60,100-200   # PREFILL_ARGS="--long N"
 fi
 # SO_WAIT: seconds to wait at the end for a build still running (stages that never needed exllamav3)

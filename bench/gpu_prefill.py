@@ -10,6 +10,8 @@ On the synthetic GLM-4.5-Air-shaped checkpoint (bench/synth_checkpoint.py), one 
   sequence: T-token prompt; and 8 sequences x 32 tokens), ms and tok/s, with the peak of
   ``torch.cuda.max_memory_allocated`` above the weights and KV pool;
 - a torch.profiler table (top CUDA kernels) of the 2048-token forward;
+- the eager step a new 32-token prompt makes beside 8 sequences decoding at a 4096-token history
+  (ms, the path the runner took, top kernels by CUDA and CPU time);
 - ``--long N``: one N-token prompt in 2048-token chunks as serve runs it (``--max-prefill-tokens``
   on CUDA), each chunk's ms, and the profile of the last chunk (the one with the longest history:
   a 30000-token GLM-5 prompt took 5.6 s to its first token through serve, 27k tok/s at 2048).
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     print("--- profile 8 x 32 by CPU time")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    res["mixed"] = mixed_step(runner, sid)
     if a.long:
         res["long"] = long_prompt(runner, a.long, next(sid))
     res["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
@@ -135,6 +138,52 @@ def main(argv=None) -> int:
         a.json.write_text(json.dumps(res, indent=1))
     runner.close()
     return 0
+
+
+def mixed_step(runner, sid, running: int = 8, history: int = 4096, prompt: int = 32) -> dict:
+    """The eager step a new request makes beside running streams (serve's burst and join steps):
+    ``running`` sequences with ``history`` tokens each decode one token while a ``prompt``-token
+    prompt prefills, ms (median of 3) and the top kernels by CUDA and by CPU time (on the GLM-5
+    shape such steps took 84-99 ms on the H200 whatever their rows: /v1/engine/steps)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = [next(sid) for _ in range(running)]
+    for s in seqs:
+        runner.add_sequence(s)
+        for c0 in range(0, history, 2048):
+            runner.step([(s, [(7 * i + s) % 1000 + 3 for i in range(c0, min(history, c0 + 2048))])], device_logits=True)
+    ms, prof = [], None
+    try:
+        for rep in range(4):
+            new = next(sid)
+            runner.add_sequence(new)
+            batch = [(s, [5 + rep]) for s in seqs] + [(new, [(3 * i + rep) % 1000 + 3 for i in range(prompt)])]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if rep == 3:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    runner.step(batch, device_logits=True)
+                    torch.cuda.synchronize()
+            else:
+                runner.step(batch, device_logits=True)
+                torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t0) * 1e3)
+            runner.free_sequence(new)
+            path = runner.last_path
+    finally:
+        for s in seqs:
+            runner.free_sequence(s)
+    med = statistics.median(ms[1:3])
+    print(f"\n| mixed step: {running} decoding at {history} + one {prompt}-token prompt | {path} | {med:.1f} ms "
+          f"(first {ms[0]:.1f}, profiled {ms[3]:.1f}) |")
+    print("--- profile of the mixed step by CUDA time")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print("--- profile of the mixed step by CPU time")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    return {"running": running, "history": history, "prompt": prompt, "path": path, "ms": ms}
 
 
 def long_prompt(runner, n: int, seq, chunk: int = 2048) -> dict:
