@@ -95,6 +95,12 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
         path = str(DEMO_MODEL)
     _check_path(path, tp)
     check_device(device)
+    interval = os.environ.get("EXL3TOOLS_SWITCH_INTERVAL_MS")   # the GIL's (docs/serve.md "Diagnostics")
+    if interval:
+        try:
+            sys.setswitchinterval(float(interval) / 1e3)
+        except ValueError:
+            raise UsageError(f"EXL3TOOLS_SWITCH_INTERVAL_MS must be a positive number of ms, got {interval!r}") from None
     if max_cache_tokens is not None and max_cache_tokens < 1:
         raise UsageError("--max-cache-tokens must be at least 1")
     if max_prefill_tokens is None:
@@ -128,12 +134,6 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             server.should_exit = True
 
     engine.on_state = on_state
-    interval = os.environ.get("EXL3TOOLS_SWITCH_INTERVAL_MS")   # the GIL's (docs/serve.md "Diagnostics")
-    if interval:
-        try:
-            sys.setswitchinterval(float(interval) / 1e3)
-        except ValueError:
-            raise UsageError(f"EXL3TOOLS_SWITCH_INTERVAL_MS must be a positive number of ms, got {interval!r}") from None
     with progress:
         server.run()
     if engine.load_exception is not None:

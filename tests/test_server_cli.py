@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -22,9 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(*args: str) -> subprocess.Popen:
+def serve(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "exl3tools.cli", "serve", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def wait_healthy(proc: subprocess.Popen, port: int) -> str:
@@ -68,6 +70,16 @@ def test_bad_invocations_fail_in_one_line(args, code, text):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
     assert text in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+def test_a_bad_switch_interval_fails_in_one_line(value):
+    """EXL3TOOLS_SWITCH_INTERVAL_MS (docs/serve.md "Diagnostics") is checked before anything loads."""
+    proc = serve("--port", str(free_port()), "--log-level", "critical", env={"EXL3TOOLS_SWITCH_INTERVAL_MS": value})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert "EXL3TOOLS_SWITCH_INTERVAL_MS must be a positive number of ms" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_serves_a_hub_repo_id_from_the_cache_offline(tmp_path):
