@@ -204,10 +204,7 @@ class MLAttention:
                     keep = self._select(x[r], q_resid[r], pos[r], full[CACHE_KIDX], sp.pos, as_positions)
                     shared[si] = keep
                 elif self.dsa_shared:
-                    keep = shared.get(si)
-                    if keep is None:
-                        raise UnsupportedArchitectureError(
-                            f"layer {self.layer}: shared DSA layer found no selection from a full layer")
+                    keep = self._shared_selection(shared, si)
                 if as_positions:
                     # the history as the pool stores it (fp16 on CUDA: the kernel's tensor-core
                     # dots; extend reads it back in float32, which took its FMA path: 3.2x slower
@@ -297,29 +294,42 @@ class MLAttention:
         ``rows.rows`` of ``out``."""
         from exl3tools.runtime.paged_decode import mla_attention_fn
 
-        attend, score_fn, topk_fn = mla_attention_fn(x.device)
         planes = rows.pool.planes[self.layer]
         for name, t in new.items():
             planes[name].index_copy_(0, rows.slots, t.index_select(0, rows.rows).to(planes[name].dtype))
         for cache, n in rows.lengths:
             cache.lengths[self.layer] += n
+        r = rows.rows
+        out.index_copy_(0, r, self._attend_paged(
+            x.index_select(0, r), q_resid.index_select(0, r), q_lat.index_select(0, r).contiguous(),
+            q_pe.index_select(0, r).contiguous(), rows.positions, rows.pool, rows.tables, rows.ctx,
+            rows.longest > self.index_topk, shared, "rows", mla_attention_fn(x.device)))
+
+    def _attend_paged(self, x, q_resid, q_lat, q_pe, pos, pool, tables, ctx, sparse: bool, shared: dict, key,
+                      fns) -> torch.Tensor:
+        """Rows (their latent already in ``pool``) through the decode step's kernels ``fns`` =
+        (MLA attention, DSA scores, DSA top-k): a DSA full layer selects when ``sparse`` (some row
+        sees more than index_topk keys) and publishes its selection in ``shared[key]`` for the
+        shared layers after it. (rows, H, v) float32 (decode_static, attend_rows)."""
+        attend, score_fn, topk_fn = fns
         sel = None
-        if self.index_topk and rows.longest > self.index_topk:     # else every row keeps all its keys
+        if self.index_topk and sparse:                # else every row keeps all its keys
             if self.indexer is not None:
-                r = rows.rows
-                sel = self.indexer.select_paged(x.index_select(0, r), q_resid.index_select(0, r),
-                                                rows.positions, rows.pool.blocks(self.layer, CACHE_KIDX),
-                                                rows.tables, rows.ctx, score_fn, topk_fn)
-                shared["rows"] = sel
+                sel = self.indexer.select_paged(x, q_resid, pos, pool.blocks(self.layer, CACHE_KIDX), tables, ctx,
+                                                score_fn, topk_fn)
+                shared[key] = sel
             elif self.dsa_shared:
-                sel = shared.get("rows")
-                if sel is None:
-                    raise UnsupportedArchitectureError(
-                        f"layer {self.layer}: shared DSA layer found no selection from a full layer")
-        o_lat = attend(q_lat.index_select(0, rows.rows).contiguous(), q_pe.index_select(0, rows.rows).contiguous(),
-                       rows.pool.blocks(self.layer, CACHE_CKV), rows.pool.blocks(self.layer, CACHE_KPE),
-                       rows.tables, rows.ctx, self.scale, sel=sel)
-        out.index_copy_(0, rows.rows, torch.einsum("thc,hvc->thv", o_lat, self.w_uv))
+                sel = self._shared_selection(shared, key)
+        o_lat = attend(q_lat, q_pe, pool.blocks(self.layer, CACHE_CKV), pool.blocks(self.layer, CACHE_KPE),
+                       tables, ctx, self.scale, sel=sel)
+        return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
+
+    def _shared_selection(self, shared: dict, key):
+        """A "shared" DSA layer's selection: what the full layer before it published under ``key``."""
+        sel = shared.get(key)
+        if sel is None:
+            raise UnsupportedArchitectureError(f"layer {self.layer}: shared DSA layer found no selection from a full layer")
+        return sel
 
     def attend_fresh(self, fresh: FreshPrompts, q_nope: torch.Tensor, q_pe: torch.Tensor,
                      new: dict[str, torch.Tensor], out: torch.Tensor) -> None:
@@ -408,21 +418,10 @@ class MLAttention:
         kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
         planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
         planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
-        sel = None
         if self.indexer is not None:
             planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).to(planes[CACHE_KIDX].dtype))
-            if self.index_topk and st.sparse:          # else every row sees <= index_topk keys: all of them
-                sel = self.indexer.select_paged(x, q_resid, pos, st.pool.blocks(self.layer, CACHE_KIDX),
-                                                st.tables, st.ctx, st.dsa_scores, st.dsa_topk)
-                st.extras["dsa_sel"] = sel
-        elif self.dsa_shared and self.index_topk and st.sparse:
-            sel = st.extras.get("dsa_sel")
-            if sel is None:
-                raise UnsupportedArchitectureError(
-                    f"layer {self.layer}: shared DSA layer found no selection from a full layer")
-        o_lat = st.mla_attend(q_lat, q_pe, st.pool.blocks(self.layer, CACHE_CKV),
-                              st.pool.blocks(self.layer, CACHE_KPE), st.tables, st.ctx, self.scale, sel=sel)
-        out = torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
+        out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,
+                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk))
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
 
 
