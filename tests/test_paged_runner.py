@@ -335,7 +335,7 @@ def test_a_failed_prompt_graph_capture_keeps_the_decode_steps(caplog):
     d = r.paged.decoder
 
     def boom(_jobs, pool):
-        assert pool == "_prompt_pool"
+        assert pool == "prompt"
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB\nmore")
 
     d._capture_keys = boom

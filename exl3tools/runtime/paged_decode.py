@@ -186,6 +186,7 @@ class PagedDecoder:
         pin = dev.type == "cuda"
         self._host = torch.zeros(N_INPUTS, self.prompt_rows, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
+        self._pools: dict[str, object] = {}     # graph memory pools: "decode", "prompt" (a failed capture's is dropped)
         self.last_key: tuple[int, bool, int] | None = None      # the graph the last step replayed
         self.last_sparse = False                                 # whether the last step could select (DSA)
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
@@ -321,17 +322,16 @@ class PagedDecoder:
         return [(False, self.max_blocks)] + [(True, w) for w in sorted(self.widths, reverse=True)]
 
     @torch.inference_mode()
-    def _capture_keys(self, jobs: list, pool: str = "_mempool") -> None:
+    def _capture_keys(self, jobs: list, pool: str = "decode") -> None:
         """Capture each ((tag, body), (sparse, width), bucket) not captured yet, in order, into the
-        graph pool held in attribute ``pool`` (made on first use)."""
+        graph pool named ``pool`` ("decode" or "prompt"; made on first use)."""
         dev = self.device
         saved = self.inputs.clone()
         self.inputs.zero_()
         self.inputs[2].fill_(SCRATCH_BLOCK * self.pool.block_size)   # warm-ups write only scratch
-        handle = getattr(self, pool, None)
-        if handle is None:
-            handle = torch.cuda.graph_pool_handle()
-            setattr(self, pool, handle)
+        if pool not in self._pools:
+            self._pools[pool] = torch.cuda.graph_pool_handle()
+        handle = self._pools[pool]
         try:
             for (tag, body), (sparse, width), bs in jobs:
                 key = (*tag, bs, sparse, width)
@@ -360,13 +360,13 @@ class PagedDecoder:
             # a pool of their own: a capture that fails leaves its pool unusable (the decode
             # graphs' next capture into it tripped an allocator assert, so everything ran eagerly)
             self._capture_keys([(((), self._body), v, bs) for bs in sorted(set(sizes), reverse=True)
-                                for v in self._variants()], pool="_prompt_pool")
+                                for v in self._variants()], pool="prompt")
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             log.warning("prompt-step graphs of %s rows failed, prompt steps run eagerly: %s", sizes,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self._graphs = {k: g for k, g in self._graphs.items() if k[-3] <= self.max_rows}
             self.prompt_buckets = []     # the runner sends no more prompt steps
-            self._prompt_pool = None
+            self._pools.pop("prompt", None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
