@@ -335,7 +335,8 @@ class Runner(SpeculativeSteps):
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         eager_spec = []       # sequences whose prompt chunk took the eager forward: the head catches up
         try:
-            if self._fits_decoder(items, all_logits):
+            self.last_path = self._step_path(items, all_logits)
+            if self.last_path != "eager":
                 spec = [(s if seq.spec is not None else None, len(t)) for s, seq, t, _ in items]
                 logits, hn = self._decode(items, slots, spec=spec)
                 rows = hn.split([len(t) for _, _, t, _ in items])
@@ -344,14 +345,11 @@ class Runner(SpeculativeSteps):
                         seq.spec.extend(states.clone(), t)
                 # a view of the step's static output: copy the rows asked for (a prompt step's
                 # are each sequence's last row already)
-                prompt = sum(len(t) for _, _, t, _ in items) > self.paged.decoder.max_rows
-                self.last_path = "prompt" if prompt else "decode"
-                if all_logits or prompt:
+                if all_logits or self.last_path == "prompt":
                     logits = logits.clone()
                 else:
                     logits = logits[torch.tensor(_last_rows(items), device=logits.device)]
             else:
-                self.last_path = "eager"
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
                 spec_ids = [s if seq.spec is not None else None for s, seq, _, _ in items]
                 self._send(("pstep", wire, all_logits, spec_ids))
@@ -389,24 +387,25 @@ class Runner(SpeculativeSteps):
             raise CacheFullError(f"KV cache full: {sum(n for _, n in appends)} new tokens do not fit in "
                                  f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
 
-    def _fits_decoder(self, items: list, all_logits: bool = False) -> bool:
-        """Whether a step's rows (every new token is one) fit the fixed-shape decode step: then a
-        short prompt, a prefix hit's recomputed tail or a verify replays a graph, not an eager
-        forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200). Past the decode
-        buckets, a prompt step (``prompt_rows``) takes them where it wants the last rows' logits
-        only and its sequences of several rows read at most PROMPT_GRAPH_READS context tokens
-        (decoding rows beside them may sit at any context, DSA selecting for them)."""
+    def _step_path(self, items: list, all_logits: bool = False) -> str:
+        """How a step runs: "decode" where its rows (every new token is one) fit the fixed-shape
+        decode step, so a short prompt, a prefix hit's recomputed tail or a verify replays a graph,
+        not an eager forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200);
+        "prompt" past the decode buckets, for a step (``prompt_rows``) that wants the last rows'
+        logits only and whose sequences of several rows read at most PROMPT_GRAPH_READS context
+        tokens (decoding rows beside them may sit at any context, DSA selecting for them); else
+        "eager"."""
         d = self.paged.decoder
         if d is None:
-            return False
+            return "eager"
         n = sum(len(t or [0]) for _, _, t, _ in items)
         if n <= d.max_rows:
             # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
-            return self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items)
+            return "decode" if self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items) else "eager"
         if all_logits or not d.prompt_buckets or n > d.prompt_buckets[-1]:
-            return False
-        return sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1) \
-            <= PROMPT_GRAPH_READS
+            return "eager"
+        reads = sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1)
+        return "prompt" if reads <= PROMPT_GRAPH_READS else "eager"
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
         """The decode step's rows: each new token of each sequence at its position and slot,

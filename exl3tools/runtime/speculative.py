@@ -141,7 +141,7 @@ class SpeculativeSteps:
         slots = [self.blocks.reserve(s, len(t)) for s, _, t, _ in items]
         wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
         try:
-            if self._fits_decoder(items, all_logits=True):     # [last] + drafts of every row: one graph replay
+            if self._step_path(items, all_logits=True) == "decode":     # [last] + drafts of every row: one replay
                 args = self._decode_args(items, slots)
                 self._send(("pverify", wire, [s for s, *_ in items], args))
                 logits, hn = self.paged.decode(*args, states=True)
