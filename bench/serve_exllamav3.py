@@ -90,9 +90,9 @@ def run_exllamav3_side(a, report: dict, baseline_mib, save) -> dict:
                 if r.get("stage") != "streaming" or r.get("identifier") not in ids:
                     continue
                 t = r.get("token_ids")
-                k = int(t.numel()) if t is not None else 0
-                if k:
-                    streams[ids[r["identifier"]]].events.append((now, k))
+                got = int(t.numel()) if t is not None else 0
+                if got:
+                    streams[ids[r["identifier"]]].events.append((now, got))
             its += 1
             if time.monotonic() > deadline or its > max_its:
                 raise BenchError(f"exllamav3: {gen.num_remaining_jobs()} job(s) not done after "

@@ -224,6 +224,11 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     # the join phase: the new jobs are enqueued once each running one has its tokens
     a = gs.parse_args([str(small), "--device", "cuda", "--tokens", "24", *TINY[2:], "--join", "2:64:3"])
     assert sx.exllamav3_cache_tokens(a) == sm.round_pages(max(2 * (128 + 24), 2 * (64 + 24) + 3 * (32 + 24)))
+    seen = {}
+    real = sm.join_stats
+    monkeypatch.setattr(sm, "join_stats", lambda base, new: seen.update(base=base, new=new) or real(base, new))
     j = sx.run_exllamav3_side(a, {"notes": [], "exllamav3": None}, None, lambda: None)["results"]["join"]
     assert (j["base"], j["joiners"]) == (2, 3) and j["joiner_ttft_ms_max"] > 0
+    sent = min(s.t_send for s in seen["new"])          # after each running job had JOIN_AFTER_TOKENS tokens
+    assert all(sum(k for t, k in s.events if t <= sent) >= sm.JOIN_AFTER_TOKENS for s in seen["base"])
     assert any("max_memory_allocated 2.00 GB" in n for n in report["notes"])
