@@ -75,7 +75,7 @@ from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
 from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
-from serve_report import ctx_cases, summarize, tables  # noqa: E402
+from serve_report import burst_line, burst_schedule, ctx_cases, summarize, tables  # noqa: E402
 
 DEFAULT_CONFIG = "ml32k:--max-context 32768"
 RESERVED_ARGS = ("--port", "--host", "--device")
@@ -425,36 +425,14 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         loop.close()
 
 
-def burst_steps(srv: Server, t0: float, keep: int = 12) -> list[dict] | None:
-    """The server's steps from ``t0`` (time.monotonic()) until the last one that admitted a
-    sequence (at most ``keep``), times in ms from ``t0``: how a burst of prompts was scheduled."""
+def burst_steps(srv: Server, t0: float) -> list[dict] | None:
+    """The server's schedule of a burst sent at ``t0`` (serve_report.burst_schedule), from
+    GET /v1/engine/steps; None without it."""
     try:
         r = srv.get("/v1/engine/steps")
-        steps = r.json()["steps"] if r.status_code == 200 else None
+        return burst_schedule(r.json()["steps"], t0) if r.status_code == 200 else None
     except Exception:  # noqa: BLE001 - an optional endpoint
         return None
-    if steps is None:
-        return None
-    steps = [s for s in steps if s["t"] >= t0]
-    last = max((i for i, s in enumerate(steps) if s.get("admitted")), default=-1)
-    out = []
-    for s in steps[:min(last + 2, keep)]:
-        d = {k: s.get(k) for k in ("path", "seqs", "rows", "prefill", "ms")}
-        d["at_ms"] = round((s["t"] - t0) * 1e3, 2)
-        d["admitted"] = [[round((a - t0) * 1e3, 2) for a in pair] for pair in s.get("admitted", [])]
-        out.append(d)
-    return out
-
-
-def burst_line(steps: list[dict]) -> str:
-    """``at+ms path rows(prefill)`` per step, with the received..queued ms of the sequences it admitted."""
-    parts = []
-    for s in steps:
-        adm = s["admitted"]
-        extra = f" adm {len(adm)} recv {min(a for a, _ in adm):.0f}-{max(a for a, _ in adm):.0f} " \
-                f"queued {min(q for _, q in adm):.0f}-{max(q for _, q in adm):.0f}" if adm else ""
-        parts.append(f"{s['at_ms']:.0f}+{s['ms'] or 0:.1f} {s['path']} {s['rows']}({s['prefill']}){extra}")
-    return "; ".join(parts)
 
 
 def _engine_stats(srv: Server) -> dict | None:

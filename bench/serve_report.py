@@ -1,5 +1,6 @@
 """The tables bench/gpu_serve.py prints last: one row per served config plus exllamav3, then
-ours / exllamav3 per column, from each measurement's summary."""
+ours / exllamav3 per column, from each measurement's summary; and the schedule of a burst of
+requests from the server's step trace (GET /v1/engine/steps)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,29 @@ def tables(a, named: list[tuple[str, dict | None]], ref: dict | None) -> str:
         ratio_rows.append([name] + cells)
     return (md_table(head, rows) + "\n\nours / exllamav3 (tok/s: > 1 is faster; ms and memory: < 1 is less)\n\n"
             + md_table(head, ratio_rows))
+
+
+def burst_schedule(steps: list[dict], t0: float, keep: int = 12) -> list[dict]:
+    """The server's steps from ``t0`` (time.monotonic()) until the last one that admitted a
+    sequence, and one more (at most ``keep``), times in ms from ``t0``: how a burst of prompts was
+    scheduled."""
+    steps = [s for s in steps if s["t"] >= t0]
+    last = max((i for i, s in enumerate(steps) if s.get("admitted")), default=-1)
+    out = []
+    for s in steps[:min(last + 2, keep)]:
+        d = {k: s.get(k) for k in ("path", "seqs", "rows", "prefill", "ms")}
+        d["at_ms"] = round((s["t"] - t0) * 1e3, 2)
+        d["admitted"] = [[round((a - t0) * 1e3, 2) for a in pair] for pair in s.get("admitted", [])]
+        out.append(d)
+    return out
+
+
+def burst_line(steps: list[dict]) -> str:
+    """``at+ms path rows(prefill)`` per step, with the received..queued ms of the sequences it admitted."""
+    parts = []
+    for s in steps:
+        adm = s["admitted"]
+        extra = f" adm {len(adm)} recv {min(a for a, _ in adm):.0f}-{max(a for a, _ in adm):.0f} " \
+                f"queued {min(q for _, q in adm):.0f}-{max(q for _, q in adm):.0f}" if adm else ""
+        parts.append(f"{s['at_ms']:.0f}+{s['ms'] or 0:.1f} {s['path']} {s['rows']}({s['prefill']}){extra}")
+    return "; ".join(parts)
