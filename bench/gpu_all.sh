@@ -136,7 +136,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
-      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv dsa_prefill dsa_sparse flash_pad prompt_steps mla_rows widths mtp_paged"
+      # MLA_VARIANTS: which of "eager graphs fp16 fma gemv dsa_prefill dsa_sparse flash_pad prompt_steps mla_rows tile widths mtp_paged"
       # serve beside the MTP configs
       # (fp16: --kv-cache-dtype fp16, what auto picks for MLA on CUDA; widths: at --max-model-len
       # 131072, with and without the sparse graphs per table width; fma: the indexer's scores on the
@@ -145,7 +145,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       # EXL3TOOLS_DSA_SPARSE_PREFILL=1 preview (prompt rows over their selected keys); flash_pad: its opt-out
       # EXL3TOOLS_MLA_FLASH_PAD=0 (DeepSeek-V3's prompt attention off flash); prompt_steps: the
       # EXL3TOOLS_PROMPT_GRAPHS=1 preview (short prompts beside decoding rows in graphs); mla_rows: the
-      # EXL3TOOLS_MLA_EAGER_ROWS=1 preview (an eager step's decode rows through the decode kernels); mtp_paged: each MTP config again
+      # EXL3TOOLS_MLA_EAGER_ROWS=1 preview (an eager step's decode rows through the decode kernels); tile: the
+      # MLA decode kernel's tiles EXL3TOOLS_MLA_TILE=$MLA_TILE (HB,TN,WARPS; default 32,32,8); mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
       [[ $V == *eager* ]] && CFG+=(--config "${arch}_eager:--no-cuda-graphs --max-model-len 32768")
@@ -158,6 +159,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_no_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=0 --max-model-len 32768")
       [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=1 --max-model-len 32768")
       [[ $V == *mla_rows* ]] && CFG+=(--config "${arch}_mla_rows:EXL3TOOLS_MLA_EAGER_ROWS=1 --max-model-len 32768")
+      T=${MLA_TILE:-32,32,8}
+      [[ $V == *tile* ]] && CFG+=(--config "${arch}_tile_${T//,/x}:EXL3TOOLS_MLA_TILE=$T --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
       if [[ $arch == glm5* ]]; then for k in ${MLA_SPEC-1 2 3}; do

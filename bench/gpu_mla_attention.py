@@ -1,6 +1,6 @@
 """Paged MLA decode attention (kernels/mla_attention.py) on the GPU: µs, latent GB/s and HBM-roofline share.
 
-    python3 bench/gpu_mla_attention.py [--quick] [--heads 64] [--sweep H,B,CTX] [--json OUT.json]
+    python3 bench/gpu_mla_attention.py [--quick] [--heads 64] [--sweep "H,B,CTX[;H,B,CTX]" [--sweep-kinds fp16,fp16_dsa] [--sweep-only]] [--json OUT.json]
 
 GLM-5 / DeepSeek-V3 shapes: H absorbed heads (64 GLM-5, 128 DeepSeek-V3), latent C 512, rope 64,
 fp32 latent planes (MLAttention.cache_spec), block size 64, batch 1/8/32, every row at one context
@@ -102,7 +102,11 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
     return row
 
 
-def sweep(H: int, B: int, ctx: int) -> list[dict]:
+SWEEP_KINDS = {"fp32": ("fp32", "ieee", False), "tf32x3": ("fp32", "tf32x3", False),
+               "fp16": ("fp16", "ieee", False), "fp16_dsa": ("fp16", "ieee", True)}
+
+
+def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None) -> list[dict]:
     """Tile configurations at one shape (µs; a failing compile is reported): fp32 planes in both
     precisions, and fp16 planes (serve's default for MLA on CUDA: tensor-core dots), dense and with
     a 2048-key DSA selection. fp16 candidates that compile for sm_90 without spills
@@ -115,7 +119,8 @@ def sweep(H: int, B: int, ctx: int) -> list[dict]:
     ckv16, kpe16 = ckv.half(), kpe.half()
     out = torch.empty_like(q_lat)
     rows = []
-    kinds = [("fp32", "ieee", None), ("fp32", "tf32x3", None), ("fp16", "ieee", None), ("fp16", "ieee", sel)]
+    kinds = [(planes, prec, sel if dsa else None) for name, (planes, prec, dsa) in SWEEP_KINDS.items()
+             if kinds_wanted is None or name in kinds_wanted]
     for planes, prec, s in kinds:
         c, k = (ckv16, kpe16) if planes == "fp16" else (ckv, kpe)
         for hb in (16, 32, 64):
@@ -146,8 +151,19 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", default=None, metavar="H,B,CTX",
                     help="also time head block / tile / warps variants at this shape (e.g. 64,8,16384)")
+    ap.add_argument("--sweep-kinds", default=",".join(SWEEP_KINDS), help="which planes the sweep times: "
+                    + ", ".join(SWEEP_KINDS) + " (fp16: serve's default planes on CUDA)")
+    ap.add_argument("--sweep-only", action="store_true", help="the sweep alone, not the table")
     a = ap.parse_args()
-    swept = sweep(*(int(v) for v in a.sweep.split(","))) if a.sweep else []
+    swept = []
+    for shape in (a.sweep or "").split(";"):   # several shapes: "128,1,32768;64,1,32768"
+        if shape:
+            swept += sweep(*(int(v) for v in shape.split(",")), kinds_wanted=a.sweep_kinds.split(","))
+    if a.sweep_only:
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"configs": [], "sweep": swept}, fh, indent=1)
+        return 0
     ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
     rows = []
     print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | dsa fp16 µs | indexer µs | indexer triton top-k µs | chunked top-k µs | "

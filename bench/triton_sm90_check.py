@@ -104,11 +104,16 @@ def mla() -> None:
                                       torch.zeros(16, bs, R, dtype=dt), torch.zeros(B, W, dtype=torch.int32),
                                       torch.ones(B, dtype=torch.int32), 0.1, sel=sel, num_splits=splits,
                                       precision=prec)
-        if H >= 32:      # DSA prompt rows on fp16 planes (MLAttention.attend_selected): 32 heads x 32 keys
-            ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R), torch.zeros(16, bs, C, dtype=torch.float16),
-                          torch.zeros(16, bs, R, dtype=torch.float16), torch.zeros(B, W, dtype=torch.int32),
-                          torch.ones(B, dtype=torch.int32), 0.1, sel=torch.zeros(B, 2048, dtype=torch.int32),
-                          num_splits=1, head_block=32, tile_n=32, num_warps=8)
+        if H >= 32:      # fp16 planes at other tiles: DSA prompt rows (attend_selected: 32 x 32) and the
+            # EXL3TOOLS_MLA_TILE candidates bench/gpu_mla_attention.py --sweep times
+            for hb, tn in ((32, 32), (32, 16), (16, 32), (16, 64)):
+                for splits in (1, 8):
+                    for K in (None, 2048):
+                        ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R),
+                                      torch.zeros(16, bs, C, dtype=torch.float16), torch.zeros(16, bs, R, dtype=torch.float16),
+                                      torch.zeros(B, W, dtype=torch.int32), torch.ones(B, dtype=torch.int32), 0.1,
+                                      sel=None if K is None else torch.zeros(B, K, dtype=torch.int32),
+                                      num_splits=splits, head_block=hb, tile_n=tn, num_warps=8)
 
 
 def dsa() -> None:

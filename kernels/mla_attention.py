@@ -35,6 +35,8 @@ import os
 
 import torch
 
+from exl3tools.errors import UsageError
+
 try:
     import triton
     import triton.language as tl
@@ -48,6 +50,24 @@ MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
 PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype (dsa_indexer's too)
+
+
+def _tile_override(value: str | None) -> tuple[int, int, int] | None:
+    """EXL3TOOLS_MLA_TILE="HB,TN,WARPS": the decode kernel's tiles for every call that does not pass
+    its own (a diagnostic: bench/gpu_all.sh serves it beside the default to time a sweep's winner
+    end to end). Unset: default_config."""
+    if not value:
+        return None
+    try:
+        hb, tn, warps = (int(v) for v in value.split(","))
+    except ValueError:
+        raise UsageError(f"EXL3TOOLS_MLA_TILE={value!r}: expected HB,TN,WARPS, e.g. 32,32,8") from None
+    if any(v <= 0 or v & (v - 1) for v in (hb, tn, warps)) or hb < 16 or tn < 16:
+        raise UsageError(f"EXL3TOOLS_MLA_TILE={value!r}: HB and TN powers of two >= 16, WARPS a power of two")
+    return hb, tn, warps
+
+
+TILE = _tile_override(os.environ.get("EXL3TOOLS_MLA_TILE"))
 
 
 if triton is not None:
@@ -240,7 +260,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     prec = precision or PRECISION
     if INTERPRET:
         prec = "ieee"
-    hb, tn, warps = default_config(H, prec)
+    hb, tn, warps = TILE or default_config(H, prec)
     hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
     hchunks = math.ceil(H / hb)
     entries = sel.shape[1] if sel is not None else block_tables.shape[1] * ckv.shape[1]

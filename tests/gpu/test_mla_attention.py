@@ -166,6 +166,24 @@ def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config):
     assert err < 1e-3, (config, err)
 
 
+@pytest.mark.parametrize("value,want", [(None, None), ("", None), ("32,32,8", (32, 32, 8)), ("16,64,4", (16, 64, 4)),
+                                        ("32,32", "HB,TN,WARPS"), ("a,b,c", "HB,TN,WARPS"), ("8,32,8", "powers of two"),
+                                        ("32,24,8", "powers of two"), ("32,32,0", "powers of two")])
+def test_mla_tile_override_parses_or_refuses_in_one_line(value, want):
+    """EXL3TOOLS_MLA_TILE (the serve benchmark's way to time a sweep's winner): HB,TN,WARPS, or a
+    UsageError (one line, exit 2) naming the variable."""
+    from exl3tools.kernels.mla_attention import _tile_override
+
+    from exl3tools.errors import UsageError
+
+    if want is None or isinstance(want, tuple):
+        assert _tile_override(value) == want
+        return
+    with pytest.raises(UsageError, match=want) as e:
+        _tile_override(value)
+    assert "EXL3TOOLS_MLA_TILE" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
                                                                         if FULL else []))
 def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
