@@ -123,7 +123,7 @@ def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None) -> li
              if kinds_wanted is None or name in kinds_wanted]
     for planes, prec, s in kinds:
         c, k = (ckv16, kpe16) if planes == "fp16" else (ckv, kpe)
-        for hb in (16, 32, 64):
+        for hb in ((16, 32) if planes == "fp16" else (16, 32, 64)):   # fp16: HB 64 spills
             for tn in (16, 32, 64):
                 for warps in (4, 8):
                     kw = dict(precision=prec, head_block=hb, tile_n=tn, num_warps=warps, out=out, sel=s)
