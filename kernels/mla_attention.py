@@ -221,11 +221,17 @@ def _new_out(q_lat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def default_config(H: int, precision: str) -> tuple[int, int, int]:
-    """(HB heads per program, TN entries per tile, num_warps). fp32 FMA dots: small tiles keep the
-    (HB, C) accumulator, the query and the latent tile in registers. tf32x3 keeps 16 heads too:
+def default_config(H: int, precision: str, planes: torch.dtype = torch.float32) -> tuple[int, int, int]:
+    """(HB heads per program, TN entries per tile, num_warps). fp16 planes (serve's default for MLA
+    on CUDA): 32 heads x 64 keys at 8 warps, whose (HB, TN) score tile gives each warp its own
+    tensor-core tile (at 16 x 16 most of the 8 warps had none): on the H200 (2026-12-02,
+    bench/gpu_mla_attention.py --sweep, 128 heads) 222 -> 100 us at batch 1 and a 32k context,
+    825 -> 315 us at batch 32 and 4k; fewer heads than 32 take 16. fp32 FMA dots: small tiles keep
+    the (HB, C) accumulator, the query and the latent tile in registers. tf32x3 keeps 16 heads too:
     sm_90 builds of HB 64 x TN 32 need 488 KiB of shared memory (limit 227 KiB) and, with a
     selection and splits, fail ptxas register allocation; HB 16 x TN 32 needs 144 KiB."""
+    if planes == torch.float16:
+        return (32 if H > 16 else 16), 64, 8
     if precision == "ieee":
         return 16, 16, 8
     return 16, 32, 8
@@ -260,7 +266,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     prec = precision or PRECISION
     if INTERPRET:
         prec = "ieee"
-    hb, tn, warps = TILE or default_config(H, prec)
+    hb, tn, warps = TILE or default_config(H, prec, ckv.dtype)
     hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
     hchunks = math.ceil(H / hb)
     entries = sel.shape[1] if sel is not None else block_tables.shape[1] * ckv.shape[1]

@@ -30,15 +30,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 75 ms on the H200 (2026-12-02). Its GPU test (bit-equal to tile kernel + had_out) passed on
     # the H200 (2026-12-02 night, tests/gpu with it on); not yet timed
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
-    # steps of more rows than the decode buckets (short prompts beside decoding rows, up to
-    # PROMPT_GRAPH_ROWS) replay larger buckets of the fixed-shape step (runtime/paged_decode.py)
-    # instead of the eager forward, whose fixed cost stalls every running stream: on the H200
-    # (2026-12-02, /v1/engine/steps) a GLM-5-shape eager step of 70-528 rows took 84-99 ms, a
-    # GLM-4.5-Air one of 129-869 rows 33-86 ms. Its GPU tests pass (the dense variant); served on
-    # the GLM-4.5-Air shape the burst's steps took 9-29 ms each as prompt graphs, 8 streams' TTFT
-    # median 49 ms (62-157 eager), aggregates unchanged (2279 / 4007 tok/s at 8 / 32 streams). The
-    # GLM-5 shape and DSA's sparse prompt graphs have not run on a GPU yet
-    "prompt_graphs": "EXL3TOOLS_PROMPT_GRAPHS",
     # MLA models' eager steps (a prompt chunk beside decoding sequences): the decode and verify
     # rows attend in one pass of the decode step's kernels (MLAttention.attend_rows) instead of
     # one history gather and four einsums per sequence and layer (~48 torch calls each: 32
@@ -75,6 +66,13 @@ OPT_OUTS = {
     # 2026-12-02 H200, DeepSeek-V3 shape: a 30000-token prompt through serve 3.59 -> 3.13 s
     # (exllamav3 2.46 s in the same run)
     "mla_flash_pad": "EXL3TOOLS_MLA_FLASH_PAD",
+    # steps of more rows than the decode buckets (short prompts beside decoding rows, up to
+    # PROMPT_GRAPH_ROWS) replay larger buckets of the fixed-shape step (runtime/paged_decode.py)
+    # instead of the eager forward, whose fixed cost stalls every running stream; on CUDA only (the
+    # CPU's static step keeps the eager forward unless "1"). 2026-12-02 H200, GLM-4.5-Air shape: 8
+    # short prompts joining 8 streams at a 4096 context: the streams' longest gap 58 -> 18 ms,
+    # the prompts' TTFT 143 -> 51 ms; 8 streams 2120 -> 2304 tok/s (exllamav3 1316)
+    "prompt_graphs": "EXL3TOOLS_PROMPT_GRAPHS",
 }
 
 

@@ -121,8 +121,9 @@ class Runner(SpeculativeSteps):
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
         dtype = kv_dtype_for(kv_dtype, dev, mla=has_mla(model))
         self._row_steps = preview.switched_on("row_steps")
-        if prompt_rows is None:     # the prompt_graphs preview (runtime/preview.py): off unless asked for
-            on = self._row_steps and preview.switched_on("prompt_graphs")
+        if prompt_rows is None:     # prompt graphs (runtime/preview.py): on CUDA unless "0", elsewhere if "1"
+            on = self._row_steps and (preview.switched_on("prompt_graphs") if dev.type == "cuda"
+                                      else preview.asked_for("prompt_graphs"))
             prompt_rows = min(PROMPT_GRAPH_ROWS, int(max_num_batched_tokens) + self.max_num_seqs) if on else 0
         specs = layer_specs(model)
         per_token = bytes_per_token(specs, dtype)

@@ -148,20 +148,21 @@ def test_mla_decode_reads_16_bit_planes(dev, case, dtype):
         assert err < tol, (fn.__name__, case, dtype, err)
 
 
-@pytest.mark.parametrize("config", [(32, 32, 8), (16, 16, 8)])
-def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config):
+@pytest.mark.parametrize("dsa", [True, False], ids=["dsa", "dense"])
+@pytest.mark.parametrize("config", [(32, 32, 8), (16, 16, 8), (32, 64, 8), (32, 32, 4)])
+def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config, dsa):
     """Other (heads, keys, warps) per program than the default, as MLAttention.attend_selected runs
-    DSA prompt rows (32 x 32 x 8 on fp16 planes), against the float64 oracle: a DSA case with two
-    head chunks."""
+    DSA prompt rows (32 x 32 x 8 on fp16 planes) and EXL3TOOLS_MLA_TILE picks them, against the
+    float64 oracle: a DSA case and a dense one (several splits) with two head chunks."""
     from exl3tools.kernels.mla_attention import mla_decode
 
-    B, H, C, R, bs, kind, K, _, _ = CASES[-2]
+    B, H, C, R, bs, kind, K, _, _ = CASES[-2] if dsa else CASES[1]
     H = max(H, 40)                                 # two chunks of 32 heads, the second partial
     t, lens = _case(B, H, C, R, bs, kind, K, dev)
     t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
     scale = (C // 4 + R) ** -0.5
     hb, tn, w = config
-    err = (mla_decode(**t, scale=scale, num_splits=1, head_block=hb, tile_n=tn, num_warps=w).cpu().double()
+    err = (mla_decode(**t, scale=scale, num_splits=1 if dsa else 3, head_block=hb, tile_n=tn, num_warps=w).cpu().double()
            - _oracle(t, lens, scale)).abs().max().item()
     assert err < 1e-3, (config, err)
 
