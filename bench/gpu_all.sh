@@ -143,8 +143,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); gemv: MoE prefill tiles on the gemv kernel
       # (EXL3TOOLS_PREFILL_TILES=0); dsa_prefill: the EXL3TOOLS_DSA_PREFILL_KERNELS=1 preview; dsa_sparse: the
       # EXL3TOOLS_DSA_SPARSE_PREFILL=1 preview (prompt rows over their selected keys); flash_pad: its opt-out
-      # EXL3TOOLS_MLA_FLASH_PAD=0 (DeepSeek-V3's prompt attention off flash); prompt_steps: the
-      # EXL3TOOLS_PROMPT_GRAPHS=1 preview (short prompts beside decoding rows in graphs); mla_rows: the
+      # EXL3TOOLS_MLA_FLASH_PAD=0 (DeepSeek-V3's prompt attention off flash); prompt_steps: its opt-out
+      # EXL3TOOLS_PROMPT_GRAPHS=0 (short prompts beside decoding rows through the eager forward); mla_rows: the
       # EXL3TOOLS_MLA_EAGER_ROWS=1 preview (an eager step's decode rows through the decode kernels); tile: the
       # MLA decode kernel's tiles EXL3TOOLS_MLA_TILE=$MLA_TILE (HB,TN,WARPS; default 32,32,8); mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
@@ -157,7 +157,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_prefill:EXL3TOOLS_DSA_PREFILL_KERNELS=1 --max-model-len 32768")
       [[ $V == *dsa_sparse* ]] && CFG+=(--config "${arch}_dsa_sparse:EXL3TOOLS_DSA_SPARSE_PREFILL=1 --max-model-len 32768")
       [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_no_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=0 --max-model-len 32768")
-      [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=1 --max-model-len 32768")
+      [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_no_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=0 --max-model-len 32768")
       [[ $V == *mla_rows* ]] && CFG+=(--config "${arch}_mla_rows:EXL3TOOLS_MLA_EAGER_ROWS=1 --max-model-len 32768")
       T=${MLA_TILE:-32,32,8}
       [[ $V == *tile* ]] && CFG+=(--config "${arch}_tile_${T//,/x}:EXL3TOOLS_MLA_TILE=$T --max-model-len 32768")
