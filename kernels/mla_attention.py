@@ -222,19 +222,31 @@ def _new_out(q_lat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def default_config(H: int, precision: str, planes: torch.dtype = torch.float32) -> tuple[int, int, int]:
-    """(HB heads per program, TN entries per tile, num_warps). fp16 planes (serve's default for MLA
-    on CUDA): 32 heads x 64 keys at 8 warps, whose (HB, TN) score tile gives each warp its own
-    tensor-core tile (at 16 x 16 most of the 8 warps had none): on the H200 (2026-12-02,
-    bench/gpu_mla_attention.py --sweep, 128 heads) 222 -> 100 us at batch 1 and a 32k context,
-    825 -> 315 us at batch 32 and 4k; fewer heads than 32 take 16. fp32 FMA dots: small tiles keep
-    the (HB, C) accumulator, the query and the latent tile in registers. tf32x3 keeps 16 heads too:
+    """(HB heads per program, TN entries per tile, num_warps). fp32 FMA dots: small tiles keep the
+    (HB, C) accumulator, the query and the latent tile in registers. tf32x3 keeps 16 heads too:
     sm_90 builds of HB 64 x TN 32 need 488 KiB of shared memory (limit 227 KiB) and, with a
-    selection and splits, fail ptxas register allocation; HB 16 x TN 32 needs 144 KiB."""
-    if planes == torch.float16:
+    selection and splits, fail ptxas register allocation; HB 16 x TN 32 needs 144 KiB.
+
+    fp16 planes under the EXL3TOOLS_MLA_WIDE_TILES=1 preview (runtime/preview.py): 32 heads x 64
+    keys at 8 warps (16 heads below 32), whose (HB, TN) score tile gives each warp a tensor-core
+    tile of its own (at 16 x 16 most of the 8 warps have none). H200, 2026-12-02: the kernel at 128
+    heads 222 -> 100 us at batch 1 and a 32k context, 825 -> 315 us at batch 32 and 4k
+    (bench/gpu_mla_attention.py --sweep); the DeepSeek-V3 shape served one stream at a 30000-token
+    context at 298 tok/s against 251. Not the default: on the H200 the DeepSeek-V3 fixture (2
+    heads: 16 x 64) gave wrong logits for the rows of one sequence's prompt in a decode graph
+    (7.4e-2 against 1.3e-4 on the interpreter; 16 x 16 passes), not yet understood
+    (tests/gpu/test_mla_attention.py's rows-of-one-sequence test is the probe)."""
+    if planes == torch.float16 and _wide_tiles():
         return (32 if H > 16 else 16), 64, 8
     if precision == "ieee":
         return 16, 16, 8
     return 16, 32, 8
+
+
+def _wide_tiles() -> bool:
+    from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
+
+    return preview.switched_on("mla_wide_tiles")
 
 
 def default_num_splits(B: int, hchunks: int, entries: int, tn: int, cuda: bool, device_index: int = 0) -> int:

@@ -167,6 +167,50 @@ def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config, dsa):
     assert err < 1e-3, (config, err)
 
 
+@pytest.mark.parametrize("H", [2, 64] if FULL else [2])
+@pytest.mark.parametrize("config", [(16, 16, 8), (16, 64, 8), (32, 64, 8), (32, 32, 4)] if FULL else [(16, 16, 8), (16, 64, 8)])
+def test_mla_decode_rows_of_one_sequence(dev, config, H):
+    """The rows of one sequence's prompt in a decode graph (row steps, prompt graphs): 20 rows
+    sharing one block-table row of a 4096-token-wide table, row i seeing i + 1 keys, 4 padding rows
+    (no keys), fp16 planes, 11 splits (what a 24-row bucket takes on the H200). The shape on which
+    the DeepSeek-V3 fixture's prompt rows came out wrong on the H200 at 16 x 64 tiles (2 heads,
+    2026-12-02) while the interpreter agreed with the oracle."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    gen = torch.Generator().manual_seed(3)
+    n, pad, bs, width = 20, 4, 16, 256
+    C, R = (512, 64) if FULL else (64, 16)
+    nblocks = 8
+    ckv = torch.randn(nblocks, bs, C, generator=gen).half()
+    kpe = torch.randn(nblocks, bs, R, generator=gen).half()
+    row = torch.zeros(width, dtype=torch.int32)         # unused entries: block 0, real data never to be read
+    row[:2] = torch.tensor([5, 2], dtype=torch.int32)
+    tables = row.expand(n + pad, -1).clone()
+    lens = list(range(1, n + 1)) + [0] * pad
+    t = dict(q_lat=torch.randn(n + pad, H, C, generator=gen) * 0.05, q_pe=torch.randn(n + pad, H, R, generator=gen) * 0.05,
+             ckv=ckv, kpe=kpe, block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32), sel=None)
+    t = {k: (v.to(dev) if v is not None else None) for k, v in t.items()}
+    scale = (C // 4 + R) ** -0.5
+    hb, tn, w = config
+    want = _oracle(t, lens, scale)
+    got = mla_decode(**t, scale=scale, num_splits=11, head_block=hb, tile_n=tn, num_warps=w).cpu().double()
+    err = (got - want).abs().max().item()
+    assert err < 1e-3, (config, H, err)
+
+
+def test_wide_tiles_preview_picks_the_fp16_tiles(monkeypatch):
+    """EXL3TOOLS_MLA_WIDE_TILES=1: fp16 planes at 32 (or 16) heads x 64 keys x 8 warps; unset, and
+    on fp32 planes always, the 16 x 16 x 8 tiles every GPU test has passed with."""
+    from exl3tools.kernels.mla_attention import default_config
+
+    monkeypatch.delenv("EXL3TOOLS_MLA_WIDE_TILES", raising=False)
+    assert default_config(128, "ieee", torch.float16) == default_config(128, "ieee") == (16, 16, 8)
+    monkeypatch.setenv("EXL3TOOLS_MLA_WIDE_TILES", "1")
+    assert default_config(128, "ieee", torch.float16) == (32, 64, 8)
+    assert default_config(2, "ieee", torch.float16) == (16, 64, 8)
+    assert default_config(128, "ieee", torch.float32) == (16, 16, 8)
+
+
 @pytest.mark.parametrize("value,want", [(None, None), ("", None), ("32,32,8", (32, 32, 8)), ("16,64,4", (16, 64, 4)),
                                         ("32,32", "HB,TN,WARPS"), ("a,b,c", "HB,TN,WARPS"), ("8,32,8", "powers of two"),
                                         ("32,24,8", "powers of two"), ("32,32,0", "powers of two")])
