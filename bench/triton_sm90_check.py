@@ -114,6 +114,10 @@ def mla() -> None:
                                       torch.zeros(B, W, dtype=torch.int32), torch.ones(B, dtype=torch.int32), 0.1,
                                       sel=None if K is None else torch.zeros(B, K, dtype=torch.int32),
                                       num_splits=splits, head_block=hb, tile_n=tn, num_warps=8)
+                ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R),      # the split-dots probe
+                              torch.zeros(16, bs, C, dtype=torch.float16), torch.zeros(16, bs, R, dtype=torch.float16),
+                              torch.zeros(B, W, dtype=torch.int32), torch.ones(B, dtype=torch.int32), 0.1,
+                              num_splits=splits, head_block=hb, tile_n=tn, num_warps=8, split_dots=True)
 
 
 def dsa() -> None:

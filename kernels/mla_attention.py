@@ -76,7 +76,8 @@ if triton is not None:
                           qk_scale, num_splits, H, C, R, K,
                           s_cb, s_ct, s_pb, s_pt, s_bt, s_sel,
                           CP: tl.constexpr, RP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
-                          TN: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr):
+                          TN: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
+                          SPLIT_DOTS: tl.constexpr = False):
         b = tl.program_id(0)
         hc = tl.program_id(1)
         sp = tl.program_id(2)
@@ -127,7 +128,10 @@ if triton is not None:
                 # flash attention does); widening the tiles instead spills on sm_90 (32 registers,
                 # ~5 KB a thread: bench/triton_sm90_check.py)
                 s = tl.dot(ql.to(tl.float16), tl.trans(kc))
-                s = tl.dot(qp.to(tl.float16), tl.trans(kp), s)
+                if SPLIT_DOTS:   # the rope dot in an accumulator of its own (a miscompile probe)
+                    s += tl.dot(qp.to(tl.float16), tl.trans(kp))
+                else:
+                    s = tl.dot(qp.to(tl.float16), tl.trans(kp), s)
             else:
                 kc = kc.to(tl.float32)      # bf16 planes are widened (fp32 planes: a no-op)
                 kp = kp.to(tl.float32)
@@ -264,9 +268,12 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                sel: torch.Tensor | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
                precision: str | None = None, head_block: int | None = None, tile_n: int | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, split_dots: bool = False) -> torch.Tensor:
     """Paged MLA decode (module doc): (B, H, C) float32 ``o_lat``, into ``out`` when given. No host
-    sync: capturable in a CUDA graph, replayable with new tables / lengths / selections."""
+    sync: capturable in a CUDA graph, replayable with new tables / lengths / selections.
+    ``split_dots``: on fp16 planes, the rope keys' dot into its own accumulator instead of chained
+    through the latent's (Triton has miscompiled two dots chained through one accumulator on other
+    targets, triton-lang/triton#10821; tests/gpu/test_mla_attention.py probes both)."""
     if triton is None:
         raise RuntimeError("mla_decode needs triton (mla_decode_reference does not)")
     _check(q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel)
@@ -298,7 +305,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
         sel.stride(0) if sel is not None else 0,
         CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
-        PREC=prec, DIRECT=direct, num_warps=warps, num_stages=2)
+        PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=2)
     if not direct:
         _mla_merge_kernel[(B * H,)](po, plse, out, splits, C, CP=max(16, _pow2(C)),
                                     SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)

@@ -167,14 +167,16 @@ def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config, dsa):
     assert err < 1e-3, (config, err)
 
 
+@pytest.mark.parametrize("split_dots", [False, True], ids=["chained", "split"])
 @pytest.mark.parametrize("H", [2, 64] if FULL else [2])
 @pytest.mark.parametrize("config", [(16, 16, 8), (16, 64, 8), (32, 64, 8), (32, 32, 4)] if FULL else [(16, 16, 8), (16, 64, 8)])
-def test_mla_decode_rows_of_one_sequence(dev, config, H):
+def test_mla_decode_rows_of_one_sequence(dev, config, H, split_dots):
     """The rows of one sequence's prompt in a decode graph (row steps, prompt graphs): 20 rows
     sharing one block-table row of a 4096-token-wide table, row i seeing i + 1 keys, 4 padding rows
     (no keys), fp16 planes, 11 splits (what a 24-row bucket takes on the H200). The shape on which
     the DeepSeek-V3 fixture's prompt rows came out wrong on the H200 at 16 x 64 tiles (2 heads,
-    2026-12-02) while the interpreter agreed with the oracle."""
+    2026-12-02) while the interpreter agreed with the oracle; with the rope dot chained through the
+    latent dot's accumulator (the kernel's way) and in one of its own (``split_dots``)."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     gen = torch.Generator().manual_seed(3)
@@ -193,9 +195,10 @@ def test_mla_decode_rows_of_one_sequence(dev, config, H):
     scale = (C // 4 + R) ** -0.5
     hb, tn, w = config
     want = _oracle(t, lens, scale)
-    got = mla_decode(**t, scale=scale, num_splits=11, head_block=hb, tile_n=tn, num_warps=w).cpu().double()
+    got = mla_decode(**t, scale=scale, num_splits=11, head_block=hb, tile_n=tn, num_warps=w,
+                     split_dots=split_dots).cpu().double()
     err = (got - want).abs().max().item()
-    assert err < 1e-3, (config, H, err)
+    assert err < 1e-3, (config, H, split_dots, err)
 
 
 def test_wide_tiles_preview_picks_the_fp16_tiles(monkeypatch):
