@@ -33,7 +33,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # MLA models' eager steps (a prompt chunk beside decoding sequences): the decode and verify
     # rows attend in one pass of the decode step's kernels (MLAttention.attend_rows) instead of
     # one history gather and four einsums per sequence and layer (~48 torch calls each: 32
-    # decoding sequences on a 78-layer GLM-5 make ~120k calls a step). Not yet run on a GPU
+    # decoding sequences on a 78-layer GLM-5 make ~120k calls a step). Served on the H200
+    # (2026-12-02 evening, GLM-5 shape, prompt graphs off): 8 streams 962 -> 1213 tok/s, 8 short
+    # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
+    # glm5 GPU test failed (2.66e-2) in a run with the wide tiles on, not run since
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
     # the MLA decode kernel on fp16 planes at 32 heads x 64 keys x 8 warps instead of 16 x 16 x 8
     # (kernels/mla_attention.default_config): 2.2-2.6x faster on the H200, but a 2-head fixture's
