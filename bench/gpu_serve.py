@@ -13,7 +13,8 @@ before the next one. Every request is a streamed completion of token-id prompts 
 ``ignore_eos`` (so it yields exactly ``max_tokens`` tokens) and ``return_token_ids`` (one chunk per
 token event, counted from the ids and checked against the usage chunk); prompts are
 ``gpu_e2e_model.make_prompts`` (BOS then random valid ids, fixed seeds, distinct per stream and phase).
-Before timing (unless ``--no-warmup``): 8-token completions at every batch size used, one long prefill.
+Before timing (unless ``--no-warmup``): 8-token completions at every batch size used, one long prefill,
+one prompt at each ``--ctx`` length and, with ``--join``, one join (one stream at CTX, one short prompt).
 
 1. one stream of ``--tokens`` from a 32-token prompt, ``--repeats`` times: decode tok/s =
    (tokens after the first) / (first -> last token), TTFT; medians;

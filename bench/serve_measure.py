@@ -114,6 +114,15 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print)
         for n in sorted(set(a.streams + a.ctx_streams)):
             run(make_prompts(n, S, vocab, SEEDS["warmup"] + n), min(T, 8))
         run(make_prompts(1, a.prompt_len, vocab, SEEDS["warmup"] - 1), 1)     # a long prefill's first call
+        # each long context's first prefill and, with --join, one join: kernels compiled on first
+        # use at a new shape would otherwise land in those phases (on the H200, 2026-12-02,
+        # exllamav3's first 4096-token prompt took 2.2 s (GLM-5: 6.0 s) against 138 ms for 2048)
+        join = getattr(a, "join", None)
+        for c in sorted({c for _, _, c in ctx_cases(a)} | ({join[1]} if join else set())):
+            run(make_prompts(1, c, vocab, SEEDS["warmup"] - 2), 1)
+        if join:
+            run(make_prompts(1, join[1], vocab, SEEDS["warmup"] - 3) + make_prompts(1, S, vocab, SEEDS["warmup"] - 4),
+                JOIN_AFTER_TOKENS + 2, join_after=(1, JOIN_AFTER_TOKENS))
         res["warmup_s"] = time.perf_counter() - t
         after_phase("warmup", res)
 

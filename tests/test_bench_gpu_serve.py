@@ -179,6 +179,7 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
 
         def enqueue(self, job):
             self.jobs.append(job)
+            loaded.setdefault("lens", []).append(job.n)
 
         def num_remaining_jobs(self):
             return len(self.jobs)
@@ -214,21 +215,28 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     a = gs.parse_args([str(small), "--device", "cuda", *TINY])
     report = {"notes": [], "exllamav3": None}
     entry = sx.run_exllamav3_side(a, report, None, lambda: None)
+    lens = loaded.pop("lens")
     assert report["exllamav3"] is entry and loaded == {"ckpt": str(small), "ntok": 512, "device": "cuda:0",
                                                        "unloaded": True}
+    # the ctx phase's 1 + 2 prompts of 128 tokens, and one in the warm-up before (a first prefill
+    # at a new length compiles kernels: it must not land in the timed phase)
+    assert lens.count(128) == 4 and lens[:7] == [32] * 4 + [64, 128, 32]   # warm-up, then the single stream
     assert entry["version"] == "stand-in" and entry["results"]["max_memory_allocated_gb"] == 2.0
     _check_summary(entry["summary"])
     res = entry["results"]
     assert res["streams"][2]["tokens"] == 16 and [x["tokens"] for x in res["single"]["runs"]] == [8]
     assert set(res["phases"]) == {"warmup", "single", "streams_2", "ttft", "ctx_1", "ctx_2"}
     # the join phase: the new jobs are enqueued once each running one has its tokens
-    a = gs.parse_args([str(small), "--device", "cuda", "--tokens", "24", *TINY[2:], "--join", "2:64:3"])
-    assert sx.exllamav3_cache_tokens(a) == sm.round_pages(max(2 * (128 + 24), 2 * (64 + 24) + 3 * (32 + 24)))
+    a = gs.parse_args([str(small), "--device", "cuda", "--tokens", "24", *TINY[2:], "--join", "2:96:3"])
+    assert sx.exllamav3_cache_tokens(a) == sm.round_pages(max(2 * (128 + 24), 2 * (96 + 24) + 3 * (32 + 24)))
     seen = {}
     real = sm.join_stats
     monkeypatch.setattr(sm, "join_stats", lambda base, new: seen.update(base=base, new=new) or real(base, new))
+    loaded.clear()
     j = sx.run_exllamav3_side(a, {"notes": [], "exllamav3": None}, None, lambda: None)["results"]["join"]
     assert (j["base"], j["joiners"]) == (2, 3) and j["joiner_ttft_ms_max"] > 0
+    # 96-token prompts: one warm-up prefill, one warm-up join's stream, the join phase's two streams
+    assert loaded["lens"].count(96) == 4
     sent = min(s.t_send for s in seen["new"])          # after each running job had JOIN_AFTER_TOKENS tokens
     assert all(sum(k for t, k in s.events if t <= sent) >= sm.JOIN_AFTER_TOKENS for s in seen["base"])
     assert any("max_memory_allocated 2.00 GB" in n for n in report["notes"])
