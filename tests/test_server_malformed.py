@@ -112,7 +112,11 @@ CASES = [
     ("best-of", COMP, comp(best_of=3), 400, "unsupported_parameter"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
      "unsupported_parameter"),
-    ("json-mode", CHAT, chat(response_format={"type": "json_object"}), 400, "unsupported_parameter"),
+    ("grammar-format", CHAT, chat(response_format={"type": "grammar"}), 400, "unsupported_parameter"),
+    ("json-schema-not-object", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": []}}), 400, None),
+    ("json-schema-bad-type", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": 7}}}), 400, None),
     ("template-kwargs-wrong", CHAT, chat(chat_template_kwargs=[1]), 400, "invalid_type"),
 ]
 

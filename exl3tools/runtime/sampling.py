@@ -155,7 +155,8 @@ def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[floa
 
 class Adjust:
     """One sequence's logits processing before sampling, on the logits' device, in this order:
-    ``logit_bias`` (added), ``min_tokens`` (EOS and stop token ids at -inf until that many tokens
+    a grammar's mask (``params.grammar``, structured outputs: every token it does not allow next at
+    -inf; server/structured.py), ``logit_bias`` (added), ``min_tokens`` (EOS and stop token ids at -inf until that many tokens
     are out), ``repetition_penalty`` over prompt and output (a positive logit divided by it, a
     negative one multiplied: HF/vLLM), ``frequency_penalty`` x count and ``presence_penalty`` x
     (count > 0) over the output (subtracted: OpenAI), then ``min_p`` for sampled rows (tokens whose
@@ -183,8 +184,22 @@ class Adjust:
         ban = sorted({t for t in banned if 0 <= t < self.vocab})
         if params.min_tokens and ban:
             self.banned = torch.tensor(ban, device=device)
+        grammar = getattr(params, "grammar", None)
+        self.constraint = grammar.matcher() if grammar is not None else None
+        self._bits = torch.arange(32, dtype=torch.int32, device=device) if grammar is not None else None
+
+    def allowed(self, n: int) -> torch.Tensor:
+        """The grammar's next allowed tokens as an (n,) bool mask on the device (ids past its
+        tokenizer's vocabulary: not allowed)."""
+        words = torch.frombuffer(bytearray(self.constraint.allowed()), dtype=torch.int32).to(self.device)
+        mask = ((words[:, None] >> self._bits) & 1).reshape(-1).bool()
+        if mask.numel() < n:
+            mask = torch.cat((mask, mask.new_zeros(n - mask.numel())))
+        return mask[:n]
 
     def add(self, token: int) -> None:
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.n_out += 1
         if self.counts is not None:
             self.counts[token] += 1
@@ -195,6 +210,8 @@ class Adjust:
         """The processed copy of one logits row (vocab,), float32."""
         p = self.p
         x = row.float().clone()
+        if self.constraint is not None:
+            x = x.masked_fill(~self.allowed(x.numel()), float("-inf"))
         if self.bias is not None:
             x += self.bias[:x.numel()]
         if self.banned is not None and self.n_out < p.min_tokens:

@@ -6,9 +6,11 @@ Every error leaves in the OpenAI shape with a string code; tracebacks go to the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -159,12 +161,26 @@ class Server:
         self._template_checked = False
         self._token_text: TokenText | None = None
         self._guard: PromptGuard | None = None
+        self._grammars: Any = None             # server/structured.Grammars, on the first response_format
+        self._grammars_lock = threading.Lock()
 
     def guard(self) -> PromptGuard:
         """Prompt-size checks that run before any tokenization (server/limits.py)."""
         if self._guard is None:
             self._guard = PromptGuard.for_runner(self.runner, self.engine.cache_budget)
         return self._guard
+
+    def grammars(self) -> Any:
+        """The tokenizer in llguidance's form (structured outputs), built once (~10 ms to ~1 s)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from exl3tools.server.structured import Grammars
+
+                r = self.runner
+                if r.tokenizer is None:
+                    raise bad_request("response_format needs the checkpoint's tokenizer.json", param="response_format")
+                self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), r.vocab_size)
+            return self._grammars
 
     def token_text(self) -> TokenText:
         if self._token_text is None:
@@ -273,6 +289,8 @@ class Server:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                  vocab_size=runner.vocab_size,
                                  defaults=getattr(runner, "generation_defaults", None))
+        if req.response_format is not None and req.response_format.type != "text":
+            params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids)

@@ -5,8 +5,9 @@ Unknown top-level fields are a 400 naming them, as OpenAI answers "Unrecognized 
 a typo such as ``max_token`` must not pass silently. Accepted are OpenAI's own request fields (as
 the official client sends them) and the documented extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, return_token_ids; chat: chat_template_kwargs,
-add_generation_prompt); presence/frequency/repetition penalties, logit_bias, min_p and min_tokens
-are applied (runtime/sampling.py ``Adjust``). Every feature we do not implement is rejected
+add_generation_prompt); presence/frequency/repetition penalties, logit_bias, min_p, min_tokens
+and chat's response_format json_object / json_schema (a grammar mask: server/structured.py) are
+applied (runtime/sampling.py ``Adjust``). Every feature we do not implement is rejected
 explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
 caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
 """
@@ -136,8 +137,18 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
+class JsonSchemaSpec(_Strict):
+    """response_format.json_schema (OpenAI): the schema under "schema" (a pydantic name clash)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: str
+    json_schema: JsonSchemaSpec | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -197,6 +208,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    grammar: Any = None  # response_format's checked grammar: has matcher() (server/structured.py)
 
     @property
     def token_by_token(self) -> bool:
@@ -208,7 +220,8 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits are processed before sampling (runtime.sampling.Adjust)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or (self.min_p and self.temperature > 0))
+                    or self.logit_bias or self.min_tokens or (self.min_p and self.temperature > 0)
+                    or self.grammar is not None)
 
 
 @dataclass(slots=True)
@@ -453,9 +466,17 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
     if req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice is not supported by this server", param="tool_choice",
                           code="unsupported_parameter")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("response_format other than text is not supported by this server",
-                          param="response_format", code="unsupported_parameter")
+    fmt = req.response_format
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
+                          "(text, json_object, json_schema are)", param="response_format.type",
+                          code="unsupported_parameter")
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise bad_request("response_format json_schema needs its json_schema object", param="response_format.json_schema")
+    if fmt is not None and fmt.type != "text" and (req.ignore_eos or req.min_tokens):
+        # a finished grammar allows only EOS: neither may hold the answer open past it
+        raise bad_request("response_format json_object / json_schema cannot be combined with "
+                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if (req.max_tokens is not None and req.max_completion_tokens is not None

@@ -1,0 +1,148 @@
+"""Structured outputs (chat's response_format json_object / json_schema, server/structured.py)
+through a real server and the official openai client on the demo checkpoint: the answers parse and
+follow their schema, greedy answers equal a greedy decode of the plain runtime whose logits are
+masked by llguidance written out here, and bad formats are 400s naming the parameter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+llg = pytest.importorskip("llguidance")
+
+import torch  # noqa: E402
+
+from exl3tools.runtime.runner import load_runner  # noqa: E402
+from exl3tools.runtime.sampling import Adjust  # noqa: E402
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
+from exl3tools.server.protocol import SamplingParams  # noqa: E402
+from exl3tools.server.structured import JSON_OPTIONS  # noqa: E402
+from exl3tools.server.template import ChatTemplate  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import DEMO  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "tag": {"enum": ["red", "green", "blue"]}}}
+
+
+def _fmt(schema=SCHEMA, name="answer"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def _follows(obj) -> bool:
+    return (set(obj) == {"ok", "n", "tag"} and isinstance(obj["ok"], bool) and isinstance(obj["n"], int)
+            and 0 <= obj["n"] <= 9 and obj["tag"] in ("red", "green", "blue"))
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_context=256))
+    with LiveServer(app) as s:
+        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=kw.pop("max_tokens", 60), **kw)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_json_schema_answers_parse_and_follow_the_schema(client, temperature):
+    r = chat(client, temperature=temperature, seed=5, n=2, response_format=_fmt())
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        assert _follows(json.loads(c.message.content)), c.message.content
+        assert c.message.content.startswith('{"ok": ')      # OpenAI's compact layout, the schema's order
+
+
+def test_json_schema_streams_the_same_answer(client):
+    whole = chat(client, temperature=0.7, seed=11, response_format=_fmt()).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in chat(client, temperature=0.7, seed=11, stream=True,
+                                                               response_format=_fmt()) if ch.choices]
+    assert "".join(parts) == whole and _follows(json.loads(whole))
+
+
+def test_json_object_answers_parse(client):
+    c = chat(client, temperature=0, response_format={"type": "json_object"}).choices[0]
+    assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict)
+
+
+def test_greedy_equals_the_runtime_masked_by_llguidance(client):
+    """The served greedy tokens = the plain runtime's greedy decode where, before every argmax,
+    every token llguidance's matcher does not allow is dropped (its numpy helpers, not ours)."""
+    import numpy as np
+    from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+    r = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=60, temperature=0,
+                                       response_format=_fmt(), extra_body={"return_token_ids": True})
+    served = r.choices[0].model_dump()["token_ids"]
+    with load_runner(str(DEMO / "model"), max_cache_tokens=512) as run:
+        text = ChatTemplate(run.chat_template, bos_token=run.bos_token or "",
+                            eos_token=run.eos_token or "").render(MESSAGES, add_generation_prompt=True)
+        prompt = run.tokenizer.encode(text, add_special_tokens=False).ids
+        tok = llg.LLTokenizer(run.tokenizer.to_str(), n_vocab=run.vocab_size, eos_token=sorted(run.eos_token_ids))
+        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS))
+        mask = allocate_token_bitmask(1, run.vocab_size)
+        run.add_sequence("ref")
+        out, new = [], prompt
+        for _ in range(60):
+            row = run.step([("ref", new)])[0].float().numpy()[None].copy()
+            fill_next_token_bitmask(m, mask, 0)
+            apply_token_bitmask_inplace(row, mask)
+            t = int(np.argmax(row[0]))
+            out.append(t)
+            if t in run.eos_token_ids:
+                break
+            m.consume_token(t)
+            new = [t]
+    assert out[-1] in run.eos_token_ids and served in (out, out[:-1]), (served, out)
+
+
+@pytest.mark.parametrize("fmt,param,code", [
+    (_fmt({"type": "nonsense"}), "response_format", "invalid_value"),
+    ({"type": "grammar"}, "response_format.type", "unsupported_parameter"),
+    ({"type": "json_schema"}, "response_format.json_schema", "invalid_value"),
+    (_fmt(name="has space"), None, None),
+])
+def test_bad_formats_are_400s_naming_the_parameter(client, fmt, param, code):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=4, response_format=fmt)
+    err = e.value.body
+    if param is not None:
+        assert (err["param"], err["code"]) == (param, code), err
+    else:
+        assert "name" in err["message"] or "pattern" in err["message"], err
+
+
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}])
+def test_a_grammar_with_ignore_eos_or_min_tokens_is_refused(client, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=8, response_format=_fmt(), extra_body=extra)
+    assert e.value.body["param"] == "response_format"
+
+
+def test_adjust_masks_what_the_constraint_forbids_and_tells_it_each_token():
+    """runtime.sampling.Adjust with a stand-in constraint: allowed ids 3 and 33 (past one 32-bit word),
+    ids past the constraint's words not allowed; add() reaches consume()."""
+    seen = []
+
+    class Constraint:
+        def allowed(self):
+            return (torch.tensor([1 << 3, 1 << 1], dtype=torch.int32)).numpy().tobytes()
+
+        def consume(self, t):
+            seen.append(t)
+
+    class Grammar:
+        def matcher(self):
+            return Constraint()
+
+    a = Adjust(SamplingParams(max_tokens=4, grammar=Grammar()), [1, 2], [], 70, "cpu")
+    x = a.apply(torch.zeros(70))
+    assert torch.isfinite(x).nonzero().flatten().tolist() == [3, 33]
+    a.add(33)
+    assert seen == [33] and a.n_out == 1
