@@ -7,6 +7,8 @@ Skipped without CUDA."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
+import json
 
 import pytest
 
@@ -170,6 +172,19 @@ def test_serve_on_cuda_graphs_prefix_cache_and_seeded_streams():
         a, b = crowd[0].choices[0].text, alone
         common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         assert common >= min(len(a), len(b)) // 2, (a, b)
+        # structured outputs: the grammar's mask applied on the device, beside 7 plain streams
+        if importlib.util.find_spec("llguidance") is not None:
+            schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                      "additionalProperties": False}
+            fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+            with cf.ThreadPoolExecutor(8) as pool:
+                futs = [pool.submit(client.chat.completions.create, model="demo", max_tokens=32, temperature=0.8,
+                                    seed=i, messages=[{"role": "user", "content": f"q{i}"}], response_format=fmt)
+                        for i in range(4)]
+                futs += [pool.submit(client.completions.create, prompt=f"Story {i}:", temperature=0.8, seed=i, **kw)
+                         for i in range(4)]
+                answers = [f.result() for f in futs[:4]]
+            assert all(json.loads(a.choices[0].message.content).keys() == {"ok"} for a in answers), answers
         assert runner.cache_tokens_used() == 0
 
 
