@@ -179,7 +179,9 @@ class Server:
                 r = self.runner
                 if r.tokenizer is None:
                     raise bad_request("response_format needs the checkpoint's tokenizer.json", param="response_format")
-                self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), r.vocab_size)
+                # the larger of the two vocabularies: ids past the model's are masked by Adjust's trim
+                vocab = max(r.vocab_size, r.tokenizer.get_vocab_size(with_added_tokens=True))
+                self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), vocab)
             return self._grammars
 
     def token_text(self) -> TokenText:
