@@ -57,7 +57,11 @@ if [[ $STAGES == *tests* ]]; then
   # on ("EXL3TOOLS_X=1 ..."), so tests/gpu checks them; tests that need a switch either way set it
   PREVIEW=${PREVIEW-$(python3 -c "from exl3tools.runtime.preview import SWITCHES as S; print(' '.join(v + '=1' for v in S.values()))")}
   el "tests/gpu with preview switches: ${PREVIEW:-none}"
-  env ${PREVIEW:-} EXL3TOOLS_TEST_LOG=$L/tests_live.log \
+  # CPU threads per test worker: the CPU reference halves of the tests (fixture forwards) ran with
+  # torch's default of one thread per core in each of TEST_JOBS workers, every pool spinning
+  # against the others (the Makefile's CPU suite: 62 s -> 24 s for two files when limited)
+  NT=${TEST_THREADS:-$(( $(nproc) / ${TEST_JOBS:-3} > 0 ? $(nproc) / ${TEST_JOBS:-3} : 1 ))}
+  env ${PREVIEW:-} OMP_NUM_THREADS=$NT MKL_NUM_THREADS=$NT OPENBLAS_NUM_THREADS=$NT EXL3TOOLS_TEST_LOG=$L/tests_live.log \
   EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
     -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
     > "$L/tests.log" 2>&1
