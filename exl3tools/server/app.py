@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
+from exl3tools.server import tools
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
 from exl3tools.server.limits import PromptGuard, check_api_keys
@@ -275,12 +276,17 @@ class Server:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         check_chat_extras(req)
+        forced = tools.forced_functions(req)           # a call the answer must be (server/tools.py)
+        if forced is not None and req.response_format is not None and req.response_format.type != "text":
+            raise bad_request("a forced tool call and a response_format cannot be combined", param="response_format")
         runner = self.runner
         self.token_text()
         messages = message_dicts(req)
         self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
-        text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt,
-                                      **(req.chat_template_kwargs or {}))
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = tools.template_tools(req)
+        text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
         self.guard().check_text(len(text), "messages")
         ids = runner.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
@@ -293,9 +299,14 @@ class Server:
                                  defaults=getattr(runner, "generation_defaults", None))
         if req.response_format is not None and req.response_format.type != "text":
             params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
+        if forced is not None:
+            if req.ignore_eos or req.min_tokens:
+                raise bad_request("a forced tool call cannot be combined with "
+                                  f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="tool_choice")
+            params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(forced), "tools"))
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
-                        req.return_token_ids)
+                        req.return_token_ids, extras={"tool_call": forced is not None})
 
 
 def _path_name(spec: str | None) -> str:
@@ -459,7 +470,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         fmt = Formatter(chat=chat, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                         created=int(time.time()), model=server.model_name,
                         tokens=server.token_text(), logprobs=prep.params.logprobs is not None,
-                        token_ids=prep.return_token_ids)
+                        token_ids=prep.return_token_ids, tool_call=prep.extras.get("tool_call", False))
         if prep.stream:
             return StreamingResponse(_stream(handle, fmt, prep.include_usage),
                                      media_type="text/event-stream",

@@ -7,7 +7,8 @@ the official client sends them) and the documented extensions (top_k, min_p, rep
 stop_token_ids, ignore_eos, min_tokens, return_token_ids; chat: chat_template_kwargs,
 add_generation_prompt); presence/frequency/repetition penalties, logit_bias, min_p, min_tokens
 and chat's response_format json_object / json_schema (a grammar mask: server/structured.py) are
-applied (runtime/sampling.py ``Adjust``). Every feature we do not implement is rejected
+applied (runtime/sampling.py ``Adjust``); chat's tools with a forced tool_choice are a grammar too
+(server/tools.py). Every feature we do not implement is rejected
 explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
 caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
 """
@@ -146,6 +147,20 @@ class JsonSchemaSpec(_Strict):
     strict: bool | None = None
 
 
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    """One of chat's ``tools`` (server/tools.py)."""
+
+    type: str
+    function: FunctionSpec
+
+
 class ResponseFormat(_Strict):
     type: str
     json_schema: JsonSchemaSpec | None = None
@@ -156,8 +171,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Any = None       # "none" | "auto" | "required" | {"type": "function", ...}: server/tools.py
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -170,7 +185,7 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
-    parallel_tool_calls: Any = None  # tools themselves are refused
+    parallel_tool_calls: Any = None  # a forced call is one call (server/tools.py)
     # OpenAI features this server lacks: a 400 unsupported_parameter unless null.
     audio: Any = None
     function_call: Any = None
@@ -448,9 +463,6 @@ def check_completion_extras(req: CompletionRequest) -> None:
 
 
 def check_chat_extras(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools",
-                          code="unsupported_parameter")
     for name in UNSUPPORTED_CHAT_FIELDS:
         if getattr(req, name) is not None:
             raise bad_request(f"{name} is not supported by this server", param=name,
@@ -463,9 +475,6 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
             where = "the request's own field" if key == "add_generation_prompt" else "set by the server"
             raise bad_request(f"chat_template_kwargs.{key} is {where}; it cannot be a template kwarg",
                               param=f"chat_template_kwargs.{key}")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported by this server", param="tool_choice",
-                          code="unsupported_parameter")
     fmt = req.response_format
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
@@ -494,5 +503,29 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        for key in ("tool_calls", "tool_call_id"):     # a call and its result, for the template
+            value = (m.model_extra or {}).get(key)
+            if value is not None:
+                d[key] = _template_tool_calls(value) if key == "tool_calls" else value
         out.append(d)
+    return out
+
+
+def _template_tool_calls(calls: Any) -> Any:
+    """An assistant message's tool_calls as templates read them: each call's ``arguments`` a
+    mapping where the client sent OpenAI's JSON string (templates iterate over them)."""
+    if not isinstance(calls, list):
+        raise bad_request("messages[].tool_calls must be a list", param="messages")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("messages[].tool_calls[] needs function.name", param="messages")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                raise bad_request("messages[].tool_calls[].function.arguments is not JSON", param="messages") from None
+        out.append({**c, "function": {**fn, "arguments": args}})
     return out

@@ -10,6 +10,7 @@ import orjson
 
 from exl3tools.server.detok import TokenText
 from exl3tools.server.requests import Event, TokenLogprob
+from exl3tools.server.tools import tool_calls
 
 
 @dataclass(slots=True)
@@ -52,11 +53,22 @@ class Formatter:
     """Shapes one request's events as a completion or a chat completion."""
 
     def __init__(self, *, chat: bool, rid: str, created: int, model: str, tokens: TokenText,
-                 logprobs: bool, token_ids: bool = False) -> None:
+                 logprobs: bool, token_ids: bool = False, tool_call: bool = False) -> None:
         self.chat, self.rid, self.created, self.model = chat, rid, created, model
         self._tokens, self._logprobs = tokens, logprobs
         self._token_ids = token_ids
         self._started: set[int] = set()
+        # a forced tool call (server/tools.py): its JSON is held back and sent as tool_calls
+        self._tool_call = tool_call
+        self._held: dict[int, list[str]] = {}
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat answer's message and finish reason: a forced call's JSON as ``tool_calls``
+        (finish "tool_calls"), or, when it did not complete (max_tokens), the text as it is."""
+        calls = tool_calls(text) if self._tool_call and finish == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
     # ------------------------------------------------------------ logprobs
 
@@ -95,12 +107,13 @@ class Formatter:
         for c in sorted(choices, key=lambda c: c.index):
             text = "".join(c.text)
             body: dict[str, Any] = {"index": c.index}
+            finish = c.finish_reason
             if self.chat:
-                body["message"] = {"role": "assistant", "content": text}
+                body["message"], finish = self._message(text, finish)
             else:
                 body["text"] = text
             body["logprobs"] = self._lp(c.logprobs)
-            body["finish_reason"] = c.finish_reason
+            body["finish_reason"] = finish
             if self._token_ids:
                 body["token_ids"] = c.token_ids
             out.append(body)
@@ -122,11 +135,22 @@ class Formatter:
             self._started.add(ev.index)
             out.append(self._chunk([{"index": ev.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]))
-        if (not ev.text and ev.finish_reason is None and not (self._logprobs and ev.logprobs)
-                and not self._token_ids):
+        if ((not ev.text or self._tool_call) and ev.finish_reason is None
+                and not (self._logprobs and ev.logprobs) and not self._token_ids):
+            if self._tool_call:
+                self._held.setdefault(ev.index, []).append(ev.text)
             return out
         lp = self._lp(ev.logprobs or [], text_offset)
-        if self.chat:
+        if self.chat and self._tool_call:
+            held = self._held.setdefault(ev.index, [])
+            held.append(ev.text)
+            delta, finish = {}, ev.finish_reason
+            if finish is not None:          # the whole call in one delta, as OpenAI's clients accumulate it
+                message, finish = self._message("".join(held), finish)
+                delta = ({"content": message["content"]} if message["content"] else
+                         {"tool_calls": [{"index": 0, **c} for c in message.get("tool_calls", [])]})
+            choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        elif self.chat:
             delta = {"content": ev.text} if ev.text else {}
             choice = {"index": ev.index, "delta": delta, "logprobs": lp,
                       "finish_reason": ev.finish_reason}

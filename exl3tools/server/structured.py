@@ -1,5 +1,6 @@
-"""Structured outputs: chat's ``response_format`` of type ``json_object`` or ``json_schema`` as a
-grammar that masks every step's logits (llguidance, imported lazily).
+"""Structured outputs: chat's ``response_format`` of type ``json_object`` or ``json_schema`` (and
+forced tool calls, server/tools.py) as a grammar that masks every step's logits (llguidance,
+imported lazily).
 
 The request's schema is compiled and checked against the model's tokenizer when the request is
 prepared (a bad schema is a 400 naming ``response_format``); each choice then gets its own matcher
@@ -51,20 +52,23 @@ class Grammars:
         else:                                   # json_schema (protocol.check_chat_extras let no other through)
             spec = response_format.json_schema
             schema = spec.schema_ if spec.schema_ is not None else {}
-            if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
-                raise bad_request(f"response_format.json_schema.schema is over {MAX_SCHEMA_BYTES} bytes",
-                                  param="response_format")
+        return self.schema(schema, "response_format")
+
+    def schema(self, schema: Any, param: str) -> Grammar:
+        """A JSON schema as a checked grammar; ``param``: the request field a 400 names."""
+        if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+            raise bad_request(f"{param}: the schema is over {MAX_SCHEMA_BYTES} bytes", param=param)
         LLMatcher = self._llg.LLMatcher
         try:
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as exc:
-            raise bad_request(f"response_format: {exc}", param="response_format") from None
+            raise bad_request(f"{param}: {exc}", param=param) from None
         # built here, in the request's worker thread (up to ~1 s for a large schema), not on the
         # engine's thread: each choice copies it (Grammar.matcher)
         proto = LLMatcher(self.tokenizer, grammar, log_level=0)
         if proto.is_error():
-            raise bad_request(f"response_format: the schema cannot be enforced: "
-                              f"{proto.get_error().splitlines()[0]}", param="response_format")
+            raise bad_request(f"{param}: the schema cannot be enforced: {proto.get_error().splitlines()[0]}",
+                              param=param)
         return Grammar(proto)
 
 
