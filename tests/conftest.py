@@ -34,6 +34,20 @@ def demo_dir() -> Path:
     return DEMO
 
 
+@pytest.fixture(scope="module")
+def demo_openai():
+    """The official openai client on a real server of the demo checkpoint (name "demo", 256-token
+    context), one server per test module."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
+
+    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_context=256))
+    with LiveServer(app) as s:
+        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -17,11 +17,9 @@ import torch  # noqa: E402
 
 from exl3tools.runtime.runner import load_runner  # noqa: E402
 from exl3tools.runtime.sampling import Adjust  # noqa: E402
-from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
 from exl3tools.server.protocol import SamplingParams  # noqa: E402
 from exl3tools.server.structured import JSON_OPTIONS  # noqa: E402
 from exl3tools.server.template import ChatTemplate  # noqa: E402
-from exl3tools.server.testing import LiveServer  # noqa: E402
 from tests.conftest import DEMO  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
@@ -40,10 +38,8 @@ def _follows(obj) -> bool:
 
 
 @pytest.fixture(scope="module")
-def client():
-    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_context=256))
-    with LiveServer(app) as s:
-        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def client(demo_openai):
+    return demo_openai
 
 
 def chat(client, **kw):

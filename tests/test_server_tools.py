@@ -13,12 +13,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
 from exl3tools.server.protocol import ChatCompletionRequest, message_dicts  # noqa: E402
 from exl3tools.server.template import ChatTemplate  # noqa: E402
-from exl3tools.server.testing import LiveServer  # noqa: E402
 from exl3tools.server.tools import template_tools  # noqa: E402
-from tests.conftest import DEMO  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the forecast",
@@ -30,10 +27,8 @@ MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client():
-    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_context=256))
-    with LiveServer(app) as s:
-        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def client(demo_openai):
+    return demo_openai
 
 
 def call(client, **kw):
