@@ -142,3 +142,17 @@ def test_adjust_masks_what_the_constraint_forbids_and_tells_it_each_token():
     assert torch.isfinite(x).nonzero().flatten().tolist() == [3, 33]
     a.add(33)
     assert seen == [33] and a.n_out == 1
+
+
+def test_without_llguidance_a_structured_request_is_a_400(monkeypatch):
+    """llguidance comes with the serve extra; a server installed without it answers such requests
+    with a 400 that says what to install, and everything else as before."""
+    import sys
+
+    from exl3tools.server import structured
+    from exl3tools.server.protocol import APIError
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)        # import llguidance -> ImportError
+    with pytest.raises(APIError) as e:
+        structured.Grammars("{}", [0], 8)
+    assert e.value.status == 400 and "exl3tools[serve]" in str(e.value) and e.value.param == "response_format"

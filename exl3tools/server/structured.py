@@ -28,9 +28,9 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise APIError(400, "response_format json_object / json_schema needs llguidance, which this server "
-                       "lacks (pip install 'exl3tools[serve]')", param="response_format",
-                       code="unsupported_parameter") from None
+        raise APIError(400, "structured outputs (response_format json_object / json_schema, forced tool "
+                       "calls) need llguidance, which this server lacks (pip install 'exl3tools[serve]')",
+                       param="response_format", code="unsupported_parameter") from None
     return llguidance
 
 
@@ -94,6 +94,3 @@ class Matcher:
 
     def consume(self, token: int) -> None:
         self._m.consume_token(int(token))
-
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
