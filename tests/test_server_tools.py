@@ -119,3 +119,102 @@ def test_tools_and_past_calls_reach_the_template():
            "{% if m.tool_call_id %}<{{ m.tool_call_id }}:{{ m.content }}>{% endif %}{% endfor %}")
     out = ChatTemplate(src).render(message_dicts(req), add_generation_prompt=False, tools=template_tools(req))
     assert out == "[get_weather][now]get_weather(city=Rome;days=2;)<c1:rain>"
+
+
+# ---------------------------------------------------------------- tool_choice "auto"
+HERMES = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools> Call one as "
+          "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
+          "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+GLM = HERMES.replace("{\"name\": ..., \"arguments\": ...}", "name<arg_key>k</arg_key><arg_value>v</arg_value>")
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    """A server of a copy of the demo checkpoint with ``template`` as its chat template, whose
+    sampler emits ``text`` (tokenized) and EOS whatever the logits: the model's own call syntax,
+    which a random model would never write, through the real engine, detokenizer and formatter."""
+    import shutil
+    from contextlib import ExitStack
+
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.app import ServeConfig, create_app, runtime_hooks
+    from exl3tools.server.testing import LiveServer
+    from tests.conftest import DEMO
+
+    stack = ExitStack()
+
+    def start(template: str, text: str):
+        dst = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(DEMO / "model", dst)
+        cfg = json.loads((dst / "tokenizer_config.json").read_text())
+        (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+        eos = json.loads((dst / "config.json").read_text())["eos_token_id"]
+        script = (Tokenizer.from_file(str(dst / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+                  + [eos if isinstance(eos, int) else eos[0]])
+        drawn: dict[int, int] = {}
+
+        def sample(_row, _temperature, _top_k, _top_p, generator):
+            # each sequence (sampled: a generator of its own) writes the script from its start
+            i = drawn[id(generator)] = drawn.get(id(generator), -1) + 1
+            return script[min(i, len(script) - 1)]
+        hooks = dict(runtime_hooks(), sample=sample, sample_batch=None, sample_device=None)
+        app = create_app(ServeConfig(model_path=str(dst), served_model_name="demo", max_context=256), hooks=hooks)
+        s = stack.enter_context(LiveServer(app))
+        return openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    with stack:
+        yield start
+
+
+def test_auto_reads_a_hermes_call_and_keeps_the_text_before_it(scripted):
+    c = scripted(HERMES, 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}</tool_call>')
+    m = call(c, temperature=0.5, seed=1, max_tokens=150).choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.content == "Let me check."
+    (tc,) = m.message.tool_calls
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Rome", "days": 2}
+
+
+def test_auto_streams_the_text_and_then_the_calls(scripted):
+    text = 'Two calls.<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", ' \
+           '"arguments": {"city": "Paris", "days": 1}}</tool_call>'
+    chunks = [ch for ch in call(scripted(HERMES, text), temperature=0.5, seed=1, stream=True, max_tokens=150) if ch.choices]
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert content == "Two calls." and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "now", {}), (1, "get_weather", {"city": "Paris", "days": 1})]
+    assert not any("<tool" in (ch.choices[0].delta.content or "") for ch in chunks)
+
+
+def test_auto_reads_glm_pairs_with_the_parameters_types(scripted):
+    text = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+    m = call(scripted(GLM, text), temperature=0.5, seed=1, max_tokens=150).choices[0]
+    (tc,) = m.message.tool_calls
+    assert m.message.content is None and json.loads(tc.function.arguments) == {"city": "Rome", "days": 2}
+
+
+@pytest.mark.parametrize("text", ["It is sunny, <tool_calm> and <tool_ans.",
+                                  '<tool_call>{"name": "now", "arguments": {}</tool_call>'])  # not JSON: text
+def test_auto_answers_without_a_readable_call_are_text(scripted, text):
+    client = scripted(HERMES, text)
+    m = call(client, temperature=0.5, seed=1, max_tokens=150).choices[0]
+    assert m.finish_reason == "stop" and m.message.content == text and not m.message.tool_calls
+    chunks = [ch for ch in call(client, temperature=0.5, seed=2, stream=True, max_tokens=150) if ch.choices]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+
+
+def test_auto_is_refused_where_the_markers_are_special_tokens():
+    """A template with the Hermes syntax but a tokenizer whose <tool_call> is a special token: the
+    text the parser would read has no markers, so "auto" is refused, not answered with remains."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from exl3tools.server.tools import call_syntax
+    from tests.conftest import DEMO
+
+    tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
+    assert call_syntax(HERMES, tok).family == "hermes" and call_syntax(GLM, tok).family == "glm"
+    assert call_syntax("{{ messages }}", tok) is None
+    tok.add_special_tokens([AddedToken("<tool_call>", special=True)])
+    assert call_syntax(HERMES, tok) is None and call_syntax(GLM, tok) is None

@@ -276,7 +276,9 @@ class Server:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         check_chat_extras(req)
-        forced = tools.forced_functions(req)           # a call the answer must be (server/tools.py)
+        r = self.runner
+        mode = tools.tool_mode(req, tools.call_syntax(getattr(r, "chat_template", None), r.tokenizer))
+        forced = mode.forced                           # a call the answer must be (server/tools.py)
         if forced is not None and req.response_format is not None and req.response_format.type != "text":
             raise bad_request("a forced tool call and a response_format cannot be combined", param="response_format")
         runner = self.runner
@@ -306,7 +308,8 @@ class Server:
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(forced), "tools"))
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
-                        req.return_token_ids, extras={"tool_call": forced is not None})
+                        req.return_token_ids,
+                        extras={"calls": mode if forced is not None or mode.syntax is not None else None})
 
 
 def _path_name(spec: str | None) -> str:
@@ -470,7 +473,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         fmt = Formatter(chat=chat, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                         created=int(time.time()), model=server.model_name,
                         tokens=server.token_text(), logprobs=prep.params.logprobs is not None,
-                        token_ids=prep.return_token_ids, tool_call=prep.extras.get("tool_call", False))
+                        token_ids=prep.return_token_ids,
+                        calls=tools.CallReader(prep.extras["calls"]) if prep.extras.get("calls") else None)
         if prep.stream:
             return StreamingResponse(_stream(handle, fmt, prep.include_usage),
                                      media_type="text/event-stream",

@@ -10,7 +10,7 @@ import orjson
 
 from exl3tools.server.detok import TokenText
 from exl3tools.server.requests import Event, TokenLogprob
-from exl3tools.server.tools import tool_calls
+from exl3tools.server.tools import CallReader
 
 
 @dataclass(slots=True)
@@ -53,22 +53,12 @@ class Formatter:
     """Shapes one request's events as a completion or a chat completion."""
 
     def __init__(self, *, chat: bool, rid: str, created: int, model: str, tokens: TokenText,
-                 logprobs: bool, token_ids: bool = False, tool_call: bool = False) -> None:
+                 logprobs: bool, token_ids: bool = False, calls: CallReader | None = None) -> None:
         self.chat, self.rid, self.created, self.model = chat, rid, created, model
         self._tokens, self._logprobs = tokens, logprobs
         self._token_ids = token_ids
         self._started: set[int] = set()
-        # a forced tool call (server/tools.py): its JSON is held back and sent as tool_calls
-        self._tool_call = tool_call
-        self._held: dict[int, list[str]] = {}
-
-    def _message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """A chat answer's message and finish reason: a forced call's JSON as ``tool_calls``
-        (finish "tool_calls"), or, when it did not complete (max_tokens), the text as it is."""
-        calls = tool_calls(text) if self._tool_call and finish == "stop" else None
-        if calls is None:
-            return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        self._calls = calls if chat else None    # tool calls read out of the answers (server/tools.py)
 
     # ------------------------------------------------------------ logprobs
 
@@ -108,8 +98,10 @@ class Formatter:
             text = "".join(c.text)
             body: dict[str, Any] = {"index": c.index}
             finish = c.finish_reason
-            if self.chat:
-                body["message"], finish = self._message(text, finish)
+            if self._calls is not None:
+                body["message"], finish = self._calls.message(text, finish)
+            elif self.chat:
+                body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
             body["logprobs"] = self._lp(c.logprobs)
@@ -135,20 +127,18 @@ class Formatter:
             self._started.add(ev.index)
             out.append(self._chunk([{"index": ev.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]))
-        if ((not ev.text or self._tool_call) and ev.finish_reason is None
-                and not (self._logprobs and ev.logprobs) and not self._token_ids):
-            if self._tool_call:
-                self._held.setdefault(ev.index, []).append(ev.text)
+        text = ev.text if self._calls is None else self._calls.feed(ev.index, ev.text)
+        if (not text and ev.finish_reason is None and not (self._logprobs and ev.logprobs)
+                and not self._token_ids):
             return out
         lp = self._lp(ev.logprobs or [], text_offset)
-        if self.chat and self._tool_call:
-            held = self._held.setdefault(ev.index, [])
-            held.append(ev.text)
-            delta, finish = {}, ev.finish_reason
-            if finish is not None:          # the whole call in one delta, as OpenAI's clients accumulate it
-                message, finish = self._message("".join(held), finish)
-                delta = ({"content": message["content"]} if message["content"] else
-                         {"tool_calls": [{"index": 0, **c} for c in message.get("tool_calls", [])]})
+        if self._calls is not None:
+            delta, finish = ({"content": text} if text else {}), ev.finish_reason
+            if finish is not None:          # the calls in one delta, as OpenAI's clients accumulate them
+                last, finish = self._calls.finish(ev.index, finish)
+                if "content" in last:
+                    last["content"] = delta.pop("content", "") + last["content"]
+                delta.update(last)
             choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         elif self.chat:
             delta = {"content": ev.text} if ev.text else {}

@@ -1,19 +1,27 @@
-"""Forced tool calls: chat's ``tools`` with ``tool_choice`` "required" or a named function.
+"""Tool calls: chat's ``tools`` with ``tool_choice`` "required", a named function, or "auto".
 
-The answer is held to one call by a grammar (server/structured.py): a JSON object
-``{"name": <a tool's name>, "arguments": <that tool's parameters schema>}``, whatever the model's
-own tool-call syntax, and comes back as OpenAI's ``message.tool_calls`` (one call, its
-``arguments`` a JSON string) with ``finish_reason`` "tool_calls". The tools also reach the chat
-template (``tools``), which renders them where the model expects them. ``tool_choice`` "auto"
-(OpenAI's default when tools are given) would need a parser of each model family's own call
-syntax to tell a call from text: refused with a 400 that says to force the call; "none" renders
-the tools and generates text.
+Forced ("required" or a named function): the answer is held to one call by a grammar
+(server/structured.py), a JSON object ``{"name": <a tool's name>, "arguments": <that tool's
+parameters schema>}`` whatever the model's own tool-call syntax, and comes back as OpenAI's
+``message.tool_calls`` (one call, its ``arguments`` a JSON string) with ``finish_reason``
+"tool_calls".
+
+"auto" (OpenAI's default when tools are given): the model decides, in its own syntax, which
+``call_syntax`` recognises from the chat template: Hermes-style JSON (``<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>``: Qwen3 and others) or GLM's XML (``<tool_call>name<arg_key>k
+</arg_key><arg_value>v</arg_value></tool_call>``: GLM-4.5 and later). Text before the first
+``<tool_call>`` streams as content; the rest is held back and parsed when the answer ends; a
+call that does not parse comes back as text. A template with neither syntax (DeepSeek-V3's
+special-token calls included) makes "auto" a 400. "none" renders the tools and generates text.
+The tools reach the chat template as ``tools`` either way.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from exl3tools.server.protocol import ChatCompletionRequest, bad_request
@@ -21,9 +29,18 @@ from exl3tools.server.protocol import ChatCompletionRequest, bad_request
 MAX_TOOLS = 128
 
 
-def forced_functions(req: ChatCompletionRequest) -> list[Any] | None:
-    """The functions one of which the answer must call (tool_choice "required": every tool; a
-    named one: that one), None when no call is forced. 400s for what cannot be served."""
+@dataclass(frozen=True, slots=True)
+class ToolMode:
+    """What a request's tools ask of the answer (``tool_mode``)."""
+
+    forced: list[Any] | None = None        # one of these functions must be called (a grammar holds it)
+    syntax: CallSyntax | None = None       # "auto": calls in the model's own syntax, parsed afterwards
+    functions: tuple = ()                  # the tools' functions (argument types for GLM's values)
+
+
+def tool_mode(req: ChatCompletionRequest, syntax: CallSyntax | None) -> ToolMode:
+    """``req``'s tools and tool_choice as a ToolMode (``syntax``: the template's call syntax, or
+    None); 400s for what cannot be served."""
     tools, choice = req.tools, req.tool_choice
     if tools is not None:
         if len(tools) > MAX_TOOLS:
@@ -35,30 +52,30 @@ def forced_functions(req: ChatCompletionRequest) -> list[Any] | None:
         names = [t.function.name for t in tools]
         if len(set(names)) != len(names):
             raise bad_request("tool function names must be unique", param="tools")
-    if choice is None or choice == "none":
-        if tools and choice is None:
+    functions = tuple(t.function for t in tools or ())
+    if choice == "none" or not tools and choice in (None, "auto"):
+        return ToolMode()
+    if choice in (None, "auto"):
+        if syntax is None:
             raise _auto_refused()
-        return None
-    if choice == "auto":
-        if tools:
-            raise _auto_refused()
-        return None
+        return ToolMode(syntax=syntax, functions=functions)
     if not tools:
         raise bad_request("tool_choice needs tools", param="tool_choice")
     if choice == "required":
-        return [t.function for t in tools]
+        return ToolMode(forced=list(functions), functions=functions)
     name = _named(choice)
-    for t in tools:
-        if t.function.name == name:
-            return [t.function]
+    for fn in functions:
+        if fn.name == name:
+            return ToolMode(forced=[fn], functions=functions)
     raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
 
 
 def _auto_refused():
-    return bad_request("tool_choice \"auto\" (the default with tools) is not supported by this server: it "
-                       "cannot tell a model's own tool-call syntax from text; send tool_choice \"required\" "
-                       "or {\"type\": \"function\", \"function\": {\"name\": ...}} to force a call, or "
-                       "\"none\"", param="tool_choice", code="unsupported_parameter")
+    return bad_request("tool_choice \"auto\" (the default with tools) is not supported for this model: its chat "
+                       "template shows no tool-call syntax this server reads (Hermes <tool_call> JSON, GLM "
+                       "<arg_key>/<arg_value>); send tool_choice \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}} to force a call, or \"none\"", param="tool_choice",
+                       code="unsupported_parameter")
 
 
 def _named(choice: Any) -> str:
@@ -82,18 +99,147 @@ def call_schema(functions: list[Any]) -> dict:
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def tool_calls(text: str) -> list[dict] | None:
-    """The generated call as OpenAI's ``tool_calls`` (one entry), None when ``text`` is not a
-    complete call (``max_tokens`` ran out first)."""
+def _call(name: str, arguments: Any) -> dict:
+    """One entry of OpenAI's ``tool_calls``."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))}}
+
+
+def _json_call(text: str) -> dict | None:
     try:
         obj = json.loads(text)
     except ValueError:
         return None
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and "arguments" in obj):
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments", {}), dict)):
         return None
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": obj["name"],
-                          "arguments": json.dumps(obj["arguments"], ensure_ascii=False, separators=(", ", ": "))}}]
+    return _call(obj["name"], obj.get("arguments", {}))
+
+
+def tool_calls(text: str) -> list[dict] | None:
+    """A forced call's JSON as OpenAI's ``tool_calls`` (one entry), None when ``text`` is not a
+    complete call (``max_tokens`` ran out first)."""
+    call = _json_call(text)
+    return None if call is None else [call]
+
+
+START = "<tool_call>"
+_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class CallSyntax:
+    """A model family's tool-call syntax: every call a ``<tool_call>...</tool_call>`` block whose
+    body is JSON (Hermes) or GLM's name and <arg_key>/<arg_value> pairs."""
+
+    family: str
+
+    def parse(self, text: str, functions: tuple = ()) -> tuple[str, list[dict]] | None:
+        """(the text outside the blocks, the calls) when ``text`` holds at least one block and
+        every block parses; None otherwise (the answer is then plain text)."""
+        bodies = _BLOCK.findall(text)
+        if not bodies:
+            return None
+        calls = [self._json(b) if self.family == "hermes" else self._glm(b, functions) for b in bodies]
+        if any(c is None for c in calls):
+            return None
+        return _BLOCK.sub("", text).strip(), calls
+
+    @staticmethod
+    def _json(body: str) -> dict | None:
+        return _json_call(body.strip())
+
+    @staticmethod
+    def _glm(body: str, functions: tuple) -> dict | None:
+        name, _, rest = body.partition("<arg_key>")
+        name = name.strip()
+        if not name or "<" in name:
+            return None
+        rest = "<arg_key>" + rest if rest else ""
+        pairs = _GLM_ARG.findall(rest)
+        if _GLM_ARG.sub("", rest).strip():
+            return None                          # text between the pairs that is not a pair
+        props = next(((fn.parameters or {}).get("properties", {}) for fn in functions if fn.name == name), {})
+        args = {}
+        for key, value in pairs:
+            key = key.strip()
+            kind = props.get(key, {}).get("type") if isinstance(props.get(key), dict) else None
+            args[key] = value if kind == "string" else _loads_or_text(value)
+        return _call(name, args)
+
+
+def _loads_or_text(value: str) -> Any:
+    """GLM writes every value as text: a non-string parameter's value is JSON when it parses."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def call_syntax(template: str | None, tokenizer: Any = None) -> CallSyntax | None:
+    """The call syntax a chat template shows, None when it shows none this server reads, or when
+    the tokenizer makes its markers special tokens (the detokenized text, which the parser reads,
+    skips those: "auto" is refused rather than answered with the markers' remains)."""
+    if not template or START not in template:
+        return None
+    glm = "<arg_key>" in template
+    markers = {START, "</tool_call>"} | ({"<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} if glm else set())
+    if tokenizer is not None and any(t.special and t.content in markers
+                                     for t in tokenizer.get_added_tokens_decoder().values()):
+        return None
+    return CallSyntax("glm" if glm else "hermes")
+
+
+@dataclass(slots=True)
+class CallReader:
+    """One request's answers read for tool calls: the forced call's JSON, or an "auto" answer's
+    blocks in the model's syntax (``mode.syntax``). Streaming: text goes out until a ``<tool_call>``
+    begins (a partial marker at the end is held until it resolves); the rest waits for the end."""
+
+    mode: ToolMode
+    _held: dict[int, str] = field(default_factory=dict)
+    _holding: set[int] = field(default_factory=set)
+
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole answer's message and finish reason."""
+        content, calls = text, None
+        if finish == "stop" and self.mode.forced is not None:
+            calls = tool_calls(text)
+            content = None if calls else text
+        elif finish == "stop" and self.mode.syntax is not None:
+            parsed = self.mode.syntax.parse(text, self.mode.functions)
+            if parsed is not None:
+                content, calls = parsed[0] or None, parsed[1]
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def feed(self, index: int, text: str) -> str:
+        """The part of ``text`` that may stream now; the rest is held."""
+        held = self._held.get(index, "") + text
+        if self.mode.forced is not None or index in self._holding:
+            self._held[index] = held
+            return ""
+        at = held.find(START)
+        if at >= 0:
+            self._holding.add(index)
+            self._held[index] = held[at:]
+            return held[:at]
+        keep = next((k for k in range(min(len(START) - 1, len(held)), 0, -1) if START.startswith(held[-k:])), 0)
+        self._held[index] = held[len(held) - keep:] if keep else ""
+        return held[:len(held) - keep]
+
+    def finish(self, index: int, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The last delta of a streamed answer: the held text as calls, or as content."""
+        held = self._held.pop(index, "")
+        self._holding.discard(index)
+        message, finish = self.message(held, finish)
+        delta: dict[str, Any] = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        return delta, finish
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
