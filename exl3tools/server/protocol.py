@@ -185,7 +185,7 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     safety_identifier: Any = None
-    parallel_tool_calls: Any = None  # a forced call is one call (server/tools.py)
+    parallel_tool_calls: Any = None  # ignored: a forced call is one call, an auto answer's all (server/tools.py)
     # OpenAI features this server lacks: a 400 unsupported_parameter unless null.
     audio: Any = None
     function_call: Any = None
