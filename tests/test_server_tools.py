@@ -1,7 +1,9 @@
-"""Forced tool calls (chat's tools with tool_choice "required" or a named function, server/tools.py)
-through a real server and the official openai client on the demo checkpoint: the call comes back
-as message.tool_calls with arguments that follow the tool's parameters, streamed as one delta;
-what cannot be served is a 400 naming the parameter; tools and past calls reach the template."""
+"""Tool calls (chat's tools, server/tools.py) through a real server and the official openai client
+on the demo checkpoint. Forced (tool_choice "required" or a named function): the call comes back
+as message.tool_calls with arguments that follow the tool's parameters, streamed as one delta.
+"auto": the model's own syntax (Hermes JSON blocks, GLM pairs), written by a scripted sampler,
+read out of the answer. What cannot be served is a 400 naming the parameter; tools and past calls
+reach the template."""
 
 from __future__ import annotations
 
