@@ -118,9 +118,9 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print)
         # use at a new shape would otherwise land in those phases (on the H200, 2026-12-02,
         # exllamav3's first 4096-token prompt took 2.2 s (GLM-5: 6.0 s) against 138 ms for 2048)
         join = getattr(a, "join", None)
-        for c in sorted({c for _, _, c in ctx_cases(a)} | ({join[1]} if join else set())):
+        for c in sorted({c for _, _, c in ctx_cases(a)}):
             run(make_prompts(1, c, vocab, SEEDS["warmup"] - 2), 1)
-        if join:
+        if join:                # its stream's prompt is the join's CTX-token prefill too
             run(make_prompts(1, join[1], vocab, SEEDS["warmup"] - 3) + make_prompts(1, S, vocab, SEEDS["warmup"] - 4),
                 JOIN_AFTER_TOKENS + 2, join_after=(1, JOIN_AFTER_TOKENS))
         res["warmup_s"] = time.perf_counter() - t

@@ -235,8 +235,8 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     loaded.clear()
     j = sx.run_exllamav3_side(a, {"notes": [], "exllamav3": None}, None, lambda: None)["results"]["join"]
     assert (j["base"], j["joiners"]) == (2, 3) and j["joiner_ttft_ms_max"] > 0
-    # 96-token prompts: one warm-up prefill, one warm-up join's stream, the join phase's two streams
-    assert loaded["lens"].count(96) == 4
+    # 96-token prompts: the warm-up join's stream (its CTX-token prefill), the join phase's two streams
+    assert loaded["lens"].count(96) == 3
     sent = min(s.t_send for s in seen["new"])          # after each running job had JOIN_AFTER_TOKENS tokens
     assert all(sum(k for t, k in s.events if t <= sent) >= sm.JOIN_AFTER_TOKENS for s in seen["base"])
     assert any("max_memory_allocated 2.00 GB" in n for n in report["notes"])

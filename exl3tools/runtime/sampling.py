@@ -184,9 +184,8 @@ class Adjust:
         ban = sorted({t for t in banned if 0 <= t < self.vocab})
         if params.min_tokens and ban:
             self.banned = torch.tensor(ban, device=device)
-        grammar = getattr(params, "grammar", None)
-        self.constraint = grammar.matcher() if grammar is not None else None
-        self._bits = torch.arange(32, dtype=torch.int32, device=device) if grammar is not None else None
+        self.constraint = params.grammar.matcher() if params.grammar is not None else None
+        self._bits = torch.arange(32, dtype=torch.int32, device=device) if params.grammar is not None else None
 
     def allowed(self, n: int) -> torch.Tensor:
         """The grammar's next allowed tokens as an (n,) bool mask on the device (ids past its

@@ -276,12 +276,8 @@ class Server:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         check_chat_extras(req)
-        r = self.runner
-        mode = tools.tool_mode(req, tools.call_syntax(getattr(r, "chat_template", None), r.tokenizer))
-        forced = mode.forced                           # a call the answer must be (server/tools.py)
-        if forced is not None and req.response_format is not None and req.response_format.type != "text":
-            raise bad_request("a forced tool call and a response_format cannot be combined", param="response_format")
         runner = self.runner
+        mode = tools.tool_mode(req, tools.call_syntax(getattr(runner, "chat_template", None), runner.tokenizer))
         self.token_text()
         messages = message_dicts(req)
         self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
@@ -301,15 +297,12 @@ class Server:
                                  defaults=getattr(runner, "generation_defaults", None))
         if req.response_format is not None and req.response_format.type != "text":
             params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
-        if forced is not None:
-            if req.ignore_eos or req.min_tokens:
-                raise bad_request("a forced tool call cannot be combined with "
-                                  f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="tool_choice")
-            params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(forced), "tools"))
+        if mode.forced is not None:                    # a call the answer must be (server/tools.py)
+            params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids,
-                        extras={"calls": mode if forced is not None or mode.syntax is not None else None})
+                        extras={"calls": mode if mode.forced is not None or mode.syntax is not None else None})
 
 
 def _path_name(spec: str | None) -> str:

@@ -138,17 +138,21 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
+# OpenAI's rule for a json_schema's and a function's name
+NAME_FIELD = dict(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+
+
 class JsonSchemaSpec(_Strict):
     """response_format.json_schema (OpenAI): the schema under "schema" (a pydantic name clash)."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: str = Field(**NAME_FIELD)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
 class FunctionSpec(_Strict):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: str = Field(**NAME_FIELD)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -62,12 +62,23 @@ def tool_mode(req: ChatCompletionRequest, syntax: CallSyntax | None) -> ToolMode
     if not tools:
         raise bad_request("tool_choice needs tools", param="tool_choice")
     if choice == "required":
-        return ToolMode(forced=list(functions), functions=functions)
+        return _forced(req, list(functions), functions)
     name = _named(choice)
     for fn in functions:
         if fn.name == name:
-            return ToolMode(forced=[fn], functions=functions)
+            return _forced(req, [fn], functions)
     raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+
+
+def _forced(req: ChatCompletionRequest, forced: list[Any], functions: tuple) -> ToolMode:
+    """A forced call's ToolMode, refused where another rule would hold the answer open or shape it."""
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("a forced tool call and a response_format cannot be combined", param="response_format")
+    if req.ignore_eos or req.min_tokens:
+        # a finished call allows only EOS (as protocol.check_chat_extras says of response_format)
+        raise bad_request("a forced tool call cannot be combined with "
+                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="tool_choice")
+    return ToolMode(forced=forced, functions=functions)
 
 
 def _auto_refused():
