@@ -61,12 +61,23 @@ if [[ $STAGES == *tests* ]]; then
   # torch's default of one thread per core in each of TEST_JOBS workers, every pool spinning
   # against the others (the Makefile's CPU suite: 62 s -> 24 s for two files when limited)
   NT=${TEST_THREADS:-$(( $(nproc) / ${TEST_JOBS:-3} > 0 ? $(nproc) / ${TEST_JOBS:-3} : 1 ))}
-  env ${PREVIEW:-} OMP_NUM_THREADS=$NT MKL_NUM_THREADS=$NT OPENBLAS_NUM_THREADS=$NT EXL3TOOLS_TEST_LOG=$L/tests_live.log \
-  EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
-    -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
-    > "$L/tests.log" 2>&1
-  el "tests rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests.log" | tail -n 25
-  grep -E "^(FAILED|SLOW) " "$L/tests_live.log" 2>/dev/null | head -n 60
+  # TEST_ENVS="A=1 B=2;C=3": the same tests once per entry (its variables beside PREVIEW), the
+  # runs side by side, each with TEST_JOBS workers and logs tests_N.log (a switch's A/B in one call)
+  run_tests() {  # N EXTRA_ENV
+    env ${PREVIEW:-} $2 OMP_NUM_THREADS=$NT MKL_NUM_THREADS=$NT OPENBLAS_NUM_THREADS=$NT EXL3TOOLS_TEST_LOG=$L/tests${1}_live.log \
+    EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
+      -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
+      > "$L/tests$1.log" 2>&1
+    el "tests$1 [${2:-}] rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests$1.log" | tail -n 25
+    grep -E "^(FAILED|SLOW) " "$L/tests${1}_live.log" 2>/dev/null | head -n 60
+  }
+  if [ -n "${TEST_ENVS:-}" ]; then
+    IFS=';' read -ra TENV <<< "$TEST_ENVS"
+    for i in "${!TENV[@]}"; do run_tests "_$i" "${TENV[$i]}" > "$L/tests_summary_$i.txt" & done; wait
+    cat "$L"/tests_summary_*.txt
+  else
+    run_tests "" ""
+  fi
 fi
 if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
   timeout ${QUICK_TIMEOUT:-150} python3 bench/gpu_bench.py --graph --impls cuda,fp16 --rows 1,8,32,2048 \
