@@ -231,15 +231,14 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32) 
     sm_90 builds of HB 64 x TN 32 need 488 KiB of shared memory (limit 227 KiB) and, with a
     selection and splits, fail ptxas register allocation; HB 16 x TN 32 needs 144 KiB.
 
-    fp16 planes under the EXL3TOOLS_MLA_WIDE_TILES=1 preview (runtime/preview.py): 32 heads x 64
-    keys at 8 warps (16 heads below 32), whose (HB, TN) score tile gives each warp a tensor-core
-    tile of its own (at 16 x 16 most of the 8 warps have none). H200, 2026-12-02: the kernel at 128
-    heads 222 -> 100 us at batch 1 and a 32k context, 825 -> 315 us at batch 32 and 4k
-    (bench/gpu_mla_attention.py --sweep); the DeepSeek-V3 shape served one stream at a 30000-token
-    context at 298 tok/s against 251. Not the default: on the H200 the DeepSeek-V3 fixture (2
-    heads: 16 x 64) gave wrong logits for the rows of one sequence's prompt in a decode graph
-    (7.4e-2 against 1.3e-4 on the interpreter; 16 x 16 passes), not yet understood
-    (tests/gpu/test_mla_attention.py's rows-of-one-sequence test is the probe)."""
+    fp16 planes: 32 heads x 64 keys at 8 warps (16 heads below 32), whose (HB, TN) score tile
+    gives each warp a tensor-core tile of its own (at 16 x 16 most of the 8 warps have none). H200,
+    2026-12-02: the kernel at 128 heads 222 -> 100 us at batch 1 and a 32k context, 825 -> 315 us
+    at batch 32 and 4k (bench/gpu_mla_attention.py --sweep); the DeepSeek-V3 shape served one
+    stream at a 30000-token context at 298 tok/s against 251. EXL3TOOLS_MLA_WIDE_TILES=0 keeps
+    16 x 16 x 8 (runtime/preview.py OPT_OUTS). fp32 planes (and bf16, widened to fp32 as they
+    load) keep the small tiles: at 32 x 64 their tf32x3 dots need 288 KiB of shared memory (sm_90
+    has 227; H200, 2026-12-02)."""
     if planes == torch.float16 and _wide_tiles():
         return (32 if H > 16 else 16), 64, 8
     if precision == "ieee":

@@ -36,13 +36,8 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # decoding sequences on a 78-layer GLM-5 make ~120k calls a step). Served on the H200
     # (2026-12-02 evening, GLM-5 shape, prompt graphs off): 8 streams 962 -> 1213 tok/s, 8 short
     # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
-    # glm5 GPU test failed (2.66e-2) in a run with the wide tiles on, not run since
+    # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
-    # the MLA decode kernel on fp16 planes at 32 heads x 64 keys x 8 warps instead of 16 x 16 x 8
-    # (kernels/mla_attention.default_config): 2.2-2.6x faster on the H200, but a 2-head fixture's
-    # prompt rows in a decode graph came out wrong at 16 x 64 (2026-12-02 evening); off until a
-    # GPU run of the rows-of-one-sequence kernel test tells why
-    "mla_wide_tiles": "EXL3TOOLS_MLA_WIDE_TILES",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -81,6 +76,13 @@ OPT_OUTS = {
     # short prompts joining 8 streams at a 4096 context: the streams' longest gap 58 -> 18 ms,
     # the prompts' TTFT 143 -> 51 ms; 8 streams 2120 -> 2304 tok/s (exllamav3 1316)
     "prompt_graphs": "EXL3TOOLS_PROMPT_GRAPHS",
+    # the MLA decode kernel on fp16 planes at 32 heads x 64 keys x 8 warps (16 heads below 32
+    # heads) instead of 16 x 16 x 8 (kernels/mla_attention.default_config): 2.2-2.6x faster on the
+    # H200 (128 heads: 222 -> 100 us at batch 1 and a 32k context, 825 -> 315 us at batch 32 and
+    # 4k); DeepSeek-V3 shape, one stream at a 30000-token context 251 -> 298 tok/s through serve.
+    # Its kernel tests pass on the H200 (2026-12-02, every tile against the oracle, the rows of one
+    # sequence among them); the one fixture test it failed sat on a tie (docs/gpu.md)
+    "mla_wide_tiles": "EXL3TOOLS_MLA_WIDE_TILES",
 }
 
 

@@ -30,6 +30,7 @@ from exl3tools.runtime.cache import MIN_CAPACITY
 from exl3tools.runtime.loader import Layout, open_rank, resolve
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.paged_decode import last_rows
 from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
 from exl3tools.runtime.speculative import SpeculativeSteps
 from exl3tools.runtime.text_meta import read_text_meta
@@ -349,7 +350,8 @@ class Runner(SpeculativeSteps):
                 if all_logits or self.last_path == "prompt":
                     logits = logits.clone()
                 else:
-                    logits = logits[torch.tensor(_last_rows(items), device=logits.device)]
+                    logits = logits[torch.tensor(last_rows([seq.row for _, seq, t, _ in items for _ in t]),
+                                                 device=logits.device)]
             else:
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
                 spec_ids = [s if seq.spec is not None else None for s, seq, _, _ in items]
@@ -511,15 +513,6 @@ class _Seq:
         self.unknown = 0     # tokens written by chained steps, not committed yet
         self.spec: DraftState | None = None     # MTP draft state (speculative decoding)
         self.pending = None  # (tokens, states) of a verify step not accepted yet
-
-
-def _last_rows(items: list) -> list[int]:
-    """Index of each item's last new token among a step's packed rows."""
-    out, n = [], 0
-    for it in items:
-        n += len(it[2])
-        out.append(n - 1)
-    return out
 
 
 def rank_device(device: str, rank: int, world: int) -> str:

@@ -201,17 +201,17 @@ def test_mla_decode_rows_of_one_sequence(dev, config, H, split_dots):
     assert err < 1e-3, (config, H, split_dots, err)
 
 
-def test_wide_tiles_preview_picks_the_fp16_tiles(monkeypatch):
-    """EXL3TOOLS_MLA_WIDE_TILES=1: fp16 planes at 32 (or 16) heads x 64 keys x 8 warps; unset, and
-    on fp32 planes always, the 16 x 16 x 8 tiles every GPU test has passed with."""
+def test_wide_tiles_on_fp16_planes_unless_opted_out(monkeypatch):
+    """fp16 planes take 32 (or, below 32 heads, 16) heads x 64 keys x 8 warps unless
+    EXL3TOOLS_MLA_WIDE_TILES=0; fp32 planes always, and the opt-out, the 16 x 16 x 8 tiles."""
     from exl3tools.kernels.mla_attention import default_config
 
     monkeypatch.delenv("EXL3TOOLS_MLA_WIDE_TILES", raising=False)
-    assert default_config(128, "ieee", torch.float16) == default_config(128, "ieee") == (16, 16, 8)
-    monkeypatch.setenv("EXL3TOOLS_MLA_WIDE_TILES", "1")
     assert default_config(128, "ieee", torch.float16) == (32, 64, 8)
     assert default_config(2, "ieee", torch.float16) == (16, 64, 8)
     assert default_config(128, "ieee", torch.float32) == (16, 16, 8)
+    monkeypatch.setenv("EXL3TOOLS_MLA_WIDE_TILES", "0")
+    assert default_config(128, "ieee", torch.float16) == default_config(128, "ieee") == (16, 16, 8)
 
 
 @pytest.mark.parametrize("value,want", [(None, None), ("", None), ("32,32,8", (32, 32, 8)), ("16,64,4", (16, 64, 4)),
