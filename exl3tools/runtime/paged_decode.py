@@ -38,6 +38,7 @@ routing, SiLU*mul; docs/gpu.md "Fused decode step"); off (and for MLA models), t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -332,6 +333,13 @@ class PagedDecoder:
         if pool not in self._pools:
             self._pools[pool] = torch.cuda.graph_pool_handle()
         handle = self._pools[pool]
+        # dead cycles go now, and no collection runs while capturing: one mid-capture that
+        # destroyed an earlier runner's unreachable graphs (CUDAGraph reset: "operation not
+        # permitted when stream is capturing") failed the capture (H200, tests/gpu, 2026-12-02);
+        # torch.cuda.graph no longer collects on entry
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             for (tag, body), (sparse, width), bs in jobs:
                 key = (*tag, bs, sparse, width)
@@ -348,6 +356,8 @@ class PagedDecoder:
                     body(bs, width, sparse=sparse)
                 self._graphs[key] = g
         finally:
+            if collecting:
+                gc.enable()
             self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
 
