@@ -142,7 +142,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     [ $arch = none ] && continue       # the kernel part alone: no checkpoint to make
     d=/tmp/synth_$arch
-    SYN="--arch $arch"; [ $arch = glm5_flat ] && SYN="--arch glm5 --flat-logits"
+    # MLA_SYNTH_EXTRA: more synth_checkpoint.py options (e.g. "--layers 24": MTP's worth on a deeper shape)
+    SYN="--arch $arch ${MLA_SYNTH_EXTRA:-}"; [ $arch = glm5_flat ] && SYN="--arch glm5 --flat-logits ${MLA_SYNTH_EXTRA:-}"
     [ -d $d ] || python3 bench/synth_checkpoint.py $d $SYN > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
