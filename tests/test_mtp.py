@@ -177,6 +177,36 @@ def test_generate_cli_mtp_samples_reproducibly_with_a_seed():
     assert ja["mtp"]["drafted"] > 0
 
 
+def test_kv_budget_charges_the_paged_heads_blocks_at_their_size():
+    """With the MTP head's cache in blocks (mtp_paged, the default) the budget charges each pool
+    token the head's one layer in the pool's dtype, which is what PagedState allocates beside the
+    pool, and nothing per sequence; the eager head keeps its float32 bound (the test below). The
+    H200 run that charged the eager bound with the head paged left 44 of 136 GB unused."""
+    import torch
+
+    from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs, mtp_budget, mtp_cache_bytes_per_token
+    from exl3tools.runtime.rank_state import PagedState
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+
+    r = load_runner(fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model", max_cache_tokens=256, speculative_tokens=1)
+    try:
+        m = r.model
+        assert mtp_budget(m, 0, torch.float16, paged=True) == (0, 0)
+        m32 = mtp_cache_bytes_per_token(m, 1)
+        assert mtp_budget(m, 1, torch.float16, paged=False)[0] == 2 * m32
+        for dtype in (torch.float16, torch.float32):
+            head_token, head_seq = mtp_budget(m, 1, dtype, paged=True)
+            assert head_seq == 0 and 0 < head_token < 2 * m32
+            blocks, bs = 5, 16
+            st = PagedState(m, num_blocks=blocks, block_size=bs, dtype=str(dtype).removeprefix("torch."),
+                            max_seqs=2, max_blocks=4, decode="eager", mtp_paged=True)
+            assert st.head_pool is not None
+            assert st.nbytes() == blocks * bs * (bytes_per_token(layer_specs(m), dtype) + head_token)
+    finally:
+        r.close()
+
+
 def test_kv_budget_counts_the_mtp_heads_cache():
     """With speculative decoding the CUDA KV budget also stands for the MTP head's own cache (one
     layer per sequence, outside the pool, grown by doubling): 2x its bytes per pool token plus

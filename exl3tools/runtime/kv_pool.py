@@ -7,7 +7,7 @@ offset ``s % block_size`` of block ``s // block_size``; ``runtime/block_manager.
 blocks a sequence owns.
 
 ``kv_dtype_for`` picks the planes' dtype (``--kv-cache-dtype``), ``bytes_per_token`` and
-``mtp_cache_bytes_per_token`` size the KV budget.
+``mtp_budget`` size the KV budget.
 
 ``PagedSeqView`` gives the eager forward (``CausalLM.forward``) SeqCache's interface over one
 sequence's blocks for the length of one step: ``extend`` writes the new rows into their slots and
@@ -60,6 +60,23 @@ def mtp_cache_bytes_per_token(model, speculative_tokens: int) -> int:
     if not speculative_tokens or getattr(model, "mtp", None) is None:
         return 0
     return bytes_per_token([tuple(model.mtp.block.attn.cache_spec())], torch.float32)
+
+
+def mtp_budget(model, speculative_tokens: int, dtype: torch.dtype, *, paged: bool) -> tuple[int, int]:
+    """What the MTP head's cache takes from the KV budget: (bytes per pool token, bytes per
+    sequence). ``paged`` (the default, PagedState.head_pool): one layer's planes in the pool's
+    dtype beside every pool slot, nothing per sequence. Else a SeqCache per drafting sequence in
+    float32 (mtp_cache_bytes_per_token): 2x its bytes per pool token and MIN_CAPACITY tokens per
+    sequence. Charging the eager head's float32 twice with the head paged left 44 of 136 GB unused
+    on the H200 (GLM-5 shape, --speculative-tokens 1-3, 2026-12-02)."""
+    from exl3tools.runtime.cache import MIN_CAPACITY
+
+    if not speculative_tokens or getattr(model, "mtp", None) is None:
+        return 0, 0
+    if paged:
+        return bytes_per_token([tuple(model.mtp.block.attn.cache_spec())], dtype), 0
+    m = mtp_cache_bytes_per_token(model, speculative_tokens)
+    return 2 * m, m * MIN_CAPACITY
 
 
 def kv_dtype_for(name: str, device: torch.device, *, mla: bool = False) -> torch.dtype:

@@ -47,6 +47,10 @@ class PagedState:
             self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs",
                                         head_pool=self.head_pool, max_rows=max_rows, prompt_rows=prompt_rows)
 
+    def nbytes(self) -> int:
+        """The KV pool's bytes, the MTP head's blocks included."""
+        return self.pool.nbytes() + (self.head_pool.nbytes() if self.head_pool is not None else 0)
+
     def forward(self, items: list[tuple[list[int], int, list[int]]], *, all_logits: bool = False,
                 states: bool = False):
         """Eager forward; each item is (block table, tokens cached, new tokens). Device logits

@@ -26,7 +26,6 @@ from exl3tools.kernels.dispatch import resolve_backend
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime import preview
 from exl3tools.runtime.arch import BuildContext, arch_module
-from exl3tools.runtime.cache import MIN_CAPACITY
 from exl3tools.runtime.loader import Layout, open_rank, resolve
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
@@ -101,7 +100,7 @@ class Runner(SpeculativeSteps):
             bytes_per_token,
             kv_dtype_for,
             layer_specs,
-            mtp_cache_bytes_per_token,
+            mtp_budget,
         )
 
         self.model = model
@@ -126,22 +125,25 @@ class Runner(SpeculativeSteps):
             on = self._row_steps and (preview.switched_on("prompt_graphs") if dev.type == "cuda"
                                       else preview.asked_for("prompt_graphs"))
             prompt_rows = min(PROMPT_GRAPH_ROWS, int(max_num_batched_tokens) + self.max_num_seqs) if on else 0
+        # the MTP head's cache in the block pool, its drafts in the fixed-shape step
+        # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
+        mtp_paged = bool(self.spec_k and preview.switched_on("mtp_paged"))
         specs = layer_specs(model)
         per_token = bytes_per_token(specs, dtype)
+        head_token, head_seq = mtp_budget(model, self.spec_k, dtype, paged=mtp_paged)
         weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
         if max_cache_tokens is not None:
             if int(max_cache_tokens) < 1:
                 raise UsageError(f"max_cache_tokens must be >= 1, got {max_cache_tokens}")
             num_blocks = -(-int(max_cache_tokens) // block_size) + 1
         elif dev.type == "cuda":
-            mtp = mtp_cache_bytes_per_token(model, self.spec_k)
             # DSA's sparse prompt graphs hold float32 indexer scores (and top-k scratch) of every
             # row against the whole table: 512 rows x 202752 keys x 4 B = 415 MB, twice
             dsa = any(getattr(layer.attn, "index_topk", 0) for layer in model.layers)
             scores = 8 * prompt_rows * model.info.max_context if dsa else 0
-            num_blocks = self._budget_blocks((per_token + 2 * mtp) * block_size, gpu_memory_utilization,
+            num_blocks = self._budget_blocks((per_token + head_token) * block_size, gpu_memory_utilization,
                                              max_num_batched_tokens, str(dtype).removeprefix("torch."),
-                                             reserve=mtp * MIN_CAPACITY * self.max_num_seqs + scores,
+                                             reserve=head_seq * self.max_num_seqs + scores,
                                              graph_rows=prompt_rows)
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
@@ -155,9 +157,7 @@ class Runner(SpeculativeSteps):
         max_blocks = -(-self.max_context // block_size)
         state = dict(num_blocks=num_blocks, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
                      max_seqs=self.max_num_seqs, max_blocks=max_blocks, decode=mode,
-                     # the MTP head's cache in blocks, its drafts in the fixed-shape step
-                     # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
-                     mtp_paged=bool(self.spec_k and preview.switched_on("mtp_paged")),
+                     mtp_paged=mtp_paged,
                      # a verify is 1 + k rows a sequence: the step takes every sequence's at once
                      max_rows=self.max_num_seqs * (1 + self.spec_k),
                      # larger buckets for prompt steps (short prompts beside decoding rows)
@@ -170,9 +170,10 @@ class Runner(SpeculativeSteps):
             self._capture()
         self._rows = list(range(self.max_num_seqs))
         self._seqs: dict[Hashable, _Seq] = {}
-        log.info("KV cache: %d blocks x %d tokens (%s, %d B/token), %.2f GiB%s; longest context %d tokens; "
+        log.info("KV cache: %d blocks x %d tokens (%s, %d B/token%s), %.2f GiB%s; longest context %d tokens; "
                  "decode %s, up to %d sequences", self.blocks.usable_blocks, block_size, state["dtype"], per_token,
-                 self.paged.pool.nbytes() / 2**30,
+                 f" + the MTP head's {head_token}" if self.paged.head_pool is not None else "",
+                 self.paged.nbytes() / 2**30,
                  "" if weights_bytes is None else f"; weights {weights_bytes / 2**30:.2f} GiB",
                  self.max_context, self.decode_mode, self.max_num_seqs)
         meta = read_text_meta(ckpt_dir)
@@ -298,7 +299,7 @@ class Runner(SpeculativeSteps):
         dev = self.model.embed.device
         if dev.type != "cuda":
             return None
-        return {"kv_pool": self.paged.pool.nbytes(), "allocated": torch.cuda.memory_allocated(dev),
+        return {"kv_pool": self.paged.nbytes(), "allocated": torch.cuda.memory_allocated(dev),
                 "reserved": torch.cuda.memory_reserved(dev), "peak_allocated": torch.cuda.max_memory_allocated(dev)}
 
     def _seq(self, seq_id):
