@@ -128,6 +128,10 @@ HERMES = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% end
           "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
           "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
 GLM = HERMES.replace("{\"name\": ..., \"arguments\": ...}", "name<arg_key>k</arg_key><arg_value>v</arg_value>")
+# DeepSeek's markers as its templates write them (｜ U+FF5C, ▁ U+2581)
+DEEPSEEK = HERMES.replace("<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>",
+                          "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name ...<｜tool▁call▁end｜>"
+                          "<｜tool▁calls▁end｜>")
 
 
 @pytest.fixture
@@ -161,7 +165,7 @@ def scripted(tmp_path):
             i = drawn[id(generator)] = drawn.get(id(generator), -1) + 1
             return script[min(i, len(script) - 1)]
         hooks = dict(runtime_hooks(), sample=sample, sample_batch=None, sample_device=None)
-        app = create_app(ServeConfig(model_path=str(dst), served_model_name="demo", max_context=256), hooks=hooks)
+        app = create_app(ServeConfig(model_path=str(dst), served_model_name="demo", max_context=512), hooks=hooks)
         s = stack.enter_context(LiveServer(app))
         return openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -197,6 +201,32 @@ def test_auto_reads_glm_pairs_with_the_parameters_types(scripted):
     assert m.message.content is None and json.loads(tc.function.arguments) == {"city": "Rome", "days": 2}
 
 
+@pytest.mark.parametrize("body", [
+    'function<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome", "days": 2}\n```',      # V3 (0324)
+    'get_weather<｜tool▁sep｜>{"city": "Rome", "days": 2}'])                                # V3.1 and later
+def test_auto_reads_deepseek_calls_streamed_and_whole(scripted, body):
+    text = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + body + "<｜tool▁call▁end｜>"
+            '<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    client = scripted(DEEPSEEK, text)
+    m = call(client, temperature=0.5, seed=1, max_tokens=220).choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.content == "Checking."
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in m.message.tool_calls] == [
+        ("get_weather", {"city": "Rome", "days": 2}), ("now", {})]
+    chunks = [ch for ch in call(client, temperature=0.5, seed=2, stream=True, max_tokens=220) if ch.choices]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Checking."
+    assert [tc.function.name for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])] == ["get_weather", "now"]
+
+
+def test_deepseek_blocks_that_do_not_parse_leave_the_answer_text():
+    from exl3tools.server.tools import CallSyntax
+
+    ds = CallSyntax("deepseek")
+    begin = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+    for body in ("get_weather{}", "function<｜tool▁sep｜>get_weather {}", "x<｜tool▁sep｜>[1]", "<｜tool▁sep｜>{}"):
+        assert ds.parse(begin + body + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>") is None, body
+    assert ds.parse("no calls here") is None
+
+
 @pytest.mark.parametrize("text", ["It is sunny, <tool_calm> and <tool_ans.",
                                   '<tool_call>{"name": "now", "arguments": {}</tool_call>'])  # not JSON: text
 def test_auto_answers_without_a_readable_call_are_text(scripted, text):
@@ -217,6 +247,7 @@ def test_auto_is_refused_where_the_markers_are_special_tokens():
 
     tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
     assert call_syntax(HERMES, tok).family == "hermes" and call_syntax(GLM, tok).family == "glm"
+    assert call_syntax(DEEPSEEK, tok).family == "deepseek"
     assert call_syntax("{{ messages }}", tok) is None
-    tok.add_special_tokens([AddedToken("<tool_call>", special=True)])
-    assert call_syntax(HERMES, tok) is None and call_syntax(GLM, tok) is None
+    tok.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("<｜tool▁sep｜>", special=True)])
+    assert call_syntax(HERMES, tok) is None and call_syntax(GLM, tok) is None and call_syntax(DEEPSEEK, tok) is None

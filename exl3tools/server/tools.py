@@ -8,12 +8,15 @@ parameters schema>}`` whatever the model's own tool-call syntax, and comes back 
 
 "auto" (OpenAI's default when tools are given): the model decides, in its own syntax, which
 ``call_syntax`` recognises from the chat template: Hermes-style JSON (``<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>``: Qwen3 and others) or GLM's XML (``<tool_call>name<arg_key>k
-</arg_key><arg_value>v</arg_value></tool_call>``: GLM-4.5 and later). Text before the first
-``<tool_call>`` streams as content; the rest is held back and parsed when the answer ends; a
-call that does not parse comes back as text. A template with neither syntax (DeepSeek-V3's
-special-token calls included) makes "auto" a 400. "none" renders the tools and generates text.
-The tools reach the chat template as ``tools`` either way.
+"arguments": {...}}</tool_call>``: Qwen3 and others), GLM's XML (``<tool_call>name<arg_key>k
+</arg_key><arg_value>v</arg_value></tool_call>``: GLM-4.5 and later) or DeepSeek's marker tokens
+(``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` and the arguments in a
+json fence, V3; ``...begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``, V3.1 and later). Text
+before the first call marker streams as content; the rest is held back and parsed when the answer
+ends; a call that does not parse comes back as text. A template with none of these syntaxes, or
+whose markers the tokenizer makes special tokens (the text the parser reads would not hold them),
+makes "auto" a 400. "none" renders the tools and generates text. The tools reach the chat template
+as ``tools`` either way.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def _forced(req: ChatCompletionRequest, forced: list[Any], functions: tuple) -> 
 def _auto_refused():
     return bad_request("tool_choice \"auto\" (the default with tools) is not supported for this model: its chat "
                        "template shows no tool-call syntax this server reads (Hermes <tool_call> JSON, GLM "
-                       "<arg_key>/<arg_value>); send tool_choice \"required\" or {\"type\": \"function\", "
+                       "<arg_key>/<arg_value>, DeepSeek <｜tool▁call▁begin｜>), or its tokenizer makes the "
+                       "markers special tokens; send tool_choice \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}} to force a call, or \"none\"", param="tool_choice",
                        code="unsupported_parameter")
 
@@ -136,25 +140,59 @@ def tool_calls(text: str) -> list[dict] | None:
 START = "<tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# DeepSeek-V3 and later: marker tokens (｜ is U+FF5C, ▁ U+2581); calls sit in one calls region
+DS_START, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+_DS_BLOCK = re.compile(re.escape(DS_CALL) + r"(.*?)" + re.escape(DS_CALL_END), re.DOTALL)
+_DS_REGION = re.compile(re.escape(DS_START) + r".*?(?:" + re.escape(DS_END) + r"|$)", re.DOTALL)
+_DS_FENCE = re.compile(r"\s*(\S+)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)   # V3: name, then fenced JSON
 
 
 @dataclass(frozen=True, slots=True)
 class CallSyntax:
     """A model family's tool-call syntax: every call a ``<tool_call>...</tool_call>`` block whose
-    body is JSON (Hermes) or GLM's name and <arg_key>/<arg_value> pairs."""
+    body is JSON ("hermes") or GLM's name and <arg_key>/<arg_value> pairs ("glm"), or a
+    ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` block inside DeepSeek's calls region ("deepseek")."""
 
     family: str
+
+    @property
+    def start(self) -> str:
+        """The marker from which an answer's text is held back for parsing."""
+        return DS_START if self.family == "deepseek" else START
 
     def parse(self, text: str, functions: tuple = ()) -> tuple[str, list[dict]] | None:
         """(the text outside the blocks, the calls) when ``text`` holds at least one block and
         every block parses; None otherwise (the answer is then plain text)."""
-        bodies = _BLOCK.findall(text)
+        deepseek = self.family == "deepseek"
+        bodies = (_DS_BLOCK if deepseek else _BLOCK).findall(text)
         if not bodies:
             return None
-        calls = [self._json(b) if self.family == "hermes" else self._glm(b, functions) for b in bodies]
+        one = {"hermes": self._json, "glm": lambda b: self._glm(b, functions), "deepseek": self._deepseek}[self.family]
+        calls = [one(b) for b in bodies]
         if any(c is None for c in calls):
             return None
-        return _BLOCK.sub("", text).strip(), calls
+        return (_DS_REGION if deepseek else _BLOCK).sub("", text).strip(), calls
+
+    @staticmethod
+    def _deepseek(body: str) -> dict | None:
+        head, sep, rest = body.partition(DS_SEP)
+        if not sep:
+            return None
+        if head.strip() == "function":          # V3: function<｜tool▁sep｜>name, a json fence
+            m = _DS_FENCE.fullmatch(rest)
+            if m is None:
+                return None
+            name, args = m.group(1), m.group(2)
+        else:                                   # V3.1 and later: name<｜tool▁sep｜>{arguments}
+            name, args = head.strip(), rest.strip()
+        try:
+            arguments = json.loads(args)
+        except ValueError:
+            return None
+        if not name or not isinstance(arguments, dict):
+            return None
+        return _call(name, arguments)
 
     @staticmethod
     def _json(body: str) -> dict | None:
@@ -191,21 +229,27 @@ def call_syntax(template: str | None, tokenizer: Any = None) -> CallSyntax | Non
     """The call syntax a chat template shows, None when it shows none this server reads, or when
     the tokenizer makes its markers special tokens (the detokenized text, which the parser reads,
     skips those: "auto" is refused rather than answered with the markers' remains)."""
-    if not template or START not in template:
+    if not template:
         return None
-    glm = "<arg_key>" in template
-    markers = {START, "</tool_call>"} | ({"<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} if glm else set())
+    if DS_CALL in template and DS_SEP in template:
+        family, markers = "deepseek", {DS_START, DS_END, DS_CALL, DS_SEP, DS_CALL_END}
+    elif START in template:
+        family = "glm" if "<arg_key>" in template else "hermes"
+        markers = {START, "</tool_call>"} | (
+            {"<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} if family == "glm" else set())
+    else:
+        return None
     if tokenizer is not None and any(t.special and t.content in markers
                                      for t in tokenizer.get_added_tokens_decoder().values()):
         return None
-    return CallSyntax("glm" if glm else "hermes")
+    return CallSyntax(family)
 
 
 @dataclass(slots=True)
 class CallReader:
     """One request's answers read for tool calls: the forced call's JSON, or an "auto" answer's
-    blocks in the model's syntax (``mode.syntax``). Streaming: text goes out until a ``<tool_call>``
-    begins (a partial marker at the end is held until it resolves); the rest waits for the end."""
+    blocks in the model's syntax (``mode.syntax``). Streaming: text goes out until the syntax's first
+    marker begins (a partial marker at the end is held until it resolves); the rest waits for the end."""
 
     mode: ToolMode
     _held: dict[int, str] = field(default_factory=dict)
@@ -231,12 +275,13 @@ class CallReader:
         if self.mode.forced is not None or index in self._holding:
             self._held[index] = held
             return ""
-        at = held.find(START)
+        start = self.mode.syntax.start
+        at = held.find(start)
         if at >= 0:
             self._holding.add(index)
             self._held[index] = held[at:]
             return held[:at]
-        keep = next((k for k in range(min(len(START) - 1, len(held)), 0, -1) if START.startswith(held[-k:])), 0)
+        keep = next((k for k in range(min(len(start) - 1, len(held)), 0, -1) if start.startswith(held[-k:])), 0)
         self._held[index] = held[len(held) - keep:] if keep else ""
         return held[:len(held) - keep]
 
