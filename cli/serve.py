@@ -10,6 +10,7 @@ import click
 from exl3tools.cli._runtime import LoadProgress, api_keys_option, check_device, preflight_plan
 
 from exl3tools.errors import NotFoundError, UsageError
+from exl3tools.server.reasoning import PARSERS
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
 
@@ -58,6 +59,11 @@ def _pos(_ctx, _param, value: int) -> int:
               help="MTP speculative decoding: draft this many tokens per step with the checkpoint's MTP head "
                    "(GLM-5), verify them in one forward; greedy output is unchanged, sampled output keeps "
                    "the model's distribution. 0: off.")
+@click.option("--reasoning-parser", type=click.Choice(PARSERS), default="none", show_default=True,
+              help="Chat answers' <think>...</think> as message.reasoning_content (streamed as "
+                   "delta.reasoning_content) and the rest as content, where tool calls are read (GLM-4.5 and "
+                   "later, DeepSeek-R1, Qwen3; deepseek_r1, qwen3 and glm45 are vLLM's names for the same "
+                   "tags). none: answers stay whole.")
 @click.option("--max-model-len", "--max-context", "max_context", type=click.IntRange(1, None), default=None,
               help="Cap the context length (default: the model's, and what the KV cache holds).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
@@ -75,7 +81,7 @@ def _pos(_ctx, _param, value: int) -> int:
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
               max_batch: int, max_queue: int, max_cache_tokens: int | None, gpu_memory_utilization: float,
               block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int | None,
-              prefill_wait_ms: float, speculative_tokens: int, max_context: int | None,
+              prefill_wait_ms: float, speculative_tokens: int, reasoning_parser: str, max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
               cpu_threads: int | None, log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
@@ -118,7 +124,8 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                       cpu_threads=cpu_threads, cuda_graphs=cuda_graphs,
                       gpu_memory_utilization=gpu_memory_utilization, block_size=int(block_size),
                       kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-                      speculative_tokens=speculative_tokens, prefill_wait_s=prefill_wait_ms / 1e3)
+                      speculative_tokens=speculative_tokens, prefill_wait_s=prefill_wait_ms / 1e3,
+                      reasoning_parser=reasoning_parser)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,6 +47,49 @@ def demo_openai():
     app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_context=256))
     with LiveServer(app) as s:
         yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    """``start(template, text, **config)``: the openai client on a server of a copy of the demo
+    checkpoint with ``template`` as its chat template (ServeConfig ``config`` beside it), whose
+    sampler emits ``text`` (tokenized) and EOS whatever the logits: what a real model writes (its
+    call syntax, its thinking), which a random one never would, through the real engine,
+    detokenizer and formatter."""
+    import shutil
+    from contextlib import ExitStack
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.app import ServeConfig, create_app, runtime_hooks
+    from exl3tools.server.testing import LiveServer
+
+    stack = ExitStack()
+
+    def start(template: str, text: str, **config):
+        dst = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(DEMO / "model", dst)
+        cfg = json.loads((dst / "tokenizer_config.json").read_text())
+        (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+        eos = json.loads((dst / "config.json").read_text())["eos_token_id"]
+        script = (Tokenizer.from_file(str(dst / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+                  + [eos if isinstance(eos, int) else eos[0]])
+        drawn: dict[int, int] = {}
+
+        def sample(_row, _temperature, _top_k, _top_p, generator):
+            # each sequence (sampled: a generator of its own) writes the script from its start
+            i = drawn[id(generator)] = drawn.get(id(generator), -1) + 1
+            return script[min(i, len(script) - 1)]
+        hooks = dict(runtime_hooks(), sample=sample, sample_batch=None, sample_device=None)
+        app = create_app(ServeConfig(model_path=str(dst), served_model_name="demo", max_context=512, **config),
+                         hooks=hooks)
+        s = stack.enter_context(LiveServer(app))
+        return openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    with stack:
+        yield start
 
 
 def cuda_available() -> bool:

@@ -134,45 +134,6 @@ DEEPSEEK = HERMES.replace("<tool_call>{\"name\": ..., \"arguments\": ...}</tool_
                           "<｜tool▁calls▁end｜>")
 
 
-@pytest.fixture
-def scripted(tmp_path):
-    """A server of a copy of the demo checkpoint with ``template`` as its chat template, whose
-    sampler emits ``text`` (tokenized) and EOS whatever the logits: the model's own call syntax,
-    which a random model would never write, through the real engine, detokenizer and formatter."""
-    import shutil
-    from contextlib import ExitStack
-
-    from tokenizers import Tokenizer
-
-    from exl3tools.server.app import ServeConfig, create_app, runtime_hooks
-    from exl3tools.server.testing import LiveServer
-    from tests.conftest import DEMO
-
-    stack = ExitStack()
-
-    def start(template: str, text: str):
-        dst = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(DEMO / "model", dst)
-        cfg = json.loads((dst / "tokenizer_config.json").read_text())
-        (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
-        eos = json.loads((dst / "config.json").read_text())["eos_token_id"]
-        script = (Tokenizer.from_file(str(dst / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-                  + [eos if isinstance(eos, int) else eos[0]])
-        drawn: dict[int, int] = {}
-
-        def sample(_row, _temperature, _top_k, _top_p, generator):
-            # each sequence (sampled: a generator of its own) writes the script from its start
-            i = drawn[id(generator)] = drawn.get(id(generator), -1) + 1
-            return script[min(i, len(script) - 1)]
-        hooks = dict(runtime_hooks(), sample=sample, sample_batch=None, sample_device=None)
-        app = create_app(ServeConfig(model_path=str(dst), served_model_name="demo", max_context=512), hooks=hooks)
-        s = stack.enter_context(LiveServer(app))
-        return openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-    with stack:
-        yield start
-
-
 def test_auto_reads_a_hermes_call_and_keeps_the_text_before_it(scripted):
     c = scripted(HERMES, 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}</tool_call>')
     m = call(c, temperature=0.5, seed=1, max_tokens=150).choices[0]

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
-from exl3tools.server import tools
+from exl3tools.server import reasoning, tools
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
 from exl3tools.server.limits import PromptGuard, check_api_keys
@@ -45,6 +45,7 @@ from exl3tools.server.protocol import (
     parse_body,
     sampling_params,
 )
+from exl3tools.server.reasoning import ThinkSplitter
 from exl3tools.server.responses import Choice, Formatter, sse
 from exl3tools.server.template import ChatTemplate, no_template
 from exl3tools.text import first_line
@@ -80,6 +81,7 @@ class ServeConfig:
     prefix_caching: bool = True
     speculative_tokens: int = 0   # MTP drafts per decode step (0: off)
     prefill_wait_s: float = 0.0   # idle engine: gather a burst of requests this long into one prefill
+    reasoning_parser: str = "none"   # "none", or <think> tags apart (server/reasoning.py PARSERS)
 
 
 def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
@@ -164,6 +166,7 @@ class Server:
         self._guard: PromptGuard | None = None
         self._grammars: Any = None             # server/structured.Grammars, on the first response_format
         self._grammars_lock = threading.Lock()
+        self._think_tags: bool | None = None   # --reasoning-parser: the tags reach the text (checked once)
 
     def guard(self) -> PromptGuard:
         """Prompt-size checks that run before any tokenization (server/limits.py)."""
@@ -184,6 +187,16 @@ class Server:
                 vocab = max(r.vocab_size, r.tokenizer.get_vocab_size(with_added_tokens=True))
                 self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), vocab)
             return self._grammars
+
+    def thinks(self) -> bool:
+        """Whether chat answers are split into thinking and content (--reasoning-parser), which needs
+        the tags as text; a tokenizer that makes them special leaves the answers whole (warned once)."""
+        if self._think_tags is None:
+            self._think_tags = self.cfg.reasoning_parser != "none" and reasoning.tags_are_text(self.runner.tokenizer)
+            if self.cfg.reasoning_parser != "none" and not self._think_tags:
+                log.warning("--reasoning-parser %s: this tokenizer makes <think> or </think> a special token, which "
+                            "detokenizing skips; answers stay whole", self.cfg.reasoning_parser)
+        return self._think_tags
 
     def token_text(self) -> TokenText:
         if self._token_text is None:
@@ -302,7 +315,9 @@ class Server:
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids,
-                        extras={"calls": mode if mode.forced is not None or mode.syntax is not None else None})
+                        extras={"calls": mode if mode.forced is not None or mode.syntax is not None else None,
+                                # where the answer starts: inside the thinking (the prompt opened it) or not
+                                "think": reasoning.opens_inside(text) if self.thinks() else None})
 
 
 def _path_name(spec: str | None) -> str:
@@ -467,7 +482,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                         created=int(time.time()), model=server.model_name,
                         tokens=server.token_text(), logprobs=prep.params.logprobs is not None,
                         token_ids=prep.return_token_ids,
-                        calls=tools.CallReader(prep.extras["calls"]) if prep.extras.get("calls") else None)
+                        calls=tools.CallReader(prep.extras["calls"]) if prep.extras.get("calls") else None,
+                        think=ThinkSplitter(prep.extras["think"]) if prep.extras.get("think") is not None else None)
         if prep.stream:
             return StreamingResponse(_stream(handle, fmt, prep.include_usage),
                                      media_type="text/event-stream",

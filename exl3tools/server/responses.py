@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from exl3tools.server.detok import TokenText
+from exl3tools.server.reasoning import ThinkSplitter
 from exl3tools.server.requests import Event, TokenLogprob
 from exl3tools.server.tools import CallReader
 
@@ -53,12 +54,14 @@ class Formatter:
     """Shapes one request's events as a completion or a chat completion."""
 
     def __init__(self, *, chat: bool, rid: str, created: int, model: str, tokens: TokenText,
-                 logprobs: bool, token_ids: bool = False, calls: CallReader | None = None) -> None:
+                 logprobs: bool, token_ids: bool = False, calls: CallReader | None = None,
+                 think: ThinkSplitter | None = None) -> None:
         self.chat, self.rid, self.created, self.model = chat, rid, created, model
         self._tokens, self._logprobs = tokens, logprobs
         self._token_ids = token_ids
         self._started: set[int] = set()
         self._calls = calls if chat else None    # tool calls read out of the answers (server/tools.py)
+        self._think = think if chat else None    # thinking apart from the answer (server/reasoning.py)
 
     # ------------------------------------------------------------ logprobs
 
@@ -98,12 +101,17 @@ class Formatter:
             text = "".join(c.text)
             body: dict[str, Any] = {"index": c.index}
             finish = c.finish_reason
+            reasoning = None
+            if self._think is not None:           # the calls are read in what follows the thinking
+                reasoning, text = self._think.split(c.index, text)
             if self._calls is not None:
                 body["message"], finish = self._calls.message(text, finish)
             elif self.chat:
                 body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
+            if reasoning is not None:
+                body["message"]["reasoning_content"] = reasoning
             body["logprobs"] = self._lp(c.logprobs)
             body["finish_reason"] = finish
             if self._token_ids:
@@ -127,23 +135,28 @@ class Formatter:
             self._started.add(ev.index)
             out.append(self._chunk([{"index": ev.index, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]))
-        text = ev.text if self._calls is None else self._calls.feed(ev.index, ev.text)
-        if (not text and ev.finish_reason is None and not (self._logprobs and ev.logprobs)
+        text, reasoning = ev.text, ""
+        if self._think is not None:
+            reasoning, text = self._think.feed(ev.index, text)
+            if ev.finish_reason is not None:
+                more = self._think.finish(ev.index)
+                reasoning, text = reasoning + more[0], text + more[1]
+        if self._calls is not None:
+            text = self._calls.feed(ev.index, text)
+        if (not text and not reasoning and ev.finish_reason is None and not (self._logprobs and ev.logprobs)
                 and not self._token_ids):
             return out
         lp = self._lp(ev.logprobs or [], text_offset)
-        if self._calls is not None:
+        if self.chat:
             delta, finish = ({"content": text} if text else {}), ev.finish_reason
-            if finish is not None:          # the calls in one delta, as OpenAI's clients accumulate them
-                last, finish = self._calls.finish(ev.index, finish)
+            if self._calls is not None and finish is not None:   # the calls in one delta, as OpenAI's
+                last, finish = self._calls.finish(ev.index, finish)   # clients accumulate them
                 if "content" in last:
                     last["content"] = delta.pop("content", "") + last["content"]
                 delta.update(last)
+            if reasoning:
+                delta = {"reasoning_content": reasoning, **delta}
             choice = {"index": ev.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        elif self.chat:
-            delta = {"content": ev.text} if ev.text else {}
-            choice = {"index": ev.index, "delta": delta, "logprobs": lp,
-                      "finish_reason": ev.finish_reason}
         else:
             choice = {"index": ev.index, "text": ev.text, "logprobs": lp,
                       "finish_reason": ev.finish_reason}
