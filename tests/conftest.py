@@ -49,10 +49,32 @@ def demo_openai():
         yield openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def special_tokens(data: dict, contents: tuple[str, ...]) -> dict:
+    """A tokenizer.json (``data``) in which ``contents`` are special added tokens at the top ids of
+    the model's vocabulary (as a real checkpoint's markers are: within the embedding), the BPE
+    entries they replace and the merges that made those dropped."""
+    vocab = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    top = max(by_id)
+    gone = set()
+    for k, content in enumerate(contents):
+        i = top - k
+        gone.add(by_id[i])
+        del vocab[by_id[i]]
+        vocab[content] = i
+        data["added_tokens"].append({"id": i, "content": content, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    parts = [m.split(" ") if isinstance(m, str) else m for m in data["model"]["merges"]]
+    data["model"]["merges"] = [m for m, p in zip(data["model"]["merges"], parts, strict=True)
+                               if not (set(p) & gone or "".join(p) in gone)]
+    return data
+
+
 @pytest.fixture
 def scripted(tmp_path):
-    """``start(template, text, **config)``: the openai client on a server of a copy of the demo
-    checkpoint with ``template`` as its chat template (ServeConfig ``config`` beside it), whose
+    """``start(template, text, special=(), **config)``: the openai client on a server of a copy of the
+    demo checkpoint with ``template`` as its chat template (``special``: these strings special
+    tokens of its tokenizer; ServeConfig ``config`` beside it), whose
     sampler emits ``text`` (tokenized) and EOS whatever the logits: what a real model writes (its
     call syntax, its thinking), which a random one never would, through the real engine,
     detokenizer and formatter."""
@@ -68,11 +90,14 @@ def scripted(tmp_path):
 
     stack = ExitStack()
 
-    def start(template: str, text: str, **config):
+    def start(template: str, text: str, special: tuple[str, ...] = (), **config):
         dst = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
         shutil.copytree(DEMO / "model", dst)
         cfg = json.loads((dst / "tokenizer_config.json").read_text())
         (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+        if special:
+            tj = dst / "tokenizer.json"
+            tj.write_text(json.dumps(special_tokens(json.loads(tj.read_text()), special)))
         eos = json.loads((dst / "config.json").read_text())["eos_token_id"]
         script = (Tokenizer.from_file(str(dst / "tokenizer.json")).encode(text, add_special_tokens=False).ids
                   + [eos if isinstance(eos, int) else eos[0]])

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exl3tools.server.reasoning import ThinkSplitter, opens_inside, tags_are_text
+from exl3tools.server.reasoning import ThinkSplitter, opens_inside
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -83,15 +83,12 @@ def test_tool_calls_are_read_after_the_thinking(scripted):
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks).strip()
 
 
-def test_special_tags_leave_the_answers_whole():
-    from tokenizers import AddedToken, Tokenizer
-
-    from tests.conftest import DEMO
-
-    tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
-    assert tags_are_text(tok)
-    tok.add_special_tokens([AddedToken("</think>", special=True)])
-    assert not tags_are_text(tok)
+def test_thinking_apart_where_the_tags_are_special_tokens(scripted):
+    client = scripted(PLAIN, "<think>Two and two.</think>It is 4.", special=("<think>", "</think>"),
+                      reasoning_parser="deepseek_r1")
+    m = ask(client).choices[0].message
+    assert m.reasoning_content == "Two and two." and m.content == "It is 4."
+    assert streamed(client) == ("Two and two.", "It is 4.", "stop")
     assert opens_inside("user: hi\nassistant:<think>\n") and not opens_inside("<think>a</think>assistant:")
 
 

@@ -198,17 +198,31 @@ def test_auto_answers_without_a_readable_call_are_text(scripted, text):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
 
 
-def test_auto_is_refused_where_the_markers_are_special_tokens():
-    """A template with the Hermes syntax but a tokenizer whose <tool_call> is a special token: the
-    text the parser would read has no markers, so "auto" is refused, not answered with remains."""
-    from tokenizers import AddedToken, Tokenizer
-
+def test_auto_reads_markers_that_are_special_tokens(scripted):
+    """A tokenizer whose <tool_call> and </tool_call> are special tokens (detokenizing skips those):
+    the server decodes these answers with the markers as text, so the call is still read."""
     from exl3tools.server.tools import call_syntax
-    from tests.conftest import DEMO
 
-    tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
-    assert call_syntax(HERMES, tok).family == "hermes" and call_syntax(GLM, tok).family == "glm"
-    assert call_syntax(DEEPSEEK, tok).family == "deepseek"
-    assert call_syntax("{{ messages }}", tok) is None
-    tok.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("<｜tool▁sep｜>", special=True)])
-    assert call_syntax(HERMES, tok) is None and call_syntax(GLM, tok) is None and call_syntax(DEEPSEEK, tok) is None
+    assert call_syntax(HERMES).family == "hermes" and call_syntax(GLM).family == "glm"
+    assert call_syntax(DEEPSEEK).family == "deepseek" and call_syntax("{{ messages }}") is None
+    text = 'Sure.<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    client = scripted(HERMES, text, special=("<tool_call>", "</tool_call>"))
+    m = call(client, temperature=0.5, seed=1, max_tokens=150).choices[0]
+    assert m.finish_reason == "tool_calls" and m.message.content == "Sure."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.message.tool_calls] == [("now", {})]
+
+
+def test_keeping_decodes_special_markers_as_text():
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.detok import keeping
+    from tests.conftest import DEMO, special_tokens
+
+    tok = Tokenizer.from_str(json.dumps(special_tokens(json.loads((DEMO / "model" / "tokenizer.json").read_text()),
+                                                       ("<tool_call>", "</tool_call>"))))
+    ids = tok.encode("a<tool_call>b</tool_call>", add_special_tokens=False).ids
+    assert tok.decode(ids, skip_special_tokens=True) == "ab"
+    kept = keeping(tok, frozenset({"<tool_call>", "</tool_call>"}))
+    assert kept.decode(ids, skip_special_tokens=True) == "a<tool_call>b</tool_call>"
+    assert kept.encode("a<tool_call>b</tool_call>", add_special_tokens=False).ids == ids
+    assert keeping(tok, frozenset({"<think>"})) is tok

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
-from exl3tools.server import reasoning, tools
+from exl3tools.server import detok, reasoning, tools
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
 from exl3tools.server.limits import PromptGuard, check_api_keys
@@ -166,7 +166,7 @@ class Server:
         self._guard: PromptGuard | None = None
         self._grammars: Any = None             # server/structured.Grammars, on the first response_format
         self._grammars_lock = threading.Lock()
-        self._think_tags: bool | None = None   # --reasoning-parser: the tags reach the text (checked once)
+        self._detok: dict[frozenset, Any] = {}   # markers -> the tokenizer that keeps them as text
 
     def guard(self) -> PromptGuard:
         """Prompt-size checks that run before any tokenization (server/limits.py)."""
@@ -188,15 +188,16 @@ class Server:
                 self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), vocab)
             return self._grammars
 
-    def thinks(self) -> bool:
-        """Whether chat answers are split into thinking and content (--reasoning-parser), which needs
-        the tags as text; a tokenizer that makes them special leaves the answers whole (warned once)."""
-        if self._think_tags is None:
-            self._think_tags = self.cfg.reasoning_parser != "none" and reasoning.tags_are_text(self.runner.tokenizer)
-            if self.cfg.reasoning_parser != "none" and not self._think_tags:
-                log.warning("--reasoning-parser %s: this tokenizer makes <think> or </think> a special token, which "
-                            "detokenizing skips; answers stay whole", self.cfg.reasoning_parser)
-        return self._think_tags
+    def detokenizer(self, markers: frozenset[str]) -> Any:
+        """The tokenizer that decodes answers with ``markers`` (what a parser reads) as text; None
+        where the runner's already does (none of them is a special token)."""
+        if not markers:
+            return None
+        if markers not in self._detok:
+            tok = self.runner.tokenizer
+            kept = detok.keeping(tok, markers)
+            self._detok[markers] = None if kept is tok else kept
+        return self._detok[markers]
 
     def token_text(self) -> TokenText:
         if self._token_text is None:
@@ -290,7 +291,7 @@ class Server:
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         check_chat_extras(req)
         runner = self.runner
-        mode = tools.tool_mode(req, tools.call_syntax(getattr(runner, "chat_template", None), runner.tokenizer))
+        mode = tools.tool_mode(req, tools.call_syntax(getattr(runner, "chat_template", None)))
         self.token_text()
         messages = message_dicts(req)
         self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
@@ -312,12 +313,16 @@ class Server:
             params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
+        thinks = self.cfg.reasoning_parser != "none"
+        markers = (mode.syntax.markers if mode.syntax is not None else frozenset()) | (
+            frozenset({reasoning.OPEN, reasoning.CLOSE}) if thinks else frozenset())
         return Prepared([ids], params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids,
                         extras={"calls": mode if mode.forced is not None or mode.syntax is not None else None,
                                 # where the answer starts: inside the thinking (the prompt opened it) or not
-                                "think": reasoning.opens_inside(text) if self.thinks() else None})
+                                "think": reasoning.opens_inside(text) if thinks else None,
+                                "detok": self.detokenizer(markers)})
 
 
 def _path_name(spec: str | None) -> str:
@@ -476,7 +481,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         server.check_model(req.model)
         prep = await run_in_threadpool(server.prepare_chat if chat else server.prepare_completion, req)
         eng = server.engine
-        handle = eng.submit(asyncio.get_running_loop(), prep.prompts, prep.params, prep.n, received)
+        handle = eng.submit(asyncio.get_running_loop(), prep.prompts, prep.params, prep.n, received,
+                            tokenizer=prep.extras.get("detok"))
         server.metrics.prompt_tokens.inc(handle.prompt_tokens)
         fmt = Formatter(chat=chat, rid=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                         created=int(time.time()), model=server.model_name,

@@ -87,6 +87,22 @@ class TextTracker:
         return keep
 
 
+def keeping(tokenizer: Tokenizer, contents: frozenset[str]) -> Tokenizer:
+    """``tokenizer``, or a copy in which the added tokens ``contents`` (markers a parser reads:
+    tool calls, <think>) are ordinary ones, so detokenizing keeps them as text where it skips the
+    special ones. Encoding is the same either way (added tokens match in the text whatever their
+    flag)."""
+    import json
+
+    data = json.loads(tokenizer.to_str())
+    hits = [t for t in data.get("added_tokens", []) if t.get("special") and t.get("content") in contents]
+    if not hits:
+        return tokenizer
+    for t in hits:
+        t["special"] = False
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def _byte_level_table() -> dict[str, int]:
     """GPT-2's printable stand-ins for bytes, inverted (char -> byte)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \

@@ -128,9 +128,10 @@ class Engine(SpeculativeRounds):
         return st.queried_tokens, st.hit_tokens
 
     def submit(self, loop: Any, prompts: list[list[int]], params: SamplingParams, n: int,
-               received: float | None = None) -> RequestHandle:
+               received: float | None = None, tokenizer: Any = None) -> RequestHandle:
         """Queue prompts x n choices; 429 when the queue is full, 503 while not ready.
-        ``received``: time.monotonic() when the request reached the server (default: now)."""
+        ``received``: time.monotonic() when the request reached the server (default: now);
+        ``tokenizer``: the answers' detokenizer (default the runner's; detok.keeping)."""
         if self.state != "ready":
             raise not_ready(self)
         seqs_needed = len(prompts) * n
@@ -139,7 +140,7 @@ class Engine(SpeculativeRounds):
                            f"server queues at most {self.max_queue}", param="n",
                            code="too_many_sequences")
         handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts), received)  # once, not x n
-        tok = self.runner.tokenizer
+        tok = tokenizer or self.runner.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._cond:
             if self._waiting and len(self._waiting) + seqs_needed > self.max_queue:

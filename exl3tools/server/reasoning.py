@@ -7,24 +7,17 @@ field DeepSeek's API and vLLM use; streamed as ``delta.reasoning_content``) and 
 answer opens ``<think>`` (leading whitespace aside), or at the answer's first token when the
 rendered prompt already ends inside an open ``<think>`` (DeepSeek-R1's and GLM's templates can
 write it); it ends at ``</think>`` (newlines after it are dropped), or with the answer when
-``max_tokens`` cuts it. An answer that does not think is all content. The tags must reach the
-text as text: a tokenizer that makes them special tokens (skipped when detokenizing) leaves the
-answers whole, with a warning.
+``max_tokens`` cuts it. An answer that does not think is all content. Where the tokenizer makes
+the tags special tokens, the server decodes these answers with them as text (detok.keeping).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 OPEN, CLOSE = "<think>", "</think>"
 # vLLM's --reasoning-parser names for these tags, accepted as aliases of "think"
 PARSERS = ("none", "think", "deepseek_r1", "qwen3", "glm45")
-
-
-def tags_are_text(tokenizer: Any) -> bool:
-    """Whether ``<think>`` and ``</think>`` survive detokenizing (not special tokens)."""
-    return not any(t.special and t.content in (OPEN, CLOSE) for t in tokenizer.get_added_tokens_decoder().values())
 
 
 def opens_inside(prompt: str) -> bool:

@@ -13,10 +13,10 @@ parameters schema>}`` whatever the model's own tool-call syntax, and comes back 
 (``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` and the arguments in a
 json fence, V3; ``...begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``, V3.1 and later). Text
 before the first call marker streams as content; the rest is held back and parsed when the answer
-ends; a call that does not parse comes back as text. A template with none of these syntaxes, or
-whose markers the tokenizer makes special tokens (the text the parser reads would not hold them),
-makes "auto" a 400. "none" renders the tools and generates text. The tools reach the chat template
-as ``tools`` either way.
+ends; a call that does not parse comes back as text. The markers reach that text even where the
+tokenizer makes them special tokens (detok.keeping). A template with none of these syntaxes makes
+"auto" a 400. "none" renders the tools and generates text. The tools reach the chat template as
+``tools`` either way.
 """
 
 from __future__ import annotations
@@ -87,8 +87,7 @@ def _forced(req: ChatCompletionRequest, forced: list[Any], functions: tuple) -> 
 def _auto_refused():
     return bad_request("tool_choice \"auto\" (the default with tools) is not supported for this model: its chat "
                        "template shows no tool-call syntax this server reads (Hermes <tool_call> JSON, GLM "
-                       "<arg_key>/<arg_value>, DeepSeek <｜tool▁call▁begin｜>), or its tokenizer makes the "
-                       "markers special tokens; send tool_choice \"required\" or {\"type\": \"function\", "
+                       "<arg_key>/<arg_value>, DeepSeek <｜tool▁call▁begin｜>); send tool_choice \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}} to force a call, or \"none\"", param="tool_choice",
                        code="unsupported_parameter")
 
@@ -155,6 +154,14 @@ class CallSyntax:
     ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` block inside DeepSeek's calls region ("deepseek")."""
 
     family: str
+
+    @property
+    def markers(self) -> frozenset[str]:
+        """The tokens this syntax is read by, which the answers' text must keep (detok.keeping)."""
+        if self.family == "deepseek":
+            return frozenset({DS_START, DS_END, DS_CALL, DS_SEP, DS_CALL_END})
+        glm = {"<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} if self.family == "glm" else set()
+        return frozenset({START, "</tool_call>", *glm})
 
     @property
     def start(self) -> str:
@@ -225,24 +232,17 @@ def _loads_or_text(value: str) -> Any:
         return value
 
 
-def call_syntax(template: str | None, tokenizer: Any = None) -> CallSyntax | None:
-    """The call syntax a chat template shows, None when it shows none this server reads, or when
-    the tokenizer makes its markers special tokens (the detokenized text, which the parser reads,
-    skips those: "auto" is refused rather than answered with the markers' remains)."""
+def call_syntax(template: str | None) -> CallSyntax | None:
+    """The call syntax a chat template shows, None when it shows none this server reads. Where the
+    tokenizer makes its markers special tokens, the server decodes the answers with them as text
+    (detok.keeping), so the parser still sees them."""
     if not template:
         return None
     if DS_CALL in template and DS_SEP in template:
-        family, markers = "deepseek", {DS_START, DS_END, DS_CALL, DS_SEP, DS_CALL_END}
-    elif START in template:
-        family = "glm" if "<arg_key>" in template else "hermes"
-        markers = {START, "</tool_call>"} | (
-            {"<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"} if family == "glm" else set())
-    else:
-        return None
-    if tokenizer is not None and any(t.special and t.content in markers
-                                     for t in tokenizer.get_added_tokens_decoder().values()):
-        return None
-    return CallSyntax(family)
+        return CallSyntax("deepseek")
+    if START in template:
+        return CallSyntax("glm" if "<arg_key>" in template else "hermes")
+    return None
 
 
 @dataclass(slots=True)
