@@ -83,6 +83,17 @@ def test_tool_calls_are_read_after_the_thinking(scripted):
     assert not "".join(ch.choices[0].delta.content or "" for ch in chunks).strip()
 
 
+def test_a_grammar_held_answer_is_not_split_even_where_the_prompt_opened_thinking(scripted):
+    """A forced call (a grammar writes the answer from its first token) under a template that opens
+    <think>: the answer is the call, not thinking."""
+    pytest.importorskip("llguidance")
+    client = scripted(OPENED, '{"name": "now", "arguments": {}}', reasoning_parser="think")
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    c = ask(client, tools=tools, tool_choice="required").choices[0]
+    assert c.finish_reason == "tool_calls" and getattr(c.message, "reasoning_content", None) is None
+    assert [t.function.name for t in c.message.tool_calls] == ["now"]
+
+
 def test_thinking_apart_where_the_tags_are_special_tokens(scripted):
     client = scripted(PLAIN, "<think>Two and two.</think>It is 4.", special=("<think>", "</think>"),
                       reasoning_parser="deepseek_r1")

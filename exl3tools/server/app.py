@@ -313,7 +313,8 @@ class Server:
             params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
-        thinks = self.cfg.reasoning_parser != "none"
+        # a grammar (response_format, a forced call) writes the answer from its first token: no thinking
+        thinks = self.cfg.reasoning_parser != "none" and params.grammar is None
         markers = (mode.syntax.markers if mode.syntax is not None else frozenset()) | (
             frozenset({reasoning.OPEN, reasoning.CLOSE}) if thinks else frozenset())
         return Prepared([ids], params, req.n, req.stream,

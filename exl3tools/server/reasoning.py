@@ -7,7 +7,8 @@ field DeepSeek's API and vLLM use; streamed as ``delta.reasoning_content``) and 
 answer opens ``<think>`` (leading whitespace aside), or at the answer's first token when the
 rendered prompt already ends inside an open ``<think>`` (DeepSeek-R1's and GLM's templates can
 write it); it ends at ``</think>`` (newlines after it are dropped), or with the answer when
-``max_tokens`` cuts it. An answer that does not think is all content. Where the tokenizer makes
+``max_tokens`` cuts it. An answer that does not think is all content; one a grammar holds
+(response_format, a forced tool call) is not split. Where the tokenizer makes
 the tags special tokens, the server decodes these answers with them as text (detok.keeping).
 """
 
