@@ -412,7 +412,8 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         except Exception as exc:  # noqa: BLE001 - a missing endpoint must not lose the numbers
             res["metrics"] = [f"{type(exc).__name__}: {exc}"]
         mem = res["memory"]
-        print(f"[{srv.name}] memory {mem['gb']:.2f} GB ({mem['source']}); metrics: {res['metrics']}", flush=True)
+        print(f"[{srv.name}] memory {mem['gb']:.2f} GB ({mem['source']}){memory_split(mem['gb'], res['engine_stats_end'])}"
+              f"; metrics: {res['metrics']}", flush=True)
     finally:
         try:                                    # an interrupted batch leaves tasks behind: end them quietly
             pending = asyncio.all_tasks(loop)
@@ -434,6 +435,16 @@ def burst_steps(srv: Server, t0: float) -> list[dict] | None:
         return burst_schedule(r.json()["steps"], t0) if r.status_code == 200 else None
     except Exception:  # noqa: BLE001 - an optional endpoint
         return None
+
+
+def memory_split(total_gb: float, stats: dict | None) -> str:
+    """' = weights W + KV K + beyond B GB' (issue 13's bound: beyond < 2 GB) from /v1/engine/stats,
+    '' where the server does not report weights (an older tree, the CPU)."""
+    m = (stats or {}).get("memory") or {}
+    if not m.get("weights") or not m.get("kv_pool"):
+        return ""
+    w, kv = m["weights"] / 1e9, m["kv_pool"] / 1e9
+    return f" = weights {w:.2f} + KV {kv:.2f} + beyond {total_gb - w - kv:.2f} GB"
 
 
 def _engine_stats(srv: Server) -> dict | None:

@@ -240,3 +240,9 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     sent = min(s.t_send for s in seen["new"])          # after each running job had JOIN_AFTER_TOKENS tokens
     assert all(sum(k for t, k in s.events if t <= sent) >= sm.JOIN_AFTER_TOKENS for s in seen["base"])
     assert any("max_memory_allocated 2.00 GB" in n for n in report["notes"])
+
+
+def test_memory_split_reads_weights_and_kv_from_engine_stats():
+    stats = {"memory": {"weights": 7.45e9, "kv_pool": 124.98e9, "allocated": 1, "reserved": 1, "peak_allocated": 1}}
+    assert gs.memory_split(135.79, stats) == " = weights 7.45 + KV 124.98 + beyond 3.36 GB"
+    assert gs.memory_split(135.79, {"memory": {"kv_pool": 1e9}}) == "" and gs.memory_split(1.0, None) == ""

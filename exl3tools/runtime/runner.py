@@ -132,6 +132,7 @@ class Runner(SpeculativeSteps):
         per_token = bytes_per_token(specs, dtype)
         head_token, head_seq = mtp_budget(model, self.spec_k, dtype, paged=mtp_paged)
         weights_bytes = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
+        self.weights_bytes = weights_bytes   # what the model holds on the device before the cache
         if max_cache_tokens is not None:
             if int(max_cache_tokens) < 1:
                 raise UsageError(f"max_cache_tokens must be >= 1, got {max_cache_tokens}")
@@ -294,12 +295,12 @@ class Runner(SpeculativeSteps):
         return str(self.paged.pool.dtype).removeprefix("torch.")
 
     def memory_stats(self) -> dict | None:
-        """Rank 0's device memory in bytes: KV pool, torch's allocated / reserved / peak (None on
-        the CPU): what serve holds beside the weights."""
+        """Rank 0's device memory in bytes: weights, KV pool, torch's allocated / reserved / peak
+        (None on the CPU): what serve holds beside weights and cache."""
         dev = self.model.embed.device
         if dev.type != "cuda":
             return None
-        return {"kv_pool": self.paged.nbytes(), "allocated": torch.cuda.memory_allocated(dev),
+        return {"weights": self.weights_bytes, "kv_pool": self.paged.nbytes(), "allocated": torch.cuda.memory_allocated(dev),
                 "reserved": torch.cuda.memory_reserved(dev), "peak_allocated": torch.cuda.max_memory_allocated(dev)}
 
     def _seq(self, seq_id):
