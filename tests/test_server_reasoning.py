@@ -118,3 +118,71 @@ def test_streamed_chunks_join_to_the_whole_split(text, inside, cuts):
         reasoning, content, at = reasoning + r, content + c, max(at, cut)
     r, c = sp.finish(0)
     assert (reasoning + r if whole[0] is not None else None, content + c) == whole
+
+
+def _gated(special=("<think>", "</think>")):
+    """A json_object grammar over the demo's tokenizer with <think> and </think> single tokens,
+    and those tokens' ids."""
+    pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.structured import Grammars
+    from tests.conftest import DEMO, special_tokens
+
+    tok = Tokenizer.from_str(json.dumps(special_tokens(json.loads((DEMO / "model" / "tokenizer.json").read_text()),
+                                                       special)))
+    grammar = Grammars(tok.to_str(), [0], tok.get_vocab_size()).schema({"type": "object"}, "response_format")
+    return tok, grammar
+
+
+def test_a_grammar_waits_behind_the_thinking():
+    """SamplingParams.think_gate: the first token is the grammar's or <think>; inside the thinking
+    nothing is masked and the grammar sees nothing; after </think> the grammar holds."""
+    import torch
+
+    from exl3tools.runtime.sampling import Adjust
+    from exl3tools.server.protocol import SamplingParams
+    from exl3tools.server.reasoning import think_gate
+
+    tok, grammar = _gated()
+    gate = think_gate(tok, False)
+    open_id, close_id = gate[:2]
+    brace = tok.encode("{", add_special_tokens=False).ids[0]
+    word = tok.encode("hello", add_special_tokens=False).ids[0]
+    n = tok.get_vocab_size()
+
+    def allowed(a) -> set[int]:
+        return set(torch.nonzero(torch.isfinite(a.apply(torch.zeros(n)))).flatten().tolist())
+
+    plain = Adjust(SamplingParams(max_tokens=8, grammar=grammar), [], [], n, "cpu")
+    assert brace in allowed(plain) and open_id not in allowed(plain) and word not in allowed(plain)
+    a = Adjust(SamplingParams(max_tokens=8, grammar=grammar, think_gate=gate), [], [], n, "cpu")
+    first = allowed(a)
+    assert {open_id, brace} <= first and word not in first
+    for t in [open_id, *tok.encode("hello, not JSON", add_special_tokens=False).ids]:
+        a.add(t)
+        assert len(allowed(a)) == n                 # thinking: nothing masked
+    a.add(close_id)
+    after = allowed(a)
+    assert brace in after and open_id not in after and word not in after
+    for t in tok.encode('{"a": 1}', add_special_tokens=False).ids:
+        assert t in allowed(a)
+        a.add(t)
+    assert 0 in allowed(a)                          # the object is complete: EOS
+    opened = Adjust(SamplingParams(max_tokens=8, grammar=grammar, think_gate=think_gate(tok, True)), [], [], n, "cpu")
+    assert len(allowed(opened)) == n                # the prompt opened the thinking
+    from tokenizers import Tokenizer
+
+    from tests.conftest import DEMO
+
+    assert think_gate(Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json")), False) is None   # multi-token tags
+
+
+def test_structured_output_after_the_thinking(scripted):
+    """Served: response_format json_object with the parser on and single-token tags: the thinking
+    comes apart and the JSON is the content (the scripted sampler writes both)."""
+    pytest.importorskip("llguidance")
+    client = scripted(PLAIN, '<think>An object.</think>{"a": 1}', special=("<think>", "</think>"),
+                      reasoning_parser="glm45")
+    m = ask(client, response_format={"type": "json_object"}).choices[0].message
+    assert m.reasoning_content == "An object." and json.loads(m.content) == {"a": 1}

@@ -162,7 +162,12 @@ class Adjust:
     (count > 0) over the output (subtracted: OpenAI), then ``min_p`` for sampled rows (tokens whose
     probability at the row's temperature is below min_p x the top one's, at -inf: on raw logits that
     is ``l < l_max + T ln(min_p)``). The sampling chain (temperature, top-k, top-p, draw) follows.
-    Logprobs are reported from the unprocessed logits. ``add(token)`` after each emitted token."""
+    Logprobs are reported from the unprocessed logits. ``add(token)`` after each emitted token.
+
+    ``params.think_gate`` (open, close, opened): a reasoning model thinks before the grammar holds
+    its answer. Unless the prompt opened the thinking, the first token is the grammar's or the
+    ``open`` token; inside the thinking no mask applies and the grammar sees nothing; it holds
+    every token after ``close``."""
 
     def __init__(self, params, prompt: Sequence[int], banned: Sequence[int], vocab: int, device):
         self.p, self.vocab, self.device = params, int(vocab), device
@@ -186,6 +191,10 @@ class Adjust:
             self.banned = torch.tensor(ban, device=device)
         self.constraint = params.grammar.matcher() if params.grammar is not None else None
         self._bits = torch.arange(32, dtype=torch.int32, device=device) if params.grammar is not None else None
+        gate = getattr(params, "think_gate", None) if self.constraint is not None else None
+        # "start" (the open token allowed too), "inside" (no grammar) or None (the grammar holds)
+        self.thinking = None if gate is None else ("inside" if gate[2] else "start")
+        self._gate = gate
 
     def allowed(self, n: int) -> torch.Tensor:
         """The grammar's next allowed tokens as an (n,) bool mask on the device (ids past its
@@ -197,7 +206,13 @@ class Adjust:
         return mask[:n]
 
     def add(self, token: int) -> None:
-        if self.constraint is not None:
+        if self.thinking == "start" and token == self._gate[0]:
+            self.thinking = "inside"
+        elif self.thinking == "inside":
+            if token == self._gate[1]:
+                self.thinking = None              # the grammar holds from the next token on
+        elif self.constraint is not None:
+            self.thinking = None
             self.constraint.consume(token)
         self.n_out += 1
         if self.counts is not None:
@@ -209,8 +224,11 @@ class Adjust:
         """The processed copy of one logits row (vocab,), float32."""
         p = self.p
         x = row.float().clone()
-        if self.constraint is not None:
-            x = x.masked_fill(~self.allowed(x.numel()), float("-inf"))
+        if self.constraint is not None and self.thinking != "inside":
+            allowed = self.allowed(x.numel())
+            if self.thinking == "start" and self._gate[0] < x.numel():
+                allowed[self._gate[0]] = True     # the answer may open its thinking instead
+            x = x.masked_fill(~allowed, float("-inf"))
         if self.bias is not None:
             x += self.bias[:x.numel()]
         if self.banned is not None and self.n_out < p.min_tokens:

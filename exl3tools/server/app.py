@@ -313,8 +313,14 @@ class Server:
             params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
-        # a grammar (response_format, a forced call) writes the answer from its first token: no thinking
-        thinks = self.cfg.reasoning_parser != "none" and params.grammar is None
+        thinks = self.cfg.reasoning_parser != "none"
+        if thinks and params.grammar is not None:
+            # a grammar holds what follows the thinking where the tags are single tokens, else the
+            # whole answer (which then has no thinking to split off)
+            gate = reasoning.think_gate(runner.tokenizer, reasoning.opens_inside(text))
+            thinks = gate is not None
+            if thinks:
+                params = dataclasses.replace(params, think_gate=gate)
         markers = (mode.syntax.markers if mode.syntax is not None else frozenset()) | (
             frozenset({reasoning.OPEN, reasoning.CLOSE}) if thinks else frozenset())
         return Prepared([ids], params, req.n, req.stream,

@@ -228,6 +228,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     grammar: Any = None  # response_format's checked grammar: has matcher() (server/structured.py)
+    # a reasoning model's thinking before the grammar (server/reasoning.think_gate): (the <think>
+    # token, the </think> token, whether the prompt opened it); the grammar holds what follows
+    think_gate: tuple[int, int, bool] | None = None
 
     @property
     def token_by_token(self) -> bool:

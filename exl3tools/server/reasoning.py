@@ -7,8 +7,10 @@ field DeepSeek's API and vLLM use; streamed as ``delta.reasoning_content``) and 
 answer opens ``<think>`` (leading whitespace aside), or at the answer's first token when the
 rendered prompt already ends inside an open ``<think>`` (DeepSeek-R1's and GLM's templates can
 write it); it ends at ``</think>`` (newlines after it are dropped), or with the answer when
-``max_tokens`` cuts it. An answer that does not think is all content; one a grammar holds
-(response_format, a forced tool call) is not split. Where the tokenizer makes
+``max_tokens`` cuts it. An answer that does not think is all content. Under a grammar
+(response_format, a forced tool call) the model may think first where both tags are single tokens
+(``think_gate``: the grammar holds what follows ``</think>``); else the grammar holds the whole
+answer, which is then not split. Where the tokenizer makes
 the tags special tokens, the server decodes these answers with them as text (detok.keeping).
 """
 
@@ -24,6 +26,16 @@ PARSERS = ("none", "think", "deepseek_r1", "qwen3", "glm45")
 def opens_inside(prompt: str) -> bool:
     """Whether the rendered prompt ends inside an open ``<think>``: the answer starts thinking."""
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def think_gate(tokenizer, opened: bool) -> tuple[int, int, bool] | None:
+    """The gate a grammar waits behind (SamplingParams.think_gate): the <think> and </think>
+    tokens and whether the prompt opened the thinking; None unless each tag is one token (a
+    reasoning model's vocabulary has them as added tokens): the grammar then holds the whole answer."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False).ids for tag in (OPEN, CLOSE)]
+    if any(len(i) != 1 for i in ids):
+        return None
+    return ids[0][0], ids[1][0], opened
 
 
 def _held_prefix(text: str, tag: str) -> int:
