@@ -145,7 +145,10 @@ class Runner(SpeculativeSteps):
             num_blocks = self._budget_blocks((per_token + head_token) * block_size, gpu_memory_utilization,
                                              max_num_batched_tokens, str(dtype).removeprefix("torch."),
                                              reserve=head_seq * self.max_num_seqs + scores,
-                                             graph_rows=prompt_rows)
+                                             # MTP's verify buckets (1 + k rows a sequence) get their
+                                             # graphs' activations counted beside the prompt buckets'
+                                             graph_rows=prompt_rows + (self.max_num_seqs * (1 + self.spec_k)
+                                                                       if self.spec_k else 0))
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
