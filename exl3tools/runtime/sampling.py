@@ -191,7 +191,7 @@ class Adjust:
             self.banned = torch.tensor(ban, device=device)
         self.constraint = params.grammar.matcher() if params.grammar is not None else None
         self._bits = torch.arange(32, dtype=torch.int32, device=device) if params.grammar is not None else None
-        gate = getattr(params, "think_gate", None) if self.constraint is not None else None
+        gate = params.think_gate if self.constraint is not None else None
         # "start" (the open token allowed too), "inside" (no grammar) or None (the grammar holds)
         self.thinking = None if gate is None else ("inside" if gate[2] else "start")
         self._gate = gate

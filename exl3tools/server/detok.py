@@ -10,6 +10,12 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 
+def held_prefix(text: str, tag: str) -> int:
+    """Length of ``text``'s longest proper suffix that starts ``tag``: what to hold back until the
+    next text says whether ``tag`` begins there (stop strings, tool-call markers, <think>)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
 class TextTracker:
     """Feeds token ids in, releases text deltas; finds stop strings across token boundaries."""
 
@@ -78,13 +84,7 @@ class TextTracker:
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
         tail = self._text[self._sent:]
-        keep = 0
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(tail)), keep, -1):
-                if tail.endswith(s[:k]):
-                    keep = k
-                    break
-        return keep
+        return max((held_prefix(tail, s) for s in self._stops), default=0)
 
 
 def keeping(tokenizer: Tokenizer, contents: frozenset[str]) -> Tokenizer:

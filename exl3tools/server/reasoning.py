@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exl3tools.server.detok import held_prefix
+
 OPEN, CLOSE = "<think>", "</think>"
 # vLLM's --reasoning-parser names for these tags, accepted as aliases of "think"
 PARSERS = ("none", "think", "deepseek_r1", "qwen3", "glm45")
@@ -36,11 +38,6 @@ def think_gate(tokenizer, opened: bool) -> tuple[int, int, bool] | None:
     if any(len(i) != 1 for i in ids):
         return None
     return ids[0][0], ids[1][0], opened
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of ``text``'s longest suffix that starts ``tag`` (held until it resolves)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 @dataclass(slots=True)
@@ -76,7 +73,7 @@ class ThinkSplitter:
                     reasoning += buf[:at]
                     state, buf = "post", buf[at + len(CLOSE):]
                 else:
-                    keep = _held_prefix(buf, CLOSE)
+                    keep = held_prefix(buf, CLOSE)
                     reasoning += buf[:len(buf) - keep]
                     if keep:
                         self._held[index] = buf[len(buf) - keep:]

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from exl3tools.server.detok import held_prefix
 from exl3tools.server.protocol import ChatCompletionRequest, bad_request
 
 MAX_TOOLS = 128
@@ -281,7 +282,7 @@ class CallReader:
             self._holding.add(index)
             self._held[index] = held[at:]
             return held[:at]
-        keep = next((k for k in range(min(len(start) - 1, len(held)), 0, -1) if start.startswith(held[-k:])), 0)
+        keep = held_prefix(held, start)
         self._held[index] = held[len(held) - keep:] if keep else ""
         return held[:len(held) - keep]
 
