@@ -314,10 +314,11 @@ class Server:
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
         thinks = self.cfg.reasoning_parser != "none"
+        opened = thinks and reasoning.opens_inside(text)   # the answer starts inside the thinking
         if thinks and params.grammar is not None:
             # a grammar holds what follows the thinking where the tags are single tokens, else the
             # whole answer (which then has no thinking to split off)
-            gate = reasoning.think_gate(runner.tokenizer, reasoning.opens_inside(text))
+            gate = reasoning.think_gate(runner.tokenizer, opened)
             thinks = gate is not None
             if thinks:
                 params = dataclasses.replace(params, think_gate=gate)
@@ -327,8 +328,7 @@ class Server:
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids,
                         extras={"calls": mode if mode.forced is not None or mode.syntax is not None else None,
-                                # where the answer starts: inside the thinking (the prompt opened it) or not
-                                "think": reasoning.opens_inside(text) if thinks else None,
+                                "think": opened if thinks else None,
                                 "detok": self.detokenizer(markers)})
 
 
