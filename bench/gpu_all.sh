@@ -205,8 +205,14 @@ if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a lon
   done
 fi
 if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
-  timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py /tmp/air6 --json "$L/memory.json" > "$L/memory.log" 2>&1
-  el "memory rc $?"; cat "$L/memory.log" | grep -v "^20..-" | tail -n 30
+  # MEMORY_ENVS="A=1;B=2": once per entry, one after another (an empty entry: the defaults)
+  IFS=';' read -r -a MENVS <<< "${MEMORY_ENVS:-}"; [ ${#MENVS[@]} = 0 ] && MENVS=("")
+  for i in "${!MENVS[@]}"; do
+    el "memory $i: ${MENVS[$i]:-defaults}"
+    env ${MENVS[$i]} timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py ${MEMORY_CKPT:-/tmp/air6} \
+      --json "$L/memory_$i.json" > "$L/memory_$i.log" 2>&1
+    el "memory $i rc $?"; grep -v "^20..-" "$L/memory_$i.log" | tail -n 45
+  done
 fi
 if [[ $STAGES == *moe* ]]; then   # issue 15: one MoE projection of a prompt, path by path (bench/gpu_moe_prefill.py)
   timeout ${MOE_TIMEOUT:-240} python3 bench/gpu_moe_prefill.py ${MOE_ARGS:-} --json "$L/moe_prefill.json" \

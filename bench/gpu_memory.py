@@ -34,26 +34,49 @@ def owner(frames: list[dict]) -> str:
     return "(outside exl3tools)"
 
 
-def peak_live(snapshot: dict, device: int = 0, skip_over: int = 1 << 30) -> tuple[int, list[tuple[str, int, int]]]:
+def peak_live(snapshot: dict, device: int = 0, skip_over: int = 1 << 30, start: int = 0,
+              at_end: bool = False) -> tuple[int, list[tuple[str, int, int]]]:
     """Replay the allocator trace: (peak live bytes, [(owner, bytes, count)] live at the peak), not
-    counting single blocks of ``skip_over`` bytes or more (the KV pool)."""
+    counting single blocks of ``skip_over`` bytes or more (the KV pool); the peak is looked for
+    from event ``start`` on (what was allocated before still counts as live). ``at_end``: the
+    live set when the trace ends instead of at the peak."""
     live: dict[int, tuple[int, str]] = {}
     cur = best = 0
     at_best: dict[int, tuple[int, str]] = {}
-    for ev in snapshot["device_traces"][device]:
+    for i, ev in enumerate(snapshot["device_traces"][device]):
         act, addr, size = ev["action"], ev["addr"], ev["size"]
         if act == "alloc" and size < skip_over:
             live[addr] = (size, owner(ev.get("frames", [])))
             cur += size
-            if cur > best:
+            if cur > best and i >= start:
                 best, at_best = cur, dict(live)
         elif act in ("free_requested", "free") and addr in live:
             cur -= live.pop(addr)[0]
+    if at_end:
+        best, at_best = cur, live
+    return best, _grouped(at_best.values())
+
+
+def _grouped(items) -> list[tuple[str, int, int]]:
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, who in at_best.values():
+    for size, who in items:
         groups[who][0] += size
         groups[who][1] += 1
-    return best, sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: -r[1])
+    return sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: -r[1])
+
+
+def pools(snapshot: dict, device: int = 0) -> list[tuple[str, int, int]]:
+    """Reserved and allocated bytes per allocator pool: [(pool, reserved, allocated)], "default"
+    first, then each CUDA-graph pool (its id): what the graphs keep beside the eager steps' memory."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for seg in snapshot["segments"]:
+        if seg.get("device", device) != device:
+            continue
+        pid = tuple(seg.get("segment_pool_id") or (0, 0))
+        name = "default" if pid == (0, 0) else f"graph pool {pid[0]}.{pid[1]}"
+        out[name][0] += seg.get("total_size", 0)
+        out[name][1] += seg.get("allocated_size", 0)
+    return sorted(((k, v[0], v[1]) for k, v in out.items()), key=lambda r: (r[0] != "default", -r[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,21 +114,31 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(t.numel() * t.element_size() for t in _model_tensors(r.model))
     kv = r.paged.pool.nbytes()
     stage("loaded (profile, pool, graphs)")
+    start = len(torch.cuda.memory._snapshot()["device_traces"][0])     # the serving part of the trace from here
     prompt = [i % r.model.info.vocab_size for i in range(a.prompt)]
     _run_prompt(r, prompt, a.max_num_batched_tokens)
     stage(f"after a {a.prompt}-token prompt")
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    best, groups = peak_live(snap)
+    best, groups = peak_live(snap, start=start)
+    end, held = peak_live(snap, at_end=True)
     print(f"\nweights (model tensors) {weights / GB:.2f} GB, KV pool {kv / GB:.2f} GB; "
           f"reserved beyond both {(stages[-1]['reserved'] - weights - kv) / GB:.2f} GB, "
           f"device used beyond both {(stages[-1]['used'] - weights - kv) / GB:.2f} GB (CUDA context included)")
     print(f"peak live bytes, the KV pool aside: {best / GB:.2f} GB; at that moment, by owner:")
     for who, nbytes, count in groups[:a.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  {count:6d}  {who}")
+    print(f"live when idle again, the KV pool aside: {end / GB:.2f} GB, by owner:")
+    for who, nbytes, count in held[:a.top]:
+        print(f"  {nbytes / 2**20:9.1f} MiB  {count:6d}  {who}")
+    by_pool = pools(snap)
+    print("allocator pools (reserved / allocated GB):")
+    for name, res, alloc in by_pool:
+        print(f"  {name:<20} {res / GB:7.3f} / {alloc / GB:7.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"stages": stages, "weights": weights, "kv": kv, "peak_live": best,
-                                            "groups": groups[:50]}, indent=1))
+                                            "groups": groups[:50], "idle_live": end, "idle_groups": held[:50],
+                                            "pools": by_pool}, indent=1))
     return 0
 
 

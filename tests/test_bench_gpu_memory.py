@@ -28,3 +28,26 @@ def test_peak_live_groups_by_our_innermost_frame():
     assert best == 170                                  # 100 + 30 + 40 (50 was freed before)
     assert groups == [("runtime/layers.py:10 forward", 130, 2), ("(outside exl3tools)", 40, 1)]
     assert gm.owner(b) == "kernels/dispatch.py:20 tiles"
+
+
+def test_peak_from_a_start_event_and_the_live_set_at_the_end():
+    a = F("/r/exl3tools/runtime/layers.py", 10, "forward")
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 500, "frames": a},           # the load's transient peak
+        {"action": "free_requested", "addr": 1, "size": 500, "frames": a},
+        {"action": "alloc", "addr": 2, "size": 40, "frames": a},            # kept
+        {"action": "alloc", "addr": 3, "size": 60, "frames": []},           # serving: a transient
+        {"action": "free_requested", "addr": 3, "size": 60, "frames": []},
+    ]
+    assert gm.peak_live({"device_traces": [trace]})[0] == 500
+    best, groups = gm.peak_live({"device_traces": [trace]}, start=3)
+    assert best == 100 and groups == [("(outside exl3tools)", 60, 1), ("runtime/layers.py:10 forward", 40, 1)]
+    assert gm.peak_live({"device_traces": [trace]}, at_end=True) == (40, [("runtime/layers.py:10 forward", 40, 1)])
+
+
+def test_pools_split_the_default_pool_from_graph_pools():
+    segs = [{"device": 0, "segment_pool_id": (0, 0), "total_size": 100, "allocated_size": 60},
+            {"device": 0, "segment_pool_id": (1, 2), "total_size": 30, "allocated_size": 5},
+            {"device": 0, "segment_pool_id": (0, 0), "total_size": 20, "allocated_size": 20},
+            {"device": 1, "segment_pool_id": (0, 0), "total_size": 999, "allocated_size": 0}]
+    assert gm.pools({"segments": segs}) == [("default", 120, 80), ("graph pool 1.2", 30, 5)]

@@ -305,8 +305,8 @@ class PagedDecoder:
     @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
         """Capture the graphs of ``sizes`` (default: every bucket; the prompt buckets first, into
-        a pool of their own), largest first, the decode buckets in one pool (smaller graphs reuse
-        the blocks of larger ones)."""
+        a pool of their own unless EXL3TOOLS_SHARED_GRAPH_POOL), largest first, the decode buckets
+        in one pool (smaller graphs reuse the blocks of larger ones)."""
         if not self.graphs:
             return
         if sizes is None:
@@ -366,17 +366,19 @@ class PagedDecoder:
         every prompt bucket, so such steps take the eager forward, and keeps the decode graphs."""
         if not sizes:
             return
+        # a capture that fails leaves its pool unusable (the decode graphs' next capture into it
+        # tripped an allocator assert, so everything ran eagerly): the pool is dropped then, and
+        # later captures make a new one (graphs already captured keep theirs alive)
+        pool = "decode" if preview.switched_on("shared_graph_pool") else "prompt"
         try:
-            # a pool of their own: a capture that fails leaves its pool unusable (the decode
-            # graphs' next capture into it tripped an allocator assert, so everything ran eagerly)
             self._capture_keys([(((), self._body), v, bs) for bs in sorted(set(sizes), reverse=True)
-                                for v in self._variants()], pool="prompt")
+                                for v in self._variants()], pool=pool)
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             log.warning("prompt-step graphs of %s rows failed, prompt steps run eagerly: %s", sizes,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self._graphs = {k: g for k, g in self._graphs.items() if k[-3] <= self.max_rows}
             self.prompt_buckets = []     # the runner sends no more prompt steps
-            self._pools.pop("prompt", None)
+            self._pools.pop(pool, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

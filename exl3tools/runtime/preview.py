@@ -38,6 +38,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
     # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
+    # the prompt buckets' graphs and the decode buckets' in one graph memory pool (captured largest
+    # first: the decode graphs reuse the prompt graphs' freed blocks) instead of a pool each, whose
+    # sizes add up; serve on air6 held 3.36 GB beyond weights and KV on the H200 (2026-12-02),
+    # issue 13 asks < 2. A failed prompt capture drops the pool, so the decode graphs take a new one
+    "shared_graph_pool": "EXL3TOOLS_SHARED_GRAPH_POOL",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -78,11 +78,13 @@ def test_short_prompts_replay_the_decode_graphs(name, monkeypatch):
     r.close()
 
 
+@pytest.mark.parametrize("shared", ["0", "1"])
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
-def test_prompt_steps_replay_prompt_graphs(name, monkeypatch):
+def test_prompt_steps_replay_prompt_graphs(name, shared, monkeypatch):
     """The prompt_graphs preview on CUDA: steps past the decode buckets (short prompts beside a
     decoding sequence) replay the prompt buckets' graphs, never the eager forward, and match the
-    CPU reference, DSA's sparse variant too; the graphs were captured at load."""
+    CPU reference, DSA's sparse variant too; the graphs were captured at load, into one graph pool
+    with the decode graphs' (EXL3TOOLS_SHARED_GRAPH_POOL) or a pool of their own."""
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
     from tests.test_paged_runner import A, B, C, Reference
@@ -90,10 +92,12 @@ def test_prompt_steps_replay_prompt_graphs(name, monkeypatch):
     path = fixture_dir(name) / "model"
     ref = Reference(load_runner(path, max_context=48).model)
     monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "1")
+    monkeypatch.setenv("EXL3TOOLS_SHARED_GRAPH_POOL", shared)
     r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=2, block_size=4,
                     kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=30)
     d = r.paged.decoder
     assert r.decode_mode == "graphs" and d.prompt_buckets == [4, 8, 16, 24, 32]
+    assert set(d._pools) == ({"decode"} if shared == "1" else {"decode", "prompt"})
     assert {k[-3] for k in d._graphs if k[-3] > d.max_rows} == set(d.prompt_buckets)
     monkeypatch.setattr(r.paged, "forward", lambda *a, **k: pytest.fail("eager forward for a prompt step"))
     for x in (r, ref):
