@@ -205,12 +205,15 @@ if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a lon
   done
 fi
 if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
-  # MEMORY_ENVS="A=1;B=2": once per entry, one after another (an empty entry: the defaults)
-  IFS=';' read -r -a MENVS <<< "${MEMORY_ENVS:-}"; [ ${#MENVS[@]} = 0 ] && MENVS=("")
-  for i in "${!MENVS[@]}"; do
-    el "memory $i: ${MENVS[$i]:-defaults}"
-    env ${MENVS[$i]} timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py ${MEMORY_CKPT:-/tmp/air6} \
-      --json "$L/memory_$i.json" > "$L/memory_$i.log" 2>&1
+  # MEMORY_RUNS="CKPT|VARS|ARGS;...": one gpu_memory.py run per entry, one after another (VARS: variables
+  # such as EXL3TOOLS_X=1, ARGS: its options; /tmp/synth_ARCH is written first where missing)
+  IFS=';' read -r -a MRUNS <<< "${MEMORY_RUNS:-/tmp/air6||}"
+  for i in "${!MRUNS[@]}"; do
+    IFS='|' read -r mck mvars margs <<< "${MRUNS[$i]}"
+    [[ -d $mck || $mck != /tmp/synth_* ]] || python3 bench/synth_checkpoint.py $mck --arch ${mck#/tmp/synth_} > "$L/synth_mem_$i.log" 2>&1
+    el "memory $i: $mck ${mvars:-(defaults)} $margs"
+    env $mvars timeout ${MEMORY_TIMEOUT:-120} python3 bench/gpu_memory.py $mck $margs --json "$L/memory_$i.json" \
+      > "$L/memory_$i.log" 2>&1
     el "memory $i rc $?"; grep -v "^20..-" "$L/memory_$i.log" | tail -n 45
   done
 fi

@@ -1,7 +1,7 @@
 """Where serve's GPU memory goes beyond weights and the KV pool (issue 13: < 2 GB of scratch).
 
     python3 bench/gpu_memory.py CKPT [--max-model-len 32768] [--max-num-batched-tokens 2048]
-        [--prompt 2048] [--json out.json]
+        [--prompt 2048] [--speculative-tokens K] [--json out.json]
 
 Loads CKPT as ``exl3tools serve --device cuda`` does (load_runner: the startup profile forward, the
 KV pool at --gpu-memory-utilization, the decode graphs), runs one prompt of ``--prompt`` tokens and
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--speculative-tokens", type=int, default=0)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -108,27 +109,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<28} allocated {s['allocated'] / GB:7.2f}  reserved {s['reserved'] / GB:7.2f}  "
               f"peak {s['peak'] / GB:7.2f}  device used {s['used'] / GB:7.2f} GB", flush=True)
 
-    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     r = load_runner(a.ckpt, device="cuda", max_context=a.max_model_len, decode="graphs",
-                    gpu_memory_utilization=a.gpu_memory_utilization, max_num_batched_tokens=a.max_num_batched_tokens)
+                    gpu_memory_utilization=a.gpu_memory_utilization, max_num_batched_tokens=a.max_num_batched_tokens,
+                    speculative_tokens=a.speculative_tokens)
     weights = sum(t.numel() * t.element_size() for t in _model_tensors(r.model))
     kv = r.paged.pool.nbytes()
     stage("loaded (profile, pool, graphs)")
-    start = len(torch.cuda.memory._snapshot()["device_traces"][0])     # the serving part of the trace from here
+    loaded = torch.cuda.memory._snapshot()
+    # a fresh history for the serving part (turning it off clears the trace): its peak and owners are
+    # what serving adds; what the load left live comes from the load's own trace
+    torch.cuda.memory._record_memory_history(enabled=None)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     prompt = [i % r.model.info.vocab_size for i in range(a.prompt)]
     _run_prompt(r, prompt, a.max_num_batched_tokens)
     stage(f"after a {a.prompt}-token prompt")
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    best, groups = peak_live(snap, start=start)
-    end, held = peak_live(snap, at_end=True)
+    best, groups = peak_live(snap)
+    end, held = peak_live(loaded, at_end=True)
     print(f"\nweights (model tensors) {weights / GB:.2f} GB, KV pool {kv / GB:.2f} GB; "
           f"reserved beyond both {(stages[-1]['reserved'] - weights - kv) / GB:.2f} GB, "
           f"device used beyond both {(stages[-1]['used'] - weights - kv) / GB:.2f} GB (CUDA context included)")
-    print(f"peak live bytes, the KV pool aside: {best / GB:.2f} GB; at that moment, by owner:")
+    print(f"serving (the prompt and decode steps): peak of what it allocated {best / GB:.2f} GB; at that moment, by owner:")
     for who, nbytes, count in groups[:a.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  {count:6d}  {who}")
-    print(f"live when idle again, the KV pool aside: {end / GB:.2f} GB, by owner:")
+    print(f"live after loading, the KV pool (blocks of 1 GiB and more) aside: {end / GB:.2f} GB, by owner:")
     for who, nbytes, count in held[:a.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  {count:6d}  {who}")
     by_pool = pools(snap)
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<20} {res / GB:7.3f} / {alloc / GB:7.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"stages": stages, "weights": weights, "kv": kv, "peak_live": best,
-                                            "groups": groups[:50], "idle_live": end, "idle_groups": held[:50],
+                                            "groups": groups[:50], "loaded_live": end, "loaded_groups": held[:50],
                                             "pools": by_pool}, indent=1))
     return 0
 
