@@ -91,13 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
+    from exl3tools.cli._runtime import check_device
+
+    from exl3tools.errors import UsageError
+
+    try:
+        check_device("cuda")        # serve's allocator settings (expandable segments) before CUDA starts
+    except UsageError:
+        print("no CUDA device: nothing to measure")
+        return 0
     import torch
 
     from exl3tools.runtime.runner import load_runner
-
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return 0
     dev = torch.device("cuda", 0)
     stages = []
 

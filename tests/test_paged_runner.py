@@ -335,13 +335,14 @@ def test_a_failed_prompt_graph_capture_keeps_the_decode_steps(caplog):
     d = r.paged.decoder
 
     def boom(_jobs, pool):
-        assert pool == "prompt"
+        assert pool == "decode"         # one graph pool with the decode buckets' (EXL3TOOLS_SHARED_GRAPH_POOL)
+        d._pools[pool] = object()
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB\nmore")
 
     d._capture_keys = boom
     with caplog.at_level("WARNING", logger="exl3tools"):
         d._capture_prompt(d.prompt_buckets)
-    assert d.prompt_buckets == [] and d.buckets == [1, 2, 3]
+    assert d.prompt_buckets == [] and d.buckets == [1, 2, 3] and d._pools == {}     # the failed pool dropped
     assert any("prompt-step graphs" in m and "1.00 GiB" in m and "more" not in m for m in caplog.messages)
     for x in (r, ref):
         x.add_sequence("A")

@@ -188,6 +188,7 @@ class PagedDecoder:
         self._host = torch.zeros(N_INPUTS, self.prompt_rows, dtype=torch.int64, pin_memory=pin)
         self._graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}   # (bucket, sparse, width)
         self._pools: dict[str, object] = {}     # graph memory pools: "decode", "prompt" (a failed capture's is dropped)
+        self._side: torch.cuda.Stream | None = None   # the captures' warm-up stream (made on first use)
         self.last_key: tuple[int, bool, int] | None = None      # the graph the last step replayed
         self.last_sparse = False                                 # whether the last step could select (DSA)
         # DSA: a step whose rows all see <= index_topk keys attends densely, so it runs a variant
@@ -304,9 +305,9 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def capture(self, sizes: list[int] | None = None) -> None:
-        """Capture the graphs of ``sizes`` (default: every bucket; the prompt buckets first, into
-        a pool of their own unless EXL3TOOLS_SHARED_GRAPH_POOL), largest first, the decode buckets
-        in one pool (smaller graphs reuse the blocks of larger ones)."""
+        """Capture the graphs of ``sizes`` (default: every bucket; the prompt buckets first),
+        largest first, into one graph pool (smaller graphs reuse the blocks of larger ones;
+        EXL3TOOLS_SHARED_GRAPH_POOL=0: the prompt buckets in a pool of their own)."""
         if not self.graphs:
             return
         if sizes is None:
@@ -345,7 +346,7 @@ class PagedDecoder:
                 key = (*tag, bs, sparse, width)
                 if key in self._graphs:
                     continue
-                side = torch.cuda.Stream(dev)
+                side = self._warmup_stream()
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_STEPS):
@@ -360,6 +361,17 @@ class PagedDecoder:
                 gc.enable()
             self.inputs.copy_(saved)
         torch.cuda.synchronize(dev)
+        # the warm-ups' freed activations stay cached for their stream: give them back (the
+        # graphs keep their own pool); H200, GLM-5 shape: 1.8 GB cached beyond the allocated after load
+        torch.cuda.empty_cache()
+
+    def _warmup_stream(self) -> torch.cuda.Stream:
+        """One side stream for every capture's warm-ups: cuBLAS keeps a 32 MiB workspace per stream
+        it ran on, and the caching allocator a cache per stream, so a new stream per graph held
+        17 x 32 MiB on air6 and 32 x 32 MiB on the GLM-5 shape (bench/gpu_memory.py, H200)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def _capture_prompt(self, sizes: list[int]) -> None:
         """Capture prompt buckets (the main step, each variant); a failure (out of memory) drops

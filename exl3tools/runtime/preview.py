@@ -38,11 +38,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
     # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
-    # the prompt buckets' graphs and the decode buckets' in one graph memory pool (captured largest
-    # first: the decode graphs reuse the prompt graphs' freed blocks) instead of a pool each, whose
-    # sizes add up; serve on air6 held 3.36 GB beyond weights and KV on the H200 (2026-12-02),
-    # issue 13 asks < 2. A failed prompt capture drops the pool, so the decode graphs take a new one
-    "shared_graph_pool": "EXL3TOOLS_SHARED_GRAPH_POOL",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -88,6 +83,12 @@ OPT_OUTS = {
     # Its kernel tests pass on the H200 (2026-12-02, every tile against the oracle, the rows of one
     # sequence among them); the one fixture test it failed sat on a tie (docs/gpu.md)
     "mla_wide_tiles": "EXL3TOOLS_MLA_WIDE_TILES",
+    # the prompt buckets' graphs and the decode buckets' in one graph memory pool (captured largest
+    # first: the decode graphs reuse the prompt graphs' freed blocks) instead of a pool each, whose
+    # sizes add up (bench/gpu_memory.py on the H200, 2026-12-02: GLM-5 shape with
+    # --speculative-tokens 3, prompt pool 1.05 GB beside a decode pool of 2.23; without MTP 0.05-0.1
+    # GB); a failed prompt capture drops the pool, so the decode graphs take a new one
+    "shared_graph_pool": "EXL3TOOLS_SHARED_GRAPH_POOL",
 }
 
 
