@@ -171,7 +171,16 @@ class MLAttention:
         lat = self.kv_a(x)
         ckv = self.kv_a_norm(lat[:, :self.kv_lora])
         kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)            # absorbed queries (T, H, C)
+        q_lat = None
+
+        def absorbed() -> torch.Tensor:
+            """The absorbed queries (T, H, C), made once where a path reads them: a prompt through
+            attend_decompressed / attend_fresh does not (a 2048-token chunk's are 256 MiB of
+            float32, GLM-5 shape, and ~26 GFLOP a layer)."""
+            nonlocal q_lat
+            if q_lat is None:
+                q_lat = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
+            return q_lat
         kidx = self.indexer.keys(x, pos) if self.indexer is not None else None
 
         shared = batch.extras.setdefault("dsa_keep", {})
@@ -187,7 +196,7 @@ class MLAttention:
         # preview: runtime/preview.py), not a gather of each one's history and four einsums each
         rows = short_rows(batch, dev, fresh) if decompress and preview.switched_on("mla_eager_rows") else None
         if rows is not None:
-            self.attend_rows(rows, x, q_resid, q_lat, q_pe, new, out, shared)
+            self.attend_rows(rows, x, q_resid, absorbed(), q_pe, new, out, shared)
         for si, sp in enumerate(batch.spans):
             if (fresh is not None and si in fresh.spans) or (rows is not None and si in rows.spans):
                 continue
@@ -210,7 +219,7 @@ class MLAttention:
                     # dots; extend reads it back in float32, which took its FMA path: 3.2x slower
                     # than the dense path on the H200)
                     dt = sp.cache.pool.planes[self.layer][CACHE_CKV].dtype if hasattr(sp.cache, "pool") else cc.dtype
-                    out[r] = self.attend_selected(q_lat[r], q_pe[r], cc.to(dt), kp.to(dt), keep, sp.pos)
+                    out[r] = self.attend_selected(absorbed()[r], q_pe[r], cc.to(dt), kp.to(dt), keep, sp.pos)
                     continue
             # the (n, L) mask only where it is read: without a selection the fused kernels take the
             # causal bottom-right alignment (the queries are the last n of the L keys) as a bias
@@ -220,7 +229,7 @@ class MLAttention:
             if decompress and sp.n >= SDPA_MIN_ROWS:
                 out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, allowed)
                 continue
-            s = (torch.einsum("thc,lc->htl", q_lat[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
+            s = (torch.einsum("thc,lc->htl", absorbed()[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
             s = s.masked_fill(~allowed[None], float("-inf"))
             p = torch.softmax(s, dim=-1)
             o_lat = torch.einsum("htl,lc->thc", p, cc)
@@ -241,10 +250,11 @@ class MLAttention:
         from torch.nn.attention.bias import causal_lower_right
 
         dt = PREFILL_DTYPE if cc.is_cuda else torch.float32
-        q = torch.cat((q_nope, q_pe), -1).transpose(0, 1)[None]                # (1, H, n, nope + rope)
+        # cast before the cat: a float32 copy of every query (128 MiB at 2048 rows, GLM-5) never made
+        q = torch.cat((q_nope.to(dt), q_pe.to(dt)), -1).transpose(0, 1)[None]    # (1, H, n, nope + rope)
         n, L = q.shape[2], cc.shape[0]
         mask = allowed[None, None] if allowed is not None else None if n == L else causal_lower_right(n, L)
-        return self._sdpa_decompressed(q.to(dt), cc.to(dt)[None], kp.to(dt)[None], mask)[0]
+        return self._sdpa_decompressed(q, cc.to(dt)[None], kp.to(dt)[None], mask)[0]
 
     def _select(self, x, q_resid, pos, keys, pos0, positions: bool = False) -> torch.Tensor:
         """A prompt span's DSA mask (``positions``: its key positions, ``Indexer.select``): on
