@@ -34,21 +34,20 @@ def owner(frames: list[dict]) -> str:
     return "(outside exl3tools)"
 
 
-def peak_live(snapshot: dict, device: int = 0, skip_over: int = 1 << 30, start: int = 0,
+def peak_live(snapshot: dict, device: int = 0, skip_over: int = 1 << 30,
               at_end: bool = False) -> tuple[int, list[tuple[str, int, int]]]:
     """Replay the allocator trace: (peak live bytes, [(owner, bytes, count)] live at the peak), not
-    counting single blocks of ``skip_over`` bytes or more (the KV pool); the peak is looked for
-    from event ``start`` on (what was allocated before still counts as live). ``at_end``: the
-    live set when the trace ends instead of at the peak."""
+    counting single blocks of ``skip_over`` bytes or more (the KV pool). ``at_end``: the live set
+    when the trace ends instead of at the peak."""
     live: dict[int, tuple[int, str]] = {}
     cur = best = 0
     at_best: dict[int, tuple[int, str]] = {}
-    for i, ev in enumerate(snapshot["device_traces"][device]):
+    for ev in snapshot["device_traces"][device]:
         act, addr, size = ev["action"], ev["addr"], ev["size"]
         if act == "alloc" and size < skip_over:
             live[addr] = (size, owner(ev.get("frames", [])))
             cur += size
-            if cur > best and i >= start:
+            if cur > best:
                 best, at_best = cur, dict(live)
         elif act in ("free_requested", "free") and addr in live:
             cur -= live.pop(addr)[0]

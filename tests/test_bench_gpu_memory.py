@@ -30,18 +30,16 @@ def test_peak_live_groups_by_our_innermost_frame():
     assert gm.owner(b) == "kernels/dispatch.py:20 tiles"
 
 
-def test_peak_from_a_start_event_and_the_live_set_at_the_end():
+def test_the_peak_and_the_live_set_at_the_end():
     a = F("/r/exl3tools/runtime/layers.py", 10, "forward")
     trace = [
         {"action": "alloc", "addr": 1, "size": 500, "frames": a},           # the load's transient peak
         {"action": "free_requested", "addr": 1, "size": 500, "frames": a},
         {"action": "alloc", "addr": 2, "size": 40, "frames": a},            # kept
-        {"action": "alloc", "addr": 3, "size": 60, "frames": []},           # serving: a transient
+        {"action": "alloc", "addr": 3, "size": 60, "frames": []},           # a transient
         {"action": "free_requested", "addr": 3, "size": 60, "frames": []},
     ]
     assert gm.peak_live({"device_traces": [trace]})[0] == 500
-    best, groups = gm.peak_live({"device_traces": [trace]}, start=3)
-    assert best == 100 and groups == [("(outside exl3tools)", 60, 1), ("runtime/layers.py:10 forward", 40, 1)]
     assert gm.peak_live({"device_traces": [trace]}, at_end=True) == (40, [("runtime/layers.py:10 forward", 40, 1)])
 
 
