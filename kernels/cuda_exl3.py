@@ -32,6 +32,7 @@ from exl3tools.kernels.cuda_build import CODEBOOKS, build
 from exl3tools.errors import UsageError
 
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
+DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # prefill tiles with the activations staged in shared memory (tiles_body in the source), by the
 # most rows a tile has; MoE tiles of PREFILL_TILE_ROWS go to them unless EXL3TOOLS_PREFILL_TILES=0
@@ -302,14 +303,33 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
     return kps, groups, groups * -(-kt // kps)
 
 
-def decode_t(mod: Module, trellis: torch.Tensor) -> torch.Tensor:
-    """Ŵᵀ (n, k) fp16, bit-exact."""
-    kt, nt, _ = trellis.shape
+def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None) -> torch.Tensor:
+    """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
+    where given. ``trellis``: (kt, nt, width) int16, contiguous."""
+    kt, ld, _ = trellis.shape
+    j1 = ld if j1 is None else j1
+    nt = j1 - j0
     wt = torch.empty(nt * 16, kt * 16, dtype=torch.float16, device=trellis.device)
     quads = -(-(kt * nt) // 4)
     blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
-    mod.launch("exl3_decode_t", blocks, 256, trellis, wt, kt, nt)
+    mod.launch("exl3_decode_t", blocks, 256, trellis[:, j0], wt, kt, nt, ld)
     return wt
+
+
+def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor) -> torch.Tensor:
+    """x (rows, k) fp16 @ Ŵ (k, n) through cuBLAS on the decoded Ŵ, decoded DENSE_CHUNK_BYTES of
+    fp16 at a time (column chunks): a 154880 x 6144 head is 1.9 GB decoded whole, which an MTP
+    verify step's graph held in its pool (docs/serve.md); the chunks' GEMMs write their columns
+    of the result in place."""
+    kt, nt, _ = trellis.shape
+    step = max(1, DENSE_CHUNK_BYTES // (kt * 16 * 16 * 2))      # n-tiles a chunk
+    if step >= nt:
+        return torch.mm(x, decode_t(mod, trellis).t())
+    y = torch.empty(x.shape[0], nt * 16, dtype=x.dtype, device=x.device)
+    for j0 in range(0, nt, step):
+        j1 = min(nt, j0 + step)
+        torch.mm(x, decode_t(mod, trellis, j0, j1).t(), out=y[:, 16 * j0:16 * j1])
+    return y
 
 
 def decode_rotated(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
@@ -363,7 +383,7 @@ class CudaLinear:
             acc = workspace(self.device, rows * self.n)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
         else:
-            acc = torch.mm(xrot, decode_t(self.mod, self.trellis).t())
+            acc = dense_mm(self.mod, xrot, self.trellis)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
 

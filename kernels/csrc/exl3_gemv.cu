@@ -307,8 +307,11 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
 // wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
-// four tiles in flight per warp (grid-stride over tile quads).
-__device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt) {
+// four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
+// that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
+// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once.
+__device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
+                                            int ld) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     int word, off;
@@ -325,9 +328,11 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const long tile = q * 4 + u;
-            if (tile < tiles)
+            if (tile < tiles) {
+                const uint32_t* src = tr + ((size_t)(tile / nt) * ld + (size_t)(tile % nt)) * NW;
 #pragma unroll
-                for (int m = 0; m < NL; m++) w[u][m] = ldg32(tr + tile * NW + widx[m]);
+                for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + widx[m]);
+            }
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -498,8 +503,9 @@ TILES_OUT(64, 3, f32, 2)
 #endif
 
 #ifndef EXL3_HOST_TEST
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt) {
-    decode_body(tr, wt, kt, nt);
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt,
+                                                                 int ld) {
+    decode_body(tr, wt, kt, nt, ld);
 }
 
 #define HAD_IN(NAME, TX)                                                                                 \

@@ -61,6 +61,38 @@ def test_linear_matches_reference(cx, width, cb, rows):
     assert _rel(y2, y) < 1e-3
 
 
+def test_decode_column_chunks(cx):
+    """decode_t of n-tiles j0..j1 (the kernel's row stride ``ld``) equals those rows of the whole Ŵᵀ."""
+    import torch
+
+    rng = np.random.default_rng(11)
+    tr = torch.from_numpy(_lin(rng, 256, 384, 48)[0]).cuda()
+    mod = cx.module(48, "mul1", tr.device)
+    whole = cx.decode_t(mod, tr)
+    for j0, j1 in ((0, 5), (5, 24), (23, 24), (7, 8)):
+        assert torch.equal(cx.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
+
+
+@pytest.mark.parametrize("chunk_tiles", [1, 3, 7])
+def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles):
+    """rows > SMALL_ROWS with Ŵ decoded a few n-tiles at a time (DENSE_CHUNK_BYTES, down from 256
+    MiB so that this shape splits, the last chunk short) gives what the whole decode gives."""
+    import torch
+
+    rng = np.random.default_rng(chunk_tiles)
+    k, n, rows = 256, 640, 100
+    tr, suh, svh, b = _lin(rng, k, n, 48, bias=True)
+    x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda()
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
+    whole = lin(x)
+    monkeypatch.setattr(cx, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
+    y = lin(x).float().cpu().numpy()
+    # cuBLAS may pick another kernel (summation order) for a narrower GEMM: equal up to rounding
+    assert _rel(y, whole.float().cpu().numpy()) < 1e-3
+    w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
+    assert _rel(y, x.cpu().numpy().astype(np.float64) @ w + b.astype(np.float64)) < 2e-3
+
+
 def test_long_k_many_splits(cx):
     """k long enough for many split-K units per column group, n not a power of two."""
     import torch
