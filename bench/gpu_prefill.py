@@ -1,6 +1,7 @@
 """Prefill on the GPU, piece by piece: the MoE layer's paths and whole eager forwards.
 
     python3 bench/gpu_prefill.py CKPT [--tokens 1,8,32,256,2048] [--long 30000] [--json OUT.json]
+    python3 bench/gpu_prefill.py CKPT --long 30000 --long-only --long-variants "dense:;sparse:EXL3TOOLS_DSA_SPARSE_PREFILL=1"
 
 On the synthetic GLM-4.5-Air-shaped checkpoint (bench/synth_checkpoint.py), one run prints:
 - one MoE layer at T tokens (T x top_k (token, expert) pairs): ``pairs`` (one row per pair, each
@@ -21,6 +22,7 @@ Nothing here runs in CI.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -52,6 +54,10 @@ def main(argv=None) -> int:
     ap.add_argument("ckpt")
     ap.add_argument("--tokens", default="1,8,16,32,64,256,2048")
     ap.add_argument("--long", type=int, default=0, help="also one prompt of this many tokens in 2048-token chunks")
+    ap.add_argument("--long-only", action="store_true", help="only the --long prompt (no MoE, forwards, profiles)")
+    ap.add_argument("--long-variants", default="",
+                    help='the --long prompt once per "NAME:VAR=1,VAR2=0;NAME2:..." (variables set for that '
+                         "variant only; preview switches are read per call), each cold then warm")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     import torch
@@ -65,6 +71,12 @@ def main(argv=None) -> int:
     moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
     H = model.info.hidden_size
     res: dict = {"moe": [], "forward": []}
+    if a.long_only:
+        res["long"] = long_variants(runner, a.long, a.long_variants)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1))
+        runner.close()
+        return 0
     print("| tokens | pairs | tile rows | pairs ms | tiles ms | loop ms | tiles/pairs |")
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     res["mixed"] = mixed_step(runner, sid)
     if a.long:
-        res["long"] = long_prompt(runner, a.long, next(sid))
+        res["long"] = long_variants(runner, a.long, a.long_variants)
     res["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
@@ -186,39 +198,75 @@ def mixed_step(runner, sid, running: int = 8, history: int = 4096, prompt: int =
     return {"running": running, "history": history, "prompt": prompt, "path": path, "ms": ms}
 
 
-def long_prompt(runner, n: int, seq, chunk: int = 2048) -> dict:
+_RUNS = itertools.count(1)
+
+
+def long_variants(runner, n: int, spec: str) -> dict:
+    """The n-token prompt once per variant of ``spec`` ("NAME:VAR=1,VAR2=0;..."; empty: the
+    defaults alone), each three times: cold (Triton compiles of new shapes included, what the first
+    long prompt a server sees pays), warm, and once more with its last chunk profiled. A summary
+    table of the cold and warm runs last."""
+    import os
+
+    out = {}
+    for entry in [e for e in spec.split(";") if e.strip()] or ["defaults:"]:
+        name, _, assigns = entry.partition(":")
+        env = dict(kv.split("=", 1) for kv in assigns.split(",") if kv.strip())
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            cold = long_prompt(runner, n, ("long", name, "cold"), profile_last=False, title=f"{name} cold")
+            warm = long_prompt(runner, n, ("long", name, "warm"), profile_last=False, title=f"{name} warm")
+            long_prompt(runner, n, ("long", name, "profiled"), profile_last=True, title=f"{name} profiled")
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        out[name] = {"env": env, "cold": cold, "warm": warm}
+    print(f"\n| long prompt {n}: variant | cold ms | warm ms | warm tok/s | warm last chunk ms |\n|---|---|---|---|---|")
+    for name, r in out.items():
+        w = r["warm"]
+        print(f"| {name} | {r['cold']['total_ms']:.0f} | {w['total_ms']:.0f} | {n / w['total_ms'] * 1e3:.0f} | "
+              f"{w['chunks'][-1]['ms']:.1f} |")
+    return out
+
+
+def long_prompt(runner, n: int, seq, chunk: int = 2048, profile_last: bool = True, title: str = "") -> dict:
     """One n-token prompt in ``chunk``-token steps (the engine's prefill chunks on CUDA): ms per
     chunk, printed with the history it attended, and the top CUDA kernels of the last chunk."""
+    import contextlib
     import time
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    ids = [(7 * i + 1) % 1000 + 3 for i in range(n)]
+    # a new prompt each run (its first token): a repeated one would be served from the prefix cache
+    salt = next(_RUNS)
+    ids = [salt % 1000 + 3] + [(7 * i + 1) % 1000 + 3 for i in range(1, n)]
     runner.add_sequence(seq)
     rows = []
-    print(f"\n| long prompt {n}: chunk | history | ms |\n|---|---|---|")
+    print(f"\n| long prompt {n} {title}: chunk | history | ms |\n|---|---|---|")
+    prof = None
     try:
         for c0 in range(0, n, chunk):
-            last = c0 + chunk >= n
+            last = c0 + chunk >= n and profile_last
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            if last:
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    runner.step([(seq, ids[c0:c0 + chunk])], device_logits=True)
-                    torch.cuda.synchronize()
-            else:
+            with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if last
+                  else contextlib.nullcontext()) as p:
                 runner.step([(seq, ids[c0:c0 + chunk])], device_logits=True)
                 torch.cuda.synchronize()
+            prof = p if last else prof
             ms = (time.perf_counter() - t0) * 1e3
             rows.append({"chunk": c0 // chunk, "history": c0, "ms": ms})
             print(f"| {c0 // chunk} | {c0} | {ms:.1f} |", flush=True)
     finally:
         runner.free_sequence(seq)
     total = sum(r["ms"] for r in rows)
-    print(f"total {total:.0f} ms, {n / total * 1e3:.0f} tok/s (the last chunk profiled: its ms include the profiler)")
-    print(f"--- profile of the last chunk (history {rows[-1]['history']}) by CUDA time")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
+    print(f"total {total:.0f} ms, {n / total * 1e3:.0f} tok/s" + (" (the last chunk profiled: its ms include the profiler)"
+                                                                    if prof is not None else ""))
+    if prof is not None:
+        print(f"--- profile of the last chunk (history {rows[-1]['history']}) by CUDA time, {title}")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14))
     return {"tokens": n, "chunks": rows, "total_ms": total}
 
 

@@ -48,6 +48,7 @@ TC_TN, TC_TILES = 64, 4   # _scores_tc_kernel: keys per dot, dots per program (2
 # 64 heads, with the scores, 2026-12-02) timed one program a row 31.6 us at 4k and 188.9 at 32k,
 # the chunked kernels 35.3 and 101.1 (batch 32: 322 vs 326 at 4k, 2444 vs 2370 at 32k)
 CHUNKED_MIN_WIDTH = 8192
+MIN_CP = 64        # topk_select_chunked's per-chunk count slots at least (a fixed compile-time size)
 
 
 if triton is not None:
@@ -325,7 +326,10 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) 
         return out
     s = s.contiguous()
     chunks = triton.cdiv(T, TOPK_TILE)
-    cp = _pow2(chunks)
+    # CP is a compile-time size: one value for every table up to MIN_CP chunks (128k scores), so
+    # a long prompt's chunks, each over a longer history, do not compile the two kernels afresh
+    # at every power of two (~0.5 s a compile, paid inside the first long prompt a server sees)
+    cp = max(MIN_CP, _pow2(chunks))
     hist = torch.zeros(B, 512, device=s.device, dtype=torch.int32)
     cnt = torch.empty(B, 2, cp, device=s.device, dtype=torch.int32)
     grid = (B, chunks)

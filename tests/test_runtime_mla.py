@@ -338,6 +338,14 @@ def test_dsa_prompt_rows_over_their_selected_keys(name, kernel, monkeypatch):
     assert calls and all(c[1] == topk for c in calls), calls      # every layer, both prompts
     for a, b in zip(got, ref, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+    # the selection as positions through the decode step's score and top-k functions
+    # (EXL3TOOLS_DSA_PREFILL_KERNELS=1, Indexer.select_kernels), in another order within a row
+    monkeypatch.setenv("EXL3TOOLS_DSA_PREFILL_KERNELS", "1")
+    n = len(calls)
+    got = run()
+    assert len(calls) == 2 * n and all(c[1] == topk for c in calls), calls
+    for a, b in zip(got, ref, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("name", MLA_FIXTURES[:2])
@@ -431,6 +439,11 @@ def test_indexer_select_kernels_keep_the_same_keys(monkeypatch):
         got = idx.select_kernels(x, q_resid, pos, keys, pos0, dsa.paged_scores_reference, dsa.topk_positions,
                                  block=block)
         assert torch.equal(got, want), (block, rows)
+        # as positions: Indexer.select's, each row as a set (-1 for an unused entry)
+        sel = idx.select_kernels(x, q_resid, pos, keys, pos0, dsa.paged_scores_reference, dsa.topk_positions,
+                                 block=block, positions=True)
+        ref_sel = select(idx, x, q_resid, pos, keys, pos0, positions=True)
+        assert sel.shape == ref_sel.shape and torch.equal(sel.sort(1).values, ref_sel.sort(1).values), (block, rows)
     if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
         return
     from exl3tools.kernels import dsa_indexer as di

@@ -99,18 +99,29 @@ class Indexer:
         self.last_selection = keep
         return keep if sel is None else sel
 
-    def select_kernels(self, x, q_resid, pos, keys, pos0, score_fn, topk_fn, block: int = 64) -> torch.Tensor:
+    def select_kernels(self, x, q_resid, pos, keys, pos0, score_fn, topk_fn, block: int = 64, *,
+                       positions: bool = False) -> torch.Tensor:
         """``select`` through the decode step's kernels (``score_fn``/``topk_fn`` as in
         ``select_paged``): ``keys`` (L, D_i) padded into one table of ``block``-key blocks that
-        every row shares, each row its own causal length. The same mask as ``select`` up to the
-        scores' summation order, without the (rows, heads, L) float32 logits or a sort. ``block`` is
-        fixed so that the kernels compile once, not once per history length."""
+        every row shares, each row its own causal length. The same mask (``positions``: the same
+        (n, min(topk, L)) positions, in another order within a row) as ``select`` up to the
+        scores' summation order, without the (rows, heads, L) float32 logits or a sort: row groups
+        of SCORE_BYTES of float32 scores, where ``select`` needs (rows, heads, L) of them (at a
+        30k history 2 groups of a 2048-row chunk, not 60). ``block`` is fixed so that the kernels
+        compile once, not once per history length."""
         self._to(x.device)
         n, L = x.shape[0], keys.shape[0]
-        plane = as_blocks(keys, block)
+        # the cache hands the history back in float32, which the score kernel reads on its FMA
+        # path; the keys are fp16 values (``keys`` rounds them), so fp16 is exact and takes the
+        # tensor-core dots
+        plane = as_blocks(keys.half() if keys.is_cuda and keys.dtype == torch.float32 else keys, block)
         nb = plane.shape[0]
         table = torch.arange(nb, dtype=torch.int32, device=x.device)
-        keep = torch.zeros(n, nb * block + 1, dtype=torch.bool, device=x.device)   # + a column for -1
+        K = min(self.topk, L)
+        if positions:
+            out = torch.empty(n, K, dtype=torch.int32, device=x.device)
+        else:
+            out = torch.zeros(n, nb * block + 1, dtype=torch.bool, device=x.device)   # + a column for -1
         step = max(1, SCORE_BYTES // (nb * block * 4))
         for r0 in range(0, n, step):
             r = slice(r0, min(n, r0 + step))
@@ -118,8 +129,15 @@ class Indexer:
             m = q.shape[0]
             ctx = torch.arange(pos0 + r0 + 1, pos0 + r0 + m + 1, dtype=torch.int32, device=x.device)
             sel = topk_fn(score_fn(q, w, plane, table.expand(m, nb), ctx, self.scale), ctx, self.topk)
-            keep[r].scatter_(1, torch.where(sel >= 0, sel, nb * block).long(), True)
-        keep = keep[:, :L]
+            if positions:
+                # (m, min(topk, padded width)): a row sees at most L keys, so its chosen positions
+                # (and a short row's 0 .. ctx - 1) sit in the first K columns
+                out[r] = sel[:, :K]
+            else:
+                out[r].scatter_(1, torch.where(sel >= 0, sel, nb * block).long(), True)
+        if positions:
+            return out
+        keep = out[:, :L]
         self.last_selection = keep
         return keep
 

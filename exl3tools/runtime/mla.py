@@ -258,14 +258,16 @@ class MLAttention:
 
     def _select(self, x, q_resid, pos, keys, pos0, positions: bool = False) -> torch.Tensor:
         """A prompt span's DSA mask (``positions``: its key positions, ``Indexer.select``): on
-        CUDA under EXL3TOOLS_DSA_PREFILL_KERNELS=1 (a preview, masks only) through the decode
-        step's score and top-k kernels, else ``Indexer.select`` (float32 logits of every row, head
-        and key, then a sort)."""
-        if not positions and x.device.type == "cuda" and preview.switched_on("dsa_prefill_kernels"):
+        CUDA under EXL3TOOLS_DSA_PREFILL_KERNELS=1 (a preview) through the decode step's score
+        and top-k kernels (``Indexer.select_kernels``; on the CPU their torch references), else
+        ``Indexer.select`` (float32 logits of every row, head and key, then a sort)."""
+        if preview.switched_on("dsa_prefill_kernels"):
+            from exl3tools.runtime import dsa
             from exl3tools.runtime.paged_decode import mla_attention_fn
 
             _, score_fn, topk_fn = mla_attention_fn(x.device)
-            return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn, topk_fn)
+            return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn or dsa.paged_scores_reference,
+                                               topk_fn or dsa.topk_positions, positions=positions)
         return self.indexer.select(x, q_resid, pos, keys, pos0, positions=positions)
 
     def attend_selected(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
