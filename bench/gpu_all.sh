@@ -157,8 +157,9 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       # (fp16: --kv-cache-dtype fp16, what auto picks for MLA on CUDA; widths: at --max-model-len
       # 131072, with and without the sparse graphs per table width; fma: the indexer's scores on the
       # FMA kernel (EXL3TOOLS_DSA_SCORES_TC=0); gemv: MoE prefill tiles on the gemv kernel
-      # (EXL3TOOLS_PREFILL_TILES=0); dsa_prefill: the EXL3TOOLS_DSA_PREFILL_KERNELS=1 preview; dsa_sparse: the
-      # EXL3TOOLS_DSA_SPARSE_PREFILL=1 preview (prompt rows over their selected keys); flash_pad: its opt-out
+      # (EXL3TOOLS_PREFILL_TILES=0); dsa_prefill: the prompts' DSA selection by torch (the
+      # EXL3TOOLS_DSA_PREFILL_KERNELS=0 opt-out); dsa_sparse: prompt rows densely under the selection
+      # mask (the EXL3TOOLS_DSA_SPARSE_PREFILL=0 opt-out, not over their selected keys); flash_pad: its opt-out
       # EXL3TOOLS_MLA_FLASH_PAD=0 (DeepSeek-V3's prompt attention off flash); prompt_steps: its opt-out
       # EXL3TOOLS_PROMPT_GRAPHS=0 (short prompts beside decoding rows through the eager forward); mla_rows: the
       # EXL3TOOLS_MLA_EAGER_ROWS=1 preview (an eager step's decode rows through the decode kernels); tile: the
@@ -170,8 +171,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *fp16* ]] && CFG+=(--config "${arch}_fp32:--max-model-len 32768 --kv-cache-dtype fp32")   # the old auto
       [[ $V == *fma* ]] && CFG+=(--config "${arch}_scores_fma:EXL3TOOLS_DSA_SCORES_TC=0 --max-model-len 32768")
       [[ $V == *gemv* ]] && CFG+=(--config "${arch}_gemv_tiles:EXL3TOOLS_PREFILL_TILES=0 --max-model-len 32768")
-      [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_prefill:EXL3TOOLS_DSA_PREFILL_KERNELS=1 --max-model-len 32768")
-      [[ $V == *dsa_sparse* ]] && CFG+=(--config "${arch}_dsa_sparse:EXL3TOOLS_DSA_SPARSE_PREFILL=1 --max-model-len 32768")
+      [[ $V == *dsa_prefill* ]] && CFG+=(--config "${arch}_dsa_torch_select:EXL3TOOLS_DSA_PREFILL_KERNELS=0 --max-model-len 32768")
+      [[ $V == *dsa_sparse* ]] && CFG+=(--config "${arch}_dsa_dense:EXL3TOOLS_DSA_SPARSE_PREFILL=0 --max-model-len 32768")
       [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_no_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=0 --max-model-len 32768")
       [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_no_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=0 --max-model-len 32768")
       [[ $V == *mla_rows* ]] && CFG+=(--config "${arch}_mla_rows:EXL3TOOLS_MLA_EAGER_ROWS=1 --max-model-len 32768")

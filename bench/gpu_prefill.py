@@ -1,7 +1,7 @@
 """Prefill on the GPU, piece by piece: the MoE layer's paths and whole eager forwards.
 
     python3 bench/gpu_prefill.py CKPT [--tokens 1,8,32,256,2048] [--long 30000] [--json OUT.json]
-    python3 bench/gpu_prefill.py CKPT --long 30000 --long-only --long-variants "dense:;sparse:EXL3TOOLS_DSA_SPARSE_PREFILL=1"
+    python3 bench/gpu_prefill.py CKPT --long 30000 --long-only --long-variants "default:;dense:EXL3TOOLS_DSA_SPARSE_PREFILL=0"
 
 On the synthetic GLM-4.5-Air-shaped checkpoint (bench/synth_checkpoint.py), one run prints:
 - one MoE layer at T tokens (T x top_k (token, expert) pairs): ``pairs`` (one row per pair, each

@@ -4,6 +4,8 @@ the host-grouped paths on real fixtures (reference backend: DenseExperts.tiles).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -59,3 +61,35 @@ def test_tiled_moe_equals_pairs_and_loop(name, chunk_rows, monkeypatch):
     assert loop.abs().max() > 0
     torch.testing.assert_close(tiled, loop, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pairs, loop, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_moe_combine_adds_each_tokens_rows_in_order(kernel):
+    """kernels/moe_combine: out[t] += sum_k w[t, k] * y[inv[t, k]] over inv >= 0; rows never
+    referenced may be NaN; the Triton kernel (interpreter) equals the reference, and both the
+    float64 sum."""
+    from exl3tools.kernels import moe_combine
+
+    if kernel == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1" or moe_combine.triton is None:
+            pytest.skip("needs TRITON_INTERPRET=1 (make test sets it)")
+    g = torch.Generator().manual_seed(3)
+    T, K, H, rows = 7, 3, 1100, 16                    # H: a partial second column block
+    y = torch.randn(rows, H + 4, generator=g)          # wider than H: its stride, not H, steps rows
+    y[5] = float("nan")                                # never referenced
+    inv = torch.randint(0, rows, (T, K), generator=g, dtype=torch.int32)
+    inv[inv == 5] = 6
+    inv[0, 1], inv[3] = -1, -1                         # pairs of another chunk or rank
+    w = torch.rand(T, K, generator=g)
+    base = torch.randn(T, H, generator=g)
+    fn = moe_combine.combine if kernel == "triton" else moe_combine.combine_reference
+    got = fn(base.clone(), y, inv, w)
+    want = base.double().clone()
+    for t in range(T):
+        for k in range(K):
+            if inv[t, k] >= 0:
+                want[t] += w[t, k].double() * y[inv[t, k], :H].double()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    if kernel == "triton":
+        torch.testing.assert_close(got, moe_combine.combine_reference(base.clone(), y, inv, w), rtol=1e-6, atol=1e-6)

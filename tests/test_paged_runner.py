@@ -392,6 +392,12 @@ def test_preview_switches(monkeypatch):
     assert fused_step.resolve(None, cpu) is fk.available(cpu)
     monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
     assert fused_step.resolve(None, cuda) is False
+    # on_cuda: the DSA prompt paths, on CUDA unless "0", on the CPU only when "1"
+    for env, want in ((None, (True, False)), ("1", (True, True)), ("0", (False, False))):
+        monkeypatch.delenv("EXL3TOOLS_DSA_SPARSE_PREFILL", raising=False)
+        if env is not None:
+            monkeypatch.setenv("EXL3TOOLS_DSA_SPARSE_PREFILL", env)
+        assert (preview.on_cuda("dsa_sparse_prefill", cuda), preview.on_cuda("dsa_sparse_prefill", cpu)) == want
 
 
 @pytest.mark.parametrize("name", ["llama-4.0bpw-mul1", "deepseek_v3-3.0bpw-3inst"])

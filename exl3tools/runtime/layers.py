@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3tools.errors import UnsupportedArchitectureError
+from exl3tools.kernels import moe_combine
 from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_linear
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
@@ -480,14 +481,13 @@ class MoE:
         R = tile_rows(S, E, self.max_tile_rows())
         tile_exp, row_exp, slot, valid = expert_tiles(loc, E, R)
         tok = torch.where(valid, slot, 0) // self.top_k          # source token of each tile row
-        dst = torch.where(valid, tok, T)                         # padding rows (maybe NaN) into row T
-        wrow = torch.where(valid, w.reshape(-1)[slot.clamp(max=S - 1)], 0.0)   # a pair on another rank: 0
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
-        # each chunk's weighted rows added into their tokens' rows: index_put_'s accumulation sorts
-        # the indices (stable) and sums each token's rows in that order, so the result does not
-        # depend on timing (index_add_'s atomics would); a (pairs, hidden) float32 staging of every
-        # pair before a sum over k was 384 MiB of a 2048-token GLM-5 step's 1.19 GB peak (H200)
-        out = torch.zeros(T + 1, H, dtype=x.dtype, device=x.device)
+        # each chunk's rows added into their tokens' rows in a fixed order (kernels/moe_combine.py),
+        # through inv: each pair's row in the chunk, -1 for none (entry S takes the padding rows)
+        combine = moe_combine.combine if x.is_cuda else moe_combine.combine_reference
+        out = torch.zeros(T, H, dtype=x.dtype, device=x.device)
+        inv = torch.empty(S + 1, dtype=torch.int32, device=x.device)
+        wk = w.reshape(T, self.top_k)                            # a pair on another rank has no row
         NT = tile_exp.shape[0]
         counts = valid.view(NT, R).sum(1)        # real rows per tile: a backend may skip the padding
         step = max(1, MOE_CHUNK_ROWS // R)
@@ -495,8 +495,9 @@ class MoE:
             c1 = min(NT, c0 + step)
             r0, r1 = c0 * R, c1 * R
             y = self._tiles_chunk(xp, g, E, R, tok[r0:r1], row_exp[r0:r1], tile_exp[c0:c1], counts[c0:c1])
-            out.index_put_((dst[r0:r1],), y[:, :H].mul_(wrow[r0:r1, None].to(y.dtype)), accumulate=True)
-        return out[:T]
+            inv.fill_(-1).index_copy_(0, slot[r0:r1], torch.arange(r1 - r0, dtype=torch.int32, device=x.device))
+            combine(out, y, inv[:S].view(T, self.top_k), wk)
+        return out
 
     @staticmethod
     def _tiles_chunk(xp, g: dict, E: int, R: int, tok, row_exp, tile_exp, counts) -> torch.Tensor:

@@ -187,8 +187,8 @@ class MLAttention:
         out = torch.empty(T, self.nh, self.vd, dtype=torch.float32, device=dev)
         new = {CACHE_CKV: ckv, CACHE_KPE: kpe} | ({} if kidx is None else {CACHE_KIDX: kidx})   # every row, per plane
         decompress = dev.type == "cuda" or SDPA_ON_CPU       # prompts through attend_decompressed / attend_fresh
-        # DSA prompt rows over their selected keys only (a preview: runtime/preview.py)
-        sparse_rows = decompress and self.index_topk and preview.switched_on("dsa_sparse_prefill")
+        # DSA prompt rows over their selected keys only (on CUDA unless "0": runtime/preview.py)
+        sparse_rows = decompress and self.index_topk and preview.on_cuda("dsa_sparse_prefill", dev)
         fresh = fresh_prompts(batch, self.index_topk, dev) if decompress and batch.spans else None
         if fresh is not None:
             self.attend_fresh(fresh, q_nope, q_pe, new, out)
@@ -258,10 +258,11 @@ class MLAttention:
 
     def _select(self, x, q_resid, pos, keys, pos0, positions: bool = False) -> torch.Tensor:
         """A prompt span's DSA mask (``positions``: its key positions, ``Indexer.select``): on
-        CUDA under EXL3TOOLS_DSA_PREFILL_KERNELS=1 (a preview) through the decode step's score
-        and top-k kernels (``Indexer.select_kernels``; on the CPU their torch references), else
-        ``Indexer.select`` (float32 logits of every row, head and key, then a sort)."""
-        if preview.switched_on("dsa_prefill_kernels"):
+        CUDA (unless EXL3TOOLS_DSA_PREFILL_KERNELS=0; on the CPU when "1", through the kernels'
+        torch references) through the decode step's score and top-k kernels
+        (``Indexer.select_kernels``), else ``Indexer.select`` (float32 logits of every row, head
+        and key, then a sort)."""
+        if preview.on_cuda("dsa_prefill_kernels", x.device):
             from exl3tools.runtime import dsa
             from exl3tools.runtime.paged_decode import mla_attention_fn
 

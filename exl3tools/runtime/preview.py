@@ -11,19 +11,6 @@ from __future__ import annotations
 import os
 
 SWITCHES = {    # name -> variable: off on CUDA unless "1"
-    # a long prompt's DSA selection through the decode step's kernels (Indexer.select_kernels:
-    # tensor-core scores, the Triton top-k) instead of float32 logits of every row, head and key
-    # and a sort. Its GPU test passes, but served on the H200 (2026-12-02 night, GLM-5 shape) it is
-    # slower: a 30000-token prompt 6.1 -> 9.5 s, a 4096-token one 0.36 -> 0.98 s; it stays off
-    "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
-    # a long prompt's DSA rows attend over their selected keys only (MLAttention.attend_selected:
-    # the decode step's MLA kernel, one row a query, absorbed queries over the latent) instead of
-    # densely over the whole decompressed history with the selection as a mask; what exllamav3's
-    # dsa_attn does. Its GPU tests pass, but served on the H200 (2026-12-02, GLM-5 shape) a
-    # 30000-token prompt took 21.9 s against 6.8 s dense: that run handed the kernel the history
-    # in float32 (read back through the cache), so it took the FMA dots; it now gets the pool's
-    # fp16 planes (tensor-core dots, as its GPU test ran). To be timed again
-    "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
     # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
     # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
     # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's
@@ -89,6 +76,20 @@ OPT_OUTS = {
     # --speculative-tokens 3, prompt pool 1.05 GB beside a decode pool of 2.23; without MTP 0.05-0.1
     # GB); a failed prompt capture drops the pool, so the decode graphs take a new one
     "shared_graph_pool": "EXL3TOOLS_SHARED_GRAPH_POOL",
+    # CUDA only (on the CPU, the reference path, only when "1": on_cuda): a long prompt's DSA
+    # selection through the decode step's kernels (Indexer.select_kernels: tensor-core scores over
+    # fp16 keys, the Triton top-k, row groups of 128 MiB of scores) instead of float32 logits of
+    # every row, head and key in ~60 row groups and a sort; and the prompt rows then attend over
+    # their selected keys only (MLAttention.attend_selected: the decode step's MLA kernel, one row a
+    # query, absorbed, as exllamav3's dsa_attn) instead of densely over the decompressed history
+    # under the selection as a mask. H200, 2026-12-02 (bench/gpu_prefill.py --long 30000
+    # --long-variants, GLM-5 shape, warm): a 30000-token prompt dense 5.63 s, with the kernels'
+    # selection 4.39, sparse with the torch selection 6.22, sparse with the kernels' **2.51 s**
+    # (the chunk at a 28672-token history 445 -> 145 ms). (The earlier served 6.1 -> 9.5 s of the
+    # kernels' selection was Triton compiling the chunked top-k afresh at every power of two of
+    # the history: its count slots are now a fixed size.)
+    "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
+    "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
 }
 
 
@@ -99,6 +100,12 @@ def _variable(name: str) -> str:
 def asked_for(name: str) -> bool:
     """Whether the variable of ``name`` (a preview or a former one) is "1": explicitly on."""
     return os.environ.get(_variable(name)) == "1"
+
+
+def on_cuda(name: str, device) -> bool:
+    """A former preview that is the default on CUDA (off there only when "0") and runs elsewhere
+    (the CPU reference path, the interpreter tests) only when asked for ("1")."""
+    return switched_on(name) if getattr(device, "type", device) == "cuda" else asked_for(name)
 
 
 def switched_on(name: str) -> bool:

@@ -249,3 +249,25 @@ def test_fused_moe_layer_matches_forward_static(batch):
     assert torch.equal(sel.sort(1).values.cpu(), r2["loc"].view(batch, -1).sort(1).values.cpu())
     _close(h, want, 2e-3)
     r.close()
+
+
+@pytest.mark.parametrize("T,K,H", [(2048, 8, 6144), (37, 8, 4096), (5, 4, 300)])
+def test_moe_combine(dev, T, K, H):
+    """kernels/moe_combine.combine (the tiled MoE's fixed-order weighted sum, runtime.layers._tiles_sum)
+    against its torch reference at the GLM-5 shape of a 2048-token chunk and smaller: rows of
+    another chunk (-1) skipped, padding rows' NaN never read, one wider y (its stride)."""
+    import torch
+    from exl3tools.kernels import moe_combine
+
+    if dev == "cpu" and T * H > 10**6:
+        pytest.skip("the real shape on CUDA only (minutes in the interpreter)")
+    g = torch.Generator().manual_seed(T + K)
+    rows = T * K // 2 + 64
+    y = torch.randn(rows, H + 16, generator=g)
+    y[-64:] = float("nan")                                              # padding rows
+    inv = torch.randint(-1, rows - 64, (T, K), generator=g, dtype=torch.int32)
+    w = torch.rand(T, K, generator=g)
+    base = torch.randn(T, H, generator=g)
+    want = moe_combine.combine_reference(base.clone(), y, inv, w)
+    got = moe_combine.combine(base.clone().to(dev), y.to(dev), inv.to(dev), w.to(dev))
+    _close(got, want, 1e-6)

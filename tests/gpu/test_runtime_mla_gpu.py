@@ -28,8 +28,11 @@ def _near_a_reference(errs: list[dict], tol: float = 1e-2) -> bool:
     return all(min(e.values()) < tol for e in errs)
 
 
+@pytest.mark.parametrize("sparse", ["default", "0"])
 @pytest.mark.parametrize("name", MLA)
-def test_gpu_mla_logits_match_cpu_reference(dev, name):
+def test_gpu_mla_logits_match_cpu_reference(dev, name, sparse, monkeypatch):
+    """The DSA prompt rows over their selected keys (the default on CUDA) and densely under the
+    selection mask (EXL3TOOLS_DSA_SPARSE_PREFILL=0), each against the CPU reference."""
     from safetensors.torch import load_file
 
     from exl3tools.runtime.mtp import greedy, greedy_mtp
@@ -38,6 +41,10 @@ def test_gpu_mla_logits_match_cpu_reference(dev, name):
 
     if dev == "cpu":
         pytest.skip("needs CUDA")
+    if sparse == "0":
+        if "glm5" not in name:
+            pytest.skip("DSA fixtures only")
+        monkeypatch.setenv("EXL3TOOLS_DSA_SPARSE_PREFILL", "0")
     g = load_file(str(fixture_dir(name) / "goldens_logits.safetensors"))
     prompt = g["prompt_p64"].tolist()[:40]           # > index_topk: the DSA path runs
     out = {}
