@@ -19,6 +19,7 @@ is shared by all heads. ``reduce`` (the TP all-reduce when heads are cut) sums t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -289,8 +290,14 @@ class MLAttention:
         table = torch.arange(ckv.shape[0], dtype=torch.int32, device=q_lat.device)[None].expand(n, -1)
         ctx = torch.arange(pos0 + 1, pos0 + n + 1, dtype=torch.int32, device=q_lat.device)
         # fp16 planes: 32 heads x 32 keys a program (no spills on sm_90: bench/triton_sm90_check.py),
-        # each latent tile read half as often as at the decode step's 16 heads; not yet timed
-        kw = dict(head_block=32, tile_n=32, num_warps=8) if ckv.dtype == torch.float16 and self.nh >= 32 else {}
+        # each latent tile read half as often as at the decode step's 16 heads; 5.4 ms a GLM-5
+        # layer for a 2048-row chunk on the H200. EXL3TOOLS_MLA_SELECT_TILE="HB,TN,WARPS" tries others
+        # (read per call: bench/gpu_prefill.py --long-variants times them in one process)
+        from exl3tools.kernels.mla_attention import _tile_override
+
+        tile = _tile_override(os.environ.get("EXL3TOOLS_MLA_SELECT_TILE"))
+        kw = dict(zip(("head_block", "tile_n", "num_warps"), tile or (32, 32, 8), strict=True)) \
+            if ckv.dtype == torch.float16 and self.nh >= 32 else {}
         o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,
                        self.scale, sel=sel.contiguous(), **kw)
         return torch.einsum("thc,hvc->thv", o_lat, self.w_uv)
