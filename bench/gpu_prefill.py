@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -211,7 +212,8 @@ def long_variants(runner, n: int, spec: str) -> dict:
     out = {}
     for entry in [e for e in spec.split(";") if e.strip()] or ["defaults:"]:
         name, _, assigns = entry.partition(":")
-        env = dict(kv.split("=", 1) for kv in assigns.split(",") if kv.strip())
+        # VAR=value pairs split at the commas before a name (a value may hold commas: "32,64,8")
+        env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_]\w*=)", assigns) if kv.strip())
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
