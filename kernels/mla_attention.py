@@ -52,22 +52,23 @@ MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
 PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype (dsa_indexer's too)
 
 
-def _tile_override(value: str | None) -> tuple[int, int, int] | None:
-    """EXL3TOOLS_MLA_TILE="HB,TN,WARPS": the decode kernel's tiles for every call that does not pass
-    its own (a diagnostic: bench/gpu_all.sh serves it beside the default to time a sweep's winner
-    end to end). Unset: default_config."""
+def tile_override(value: str | None, name: str = "EXL3TOOLS_MLA_TILE") -> tuple[int, int, int] | None:
+    """``name``="HB,TN,WARPS": the MLA kernel's tiles for every call that does not pass its own (a
+    diagnostic: bench/gpu_all.sh serves EXL3TOOLS_MLA_TILE beside the default to time a sweep's
+    winner end to end; EXL3TOOLS_MLA_SELECT_TILE: the DSA prompt rows', mla.MLAttention.attend_selected).
+    Unset: default_config. A bad value is a UsageError naming the variable."""
     if not value:
         return None
     try:
         hb, tn, warps = (int(v) for v in value.split(","))
     except ValueError:
-        raise UsageError(f"EXL3TOOLS_MLA_TILE={value!r}: expected HB,TN,WARPS, e.g. 32,32,8") from None
+        raise UsageError(f"{name}={value!r}: expected HB,TN,WARPS, e.g. 32,32,8") from None
     if any(v <= 0 or v & (v - 1) for v in (hb, tn, warps)) or hb < 16 or tn < 16:
-        raise UsageError(f"EXL3TOOLS_MLA_TILE={value!r}: HB and TN powers of two >= 16, WARPS a power of two")
+        raise UsageError(f"{name}={value!r}: HB and TN powers of two >= 16, WARPS a power of two")
     return hb, tn, warps
 
 
-TILE = _tile_override(os.environ.get("EXL3TOOLS_MLA_TILE"))
+TILE = tile_override(os.environ.get("EXL3TOOLS_MLA_TILE"))
 
 
 if triton is not None:

@@ -293,9 +293,9 @@ class MLAttention:
         # each latent tile read half as often as at the decode step's 16 heads; 5.4 ms a GLM-5
         # layer for a 2048-row chunk on the H200. EXL3TOOLS_MLA_SELECT_TILE="HB,TN,WARPS" tries others
         # (read per call: bench/gpu_prefill.py --long-variants times them in one process)
-        from exl3tools.kernels.mla_attention import _tile_override
+        from exl3tools.kernels.mla_attention import tile_override
 
-        tile = _tile_override(os.environ.get("EXL3TOOLS_MLA_SELECT_TILE"))
+        tile = tile_override(os.environ.get("EXL3TOOLS_MLA_SELECT_TILE"), "EXL3TOOLS_MLA_SELECT_TILE")
         kw = dict(zip(("head_block", "tile_n", "num_warps"), tile or (32, 32, 8), strict=True)) \
             if ckv.dtype == torch.float16 and self.nh >= 32 else {}
         o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,

@@ -220,16 +220,18 @@ def test_wide_tiles_on_fp16_planes_unless_opted_out(monkeypatch):
 def test_mla_tile_override_parses_or_refuses_in_one_line(value, want):
     """EXL3TOOLS_MLA_TILE (the serve benchmark's way to time a sweep's winner): HB,TN,WARPS, or a
     UsageError (one line, exit 2) naming the variable."""
-    from exl3tools.kernels.mla_attention import _tile_override
+    from exl3tools.kernels.mla_attention import tile_override
 
     from exl3tools.errors import UsageError
 
     if want is None or isinstance(want, tuple):
-        assert _tile_override(value) == want
+        assert tile_override(value) == want
         return
     with pytest.raises(UsageError, match=want) as e:
-        _tile_override(value)
+        tile_override(value)
     assert "EXL3TOOLS_MLA_TILE" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="EXL3TOOLS_MLA_SELECT_TILE"):
+        tile_override(value, "EXL3TOOLS_MLA_SELECT_TILE")
 
 
 @pytest.mark.parametrize("B,NH,D,bs", [(3, 4, 32, 4), (2, 20, 48, 8)] + ([(4, 32, 128, 16), (2, 64, 128, 64)]
