@@ -42,6 +42,7 @@ DECOMPRESS_BYTES = 256 * 2**20     # decompressed K/V per head group (attend_dec
 # 200 ms a step for it on the H200 (2026-12-02). Math only where both refuse (a test forbids it).
 PREFILL_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 PAD_V_ON_CPU = False   # tests: attend_decompressed's zero-padded V (the mla_flash_pad preview) on the CPU
+SELECT_TILE = (32, 64, 8)   # attend_selected's MLA kernel tile on fp16 planes (heads, keys, warps)
 
 
 def as_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -289,14 +290,14 @@ class MLAttention:
         ckv, kpe = as_blocks(cc, block), as_blocks(kp, block)      # the pool's dtype, as the decode step reads it
         table = torch.arange(ckv.shape[0], dtype=torch.int32, device=q_lat.device)[None].expand(n, -1)
         ctx = torch.arange(pos0 + 1, pos0 + n + 1, dtype=torch.int32, device=q_lat.device)
-        # fp16 planes: 32 heads x 32 keys a program (no spills on sm_90: bench/triton_sm90_check.py),
-        # each latent tile read half as often as at the decode step's 16 heads; 5.4 ms a GLM-5
-        # layer for a 2048-row chunk on the H200. EXL3TOOLS_MLA_SELECT_TILE="HB,TN,WARPS" tries others
-        # (read per call: bench/gpu_prefill.py --long-variants times them in one process)
+        # fp16 planes: 32 heads x 64 keys a program, 8 warps (the decode step's wide tile): 3.5 ms
+        # a GLM-5 layer for a 2048-row chunk on the H200 where 32 x 32 x 8 took 5.4 (a 30000-token
+        # prompt 1.95 -> 1.74 s). EXL3TOOLS_MLA_SELECT_TILE="HB,TN,WARPS" tries others (read per
+        # call: bench/gpu_prefill.py --long-variants times them in one process)
         from exl3tools.kernels.mla_attention import tile_override
 
         tile = tile_override(os.environ.get("EXL3TOOLS_MLA_SELECT_TILE"), "EXL3TOOLS_MLA_SELECT_TILE")
-        kw = dict(zip(("head_block", "tile_n", "num_warps"), tile or (32, 32, 8), strict=True)) \
+        kw = dict(zip(("head_block", "tile_n", "num_warps"), tile or SELECT_TILE, strict=True)) \
             if ckv.dtype == torch.float16 and self.nh >= 32 else {}
         o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,
                        self.scale, sel=sel.contiguous(), **kw)

@@ -206,7 +206,7 @@ def test_decompressed_prompt_attention_on_cuda(dev, heads, nope, v_dim, prefix, 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_dsa_prompt_rows_over_their_selected_keys_on_cuda(dev, dtype):
-    """MLAttention.attend_selected (the EXL3TOOLS_DSA_SPARSE_PREFILL preview: each prompt row a
+    """MLAttention.attend_selected (the DSA prompt rows on CUDA, EXL3TOOLS_DSA_SPARSE_PREFILL: each prompt row a
     query of the decode step's Triton MLA kernel over its selected latent rows) against the
     absorbed attention in float64 under the same selection, at GLM-5's shape: 1024 rows after a
     3072-token history, 2048 keys each (a few rows with -1 entries), planes as the pool stores them."""
