@@ -14,8 +14,10 @@ On the synthetic GLM-4.5-Air-shaped checkpoint (bench/synth_checkpoint.py), one 
 - the eager step a new 32-token prompt makes beside 8 sequences decoding at a 4096-token history
   (ms, the path the runner took, top kernels by CUDA and CPU time);
 - ``--long N``: one N-token prompt in 2048-token chunks as serve runs it (``--max-prefill-tokens``
-  on CUDA), each chunk's ms, and the profile of the last chunk (the one with the longest history:
-  a 30000-token GLM-5 prompt took 5.6 s to its first token through serve, 27k tok/s at 2048).
+  on CUDA), each chunk's ms, and the profile of the last chunk (the one with the longest history),
+  cold, warm and profiled, once per ``--long-variants`` entry, then a summary table (a 30000-token
+  GLM-5 prompt: 5.6 s dense under the DSA mask, 1.74 s warm over the selected keys, H200);
+  ``--long-only`` skips everything else.
 Nothing here runs in CI.
 """
 
