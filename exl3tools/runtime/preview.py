@@ -85,7 +85,8 @@ OPT_OUTS = {
     # under the selection as a mask. H200, 2026-12-02 (bench/gpu_prefill.py --long 30000
     # --long-variants, GLM-5 shape, warm): a 30000-token prompt dense 5.63 s, with the kernels'
     # selection 4.39, sparse with the torch selection 6.22, sparse with the kernels' **2.51 s**
-    # (the chunk at a 28672-token history 445 -> 145 ms). (The earlier served 6.1 -> 9.5 s of the
+    # (the chunk at a 28672-token history 445 -> 145 ms; 1.74 s since mla.SELECT_TILE); through
+    # serve, the server's first such prompt 3.42 s with the sparse rows off, 2.35 s on. (The earlier served 6.1 -> 9.5 s of the
     # kernels' selection was Triton compiling the chunked top-k afresh at every power of two of
     # the history: its count slots are now a fixed size.)
     "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
