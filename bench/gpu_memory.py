@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     gpu_memory_utilization=a.gpu_memory_utilization, max_num_batched_tokens=a.max_num_batched_tokens,
                     speculative_tokens=a.speculative_tokens)
     weights = sum(t.numel() * t.element_size() for t in _model_tensors(r.model))
-    kv = r.paged.pool.nbytes()
+    kv = r.paged.nbytes()            # the block pool and, with MTP, the head's block pool
     stage("loaded (profile, pool, graphs)")
     loaded = torch.cuda.memory._snapshot()
     # a fresh history for the serving part (turning it off clears the trace): its peak and owners are
