@@ -307,7 +307,7 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
 @pytest.mark.parametrize("name", [n for n in MLA_FIXTURES if "glm5" in n])
 def test_dsa_prompt_rows_over_their_selected_keys(name, kernel, monkeypatch):
-    """EXL3TOOLS_DSA_SPARSE_PREFILL=1 (a preview): DSA prompt rows attend over their selected keys
+    """EXL3TOOLS_DSA_SPARSE_PREFILL=1 (the default on CUDA; on the CPU when asked): DSA prompt rows attend over their selected keys
     only, each row a query of the decode step's MLA kernel (MLAttention.attend_selected), and give
     the logits of the dense attention under the selection mask: a 64-token prompt (rows past
     index_topk select) and a 40-token chunk after a 24-token cached prefix, float32 on the CPU
