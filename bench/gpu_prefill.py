@@ -210,21 +210,17 @@ def long_variants(runner, n: int, spec: str) -> dict:
     long prompt a server sees pays), warm, and once more with its last chunk profiled. A summary
     table of the cold and warm runs last."""
     import os
+    from unittest import mock
 
     out = {}
     for entry in [e for e in spec.split(";") if e.strip()] or ["defaults:"]:
         name, _, assigns = entry.partition(":")
         # VAR=value pairs split at the commas before a name (a value may hold commas: "32,64,8")
         env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_]\w*=)", assigns) if kv.strip())
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):
             cold = long_prompt(runner, n, ("long", name, "cold"), profile_last=False, title=f"{name} cold")
             warm = long_prompt(runner, n, ("long", name, "warm"), profile_last=False, title=f"{name} warm")
             long_prompt(runner, n, ("long", name, "profiled"), profile_last=True, title=f"{name} profiled")
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         out[name] = {"env": env, "cold": cold, "warm": warm}
     print(f"\n| long prompt {n}: variant | cold ms | warm ms | warm tok/s | warm last chunk ms |\n|---|---|---|---|---|")
     for name, r in out.items():

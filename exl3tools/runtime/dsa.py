@@ -102,7 +102,7 @@ class Indexer:
     def select_kernels(self, x, q_resid, pos, keys, pos0, score_fn, topk_fn, block: int = 64, *,
                        positions: bool = False) -> torch.Tensor:
         """``select`` through the decode step's kernels (``score_fn``/``topk_fn`` as in
-        ``select_paged``): ``keys`` (L, D_i) padded into one table of ``block``-key blocks that
+        ``select_paged``, None: their torch references): ``keys`` (L, D_i) padded into one table of ``block``-key blocks that
         every row shares, each row its own causal length. The same mask (``positions``: the same
         (n, min(topk, L)) positions, in another order within a row) as ``select`` up to the
         scores' summation order, without the (rows, heads, L) float32 logits or a sort: row groups
@@ -128,7 +128,8 @@ class Indexer:
             q, w = self.queries(x[r], None if q_resid is None else q_resid[r], pos[r])
             m = q.shape[0]
             ctx = torch.arange(pos0 + r0 + 1, pos0 + r0 + m + 1, dtype=torch.int32, device=x.device)
-            sel = topk_fn(score_fn(q, w, plane, table.expand(m, nb), ctx, self.scale), ctx, self.topk)
+            s = (score_fn or paged_scores_reference)(q, w, plane, table.expand(m, nb), ctx, self.scale)
+            sel = (topk_fn or topk_positions)(s, ctx, self.topk)
             if positions:
                 # (m, min(topk, padded width)): a row sees at most L keys, so its chosen positions
                 # (and a short row's 0 .. ctx - 1) sit in the first K columns

@@ -38,9 +38,7 @@ from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLaye
 def resolve(fused: bool | None, device: torch.device) -> bool:
     """Whether the decode step of a model on ``device`` runs the fused kernels."""
     if fused is None:
-        if torch.device(device).type != "cuda":
-            return fk.available(device) and preview.asked_for("fused")
-        return fk.available(device) and preview.switched_on("fused")
+        return fk.available(device) and preview.on_cuda("fused", torch.device(device))
     if fused and not fk.available(device):
         raise UsageError("the fused decode kernels need triton and a CUDA device (or TRITON_INTERPRET=1)")
     return bool(fused)

@@ -265,12 +265,10 @@ class MLAttention:
         (``Indexer.select_kernels``), else ``Indexer.select`` (float32 logits of every row, head
         and key, then a sort)."""
         if preview.on_cuda("dsa_prefill_kernels", x.device):
-            from exl3tools.runtime import dsa
             from exl3tools.runtime.paged_decode import mla_attention_fn
 
             _, score_fn, topk_fn = mla_attention_fn(x.device)
-            return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn or dsa.paged_scores_reference,
-                                               topk_fn or dsa.topk_positions, positions=positions)
+            return self.indexer.select_kernels(x, q_resid, pos, keys, pos0, score_fn, topk_fn, positions=positions)
         return self.indexer.select(x, q_resid, pos, keys, pos0, positions=positions)
 
     def attend_selected(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,

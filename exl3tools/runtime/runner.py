@@ -122,8 +122,7 @@ class Runner(SpeculativeSteps):
         dtype = kv_dtype_for(kv_dtype, dev, mla=has_mla(model))
         self._row_steps = preview.switched_on("row_steps")
         if prompt_rows is None:     # prompt graphs (runtime/preview.py): on CUDA unless "0", elsewhere if "1"
-            on = self._row_steps and (preview.switched_on("prompt_graphs") if dev.type == "cuda"
-                                      else preview.asked_for("prompt_graphs"))
+            on = self._row_steps and preview.on_cuda("prompt_graphs", dev)
             prompt_rows = min(PROMPT_GRAPH_ROWS, int(max_num_batched_tokens) + self.max_num_seqs) if on else 0
         # the MTP head's cache in the block pool, its drafts in the fixed-shape step
         # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
