@@ -253,9 +253,9 @@ def test_decompressed_prompt_attention_equals_absorbed(name, monkeypatch):
     real = mla.MLAttention.attend_decompressed
     monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
     monkeypatch.setattr(mla, "DECOMPRESS_BYTES", 1)   # one head a group: the grouping runs
-    monkeypatch.setattr(mla.MLAttention, "attend_decompressed", lambda self, *a: calls.append(
+    monkeypatch.setattr(mla.MLAttention, "attend_decompressed", lambda self, *a, **kw: calls.append(
         "mask" if a[-1] is not None else "causal" if a[0].shape[0] == a[2].shape[0] else "lower_right")
-        or real(self, *a))
+        or real(self, *a, **kw))
     got = run()
     # is_causal, and after the prefix DSA's explicit mask or the bottom-right causal bias
     assert set(calls) >= {"causal", "mask" if m.layers[0].attn.indexer is not None else "lower_right"}, calls

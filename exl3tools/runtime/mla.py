@@ -229,7 +229,8 @@ class MLAttention:
             if keep is not None:
                 allowed &= keep
             if decompress and sp.n >= SDPA_MIN_ROWS:
-                out[r] = self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, allowed)
+                # straight into out's rows: no (n, H, v) float32 result beside it (128 MiB at 2048 rows)
+                self.attend_decompressed(q_nope[r], q_pe[r], cc, kp, allowed, out=out[r])
                 continue
             s = (torch.einsum("thc,lc->htl", absorbed()[r], cc) + torch.einsum("thr,lr->htl", q_pe[r], kp)) * self.scale
             s = s.masked_fill(~allowed[None], float("-inf"))
@@ -239,7 +240,7 @@ class MLAttention:
         return self.reduce(self.o(out.reshape(T, self.nh * self.vd)))
 
     def attend_decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
-                            allowed: torch.Tensor | None) -> torch.Tensor:
+                            allowed: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The same attention as the absorbed einsums, for many query rows (a prompt): per-head K/V
         decompressed from the latent (``W_UK``, ``W_UV``) and one fused ``scaled_dot_product_attention``
         in 16 bits (flash / memory-efficient kernels; PREFILL_DTYPE). The absorbed form costs
@@ -248,7 +249,7 @@ class MLAttention:
         and 16-bit attention. ``allowed`` (n, L) bool, or None: causal, the n queries being the last
         n keys (bottom-right aligned: a chunk after a cached history, through ``causal_lower_right``
         rather than an (n, L) mask that the memory-efficient kernel reads per head and tile).
-        Returns (n, H, v) float32."""
+        Returns (n, H, v) float32: ``out`` where given (written in place, e.g. rows of the layer's output)."""
         from torch.nn.attention.bias import causal_lower_right
 
         dt = PREFILL_DTYPE if cc.is_cuda else torch.float32
@@ -256,7 +257,8 @@ class MLAttention:
         q = torch.cat((q_nope.to(dt), q_pe.to(dt)), -1).transpose(0, 1)[None]    # (1, H, n, nope + rope)
         n, L = q.shape[2], cc.shape[0]
         mask = allowed[None, None] if allowed is not None else None if n == L else causal_lower_right(n, L)
-        return self._sdpa_decompressed(q, cc.to(dt)[None], kp.to(dt)[None], mask)[0]
+        return self._sdpa_decompressed(q, cc.to(dt)[None], kp.to(dt)[None], mask,
+                                       out=None if out is None else out[None])[0]
 
     def _select(self, x, q_resid, pos, keys, pos0, positions: bool = False) -> torch.Tensor:
         """A prompt span's DSA mask (``positions``: its key positions, ``Indexer.select``): on
@@ -368,19 +370,29 @@ class MLAttention:
         g = fresh.gather.reshape(-1)
 
         def rows(t: torch.Tensor, stored: torch.dtype | None = None) -> torch.Tensor:
-            t = t.index_select(0, g)
-            return (t if stored is None else t.to(stored)).to(dt).view(B, m, *t.shape[1:])
+            # rounded before the gather: no float32 copy of the padded rows (the queries: 2 x 128 MiB
+            # at 2048 rows, GLM-5 shape)
+            t = (t if stored is None else t.to(stored)).to(dt).index_select(0, g)
+            return t.view(B, m, *t.shape[1:])
         # K/V from the latent as stored (rounded to the pool's dtype), as the per-sequence path reads it
         c, r = rows(new[CACHE_CKV], planes[CACHE_CKV].dtype), rows(new[CACHE_KPE], planes[CACHE_KPE].dtype)
         q = torch.cat((rows(q_nope), rows(q_pe)), -1).transpose(1, 2)           # (B, H, m, nope + rope)
-        o = self._sdpa_decompressed(q, c, r, None).reshape(B * m, self.nh, self.vd)
-        out.index_copy_(0, fresh.dst, o.index_select(0, fresh.pick))
+
+        def write(h: slice, o: torch.Tensor) -> None:
+            """A head group's (B, m, heads, v) 16-bit result into out's rows, prompt by prompt (each
+            one's rows are adjacent in the batch): no (rows, H, v) float32 copy of the whole."""
+            for b, (row, n) in enumerate(fresh.rows):
+                out[row:row + n, h].copy_(o[b, :n])
+        self._sdpa_decompressed(q, c, r, None, write=write)
 
     def _sdpa_decompressed(self, q: torch.Tensor, c: torch.Tensor, r: torch.Tensor,
-                           mask: torch.Tensor | None) -> torch.Tensor:
+                           mask: torch.Tensor | None, out: torch.Tensor | None = None,
+                           write=None) -> torch.Tensor | None:
         """(B, H, n, nope + rope) queries over (B, L, C) latents and (B, L, rope) keys, all in one
         16-bit (or float32) dtype; ``mask`` broadcast to (B, H, n, L), a ``CausalBias``, or None:
-        causal with the queries at the start (n == L). Returns (B, n, H, v) float32."""
+        causal with the queries at the start (n == L). Returns (B, n, H, v) float32 (``out`` where
+        given); ``write(heads, o)`` instead takes each head group's (B, n, heads, v) result as it
+        comes, and nothing is returned."""
         from torch.nn.attention.bias import CausalBias
 
         dt = q.dtype
@@ -403,7 +415,12 @@ class MLAttention:
         # activation measure (a prompt without history) cannot see
         per_head = B * L * (qk + vd) * c.element_size()
         g = max(1, min(self.nh, DECOMPRESS_BYTES // max(per_head, 1)))
-        out = torch.empty(B, n, self.nh, self.vd, dtype=torch.float32, device=q.device)
+        if write is None:
+            if out is None:
+                out = torch.empty(B, n, self.nh, self.vd, dtype=torch.float32, device=q.device)
+
+            def write(h: slice, o: torch.Tensor) -> None:
+                out[:, :, h] = o
         for h0 in range(0, self.nh, g):
             h = slice(h0, min(h0 + g, self.nh))
             k = torch.cat((torch.einsum("blc,hnc->bhln", c, w_uk[h]),
@@ -415,7 +432,7 @@ class MLAttention:
             with _prefill_kernels(q.device):
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q[:, h], k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
-            out[:, :, h] = o[..., :self.vd].transpose(1, 2)
+            write(h, o[..., :self.vd].transpose(1, 2))
         return out
 
     # ------------------------------------------------------------------ fixed-shape decode step
@@ -464,8 +481,8 @@ class FreshPrompts:
     slots: torch.Tensor            # (rows,) int64: each row's cache slot, spans in order
     dst: torch.Tensor              # (rows,) int64: the same rows' indices in the batch
     gather: torch.Tensor           # (prompts, longest) int64 batch rows, padded with the span's first
-    pick: torch.Tensor             # (rows,) int64: each row's index in gather's flattening
     lengths: tuple                 # ((PagedSeqView, n), ...): each cache's length after the write
+    rows: tuple                    # ((first batch row, n), ...): each prompt's rows in the batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,18 +554,17 @@ def fresh_prompts(batch, index_topk: int, dev: torch.device) -> FreshPrompts | N
     if len(cand) >= 2:
         group = sorted(si for _, si in cand)
         m = max(batch.spans[si].n for si in group)
-        gather, pick, dst = [], [], []
-        for b, si in enumerate(group):
+        gather, dst = [], []
+        for si in group:
             sp = batch.spans[si]
             gather.extend([*range(sp.row, sp.row + sp.n), *[sp.row] * (m - sp.n)])
-            pick.extend(range(b * m, b * m + sp.n))
             dst.extend(range(sp.row, sp.row + sp.n))
-        packed = torch.tensor(gather + pick + dst, dtype=torch.int64).to(dev, non_blocking=True)
-        G, P = len(gather), len(pick)
+        packed = torch.tensor(gather + dst, dtype=torch.int64).to(dev, non_blocking=True)
+        G = len(gather)
         spans = [batch.spans[si] for si in group]
         fresh = FreshPrompts(frozenset(group), pool, torch.cat([sp.cache._slots[:sp.n] for sp in spans]),
-                             packed[G + P:], packed[:G].view(len(group), m), packed[G:G + P],
-                             tuple((sp.cache, sp.n) for sp in spans))
+                             packed[G:], packed[:G].view(len(group), m),
+                             tuple((sp.cache, sp.n) for sp in spans), tuple((sp.row, sp.n) for sp in spans))
     batch.extras[key] = fresh
     return fresh
 
