@@ -73,18 +73,29 @@ def bench_graph(fn):
 
 
 def large_parts(lin, x):
-    """Where the large-row path's time goes: each of its four launches timed alone (µs)."""
+    """Where the large-row paths' time goes: each launch timed alone (µs), both decode store
+    patterns and the folded decode, beside a plain write of the decoded bytes (the store floor),
+    and both whole paths (decode + GEMM + output pass; folded decode + GEMM)."""
     from exl3tools.kernels import cuda_exl3 as cx
 
     rows = x.shape[0]
     xrot = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
     wt = cx.decode_t(lin.mod, lin.trellis)
     y = torch.mm(xrot, wt.t())
-    return {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
-            "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
-            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
-            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
-                                                        rows, rows, lin.n))}
+    fold0 = lin.fold
+    out = {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
+           "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
+           "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
+           "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
+           "write_us": bench(lambda: wt.fill_(1.0)),
+           "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
+           "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
+                                                       rows, rows, lin.n))}
+    for fold in (False, True):
+        lin.fold = fold
+        out[f"cuda_{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
+    lin.fold = fold0
+    return out
 
 
 def main() -> int:
@@ -147,6 +158,7 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
     print_table(results)
+    print_large(results)
     return 0
 
 
@@ -165,6 +177,26 @@ def print_table(results):
         print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['cb']:>5} {r['rows']:>5} | {fmt(c)} {fmt(t)} {fmt(e)} {fmt(f)} "
               f"{r['floor_us']:6.1f} | {rat(o, e)} {rat(o, f)} {rat(o, r['floor_us']):>10} | "
               f"{oe:.1e} / {r.get('exllamav3_err', float('nan')):.1e}")
+
+
+def print_large(results):
+    """rows > 64: the two dense paths and their launches (µs), and each path against fp16 cuBLAS."""
+    rows = [r for r in results if "cuda_fold_us" in r]
+    if not rows:
+        return
+    cols = ("had_in", "decode_scatter", "decode", "decode_fold", "mm", "had_out")
+    hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>9}" for c in cols)
+           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'fp16':>8} | {'unf/fp16':>8} {'fold/fp16':>9}")
+    print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor)")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        f = r.get("fp16_us")
+        rat = lambda p, f=f: f"{p / f:8.2f}" if f else f"{'-':>8}"   # noqa: E731
+        print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | "
+              + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
+              + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
+              + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - rows ≤ 64: ``had_in`` -> ``gemv`` (decode tiles in registers straight into MMA fragments,
   split-K partials added into a self-cleaning fp32 workspace) -> ``had_out`` (output Hadamard,
   svh, bias, fp16; re-zeroes the workspace). Three launches, no host sync, graph-capturable.
-- more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place.
+- more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
+  the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
+  the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows.
 ``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
 slot, experts addressed through device pointer tables: no host sync, no sorting.
 ``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows: one weight decode per
@@ -303,32 +305,62 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
     return kps, groups, groups * -(-kt // kps)
 
 
-def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None) -> torch.Tensor:
+def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
+             kernel: str = "exl3_decode_t") -> torch.Tensor:
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
-    where given. ``trellis``: (kt, nt, width) int16, contiguous."""
+    where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel``: exl3_decode_t_scatter
+    is the former store pattern (bench/gpu_bench.py --decode times both)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     wt = torch.empty(nt * 16, kt * 16, dtype=torch.float16, device=trellis.device)
     quads = -(-(kt * nt) // 4)
     blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
-    mod.launch("exl3_decode_t", blocks, 256, trellis[:, j0], wt, kt, nt, ld)
+    mod.launch(kernel, blocks, 256, trellis[:, j0], wt, kt, nt, ld)
     return wt
 
 
-def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor) -> torch.Tensor:
+def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int = 0, j1: int | None = None) -> torch.Tensor:
+    """W'ᵀ (n, k) fp16 with W' = Ŵ · H_n / sqrt(128) ⊙ svh (the output pass folded in; float32
+    inside, rounded once), so that x @ W' + bias = had_out(x @ Ŵ); of n-tiles j0..j1 where given
+    (multiples of 8: whole 128-column Hadamard blocks)."""
+    kt, ld, _ = trellis.shape
+    j1 = ld if j1 is None else j1
+    nt = j1 - j0
+    if nt % 8 or j0 % 8:
+        raise UsageError(f"decode_fold: n-tiles {j0}..{j1} are not whole 128-column blocks")
+    wt = torch.empty(nt * 16, kt * 16, dtype=torch.float16, device=trellis.device)
+    items = kt * (nt // 8)
+    blocks = min(-(-items // 8), _sm_count(trellis.device) * 2)
+    mod.launch("exl3_decode_fold", blocks, 256, trellis[:, j0], wt, svh[16 * j0:], kt, nt, ld)
+    return wt
+
+
+def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, k) fp16 @ Ŵ (k, n) through cuBLAS on the decoded Ŵ, decoded DENSE_CHUNK_BYTES of
     fp16 at a time (column chunks): a 154880 x 6144 head is 1.9 GB decoded whole, which an MTP
     verify step's graph held in its pool (docs/serve.md); the chunks' GEMMs write their columns
-    of the result in place."""
+    of the result in place. With ``svh``: x @ W' (+ ``bias``) on decode_fold's W', the linear's
+    whole output (no output pass to follow)."""
     kt, nt, _ = trellis.shape
     step = max(1, DENSE_CHUNK_BYTES // (kt * 16 * 16 * 2))      # n-tiles a chunk
+
+    def mm(j0: int, j1: int, out=None):
+        if svh is None:
+            return torch.mm(x, decode_t(mod, trellis, j0, j1).t(), out=out)
+        w = decode_fold(mod, trellis, svh, j0, j1).t()
+        if bias is None:
+            return torch.mm(x, w, out=out)
+        return torch.addmm(bias[16 * j0:16 * j1], x, w, out=out)
+    if svh is not None:
+        step = max(8, step - step % 8)
     if step >= nt:
-        return torch.mm(x, decode_t(mod, trellis).t())
+        return mm(0, nt)
     y = torch.empty(x.shape[0], nt * 16, dtype=x.dtype, device=x.device)
     for j0 in range(0, nt, step):
         j1 = min(nt, j0 + step)
-        torch.mm(x, decode_t(mod, trellis, j0, j1).t(), out=y[:, 16 * j0:16 * j1])
+        mm(j0, j1, out=y[:, 16 * j0:16 * j1])
     return y
 
 
@@ -361,6 +393,9 @@ class CudaLinear:
         self.mod = module(self.width, codebook, self.device)
         self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs([t], self.device) for t in (self.trellis, self.suh, self.svh))
         self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
+        from exl3tools.runtime import preview
+
+        self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
 
     @property
     def device_tensors(self) -> dict:
@@ -378,6 +413,9 @@ class CudaLinear:
         if rows == 0:                      # a grid of 0 blocks is a launch error
             return x.new_empty(*shape[:-1], self.n)
         xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
+        if rows > SMALL_ROWS and self.fold:
+            y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
+            return y.to(x.dtype).reshape(*shape[:-1], self.n)
         y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
         if rows <= SMALL_ROWS:
             acc = workspace(self.device, rows * self.n)

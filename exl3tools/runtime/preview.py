@@ -25,6 +25,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
     # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
+    # linears of more than 64 rows (prompts): the output Hadamard pass and svh folded into the
+    # decoded weights (kernels/cuda_exl3.decode_fold, W' = Ŵ·H_n ⊙ svh rounded to fp16 once) and
+    # the bias into cuBLAS's GEMM, instead of decode + GEMM + had_out, whose cost grows with the
+    # rows (56 µs of 487 at 2048 x 4096 -> 14336 on the H200); not yet run on a GPU
+    "dense_fold": "EXL3TOOLS_DENSE_FOLD",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

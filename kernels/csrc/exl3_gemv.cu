@@ -306,10 +306,41 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
+// 4 x 4 transpose across the lanes t = 0..3 of a quad (4 shuffles): lane t holds v[q]; after it,
+// lane t holds at v[s] what lane s held at v[t].
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int t) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {            // swap the off-diagonal 2 x 2 blocks (lanes t, t ^ 2)
+        const bool hi = t & 2;
+        const uint32_t r = __shfl_xor_sync(0xffffffffu, hi ? v[j] : v[j + 2], 2);
+        if (hi) v[j] = r; else v[j + 2] = r;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {         // then within each 2 x 2 block (lanes t, t ^ 1)
+        const bool hi = t & 1;
+        const uint32_t r = __shfl_xor_sync(0xffffffffu, hi ? v[j] : v[j + 1], 1);
+        if (hi) v[j] = r; else v[j + 1] = r;
+    }
+}
+
+// Store one decoded tile (i, j) of Ŵᵀ: b[0] = rows 2t, 2t+1 of column g; b[1] rows 2t+8, 2t+9;
+// b[2], b[3] the same for g + 8 (§5.5). After a quad transpose lane t holds b[t] of its quad's four
+// lanes, i.e. 16 contiguous bytes of one wt row: one 16-byte store a lane, each row's 32 bytes
+// (a whole sector) from one instruction. (Four 4-byte stores, each sector written in two halves by
+// two instructions, ran at ~1.5 TB/s: 77 µs for a 4096 x 14336 Ŵ on the H200.)
+__device__ __forceinline__ void store_tile_t(uint32_t* __restrict__ wt, uint32_t (&b)[4], int i, int j, int k2,
+                                             int g, int t) {
+    quad_transpose(b, t);
+    uint32_t* dst = wt + (size_t)(16 * j + g + 8 * (t >> 1)) * k2 + 8 * i + 4 * (t & 1);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
+}
+
 // wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
 // four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
 // that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
-// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once.
+// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once. SCATTER: the former
+// 4-byte stores (bench/gpu_bench.py --decode times both).
+template <bool SCATTER>
 __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
                                             int ld) {
     const int lane = threadIdx.x & 31;
@@ -323,6 +354,7 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
     const long tiles = (long)kt * nt;
     const long warps = (long)gridDim.x * (blockDim.x >> 5);
     const Consts kc;
+    // whole quads only: every lane of the warp takes part in the shuffles of store_tile_t
     for (long q = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); q * 4 < tiles; q += warps) {
         uint32_t w[4][NL];
 #pragma unroll
@@ -337,17 +369,118 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const long tile = q * 4 + u;
-            if (tile >= tiles) break;
+            if (tile >= tiles) break;        // uniform across the warp
             const int i = (int)(tile / nt), j = (int)(tile % nt);
             uint32_t b[4];
             decode_tile(kc, w[u], off, b);
-            // b[0] = rows 2t, 2t+1 of column g; b[1] rows 2t+8, 2t+9; b[2], b[3] the same for g + 8
-            uint32_t* col0 = wt + (size_t)(16 * j + g) * k2 + 8 * i + t;
-            uint32_t* col1 = col0 + (size_t)8 * k2;
-            col0[0] = b[0];
-            col0[4] = b[1];
-            col1[0] = b[2];
-            col1[4] = b[3];
+            if constexpr (SCATTER) {
+                uint32_t* col0 = wt + (size_t)(16 * j + g) * k2 + 8 * i + t;
+                uint32_t* col1 = col0 + (size_t)8 * k2;
+                col0[0] = b[0];
+                col0[4] = b[1];
+                col1[0] = b[2];
+                col1[4] = b[3];
+            } else {
+                store_tile_t(wt, b, i, j, k2, g, t);
+            }
+        }
+    }
+}
+
+// wt[n, k] = fp16(W'[k, n]), W' = Ŵ · H_n / sqrt(128) ⊙ svh: the output Hadamard pass and svh
+// folded into the decoded weights, so that y = xrot @ W' + bias is one cuBLAS call and no output
+// pass runs (its cost grows with the rows: 56 µs at 2048 x 14336 on the H200). One warp per (k-tile
+// i, 8 adjacent n-tiles = one 128-column Hadamard block): its 8 tiles' 64 values a lane in fp32;
+// the column index n = 16 u + 8 h + g (u the tile, h = b index >> 1, g = lane >> 2), so the 128-
+// point transform is 4 butterfly stages in registers (h, u) and 3 across lanes (g: xor 4, 8, 16).
+// nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr).
+__device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt,
+                                                 const half* __restrict__ svh, int kt, int nt, int ld) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    int word, off;
+    lane_origin(lane, word, off);
+    int widx[NL];
+#pragma unroll
+    for (int m = 0; m < NL; m++) widx[m] = (word + m) % NW;
+    const int k2 = kt * 8;
+    const int nb = nt >> 3;
+    const long items = (long)kt * nb;
+    const long warps = (long)gridDim.x * (blockDim.x >> 5);
+    const Consts kc;
+    for (long it = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        const int i = (int)(it / nb), j0 = (int)(it % nb) * 8;
+        uint32_t w[8][NL];
+        const uint32_t* src = tr + ((size_t)i * ld + j0) * NW;
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+#pragma unroll
+            for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + u * NW + widx[m]);
+        float f[8][4][2];                     // [tile u][b index q][half p]
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            uint32_t b[4];
+            decode_tile(kc, w[u], off, b);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
+                f[u][q][0] = v.x;
+                f[u][q][1] = v.y;
+            }
+        }
+        // n bit 3: b index q vs q + 2
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    const float a = f[u][q][p], c = f[u][q + 2][p];
+                    f[u][q][p] = a + c;
+                    f[u][q + 2][p] = a - c;
+                }
+        // n bits 4..6: tile u vs u ^ s
+#pragma unroll
+        for (int s = 1; s < 8; s <<= 1)
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (u & s) continue;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+#pragma unroll
+                    for (int p = 0; p < 2; p++) {
+                        const float a = f[u][q][p], c = f[u + s][q][p];
+                        f[u][q][p] = a + c;
+                        f[u + s][q][p] = a - c;
+                    }
+            }
+        // n bits 0..2: g, across lanes
+#pragma unroll
+        for (int m = 4; m < 32; m <<= 1) {
+            const float sg = (lane & m) ? -1.f : 1.f;
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+#pragma unroll
+                    for (int p = 0; p < 2; p++) {
+                        const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
+                        f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
+                    }
+        }
+        const half* sv = svh + 16 * j0 + g;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
+            const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
+            uint32_t b[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float sc = q < 2 ? s0 : s1;
+                half2 h = __floats2half2_rn(f[u][q][0] * sc, f[u][q][1] * sc);
+                b[q] = *reinterpret_cast<uint32_t*>(&h);
+            }
+            store_tile_t(wt, b, i, j0 + u, k2, g, t);
         }
     }
 }
@@ -505,7 +638,15 @@ TILES_OUT(64, 3, f32, 2)
 #ifndef EXL3_HOST_TEST
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt,
                                                                  int ld) {
-    decode_body(tr, wt, kt, nt, ld);
+    decode_body<false>(tr, wt, kt, nt, ld);
+}
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_t_scatter(const uint32_t* tr, uint32_t* wt, int kt,
+                                                                         int nt, int ld) {
+    decode_body<true>(tr, wt, kt, nt, ld);
+}
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_t* tr, uint32_t* wt, const half* svh,
+                                                                    int kt, int nt, int ld) {
+    decode_fold_body(tr, wt, svh, kt, nt, ld);
 }
 
 #define HAD_IN(NAME, TX)                                                                                 \

@@ -54,11 +54,13 @@ def test_linear_matches_reference(cx, width, cb, rows):
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     yref = x.astype(np.float64) @ w + (b.astype(np.float64) if b is not None else 0)
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
-    y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-    assert _rel(y, yref) < 2e-3
-    # the workspace was re-zeroed (split-K atomics add in any order: equal up to rounding)
-    y2 = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-    assert _rel(y2, y) < 1e-3
+    for fold in (False, True) if rows > cx.SMALL_ROWS else (lin.fold,):   # rows > 64: both dense paths
+        lin.fold = fold
+        y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
+        assert _rel(y, yref) < 2e-3, fold
+        # the workspace was re-zeroed (split-K atomics add in any order: equal up to rounding)
+        y2 = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
+        assert _rel(y2, y) < 1e-3, fold
 
 
 def test_decode_column_chunks(cx):
@@ -73,10 +75,38 @@ def test_decode_column_chunks(cx):
         assert torch.equal(cx.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
 
 
+@pytest.mark.parametrize("width,cb", [(48, "mul1"), (16, "3inst"), (128, "mcg"), (40, "mul1")])
+def test_decode_fold(cx, width, cb):
+    """decode_fold's W'ᵀ = (Ŵ · H_n / sqrt(128) ⊙ svh)ᵀ, computed here in float64 from the bit-exact
+    Ŵ, within fp16 rounding (a wrong lane, column or sign is off by O(1)); its 128-column chunks
+    equal those rows of the whole."""
+    import torch
+    from exl3tools.kernels.triton_exl3 import _hadamard_pm1
+
+    rng = np.random.default_rng(width)
+    k, n = 256, 640
+    tr, _, svh, _ = _lin(rng, k, n, width)
+    trd, svd = torch.from_numpy(tr).cuda(), torch.from_numpy(svh).cuda()
+    mod = cx.module(width, cb, trd.device)
+    got = cx.decode_fold(mod, trd, svd).double().cpu()
+    w = cx.decode_t(mod, trd).t().double().cpu()                                # Ŵ (k, n)
+    h = _hadamard_pm1("cpu").double() / 128 ** 0.5
+    want = ((w.view(k, n // 128, 128) @ h).view(k, n) * svd.double().cpu()[None]).t()
+    err = (got - want).abs() / (want.abs() + 1e-3 * want.abs().max())
+    assert err.max().item() < 2e-3
+    whole = cx.decode_fold(mod, trd, svd)
+    for j0, j1 in ((0, 8), (8, 40), (16, 24)):
+        assert torch.equal(cx.decode_fold(mod, trd, svd, j0, j1), whole[16 * j0:16 * j1])
+    with pytest.raises(cx.UsageError):
+        cx.decode_fold(mod, trd, svd, 0, 12)
+
+
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("chunk_tiles", [1, 3, 7])
-def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles):
+def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     """rows > SMALL_ROWS with Ŵ decoded a few n-tiles at a time (DENSE_CHUNK_BYTES, down from 256
-    MiB so that this shape splits, the last chunk short) gives what the whole decode gives."""
+    MiB so that this shape splits, the last chunk short; folded: chunks of whole 128-column blocks)
+    gives what the whole decode gives."""
     import torch
 
     rng = np.random.default_rng(chunk_tiles)
@@ -84,6 +114,7 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles):
     tr, suh, svh, b = _lin(rng, k, n, 48, bias=True)
     x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda()
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
+    lin.fold = fold
     whole = lin(x)
     monkeypatch.setattr(cx, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
     y = lin(x).float().cpu().numpy()
