@@ -90,7 +90,8 @@ if [[ $STAGES == *paged* ]]; then
   el "paged rc $?"; grep -E "^\|" "$L/paged.log" | tail -n 40
 fi
 if [ "${EXL3_BUILD:-1}" != 0 ] || [ -f .exl3so/exl3so.xz ]; then HAVE_EXL3=1; else HAVE_EXL3=0; fi
-if [ $HAVE_EXL3 = 1 ] && [[ $STAGES == *bench* || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
+# (a bench without exllamav3 in BENCH_IMPLS does not wait: a call once spent its stages' time here)
+if [ $HAVE_EXL3 = 1 ] && [[ ( $STAGES == *bench* && ${BENCH_IMPLS:-exllamav3} == *exllamav3* ) || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
   el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log" 2>/dev/null
 fi
 # built here: bring it back (once), so the next call carries it in .exl3so instead of building

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long-variants", default="",
                     help='the --long prompt once per "NAME:VAR=1,VAR2=0;NAME2:..." (variables set for that '
                          "variant only; preview switches are read per call), each cold then warm")
+    ap.add_argument("--forwards-only", action="store_true",
+                    help="the MoE layer and forward tables only (no profiles, no mixed step): one variant a process")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     import torch
@@ -129,6 +131,11 @@ def main(argv=None) -> int:
         n = sum(lengths)
         res["forward"].append({"case": name, "ms": ms, "tok_s": n / ms * 1e3, "peak_gib": peak})
         print(f"| {name} | {ms:.2f} | {n / ms * 1e3:.0f} | {peak:.2f} |", flush=True)
+    if a.forwards_only:
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1))
+        runner.close()
+        return 0
 
     from torch.profiler import ProfilerActivity, profile
 
