@@ -8,7 +8,8 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
   svh, bias, fp16; re-zeroes the workspace). Three launches, no host sync, graph-capturable.
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
   the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
-  the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows.
+  the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows
+  (where rows x n >= FOLD_MIN_OUT).
 ``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
 slot, experts addressed through device pointer tables: no host sync, no sorting.
 ``CudaExperts.tiles`` runs rows grouped by expert in tiles of up to 64 rows: one weight decode per
@@ -34,6 +35,9 @@ from exl3tools.kernels.cuda_build import CODEBOOKS, build
 from exl3tools.errors import UsageError
 
 SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
+# the folded decode (EXL3TOOLS_DENSE_FOLD) only where the output pass it saves outweighs its extra
+# decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
+FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # prefill tiles with the activations staged in shared memory (tiles_body in the source), by the
@@ -413,7 +417,7 @@ class CudaLinear:
         if rows == 0:                      # a grid of 0 blocks is a launch error
             return x.new_empty(*shape[:-1], self.n)
         xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
-        if rows > SMALL_ROWS and self.fold:
+        if rows > SMALL_ROWS and self.fold and rows * self.n >= FOLD_MIN_OUT:
             y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
             return y.to(x.dtype).reshape(*shape[:-1], self.n)
         y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
@@ -451,11 +455,11 @@ class CudaExperts:
         # tiles of up to this many rows (runtime.layers.tile_rows)
         self.smem_tiles = preview.switched_on("prefill_tiles")
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
-        self.fused_out = preview.switched_on("tiles_epilogue")
+        self.fused_out = preview.switched_on("tiles_epilogue")   # the default since 2026-12-02
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
-        the EXL3TOOLS_TILES_EPILOGUE preview is on, ``kernel`` is the 64-row tile kernel, y is fp16
+        it is on (the default; EXL3TOOLS_TILES_EPILOGUE=0 opts out), ``kernel`` is the 64-row tile kernel, y is fp16
         or fp32, and the launch takes one split (else None: tile kernel + had_out)."""
         if not self.fused_out or kernel != TILE_KERNELS[64] or out_dtype not in _SUFFIX:
             return None

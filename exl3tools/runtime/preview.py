@@ -11,12 +11,6 @@ from __future__ import annotations
 import os
 
 SWITCHES = {    # name -> variable: off on CUDA unless "1"
-    # the 64-row prefill tile kernel with the output Hadamard, svh and bias fused into it where a
-    # launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
-    # re-zeroed, no had_out launch; the output passes took 9.7 ms of a 2048-token GLM-5 prompt's
-    # 75 ms on the H200 (2026-12-02). Its GPU test (bit-equal to tile kernel + had_out) passed on
-    # the H200 (2026-12-02 night, tests/gpu with it on); not yet timed
-    "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
     # MLA models' eager steps (a prompt chunk beside decoding sequences): the decode and verify
     # rows attend in one pass of the decode step's kernels (MLAttention.attend_rows) instead of
     # one history gather and four einsums per sequence and layer (~48 torch calls each: 32
@@ -28,7 +22,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # linears of more than 64 rows (prompts): the output Hadamard pass and svh folded into the
     # decoded weights (kernels/cuda_exl3.decode_fold, W' = Ŵ·H_n ⊙ svh rounded to fp16 once) and
     # the bias into cuBLAS's GEMM, instead of decode + GEMM + had_out, whose cost grows with the
-    # rows (56 µs of 487 at 2048 x 4096 -> 14336 on the H200); not yet run on a GPU
+    # rows; where rows x n >= cuda_exl3.FOLD_MIN_OUT. H200, 2026-12-02 (bench/gpu_bench.py, K 3,
+    # 2048 rows): 4096 -> 14336 468 -> 440 us, 2048 -> 6144 123 -> 103, 14336 -> 4096 452 -> 459
+    # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
+    # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
 }
 
@@ -96,6 +93,13 @@ OPT_OUTS = {
     # the history: its count slots are now a fixed size.)
     "dsa_prefill_kernels": "EXL3TOOLS_DSA_PREFILL_KERNELS",
     "dsa_sparse_prefill": "EXL3TOOLS_DSA_SPARSE_PREFILL",
+    # the 64-row MoE prefill tile kernel with the output Hadamard, svh and bias fused into it where
+    # a launch takes one split (kernels/csrc tiles_epilogue): no fp32 workspace written, read and
+    # re-zeroed, no had_out launch. H200, 2026-12-02 (bench/gpu_prefill.py --forwards-only, one
+    # process per variant, same call): a 2048-token forward 47.6 -> 38.0 ms on the GLM-4.5-Air
+    # shape, 66.9 -> 58.7 on GLM-5's (with dense_fold); one GLM-5 expert projection of 2048 tokens
+    # 3.50 -> 2.87 ms (bench/gpu_moe_prefill.py); the step's activation peak 0.52 -> 0.45 GiB
+    "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
 }
 
 
