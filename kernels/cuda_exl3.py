@@ -313,7 +313,7 @@ def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = N
              kernel: str = "exl3_decode_t") -> torch.Tensor:
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
     where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel``: exl3_decode_t_scatter
-    is the former store pattern (bench/gpu_bench.py --decode times both)."""
+    is the former store pattern (bench/gpu_bench.py times both: its rows > 64 table)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0

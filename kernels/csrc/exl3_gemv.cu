@@ -339,7 +339,7 @@ __device__ __forceinline__ void store_tile_t(uint32_t* __restrict__ wt, uint32_t
 // four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
 // that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
 // 64 path decodes a large Ŵ in column chunks, never the whole matrix at once. SCATTER: the former
-// 4-byte stores (bench/gpu_bench.py --decode times both).
+// 4-byte stores (bench/gpu_bench.py times both in its rows > 64 table).
 template <bool SCATTER>
 __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
                                             int ld) {
