@@ -257,8 +257,13 @@ class MLAttention:
         q = torch.cat((q_nope.to(dt), q_pe.to(dt)), -1).transpose(0, 1)[None]    # (1, H, n, nope + rope)
         n, L = q.shape[2], cc.shape[0]
         mask = allowed[None, None] if allowed is not None else None if n == L else causal_lower_right(n, L)
-        return self._sdpa_decompressed(q, cc.to(dt)[None], kp.to(dt)[None], mask,
-                                       out=None if out is None else out[None])[0]
+        if out is None:
+            out = torch.empty(n, self.nh, self.vd, dtype=torch.float32, device=q.device)
+
+        def write(h: slice, o: torch.Tensor) -> None:
+            out[:, h] = o[0]
+        self._sdpa_decompressed(q, cc.to(dt)[None], kp.to(dt)[None], mask, write)
+        return out
 
     def _select(self, x, q_resid, pos, keys, pos0, positions: bool = False) -> torch.Tensor:
         """A prompt span's DSA mask (``positions``: its key positions, ``Indexer.select``): on
@@ -383,16 +388,14 @@ class MLAttention:
             one's rows are adjacent in the batch): no (rows, H, v) float32 copy of the whole."""
             for b, (row, n) in enumerate(fresh.rows):
                 out[row:row + n, h].copy_(o[b, :n])
-        self._sdpa_decompressed(q, c, r, None, write=write)
+        self._sdpa_decompressed(q, c, r, None, write)
 
     def _sdpa_decompressed(self, q: torch.Tensor, c: torch.Tensor, r: torch.Tensor,
-                           mask: torch.Tensor | None, out: torch.Tensor | None = None,
-                           write=None) -> torch.Tensor | None:
+                           mask: torch.Tensor | None, write) -> None:
         """(B, H, n, nope + rope) queries over (B, L, C) latents and (B, L, rope) keys, all in one
         16-bit (or float32) dtype; ``mask`` broadcast to (B, H, n, L), a ``CausalBias``, or None:
-        causal with the queries at the start (n == L). Returns (B, n, H, v) float32 (``out`` where
-        given); ``write(heads, o)`` instead takes each head group's (B, n, heads, v) result as it
-        comes, and nothing is returned."""
+        causal with the queries at the start (n == L). ``write(heads, o)`` takes each head group's
+        (B, n, heads, v) 16-bit result as it comes (the callers put it into their float32 rows)."""
         from torch.nn.attention.bias import CausalBias
 
         dt = q.dtype
@@ -409,18 +412,12 @@ class MLAttention:
                          if self.vd < qk else w_uv)
         w_uk, w_uv = self._w16[0], self._w16[2 if pad else 1]
         vd = w_uv.shape[1]
-        B, L, n = c.shape[0], c.shape[1], q.shape[2]
+        B, L = c.shape[0], c.shape[1]
         # heads in groups whose decompressed K/V fit DECOMPRESS_BYTES (a 128k history is 128 MB a
         # GLM-5 head): the transient stays bounded whatever the context, which the startup's
         # activation measure (a prompt without history) cannot see
         per_head = B * L * (qk + vd) * c.element_size()
         g = max(1, min(self.nh, DECOMPRESS_BYTES // max(per_head, 1)))
-        if write is None:
-            if out is None:
-                out = torch.empty(B, n, self.nh, self.vd, dtype=torch.float32, device=q.device)
-
-            def write(h: slice, o: torch.Tensor) -> None:
-                out[:, :, h] = o
         for h0 in range(0, self.nh, g):
             h = slice(h0, min(h0 + g, self.nh))
             k = torch.cat((torch.einsum("blc,hnc->bhln", c, w_uk[h]),
@@ -433,7 +430,6 @@ class MLAttention:
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q[:, h], k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
             write(h, o[..., :self.vd].transpose(1, 2))
-        return out
 
     # ------------------------------------------------------------------ fixed-shape decode step
     def decode_static(self, x: torch.Tensor, st) -> torch.Tensor:

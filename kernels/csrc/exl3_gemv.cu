@@ -335,6 +335,15 @@ __device__ __forceinline__ void store_tile_t(uint32_t* __restrict__ wt, uint32_t
     *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
 }
 
+// The decode kernels' lane setup: the bit offset of lane L's first window and the NL tile words it
+// loads (their indices within a tile of NW words).
+__device__ __forceinline__ void lane_words(int lane, int& off, int (&widx)[NL]) {
+    int word;
+    lane_origin(lane, word, off);
+#pragma unroll
+    for (int m = 0; m < NL; m++) widx[m] = (word + m) % NW;
+}
+
 // wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
 // four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
 // that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
@@ -345,11 +354,8 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
                                             int ld) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    int word, off;
-    lane_origin(lane, word, off);
-    int widx[NL];
-#pragma unroll
-    for (int m = 0; m < NL; m++) widx[m] = (word + m) % NW;
+    int off, widx[NL];
+    lane_words(lane, off, widx);
     const int k2 = kt * 8;   // uint32 (half pairs) per wt row
     const long tiles = (long)kt * nt;
     const long warps = (long)gridDim.x * (blockDim.x >> 5);
@@ -398,11 +404,8 @@ __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr
                                                  const half* __restrict__ svh, int kt, int nt, int ld) {
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    int word, off;
-    lane_origin(lane, word, off);
-    int widx[NL];
-#pragma unroll
-    for (int m = 0; m < NL; m++) widx[m] = (word + m) % NW;
+    int off, widx[NL];
+    lane_words(lane, off, widx);
     const int k2 = kt * 8;
     const int nb = nt >> 3;
     const long items = (long)kt * nb;
