@@ -75,7 +75,7 @@ from bench_serve import free_port  # noqa: E402
 from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
-from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
+from serve_measure import SEEDS, BenchError, Stream, check_streams, make_prompts, measure  # noqa: E402
 from serve_report import burst_line, burst_schedule, ctx_cases, summarize, tables  # noqa: E402
 
 DEFAULT_CONFIG = "ml32k:--max-context 32768"
@@ -405,6 +405,11 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
             save()
 
         measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True))
+        if a.seeded:
+            res["seeded"] = loop.run_until_complete(asyncio.wait_for(
+                seeded_check(client, model, a.seeded, a.vocab, a.tokens), a.request_timeout))
+            print(f"[{srv.name}] seeded: {seeded_line(res['seeded'])}", flush=True)
+            after_phase("seeded", res)
         res["engine_stats_end"] = _engine_stats(srv)
         try:
             r = srv.get("/metrics")
@@ -425,6 +430,30 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         except Exception:  # noqa: BLE001
             pass
         loop.close()
+
+
+async def seeded_check(client, model: str, n: int, vocab: int, tokens: int) -> dict:
+    """Issue 13's "the same seed gives the same text alone and among N streams": one sampled request
+    (temperature 0.9, top-p 0.95, seed 1234) alone, then the same request among n - 1 others
+    with other seeds and prompts, sent together; the token ids of the two answers compared."""
+    async def one(prompt: list[int], seed: int) -> list[int]:
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0.9,
+                                            top_p=0.95, seed=seed, logprobs=0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+        c = r.choices[0]
+        ids = getattr(c, "token_ids", None)
+        return list(ids) if ids is not None else list(c.logprobs.tokens)
+    prompts = make_prompts(n, 32, vocab, SEEDS["seeded"])
+    alone = await one(prompts[0], 1234)
+    crowd = await asyncio.gather(*[one(p, 1234 if i == 0 else i) for i, p in enumerate(prompts)])
+    first = next((i for i, (x, y) in enumerate(zip(alone, crowd[0], strict=False)) if x != y), None)
+    return {"streams": n, "tokens": len(alone), "same": alone == crowd[0], "first_difference": first}
+
+
+def seeded_line(r: dict) -> str:
+    if r["same"]:
+        return f"the same {r['tokens']} tokens alone and among {r['streams']} streams"
+    return f"differs among {r['streams']} streams from token {r['first_difference']} of {r['tokens']}"
 
 
 def burst_steps(srv: Server, t0: float) -> list[dict] | None:
@@ -478,6 +507,8 @@ def parse_args(argv: list[str] | None):
                     help="skip the warm-up requests (each batch size, one long prefill) before timing")
     ap.add_argument("--exllamav3", choices=("auto", "on", "off"), default="auto",
                     help="auto: when exllamav3 imports and the device is CUDA")
+    ap.add_argument("--seeded", type=int, default=32, metavar="N",
+                    help="a seeded sampled request alone, then among N streams: same tokens? (0: off)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("out/gpu_serve"), help="server logs")
     ap.add_argument("--ready-timeout", type=float, default=600, help="seconds until /health is 200")

@@ -14,7 +14,7 @@ from gpu_e2e_model import make_prompts
 from serve_report import ctx_cases
 
 PAGE = 256                       # exllamav3's cache page, tokens
-SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51, "join": 61}
+SEEDS = {"warmup": 11, "single": 21, "streams": 31, "ttft": 41, "ctx": 51, "join": 61, "seeded": 71}
 JOIN_AFTER_TOKENS = 8            # the join phase's new prompts go out once every running stream has this many
 
 

@@ -21,6 +21,8 @@ def columns(a) -> list[tuple[str, str]]:
         cols += [("join_stall_ms", f"stall ms, {m} join {n} @ctx{c}"), ("join_ttft_ms", f"TTFT ms of the {m}")]
     cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
              ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
+    if getattr(a, "seeded", 0):
+        cols.append(("seeded", f"seeded text alone = among {a.seeded}"))
     return cols
 
 
@@ -43,6 +45,9 @@ def summarize(res: dict) -> dict:
         out["ttft_hit_ms"] = res["ttft"]["hit_ms"]
     if res.get("memory"):
         out["mem_gb"] = res["memory"]["gb"]
+    if "seeded" in res:
+        r = res["seeded"]
+        out["seeded"] = "yes" if r["same"] else f"no (token {r['first_difference']})"
     return out
 
 
@@ -57,6 +62,8 @@ def md_table(head: list[str], rows: list[list[str]]) -> str:
 def _fmt(x, key: str) -> str:
     if x is None:
         return "-"
+    if isinstance(x, str):
+        return x
     if key == "mem_gb":
         return f"{x:.2f}"
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
@@ -74,7 +81,7 @@ def tables(a, named: list[tuple[str, dict | None]], ref: dict | None) -> str:
         cells = []
         for k, _ in cols:
             x, y = (s or {}).get(k), (ref or {}).get(k)
-            cells.append(f"{x / y:.2f}x" if x is not None and y else "-")
+            cells.append(f"{x / y:.2f}x" if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else "-")
         ratio_rows.append([name] + cells)
     return (md_table(head, rows) + "\n\nours / exllamav3 (tok/s: > 1 is faster; ms and memory: < 1 is less)\n\n"
             + md_table(head, ratio_rows))

@@ -74,6 +74,10 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Decode steps as CUDA graphs, one per batch-size bucket, over the paged KV cache. "
                    "Default: on with a CUDA device (if a capture fails on one GPU, eager decode).")
+@click.option("--batch-invariant", is_flag=True, default=False,
+              help="Compute every request exactly as if it ran alone (CUDA, GQA models, --tp 1): the same seed "
+                   "gives the same text whatever else is served, and a prefix-cache hit equals a cold run. "
+                   "Prompts then run through the decode kernels (slower TTFT; docs/serve.md).")
 @click.option("--threads", "cpu_threads", type=click.IntRange(1, None), default=None,
               help="CPU threads for the model (default: all cores but one).")
 @click.option("--log-level", default="info", show_default=True,
@@ -83,7 +87,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
               block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int | None,
               prefill_wait_ms: float, speculative_tokens: int, reasoning_parser: str, max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
-              cpu_threads: int | None, log_level: str) -> None:
+              batch_invariant: bool, cpu_threads: int | None, log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
     Without PATH, serves the demo checkpoint shipped with exl3tools. Binds early: /health
@@ -113,6 +117,14 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
         raise UsageError("--max-cache-tokens must be at least 1")
     if max_prefill_tokens is None:
         max_prefill_tokens = 2048 if device.startswith("cuda") else 512
+    if batch_invariant:
+        from exl3tools.runtime import invariance
+
+        if not device.startswith("cuda") or tp != 1 or cuda_graphs is False:
+            raise UsageError("--batch-invariant needs --device cuda, --tp 1 and the fixed-shape decode step "
+                             "(not --no-cuda-graphs)")
+        os.environ[invariance.VARIABLE] = "1"      # read where the kernels and the runner are built
+        max_prefill_tokens = invariance.cap_prefill_tokens(max_prefill_tokens, max_batch)
     if max_cache_tokens is None:  # refuse in one line before reading a weight (docs/plan.md)
         preflight_plan(path, device=device, tp=tp, moe=moe, util=gpu_memory_utilization, block_size=int(block_size),
                        kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens,

@@ -16,6 +16,10 @@ slot, experts addressed through device pointer tables: no host sync, no sorting.
 tile instead of per row (MoE prefill and wide decode batches); 64-row tiles on the shared-memory
 tile kernel (unless EXL3TOOLS_PREFILL_TILES=0), skipping the tiles' padding rows.
 
+Batch-invariant runs (runtime/invariance.py) take the gemv kernel only, with K splits fixed by the
+weight's shape and the partials added as fixed-point int64 (``had_out_i64``): each row's result is
+then the same whatever else the launch holds; more than 64 rows run as 64-row slots of it.
+
 The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
 cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
 nvcc. They are loaded and launched through the CUDA driver API (ctypes): no build step, no
@@ -30,6 +34,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from exl3tools.kernels.cuda_build import CODEBOOKS, build
 
 from exl3tools.errors import UsageError
@@ -238,6 +243,12 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
     return ws
 
 
+def fixed_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """``workspace`` as ``numel`` int64 (the fixed-point sums of batch-invariant gemv calls; zero
+    bits are zero either way, and had_out_i64 re-zeroes what it reads)."""
+    return workspace(device, 2 * numel)[:2 * numel].view(torch.int64)
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -250,6 +261,7 @@ def _ptrs(tensors, device) -> torch.Tensor | None:
 
 # ------------------------------------------------------------------ launches
 _SUFFIX = {torch.float16: "f16", torch.float32: "f32"}
+_ACC = {**_SUFFIX, torch.int64: "i64"}     # had_out's accumulators: int64 = fixed point (invariant runs)
 
 
 def _act(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -274,7 +286,7 @@ def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int,
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
             exp=None, tile_n=None, tile_rows: int = 1) -> torch.Tensor:
     """``tile_n``: as in had_in (the tile kernels never add to a skipped row: it stays zero)."""
-    name = f"exl3_had_out_{_SUFFIX[acc.dtype]}_{_SUFFIX[y.dtype]}"
+    name = f"exl3_had_out_{_ACC[acc.dtype]}_{_SUFFIX[y.dtype]}"
     items = total * (n // 128)
     mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
                tile_n, tile_rows, pdl=PDL)
@@ -285,17 +297,25 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
          slot_exp=None, kernel: str | None = None, tile_n=None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64), which
-    takes ``tile_n`` (int32 valid rows per slot, or None: all)."""
+    takes ``tile_n`` (int32 valid rows per slot, or None: all). An int64 ``acc`` (``fixed_workspace``,
+    gemv kernel only): batch-invariant sums, K split by the weight's shape alone."""
+    fixed = acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
         nt_per = 2 if nt % 2 == 0 else 1      # 1 and 4 per warp measured no faster (more warps / more ILP)
         name = f"exl3_gemv_m{mrows}_t{nt_per}"
     else:
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
-        if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
+        if fixed or rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
-    kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
-    args = (xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units) + (() if kernel is None else (tile_n,))
+    if fixed:      # the splits of one row alone on the 8-row kernel, whatever rows and slots come
+        kps, groups, _ = _units(mod, f"exl3_gemv_m8_t{nt_per}", xrot.device, kt, nt // nt_per, 1)
+        units = groups * -(-kt // kps)
+    else:
+        kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
+    accs = (None, acc) if fixed else (acc, None)
+    args = ((xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) if kernel is None else
+            (xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units, tile_n))
     mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
 
 
@@ -397,9 +417,10 @@ class CudaLinear:
         self.mod = module(self.width, codebook, self.device)
         self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs([t], self.device) for t in (self.trellis, self.suh, self.svh))
         self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
-        from exl3tools.runtime import preview
+        from exl3tools.runtime import invariance, preview
 
         self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
+        self.invariant = invariance.on()
 
     @property
     def device_tensors(self) -> dict:
@@ -416,6 +437,8 @@ class CudaLinear:
         rows = x2.shape[0]
         if rows == 0:                      # a grid of 0 blocks is a launch error
             return x.new_empty(*shape[:-1], self.n)
+        if self.invariant:
+            return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
         if rows > SMALL_ROWS and self.fold and rows * self.n >= FOLD_MIN_OUT:
             y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
@@ -428,6 +451,21 @@ class CudaLinear:
             acc = dense_mm(self.mod, xrot, self.trellis)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
+
+    def _invariant(self, x2: torch.Tensor) -> torch.Tensor:
+        """y of a batch-invariant run (its rows padded to whole 64-row slots past 64): the gemv
+        kernel with fixed splits and fixed-point sums, so no row depends on the others."""
+        rows = x2.shape[0]
+        r = min(rows, SMALL_ROWS)
+        slots = -(-rows // r)
+        total = r * slots
+        if total > rows:
+            x2 = F.pad(x2, (0, 0, 0, total - rows))
+        xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
+        acc = fixed_workspace(self.device, total * self.n)
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc)
+        y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
+        return had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, total, total, self.n)
 
 
 class CudaExperts:
@@ -450,12 +488,15 @@ class CudaExperts:
         self.mod = module(self.width, codebook, dev)
         self.tr_tab, self.suh_tab, self.svh_tab = (_ptrs(t, dev) for t in (self.trellis, self.suh, self.svh))
         self.bias_tab = _ptrs(self.bias, dev)
-        from exl3tools.runtime import preview
+        from exl3tools.runtime import invariance, preview
 
+        # batch-invariant runs: the gemv kernel only, fixed splits, fixed-point sums
+        self.invariant = invariance.on()
         # tiles of up to this many rows (runtime.layers.tile_rows)
-        self.smem_tiles = preview.switched_on("prefill_tiles")
+        self.smem_tiles = preview.switched_on("prefill_tiles") and not self.invariant
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
-        self.fused_out = preview.switched_on("tiles_epilogue")   # the default since 2026-12-02
+        # the default since 2026-12-02
+        self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
@@ -506,7 +547,7 @@ class CudaExperts:
             self.mod.launch(name, (groups // 4, tile_exp.shape[0]), 128, xrot, self.tr_tab, texp32, None, rows,
                             self.kt, self.nt, kps, groups, groups, tn, y, self.svh_tab, self.bias_tab, pdl=PDL)
             return y
-        acc = workspace(self.device, N * self.n)
+        acc = (fixed_workspace if self.invariant else workspace)(self.device, N * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
              kernel=kernel, tile_n=tn)
         del xrot

@@ -287,14 +287,31 @@ def _head_block(g: int, D: int) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, min_split_tiles: int = 1) -> torch.Tensor:
     """Attention of one query token per row over its paged K/V; (B, nq, D) float32 (into ``out``).
 
     Rows with context_lens 0 give zeros. No host synchronization: capturable in a CUDA graph and
     replayable with new block_tables / context_lens contents. ``scale`` is a Python float.
+    ``num_splits`` / ``min_split_tiles``: see ``_paged_decode``; ``invariant_splits`` gives the
+    pair under which a row's result does not depend on the batch.
     """
     return _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=num_splits,
-                         out=out)
+                         out=out, min_split_tiles=min_split_tiles)
+
+
+INVARIANT_MIN_TILES = 8      # key tiles per split at least, in batch-invariant runs
+INVARIANT_MAX_SPLITS = 16    # splits at most: the partials of a 256-row step stay ~200 MB at 96 heads
+
+
+def invariant_splits(table_tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(num_splits, min_split_tiles) for batch-invariant runs (runtime/invariance.py) over block
+    tables of ``table_tokens`` tokens: every row then splits its keys every T tiles (T =
+    min_split_tiles) whatever the batch, since tiles per split = max(ceil(tiles / splits), T) = T
+    when splits * T covers the whole table, and the merge takes the same chunks (its chunk size
+    depends on num_splits alone). Fewer, longer splits than the default for short batches."""
+    tiles = max(1, math.ceil(table_tokens / default_config(head_dim, dtype)[0]))
+    t = max(INVARIANT_MIN_TILES, math.ceil(tiles / INVARIANT_MAX_SPLITS))
+    return math.ceil(tiles / t), t
 
 
 def _paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None, out=None,

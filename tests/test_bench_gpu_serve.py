@@ -23,7 +23,7 @@ import serve_measure as sm  # noqa: E402
 import synth_checkpoint as sc  # noqa: E402
 
 TINY = ["--tokens", "8", "--streams", "2", "--prompt-len", "64", "--ttft-prompts", "2", "--ctx", "128",
-        "--ctx-streams", "1,2", "--repeats", "1"]
+        "--ctx-streams", "1,2", "--repeats", "1", "--seeded", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,9 @@ def _check_summary(summary: dict, streams=(2,), ctx_streams=(1, 2)) -> None:
     want |= {f"streams_{n}_tok_s" for n in streams} | {f"ctx_{n}_tok_s" for n in ctx_streams}
     assert want <= set(summary), want - set(summary)
     for k, v in summary.items():
+        if k == "seeded":       # same tokens alone and among N streams: "yes" or "no (token i)"
+            assert v == "yes" or v.startswith("no (token "), v
+            continue
         assert v is not None and v > 0, (k, v)
 
 
@@ -64,6 +67,8 @@ def test_end_to_end_cpu(small, tmp_path):
     assert res["memory"]["source"] == "peak RSS (VmHWM)"
     assert any("kv_cache" in ln for ln in res["metrics"])
     assert cfg["stop_status"] is not None                       # it was stopped, not left running
+    seeded = res["seeded"]                  # one sampled request alone, then among 3, 8 tokens each
+    assert seeded["streams"] == 3 and seeded["tokens"] == 8 and "[ml32k] seeded: " in p.stdout
     # the burst's schedule from /v1/engine/steps: the steps that admitted the two streams, then one more
     burst = res["bursts"]["streams_2"]
     assert sum(len(s["admitted"]) for s in burst) == 2 and not burst[-1]["admitted"]
@@ -73,7 +78,7 @@ def test_end_to_end_cpu(small, tmp_path):
     out = p.stdout.rstrip().splitlines()
     assert "exllamav3: not available, skipped (device cpu is not CUDA)" in p.stdout
     head = ("| config | 1 stream tok/s | 2 streams | 1 stream @ctx128 | 2 streams @ctx128 | TTFT 64 cold ms "
-            "| TTFT 64 prefix-hit ms | RSS GB |")
+            "| TTFT 64 prefix-hit ms | RSS GB | seeded text alone = among 3 |")
     assert [" ".join(ln.split()) for ln in out if ln.startswith("| config")] == [head, head]
     assert out[-1].startswith("| ml32k ") and out[-7].startswith("| exllamav3 ")   # results, then ratios, last
     print(f"gpu_serve end to end: {took:.1f} s")

@@ -64,6 +64,7 @@ def test_serves_the_demo_without_a_path_and_stops_cleanly_on_sigterm():
     (["/nonexistent/model"], 2, "no such checkpoint directory"),
     ([str(REPO / "demo")], 2, "not a checkpoint"),
     (["--max-batch", "0"], 2, "must be at least 1"),
+    (["--batch-invariant"], 2, "--batch-invariant needs --device cuda"),
 ])
 def test_bad_invocations_fail_in_one_line(args, code, text):
     proc = serve(*args, "--port", str(free_port()), "--log-level", "critical")

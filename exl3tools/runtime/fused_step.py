@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from exl3tools.errors import UsageError
 from exl3tools.kernels import fused_decode as fk
-from exl3tools.runtime import preview
+from exl3tools.runtime import invariance, preview
 from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLayer, GatedMLP, MoE, _identity
 
 
@@ -74,6 +74,7 @@ class FusedGqaStep:
         self._shared: dict[int, dict | None] = {}
         # the shared expert inside the routed experts' grouped calls ("0": apart; for measurements)
         self.shared_in_group = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
+        self.invariant = invariance.on()
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
         layers = self.model.layers
@@ -112,9 +113,11 @@ class FusedGqaStep:
         T, H = x.shape
         g = mlp.grouped()
         g["lut"] = g["lut"].to(x.device)
-        logits = x @ mlp.router.t()
+        # batch-invariant runs: the router's GEMM at a fixed shape, one row per (token, expert)
+        # pair (tiles sum a token's experts in another order than residual_rmsnorm)
+        logits = invariance.rows_mm(x, mlp.router.t()) if self.invariant else x @ mlp.router.t()
         S = T * mlp.top_k
-        tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled()
+        tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.invariant
         merged = None if tiled else self._with_shared(mlp)
         if merged is not None:          # the shared expert as one more pair per token
             r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],

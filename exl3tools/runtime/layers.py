@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.kernels import moe_combine
 from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_linear
+from exl3tools.runtime import invariance
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
 QUERY_CHUNK = 512   # prefill queries per attention chunk
@@ -63,7 +64,10 @@ class Linear:
             w = fields.tensors["weight"].to(device, torch.float32)
             b = fields.tensors.get("bias")
             b = None if b is None else b.to(device, torch.float32)
-            self.fn = lambda x: F.linear(x, w.t(), b)
+            if invariance.on():      # batch-invariant runs: a fixed GEMM shape for every row
+                self.fn = lambda x: invariance.rows_mm(x.reshape(-1, x.shape[-1]), w, b).reshape(*x.shape[:-1], -1)
+            else:
+                self.fn = lambda x: F.linear(x, w.t(), b)
         else:
             self.fn = make_linear(fields.tensors, fields.codebook, fields.k_bits, device, backend)
 

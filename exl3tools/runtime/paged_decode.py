@@ -102,6 +102,17 @@ def attention_fn(device: torch.device):
     return paged_attention.paged_decode if device.type == "cuda" else paged_attention.paged_decode_reference
 
 
+def invariant_attention(attend, table_tokens: int):
+    """``attend`` (kernels.paged_attention.paged_decode) with the splits of batch-invariant runs
+    (``invariant_splits``): each row's keys split at the same tiles whatever the step's rows."""
+    from exl3tools.kernels.paged_attention import invariant_splits
+
+    def run(q, k, v, tables, ctx, scale):
+        splits, tiles = invariant_splits(table_tokens, q.shape[-1], k.dtype)
+        return attend(q, k, v, tables, ctx, scale, num_splits=splits, min_split_tiles=tiles)
+    return run
+
+
 def mla_attention_fn(device: torch.device):
     """(MLA decode attention, DSA indexer scores, DSA top-k): Triton on CUDA (or the interpreter
     with MLA_DECODE_ON_CPU), else the torch references (None: runtime.dsa.paged_scores_reference,
@@ -165,10 +176,15 @@ class PagedDecoder:
         self._attend = attention_fn(self.device)
         self._attend_mla, self._dsa_scores, self._dsa_topk = mla_attention_fn(self.device)
         self._fused = None
-        from exl3tools.runtime import fused_step
+        from exl3tools.runtime import fused_step, invariance
 
         if fused_step.resolve(fused, self.device) and fused_step.supports(model):
             self._fused = fused_step.FusedGqaStep(model, pool)
+        if invariance.on():
+            if self._fused is None or self.device.type != "cuda":
+                raise UsageError("batch-invariant serving needs a GQA model (llama, qwen3_moe, glm4_moe) on CUDA "
+                                 "with the fused decode step (EXL3TOOLS_FUSED not 0)")
+            self._attend = invariant_attention(self._attend, self.max_blocks * pool.block_size)
         dev = self.device
         with torch.inference_mode():
             self.inputs = torch.zeros(N_INPUTS, self.prompt_rows, dtype=torch.int64, device=dev)

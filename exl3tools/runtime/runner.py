@@ -24,7 +24,7 @@ import torch
 from exl3tools.errors import CheckpointError, Exl3Error, RuntimeFailure, UsageError
 from exl3tools.kernels.dispatch import resolve_backend
 from exl3tools.runtime import distributed as D
-from exl3tools.runtime import preview
+from exl3tools.runtime import invariance, preview
 from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.loader import Layout, open_rank, resolve
 from exl3tools.runtime.mla import has_mla
@@ -121,9 +121,15 @@ class Runner(SpeculativeSteps):
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
         dtype = kv_dtype_for(kv_dtype, dev, mla=has_mla(model))
         self._row_steps = preview.switched_on("row_steps")
+        self.invariant = invariance.on()
         if prompt_rows is None:     # prompt graphs (runtime/preview.py): on CUDA unless "0", elsewhere if "1"
             on = self._row_steps and preview.on_cuda("prompt_graphs", dev)
             prompt_rows = min(PROMPT_GRAPH_ROWS, int(max_num_batched_tokens) + self.max_num_seqs) if on else 0
+        if self.invariant:          # every step in the fixed-shape step: none may need the eager forward
+            if world > 1 or dev.type != "cuda" or not prompt_rows:
+                raise UsageError("batch-invariant serving runs at TP 1 on CUDA with row steps and prompt graphs "
+                                 "(EXL3TOOLS_ROW_STEPS and EXL3TOOLS_PROMPT_GRAPHS not 0)")
+            prompt_rows = int(max_num_batched_tokens) + self.max_num_seqs
         # the MTP head's cache in the block pool, its drafts in the fixed-shape step
         # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
         mtp_paged = bool(self.spec_k and preview.switched_on("mtp_paged"))
@@ -169,6 +175,7 @@ class Runner(SpeculativeSteps):
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
         self.last_path: str | None = None    # the last step's: "decode", "prompt" (graph buckets) or "eager"
+        self._warned_eager = False           # batch-invariant runs: an eager step was logged
         if mode == "graphs":
             self._capture()
         self._rows = list(range(self.max_num_seqs))
@@ -410,9 +417,14 @@ class Runner(SpeculativeSteps):
             # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
             return "decode" if self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items) else "eager"
         if all_logits or not d.prompt_buckets or n > d.prompt_buckets[-1]:
+            if self.invariant and not self._warned_eager:
+                self._warned_eager = True
+                log.warning("a step of %d rows%s takes the eager forward: its logits are not batch-invariant", n,
+                            " with every row's logits (prompt logprobs)" if all_logits else "")
             return "eager"
         reads = sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1)
-        return "prompt" if reads <= PROMPT_GRAPH_READS else "eager"
+        # batch-invariant runs: every prompt through the fixed-shape step, whatever it reads
+        return "prompt" if reads <= PROMPT_GRAPH_READS or self.invariant else "eager"
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
         """The decode step's rows: each new token of each sequence at its position and slot,

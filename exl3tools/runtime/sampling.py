@@ -127,17 +127,27 @@ def _draw_rows(x: torch.Tensor, temps: list, ks: list, ps: list, gens: list) -> 
         sub = x.index_select(0, ridx) if len(rows) < h else x
         sorted_logits, order = torch.sort(sub, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, -1)
-        before = torch.cumsum(probs, -1) - probs
+        before = _cumsum_rows(probs) - probs
         p_t = torch.tensor([[float(ps[j])] for j in rows], dtype=torch.float32, device=dev)
         sorted_logits = sorted_logits.masked_fill(before >= p_t, float("-inf"))
         sub = torch.full_like(sub, float("-inf")).scatter(1, order, sorted_logits)
         x = x.index_copy(0, ridx, sub) if len(rows) < h else sub
-    cdf = torch.cumsum(torch.softmax(x, -1).double(), -1)
+    cdf = _cumsum_rows(torch.softmax(x, -1).double())
     total = cdf[:, -1:]
     bad = ~torch.isfinite(total[:, 0])
     u = torch.cat([_uniform(g, dev) for g in gens])[:, None]
     tok = torch.searchsorted(cdf, u * total, right=True).clamp_max(vocab - 1)[:, 0]
     return torch.where(bad, -1, tok)
+
+
+def _cumsum_rows(t: torch.Tensor) -> torch.Tensor:
+    """Cumulative sums along the rows of ``t`` (rows, n), each row's the same whatever the rows:
+    CUDA scans a lone row with another algorithm (the whole-tensor scan) than the rows of a
+    matrix, whose last sums then differ in rounding; so a seeded row would draw another token
+    alone than in a batch. A lone row is scanned as one of two."""
+    if t.is_cuda and t.shape[0] == 1:
+        return torch.cumsum(t.expand(2, -1).contiguous(), -1)[:1]
+    return torch.cumsum(t, -1)
 
 
 def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:

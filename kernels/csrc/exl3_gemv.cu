@@ -148,6 +148,18 @@ __device__ __forceinline__ void red1(float* p, float a) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
 }
 
+// Batch-invariant partial sums: a split's fp32 partial as a fixed-point int64 (x 2^32, rounded
+// once), added with an integer atomic. Integer sums do not depend on the order the splits arrive
+// in, so with the splits fixed by the shape (cuda_exl3.gemv) a row's result depends on the row
+// alone, never on the other rows or slots of the launch (fp32 atomics of 3+ splits round by arrival).
+// Range 2^31, resolution 2^-32: far beyond fp16 outputs at any activation scale the models reach.
+#define FIX_SCALE 4294967296.f
+#define FIX_INV 2.3283064365386963e-10f
+__device__ __forceinline__ void red_fixed(unsigned long long* p, float a) {
+    const unsigned long long v = (unsigned long long)__float2ll_rn(a * FIX_SCALE);
+    asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ uint32_t ldg32(const uint32_t* p) { return __ldg(p); }
 
 // predicated load: v keeps its value when !pred (no branch around the load). Not volatile: the
@@ -190,22 +202,37 @@ __device__ __forceinline__ void zero_fragments(float (&c)[MB][NT][4]) {
             for (int q = 0; q < 4; q++) c[mb][j][q] = 0.f;
 }
 // acc rows row0 + m (m < valid) += the D fragments: d0, d1 = n g, rows 2t, 2t+1; d2, d3 = n g + 8, same rows
-template <int MB, int NT>
-__device__ __forceinline__ void add_fragments(float* __restrict__ acc, const float (&c)[MB][NT][4], int row0,
-                                              int valid, int n, int j0, int g, int t) {
+template <int MB, int NT, typename TA>
+__device__ __forceinline__ void add_fragments_to(TA* __restrict__ acc, const float (&c)[MB][NT][4], int row0,
+                                                 int valid, int n, int j0, int g, int t) {
 #pragma unroll
     for (int mb = 0; mb < MB; mb++)
 #pragma unroll
         for (int q = 0; q < 2; q++) {
             const int m = 8 * mb + 2 * t + q;
             if (m >= valid) continue;
-            float* out = acc + (size_t)(row0 + m) * n + (size_t)j0 * 16 + g;
+            TA* out = acc + (size_t)(row0 + m) * n + (size_t)j0 * 16 + g;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                red1(out + 16 * j, c[mb][j][q]);
-                red1(out + 16 * j + 8, c[mb][j][2 + q]);
+                if constexpr (sizeof(TA) == 8) {
+                    red_fixed(out + 16 * j, c[mb][j][q]);
+                    red_fixed(out + 16 * j + 8, c[mb][j][2 + q]);
+                } else {
+                    red1(out + 16 * j, c[mb][j][q]);
+                    red1(out + 16 * j + 8, c[mb][j][2 + q]);
+                }
             }
         }
+}
+// into the fp32 workspace, or (acc64 given) the fixed-point one of batch-invariant runs
+template <int MB, int NT>
+__device__ __forceinline__ void add_fragments(float* __restrict__ acc, unsigned long long* __restrict__ acc64,
+                                              const float (&c)[MB][NT][4], int row0, int valid, int n, int j0,
+                                              int g, int t) {
+    if (acc64)
+        add_fragments_to<MB, NT>(acc64, c, row0, valid, n, j0, g, t);
+    else
+        add_fragments_to<MB, NT>(acc, c, row0, valid, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ skinny GEMM
@@ -217,7 +244,8 @@ __device__ __forceinline__ void add_fragments(float* __restrict__ acc, const flo
 // acc and re-zeroes it.
 template <int MROWS, int NT, int P>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
-                                          const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
+                                          const int* __restrict__ slot_exp, float* __restrict__ acc,
+                                          unsigned long long* __restrict__ acc64, int rows,
                                           int kt, int nt, int kps, int n_groups, int n_units) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
     pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
@@ -302,7 +330,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P - 1; p++)
         if (p < count - it) step(p);
 
-    add_fragments<MB, NT>(acc, c, z * rows, rows, n, j0, g, t);
+    add_fragments<MB, NT>(acc, acc64, c, z * rows, rows, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
@@ -519,6 +547,11 @@ __device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
     const float4 a = *reinterpret_cast<const float4*>(p);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
 }
+__device__ __forceinline__ void load4(const long long* p, float (&v)[4]) {    // fixed point (red_fixed)
+    const longlong2 a = *reinterpret_cast<const longlong2*>(p), b = *reinterpret_cast<const longlong2*>(p + 2);
+    v[0] = __ll2float_rn(a.x) * FIX_INV; v[1] = __ll2float_rn(a.y) * FIX_INV;
+    v[2] = __ll2float_rn(b.x) * FIX_INV; v[3] = __ll2float_rn(b.y) * FIX_INV;
+}
 __device__ __forceinline__ void store4(half* p, const float (&v)[4]) {
     half2 o0 = __floats2half2_rn(v[0], v[1]), o1 = __floats2half2_rn(v[2], v[3]);
     uint2 ov;
@@ -562,7 +595,7 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
 }
 
 // y[o, :] = H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e, stored as TY (fp16 or the runtime's fp32);
-// an fp32 acc (the gemv workspace) is re-zeroed as it is read.
+// an fp32 or fixed-point acc (the gemv workspaces) is re-zeroed as it is read.
 template <typename TA, typename TY>
 __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
@@ -580,6 +613,10 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
     float v[4];
     load4(acc + (size_t)o * n + col, v);
     if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (sizeof(TA) == 8) {
+        longlong2* a = reinterpret_cast<longlong2*>(acc + (size_t)o * n + col);
+        a[0] = a[1] = make_longlong2(0, 0);
+    }
     fwht128(v);
     const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
     const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
@@ -598,9 +635,9 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
 #ifndef EXL3_HOST_TEST
 #define GEMV(MROWS, NT)                                                                              \
     extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT(                     \
-        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
-        int kt, int nt, int kps, int n_groups, int n_units) {                                         \
-        gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units); \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units) {    \
+        gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units); \
     }
 // TILES(MROWS, NT, MINB): tiles_body with registers for MINB blocks an SM (4: 128, 3: 168)
 #define TILES(MROWS, NT, MINB)                                                                       \
@@ -671,6 +708,8 @@ HAD_OUT(exl3_had_out_f32_f16, float, half)
 HAD_OUT(exl3_had_out_f32_f32, float, float)
 HAD_OUT(exl3_had_out_f16_f16, half, half)
 HAD_OUT(exl3_had_out_f16_f32, half, float)
+HAD_OUT(exl3_had_out_i64_f16, long long, half)
+HAD_OUT(exl3_had_out_i64_f32, long long, float)
 #endif
 
 #ifdef EXL3_HOST_TEST

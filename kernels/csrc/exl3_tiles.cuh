@@ -174,7 +174,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
     }
 
     if constexpr (OUT == 0) {
-        add_fragments<MB, NT>(acc, c, z * rows, nr, n, j0, g, t);
+        add_fragments<MB, NT>(acc, nullptr, c, z * rows, nr, n, j0, g, t);
     } else {
         const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
         using TY = typename std::conditional<OUT == 1, half, float>::type;
