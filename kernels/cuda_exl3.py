@@ -45,6 +45,10 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
+# batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
+# one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
+# atomics per output
+FIXED_MIN_KTILES = 32
 # prefill tiles with the activations staged in shared memory (tiles_body in the source), by the
 # most rows a tile has; MoE tiles of PREFILL_TILE_ROWS go to them unless EXL3TOOLS_PREFILL_TILES=0
 # (runtime/preview.py; bench/gpu_moe_prefill.py times every entry beside the gemv kernel)
@@ -308,8 +312,10 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
         if fixed or rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
-    if fixed:      # the splits of one row alone on the 8-row kernel, whatever rows and slots come
+    if fixed:      # the splits of one row alone on the 8-row kernel, whatever rows and slots come,
+        # of at least FIXED_MIN_KTILES k-tiles (a many-slot call adds each split with atomics)
         kps, groups, _ = _units(mod, f"exl3_gemv_m8_t{nt_per}", xrot.device, kt, nt // nt_per, 1)
+        kps = max(kps, FIXED_MIN_KTILES)
         units = groups * -(-kt // kps)
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)

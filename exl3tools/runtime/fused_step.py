@@ -32,7 +32,16 @@ import torch.nn.functional as F
 from exl3tools.errors import UsageError
 from exl3tools.kernels import fused_decode as fk
 from exl3tools.runtime import invariance, preview
-from exl3tools.runtime.layers import MOE_TILES_MIN_SLOTS, Attention, DecoderLayer, GatedMLP, MoE, _identity
+from exl3tools.runtime.layers import (
+    MOE_TILES_MIN_SLOTS,
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    MoE,
+    _identity,
+    expert_tiles,
+    tile_rows,
+)
 
 
 def resolve(fused: bool | None, device: torch.device) -> bool:
@@ -124,6 +133,8 @@ class FusedGqaStep:
                          len(mlp.experts), shared=True)
             xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
             S = T * (mlp.top_k + 1)
+            if self.invariant and S >= MOE_TILES_MIN_SLOTS:
+                return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, len(mlp.experts) + 1), r["wk"]
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             act = fk.silu_mul(gu[:S], gu[S:])
             return None, merged["down_proj"].tiles(act, None, r["down_exp"], r["down_exp"], 1), r["wk"]
@@ -134,6 +145,8 @@ class FusedGqaStep:
             routed = mlp._tiles_sum(x, g, r["loc"], r["w"])
             return (routed if shared is None else routed + shared), None, None
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+        if self.invariant and S >= MOE_TILES_MIN_SLOTS and "gate_up" in g and hasattr(g["down_proj"], "tiles"):
+            return shared, _pairs_by_tiles(g, xp, r, S, mlp.top_k, len(mlp.experts)), r["wk"]
         if "gate_up" in g:
             gu = g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             act = fk.silu_mul(gu[:S], gu[S:])
@@ -158,6 +171,25 @@ class FusedGqaStep:
         if key not in self._shared:
             self._shared[key] = _group_with_shared(mlp) if self.shared_in_group else None
         return self._shared[key]
+
+
+def _pairs_by_tiles(merged: dict, xp: torch.Tensor, r: dict, S: int, P: int, NE: int) -> torch.Tensor:
+    """The merged experts' rows of a batch-invariant step, in pair order as the slots path gives
+    them, but computed in expert-sorted tiles (one weight decode per tile, not per pair): with the
+    invariant kernels a row's result does not depend on its tile (tests/gpu/test_batch_invariance_gpu.py),
+    so this equals the slots path bit for bit. ``r``: fk.route's output with the shared pair;
+    P pairs per token, NE merged experts (the shared one last)."""
+    R = tile_rows(S, NE)
+    tile_exp, row_exp, slot, valid = expert_tiles(r["down_exp"].long(), NE, R)
+    tok = torch.where(valid, slot, 0) // P
+    up_tiles = torch.where(tile_exp >= 0, tile_exp + NE, -1)
+    gu = merged["gate_up"].tiles(xp, torch.cat([tok, tok]), torch.cat([row_exp, row_exp + NE]),
+                                 torch.cat([tile_exp, up_tiles]), R)
+    N = row_exp.shape[0]
+    y = merged["down_proj"].tiles(fk.silu_mul(gu[:N], gu[N:]), None, row_exp, tile_exp, R)
+    # each pair's tile row (padding rows all point at entry S, dropped): no host sync, graph-safe
+    at = torch.zeros(S + 1, dtype=torch.int64, device=xp.device).scatter_(0, slot, torch.arange(N, device=xp.device))
+    return y.index_select(0, at[:S])
 
 
 def _group_with_shared(mlp: MoE) -> dict | None:

@@ -114,14 +114,20 @@ def _step_logits(runner, plan):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_decode_step_rows_do_not_depend_on_the_batch(name, invariant):
+def test_decode_step_rows_do_not_depend_on_the_batch(name, invariant, monkeypatch):
     """One sequence's logits, step by step, alone and among up to 11 others (their prompts in
-    prompt buckets beside its decode rows, bucket sizes 1 to 48): equal bit for bit; then a
-    prefix-cache hit equals the cold run. Without the mode the same schedule differs."""
+    prompt buckets beside its decode rows, bucket sizes 1 to 96; the MoE's pairs in slots alone,
+    in expert-sorted tiles among the others): equal bit for bit; then a prefix-cache hit equals
+    the cold run. Without the mode the same schedule differs (the next test)."""
     import torch
 
+    from exl3tools.runtime import fused_step
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
+
+    tiled = []
+    real = fused_step._pairs_by_tiles
+    monkeypatch.setattr(fused_step, "_pairs_by_tiles", lambda *a: tiled.append(1) or real(*a))
 
     path = fixture_dir(name) / "model"
     prompt = list(range(3, 40))
@@ -149,6 +155,7 @@ def test_decode_step_rows_do_not_depend_on_the_batch(name, invariant):
 
     a, hit, c, last = runs()
     assert last == "decode"
+    assert bool(tiled) == (name != "llama-4.0bpw-mul1")      # the wide steps' MoE took the tiles
     for i, (x, y, z) in enumerate(zip(a, hit, c, strict=True)):
         assert _same(x, y), ("prefix hit", i)
         assert _same(x, z), ("among others", i)
