@@ -310,18 +310,22 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         name = f"exl3_gemv_m{mrows}_t{nt_per}"
     else:
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
-        if fixed or rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
+        if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
-    if fixed:      # the splits of one row alone on the 8-row kernel, whatever rows and slots come,
-        # of at least FIXED_MIN_KTILES k-tiles (a many-slot call adds each split with atomics)
-        kps, groups, _ = _units(mod, f"exl3_gemv_m8_t{nt_per}", xrot.device, kt, nt // nt_per, 1)
+    if fixed:      # K split as for one row alone on the 8-row kernel, whatever kernel, rows and
+        # slots come, every split at least FIXED_MIN_KTILES k-tiles (a many-slot call adds each
+        # split with atomics); both kernels sum a split's k-tiles in order, so a row's result is
+        # the same on either (tests/gpu/test_batch_invariance_gpu.py)
+        if nt % 2:
+            raise UsageError(f"batch-invariant gemv needs an even number of n-tiles, got {nt}")
+        kps, _, _ = _units(mod, "exl3_gemv_m8_t2", xrot.device, kt, nt // 2, 1)
         kps = max(kps, FIXED_MIN_KTILES)
+        groups = nt // nt_per
         units = groups * -(-kt // kps)
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
     accs = (None, acc) if fixed else (acc, None)
-    args = ((xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) if kernel is None else
-            (xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units, tile_n))
+    args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + (() if kernel is None else (tile_n,))
     mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
 
 
@@ -427,6 +431,7 @@ class CudaLinear:
 
         self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
         self.invariant = invariance.on()
+        self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
 
     @property
     def device_tensors(self) -> dict:
@@ -459,8 +464,9 @@ class CudaLinear:
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
 
     def _invariant(self, x2: torch.Tensor) -> torch.Tensor:
-        """y of a batch-invariant run (its rows padded to whole 64-row slots past 64): the gemv
-        kernel with fixed splits and fixed-point sums, so no row depends on the others."""
+        """y of a batch-invariant run: fixed splits and fixed-point sums, so no row depends on the
+        others; past 64 rows, 64-row slots (rows padded) on the shared-memory tile kernel (unless
+        EXL3TOOLS_PREFILL_TILES=0: the gemv kernel), which give each row what the gemv kernel does."""
         rows = x2.shape[0]
         r = min(rows, SMALL_ROWS)
         slots = -(-rows // r)
@@ -469,7 +475,8 @@ class CudaLinear:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
         acc = fixed_workspace(self.device, total * self.n)
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc)
+        kernel = TILE_KERNELS[SMALL_ROWS] if slots > 1 and self.smem_tiles else None
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=kernel)
         y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
         return had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, total, total, self.n)
 
@@ -496,10 +503,10 @@ class CudaExperts:
         self.bias_tab = _ptrs(self.bias, dev)
         from exl3tools.runtime import invariance, preview
 
-        # batch-invariant runs: the gemv kernel only, fixed splits, fixed-point sums
+        # batch-invariant runs: fixed splits, fixed-point sums, no fused output pass
         self.invariant = invariance.on()
         # tiles of up to this many rows (runtime.layers.tile_rows)
-        self.smem_tiles = preview.switched_on("prefill_tiles") and not self.invariant
+        self.smem_tiles = preview.switched_on("prefill_tiles")
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant

@@ -642,9 +642,11 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
 // TILES(MROWS, NT, MINB): tiles_body with registers for MINB blocks an SM (4: 128, 3: 168)
 #define TILES(MROWS, NT, MINB)                                                                       \
     extern "C" __global__ void __launch_bounds__(128, MINB) exl3_tiles_m##MROWS##_t##NT(              \
-        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
-        int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n) {                      \
-        tiles_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units, tile_n); \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* tile_n) {                                                                          \
+        tiles_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
+                                 tile_n);                                                             \
     }
 #else
 #define GEMV(MROWS, NT)
@@ -668,7 +670,7 @@ TILES(128, 1, 3)
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
         int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n, void* y,               \
         const uint64_t* svh_ptrs, const uint64_t* bias_ptrs) {                                        \
-        tiles_body<MROWS, 2, 4, OUT>(xrot, trellis_ptrs, slot_exp, acc, rows, kt, nt, kps, n_groups, n_units, \
+        tiles_body<MROWS, 2, 4, OUT>(xrot, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, n_units, \
                                      tile_n, y, svh_ptrs, bias_ptrs);                                 \
     }
 TILES_OUT(64, 3, f16, 1)

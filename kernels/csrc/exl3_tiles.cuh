@@ -73,7 +73,8 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* smem) {
 // traffic, no had_out launch (tiles_epilogue).
 template <int MROWS, int NT, int P, int OUT = 0>
 __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
-                                           const int* __restrict__ slot_exp, float* __restrict__ acc, int rows,
+                                           const int* __restrict__ slot_exp, float* __restrict__ acc,
+                                           unsigned long long* __restrict__ acc64, int rows,
                                            int kt, int nt, int kps, int n_groups, int n_units,
                                            const int* __restrict__ tile_n, void* __restrict__ y = nullptr,
                                            const uint64_t* __restrict__ svh_ptrs = nullptr,
@@ -174,7 +175,7 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
     }
 
     if constexpr (OUT == 0) {
-        add_fragments<MB, NT>(acc, nullptr, c, z * rows, nr, n, j0, g, t);
+        add_fragments<MB, NT>(acc, acc64, c, z * rows, nr, n, j0, g, t);
     } else {
         const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
         using TY = typename std::conditional<OUT == 1, half, float>::type;
