@@ -1,6 +1,7 @@
 """Batch-invariant runs on CUDA (runtime/invariance.py, ``serve --batch-invariant``): a row's result
-is the same bit for bit whatever else its launch or step holds. The EXL3 linears (1 to 200 rows,
-long K with many splits) and experts (slots and tiles), the paged decode attention, the whole
+is the same bit for bit whatever else its launch or step holds. The EXL3 linears (1 to 200 rows:
+the gemv kernel up to 64, the shared-memory tile kernel past; long K with many splits) and experts
+(slots, tiles on either kernel), the paged decode attention, the whole
 decode step on the GQA fixtures (a sequence alone, among others, in prompt buckets, on a
 prefix-cache hit), and the server through the openai client: one seeded request's text alone and
 among 31 others. Each check also runs without the mode where the default path is known to differ,
@@ -62,7 +63,8 @@ def test_experts_rows_do_not_depend_on_slots_or_tiles(invariant):
     rng = np.random.default_rng(3)
     E, k, n = 6, 1024, 384
     ex = cx.CudaExperts([_tensors(torch, *_lin(rng, k, n, 40, bias=True)) for _ in range(E)], "mcg", "cuda")
-    assert ex.invariant and not ex.smem_tiles and not ex.fused_out
+    assert ex.invariant and not ex.fused_out
+    assert ex._tile_kernel(64) == cx.TILE_KERNELS[64]          # 64-row tiles: the shared-memory kernel
     T, top = 90, 3
     x = torch.from_numpy(rng.normal(0, 1, (T, k)).astype(np.float16)).cuda()
     sel = torch.from_numpy(np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)).cuda()
@@ -71,6 +73,7 @@ def test_experts_rows_do_not_depend_on_slots_or_tiles(invariant):
     for lo, hi in [(0, 1), (10, 13), (0, 270), (100, 131)]:
         assert _same(ex.slots(x, tok[lo:hi], sel[lo:hi]), slots[lo:hi]), (lo, hi)
     for rows in (8, 64):                # the same pairs through expert-sorted tiles of 8 and 64 rows
+        # (the gemv kernel, then the shared-memory tile kernel)
         tile_exp, row_exp, slot, valid = expert_tiles(sel, E, rows)
         y = ex.tiles(x, torch.where(valid, slot, 0) // top, row_exp, tile_exp, rows)
         assert _same(y[valid], slots[slot[valid]]), rows
