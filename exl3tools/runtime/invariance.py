@@ -9,8 +9,9 @@ one text alone and another among 32 streams. In this mode every row of a step is
 as it would be alone, on CUDA, for GQA models at TP 1:
 
 - EXL3 linears and experts: splits fixed by the weight's shape, partial sums added as fixed-point
-  int64 (order-free), one row per slot for experts, more than 64 rows in 64-row slots of the same
-  kernel (kernels/cuda_exl3.py);
+  int64 (order-free); more than 64 rows in 64-row slots of the shared-memory tile kernel, whose
+  per-row arithmetic is the gemv kernel's (kernels/cuda_exl3.py); the MoE's expert-sorted tiles with
+  their rows put back in pair order (runtime/fused_step.py);
 - paged decode attention: a fixed number of key tiles per split for every row
   (kernels/paged_attention.invariant_splits);
 - small dense GEMMs (the router, unquantized linears): ``rows_mm``, fixed-shape chunks;
