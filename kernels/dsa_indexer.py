@@ -49,6 +49,7 @@ TC_TN, TC_TILES = 64, 4   # _scores_tc_kernel: keys per dot, dots per program (2
 # the chunked kernels 35.3 and 101.1 (batch 32: 322 vs 326 at 4k, 2444 vs 2370 at 32k)
 CHUNKED_MIN_WIDTH = 8192
 MIN_CP = 64        # topk_select_chunked's per-chunk count slots at least (a fixed compile-time size)
+CHUNK_TILE, CHUNK_WARPS = TOPK_TILE, 8     # topk_select_chunked's chunk and warps a program
 
 
 if triton is not None:
@@ -316,16 +317,19 @@ def topk_select(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch
     return out
 
 
-def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
-    """topk_select over chunks of TOPK_TILE scores in parallel (grid rows x chunks, four launches:
-    the two histograms summed with atomics, then per-chunk counts and writes), for wide tables
-    where one program per row walks every chunk three times. The same contract and result set."""
+def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int, *, tb: int | None = None,
+                        warps: int | None = None) -> torch.Tensor:
+    """topk_select over chunks of ``tb`` (CHUNK_TILE) scores in parallel (grid rows x chunks, four
+    launches: the two histograms summed with atomics, then per-chunk counts and writes), for wide
+    tables where one program per row walks every chunk three times. The same contract and result
+    set. ``tb`` / ``warps``: the chunk size and warps a program (bench/gpu_topk.py sweeps them)."""
     K, out = _topk_out("topk_select_chunked", s, context_lens, topk)
     B, T = s.shape
     if not (B and K):
         return out
+    tb, warps = tb or CHUNK_TILE, warps or CHUNK_WARPS
     s = s.contiguous()
-    chunks = triton.cdiv(T, TOPK_TILE)
+    chunks = triton.cdiv(T, tb)
     # CP is a compile-time size: one value for every table up to MIN_CP chunks (128k scores), so
     # a long prompt's chunks, each over a longer history, do not compile the two kernels afresh
     # at every power of two (~0.5 s a compile, paid inside the first long prompt a server sees)
@@ -334,9 +338,9 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int) 
     cnt = torch.empty(B, 2, cp, device=s.device, dtype=torch.int32)
     grid = (B, chunks)
     for low in (False, True):
-        _chunk_hist_kernel[grid](s, context_lens, hist, T, K, int(topk), LOW=low, TB=TOPK_TILE, num_warps=8)
-    _chunk_count_kernel[grid](s, context_lens, hist, cnt, T, K, int(topk), CP=cp, TB=TOPK_TILE, num_warps=8)
-    _chunk_write_kernel[grid](s, context_lens, hist, cnt, out, T, K, int(topk), CP=cp, TB=TOPK_TILE, num_warps=8)
+        _chunk_hist_kernel[grid](s, context_lens, hist, T, K, int(topk), LOW=low, TB=tb, num_warps=warps)
+    _chunk_count_kernel[grid](s, context_lens, hist, cnt, T, K, int(topk), CP=cp, TB=tb, num_warps=warps)
+    _chunk_write_kernel[grid](s, context_lens, hist, cnt, out, T, K, int(topk), CP=cp, TB=tb, num_warps=warps)
     return out
 
 

@@ -161,7 +161,7 @@ def test_topk_positions_is_indexer_select():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("chunked", [False, True, 512])
 def test_triton_topk_select_is_topk_positions(chunked):
     """kernels/dsa_indexer.topk_select (and topk_select_chunked) picks dsa.topk_positions' set of
     positions (its order within a row may differ) on the interpreter: exact ties at the threshold
@@ -171,6 +171,9 @@ def test_triton_topk_select_is_topk_positions(chunked):
     from exl3tools.kernels import dsa_indexer
 
     topk_select = dsa_indexer.topk_select_chunked if chunked else dsa_indexer.topk_select
+    if chunked == 512:               # another chunk size (bench/gpu_topk.py sweeps them): 10 chunks a row
+        def topk_select(sc, cx, k):
+            return dsa_indexer.topk_select_chunked(sc, cx, k, tb=512, warps=4)
 
     from exl3tools.runtime.dsa import topk_positions
 
