@@ -45,11 +45,17 @@ TILE = 32          # 64 x 128 fp32 FMA dot at TN 64 spills ~7 KB a thread on sm_
 TOPK_TILE = 2048   # scores per step of topk_select's passes
 TC_TN, TC_TILES = 64, 4   # _scores_tc_kernel: keys per dot, dots per program (256 keys a program)
 # From this table width topk_for_width picks topk_select_chunked: one H200 run (bench/gpu_mla_attention.py,
-# 64 heads, with the scores, 2026-12-02) timed one program a row 31.6 us at 4k and 188.9 at 32k,
-# the chunked kernels 35.3 and 101.1 (batch 32: 322 vs 326 at 4k, 2444 vs 2370 at 32k)
+# 64 heads, with the FMA scores, 2026-12-02) timed one program a row 31.6 us at 4k and 188.9 at 32k,
+# the chunked kernels 35.3 and 101.1; the top-k alone (bench/gpu_topk.py, later that day) 19.0 and
+# 112.6 against 21.9 and 23.1
 CHUNKED_MIN_WIDTH = 8192
 MIN_CP = 64        # topk_select_chunked's per-chunk count slots at least (a fixed compile-time size)
-CHUNK_TILE, CHUNK_WARPS = TOPK_TILE, 8     # topk_select_chunked's chunk and warps a program
+# topk_select_chunked's chunk and warps a program; 4 warps where the grid has CHUNK_WIDE_PROGRAMS
+# programs or more. H200, 2026-12-02 (bench/gpu_topk.py, top-k alone): batch 1 at 4k-202k scores
+# 22-25 us with 8 warps (4: 23-28); batch 32 at 32k 41.3 -> 36.8 us with 4 warps, at 131k 114.8 ->
+# 88.9, at 202k 166.9 -> 126.1; batch 8 at 131k 40.8 -> 36.4. (Chunks of 512-4096 scores measured
+# no better than 2048.) One program a row: 19.0 us at 4k, 112.6 at 32k (hence CHUNKED_MIN_WIDTH).
+CHUNK_TILE, CHUNK_WARPS, CHUNK_WIDE_PROGRAMS = TOPK_TILE, 8, 256
 
 
 if triton is not None:
@@ -327,9 +333,10 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int, 
     B, T = s.shape
     if not (B and K):
         return out
-    tb, warps = tb or CHUNK_TILE, warps or CHUNK_WARPS
+    tb = tb or CHUNK_TILE
     s = s.contiguous()
     chunks = triton.cdiv(T, tb)
+    warps = warps or (4 if B * chunks >= CHUNK_WIDE_PROGRAMS else CHUNK_WARPS)
     # CP is a compile-time size: one value for every table up to MIN_CP chunks (128k scores), so
     # a long prompt's chunks, each over a longer history, do not compile the two kernels afresh
     # at every power of two (~0.5 s a compile, paid inside the first long prompt a server sees)
