@@ -16,9 +16,10 @@ slot, experts addressed through device pointer tables: no host sync, no sorting.
 tile instead of per row (MoE prefill and wide decode batches); 64-row tiles on the shared-memory
 tile kernel (unless EXL3TOOLS_PREFILL_TILES=0), skipping the tiles' padding rows.
 
-Batch-invariant runs (runtime/invariance.py) take the gemv kernel only, with K splits fixed by the
-weight's shape and the partials added as fixed-point int64 (``had_out_i64``): each row's result is
-then the same whatever else the launch holds; more than 64 rows run as 64-row slots of it.
+Batch-invariant runs (runtime/invariance.py): K splits fixed by the weight's shape and the partials
+added as fixed-point int64 (``had_out_i64``), on the gemv kernel or (64-row slots and tiles) the
+shared-memory tile kernel, never the fused output pass: each row's result is then the same
+whatever else the launch holds, and the same on either kernel.
 
 The modules are compiled with nvcc per (trellis width, codebook) on first use and cached as
 cubins (``EXL3TOOLS_CUDA_CACHE``, default ~/.cache/exl3tools/cuda); a cached cubin loads without
@@ -302,7 +303,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64), which
     takes ``tile_n`` (int32 valid rows per slot, or None: all). An int64 ``acc`` (``fixed_workspace``,
-    gemv kernel only): batch-invariant sums, K split by the weight's shape alone."""
+    either kernel): batch-invariant sums, K split by the weight's shape alone."""
     fixed = acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64

@@ -122,8 +122,8 @@ class FusedGqaStep:
         T, H = x.shape
         g = mlp.grouped()
         g["lut"] = g["lut"].to(x.device)
-        # batch-invariant runs: the router's GEMM at a fixed shape, one row per (token, expert)
-        # pair (tiles sum a token's experts in another order than residual_rmsnorm)
+        # batch-invariant runs: the router's GEMM at a fixed shape; never _tiles_sum (it sums a
+        # token's experts in another order than residual_rmsnorm), tiles in pair order instead
         logits = invariance.rows_mm(x, mlp.router.t()) if self.invariant else x @ mlp.router.t()
         S = T * mlp.top_k
         tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.invariant
