@@ -153,6 +153,7 @@ __device__ __forceinline__ void red1(float* p, float a) {
 // in, so with the splits fixed by the shape (cuda_exl3.gemv) a row's result depends on the row
 // alone, never on the other rows or slots of the launch (fp32 atomics of 3+ splits round by arrival).
 // Range 2^31, resolution 2^-32: far beyond fp16 outputs at any activation scale the models reach.
+// (A NaN or infinite partial saturates here rather than propagating.)
 #define FIX_SCALE 4294967296.f
 #define FIX_INV 2.3283064365386963e-10f
 __device__ __forceinline__ void red_fixed(unsigned long long* p, float a) {
