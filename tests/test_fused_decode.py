@@ -79,20 +79,20 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
 
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
 def test_batch_invariant_moe_tiles_in_pair_order(name, monkeypatch):
-    """The batch-invariant step's MoE from a few pairs on (forced from 1 here): expert-sorted tiles
-    whose rows go back to pair order (fused_step._pairs_by_tiles), summed by residual_rmsnorm as the
-    slots path's are; the plain cache's logits. (Bit-equality with the slots path needs the CUDA
-    kernels: tests/gpu/test_batch_invariance_gpu.py.)"""
+    """The pair-order tiles (batch-invariant runs; EXL3TOOLS_PAIR_TILES), forced from 1 pair here:
+    expert-sorted tiles whose rows go back to pair order (fused_step._pairs_by_tiles), summed by
+    residual_rmsnorm as the slots path's are; the plain cache's logits. (Bit-equality with the
+    slots path needs the CUDA kernels: tests/gpu/test_batch_invariance_gpu.py.)"""
     _interpret()
     from exl3tools.runtime import fused_step
 
-    monkeypatch.setattr(fused_step, "MOE_TILES_MIN_SLOTS", 1)
+    monkeypatch.setattr(fused_step, "PAIR_TILES_MIN_SLOTS", 1)
     calls = []
     real = fused_step._pairs_by_tiles
     monkeypatch.setattr(fused_step, "_pairs_by_tiles", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     r = _paged(name, "static")
-    r.paged.decoder._fused.invariant = True
+    r.paged.decoder._fused.pair_tiles = True
     ref, got = schedule(Reference(_model(name))), schedule(r)
     assert calls
     for s, (x, y) in enumerate(zip(got, ref, strict=True)):

@@ -44,6 +44,10 @@ from exl3tools.runtime.layers import (
 )
 
 
+# pairs from which the pair-order tiles run (self.pair_tiles: batch-invariant runs, EXL3TOOLS_PAIR_TILES)
+PAIR_TILES_MIN_SLOTS = int(os.environ.get("EXL3TOOLS_PAIR_TILES_MIN", "64"))
+
+
 def resolve(fused: bool | None, device: torch.device) -> bool:
     """Whether the decode step of a model on ``device`` runs the fused kernels."""
     if fused is None:
@@ -84,6 +88,8 @@ class FusedGqaStep:
         # the shared expert inside the routed experts' grouped calls ("0": apart; for measurements)
         self.shared_in_group = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
         self.invariant = invariance.on()
+        # MoE rows in expert-sorted tiles, back in pair order (the invariant mode's path; a preview otherwise)
+        self.pair_tiles = self.invariant or preview.switched_on("pair_tiles")
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
         layers = self.model.layers
@@ -126,14 +132,14 @@ class FusedGqaStep:
         # token's experts in another order than residual_rmsnorm), tiles in pair order instead
         logits = invariance.rows_mm(x, mlp.router.t()) if self.invariant else x @ mlp.router.t()
         S = T * mlp.top_k
-        tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.invariant
+        tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.pair_tiles
         merged = None if tiled else self._with_shared(mlp)
         if merged is not None:          # the shared expert as one more pair per token
             r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],
                          len(mlp.experts), shared=True)
             xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
             S = T * (mlp.top_k + 1)
-            if self.invariant and S >= MOE_TILES_MIN_SLOTS:
+            if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS:
                 return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, len(mlp.experts) + 1), r["wk"]
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             act = fk.silu_mul(gu[:S], gu[S:])
@@ -145,7 +151,7 @@ class FusedGqaStep:
             routed = mlp._tiles_sum(x, g, r["loc"], r["w"])
             return (routed if shared is None else routed + shared), None, None
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
-        if self.invariant and S >= MOE_TILES_MIN_SLOTS and "gate_up" in g and hasattr(g["down_proj"], "tiles"):
+        if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS and "gate_up" in g and hasattr(g["down_proj"], "tiles"):
             return shared, _pairs_by_tiles(g, xp, r, S, mlp.top_k, len(mlp.experts)), r["wk"]
         if "gate_up" in g:
             gu = g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])

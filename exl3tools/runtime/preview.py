@@ -27,6 +27,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
+    # the fused decode step's MoE from PAIR_TILES_MIN_SLOTS pairs (fused_step.py): expert-sorted
+    # tiles over the routed experts and the shared one together, their rows put back in pair
+    # order and summed by residual_rmsnorm as one row per pair is (fused_step._pairs_by_tiles,
+    # the batch-invariant mode's path), instead of one row per pair (every pair decoding its
+    # expert's weights, the shared expert's once per token) below MOE_TILES_MIN_SLOTS pairs and
+    # _tiles_sum (shared expert apart) above
+    "pair_tiles": "EXL3TOOLS_PAIR_TILES",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
