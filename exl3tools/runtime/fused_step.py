@@ -43,7 +43,6 @@ from exl3tools.runtime.layers import (
     tile_rows,
 )
 
-
 # pairs from which the pair-order tiles run (self.pair_tiles: batch-invariant runs, EXL3TOOLS_PAIR_TILES)
 PAIR_TILES_MIN_SLOTS = int(os.environ.get("EXL3TOOLS_PAIR_TILES_MIN", "64"))
 
