@@ -233,8 +233,10 @@ def test_fused_moe_layer_matches_forward_static(batch):
     from tests.conftest import fixture_dir
     from tests.gpu.conftest import cuda_backend
 
+    # a fixed cache: sized from free memory, two of its cases on two test workers raced for the GPU
+    # (H200, 2026-12-02: one took 119 GiB, the other's 29.65 GiB pool did not fit)
     r = load_runner(fixture_dir("glm4_moe-3.0bpw-mcg") / "model", device="cuda", backend=cuda_backend(),
-                    max_context=48, decode="static")
+                    max_context=48, decode="static", max_cache_tokens=4096)
     model = r.model
     step = FusedGqaStep(model, r.paged.pool)
     moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
