@@ -48,8 +48,8 @@ writes every raw number (rewritten after each phase, so a killed run keeps what 
 Exit status: 0; 1 when a server died or a phase failed (its log's tail is printed; the other configs
 still run); 2 on bad usage; 130 on SIGINT/SIGTERM (after stopping the server and printing the tables).
 CPU smoke test: tests/test_bench_gpu_serve.py (``--device cpu`` on ``synth_checkpoint.py --small``).
-Beside this file: the phases and stream figures (serve_measure.py), the exllamav3 side
-(serve_exllamav3.py), the tables (serve_report.py).
+Beside this file: the phases and stream figures (serve_measure.py), the seeded phase
+(serve_seeded.py), the exllamav3 side (serve_exllamav3.py), the tables (serve_report.py).
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ from bench_serve import free_port  # noqa: E402
 from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
-from serve_measure import SEEDS, BenchError, Stream, check_streams, make_prompts, measure  # noqa: E402
+from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
 from serve_report import burst_line, burst_schedule, ctx_cases, summarize, tables  # noqa: E402
+from serve_seeded import seeded_check, seeded_line  # noqa: E402
 
 DEFAULT_CONFIG = "ml32k:--max-context 32768"
 RESERVED_ARGS = ("--port", "--host", "--device")
@@ -430,30 +431,6 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         except Exception:  # noqa: BLE001
             pass
         loop.close()
-
-
-async def seeded_check(client, model: str, n: int, vocab: int, tokens: int) -> dict:
-    """Issue 13's "the same seed gives the same text alone and among N streams": one sampled request
-    (temperature 0.9, top-p 0.95, seed 1234) alone, then the same request among n - 1 others
-    with other seeds and prompts, sent together; the token ids of the two answers compared."""
-    async def one(prompt: list[int], seed: int) -> list[int]:
-        r = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0.9,
-                                            top_p=0.95, seed=seed, logprobs=0,
-                                            extra_body={"ignore_eos": True, "return_token_ids": True})
-        c = r.choices[0]
-        ids = getattr(c, "token_ids", None)
-        return list(ids) if ids is not None else list(c.logprobs.tokens)
-    prompts = make_prompts(n, 32, vocab, SEEDS["seeded"])
-    alone = await one(prompts[0], 1234)
-    crowd = await asyncio.gather(*[one(p, 1234 if i == 0 else i) for i, p in enumerate(prompts)])
-    first = next((i for i, (x, y) in enumerate(zip(alone, crowd[0], strict=False)) if x != y), None)
-    return {"streams": n, "tokens": len(alone), "same": alone == crowd[0], "first_difference": first}
-
-
-def seeded_line(r: dict) -> str:
-    if r["same"]:
-        return f"the same {r['tokens']} tokens alone and among {r['streams']} streams"
-    return f"differs among {r['streams']} streams from token {r['first_difference']} of {r['tokens']}"
 
 
 def burst_steps(srv: Server, t0: float) -> list[dict] | None:
