@@ -124,7 +124,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             raise UsageError("--batch-invariant needs --device cuda, --tp 1 and the fixed-shape decode step "
                              "(not --no-cuda-graphs)")
         os.environ[invariance.VARIABLE] = "1"      # read where the kernels and the runner are built
-        max_prefill_tokens = invariance.cap_prefill_tokens(max_prefill_tokens, max_batch)
+        max_prefill_tokens = invariance.prefill_tokens(max_prefill_tokens, max_batch)   # for the preflight too
     if max_cache_tokens is None:  # refuse in one line before reading a weight (docs/plan.md)
         preflight_plan(path, device=device, tp=tp, moe=moe, util=gpu_memory_utilization, block_size=int(block_size),
                        kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens,

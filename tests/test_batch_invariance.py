@@ -25,10 +25,18 @@ def test_rows_mm_equals_the_product_and_each_row_is_its_own():
     assert invariance.rows_mm(x[:0], w).shape == (0, 40)
 
 
-def test_prefill_cap_keeps_every_step_in_the_prompt_buckets():
+def test_prefill_cap_keeps_every_step_in_the_prompt_buckets(monkeypatch):
     assert invariance.cap_prefill_tokens(2048, 32) == invariance.PROMPT_ROWS - 32
     assert invariance.cap_prefill_tokens(100, 32) == 100
     assert invariance.cap_prefill_tokens(2048, 1000) == 1
+    pytest.importorskip("fastapi")
+    from exl3tools.server.app import ServeConfig, prefill_tokens
+
+    cfg = ServeConfig(max_prefill_tokens=2048, max_batch=32)
+    monkeypatch.delenv(invariance.VARIABLE, raising=False)
+    assert prefill_tokens(cfg) == 2048                     # the engine's and the runner's budget as given
+    monkeypatch.setenv(invariance.VARIABLE, "1")
+    assert prefill_tokens(cfg) == invariance.PROMPT_ROWS - 32   # capped for both in the mode
 
 
 @pytest.mark.parametrize("table_tokens", [16, 1000, 4096, 32768, 131072, 202752])

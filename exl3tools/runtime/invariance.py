@@ -40,6 +40,12 @@ def cap_prefill_tokens(max_prefill_tokens: int, max_num_seqs: int) -> int:
     return max(1, min(int(max_prefill_tokens), PROMPT_ROWS - int(max_num_seqs)))
 
 
+def prefill_tokens(max_prefill_tokens: int, max_num_seqs: int) -> int:
+    """A server's prompt-token budget a step: capped in this mode (``cap_prefill_tokens``), as given
+    otherwise. The engine and the runner both take it (server/app.py), so their steps agree."""
+    return cap_prefill_tokens(max_prefill_tokens, max_num_seqs) if on() else int(max_prefill_tokens)
+
+
 def rows_mm(x, w, bias=None):
     """``x @ w (+ bias)`` for (rows, k) x, each row through the same (CHUNK, k) x (k, n) GEMM
     whatever the rows: a GEMM library picks its kernel (and so its summation order) by shape, and a

@@ -99,13 +99,21 @@ def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
         decode = {None: None, True: "graphs", False: "eager", "force": "static"}[cfg.cuda_graphs]
         kwargs.update(decode=decode, max_num_seqs=cfg.max_batch, block_size=cfg.block_size,
                       kv_dtype=cfg.kv_cache_dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      prefix_caching=cfg.prefix_caching, max_num_batched_tokens=cfg.max_prefill_tokens)
+                      prefix_caching=cfg.prefix_caching, max_num_batched_tokens=prefill_tokens(cfg))
         if cfg.speculative_tokens:
             kwargs["speculative_tokens"] = cfg.speculative_tokens
         if cfg.device == "cpu":
             _cpu_threads(cfg.cpu_threads)
         return load_runner(local_path(cfg.model_path, cfg.tp, cfg.moe), **kwargs)
     return load
+
+
+def prefill_tokens(cfg: ServeConfig) -> int:
+    """The prompt tokens a step may take, for the engine and the runner alike (batch-invariant runs
+    cap it so that every step fits the fixed-shape step: runtime/invariance.py)."""
+    from exl3tools.runtime import invariance
+
+    return invariance.prefill_tokens(cfg.max_prefill_tokens, cfg.max_batch)
 
 
 def local_path(spec: str, tp: int = 1, moe: str = "tp") -> str:
@@ -157,7 +165,7 @@ class Server:
         self.cfg = cfg
         self.metrics = Metrics(cfg.served_model_name or _path_name(cfg.model_path))
         self.engine = Engine(load, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
-                             max_prefill_tokens=cfg.max_prefill_tokens, metrics=self.metrics,
+                             max_prefill_tokens=prefill_tokens(cfg), metrics=self.metrics,
                              prefill_wait_s=cfg.prefill_wait_s, **hooks)
         self.metrics.bind(self.engine)
         self._template: ChatTemplate | None = None
