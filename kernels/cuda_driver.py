@@ -1,0 +1,136 @@
+"""The CUDA driver API through ctypes, for kernels/cuda_exl3.py: cubins loaded as modules and their
+kernels launched on torch's current stream (so CUDA graphs capture them), with programmatic
+dependent launch where asked. No build step, no torch extension."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+
+class _LaunchAttr(ctypes.Structure):
+    """CUlaunchAttribute: id, padding, a 64-byte value union (cuda.h; 72 bytes)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h; 56 bytes)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+PDL_ATTR = 6                 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _Driver:
+    """The few CUDA driver entry points we need, through ctypes."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_void_p
+        self.lib.cuLaunchKernel.argtypes = [v, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                            ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, v,
+                                            ctypes.POINTER(v), ctypes.POINTER(v)]
+        self.lib.cuModuleLoadData.argtypes = [ctypes.POINTER(v), ctypes.c_char_p]
+        self.lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(v), v, ctypes.c_char_p]
+        self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(v)]
+        self.lib.cuCtxSetCurrent.argtypes = [v]
+        self.lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), v, ctypes.POINTER(v), ctypes.POINTER(v)]
+        self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), v,
+                                                                         ctypes.c_int, ctypes.c_size_t]
+        self.pdl = _LaunchAttr(id=PDL_ATTR)
+        self.pdl.value[0] = 1
+
+    def check(self, res: int, what: str) -> None:
+        if res != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(res, ctypes.byref(msg))
+            raise RuntimeError(f"{what}: CUDA error {res} ({(msg.value or b'?').decode()})")
+
+    def current_ctx(self) -> ctypes.c_void_p:
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx
+
+
+_driver: _Driver | None = None
+
+
+def driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+class Module:
+    """One loaded cubin on one device: kernels by name, launched on torch's current stream."""
+
+    def __init__(self, path: Path, device: torch.device):
+        d = driver()
+        with torch.cuda.device(device):
+            torch.zeros(1, device=device)          # make torch's (primary) context current here
+            self.ctx = d.current_ctx()
+            self.mod = ctypes.c_void_p()
+            d.check(d.lib.cuModuleLoadData(ctypes.byref(self.mod), path.read_bytes()), f"load {path.name}")
+        self.device = device
+        self.fns: dict[str, ctypes.c_void_p] = {}
+        self.occupancy: dict[tuple, int] = {}
+
+    def fn(self, name: str) -> ctypes.c_void_p:
+        f = self.fns.get(name)
+        if f is None:
+            f = ctypes.c_void_p()
+            driver().check(driver().lib.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+            self.fns[name] = f
+        return f
+
+    def blocks_per_sm(self, name: str, block: int) -> int:
+        """Resident blocks of ``name`` per SM (registers decide): sizes one-wave grids."""
+        key = (name, block)
+        n = self.occupancy.get(key)
+        if n is None:
+            c = ctypes.c_int()
+            d = driver()
+            d.check(d.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(c), self.fn(name), block, 0),
+                    f"occupancy {name}")
+            n = self.occupancy[key] = max(1, c.value)
+        return n
+
+    def launch(self, name: str, grid, block: int, *args, pdl: bool = False) -> None:
+        """args: tensors (or None for NULL) become pointers, Python ints become int32. ``pdl``:
+        programmatic dependent launch (the kernel starts early and griddepcontrol.wait's)."""
+        vals = []
+        for a in args:
+            if a is None:
+                vals.append(ctypes.c_uint64(0))
+            elif isinstance(a, torch.Tensor):
+                vals.append(ctypes.c_uint64(a.data_ptr()))
+            else:
+                vals.append(ctypes.c_int32(int(a)))
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        gx, gy = (grid, 1) if isinstance(grid, int) else grid
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        d = driver()
+        fn = self.fn(name)
+
+        def go():
+            if not pdl:
+                return d.lib.cuLaunchKernel(fn, gx, gy, 1, block, 1, 1, 0, stream, params, None)
+            cfg = _LaunchConfig(grid=(gx, gy, 1), block=(block, 1, 1), smem=0, stream=stream,
+                                attrs=ctypes.pointer(d.pdl), n_attrs=1)
+            return d.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None)
+
+        # the module lives in its device's primary context; a thread may have another (or none)
+        # current (several GPUs in one process, a fresh server thread): switch for the launch only
+        cur = d.current_ctx()
+        switch = cur.value != self.ctx.value
+        if switch:
+            d.check(d.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        try:
+            d.check(go(), name)
+        finally:
+            if switch:
+                d.lib.cuCtxSetCurrent(cur)
