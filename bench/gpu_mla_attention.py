@@ -106,12 +106,14 @@ SWEEP_KINDS = {"fp32": ("fp32", "ieee", False), "tf32x3": ("fp32", "tf32x3", Fal
                "fp16": ("fp16", "ieee", False), "fp16_dsa": ("fp16", "ieee", True)}
 
 
-def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None) -> list[dict]:
+def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None,
+          tiles: list[tuple[int, int, int]] | None = None) -> list[dict]:
     """Tile configurations at one shape (µs; a failing compile is reported): fp32 planes in both
     precisions, and fp16 planes (serve's default for MLA on CUDA: tensor-core dots), dense and with
     a 2048-key DSA selection. fp16 candidates that compile for sm_90 without spills
-    (bench/triton_sm90_check.py's ptxas): HB 16 x TN 16/32/64 and HB 32 x TN 16/32 at 8 warps; HB 64
-    spills everywhere."""
+    (bench/triton_sm90_check.py's ptxas): HB 16 x TN 16/32/64, HB 32 x TN 16/32/64 and, with the
+    queries in as fp16 (mla_attention.Q16_MIN_HB: wgmma, the query in shared memory), HB 64 x TN
+    16/32 at 8 warps. ``tiles``: only these (HB, TN, warps)."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -123,9 +125,10 @@ def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None) -> li
              if kinds_wanted is None or name in kinds_wanted]
     for planes, prec, s in kinds:
         c, k = (ckv16, kpe16) if planes == "fp16" else (ckv, kpe)
-        for hb in ((16, 32) if planes == "fp16" else (16, 32, 64)):   # fp16: HB 64 spills
-            for tn in (16, 32, 64):
-                for warps in (4, 8):
+        grid = tiles or [(hb, tn, warps) for hb in (16, 32, 64) for tn in (16, 32, 64) for warps in (4, 8)]
+        if True:
+            for hb, tn, warps in grid:
+                if True:
                     kw = dict(precision=prec, head_block=hb, tile_n=tn, num_warps=warps, out=out, sel=s)
                     r = {"H": H, "B": B, "ctx": ctx, "planes": planes, "precision": prec, "dsa": s is not None,
                          "HB": hb, "TN": tn, "warps": warps}
@@ -154,11 +157,13 @@ def main() -> int:
     ap.add_argument("--sweep-kinds", default=",".join(SWEEP_KINDS), help="which planes the sweep times: "
                     + ", ".join(SWEEP_KINDS) + " (fp16: serve's default planes on CUDA)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep alone, not the table")
+    ap.add_argument("--sweep-tiles", default=None, metavar="HB,TN,W[;...]", help="the sweep's tiles (default: all)")
     a = ap.parse_args()
     swept = []
     for shape in (a.sweep or "").split(";"):   # several shapes: "128,1,32768;64,1,32768"
         if shape:
-            swept += sweep(*(int(v) for v in shape.split(",")), kinds_wanted=a.sweep_kinds.split(","))
+            tiles = [tuple(int(v) for v in t.split(",")) for t in a.sweep_tiles.split(";")] if a.sweep_tiles else None
+            swept += sweep(*(int(v) for v in shape.split(",")), kinds_wanted=a.sweep_kinds.split(","), tiles=tiles)
     if a.sweep_only:
         if a.json:
             with open(a.json, "w") as fh:

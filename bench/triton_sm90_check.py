@@ -106,7 +106,8 @@ def mla() -> None:
                                       precision=prec)
         if H >= 32:      # fp16 planes at other tiles: DSA prompt rows (attend_selected: 32 x 32) and the
             # EXL3TOOLS_MLA_TILE candidates bench/gpu_mla_attention.py --sweep times
-            for hb, tn in ((32, 64), (32, 32), (32, 16), (16, 32), (16, 64)):
+            # 64-head blocks take fp16 queries (mla_attention.Q16_MIN_HB): no spills at TN 16 / 32
+            for hb, tn in ((32, 64), (32, 32), (32, 16), (16, 32), (16, 64)) + (((64, 16), (64, 32)) if H >= 64 else ()):
                 for splits in (1, 8):
                     for K in (None, 2048):
                         ma.mla_decode(torch.zeros(B, H, C), torch.zeros(B, H, R),

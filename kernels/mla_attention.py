@@ -49,6 +49,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
+Q16_MIN_HB = 64          # fp16 planes from this head block: the queries go in as fp16 (mla_decode)
 PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype (dsa_indexer's too)
 
 
@@ -193,8 +194,8 @@ def _check(q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel):
     if q_lat.dim() != 3 or q_pe.dim() != 3 or q_lat.shape[:2] != q_pe.shape[:2]:
         raise ValueError(f"q_lat (B, H, C) and q_pe (B, H, R) disagree: {tuple(q_lat.shape)} {tuple(q_pe.shape)}")
     for name, t in (("q_lat", q_lat), ("q_pe", q_pe)):
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {t.dtype}")
+        if t.dtype != torch.float32 and not (t.dtype == torch.float16 == ckv.dtype):
+            raise ValueError(f"{name} must be float32 (or float16 with fp16 planes), got {t.dtype}")
     if ckv.dtype not in PLANE_DTYPES or kpe.dtype != ckv.dtype:
         raise ValueError(f"ckv and kpe must share one of float32, float16, bfloat16, got {ckv.dtype} and {kpe.dtype}")
     if not (q_lat.is_contiguous() and q_pe.is_contiguous()):
@@ -270,7 +271,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
                precision: str | None = None, head_block: int | None = None, tile_n: int | None = None,
                num_warps: int | None = None, split_dots: bool = False) -> torch.Tensor:
     """Paged MLA decode (module doc): (B, H, C) float32 ``o_lat``, into ``out`` when given. No host
-    sync: capturable in a CUDA graph, replayable with new tables / lengths / selections.
+    sync: capturable in a CUDA graph, replayable with new tables / lengths / selections. On fp16
+    planes the queries may be float16 (the kernel rounds float32 ones to fp16 alike).
     ``split_dots``: on fp16 planes, the rope keys' dot into its own accumulator instead of chained
     through the latent's (Triton has miscompiled two dots chained through one accumulator on other
     targets, triton-lang/triton#10821; tests/gpu/test_mla_attention.py probes both)."""
@@ -287,6 +289,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         prec = "ieee"
     hb, tn, warps = TILE or default_config(H, prec, ckv.dtype)
     hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
+    if ckv.dtype == torch.float16 and hb >= Q16_MIN_HB:
+        # fp16 queries in memory: Triton keeps a loaded fp16 dot operand in shared memory, where a
+        # converted fp32 one stays in registers beside the (HB, C) accumulator (at 64 heads both
+        # held 128 registers a thread and spilled). The kernel rounds them so either way.
+        q_lat, q_pe = q_lat.to(torch.float16), q_pe.to(torch.float16)
     hchunks = math.ceil(H / hb)
     entries = sel.shape[1] if sel is not None else block_tables.shape[1] * ckv.shape[1]
     index = q_lat.device.index if q_lat.device.index is not None else (

@@ -149,15 +149,17 @@ def test_mla_decode_reads_16_bit_planes(dev, case, dtype):
 
 
 @pytest.mark.parametrize("dsa", [True, False], ids=["dsa", "dense"])
-@pytest.mark.parametrize("config", [(32, 32, 8), (16, 16, 8), (32, 64, 8), (32, 32, 4)])
+@pytest.mark.parametrize("config", [(32, 32, 8), (16, 16, 8), (32, 64, 8), (32, 32, 4), (64, 16, 8), (64, 32, 8),
+                                    (64, 64, 8)])
 def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config, dsa):
     """Other (heads, keys, warps) per program than the default, as MLAttention.attend_selected runs
     DSA prompt rows (32 x 32 x 8 on fp16 planes) and EXL3TOOLS_MLA_TILE picks them, against the
-    float64 oracle: a DSA case and a dense one (several splits) with two head chunks."""
+    float64 oracle: a DSA case and a dense one (several splits) with two head chunks. 64-head
+    blocks take the queries as fp16 (mla_attention.Q16_MIN_HB)."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     B, H, C, R, bs, kind, K, _, _ = CASES[-2] if dsa else CASES[1]
-    H = max(H, 40)                                 # two chunks of 32 heads, the second partial
+    H = max(H, config[0] + 8)                      # two chunks of HB heads, the second partial
     t, lens = _case(B, H, C, R, bs, kind, K, dev)
     t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
     scale = (C // 4 + R) ** -0.5
@@ -169,7 +171,8 @@ def test_mla_decode_head_and_key_tiles_on_fp16_planes(dev, config, dsa):
 
 @pytest.mark.parametrize("split_dots", [False, True], ids=["chained", "split"])
 @pytest.mark.parametrize("H", [2, 64] if FULL else [2])
-@pytest.mark.parametrize("config", [(16, 16, 8), (16, 64, 8), (32, 64, 8), (32, 32, 4)] if FULL else [(16, 16, 8), (16, 64, 8)])
+@pytest.mark.parametrize("config", [(16, 16, 8), (16, 64, 8), (32, 64, 8), (32, 32, 4), (64, 32, 8)] if FULL
+                         else [(16, 16, 8), (16, 64, 8), (64, 16, 8)])
 def test_mla_decode_rows_of_one_sequence(dev, config, H, split_dots):
     """The rows of one sequence's prompt in a decode graph (row steps, prompt graphs): 20 rows
     sharing one block-table row of a 4096-token-wide table, row i seeing i + 1 keys, 4 padding rows
