@@ -34,12 +34,16 @@ BATCHES = [1, 8, 32]
 TOPK = 2048
 
 
-def make_case(B: int, H: int, ctx: int, gen: torch.Generator):
+def make_case(B: int, H: int, ctx: int, gen: torch.Generator, table: int = 0):
+    """``table``: block-table tokens when wider than ctx (serve's tables span --max-model-len; the
+    columns past ctx point at block 0 and are never read)."""
     nblk = ctx // BS
     nb = B * nblk + 1
     ckv = torch.empty(nb, BS, C, device="cuda").normal_(generator=gen)
     kpe = torch.empty(nb, BS, R, device="cuda").normal_(generator=gen)
     tables = torch.randperm(nb - 1, device="cuda", generator=gen).to(torch.int32).view(B, nblk).contiguous()
+    if table > ctx:
+        tables = torch.cat([tables, tables.new_zeros(B, table // BS - nblk)], 1).contiguous()
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     q_lat = torch.randn(B, H, C, device="cuda", generator=gen) * 0.05
     q_pe = torch.randn(B, H, R, device="cuda", generator=gen) * 0.05
@@ -106,18 +110,18 @@ SWEEP_KINDS = {"fp32": ("fp32", "ieee", False), "tf32x3": ("fp32", "tf32x3", Fal
                "fp16": ("fp16", "ieee", False), "fp16_dsa": ("fp16", "ieee", True)}
 
 
-def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None,
-          tiles: list[tuple[int, int, int]] | None = None) -> list[dict]:
+def sweep(H: int, B: int, ctx: int, table: int = 0, kinds_wanted: list[str] | None = None,
+          tiles: list[tuple[int, ...]] | None = None) -> list[dict]:
     """Tile configurations at one shape (µs; a failing compile is reported): fp32 planes in both
     precisions, and fp16 planes (serve's default for MLA on CUDA: tensor-core dots), dense and with
     a 2048-key DSA selection. fp16 candidates that compile for sm_90 without spills
     (bench/triton_sm90_check.py's ptxas): HB 16 x TN 16/32/64, HB 32 x TN 16/32/64 and, with the
     queries in as fp16 (mla_attention.Q16_MIN_HB: wgmma, the query in shared memory), HB 64 x TN
-    16/32 at 8 warps. ``tiles``: only these (HB, TN, warps)."""
+    16/32 at 8 warps. ``tiles``: only these (HB, TN, warps[, min_split_tiles]); 0,0,0 the default."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     gen = torch.Generator("cuda").manual_seed(0)
-    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, gen)
+    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, gen, table)
     ckv16, kpe16 = ckv.half(), kpe.half()
     out = torch.empty_like(q_lat)
     rows = []
@@ -126,18 +130,18 @@ def sweep(H: int, B: int, ctx: int, kinds_wanted: list[str] | None = None,
     for planes, prec, s in kinds:
         c, k = (ckv16, kpe16) if planes == "fp16" else (ckv, kpe)
         grid = tiles or [(hb, tn, warps) for hb in (16, 32, 64) for tn in (16, 32, 64) for warps in (4, 8)]
-        if True:
-            for hb, tn, warps in grid:
-                if True:
-                    kw = dict(precision=prec, head_block=hb, tile_n=tn, num_warps=warps, out=out, sel=s)
-                    r = {"H": H, "B": B, "ctx": ctx, "planes": planes, "precision": prec, "dsa": s is not None,
-                         "HB": hb, "TN": tn, "warps": warps}
-                    try:
-                        r["us"] = bench_graph(lambda kw=kw, c=c, k=k: mla_decode(q_lat, q_pe, c, k, tables, lens, 0.07, **kw))
-                    except Exception as exc:  # noqa: BLE001 - out of registers / shared memory
-                        r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
-                    print(json.dumps(r), flush=True)
-                    rows.append(r)
+        for hb, tn, warps, *mst in grid:
+            # 0,0,0: mla_decode's own choice (default_config) at this shape
+            kw = dict(precision=prec, head_block=hb or None, tile_n=tn or None, num_warps=warps or None, out=out, sel=s,
+                      min_split_tiles=mst[0] if mst else None)
+            r = {"H": H, "B": B, "ctx": ctx, "table": max(table, ctx), "planes": planes, "precision": prec, "dsa": s is not None,
+                 "HB": hb, "TN": tn, "warps": warps, "min_split_tiles": mst[0] if mst else None}
+            try:
+                r["us"] = bench_graph(lambda kw=kw, c=c, k=k: mla_decode(q_lat, q_pe, c, k, tables, lens, 0.07, **kw))
+            except Exception as exc:  # noqa: BLE001 - out of registers / shared memory
+                r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:120]
+            print(json.dumps(r), flush=True)
+            rows.append(r)
     ok = [r for r in rows if "us" in r]
     for planes, prec, s in kinds:
         best = min((r for r in ok if (r["planes"], r["precision"], r["dsa"]) == (planes, prec, s is not None)),
@@ -152,12 +156,13 @@ def main() -> int:
     ap.add_argument("--heads", default="64,128", help="absorbed heads per row (GLM-5 64, DeepSeek-V3 128)")
     ap.add_argument("--max-ref-gb", type=float, default=8.0, help="skip the torch reference above this")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sweep", default=None, metavar="H,B,CTX",
+    ap.add_argument("--sweep", default=None, metavar="H,B,CTX[,TABLE]",
                     help="also time head block / tile / warps variants at this shape (e.g. 64,8,16384)")
     ap.add_argument("--sweep-kinds", default=",".join(SWEEP_KINDS), help="which planes the sweep times: "
                     + ", ".join(SWEEP_KINDS) + " (fp16: serve's default planes on CUDA)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep alone, not the table")
-    ap.add_argument("--sweep-tiles", default=None, metavar="HB,TN,W[;...]", help="the sweep's tiles (default: all)")
+    ap.add_argument("--sweep-tiles", default=None, metavar="HB,TN,W[,MIN_SPLIT_TILES][;...]",
+                    help="the sweep's tiles (default: all)")
     a = ap.parse_args()
     swept = []
     for shape in (a.sweep or "").split(";"):   # several shapes: "128,1,32768;64,1,32768"

@@ -50,6 +50,19 @@ MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
 Q16_MIN_HB = 64          # fp16 planes from this head block: the queries go in as fp16 (mla_decode)
+WIDE_HEAD_PROGRAMS = 0.7  # default_config: 64-head blocks from this many programs per SM
+
+
+def _min_split_tiles(value: str | None) -> int:
+    """EXL3TOOLS_MLA_MIN_SPLIT_TILES: tiles a split takes at least (mla_decode's min_split_tiles)."""
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"EXL3TOOLS_MLA_MIN_SPLIT_TILES={value!r}: expected a whole number >= 1")
+    return int(value)
+
+
+MIN_SPLIT_TILES = _min_split_tiles(os.environ.get("EXL3TOOLS_MLA_MIN_SPLIT_TILES"))
 PLANE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)   # the pool's dtype (dsa_indexer's too)
 
 
@@ -75,7 +88,7 @@ TILE = tile_override(os.environ.get("EXL3TOOLS_MLA_TILE"))
 if triton is not None:
     @triton.jit
     def _mla_split_kernel(ql_ptr, qp_ptr, ckv_ptr, kpe_ptr, bt_ptr, len_ptr, sel_ptr, out_ptr, po_ptr, plse_ptr,
-                          qk_scale, num_splits, H, C, R, K,
+                          qk_scale, num_splits, min_tps, H, C, R, K,
                           s_cb, s_ct, s_pb, s_pt, s_bt, s_sel,
                           CP: tl.constexpr, RP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
                           TN: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
@@ -89,7 +102,7 @@ if triton is not None:
         else:
             n = L
         ntiles = tl.cdiv(n, TN)
-        tps = tl.maximum(tl.cdiv(ntiles, num_splits), 1)
+        tps = tl.maximum(tl.cdiv(ntiles, num_splits), min_tps)   # short contexts: fewer, longer splits
         t0 = sp * tps
         t1 = tl.minimum(t0 + tps, ntiles)
 
@@ -158,7 +171,8 @@ if triton is not None:
             tl.store(out_ptr + row[:, None] * C + c[None, :], o, mask=omask)
         else:
             prow = row * num_splits + sp
-            tl.store(po_ptr + prow[:, None] * C + c[None, :], o, mask=omask)
+            if t1 > t0:   # an empty split writes its lse (-inf) alone: the merge never reads its o
+                tl.store(po_ptr + prow[:, None] * C + c[None, :], o, mask=omask)
             lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(plse_ptr + prow, lse, mask=hmask)
 
@@ -178,8 +192,8 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_safe)
             w = tl.exp2(lse - m_safe)
-            o = tl.load(po_ptr + (row * num_splits + s)[:, None] * C + c[None, :],
-                        mask=smask[:, None] & cmask[None, :], other=0.0)
+            o = tl.load(po_ptr + (row * num_splits + s)[:, None] * C + c[None, :],    # not the empty splits'
+                        mask=(smask & (lse > float("-inf")))[:, None] & cmask[None, :], other=0.0)
             acc = acc * alpha + tl.sum(w[:, None] * o, 0)
             den = den * alpha + tl.sum(w, 0)
             m = m_new
@@ -227,7 +241,8 @@ def _new_out(q_lat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def default_config(H: int, precision: str, planes: torch.dtype = torch.float32) -> tuple[int, int, int]:
+def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, *, B: int | None = None,
+                   entries: int | None = None, sms: int | None = None) -> tuple[int, int, int]:
     """(HB heads per program, TN entries per tile, num_warps). fp32 FMA dots: small tiles keep the
     (HB, C) accumulator, the query and the latent tile in registers. tf32x3 keeps 16 heads too:
     sm_90 builds of HB 64 x TN 32 need 488 KiB of shared memory (limit 227 KiB) and, with a
@@ -240,8 +255,17 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32) 
     stream at a 30000-token context at 298 tok/s against 251. EXL3TOOLS_MLA_WIDE_TILES=0 keeps
     16 x 16 x 8 (runtime/preview.py OPT_OUTS). fp32 planes (and bf16, widened to fp32 as they
     load) keep the small tiles: at 32 x 64 their tf32x3 dots need 288 KiB of shared memory (sm_90
-    has 227; H200, 2026-12-02)."""
+    has 227; H200, 2026-12-02).
+
+    64 heads x 64 keys (fp16 queries: wgmma, Q16_MIN_HB) where that still makes enough programs
+    (B x head blocks x splits >= WIDE_HEAD_PROGRAMS x the SMs; B, entries and sms given). H200,
+    2026-12-02 night, µs against 32 x 64 x 8: 128 heads batch 1 at 32k 75 vs 101, 4k 32 vs 34;
+    batch 32 at 4k 267 vs 319 (a 2048-key selection 160 vs 208); 64 heads batch 32 at 4k 141 vs
+    202 (selection 96 vs 130); but 64 heads at batch 1 (64 programs) 74 vs 59, a selection 27 vs 20."""
     if planes == torch.float16 and _wide_tiles():
+        if H >= 64 and B and entries and sms and \
+                B * math.ceil(H / 64) * min(MAX_SPLITS, math.ceil(entries / 64)) >= WIDE_HEAD_PROGRAMS * sms:
+            return 64, 64, 8
         return (32 if H > 16 else 16), 64, 8
     if precision == "ieee":
         return 16, 16, 8
@@ -269,10 +293,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                sel: torch.Tensor | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
                precision: str | None = None, head_block: int | None = None, tile_n: int | None = None,
-               num_warps: int | None = None, split_dots: bool = False) -> torch.Tensor:
+               num_warps: int | None = None, split_dots: bool = False,
+               min_split_tiles: int | None = None) -> torch.Tensor:
     """Paged MLA decode (module doc): (B, H, C) float32 ``o_lat``, into ``out`` when given. No host
     sync: capturable in a CUDA graph, replayable with new tables / lengths / selections. On fp16
     planes the queries may be float16 (the kernel rounds float32 ones to fp16 alike).
+    ``min_split_tiles``: a row's splits take at least this many tiles each (MIN_SPLIT_TILES), so a
+    short context fills fewer splits and the merge reads fewer partials.
     ``split_dots``: on fp16 planes, the rope keys' dot into its own accumulator instead of chained
     through the latent's (Triton has miscompiled two dots chained through one accumulator on other
     targets, triton-lang/triton#10821; tests/gpu/test_mla_attention.py probes both)."""
@@ -287,7 +314,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     prec = precision or PRECISION
     if INTERPRET:
         prec = "ieee"
-    hb, tn, warps = TILE or default_config(H, prec, ckv.dtype)
+    entries = sel.shape[1] if sel is not None else block_tables.shape[1] * ckv.shape[1]
+    index = q_lat.device.index if q_lat.device.index is not None else (
+        torch.cuda.current_device() if q_lat.is_cuda else 0)
+    sms = torch.cuda.get_device_properties(index).multi_processor_count if q_lat.is_cuda else None
+    hb, tn, warps = TILE or default_config(H, prec, ckv.dtype, B=B, entries=entries, sms=sms)
     hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
     if ckv.dtype == torch.float16 and hb >= Q16_MIN_HB:
         # fp16 queries in memory: Triton keeps a loaded fp16 dot operand in shared memory, where a
@@ -295,9 +326,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         # held 128 registers a thread and spilled). The kernel rounds them so either way.
         q_lat, q_pe = q_lat.to(torch.float16), q_pe.to(torch.float16)
     hchunks = math.ceil(H / hb)
-    entries = sel.shape[1] if sel is not None else block_tables.shape[1] * ckv.shape[1]
-    index = q_lat.device.index if q_lat.device.index is not None else (
-        torch.cuda.current_device() if q_lat.is_cuda else 0)
     splits = num_splits or default_num_splits(B, hchunks, entries, tn, q_lat.is_cuda, index)
     direct = splits == 1
     if direct:
@@ -308,7 +336,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     s = sel if sel is not None else context_lens
     _mla_split_kernel[(B, hchunks, splits)](
         q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,
-        float(scale) * LOG2E, splits, H, C, R, sel.shape[1] if sel is not None else 0,
+        float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)), H, C, R,
+        sel.shape[1] if sel is not None else 0,
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
         sel.stride(0) if sel is not None else 0,
         CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,

@@ -204,6 +204,41 @@ def test_mla_decode_rows_of_one_sequence(dev, config, H, split_dots):
     assert err < 1e-3, (config, H, split_dots, err)
 
 
+@pytest.mark.parametrize("min_tiles", [1, 2, 5])
+@pytest.mark.parametrize("dsa", [False, True], ids=["dense", "dsa"])
+def test_mla_decode_min_split_tiles(dev, min_tiles, dsa):
+    """Splits of at least ``min_split_tiles`` tiles (short contexts fill fewer splits; the empty
+    ones write no partial and the merge skips them) against the float64 oracle, ragged lengths
+    with an empty row, more splits than any row needs."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    B, H, C, R, bs, kind, K, _, _ = CASES[-2] if dsa else CASES[1]
+    t, lens = _case(B, H, C, R, bs, kind, K, dev)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (C // 4 + R) ** -0.5
+    out = torch.full(t["q_lat"].shape, float("nan"), device=dev)
+    got = mla_decode(**t, scale=scale, num_splits=7, tile_n=16, min_split_tiles=min_tiles, out=out)
+    err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
+    assert err < 1e-3, (min_tiles, dsa, err)
+
+
+def test_wide_head_blocks_where_programs_fill_the_gpu(monkeypatch):
+    """64 heads a program (fp16 queries) where B x head blocks x splits reaches
+    WIDE_HEAD_PROGRAMS x the SMs, else 32 (the H200 sweep's crossover); never without B."""
+    from exl3tools.kernels.mla_attention import default_config
+
+    monkeypatch.delenv("EXL3TOOLS_MLA_WIDE_TILES", raising=False)
+    f16 = torch.float16
+    assert default_config(128, "ieee", f16, B=1, entries=32768, sms=132) == (64, 64, 8)   # 2 x 64 programs
+    assert default_config(64, "ieee", f16, B=1, entries=32768, sms=132) == (32, 64, 8)    # 64 programs
+    assert default_config(64, "ieee", f16, B=2, entries=32768, sms=132) == (64, 64, 8)
+    assert default_config(128, "ieee", f16, B=1, entries=2048, sms=132) == (32, 64, 8)    # a selection: 2 x 32
+    assert default_config(64, "ieee", f16, B=32, entries=2048, sms=132) == (64, 64, 8)
+    assert default_config(128, "ieee", torch.float32, B=32, entries=4096, sms=132) == (16, 16, 8)
+    monkeypatch.setenv("EXL3TOOLS_MLA_WIDE_TILES", "0")
+    assert default_config(128, "ieee", f16, B=32, entries=4096, sms=132) == (16, 16, 8)
+
+
 def test_wide_tiles_on_fp16_planes_unless_opted_out(monkeypatch):
     """fp16 planes take 32 (or, below 32 heads, 16) heads x 64 keys x 8 warps unless
     EXL3TOOLS_MLA_WIDE_TILES=0; fp32 planes always, and the opt-out, the 16 x 16 x 8 tiles."""
