@@ -122,21 +122,6 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
     return ws
 
 
-COUNTERS = 1 << 20           # (slot, 128-column block) counters of the gemv's fused output pass
-_counters: dict[int, torch.Tensor] = {}
-
-
-def counters(device: torch.device) -> torch.Tensor:
-    """COUNTERS zero int32 on ``device``, shared by every gemv with its output pass: the last unit
-    of a block resets its counter, so they are zero between calls (stream order), as the workspace."""
-    c = _counters.get(device.index)
-    if c is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cuda backend: gemv counters must be made before CUDA-graph capture; warm up first")
-        c = _counters[device.index] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return c
-
-
 def fixed_workspace(device: torch.device, numel: int) -> torch.Tensor:
     """``workspace`` as ``numel`` int64 (the fixed-point sums of batch-invariant gemv calls; zero
     bits are zero either way, and had_out_i64 re-zeroes what it reads)."""
@@ -187,31 +172,12 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
     return y
 
 
-def gemv_out_fits(rows: int, slots: int, n: int, y_dtype: torch.dtype) -> bool:
-    """Whether ``gemv(out=...)`` takes this call: at most 8 rows a slot, fp16 / fp32 y, counters
-    for every (slot, 128-column block)."""
-    return rows <= 8 and y_dtype in _SUFFIX and slots * (n // 128) <= COUNTERS
-
-
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
-         slot_exp=None, kernel: str | None = None, tile_n=None, out: tuple | None = None) -> None:
+         slot_exp=None, kernel: str | None = None, tile_n=None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64), which
     takes ``tile_n`` (int32 valid rows per slot, or None: all). An int64 ``acc`` (``fixed_workspace``,
-    either kernel): batch-invariant sums, K split by the weight's shape alone.
-    ``out`` = (y, svh_tab, bias_tab, row_exp or None): the gemv kernel runs had_out's pass itself
-    (``exl3_gemv_out_m8_t2_*``: the last unit of each 128-column block; no had_out launch, acc left
-    zero); only where ``gemv_out_fits`` and acc is the fp32 workspace."""
-    if out is not None:
-        y, svh_tab, bias_tab, row_exp = out
-        if kernel is not None or acc.dtype != torch.float32 or not gemv_out_fits(rows, slots, nt * 16, y.dtype):
-            raise UsageError(f"gemv's output pass takes <= 8 fp32-summed rows a slot, got {rows} ({acc.dtype})")
-        name = f"exl3_gemv_out_m8_t2_{_SUFFIX[y.dtype]}"
-        kps, groups, units = _units(mod, name, xrot.device, kt, nt // 2, slots)
-        arrivals = 4 * (units // groups)          # a block's 4 column groups, each split once
-        mod.launch(name, (-(-units // 4), slots), 128, xrot, tr_tab, slot_exp, acc, rows, kt, nt, kps, groups, units,
-                   y, svh_tab, bias_tab, row_exp, counters(xrot.device), arrivals, pdl=PDL)
-        return
+    either kernel): batch-invariant sums, K split by the weight's shape alone."""
     fixed = acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -340,7 +306,6 @@ class CudaLinear:
 
         self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
         self.invariant = invariance.on()
-        self.gemv_out = preview.switched_on("gemv_epilogue")   # rows <= 8: no had_out launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
 
     @property
@@ -365,10 +330,6 @@ class CudaLinear:
             y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
             return y.to(x.dtype).reshape(*shape[:-1], self.n)
         y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
-        if self.gemv_out and gemv_out_fits(rows, 1, self.n, y.dtype):
-            gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, workspace(self.device, rows * self.n),
-                 out=(y, self.svh_tab, self.bias_tab, None))
-            return y.to(x.dtype).reshape(*shape[:-1], self.n)
         if rows <= SMALL_ROWS:
             acc = workspace(self.device, rows * self.n)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
@@ -424,7 +385,6 @@ class CudaExperts:
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
-        self.gemv_out = preview.switched_on("gemv_epilogue") and not self.invariant   # slots of <= 8 rows
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
@@ -476,13 +436,7 @@ class CudaExperts:
                             self.kt, self.nt, kps, groups, groups, tn, y, self.svh_tab, self.bias_tab, pdl=PDL)
             return y
         acc = (fixed_workspace if self.invariant else workspace)(self.device, N * self.n)
-        slots = tile_exp.shape[0]
-        if self.gemv_out and kernel is None and gemv_out_fits(rows, slots, self.n, out_dtype):
-            y = torch.empty(N, self.n, dtype=out_dtype, device=self.device)
-            gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, slots, acc, slot_exp=texp32,
-                 out=(y, self.svh_tab, self.bias_tab, rexp32))
-            return y
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, slots, acc, slot_exp=texp32,
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
              kernel=kernel, tile_n=tn)
         del xrot
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)

@@ -34,10 +34,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # expert's weights, the shared expert's once per token) below MOE_TILES_MIN_SLOTS pairs and
     # _tiles_sum (shared expert apart) above
     "pair_tiles": "EXL3TOOLS_PAIR_TILES",
-    # linears and expert slots of at most 8 rows: the gemv kernel runs the output pass itself (the
-    # last unit of each 128-column block, counted on a per-block counter: H128, svh, bias) instead
-    # of a had_out launch after it (kernels/csrc gemv_out_block, cuda_exl3.gemv(out=...))
-    "gemv_epilogue": "EXL3TOOLS_GEMV_EPILOGUE",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

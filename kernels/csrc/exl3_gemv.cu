@@ -237,33 +237,17 @@ __device__ __forceinline__ void add_fragments(float* __restrict__ acc, unsigned 
 }
 
 // ------------------------------------------------------------------ skinny GEMM
-// The gemv's own output pass (OUT 1: fp16 y, 2: fp32), defined after the Hadamard helpers.
-template <int OUT>
-__device__ __forceinline__ void gemv_out_block(float* __restrict__ acc, void* __restrict__ y,
-                                               const uint64_t* __restrict__ svh_ptrs,
-                                               const uint64_t* __restrict__ bias_ptrs,
-                                               const int* __restrict__ out_exp, unsigned* __restrict__ cnt,
-                                               int arrivals, int z, int rows, int n, int blk);
-
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
 // trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot). Work unit per warp: NT adjacent n-tiles x a k-range.
 // The MMA runs transposed, D(n16 x rows8) = Ŵᵀ(n16 x k16) · xᵀ(k16 x rows8): the lane's decoded
 // tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
 // activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
 // acc and re-zeroes it.
-//
-// OUT != 0 (rows <= 8 a slot, NT 2): no had_out launch follows. Every unit, with work or not, counts
-// itself on its (slot, 128-column block) counter after its atomics; the last of the block's
-// ``arrivals`` units runs had_out's pass on the block (gemv_out_block) and resets the counter.
-template <int MROWS, int NT, int P, int OUT = 0>
+template <int MROWS, int NT, int P>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc,
                                           unsigned long long* __restrict__ acc64, int rows,
-                                          int kt, int nt, int kps, int n_groups, int n_units,
-                                          void* __restrict__ y = nullptr, const uint64_t* __restrict__ svh_ptrs = nullptr,
-                                          const uint64_t* __restrict__ bias_ptrs = nullptr,
-                                          const int* __restrict__ out_exp = nullptr, unsigned* __restrict__ cnt = nullptr,
-                                          int arrivals = 0) {
+                                          int kt, int nt, int kps, int n_groups, int n_units) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
     pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
     const int lane = threadIdx.x & 31;
@@ -273,14 +257,9 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     const int grp = unit % n_groups, split = unit / n_groups;
     const int i0 = split * kps;
     const int i1 = min(kt, i0 + kps);
-    int e = slot_exp ? slot_exp[z] : 0;
-    // an empty split or an unused tile of a grouped MoE call: no work, acc stays 0 (with OUT the
-    // unit still counts itself below)
-    const bool idle = i0 >= i1 || e < 0;
-    if constexpr (OUT == 0) {
-        if (idle) return;
-    }
-    if (e < 0) e = 0;
+    if (i0 >= i1) return;
+    const int e = slot_exp ? slot_exp[z] : 0;
+    if (e < 0) return;                     // an unused tile of a grouped MoE call: no work, acc stays 0
     const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
     const int g = lane >> 2, t = lane & 3;
     const int k2 = kt * 8;                 // uint32 per activation row
@@ -332,7 +311,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             for (int mb = 0; mb < MB; mb++) mma(c[mb][j], a, xb[p][mb][0], xb[p][mb][1]);
         }
     };
-    const int count = idle ? 0 : i1 - i0;
+    const int count = i1 - i0;
     // the weights do not depend on the previous kernel (had_in): fetch them before waiting on it
 #pragma unroll
     for (int p = 0; p < P; p++) load_w(p, p < count);
@@ -352,9 +331,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P - 1; p++)
         if (p < count - it) step(p);
 
-    if (!idle) add_fragments<MB, NT>(acc, acc64, c, z * rows, rows, n, j0, g, t);
-    if constexpr (OUT != 0)
-        gemv_out_block<OUT>(acc, y, svh_ptrs, bias_ptrs, out_exp, cnt, arrivals, z, rows, n, j0 >> 3);
+    add_fragments<MB, NT>(acc, acc64, c, z * rows, rows, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
@@ -651,49 +628,6 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
     for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
     store4(y + (size_t)o * n + col, v);
 }
-
-// gemv_body's output pass for 128-column block ``blk`` of slot z: this warp's atomics made visible
-// (fence), then one count on the block's counter; the warp that brings it to ``arrivals`` has
-// every split's sums in acc (each adder fenced before counting) and runs had_out_body's pass on
-// the slot's rows (lane L: columns 4L..4L+3, H128 across the warp, 1/sqrt(128), svh, bias),
-// re-zeroing acc through L2 (the atomics live there) and the counter for the next launch.
-template <int OUT>
-__device__ __forceinline__ void gemv_out_block(float* __restrict__ acc, void* __restrict__ y,
-                                               const uint64_t* __restrict__ svh_ptrs,
-                                               const uint64_t* __restrict__ bias_ptrs,
-                                               const int* __restrict__ out_exp, unsigned* __restrict__ cnt,
-                                               int arrivals, int z, int rows, int n, int blk) {
-    const int lane = threadIdx.x & 31;
-    unsigned* ctr = cnt + (size_t)z * (n >> 7) + blk;
-    __threadfence();
-    unsigned prev = 0;
-    if (lane == 0) prev = atomicAdd(ctr, 1u);
-    prev = __shfl_sync(0xffffffffu, prev, 0);
-    if (prev + 1 != (unsigned)arrivals) return;
-    __threadfence();
-    const int col = blk * 128 + 4 * lane;
-    for (int m = 0; m < rows; m++) {
-        const int o = z * rows + m;
-        const int e = out_exp ? out_exp[o] : 0;
-        float4* a = reinterpret_cast<float4*>(acc + (size_t)o * n + col);
-        const float4 a4 = __ldcg(a);
-        __stcg(a, make_float4(0.f, 0.f, 0.f, 0.f));
-        float v[4] = {a4.x, a4.y, a4.z, a4.w};
-        fwht128(v);
-        const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
-        const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
-        float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
-        load4(svh + col, sv);
-        if (bias) load4(bias + col, bv);
-#pragma unroll
-        for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
-        if constexpr (OUT == 1)
-            store4(reinterpret_cast<half*>(y) + (size_t)o * n + col, v);
-        else
-            store4(reinterpret_cast<float*>(y) + (size_t)o * n + col, v);
-    }
-    if (lane == 0) *ctr = 0u;
-}
 #endif  // EXL3_HOST_TEST
 
 }  // namespace
@@ -727,19 +661,6 @@ GEMV(32, 1)
 GEMV(32, 2)
 GEMV(64, 1)
 GEMV(64, 2)
-// GEMV_OUT: the 8-row gemv with its output pass (no had_out launch), y fp16 or fp32
-#ifndef EXL3_HOST_TEST
-#define GEMV_OUT(SUFFIX, OUT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_out_m8_t2_##SUFFIX(                    \
-        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, \
-        int kt, int nt, int kps, int n_groups, int n_units, void* y, const uint64_t* svh_ptrs,        \
-        const uint64_t* bias_ptrs, const int* out_exp, unsigned* cnt, int arrivals) {                 \
-        gemv_body<8, 2, 4, OUT>(xrot, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, n_units, \
-                                y, svh_ptrs, bias_ptrs, out_exp, cnt, arrivals);                      \
-    }
-GEMV_OUT(f16, 1)
-GEMV_OUT(f32, 2)
-#endif
 TILES(32, 2, 4)
 TILES(64, 2, 3)
 TILES(128, 1, 3)

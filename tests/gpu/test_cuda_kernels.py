@@ -262,63 +262,6 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     assert _rel(y, xl.astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b) < 2e-3
 
 
-@pytest.mark.parametrize("out", ["float16", "float32"])
-def test_gemv_with_its_output_pass(cx, out, monkeypatch):
-    """EXL3TOOLS_GEMV_EPILOGUE (preview): at <= 8 rows the gemv kernel runs the output pass itself
-    (the last unit of each 128-column block, counted). Linears of 1-8 rows (one and many splits,
-    bias, fp16 and fp32 activations) and expert slots with skipped tiles (their rows come out as
-    bias) equal the reference and the had_out path within split-K rounding, call after call and
-    in a replayed graph (the counters and the workspace reset themselves)."""
-    import torch
-
-    dt = getattr(torch, out)
-    rng = np.random.default_rng(21)
-    lins = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("EXL3TOOLS_GEMV_EPILOGUE", flag)
-        for k, n in ((4096, 640), (256, 384)):
-            tr, suh, svh, b = lins.get((k, n)) or lins.setdefault((k, n), _lin(rng, k, n, 48, bias=True))
-            lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
-            assert lin.gemv_out == (flag == "1")
-            w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
-            for rows in (1, 3, 8):
-                x = np.random.default_rng(rows).normal(0, 1, (rows, k)).astype(np.float16)
-                xd = torch.from_numpy(x).cuda().to(dt)
-                for _ in range(2):
-                    y = lin(xd)
-                    assert y.dtype == dt
-                    assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, (flag, k, rows)
-    # expert slots, one a skipped tile (-1): bias alone
-    monkeypatch.setenv("EXL3TOOLS_GEMV_EPILOGUE", "1")
-    E, k, n = 4, 512, 256
-    el = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
-    ex = cx.CudaExperts([_tensors(torch, *p) for p in el], "mul1", "cuda")
-    x = rng.normal(0, 1, (3, k)).astype(np.float16)
-    row_exp = torch.tensor([2, 0, 3, 1, 2], device="cuda")
-    tile_exp = torch.tensor([2, 0, -1, 1, 2], device="cuda")
-    src = torch.tensor([0, 1, 2, 0, 2], device="cuda")
-    y = ex.tiles(torch.from_numpy(x).cuda(), src, row_exp, tile_exp, 1, out_dtype=dt).float().cpu().numpy()
-    for s, (t, e, te) in enumerate(zip(src.tolist(), row_exp.tolist(), tile_exp.tolist(), strict=True)):
-        tr, suh, svh, b = el[e]
-        want = b.astype(np.float64) if te < 0 else x[t].astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b
-        assert _rel(y[s], want) < 2e-3, s
-    # a graph replayed with new inputs
-    tr, suh, svh, b = lins[(4096, 640)]
-    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
-    xs = torch.zeros(2, 4096, dtype=dt, device="cuda")
-    lin(xs)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ys = lin(xs)
-    w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
-    for seed in range(3):
-        x = np.random.default_rng(seed).normal(0, 1, (2, 4096)).astype(np.float16)
-        xs.copy_(torch.from_numpy(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert _rel(ys.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, seed
-
-
 def test_graph_replay(cx):
     import torch
 
