@@ -133,18 +133,22 @@ def main() -> int:
         t = make(k, n, K, gen)
         wt = w_true(t, cb)
         fns = {name: make_linear(t, cb, K, "cuda", backend=name) for name in ("cuda", "triton") if name in impls}
+        if "cuda_pro" in impls:        # the gemv's own input pass (EXL3TOOLS_GEMV_PROLOGUE) at <= 8 rows
+            fns["cuda_pro"] = make_linear(t, cb, K, "cuda", backend="cuda")
+            fns["cuda_pro"].gemv_in = True
         if have_exl3:
             fns["exllamav3"] = make_linear(t, cb, K, "cuda", backend="exllamav3")
         w16 = wt.half()
         tbytes = t["trellis"].numel() * 2 + 2 * (k + n)
         rows_list = rows_all if cb == "mul1" else [r for r in rows_all if r <= 8]
         for rows in rows_list:
+            fns_r = {m: f for m, f in fns.items() if m != "cuda_pro" or rows <= 8}
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
             yref = x.float() @ wt
             row = dict(k=k, n=n, K=K, cb=cb, rows=rows,
                        floor_us=(tbytes + 2 * rows * (k + n)) / HBM * 1e6,
                        fp16_floor_us=(2 * k * n + 2 * rows * (k + n)) / HBM * 1e6)
-            for name, fn in fns.items():
+            for name, fn in fns_r.items():
                 y = fn(x).float()
                 row[f"{name}_err"] = float((y - yref).norm() / yref.norm())
                 row[f"{name}_us"] = bench(lambda fn=fn, x=x: fn(x))
@@ -165,18 +169,19 @@ def main() -> int:
 
 
 def print_table(results):
-    """ours = the CUDA backend where measured, else Triton; µs, and ratios from the same run."""
-    hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'cuda':>8} {'triton':>8} {'exl3':>8} {'fp16':>8} "
+    """ours = the CUDA backend where measured, else Triton; µs, and ratios from the same run; pro: the
+    CUDA backend with the gemv's own input pass (--impls ...,cuda_pro; rows <= 8)."""
+    hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'cuda':>8} {'pro':>8} {'triton':>8} {'exl3':>8} {'fp16':>8} "
            f"{'floor':>6} | {'ours/exl3':>9} {'ours/fp16':>9} {'ours/floor':>10} | err ours / exl3")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
-        c, t, e, f = (r.get(f"{k}_us") for k in ("cuda", "triton", "exllamav3", "fp16"))
+        c, p, t, e, f = (r.get(f"{k}_us") for k in ("cuda", "cuda_pro", "triton", "exllamav3", "fp16"))
         o = c if c is not None else t
         oe = r.get("cuda_err", r.get("triton_err", float("nan")))
         fmt = lambda v: f"{v:8.1f}" if v is not None else f"{'-':>8}"   # noqa: E731
         rat = lambda p, q: f"{p / q:9.2f}" if p and q else f"{'-':>9}"    # noqa: E731
-        print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['cb']:>5} {r['rows']:>5} | {fmt(c)} {fmt(t)} {fmt(e)} {fmt(f)} "
+        print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['cb']:>5} {r['rows']:>5} | {fmt(c)} {fmt(p)} {fmt(t)} {fmt(e)} {fmt(f)} "
               f"{r['floor_us']:6.1f} | {rat(o, e)} {rat(o, f)} {rat(o, r['floor_us']):>10} | "
               f"{oe:.1e} / {r.get('exllamav3_err', float('nan')):.1e}")
 

@@ -15,6 +15,8 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   the fused Triton kernels (docs/gpu.md "Fused decode step"), side by side in one run;
   ``:shared-apart``: fused, but the shared expert in its own linears (``EXL3TOOLS_FUSED_SHARED=0``);
   ``:pair-tiles``: fused, the MoE in pair-order tiles (``EXL3TOOLS_PAIR_TILES=1``, runtime/preview.py).
+  ``:gemv-prologue``: fused, linears and expert slots of <= 8 rows without a had_in launch
+  (``EXL3TOOLS_GEMV_PROLOGUE=1``).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -46,7 +48,8 @@ IMPL_KINDS = ("ours", "exllamav3")
 # ours:<backend>:<variant> -> environment while the runner loads (docs/gpu.md "Fused decode step")
 VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FUSED": "0"},
             "shared-apart": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_FUSED_SHARED": "0"},
-            "pair-tiles": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_PAIR_TILES": "1"}}
+            "pair-tiles": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_PAIR_TILES": "1"},
+            "gemv-prologue": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1"}}
 
 
 # ------------------------------------------------------------------ pure helpers (CPU-tested)
@@ -70,7 +73,7 @@ def parse_impls(s: str) -> list[str]:
         elif kind == "exllamav3" and not backend:
             pass
         else:
-            raise argparse.ArgumentTypeError(f"unknown impl {x!r} (use ours:<backend>[:unfused|:fused|:shared-apart|:pair-tiles] or exllamav3)")
+            raise argparse.ArgumentTypeError(f"unknown impl {x!r} (use ours:<backend>[:unfused|:fused|:shared-apart|:pair-tiles|:gemv-prologue] or exllamav3)")
         if x not in out:
             out.append(x)
     if not out:

@@ -204,6 +204,31 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
 
 
+PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
+
+
+def gemv_pro_fits(rows: int, x_dtype: torch.dtype) -> bool:
+    """Whether ``gemv_pro`` takes a call of ``rows`` rows a slot (its kernel is the 8-row one)."""
+    return rows <= 8 and x_dtype in _SUFFIX
+
+
+def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, rows: int, slots: int,
+             acc: torch.Tensor, slot_exp=None, row_src=None, row_exp=None) -> None:
+    """``had_in`` and ``gemv`` in one launch (``exl3_gemv_pro_m8_t2_*``, rows <= 8 a slot): each
+    block rotates its split's columns of raw x (row o: x[row_src[o]] and sign vector row_exp[o],
+    had_in's rounding) into shared memory. K splits are multiples of 8 k-tiles (whole 128-column
+    Hadamard blocks), small enough that rows x the split fit PRO_SMEM; the fp32 acc as gemv's."""
+    name = f"exl3_gemv_pro_m8_t2_{_SUFFIX[x.dtype]}"
+    groups = nt // 2
+    kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
+    kps = -(-kps // 8) * 8
+    cap = (PRO_SMEM // rows - 4) // 8 // 8 * 8       # xs holds rows x (kps x 8 + 4) uint32
+    kps = max(8, min(kps, cap))
+    units = groups * -(-kt // kps)
+    mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
+               nt, kps, groups, units, pdl=PDL)
+
+
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
     are resident at once (one wave: no tail of half-empty SMs); units == groups: one split."""
@@ -306,6 +331,7 @@ class CudaLinear:
 
         self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
         self.invariant = invariance.on()
+        self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= 8: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
 
     @property
@@ -325,6 +351,12 @@ class CudaLinear:
             return x.new_empty(*shape[:-1], self.n)
         if self.invariant:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
+        if self.gemv_in and gemv_pro_fits(rows, x2.dtype):
+            acc = workspace(self.device, rows * self.n)
+            gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, 1, acc)
+            y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
+            had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
+            return y.to(x.dtype).reshape(*shape[:-1], self.n)
         xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
         if rows > SMALL_ROWS and self.fold and rows * self.n >= FOLD_MIN_OUT:
             y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
@@ -385,6 +417,7 @@ class CudaExperts:
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
+        self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # slots of <= 8 rows
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
@@ -427,6 +460,13 @@ class CudaExperts:
         texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
         kernel = kernel or self._tile_kernel(rows)
         tn = None if kernel is None or counts is None else counts.to(torch.int32).contiguous()
+        if self.gemv_in and kernel is None and gemv_pro_fits(rows, x2.dtype):   # no had_in launch
+            acc = workspace(self.device, N * self.n)
+            gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc,
+                     slot_exp=texp32, row_src=src32, row_exp=rexp32)
+            y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
+            had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32)
+            return y.to(out_dtype)
         xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows)
         fused = self._fused_out(kernel, out_dtype, tile_exp.shape[0])
         if fused is not None:     # the output pass inside the tile kernel: no workspace, no had_out

@@ -34,6 +34,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # expert's weights, the shared expert's once per token) below MOE_TILES_MIN_SLOTS pairs and
     # _tiles_sum (shared expert apart) above
     "pair_tiles": "EXL3TOOLS_PAIR_TILES",
+    # linears and expert slots of at most 8 rows: the gemv kernel rotates its own split of the
+    # activations (had_in's arithmetic, into shared memory) instead of a had_in launch before it
+    # (kernels/csrc gemv_body PRO, cuda_exl3.gemv_pro). Not yet run on a GPU. (Its mirror, the
+    # output pass inside the gemv, measured slower than had_out's launch and was dropped:
+    # docs/gpu.md, the 2026-12-02 23:52 session, call 4.)
+    "gemv_prologue": "EXL3TOOLS_GEMV_PROLOGUE",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

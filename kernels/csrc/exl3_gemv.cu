@@ -237,27 +237,48 @@ __device__ __forceinline__ void add_fragments(float* __restrict__ acc, unsigned 
 }
 
 // ------------------------------------------------------------------ skinny GEMM
+// Hadamard helpers (defined with the passes below), for the gemv's own input pass (PRO)
+__device__ __forceinline__ void fwht128(float (&v)[4]);
+__device__ __forceinline__ void load4(const half* p, float (&v)[4]);
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]);
+constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
+
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
 // trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot). Work unit per warp: NT adjacent n-tiles x a k-range.
 // The MMA runs transposed, D(n16 x rows8) = Ŵᵀ(n16 x k16) · xᵀ(k16 x rows8): the lane's decoded
 // tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
 // activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
 // acc and re-zeroes it.
-template <int MROWS, int NT, int P>
+//
+// PRO (rows <= 8 a slot, NT 2, kps a multiple of 8): no had_in launch before it. The block's four
+// warps share one split (column groups come in fours), so they rotate their k-range of each row
+// themselves, had_in's arithmetic on raw x (fp16 or fp32: TX) with row o's source row_src[o] and
+// sign vector row_exp[o], into shared memory, and take the B fragments from there.
+template <int MROWS, int NT, int P, int PRO = 0, typename TX = half>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc,
                                           unsigned long long* __restrict__ acc64, int rows,
-                                          int kt, int nt, int kps, int n_groups, int n_units) {
+                                          int kt, int nt, int kps, int n_groups, int n_units,
+                                          const TX* __restrict__ x = nullptr, const uint64_t* __restrict__ suh_ptrs = nullptr,
+                                          const int* __restrict__ row_src = nullptr,
+                                          const int* __restrict__ row_exp = nullptr) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
+    static_assert(PRO == 0 || (MB == 1 && NT == 2), "the input pass is for 8-row, two-tile units");
+    __shared__ uint32_t xs[PRO ? PRO_SMEM : 1];
     pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
     const int lane = threadIdx.x & 31;
     const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (unit >= n_units) return;
+    if constexpr (PRO == 0) {
+        if (unit >= n_units) return;
+    }
+    // PRO: a warp past the last unit still takes part in the input pass and its barrier
+    const bool live = unit < n_units;
+    const int u = live ? unit : blockIdx.x * (blockDim.x >> 5);
     const int z = blockIdx.y;
-    const int grp = unit % n_groups, split = unit / n_groups;
+    const int grp = u % n_groups, split = u / n_groups;
     const int i0 = split * kps;
     const int i1 = min(kt, i0 + kps);
-    if (i0 >= i1) return;
+    if (i0 >= i1) return;                  // (PRO: the same for the whole block)
     const int e = slot_exp ? slot_exp[z] : 0;
     if (e < 0) return;                     // an unused tile of a grouped MoE call: no work, acc stays 0
     const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
@@ -293,12 +314,22 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         for (int mb = 0; mb < MB; mb++) xb[p][mb][0] = xb[p][mb][1] = 0u;
     // loads are predicated, never branched around; pointers advance regardless (never read past)
     auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
+    const int xstride = kps * 8 + 4;      // PRO: uint32 a row in xs (+4: the rows' fragments on distinct banks)
+    int xo = g * xstride + t;
     auto load_x = [&](int p, bool pred) {
+        if constexpr (PRO != 0) {
+            if (pred && xv[0]) {
+                xb[p][0][0] = xs[xo];
+                xb[p][0][1] = xs[xo + 4];
+            }
+            xo += 8;
+        } else {
 #pragma unroll
-        for (int mb = 0; mb < MB; mb++) {
-            ldg32_if(xb[p][mb][0], xr[mb], pred && xv[mb]);
-            ldg32_if(xb[p][mb][1], xr[mb] + 4, pred && xv[mb]);
-            xr[mb] += 8;
+            for (int mb = 0; mb < MB; mb++) {
+                ldg32_if(xb[p][mb][0], xr[mb], pred && xv[mb]);
+                ldg32_if(xb[p][mb][1], xr[mb] + 4, pred && xv[mb]);
+                xr[mb] += 8;
+            }
         }
     };
     auto step = [&](int p) {
@@ -311,11 +342,33 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             for (int mb = 0; mb < MB; mb++) mma(c[mb][j], a, xb[p][mb][0], xb[p][mb][1]);
         }
     };
-    const int count = i1 - i0;
+    const int count = live ? i1 - i0 : 0;
     // the weights do not depend on the previous kernel (had_in): fetch them before waiting on it
 #pragma unroll
     for (int p = 0; p < P; p++) load_w(p, p < count);
     pdl_wait();
+    if constexpr (PRO != 0) {             // had_in_body's pass on this split's 128-column blocks
+        const int chunks = (i1 - i0) >> 3;
+        const int k = kt * 16;
+        for (int task = threadIdx.x >> 5; task < rows * chunks; task += blockDim.x >> 5) {
+            const int m = task / chunks, ch = task % chunks;
+            const int o = z * rows + m;
+            const int col = i0 * 16 + ch * 128 + 4 * lane;
+            const half* suh = reinterpret_cast<const half*>(suh_ptrs[row_exp ? row_exp[o] : 0]);
+            float v[4], sv[4];
+            load4(x + (size_t)(row_src ? row_src[o] : o) * k + col, v);
+            load4(suh + col, sv);
+#pragma unroll
+            for (int q = 0; q < 4; q++) v[q] *= sv[q];
+            fwht128(v);
+            half2 h0 = __floats2half2_rn(v[0] * 0.08838834764831845f, v[1] * 0.08838834764831845f);
+            half2 h1 = __floats2half2_rn(v[2] * 0.08838834764831845f, v[3] * 0.08838834764831845f);
+            uint32_t* d = xs + m * xstride + ch * 64 + 2 * lane;
+            d[0] = *reinterpret_cast<uint32_t*>(&h0);
+            d[1] = *reinterpret_cast<uint32_t*>(&h1);
+        }
+        __syncthreads();
+    }
 #pragma unroll
     for (int p = 0; p < P; p++) load_x(p, p < count);
     int it = 0;
@@ -331,7 +384,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P - 1; p++)
         if (p < count - it) step(p);
 
-    add_fragments<MB, NT>(acc, acc64, c, z * rows, rows, n, j0, g, t);
+    if (live) add_fragments<MB, NT>(acc, acc64, c, z * rows, rows, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
@@ -661,6 +714,19 @@ GEMV(32, 1)
 GEMV(32, 2)
 GEMV(64, 1)
 GEMV(64, 2)
+// GEMV_PRO: the 8-row gemv with its own input pass (no had_in launch), x fp16 or fp32
+#ifndef EXL3_HOST_TEST
+#define GEMV_PRO(SUFFIX, TX)                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_pro_m8_t2_##SUFFIX(                   \
+        const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
+        const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
+        int kps, int n_groups, int n_units) {                                                        \
+        gemv_body<8, 2, 4, 1, TX>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
+                                  n_units, x, suh_ptrs, row_src, row_exp);                           \
+    }
+GEMV_PRO(f16, half)
+GEMV_PRO(f32, float)
+#endif
 TILES(32, 2, 4)
 TILES(64, 2, 3)
 TILES(128, 1, 3)

@@ -262,6 +262,66 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     assert _rel(y, xl.astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b) < 2e-3
 
 
+@pytest.mark.parametrize("xdt", ["float16", "float32"])
+def test_gemv_with_its_own_input_pass(cx, xdt, monkeypatch):
+    """EXL3TOOLS_GEMV_PROLOGUE (preview): at <= 8 rows a slot the gemv kernel rotates its split of
+    raw x itself (no had_in launch). Linears of 1-8 rows (fp16 and fp32 activations, bias; a long
+    k whose splits the shared-memory cap shortens) and expert slots with source rows and a
+    skipped tile (bias alone) against the reference and the had_in path, call after call and in
+    a replayed graph."""
+    import torch
+
+    dt = getattr(torch, xdt)
+    rng = np.random.default_rng(23)
+    cases = {(k, n): _lin(rng, k, n, 48, bias=True) for k, n in ((14336, 512), (4096, 640), (256, 384))}
+    ys = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", flag)
+        for (k, _n), (tr, suh, svh, b) in cases.items():
+            lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
+            assert lin.gemv_in == (flag == "1")
+            w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
+            for rows in (1, 3, 8):
+                x = np.random.default_rng(rows).normal(0, 1, (rows, k)).astype(np.float16)
+                xd = torch.from_numpy(x).cuda().to(dt)
+                for rep in range(2):
+                    y = lin(xd)
+                    assert y.dtype == dt
+                    assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, (flag, k, rows, rep)
+                ys[flag, k, rows] = y.float().cpu()
+    for key in [k for k in ys if k[0] == "1"]:     # the same rotation, split-K rounding apart
+        assert _rel(ys[key].numpy(), ys[("0",) + key[1:]].numpy()) < 1e-3, key
+    # expert slots: rows from source indices, one skipped tile (-1): bias alone
+    monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", "1")
+    E, k, n = 4, 512, 256
+    el = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
+    ex = cx.CudaExperts([_tensors(torch, *p) for p in el], "mul1", "cuda")
+    x = rng.normal(0, 1, (3, k)).astype(np.float16)
+    row_exp = torch.tensor([2, 0, 3, 1, 2], device="cuda")
+    tile_exp = torch.tensor([2, 0, -1, 1, 2], device="cuda")
+    src = torch.tensor([0, 1, 2, 0, 2], device="cuda")
+    y = ex.tiles(torch.from_numpy(x).cuda().to(dt), src, row_exp, tile_exp, 1).float().cpu().numpy()
+    for s_, (t, e, te) in enumerate(zip(src.tolist(), row_exp.tolist(), tile_exp.tolist(), strict=True)):
+        tr, suh, svh, b = el[e]
+        want = b.astype(np.float64) if te < 0 else x[t].astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b
+        assert _rel(y[s_], want) < 2e-3, s_
+    # a graph replayed with new inputs
+    tr, suh, svh, b = cases[(4096, 640)]
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
+    xs = torch.zeros(2, 4096, dtype=dt, device="cuda")
+    lin(xs)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = lin(xs)
+    w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
+    for seed in range(3):
+        x = np.random.default_rng(seed).normal(0, 1, (2, 4096)).astype(np.float16)
+        xs.copy_(torch.from_numpy(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert _rel(yg.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, seed
+
+
 def test_graph_replay(cx):
     import torch
 
