@@ -34,11 +34,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # expert's weights, the shared expert's once per token) below MOE_TILES_MIN_SLOTS pairs and
     # _tiles_sum (shared expert apart) above
     "pair_tiles": "EXL3TOOLS_PAIR_TILES",
-    # linears and expert slots of at most 8 rows: the gemv kernel rotates its own split of the
-    # activations (had_in's arithmetic, into shared memory) instead of a had_in launch before it
-    # (kernels/csrc gemv_body PRO, cuda_exl3.gemv_pro). Not yet run on a GPU. (Its mirror, the
-    # output pass inside the gemv, measured slower than had_out's launch and was dropped:
-    # docs/gpu.md, the 2026-12-02 23:52 session, call 4.)
+    # linears and expert slots of one row: the gemv kernel rotates its own split of the activations
+    # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
+    # gemv_body PRO, cuda_exl3.gemv_pro, GEMV_PRO_MAX_ROWS). H200 2026-12-03: test_cuda_kernels
+    # passes with it; the engine's decode loop at batch 1 725 -> 751 tok/s (at 8 rows a linear it
+    # was slower, so one row only; not yet served nor run through the whole tests/gpu at one row).
+    # (Its mirror, the output pass inside the gemv, measured slower than had_out's launch and was
+    # dropped: docs/gpu.md, the 2026-12-02 23:52 session, call 4.)
     "gemv_prologue": "EXL3TOOLS_GEMV_PROLOGUE",
 }
 

@@ -264,14 +264,15 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
 
 @pytest.mark.parametrize("xdt", ["float16", "float32"])
 def test_gemv_with_its_own_input_pass(cx, xdt, monkeypatch):
-    """EXL3TOOLS_GEMV_PROLOGUE (preview): at <= 8 rows a slot the gemv kernel rotates its split of
-    raw x itself (no had_in launch). Linears of 1-8 rows (fp16 and fp32 activations, bias; a long
+    """EXL3TOOLS_GEMV_PROLOGUE (preview): the gemv kernel rotates its split of raw x itself (no
+    had_in launch; the preview at one row a slot, its kernel up to 8). Linears of 1-8 rows (fp16 and fp32 activations, bias; a long
     k whose splits the shared-memory cap shortens) and expert slots with source rows and a
     skipped tile (bias alone) against the reference and the had_in path, call after call and in
     a replayed graph."""
     import torch
 
     dt = getattr(torch, xdt)
+    monkeypatch.setattr(cx, "GEMV_PRO_MAX_ROWS", 8)   # the kernel's 8 rows (the preview takes 1)
     rng = np.random.default_rng(23)
     cases = {(k, n): _lin(rng, k, n, 48, bias=True) for k, n in ((14336, 512), (4096, 640), (256, 384))}
     ys = {}
