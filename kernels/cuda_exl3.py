@@ -336,7 +336,7 @@ class CudaLinear:
 
         self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
         self.invariant = invariance.on()
-        self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= 8: no had_in launch
+        self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= GEMV_PRO_MAX_ROWS: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
 
     @property
@@ -422,7 +422,7 @@ class CudaExperts:
         self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
-        self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # slots of <= 8 rows
+        self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # (GEMV_PRO_MAX_ROWS)
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
