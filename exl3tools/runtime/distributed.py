@@ -126,6 +126,16 @@ def destroy() -> None:
             pass
 
 
+def reap(procs, wait: float = 10.0) -> None:
+    """Wait for our worker processes to exit; kill (by pid, ours only) any that do not."""
+    for p in procs:
+        try:
+            p.wait(timeout=wait)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            p.kill()
+            p.wait()
+
+
 def spawn_workers(world: int, port: int, path: str, opts: dict) -> list[subprocess.Popen]:
     """Start ranks 1..world-1 as ``python -m exl3tools.runtime.distributed`` processes (a fresh
     interpreter each: no dependence on the caller's ``__main__``)."""

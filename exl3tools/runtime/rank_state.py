@@ -10,6 +10,7 @@ from exl3tools.errors import UsageError
 from exl3tools.runtime.model import CausalLM
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # the KV budget's share of the GPU (Runner, load_runner)
 
 
 def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:

@@ -1,7 +1,8 @@
 """The runtime's public contract: ``load_runner(path) -> Runner``; ``Runner.step(batch) -> logits``.
 
-The HTTP server and ``exl3tools generate`` build on this and nothing deeper. A Runner owns the
-model, the tokenizer and the KV caches of the sequences it was told about. ``step`` takes any mix
+The HTTP server and ``exl3tools generate`` build on this and nothing deeper (``load_runner``
+lives in runtime/load.py, what a rank builds in runtime/rank_model.py; both are re-exported
+here). A Runner owns the model, the tokenizer and the KV caches of the sequences it was told about. ``step`` takes any mix
 of prefill (many tokens for one sequence) and decode (one token for many sequences): a step of at
 most ``max_num_seqs`` new tokens (``max_num_seqs * (1 + speculative_tokens)`` with MTP, whose verify
 is 1 + k rows a sequence) runs the fixed-shape decode step (CUDA graphs per batch bucket, one row
@@ -12,33 +13,34 @@ drives the other ranks.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Hashable
 
 import torch
 
-from exl3tools.errors import CheckpointError, Exl3Error, RuntimeFailure, UsageError
-from exl3tools.kernels.dispatch import resolve_backend
+from exl3tools.errors import Exl3Error, RuntimeFailure, UsageError
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime import invariance, preview
-from exl3tools.runtime.arch import BuildContext, arch_module
-from exl3tools.runtime.loader import Layout, open_rank, resolve
+from exl3tools.runtime.load import load_runner  # noqa: F401  (the public entry point, re-exported)
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.paged_decode import last_rows
-from exl3tools.runtime.rank_state import DEFAULT_BLOCK_SIZE, DraftState, PagedState, profile_forward, rows_of
+from exl3tools.runtime.rank_model import build_local_model, rank_device  # noqa: F401
+from exl3tools.runtime.rank_state import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DraftState,
+    PagedState,
+    profile_forward,
+    rows_of,
+)
 from exl3tools.runtime.speculative import SpeculativeSteps
 from exl3tools.runtime.text_meta import read_text_meta
-from exl3tools.runtime.tp import TPContext
-from exl3tools.runtime.weights import WeightSource
 from exl3tools.text import first_line, printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 GRAPH_RESERVE = 512 * 2**20           # kept free beside the KV cache: graph pool, logits, sampling
 PROMPT_GRAPH_ROWS = 512               # prompt steps of up to this many rows replay graphs (prompt_graphs)
 # a prompt step's rows each read their whole context through the decode kernels (no prefill
@@ -54,25 +56,6 @@ class CacheFullError(RuntimeFailure):
 
 class ContextLengthError(UsageError):
     """A sequence would grow past the model's max_context."""
-
-
-def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "reference",
-                      device: str = "cpu", max_context: int | None = None, moe: str = "tp") -> CausalLM:
-    """Open this rank's directory (only it) and build the model part this rank runs.
-
-    An unsliced checkpoint run with ``world > 1`` is planned in memory with the rank-slice rules
-    (``moe``: "tp" or "ep") and each rank reads only the byte ranges of its cut."""
-    ckpt, cut = open_rank(layout, rank)
-    mod = arch_module(ckpt.architecture)
-    device = rank_device(device, rank, world)
-    block = ckpt.config.get("exl3tools") if layout.kind == "ranks" else None
-    if cut:
-        from exl3tools.slicing import plan_rank_slices
-
-        block = plan_rank_slices(ckpt, world, moe).configs[rank]["exl3tools"]
-    ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, block, backend, device,
-                       max_context)
-    return mod.build(ctx)
 
 
 # ------------------------------------------------------------------ rank 0 side
@@ -509,7 +492,7 @@ class Runner(SpeculativeSteps):
             except Exception:  # noqa: BLE001 - peers may be gone already
                 pass
             D.destroy()
-            _reap(self._procs)
+            D.reap(self._procs)
 
     def __enter__(self):
         return self
@@ -529,112 +512,3 @@ class _Seq:
         self.unknown = 0     # tokens written by chained steps, not committed yet
         self.spec: DraftState | None = None     # MTP draft state (speculative decoding)
         self.pending = None  # (tokens, states) of a verify step not accepted yet
-
-
-def rank_device(device: str, rank: int, world: int) -> str:
-    """A bare "cuda" under TP means one GPU per rank: cuda:LOCAL_RANK (torchrun) or cuda:rank."""
-    if str(device) == "cuda" and world > 1:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        return f"cuda:{local}"
-    return device
-
-
-def _reap(procs, wait: float = 10.0) -> None:
-    """Wait for our worker processes to exit; kill (by pid, ours only) any that do not."""
-    for p in procs:
-        try:
-            p.wait(timeout=wait)
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
-            p.kill()
-            p.wait()
-
-
-def _torchrun_env() -> tuple[int, int] | None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto",
-                max_cache_tokens: int | None = None, max_context: int | None = None, moe: str = "tp",
-                decode: str | None = None, max_num_seqs: int = 32, block_size: int = DEFAULT_BLOCK_SIZE,
-                kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                prefix_caching: bool = True, max_num_batched_tokens: int = 512,
-                speculative_tokens: int = 0) -> Runner | None:
-    """Load a checkpoint (unsliced, or a rank-slice output for ``tp`` ranks) and return its Runner.
-
-    ``tp > 1`` spawns ranks 1..tp-1 as processes. Under torchrun (``RANK``/``WORLD_SIZE`` set)
-    nothing is spawned: rank 0 gets the Runner; other ranks serve rank 0 inside this call and get
-    ``None`` back once rank 0 closes its Runner. ``moe`` ("tp" | "ep") only matters for an
-    unsliced checkpoint with ``tp > 1`` (a rank-slice output carries its own cut). The cache and
-    decode options are Runner's.
-    """
-    backend = resolve_backend(backend, device)
-    env = _torchrun_env()
-    if env is not None:
-        rank, world = env
-        if tp not in (1, world):
-            raise UsageError(f"--tp {tp} but torchrun started {world} processes")
-    else:
-        rank, world = 0, int(tp)
-    if world < 1:
-        raise UsageError(f"--tp must be >= 1, got {tp}")
-    layout = resolve(path, world)          # names only: a wrong --tp fails here, before any spawn
-    trace = os.environ.get("EXL3TOOLS_TRACE_OPENS") == "1"
-    opts = dict(backend=backend, device=device, max_context=max_context, moe=moe, trace=trace)
-    if env is not None and rank != 0:
-        from exl3tools.runtime.worker import serve_rank  # torchrun's worker ranks
-
-        serve_rank(str(path), rank=rank, world=world, port=None, **opts)
-        return None
-    procs = []
-    if world > 1:
-        port = None
-        if env is None:
-            port = D.free_port()
-            procs = D.spawn_workers(world, port, str(path), {**opts, "threads": torch.get_num_threads()
-                                                              // world or 1})
-    try:
-        if world > 1:
-            D.init_group(0, world, rank_device(device, 0, world), port, procs)
-        if trace:
-            D.trace_opens_start()
-        err, model = None, None
-        try:
-            model = build_local_model(layout, 0, world, backend=backend, device=device, max_context=max_context,
-                                      moe=moe)
-        except Exl3Error as exc:
-            err = exc
-            if world == 1:
-                raise
-        opened = {0: D.trace_opens_stop()} if trace else {}
-        if world > 1:
-            status = D.exchange_status(err, opened.get(0))
-            opened = {st["rank"]: st["opened"] for st in status} if trace else {}
-    except BaseException:
-        if world > 1:
-            D.destroy()
-            _reap(procs, wait=5.0)
-        raise
-    name = layout.root.name if layout.root.name not in ("model",) else layout.root.parent.name
-    try:
-        runner = Runner(model, layout.rank_dir(0), name, world=world, procs=procs,
-                        max_cache_tokens=max_cache_tokens, opened=opened, max_num_seqs=max_num_seqs,
-                        block_size=block_size, kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
-                        decode=decode, prefix_caching=prefix_caching,
-                        max_num_batched_tokens=max_num_batched_tokens, speculative_tokens=speculative_tokens)
-    except BaseException:
-        if world > 1:       # the workers wait for a command: release them
-            try:
-                D.broadcast(("stop",))
-            except Exception:  # noqa: BLE001 - peers may be gone already
-                pass
-            D.destroy()
-            _reap(procs, wait=5.0)
-        raise
-    if world > 1:
-        atexit.register(runner.close)
-    if model is None:  # pragma: no cover - exchange_status raised already
-        raise CheckpointError("model failed to load")
-    return runner

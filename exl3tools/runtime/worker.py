@@ -10,6 +10,7 @@ from exl3tools.errors import Exl3Error
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime.loader import resolve
 from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.rank_model import build_local_model, rank_device
 from exl3tools.runtime.rank_state import (
     DraftState,
     PagedState,
@@ -18,7 +19,6 @@ from exl3tools.runtime.rank_state import (
     run_head,
     split_rows,
 )
-from exl3tools.runtime.runner import build_local_model, rank_device
 
 
 def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: str = "reference",
