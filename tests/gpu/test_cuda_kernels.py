@@ -307,29 +307,19 @@ def test_gemv_with_its_own_input_pass(cx, xdt, monkeypatch):
         want = b.astype(np.float64) if te < 0 else x[t].astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b
         assert _rel(y[s_], want) < 2e-3, s_
     # a graph replayed with new inputs
-    tr, suh, svh, b = cases[(4096, 640)]
-    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
-    xs = torch.zeros(2, 4096, dtype=dt, device="cuda")
-    lin(xs)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        yg = lin(xs)
-    w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
-    for seed in range(3):
-        x = np.random.default_rng(seed).normal(0, 1, (2, 4096)).astype(np.float16)
-        xs.copy_(torch.from_numpy(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert _rel(yg.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, seed
+    _graph_replays(cx, cases[(4096, 640)], 2, dt)
 
 
-def test_graph_replay(cx):
+def _graph_replays(cx, lin_arrays, rows: int, dtype) -> None:
+    """The linear of ``lin_arrays`` (trellis, suh, svh, bias) captured in a CUDA graph on a zero
+    input of ``rows`` rows (after a warm-up on a side stream), replayed with three new inputs,
+    each against the reference."""
     import torch
 
-    rng = np.random.default_rng(3)
-    tr, suh, svh, b = _lin(rng, 512, 768, 48, bias=True)
+    tr, suh, svh, b = lin_arrays
+    k = tr.shape[0] * 16
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
-    xs = torch.zeros(4, 512, dtype=torch.float16, device="cuda")
+    xs = torch.zeros(rows, k, dtype=dtype, device="cuda")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -340,8 +330,14 @@ def test_graph_replay(cx):
         ys = lin(xs)
     w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
     for seed in range(3):
-        x = np.random.default_rng(seed).normal(0, 1, (4, 512)).astype(np.float16)
+        x = np.random.default_rng(seed).normal(0, 1, (rows, k)).astype(np.float16)
         xs.copy_(torch.from_numpy(x))
         g.replay()
         torch.cuda.synchronize()
-        assert _rel(ys.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3
+        assert _rel(ys.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, seed
+
+
+def test_graph_replay(cx):
+    import torch
+
+    _graph_replays(cx, _lin(np.random.default_rng(3), 512, 768, 48, bias=True), 4, torch.float16)
