@@ -241,6 +241,8 @@ __device__ __forceinline__ void add_fragments(float* __restrict__ acc, unsigned 
 __device__ __forceinline__ void fwht128(float (&v)[4]);
 __device__ __forceinline__ void load4(const half* p, float (&v)[4]);
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]);
+template <typename TX>
+__device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]);
 constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
 
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
@@ -355,14 +357,10 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             const int o = z * rows + m;
             const int col = i0 * 16 + ch * 128 + 4 * lane;
             const half* suh = reinterpret_cast<const half*>(suh_ptrs[row_exp ? row_exp[o] : 0]);
-            float v[4], sv[4];
-            load4(x + (size_t)(row_src ? row_src[o] : o) * k + col, v);
-            load4(suh + col, sv);
-#pragma unroll
-            for (int q = 0; q < 4; q++) v[q] *= sv[q];
-            fwht128(v);
-            half2 h0 = __floats2half2_rn(v[0] * 0.08838834764831845f, v[1] * 0.08838834764831845f);
-            half2 h1 = __floats2half2_rn(v[2] * 0.08838834764831845f, v[3] * 0.08838834764831845f);
+            float v[4];
+            rotate4(x + (size_t)(row_src ? row_src[o] : o) * k + col, suh + col, v);
+            half2 h0 = __floats2half2_rn(v[0], v[1]);
+            half2 h1 = __floats2half2_rn(v[2], v[3]);
             uint32_t* d = xs + m * xstride + ch * 64 + 2 * lane;
             d[0] = *reinterpret_cast<uint32_t*>(&h0);
             d[1] = *reinterpret_cast<uint32_t*>(&h1);
@@ -622,6 +620,20 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 // activations), so no conversion kernel runs before it.
 #include "exl3_tiles.cuh"   // the prefill tile kernels' bodies (they use the Hadamard helpers above)
 
+// The input rotation of lane L's 4 values (x at its column, the sign vector at the same column):
+// (x ⊙ suh) · H128 / sqrt(128) in fp32, had_in's arithmetic (and the gemv's own input pass's)
+template <typename TX>
+__device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]) {
+    float sv[4];
+    load4(x, v);
+    load4(suh, sv);
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] *= sv[q];
+    fwht128(v);
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
+}
+
 template <typename TX>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
@@ -637,14 +649,8 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
     const int src = src_idx ? src_idx[z] * rows + m : o;
     const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
     const int col = blk * 128 + 4 * (threadIdx.x & 31);
-    float v[4], sv[4];
-    load4(x + (size_t)src * k + col, v);
-    load4(suh + col, sv);
-#pragma unroll
-    for (int q = 0; q < 4; q++) v[q] *= sv[q];
-    fwht128(v);
-#pragma unroll
-    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
+    float v[4];
+    rotate4(x + (size_t)src * k + col, suh + col, v);
     store4(xrot + (size_t)o * k + col, v);
 }
 
