@@ -356,22 +356,20 @@ class CudaLinear:
             return x.new_empty(*shape[:-1], self.n)
         if self.invariant:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
-        if self.gemv_in and gemv_pro_fits(rows, x2.dtype):
+        if self.gemv_in and gemv_pro_fits(rows, x2.dtype):     # had_in inside the gemv
             acc = workspace(self.device, rows * self.n)
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, 1, acc)
-            y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
-            had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
-            return y.to(x.dtype).reshape(*shape[:-1], self.n)
-        xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
-        if rows > SMALL_ROWS and self.fold and rows * self.n >= FOLD_MIN_OUT:
-            y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
-            return y.to(x.dtype).reshape(*shape[:-1], self.n)
-        y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
-        if rows <= SMALL_ROWS:
-            acc = workspace(self.device, rows * self.n)
-            gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
         else:
-            acc = dense_mm(self.mod, xrot, self.trellis)
+            xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
+            if rows > SMALL_ROWS and self.fold and rows * self.n >= FOLD_MIN_OUT:
+                y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
+                return y.to(x.dtype).reshape(*shape[:-1], self.n)
+            if rows <= SMALL_ROWS:
+                acc = workspace(self.device, rows * self.n)
+                gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
+            else:
+                acc = dense_mm(self.mod, xrot, self.trellis)
+        y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
 
@@ -465,25 +463,23 @@ class CudaExperts:
         texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
         kernel = kernel or self._tile_kernel(rows)
         tn = None if kernel is None or counts is None else counts.to(torch.int32).contiguous()
-        if self.gemv_in and kernel is None and gemv_pro_fits(rows, x2.dtype):   # no had_in launch
+        if self.gemv_in and kernel is None and gemv_pro_fits(rows, x2.dtype):   # had_in inside the gemv
             acc = workspace(self.device, N * self.n)
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc,
                      slot_exp=texp32, row_src=src32, row_exp=rexp32)
-            y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
-            had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32)
-            return y.to(out_dtype)
-        xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows)
-        fused = self._fused_out(kernel, out_dtype, tile_exp.shape[0])
-        if fused is not None:     # the output pass inside the tile kernel: no workspace, no had_out
-            name, kps, groups = fused
-            y = torch.empty(N, self.n, dtype=out_dtype, device=self.device)
-            self.mod.launch(name, (groups // 4, tile_exp.shape[0]), 128, xrot, self.tr_tab, texp32, None, rows,
-                            self.kt, self.nt, kps, groups, groups, tn, y, self.svh_tab, self.bias_tab, pdl=PDL)
-            return y
-        acc = (fixed_workspace if self.invariant else workspace)(self.device, N * self.n)
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
-             kernel=kernel, tile_n=tn)
-        del xrot
+        else:
+            xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows)
+            fused = self._fused_out(kernel, out_dtype, tile_exp.shape[0])
+            if fused is not None:     # the output pass inside the tile kernel: no workspace, no had_out
+                name, kps, groups = fused
+                y = torch.empty(N, self.n, dtype=out_dtype, device=self.device)
+                self.mod.launch(name, (groups // 4, tile_exp.shape[0]), 128, xrot, self.tr_tab, texp32, None, rows,
+                                self.kt, self.nt, kps, groups, groups, tn, y, self.svh_tab, self.bias_tab, pdl=PDL)
+                return y
+            acc = (fixed_workspace if self.invariant else workspace)(self.device, N * self.n)
+            gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
+                 kernel=kernel, tile_n=tn)
+            del xrot
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32, tile_n=tn, tile_rows=rows)
         return y.to(out_dtype)

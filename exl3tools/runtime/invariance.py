@@ -55,8 +55,9 @@ def rows_mm(x, w, bias=None):
 
     rows = x.shape[0]
     if rows == 0:
-        return x.new_empty(0, w.shape[1]) if bias is None else x.new_empty(0, w.shape[1]) + bias
-    pad = -rows % CHUNK
-    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    y = torch.cat([xp[r:r + CHUNK] @ w for r in range(0, rows + pad, CHUNK)])[:rows]
+        y = x.new_empty(0, w.shape[1])
+    else:
+        pad = -rows % CHUNK
+        xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+        y = torch.cat([xp[r:r + CHUNK] @ w for r in range(0, rows + pad, CHUNK)])[:rows]
     return y if bias is None else y + bias
