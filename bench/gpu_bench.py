@@ -133,7 +133,10 @@ def main() -> int:
         t = make(k, n, K, gen)
         wt = w_true(t, cb)
         fns = {name: make_linear(t, cb, K, "cuda", backend=name) for name in ("cuda", "triton") if name in impls}
-        if "cuda_pro" in impls:        # the gemv's own input pass (EXL3TOOLS_GEMV_PROLOGUE) at <= 8 rows
+        pro_rows = 0
+        if "cuda_pro" in impls:        # the gemv's own input pass (EXL3TOOLS_GEMV_PROLOGUE), where it applies
+            from exl3tools.kernels.cuda_exl3 import GEMV_PRO_MAX_ROWS as pro_rows
+
             fns["cuda_pro"] = make_linear(t, cb, K, "cuda", backend="cuda")
             fns["cuda_pro"].gemv_in = True
         if have_exl3:
@@ -142,7 +145,7 @@ def main() -> int:
         tbytes = t["trellis"].numel() * 2 + 2 * (k + n)
         rows_list = rows_all if cb == "mul1" else [r for r in rows_all if r <= 8]
         for rows in rows_list:
-            fns_r = {m: f for m, f in fns.items() if m != "cuda_pro" or rows <= 8}
+            fns_r = {m: f for m, f in fns.items() if m != "cuda_pro" or rows <= pro_rows}
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
             yref = x.float() @ wt
             row = dict(k=k, n=n, K=K, cb=cb, rows=rows,
@@ -170,7 +173,8 @@ def main() -> int:
 
 def print_table(results):
     """ours = the CUDA backend where measured, else Triton; µs, and ratios from the same run; pro: the
-    CUDA backend with the gemv's own input pass (--impls ...,cuda_pro; rows <= 8)."""
+    CUDA backend with the gemv's own input pass (--impls ...,cuda_pro; rows up to
+    cuda_exl3.GEMV_PRO_MAX_ROWS)."""
     hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'cuda':>8} {'pro':>8} {'triton':>8} {'exl3':>8} {'fp16':>8} "
            f"{'floor':>6} | {'ours/exl3':>9} {'ours/fp16':>9} {'ours/floor':>10} | err ours / exl3")
     print(hdr)

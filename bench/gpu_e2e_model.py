@@ -15,8 +15,8 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   the fused Triton kernels (docs/gpu.md "Fused decode step"), side by side in one run;
   ``:shared-apart``: fused, but the shared expert in its own linears (``EXL3TOOLS_FUSED_SHARED=0``);
   ``:pair-tiles``: fused, the MoE in pair-order tiles (``EXL3TOOLS_PAIR_TILES=1``, runtime/preview.py).
-  ``:gemv-prologue``: fused, linears and expert slots of <= 8 rows without a had_in launch
-  (``EXL3TOOLS_GEMV_PROLOGUE=1``).
+  ``:gemv-prologue``: fused, linears and expert slots of one row without a had_in launch
+  (``EXL3TOOLS_GEMV_PROLOGUE=1``, cuda_exl3.GEMV_PRO_MAX_ROWS).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop

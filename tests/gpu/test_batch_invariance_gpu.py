@@ -103,6 +103,14 @@ def test_paged_attention_rows_do_not_depend_on_the_batch():
     assert any(not _same(run(i, i + 1), dflt[i:i + 1]) for i in range(B))
 
 
+def _runner(path, **kw):
+    """The fixture's Runner as the step tests load it (bf16 KV, 16 sequences, 8192 cache tokens)."""
+    from exl3tools.runtime.runner import load_runner
+
+    return load_runner(path, device="cuda", backend=cuda_backend(), max_context=256, max_num_seqs=16,
+                       block_size=16, kv_dtype="bf16", max_cache_tokens=8192, **kw)
+
+
 def _step_logits(runner, plan):
     """Run ``plan`` (per step: [(seq, tokens)]) and return {seq: [logits of each step it was in]}."""
     out: dict = {}
@@ -125,7 +133,6 @@ def test_decode_step_rows_do_not_depend_on_the_batch(name, invariant, monkeypatc
     import torch
 
     from exl3tools.runtime import fused_step
-    from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
 
     tiled = []
@@ -141,16 +148,14 @@ def test_decode_step_rows_do_not_depend_on_the_batch(name, invariant, monkeypatc
              [[("A", [9 + i])] + [(f"o{j}", [5 + i]) for j in range(11)] for i in range(4)])
 
     def runs():
-        r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=256, max_num_seqs=16,
-                        block_size=16, kv_dtype="bf16", max_cache_tokens=8192, max_num_batched_tokens=96)
+        r = _runner(path, max_num_batched_tokens=96)
         a = _step_logits(r, solo)["A"]
         r.free_sequence("A")
         for s in list(r._seqs):
             r.free_sequence(s)
         b = _step_logits(r, [[("A2", prompt)]] + [[("A2", [7 + i])] for i in range(6)])["A2"]   # a hit
         r.close()
-        r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=256, max_num_seqs=16,
-                        block_size=16, kv_dtype="bf16", max_cache_tokens=8192, max_num_batched_tokens=96)
+        r = _runner(path, max_num_batched_tokens=96)
         c = _step_logits(r, crowd)["A"]
         paths = r.last_path
         r.close()
@@ -168,7 +173,6 @@ def test_decode_step_rows_do_not_depend_on_the_batch(name, invariant, monkeypatc
 def test_without_the_mode_the_crowd_differs(monkeypatch):
     """The control: the same comparison as above without the mode finds a difference (kernel
     splits by batch, atomics), so the equalities above are not vacuous."""
-    from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
 
     monkeypatch.delenv("EXL3TOOLS_BATCH_INVARIANT", raising=False)
@@ -176,8 +180,7 @@ def test_without_the_mode_the_crowd_differs(monkeypatch):
     prompt = list(range(3, 40))
     got = []
     for extra in (0, 15):
-        r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=256, max_num_seqs=16,
-                        block_size=16, kv_dtype="bf16", max_cache_tokens=8192)
+        r = _runner(path)
         plan = [[("A", prompt)]] + [[("A", [7 + i])] + [(f"o{j}", [3 + j]) for j in range(extra)] for i in range(4)]
         got.append(_step_logits(r, plan)["A"])
         r.close()
