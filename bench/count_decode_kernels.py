@@ -8,6 +8,9 @@ it dispatches (TorchDispatchMode). Counted as a GPU kernel: every op that is not
 allocation; a Triton call of kernels/fused_decode.py: 1; an EXL3 linear or grouped-expert call:
 3 (our CUDA backend: had_in, gemv, had_out; the CPU reference's own ops inside are not logged).
 Paged attention: 1 (its Triton kernel with one split; the CPU reference's ops not logged).
+``--grouped``: the fused step's q/k/v and dense gate/up as grouped calls (EXL3TOOLS_GROUPED_PROJ):
+a group counts as CUDA's CudaGroup launches it, 3 (had_in, gemv, had_out), plus at more than one
+row one copy per linear of several column chunks (the gcd of the widths).
 Printed per layer (a layer's row includes the next layer's attention norm; "embed" holds the
 host-side input packing, the input copy and layer 0's norm; the last layer the final norm), so a
 deeper model's count is the sum (GLM-4.5-Air synthetic: 1 dense + 5 MoE). Approximate where an op
@@ -97,6 +100,23 @@ def instrument(runner, log: Log) -> None:
     _tag(log, model.head, "head")
 
 
+def _group_calls(log: Log):
+    """LinearGroup.__call__ counted as CudaGroup's launches (its linears' own counts paused)."""
+    import math
+
+    from exl3tools.runtime.layers import LinearGroup
+
+    real = LinearGroup.__call__
+
+    def call(self, x):
+        ns = [m.out_pad for m in self.linears]
+        c = math.gcd(*ns)
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        copies = sum(n // c > 1 for n in ns) if rows > 1 else 0
+        return _wrap(log, lambda v: real(self, v), "exl3_group", GEMV_KERNELS + copies)(x)
+    return LinearGroup, real, call
+
+
 def _wrap_experts(log: Log, g: dict) -> None:
     for key, obj in list(g.items()):
         if hasattr(obj, "slots"):
@@ -118,10 +138,11 @@ def _tag(log: Log, lin, where: str) -> None:
     lin.fn = tagged
 
 
-def count(model_dir: Path, fused: bool, batch: int) -> collections.Counter:
+def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> collections.Counter:
     from exl3tools.runtime.runner import load_runner
 
     os.environ["EXL3TOOLS_FUSED"] = "1" if fused else "0"
+    os.environ["EXL3TOOLS_GROUPED_PROJ"] = "1" if grouped else "0"
     r = load_runner(model_dir, max_context=64, max_cache_tokens=512, max_num_seqs=max(batch, 1),
                     block_size=16, decode="static")
     assert (r.paged.decoder._fused is not None) == fused
@@ -134,12 +155,17 @@ def count(model_dir: Path, fused: bool, batch: int) -> collections.Counter:
 
     saved = dict(vars(fused_decode))
     log = Log()
+    cls, real_call, call = _group_calls(log)
     try:
         instrument(r, log)
+        if r.paged.decoder._fused is not None:
+            r.paged.decoder._fused._groups.clear()    # rebuilt from the instrumented linears
+        cls.__call__ = call
         with torch.inference_mode(), log:
             log.where = "embed"
             r.step([(s, [7]) for s in ids])
     finally:
+        cls.__call__ = real_call
         vars(fused_decode).update(saved)
         r.close()
     return log.ops
@@ -157,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?", default=str(FIXTURES / "glm4_moe-3.0bpw-mcg" / "model"))
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--detail", action="store_true", help="print every op name with its count")
+    ap.add_argument("--grouped", action="store_true", help="the fused step with q/k/v and gate/up grouped")
     a = ap.parse_args(argv)
     for B in [int(x) for x in a.batch.split(",")]:
-        res = {f: count(Path(a.model), f, B) for f in (False, True)}
+        res = {f: count(Path(a.model), f, B, grouped=f and a.grouped) for f in (False, True)}
         print(f"batch {B}: kernels per decode step (torch loop -> fused)")
         wheres = sorted({w for ops in res.values() for w, _ in ops}, key=lambda w: (w != "embed", w))
         for w in wheres:

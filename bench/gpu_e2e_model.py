@@ -16,7 +16,9 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   ``:shared-apart``: fused, but the shared expert in its own linears (``EXL3TOOLS_FUSED_SHARED=0``);
   ``:pair-tiles``: fused, the MoE in pair-order tiles (``EXL3TOOLS_PAIR_TILES=1``, runtime/preview.py).
   ``:gemv-prologue``: fused, linears and expert slots of one row without a had_in launch
-  (``EXL3TOOLS_GEMV_PROLOGUE=1``, cuda_exl3.GEMV_PRO_MAX_ROWS).
+  (``EXL3TOOLS_GEMV_PROLOGUE=1``, cuda_exl3.GEMV_PRO_MAX_ROWS); ``:grouped``: fused, q/k/v and a
+  dense MLP's gate/up as one grouped call each (``EXL3TOOLS_GROUPED_PROJ=1``, cuda_exl3.CudaGroup);
+  ``:grouped-prologue``: both.
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -49,7 +51,9 @@ IMPL_KINDS = ("ours", "exllamav3")
 VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FUSED": "0"},
             "shared-apart": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_FUSED_SHARED": "0"},
             "pair-tiles": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_PAIR_TILES": "1"},
-            "gemv-prologue": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1"}}
+            "gemv-prologue": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1"},
+            "grouped": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1"},
+            "grouped-prologue": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1"}}
 
 
 # ------------------------------------------------------------------ pure helpers (CPU-tested)
@@ -73,7 +77,7 @@ def parse_impls(s: str) -> list[str]:
         elif kind == "exllamav3" and not backend:
             pass
         else:
-            raise argparse.ArgumentTypeError(f"unknown impl {x!r} (use ours:<backend>[:unfused|:fused|:shared-apart|:pair-tiles|:gemv-prologue] or exllamav3)")
+            raise argparse.ArgumentTypeError(f"unknown impl {x!r} (use ours:<backend>[:" + "|:".join(v for v in VARIANTS if v) + "] or exllamav3)")
         if x not in out:
             out.append(x)
     if not out:

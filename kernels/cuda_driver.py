@@ -40,6 +40,11 @@ class _Driver:
         self.lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), v, ctypes.POINTER(v), ctypes.POINTER(v)]
         self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), v,
                                                                          ctypes.c_int, ctypes.c_size_t]
+        # cuFuncGetParamInfo (CUDA 12.4+): a kernel's parameter count, checked against each launch's
+        # arguments (a missing one would be read as whatever lies past the packed values)
+        self.param_info = getattr(self.lib, "cuFuncGetParamInfo", None)
+        if self.param_info is not None:
+            self.param_info.argtypes = [v, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
         self.pdl = _LaunchAttr(id=PDL_ATTR)
         self.pdl.value[0] = 1
 
@@ -78,6 +83,20 @@ class Module:
         self.device = device
         self.fns: dict[str, ctypes.c_void_p] = {}
         self.occupancy: dict[tuple, int] = {}
+        self.n_params: dict[str, int | None] = {}
+
+    def param_count(self, name: str) -> int | None:
+        """How many parameters kernel ``name`` takes (None: the driver cannot say)."""
+        if name not in self.n_params:
+            d, n = driver(), None
+            if d.param_info is not None:
+                off, size = ctypes.c_size_t(), ctypes.c_size_t()
+                n = 0
+                while n < 256 and d.param_info(self.fn(name), n, ctypes.byref(off), ctypes.byref(size)) == 0:
+                    n += 1
+                n = n or None        # a driver that answers nothing for index 0: unknown
+            self.n_params[name] = n
+        return self.n_params[name]
 
     def fn(self, name: str) -> ctypes.c_void_p:
         f = self.fns.get(name)
@@ -102,6 +121,9 @@ class Module:
     def launch(self, name: str, grid, block: int, *args, pdl: bool = False) -> None:
         """args: tensors (or None for NULL) become pointers, Python ints become int32. ``pdl``:
         programmatic dependent launch (the kernel starts early and griddepcontrol.wait's)."""
+        want = self.param_count(name)
+        if want is not None and want != len(args):
+            raise RuntimeError(f"{name}: takes {want} parameters, launched with {len(args)}")
         vals = []
         for a in args:
             if a is None:

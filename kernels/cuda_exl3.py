@@ -30,6 +30,7 @@ them.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -173,16 +174,22 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
 
 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
-         slot_exp=None, kernel: str | None = None, tile_n=None) -> None:
+         slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64), which
     takes ``tile_n`` (int32 valid rows per slot, or None: all). An int64 ``acc`` (``fixed_workspace``,
-    either kernel): batch-invariant sums, K split by the weight's shape alone."""
+    either kernel): batch-invariant sums, K split by the weight's shape alone. ``ld_tab`` (int32 per
+    expert, gemv kernel only): the n-tiles of each expert's whole trellis, whose first ``nt`` columns
+    (from its table pointer) the slot multiplies (CudaGroup's column chunks); None: nt."""
     fixed = acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
         nt_per = 2 if nt % 2 == 0 else 1      # 1 and 4 per warp measured no faster (more warps / more ILP)
         name = f"exl3_gemv_m{mrows}_t{nt_per}"
+        if ld_tab is not None:                # (t2 only: CudaGroup's chunks are whole 128-column blocks)
+            name = f"exl3_gemv_ld_m{mrows}_t2"
+    elif ld_tab is not None:
+        raise UsageError(f"{kernel}: no per-expert trellis width (ld_tab)")
     else:
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
         if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (4 * nt_per):
@@ -200,7 +207,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
     accs = (None, acc) if fixed else (acc, None)
-    args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + (() if kernel is None else (tile_n,))
+    extra = (tile_n,) if kernel is not None else () if ld_tab is None else (ld_tab,)
+    args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
 
 
@@ -218,12 +226,13 @@ def gemv_pro_fits(rows: int, x_dtype: torch.dtype) -> bool:
 
 
 def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, rows: int, slots: int,
-             acc: torch.Tensor, slot_exp=None, row_src=None, row_exp=None) -> None:
+             acc: torch.Tensor, slot_exp=None, row_src=None, row_exp=None, ld_tab=None) -> None:
     """``had_in`` and ``gemv`` in one launch (``exl3_gemv_pro_m8_t2_*``, rows <= 8 a slot): each
     block rotates its split's columns of raw x (row o: x[row_src[o]] and sign vector row_exp[o],
     had_in's rounding) into shared memory. K splits are multiples of 8 k-tiles (whole 128-column
-    Hadamard blocks), small enough that rows x the split fit PRO_SMEM; the fp32 acc as gemv's."""
-    name = f"exl3_gemv_pro_m8_t2_{_SUFFIX[x.dtype]}"
+    Hadamard blocks), small enough that rows x the split fit PRO_SMEM; the fp32 acc and ``ld_tab``
+    as gemv's."""
+    name = f"exl3_gemv_pro_{'ld_' if ld_tab is not None else ''}m8_t2_{_SUFFIX[x.dtype]}"
     groups = nt // 2
     kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
     kps = -(-kps // 8) * 8
@@ -231,7 +240,7 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     kps = max(8, min(kps, cap))
     units = groups * -(-kt // kps)
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
-               nt, kps, groups, units, pdl=PDL)
+               nt, kps, groups, units, ld_tab, pdl=PDL)
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
@@ -373,6 +382,13 @@ class CudaLinear:
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
 
+    @staticmethod
+    def grouped(fns: list) -> CudaGroup | None:
+        """``fns`` (linears that read the same x) as one CudaGroup, or None where they cannot be
+        (dispatch.make_group then calls each)."""
+        c = CudaGroup.plan(fns)
+        return None if c is None else CudaGroup(fns, c)
+
     def _invariant(self, x2: torch.Tensor) -> torch.Tensor:
         """y of a batch-invariant run: fixed splits and fixed-point sums, so no row depends on the
         others; past 64 rows, 64-row slots (rows padded) on the shared-memory tile kernel (unless
@@ -483,6 +499,102 @@ class CudaExperts:
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32, tile_n=tn, tile_rows=rows)
         return y.to(out_dtype)
+
+
+class CudaGroup:
+    """Linears that read the same x (q, k and v; a dense MLP's gate and up) as one call: one gemv
+    (or gemv_pro) launch and one output pass for all, where each alone takes its own.
+
+    Each linear is cut into column chunks of one width c (the gcd of their widths, whole 128-column
+    Hadamard blocks); chunk z is slot z of a grouped call, its trellis addressed by pointer into the
+    linear's own (no copy) with that trellis's width as row stride (``ld_tab``), its sign vector,
+    svh and bias by pointer too. ``__call__(x)`` -> one (rows, n_i) tensor per linear: with one row,
+    views of the call's (slots x rows, c) output; with more, the slots of a linear of several chunks
+    come out slot-major and are copied into place (one copy each).
+    """
+
+    def __init__(self, linears: list[CudaLinear], c: int):
+        first = linears[0]
+        self.linears, self.c, self.k, self.kt = linears, c, first.k, first.kt
+        self.device, self.mod = first.device, first.mod
+        self.cnt = c // 16                               # n-tiles a chunk
+        tile_bytes = first.width * 2                     # int16 a tile
+        tr, ld, suh, svh, bias, self.spans = [], [], [], [], [], []
+        zero = None
+        for lin in linears:
+            nc = lin.n // c
+            self.spans.append((len(tr), len(tr) + nc))
+            for j in range(nc):
+                tr.append(lin.trellis.data_ptr() + j * self.cnt * tile_bytes)
+                ld.append(lin.nt)
+                suh.append(lin.suh.data_ptr())
+                svh.append(lin.svh.data_ptr() + j * c * 2)
+                if any(m.bias is not None for m in linears):
+                    if lin.bias is None and zero is None:
+                        zero = torch.zeros(c, dtype=torch.float16, device=self.device)
+                    bias.append(zero.data_ptr() if lin.bias is None else lin.bias.data_ptr() + j * c * 2)
+        self._zero = zero                                # held: bias_tab may point at it
+        self.slots = len(tr)
+
+        def tab(v, dtype=torch.int64):
+            return torch.tensor(v, dtype=dtype, device=self.device)
+        self.tr_tab, self.suh_tab, self.svh_tab = tab(tr), tab(suh), tab(svh)
+        self.bias_tab = tab(bias) if bias else None
+        self.ld_tab = tab(ld, torch.int32)
+        self.slot_exp = torch.arange(self.slots, dtype=torch.int32, device=self.device)
+        self.gemv_in = first.gemv_in
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def plan(linears: list) -> int | None:
+        """The chunk width for ``linears`` (the gcd of their widths: whole 128-column blocks, since
+        every width is), or None where they cannot be one call: not all CudaLinear, other inputs,
+        trellis widths, codebooks or devices, batch-invariant runs (their fixed K splits)."""
+        if len(linears) < 2 or not all(type(m) is CudaLinear for m in linears):
+            return None
+        a = linears[0]
+        if any(m.invariant or m.k != a.k or m.width != a.width or m.codebook != a.codebook or m.device != a.device
+               for m in linears):
+            return None
+        return math.gcd(*(m.n for m in linears))
+
+    def _index(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row_src, row_exp) int32 of rows slots x ``rows``: row o = z * rows + m reads x[m] with
+        slot z's sign vector; made once per row count (outside graph capture: the warm-up's)."""
+        got = self._rows.get(rows)
+        if got is None:
+            src = torch.arange(rows, dtype=torch.int32, device=self.device).repeat(self.slots)
+            exp = self.slot_exp.repeat_interleave(rows)
+            got = (src, exp)
+            if not torch.cuda.is_current_stream_capturing():
+                self._rows[rows] = got
+        return got
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        x2 = _act(x, self.k)
+        rows = x2.shape[0]
+        if rows == 0 or rows > SMALL_ROWS:
+            return [lin(x) for lin in self.linears]
+        src, exp = self._index(rows)
+        N = self.slots * rows
+        acc = workspace(self.device, N * self.c)
+        if self.gemv_in and gemv_pro_fits(rows, x2.dtype):
+            gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.cnt, rows, self.slots, acc,
+                     slot_exp=self.slot_exp, row_src=src, row_exp=exp, ld_tab=self.ld_tab)
+        else:
+            xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src, exp=exp)
+            gemv(self.mod, xrot, self.tr_tab, self.kt, self.cnt, rows, self.slots, acc, slot_exp=self.slot_exp,
+                 ld_tab=self.ld_tab)
+            del xrot
+        y = torch.empty(N, self.c, dtype=x2.dtype, device=self.device)
+        had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.c, exp=exp)
+        y3 = y.view(self.slots, rows, self.c)
+        out = []
+        for a, b in self.spans:
+            part = y3[a:b]
+            part = part.reshape(rows, -1) if rows == 1 or b - a == 1 else part.transpose(0, 1).reshape(rows, -1)
+            out.append(part.to(x.dtype).reshape(*x.shape[:-1], -1))
+        return out
 
 
 def _cuda_factory(tensors: dict, codebook: str, k_bits: float, device):

@@ -108,6 +108,15 @@ def make_linear(tensors: dict, codebook: str, k_bits: float, device, backend: st
     return get_backend(backend)(tensors, codebook, k_bits, device)
 
 
+def make_group(fns: list) -> Callable[[Any], list]:
+    """``g(x) -> [f(x) for f in fns]`` for linears that read the same x (q, k and v): one grouped
+    call where their type has a ``grouped(fns)`` static method that returns one (our CUDA backend:
+    one gemv launch and one output pass for all), else each in turn."""
+    grouped = getattr(type(fns[0]), "grouped", None) if fns else None
+    g = grouped(fns) if grouped is not None else None
+    return g if g is not None else (lambda x: [f(x) for f in fns])
+
+
 def register_experts(name: str, factory: Callable[..., Any]) -> None:
     """Make ``factory`` the grouped-experts factory of backend ``name`` (see module doc)."""
     _EXPERTS[name] = factory

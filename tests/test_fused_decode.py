@@ -137,3 +137,26 @@ def test_e2e_bench_takes_the_unfused_impl():
         "ours:cuda", "ours:cuda:unfused", "exllamav3", "ours:cuda:shared-apart"]
     with pytest.raises(argparse.ArgumentTypeError):
         g.parse_impls("ours:cuda:maybe")
+
+
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "llama-4.0bpw-mul1"])
+def test_grouped_projections_match_plain_cache(name, monkeypatch):
+    """EXL3TOOLS_GROUPED_PROJ: q/k/v, and a dense MLP's gate/up, through LinearGroup (one grouped
+    backend call where the backend has one; the CPU reference calls each): the same logits as
+    the plain cache, every layer's q/k/v grouped, and the dense MLPs' gate/up."""
+    _interpret()
+    from exl3tools.runtime.layers import GatedMLP, LinearGroup
+
+    groups = []
+    real = LinearGroup.__call__
+    monkeypatch.setattr(LinearGroup, "__call__", lambda self, x: groups.append(len(self.linears)) or real(self, x))
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_GROUPED_PROJ", "1")
+    r = _paged(name, "static")
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    layers = r.model.layers
+    dense = sum(isinstance(layer.mlp, GatedMLP) for layer in layers)
+    assert len(r.paged.decoder._fused._groups) == len(layers) + dense
+    assert set(groups) == ({3, 2} if dense else {3})
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))

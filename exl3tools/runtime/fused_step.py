@@ -37,6 +37,7 @@ from exl3tools.runtime.layers import (
     Attention,
     DecoderLayer,
     GatedMLP,
+    LinearGroup,
     MoE,
     _identity,
     expert_tiles,
@@ -84,6 +85,10 @@ class FusedGqaStep:
         model.norm.weight = _dev(model.norm.weight, dev)
         self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
         self._shared: dict[int, dict | None] = {}
+        # q/k/v and a dense MLP's gate/up as one grouped call each (EXL3TOOLS_GROUPED_PROJ, a
+        # preview: cuda_exl3.CudaGroup, 6 launches fewer a layer); None: each linear alone
+        self.grouped = preview.switched_on("grouped_proj")
+        self._groups: dict[int, LinearGroup] = {}
         # the shared expert inside the routed experts' grouped calls ("0": apart; for measurements)
         self.shared_in_group = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
         self.invariant = invariance.on()
@@ -113,7 +118,8 @@ class FusedGqaStep:
         eps = 1e-6
         if a.q_norm is not None and a.k_norm is not None:
             qn, kn, eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.eps
-        q = fk.qk_rope_store(a.q(x), a.k(x), a.v(x), *rope, slots, a.rdim, planes["k"], planes["v"], qn, kn, eps)
+        q = fk.qk_rope_store(*self._project(a, (a.q, a.k, a.v), x), *rope, slots, a.rdim, planes["k"], planes["v"],
+                             qn, kn, eps)
         o = attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
         return a.reduce(a.o(o.reshape(x.shape[0], a.nq * a.hd)))
 
@@ -121,7 +127,7 @@ class FusedGqaStep:
         """(delta, y, wk): the MLP's output as ``delta`` plus, for routed experts, their rows ``y``
         (T * top_k, >= H) and weights ``wk`` (T * top_k,), for residual_rmsnorm to sum."""
         if isinstance(mlp, GatedMLP):
-            return mlp.reduce(mlp.down(fk.silu_mul(mlp.gate(x), mlp.up(x)))), None, None
+            return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None
         if not isinstance(mlp, MoE) or mlp.reduce is not _identity or not mlp.experts:
             return mlp.forward_static(x), None, None
         T, H = x.shape
@@ -164,6 +170,16 @@ class FusedGqaStep:
         else:
             y = down.slots(act, torch.arange(S, device=x.device), r["down_exp"])
         return shared, y, r["wk"]
+
+    def _project(self, owner, linears: tuple, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each of ``linears`` (which read the same x) applied to x: as one LinearGroup of
+        ``owner``'s, built on first use, where grouping is on."""
+        if not self.grouped:
+            return [lin(x) for lin in linears]
+        g = self._groups.get(id(owner))
+        if g is None:
+            g = self._groups[id(owner)] = LinearGroup(list(linears))
+        return g(x)
 
     def _with_shared(self, mlp: MoE) -> dict | None:
         """{"gate_up", "down_proj"}: the held experts plus the shared expert as grouped projections

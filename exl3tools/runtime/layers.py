@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.kernels import moe_combine
-from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_linear
+from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_group, make_linear
 from exl3tools.runtime import invariance
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
@@ -78,6 +78,25 @@ class Linear:
         if self.out_real < y.shape[-1]:
             y = y[..., :self.out_real]
         return y
+
+
+class LinearGroup:
+    """Linears that read the same input (q, k and v; gate and up): ``__call__(x) -> [y_i]``, each
+    as its Linear gives it, in one grouped backend call where the backend has one
+    (kernels.dispatch.make_group), else each in turn."""
+
+    def __init__(self, linears: list[Linear]):
+        self.linears = list(linears)
+        self.in_pad = self.linears[0].in_pad
+        same = all(m.in_pad == self.in_pad and m.codebook is not None for m in self.linears)
+        self.fn = make_group([m.fn for m in self.linears]) if same else None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.fn is None:
+            return [m(x) for m in self.linears]
+        if x.shape[-1] < self.in_pad:
+            x = F.pad(x, (0, self.in_pad - x.shape[-1]))
+        return [y[..., :m.out_real] if m.out_real < y.shape[-1] else y for m, y in zip(self.linears, self.fn(x), strict=True)]
 
 
 def load_linear(ws: WeightSource, prefix: str, cut: Cut | None = None, *, in_real=None, out_real=None,

@@ -42,6 +42,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (Its mirror, the output pass inside the gemv, measured slower than had_out's launch and was
     # dropped: docs/gpu.md, the 2026-12-02 23:52 session, call 4.)
     "gemv_prologue": "EXL3TOOLS_GEMV_PROLOGUE",
+    # the fused decode step's q, k and v (and a dense MLP's gate and up) as one grouped call each
+    # (runtime.layers.LinearGroup -> kernels/cuda_exl3.CudaGroup): the linears cut into column
+    # chunks of one width, the chunks the slots of one gemv launch (each with its own trellis
+    # width, exl3_gemv_ld_*) and one output pass: 3 launches for q/k/v instead of 9 (2 instead of
+    # 6 with gemv_prologue); more than one row: one copy per linear of several chunks
+    "grouped_proj": "EXL3TOOLS_GROUPED_PROJ",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -246,7 +246,8 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
 
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
-// trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot). Work unit per warp: NT adjacent n-tiles x a k-range.
+// trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot), nt n-tiles of a trellis
+// nt tiles wide, or (LD) ld_tab[e] tiles wide. Work unit per warp: NT adjacent n-tiles x a k-range.
 // The MMA runs transposed, D(n16 x rows8) = Ŵᵀ(n16 x k16) · xᵀ(k16 x rows8): the lane's decoded
 // tile is then exactly its A fragment (one MMA per tile, no zero rows for rows <= 8), and the
 // activations are the B fragment. fp32 partials go to acc with atomics; the output pass reads
@@ -256,14 +257,15 @@ constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds 
 // warps share one split (column groups come in fours), so they rotate their k-range of each row
 // themselves, had_in's arithmetic on raw x (fp16 or fp32: TX) with row o's source row_src[o] and
 // sign vector row_exp[o], into shared memory, and take the B fragments from there.
-template <int MROWS, int NT, int P, int PRO = 0, typename TX = half>
+template <int MROWS, int NT, int P, int PRO = 0, typename TX = half, bool LD = false>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc,
                                           unsigned long long* __restrict__ acc64, int rows,
                                           int kt, int nt, int kps, int n_groups, int n_units,
                                           const TX* __restrict__ x = nullptr, const uint64_t* __restrict__ suh_ptrs = nullptr,
                                           const int* __restrict__ row_src = nullptr,
-                                          const int* __restrict__ row_exp = nullptr) {
+                                          const int* __restrict__ row_exp = nullptr,
+                                          const int* __restrict__ ld_tab = nullptr) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
     static_assert(PRO == 0 || (MB == 1 && NT == 2), "the input pass is for 8-row, two-tile units");
     __shared__ uint32_t xs[PRO ? PRO_SMEM : 1];
@@ -291,7 +293,9 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     int word, off;
     lane_origin(lane, word, off);
     const int j0 = grp * NT;
-    const size_t row_stride = (size_t)nt * NW;   // uint32 per tile row
+    // uint32 per tile row: LD, the slot's own trellis width (slots that are column chunks of wider
+    // linears: q, k and v in one launch), else nt
+    const size_t row_stride = (size_t)(LD ? ld_tab[e] : nt) * NW;
     const uint32_t* wp[NL];
     weight_ptrs(tr, i0, row_stride, j0, word, wp);
     // B fragment (xᵀ): lane feeds activation row 8mb + g, k = 2t, 2t+1 and 2t+8, 2t+9 of the tile
@@ -699,6 +703,15 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units) {    \
         gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units); \
     }
+// GEMV_LD(MROWS, NT): the same with each expert's trellis width from ld_tab (CudaGroup's column chunks)
+#define GEMV_LD(MROWS, NT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_ld_m##MROWS##_t##NT(                  \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* ld_tab) {                                                                          \
+        gemv_body<MROWS, NT, 4, 0, half, true>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, \
+                                               n_groups, n_units, nullptr, nullptr, nullptr, nullptr, ld_tab); \
+    }
 // TILES(MROWS, NT, MINB): tiles_body with registers for MINB blocks an SM (4: 128, 3: 168)
 #define TILES(MROWS, NT, MINB)                                                                       \
     extern "C" __global__ void __launch_bounds__(128, MINB) exl3_tiles_m##MROWS##_t##NT(              \
@@ -710,6 +723,7 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
     }
 #else
 #define GEMV(MROWS, NT)
+#define GEMV_LD(MROWS, NT)
 #define TILES(MROWS, NT, MINB)
 #endif
 GEMV(8, 1)
@@ -720,18 +734,24 @@ GEMV(32, 1)
 GEMV(32, 2)
 GEMV(64, 1)
 GEMV(64, 2)
+GEMV_LD(8, 2)
+GEMV_LD(16, 2)
+GEMV_LD(32, 2)
+GEMV_LD(64, 2)
 // GEMV_PRO: the 8-row gemv with its own input pass (no had_in launch), x fp16 or fp32
 #ifndef EXL3_HOST_TEST
-#define GEMV_PRO(SUFFIX, TX)                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) exl3_gemv_pro_m8_t2_##SUFFIX(                   \
+#define GEMV_PRO(NAME, TX, LD)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                           \
         const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
         const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
-        int kps, int n_groups, int n_units) {                                                        \
-        gemv_body<8, 2, 4, 1, TX>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
-                                  n_units, x, suh_ptrs, row_src, row_exp);                           \
+        int kps, int n_groups, int n_units, const int* ld_tab) {                                     \
+        gemv_body<8, 2, 4, 1, TX, LD>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
+                                      n_units, x, suh_ptrs, row_src, row_exp, ld_tab);               \
     }
-GEMV_PRO(f16, half)
-GEMV_PRO(f32, float)
+GEMV_PRO(exl3_gemv_pro_m8_t2_f16, half, false)
+GEMV_PRO(exl3_gemv_pro_m8_t2_f32, float, false)
+GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f16, half, true)
+GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
 #endif
 TILES(32, 2, 4)
 TILES(64, 2, 3)

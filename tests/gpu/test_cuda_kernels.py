@@ -341,3 +341,75 @@ def test_graph_replay(cx):
     import torch
 
     _graph_replays(cx, _lin(np.random.default_rng(3), 512, 768, 48, bias=True), 4, torch.float16)
+
+
+@pytest.mark.parametrize("pro", ["0", "1"])
+@pytest.mark.parametrize("xdt", ["float16", "float32"])
+def test_grouped_linears(cx, pro, xdt, monkeypatch):
+    """CudaGroup (EXL3TOOLS_GROUPED_PROJ's q/k/v and gate/up): linears of one input cut into column
+    chunks of one width (q 4 chunks, k and v one each; gate and up one each), one gemv launch with
+    each chunk's trellis width (exl3_gemv_ld_*, gemv_pro's too) and one output pass: each output
+    against the reference and the linear alone, at 1-64 rows (one row: views; more: slot-major
+    chunks copied into place), bias on some linears only (the others a zero bias), call after
+    call and in a replayed graph; and what cannot be one group is not."""
+    import torch
+
+    dt = getattr(torch, xdt)
+    monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", pro)
+    rng = np.random.default_rng(31)
+    k = 1024
+    qkv = [_lin(rng, k, 1024, 48, bias=True), _lin(rng, k, 256, 48), _lin(rng, k, 256, 48, bias=True)]
+    gu = [_lin(rng, k, 640, 48), _lin(rng, k, 640, 48)]
+    for arrays, chunks in ((qkv, [4, 1, 1]), (gu, [1, 1])):
+        lins = [cx.CudaLinear(_tensors(torch, *a), "mul1", "cuda") for a in arrays]
+        g = cx.CudaLinear.grouped(lins)
+        assert g is not None and [b - a for a, b in g.spans] == chunks
+        ws = [ref.decode_linear(*a[:3], "mul1").astype(np.float64) for a in arrays]
+        for rows in (1, 2, 8, 13, 64):
+            x = np.random.default_rng(rows).normal(0, 1, (rows, k)).astype(np.float16)
+            xd = torch.from_numpy(x).cuda().to(dt)
+            for rep in range(2):
+                ys = g(xd)
+                for i, (y, lin, w, a) in enumerate(zip(ys, lins, ws, arrays, strict=True)):
+                    assert y.shape == (rows, lin.n) and y.dtype == dt
+                    want = x.astype(np.float64) @ w + (0 if a[3] is None else a[3])
+                    got = y.float().cpu().numpy()
+                    assert _rel(got, want) < 2e-3, (chunks, rows, rep, i)
+                    assert _rel(got, lin(xd).float().cpu().numpy()) < 1e-3, (chunks, rows, i)
+        # one row, captured and replayed with new inputs
+        xs = torch.zeros(1, k, dtype=dt, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            g(xs)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = g(xs)
+        for seed in range(2):
+            x = np.random.default_rng(100 + seed).normal(0, 1, (1, k)).astype(np.float16)
+            xs.copy_(torch.from_numpy(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            for y, w, a in zip(ys, ws, arrays, strict=True):
+                want = x.astype(np.float64) @ w + (0 if a[3] is None else a[3])
+                assert _rel(y.float().cpu().numpy(), want) < 2e-3, seed
+    # not one group: other inputs, other trellis widths
+    other_k = cx.CudaLinear(_tensors(torch, *_lin(rng, 512, 256, 48)), "mul1", "cuda")
+    other_w = cx.CudaLinear(_tensors(torch, *_lin(rng, k, 256, 40)), "mul1", "cuda")
+    base = cx.CudaLinear(_tensors(torch, *qkv[1]), "mul1", "cuda")
+    assert cx.CudaLinear.grouped([base, other_k]) is None and cx.CudaLinear.grouped([base, other_w]) is None
+
+
+def test_launch_checks_the_parameter_count(cx):
+    """A launch with fewer arguments than the kernel takes is refused (the driver's parameter
+    info), not run on whatever lies past the packed values."""
+    import torch
+
+    mod = cx.module(48, "mul1", torch.device("cuda"))
+    n = mod.param_count("exl3_gemv_ld_m8_t2")
+    if n is None:
+        pytest.skip("this driver has no cuFuncGetParamInfo")
+    assert n == 12 and mod.param_count("exl3_gemv_m8_t2") == 11
+    with pytest.raises(RuntimeError, match="takes 12 parameters, launched with 11"):
+        mod.launch("exl3_gemv_ld_m8_t2", 1, 128, *([None] * 5 + [1] * 6))
