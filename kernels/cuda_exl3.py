@@ -153,13 +153,15 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None,
-           tile_n=None, tile_rows: int = 1) -> torch.Tensor:
+           tile_n=None, tile_rows: int = 1, act_rows: int | None = None) -> torch.Tensor:
     """``tile_n`` (int32 per tile of ``tile_rows`` rows, or None): rows at and past a tile's count
-    are skipped (left undefined); only for the tile kernels, which zero-fill them."""
+    are skipped (left undefined); only for the tile kernels, which zero-fill them. ``act_rows``:
+    the input is silu(x[r]) * x[r + act_rows] (a gate+up output), not x[r]."""
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
     items = total * (k // 128)
-    mod.launch(f"exl3_had_in_{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x, xrot, suh_tab, src, exp,
-               rows, total, k, tile_n, tile_rows)
+    act = () if act_rows is None else (act_rows,)
+    mod.launch(f"exl3_had_in_{'act_' if act else ''}{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x,
+               xrot, suh_tab, src, exp, rows, total, k, tile_n, tile_rows, *act)
     return xrot
 
 
@@ -226,21 +228,26 @@ def gemv_pro_fits(rows: int, x_dtype: torch.dtype) -> bool:
 
 
 def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, rows: int, slots: int,
-             acc: torch.Tensor, slot_exp=None, row_src=None, row_exp=None, ld_tab=None) -> None:
+             acc: torch.Tensor, slot_exp=None, row_src=None, row_exp=None, ld_tab=None,
+             act_rows: int | None = None) -> None:
     """``had_in`` and ``gemv`` in one launch (``exl3_gemv_pro_m8_t2_*``, rows <= 8 a slot): each
     block rotates its split's columns of raw x (row o: x[row_src[o]] and sign vector row_exp[o],
     had_in's rounding) into shared memory. K splits are multiples of 8 k-tiles (whole 128-column
     Hadamard blocks), small enough that rows x the split fit PRO_SMEM; the fp32 acc and ``ld_tab``
-    as gemv's."""
-    name = f"exl3_gemv_pro_{'ld_' if ld_tab is not None else ''}m8_t2_{_SUFFIX[x.dtype]}"
+    as gemv's; ``act_rows`` as had_in's (not with ``ld_tab``)."""
+    if act_rows is not None and ld_tab is not None:
+        raise UsageError("gemv_pro: act_rows and ld_tab do not come together")
+    kind = "ld_" if ld_tab is not None else "act_" if act_rows is not None else ""
+    name = f"exl3_gemv_pro_{kind}m8_t2_{_SUFFIX[x.dtype]}"
     groups = nt // 2
     kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
     kps = -(-kps // 8) * 8
     cap = (PRO_SMEM // rows - 4) // 8 // 8 * 8       # xs holds rows x (kps x 8 + 4) uint32
     kps = max(8, min(kps, cap))
     units = groups * -(-kt // kps)
+    last = ld_tab if act_rows is None else act_rows
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
-               nt, kps, groups, units, ld_tab, pdl=PDL)
+               nt, kps, groups, units, last, pdl=PDL)
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
@@ -437,6 +444,8 @@ class CudaExperts:
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
         self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # (GEMV_PRO_MAX_ROWS)
+        # tiles(act_rows=...): silu(gate) * up inside the input pass (the fused step asks where on)
+        self.fused_act = preview.switched_on("act_input") and not self.invariant
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
@@ -460,7 +469,7 @@ class CudaExperts:
 
     def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
               rows: int, out_dtype: torch.dtype | None = None, kernel: str | None = None,
-              counts: torch.Tensor | None = None) -> torch.Tensor:
+              counts: torch.Tensor | None = None, act_rows: int | None = None) -> torch.Tensor:
         """Rows grouped by expert (dispatch module doc): y[o] = x[src[o]] @ W_{row_exp[o]} + bias;
         tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
         come out as bias). Each tile decodes its expert's weights once for all its rows.
@@ -468,8 +477,12 @@ class CudaExperts:
         TILE_KERNELS entry (benches), else the shared-memory one for PREFILL_TILE_ROWS (unless
         EXL3TOOLS_PREFILL_TILES=0), else gemv.
         ``counts`` (NT,): the rows of each tile that are real; with a shared-memory kernel the rest
-        are skipped by all three launches and come out undefined (the gemv kernel ignores it)."""
+        are skipped by all three launches and come out undefined (the gemv kernel ignores it).
+        ``act_rows`` (``fused_act``): x is a gate+up call's output and row r's input is
+        silu(x[r]) * x[r + act_rows], computed by the input pass (no silu_mul launch); src None."""
         N = row_exp.shape[0]
+        if act_rows is not None and src is not None:
+            raise UsageError("CudaExperts.tiles: act_rows reads rows in order (src None)")
         out_dtype = out_dtype or x.dtype
         if N == 0:
             return x.new_empty(0, self.n, dtype=out_dtype)
@@ -482,9 +495,10 @@ class CudaExperts:
         if self.gemv_in and kernel is None and gemv_pro_fits(rows, x2.dtype):   # had_in inside the gemv
             acc = workspace(self.device, N * self.n)
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc,
-                     slot_exp=texp32, row_src=src32, row_exp=rexp32)
+                     slot_exp=texp32, row_src=src32, row_exp=rexp32, act_rows=act_rows)
         else:
-            xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows)
+            xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows,
+                          act_rows=act_rows)
             fused = self._fused_out(kernel, out_dtype, tile_exp.shape[0])
             if fused is not None:     # the output pass inside the tile kernel: no workspace, no had_out
                 name, kps, groups = fused

@@ -147,8 +147,7 @@ class FusedGqaStep:
             if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS:
                 return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, len(mlp.experts) + 1), r["wk"]
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
-            act = fk.silu_mul(gu[:S], gu[S:])
-            return None, merged["down_proj"].tiles(act, None, r["down_exp"], r["down_exp"], 1), r["wk"]
+            return None, _down(merged["down_proj"], gu, S, r["down_exp"]), r["wk"]
         r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"], len(mlp.experts))
         sh = mlp.shared
         shared = None if sh is None else sh.down(fk.silu_mul(sh.gate(x), sh.up(x)))
@@ -158,6 +157,9 @@ class FusedGqaStep:
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
         if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS and "gate_up" in g and hasattr(g["down_proj"], "tiles"):
             return shared, _pairs_by_tiles(g, xp, r, S, mlp.top_k, len(mlp.experts)), r["wk"]
+        if "gate_up" in g and hasattr(g["down_proj"], "tiles"):
+            return shared, _down(g["down_proj"], g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"]), S,
+                                 r["down_exp"]), r["wk"]
         if "gate_up" in g:
             gu = g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             act = fk.silu_mul(gu[:S], gu[S:])
@@ -192,6 +194,15 @@ class FusedGqaStep:
         if key not in self._shared:
             self._shared[key] = _group_with_shared(mlp) if self.shared_in_group else None
         return self._shared[key]
+
+
+def _down(down, gu: torch.Tensor, S: int, down_exp: torch.Tensor) -> torch.Tensor:
+    """The down projection of S pairs, one row per tile in pair order, from their gate+up output
+    ``gu`` (2S rows: gates, then ups): silu(gate) * up inside its input pass where the backend
+    can (``fused_act``: EXL3TOOLS_ACT_INPUT, cuda_exl3), else through silu_mul first."""
+    if getattr(down, "fused_act", False):
+        return down.tiles(gu, None, down_exp, down_exp, 1, act_rows=S)
+    return down.tiles(fk.silu_mul(gu[:S], gu[S:]), None, down_exp, down_exp, 1)
 
 
 def _pairs_by_tiles(merged: dict, xp: torch.Tensor, r: dict, S: int, P: int, NE: int) -> torch.Tensor:

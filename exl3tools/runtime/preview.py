@@ -48,6 +48,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # width, exl3_gemv_ld_*) and one output pass: 3 launches for q/k/v instead of 9 (2 instead of
     # 6 with gemv_prologue); more than one row: one copy per linear of several chunks
     "grouped_proj": "EXL3TOOLS_GROUPED_PROJ",
+    # the fused decode step's MoE down projection takes the gate+up output as it is and computes
+    # silu(gate) * up in its own input pass (had_in's, or gemv_pro's: exl3_had_in_act_*,
+    # exl3_gemv_pro_act_*) instead of a silu_mul launch before it: one launch fewer a MoE layer
+    "act_input": "EXL3TOOLS_ACT_INPUT",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

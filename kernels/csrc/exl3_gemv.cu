@@ -243,6 +243,9 @@ __device__ __forceinline__ void load4(const half* p, float (&v)[4]);
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]);
 template <typename TX>
 __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]);
+template <typename TX>
+__device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
+                                            const half* __restrict__ suh, float (&v)[4]);
 constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
 
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
@@ -256,7 +259,8 @@ constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds 
 // PRO (rows <= 8 a slot, NT 2, kps a multiple of 8): no had_in launch before it. The block's four
 // warps share one split (column groups come in fours), so they rotate their k-range of each row
 // themselves, had_in's arithmetic on raw x (fp16 or fp32: TX) with row o's source row_src[o] and
-// sign vector row_exp[o], into shared memory, and take the B fragments from there.
+// sign vector row_exp[o], into shared memory, and take the B fragments from there. PRO 2: the
+// input is silu(gate) * up, gate at that row and up act_rows rows further (rotate4_act).
 template <int MROWS, int NT, int P, int PRO = 0, typename TX = half, bool LD = false>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc,
@@ -265,7 +269,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                                           const TX* __restrict__ x = nullptr, const uint64_t* __restrict__ suh_ptrs = nullptr,
                                           const int* __restrict__ row_src = nullptr,
                                           const int* __restrict__ row_exp = nullptr,
-                                          const int* __restrict__ ld_tab = nullptr) {
+                                          const int* __restrict__ ld_tab = nullptr, int act_rows = 0) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
     static_assert(PRO == 0 || (MB == 1 && NT == 2), "the input pass is for 8-row, two-tile units");
     __shared__ uint32_t xs[PRO ? PRO_SMEM : 1];
@@ -362,7 +366,11 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             const int col = i0 * 16 + ch * 128 + 4 * lane;
             const half* suh = reinterpret_cast<const half*>(suh_ptrs[row_exp ? row_exp[o] : 0]);
             float v[4];
-            rotate4(x + (size_t)(row_src ? row_src[o] : o) * k + col, suh + col, v);
+            const TX* xo_ = x + (size_t)(row_src ? row_src[o] : o) * k + col;
+            if constexpr (PRO == 2)
+                rotate4_act(xo_, xo_ + (size_t)act_rows * k, suh + col, v);
+            else
+                rotate4(xo_, suh + col, v);
             half2 h0 = __floats2half2_rn(v[0], v[1]);
             half2 h1 = __floats2half2_rn(v[2], v[3]);
             uint32_t* d = xs + m * xstride + ch * 64 + 2 * lane;
@@ -626,10 +634,8 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 
 // The input rotation of lane L's 4 values (x at its column, the sign vector at the same column):
 // (x ⊙ suh) · H128 / sqrt(128) in fp32, had_in's arithmetic (and the gemv's own input pass's)
-template <typename TX>
-__device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]) {
+__device__ __forceinline__ void rotate4_vals(const half* __restrict__ suh, float (&v)[4]) {
     float sv[4];
-    load4(x, v);
     load4(suh, sv);
 #pragma unroll
     for (int q = 0; q < 4; q++) v[q] *= sv[q];
@@ -637,12 +643,31 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 #pragma unroll
     for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
 }
-
 template <typename TX>
+__device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]) {
+    load4(x, v);
+    rotate4_vals(suh, v);
+}
+// ACT: the input is silu(gate) * up of a gate+up call's output (fused_decode.silu_mul's fp32
+// arithmetic, rounded to TX as its output would be), gate row at x, up row at u
+__device__ __forceinline__ float as_stored(float v, const half*) { return __half2float(__float2half_rn(v)); }
+__device__ __forceinline__ float as_stored(float v, const float*) { return v; }
+template <typename TX>
+__device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
+                                            const half* __restrict__ suh, float (&v)[4]) {
+    float b[4];
+    load4(x, v);
+    load4(u, b);
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] = as_stored(v[q] / (1.0f + __expf(-v[q])) * b[q], x);
+    rotate4_vals(suh, v);
+}
+
+template <typename TX, bool ACT = false>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
                                             const int* __restrict__ exp_idx, int rows, int total_rows, int k,
-                                            const int* __restrict__ tile_n, int tile_rows) {
+                                            const int* __restrict__ tile_n, int tile_rows, int act_rows = 0) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
     const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -654,7 +679,10 @@ __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __re
     const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
     const int col = blk * 128 + 4 * (threadIdx.x & 31);
     float v[4];
-    rotate4(x + (size_t)src * k + col, suh + col, v);
+    if constexpr (ACT)
+        rotate4_act(x + (size_t)src * k + col, x + ((size_t)src + act_rows) * k + col, suh + col, v);
+    else
+        rotate4(x + (size_t)src * k + col, suh + col, v);
     store4(xrot + (size_t)o * k + col, v);
 }
 
@@ -752,6 +780,17 @@ GEMV_PRO(exl3_gemv_pro_m8_t2_f16, half, false)
 GEMV_PRO(exl3_gemv_pro_m8_t2_f32, float, false)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f16, half, true)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
+// GEMV_PRO_ACT: its input silu(gate) * up (a gate+up call's output, up act_rows rows below gate)
+#define GEMV_PRO_ACT(NAME, TX)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                           \
+        const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
+        const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
+        int kps, int n_groups, int n_units, int act_rows) {                                          \
+        gemv_body<8, 2, 4, 2, TX>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
+                                  n_units, x, suh_ptrs, row_src, row_exp, nullptr, act_rows);        \
+    }
+GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f16, half)
+GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f32, float)
 #endif
 TILES(32, 2, 4)
 TILES(64, 2, 3)
@@ -792,6 +831,16 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
     }
 HAD_IN(exl3_had_in_f16, half)
 HAD_IN(exl3_had_in_f32, float)
+// HAD_IN_ACT: the input silu(gate) * up, up act_rows rows below gate (rotate4_act)
+#define HAD_IN_ACT(NAME, TX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
+                                                          const int* src_idx, const int* exp_idx, int rows,       \
+                                                          int total_rows, int k, const int* tile_n, int tile_rows, \
+                                                          int act_rows) {                                         \
+        had_in_body<TX, true>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows, act_rows); \
+    }
+HAD_IN_ACT(exl3_had_in_act_f16, half)
+HAD_IN_ACT(exl3_had_in_act_f32, float)
 
 #define HAD_OUT(NAME, TA, TY)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \

@@ -413,3 +413,42 @@ def test_launch_checks_the_parameter_count(cx):
     assert n == 12 and mod.param_count("exl3_gemv_m8_t2") == 11
     with pytest.raises(RuntimeError, match="takes 12 parameters, launched with 11"):
         mod.launch("exl3_gemv_ld_m8_t2", 1, 128, *([None] * 5 + [1] * 6))
+
+
+@pytest.mark.parametrize("pro", ["0", "1"])
+@pytest.mark.parametrize("xdt", ["float16", "float32"])
+def test_down_projection_takes_silu_gate_up(cx, pro, xdt, monkeypatch):
+    """EXL3TOOLS_ACT_INPUT: CudaExperts.tiles(gu, act_rows=S) computes silu(gate) * up in its input
+    pass (had_in's, or gemv_pro's at one row a slot) from a gate+up output of 2S rows, and gives
+    what silu_mul then tiles gives: one row a slot (the decode step's), 64-row tiles (the tile
+    kernel with its fused output pass) and one skipped tile, against the reference too."""
+    import torch
+    from exl3tools.kernels.fused_decode import silu_mul_reference
+
+    dt = getattr(torch, xdt)
+    monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", pro)
+    monkeypatch.setenv("EXL3TOOLS_ACT_INPUT", "1")
+    rng = np.random.default_rng(41)
+    E, k, n = 3, 512, 256
+    el = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
+    ex = cx.CudaExperts([_tensors(torch, *p) for p in el], "mul1", "cuda")
+    assert ex.fused_act
+    for S, rows in ((5, 1), (128, 64)):
+        gu = torch.from_numpy(rng.normal(0, 2, (2 * S, k)).astype(np.float16)).cuda().to(dt)
+        if rows == 1:
+            row_exp = torch.tensor([2, 0, 1, 2, 1], device="cuda")
+            tile_exp = torch.tensor([2, 0, -1, 2, 1], device="cuda")
+        else:
+            row_exp = torch.tensor([1] * 64 + [2] * 64, device="cuda")
+            tile_exp = torch.tensor([1, 2], device="cuda")
+        act = silu_mul_reference(gu[:S], gu[S:])
+        want = ex.tiles(act, None, row_exp, tile_exp, rows).float().cpu().numpy()
+        got = ex.tiles(gu, None, row_exp, tile_exp, rows, act_rows=S).float().cpu().numpy()
+        assert _rel(got, want) < 1e-3, (S, rows)
+        a64 = act.double().cpu().numpy()
+        for s_, (e, te) in enumerate(zip(row_exp.tolist(), tile_exp.repeat_interleave(rows).tolist(), strict=True)):
+            tr, suh, svh, b = el[e]
+            ref_row = b.astype(np.float64) if te < 0 else a64[s_] @ ref.decode_linear(tr, suh, svh, "mul1") + b
+            assert _rel(got[s_], ref_row) < 2e-3, (S, s_)
+    with pytest.raises(Exception, match="src None"):
+        ex.tiles(gu, torch.zeros(S, dtype=torch.int64, device="cuda"), row_exp, tile_exp, rows, act_rows=S)
