@@ -215,7 +215,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
 
 
 PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
-# rows a slot up to which the EXL3TOOLS_GEMV_PROLOGUE preview takes gemv_pro (its kernel takes 8).
+# rows a slot up to which gemv_pro is taken (EXL3TOOLS_GEMV_PROLOGUE, the default since 2026-12-03; its kernel takes 8).
 # H200, 2026-12-03 (K 3, µs, had_in + gemv vs gemv_pro): one row 30.6 -> 29.8 at 4096 -> 14336,
 # 31.3 -> 30.7 at 14336 -> 4096, 13.8 -> 13.6, 14.1 -> 13.8, 33.5 -> 34.0 at 8192 -> 8192; eight
 # rows 32.6 -> 36.7, 32.1 -> 36.2, 34.4 -> 40.3 (each block rotates 8 rows, shorter splits)

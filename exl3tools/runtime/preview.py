@@ -34,29 +34,28 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # expert's weights, the shared expert's once per token) below MOE_TILES_MIN_SLOTS pairs and
     # _tiles_sum (shared expert apart) above
     "pair_tiles": "EXL3TOOLS_PAIR_TILES",
-    # linears and expert slots of one row: the gemv kernel rotates its own split of the activations
-    # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
-    # gemv_body PRO, cuda_exl3.gemv_pro, GEMV_PRO_MAX_ROWS). H200 2026-12-03: test_cuda_kernels
-    # passes with it; the engine's decode loop at batch 1 725 -> 751 tok/s (at 8 rows a linear it
-    # was slower, so one row only; not yet served nor run through the whole tests/gpu at one row).
-    # (Its mirror, the output pass inside the gemv, measured slower than had_out's launch and was
-    # dropped: docs/gpu.md, the 2026-12-02 23:52 session, call 4.)
-    "gemv_prologue": "EXL3TOOLS_GEMV_PROLOGUE",
-    # the fused decode step's q, k and v (and a dense MLP's gate and up) as one grouped call each
-    # (runtime.layers.LinearGroup -> kernels/cuda_exl3.CudaGroup): the linears cut into column
-    # chunks of one width, the chunks the slots of one gemv launch (each with its own trellis
-    # width, exl3_gemv_ld_*) and one output pass: 3 launches for q/k/v instead of 9 (2 instead of
-    # 6 with gemv_prologue); more than one row: one copy per linear of several chunks
-    "grouped_proj": "EXL3TOOLS_GROUPED_PROJ",
     # the fused decode step's MoE down projection takes the gate+up output as it is and computes
     # silu(gate) * up in its own input pass (had_in's, or gemv_pro's: exl3_had_in_act_*,
     # exl3_gemv_pro_act_*) instead of a silu_mul launch before it: one launch fewer a MoE layer
+    # (H200 2026-12-03, the engine's decode loop on air6: batch 1 738 vs 739 tok/s, batch 8 2527 vs
+    # 2537: no gain measured, so it stays a preview; tests/gpu passes with it)
     "act_input": "EXL3TOOLS_ACT_INPUT",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
+    # linears and expert slots of one row: the gemv kernel rotates its own split of the activations
+    # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
+    # gemv_body PRO, cuda_exl3.gemv_pro, GEMV_PRO_MAX_ROWS); and the fused decode step's q, k and v
+    # (a dense MLP's gate and up) as one grouped call each (runtime.layers.LinearGroup ->
+    # cuda_exl3.CudaGroup: column chunks of one width as the slots of one gemv launch, each with its
+    # own trellis width, exl3_gemv_ld_*, and one output pass; 9 launches -> 2 at one row). H200
+    # 2026-12-03 (docs/gpu.md): tests/gpu 803 passed with both on; the engine's decode loop on air6
+    # 739 -> 786 tok/s at batch 1, 2537 -> 2544 at 8; served one stream 831 -> 892 and 836 -> 893
+    # tok/s in two runs, 8 streams within the spread
+    "gemv_prologue": "EXL3TOOLS_GEMV_PROLOGUE",
+    "grouped_proj": "EXL3TOOLS_GROUPED_PROJ",
     "fused": "EXL3TOOLS_FUSED",            # Triton glue kernels in the GQA decode step (issue 15)
     "row_steps": "EXL3TOOLS_ROW_STEPS",    # several new tokens of one sequence as rows of the decode step
     # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
