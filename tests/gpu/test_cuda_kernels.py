@@ -320,14 +320,7 @@ def _graph_replays(cx, lin_arrays, rows: int, dtype) -> None:
     k = tr.shape[0] * 16
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
     xs = torch.zeros(rows, k, dtype=dtype, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        lin(xs)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ys = lin(xs)
+    g, ys = _captured(lin, xs)
     w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
     for seed in range(3):
         x = np.random.default_rng(seed).normal(0, 1, (rows, k)).astype(np.float16)
@@ -335,6 +328,21 @@ def _graph_replays(cx, lin_arrays, rows: int, dtype) -> None:
         g.replay()
         torch.cuda.synchronize()
         assert _rel(ys.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, seed
+
+
+def _captured(fn, xs):
+    """(graph, outputs) of ``fn(xs)`` captured in a CUDA graph after a warm-up on a side stream."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(xs)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = fn(xs)
+    return g, ys
 
 
 def test_graph_replay(cx):
@@ -378,14 +386,7 @@ def test_grouped_linears(cx, pro, xdt, monkeypatch):
                     assert _rel(got, lin(xd).float().cpu().numpy()) < 1e-3, (chunks, rows, i)
         # one row, captured and replayed with new inputs
         xs = torch.zeros(1, k, dtype=dt, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            g(xs)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ys = g(xs)
+        graph, ys = _captured(g, xs)
         for seed in range(2):
             x = np.random.default_rng(100 + seed).normal(0, 1, (1, k)).astype(np.float16)
             xs.copy_(torch.from_numpy(x))
