@@ -73,6 +73,8 @@ def fused() -> None:
         fk.residual_rmsnorm(h, w, 1e-5, delta=torch.zeros(T, H))
         fk.residual_rmsnorm(h, w, 1e-5, delta=torch.zeros(T, H), y=torch.zeros(T * K, H + 64, dtype=bf16),
                             wk=torch.zeros(T * K))
+        fk.residual_rmsnorm(h, w, 1e-5, y=torch.zeros(T * K + 9, H, dtype=bf16), wk=torch.zeros(T * K),
+                            y_rows=torch.zeros(T * K, dtype=torch.int32))
         fk.embed_rmsnorm(torch.zeros(1000, H, dtype=bf16), torch.zeros(T, dtype=torch.int64), w, 1e-5)
     for T, nq, nkv, hd, rdim, norm, kvdt in ((1, 32, 8, 128, 128, True, bf16), (4, 64, 8, 128, 64, False, f16),
                                              (2, 16, 2, 256, 64, True, torch.float32), (2, 96, 8, 128, 64, False, bf16)):
@@ -85,6 +87,10 @@ def fused() -> None:
                                              (160, 6, "softmax", False, False, True), (512, 10, "sigmoid", True, True, True)):
         fk.route(torch.zeros(4, E), k, routing, norm, 2.5, torch.zeros(E) if bias else None,
                  torch.arange(E, dtype=torch.int32), E, shared)
+    from exl3tools.kernels import expert_groups as eg
+
+    for S, P, NE in ((18, 9, 129), (72, 9, 129), (504, 9, 257), (64, 8, 128)):
+        eg.group_pairs(torch.zeros(S, dtype=torch.int32), P, NE)
     for R, N in ((8, 18432), (1, 1536), (72, 768)):
         fk.silu_mul(torch.zeros(R, N, dtype=bf16), torch.zeros(R, N, dtype=bf16))
 

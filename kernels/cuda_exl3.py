@@ -178,8 +178,9 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
          slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
-    entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64), which
-    takes ``tile_n`` (int32 valid rows per slot, or None: all). An int64 ``acc`` (``fixed_workspace``,
+    entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64);
+    ``tile_n`` (int32 valid rows per slot, or None: all; not with ``ld_tab``): the rest are
+    neither read nor added. An int64 ``acc`` (``fixed_workspace``,
     either kernel): batch-invariant sums, K split by the weight's shape alone. ``ld_tab`` (int32 per
     expert, gemv kernel only): the n-tiles of each expert's whole trellis, whose first ``nt`` columns
     (from its table pointer) the slot multiplies (CudaGroup's column chunks); None: nt."""
@@ -209,7 +210,9 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
     accs = (None, acc) if fixed else (acc, None)
-    extra = (tile_n,) if kernel is not None else () if ld_tab is None else (ld_tab,)
+    if ld_tab is not None and tile_n is not None:
+        raise UsageError("gemv: tile_n and ld_tab do not come together")
+    extra = (tile_n,) if ld_tab is None else (ld_tab,)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     mod.launch(name, (-(-units // 4), slots), 128, *args, pdl=PDL)
 
@@ -476,8 +479,8 @@ class CudaExperts:
         ``out_dtype``: fp16 or fp32 straight from the output pass (default x's). ``kernel``: a
         TILE_KERNELS entry (benches), else the shared-memory one for PREFILL_TILE_ROWS (unless
         EXL3TOOLS_PREFILL_TILES=0), else gemv.
-        ``counts`` (NT,): the rows of each tile that are real; with a shared-memory kernel the rest
-        are skipped by all three launches and come out undefined (the gemv kernel ignores it).
+        ``counts`` (NT,): the rows of each tile that are real; the rest are skipped by all three
+        launches (either kernel) and come out undefined (their src/row_exp are never read).
         ``act_rows`` (``fused_act``): x is a gate+up call's output and row r's input is
         silu(x[r]) * x[r + act_rows], computed by the input pass (no silu_mul launch); src None."""
         N = row_exp.shape[0]
@@ -491,8 +494,8 @@ class CudaExperts:
         rexp32 = row_exp.to(torch.int32).contiguous()
         texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
         kernel = kernel or self._tile_kernel(rows)
-        tn = None if kernel is None or counts is None else counts.to(torch.int32).contiguous()
-        if self.gemv_in and kernel is None and gemv_pro_fits(rows, x2.dtype):   # had_in inside the gemv
+        tn = None if counts is None else counts.to(torch.int32).contiguous()
+        if self.gemv_in and kernel is None and tn is None and gemv_pro_fits(rows, x2.dtype):   # had_in inside the gemv
             acc = workspace(self.device, N * self.n)
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc,
                      slot_exp=texp32, row_src=src32, row_exp=rexp32, act_rows=act_rows)

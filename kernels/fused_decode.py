@@ -57,7 +57,7 @@ if triton is not None:
     def _residual_rmsnorm_kernel(h_ptr, d_ptr, y_ptr, wk_ptr, w_ptr, x_ptr, tok_ptr, H, K, eps,
                                  sh, sd, sy, sx,
                                  HAS_D: tl.constexpr, HAS_Y: tl.constexpr, WRITE_H: tl.constexpr,
-                                 GATHER: tl.constexpr, BLOCK: tl.constexpr):
+                                 GATHER: tl.constexpr, BLOCK: tl.constexpr, Y_ROWS: tl.constexpr = False):
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < H
@@ -70,7 +70,11 @@ if triton is not None:
             acc = tl.zeros([BLOCK], tl.float32)
             for j in range(K):
                 wj = tl.load(wk_ptr + r * K + j)
-                acc += tl.load(y_ptr + (r * K + j) * sy + c, mask=m, other=0.0).to(tl.float32) * wj
+                if Y_ROWS:   # y in expert-grouped order: the pair's row (tok_ptr: y_rows)
+                    yr = tl.load(tok_ptr + r * K + j).to(tl.int64)
+                else:
+                    yr = r * K + j
+                acc += tl.load(y_ptr + yr * sy + c, mask=m, other=0.0).to(tl.float32) * wj
             if HAS_D:
                 acc += tl.load(d_ptr + r * sd + c, mask=m, other=0.0).to(tl.float32)
             h = h + acc
@@ -203,9 +207,12 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------ residual + RMSNorm
 def residual_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
-                     y: torch.Tensor | None = None, wk: torch.Tensor | None = None) -> torch.Tensor:
+                     y: torch.Tensor | None = None, wk: torch.Tensor | None = None,
+                     y_rows: torch.Tensor | None = None) -> torch.Tensor:
     """In place ``h += delta + sum_j wk[t*K+j] * y[t*K+j, :H]`` (terms optional), then return
-    ``rmsnorm(h) * weight`` (T, H) fp32. h (T, H) fp32; y (T*K, >= H) rows of the routed experts."""
+    ``rmsnorm(h) * weight`` (T, H) fp32. h (T, H) fp32; y (T*K, >= H) rows of the routed experts,
+    or with ``y_rows`` (T*K,) int32 any rows, pair t*K+j's at y[y_rows[t*K+j]] (expert-grouped
+    tiles: kernels.expert_groups; every index must be a row of y)."""
     T, H = _rows(h, "h").shape
     if h.dtype != torch.float32:
         raise ValueError(f"h must be float32, got {h.dtype}")
@@ -215,18 +222,20 @@ def residual_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: t
     K = 0
     if y is not None:
         _rows(y, "y")
-        K = y.shape[0] // T
-        if y.shape[0] != T * K or wk is None or wk.numel() != T * K or y.shape[1] < H:
-            raise ValueError(f"y {tuple(y.shape)} / wk do not fit {T} rows of {H}")
+        K = (y.shape[0] if y_rows is None else y_rows.numel()) // T
+        pairs_ok = y.shape[0] == T * K if y_rows is None else y_rows.numel() == T * K and y_rows.dtype == torch.int32
+        if not pairs_ok or wk is None or wk.numel() != T * K or y.shape[1] < H:
+            raise ValueError(f"y {tuple(y.shape)} / wk / y_rows do not fit {T} rows of {H}")
     if delta is not None:
         _rows(delta, "delta")
     block = _pow2(H)
+    rows = y is not None and y_rows is not None
     _residual_rmsnorm_kernel[(T,)](
         h, h if delta is None else delta, h if y is None else y, h if wk is None else wk.contiguous(),
-        weight, x, h, H, K, float(eps), h.stride(0), 0 if delta is None else delta.stride(0),
-        0 if y is None else y.stride(0), x.stride(0),
+        weight, x, y_rows.contiguous() if rows else h, H, K, float(eps), h.stride(0),
+        0 if delta is None else delta.stride(0), 0 if y is None else y.stride(0), x.stride(0),
         HAS_D=delta is not None, HAS_Y=y is not None, WRITE_H=delta is not None or y is not None,
-        GATHER=False, BLOCK=block, num_warps=_warps(block))
+        GATHER=False, BLOCK=block, Y_ROWS=rows, num_warps=_warps(block))
     return x
 
 
@@ -252,9 +261,11 @@ def embed_rmsnorm_reference(embed, tokens, weight, eps):
     return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def residual_rmsnorm_reference(h, weight, eps, delta=None, y=None, wk=None):
+def residual_rmsnorm_reference(h, weight, eps, delta=None, y=None, wk=None, y_rows=None):
     T, H = h.shape
     if y is not None:
+        if y_rows is not None:
+            y = y.index_select(0, y_rows.long())
         K = y.shape[0] // T
         routed = (y[:, :H].float() * wk.reshape(-1, 1)).view(T, K, H).sum(1)
         delta = routed if delta is None else routed + delta

@@ -78,6 +78,31 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
+def test_expert_groups_match_plain_cache(name, monkeypatch):
+    """EXL3TOOLS_EXPERT_GROUPS: steps of 2+ tokens run their MoE pairs in one tile per expert
+    (kernels/expert_groups.py; glm4_moe's shared expert among them, qwen3_moe without one) and
+    residual_rmsnorm reads each pair's row from the tiles: the plain cache's logits."""
+    _interpret()
+    from exl3tools.kernels import expert_groups as eg
+    from exl3tools.runtime import fused_step
+
+    calls = []
+    real = eg.group_pairs
+    monkeypatch.setattr(eg, "group_pairs", lambda exp, P, NE, *a: calls.append((exp.shape[0], P, NE)) or real(exp, P, NE, *a))
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", "1")
+    r = _paged(name, "static")
+    assert r.paged.decoder._fused.expert_groups
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    assert calls and all(S > P for S, P, _ in calls)         # only steps of 2+ tokens
+    shared = name.startswith("glm4_moe")
+    assert {P for _, P, _ in calls} == {_model(name).layers[-1].mlp.top_k + shared}
+    assert fused_step.FusedGqaStep is type(r.paged.decoder._fused)
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))
+
+
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
 def test_batch_invariant_moe_tiles_in_pair_order(name, monkeypatch):
     """The pair-order tiles (batch-invariant runs; EXL3TOOLS_PAIR_TILES), forced from 1 pair here:
     expert-sorted tiles whose rows go back to pair order (fused_step._pairs_by_tiles), summed by

@@ -11,6 +11,8 @@ Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
                 MLP: dense  -> d = down(silu_mul(gate(x), up(x)))
                      MoE    -> route (one kernel: choice, weights, index arrays; the shared expert
                                as one more pair per token), gate+up grouped, silu_mul, down grouped
+                               (2+ tokens, EXL3TOOLS_EXPERT_GROUPS: the pairs in one tile per
+                               expert, kernels/expert_groups.py, so each expert decodes once)
                 x = residual_rmsnorm(h += d + sum_j w_j y_j; next attn_norm, or the final norm)
 
 so the residual adds, the routed sum and the norms are one kernel per norm. MoE layers whose
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3tools.errors import UsageError
+from exl3tools.kernels import expert_groups as eg
 from exl3tools.kernels import fused_decode as fk
 from exl3tools.runtime import invariance, preview
 from exl3tools.runtime.layers import (
@@ -94,6 +97,8 @@ class FusedGqaStep:
         self.invariant = invariance.on()
         # MoE rows in expert-sorted tiles, back in pair order (the invariant mode's path; a preview otherwise)
         self.pair_tiles = self.invariant or preview.switched_on("pair_tiles")
+        # 2+ tokens: one tile per expert (kernels/expert_groups.py; a preview)
+        self.expert_groups = preview.switched_on("expert_groups") and not self.pair_tiles
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
         layers = self.model.layers
@@ -106,8 +111,8 @@ class FusedGqaStep:
                 rope[id(a.inv_freq)] = fk.rope_tables(positions, a.inv_freq)
             d = self.attention(a, x, rope[id(a.inv_freq)], slots, tables, ctx, attend)
             x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
-            d, y, wk = self.mlp(layer.mlp, x)
-            x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk)
+            d, y, wk, y_rows = self.mlp(layer.mlp, x)
+            x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
         return x
 
     def attention(self, a, x, rope, slots, tables, ctx, attend) -> torch.Tensor:
@@ -124,12 +129,13 @@ class FusedGqaStep:
         return a.reduce(a.o(o.reshape(x.shape[0], a.nq * a.hd)))
 
     def mlp(self, mlp, x):
-        """(delta, y, wk): the MLP's output as ``delta`` plus, for routed experts, their rows ``y``
-        (T * top_k, >= H) and weights ``wk`` (T * top_k,), for residual_rmsnorm to sum."""
+        """(delta, y, wk, y_rows): the MLP's output as ``delta`` plus, for routed experts, their rows
+        ``y`` (T * top_k, >= H; or any rows, pair p's at y_rows[p]) and weights ``wk`` (T * top_k,),
+        for residual_rmsnorm to sum."""
         if isinstance(mlp, GatedMLP):
-            return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None
+            return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None, None
         if not isinstance(mlp, MoE) or mlp.reduce is not _identity or not mlp.experts:
-            return mlp.forward_static(x), None, None
+            return mlp.forward_static(x), None, None, None
         T, H = x.shape
         g = mlp.grouped()
         g["lut"] = g["lut"].to(x.device)
@@ -138,28 +144,39 @@ class FusedGqaStep:
         logits = invariance.rows_mm(x, mlp.router.t()) if self.invariant else x @ mlp.router.t()
         S = T * mlp.top_k
         tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.pair_tiles
-        merged = None if tiled else self._with_shared(mlp)
-        if merged is not None:          # the shared expert as one more pair per token
+        by_expert = self.expert_groups and T > 1
+        merged = self._with_shared(mlp) if by_expert or not tiled else None
+        NE = len(mlp.experts) + (merged is not None)
+        by_expert = (by_expert and T * (mlp.top_k + (merged is not None)) <= eg.MAX_PAIRS
+                     and (merged is not None or ("gate_up" in g and hasattr(g["down_proj"], "tiles"))))
+        tiled = tiled and not by_expert
+        if merged is not None and not tiled:          # the shared expert as one more pair per token
             r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],
                          len(mlp.experts), shared=True)
             xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
             S = T * (mlp.top_k + 1)
+            if by_expert:
+                y, rows = _by_expert(merged, xp, r, mlp.top_k + 1, NE)
+                return None, y, r["wk"], rows
             if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS:
-                return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, len(mlp.experts) + 1), r["wk"]
+                return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, NE), r["wk"], None
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
-            return None, _down(merged["down_proj"], gu, S, r["down_exp"]), r["wk"]
+            return None, _down(merged["down_proj"], gu, S, r["down_exp"]), r["wk"], None
         r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"], len(mlp.experts))
         sh = mlp.shared
         shared = None if sh is None else sh.down(fk.silu_mul(sh.gate(x), sh.up(x)))
         if tiled:
             routed = mlp._tiles_sum(x, g, r["loc"], r["w"])
-            return (routed if shared is None else routed + shared), None, None
+            return (routed if shared is None else routed + shared), None, None, None
         xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
+        if by_expert:
+            y, rows = _by_expert(g, xp, r, mlp.top_k, NE)
+            return shared, y, r["wk"], rows
         if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS and "gate_up" in g and hasattr(g["down_proj"], "tiles"):
-            return shared, _pairs_by_tiles(g, xp, r, S, mlp.top_k, len(mlp.experts)), r["wk"]
+            return shared, _pairs_by_tiles(g, xp, r, S, mlp.top_k, len(mlp.experts)), r["wk"], None
         if "gate_up" in g and hasattr(g["down_proj"], "tiles"):
             return shared, _down(g["down_proj"], g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"]), S,
-                                 r["down_exp"]), r["wk"]
+                                 r["down_exp"]), r["wk"], None
         if "gate_up" in g:
             gu = g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             act = fk.silu_mul(gu[:S], gu[S:])
@@ -171,7 +188,7 @@ class FusedGqaStep:
             y = down.tiles(act, None, r["down_exp"], r["down_exp"], 1)
         else:
             y = down.slots(act, torch.arange(S, device=x.device), r["down_exp"])
-        return shared, y, r["wk"]
+        return shared, y, r["wk"], None
 
     def _project(self, owner, linears: tuple, x: torch.Tensor) -> list[torch.Tensor]:
         """Each of ``linears`` (which read the same x) applied to x: as one LinearGroup of
@@ -203,6 +220,23 @@ def _down(down, gu: torch.Tensor, S: int, down_exp: torch.Tensor) -> torch.Tenso
     if getattr(down, "fused_act", False):
         return down.tiles(gu, None, down_exp, down_exp, 1, act_rows=S)
     return down.tiles(fk.silu_mul(gu[:S], gu[S:]), None, down_exp, down_exp, 1)
+
+
+def _by_expert(proj: dict, xp: torch.Tensor, r: dict, P: int, NE: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, y_rows): the gate+up and down calls of ``proj`` over the step's pairs in one tile per
+    expert (kernels/expert_groups.py: each expert's weights decoded once, whatever its pairs);
+    y in tile order, pair p's row at y_rows[p] (residual_rmsnorm reads them there). ``r``:
+    fk.route's output (P pairs per token over NE experts, up at +NE)."""
+    gp = eg.group_pairs(r["down_exp"], P, NE)
+    NT, R = gp["tiles"], gp["rows"]
+    N = NT * R
+    gu = proj["gate_up"].tiles(xp, gp["row_src"], gp["row_exp"], gp["tile_exp"], R, counts=gp["tile_n"])
+    down, tiles = proj["down_proj"], (gp["row_exp"][:N], gp["tile_exp"][:NT], R)
+    if getattr(down, "fused_act", False):   # (EXL3TOOLS_ACT_INPUT) silu(gate) * up in its input pass
+        y = down.tiles(gu, None, *tiles, counts=gp["tile_n"][:NT], act_rows=N)
+    else:
+        y = down.tiles(fk.silu_mul(gu[:N], gu[N:]), None, *tiles, counts=gp["tile_n"][:NT])
+    return y, gp["pair_row"]
 
 
 def _pairs_by_tiles(merged: dict, xp: torch.Tensor, r: dict, S: int, P: int, NE: int) -> torch.Tensor:

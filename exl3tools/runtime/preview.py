@@ -40,6 +40,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (H200 2026-12-03, the engine's decode loop on air6: batch 1 738 vs 739 tok/s, batch 8 2527 vs
     # 2537: no gain measured, so it stays a preview; tests/gpu passes with it)
     "act_input": "EXL3TOOLS_ACT_INPUT",
+    # the fused decode step's MoE at 2 or more tokens (up to expert_groups.MAX_PAIRS pairs): the
+    # pairs grouped into one 8-row tile per expert by one kernel (kernels/expert_groups.py), so each
+    # expert's weights are decoded once, not once per pair (batch 8 on GLM-4.5-Air: 72 pairs, ~50
+    # experts; the shared expert once instead of 8 times), and residual_rmsnorm reads each pair's
+    # row from the tiles (y_rows); instead of one row per pair below MOE_TILES_MIN_SLOTS pairs and
+    # _tiles_sum (expert_tiles' ~25 torch launches, the shared expert apart) above
+    "expert_groups": "EXL3TOOLS_EXPERT_GROUPS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -269,7 +269,8 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                                           const TX* __restrict__ x = nullptr, const uint64_t* __restrict__ suh_ptrs = nullptr,
                                           const int* __restrict__ row_src = nullptr,
                                           const int* __restrict__ row_exp = nullptr,
-                                          const int* __restrict__ ld_tab = nullptr, int act_rows = 0) {
+                                          const int* __restrict__ ld_tab = nullptr, int act_rows = 0,
+                                          const int* __restrict__ tile_n = nullptr) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
     static_assert(PRO == 0 || (MB == 1 && NT == 2), "the input pass is for 8-row, two-tile units");
     __shared__ uint32_t xs[PRO ? PRO_SMEM : 1];
@@ -289,6 +290,9 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     if (i0 >= i1) return;                  // (PRO: the same for the whole block)
     const int e = slot_exp ? slot_exp[z] : 0;
     if (e < 0) return;                     // an unused tile of a grouped MoE call: no work, acc stays 0
+    // tile_n (not with PRO): the slot's real rows; the rest are neither read nor added (the
+    // Hadamard passes skip them too), so their acc rows stay zero
+    const int valid = tile_n ? min(rows, tile_n[z]) : rows;
     const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
     const int g = lane >> 2, t = lane & 3;
     const int k2 = kt * 8;                 // uint32 per activation row
@@ -308,7 +312,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
 #pragma unroll
     for (int mb = 0; mb < MB; mb++) {
         const int m = 8 * mb + g;
-        xv[mb] = m < rows;
+        xv[mb] = m < valid;
         xr[mb] = xrot + (size_t)(z * rows + (xv[mb] ? m : 0)) * k2 + t + 8 * i0;
     }
 
@@ -394,7 +398,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P - 1; p++)
         if (p < count - it) step(p);
 
-    if (live) add_fragments<MB, NT>(acc, acc64, c, z * rows, rows, n, j0, g, t);
+    if (live) add_fragments<MB, NT>(acc, acc64, c, z * rows, valid, n, j0, g, t);
 }
 
 // ------------------------------------------------------------------ decode Ŵ (transposed store)
@@ -728,8 +732,10 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
 #define GEMV(MROWS, NT)                                                                              \
     extern "C" __global__ void __launch_bounds__(128) exl3_gemv_m##MROWS##_t##NT(                     \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
-        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units) {    \
-        gemv_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units); \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* tile_n) {                                                                          \
+        gemv_body<MROWS, NT, 4, 0, half>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
+                                nullptr, nullptr, nullptr, nullptr, nullptr, 0, tile_n);              \
     }
 // GEMV_LD(MROWS, NT): the same with each expert's trellis width from ld_tab (CudaGroup's column chunks)
 #define GEMV_LD(MROWS, NT)                                                                           \

@@ -37,7 +37,7 @@ def _close(a, b, tol):
 
 
 @pytest.mark.parametrize("T,H", NORM_CASES)
-@pytest.mark.parametrize("terms", ["none", "delta", "routed", "both"])
+@pytest.mark.parametrize("terms", ["none", "delta", "routed", "both", "rows"])
 def test_residual_rmsnorm(dev, T, H, terms):
     import torch
     from exl3tools.kernels import fused_decode as fk
@@ -48,12 +48,67 @@ def test_residual_rmsnorm(dev, T, H, terms):
     delta = torch.randn(T, H + 64, generator=g)[:, :H].to(dev) if terms in ("delta", "both") else None
     K = 8
     y = torch.randn(T * K, H + 128, generator=g).to(dev) if terms in ("routed", "both") else None
+    rows = None
+    if terms == "rows":     # y in another order (expert-grouped tiles), 5 rows more: y_rows says where
+        y = torch.randn(T * K + 5, H + 128, generator=g).to(dev)
+        rows = torch.randperm(T * K + 5, generator=g)[:T * K].to(torch.int32).to(dev)
     wk = torch.rand(T * K, generator=g).to(dev) if y is not None else None
     h1, h2 = h.clone(), h.clone()
-    x1 = fk.residual_rmsnorm(h1, w, 1e-5, delta, y, wk)
-    x2 = fk.residual_rmsnorm_reference(h2, w, 1e-5, delta, y, wk)
+    x1 = fk.residual_rmsnorm(h1, w, 1e-5, delta, y, wk, rows)
+    x2 = fk.residual_rmsnorm_reference(h2, w, 1e-5, delta, y, wk, rows)
     _close(h1, h2, 1e-6)
     _close(x1, x2, 1e-5)
+    if rows is not None:    # the pair-order rows without y_rows: the same sum
+        h3 = h.clone()
+        fk.residual_rmsnorm(h3, w, 1e-5, None, y.index_select(0, rows.long()), wk)
+        _close(h1, h3, 1e-6)
+
+
+# (tokens, pairs a token, experts): GLM-4.5-Air's 8 routed + shared at batch 2, 8, 14, 32 and 56 (the
+# most pairs, 504 <= MAX_PAIRS), Qwen3's 8 of 128, and few experts (one expert holding 3 tiles' pairs)
+GROUP_CASES = [(2, 9, 129), (8, 9, 129), (14, 9, 129), (32, 9, 129), (56, 9, 129), (8, 8, 128), (7, 4, 3),
+               (1, 9, 129)]
+
+
+@pytest.mark.parametrize("T,P,NE", GROUP_CASES)
+def test_group_pairs(dev, T, P, NE):
+    """kernels/expert_groups.group_pairs against its torch reference, value for value, and the
+    layout itself: every pair its own row, in a tile of its expert holding its token; each tile's
+    real rows counted; no tile past the static bound; one tile per expert while it has <= 8 pairs."""
+    import torch
+    from exl3tools.kernels import expert_groups as eg
+
+    g = torch.Generator().manual_seed(T * P + NE)
+    S = T * P
+    e = torch.stack([torch.randperm(NE - 1, generator=g)[:P] if P < NE - 1 else
+                     torch.randint(0, NE - 1, (P,), generator=g) for _ in range(T)])
+    if P == 9:
+        e[:, -1] = NE - 1                 # the shared expert: one pair per token
+    e = e.reshape(-1).to(torch.int32)
+    got = eg.group_pairs(e.to(dev), P, NE)
+    want = eg.group_pairs_reference(e, P, NE)
+    for k in ("pair_row", "tile_exp", "tile_n", "row_src", "row_exp"):
+        assert torch.equal(got[k].cpu(), want[k]), k
+    NT, R = got["tiles"], got["rows"]
+    assert NT == eg.n_tiles(S, NE) and R == eg.TILE_ROWS
+    row = want["pair_row"].long()
+    assert len(set(row.tolist())) == S and int(row.max()) < NT * R
+    tile = row // R
+    assert torch.equal(want["tile_exp"][tile].long(), e.long())
+    assert torch.equal(want["tile_exp"][NT + tile].long(), e.long() + NE)
+    assert torch.equal(want["row_src"][row].long(), torch.arange(S) // P)
+    assert torch.equal(want["row_exp"][NT * R + row].long(), e.long() + NE)
+    assert torch.equal(torch.bincount(tile, minlength=NT)[:NT], want["tile_n"][:NT].long())
+    counts = torch.bincount(e.long(), minlength=NE)
+    assert int((want["tile_exp"][:NT] >= 0).sum()) == int(((counts + R - 1) // R).sum())
+
+
+def test_group_pairs_refuses_too_many_pairs():
+    import torch
+    from exl3tools.kernels import expert_groups as eg
+
+    with pytest.raises(ValueError, match="1-512 pairs"):
+        eg.group_pairs(torch.zeros(eg.MAX_PAIRS + 1, dtype=torch.int32), 9, 129)
 
 
 @pytest.mark.parametrize("H,dtype", [(256, "bfloat16"), (4096, "bfloat16"), (300, "float32")])
@@ -219,11 +274,12 @@ def test_graph_decode_fused_matches_unfused(name, kv, monkeypatch):
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch", [1, 8, 32])
-def test_fused_moe_layer_matches_forward_static(batch):
+@pytest.mark.parametrize("batch,groups", [(1, False), (8, False), (32, False), (2, True), (8, True), (32, True)])
+def test_fused_moe_layer_matches_forward_static(batch, groups):
     """One MoE layer of the glm4_moe fixture on CUDA: the fused MLP (routing kernel, grouped
     gate+up, silu_mul, down, routed sum in the residual norm) against MoE.forward_static,
-    for the slot path (1, 8 rows) and the tiled path (32 rows x 4 = 128 pairs)."""
+    for the slot path (1, 8 rows), the tiled path (32 rows x 4 = 128 pairs) and one tile per
+    expert (EXL3TOOLS_EXPERT_GROUPS: kernels/expert_groups.py, the gemv kernel's tile_n, y_rows)."""
     import torch
     from exl3tools.kernels import fused_decode as fk
 
@@ -239,13 +295,15 @@ def test_fused_moe_layer_matches_forward_static(batch):
                     max_context=48, decode="static", max_cache_tokens=4096)
     model = r.model
     step = FusedGqaStep(model, r.paged.pool)
+    step.expert_groups = groups
     moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
     x = torch.randn(batch, model.info.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.inference_mode():
         want = moe.forward_static(x)
-        d, y, wk = step.mlp(moe, x)
+        d, y, wk, y_rows = step.mlp(moe, x)
+        assert (y_rows is not None) == groups
         h = torch.zeros_like(x)
-        fk.residual_rmsnorm(h, torch.ones(x.shape[1], device="cuda"), 1e-5, d, y, wk)
+        fk.residual_rmsnorm(h, torch.ones(x.shape[1], device="cuda"), 1e-5, d, y, wk, y_rows)
         sel, _ = moe.route(x)
         r2 = fk.route(x @ moe.router.t(), moe.top_k, moe.routing, moe.norm, moe.scaling, moe.bias)
     assert torch.equal(sel.sort(1).values.cpu(), r2["loc"].view(batch, -1).sort(1).values.cpu())
