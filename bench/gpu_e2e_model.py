@@ -20,7 +20,8 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   dense MLP's gate/up as one grouped call each (``EXL3TOOLS_GROUPED_PROJ=1``, cuda_exl3.CudaGroup);
   ``:grouped-prologue``: both; ``:act-input``: fused, the MoE down projection's input pass computing
   silu(gate) * up (``EXL3TOOLS_ACT_INPUT=1``); ``:stack``: grouped, gemv-prologue and act-input;
-  ``:expert-groups``: fused, the MoE of 2+ tokens in one tile per expert (``EXL3TOOLS_EXPERT_GROUPS=1``).
+  ``:expert-groups``: fused, the MoE of 2+ tokens in one tile per expert (``EXL3TOOLS_EXPERT_GROUPS=1``,
+  the default since 2026-12-03); ``:no-expert-groups``: the same opted out (one row per pair).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -58,6 +59,7 @@ VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FU
             "grouped-prologue": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1"},
             "act-input": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_ACT_INPUT": "1"},
             "expert-groups": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_EXPERT_GROUPS": "1"},
+            "no-expert-groups": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_EXPERT_GROUPS": "0"},
             "stack": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1",
                       "EXL3TOOLS_ACT_INPUT": "1"}}
 

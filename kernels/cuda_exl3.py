@@ -175,15 +175,24 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
     return y
 
 
+# k-tiles a unit of the gemv kernel takes at most when a tile call's live slots are unknown at capture
+# (CudaExperts.tiles with counts: expert_groups' one tile per expert, _tiles_sum's tiles). The
+# one-wave split sizes units for every slot, but most are skipped (batch 8 on GLM-4.5-Air: 81 tiles,
+# ~52 used), so the live units of a gate+up call (~104 x 44 of 256 k-tiles) took two waves of 256
+# steps, as one row per pair did; units of 32 k-tiles fill the waves to within one short unit.
+TILE_UNIT_KTILES = 32
+
+
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
-         slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None) -> None:
+         slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None, unit_ktiles: int | None = None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64);
     ``tile_n`` (int32 valid rows per slot, or None: all; not with ``ld_tab``): the rest are
-    neither read nor added. An int64 ``acc`` (``fixed_workspace``,
-    either kernel): batch-invariant sums, K split by the weight's shape alone. ``ld_tab`` (int32 per
-    expert, gemv kernel only): the n-tiles of each expert's whole trellis, whose first ``nt`` columns
-    (from its table pointer) the slot multiplies (CudaGroup's column chunks); None: nt."""
+    neither read nor added. ``unit_ktiles``: units of at most that many k-tiles (more splits than
+    one wave needs). An int64 ``acc`` (``fixed_workspace``, either kernel): batch-invariant sums, K
+    split by the weight's shape alone. ``ld_tab`` (int32 per expert, gemv kernel only): the n-tiles
+    of each expert's whole trellis, whose first ``nt`` columns (from its table pointer) the slot
+    multiplies (CudaGroup's column chunks); None: nt."""
     fixed = acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -209,6 +218,9 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         units = groups * -(-kt // kps)
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
+        if unit_ktiles and kps > unit_ktiles:
+            kps = -(-unit_ktiles // PIPE) * PIPE
+            units = groups * -(-kt // kps)
     accs = (None, acc) if fixed else (acc, None)
     if ld_tab is not None and tile_n is not None:
         raise UsageError("gemv: tile_n and ld_tab do not come together")
@@ -510,8 +522,9 @@ class CudaExperts:
                                 self.kt, self.nt, kps, groups, groups, tn, y, self.svh_tab, self.bias_tab, pdl=PDL)
                 return y
             acc = (fixed_workspace if self.invariant else workspace)(self.device, N * self.n)
+            short = tn is not None and kernel is None    # live slots unknown at capture: short units
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
-                 kernel=kernel, tile_n=tn)
+                 kernel=kernel, tile_n=tn, unit_ktiles=TILE_UNIT_KTILES if short else None)
             del xrot
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32, tile_n=tn, tile_rows=rows)

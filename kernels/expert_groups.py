@@ -18,7 +18,6 @@ that depends on S alone: graph-capturable), tiles ordered by each expert's first
 from __future__ import annotations
 
 import torch
-
 from exl3tools.kernels.fused_decode import _pow2, triton
 
 if triton is not None:

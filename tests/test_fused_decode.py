@@ -60,6 +60,7 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
         monkeypatch.setenv("EXL3TOOLS_FUSED_SHARED", "0")
     else:
         monkeypatch.setattr(fused_step, "MOE_TILES_MIN_SLOTS", 1)
+    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", "0")       # (the 2+ token default: test below)
     calls = []
     real = fused_step.FusedGqaStep._with_shared
     monkeypatch.setattr(fused_step.FusedGqaStep, "_with_shared", lambda self, m: calls.append(1) or real(self, m))
@@ -77,27 +78,34 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
         assert _rel(x, y) < REL, (name, variant, s, _rel(x, y))
 
 
+@pytest.mark.parametrize("groups", ["1", "0"])
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
-def test_expert_groups_match_plain_cache(name, monkeypatch):
-    """EXL3TOOLS_EXPERT_GROUPS: steps of 2+ tokens run their MoE pairs in one tile per expert
-    (kernels/expert_groups.py; glm4_moe's shared expert among them, qwen3_moe without one) and
-    residual_rmsnorm reads each pair's row from the tiles: the plain cache's logits."""
+def test_expert_groups_match_plain_cache(name, groups, monkeypatch):
+    """Steps of 2+ tokens run their MoE pairs in one tile per expert (kernels/expert_groups.py,
+    the default; glm4_moe's shared expert among them, qwen3_moe without one) and residual_rmsnorm
+    reads each pair's row from the tiles; or, EXL3TOOLS_EXPERT_GROUPS=0, one row per pair: the
+    plain cache's logits either way."""
     _interpret()
     from exl3tools.kernels import expert_groups as eg
-    from exl3tools.runtime import fused_step
 
     calls = []
     real = eg.group_pairs
-    monkeypatch.setattr(eg, "group_pairs", lambda exp, P, NE, *a: calls.append((exp.shape[0], P, NE)) or real(exp, P, NE, *a))
+
+    def logged(exp, P, NE, *a):
+        calls.append((exp.shape[0], P, NE))
+        return real(exp, P, NE, *a)
+    monkeypatch.setattr(eg, "group_pairs", logged)
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
-    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", "1")
+    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", groups)
     r = _paged(name, "static")
-    assert r.paged.decoder._fused.expert_groups
+    assert r.paged.decoder._fused.expert_groups == (groups == "1")
     ref, got = schedule(Reference(_model(name))), schedule(r)
-    assert calls and all(S > P for S, P, _ in calls)         # only steps of 2+ tokens
-    shared = name.startswith("glm4_moe")
-    assert {P for _, P, _ in calls} == {_model(name).layers[-1].mlp.top_k + shared}
-    assert fused_step.FusedGqaStep is type(r.paged.decoder._fused)
+    if groups == "1":
+        assert calls and all(S > P for S, P, _ in calls)         # only steps of 2+ tokens
+        shared = name.startswith("glm4_moe")
+        assert {P for _, P, _ in calls} == {_model(name).layers[-1].mlp.top_k + shared}
+    else:
+        assert not calls
     for s, (x, y) in enumerate(zip(got, ref, strict=True)):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
@@ -112,6 +120,7 @@ def test_batch_invariant_moe_tiles_in_pair_order(name, monkeypatch):
     from exl3tools.runtime import fused_step
 
     monkeypatch.setattr(fused_step, "PAIR_TILES_MIN_SLOTS", 1)
+    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", "0")   # pair_tiles is set after the step is built
     calls = []
     real = fused_step._pairs_by_tiles
     monkeypatch.setattr(fused_step, "_pairs_by_tiles", lambda *a: calls.append(1) or real(*a))

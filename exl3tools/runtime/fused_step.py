@@ -11,8 +11,8 @@ Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
                 MLP: dense  -> d = down(silu_mul(gate(x), up(x)))
                      MoE    -> route (one kernel: choice, weights, index arrays; the shared expert
                                as one more pair per token), gate+up grouped, silu_mul, down grouped
-                               (2+ tokens, EXL3TOOLS_EXPERT_GROUPS: the pairs in one tile per
-                               expert, kernels/expert_groups.py, so each expert decodes once)
+                               (2+ tokens: the pairs in one tile per expert,
+                               kernels/expert_groups.py, so each expert decodes once)
                 x = residual_rmsnorm(h += d + sum_j w_j y_j; next attn_norm, or the final norm)
 
 so the residual adds, the routed sum and the norms are one kernel per norm. MoE layers whose
@@ -97,7 +97,7 @@ class FusedGqaStep:
         self.invariant = invariance.on()
         # MoE rows in expert-sorted tiles, back in pair order (the invariant mode's path; a preview otherwise)
         self.pair_tiles = self.invariant or preview.switched_on("pair_tiles")
-        # 2+ tokens: one tile per expert (kernels/expert_groups.py; a preview)
+        # 2+ tokens: one tile per expert (kernels/expert_groups.py; the default, EXL3TOOLS_EXPERT_GROUPS=0 opts out)
         self.expert_groups = preview.switched_on("expert_groups") and not self.pair_tiles
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
@@ -144,7 +144,7 @@ class FusedGqaStep:
         logits = invariance.rows_mm(x, mlp.router.t()) if self.invariant else x @ mlp.router.t()
         S = T * mlp.top_k
         tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.pair_tiles
-        by_expert = self.expert_groups and T > 1
+        by_expert = self.expert_groups and not self.pair_tiles and T > 1
         merged = self._with_shared(mlp) if by_expert or not tiled else None
         NE = len(mlp.experts) + (merged is not None)
         by_expert = (by_expert and T * (mlp.top_k + (merged is not None)) <= eg.MAX_PAIRS

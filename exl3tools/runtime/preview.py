@@ -40,13 +40,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (H200 2026-12-03, the engine's decode loop on air6: batch 1 738 vs 739 tok/s, batch 8 2527 vs
     # 2537: no gain measured, so it stays a preview; tests/gpu passes with it)
     "act_input": "EXL3TOOLS_ACT_INPUT",
-    # the fused decode step's MoE at 2 or more tokens (up to expert_groups.MAX_PAIRS pairs): the
-    # pairs grouped into one 8-row tile per expert by one kernel (kernels/expert_groups.py), so each
-    # expert's weights are decoded once, not once per pair (batch 8 on GLM-4.5-Air: 72 pairs, ~50
-    # experts; the shared expert once instead of 8 times), and residual_rmsnorm reads each pair's
-    # row from the tiles (y_rows); instead of one row per pair below MOE_TILES_MIN_SLOTS pairs and
-    # _tiles_sum (expert_tiles' ~25 torch launches, the shared expert apart) above
-    "expert_groups": "EXL3TOOLS_EXPERT_GROUPS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -63,6 +56,14 @@ OPT_OUTS = {
     # tok/s in two runs, 8 streams within the spread
     "gemv_prologue": "EXL3TOOLS_GEMV_PROLOGUE",
     "grouped_proj": "EXL3TOOLS_GROUPED_PROJ",
+    # the fused decode step's MoE at 2 or more tokens (up to expert_groups.MAX_PAIRS pairs): the
+    # pairs grouped into one 8-row tile per expert by one kernel (kernels/expert_groups.py), so each
+    # expert's weights are decoded once, not once per pair (batch 8 on GLM-4.5-Air: 72 pairs, ~52
+    # experts; the shared expert once instead of 8 times), in short units (cuda_exl3.TILE_UNIT_KTILES),
+    # and residual_rmsnorm reads each pair's row from the tiles (y_rows); instead of one row per pair
+    # below MOE_TILES_MIN_SLOTS pairs and _tiles_sum (expert_tiles' ~25 torch launches, the shared
+    # expert apart) above. H200 2026-12-03 (docs/gpu.md): tests/gpu 819 passed with it on
+    "expert_groups": "EXL3TOOLS_EXPERT_GROUPS",
     "fused": "EXL3TOOLS_FUSED",            # Triton glue kernels in the GQA decode step (issue 15)
     "row_steps": "EXL3TOOLS_ROW_STEPS",    # several new tokens of one sequence as rows of the decode step
     # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
