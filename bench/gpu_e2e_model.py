@@ -21,7 +21,8 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   ``:grouped-prologue``: both; ``:act-input``: fused, the MoE down projection's input pass computing
   silu(gate) * up (``EXL3TOOLS_ACT_INPUT=1``); ``:stack``: grouped, gemv-prologue and act-input;
   ``:expert-groups``: fused, the MoE of 2+ tokens in one tile per expert (``EXL3TOOLS_EXPERT_GROUPS=1``,
-  the default since 2026-12-03); ``:no-expert-groups``: the same opted out (one row per pair).
+  the default since 2026-12-03); ``:no-expert-groups``: the same opted out (one row per pair);
+  ``:units16`` / ``:units64``: the default with tile units of 16 / 64 k-tiles (cuda_exl3.TILE_UNIT_KTILES).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -60,6 +61,8 @@ VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FU
             "act-input": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_ACT_INPUT": "1"},
             "expert-groups": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_EXPERT_GROUPS": "1"},
             "no-expert-groups": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_EXPERT_GROUPS": "0"},
+            "units16": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_TILE_UNIT_KTILES": "16"},
+            "units64": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_TILE_UNIT_KTILES": "64"},
             "stack": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1",
                       "EXL3TOOLS_ACT_INPUT": "1"}}
 

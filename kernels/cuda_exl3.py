@@ -461,6 +461,8 @@ class CudaExperts:
         self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # (GEMV_PRO_MAX_ROWS)
         # tiles(act_rows=...): silu(gate) * up inside the input pass (the fused step asks where on)
         self.fused_act = preview.switched_on("act_input") and not self.invariant
+        # (EXL3TOOLS_TILE_UNIT_KTILES: other unit lengths, for measurements)
+        self.unit_ktiles = int(os.environ.get("EXL3TOOLS_TILE_UNIT_KTILES", TILE_UNIT_KTILES))
 
     def _fused_out(self, kernel: str | None, out_dtype, slots: int) -> tuple[str, int, int] | None:
         """(kernel, k-tiles, column groups) of the tile kernel with its output pass fused, where
@@ -524,7 +526,7 @@ class CudaExperts:
             acc = (fixed_workspace if self.invariant else workspace)(self.device, N * self.n)
             short = tn is not None and kernel is None    # live slots unknown at capture: short units
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], acc, slot_exp=texp32,
-                 kernel=kernel, tile_n=tn, unit_ktiles=TILE_UNIT_KTILES if short else None)
+                 kernel=kernel, tile_n=tn, unit_ktiles=self.unit_ktiles if short else None)
             del xrot
         y = torch.empty(N, self.n, dtype=out_dtype if out_dtype in _SUFFIX else x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, 1, N, self.n, exp=rexp32, tile_n=tn, tile_rows=rows)
