@@ -82,7 +82,9 @@ async def _streams(url: str, model: str, n: int, tokens: int) -> tuple[int, floa
         return sum([1 async for _ in s])
     t, cpu = time.perf_counter(), time.process_time()
     events = sum(await asyncio.gather(*[one(i) for i in range(n)]))
-    return events, time.perf_counter() - t, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    await client.close()             # inside this loop (asyncio.run closes it next)
+    return events, wall, cpu
 
 
 def main(argv: list[str] | None = None) -> int:

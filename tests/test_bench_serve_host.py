@@ -1,0 +1,53 @@
+"""bench/serve_host_ceiling.py and bench/gpu_serve_profile.py on the CPU: the real server in its own
+process, the official openai client, the engine's step trace read back (tiny settings: the
+numbers are the GPU run's business, these check the scripts end to end)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_serve_profile as gsp  # noqa: E402
+import serve_host_ceiling as shc  # noqa: E402
+
+
+def test_host_ceiling_reports_rate_and_step_interval(capsys):
+    pytest.importorskip("openai")
+    assert shc.main(["--streams", "2", "--tokens", "12", "--step-ms", "4"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"2 streams: (\d+) tok/s of the emulated 500 \(\d+%\); steady step interval ([\d.]+) ms for 4.0 ms steps",
+                  out)
+    assert m, out
+    assert float(m.group(2)) >= 3.9      # a step never ends before its emulated GPU time
+
+
+def test_serve_profile_on_the_demo_checkpoint(tmp_path, capsys):
+    pytest.importorskip("openai")
+    model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+    assert gsp.main([str(model), "--device", "cpu", "--config", "prof:", "--streams", "2", "--tokens", "6",
+                     "--py-spy", str(tmp_path / "none"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\[prof\] 2 streams x 6 tokens: \d+ events in [\d.]+ s", out), out
+    assert "steady steps: {'steps': " in out and "no py-spy" in out
+    assert "Engine._step" in out or "engine.py" in out      # the engine thread's cProfile (prof*)
+
+
+def test_steady_steps_and_raw_profile_summary(tmp_path):
+    steps = [{"t": 0.0, "ms": 4.0, "seqs": 3, "path": "decode"}, {"t": 0.006, "ms": 4.5, "seqs": 3, "path": "chained"},
+             {"t": 0.012, "ms": 5.0, "seqs": 3, "path": "chained"}, {"t": 0.02, "ms": 9.0, "seqs": 2, "path": "prompt"}]
+    st = gsp.steady_steps(steps, 3)
+    assert st["steps"] == 3 and st["paths"] == {"decode": 1, "chained": 2}
+    assert st["step_ms_median"] == 4.5 and abs(st["interval_ms_median"] - 6.0) < 1e-9
+    raw = tmp_path / "raw.txt"
+    raw.write_text("thread (7): exl3tools-engine;_main (/x/exl3tools/server/engine.py:1);step (/x/exl3tools/runtime/runner.py:2) 30\n"
+                   "thread (7): exl3tools-engine;_main (/x/exl3tools/server/engine.py:1);Condition.wait (threading.py:3) 50\n"
+                   "thread (1): MainThread;run (asyncio.py:1);EpollSelector.select (selectors.py:468) 90\n"
+                   "thread (1): MainThread;run (asyncio.py:1);write (selector_events.py:1057) 5\n")
+    out = "\n".join(gsp.summarize_raw(raw))
+    assert "exl3tools-engine: 30 busy samples" in out and "MainThread: 5 busy samples" in out
+    assert "incl     30 _main (exl3tools/server/engine.py:1)" in out and "Condition.wait" not in out
