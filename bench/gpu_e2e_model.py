@@ -41,6 +41,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -204,8 +205,9 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int = 1234) -> list[
 
 
 def finish_rows(rows: list[dict], bytes_by_batch: dict[int, dict]) -> list[dict]:
-    """Add bytes, roofline and ours/exllamav3 ratios (vs its generator and vs its bare forward)."""
-    ref = {(r["batch"], r["mode"]): r["tokens_per_s"] for r in rows
+    """Add bytes, roofline and ours/exllamav3 ratios (vs its generator and vs its bare forward),
+    against exllamav3's row of the same ``round`` where there is one (``--rounds``)."""
+    ref = {(r.get("round", 1), r["batch"], r["mode"]): r["tokens_per_s"] for r in rows
            if r["impl"] == "exllamav3" and r.get("tokens_per_s")}
     for r in rows:
         if not r.get("ms_per_step"):
@@ -215,9 +217,24 @@ def finish_rows(rows: list[dict], bytes_by_batch: dict[int, dict]) -> list[dict]
         r["roofline_fraction"] = roofline_fraction(b, r["ms_per_step"])
         if r["impl"] != "exllamav3":
             for mode in ("generator", "forward"):
-                x = ref.get((r["batch"], mode))
+                x = ref.get((r.get("round", 1), r["batch"], mode)) or next(
+                    (v for (_, bb, m), v in ref.items() if bb == r["batch"] and m == mode), None)
                 r[f"vs_exllamav3_{mode}"] = r["tokens_per_s"] / x if x else None
     return rows
+
+
+def round_medians(rows: list[dict]) -> str:
+    """With ``--rounds`` > 1: per impl, mode and batch, the median tok/s over the rounds and the
+    spread (max / min - 1); identical impls in one process differ by 5-10 % (docs/gpu.md)."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("tokens_per_s"):
+            groups.setdefault((r["impl"], r.get("mode") or "-", r["batch"]), []).append(r["tokens_per_s"])
+    out = ["| impl | mode | batch | rounds | median tok/s | spread |", "|---|---|---|---|---|---|"]
+    for (impl, mode, batch), v in groups.items():
+        out.append(f"| {impl} | {mode} | {batch} | {len(v)} | {statistics.median(v):.1f} | "
+                   f"{100 * (max(v) / min(v) - 1):.1f} % |")
+    return "\n".join(out)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -481,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exl3-modes", type=lambda s: [m for m in s.split(",") if m], default=["generator", "forward"],
                     help="exllamav3 measurements: generator,forward")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the impl list this many times in turn (A B A B ...): every row keeps its round")
     ap.add_argument("--profile", type=int, default=0,
                     help="after timing, profile this many of our graph-replayed steps: top kernels by device time")
     a = ap.parse_args(argv)
@@ -490,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prompt-len >= 2, --steps >= 1, --warmup >= 0")
     if any(m not in ("generator", "forward") for m in a.exl3_modes):
         ap.error("--exl3-modes takes generator and/or forward")
+    if a.rounds < 1:
+        ap.error("--rounds >= 1")
 
     import torch
 
@@ -502,21 +523,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weight bytes per step, batch {B}: {d['total'] / 1e6:.1f} MB (head {d['head'] / 1e6:.1f} MB, "
               f"{d['distinct_experts_per_layer']:.1f} distinct experts/layer)", flush=True)
     rows: list[dict] = []
-    for impl in a.impls:
-        try:
-            if impl == "exllamav3":
-                rows += run_exllamav3(a.ckpt, a.batch, a)
-            else:
-                rows += run_ours(a.ckpt, impl.split(":", 1)[1], a.batch, a)
-        except Exception as exc:  # noqa: BLE001 - e.g. backend not built here, load failure
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-            print(f"[{impl}] failed: {msg}", flush=True)
-            modes = a.exl3_modes if impl == "exllamav3" else [None]
-            rows += [{"impl": impl, "mode": m, "batch": B, "error": msg} for B in a.batch for m in modes]
-            _free()
+    for rnd in range(1, a.rounds + 1):
+        for impl in a.impls:
+            try:
+                if impl == "exllamav3":
+                    got = run_exllamav3(a.ckpt, a.batch, a)
+                else:
+                    got = run_ours(a.ckpt, impl.split(":", 1)[1], a.batch, a)
+            except Exception as exc:  # noqa: BLE001 - e.g. backend not built here, load failure
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+                print(f"[{impl}] failed: {msg}", flush=True)
+                modes = a.exl3_modes if impl == "exllamav3" else [None]
+                got = [{"impl": impl, "mode": m, "batch": B, "error": msg} for B in a.batch for m in modes]
+                _free()
+            for r in got:
+                r["round"] = rnd
+                if a.rounds > 1 and not r.get("error"):
+                    r["note"] = f"round {rnd}"
+            rows += got
     finish_rows(rows, bytes_by_batch)
     print()
     print(format_table(rows))
+    if a.rounds > 1:
+        print()
+        print(round_medians(rows))
     out = {"checkpoint": str(a.ckpt), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "hbm_bytes_per_s": HBM, "steps": a.steps, "warmup": a.warmup, "prompt_len": a.prompt_len,
            "bytes_per_step": {str(B): d for B, d in bytes_by_batch.items()}, "rows": rows}

@@ -248,3 +248,18 @@ def test_rows_table_and_ratios():
     assert "vs_exllamav3_generator" not in rows[0] and "roofline_fraction" not in rows[3]
     t = g.format_table(rows)
     assert "2.00x" in t and "1000.0" in t and "not available" in t and len(t.splitlines()) == 6
+
+
+def test_rounds_take_their_own_exllamav3_row_and_a_median():
+    """--rounds: each round's ours row against exllamav3's row of the same round; the medians
+    table over the rounds with their spread."""
+    rows = []
+    for rnd, (ex, ours) in enumerate(((500.0, 1000.0), (400.0, 1200.0), (450.0, 1100.0)), start=1):
+        rows += [{"impl": "exllamav3", "mode": "forward", "batch": 8, "ms_per_step": 1.0, "tokens_per_s": ex,
+                  "round": rnd},
+                 {"impl": "ours:cuda", "mode": "graph", "batch": 8, "ms_per_step": 1.0, "tokens_per_s": ours,
+                  "round": rnd}]
+    g.finish_rows(rows, {8: {"total": 1.0e9}})
+    assert [r["vs_exllamav3_forward"] for r in rows if r["impl"] == "ours:cuda"] == [2.0, 3.0, 1100 / 450]
+    m = g.round_medians(rows)
+    assert "| ours:cuda | graph | 8 | 3 | 1100.0 | 20.0 % |" in m and "| exllamav3 | forward | 8 | 3 | 450.0 | 25.0 % |" in m
