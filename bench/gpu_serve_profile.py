@@ -71,7 +71,9 @@ def summarize_raw(path: Path, top: int = 14) -> list[str]:
     return out
 
 
-async def _streams(url: str, model: str, n: int, tokens: int) -> tuple[int, float, float]:
+async def stream_round(url: str, model: str, n: int, tokens: int) -> tuple[int, float, float]:
+    """N streamed completions of ``tokens`` each (ignore_eos) through the openai client: (events,
+    wall s, the client's CPU s)."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"[{name}] ready after {srv.wait_ready(600):.1f} s", flush=True)
         model = srv.get("/v1/models").json()["data"][0]["id"]
-        asyncio.run(_streams(srv.url, model, a.streams, 16))          # warm-up: the bucket's graphs
+        asyncio.run(stream_round(srv.url, model, a.streams, 16))          # warm-up: the bucket's graphs
         spy = raw = None
         if Path(a.py_spy).exists():
             raw = a.out / f"pyspy_{name}.txt"
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "--threads", "--nonblocking", "-f", "raw", "-o", str(raw)],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             time.sleep(0.5)
-        events, wall, cpu = asyncio.run(_streams(srv.url, model, a.streams, a.tokens))
+        events, wall, cpu = asyncio.run(stream_round(srv.url, model, a.streams, a.tokens))
         print(f"[{name}] {a.streams} streams x {a.tokens} tokens: {events} events in {wall:.3f} s = "
               f"{events / wall:.0f} events/s; the client's CPU {1e6 * cpu / max(events, 1):.0f} µs an event", flush=True)
         st = steady_steps(srv.get("/v1/engine/steps").json()["steps"], a.streams)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+MODEL_NAME = "glm4_moe-3.0bpw-mcg"      # what the server calls it (its directory)
 
 
 def serve(port: int, step_ms: float, switch_ms: float | None) -> None:
@@ -78,22 +79,6 @@ def serve(port: int, step_ms: float, switch_ms: float | None) -> None:
     uvicorn.run(create_app(cfg, load=load), host="127.0.0.1", port=port, log_level="warning")
 
 
-async def _streams(url: str, n: int, tokens: int) -> tuple[int, float, float]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x")
-
-    async def one(i: int) -> int:
-        s = await client.completions.create(model="glm4_moe-3.0bpw-mcg", prompt=[1 + i, 2, 3], max_tokens=tokens,
-                                            stream=True, temperature=0, extra_body={"ignore_eos": True})
-        return sum([1 async for _ in s])
-    t, cpu = time.perf_counter(), time.process_time()
-    events = sum(await asyncio.gather(*[one(i) for i in range(n)]))
-    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    await client.close()             # inside this loop (asyncio.run closes it next)
-    return events, wall, cpu
-
-
 def steady_interval_ms(url: str, n: int) -> float | None:
     steps = json.load(urllib.request.urlopen(f"{url}/v1/engine/steps"))["steps"]
     full = [s["t"] for s in steps if s.get("seqs") == n]
@@ -113,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(a.serve, a.step_ms, a.switch_ms)
         return 0
     from gpu_serve import free_port
+    from gpu_serve_profile import stream_round
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -132,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server not ready: {proc.stderr.read().decode(errors='replace')[-600:]}", file=sys.stderr)
             return 1
         for n in (int(x) for x in a.streams.split(",")):
-            asyncio.run(_streams(url, n, 8))                  # warm-up at this width
-            events, wall, cpu = asyncio.run(_streams(url, n, a.tokens))
+            asyncio.run(stream_round(url, MODEL_NAME, n, 8))         # warm-up at this width
+            events, wall, cpu = asyncio.run(stream_round(url, MODEL_NAME, n, a.tokens))
             ceiling = n / (a.step_ms / 1e3)
             interval = steady_interval_ms(url, n)
             print(f"{n} streams: {n * a.tokens / wall:.0f} tok/s of the emulated {ceiling:.0f} "
