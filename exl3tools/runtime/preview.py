@@ -62,7 +62,7 @@ OPT_OUTS = {
     # experts; the shared expert once instead of 8 times), in short units (cuda_exl3.TILE_UNIT_KTILES),
     # and residual_rmsnorm reads each pair's row from the tiles (y_rows); instead of one row per pair
     # below MOE_TILES_MIN_SLOTS pairs and _tiles_sum (expert_tiles' ~25 torch launches, the shared
-    # expert apart) above. H200 2026-12-03 10:00 (docs/gpu.md): tests/gpu 819 passed with it on and
+    # expert apart) above. H200 2026-12-03 06:26 (docs/gpu.md): tests/gpu 819 passed with it on and
     # as the default; the engine's decode loop on air6 at batch 8 / 16 / 32 2669-2878 / 3862-4100 /
     # 5769-5975 tok/s vs 2489 / 3510 / 5293 without; served 8 / 32 streams 2651 / 2733 vs 2293 / 2081
     "expert_groups": "EXL3TOOLS_EXPERT_GROUPS",
