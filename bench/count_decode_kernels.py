@@ -5,7 +5,7 @@
 Runs one ``PagedDecoder._body`` (decode="static": the graph body without capture) of a GQA
 checkpoint (default: fixture glm4_moe-3.0bpw-mcg, 1 dense + 1 MoE layer) and logs every aten op
 it dispatches (TorchDispatchMode). Counted as a GPU kernel: every op that is not a view or an
-allocation; a Triton call of kernels/fused_decode.py: 1; an EXL3 linear or grouped-expert call:
+allocation; a Triton call of kernels/fused_decode.py or expert_groups.py: 1; an EXL3 linear or grouped-expert call:
 3 (our CUDA backend: had_in, gemv, had_out; the CPU reference's own ops inside are not logged).
 Paged attention: 1 (its Triton kernel with one split; the CPU reference's ops not logged).
 ``--grouped``: the fused step's q/k/v and dense gate/up as grouped calls (EXL3TOOLS_GROUPED_PROJ):
@@ -64,7 +64,7 @@ def _wrap(log: Log, fn, label: str, kernels: int):
 
 
 def instrument(runner, log: Log) -> None:
-    from exl3tools.kernels import fused_decode
+    from exl3tools.kernels import expert_groups, fused_decode
 
     from exl3tools.runtime.layers import DecoderLayer, GatedMLP, Linear, MoE
 
@@ -73,6 +73,7 @@ def instrument(runner, log: Log) -> None:
     dec._attend = _wrap(log, dec._attend, "paged_attention", 1)
     for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
         setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
+    expert_groups.group_pairs = _wrap(log, expert_groups.group_pairs, "triton:group_pairs", 1)
 
     def lin(x: Linear):
         x.fn = _wrap(log, x.fn, "exl3_linear", GEMV_KERNELS)
@@ -151,9 +152,9 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> co
         r.add_sequence(s)
         r.step([(s, list(range(3, 12)))])
     r.step([(s, [5]) for s in ids])
-    from exl3tools.kernels import fused_decode
+    from exl3tools.kernels import expert_groups, fused_decode
 
-    saved = dict(vars(fused_decode))
+    saved, saved_groups = dict(vars(fused_decode)), expert_groups.group_pairs
     log = Log()
     cls, real_call, call = _group_calls(log)
     try:
@@ -167,6 +168,7 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> co
     finally:
         cls.__call__ = real_call
         vars(fused_decode).update(saved)
+        expert_groups.group_pairs = saved_groups
         r.close()
     return log.ops
 
