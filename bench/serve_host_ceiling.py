@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -79,13 +78,6 @@ def serve(port: int, step_ms: float, switch_ms: float | None) -> None:
     uvicorn.run(create_app(cfg, load=load), host="127.0.0.1", port=port, log_level="warning")
 
 
-def steady_interval_ms(url: str, n: int) -> float | None:
-    steps = json.load(urllib.request.urlopen(f"{url}/v1/engine/steps"))["steps"]
-    full = [s["t"] for s in steps if s.get("seqs") == n]
-    gaps = [b - a for a, b in zip(full, full[1:], strict=False)]
-    return 1e3 * statistics.median(gaps) if gaps else None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--step-ms", type=float, default=5.5, help="the emulated GPU step (air6 at batch 32 on the H200: 5.5)")
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(a.serve, a.step_ms, a.switch_ms)
         return 0
     from gpu_serve import free_port
-    from gpu_serve_profile import stream_round
+    from gpu_serve_profile import steady_steps, stream_round
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -121,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(stream_round(url, MODEL_NAME, n, 8))         # warm-up at this width
             events, wall, cpu = asyncio.run(stream_round(url, MODEL_NAME, n, a.tokens))
             ceiling = n / (a.step_ms / 1e3)
-            interval = steady_interval_ms(url, n)
+            steps = json.load(urllib.request.urlopen(f"{url}/v1/engine/steps"))["steps"]
+            interval = steady_steps(steps, n)["interval_ms_median"]
             print(f"{n} streams: {n * a.tokens / wall:.0f} tok/s of the emulated {ceiling:.0f} "
                   f"({n * a.tokens / wall / ceiling:.0%}); steady step interval "
                   f"{'-' if interval is None else f'{interval:.2f}'} ms for {a.step_ms} ms steps; "

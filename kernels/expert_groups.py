@@ -130,7 +130,6 @@ def group_pairs_reference(exp: torch.Tensor, P: int, NE: int, rows: int = TILE_R
     basef = torch.where(first, torch.cumsum(ntile, 0) - ntile, 0)
     row = (same.long() * basef[None, :]).sum(1) * R + rank
     tile = row // R
-    out = _out(S, NT, R, dev)
     texp = torch.full((NT,), -1, dtype=torch.long, device=dev)
     texp[tile] = e
     tn = torch.zeros(NT, dtype=torch.long, device=dev)
@@ -139,11 +138,9 @@ def group_pairs_reference(exp: torch.Tensor, P: int, NE: int, rows: int = TILE_R
     src[row] = idx // P
     rexp = torch.zeros(NT * R, dtype=torch.long, device=dev)
     rexp[row] = e
-    out["pair_row"] = row.to(torch.int32)
-    out["tile_exp"] = torch.cat([texp, torch.where(texp >= 0, texp + NE, -1)]).to(torch.int32)
-    out["tile_n"] = torch.cat([tn, tn]).to(torch.int32)
-    out["row_src"] = torch.cat([src, src]).to(torch.int32)
     rexp_up = torch.full((NT * R,), NE, dtype=torch.long, device=dev)
     rexp_up[row] = e + NE
-    out["row_exp"] = torch.cat([rexp, rexp_up]).to(torch.int32)
-    return out
+    i32 = torch.int32
+    return {"pair_row": row.to(i32), "tile_exp": torch.cat([texp, torch.where(texp >= 0, texp + NE, -1)]).to(i32),
+            "tile_n": torch.cat([tn, tn]).to(i32), "row_src": torch.cat([src, src]).to(i32),
+            "row_exp": torch.cat([rexp, rexp_up]).to(i32), "tiles": NT, "rows": R}

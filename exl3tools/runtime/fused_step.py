@@ -147,8 +147,8 @@ class FusedGqaStep:
         by_expert = self.expert_groups and not self.pair_tiles and T > 1
         merged = self._with_shared(mlp) if by_expert or not tiled else None
         NE = len(mlp.experts) + (merged is not None)
-        by_expert = (by_expert and T * (mlp.top_k + (merged is not None)) <= eg.MAX_PAIRS
-                     and (merged is not None or ("gate_up" in g and hasattr(g["down_proj"], "tiles"))))
+        g_tiles = "gate_up" in g and hasattr(g["down_proj"], "tiles")     # g's calls take tiles
+        by_expert = by_expert and T * (mlp.top_k + (merged is not None)) <= eg.MAX_PAIRS and (merged is not None or g_tiles)
         tiled = tiled and not by_expert
         if merged is not None and not tiled:          # the shared expert as one more pair per token
             r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],
@@ -172,9 +172,9 @@ class FusedGqaStep:
         if by_expert:
             y, rows = _by_expert(g, xp, r, mlp.top_k, NE)
             return shared, y, r["wk"], rows
-        if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS and "gate_up" in g and hasattr(g["down_proj"], "tiles"):
+        if self.pair_tiles and S >= PAIR_TILES_MIN_SLOTS and g_tiles:
             return shared, _pairs_by_tiles(g, xp, r, S, mlp.top_k, len(mlp.experts)), r["wk"], None
-        if "gate_up" in g and hasattr(g["down_proj"], "tiles"):
+        if g_tiles:
             return shared, _down(g["down_proj"], g["gate_up"].slots(xp, r["gate_src"], r["gate_exp"]), S,
                                  r["down_exp"]), r["wk"], None
         if "gate_up" in g:
@@ -213,13 +213,16 @@ class FusedGqaStep:
         return self._shared[key]
 
 
-def _down(down, gu: torch.Tensor, S: int, down_exp: torch.Tensor) -> torch.Tensor:
-    """The down projection of S pairs, one row per tile in pair order, from their gate+up output
-    ``gu`` (2S rows: gates, then ups): silu(gate) * up inside its input pass where the backend
-    can (``fused_act``: EXL3TOOLS_ACT_INPUT, cuda_exl3), else through silu_mul first."""
+def _down(down, gu: torch.Tensor, N: int, row_exp: torch.Tensor, tile_exp: torch.Tensor | None = None,
+          rows: int = 1, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The down projection of N rows from their gate+up output ``gu`` (2N rows: gates, then ups),
+    in tiles of ``rows`` rows of experts ``tile_exp`` with ``counts`` real rows (default: one row
+    per tile, pair order): silu(gate) * up inside its input pass where the backend can
+    (``fused_act``: EXL3TOOLS_ACT_INPUT, cuda_exl3), else through silu_mul first."""
+    tile_exp = row_exp if tile_exp is None else tile_exp
     if getattr(down, "fused_act", False):
-        return down.tiles(gu, None, down_exp, down_exp, 1, act_rows=S)
-    return down.tiles(fk.silu_mul(gu[:S], gu[S:]), None, down_exp, down_exp, 1)
+        return down.tiles(gu, None, row_exp, tile_exp, rows, counts=counts, act_rows=N)
+    return down.tiles(fk.silu_mul(gu[:N], gu[N:]), None, row_exp, tile_exp, rows, counts=counts)
 
 
 def _by_expert(proj: dict, xp: torch.Tensor, r: dict, P: int, NE: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,11 +234,7 @@ def _by_expert(proj: dict, xp: torch.Tensor, r: dict, P: int, NE: int) -> tuple[
     NT, R = gp["tiles"], gp["rows"]
     N = NT * R
     gu = proj["gate_up"].tiles(xp, gp["row_src"], gp["row_exp"], gp["tile_exp"], R, counts=gp["tile_n"])
-    down, tiles = proj["down_proj"], (gp["row_exp"][:N], gp["tile_exp"][:NT], R)
-    if getattr(down, "fused_act", False):   # (EXL3TOOLS_ACT_INPUT) silu(gate) * up in its input pass
-        y = down.tiles(gu, None, *tiles, counts=gp["tile_n"][:NT], act_rows=N)
-    else:
-        y = down.tiles(fk.silu_mul(gu[:N], gu[N:]), None, *tiles, counts=gp["tile_n"][:NT])
+    y = _down(proj["down_proj"], gu, N, gp["row_exp"][:N], gp["tile_exp"][:NT], R, gp["tile_n"][:NT])
     return y, gp["pair_row"]
 
 
