@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [longctx] [mla] [profile] [memory] [moe]
-# (default: all but prefill, longctx, mla, profile, memory and moe)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [profile] [memory] [moe]
+# (default: all but prefill, hostprof, longctx, mla, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -130,6 +130,17 @@ if [[ $STAGES == *serve* ]]; then
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
+fi
+if [[ $STAGES == *hostprof* ]]; then   # the served N-stream decode's host side (bench/gpu_serve_profile.py)
+  # HOSTPROF_CONFIGS="NAME:ARGS;...": one server each; HOSTPROF_PROCS: client processes per round (1,4:
+  # one asyncio openai client, then four, on the same server)
+  IFS=';' read -r -a HPC <<< "${HOSTPROF_CONFIGS:-default:--max-model-len 32768;ml4k:--max-model-len 4096}"
+  for c in "${HPC[@]}"; do
+    f="$L/hostprof_${c%%:*}.log"
+    timeout ${HOSTPROF_TIMEOUT:-180} python3 bench/gpu_serve_profile.py /tmp/air6 --config "$c" --streams ${HOSTPROF_STREAMS:-32} \
+      --tokens ${HOSTPROF_TOKENS:-384} --procs ${HOSTPROF_PROCS:-1,4} --py-spy /tmp/site/bin/py-spy --out "$L/hostprof" > "$f" 2>&1
+    el "hostprof ${c%%:*} rc $?"; grep -v "^20..-" "$f" | head -n ${HOSTPROF_LINES:-90}
+  done
 fi
 if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
   # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0 (empty: none)

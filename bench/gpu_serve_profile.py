@@ -3,7 +3,7 @@ official openai client, the engine's step trace and (where py-spy can attach) a 
 every server thread.
 
     python3 bench/gpu_serve_profile.py CKPT [--device cuda] [--config NAME:ARGS] [--streams 32]
-        [--tokens 256] [--seconds 4] [--py-spy PATH] [--out DIR]
+        [--tokens 256] [--seconds 4] [--procs 1,4] [--py-spy PATH] [--out DIR]
 
 Prints: the client's events/s and its own CPU per event (the openai client is not free: ~100-200 µs
 an event); from GET /v1/engine/steps the steady steps (every stream decoding): median interval
@@ -71,15 +71,15 @@ def summarize_raw(path: Path, top: int = 14) -> list[str]:
     return out
 
 
-async def stream_round(url: str, model: str, n: int, tokens: int) -> tuple[int, float, float]:
+async def stream_round(url: str, model: str, n: int, tokens: int, first: int = 0) -> tuple[int, float, float]:
     """N streamed completions of ``tokens`` each (ignore_eos) through the openai client: (events,
-    wall s, the client's CPU s)."""
+    wall s, the client's CPU s); ``first``: the first stream's prompt offset."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x")
 
     async def one(i: int) -> int:
-        s = await client.completions.create(model=model, prompt=[1 + i, 2, 3], max_tokens=tokens, stream=True,
+        s = await client.completions.create(model=model, prompt=[1 + first + i, 2, 3], max_tokens=tokens, stream=True,
                                             temperature=0, extra_body={"ignore_eos": True})
         return sum([1 async for _ in s])
     t, cpu = time.perf_counter(), time.process_time()
@@ -87,6 +87,29 @@ async def stream_round(url: str, model: str, n: int, tokens: int) -> tuple[int, 
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     await client.close()             # inside this loop (asyncio.run closes it next)
     return events, wall, cpu
+
+
+def _proc_round(args: tuple) -> tuple[int, float, float]:
+    *args, start_at = args
+    import openai  # noqa: F401  (imported before the common start: every process sends at once)
+
+    time.sleep(max(0.0, start_at - time.time()))
+    return asyncio.run(stream_round(*args))
+
+
+def spread_round(url: str, model: str, n: int, tokens: int, procs: int) -> tuple[int, float, float]:
+    """The N streams split over ``procs`` client processes (separate users: one asyncio loop of
+    the openai client parses ~5000 events/s at most): (events, wall s of the slowest, CPU s summed)."""
+    if procs <= 1:
+        return asyncio.run(stream_round(url, model, n, tokens))
+    import concurrent.futures
+    import multiprocessing
+
+    start_at = time.time() + 5.0             # spawned processes import first, then start together
+    parts = [(url, model, n // procs + (i < n % procs), tokens, i * n, start_at) for i in range(procs)]
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        got = list(ex.map(_proc_round, parts))
+    return sum(g[0] for g in got), max(g[1] for g in got), sum(g[2] for g in got)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seconds", type=int, default=4)
+    ap.add_argument("--procs", default="1", help="client processes per round, e.g. 1,4: one round each")
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "/tmp/site/bin/py-spy")
     ap.add_argument("--out", type=Path, default=Path("/tmp/serve_profile"))
     a = ap.parse_args(argv)
@@ -108,26 +132,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] ready after {srv.wait_ready(600):.1f} s", flush=True)
         model = srv.get("/v1/models").json()["data"][0]["id"]
         asyncio.run(stream_round(srv.url, model, a.streams, 16))          # warm-up: the bucket's graphs
-        spy = raw = None
-        if Path(a.py_spy).exists():
-            raw = a.out / f"pyspy_{name}.txt"
-            spy = subprocess.Popen([a.py_spy, "record", "-p", str(srv.proc.pid), "-d", str(max(1, round(a.seconds))), "-r", "250",
-                                    "--threads", "--nonblocking", "-f", "raw", "-o", str(raw)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            time.sleep(0.5)
-        events, wall, cpu = asyncio.run(stream_round(srv.url, model, a.streams, a.tokens))
-        print(f"[{name}] {a.streams} streams x {a.tokens} tokens: {events} events in {wall:.3f} s = "
-              f"{events / wall:.0f} events/s; the client's CPU {1e6 * cpu / max(events, 1):.0f} µs an event", flush=True)
-        st = steady_steps(srv.get("/v1/engine/steps").json()["steps"], a.streams)
-        print(f"[{name}] steady steps: {st}", flush=True)
-        if spy is not None:
-            log = spy.communicate(timeout=a.seconds + 60)[0].decode(errors="replace")
-            if raw is not None and raw.exists():
-                print("\n".join(summarize_raw(raw)), flush=True)
+        for procs in [int(p) for p in a.procs.split(",")]:
+            tag = f"{name} procs={procs}"
+            spy = raw = None
+            if Path(a.py_spy).exists():
+                raw = a.out / f"pyspy_{name}_p{procs}.txt"
+                spy = subprocess.Popen([a.py_spy, "record", "-p", str(srv.proc.pid), "-d", str(max(1, round(a.seconds))),
+                                        "-r", "250", "--threads", "--nonblocking", "-f", "raw", "-o", str(raw)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                time.sleep(0.5)
+            t_round = time.monotonic()       # the server's step trace is on this clock
+            events, wall, cpu = spread_round(srv.url, model, a.streams, a.tokens, procs)
+            print(f"[{tag}] {a.streams} streams x {a.tokens} tokens: {events} events in {wall:.3f} s = "
+                  f"{events / wall:.0f} events/s; the client's CPU {1e6 * cpu / max(events, 1):.0f} µs an event", flush=True)
+            steps = [s for s in srv.get("/v1/engine/steps").json()["steps"] if s["t"] >= t_round]
+            print(f"[{tag}] steady steps: {steady_steps(steps, a.streams)}", flush=True)
+            if spy is not None:
+                log = spy.communicate(timeout=a.seconds + 60)[0].decode(errors="replace")
+                if raw is not None and raw.exists():
+                    print("\n".join(summarize_raw(raw)), flush=True)
+                else:
+                    print(f"[{tag}] py-spy gave no profile: {log.strip()[-400:]}", flush=True)
             else:
-                print(f"[{name}] py-spy gave no profile: {log.strip()[-400:]}", flush=True)
-        else:
-            print(f"[{name}] no py-spy at {a.py_spy}: no thread profile", flush=True)
+                print(f"[{tag}] no py-spy at {a.py_spy}: no thread profile", flush=True)
     finally:
         srv.stop(20)
     prof = srv.log_path.with_suffix(".prof")      # a config named prof*: the engine thread's cProfile

@@ -30,9 +30,12 @@ def test_serve_profile_on_the_demo_checkpoint(tmp_path, capsys):
     pytest.importorskip("openai")
     model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
     assert gsp.main([str(model), "--device", "cpu", "--config", "prof:", "--streams", "2", "--tokens", "6",
-                     "--py-spy", str(tmp_path / "none"), "--out", str(tmp_path)]) == 0
+                     "--procs", "1,2", "--py-spy", str(tmp_path / "none"), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\[prof\] 2 streams x 6 tokens: \d+ events in [\d.]+ s", out), out
+    for procs in (1, 2):       # one openai client, then the streams over two client processes
+        m = re.search(rf"\[prof procs={procs}\] 2 streams x 6 tokens: (\d+) events in [\d.]+ s", out)
+        assert m and int(m.group(1)) >= 2, out
+    assert "[prof procs=2] steady steps: {'steps': " in out     # (a 6-token round may hold no full step)
     assert "steady steps: {'steps': " in out and "no py-spy" in out
     assert "Engine._step" in out or "engine.py" in out      # the engine thread's cProfile (prof*)
 
