@@ -19,7 +19,12 @@ one prompt at each ``--ctx`` length and, with ``--join``, one join (one stream a
 1. one stream of ``--tokens`` from a 32-token prompt, ``--repeats`` times: decode tok/s =
    (tokens after the first) / (first -> last token), TTFT; medians;
 2. N concurrent streams for N in ``--streams``: aggregate tok/s = all tokens / (first request sent ->
-   last token), and the median per-stream decode tok/s;
+   last token), and the median per-stream decode tok/s; beside them the server's own pace from its
+   step trace (the steps holding all N streams: their median start-to-start interval, N x 1000 /
+   interval tok/s). A burst of ``--client-min-streams`` (8) or more streams, here and in phase 4, is
+   spread over ``--client-procs`` (4) client processes, each with its own openai client, as separate
+   users would be: one asyncio openai client spends 170-320 µs of CPU an event (H200 host,
+   2026-12-03), so alone it caps a 32-stream burst near its own parsing rate, not the server's;
 3. TTFT of ``--prompt-len`` prompts, max_tokens 1: median of ``--ttft-prompts`` distinct prompts (cold)
    and of the same prompts sent again (prefix-cache hit, where the engine has one);
 4. decode with ``--ctx``-token prompts (each value in turn) for N in ``--ctx-streams``: tokens produced while every stream
@@ -76,7 +81,7 @@ from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
 from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
-from serve_report import burst_line, burst_schedule, ctx_cases, summarize, tables  # noqa: E402
+from serve_report import burst_line, burst_schedule, ctx_cases, steady_steps, summarize, tables  # noqa: E402
 from serve_seeded import seeded_check, seeded_line  # noqa: E402
 
 DEFAULT_CONFIG = "ml32k:--max-context 32768"
@@ -295,25 +300,98 @@ def run_server_config(a, name: str, args: list[str], report: dict, baseline_mib,
     return entry
 
 
-def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list[str]) -> None:
+# ------------------------------------------------------------------ the openai client
+def make_client(url: str, key: str | None, timeout: float, n_conn: int, current: contextvars.ContextVar):
+    """The official openai client over its own httpx pool; httpx's request hook stamps the stream in
+    ``current`` (its ``t_wire``: when the request left the client)."""
     import httpx
     from openai import AsyncOpenAI
-
-    loop = asyncio.new_event_loop()
-    n_conn = max(a.streams + a.ctx_streams) + 8
-    current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("stream", default=None)
 
     async def on_request(request) -> None:       # runs in the task that sends it: its Stream
         s = current.get()
         if s is not None and s.t_wire is None:
             s.t_wire = time.perf_counter()
 
-    http = httpx.AsyncClient(trust_env=False, timeout=a.request_timeout, event_hooks={"request": [on_request]},
+    http = httpx.AsyncClient(trust_env=False, timeout=timeout, event_hooks={"request": [on_request]},
                              limits=httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn))
-    client = AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=srv.key or "unused", http_client=http,
-                         max_retries=0, timeout=a.request_timeout)
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "unused", http_client=http, max_retries=0, timeout=timeout)
+
+
+async def stream_one(client, model: str, current: contextvars.ContextVar, prompt: list[int], max_tokens: int,
+                     gate=None, seen=None) -> tuple[Stream, int | None]:
+    """One streamed completion; ``gate``: an asyncio.Event to wait for before sending;
+    ``seen(stream)``: called after each chunk that carried tokens."""
+    if gate is not None:
+        await gate.wait()
+    s = Stream(time.perf_counter())
+    current.set(s)
+    usage = None
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            ids = getattr(c, "token_ids", None)
+            k = len(ids) if ids is not None else (1 if c.text else 0)
+            if k:
+                s.events.append((now, k))
+                if seen is not None:
+                    seen(s)
+        if len(s.events) > max_tokens + 8:
+            raise BenchError(f"more than {max_tokens} token chunks in one stream")
+    return s, usage
+
+
+def client_proc(job: tuple) -> list[tuple[Stream, int | None]]:
+    """One client process's share of a burst (``--client-procs``): its own openai client, its streams
+    sent together at ``start_at`` (time.time(), common to the burst's processes). Stream times are
+    perf_counter()'s, one clock across processes (CLOCK_MONOTONIC)."""
+    url, key, model, prompts, max_tokens, timeout, start_at = job
+    current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("stream", default=None)
+
+    async def go() -> list:
+        client = make_client(url, key, timeout, len(prompts) + 4, current)
+        try:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return await asyncio.gather(*[stream_one(client, model, current, p, max_tokens) for p in prompts])
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def _client_ready(_: int) -> int:
+    import openai  # noqa: F401  (a client process imports the client before its first burst)
+
+    time.sleep(0.2)                  # every worker gets one: the pool starts them all now
+    return os.getpid()
+
+
+def client_pool(a):
+    """``--client-procs`` > 1 and a phase of ``--client-min-streams`` or more: a pool of spawned
+    client processes, started and warm; else None."""
+    if a.client_procs <= 1 or max(a.streams + a.ctx_streams) < a.client_min_streams:
+        return None
+    import concurrent.futures
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(a.client_procs, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(_client_ready, range(a.client_procs)))
+    return pool
+
+
+def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list[str]) -> None:
+    loop = asyncio.new_event_loop()
+    n_conn = max(a.streams + a.ctx_streams) + 8
+    current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("stream", default=None)
+    client = make_client(srv.url, srv.key, a.request_timeout, n_conn, current)
+    pool = None
     res = entry["results"]
     try:
+        pool = client_pool(a)
         models = loop.run_until_complete(asyncio.wait_for(client.models.list(), 60))
         card = models.data[0]
         model = card.id
@@ -325,32 +403,20 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
             print(f"[{srv.name}] note: {n}", flush=True)
             notes.append(n)
 
-        async def one(prompt: list[int], max_tokens: int, gate=None, seen=None) -> tuple[Stream, int | None]:
-            """One streamed completion; ``gate``: an asyncio.Event to wait for before sending;
-            ``seen(stream)``: called after each chunk that carried tokens."""
-            if gate is not None:
-                await gate.wait()
-            s = Stream(time.perf_counter())
-            current.set(s)
-            usage = None
-            stream = await client.completions.create(
-                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True, "return_token_ids": True})
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.usage is not None:
-                    usage = chunk.usage.completion_tokens
-                for c in chunk.choices:
-                    ids = getattr(c, "token_ids", None)
-                    k = len(ids) if ids is not None else (1 if c.text else 0)
-                    if k:
-                        s.events.append((now, k))
-                        if seen is not None:
-                            seen(s)
-                if len(s.events) > max_tokens + 8:
-                    raise BenchError(f"more than {max_tokens} token chunks in one stream")
-            return s, usage
+        def one(prompt: list[int], max_tokens: int, gate=None, seen=None):
+            return stream_one(client, model, current, prompt, max_tokens, gate, seen)
+
+        def spread(prompts: list[list[int]], max_tokens: int) -> list[tuple[Stream, int | None]]:
+            """The burst over the client processes (prompt i to process i % P), sent together."""
+            P = min(a.client_procs, len(prompts))
+            start_at = time.time() + 0.3
+            last_run["t"] = time.monotonic() + 0.3
+            futs = [pool.submit(client_proc, (srv.url, srv.key, model, prompts[i::P], max_tokens, a.request_timeout,
+                                              start_at)) for i in range(P)]
+            got: list = [None] * len(prompts)
+            for i, f in enumerate(futs):
+                got[i::P] = f.result(timeout=a.request_timeout + 30)
+            return got
 
         last_run = {"t": time.monotonic()}
 
@@ -374,8 +440,11 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                 return got
             srv.check_alive()
             try:
-                got = loop.run_until_complete(asyncio.wait_for(all_(), a.request_timeout))
-            except asyncio.TimeoutError as exc:
+                if pool is not None and join_after is None and len(prompts) >= a.client_min_streams:
+                    got = spread(prompts, max_tokens)
+                else:
+                    got = loop.run_until_complete(asyncio.wait_for(all_(), a.request_timeout))
+            except (asyncio.TimeoutError, TimeoutError) as exc:
                 raise BenchError(f"{len(prompts)} request(s) not done after {a.request_timeout:.0f} s") from exc
             except Exception:
                 srv.check_alive(grace=3.0)       # a dead server says so rather than a connection error
@@ -399,10 +468,19 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                 pre["preempted"] = p
             res["phases"][phase] = ph
             if phase.startswith("streams_"):
-                b = burst_steps(srv, last_run["t"])
-                if b is not None:
+                steps = trace_steps(srv)
+                if steps is not None:
+                    b = burst_schedule(steps, last_run["t"])
                     res.setdefault("bursts", {})[phase] = b
                     print(f"[{srv.name}]  {phase} burst: {burst_line(b)}", flush=True)
+                    # the server's own pace once every stream decodes (not the client's receipt)
+                    n = int(phase.split("_")[1])
+                    st = steady_steps([x for x in steps if x["t"] >= last_run["t"]], n)
+                    res["streams"][n]["server_steady"] = st
+                    if st["interval_ms_median"]:
+                        print(f"[{srv.name}]  {phase} server: {st['steps']} steps of all {n} streams, "
+                              f"{st['interval_ms_median']:.2f} ms apart ({n * 1e3 / st['interval_ms_median']:.0f} tok/s), "
+                              f"{st['step_ms_median']:.2f} ms each", flush=True)
             save()
 
         measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True))
@@ -431,14 +509,15 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         except Exception:  # noqa: BLE001
             pass
         loop.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
 
-def burst_steps(srv: Server, t0: float) -> list[dict] | None:
-    """The server's schedule of a burst sent at ``t0`` (serve_report.burst_schedule), from
-    GET /v1/engine/steps; None without it."""
+def trace_steps(srv: Server) -> list[dict] | None:
+    """The server's last steps (GET /v1/engine/steps); None without it."""
     try:
         r = srv.get("/v1/engine/steps")
-        return burst_schedule(r.json()["steps"], t0) if r.status_code == 200 else None
+        return r.json()["steps"] if r.status_code == 200 else None
     except Exception:  # noqa: BLE001 - an optional endpoint
         return None
 
@@ -471,6 +550,10 @@ def parse_args(argv: list[str] | None):
                     metavar="NAME:ARGS", help=f"server configuration, repeatable (default {DEFAULT_CONFIG!r})")
     ap.add_argument("--tokens", type=int, default=128, help="completion tokens per stream")
     ap.add_argument("--repeats", type=int, default=3, help="single-stream repeats (median)")
+    ap.add_argument("--client-procs", type=int, default=4,
+                    help="client processes a burst of --client-min-streams or more is spread over (1: one "
+                         "asyncio openai client for all, whose parsing caps it near 4000-6000 events/s)")
+    ap.add_argument("--client-min-streams", type=int, default=8, help="see --client-procs")
     ap.add_argument("--streams", type=parse_ints, default=[8, 32], help="concurrent streams, e.g. 8,32")
     ap.add_argument("--short-prompt-len", type=int, default=32, help="prompt tokens of the decode phases")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens of the TTFT phase")
@@ -545,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     on = f"{a.device} ({report['gpu']})" if report["gpu"] else a.device
     print(f"gpu_serve: {a.ckpt} on {on}; "
-          f"{a.tokens} tokens per stream, streams {a.streams}, TTFT at {a.prompt_len}, ctx {a.ctx} x {a.ctx_streams}",
+          f"{a.tokens} tokens per stream, streams {a.streams}, TTFT at {a.prompt_len}, ctx {a.ctx} x {a.ctx_streams}"
+          + (f"; bursts of {a.client_min_streams}+ streams over {a.client_procs} client processes" if a.client_procs > 1 else ""),
           flush=True)
     try:
         for name, args in a.configs:

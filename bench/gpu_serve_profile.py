@@ -21,7 +21,6 @@ import asyncio
 import collections
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -29,19 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_serve import Server, parse_config  # noqa: E402
+from serve_report import steady_steps  # noqa: E402
 
 IDLE = ("Condition.wait", "EpollSelector.select", "Event.wait", "Thread.join", "sleep ", "_worker (concurrent",
         "Queue.get", "select (selectors")
-
-
-def steady_steps(steps: list[dict], streams: int) -> dict:
-    """Median ms and median start-to-start interval of the steps that held every stream."""
-    full = [s for s in steps if s.get("seqs") == streams]
-    gaps = [b["t"] - a["t"] for a, b in zip(full, full[1:], strict=False) if b["t"] > a["t"]]
-    paths = collections.Counter(s.get("path") for s in full)
-    return {"steps": len(full), "paths": dict(paths),
-            "step_ms_median": statistics.median(s["ms"] for s in full) if full else None,
-            "interval_ms_median": 1e3 * statistics.median(gaps) if gaps else None}
 
 
 def summarize_raw(path: Path, top: int = 14) -> list[str]:

@@ -4,6 +4,9 @@ requests from the server's step trace (GET /v1/engine/steps)."""
 
 from __future__ import annotations
 
+import collections
+import statistics
+
 
 def ctx_cases(a) -> list[tuple]:
     """(result key, streams, prompt tokens) of the long-context phases: keyed by the stream count
@@ -111,3 +114,13 @@ def burst_line(steps: list[dict]) -> str:
                 f"queued {min(q for _, q in adm):.0f}-{max(q for _, q in adm):.0f}" if adm else ""
         parts.append(f"{s['at_ms']:.0f}+{s['ms'] or 0:.1f} {s['path']} {s['rows']}({s['prefill']}){extra}")
     return "; ".join(parts)
+
+
+def steady_steps(steps: list[dict], streams: int) -> dict:
+    """Median ms and median start-to-start interval of the steps that held every stream."""
+    full = [s for s in steps if s.get("seqs") == streams]
+    gaps = [b["t"] - a["t"] for a, b in zip(full, full[1:], strict=False) if b["t"] > a["t"]]
+    paths = collections.Counter(s.get("path") for s in full)
+    return {"steps": len(full), "paths": dict(paths),
+            "step_ms_median": statistics.median(s["ms"] for s in full) if full else None,
+            "interval_ms_median": 1e3 * statistics.median(gaps) if gaps else None}

@@ -49,7 +49,9 @@ def test_end_to_end_cpu(small, tmp_path):
     """The default config (--max-context 32768) on the CPU: every column measured, the tables last."""
     js = tmp_path / "r.json"
     t = time.perf_counter()
+    # the 2-stream bursts over two client processes (--client-procs; a GPU run spreads 8+ streams)
     p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_serve.py"), str(small), "--device", "cpu", *TINY,
+                        "--client-procs", "2", "--client-min-streams", "2",
                         "--json", str(js), "--out", str(tmp_path / "logs")],
                        capture_output=True, text=True, timeout=180, cwd=REPO)
     took = time.perf_counter() - t
@@ -61,6 +63,12 @@ def test_end_to_end_cpu(small, tmp_path):
     res = cfg["results"]
     assert [x["tokens"] for x in res["single"]["runs"]] == [8]
     assert res["streams"]["2"]["tokens"] == 16 and res["ctx"]["2"]["tokens"] == 16
+    # each stream's request left its own process's client: both streams' ids and timings came back
+    assert all(len(x["per_stream"]) == 2 and all(ps["tokens"] == 8 for ps in x["per_stream"])
+               for x in (res["streams"]["2"], res["ctx"]["2"]))
+    # the server's steady pace from its step trace, beside the client's figures
+    st = res["streams"]["2"]["server_steady"]
+    assert set(st) == {"steps", "paths", "step_ms_median", "interval_ms_median"} and st["steps"] >= 1
     # the openai client's own time before its request leaves (httpx's hook): part of every TTFT
     c = res["ttft"]["client_ms"]
     assert 0 < c < res["ttft"]["cold_ms"] and "of which the openai client building the request" in p.stdout
