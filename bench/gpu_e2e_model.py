@@ -17,7 +17,7 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   ``:pair-tiles``: fused, the MoE in pair-order tiles (``EXL3TOOLS_PAIR_TILES=1``, runtime/preview.py).
   ``:gemv-prologue``: fused, linears and expert slots of one row without a had_in launch
   (``EXL3TOOLS_GEMV_PROLOGUE=1``, cuda_exl3.GEMV_PRO_MAX_ROWS); ``:grouped``: fused, q/k/v and a
-  dense MLP's gate/up as one grouped call each (``EXL3TOOLS_GROUPED_PROJ=1``, cuda_exl3.CudaGroup);
+  dense MLP's gate/up as one grouped call each (``EXL3TOOLS_GROUPED_PROJ=1``, cuda_group.CudaGroup);
   ``:grouped-prologue``: both; ``:act-input``: fused, the MoE down projection's input pass computing
   silu(gate) * up (``EXL3TOOLS_ACT_INPUT=1``); ``:stack``: grouped, gemv-prologue and act-input;
   ``:expert-groups``: fused, the MoE of 2+ tokens in one tile per expert (``EXL3TOOLS_EXPERT_GROUPS=1``,

@@ -88,7 +88,7 @@ class FusedGqaStep:
         model.norm.weight = _dev(model.norm.weight, dev)
         self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
         self._shared: dict[int, dict | None] = {}
-        # q/k/v and a dense MLP's gate/up as one grouped call each (cuda_exl3.CudaGroup, 6 launches
+        # q/k/v and a dense MLP's gate/up as one grouped call each (cuda_group.CudaGroup, 6 launches
         # fewer a layer; the default, EXL3TOOLS_GROUPED_PROJ=0 opts out): off, each linear alone
         self.grouped = preview.switched_on("grouped_proj")
         self._groups: dict[int, LinearGroup] = {}

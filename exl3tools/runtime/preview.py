@@ -49,7 +49,7 @@ OPT_OUTS = {
     # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
     # gemv_body PRO, cuda_exl3.gemv_pro, GEMV_PRO_MAX_ROWS); and the fused decode step's q, k and v
     # (a dense MLP's gate and up) as one grouped call each (runtime.layers.LinearGroup ->
-    # cuda_exl3.CudaGroup: column chunks of one width as the slots of one gemv launch, each with its
+    # cuda_group.CudaGroup: column chunks of one width as the slots of one gemv launch, each with its
     # own trellis width, exl3_gemv_ld_*, and one output pass; 9 launches -> 2 at one row). H200
     # 2026-12-03 (docs/gpu.md): tests/gpu 803 passed with both on; the engine's decode loop on air6
     # 739 -> 786 tok/s at batch 1, 2537 -> 2544 at 8; served one stream 831 -> 892 and 836 -> 893
