@@ -104,3 +104,38 @@ def test_a_long_prompt_is_chunked_beside_running_decodes():
         chunked = [b for b in steps if any(n > 1 for n in b)][1:]        # after the first prompt's prefill
         assert len(chunked) >= 200 // 16 and all(max(b) <= 16 for b in chunked)
         assert all(1 in b for b in chunked[:-1])                          # decoding went on meanwhile
+
+
+@pytest.mark.parametrize("fit", ["0", "1"])
+def test_a_burst_of_prompts_keeps_to_the_prompt_graphs(fit, monkeypatch):
+    """prompt_fit (runtime/preview.py, server/engine.py _plan): four 31-token prompts gathered into
+    one burst, a budget of 64 prompt tokens a step, prompt graphs of at most 40 rows. Without it
+    the first step takes 64 prompt rows through the eager forward; with it no step leaves the
+    graphs (one prompt a step beside the decoding ones). The served logprobs equal the reference
+    either way."""
+    import exl3tools.runtime.runner as R
+
+    monkeypatch.setattr(R, "PROMPT_GRAPH_ROWS", 40)
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "1")       # (on the CPU only when asked for)
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_FIT", fit)
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=4, max_context=96,
+                      block_size=4, cuda_graphs="force", max_prefill_tokens=64, prefill_wait_s=2.0)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        engine = app.state.server.engine
+        assert engine.runner.prompt_graph_limits() == (40, R.PROMPT_GRAPH_READS)
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: _ask(client, p, 4), PROMPTS))
+        steps = [x for x in list(engine.trace) if x["t"] >= t0]
+        model = engine.runner.model
+        for p, (ids, lps, _) in zip(PROMPTS, got, strict=True):
+            ref = _reference_logprobs(model, p, ids)
+            assert len(ids) == 4 and max(abs(a - b) for a, b in zip(lps, ref, strict=True)) < TOL
+    paths = [(x["path"], x["rows"]) for x in steps]
+    if fit == "1":
+        assert all(path != "eager" and rows <= 40 for path, rows in paths), paths
+        assert [rows for path, rows in paths if path == "prompt"] == [31, 32, 33, 34], paths
+    else:
+        assert paths[0] == ("eager", 64), paths

@@ -40,6 +40,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (H200 2026-12-03, the engine's decode loop on air6: batch 1 738 vs 739 tok/s, batch 8 2527 vs
     # 2537: no gain measured, so it stays a preview; tests/gpu passes with it)
     "act_input": "EXL3TOOLS_ACT_INPUT",
+    # the server's planner keeps a step that replays a prompt graph within the graphs' rows and
+    # context reads: a prompt whose chunk would push it into the eager forward waits for the next
+    # step (server/engine.py _plan). A burst of 32 short prompts on the GLM-4.5-Air shape (H200,
+    # 2026-12-03): one eager step of 931 rows took 58 ms, where prompt graphs of 225 rows take ~15
+    "prompt_fit": "EXL3TOOLS_PROMPT_FIT",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -384,6 +384,15 @@ class Runner(SpeculativeSteps):
             raise CacheFullError(f"KV cache full: {sum(n for _, n in appends)} new tokens do not fit in "
                                  f"{self.blocks.free_blocks()} free blocks of {self.block_size}")
 
+    def prompt_graph_limits(self) -> tuple[int, int] | None:
+        """(rows, context reads) within which a step of prompt rows replays a prompt graph instead
+        of the eager forward (the largest prompt bucket, PROMPT_GRAPH_READS: ``_step_path``); None
+        without prompt graphs or where every step takes them (batch-invariant runs)."""
+        d = self.paged.decoder
+        if d is None or not d.prompt_buckets or self.invariant:
+            return None
+        return d.prompt_buckets[-1], PROMPT_GRAPH_READS
+
     def _step_path(self, items: list, all_logits: bool = False) -> str:
         """How a step runs: "decode" where its rows (every new token is one) fit the fixed-shape
         decode step, so a short prompt, a prefix hit's recomputed tail or a verify replays a graph,

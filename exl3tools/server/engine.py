@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exl3tools.errors import Exl3Error, RuntimeFailure
+from exl3tools.runtime import preview
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.engine_spec import SpeculativeRounds
 from exl3tools.server.protocol import APIError, SamplingParams
@@ -55,6 +56,7 @@ class Engine(SpeculativeRounds):
         self._load = load
         self.max_batch, self.max_queue = max_batch, max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.prompt_fit = preview.switched_on("prompt_fit")     # (_plan)
         self.prefill_wait_s = prefill_wait_s   # --prefill-wait-ms: an idle engine gathers a burst
         self.metrics = metrics
         self._sample_fn, self._logprobs_fn, self._make_gen = sample, logprobs, make_generator
@@ -485,17 +487,39 @@ class Engine(SpeculativeRounds):
         m.generation_tokens.inc()
 
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
-        """This step's tokens: one per decoding sequence, prefill chunks within the token budget."""
+        """This step's tokens: one per decoding sequence, prefill chunks within the token budget.
+
+        With the prompt_fit preview (runtime/preview.py) and prompt graphs: a step that would replay
+        a prompt graph takes no further prompt whose chunk would push it past the graphs' rows or
+        context reads into the eager forward (whose fixed cost, 58 ms on the GLM-4.5-Air shape,
+        stalls every running stream); that prompt leads the next step's prompts instead. The first
+        prompt of a step is always taken, so a long one still goes eager in the budget's chunks."""
         batch: list[tuple[Sequence, list[int]]] = []
         budget = self.max_prefill_tokens
+        lim = self._graph_limits()
+        if lim is not None:
+            rows = sum(1 for seq in self._running if seq.pending == 1 and seq.output_ids)
+            reads = prompts = 0
         for seq in self._running:
             if seq.pending == 1 and seq.output_ids:
                 batch.append((seq, [seq.output_ids[-1]]))
             elif budget > 0:
                 chunk = seq.next_chunk(budget)
+                if lim is not None:
+                    r = len(chunk)
+                    rd = r * (seq.num_cached + r) if r > 1 else 0
+                    if prompts and rows <= lim[0] and reads <= lim[1] and (rows + r > lim[0] or reads + rd > lim[1]):
+                        continue
+                    rows, reads, prompts = rows + r, reads + rd, prompts + 1
                 budget -= len(chunk)
                 batch.append((seq, chunk))
         return batch
+
+    def _graph_limits(self) -> tuple[int, int] | None:
+        if not self.prompt_fit:
+            return None
+        fn = getattr(self.runner, "prompt_graph_limits", None)
+        return fn() if fn is not None else None
 
     def _admit(self) -> None:
         """FIFO admission while the batch has room and the cache can take the sequence's pending
