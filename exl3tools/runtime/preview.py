@@ -40,11 +40,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (H200 2026-12-03, the engine's decode loop on air6: batch 1 738 vs 739 tok/s, batch 8 2527 vs
     # 2537: no gain measured, so it stays a preview; tests/gpu passes with it)
     "act_input": "EXL3TOOLS_ACT_INPUT",
-    # the server's planner keeps a step that replays a prompt graph within the graphs' rows and
-    # context reads: a prompt whose chunk would push it into the eager forward waits for the next
-    # step (server/engine.py _plan). A burst of 32 short prompts on the GLM-4.5-Air shape (H200,
-    # 2026-12-03): one eager step of 931 rows took 58 ms, where prompt graphs of 225 rows take ~15
-    "prompt_fit": "EXL3TOOLS_PROMPT_FIT",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -139,6 +134,13 @@ OPT_OUTS = {
     # shape, 66.9 -> 58.7 on GLM-5's (with dense_fold); one GLM-5 expert projection of 2048 tokens
     # 3.50 -> 2.87 ms (bench/gpu_moe_prefill.py); the step's activation peak 0.52 -> 0.45 GiB
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
+    # the server's planner keeps a step that replays a prompt graph within the graphs' rows and
+    # context reads: a prompt whose chunk would push it into the eager forward waits for the next
+    # step (server/engine.py _plan). H200, 2026-12-03 (bench/gpu_serve.py, GLM-4.5-Air shape, 4
+    # client processes): a burst of 32 streams went from one eager step of 869 rows (51.8 ms) to
+    # prompt graphs of 482 and 497 rows (16.0 and 17.2 ms): TTFT median 114 -> 77 ms, 32 streams
+    # 5349 -> 5541 tok/s; tests/gpu 819 passed with it on
+    "prompt_fit": "EXL3TOOLS_PROMPT_FIT",
 }
 
 

@@ -489,11 +489,12 @@ class Engine(SpeculativeRounds):
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
         """This step's tokens: one per decoding sequence, prefill chunks within the token budget.
 
-        With the prompt_fit preview (runtime/preview.py) and prompt graphs: a step that would replay
-        a prompt graph takes no further prompt whose chunk would push it past the graphs' rows or
-        context reads into the eager forward (whose fixed cost, 58 ms on the GLM-4.5-Air shape,
-        stalls every running stream); that prompt leads the next step's prompts instead. The first
-        prompt of a step is always taken, so a long one still goes eager in the budget's chunks."""
+        With prompt graphs (unless EXL3TOOLS_PROMPT_FIT=0, runtime/preview.py): a step that would
+        replay a prompt graph takes no further prompt whose chunk would push it past the graphs'
+        rows or context reads into the eager forward, whose fixed cost stalls every running stream;
+        that prompt leads the next step's prompts instead (a burst of 32 streams on the H200: one
+        869-row eager step of 52 ms became graphs of 16 and 17 ms). The first prompt of a step is
+        always taken, so a long one still goes eager in the budget's chunks."""
         batch: list[tuple[Sequence, list[int]]] = []
         budget = self.max_prefill_tokens
         lim = self._graph_limits()
