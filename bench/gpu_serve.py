@@ -481,6 +481,10 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                         print(f"[{srv.name}]  {phase} server: {st['steps']} steps of all {n} streams, "
                               f"{st['interval_ms_median']:.2f} ms apart ({n * 1e3 / st['interval_ms_median']:.0f} tok/s), "
                               f"{st['step_ms_median']:.2f} ms each", flush=True)
+                    else:       # e.g. more streams than --max-num-seqs: the rest queued
+                        most = max((x.get("seqs") or 0 for x in steps if x["t"] >= last_run["t"]), default=0)
+                        print(f"[{srv.name}]  {phase} server: no two steps held all {n} streams (at most {most} "
+                              f"a step)", flush=True)
             save()
 
         measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True))
