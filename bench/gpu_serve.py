@@ -53,8 +53,9 @@ writes every raw number (rewritten after each phase, so a killed run keeps what 
 Exit status: 0; 1 when a server died or a phase failed (its log's tail is printed; the other configs
 still run); 2 on bad usage; 130 on SIGINT/SIGTERM (after stopping the server and printing the tables).
 CPU smoke test: tests/test_bench_gpu_serve.py (``--device cpu`` on ``synth_checkpoint.py --small``).
-Beside this file: the phases and stream figures (serve_measure.py), the seeded phase
-(serve_seeded.py), the exllamav3 side (serve_exllamav3.py), the tables (serve_report.py).
+Beside this file: the phases and stream figures (serve_measure.py), the openai clients and their
+processes (serve_clients.py), the seeded phase (serve_seeded.py), the exllamav3 side
+(serve_exllamav3.py), the tables (serve_report.py).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import free_port  # noqa: E402
 from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
+from serve_clients import client_proc, make_client, spawn_pool, start_time, stream_one  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
 from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
 from serve_report import burst_line, burst_schedule, ctx_cases, steady_steps, summarize, tables  # noqa: E402
@@ -300,87 +302,12 @@ def run_server_config(a, name: str, args: list[str], report: dict, baseline_mib,
     return entry
 
 
-# ------------------------------------------------------------------ the openai client
-def make_client(url: str, key: str | None, timeout: float, n_conn: int, current: contextvars.ContextVar):
-    """The official openai client over its own httpx pool; httpx's request hook stamps the stream in
-    ``current`` (its ``t_wire``: when the request left the client)."""
-    import httpx
-    from openai import AsyncOpenAI
-
-    async def on_request(request) -> None:       # runs in the task that sends it: its Stream
-        s = current.get()
-        if s is not None and s.t_wire is None:
-            s.t_wire = time.perf_counter()
-
-    http = httpx.AsyncClient(trust_env=False, timeout=timeout, event_hooks={"request": [on_request]},
-                             limits=httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn))
-    return AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "unused", http_client=http, max_retries=0, timeout=timeout)
-
-
-async def stream_one(client, model: str, current: contextvars.ContextVar, prompt: list[int], max_tokens: int,
-                     gate=None, seen=None) -> tuple[Stream, int | None]:
-    """One streamed completion; ``gate``: an asyncio.Event to wait for before sending;
-    ``seen(stream)``: called after each chunk that carried tokens."""
-    if gate is not None:
-        await gate.wait()
-    s = Stream(time.perf_counter())
-    current.set(s)
-    usage = None
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "return_token_ids": True})
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.usage is not None:
-            usage = chunk.usage.completion_tokens
-        for c in chunk.choices:
-            ids = getattr(c, "token_ids", None)
-            k = len(ids) if ids is not None else (1 if c.text else 0)
-            if k:
-                s.events.append((now, k))
-                if seen is not None:
-                    seen(s)
-        if len(s.events) > max_tokens + 8:
-            raise BenchError(f"more than {max_tokens} token chunks in one stream")
-    return s, usage
-
-
-def client_proc(job: tuple) -> list[tuple[Stream, int | None]]:
-    """One client process's share of a burst (``--client-procs``): its own openai client, its streams
-    sent together at ``start_at`` (time.time(), common to the burst's processes). Stream times are
-    perf_counter()'s, one clock across processes (CLOCK_MONOTONIC)."""
-    url, key, model, prompts, max_tokens, timeout, start_at = job
-    current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("stream", default=None)
-
-    async def go() -> list:
-        client = make_client(url, key, timeout, len(prompts) + 4, current)
-        try:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await asyncio.gather(*[stream_one(client, model, current, p, max_tokens) for p in prompts])
-        finally:
-            await client.close()
-    return asyncio.run(go())
-
-
-def _client_ready(_: int) -> int:
-    import openai  # noqa: F401  (a client process imports the client before its first burst)
-
-    time.sleep(0.2)                  # every worker gets one: the pool starts them all now
-    return os.getpid()
-
-
 def client_pool(a):
-    """``--client-procs`` > 1 and a phase of ``--client-min-streams`` or more: a pool of spawned
-    client processes, started and warm; else None."""
+    """``--client-procs`` > 1 and a phase of ``--client-min-streams`` or more: the client processes
+    (serve_clients.spawn_pool); else None."""
     if a.client_procs <= 1 or max(a.streams + a.ctx_streams) < a.client_min_streams:
         return None
-    import concurrent.futures
-    import multiprocessing
-
-    pool = concurrent.futures.ProcessPoolExecutor(a.client_procs, mp_context=multiprocessing.get_context("spawn"))
-    list(pool.map(_client_ready, range(a.client_procs)))
-    return pool
+    return spawn_pool(a.client_procs)
 
 
 def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list[str]) -> None:
@@ -409,8 +336,8 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
         def spread(prompts: list[list[int]], max_tokens: int) -> list[tuple[Stream, int | None]]:
             """The burst over the client processes (prompt i to process i % P), sent together."""
             P = min(a.client_procs, len(prompts))
-            start_at = time.time() + 0.3
-            last_run["t"] = time.monotonic() + 0.3
+            start_at = start_time()
+            last_run["t"] = time.monotonic() + (start_at - time.time())
             futs = [pool.submit(client_proc, (srv.url, srv.key, model, prompts[i::P], max_tokens, a.request_timeout,
                                               start_at)) for i in range(P)]
             got: list = [None] * len(prompts)

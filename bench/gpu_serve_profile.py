@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_serve import Server, parse_config  # noqa: E402
+from serve_clients import spread_round, stream_round  # noqa: E402
 from serve_report import steady_steps  # noqa: E402
 
 IDLE = ("Condition.wait", "EpollSelector.select", "Event.wait", "Thread.join", "sleep ", "_worker (concurrent",
@@ -59,47 +60,6 @@ def summarize_raw(path: Path, top: int = 14) -> list[str]:
         out += [f"  self {k:6d} {f}" for f, k in by_thread[thread].most_common(top)]
         out += [f"  incl {k:6d} {f}" for f, k in incl[thread].most_common(top)]
     return out
-
-
-async def stream_round(url: str, model: str, n: int, tokens: int, first: int = 0) -> tuple[int, float, float]:
-    """N streamed completions of ``tokens`` each (ignore_eos) through the openai client: (events,
-    wall s, the client's CPU s); ``first``: the first stream's prompt offset."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="x")
-
-    async def one(i: int) -> int:
-        s = await client.completions.create(model=model, prompt=[1 + first + i, 2, 3], max_tokens=tokens, stream=True,
-                                            temperature=0, extra_body={"ignore_eos": True})
-        return sum([1 async for _ in s])
-    t, cpu = time.perf_counter(), time.process_time()
-    events = sum(await asyncio.gather(*[one(i) for i in range(n)]))
-    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    await client.close()             # inside this loop (asyncio.run closes it next)
-    return events, wall, cpu
-
-
-def _proc_round(args: tuple) -> tuple[int, float, float]:
-    *args, start_at = args
-    import openai  # noqa: F401  (imported before the common start: every process sends at once)
-
-    time.sleep(max(0.0, start_at - time.time()))
-    return asyncio.run(stream_round(*args))
-
-
-def spread_round(url: str, model: str, n: int, tokens: int, procs: int) -> tuple[int, float, float]:
-    """The N streams split over ``procs`` client processes (separate users: one asyncio loop of
-    the openai client parses ~5000 events/s at most): (events, wall s of the slowest, CPU s summed)."""
-    if procs <= 1:
-        return asyncio.run(stream_round(url, model, n, tokens))
-    import concurrent.futures
-    import multiprocessing
-
-    start_at = time.time() + 5.0             # spawned processes import first, then start together
-    parts = [(url, model, n // procs + (i < n % procs), tokens, i * n, start_at) for i in range(procs)]
-    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        got = list(ex.map(_proc_round, parts))
-    return sum(g[0] for g in got), max(g[1] for g in got), sum(g[2] for g in got)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(a.serve, a.step_ms, a.switch_ms)
         return 0
     from gpu_serve import free_port
-    from gpu_serve_profile import stream_round
+    from serve_clients import stream_round
     from serve_report import steady_steps
 
     port = free_port()
