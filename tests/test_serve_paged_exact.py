@@ -108,7 +108,7 @@ def test_a_long_prompt_is_chunked_beside_running_decodes():
 
 @pytest.mark.parametrize("fit", ["0", "1"])
 def test_a_burst_of_prompts_keeps_to_the_prompt_graphs(fit, monkeypatch):
-    """prompt_fit (the default; runtime/preview.py, server/engine.py _plan): four 31-token prompts
+    """prompt_fit (the default; runtime/preview.py, server/planner.py plan_step): four 31-token prompts
     gathered into one burst, a budget of 64 prompt tokens a step, prompt graphs of at most 40 rows.
     Opted out ("0"), the first step takes 64 prompt rows through the eager forward; on, no step leaves the
     graphs (one prompt a step beside the decoding ones). The served logprobs equal the reference

@@ -136,7 +136,7 @@ OPT_OUTS = {
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
     # the server's planner keeps a step that replays a prompt graph within the graphs' rows and
     # context reads: a prompt whose chunk would push it into the eager forward waits for the next
-    # step (server/engine.py _plan). H200, 2026-12-03 (bench/gpu_serve.py, GLM-4.5-Air shape, 4
+    # step (server/planner.py plan_step). H200, 2026-12-03 (bench/gpu_serve.py, GLM-4.5-Air shape, 4
     # client processes): a burst of 32 streams went from one eager step of 869 rows (51.8 ms) to
     # prompt graphs of 482 and 497 rows (16.0 and 17.2 ms): TTFT median 114 -> 77 ms, 32 streams
     # 5349 -> 5541 tok/s; tests/gpu 819 passed with it on

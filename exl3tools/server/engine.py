@@ -26,6 +26,7 @@ from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.runtime import preview
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.engine_spec import SpeculativeRounds
+from exl3tools.server.planner import plan_step
 from exl3tools.server.protocol import APIError, SamplingParams
 from exl3tools.server.requests import Event, RequestHandle, Sequence, TokenLogprob, deliver
 
@@ -487,34 +488,9 @@ class Engine(SpeculativeRounds):
         m.generation_tokens.inc()
 
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
-        """This step's tokens: one per decoding sequence, prefill chunks within the token budget.
-
-        With prompt graphs (unless EXL3TOOLS_PROMPT_FIT=0, runtime/preview.py): a step that would
-        replay a prompt graph takes no further prompt whose chunk would push it past the graphs'
-        rows or context reads into the eager forward, whose fixed cost stalls every running stream;
-        that prompt leads the next step's prompts instead (a burst of 32 streams on the H200: one
-        869-row eager step of 52 ms became graphs of 16 and 17 ms). The first prompt of a step is
-        always taken, so a long one still goes eager in the budget's chunks."""
-        batch: list[tuple[Sequence, list[int]]] = []
-        budget = self.max_prefill_tokens
-        lim = self._graph_limits()
-        if lim is not None:
-            rows = sum(1 for seq in self._running if seq.pending == 1 and seq.output_ids)
-            reads = prompts = 0
-        for seq in self._running:
-            if seq.pending == 1 and seq.output_ids:
-                batch.append((seq, [seq.output_ids[-1]]))
-            elif budget > 0:
-                chunk = seq.next_chunk(budget)
-                if lim is not None:
-                    r = len(chunk)
-                    rd = r * (seq.num_cached + r) if r > 1 else 0
-                    if prompts and rows <= lim[0] and reads <= lim[1] and (rows + r > lim[0] or reads + rd > lim[1]):
-                        continue
-                    rows, reads, prompts = rows + r, reads + rd, prompts + 1
-                budget -= len(chunk)
-                batch.append((seq, chunk))
-        return batch
+        """This step's tokens (server/planner.py), kept within the prompt graphs unless
+        EXL3TOOLS_PROMPT_FIT=0 (runtime/preview.py)."""
+        return plan_step(self._running, self.max_prefill_tokens, self._graph_limits())
 
     def _graph_limits(self) -> tuple[int, int] | None:
         if not self.prompt_fit:
