@@ -241,7 +241,11 @@ def test_waiting_stream_gets_keepalive_pings(monkeypatch):
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
                 first = asyncio.create_task(c.post("/v1/completions", json=long))
-                await asyncio.sleep(0.1)  # the first one holds the only batch slot
+                # the first one must hold the only batch slot before the second asks: a fixed
+                # sleep lost that race on a loaded CI machine (the second then never waited)
+                while (await c.get("/v1/engine/stats")).json()["running"] == 0:
+                    assert not first.done()
+                    await asyncio.sleep(0.005)
                 body = {"model": MODEL, "prompt": "b", "max_tokens": 2, "stream": True}
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     lines = [ln async for ln in r.aiter_lines()]
