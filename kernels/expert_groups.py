@@ -7,7 +7,7 @@ reads weights at the 1-row kernel's decode rate). ``group_pairs`` lays the pairs
 ``rows`` rows, each tile all of one expert (an expert with more pairs than ``rows`` gets several),
 so the grouped expert calls (``obj.tiles``, kernels/dispatch.py) decode each expert once; the
 8-row gemv kernel costs the same MMA work for 1 or 8 rows. One Triton program computes it with
-S x S comparisons (S <= MAX_PAIRS), where runtime.layers.expert_tiles takes ~25 torch launches;
+S x S comparisons (S <= MAX_PAIRS, or WIDE_MAX_PAIRS), where runtime.layers.expert_tiles takes ~25 torch launches;
 ``residual_rmsnorm(y_rows=pair_row)`` then sums each token's rows straight from the tile layout.
 
 Layout, for the gate+up call over 2 x NE experts (up at +NE, as ``fused_decode.route`` numbers
@@ -23,7 +23,11 @@ from exl3tools.kernels.fused_decode import _pow2, triton
 if triton is not None:
     import triton.language as tl
 
-MAX_PAIRS = 512      # one program's S x BJ comparison blocks stay small up to here (batch 56 at 9 pairs)
+MAX_PAIRS = 512      # the fused step's default cap (batch 56 at 9 pairs): checked on the H200
+# the cap with the "wide_groups" preview (runtime/preview.py): batch 64 at 9 pairs (576), 64 sequences
+# with one draft each (1152), GLM-5's 227 rows of 9; the comparison block BS x BJ stays at 16k
+# elements (BJ 16 at 1024 pairs, 8 at 2048) and the program takes 16 warps above MAX_PAIRS
+WIDE_MAX_PAIRS = 2048
 TILE_ROWS = 8        # the 8-row gemv kernel: one MMA per tile for 1-8 rows
 
 
@@ -106,13 +110,15 @@ def group_pairs(exp: torch.Tensor, P: int, NE: int, rows: int = TILE_ROWS) -> di
     expert (padding rows: token 0, expert 0 / NE), plus ``pair_row`` (S,) the row of each pair,
     and the ints ``tiles`` (NT) and ``rows``."""
     S = exp.shape[0]
-    if not 0 < S <= MAX_PAIRS:
-        raise ValueError(f"group_pairs takes 1-{MAX_PAIRS} pairs, got {S}")
+    if not 0 < S <= WIDE_MAX_PAIRS:
+        raise ValueError(f"group_pairs takes 1-{WIDE_MAX_PAIRS} pairs, got {S}")
     NT = n_tiles(S, NE, rows)
     out = _out(S, NT, rows, exp.device)
+    BS = max(16, _pow2(S))
     _group_pairs_kernel[(1,)](exp.to(torch.int32).contiguous(), out["pair_row"], out["tile_exp"], out["tile_n"],
                               out["row_src"], out["row_exp"], S, int(P), int(NE), NT, R=int(rows),
-                              BS=max(16, _pow2(S)), BJ=32, BR=256, num_warps=4 if S <= 128 else 8)
+                              BS=BS, BJ=min(32, 16384 // BS), BR=256,
+                              num_warps=4 if S <= 128 else 8 if S <= MAX_PAIRS else 16)
     return out
 
 

@@ -110,6 +110,32 @@ def test_expert_groups_match_plain_cache(name, groups, monkeypatch):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
 
+@pytest.mark.parametrize("wide", ["1", "0"])
+def test_steps_past_the_pair_cap(wide, monkeypatch):
+    """A step of more pairs than expert_groups.MAX_PAIRS (patched to 9 here: every step of 2+
+    tokens) leaves the expert groups (for one row per pair, or _tiles_sum from MOE_TILES_MIN_SLOTS),
+    unless the wide_groups preview raises the cap to WIDE_MAX_PAIRS; the plain cache's logits either way."""
+    _interpret()
+    from exl3tools.kernels import expert_groups as eg
+
+    calls = []
+    real = eg.group_pairs
+    monkeypatch.setattr(eg, "group_pairs", lambda exp, *a: calls.append(exp.shape[0]) or real(exp, *a))
+    monkeypatch.setattr(eg, "MAX_PAIRS", 9)
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_WIDE_GROUPS", wide)
+    name = "glm4_moe-3.0bpw-mcg"
+    r = _paged(name, "static")
+    assert r.paged.decoder._fused.max_pairs == (eg.WIDE_MAX_PAIRS if wide == "1" else 9)
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    if wide == "1":
+        assert calls and min(calls) > 9
+    else:
+        assert not calls
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))
+
+
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
 def test_batch_invariant_moe_tiles_in_pair_order(name, monkeypatch):
     """The pair-order tiles (batch-invariant runs; EXL3TOOLS_PAIR_TILES), forced from 1 pair here:

@@ -99,6 +99,8 @@ class FusedGqaStep:
         self.pair_tiles = self.invariant or preview.switched_on("pair_tiles")
         # 2+ tokens: one tile per expert (kernels/expert_groups.py; the default, EXL3TOOLS_EXPERT_GROUPS=0 opts out)
         self.expert_groups = preview.switched_on("expert_groups") and not self.pair_tiles
+        # steps of up to this many pairs take them (past it: _tiles_sum); wider with the preview
+        self.max_pairs = eg.WIDE_MAX_PAIRS if preview.switched_on("wide_groups") else eg.MAX_PAIRS
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
         layers = self.model.layers
@@ -148,7 +150,7 @@ class FusedGqaStep:
         merged = self._with_shared(mlp) if by_expert or not tiled else None
         NE = len(mlp.experts) + (merged is not None)
         g_tiles = "gate_up" in g and hasattr(g["down_proj"], "tiles")     # g's calls take tiles
-        by_expert = by_expert and T * (mlp.top_k + (merged is not None)) <= eg.MAX_PAIRS and (merged is not None or g_tiles)
+        by_expert = by_expert and T * (mlp.top_k + (merged is not None)) <= self.max_pairs and (merged is not None or g_tiles)
         tiled = tiled and not by_expert
         if merged is not None and not tiled:          # the shared expert as one more pair per token
             r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],

@@ -40,6 +40,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (H200 2026-12-03, the engine's decode loop on air6: batch 1 738 vs 739 tok/s, batch 8 2527 vs
     # 2537: no gain measured, so it stays a preview; tests/gpu passes with it)
     "act_input": "EXL3TOOLS_ACT_INPUT",
+    # the fused decode step's expert groups (kernels/expert_groups.py) up to WIDE_MAX_PAIRS (2048)
+    # pairs instead of MAX_PAIRS (512): batch 57 and above (--max-num-seqs 64: 576 pairs at 9 a
+    # token; decode rows with drafts: 64 sequences x 2 rows, 1152) keep one tile per expert instead
+    # of falling back to _tiles_sum (~25 torch launches a MoE layer, the shared expert apart). The
+    # grouping kernel then compares in 16-element column blocks with 16 warps; checked value for
+    # value against its torch reference in the interpreter, not yet run on a GPU
+    "wide_groups": "EXL3TOOLS_WIDE_GROUPS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

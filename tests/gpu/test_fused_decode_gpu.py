@@ -65,9 +65,11 @@ def test_residual_rmsnorm(dev, T, H, terms):
 
 
 # (tokens, pairs a token, experts): GLM-4.5-Air's 8 routed + shared at batch 2, 8, 14, 32 and 56 (the
-# most pairs, 504 <= MAX_PAIRS), Qwen3's 8 of 128, and few experts (one expert holding 3 tiles' pairs)
+# most pairs, 504 <= MAX_PAIRS), Qwen3's 8 of 128, and few experts (one expert holding 3 tiles' pairs);
+# past MAX_PAIRS (the wide_groups preview's narrower comparison blocks): batch 64 (576 pairs), Qwen3's
+# 128 rows (1024), GLM-5's 256 routed + shared at 227 rows (2043 <= WIDE_MAX_PAIRS)
 GROUP_CASES = [(2, 9, 129), (8, 9, 129), (14, 9, 129), (32, 9, 129), (56, 9, 129), (8, 8, 128), (7, 4, 3),
-               (1, 9, 129)]
+               (1, 9, 129), (64, 9, 129), (128, 8, 128), (227, 9, 257)]
 
 
 @pytest.mark.parametrize("T,P,NE", GROUP_CASES)
@@ -107,8 +109,8 @@ def test_group_pairs_refuses_too_many_pairs():
     import torch
     from exl3tools.kernels import expert_groups as eg
 
-    with pytest.raises(ValueError, match="1-512 pairs"):
-        eg.group_pairs(torch.zeros(eg.MAX_PAIRS + 1, dtype=torch.int32), 9, 129)
+    with pytest.raises(ValueError, match="1-2048 pairs"):
+        eg.group_pairs(torch.zeros(eg.WIDE_MAX_PAIRS + 1, dtype=torch.int32), 9, 129)
 
 
 @pytest.mark.parametrize("H,dtype", [(256, "bfloat16"), (4096, "bfloat16"), (300, "float32")])
