@@ -1,10 +1,11 @@
-"""``--device`` for the commands that decode whole checkpoints (dequantize, validate --deep)."""
+"""``--device auto``: for the commands that decode whole checkpoints (dequantize, validate --deep,
+``decode_device``) and for those that run the model (serve, generate, eval, diff: ``run_device``)."""
 
 from __future__ import annotations
 
 import os
 
-from exl3tools.cli._runtime import check_device
+from exl3tools.cli._runtime import check_device, cuda_alloc_conf
 
 
 def _nvidia_driver() -> bool:
@@ -28,6 +29,24 @@ def decode_device(device: str) -> str:
     except ImportError:
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_device(device: str, ranks: int = 1) -> str:
+    """``auto`` -> ``cuda`` when this machine has a CUDA GPU for each of ``ranks`` (the GPU path:
+    trellis kernels, graphs, the paged engine), else ``cpu`` (the reference path), which a GPU
+    machine with fewer GPUs than ranks also gets; ``cpu``, ``cuda``, ``cuda:N`` as check_device."""
+    if device != "auto":
+        return check_device(device)
+    if not _nvidia_driver():
+        return "cpu"
+    cuda_alloc_conf()       # before torch looks at the GPUs
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
+        return check_device("cuda")
+    return "cpu"
 
 
 def decoder(device: str):

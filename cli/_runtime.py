@@ -18,16 +18,20 @@ API_KEY_ENV = "EXL3TOOLS_SERVE_API_KEY"     # one key
 API_KEYS_ENV = "EXL3TOOLS_SERVE_API_KEYS"   # several, whitespace-separated (click's auto env var)
 
 
+def cuda_alloc_conf() -> None:
+    """Before CUDA starts: prefill steps of every length reuse freed activation memory without
+    fragmenting the cache (H200 serve: 1.4 GB reserved beyond the allocated peak without it)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def check_device(device: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N`` that this machine has; else UsageError, before any loading."""
     m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
     if m is None:
-        raise UsageError(f"--device {device!r}: use cpu, cuda or cuda:N")
+        raise UsageError(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
     if device == "cpu":
         return device
-    # before CUDA starts: prefill steps of every length reuse freed activation memory without
-    # fragmenting the cache (H200 serve: 1.4 GB reserved beyond the allocated peak without it)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    cuda_alloc_conf()
     import torch
 
     if not torch.cuda.is_available():

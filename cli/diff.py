@@ -24,7 +24,8 @@ def _fmt(r) -> list[str]:
 @click.option("--prompt", default=None, help="Also run both models on this text (A's tokenizer): per-layer "
               "hidden-state cosine and final-logit KL.")
 @click.option("--token-ids", default=None, help="The same with token ids, e.g. 1,77,300.")
-@click.option("--device", default="cpu", show_default=True, help="Where --prompt/--token-ids run: cpu, cuda, cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where --prompt/--token-ids run: auto (cuda when there is a GPU, else cpu), cpu, cuda, cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Emit one JSON document (schemas/diff.v1.json), every linear.")
 def diff_cmd(a: str, b: str, top: int, prompt: str | None, token_ids: str | None, device: str, as_json: bool) -> None:
     """Relative error, SQNR and cosine of A's decoded linears against B's (the reference), per
@@ -95,12 +96,12 @@ def _prompt_ids(a: str, prompt: str | None, token_ids: str | None) -> list[int]:
 
 
 def _activations(a: str, b: str, ids: list[int], device: str) -> dict:
-    from exl3tools.cli._runtime import check_device
+    from exl3tools.cli._device import run_device
 
     from exl3tools.runtime.evaluate import activation_diff
     from exl3tools.runtime.runner import load_runner
 
-    check_device(device)
+    device = run_device(device)
     opts = dict(device=device, decode="eager", max_num_seqs=1, max_cache_tokens=len(ids))
     with load_runner(a, **opts) as ra, load_runner(b, **opts) as rb:
         return activation_diff(ra, rb, ids)

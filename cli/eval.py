@@ -20,7 +20,8 @@ from exl3tools.text import for_console
               help="Tokens per window (capped at the runner's longest context).")
 @click.option("--stride", type=click.IntRange(1, None), default=None, help="Window step (default: window / 2).")
 @click.option("--add-bos/--no-add-bos", default=True, show_default=True, help="Prepend BOS to the text.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
 @click.option("--backend", default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Emit one JSON document (schemas/eval.v1.json).")
 def eval_cmd(path: Path, text_file: Path, reference: Path | None, window: int, stride: int | None, add_bos: bool,
@@ -32,14 +33,14 @@ def eval_cmd(path: Path, text_file: Path, reference: Path | None, window: int, s
     exl3tools eval ./model-exl3 --text wiki.test.txt
     exl3tools eval ./model-exl3 --text wiki.test.txt --reference ./model-bf16 --json
     """
-    from exl3tools.cli._runtime import check_device
+    from exl3tools.cli._device import run_device
     from rich.progress import Progress
 
     from exl3tools.errors import UsageError
     from exl3tools.runtime.evaluate import check_tokens, evaluate
     from exl3tools.runtime.runner import load_runner
 
-    check_device(device)
+    device = run_device(device)
     if not text_file.is_file():
         raise UsageError(f"{text_file}: no such text file")
     try:

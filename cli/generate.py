@@ -39,7 +39,8 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write prompt logits (every position) and per-step logits as safetensors.")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
 @click.option("--backend", default="auto", show_default=True,
               help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
                    "exllamav3, reference.")
@@ -65,8 +66,9 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
     exl3tools generate org/model-exl3 --tp 2 --prompt "Hi"   (rank-sliced from the Hub into its cache)
     exl3tools generate ./model --prompt "Once" --temperature 0.8 --top-p 0.9 --seed 7
     """
+    from exl3tools.cli._device import run_device
     from exl3tools.cli._output import emit_json, status
-    from exl3tools.cli._runtime import LoadProgress, check_device, check_output_file, preflight_plan
+    from exl3tools.cli._runtime import LoadProgress, check_output_file, preflight_plan
 
     from exl3tools.hub import looks_like_repo_id
     from exl3tools.runtime.runner import load_runner
@@ -82,7 +84,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
         if problem:
             raise UsageError(problem)
     ids = _token_ids(token_ids) if token_ids is not None else None
-    check_device(device)  # all before loading: a bad option must not cost a model load
+    device = run_device(device, tp)  # all before loading: a bad option must not cost a model load
     check_output_file(logits_out, "--logits-out")
     if tp > 1 and not path.exists() and looks_like_repo_id(str(path)):  # slice from the Hub, by ranges
         from exl3tools.hub_slice import ensure_slices
@@ -160,7 +162,7 @@ def generate_cmd(path: Path, tp: int, prompt: str | None, token_ids: str | None,
                 click.echo(",".join(map(str, out_ids)), nl=False)
             click.echo()
             status(f"{len(ids)} prompt tokens, {len(out_ids)} generated; prefill {stats['prefill_tok_s']} tok/s, "
-                   f"decode {stats['decode_tok_s']} tok/s, load {t_load:.1f} s")
+                   f"decode {stats['decode_tok_s']} tok/s, load {t_load:.1f} s, on {device}")
 
 
 def _write_logits(dst: Path, prompt_ids: list[int], prompt_logits, out_ids: list[int], step_logits: list) -> None:

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import click
-from exl3tools.cli._runtime import LoadProgress, api_keys_option, check_device, preflight_plan
+from exl3tools.cli._device import run_device
+from exl3tools.cli._runtime import LoadProgress, api_keys_option, preflight_plan
 
 from exl3tools.errors import NotFoundError, UsageError
 from exl3tools.server.reasoning import PARSERS
@@ -67,7 +68,8 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--max-model-len", "--max-context", "max_context", type=click.IntRange(1, None), default=None,
               help="Cap the context length (default: the model's, and what the KV cache holds).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
 @click.option("--backend", default="auto", show_default=True,
               help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
                    "exllamav3, reference.")
@@ -104,7 +106,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             raise NotFoundError(f"no PATH given and the demo checkpoint is missing ({DEMO_MODEL})")
         path = str(DEMO_MODEL)
     _check_path(path, tp)
-    check_device(device)
+    asked, device = device, run_device(device, tp)
     interval = os.environ.get("EXL3TOOLS_SWITCH_INTERVAL_MS")   # the GIL's (docs/serve.md "Diagnostics")
     if interval:
         try:
@@ -139,6 +141,8 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                       speculative_tokens=speculative_tokens, prefill_wait_s=prefill_wait_ms / 1e3,
                       reasoning_parser=reasoning_parser)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if asked == "auto":
+        logging.getLogger("exl3tools.serve").info("--device auto: serving on %s", device)
     if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("exl3tools.serve").warning(
             "binding %s without --api-key: anyone who can reach it can use it", host)

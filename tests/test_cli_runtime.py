@@ -54,8 +54,8 @@ def one_line_error(res, code: int, text: str) -> None:
     (["--top-p", "nan"], "--top-p must be a finite number"),
     (["--top-p", "1e-46"], "underflows the float32 sampler"),
     (["--top-p", "0"], "--top-p must be > 0 and <= 1, got 0"),
-    (["--device", "bogus"], "--device 'bogus': use cpu, cuda or cuda:N"),
-    (["--device", "cuda:x"], "use cpu, cuda or cuda:N"),
+    (["--device", "bogus"], "--device 'bogus': use auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:x"], "use auto, cpu, cuda or cuda:N"),
 ])
 def test_generate_bad_options_are_usage_errors(opts, text):
     one_line_error(run("generate", MODEL, "--token-ids", "1,2", *opts), 2, text)
@@ -101,7 +101,7 @@ def test_a_broken_tokenizer_json_is_a_checkpoint_error(tmp_path, content, code, 
     (["--api-key", "ok", "--api-key", "  "], {}, "an API key must not be empty"),
     ([], {"EXL3TOOLS_SERVE_API_KEY": ""}, "EXL3TOOLS_SERVE_API_KEY is set but empty"),
     ([], {"EXL3TOOLS_SERVE_API_KEYS": " "}, "EXL3TOOLS_SERVE_API_KEYS is set but empty"),
-    (["--device", "bogus"], {}, "use cpu, cuda or cuda:N"),
+    (["--device", "bogus"], {}, "use auto, cpu, cuda or cuda:N"),
 ])
 def test_serve_refuses_empty_keys_and_bad_devices_before_binding(args, env, text, never_binds):
     one_line_error(run("serve", MODEL, "--port", "0", *args, env=env), 2, text)
