@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_serve import Server, parse_config  # noqa: E402
 from serve_clients import spread_round, stream_round  # noqa: E402
+from serve_process import Server, parse_config  # noqa: E402
 from serve_report import steady_steps  # noqa: E402
 
 IDLE = ("Condition.wait", "EpollSelector.select", "Event.wait", "Thread.join", "sleep ", "_worker (concurrent",

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.serve is not None:
         serve(a.serve, a.step_ms, a.switch_ms)
         return 0
-    from gpu_serve import free_port
+    from bench_serve import free_port
     from serve_clients import stream_round
     from serve_report import steady_steps
 
