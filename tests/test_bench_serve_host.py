@@ -54,3 +54,13 @@ def test_steady_steps_and_raw_profile_summary(tmp_path):
     out = "\n".join(gsp.summarize_raw(raw))
     assert "exl3tools-engine: 30 busy samples" in out and "MainThread: 5 busy samples" in out
     assert "incl     30 _main (exl3tools/server/engine.py:1)" in out and "Condition.wait" not in out
+
+
+def test_engine_admission_bench_admits_every_burst(capsys):
+    """bench/bench_engine_admit.py: both admissions take each whole burst (the script asserts it)
+    and a row is printed per N."""
+    import bench_engine_admit as bea
+
+    assert bea.main(["--streams", "2,5", "--prompt", "40", "--rounds", "1"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["2", "5"] and all(r[3].endswith("x") for r in rows)

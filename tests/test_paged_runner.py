@@ -145,6 +145,8 @@ def test_limits_back_pressure_and_slots():
         r.step([(1, [1] * 17)])
     r.step([(1, list(range(1, 13)))])                # 3 blocks
     assert r.fits([(2, 4)]) and not r.fits([(2, 5)]) and not r.fits([(1, 1), (2, 4)])
+    held = r.blocks_needed([(1, 1)])                 # the engine's admission: counted once, then added
+    assert held == 1 and r.fits([(2, 4)], held - 1) and not r.fits([(2, 4)], held)
     with pytest.raises(CacheFullError, match="KV cache full"):
         r.step([(1, [5]), (2, [1, 2, 3, 4])])
     assert r.sequence_length(1) == 12 and r.sequence_length(2) == 0    # nothing changed

@@ -116,7 +116,7 @@ class BlockManager:
         self.queried_tokens += len(tokens)
         parent = None
         for i in range(full):
-            chunk = tuple(int(t) for t in tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(map(int, tokens[i * bs:(i + 1) * bs]))
             h = hash((parent, chunk))
             b = self._by_hash.get(h)
             if b is None or self._blocks[b].tokens != chunk:
@@ -170,7 +170,7 @@ class BlockManager:
         bs = self.block_size
         while s.hashed < n // bs:
             i = s.hashed
-            chunk = tuple(int(t) for t in tokens[i * bs:(i + 1) * bs])
+            chunk = tuple(map(int, tokens[i * bs:(i + 1) * bs]))
             h = hash((s.last_hash, chunk))
             b = s.table[i]
             blk = self._blocks[b]

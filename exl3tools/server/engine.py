@@ -502,6 +502,7 @@ class Engine(SpeculativeRounds):
         """FIFO admission while the batch has room and the cache can take the sequence's pending
         tokens on top of what the running ones still need (their pending tokens and one more).
         The runner reuses cached prefix blocks: those tokens count as already computed."""
+        runner, held = self.runner, None
         with self._cond:
             while self._waiting and len(self._running) < self.max_batch:
                 seq = self._waiting[0]
@@ -509,12 +510,15 @@ class Engine(SpeculativeRounds):
                     self._waiting.popleft()
                     self._count_cancel(seq)
                     continue
-                need = [(s.seq_id, s.pending + 1) for s in self._running] + [(None, seq.pending + 1)]
-                if not self.runner.fits(need):
+                if held is None:   # the running ones' blocks once, then each admitted one's: a
+                    # burst of 64 admissions was 64 x 64 lookups on the engine thread
+                    held = runner.blocks_needed([(s.seq_id, s.pending + 1) for s in self._running])
+                if not runner.fits([(None, seq.pending + 1)], held):
                     break  # wait for running sequences to finish and free their cache
                 self._waiting.popleft()
-                seq.num_cached = self.runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids,
-                                                          **self._spec_kw(seq))
+                seq.num_cached = runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids,
+                                                     **self._spec_kw(seq))
+                held += runner.blocks_needed([(seq.seq_id, seq.pending + 1)])
                 self._admitted.append((seq.handle.t_received, seq.handle.t_arrival))
                 if not seq.output_ids:     # prompt tokens served from cache (not a preempted one's history)
                     seq.handle.cached_tokens += seq.num_cached

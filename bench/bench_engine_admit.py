@@ -1,0 +1,95 @@
+"""The engine thread's host work when a burst arrives: admitting N queued requests (cache check,
+``Runner.add_sequence`` with its prefix lookup) and planning the step, on the demo checkpoint.
+
+    python bench/bench_engine_admit.py [--streams 8,32,64] [--prompt 2048] [--rounds 5]
+
+Every millisecond here is the engine thread holding the GIL while the HTTP side parses the same
+burst, before the burst's first step launches (docs/gpu.md "The next GPU session, first", item 4).
+Printed per N, medians of ``--rounds``: ``Engine._admit`` of fresh prompts (prefix lookups that
+miss at the first block), and beside it, in the same run, the admission as it was before
+2026-12-03 (each candidate's cache check summed over every running sequence again, each prompt
+converted to ints whole): the ratio is what the change saves; then ``Engine._plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from exl3tools.runtime.runner import load_runner  # noqa: E402
+from exl3tools.server.engine import Engine  # noqa: E402
+from exl3tools.server.protocol import SamplingParams  # noqa: E402
+
+MODEL = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+
+
+def admit_as_before(eng: Engine) -> None:
+    """Engine._admit before 2026-12-03: O(N^2) cache checks and whole-prompt int conversion."""
+    r = eng.runner
+    while eng._waiting and len(eng._running) < eng.max_batch:
+        seq = eng._waiting[0]
+        need = [(s.seq_id, s.pending + 1) for s in eng._running] + [(None, seq.pending + 1)]
+        if r.blocks_needed(need) > r.blocks.free_blocks():
+            break
+        eng._waiting.popleft()
+        tokens = [int(t) for t in seq.prompt][:r.max_context]
+        seq.num_cached = r.add_sequence(seq.seq_id, tokens)
+        eng._running.append(seq)
+
+
+def one_burst(r, n: int, prompts: list[list[int]], admit) -> tuple[float, float]:
+    """(admission ms, plan ms) of n queued requests; their sequences are freed afterwards."""
+    eng = Engine(lambda: r, max_batch=n)
+    eng.runner, eng.state = r, "ready"
+    loop = asyncio.new_event_loop()
+    try:
+        for p in prompts:
+            eng.submit(loop, [p], SamplingParams(max_tokens=8), 1)
+        t0 = time.perf_counter()
+        admit(eng)
+        t1 = time.perf_counter()
+        eng._plan()
+        t2 = time.perf_counter()
+        assert len(eng._running) == n, "the cache did not take the burst"
+        for s in eng._running:
+            r.free_sequence(s.seq_id)
+    finally:
+        loop.close()
+    return 1e3 * (t1 - t0), 1e3 * (t2 - t1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="8,32,64")
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens per request")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    ns = [int(x) for x in a.streams.split(",")]
+    r = load_runner(MODEL, max_num_seqs=max(ns), max_cache_tokens=2 * max(ns) * (a.prompt + 64), block_size=16)
+    rng = random.Random(0)
+    print(f"demo checkpoint, {a.prompt}-token prompts, median of {a.rounds} bursts (ms on the engine thread)")
+    print(f"{'N':>4} {'admit':>8} {'before':>8} {'saved':>6} {'plan':>6}")
+    with r:
+        for n in ns:
+            rows: dict[str, list[float]] = {"now": [], "before": [], "plan": []}
+            for _ in range(a.rounds):
+                fresh = [[rng.randrange(1, 1000) for _ in range(a.prompt)] for _ in range(n)]
+                ms, plan = one_burst(r, n, fresh, Engine._admit)
+                rows["now"].append(ms)
+                rows["plan"].append(plan)
+                rows["before"].append(one_burst(r, n, fresh, admit_as_before)[0])
+            m = {k: statistics.median(v) for k, v in rows.items()}
+            print(f"{n:>4} {m['now']:>8.2f} {m['before']:>8.2f} {m['before'] / m['now']:>5.1f}x {m['plan']:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
