@@ -57,10 +57,13 @@ def test_steady_steps_and_raw_profile_summary(tmp_path):
 
 
 def test_engine_admission_bench_admits_every_burst(capsys):
-    """bench/bench_engine_admit.py: both admissions take each whole burst (the script asserts it)
-    and a row is printed per N."""
-    import bench_engine_admit as bea
+    """bench/bench_burst_host.py: a request's parse and preparation beside json.loads; both
+    admissions take each whole burst (the script asserts it), a row per N."""
+    import bench_burst_host as bea
 
     assert bea.main(["--streams", "2,5", "--prompt", "40", "--rounds", "1"]) == 0
-    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[2:]]
+    out = capsys.readouterr().out.splitlines()
+    assert re.match(r"one 40-id request: parse_body [\d.]+ ms, json.loads [\d.]+ ms \([\d.]+x the floor\), "
+                    r"prepare [\d.]+ ms$", out[0]), out
+    rows = [ln.split() for ln in out[3:]]
     assert [r[0] for r in rows] == ["2", "5"] and all(r[3].endswith("x") for r in rows)

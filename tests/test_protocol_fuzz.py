@@ -88,3 +88,18 @@ def test_integer_literals_of_any_length_parse_or_are_a_4xx(field, digits, sign, 
     base = '"messages": [{"role": "user", "content": "hi"}]' if chat else '"prompt": "hi"'
     raw = f'{{"model": "demo", {base}, "{field}": {sign}{"9" * digits}}}'.encode()
     exercise(raw, CLASSES[chat])
+
+
+def test_long_integer_check_runs_only_where_a_long_digit_run_is():
+    """parse_body skips its per-literal integer hook unless the body holds a run of more than
+    MAX_INT_DIGITS digits: 100 digits parse as an int, 101 are refused naming the field, and a long
+    run inside a string takes the checked path and parses as before."""
+    from exl3tools.server import protocol as P
+
+    ok = P.parse_body(b'{"model": "m", "prompt": [1, ' + b"9" * 100 + b"]}", P.CompletionRequest)
+    assert ok.prompt == [1, int("9" * 100)]
+    with pytest.raises(P.APIError) as e:
+        P.parse_body(b'{"model": "m", "prompt": [1, ' + b"9" * 101 + b"]}", P.CompletionRequest)
+    assert e.value.status == 400 and e.value.param == "prompt.1" and "101 digits" in e.value.message
+    text = P.parse_body(b'{"model": "m", "prompt": "' + b"7" * 300 + b'", "max_tokens": 5}', P.CompletionRequest)
+    assert text.prompt == "7" * 300 and text.max_tokens == 5

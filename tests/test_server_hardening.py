@@ -165,6 +165,7 @@ CASES_500 = [  # (id, path, raw body, param)
     ("int-4301-digits", COMP, b'{"model": "demo", "prompt": "a", "max_tokens": 1' + b"0" * 4300 + b"}",
      "max_tokens"),
     ("int-4301-digits-nested", COMP, b'{"model": "demo", "prompt": [1, -' + b"9" * 5000 + b"]}", "prompt.1"),
+    ("int-101-digits", COMP, b'{"model": "demo", "prompt": [1, 2, ' + b"9" * 101 + b"]}", "prompt.2"),
     ("temperature-underflow", COMP, b'{"model": "demo", "prompt": "a", "temperature": 1e-46}', "temperature"),
     ("top-p-underflow", CHAT, json.dumps({"model": MODEL, "messages": MSGS, "top_p": 1e-46}).encode(), "top_p"),
 ]

@@ -120,7 +120,10 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # list[int] before list[str]: a strict union tries its members in order, and list[str] first
+    # failed on every id of a token prompt (2048 errors: 0.67 ms a request, 0.04 this way); the
+    # members are disjoint under strict, so what matches and the first error are the same
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -270,8 +273,11 @@ def parse_body(raw: bytes, model_cls: type[_Strict]) -> Any:
         raise bad_request(f"request body is not valid UTF-8 (byte {exc.start})",
                           code="invalid_encoding") from None
     long_ints: list[_LongInt] = []
+    # the per-literal hook only where a run of digits could be a long integer: on a 2048-token id
+    # prompt it was 1.3 ms of Python a request (json.loads alone 0.2), the GIL held while a burst parses
+    hook = (lambda s: _parse_int(s, long_ints)) if _LONG_RUN in raw.translate(_DIGITS_AS_ZEROS) else None
     try:
-        obj = json.loads(text, parse_int=lambda s: _parse_int(s, long_ints))
+        obj = json.loads(text, parse_int=hook)
     except (json.JSONDecodeError, RecursionError) as exc:
         msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
         raise bad_request(f"request body is not valid JSON: {msg}", code="invalid_json") from None
@@ -331,6 +337,11 @@ def _parse_int(s: str, seen: list[_LongInt]) -> int | _LongInt:
     seen.append(_LongInt(len(s.lstrip("-"))))
     return seen[-1]
 
+
+# parse_body: a run of more than MAX_INT_DIGITS digits anywhere (in C: 14 us on a 2048-id body, a
+# regex took 320), the only place a literal _parse_int refuses can be
+_DIGITS_AS_ZEROS = bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+_LONG_RUN = b"0" * (MAX_INT_DIGITS + 1)
 
 # JSON's only way to a lone surrogate: a \uD800-\uDFFF escape (a valid pair decodes to one code
 # point). Such a string cannot be encoded as UTF-8: not by the tokenizer, not in our error body.

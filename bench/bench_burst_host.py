@@ -1,20 +1,25 @@
-"""The engine thread's host work when a burst arrives: admitting N queued requests (cache check,
-``Runner.add_sequence`` with its prefix lookup) and planning the step, on the demo checkpoint.
+"""The host's work for a burst of requests before its first step, on the demo checkpoint: what each
+request costs the HTTP side (body parse and validation, then preparation) and what admitting them
+costs the engine thread (cache checks, ``Runner.add_sequence`` with its prefix lookup).
 
-    python bench/bench_engine_admit.py [--streams 8,32,64] [--prompt 2048] [--rounds 5]
+    python bench/bench_burst_host.py [--streams 8,32,64] [--prompt 2048] [--rounds 5]
 
-Every millisecond here is the engine thread holding the GIL while the HTTP side parses the same
-burst, before the burst's first step launches (docs/gpu.md "The next GPU session, first", item 4).
-Printed per N, medians of ``--rounds``: ``Engine._admit`` of fresh prompts (prefix lookups that
-miss at the first block), and beside it, in the same run, the admission as it was before
-2026-12-03 (each candidate's cache check summed over every running sequence again, each prompt
-converted to ints whole): the ratio is what the change saves; then ``Engine._plan``.
+Every millisecond here holds the GIL while the burst arrives, before and beside its first step
+(docs/gpu.md "The next GPU session, first", item 4). Printed, medians of ``--rounds``:
+
+- one ``--prompt``-id streamed completion request: ``protocol.parse_body`` against ``json.loads``
+  of the same body in the same run (the floor of reading it), and ``prepare_completion``;
+- per N of ``--streams``: ``Engine._admit`` of N fresh requests, and beside it, in the same run,
+  the admission as it was before 2026-12-03 (each candidate's cache check summed over every running
+  sequence again, each prompt converted to ints whole): the ratio is what the change saves; then
+  ``Engine._plan``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -25,8 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from exl3tools.runtime.runner import load_runner  # noqa: E402
+from exl3tools.server import protocol  # noqa: E402
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
 from exl3tools.server.engine import Engine  # noqa: E402
 from exl3tools.server.protocol import SamplingParams  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
 
 MODEL = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
 
@@ -66,6 +74,34 @@ def one_burst(r, n: int, prompts: list[list[int]], admit) -> tuple[float, float]
     return 1e3 * (t1 - t0), 1e3 * (t2 - t1)
 
 
+def per_request(prompt_len: int, rounds: int) -> None:
+    """parse_body vs json.loads of one streamed token-id completion request, and its preparation."""
+    rng = random.Random(1)
+    body = json.dumps({"model": "demo", "prompt": [rng.randrange(1, 1000) for _ in range(prompt_len)],
+                       "max_tokens": 128, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    app = create_app(ServeConfig(model_path=str(MODEL), served_model_name="demo"))
+    with LiveServer(app):                        # the engine loaded: prepare reads its runner's limits
+        server = app.state.server
+        req = protocol.parse_body(body, protocol.CompletionRequest)
+        server.prepare_completion(req)
+        parse, floor, prep = (_median_ms(fn, rounds) for fn in (
+            lambda: protocol.parse_body(body, protocol.CompletionRequest), lambda: json.loads(body),
+            lambda: server.prepare_completion(req)))
+    print(f"one {prompt_len}-id request: parse_body {parse:.3f} ms, json.loads {floor:.3f} ms "
+          f"({parse / floor:.1f}x the floor), prepare {prep:.3f} ms")
+
+
+def _median_ms(fn, rounds: int, n: int = 50) -> float:
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append(1e3 * (time.perf_counter() - t) / n)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="8,32,64")
@@ -73,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.streams.split(",")]
+    per_request(a.prompt, a.rounds)
     r = load_runner(MODEL, max_num_seqs=max(ns), max_cache_tokens=2 * max(ns) * (a.prompt + 64), block_size=16)
     rng = random.Random(0)
     print(f"demo checkpoint, {a.prompt}-token prompts, median of {a.rounds} bursts (ms on the engine thread)")
