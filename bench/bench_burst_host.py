@@ -9,6 +9,9 @@ Every millisecond here holds the GIL while the burst arrives, before and beside 
 
 - one ``--prompt``-id streamed completion request: ``protocol.parse_body`` against ``json.loads``
   of the same body in the same run (the floor of reading it), and ``prepare_completion``;
+- tokenizing a chat prompt of ``--prompt`` tokens as the server does (``app.encode_ids``: the
+  tokenizer's ``encode_batch``) against ``encode``, each while a Python thread counts: that
+  thread's rate against its rate alone says how much of the call held the GIL;
 - per N of ``--streams``: ``Engine._admit`` of N fresh requests, and beside it, in the same run,
   the admission as it was before 2026-12-03 (each candidate's cache check summed over every running
   sequence again, each prompt converted to ints whole): the ratio is what the change saves; then
@@ -102,6 +105,44 @@ def _median_ms(fn, rounds: int, n: int = 50) -> float:
     return statistics.median(times)
 
 
+def tokenize_beside_python(prompt_len: int, rounds: int) -> None:
+    """encode_ids vs encode on one long text while a Python thread counts (the engine thread's stand-in)."""
+    import threading
+
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.app import encode_ids
+
+    tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    unit = "the quick brown fox jumps over the lazy dog "
+    text = unit * max(1, prompt_len // len(tok.encode(unit, add_special_tokens=False).ids))
+    count, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    def rate(fn) -> tuple[float, float]:          # (counts a second beside fn, ms a call)
+        c0, t0 = count[0], time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        dt = time.perf_counter() - t0
+        return (count[0] - c0) / dt, 1e3 * dt / rounds
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        alone = rate(lambda: time.sleep(0.02))[0]
+        ours, ours_ms = rate(lambda: encode_ids(tok, text, add_special_tokens=False))
+        enc, enc_ms = rate(lambda: tok.encode(text, add_special_tokens=False))
+    finally:
+        stop.set()
+        th.join()
+    n = len(tok.encode(text, add_special_tokens=False).ids)
+    print(f"tokenizing {n} tokens: encode_ids {ours_ms:.2f} ms, a Python thread beside it at {ours / alone:.0%} "
+          f"of its rate alone; encode {enc_ms:.2f} ms, {enc / alone:.0%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="8,32,64")
@@ -110,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.streams.split(",")]
     per_request(a.prompt, a.rounds)
+    tokenize_beside_python(a.prompt, a.rounds)
     r = load_runner(MODEL, max_num_seqs=max(ns), max_cache_tokens=2 * max(ns) * (a.prompt + 64), block_size=16)
     rng = random.Random(0)
     print(f"demo checkpoint, {a.prompt}-token prompts, median of {a.rounds} bursts (ms on the engine thread)")

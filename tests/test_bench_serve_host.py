@@ -65,5 +65,6 @@ def test_engine_admission_bench_admits_every_burst(capsys):
     out = capsys.readouterr().out.splitlines()
     assert re.match(r"one 40-id request: parse_body [\d.]+ ms, json.loads [\d.]+ ms \([\d.]+x the floor\), "
                     r"prepare [\d.]+ ms$", out[0]), out
-    rows = [ln.split() for ln in out[3:]]
+    assert re.match(r"tokenizing \d+ tokens: encode_ids [\d.]+ ms, a Python thread beside it at \d+%", out[1]), out
+    rows = [ln.split() for ln in out[4:]]
     assert [r[0] for r in rows] == ["2", "5"] and all(r[3].endswith("x") for r in rows)

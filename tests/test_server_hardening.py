@@ -282,3 +282,18 @@ def test_oversized_lists_are_refused_before_validation(body, param):
     with pytest.raises(APIError) as e:
         parse_body(raw, Never)
     assert e.value.status == 400 and e.value.param == param
+
+
+
+
+def test_prompts_are_tokenized_as_encode_does():
+    """The server tokenizes through encode_batch (which lets go of the GIL while Rust tokenizes:
+    bench/bench_burst_host.py measures it) and gets encode's ids, with and without special tokens."""
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.app import encode_ids
+
+    tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
+    for text in ("the quick brown fox jumps over the lazy dog " * 300, "", "Hi \U0001f600 <|user|>"):
+        for special in (True, False):
+            assert encode_ids(tok, text, add_special_tokens=special) == tok.encode(text, add_special_tokens=special).ids
