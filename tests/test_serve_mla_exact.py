@@ -1,0 +1,54 @@
+"""Served logprobs of the MLA models equal the plain CPU runtime's (issue 14's exactness): DeepSeek-V3
+(MLA) and GLM-5 (MLA + DSA, prompts past its index_topk so the sparse selection is on) at TP 1, and
+the GLM-5 -tp fixture at TP 2 (gloo, CPU processes) against the same checkpoint at TP 1. A real
+server on 127.0.0.1, the openai client, two streams decoding together; the reference is
+teacher-forced over the served tokens (tests/test_serve_paged_exact.py does the GQA fixtures)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from exl3tools.runtime.runner import load_runner  # noqa: E402
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import fixture_dir  # noqa: E402
+from tests.test_serve_paged_exact import _reference_logprobs  # noqa: E402
+
+TOL = 1e-4          # logprob, absolute (as the GQA test; measured 2e-7 to 7e-7)
+N = 6
+PROMPTS = [list(range(3, 43)), [1] + list(range(500, 545))]     # 40 and 46 tokens: past GLM-5's index_topk (32)
+
+
+@pytest.mark.parametrize("name,tp,graphs", [("deepseek_v3-3.0bpw-3inst", 1, None), ("deepseek_v3-3.0bpw-3inst", 1, "force"),
+                                            ("glm5_moe_dsa-3.0bpw-mul1", 1, None), ("glm5_moe_dsa-3.0bpw-mul1", 1, "force"),
+                                            ("glm5_moe_dsa-tp-4.0bpw-mcg", 2, None)])
+def test_served_mla_logprobs_equal_the_reference(name, tp, graphs):
+    """graphs "force": the fixed-shape decode step (MLAttention.decode_static) on the CPU too."""
+    path = fixture_dir(name) / "model"
+    cfg = ServeConfig(model_path=str(path), served_model_name="m", tp=tp, max_batch=4, max_context=96, block_size=4,
+                      cuda_graphs=graphs)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(prompt):
+            r = client.completions.create(model="m", prompt=prompt, max_tokens=N, temperature=0, logprobs=1,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            c = r.choices[0]
+            return c.model_dump()["token_ids"], c.logprobs.token_logprobs
+
+        with cf.ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(ask, PROMPTS))
+        if tp == 1:
+            assert app.state.server.engine.runner.decode_mode == ("static" if graphs else "eager")
+    with load_runner(path, max_context=96, max_cache_tokens=256) as ref:
+        for prompt, (ids, lps) in zip(PROMPTS, served, strict=True):
+            assert len(ids) == N
+            want = _reference_logprobs(ref.model, prompt, ids)
+            err = max(abs(a - b) for a, b in zip(lps, want, strict=True))
+            assert err < TOL, (name, tp, graphs, err)
