@@ -12,7 +12,9 @@ subprocess (``exl3tools serve CKPT --device DEV --host 127.0.0.1 --port FREE ARG
 before the next one. Every request is a streamed completion of token-id prompts at temperature 0 with
 ``ignore_eos`` (so it yields exactly ``max_tokens`` tokens) and ``return_token_ids`` (one chunk per
 token event, counted from the ids and checked against the usage chunk); prompts are
-``gpu_e2e_model.make_prompts`` (BOS then random valid ids, fixed seeds, distinct per stream and phase).
+``gpu_e2e_model.make_prompts`` (BOS then random valid ids, fixed seeds, distinct per stream and phase),
+sent as ids, or with ``--text-prompts`` as the text they decode to (the server tokenizes it, as it
+does a chat or text request; exllamav3 keeps the ids).
 Before timing (unless ``--no-warmup``): 8-token completions at every batch size used, one long prefill,
 one prompt at each ``--ctx`` length and, with ``--join``, one join (one stream at CTX, one short prompt).
 
@@ -179,7 +181,7 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
             print(f"[{srv.name}] note: {n}", flush=True)
             notes.append(n)
 
-        def one(prompt: list[int], max_tokens: int, gate=None, seen=None):
+        def one(prompt: list[int] | str, max_tokens: int, gate=None, seen=None):
             return stream_one(client, model, current, prompt, max_tokens, gate, seen)
 
         def spread(prompts: list[list[int]], max_tokens: int) -> list[tuple[Stream, int | None]]:
@@ -195,8 +197,11 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
             return got
 
         last_run = {"t": time.monotonic()}
+        as_text = prompt_texts(a.ckpt) if a.text_prompts else None
 
         def run(prompts: list[list[int]], max_tokens: int, join_after: tuple[int, int] | None = None) -> list[Stream]:
+            if as_text is not None:
+                prompts = [as_text(p) for p in prompts]
             last_run["t"] = time.monotonic()     # the server's step trace is on the same clock
 
             async def all_() -> list:
@@ -343,6 +348,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--ctx-streams", type=parse_ints, default=[1, 8])
     ap.add_argument("--join", type=parse_join, default=None, metavar="N:CTX:M",
                     help="also: M short prompts sent while N streams decode after CTX-token prompts")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="our servers get each prompt as the text its ids decode to (tokenized by the server, "
+                         "as a chat or text request is), not as token ids; exllamav3 keeps the ids")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up requests (each batch size, one long prefill) before timing")
     ap.add_argument("--exllamav3", choices=("auto", "on", "off"), default="auto",
@@ -367,7 +375,17 @@ def parse_args(argv: list[str] | None):
     a.vocab = int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 0)
     if a.vocab < 8:
         ap.error(f"{a.ckpt}/config.json: no usable vocab_size")
+    if a.text_prompts and not (Path(a.ckpt) / "tokenizer.json").is_file():
+        ap.error(f"{a.ckpt}: --text-prompts needs its tokenizer.json")
     return a
+
+
+def prompt_texts(ckpt: str):
+    """ids -> the text they decode to, by the checkpoint's tokenizer (--text-prompts)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
+    return lambda ids: tok.decode(ids, skip_special_tokens=False)
 
 
 def parse_join(s: str) -> tuple[int, int, int]:

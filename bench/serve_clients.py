@@ -32,7 +32,7 @@ def make_client(url: str, key: str | None, timeout: float, n_conn: int, current:
     return AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "unused", http_client=http, max_retries=0, timeout=timeout)
 
 
-async def stream_one(client, model: str, current: contextvars.ContextVar, prompt: list[int], max_tokens: int,
+async def stream_one(client, model: str, current: contextvars.ContextVar, prompt: list[int] | str, max_tokens: int,
                      gate=None, seen=None) -> tuple[Stream, int | None]:
     """One streamed completion; ``gate``: an asyncio.Event to wait for before sending;
     ``seen(stream)``: called after each chunk that carried tokens."""

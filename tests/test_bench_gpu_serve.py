@@ -143,10 +143,11 @@ def test_parse_config_and_cache_size(small):
 def test_join_phase_end_to_end_cpu(small, tmp_path):
     """--join N:CTX:M on the real CPU server: the M short prompts go out once the N running streams
     have JOIN_AFTER_TOKENS tokens each; their TTFT and the running streams' longest gap while they
-    are admitted are measured and tabled."""
+    are admitted are measured and tabled. With --text-prompts: every prompt sent as text, which the
+    server tokenizes (its prompt-token counter then differs from the ids' count)."""
     js = tmp_path / "r.json"
     args = ["--tokens", "24", "--streams", "2", "--prompt-len", "64", "--ttft-prompts", "1", "--ctx", "96",
-            "--ctx-streams", "1", "--repeats", "1", "--join", "2:96:2", "--no-warmup"]
+            "--ctx-streams", "1", "--repeats", "1", "--join", "2:96:2", "--no-warmup", "--seeded", "0", "--text-prompts"]
     p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_serve.py"), str(small), "--device", "cpu", *args,
                         "--json", str(js), "--out", str(tmp_path / "logs")],
                        capture_output=True, text=True, timeout=180, cwd=REPO)
@@ -157,6 +158,11 @@ def test_join_phase_end_to_end_cpu(small, tmp_path):
     assert 0 < j["joiner_ttft_ms_median"] <= j["joiner_ttft_ms_max"] and j["window_ms"] > 0
     assert j["stall_ms_max"] >= j["stall_ms_median"] > 0 and j["itl_ms_median_before"] > 0
     assert cfg["summary"]["join_stall_ms"] == j["stall_ms_max"]
+    # the prompts went as text: the server's prefix lookups counted its own tokenization, not the
+    # ids (sent as ids, this run counts exactly these 576: single, streams, ttft x2, ctx, join)
+    ids_sent = 32 + 2 * 32 + 2 * 64 + 96 + 2 * 96 + 2 * 32
+    queried = cfg["results"]["engine_stats_end"]["prefix_cache_queried_tokens"]
+    assert queried > 0 and queried != ids_sent, queried
     assert "stall ms, 2 join 2 @ctx96" in p.stdout and "join: 2 new 32-token prompts beside 2 streams" in p.stdout
     with pytest.raises(SystemExit):
         gs.parse_args([str(small), "--join", "2:96"])
