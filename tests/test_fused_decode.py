@@ -23,6 +23,13 @@ def _interpret():
     return fused_decode
 
 
+def _matches_plain_cache(name: str, r, *ctx) -> None:
+    """``r``'s logits over ``schedule`` equal the plain cache's, step by step (``ctx``: for the message)."""
+    ref, got = schedule(Reference(_model(name))), schedule(r)
+    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
+        assert _rel(x, y) < REL, (*ctx, s, _rel(x, y))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
     fk = _interpret()
@@ -41,11 +48,9 @@ def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     r = _paged(name, "static")
     assert r.paged.decoder._fused is not None
-    ref, got = schedule(Reference(_model(name))), schedule(r)
+    _matches_plain_cache(name, r, name)
     # the MoE layers routed through the kernel; glm4_moe's shared expert inside the grouped calls
     assert set(calls) == {"llama-4.0bpw-mul1": set(), "qwen3_moe-2.5bpw-mul1": {False}}.get(name, {True})
-    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
-        assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
 
 @pytest.mark.parametrize("variant", ["shared-apart", "tiles"])
@@ -71,11 +76,9 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
     monkeypatch.setattr(MoE, "_tiles_sum", lambda self, *a: tiles.append(1) or real_tiles(self, *a))
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     r = _paged(name, "static")
-    ref, got = schedule(Reference(_model(name))), schedule(r)
+    _matches_plain_cache(name, r, name, variant)
     assert bool(tiles) == (variant == "tiles") and bool(calls) == (variant != "tiles")
     assert all(v is None for v in r.paged.decoder._fused._shared.values())
-    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
-        assert _rel(x, y) < REL, (name, variant, s, _rel(x, y))
 
 
 @pytest.mark.parametrize("groups", ["1", "0"])
@@ -99,15 +102,13 @@ def test_expert_groups_match_plain_cache(name, groups, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", groups)
     r = _paged(name, "static")
     assert r.paged.decoder._fused.expert_groups == (groups == "1")
-    ref, got = schedule(Reference(_model(name))), schedule(r)
+    _matches_plain_cache(name, r, name)
     if groups == "1":
         assert calls and all(S > P for S, P, _ in calls)         # only steps of 2+ tokens
         shared = name.startswith("glm4_moe")
         assert {P for _, P, _ in calls} == {_model(name).layers[-1].mlp.top_k + shared}
     else:
         assert not calls
-    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
-        assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
 
 @pytest.mark.parametrize("wide", ["1", "0"])
@@ -127,13 +128,11 @@ def test_steps_past_the_pair_cap(wide, monkeypatch):
     name = "glm4_moe-3.0bpw-mcg"
     r = _paged(name, "static")
     assert r.paged.decoder._fused.max_pairs == (eg.WIDE_MAX_PAIRS if wide == "1" else 9)
-    ref, got = schedule(Reference(_model(name))), schedule(r)
+    _matches_plain_cache(name, r, name)
     if wide == "1":
         assert calls and min(calls) > 9
     else:
         assert not calls
-    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
-        assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
 
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
@@ -153,10 +152,8 @@ def test_batch_invariant_moe_tiles_in_pair_order(name, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     r = _paged(name, "static")
     r.paged.decoder._fused.pair_tiles = True
-    ref, got = schedule(Reference(_model(name))), schedule(r)
+    _matches_plain_cache(name, r, name)
     assert calls
-    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
-        assert _rel(x, y) < REL, (name, s, _rel(x, y))
 
 
 def test_switch(monkeypatch):
@@ -213,10 +210,8 @@ def test_grouped_projections_match_plain_cache(name, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     monkeypatch.setenv("EXL3TOOLS_GROUPED_PROJ", "1")
     r = _paged(name, "static")
-    ref, got = schedule(Reference(_model(name))), schedule(r)
+    _matches_plain_cache(name, r, name)
     layers = r.model.layers
     dense = sum(isinstance(layer.mlp, GatedMLP) for layer in layers)
     assert len(r.paged.decoder._fused._groups) == len(layers) + dense
     assert set(groups) == ({3, 2} if dense else {3})
-    for s, (x, y) in enumerate(zip(got, ref, strict=True)):
-        assert _rel(x, y) < REL, (name, s, _rel(x, y))
