@@ -9,7 +9,7 @@ Every millisecond here holds the GIL while the burst arrives, before and beside 
 
 - one ``--prompt``-id streamed completion request: ``protocol.parse_body`` against ``json.loads``
   of the same body in the same run (the floor of reading it), and ``prepare_completion``;
-- tokenizing a chat prompt of ``--prompt`` tokens as the server does (``app.encode_ids``: the
+- tokenizing a chat prompt of ``--prompt`` tokens as the server does (``detok.encode_ids``: the
   tokenizer's ``encode_batch``) against ``encode``, each while a Python thread counts: that
   thread's rate against its rate alone says how much of the call held the GIL;
 - per N of ``--streams``: ``Engine._admit`` of N fresh requests, and beside it, in the same run,
@@ -111,7 +111,7 @@ def tokenize_beside_python(prompt_len: int, rounds: int) -> None:
 
     from tokenizers import Tokenizer
 
-    from exl3tools.server.app import encode_ids
+    from exl3tools.server.detok import encode_ids
 
     tok = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
     unit = "the quick brown fox jumps over the lazy dog "

@@ -291,7 +291,7 @@ def test_prompts_are_tokenized_as_encode_does():
     bench/bench_burst_host.py measures it) and gets encode's ids, with and without special tokens."""
     from tokenizers import Tokenizer
 
-    from exl3tools.server.app import encode_ids
+    from exl3tools.server.detok import encode_ids
 
     tok = Tokenizer.from_file(str(DEMO / "model" / "tokenizer.json"))
     for text in ("the quick brown fox jumps over the lazy dog " * 300, "", "Hi \U0001f600 <|user|>"):

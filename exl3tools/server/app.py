@@ -57,13 +57,6 @@ PING_INTERVAL_S = 15.0
 OPEN_PATHS = frozenset({"/health"})
 
 
-def encode_ids(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
-    """``text``'s ids as ``tokenizer.encode`` gives them, through ``encode_batch``, which releases
-    the GIL while Rust tokenizes (``encode`` holds it: a 3500-token prompt 2.3 ms, during which
-    the engine thread cannot launch a step; a burst of 32 such chat requests held it ~75 ms)."""
-    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     model_path: str | None = None
@@ -281,7 +274,7 @@ class Server:
         prompts: list[list[int]] = []
         for p in texts:
             if isinstance(p, str):
-                ids = encode_ids(runner.tokenizer, p, add_special_tokens=True)
+                ids = detok.encode_ids(runner.tokenizer, p, add_special_tokens=True)
             else:
                 if not p:
                     raise bad_request("token prompts must not be empty", param="prompt")
@@ -315,7 +308,7 @@ class Server:
             kwargs["tools"] = tools.template_tools(req)
         text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
         self.guard().check_text(len(text), "messages")
-        ids = encode_ids(runner.tokenizer, text, add_special_tokens=False)
+        ids = detok.encode_ids(runner.tokenizer, text, add_special_tokens=False)
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", param="messages")
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -26,7 +26,7 @@ from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.runtime import preview
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.engine_spec import SpeculativeRounds
-from exl3tools.server.planner import plan_step
+from exl3tools.server.planner import graph_limits, plan_step
 from exl3tools.server.protocol import APIError, SamplingParams
 from exl3tools.server.requests import Event, RequestHandle, Sequence, TokenLogprob, deliver
 
@@ -490,13 +490,7 @@ class Engine(SpeculativeRounds):
     def _plan(self) -> list[tuple[Sequence, list[int]]]:
         """This step's tokens (server/planner.py), kept within the prompt graphs unless
         EXL3TOOLS_PROMPT_FIT=0 (runtime/preview.py)."""
-        return plan_step(self._running, self.max_prefill_tokens, self._graph_limits())
-
-    def _graph_limits(self) -> tuple[int, int] | None:
-        if not self.prompt_fit:
-            return None
-        fn = getattr(self.runner, "prompt_graph_limits", None)
-        return fn() if fn is not None else None
+        return plan_step(self._running, self.max_prefill_tokens, graph_limits(self.runner) if self.prompt_fit else None)
 
     def _admit(self) -> None:
         """FIFO admission while the batch has room and the cache can take the sequence's pending

@@ -10,6 +10,12 @@ def _decoding(seq: Sequence) -> bool:
     return seq.pending == 1 and bool(seq.output_ids)
 
 
+def graph_limits(runner) -> tuple[int, int] | None:
+    """The runner's prompt-graph limits (``Runner.prompt_graph_limits``), None where it has none."""
+    fn = getattr(runner, "prompt_graph_limits", None)
+    return fn() if fn is not None else None
+
+
 def plan_step(running: list[Sequence], budget: int,
               graph_limits: tuple[int, int] | None = None) -> list[tuple[Sequence, list[int]]]:
     """This step's tokens for ``running`` (in order): one per decoding sequence, prefill chunks
