@@ -189,8 +189,12 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_no_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=0 --max-model-len 32768")
       [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_no_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=0 --max-model-len 32768")
       [[ $V == *mla_rows* ]] && CFG+=(--config "${arch}_mla_rows:EXL3TOOLS_MLA_EAGER_ROWS=1 --max-model-len 32768")
-      # MLA_EXTRA_CONFIG="NAME:ARGS": one more config, served as ${arch}_NAME (e.g. "seqs64:--max-model-len 32768 --max-num-seqs 64")
-      [ -n "${MLA_EXTRA_CONFIG:-}" ] && CFG+=(--config "${arch}_${MLA_EXTRA_CONFIG}")
+      # MLA_EXTRA_CONFIG="NAME:ARGS[;NAME:ARGS...]": more configs, each served as ${arch}_NAME (e.g.
+      # "seqs64:--max-model-len 32768 --max-num-seqs 64")
+      if [ -n "${MLA_EXTRA_CONFIG:-}" ]; then
+        IFS=';' read -r -a XCFG <<< "$MLA_EXTRA_CONFIG"
+        for x in "${XCFG[@]}"; do CFG+=(--config "${arch}_$x"); done
+      fi
       T=${MLA_TILE:-32,32,8}
       [[ $V == *tile* ]] && CFG+=(--config "${arch}_tile_${T//,/x}:EXL3TOOLS_MLA_TILE=$T --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
