@@ -33,7 +33,7 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--api-key", "api_keys", multiple=True, callback=api_keys_option,
               help="Accept this Bearer key (repeatable; never empty). Else EXL3TOOLS_SERVE_API_KEY "
                    "(one key) / EXL3TOOLS_SERVE_API_KEYS (several). Without any key the API is open.")
-@click.option("--max-num-seqs", "--max-batch", "max_batch", default=32, show_default=True, callback=_pos,
+@click.option("--max-num-seqs", "--max-batch", "max_batch", default=64, show_default=True, callback=_pos,
               help="Most sequences decoded together (one CUDA graph per batch bucket up to it).")
 @click.option("--max-queue", default=256, show_default=True, callback=_pos,
               help="Most sequences waiting; beyond it requests get 429 + Retry-After.")

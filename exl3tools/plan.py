@@ -175,7 +175,7 @@ def fmt_bytes(n: int) -> str:
 
 def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: str = "tp",
                 util: float = 0.9, block_size: int = 16, kv_dtype: str = "auto", max_model_len: int | None = None,
-                max_num_seqs: int = 32, batched_tokens: int = DEFAULT_BATCHED_TOKENS, in_use: int = 0) -> MemoryPlan:
+                max_num_seqs: int = 64, batched_tokens: int = DEFAULT_BATCHED_TOKENS, in_use: int = 0) -> MemoryPlan:
     """The plan (a value). ``in_use``: bytes of the GPU already taken by others (serve's preflight
     passes ``total - free`` from torch.cuda.mem_get_info); the runtime subtracts them too."""
     if not 0 < util <= 1:

@@ -66,7 +66,7 @@ class ServeConfig:
     device: str = "cpu"
     backend: str = "auto"
     api_keys: tuple[str, ...] = ()
-    max_batch: int = 32             # --max-num-seqs
+    max_batch: int = 64             # --max-num-seqs
     max_queue: int = 256
     max_cache_tokens: int | None = None  # KV cache size in tokens; None: from the memory budget (CUDA)
     max_prefill_tokens: int = 512

@@ -47,7 +47,7 @@ class _Inflight:
 
 
 class Engine(SpeculativeRounds):
-    def __init__(self, load: Callable[[], Any], *, max_batch: int = 32, max_queue: int = 256,
+    def __init__(self, load: Callable[[], Any], *, max_batch: int = 64, max_queue: int = 256,
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
                  make_generator: Callable | None = None, sample_batch: Callable | None = None,
