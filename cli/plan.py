@@ -6,7 +6,7 @@ import click
 from exl3tools.cli._output import console, emit_json
 from rich.table import Table
 
-from exl3tools.plan import fmt_bytes
+from exl3tools.plan import DEFAULT_MAX_NUM_SEQS, fmt_bytes
 from exl3tools.text import for_console
 
 
@@ -17,7 +17,7 @@ from exl3tools.text import for_console
 @click.option("--gpu-memory", default=None, help="Memory of one GPU: 141GiB, 80GB, 24000MiB, or bytes.")
 @click.option("--gpu", "gpu_name", default=None, help="A GPU by name instead (h200, h100, a100-80g, l40s, rtx4090, ...).")
 @click.option("--max-model-len", type=click.IntRange(1, None), default=None, help="Refuse unless the KV cache holds this many tokens.")
-@click.option("--max-num-seqs", type=click.IntRange(1, None), default=64, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(1, None), default=DEFAULT_MAX_NUM_SEQS, show_default=True)
 @click.option("--max-prefill-tokens", "--max-num-batched-tokens", "batched", type=click.IntRange(1, None),
               default=2048, show_default=True, help="Tokens of the largest eager step (activation estimate).")
 @click.option("--gpu-memory-utilization", "util", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True)

@@ -11,6 +11,7 @@ from exl3tools.cli._device import run_device
 from exl3tools.cli._runtime import LoadProgress, api_keys_option, preflight_plan
 
 from exl3tools.errors import NotFoundError, UsageError
+from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.server.reasoning import PARSERS
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
@@ -33,7 +34,7 @@ def _pos(_ctx, _param, value: int) -> int:
 @click.option("--api-key", "api_keys", multiple=True, callback=api_keys_option,
               help="Accept this Bearer key (repeatable; never empty). Else EXL3TOOLS_SERVE_API_KEY "
                    "(one key) / EXL3TOOLS_SERVE_API_KEYS (several). Without any key the API is open.")
-@click.option("--max-num-seqs", "--max-batch", "max_batch", default=64, show_default=True, callback=_pos,
+@click.option("--max-num-seqs", "--max-batch", "max_batch", default=DEFAULT_MAX_NUM_SEQS, show_default=True, callback=_pos,
               help="Most sequences decoded together (one CUDA graph per batch bucket up to it).")
 @click.option("--max-queue", default=256, show_default=True, callback=_pos,
               help="Most sequences waiting; beyond it requests get 429 + Retry-After.")

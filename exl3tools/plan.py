@@ -43,6 +43,9 @@ GIB = 2**30
 GRAPH_RESERVE = 512 * 2**20     # = exl3tools.runtime.runner.GRAPH_RESERVE (tests check they agree)
 CUDA_CONTEXT = 512 * 2**20
 DEFAULT_BATCHED_TOKENS = 2048   # serve's --max-prefill-tokens on CUDA
+# serve's --max-num-seqs: 32 until 2026-12-03, when 64 served 64 streams 1.3-1.6x faster on the H200
+# with 8 and 32 streams alike (docs/serve.md)
+DEFAULT_MAX_NUM_SEQS = 64
 
 # total memory as nvidia-smi / torch.cuda.mem_get_info report it
 GPUS: dict[str, int] = {
@@ -175,7 +178,7 @@ def fmt_bytes(n: int) -> str:
 
 def plan_memory(ck: Checkpoint, *, gpu: str, gpu_total: int, tp: int = 1, moe: str = "tp",
                 util: float = 0.9, block_size: int = 16, kv_dtype: str = "auto", max_model_len: int | None = None,
-                max_num_seqs: int = 64, batched_tokens: int = DEFAULT_BATCHED_TOKENS, in_use: int = 0) -> MemoryPlan:
+                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, batched_tokens: int = DEFAULT_BATCHED_TOKENS, in_use: int = 0) -> MemoryPlan:
     """The plan (a value). ``in_use``: bytes of the GPU already taken by others (serve's preflight
     passes ``total - free`` from torch.cuda.mem_get_info); the runtime subtracts them too."""
     if not 0 < util <= 1:

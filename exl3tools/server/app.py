@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
+from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.server import detok, reasoning, tools
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
@@ -66,7 +67,7 @@ class ServeConfig:
     device: str = "cpu"
     backend: str = "auto"
     api_keys: tuple[str, ...] = ()
-    max_batch: int = 64             # --max-num-seqs
+    max_batch: int = DEFAULT_MAX_NUM_SEQS   # --max-num-seqs
     max_queue: int = 256
     max_cache_tokens: int | None = None  # KV cache size in tokens; None: from the memory budget (CUDA)
     max_prefill_tokens: int = 512

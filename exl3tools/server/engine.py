@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exl3tools.errors import Exl3Error, RuntimeFailure
+from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.runtime import preview
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.engine_spec import SpeculativeRounds
@@ -47,7 +48,7 @@ class _Inflight:
 
 
 class Engine(SpeculativeRounds):
-    def __init__(self, load: Callable[[], Any], *, max_batch: int = 64, max_queue: int = 256,
+    def __init__(self, load: Callable[[], Any], *, max_batch: int = DEFAULT_MAX_NUM_SEQS, max_queue: int = 256,
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
                  make_generator: Callable | None = None, sample_batch: Callable | None = None,
