@@ -127,10 +127,10 @@ if triton is not None:
 
     # ------------------------------------------------------------------ routing
     @triton.jit
-    def _route_kernel(lg_ptr, bias_ptr, lut_ptr, w_ptr, loc_ptr, gsrc_ptr, gexp_ptr, dexp_ptr, wk_ptr,
-                      E, NE, S, scaling, slg,
+    def _route_kernel(lg_ptr, ch_ptr, bias_ptr, lut_ptr, w_ptr, loc_ptr, gsrc_ptr, gexp_ptr, dexp_ptr, wk_ptr,
+                      E, NE, S, scaling, slg, sch,
                       K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SIGMOID: tl.constexpr,
-                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SHARED: tl.constexpr):
+                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SHARED: tl.constexpr, CHOICE: tl.constexpr = False):
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, EP)
         em = e < E
@@ -138,8 +138,11 @@ if triton is not None:
         if SIGMOID:
             base = 1.0 / (1.0 + tl.exp(-lg))
             choice = base
+            if CHOICE:       # the pick from other logits (Fp16ChoiceMoE: fp16-rounded activations)
+                cl = tl.load(ch_ptr + t * sch + e, mask=em, other=float("-inf")).to(tl.float32)
+                choice = 1.0 / (1.0 + tl.exp(-cl))
             if HAS_BIAS:
-                choice = base + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+                choice = choice + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
         elif NORM:           # top-k of the logits, softmax over them
             base = lg
             choice = lg
@@ -337,17 +340,21 @@ def qk_rope_store_reference(q, k, v, cos, sin, slots, rdim, k_plane, v_plane, q_
 # ------------------------------------------------------------------ routing
 def route(logits: torch.Tensor, top_k: int, routing: str, norm: bool, scaling: float = 1.0,
           bias: torch.Tensor | None = None, lut: torch.Tensor | None = None, n_held: int | None = None,
-          shared: bool = False) -> dict:
+          shared: bool = False, choice_logits: torch.Tensor | None = None) -> dict:
     """MoE.route's choice and weights for each row of router ``logits`` (T, E) fp32, plus what the
     grouped expert calls take. Returns ``w`` (T, k) weights (scaling applied), ``loc`` (T*k,) int64
     local expert of each pick (``lut``; -1: not held), and per pair (k per token, plus one for the
     shared expert with ``shared``: P = k + shared pairs per token, S = T * P, pair s of token
     s // P): ``gate_src``/``gate_exp`` (2S,) int32, token and expert index of a gate+up call over
     2 x NE experts (NE = n_held + shared; up at +NE; the shared expert is index n_held),
-    ``down_exp`` (S,) int32, ``wk`` (S,) fp32: w (0 where not held; 1 for the shared expert)."""
+    ``down_exp`` (S,) int32, ``wk`` (S,) fp32: w (0 where not held; 1 for the shared expert).
+    ``choice_logits`` (sigmoid routing only): the experts are picked by sigmoid(choice_logits) +
+    bias, the weights still read sigmoid(logits) (arch.deepseek_v3.Fp16ChoiceMoE's rule)."""
     T, E = _rows(logits, "logits").shape
     if routing not in ("softmax", "sigmoid"):
         raise ValueError(f"routing {routing!r}")
+    if choice_logits is not None and (routing != "sigmoid" or _rows(choice_logits, "choice_logits").shape != (T, E)):
+        raise ValueError(f"choice_logits {tuple(choice_logits.shape)} need sigmoid routing and logits' shape {(T, E)}")
     dev = logits.device
     if lut is None:
         lut = torch.arange(E, dtype=torch.int32, device=dev)
@@ -356,11 +363,13 @@ def route(logits: torch.Tensor, top_k: int, routing: str, norm: bool, scaling: f
     out = _route_out(T, top_k, S, dev)
     if T == 0:
         return out
+    ch = logits if choice_logits is None else choice_logits
     _route_kernel[(T,)](
-        logits, logits if bias is None else bias, lut, out["w"], out["loc"], out["gate_src"], out["gate_exp"],
-        out["down_exp"], out["wk"], E, n_held + int(shared), S, float(scaling), logits.stride(0),
+        logits, ch, logits if bias is None else bias, lut, out["w"], out["loc"], out["gate_src"], out["gate_exp"],
+        out["down_exp"], out["wk"], E, n_held + int(shared), S, float(scaling), logits.stride(0), ch.stride(0),
         K=int(top_k), KP=_pow2(top_k + 1), EP=_pow2(E), SIGMOID=routing == "sigmoid", NORM=bool(norm),
-        HAS_BIAS=bias is not None, SHARED=bool(shared), num_warps=1 if E <= 256 else 4)
+        HAS_BIAS=bias is not None, SHARED=bool(shared), CHOICE=choice_logits is not None,
+        num_warps=1 if E <= 256 else 4)
     return out
 
 
@@ -374,7 +383,7 @@ def _route_out(T: int, k: int, S: int, dev) -> dict:
 
 
 def route_reference(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None,
-                    shared=False) -> dict:
+                    shared=False, choice_logits=None) -> dict:
     """``route`` with MoE.route's torch ops."""
     T, E = logits.shape
     if routing == "softmax":
@@ -385,7 +394,8 @@ def route_reference(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=No
             w, sel = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
     elif routing == "sigmoid":
         scores = torch.sigmoid(logits)
-        choice = scores if bias is None else scores + bias[None, :]
+        choice = scores if choice_logits is None else torch.sigmoid(choice_logits)
+        choice = choice if bias is None else choice + bias[None, :]
         sel = torch.topk(choice, top_k, dim=-1).indices
         w = scores.gather(1, sel)
         if norm:

@@ -36,7 +36,9 @@ def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
     real = fk.route
     calls = []
 
-    def checked(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None, shared=False):
+    def checked(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None, shared=False,
+                choice_logits=None):
+        assert choice_logits is None                 # (the MLA models' Fp16ChoiceMoE alone picks apart)
         out = real(logits, top_k, routing, norm, scaling, bias, lut, n_held, shared)
         ref = fk.route_reference(logits, top_k, routing, norm, scaling, bias, lut, n_held, shared)
         T = logits.shape[0]

@@ -340,3 +340,55 @@ def test_speculative_decoding_through_the_static_step_is_greedy():
             plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
         assert out[:10] == want and plain == want[:len(plain)]
         assert 3 in calls and 1 in calls                # verifies and plain decodes took the step
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
+    """EXL3TOOLS_FUSED_MLA: the fused step's residual/norm and MoE kernels (interpreter) around
+    MLAttention.decode_static give the eager path's logits over the same schedule, and every
+    routing call picks Fp16ChoiceMoE.route's experts (fp16-rounded choice, centred fp16 bias)."""
+    pytest.importorskip("triton")
+    from exl3tools.kernels import fused_decode as fk
+
+    from exl3tools.runtime import fused_step
+
+    if not fk.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    real, calls = fk.route, []
+
+    def checked(logits, top_k, routing, norm, scaling=1.0, bias=None, lut=None, n_held=None, shared=False,
+                choice_logits=None):
+        out = real(logits, top_k, routing, norm, scaling, bias, lut, n_held, shared, choice_logits)
+        ref = fk.route_reference(logits, top_k, routing, norm, scaling, bias, lut, n_held, shared, choice_logits)
+        T = logits.shape[0]
+        assert torch.equal(out["loc"].view(T, -1).sort(1).values, ref["loc"].view(T, -1).sort(1).values)
+        torch.testing.assert_close(out["wk"].view(T, -1).sort(1).values, ref["wk"].view(T, -1).sort(1).values)
+        calls.append(choice_logits is not None)
+        return out
+    monkeypatch.setattr(fk, "route", checked)
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
+    want = _run(_model(name), name, "eager")
+    model = load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model
+    r = Runner(model, fixture_dir(name) / "model", name, decode="static", max_cache_tokens=256, block_size=4,
+               max_num_seqs=3)
+    assert isinstance(r.paged.decoder._fused, fused_step.FusedMlaStep)
+    got = _run(model, name, "static")
+    for s, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert _rel(x, y) < REL, (name, s, _rel(x, y))
+    assert calls and all(calls)         # every MoE layer routed through the kernel, fp16 choice on
+
+
+def test_fused_mla_step_is_a_preview(monkeypatch):
+    """Without EXL3TOOLS_FUSED_MLA=1 an MLA model keeps the torch loop, fused kernels or not."""
+    pytest.importorskip("triton")
+    from exl3tools.kernels import fused_decode as fk
+
+    if not fk.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.delenv("EXL3TOOLS_FUSED_MLA", raising=False)
+    name = MLA[0]
+    r = Runner(_model(name), fixture_dir(name) / "model", name, decode="static", max_cache_tokens=64, block_size=4,
+               max_num_seqs=2)
+    assert r.paged.decoder._fused is None

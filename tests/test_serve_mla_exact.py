@@ -26,12 +26,21 @@ PROMPTS = [list(range(3, 43)), [1] + list(range(500, 545))]     # 40 and 46 toke
 
 @pytest.mark.parametrize("name,tp,graphs", [("deepseek_v3-3.0bpw-3inst", 1, None), ("deepseek_v3-3.0bpw-3inst", 1, "force"),
                                             ("glm5_moe_dsa-3.0bpw-mul1", 1, None), ("glm5_moe_dsa-3.0bpw-mul1", 1, "force"),
-                                            ("glm5_moe_dsa-tp-4.0bpw-mcg", 2, None)])
-def test_served_mla_logprobs_equal_the_reference(name, tp, graphs):
-    """graphs "force": the fixed-shape decode step (MLAttention.decode_static) on the CPU too."""
+                                            ("glm5_moe_dsa-tp-4.0bpw-mcg", 2, None), ("glm5_moe_dsa-3.0bpw-mul1", 1, "fused")])
+def test_served_mla_logprobs_equal_the_reference(name, tp, graphs, monkeypatch):
+    """graphs "force": the fixed-shape decode step (MLAttention.decode_static) on the CPU too;
+    "fused": that step with the fused glue around the attention (EXL3TOOLS_FUSED_MLA, Triton's
+    interpreter)."""
+    if graphs == "fused":
+        from exl3tools.kernels import fused_decode
+
+        if not fused_decode.INTERPRET:
+            pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+        monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+        monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
     path = fixture_dir(name) / "model"
     cfg = ServeConfig(model_path=str(path), served_model_name="m", tp=tp, max_batch=4, max_context=96, block_size=4,
-                      cuda_graphs=graphs)
+                      cuda_graphs="force" if graphs == "fused" else graphs)
     app = create_app(cfg)
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -45,7 +54,9 @@ def test_served_mla_logprobs_equal_the_reference(name, tp, graphs):
         with cf.ThreadPoolExecutor(2) as pool:
             served = list(pool.map(ask, PROMPTS))
         if tp == 1:
-            assert app.state.server.engine.runner.decode_mode == ("static" if graphs else "eager")
+            runner = app.state.server.engine.runner
+            assert runner.decode_mode == ("static" if graphs else "eager")
+            assert (type(getattr(runner.paged.decoder, "_fused", None)).__name__ == "FusedMlaStep") == (graphs == "fused")
     with load_runner(path, max_context=96, max_cache_tokens=256) as ref:
         for prompt, (ids, lps) in zip(PROMPTS, served, strict=True):
             assert len(ids) == N

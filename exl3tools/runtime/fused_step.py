@@ -75,16 +75,21 @@ class FusedGqaStep:
     the step's tokens, returning the final-normed states for the head;
     ``attend``: the paged decode attention (kernels.paged_attention contract)."""
 
+    mla = False
+
     def __init__(self, model, pool):
         self.model, self.pool = model, pool
         dev = model.embed.device
         for layer in model.layers:                       # norms, rope, routers on the device once
-            for n in (layer.attn_norm, layer.mlp_norm, layer.attn.q_norm, layer.attn.k_norm):
-                if n is not None:
-                    n.weight = _dev(n.weight, dev)
-            layer.attn.inv_freq = _dev(layer.attn.inv_freq, dev)
+            for n in (layer.attn_norm, layer.mlp_norm):
+                n.weight = _dev(n.weight, dev)
+            self._prepare_attention(layer.attn, dev)
             if isinstance(layer.mlp, MoE):
                 layer.mlp.router, layer.mlp.bias = _dev(layer.mlp.router, dev), _dev(layer.mlp.bias, dev)
+        # the centred fp16 bias of each MoE that picks its experts as exllamav3 does (computed here,
+        # not while a graph is captured)
+        self._fp16_bias = {id(m): _dev(m.choice_bias(), dev) for m in (layer.mlp for layer in model.layers)
+                           if getattr(m, "fp16_choice", False)}
         model.norm.weight = _dev(model.norm.weight, dev)
         self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
         self._shared: dict[int, dict | None] = {}
@@ -102,7 +107,14 @@ class FusedGqaStep:
         # steps of up to this many pairs take them (past it: _tiles_sum); wider with the preview
         self.max_pairs = eg.WIDE_MAX_PAIRS if preview.switched_on("wide_groups") else eg.MAX_PAIRS
 
-    def __call__(self, tokens, positions, slots, tables, ctx, attend) -> torch.Tensor:
+    @staticmethod
+    def _prepare_attention(a, dev) -> None:
+        for n in (a.q_norm, a.k_norm):
+            if n is not None:
+                n.weight = _dev(n.weight, dev)
+        a.inv_freq = _dev(a.inv_freq, dev)
+
+    def __call__(self, tokens, positions, slots, tables, ctx, attend, st=None) -> torch.Tensor:
         layers = self.model.layers
         first = layers[0].attn_norm
         h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
@@ -153,8 +165,7 @@ class FusedGqaStep:
         by_expert = by_expert and T * (mlp.top_k + (merged is not None)) <= self.max_pairs and (merged is not None or g_tiles)
         tiled = tiled and not by_expert
         if merged is not None and not tiled:          # the shared expert as one more pair per token
-            r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"],
-                         len(mlp.experts), shared=True)
+            r = self._route(mlp, x, logits, g["lut"], shared=True)
             xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
             S = T * (mlp.top_k + 1)
             if by_expert:
@@ -164,7 +175,7 @@ class FusedGqaStep:
                 return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, NE), r["wk"], None
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             return None, _down(merged["down_proj"], gu, S, r["down_exp"]), r["wk"], None
-        r = fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, mlp.bias, g["lut"], len(mlp.experts))
+        r = self._route(mlp, x, logits, g["lut"])
         sh = mlp.shared
         shared = None if sh is None else sh.down(fk.silu_mul(sh.gate(x), sh.up(x)))
         if tiled:
@@ -192,6 +203,15 @@ class FusedGqaStep:
             y = down.slots(act, torch.arange(S, device=x.device), r["down_exp"])
         return shared, y, r["wk"], None
 
+    def _route(self, mlp: MoE, x: torch.Tensor, logits: torch.Tensor, lut: torch.Tensor, shared: bool = False) -> dict:
+        """fk.route of ``mlp``'s router logits; an MoE that picks from fp16-rounded activations
+        (arch.deepseek_v3.Fp16ChoiceMoE: MLA models) gets those logits and its centred fp16 bias."""
+        bias, choice = mlp.bias, None
+        if id(mlp) in self._fp16_bias:
+            bias, choice = self._fp16_bias[id(mlp)], x.half().float() @ mlp.router.t()
+        return fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, bias, lut, len(mlp.experts),
+                        shared=shared, choice_logits=choice)
+
     def _project(self, owner, linears: tuple, x: torch.Tensor) -> list[torch.Tensor]:
         """Each of ``linears`` (which read the same x) applied to x: as one LinearGroup of
         ``owner``'s, built on first use, where grouping is on."""
@@ -213,6 +233,39 @@ class FusedGqaStep:
         if key not in self._shared:
             self._shared[key] = _group_with_shared(mlp) if self.shared_in_group else None
         return self._shared[key]
+
+
+class FusedMlaStep(FusedGqaStep):
+    """The fused glue around MLA/DSA attention (DeepSeek-V3, GLM-5; the EXL3TOOLS_FUSED_MLA
+    preview): the embedding + first norm, each residual add + RMSNorm (the routed experts' weighted
+    sum included) and the MoE (routing kernel with Fp16ChoiceMoE's fp16 pick, grouped experts, the
+    shared expert in their calls) are FusedGqaStep's; the attention is ``MLAttention.decode_static``
+    as in PagedDecoder's torch loop. ``st``: that loop's StepInputs."""
+
+    mla = True
+
+    @staticmethod
+    def _prepare_attention(a, dev) -> None:      # MLAttention moves its own tensors (decode_static)
+        return None
+
+    def __call__(self, tokens, positions, slots, tables, ctx, attend, st=None) -> torch.Tensor:
+        layers = self.model.layers
+        first = layers[0].attn_norm
+        h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
+        for layer, nxt in zip(layers, self.norms, strict=True):
+            d = layer.attn.decode_static(x, st)
+            x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
+            d, y, wk, y_rows = self.mlp(layer.mlp, x)
+            x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
+        return x
+
+
+def supports_mla(model) -> bool:
+    """Whether every layer is an MLA block (MLAttention) with a dense or MoE MLP: FusedMlaStep's."""
+    from exl3tools.runtime.mla import MLAttention
+
+    return all(isinstance(layer, DecoderLayer) and isinstance(layer.attn, MLAttention)
+               and isinstance(layer.mlp, (GatedMLP, MoE)) for layer in model.layers)
 
 
 def _down(down, gu: torch.Tensor, N: int, row_exp: torch.Tensor, tile_exp: torch.Tensor | None = None,

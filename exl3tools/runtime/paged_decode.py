@@ -178,10 +178,13 @@ class PagedDecoder:
         self._fused = None
         from exl3tools.runtime import fused_step, invariance
 
-        if fused_step.resolve(fused, self.device) and fused_step.supports(model):
-            self._fused = fused_step.FusedGqaStep(model, pool)
+        if fused_step.resolve(fused, self.device):
+            if fused_step.supports(model):
+                self._fused = fused_step.FusedGqaStep(model, pool)
+            elif fused_step.supports_mla(model) and preview.switched_on("fused_mla"):
+                self._fused = fused_step.FusedMlaStep(model, pool)
         if invariance.on():
-            if self._fused is None or self.device.type != "cuda":
+            if self._fused is None or self._fused.mla or self.device.type != "cuda":
                 raise UsageError("batch-invariant serving needs a GQA model (llama, qwen3_moe, glm4_moe) on CUDA "
                                  "with the fused decode step (EXL3TOOLS_FUSED not 0)")
             self._attend = invariant_attention(self._attend, self.max_blocks * pool.block_size)
@@ -416,12 +419,12 @@ class PagedDecoder:
         every row's context fits index_topk)."""
         m = self.model
         tokens, positions, slots, tables, ctx = self._step_inputs(bs, width)
-        if self._fused is not None:
-            self._finish(self._fused(tokens, positions, slots, tables, ctx, self._attend), bs)
-            return
-        h = m.embed.index_select(0, tokens).float()
         st = StepInputs(positions, slots, tables, ctx, self.pool, self._attend_mla, self._dsa_scores, self._dsa_topk,
                         sparse=sparse)
+        if self._fused is not None:
+            self._finish(self._fused(tokens, positions, slots, tables, ctx, self._attend, st), bs)
+            return
+        h = m.embed.index_select(0, tokens).float()
         for layer, planes in zip(m.layers, self.pool.planes, strict=True):
             a = layer.attn
             if isinstance(a, MLAttention):          # per attention kind: MLA/DSA's own step (runtime/mla.py)

@@ -48,6 +48,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 11:12: tests/gpu passes with it; the decode loop at batch 56 / 64 6584 / 7541 vs 6707 / 7740
     # tok/s without it, 64 served streams 6707 vs 6740: no gain measured, so it stays a preview
     "wide_groups": "EXL3TOOLS_WIDE_GROUPS",
+    # MLA models' (DeepSeek-V3, GLM-5) fixed-shape decode step with the fused glue of the GQA step
+    # (runtime/fused_step.py FusedMlaStep): one kernel per residual add + RMSNorm, the routing
+    # kernel (with Fp16ChoiceMoE's fp16 pick), the grouped experts with the shared one inside; the
+    # MLA attention unchanged. H200 2026-12-03 (GLM-5 shape, one row): of a 3.17 ms step ~0.6 ms
+    # are torch's 1-2 µs glue kernels. Checked against the torch loop on the CPU only
+    "fused_mla": "EXL3TOOLS_FUSED_MLA",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -206,6 +206,39 @@ def test_route_selects_the_reference_experts(dev, case):
     assert torch.equal(shr["gate_exp"].view(2, T, P)[:, :, k].cpu(), sh["gate_exp"].view(2, T, P)[:, :, k].cpu())
 
 
+@pytest.mark.parametrize("T,E,k", [(1, 16, 4), (5, 256, 8)])
+def test_route_picks_by_the_choice_logits(dev, T, E, k):
+    """choice_logits (arch.deepseek_v3.Fp16ChoiceMoE's rule, the MLA models' fused step): the
+    experts are the top-k of sigmoid(choice_logits) + bias, their weights sigmoid(logits),
+    normalized and scaled; the pick differs from the logits' own where the two disagree, and
+    equals Fp16ChoiceMoE.route's on its own inputs."""
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+
+    from exl3tools.runtime.arch.deepseek_v3 import Fp16ChoiceMoE
+
+    g = torch.Generator().manual_seed(T * E + k)
+    H = 64
+    x, router = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) * 0.3
+    bias = torch.rand(E, generator=g) * 0.2
+    moe = Fp16ChoiceMoE.__new__(Fp16ChoiceMoE)
+    moe.__dict__.update(router=router, bias=bias, top_k=k, norm=True, scaling=2.5)
+    sel, w = moe.route(x)
+    logits, choice = (x @ router.t()).to(dev), (x.half().float() @ router.t()).to(dev)
+    got = fk.route(logits, k, "sigmoid", True, 2.5, moe.choice_bias().to(dev), choice_logits=choice)
+    gl = got["loc"].view(T, k).cpu()
+    assert torch.equal(gl.sort(1).values, sel.sort(1).values)
+    _close(got["w"].cpu().gather(1, gl.argsort(1)), w.gather(1, sel.argsort(1)), 1e-6)
+    # a choice that disagrees with the logits (reversed): the pick follows the choice, the weights the logits
+    other = fk.route(logits, k, "sigmoid", False, 1.0, None, choice_logits=-logits)
+    ref = fk.route_reference(logits, k, "sigmoid", False, 1.0, None, choice_logits=-logits)
+    assert torch.equal(other["loc"].view(T, k).sort(1).values.cpu(), (-logits).topk(k, 1).indices.sort(1).values.cpu())
+    assert torch.equal(other["loc"].cpu().sort().values, ref["loc"].cpu().sort().values)
+    _close(other["w"].cpu().reshape(-1), torch.sigmoid(logits).cpu().gather(1, other["loc"].view(T, k).cpu()).reshape(-1), 1e-6)
+    with pytest.raises(ValueError, match="choice_logits"):
+        fk.route(logits, k, "softmax", True, choice_logits=choice)
+
+
 def test_route_keeps_expert_ids_in_range_on_a_nan_row(dev):
     """An all-NaN row of router logits matches no maximum; its picks must still be experts that
     exist (else the grouped calls read past the expert tables: a sticky CUDA error)."""

@@ -102,6 +102,12 @@ class Fp16ChoiceMoE(MoE):
     weights stay the float32 unbiased scores. On near-ties (1e-4 apart in the GLM-5 fixture, p64
     row 8) this picks the expert exllamav3 picks."""
 
+    fp16_choice = True      # runtime.fused_step routes it through kernels.fused_decode.route's choice_logits
+
+    def choice_bias(self) -> torch.Tensor | None:
+        """The bias added to the choice scores: mean-centred, rounded to fp16, as fp32."""
+        return None if self.bias is None else (self.bias - self.bias.mean()).half().float()
+
     @classmethod
     def of(cls, moe: MoE) -> Fp16ChoiceMoE:
         new = cls.__new__(cls)
@@ -115,7 +121,7 @@ class Fp16ChoiceMoE(MoE):
         scores = torch.sigmoid(x @ self.router.t())
         choice = torch.sigmoid(x.half().float() @ self.router.t())
         if self.bias is not None:
-            choice = choice + (self.bias - self.bias.mean()).half().float()[None, :]
+            choice = choice + self.choice_bias()[None, :]
         sel = torch.topk(choice, self.top_k, dim=-1).indices
         w = scores.gather(1, sel)
         if self.norm:
