@@ -1,4 +1,5 @@
-"""The GQA layers of the fixed-shape decode step with the fused glue kernels (kernels/fused_decode.py).
+"""The GQA layers of the fixed-shape decode step with the fused glue kernels (kernels/fused_decode.py);
+FusedMlaStep (the EXL3TOOLS_FUSED_MLA preview) runs the same glue around MLA/DSA attention.
 
 Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
 
@@ -115,19 +116,22 @@ class FusedGqaStep:
         a.inv_freq = _dev(a.inv_freq, dev)
 
     def __call__(self, tokens, positions, slots, tables, ctx, attend, st=None) -> torch.Tensor:
+        """``st``: PagedDecoder's StepInputs (what MLAttention.decode_static reads; FusedMlaStep)."""
         layers = self.model.layers
         first = layers[0].attn_norm
         h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
         rope: dict[int, tuple] = {}       # cos/sin per distinct inv_freq (one for these models)
         for layer, nxt in zip(layers, self.norms, strict=True):
-            a = layer.attn
-            if id(a.inv_freq) not in rope:
-                rope[id(a.inv_freq)] = fk.rope_tables(positions, a.inv_freq)
-            d = self.attention(a, x, rope[id(a.inv_freq)], slots, tables, ctx, attend)
+            d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
             x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
             d, y, wk, y_rows = self.mlp(layer.mlp, x)
             x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
         return x
+
+    def _attend_layer(self, a, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
+        if id(a.inv_freq) not in rope:
+            rope[id(a.inv_freq)] = fk.rope_tables(positions, a.inv_freq)
+        return self.attention(a, x, rope[id(a.inv_freq)], slots, tables, ctx, attend)
 
     def attention(self, a, x, rope, slots, tables, ctx, attend) -> torch.Tensor:
         """o_proj of the paged attention of the rows of ``x`` (their K/V written first);
@@ -248,16 +252,8 @@ class FusedMlaStep(FusedGqaStep):
     def _prepare_attention(a, dev) -> None:      # MLAttention moves its own tensors (decode_static)
         return None
 
-    def __call__(self, tokens, positions, slots, tables, ctx, attend, st=None) -> torch.Tensor:
-        layers = self.model.layers
-        first = layers[0].attn_norm
-        h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
-        for layer, nxt in zip(layers, self.norms, strict=True):
-            d = layer.attn.decode_static(x, st)
-            x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
-            d, y, wk, y_rows = self.mlp(layer.mlp, x)
-            x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
-        return x
+    def _attend_layer(self, a, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
+        return a.decode_static(x, st)
 
 
 def supports_mla(model) -> bool:
