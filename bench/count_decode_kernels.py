@@ -2,12 +2,15 @@
 
     TRITON_INTERPRET=1 python bench/count_decode_kernels.py [MODEL_DIR] [--batch 1,8]
 
-Runs one ``PagedDecoder._body`` (decode="static": the graph body without capture) of a GQA
-checkpoint (default: fixture glm4_moe-3.0bpw-mcg, 1 dense + 1 MoE layer) and logs every aten op
+Runs one ``PagedDecoder._body`` (decode="static": the graph body without capture) of a GQA or MLA
+checkpoint (default: fixture glm4_moe-3.0bpw-mcg, 1 dense + 1 MoE layer; an MLA fixture such as
+deepseek_v3-3.0bpw-3inst compares the torch loop with FusedMlaStep, EXL3TOOLS_FUSED_MLA; its
+prompts stay under index_topk, so no DSA selection runs, as in a short context) and logs every aten op
 it dispatches (TorchDispatchMode). Counted as a GPU kernel: every op that is not a view or an
 allocation; a Triton call of kernels/fused_decode.py or expert_groups.py: 1; an EXL3 linear or grouped-expert call:
 3 (our CUDA backend: had_in, gemv, had_out; the CPU reference's own ops inside are not logged).
-Paged attention: 1 (its Triton kernel with one split; the CPU reference's ops not logged).
+Paged attention: 1 (its Triton kernel with one split; the CPU reference's ops not logged); MLA
+attention: 2 (its split and merge kernels).
 ``--grouped``: the fused step's q/k/v and dense gate/up as grouped calls (EXL3TOOLS_GROUPED_PROJ):
 a group counts as CUDA's CudaGroup launches it, 3 (had_in, gemv, had_out), plus at more than one
 row one copy per linear of several column chunks (the gcd of the widths).
@@ -68,9 +71,12 @@ def instrument(runner, log: Log) -> None:
 
     from exl3tools.runtime.layers import DecoderLayer, GatedMLP, Linear, MoE
 
+    from exl3tools.runtime.mla import MLAttention
+
     model = runner.model
     dec = runner.paged.decoder
     dec._attend = _wrap(log, dec._attend, "paged_attention", 1)
+    dec._attend_mla = _wrap(log, dec._attend_mla, "mla_attention", 2)
     for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
         setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
     expert_groups.group_pairs = _wrap(log, expert_groups.group_pairs, "triton:group_pairs", 1)
@@ -84,7 +90,13 @@ def instrument(runner, log: Log) -> None:
     lin(model.head)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        for p in (layer.attn.q, layer.attn.k, layer.attn.v, layer.attn.o):
+        a = layer.attn
+        if isinstance(a, MLAttention):
+            ind = getattr(a.indexer, "wq_b", None)
+            projs = [p for p in (a.q_a, a.q_b, a.q_proj, a.kv_a, a.o, ind) if p is not None]
+        else:
+            projs = [a.q, a.k, a.v, a.o]
+        for p in projs:
             lin(p)
         kind = "moe" if isinstance(layer.mlp, MoE) else "dense"
         if kind == "moe":
@@ -97,7 +109,7 @@ def instrument(runner, log: Log) -> None:
                 mlp(layer.mlp.shared)
         else:
             mlp(layer.mlp)
-        _tag(log, layer.attn.q, f"layer{i}:{kind}")
+        _tag(log, projs[0], f"layer{i}:{kind}")
     _tag(log, model.head, "head")
 
 
@@ -143,6 +155,7 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> co
     from exl3tools.runtime.runner import load_runner
 
     os.environ["EXL3TOOLS_FUSED"] = "1" if fused else "0"
+    os.environ["EXL3TOOLS_FUSED_MLA"] = "1" if fused else "0"
     os.environ["EXL3TOOLS_GROUPED_PROJ"] = "1" if grouped else "0"
     r = load_runner(model_dir, max_context=64, max_cache_tokens=512, max_num_seqs=max(batch, 1),
                     block_size=16, decode="static")
