@@ -70,7 +70,6 @@ def instrument(runner, log: Log) -> None:
     from exl3tools.kernels import expert_groups, fused_decode
 
     from exl3tools.runtime.layers import DecoderLayer, GatedMLP, Linear, MoE
-
     from exl3tools.runtime.mla import MLAttention
 
     model = runner.model
