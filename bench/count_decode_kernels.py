@@ -67,7 +67,7 @@ def _wrap(log: Log, fn, label: str, kernels: int):
 
 
 def instrument(runner, log: Log) -> None:
-    from exl3tools.kernels import expert_groups, fused_decode
+    from exl3tools.kernels import expert_groups, fused_decode, fused_mla
 
     from exl3tools.runtime.layers import DecoderLayer, GatedMLP, Linear, MoE
     from exl3tools.runtime.mla import MLAttention
@@ -79,6 +79,8 @@ def instrument(runner, log: Log) -> None:
     for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
         setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
     expert_groups.group_pairs = _wrap(log, expert_groups.group_pairs, "triton:group_pairs", 1)
+    for name in ("latent_store", "rope_heads"):
+        setattr(fused_mla, name, _wrap(log, getattr(fused_mla, name), f"triton:{name}", 1))
 
     def lin(x: Linear):
         x.fn = _wrap(log, x.fn, "exl3_linear", GEMV_KERNELS)
@@ -164,9 +166,9 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> co
         r.add_sequence(s)
         r.step([(s, list(range(3, 12)))])
     r.step([(s, [5]) for s in ids])
-    from exl3tools.kernels import expert_groups, fused_decode
+    from exl3tools.kernels import expert_groups, fused_decode, fused_mla
 
-    saved, saved_groups = dict(vars(fused_decode)), expert_groups.group_pairs
+    saved, saved_groups, saved_mla = dict(vars(fused_decode)), expert_groups.group_pairs, dict(vars(fused_mla))
     log = Log()
     cls, real_call, call = _group_calls(log)
     try:
@@ -180,6 +182,7 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> co
     finally:
         cls.__call__ = real_call
         vars(fused_decode).update(saved)
+        vars(fused_mla).update(saved_mla)
         expert_groups.group_pairs = saved_groups
         r.close()
     return log.ops

@@ -244,16 +244,24 @@ class FusedMlaStep(FusedGqaStep):
     preview): the embedding + first norm, each residual add + RMSNorm (the routed experts' weighted
     sum included) and the MoE (routing kernel with Fp16ChoiceMoE's fp16 pick, grouped experts, the
     shared expert in their calls) are FusedGqaStep's; the attention is ``MLAttention.decode_static``
-    as in PagedDecoder's torch loop. ``st``: that loop's StepInputs."""
+    with the step's RoPE table (its norms, RoPEs and latent writes as kernels/fused_mla.py's
+    kernels). ``st``: PagedDecoder's StepInputs."""
 
     mla = True
 
     @staticmethod
-    def _prepare_attention(a, dev) -> None:      # MLAttention moves its own tensors (decode_static)
-        return None
+    def _prepare_attention(a, dev) -> None:
+        a._to(dev)                                   # w_uk, w_uv, inv_freq
+        for n in (a.q_a_norm, a.kv_a_norm):
+            if n is not None:
+                n.weight = _dev(n.weight, dev)
 
     def _attend_layer(self, a, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
-        return a.decode_static(x, st)
+        key = (id(a.inv_freq), a.attn_factor)     # one (cos, sin) per step for the layers sharing it
+        if key not in rope:
+            cos, sin = fk.rope_tables(positions, a.inv_freq)
+            rope[key] = (cos * a.attn_factor, sin * a.attn_factor)
+        return a.decode_static(x, st, rope_cs=rope[key])
 
 
 def supports_mla(model) -> bool:

@@ -432,24 +432,43 @@ class MLAttention:
             write(h, o[..., :self.vd].transpose(1, 2))
 
     # ------------------------------------------------------------------ fixed-shape decode step
-    def decode_static(self, x: torch.Tensor, st) -> torch.Tensor:
+    def decode_static(self, x: torch.Tensor, st, rope_cs: tuple | None = None) -> torch.Tensor:
         """One decode token per row of ``x`` (B, hidden; already normed) with device ops only and
         shapes fixed by B and the table width (runtime/paged_decode.py's CUDA-graph step). ``st``:
         positions, slots, tables, ctx (int32, this token included), pool, mla_attend (kernels/
         mla_attention.py's contract) and a per-step ``extras`` dict (a full DSA layer publishes its
-        selection there for the "shared" layers after it). The same result as ``__call__``."""
+        selection there for the "shared" layers after it). The same result as ``__call__``.
+        ``rope_cs``: the step's (cos, sin) scaled by attn_factor (runtime/fused_step.py FusedMlaStep):
+        the q_a norm, the queries' RoPE and the latent's norm, RoPE and cache writes then run as
+        three kernels (kernels/fused_mla.py) instead of ~36 torch ops."""
         B = x.shape[0]
         self._to(x.device)
         pos = st.positions
-        q, q_resid = self._queries(x)
-        q = q.view(B, self.nh, self.nope + self.rope)
-        q_pe = rope_gptj(q[..., self.nope:], pos, self.inv_freq, self.attn_factor).contiguous()
-        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
-        lat = self.kv_a(x)
         planes = st.pool.planes[self.layer]
-        kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
-        planes[CACHE_CKV].index_copy_(0, st.slots, self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
-        planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
+        if rope_cs is not None:
+            from exl3tools.kernels import fused_decode, fused_mla
+
+            if self.q_proj is not None:
+                q, q_resid = self.q_proj(x), None
+            else:
+                qa = self.q_a(x)
+                q_resid = fused_decode.residual_rmsnorm(qa if qa.dtype == torch.float32 else qa.float(),
+                                                        self.q_a_norm.weight, self.q_a_norm.eps)
+                q = self.q_b(q_resid)
+            q = q.view(B, self.nh, self.nope + self.rope)
+            q_pe = fused_mla.rope_heads(q, self.nope, self.rope, *rope_cs)
+            fused_mla.latent_store(self.kv_a(x), self.kv_lora, self.rope, self.kv_a_norm.weight, self.kv_a_norm.eps,
+                                   *rope_cs, st.slots, planes[CACHE_CKV], planes[CACHE_KPE])
+        else:
+            q, q_resid = self._queries(x)
+            q = q.view(B, self.nh, self.nope + self.rope)
+            q_pe = rope_gptj(q[..., self.nope:], pos, self.inv_freq, self.attn_factor).contiguous()
+            lat = self.kv_a(x)
+            kpe = rope_gptj(lat[:, self.kv_lora:self.kv_lora + self.rope], pos, self.inv_freq, self.attn_factor)
+            planes[CACHE_CKV].index_copy_(0, st.slots,
+                                          self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
+            planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
+        q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
         if self.indexer is not None:
             planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).to(planes[CACHE_KIDX].dtype))
         out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,

@@ -368,3 +368,51 @@ def test_moe_combine(dev, T, K, H):
     want = moe_combine.combine_reference(base.clone(), y, inv, w)
     got = moe_combine.combine(base.clone().to(dev), y.to(dev), inv.to(dev), w.to(dev))
     _close(got, want, 1e-6)
+
+
+# (T, H, nope, C, R, cache dtype): the fixtures' MLA widths, GLM-5 (64 heads, nope 192) and
+# DeepSeek-V3 (128 heads, nope 128) at batch 1 and 8
+MLA_GLUE_CASES = [(3, 2, 128, 512, 64, "float32"), (1, 64, 192, 512, 64, "float16"),
+                  (8, 128, 128, 512, 64, "float16"), (2, 4, 192, 512, 64, "bfloat16")]
+
+
+@pytest.mark.parametrize("case", MLA_GLUE_CASES)
+def test_mla_latent_store_and_query_rope(dev, case):
+    """kernels/fused_mla.py: the latent's kv_a norm + RoPE + both cache writes at their slots (rows
+    of a wider projection output, nothing else written), and every head's query RoPE, against
+    their torch references with attention-scaled tables from fused_decode.rope_tables."""
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+    from exl3tools.kernels import fused_mla as fm
+
+    T, H, nope, C, R, dt = case
+    g = torch.Generator().manual_seed(T * H + C)
+    lat = torch.randn(T, C + R + 8, generator=g)[:, :C + R + 4]         # strided rows, padded
+    w, eps = torch.rand(C, generator=g) + 0.5, 1e-6
+    pos = torch.randint(0, 30000, (T,), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+    cos, sin = fk.rope_tables(pos, inv)
+    cos, sin = (cos * 1.3).contiguous(), (sin * 1.3).contiguous()
+    slots = torch.randperm(32, generator=g)[:T]
+    dtype = getattr(torch, dt)
+    planes = [torch.full((32, n), float("nan"), dtype=dtype) for n in (C, R, C, R)]
+    lat, w, cos, sin, slots = (t.to(dev) for t in (lat, w, cos, sin, slots))
+    planes = [p.to(dev) for p in planes]
+    fm.latent_store(lat, C, R, w, eps, cos, sin, slots, planes[0], planes[1])
+    fm.latent_store_reference(lat, C, R, w, eps, cos, sin, slots, planes[2], planes[3])
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    tol = 1e-6 if dt == "float32" else 2 ** -7
+    for got, ref in ((planes[0], planes[2]), (planes[1], planes[3])):
+        assert torch.isnan(got.float().cpu()[untouched]).all()
+        _close(got[slots], ref[slots], tol)
+    q = torch.randn(T, H, nope + R, generator=g).to(dev)
+    _close(fm.rope_heads(q, nope, R, cos, sin), fm.rope_heads_reference(q, nope, R, cos, sin), 1e-6)
+    from exl3tools.runtime.mla import rope_gptj     # the reference is the runtime's RoPE, exactly
+
+    assert torch.equal(fm.rope_heads_reference(q, nope, R, cos, sin),
+                       rope_gptj(q[..., nope:], pos.to(dev), inv.to(dev), 1.3).contiguous())
+    with pytest.raises(ValueError, match="cos/sin"):
+        fm.rope_heads(q, nope, R, cos[:, :8], sin[:, :8])
+    with pytest.raises(ValueError, match="planes"):
+        fm.latent_store(lat, C, R, w, eps, cos, sin, slots, planes[1], planes[0])

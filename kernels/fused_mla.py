@@ -1,0 +1,120 @@
+"""Fused glue of the MLA attention in the fixed-shape decode step (DeepSeek-V3, GLM-5; the
+EXL3TOOLS_FUSED_MLA preview, runtime/fused_step.py FusedMlaStep): Triton kernels plus torch references.
+
+``MLAttention.decode_static`` spends ~52 small torch ops a layer at one row around its projections
+and its attention kernel. Two kernels take most of them:
+
+- ``latent_store``: the new rows' compressed KV ``lat[:, :C]`` through the kv_a RMSNorm and their
+  rope key ``lat[:, C:C+R]`` through the interleaved (GPT-J) RoPE, both written into the paged
+  planes at their slots (torch: a norm of 6 ops, a RoPE of ~11, two casts and two index_copy).
+- ``rope_heads``: the queries' rope channels ``q[:, h, nope:nope+R]`` of every head, rotated, into
+  a contiguous (T, H, R) fp32 tensor (torch: ~11 ops and a copy).
+
+Both take the step's rotation tables ``cos``/``sin`` (T, R / 2) already scaled by the attention
+factor: ``kernels.fused_decode.rope_tables`` times ``attn_factor``, once per step for every layer
+(the torch path computes them in every RoPE call, from the same torch ops: the angles are equal).
+Rounding differs from the torch ops by fp32 ulps (the norm's sum in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+from exl3tools.kernels.fused_decode import _pow2, _rows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # runtime-only installs: the references still work
+    triton = tl = None
+
+
+if triton is not None:
+    @triton.jit
+    def _latent_store_kernel(lat_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, ckv_ptr, kpe_ptr, C, eps,
+                             slat, scs, sckv, skpe,
+                             BC: tl.constexpr, RH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        c = tl.arange(0, BC)
+        m = c < C
+        x = tl.load(lat_ptr + t * slat + c, mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / C + eps)
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(ckv_ptr + slot * sckv + c, (x * rstd * w).to(ckv_ptr.dtype.element_ty), mask=m)
+        i = tl.arange(0, RH)
+        x0 = tl.load(lat_ptr + t * slat + C + 2 * i).to(tl.float32)
+        x1 = tl.load(lat_ptr + t * slat + C + 2 * i + 1).to(tl.float32)
+        co = tl.load(cos_ptr + t * scs + i)
+        si = tl.load(sin_ptr + t * scs + i)
+        tl.store(kpe_ptr + slot * skpe + 2 * i, (x0 * co - x1 * si).to(kpe_ptr.dtype.element_ty))
+        tl.store(kpe_ptr + slot * skpe + 2 * i + 1, (x1 * co + x0 * si).to(kpe_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _rope_heads_kernel(q_ptr, cos_ptr, sin_ptr, o_ptr, nope, sq, sh, scs, so, soh, RH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, RH)
+        base = q_ptr + t * sq + h * sh + nope
+        x0 = tl.load(base + 2 * i).to(tl.float32)
+        x1 = tl.load(base + 2 * i + 1).to(tl.float32)
+        co = tl.load(cos_ptr + t * scs + i)
+        si = tl.load(sin_ptr + t * scs + i)
+        tl.store(o_ptr + t * so + h * soh + 2 * i, x0 * co - x1 * si)
+        tl.store(o_ptr + t * so + h * soh + 2 * i + 1, x1 * co + x0 * si)
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, T: int, R: int) -> None:
+    if R % 2 or R // 2 != _pow2(R // 2):
+        raise ValueError(f"the rope width must be an even power of two, got {R}")
+    if cos.shape != (T, R // 2) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(1) != 1 \
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be fp32 ({T}, {R // 2}) of one layout, got {tuple(cos.shape)}")
+
+
+def latent_store(lat: torch.Tensor, C: int, R: int, norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, ckv_plane: torch.Tensor, kpe_plane: torch.Tensor) -> None:
+    """``ckv_plane[slots[t]] = rmsnorm(lat[t, :C]) * norm_w`` and ``kpe_plane[slots[t]]`` = the
+    GPT-J rotation of ``lat[t, C:C+R]`` by ``cos``/``sin`` (T, R / 2), each cast to its plane's dtype;
+    lat (T, >= C + R) rows, planes (slots, C) and (slots, R) contiguous."""
+    T = _rows(lat, "lat").shape[0]
+    if lat.shape[1] < C + R:
+        raise ValueError(f"lat {tuple(lat.shape)} is narrower than {C} + {R}")
+    _tables(cos, sin, T, R)
+    if ckv_plane.shape[1:] != (C,) or kpe_plane.shape[1:] != (R,) or not (ckv_plane.is_contiguous()
+                                                                           and kpe_plane.is_contiguous()):
+        raise ValueError(f"planes must be contiguous (slots, {C}) and (slots, {R})")
+    if T == 0:
+        return
+    _latent_store_kernel[(T,)](lat, norm_w, cos, sin, slots, ckv_plane, kpe_plane, C, float(eps), lat.stride(0),
+                               cos.stride(0), ckv_plane.stride(0), kpe_plane.stride(0), BC=_pow2(C), RH=R // 2,
+                               num_warps=max(1, min(4, _pow2(C) // 256)))
+
+
+def latent_store_reference(lat, C, R, norm_w, eps, cos, sin, slots, ckv_plane, kpe_plane) -> None:
+    x = lat[:, :C].float()
+    ckv_plane.index_copy_(0, slots, (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w).to(ckv_plane.dtype))
+    kpe_plane.index_copy_(0, slots, _gptj(lat[:, C:C + R].float(), cos, sin).to(kpe_plane.dtype))
+
+
+def rope_heads(q: torch.Tensor, nope: int, R: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(T, H, R) fp32: every head's ``q[t, h, nope:nope+R]`` rotated (GPT-J pairs) by ``cos``/``sin``
+    (T, R / 2); q (T, H, >= nope + R) with unit stride in its last dim."""
+    if q.dim() != 3 or q.stride(2) != 1 or q.shape[2] < nope + R:
+        raise ValueError(f"q must be (T, H, >= {nope} + {R}) with unit stride in its last dim, got {tuple(q.shape)}")
+    T, H = q.shape[0], q.shape[1]
+    _tables(cos, sin, T, R)
+    out = torch.empty(T, H, R, dtype=torch.float32, device=q.device)
+    if T and H:
+        _rope_heads_kernel[(T, H)](q, cos, sin, out, nope, q.stride(0), q.stride(1), cos.stride(0), out.stride(0),
+                                   out.stride(1), RH=R // 2, num_warps=1)
+    return out
+
+
+def rope_heads_reference(q, nope, R, cos, sin) -> torch.Tensor:
+    return _gptj(q[..., nope:nope + R].float(), cos[:, None, :], sin[:, None, :]).contiguous()
+
+
+def _gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """runtime.mla.rope_gptj's arithmetic with given (attention-scaled) tables."""
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
