@@ -87,6 +87,16 @@ def fused() -> None:
                                              (160, 6, "softmax", False, False, True), (512, 10, "sigmoid", True, True, True)):
         fk.route(torch.zeros(4, E), k, routing, norm, 2.5, torch.zeros(E) if bias else None,
                  torch.arange(E, dtype=torch.int32), E, shared)
+    for E, shared in ((256, True), (16, False)):       # Fp16ChoiceMoE's pick (the MLA models' fused step)
+        fk.route(torch.zeros(4, E), 8 if E > 16 else 4, "sigmoid", True, 2.5, torch.zeros(E),
+                 torch.arange(E, dtype=torch.int32), E, shared, choice_logits=torch.zeros(4, E))
+    from exl3tools.kernels import fused_mla as fm
+
+    for T, H, nope, dt in ((1, 64, 192, f16), (8, 128, 128, f16), (64, 128, 128, bf16), (3, 2, 128, torch.float32)):
+        cos = sin = torch.zeros(T, 32)
+        fm.latent_store(torch.zeros(T, 576), 512, 64, torch.ones(512), 1e-6, cos, sin, torch.zeros(T, dtype=torch.int64),
+                        torch.zeros(64, 512, dtype=dt), torch.zeros(64, 64, dtype=dt))
+        fm.rope_heads(torch.zeros(T, H, nope + 64), nope, 64, cos, sin)
     from exl3tools.kernels import expert_groups as eg
 
     for S, P, NE in ((18, 9, 129), (72, 9, 129), (504, 9, 257), (64, 8, 128)):
