@@ -309,6 +309,34 @@ def test_graph_decode_fused_matches_unfused(name, kv, monkeypatch):
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def test_graph_decode_fused_mla_matches_the_torch_loop(monkeypatch):
+    """EXL3TOOLS_FUSED_MLA on CUDA: the captured DeepSeek-V3 decode step with FusedMlaStep (fused
+    norms, MoE, and kernels/fused_mla.py inside the attention) against the same step's torch loop
+    and the CPU reference, over the paged-runner schedule; fp16 latent planes (MLA's auto)."""
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.gpu.conftest import cuda_backend
+    from tests.gpu.test_serve_paged_gpu import REL, _rel
+    from tests.test_paged_runner import schedule
+
+    name = "deepseek_v3-3.0bpw-3inst"
+    ref = _cpu_schedule(name)
+    outs = {}
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    for on in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", on)
+        r = load_runner(fixture_dir(name) / "model", device="cuda", backend=cuda_backend(), max_context=48,
+                        max_num_seqs=3, block_size=4, max_cache_tokens=4096)
+        assert r.decode_mode == "graphs"
+        assert (type(r.paged.decoder._fused).__name__ == "FusedMlaStep") == (on == "1")
+        outs[on] = schedule(r)
+        r.close()
+    for s, (a, b, c) in enumerate(zip(outs["1"], outs["0"], ref, strict=True)):
+        assert _rel(a, c) < REL["fp32"], (s, _rel(a, c), _rel(b, c))
+        assert _rel(a, b) < REL["fp32"], (s, _rel(a, b))
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch,groups", [(1, False), (8, False), (32, False), (2, True), (8, True), (32, True)])
 def test_fused_moe_layer_matches_forward_static(batch, groups):
     """One MoE layer of the glm4_moe fixture on CUDA: the fused MLP (routing kernel, grouped
