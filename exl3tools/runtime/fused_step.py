@@ -261,7 +261,7 @@ class FusedMlaStep(FusedGqaStep):
         if key not in rope:
             cos, sin = fk.rope_tables(positions, a.inv_freq)
             rope[key] = (cos * a.attn_factor, sin * a.attn_factor)
-        return a.decode_static(x, st, rope_cs=rope[key])
+        return a.decode_static(x, st, rope_cs=rope[key], project=self._project)
 
 
 def supports_mla(model) -> bool:

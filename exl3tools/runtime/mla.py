@@ -432,7 +432,7 @@ class MLAttention:
             write(h, o[..., :self.vd].transpose(1, 2))
 
     # ------------------------------------------------------------------ fixed-shape decode step
-    def decode_static(self, x: torch.Tensor, st, rope_cs: tuple | None = None) -> torch.Tensor:
+    def decode_static(self, x: torch.Tensor, st, rope_cs: tuple | None = None, project=None) -> torch.Tensor:
         """One decode token per row of ``x`` (B, hidden; already normed) with device ops only and
         shapes fixed by B and the table width (runtime/paged_decode.py's CUDA-graph step). ``st``:
         positions, slots, tables, ctx (int32, this token included), pool, mla_attend (kernels/
@@ -440,7 +440,9 @@ class MLAttention:
         selection there for the "shared" layers after it). The same result as ``__call__``.
         ``rope_cs``: the step's (cos, sin) scaled by attn_factor (runtime/fused_step.py FusedMlaStep):
         the q_a norm, the queries' RoPE and the latent's norm, RoPE and cache writes then run as
-        three kernels (kernels/fused_mla.py) instead of ~36 torch ops."""
+        three kernels (kernels/fused_mla.py) instead of ~36 torch ops; ``project(owner, linears, x)``
+        (FusedGqaStep._project): the two projections that read x (q_a or q_proj, and kv_a) as one
+        grouped call."""
         B = x.shape[0]
         self._to(x.device)
         pos = st.positions
@@ -448,16 +450,17 @@ class MLAttention:
         if rope_cs is not None:
             from exl3tools.kernels import fused_decode, fused_mla
 
+            pair = (self.q_proj if self.q_proj is not None else self.q_a, self.kv_a)
+            qa, lat = project(self, pair, x) if project is not None else (pair[0](x), pair[1](x))
             if self.q_proj is not None:
-                q, q_resid = self.q_proj(x), None
+                q, q_resid = qa, None
             else:
-                qa = self.q_a(x)
                 q_resid = fused_decode.residual_rmsnorm(qa if qa.dtype == torch.float32 else qa.float(),
                                                         self.q_a_norm.weight, self.q_a_norm.eps)
                 q = self.q_b(q_resid)
-            q = q.view(B, self.nh, self.nope + self.rope)
+            q = q.reshape(B, self.nh, self.nope + self.rope)
             q_pe = fused_mla.rope_heads(q, self.nope, self.rope, *rope_cs)
-            fused_mla.latent_store(self.kv_a(x), self.kv_lora, self.rope, self.kv_a_norm.weight, self.kv_a_norm.eps,
+            fused_mla.latent_store(lat, self.kv_lora, self.rope, self.kv_a_norm.weight, self.kv_a_norm.eps,
                                    *rope_cs, st.slots, planes[CACHE_CKV], planes[CACHE_KPE])
         else:
             q, q_resid = self._queries(x)
