@@ -97,6 +97,8 @@ def fused() -> None:
         fm.latent_store(torch.zeros(T, 576), 512, 64, torch.ones(512), 1e-6, cos, sin, torch.zeros(T, dtype=torch.int64),
                         torch.zeros(64, 512, dtype=dt), torch.zeros(64, 64, dtype=dt))
         fm.rope_heads(torch.zeros(T, H, nope + 64), nope, 64, cos, sin)
+        fm.index_key_store(torch.zeros(T, 128), torch.ones(128), torch.zeros(128), 1e-6, 64, cos, sin,
+                           torch.zeros(T, dtype=torch.int64), torch.zeros(64, 128, dtype=dt))
     from exl3tools.kernels import expert_groups as eg
 
     for S, P, NE in ((18, 9, 129), (72, 9, 129), (504, 9, 257), (64, 8, 128)):

@@ -9,6 +9,10 @@ and its attention kernel. Two kernels take most of them:
   planes at their slots (torch: a norm of 6 ops, a RoPE of ~11, two casts and two index_copy).
 - ``rope_heads``: the queries' rope channels ``q[:, h, nope:nope+R]`` of every head, rotated, into
   a contiguous (T, H, R) fp32 tensor (torch: ~11 ops and a copy).
+- ``index_key_store`` (DSA layers, GLM-5): the indexer key of each new row from its projection
+  ``x @ wk.T``: fp16-rounded, LayerNorm (weight, bias), fp16-rounded, RoPE on its first R channels,
+  fp16-rounded (runtime.dsa.Indexer.keys's roundings, which its top-k depends on), written into
+  the ``kidx`` plane at its slot (torch: ~20 ops).
 
 Both take the step's rotation tables ``cos``/``sin`` (T, R / 2) already scaled by the attention
 factor: ``kernels.fused_decode.rope_tables`` times ``attn_factor``, once per step for every layer
@@ -61,6 +65,35 @@ if triton is not None:
         si = tl.load(sin_ptr + t * scs + i)
         tl.store(o_ptr + t * so + h * soh + 2 * i, x0 * co - x1 * si)
         tl.store(o_ptr + t * so + h * soh + 2 * i + 1, x1 * co + x0 * si)
+
+
+    @triton.jit
+    def _index_key_kernel(k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, slot_ptr, o_ptr, D, eps, sk, scs, so,
+                          BD: tl.constexpr, RH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        c = tl.arange(0, BD)
+        m = c < D
+        k = tl.load(k_ptr + t * sk + c, mask=m, other=0.0).to(tl.float32).to(tl.float16).to(tl.float32)
+        mean = tl.sum(k, 0) / D
+        d = tl.where(m, k - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / D + eps)
+        w = tl.load(w_ptr + c, mask=m, other=0.0)
+        b = tl.load(b_ptr + c, mask=m, other=0.0)
+        y = (d * rstd * w + b).to(tl.float16).to(tl.float32)
+        tl.store(o_ptr + slot * so + c, y.to(o_ptr.dtype.element_ty), mask=m & (c >= 2 * RH))
+        # the rotated pairs: their normed values again from the loads (the same ops, element by element)
+        i = tl.arange(0, RH)
+        e0 = tl.load(k_ptr + t * sk + 2 * i).to(tl.float32).to(tl.float16).to(tl.float32)
+        e1 = tl.load(k_ptr + t * sk + 2 * i + 1).to(tl.float32).to(tl.float16).to(tl.float32)
+        y0 = ((e0 - mean) * rstd * tl.load(w_ptr + 2 * i) + tl.load(b_ptr + 2 * i)).to(tl.float16).to(tl.float32)
+        y1 = ((e1 - mean) * rstd * tl.load(w_ptr + 2 * i + 1) + tl.load(b_ptr + 2 * i + 1)).to(tl.float16).to(tl.float32)
+        co = tl.load(cos_ptr + t * scs + i)
+        si = tl.load(sin_ptr + t * scs + i)
+        r0 = (y0 * co - y1 * si).to(tl.float16).to(tl.float32)
+        r1 = (y1 * co + y0 * si).to(tl.float16).to(tl.float32)
+        tl.store(o_ptr + slot * so + 2 * i, r0.to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + slot * so + 2 * i + 1, r1.to(o_ptr.dtype.element_ty))
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor, T: int, R: int) -> None:
@@ -118,3 +151,28 @@ def _gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     """runtime.mla.rope_gptj's arithmetic with given (attention-scaled) tables."""
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+
+
+def index_key_store(kraw: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float, R: int, cos: torch.Tensor,
+                    sin: torch.Tensor, slots: torch.Tensor, kidx_plane: torch.Tensor) -> None:
+    """``kidx_plane[slots[t]]`` = Indexer.keys of row t from its projection ``kraw`` (T, D):
+    fp16(rope_front(fp16(layer_norm(fp16(kraw))))), RoPE on the first R channels by ``cos``/``sin``
+    (T, R / 2), cast to the plane's dtype; the plane (slots, D) contiguous, ln_w / ln_b fp32 (D,)."""
+    T, D = _rows(kraw, "kraw").shape
+    _tables(cos, sin, T, R)
+    if kidx_plane.shape[1:] != (D,) or not kidx_plane.is_contiguous() or R > D:
+        raise ValueError(f"the kidx plane must be contiguous (slots, {D}), rope width {R} <= {D}")
+    if T:
+        _index_key_kernel[(T,)](kraw, ln_w, ln_b, cos, sin, slots, kidx_plane, D, float(eps), kraw.stride(0),
+                                cos.stride(0), kidx_plane.stride(0), BD=_pow2(D), RH=R // 2, num_warps=1)
+
+
+def index_key_store_reference(kraw, ln_w, ln_b, eps, R, cos, sin, slots, kidx_plane) -> None:
+    from torch.nn import functional as F
+
+    def fp16(x):
+        return x.to(torch.float16).to(torch.float32)
+    D = kraw.shape[1]
+    k = fp16(F.layer_norm(fp16(kraw.float()), (D,), ln_w, ln_b, eps))
+    k = fp16(torch.cat([_gptj(k[:, :R], cos, sin), k[:, R:]], dim=-1))
+    kidx_plane.index_copy_(0, slots, k.to(kidx_plane.dtype))

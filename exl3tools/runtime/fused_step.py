@@ -255,6 +255,13 @@ class FusedMlaStep(FusedGqaStep):
         for n in (a.q_a_norm, a.kv_a_norm):
             if n is not None:
                 n.weight = _dev(n.weight, dev)
+        ind = a.indexer
+        if ind is not None:
+            ind._to(dev)
+            # one inv_freq object: the step's RoPE table then serves the indexer's keys too
+            # (MLAttention.decode_static checks identity; each _to made its own device copy)
+            if ind.rd == a.rope and ind.attn_factor == a.attn_factor and torch.equal(ind.inv_freq, a.inv_freq):
+                ind.inv_freq = a.inv_freq
 
     def _attend_layer(self, a, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
         key = (id(a.inv_freq), a.attn_factor)     # one (cos, sin) per step for the layers sharing it

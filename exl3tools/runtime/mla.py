@@ -472,8 +472,14 @@ class MLAttention:
                                           self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
             planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
         q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
-        if self.indexer is not None:
-            planes[CACHE_KIDX].index_copy_(0, st.slots, self.indexer.keys(x, pos).to(planes[CACHE_KIDX].dtype))
+        ind = self.indexer
+        if ind is not None and rope_cs is not None and ind.rd == self.rope and ind.inv_freq is self.inv_freq \
+                and ind.attn_factor == self.attn_factor:             # (the step's table fits its RoPE)
+            ind._to(x.device)
+            fused_mla.index_key_store(x @ ind.wk.t(), ind.kn_w, ind.kn_b, ind.eps, ind.rd, *rope_cs, st.slots,
+                                      planes[CACHE_KIDX])
+        elif ind is not None:
+            planes[CACHE_KIDX].index_copy_(0, st.slots, ind.keys(x, pos).to(planes[CACHE_KIDX].dtype))
         out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,
                                  "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk))
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))

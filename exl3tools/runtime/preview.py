@@ -52,7 +52,8 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (runtime/fused_step.py FusedMlaStep): one kernel per residual add + RMSNorm, the routing
     # kernel (with Fp16ChoiceMoE's fp16 pick), the grouped experts with the shared one inside, and
     # the MLA attention's norms, RoPEs and latent cache writes as three kernels (kernels/fused_mla.py):
-    # q_a and kv_a as one grouped call: 220 -> 80 kernels a step on the DeepSeek-V3 fixture
+    # q_a and kv_a as one grouped call, and on DSA layers the indexer key store as one kernel:
+    # 220 -> 80 kernels a step on the DeepSeek-V3 fixture, 252 -> 84 on GLM-5's
     # (bench/count_decode_kernels.py --grouped). H200
     # 2026-12-03 (GLM-5 shape, one row): of a 3.17 ms step ~0.6 ms are torch's 1-2 µs glue kernels.
     # Checked against the torch loop on the CPU only

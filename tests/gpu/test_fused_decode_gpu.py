@@ -444,3 +444,40 @@ def test_mla_latent_store_and_query_rope(dev, case):
         fm.rope_heads(q, nope, R, cos[:, :8], sin[:, :8])
     with pytest.raises(ValueError, match="planes"):
         fm.latent_store(lat, C, R, w, eps, cos, sin, slots, planes[1], planes[0])
+
+
+@pytest.mark.parametrize("T,D,R,dt", [(3, 128, 64, "float16"), (8, 128, 64, "float16"), (2, 128, 64, "float32")])
+def test_mla_index_key_store(dev, T, D, R, dt):
+    """kernels/fused_mla.index_key_store: the DSA indexer's keys (fp16 roundings, LayerNorm, RoPE
+    on the first R channels) written at their slots equal Indexer.keys's, and its reference."""
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+    from exl3tools.kernels import fused_mla as fm
+
+    from exl3tools.runtime.dsa import Indexer
+
+    g = torch.Generator().manual_seed(T * D + R)
+    Hd = 96
+    ind = Indexer(wq_b=None, wk=torch.randn(D, Hd, generator=g) * 0.2, k_norm_w=torch.rand(D, generator=g) + 0.5,
+                  k_norm_b=torch.randn(D, generator=g) * 0.1, weights_proj=torch.zeros(4, Hd), n_heads=4, head_dim=D,
+                  rope_dim=R, topk=32, rope_params=(1.0 / (10000 ** (torch.arange(0, R, 2) / R)), 1.2))
+    x = torch.randn(T, Hd, generator=g)
+    pos = torch.randint(0, 30000, (T,), generator=g)
+    cos, sin = fk.rope_tables(pos, ind.inv_freq)
+    cos, sin = (cos * 1.2).contiguous(), (sin * 1.2).contiguous()
+    slots = torch.randperm(16, generator=g)[:T]
+    dtype = getattr(torch, dt)
+    planes = [torch.full((16, D), float("nan"), dtype=dtype, device=dev) for _ in range(3)]
+    x, cos, sin, slots = (t.to(dev) for t in (x, cos, sin, slots))
+    ind._to(x.device)
+    kraw = x @ ind.wk.t()
+    fm.index_key_store(kraw, ind.kn_w, ind.kn_b, ind.eps, R, cos, sin, slots, planes[0])
+    fm.index_key_store_reference(kraw, ind.kn_w, ind.kn_b, ind.eps, R, cos, sin, slots, planes[1])
+    planes[2].index_copy_(0, slots, ind.keys(x, pos.to(dev)).to(dtype))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert torch.isnan(planes[0].float().cpu()[untouched]).all()
+    assert torch.equal(planes[1][slots].cpu(), planes[2][slots].cpu())      # the reference is Indexer.keys
+    # the kernel: fp16 values, equal but for a rare one-ulp rounding of the norm's sum
+    diff = (planes[0][slots].float() - planes[2][slots].float()).abs().cpu()
+    assert (diff > 0).float().mean() < 0.02 and diff.max() <= 2 ** -9 * planes[2][slots].float().abs().max().cpu()
