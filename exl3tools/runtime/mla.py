@@ -439,29 +439,16 @@ class MLAttention:
         mla_attention.py's contract) and a per-step ``extras`` dict (a full DSA layer publishes its
         selection there for the "shared" layers after it). The same result as ``__call__``.
         ``rope_cs``: the step's (cos, sin) scaled by attn_factor (runtime/fused_step.py FusedMlaStep):
-        the q_a norm, the queries' RoPE and the latent's norm, RoPE and cache writes then run as
-        three kernels (kernels/fused_mla.py) instead of ~36 torch ops; ``project(owner, linears, x)``
-        (FusedGqaStep._project): the two projections that read x (q_a or q_proj, and kv_a) as one
-        grouped call."""
+        the q_a norm, the queries' RoPE, the latent's norm, RoPE and cache writes and a DSA layer's
+        key store then run as kernels/fused_mla.py's kernels instead of ~36-56 torch ops;
+        ``project(owner, linears, x)`` (FusedGqaStep._project): the two projections that read x
+        (q_a or q_proj, and kv_a) as one grouped call."""
         B = x.shape[0]
         self._to(x.device)
         pos = st.positions
         planes = st.pool.planes[self.layer]
         if rope_cs is not None:
-            from exl3tools.kernels import fused_decode, fused_mla
-
-            pair = (self.q_proj if self.q_proj is not None else self.q_a, self.kv_a)
-            qa, lat = project(self, pair, x) if project is not None else (pair[0](x), pair[1](x))
-            if self.q_proj is not None:
-                q, q_resid = qa, None
-            else:
-                q_resid = fused_decode.residual_rmsnorm(qa if qa.dtype == torch.float32 else qa.float(),
-                                                        self.q_a_norm.weight, self.q_a_norm.eps)
-                q = self.q_b(q_resid)
-            q = q.reshape(B, self.nh, self.nope + self.rope)
-            q_pe = fused_mla.rope_heads(q, self.nope, self.rope, *rope_cs)
-            fused_mla.latent_store(lat, self.kv_lora, self.rope, self.kv_a_norm.weight, self.kv_a_norm.eps,
-                                   *rope_cs, st.slots, planes[CACHE_CKV], planes[CACHE_KPE])
+            q, q_resid, q_pe = self._fused_queries_and_latent(x, st.slots, planes, rope_cs, project)
         else:
             q, q_resid = self._queries(x)
             q = q.view(B, self.nh, self.nope + self.rope)
@@ -472,17 +459,44 @@ class MLAttention:
                                           self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
             planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
         q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
-        ind = self.indexer
-        if ind is not None and rope_cs is not None and ind.rd == self.rope and ind.inv_freq is self.inv_freq \
-                and ind.attn_factor == self.attn_factor:             # (the step's table fits its RoPE)
-            ind._to(x.device)
-            fused_mla.index_key_store(x @ ind.wk.t(), ind.kn_w, ind.kn_b, ind.eps, ind.rd, *rope_cs, st.slots,
-                                      planes[CACHE_KIDX])
-        elif ind is not None:
-            planes[CACHE_KIDX].index_copy_(0, st.slots, ind.keys(x, pos).to(planes[CACHE_KIDX].dtype))
+        if self.indexer is not None:
+            self._store_index_keys(x, pos, st.slots, planes[CACHE_KIDX], rope_cs)
         out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,
                                  "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk))
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
+
+
+    def _fused_queries_and_latent(self, x, slots, planes, rope_cs, project):
+        """decode_static's queries (q, q_resid, q_pe) and latent cache writes through
+        kernels/fused_mla.py, with the step's RoPE table ``rope_cs``."""
+        from exl3tools.kernels import fused_decode, fused_mla
+
+        pair = (self.q_proj if self.q_proj is not None else self.q_a, self.kv_a)
+        qa, lat = project(self, pair, x) if project is not None else (pair[0](x), pair[1](x))
+        if self.q_proj is not None:
+            q, q_resid = qa, None
+        else:
+            q_resid = fused_decode.residual_rmsnorm(qa if qa.dtype == torch.float32 else qa.float(),
+                                                    self.q_a_norm.weight, self.q_a_norm.eps)
+            q = self.q_b(q_resid)
+        q = q.reshape(x.shape[0], self.nh, self.nope + self.rope)
+        q_pe = fused_mla.rope_heads(q, self.nope, self.rope, *rope_cs)
+        fused_mla.latent_store(lat, self.kv_lora, self.rope, self.kv_a_norm.weight, self.kv_a_norm.eps,
+                               *rope_cs, slots, planes[CACHE_CKV], planes[CACHE_KPE])
+        return q, q_resid, q_pe
+
+    def _store_index_keys(self, x, pos, slots, plane, rope_cs) -> None:
+        """The DSA indexer's keys of the new rows into ``plane`` at ``slots``: one kernel where the
+        step's RoPE table fits the indexer's RoPE (FusedMlaStep shares the inv_freq), else torch."""
+        ind = self.indexer
+        if rope_cs is not None and ind.rd == self.rope and ind.inv_freq is self.inv_freq \
+                and ind.attn_factor == self.attn_factor:
+            from exl3tools.kernels import fused_mla
+
+            ind._to(x.device)
+            fused_mla.index_key_store(x @ ind.wk.t(), ind.kn_w, ind.kn_b, ind.eps, ind.rd, *rope_cs, slots, plane)
+        else:
+            plane.index_copy_(0, slots, ind.keys(x, pos).to(plane.dtype))
 
 
 def _prefill_kernels(dev: torch.device):
