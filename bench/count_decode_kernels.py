@@ -79,7 +79,7 @@ def instrument(runner, log: Log) -> None:
     for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
         setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
     expert_groups.group_pairs = _wrap(log, expert_groups.group_pairs, "triton:group_pairs", 1)
-    for name in ("latent_store", "rope_heads", "index_key_store"):
+    for name in ("latent_store", "rope_heads", "index_key_store", "index_queries"):
         setattr(fused_mla, name, _wrap(log, getattr(fused_mla, name), f"triton:{name}", 1))
 
     def lin(x: Linear):

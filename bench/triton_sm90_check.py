@@ -99,6 +99,7 @@ def fused() -> None:
         fm.rope_heads(torch.zeros(T, H, nope + 64), nope, 64, cos, sin)
         fm.index_key_store(torch.zeros(T, 128), torch.ones(128), torch.zeros(128), 1e-6, 64, cos, sin,
                            torch.zeros(T, dtype=torch.int64), torch.zeros(64, 128, dtype=dt))
+        fm.index_queries(torch.zeros(T, 32 * 128, dtype=dt), 32, 128, 64, cos, sin)
     from exl3tools.kernels import expert_groups as eg
 
     for S, P, NE in ((18, 9, 129), (72, 9, 129), (504, 9, 257), (64, 8, 128)):

@@ -13,6 +13,8 @@ and its attention kernel. Two kernels take most of them:
   ``x @ wk.T``: fp16-rounded, LayerNorm (weight, bias), fp16-rounded, RoPE on its first R channels,
   fp16-rounded (runtime.dsa.Indexer.keys's roundings, which its top-k depends on), written into
   the ``kidx`` plane at its slot (torch: ~20 ops).
+- ``index_queries`` (DSA layers past index_topk): the indexer's queries from their projection,
+  fp16-rounded, each head's first R channels rotated and rounded again (Indexer.queries; ~10 ops).
 
 Both take the step's rotation tables ``cos``/``sin`` (T, R / 2) already scaled by the attention
 factor: ``kernels.fused_decode.rope_tables`` times ``attn_factor``, once per step for every layer
@@ -96,6 +98,24 @@ if triton is not None:
         tl.store(o_ptr + slot * so + 2 * i + 1, r1.to(o_ptr.dtype.element_ty))
 
 
+    @triton.jit
+    def _index_queries_kernel(q_ptr, cos_ptr, sin_ptr, o_ptr, D, sq, scs, so, soh,
+                              BD: tl.constexpr, RH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        c = tl.arange(0, BD)
+        m = (c < D) & (c >= 2 * RH)
+        q = tl.load(q_ptr + t * sq + h * D + c, mask=m, other=0.0).to(tl.float32).to(tl.float16).to(tl.float32)
+        tl.store(o_ptr + t * so + h * soh + c, q, mask=m)
+        i = tl.arange(0, RH)
+        x0 = tl.load(q_ptr + t * sq + h * D + 2 * i).to(tl.float32).to(tl.float16).to(tl.float32)
+        x1 = tl.load(q_ptr + t * sq + h * D + 2 * i + 1).to(tl.float32).to(tl.float16).to(tl.float32)
+        co = tl.load(cos_ptr + t * scs + i)
+        si = tl.load(sin_ptr + t * scs + i)
+        tl.store(o_ptr + t * so + h * soh + 2 * i, (x0 * co - x1 * si).to(tl.float16).to(tl.float32))
+        tl.store(o_ptr + t * so + h * soh + 2 * i + 1, (x1 * co + x0 * si).to(tl.float16).to(tl.float32))
+
+
 def _tables(cos: torch.Tensor, sin: torch.Tensor, T: int, R: int) -> None:
     if R % 2 or R // 2 != _pow2(R // 2):
         raise ValueError(f"the rope width must be an even power of two, got {R}")
@@ -176,3 +196,24 @@ def index_key_store_reference(kraw, ln_w, ln_b, eps, R, cos, sin, slots, kidx_pl
     k = fp16(F.layer_norm(fp16(kraw.float()), (D,), ln_w, ln_b, eps))
     k = fp16(torch.cat([_gptj(k[:, :R], cos, sin), k[:, R:]], dim=-1))
     kidx_plane.index_copy_(0, slots, k.to(kidx_plane.dtype))
+
+
+def index_queries(qraw: torch.Tensor, H: int, D: int, R: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """(T, H, D) fp32: Indexer.queries's roped queries from their projection ``qraw`` (T, H * D):
+    fp16(rope_front(fp16(qraw))), each head's first R channels rotated by ``cos``/``sin`` (T, R / 2)."""
+    T = _rows(qraw, "qraw").shape[0]
+    if qraw.shape[1] < H * D or R > D:
+        raise ValueError(f"qraw {tuple(qraw.shape)} does not hold {H} heads of {D} (rope width {R})")
+    _tables(cos, sin, T, R)
+    out = torch.empty(T, H, D, dtype=torch.float32, device=qraw.device)
+    if T and H:
+        _index_queries_kernel[(T, H)](qraw, cos, sin, out, D, qraw.stride(0), cos.stride(0), out.stride(0),
+                                      out.stride(1), BD=_pow2(D), RH=R // 2, num_warps=1)
+    return out
+
+
+def index_queries_reference(qraw, H, D, R, cos, sin) -> torch.Tensor:
+    def fp16(x):
+        return x.to(torch.float16).to(torch.float32)
+    q = fp16(qraw[:, :H * D].float()).view(-1, H, D)
+    return fp16(torch.cat([_gptj(q[..., :R], cos[:, None, :], sin[:, None, :]), q[..., R:]], dim=-1))

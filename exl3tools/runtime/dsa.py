@@ -143,13 +143,22 @@ class Indexer:
         return keep
 
     def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, kidx: torch.Tensor,
-                     tables: torch.Tensor, ctx: torch.Tensor, score_fn=None, topk_fn=None) -> torch.Tensor:
+                     tables: torch.Tensor, ctx: torch.Tensor, score_fn=None, topk_fn=None,
+                     rope_cs: tuple | None = None) -> torch.Tensor:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
         device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
         ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
-        int32, -1 for none (kernels/mla_attention.py's ``sel``)."""
+        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``: the step's RoPE
+        table for this indexer's RoPE (runtime/fused_step.py FusedMlaStep): the queries' roundings
+        and RoPE as one kernel (kernels/fused_mla.index_queries)."""
         self._to(x.device)
-        q, w = self.queries(x, q_resid, pos)
+        if rope_cs is not None:
+            from exl3tools.kernels import fused_mla
+
+            q = fused_mla.index_queries(self.wq_b(q_resid), self.nh, self.hd, self.rd, *rope_cs)
+            w = _fp16(x @ self.wproj.t())
+        else:
+            q, w = self.queries(x, q_resid, pos)
         s = (score_fn or paged_scores_reference)(q, w, kidx, tables, ctx, self.scale)
         return (topk_fn or topk_positions)(s, ctx, self.topk)
 

@@ -29,6 +29,7 @@ from exl3tools.runtime import preview
 from exl3tools.runtime.layers import causal_mask
 
 CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
+ROPE_KEY = "rope_cs"     # StepInputs.extras: the fused step's RoPE table (decode_static -> _attend_paged)
 # Prompts of at least SDPA_MIN_ROWS rows attend through decompressed K/V and torch's fused attention
 # on CUDA (MLAttention.attend_decompressed), in PREFILL_DTYPE (fp16 as exllamav3 computes); shorter
 # spans (decode, verify rows) keep the absorbed float32 einsums, cheaper when n is small. The CPU
@@ -342,7 +343,7 @@ class MLAttention:
         if self.index_topk and sparse:                # else every row keeps all its keys
             if self.indexer is not None:
                 sel = self.indexer.select_paged(x, q_resid, pos, pool.blocks(self.layer, CACHE_KIDX), tables, ctx,
-                                                score_fn, topk_fn)
+                                                score_fn, topk_fn, rope_cs=self._index_rope(shared.get(ROPE_KEY)))
                 shared[key] = sel
             elif self.dsa_shared:
                 sel = self._shared_selection(shared, key)
@@ -448,6 +449,7 @@ class MLAttention:
         pos = st.positions
         planes = st.pool.planes[self.layer]
         if rope_cs is not None:
+            st.extras[ROPE_KEY] = rope_cs          # for the DSA selection's queries (_attend_paged)
             q, q_resid, q_pe = self._fused_queries_and_latent(x, st.slots, planes, rope_cs, project)
         else:
             q, q_resid = self._queries(x)
@@ -485,12 +487,20 @@ class MLAttention:
                                *rope_cs, slots, planes[CACHE_CKV], planes[CACHE_KPE])
         return q, q_resid, q_pe
 
-    def _store_index_keys(self, x, pos, slots, plane, rope_cs) -> None:
-        """The DSA indexer's keys of the new rows into ``plane`` at ``slots``: one kernel where the
-        step's RoPE table fits the indexer's RoPE (FusedMlaStep shares the inv_freq), else torch."""
+    def _index_rope(self, rope_cs: tuple | None) -> tuple | None:
+        """The step's RoPE table where it fits the indexer's RoPE too (FusedMlaStep shares the
+        inv_freq), else None (the indexer's own torch RoPE)."""
         ind = self.indexer
-        if rope_cs is not None and ind.rd == self.rope and ind.inv_freq is self.inv_freq \
-                and ind.attn_factor == self.attn_factor:
+        fits = rope_cs is not None and ind.rd == self.rope and ind.inv_freq is self.inv_freq \
+            and ind.attn_factor == self.attn_factor
+        return rope_cs if fits else None
+
+    def _store_index_keys(self, x, pos, slots, plane, rope_cs) -> None:
+        """The DSA indexer's keys of the new rows into ``plane`` at ``slots``: one kernel with the
+        step's RoPE table (``_index_rope``), else Indexer.keys's torch ops."""
+        ind = self.indexer
+        rope_cs = self._index_rope(rope_cs)
+        if rope_cs is not None:
             from exl3tools.kernels import fused_mla
 
             ind._to(x.device)

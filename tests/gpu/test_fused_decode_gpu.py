@@ -481,3 +481,28 @@ def test_mla_index_key_store(dev, T, D, R, dt):
     # the kernel: fp16 values, equal but for a rare one-ulp rounding of the norm's sum
     diff = (planes[0][slots].float() - planes[2][slots].float()).abs().cpu()
     assert (diff > 0).float().mean() < 0.02 and diff.max() <= 2 ** -9 * planes[2][slots].float().abs().max().cpu()
+
+
+@pytest.mark.parametrize("T,H,D,R", [(3, 4, 128, 64), (8, 32, 128, 64)])
+def test_mla_index_queries(dev, T, H, D, R):
+    """kernels/fused_mla.index_queries: the DSA indexer's roped fp16-rounded queries from their
+    projection equal its reference, and the reference equals Indexer.queries's ops."""
+    import torch
+    from exl3tools.kernels import fused_decode as fk
+    from exl3tools.kernels import fused_mla as fm
+    from exl3tools.runtime.dsa import Indexer
+
+    g = torch.Generator().manual_seed(T * H + D)
+    inv = 1.0 / (10000 ** (torch.arange(0, R, 2) / R))
+    ind = Indexer(wq_b=lambda r: r, wk=torch.zeros(D, 8), k_norm_w=torch.ones(D), k_norm_b=torch.zeros(D),
+                  weights_proj=torch.zeros(H, 8), n_heads=H, head_dim=D, rope_dim=R, topk=32, rope_params=(inv, 1.2))
+    qraw = torch.randn(T, H * D, generator=g) * 3
+    pos = torch.randint(0, 30000, (T,), generator=g)
+    cos, sin = fk.rope_tables(pos, inv)
+    cos, sin = (cos * 1.2).contiguous(), (sin * 1.2).contiguous()
+    want, _ = ind.queries(torch.zeros(T, 8), qraw, pos)             # wq_b = identity: q from qraw
+    ref = fm.index_queries_reference(qraw, H, D, R, cos, sin)
+    assert torch.equal(ref, want)
+    got = fm.index_queries(qraw.to(dev), H, D, R, cos.to(dev), sin.to(dev)).cpu()
+    diff = (got - ref).abs()
+    assert (diff > 0).float().mean() < 0.02 and diff.max() <= 2 ** -9 * ref.abs().max()
