@@ -490,6 +490,7 @@ def test_mla_index_queries(dev, T, H, D, R):
     import torch
     from exl3tools.kernels import fused_decode as fk
     from exl3tools.kernels import fused_mla as fm
+
     from exl3tools.runtime.dsa import Indexer
 
     g = torch.Generator().manual_seed(T * H + D)
