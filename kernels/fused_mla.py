@@ -168,9 +168,13 @@ def rope_heads_reference(q, nope, R, cos, sin) -> torch.Tensor:
 
 
 def _gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """runtime.mla.rope_gptj's arithmetic with given (attention-scaled) tables."""
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    from exl3tools.runtime.mla_rope import rotate_gptj  # lazily, as fused_decode's references
+
+    return rotate_gptj(x, cos, sin)
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(torch.float32)      # runtime.dsa's rounding of the indexer's values
 
 
 def index_key_store(kraw: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float, R: int, cos: torch.Tensor,
@@ -190,11 +194,9 @@ def index_key_store(kraw: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, 
 def index_key_store_reference(kraw, ln_w, ln_b, eps, R, cos, sin, slots, kidx_plane) -> None:
     from torch.nn import functional as F
 
-    def fp16(x):
-        return x.to(torch.float16).to(torch.float32)
     D = kraw.shape[1]
-    k = fp16(F.layer_norm(fp16(kraw.float()), (D,), ln_w, ln_b, eps))
-    k = fp16(torch.cat([_gptj(k[:, :R], cos, sin), k[:, R:]], dim=-1))
+    k = _fp16(F.layer_norm(_fp16(kraw.float()), (D,), ln_w, ln_b, eps))
+    k = _fp16(torch.cat([_gptj(k[:, :R], cos, sin), k[:, R:]], dim=-1))
     kidx_plane.index_copy_(0, slots, k.to(kidx_plane.dtype))
 
 
@@ -213,7 +215,5 @@ def index_queries(qraw: torch.Tensor, H: int, D: int, R: int, cos: torch.Tensor,
 
 
 def index_queries_reference(qraw, H, D, R, cos, sin) -> torch.Tensor:
-    def fp16(x):
-        return x.to(torch.float16).to(torch.float32)
-    q = fp16(qraw[:, :H * D].float()).view(-1, H, D)
-    return fp16(torch.cat([_gptj(q[..., :R], cos[:, None, :], sin[:, None, :]), q[..., R:]], dim=-1))
+    q = _fp16(qraw[:, :H * D].float()).view(-1, H, D)
+    return _fp16(torch.cat([_gptj(q[..., :R], cos[:, None, :], sin[:, None, :]), q[..., R:]], dim=-1))

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from exl3tools.checkpoint.reader import Checkpoint
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.runtime.arch import BuildContext, arch_module
-from exl3tools.runtime.mla import mla_rope, rope_gptj
+from exl3tools.runtime.mla_rope import mla_rope, rope_gptj
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
 from tests.conftest import fixture_dir

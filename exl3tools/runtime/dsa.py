@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from exl3tools.runtime.layers import causal_mask
-from exl3tools.runtime.mla import as_blocks, rope_gptj
+from exl3tools.runtime.mla import as_blocks
+from exl3tools.runtime.mla_rope import rope_gptj
 
 # A prompt chunk's indexer logits are (rows, heads, L) float32, several copies: at a 30k history a
 # 2048-row chunk took 7.9 GB a copy and ran the H200 out of memory inside serve's KV budget (the
@@ -61,11 +62,32 @@ class Indexer:
         k = _fp16(F.layer_norm(k, (self.hd,), self.kn_w, self.kn_b, self.eps))
         return _fp16(self._rope_front(k, pos))
 
-    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp16-rounded roped queries (n, H_i, D_i) and head weights (n, H_i) of n rows."""
+    def write_keys(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, plane: torch.Tensor,
+                   rope_cs: tuple | None = None) -> None:
+        """``keys`` of the new rows into the paged ``plane`` at ``slots``. ``rope_cs``: the step's
+        RoPE table for this indexer's RoPE (runtime/fused_step.py FusedMlaStep): the roundings,
+        norm, RoPE and write as one kernel (kernels/fused_mla.index_key_store)."""
+        if rope_cs is None:
+            plane.index_copy_(0, slots, self.keys(x, pos).to(plane.dtype))
+            return
+        from exl3tools.kernels import fused_mla
+
+        self._to(x.device)
+        fused_mla.index_key_store(x @ self.wk.t(), self.kn_w, self.kn_b, self.eps, self.rd, *rope_cs, slots, plane)
+
+    def queries(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
+                rope_cs: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp16-rounded roped queries (n, H_i, D_i) and head weights (n, H_i) of n rows; with the
+        step's RoPE table ``rope_cs`` the queries' roundings and RoPE as one kernel
+        (kernels/fused_mla.index_queries)."""
         n = x.shape[0]
-        q = _fp16(self.wq_b(q_resid)).view(n, self.nh, self.hd)
-        q = _fp16(self._rope_front(q, pos))
+        if rope_cs is not None:
+            from exl3tools.kernels import fused_mla
+
+            q = fused_mla.index_queries(self.wq_b(q_resid), self.nh, self.hd, self.rd, *rope_cs)
+        else:
+            q = _fp16(self.wq_b(q_resid)).view(n, self.nh, self.hd)
+            q = _fp16(self._rope_front(q, pos))
         return q, _fp16(x @ self.wproj.t())
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
@@ -148,17 +170,9 @@ class Indexer:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
         device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
         ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
-        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``: the step's RoPE
-        table for this indexer's RoPE (runtime/fused_step.py FusedMlaStep): the queries' roundings
-        and RoPE as one kernel (kernels/fused_mla.index_queries)."""
+        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``: as ``queries``."""
         self._to(x.device)
-        if rope_cs is not None:
-            from exl3tools.kernels import fused_mla
-
-            q = fused_mla.index_queries(self.wq_b(q_resid), self.nh, self.hd, self.rd, *rope_cs)
-            w = _fp16(x @ self.wproj.t())
-        else:
-            q, w = self.queries(x, q_resid, pos)
+        q, w = self.queries(x, q_resid, pos, rope_cs)
         s = (score_fn or paged_scores_reference)(q, w, kidx, tables, ctx, self.scale)
         return (topk_fn or topk_positions)(s, ctx, self.topk)
 

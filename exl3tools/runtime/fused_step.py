@@ -258,9 +258,9 @@ class FusedMlaStep(FusedGqaStep):
         ind = a.indexer
         if ind is not None:
             ind._to(dev)
-            # one inv_freq object: the step's RoPE table then serves the indexer's keys too
-            # (MLAttention.decode_static checks identity; each _to made its own device copy)
-            if ind.rd == a.rope and ind.attn_factor == a.attn_factor and torch.equal(ind.inv_freq, a.inv_freq):
+            # one inv_freq object (each _to made its own device copy): MLAttention._index_rope then
+            # lets the step's RoPE table serve the indexer's keys and queries too
+            if torch.equal(ind.inv_freq, a.inv_freq):
                 ind.inv_freq = a.inv_freq
 
     def _attend_layer(self, a, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:

@@ -18,7 +18,6 @@ is shared by all heads. ``reduce`` (the TP all-reduce when heads are cut) sums t
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -27,9 +26,9 @@ import torch
 from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.runtime import preview
 from exl3tools.runtime.layers import causal_mask
+from exl3tools.runtime.mla_rope import rope_gptj
 
 CACHE_CKV, CACHE_KPE, CACHE_KIDX = "ckv", "kpe", "kidx"
-ROPE_KEY = "rope_cs"     # StepInputs.extras: the fused step's RoPE table (decode_static -> _attend_paged)
 # Prompts of at least SDPA_MIN_ROWS rows attend through decompressed K/V and torch's fused attention
 # on CUDA (MLAttention.attend_decompressed), in PREFILL_DTYPE (fp16 as exllamav3 computes); shorter
 # spans (decode, verify rows) keep the absorbed float32 einsums, cheaper when n is small. The CPU
@@ -53,65 +52,6 @@ def as_blocks(t: torch.Tensor, block: int) -> torch.Tensor:
     out = t.new_zeros(-(-L // block) * block, D)
     out[:L] = t
     return out.view(-1, block, D)
-
-
-# ------------------------------------------------------------------ rope
-def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def mla_rope(cfg: dict) -> tuple[torch.Tensor, float, float]:
-    """(inv_freq over qk_rope_head_dim, cos/sin factor, softmax-scale factor) from config.json.
-
-    Default rope, or YaRN as exllamav3 reads it for DeepSeek (util/rope.py: factor from
-    max/original max positions when the latter is given; attn factor = the mscale ratio).
-    """
-    dim = int(cfg["qk_rope_head_dim"])
-    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    base = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rtype = rp.get("rope_type", rp.get("type", "default")) or "default"
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    inv = 1.0 / pos_freqs
-    if rtype == "default":
-        return inv, 1.0, 1.0
-    if rtype != "yarn":
-        raise UnsupportedArchitectureError(f"MLA rope_type {rtype!r} is not supported")
-    max_pos = int(cfg.get("max_position_embeddings") or 0)
-    orig = rp.get("original_max_position_embeddings")
-    factor = max_pos / int(orig) if orig is not None else float(rp["factor"])
-    orig = int(orig) if orig is not None else max_pos
-    beta_fast, beta_slow = float(rp.get("beta_fast", 32)), float(rp.get("beta_slow", 1))
-
-    def corr(rot: float) -> float:
-        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    lo, hi = corr(beta_fast), corr(beta_slow)
-    if rp.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, dim - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = (torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)
-    extrap = 1 - ramp.clamp(0, 1)
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + inv * extrap
-    ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
-    if rp.get("attention_factor") is not None:
-        attn = float(rp["attention_factor"])
-    elif ms and ms_all:
-        attn = yarn_get_mscale(factor, float(ms)) / yarn_get_mscale(factor, float(ms_all))
-    else:
-        attn = yarn_get_mscale(factor)
-    sm = yarn_get_mscale(float(rp.get("factor", factor)), float(ms_all)) ** 2 if ms_all else 1.0
-    return inv, attn, sm
-
-
-def rope_gptj(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, attn: float = 1.0) -> torch.Tensor:
-    """Interleaved rotation of the last dim of ``x`` (T, ..., d): pairs (2i, 2i+1) by pos*inv_freq[i]."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]          # (T, d/2)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[1],)
-    cos, sin = (freqs.cos() * attn).view(shape), (freqs.sin() * attn).view(shape)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
 
 
 # ------------------------------------------------------------------ attention
@@ -333,17 +273,18 @@ class MLAttention:
             rows.longest > self.index_topk, shared, "rows", mla_attention_fn(x.device)))
 
     def _attend_paged(self, x, q_resid, q_lat, q_pe, pos, pool, tables, ctx, sparse: bool, shared: dict, key,
-                      fns) -> torch.Tensor:
+                      fns, rope_cs: tuple | None = None) -> torch.Tensor:
         """Rows (their latent already in ``pool``) through the decode step's kernels ``fns`` =
         (MLA attention, DSA scores, DSA top-k): a DSA full layer selects when ``sparse`` (some row
         sees more than index_topk keys) and publishes its selection in ``shared[key]`` for the
-        shared layers after it. (rows, H, v) float32 (decode_static, attend_rows)."""
+        shared layers after it. (rows, H, v) float32 (decode_static, attend_rows). ``rope_cs``: the
+        fused step's RoPE table (decode_static), for the indexer's queries."""
         attend, score_fn, topk_fn = fns
         sel = None
         if self.index_topk and sparse:                # else every row keeps all its keys
             if self.indexer is not None:
                 sel = self.indexer.select_paged(x, q_resid, pos, pool.blocks(self.layer, CACHE_KIDX), tables, ctx,
-                                                score_fn, topk_fn, rope_cs=self._index_rope(shared.get(ROPE_KEY)))
+                                                score_fn, topk_fn, rope_cs=self._index_rope(rope_cs))
                 shared[key] = sel
             elif self.dsa_shared:
                 sel = self._shared_selection(shared, key)
@@ -441,7 +382,7 @@ class MLAttention:
         selection there for the "shared" layers after it). The same result as ``__call__``.
         ``rope_cs``: the step's (cos, sin) scaled by attn_factor (runtime/fused_step.py FusedMlaStep):
         the q_a norm, the queries' RoPE, the latent's norm, RoPE and cache writes and a DSA layer's
-        key store then run as kernels/fused_mla.py's kernels instead of ~36-56 torch ops;
+        key store and queries then run as kernels/fused_mla.py's kernels instead of ~36-66 torch ops;
         ``project(owner, linears, x)`` (FusedGqaStep._project): the two projections that read x
         (q_a or q_proj, and kv_a) as one grouped call."""
         B = x.shape[0]
@@ -449,7 +390,6 @@ class MLAttention:
         pos = st.positions
         planes = st.pool.planes[self.layer]
         if rope_cs is not None:
-            st.extras[ROPE_KEY] = rope_cs          # for the DSA selection's queries (_attend_paged)
             q, q_resid, q_pe = self._fused_queries_and_latent(x, st.slots, planes, rope_cs, project)
         else:
             q, q_resid = self._queries(x)
@@ -462,11 +402,10 @@ class MLAttention:
             planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
         q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
         if self.indexer is not None:
-            self._store_index_keys(x, pos, st.slots, planes[CACHE_KIDX], rope_cs)
+            self.indexer.write_keys(x, pos, st.slots, planes[CACHE_KIDX], self._index_rope(rope_cs))
         out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,
-                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk))
+                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk), rope_cs)
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
-
 
     def _fused_queries_and_latent(self, x, slots, planes, rope_cs, project):
         """decode_static's queries (q, q_resid, q_pe) and latent cache writes through
@@ -494,19 +433,6 @@ class MLAttention:
         fits = rope_cs is not None and ind.rd == self.rope and ind.inv_freq is self.inv_freq \
             and ind.attn_factor == self.attn_factor
         return rope_cs if fits else None
-
-    def _store_index_keys(self, x, pos, slots, plane, rope_cs) -> None:
-        """The DSA indexer's keys of the new rows into ``plane`` at ``slots``: one kernel with the
-        step's RoPE table (``_index_rope``), else Indexer.keys's torch ops."""
-        ind = self.indexer
-        rope_cs = self._index_rope(rope_cs)
-        if rope_cs is not None:
-            from exl3tools.kernels import fused_mla
-
-            ind._to(x.device)
-            fused_mla.index_key_store(x @ ind.wk.t(), ind.kn_w, ind.kn_b, ind.eps, ind.rd, *rope_cs, slots, plane)
-        else:
-            plane.index_copy_(0, slots, ind.keys(x, pos).to(plane.dtype))
 
 
 def _prefill_kernels(dev: torch.device):

@@ -50,13 +50,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     "wide_groups": "EXL3TOOLS_WIDE_GROUPS",
     # MLA models' (DeepSeek-V3, GLM-5) fixed-shape decode step with the fused glue of the GQA step
     # (runtime/fused_step.py FusedMlaStep): one kernel per residual add + RMSNorm, the routing
-    # kernel (with Fp16ChoiceMoE's fp16 pick), the grouped experts with the shared one inside, and
-    # the MLA attention's norms, RoPEs and latent cache writes as three kernels (kernels/fused_mla.py):
-    # q_a and kv_a as one grouped call, and on DSA layers the indexer key store as one kernel:
-    # 220 -> 80 kernels a step on the DeepSeek-V3 fixture, 252 -> 84 on GLM-5's
-    # (bench/count_decode_kernels.py --grouped). H200
-    # 2026-12-03 (GLM-5 shape, one row): of a 3.17 ms step ~0.6 ms are torch's 1-2 µs glue kernels.
-    # Checked against the torch loop on the CPU only
+    # kernel (with Fp16ChoiceMoE's fp16 pick), the grouped experts with the shared one inside, q_a
+    # and kv_a as one grouped call, and inside the attention kernels/fused_mla.py's kernels (norms,
+    # RoPEs, latent writes, the DSA indexer's keys and queries) with one RoPE table a step: 220 -> 80
+    # kernels a step on the DeepSeek-V3 fixture, 252 -> 84 on GLM-5's (bench/count_decode_kernels.py
+    # --grouped). H200 2026-12-03 (GLM-5 shape, one row): of a 3.17 ms step ~0.6 ms are torch's 1-2 µs
+    # glue kernels. Checked against the torch loop on the CPU only
     "fused_mla": "EXL3TOOLS_FUSED_MLA",
 }
 

@@ -23,7 +23,8 @@ from exl3tools.runtime.arch import BuildContext
 from exl3tools.runtime.arch.gqa import GqaSpec, _lin, build_causal_lm, build_mlp, build_moe
 from exl3tools.runtime.dsa import Indexer
 from exl3tools.runtime.layers import DecoderLayer, MoE, RMSNorm
-from exl3tools.runtime.mla import MLAttention, mla_rope
+from exl3tools.runtime.mla import MLAttention
+from exl3tools.runtime.mla_rope import mla_rope
 from exl3tools.runtime.model import CausalLM
 
 MOE_SPEC = GqaSpec(routing="sigmoid", num_experts_key="n_routed_experts", shared_expert=True)
