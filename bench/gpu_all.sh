@@ -175,8 +175,8 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       # mask (the EXL3TOOLS_DSA_SPARSE_PREFILL=0 opt-out, not over their selected keys); flash_pad: its opt-out
       # EXL3TOOLS_MLA_FLASH_PAD=0 (DeepSeek-V3's prompt attention off flash); prompt_steps: its opt-out
       # EXL3TOOLS_PROMPT_GRAPHS=0 (short prompts beside decoding rows through the eager forward); mla_rows: the
-      # EXL3TOOLS_MLA_EAGER_ROWS=1 preview (an eager step's decode rows through the decode kernels); fused_mla: the
-      # EXL3TOOLS_FUSED_MLA=1 preview (the fused glue around the MLA attention, FusedMlaStep); tile: the
+      # EXL3TOOLS_MLA_EAGER_ROWS=1 preview (an eager step's decode rows through the decode kernels); fused_mla: its
+      # opt-out EXL3TOOLS_FUSED_MLA=0 (the MLA decode step's torch loop, not FusedMlaStep); tile: the
       # MLA decode kernel's tiles EXL3TOOLS_MLA_TILE=$MLA_TILE (HB,TN,WARPS; default 32,32,8); mtp_paged: each MTP config again
       # with the head's own cache and eager drafts, the EXL3TOOLS_MTP_PAGED=0 opt-out)
       CFG=(); V=${MLA_VARIANTS:-eager graphs fp16}
@@ -190,7 +190,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *flash_pad* ]] && CFG+=(--config "${arch}_no_flash_pad:EXL3TOOLS_MLA_FLASH_PAD=0 --max-model-len 32768")
       [[ $V == *prompt_steps* ]] && CFG+=(--config "${arch}_no_prompt_graphs:EXL3TOOLS_PROMPT_GRAPHS=0 --max-model-len 32768")
       [[ $V == *mla_rows* ]] && CFG+=(--config "${arch}_mla_rows:EXL3TOOLS_MLA_EAGER_ROWS=1 --max-model-len 32768")
-      [[ $V == *fused_mla* ]] && CFG+=(--config "${arch}_fused_mla:EXL3TOOLS_FUSED_MLA=1 --max-model-len 32768")
+      [[ $V == *fused_mla* ]] && CFG+=(--config "${arch}_no_fused_mla:EXL3TOOLS_FUSED_MLA=0 --max-model-len 32768")
       # MLA_EXTRA_CONFIG="NAME:ARGS[;NAME:ARGS...]": more configs, each served as ${arch}_NAME (e.g.
       # "seqs64:--max-model-len 32768 --max-num-seqs 64")
       if [ -n "${MLA_EXTRA_CONFIG:-}" ]; then

@@ -24,7 +24,8 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   the default since 2026-12-03); ``:no-expert-groups``: the same opted out (one row per pair);
   ``:wide-groups``: the expert groups past 512 pairs too (batch 57+, ``EXL3TOOLS_WIDE_GROUPS=1``);
   ``:fused-mla``: MLA models (DeepSeek-V3, GLM-5) with the fused glue around their attention
-  (``EXL3TOOLS_FUSED_MLA=1``, runtime/fused_step.py FusedMlaStep);
+  (``EXL3TOOLS_FUSED_MLA=1``, runtime/fused_step.py FusedMlaStep, the default on CUDA since
+  2026-12-03); ``:no-fused-mla``: the same opted out (the torch loop around the attention);
   ``:units16`` / ``:units64``: the default with tile units of 16 / 64 k-tiles (cuda_exl3.TILE_UNIT_KTILES).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
@@ -67,6 +68,7 @@ VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FU
             "no-expert-groups": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_EXPERT_GROUPS": "0"},
             "wide-groups": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_WIDE_GROUPS": "1"},
             "fused-mla": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_FUSED_MLA": "1"},
+            "no-fused-mla": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_FUSED_MLA": "0"},
             "units16": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_TILE_UNIT_KTILES": "16"},
             "units64": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_TILE_UNIT_KTILES": "64"},
             "stack": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1",

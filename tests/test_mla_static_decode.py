@@ -379,8 +379,9 @@ def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
     assert calls and all(calls)         # every MoE layer routed through the kernel, fp16 choice on
 
 
-def test_fused_mla_step_is_a_preview(monkeypatch):
-    """Without EXL3TOOLS_FUSED_MLA=1 an MLA model keeps the torch loop, fused kernels or not."""
+def test_fused_mla_step_is_asked_for_off_cuda(monkeypatch):
+    """Off CUDA (the interpreter) an MLA model keeps the torch loop, fused kernels or not, unless
+    EXL3TOOLS_FUSED_MLA=1 (on CUDA FusedMlaStep is the default: preview.on_cuda)."""
     pytest.importorskip("triton")
     from exl3tools.kernels import fused_decode as fk
 

@@ -181,7 +181,7 @@ class PagedDecoder:
         if fused_step.resolve(fused, self.device):
             if fused_step.supports(model):
                 self._fused = fused_step.FusedGqaStep(model, pool)
-            elif fused_step.supports_mla(model) and preview.switched_on("fused_mla"):
+            elif fused_step.supports_mla(model) and preview.on_cuda("fused_mla", self.device):
                 self._fused = fused_step.FusedMlaStep(model, pool)
         if invariance.on():
             if self._fused is None or self._fused.mla or self.device.type != "cuda":

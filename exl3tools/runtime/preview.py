@@ -48,15 +48,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 11:12: tests/gpu passes with it; the decode loop at batch 56 / 64 6584 / 7541 vs 6707 / 7740
     # tok/s without it, 64 served streams 6707 vs 6740: no gain measured, so it stays a preview
     "wide_groups": "EXL3TOOLS_WIDE_GROUPS",
-    # MLA models' (DeepSeek-V3, GLM-5) fixed-shape decode step with the fused glue of the GQA step
-    # (runtime/fused_step.py FusedMlaStep): one kernel per residual add + RMSNorm, the routing
-    # kernel (with Fp16ChoiceMoE's fp16 pick), the grouped experts with the shared one inside, q_a
-    # and kv_a as one grouped call, and inside the attention kernels/fused_mla.py's kernels (norms,
-    # RoPEs, latent writes, the DSA indexer's keys and queries) with one RoPE table a step: 220 -> 80
-    # kernels a step on the DeepSeek-V3 fixture, 252 -> 84 on GLM-5's (bench/count_decode_kernels.py
-    # --grouped). H200 2026-12-03 (GLM-5 shape, one row): of a 3.17 ms step ~0.6 ms are torch's 1-2 µs
-    # glue kernels. Checked against the torch loop on the CPU only
-    "fused_mla": "EXL3TOOLS_FUSED_MLA",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -83,6 +74,17 @@ OPT_OUTS = {
     # as the default; the engine's decode loop on air6 at batch 8 / 16 / 32 2669-2878 / 3862-4100 /
     # 5769-5975 tok/s vs 2489 / 3510 / 5293 without; served 8 / 32 streams 2651 / 2733 vs 2293 / 2081
     "expert_groups": "EXL3TOOLS_EXPERT_GROUPS",
+    # MLA models' (DeepSeek-V3, GLM-5) fixed-shape decode step with the fused glue of the GQA step
+    # (runtime/fused_step.py FusedMlaStep): one kernel per residual add + RMSNorm, the routing
+    # kernel (with Fp16ChoiceMoE's fp16 pick), the grouped experts with the shared one inside, q_a
+    # and kv_a as one grouped call, and inside the attention kernels/fused_mla.py's kernels (norms,
+    # RoPEs, latent writes, the DSA indexer's keys and queries) with one RoPE table a step: 252 -> 84
+    # kernels a step on the GLM-5 fixture (bench/count_decode_kernels.py --grouped). H200 2026-12-03
+    # 13:24 (docs/gpu.md): tests/gpu passed its graph test; GLM-5 shape, the engine's decode loop
+    # 294 -> 419 tok/s at batch 1, 1294 -> 1695 at 8, 2769 -> 3224 at 32; served 1 / 8 / 32 / 64
+    # streams 361 / 1302 / 2499 / 3486 -> 515 / 1657 / 2889 / 3616 tok/s. Default on CUDA only
+    # (preview.on_cuda): the CPU keeps the torch loop unless asked ("1")
+    "fused_mla": "EXL3TOOLS_FUSED_MLA",
     "fused": "EXL3TOOLS_FUSED",            # Triton glue kernels in the GQA decode step (issue 15)
     "row_steps": "EXL3TOOLS_ROW_STEPS",    # several new tokens of one sequence as rows of the decode step
     # DSA's sparse decode graphs per block-table width (paged_decode.widths), not only the full one
