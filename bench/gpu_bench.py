@@ -22,6 +22,8 @@ from triton.testing import do_bench
 HBM = 4.26e12
 SHAPES = [(4096, 14336), (14336, 4096), (6144, 2048), (2048, 6144), (8192, 8192)]
 ROWS = [1, 8, 32, 256, 2048]
+# the tile kernels a dense linear of 128-1024 rows is timed on beside decode + cuBLAS (large_parts)
+DENSE_TILES = ("exl3_tiles_m64_t2", "exl3_tiles_m128_t1", "exl3_tiles_m128_t2", "exl3_tiles_m256_t1")
 KS = [2, 3, 4]
 
 
@@ -91,6 +93,24 @@ def large_parts(lin, x):
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
                                                        rows, rows, lin.n))}
+    # the same dense linear through the MoE prefill's tile kernels: slots of m rows over one weight
+    # (no slot table: every slot reads expert 0), had_in + tiles + had_out; the weight is decoded
+    # once per slot, never written (the question: does that beat decode + cuBLAS at 128-512 rows)
+    for name in DENSE_TILES:
+        m, per = (int(v) for v in name.split("_m")[1].split("_t"))
+        if rows % m or rows > 1024 or lin.nt % (4 * per):
+            continue
+        def tiles(m=m, name=name):
+            xr = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
+            acc = cx.workspace(lin.device, rows * lin.n)
+            cx.gemv(lin.mod, xr, lin.tr_tab, lin.kt, lin.nt, m, rows // m, acc, kernel=name)
+            return cx.had_out(lin.mod, acc, torch.empty(rows, lin.n, dtype=x.dtype, device=x.device),
+                              lin.svh_tab, lin.bias_tab, rows, rows, lin.n)
+        ref = lin(x).float()
+        err = float((tiles().float() - ref).norm() / ref.norm())
+        tag = name.split("tiles_")[1]
+        out[f"cuda_tiles_{tag}_us"] = bench(tiles)
+        out[f"cuda_tiles_{tag}_err"] = err
     keep = cx.FOLD_MIN_OUT
     cx.FOLD_MIN_OUT = 0                  # both paths at every shape (the runtime folds above it)
     for fold in (False, True):
@@ -208,6 +228,16 @@ def print_large(results):
               + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
+    tiled = [r for r in rows if any(k.startswith("cuda_tiles") for k in r)]
+    if tiled:
+        print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")
+        for r in tiled:
+            f = r.get("fp16_us")
+            tags = [n.split("tiles_")[1] for n in DENSE_TILES if f"cuda_tiles_{n.split('tiles_')[1]}_us" in r]
+            parts = [f"{t}: {r[f'cuda_tiles_{t}_us']:7.1f}" + (f" ({r[f'cuda_tiles_{t}_us'] / f:.2f}x)" if f else "")
+                     + f" err {r[f'cuda_tiles_{t}_err']:.1e}" for t in tags]
+            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | unfolded {r['cuda_nofold_us']:7.1f} | "
+                  + " | ".join(parts))
 
 
 if __name__ == "__main__":

@@ -746,19 +746,20 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
         gemv_body<MROWS, NT, 4, 0, half, true>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, \
                                                n_groups, n_units, nullptr, nullptr, nullptr, nullptr, ld_tab); \
     }
-// TILES(MROWS, NT, MINB): tiles_body with registers for MINB blocks an SM (4: 128, 3: 168)
-#define TILES(MROWS, NT, MINB)                                                                       \
+// TILES(MROWS, NT, MINB, P): tiles_body with registers for MINB blocks an SM (4: 128, 3: 168), P k-tiles
+// a pipeline stage (2 for the wide tiles: their accumulators leave no registers for 4)
+#define TILES(MROWS, NT, MINB, P)                                                                    \
     extern "C" __global__ void __launch_bounds__(128, MINB) exl3_tiles_m##MROWS##_t##NT(              \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
         const int* tile_n) {                                                                          \
-        tiles_body<MROWS, NT, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
+        tiles_body<MROWS, NT, P>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
                                  tile_n);                                                             \
     }
 #else
 #define GEMV(MROWS, NT)
 #define GEMV_LD(MROWS, NT)
-#define TILES(MROWS, NT, MINB)
+#define TILES(MROWS, NT, MINB, P)
 #endif
 GEMV(8, 1)
 GEMV(8, 2)
@@ -798,9 +799,13 @@ GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
 GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f16, half)
 GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f32, float)
 #endif
-TILES(32, 2, 4)
-TILES(64, 2, 3)
-TILES(128, 1, 3)
+TILES(32, 2, 4, 4)
+TILES(64, 2, 3, 4)
+TILES(128, 1, 3, 4)
+// dense linears of 128-256 rows (bench/gpu_bench.py's rows > 64 table): the weight decoded once per
+// 128 / 256 rows; 241 / 254 registers, no spills (sm_90a)
+TILES(128, 2, 2, 2)
+TILES(256, 1, 1, 2)
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST
 #define TILES_OUT(MROWS, MINB, SUFFIX, OUT)                                                          \
