@@ -117,8 +117,8 @@ def sweep(H: int, B: int, ctx: int, table: int = 0, kinds_wanted: list[str] | No
     a 2048-key DSA selection. fp16 candidates that compile for sm_90 without spills
     (bench/triton_sm90_check.py's ptxas): HB 16 x TN 16/32/64, HB 32 x TN 16/32/64 and, with the
     queries in as fp16 (mla_attention.Q16_MIN_HB: wgmma, the query in shared memory), HB 64 x TN
-    16/32 at 8 warps. ``tiles``: only these (HB, TN, warps[, min_split_tiles[, num_splits]]); 0,0,0
-    the default (0 in the last two: theirs)."""
+    16/32 at 8 warps. ``tiles``: only these (HB, TN, warps[, min_split_tiles[, num_splits[,
+    num_stages]]]); 0,0,0 the default (0 in the last three: theirs)."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     gen = torch.Generator("cuda").manual_seed(0)
@@ -134,11 +134,12 @@ def sweep(H: int, B: int, ctx: int, table: int = 0, kinds_wanted: list[str] | No
         for hb, tn, warps, *more in grid:
             # 0,0,0: mla_decode's own choice (default_config) at this shape; then min_split_tiles and
             # num_splits where given (0: the default)
-            mst, ns = (list(more) + [0, 0])[:2]
+            mst, ns, stages = (list(more) + [0, 0, 0])[:3]
             kw = dict(precision=prec, head_block=hb or None, tile_n=tn or None, num_warps=warps or None, out=out, sel=s,
-                      min_split_tiles=mst or None, num_splits=ns or None)
+                      min_split_tiles=mst or None, num_splits=ns or None, num_stages=stages or None)
             r = {"H": H, "B": B, "ctx": ctx, "table": max(table, ctx), "planes": planes, "precision": prec, "dsa": s is not None,
-                 "HB": hb, "TN": tn, "warps": warps, "min_split_tiles": mst or None, "num_splits": ns or None}
+                 "HB": hb, "TN": tn, "warps": warps, "min_split_tiles": mst or None, "num_splits": ns or None,
+                 "num_stages": stages or None}
             try:
                 r["us"] = bench_graph(lambda kw=kw, c=c, k=k: mla_decode(q_lat, q_pe, c, k, tables, lens, 0.07, **kw))
             except Exception as exc:  # noqa: BLE001 - out of registers / shared memory
@@ -164,7 +165,7 @@ def main() -> int:
     ap.add_argument("--sweep-kinds", default=",".join(SWEEP_KINDS), help="which planes the sweep times: "
                     + ", ".join(SWEEP_KINDS) + " (fp16: serve's default planes on CUDA)")
     ap.add_argument("--sweep-only", action="store_true", help="the sweep alone, not the table")
-    ap.add_argument("--sweep-tiles", default=None, metavar="HB,TN,W[,MIN_SPLIT_TILES[,NUM_SPLITS]][;...]",
+    ap.add_argument("--sweep-tiles", default=None, metavar="HB,TN,W[,MIN_SPLIT_TILES[,NUM_SPLITS[,NUM_STAGES]]][;...]",
                     help="the sweep's tiles (default: all)")
     a = ap.parse_args()
     swept = []

@@ -6,6 +6,8 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - rows ≤ 64: ``had_in`` -> ``gemv`` (decode tiles in registers straight into MMA fragments,
   split-K partials added into a self-cleaning fp32 workspace) -> ``had_out`` (output Hadamard,
   svh, bias, fp16; re-zeroes the workspace). Three launches, no host sync, graph-capturable.
+- 65-128 rows, k >= DENSE_TILE_MIN_K, with the EXL3TOOLS_DENSE_TILES preview: one 128-row slot of
+  the shared-memory tile kernel (``exl3_tiles_m128_t2``), the weight decoded once, never written.
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
   the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
   the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows
@@ -59,6 +61,15 @@ TILE_KERNELS = {32: "exl3_tiles_m32_t2", 64: "exl3_tiles_m64_t2", 128: "exl3_til
 # but reads its fragments from shared memory for one n-tile, not two); at 256 tokens (16-row
 # tiles) the gemv kernel wins. So 64-row tiles only.
 PREFILL_TILE_ROWS = (64,)
+# dense linears of SMALL_ROWS < rows <= 128 with k >= DENSE_TILE_MIN_K (the EXL3TOOLS_DENSE_TILES
+# preview): one slot of the 128-row tile kernel with two n-tiles a warp, the weight decoded once
+# into the MMAs and never written, instead of decode + cuBLAS. H200 2026-12-03 (bench/gpu_bench.py
+# --rows 128, K 3, µs, had_in + tiles + had_out vs decode + cuBLAS + had_out): 4096->14336 78.7
+# vs 105.1, 14336->4096 69.2 vs 107.9, 8192->8192 75.3 vs 114.8, 6144->2048 30.3 vs 34.9, but
+# 2048->6144 33.0 vs 30.4 (fewer k-splits to fill the GPU); at 256 rows (two slots, two decodes)
+# it loses everywhere (139.9 vs 119.2 at 4096->14336)
+DENSE_TILE_KERNEL = "exl3_tiles_m128_t2"
+DENSE_TILE_MIN_K = 4096
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -368,6 +379,7 @@ class CudaLinear:
         self.invariant = invariance.on()
         self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= GEMV_PRO_MAX_ROWS: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
+        self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
 
     @property
     def device_tensors(self) -> dict:
@@ -397,6 +409,9 @@ class CudaLinear:
             if rows <= SMALL_ROWS:
                 acc = workspace(self.device, rows * self.n)
                 gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc)
+            elif rows <= 128 and self.dense_tiles:     # one 128-row slot: the weight decoded once
+                acc = workspace(self.device, rows * self.n)
+                gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, 1, acc, kernel=DENSE_TILE_KERNEL)
             else:
                 acc = dense_mm(self.mod, xrot, self.trellis)
         y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)

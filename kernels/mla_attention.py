@@ -49,6 +49,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
+NUM_STAGES = 2           # the split kernel's pipeline depth (64 x 64 fp16 tiles: 72 KiB of keys a stage)
 Q16_MIN_HB = 64          # fp16 planes from this head block: the queries go in as fp16 (mla_decode)
 WIDE_HEAD_PROGRAMS = 0.7  # default_config: 64-head blocks from this many programs per SM
 
@@ -294,12 +295,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
                sel: torch.Tensor | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
                precision: str | None = None, head_block: int | None = None, tile_n: int | None = None,
                num_warps: int | None = None, split_dots: bool = False,
-               min_split_tiles: int | None = None) -> torch.Tensor:
+               min_split_tiles: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Paged MLA decode (module doc): (B, H, C) float32 ``o_lat``, into ``out`` when given. No host
     sync: capturable in a CUDA graph, replayable with new tables / lengths / selections. On fp16
     planes the queries may be float16 (the kernel rounds float32 ones to fp16 alike).
     ``min_split_tiles``: a row's splits take at least this many tiles each (MIN_SPLIT_TILES), so a
-    short context fills fewer splits and the merge reads fewer partials.
+    short context fills fewer splits and the merge reads fewer partials. ``num_stages``: Triton's
+    software-pipeline depth of the key loop (NUM_STAGES; bench/gpu_mla_attention.py --sweep-tiles).
     ``split_dots``: on fp16 planes, the rope keys' dot into its own accumulator instead of chained
     through the latent's (Triton has miscompiled two dots chained through one accumulator on other
     targets, triton-lang/triton#10821; tests/gpu/test_mla_attention.py probes both)."""
@@ -341,7 +343,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
         sel.stride(0) if sel is not None else 0,
         CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
-        PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=2)
+        PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
         _mla_merge_kernel[(B * H,)](po, plse, out, splits, C, CP=max(16, _pow2(C)),
                                     SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)

@@ -48,6 +48,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 11:12: tests/gpu passes with it; the decode loop at batch 56 / 64 6584 / 7541 vs 6707 / 7740
     # tok/s without it, 64 served streams 6707 vs 6740: no gain measured, so it stays a preview
     "wide_groups": "EXL3TOOLS_WIDE_GROUPS",
+    # dense linears of 65-128 rows with k >= 4096 (prompt-graph buckets of 96 and 128 rows, MTP
+    # verify steps) on one slot of the 128-row shared-memory tile kernel, the weight decoded once
+    # into the MMAs, instead of decode to fp16 + cuBLAS (cuda_exl3.DENSE_TILE_KERNEL; H200
+    # 2026-12-03, 128 rows: 69-79 µs vs 105-115 at k >= 4096)
+    "dense_tiles": "EXL3TOOLS_DENSE_TILES",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -41,11 +41,13 @@ def test_decode_bit_exact(cx, width, cb):
 
 
 @pytest.mark.parametrize("width,cb", CASES)
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 31, 64, 65, 200])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 31, 64, 65, 128, 200])
 def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
     import torch
 
     monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)     # the folded path at these small shapes too
+    monkeypatch.setattr(cx, "DENSE_TILE_MIN_K", 0)   # and the 128-row tile kernel (dense_tiles)
+    monkeypatch.setenv("EXL3TOOLS_DENSE_TILES", "1")
     if rows not in (1, 13) and cb != "mul1" and width != 48:
         pytest.skip("all rows on MUL1 and K=3; rows 1 and 13 on every case")
     rng = np.random.default_rng(width + rows)
@@ -55,13 +57,17 @@ def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     yref = x.astype(np.float64) @ w + (b.astype(np.float64) if b is not None else 0)
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
-    for fold in (False, True) if rows > cx.SMALL_ROWS else (lin.fold,):   # rows > 64: both dense paths
-        lin.fold = fold
+    assert lin.dense_tiles
+    # rows > 64: both dense paths, and up to 128 rows the tile kernel
+    paths = [(False, False), (False, True)] + ([(True, False)] if rows <= 128 else []) \
+        if rows > cx.SMALL_ROWS else [(lin.dense_tiles, lin.fold)]
+    for tiles, fold in paths:
+        lin.dense_tiles, lin.fold = tiles, fold
         y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-        assert _rel(y, yref) < 2e-3, fold
+        assert _rel(y, yref) < 2e-3, (tiles, fold)
         # the workspace was re-zeroed (split-K atomics add in any order: equal up to rounding)
         y2 = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-        assert _rel(y2, y) < 1e-3, fold
+        assert _rel(y2, y) < 1e-3, (tiles, fold)
 
 
 def test_decode_column_chunks(cx):
