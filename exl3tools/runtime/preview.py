@@ -51,7 +51,9 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # dense linears of 65-128 rows with k >= 4096 (prompt-graph buckets of 96 and 128 rows, MTP
     # verify steps) on one slot of the 128-row shared-memory tile kernel, the weight decoded once
     # into the MMAs, instead of decode to fp16 + cuBLAS (cuda_exl3.DENSE_TILE_KERNEL; H200
-    # 2026-12-03, 128 rows: 69-79 µs vs 105-115 at k >= 4096)
+    # 2026-12-03, 128 rows: 69-79 µs vs 105-115 at k >= 4096). tests/gpu passed with it (847); the
+    # GLM-5 shape with --speculative-tokens 3 at 32 streams (128-row steps) served 851 tok/s either
+    # way (steps 34.5 vs 35.5 ms): no served gain measured, so it stays a preview
     "dense_tiles": "EXL3TOOLS_DENSE_TILES",
 }
 
