@@ -22,8 +22,9 @@ from triton.testing import do_bench
 HBM = 4.26e12
 SHAPES = [(4096, 14336), (14336, 4096), (6144, 2048), (2048, 6144), (8192, 8192)]
 ROWS = [1, 8, 32, 256, 2048]
-# the tile kernels a dense linear of 128-1024 rows is timed on beside decode + cuBLAS (large_parts)
-DENSE_TILES = ("exl3_tiles_m64_t2", "exl3_tiles_m128_t1", "exl3_tiles_m128_t2", "exl3_tiles_m256_t1")
+# the kernels a dense linear of 128-2048 rows is timed on beside decode + cuBLAS (large_parts): the
+# 128-row tile kernel (EXL3TOOLS_DENSE_TILES) and the wgmma kernels (EXL3TOOLS_WGMMA)
+DENSE_TILES = ("exl3_tiles_m128_t2", "exl3_wg_m128_t1", "exl3_wg_m256_t1")
 KS = [2, 3, 4]
 
 
@@ -98,7 +99,7 @@ def large_parts(lin, x):
     # once per slot, never written (the question: does that beat decode + cuBLAS at 128-512 rows)
     for name in DENSE_TILES:
         m, per = (int(v) for v in name.split("_m")[1].split("_t"))
-        if rows % m or rows > 1024 or lin.nt % (4 * per):
+        if rows % m or rows > 2048 or lin.nt % (4 * per):
             continue
         def tiles(m=m, name=name):
             xr = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)

@@ -8,6 +8,8 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
   svh, bias, fp16; re-zeroes the workspace). Three launches, no host sync, graph-capturable.
 - 65-128 rows, k >= DENSE_TILE_MIN_K, with the EXL3TOOLS_DENSE_TILES preview: one 128-row slot of
   the shared-memory tile kernel (``exl3_tiles_m128_t2``), the weight decoded once, never written.
+- 65-1024 rows with the EXL3TOOLS_WGMMA preview: slots of 128 / 256 rows on the wgmma kernel
+  (``exl3_wg_m*_t1``), the weight decoded once a slot into the warpgroup MMA's register operand.
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
   the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
   the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows
@@ -70,6 +72,12 @@ PREFILL_TILE_ROWS = (64,)
 # it loses everywhere (139.9 vs 119.2 at 4096->14336)
 DENSE_TILE_KERNEL = "exl3_tiles_m128_t2"
 DENSE_TILE_MIN_K = 4096
+# dense linears of SMALL_ROWS < rows <= WG_MAX_ROWS on Hopper's warpgroup MMA (the EXL3TOOLS_WGMMA
+# preview; kernels/csrc/exl3_wgmma.cuh): slots of 128 rows (up to 128) or 256, each slot decoding the
+# weight once for all its rows into wgmma's register operand while the MMA reads the activations
+# from shared memory; x padded to whole slots. Not yet timed on a GPU (bench/gpu_bench.py --rows).
+WG_KERNELS = {128: "exl3_wg_m128_t1", 256: "exl3_wg_m256_t1"}
+WG_MAX_ROWS = 1024
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -380,6 +388,7 @@ class CudaLinear:
         self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= GEMV_PRO_MAX_ROWS: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
         self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
+        self.wgmma = preview.switched_on("wgmma") and self.nt % 4 == 0
 
     @property
     def device_tensors(self) -> dict:
@@ -398,6 +407,8 @@ class CudaLinear:
             return x.new_empty(*shape[:-1], self.n)
         if self.invariant:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
+        if self.wgmma and SMALL_ROWS < rows <= WG_MAX_ROWS:
+            return self._wgmma(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         if self.gemv_in and gemv_pro_fits(rows, x2.dtype):     # had_in inside the gemv
             acc = workspace(self.device, rows * self.n)
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, 1, acc)
@@ -417,6 +428,20 @@ class CudaLinear:
         y = torch.empty(rows, self.n, dtype=x2.dtype, device=self.device)
         had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, rows, rows, self.n)
         return y.to(x.dtype).reshape(*shape[:-1], self.n)
+
+    def _wgmma(self, x2: torch.Tensor) -> torch.Tensor:
+        """y (rows padded to whole slots) through the wgmma kernel: slots of 128 or 256 rows."""
+        rows = x2.shape[0]
+        r = 128 if rows <= 128 else 256
+        slots = -(-rows // r)
+        total = r * slots
+        if total > rows:
+            x2 = F.pad(x2, (0, 0, 0, total - rows))
+        xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
+        acc = workspace(self.device, total * self.n)
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=WG_KERNELS[r])
+        y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
+        return had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, total, total, self.n)
 
     @staticmethod
     def grouped(fns: list):

@@ -55,6 +55,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # GLM-5 shape with --speculative-tokens 3 at 32 streams (128-row steps) served 851 tok/s either
     # way (steps 34.5 vs 35.5 ms): no served gain measured, so it stays a preview
     "dense_tiles": "EXL3TOOLS_DENSE_TILES",
+    # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
+    # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
+    # register operand while the activations stream through shared memory, instead of decode +
+    # cuBLAS; compiled for sm_90a (255 / 152 registers, no spills), not yet run on a GPU
+    "wgmma": "EXL3TOOLS_WGMMA",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

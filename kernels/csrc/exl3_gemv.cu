@@ -635,6 +635,7 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 // src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0. x is fp16 or fp32 (the runtime's
 // activations), so no conversion kernel runs before it.
 #include "exl3_tiles.cuh"   // the prefill tile kernels' bodies (they use the Hadamard helpers above)
+#include "exl3_wgmma.cuh"   // dense linears of 65-256 rows a slot on wgmma
 
 // The input rotation of lane L's 4 values (x at its column, the sign vector at the same column):
 // (x ⊙ suh) · H128 / sqrt(128) in fp32, had_in's arithmetic (and the gemv's own input pass's)
@@ -806,6 +807,18 @@ TILES(128, 1, 3, 4)
 // 128 / 256 rows; 241 / 254 registers, no spills (sm_90a)
 TILES(128, 2, 2, 2)
 TILES(256, 1, 1, 2)
+// WG(MROWS, MINB): wg_body (wgmma, one warpgroup a block), P 2
+#ifndef EXL3_HOST_TEST
+#define WG(MROWS, MINB)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128, MINB) exl3_wg_m##MROWS##_t1(                    \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* tile_n) {                                                                          \
+        wg_body<MROWS, 2>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n); \
+    }
+WG(128, 2)
+WG(256, 2)
+#endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST
 #define TILES_OUT(MROWS, MINB, SUFFIX, OUT)                                                          \

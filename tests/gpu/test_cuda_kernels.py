@@ -235,6 +235,65 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     assert cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda").max_tile_rows == 64
 
 
+@pytest.mark.parametrize("width,cb", CASES)
+def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
+    """EXL3TOOLS_WGMMA: dense linears of 65-1024 rows on the wgmma kernels (kernels/csrc/exl3_wgmma.cuh:
+    slots of 128 or 256 rows, x padded to whole slots) within 2e-3 of x·W + bias on every K and
+    codebook (rows 200; every row count on MUL1 K=3), and each kernel alone against the 128-row tile
+    kernel's sums: slots of other experts, a slot's real rows (tile_n: the rest neither read nor
+    added), an unused slot, and split-K over k = 4096."""
+    import torch
+
+    monkeypatch.setenv("EXL3TOOLS_WGMMA", "1")
+    every = cb == "mul1" and width == 48
+    rng = np.random.default_rng(width * 3 + len(cb))
+    k, n = 512, 384
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    assert lin.wgmma
+    for rows in (65, 128, 200, 256, 300, 1024) if every else (200,):
+        x = rng.normal(0, 1, (rows, k)).astype(np.float16)
+        y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
+        assert _rel(y, x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
+    if not every:
+        return
+    # the kernels alone: 3 experts, slots of m rows, slot 1 of expert 2 with 37 real rows, slot 2 unused
+    E = 3
+    lins = [_lin(rng, k, n, width) for _ in range(E)]
+    ex = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    for m, kernel in cx.WG_KERNELS.items():
+        slots = 4
+        x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
+        xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
+                         exp=torch.tensor(np.repeat([0, 2, 1, 1], m), dtype=torch.int32, device="cuda"))
+        slot_exp = torch.tensor([0, 2, -1, 1], dtype=torch.int32, device="cuda")
+        tile_n = torch.tensor([m, 37, m, m], dtype=torch.int32, device="cuda")
+        got, base = (torch.zeros(slots * m, n, device="cuda") for _ in range(2))
+        cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, got, slot_exp=slot_exp, kernel=kernel, tile_n=tile_n)
+        for z in range(slots):     # the 128-row tile kernel (one n-tile a warp) as the oracle, slot by slot
+            for h in range(0, m, 128):
+                r0 = z * m + h
+                cx.gemv(ex.mod, xrot[r0:r0 + 128].contiguous(), ex.tr_tab, ex.kt, ex.nt, 128, 1, base[r0:r0 + 128],
+                        slot_exp=slot_exp[z:z + 1], kernel="exl3_tiles_m128_t1",
+                        tile_n=(tile_n[z:z + 1] - h).clamp(0, 128).contiguous())
+        g, bb = got.cpu().numpy(), base.cpu().numpy()
+        assert not g[2 * m:3 * m].any() and not g[m + 37:2 * m].any(), kernel    # unused slot, padding rows
+        live = np.r_[0:m, m:m + 37, 3 * m:4 * m]
+        assert _rel(g[live], bb[live]) < 1e-5, kernel
+        # the rotated-basis sums against the reference: slot 0 is expert 0's rows
+        xr = xrot[:m].float().cpu().numpy().astype(np.float64)
+        wr = ref.decode_rotated(lins[0][0], cb).astype(np.float64)
+        assert _rel(g[:m], xr @ wr) < 1e-3, kernel
+    # split-K: k = 4096, two slots of 256 rows of one weight
+    tr, suh, svh, b = _lin(rng, 4096, 256, width)
+    big = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    wl = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    xl = rng.normal(0, 1, (512, 4096)).astype(np.float16)
+    y = big(torch.from_numpy(xl).cuda()).float().cpu().numpy()
+    assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3
+
+
 @pytest.mark.parametrize("out", ["float16", "float32"])
 def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     """The default (EXL3TOOLS_TILES_EPILOGUE=0 opts out): the 64-row tile kernel applies the output Hadamard, svh and bias

@@ -1,0 +1,159 @@
+// Included by exl3_gemv.cu (inside its anonymous namespace, after exl3_tiles.cuh): dense linears of
+// 65-256 rows a slot on Hopper's warpgroup MMA (wgmma), the weight decoded once for all the rows.
+#pragma once
+
+// A block is one warpgroup (4 warps): four adjacent n-tiles (one a warp) x one k-range, every row of
+// its slot. Each k-tile a warp decodes its 16 x 16 tile of Ŵᵀ into registers, which is exactly its
+// share of wgmma's register A operand (m64nNk16: warp w holds rows 16w..16w+15, in mma.m16n8k16's A
+// fragment layout, the same a[] tiles_body feeds its mma.sync), and one wgmma multiplies those 64
+// columns by all MROWS rows of the k-tile's activations, which the block stages in shared memory in
+// wgmma's K-major no-swizzle layout: for each 8-row group two 8 x 16-byte core matrices (k 0-7, k
+// 8-15), rows 16 bytes apart (LBO 128 B between the two halves, SBO 256 B between row groups). The
+// MMA is asynchronous: the warps decode the next k-tile while it runs (one in flight; A
+// double-buffered; the activations in a ring of three chunks). Accumulators D (64 x MROWS, fp32): d[4i + q] is mma.m16n8's c[q] of the 8-row
+// block i, so add_fragments writes them as tiles_body's c[i][0][q].
+
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+                 "{%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+                 "{%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// the activations cp.async wrote (generic proxy) visible to wgmma's reads (async proxy)
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// keeps the compiler from moving accumulator registers across the asynchronous MMAs
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int MROWS>
+__device__ __forceinline__ void wgmma_k16(float (&d)[MROWS / 2], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (MROWS == 128) wgmma_m64n128k16(d, a, desc);
+    else wgmma_m64n256k16(d, a, desc);
+}
+// descriptor of one k-tile's staged activations (K-major, no swizzle): start address, LBO 128 B, SBO 256 B
+__device__ __forceinline__ uint64_t wg_desc(const void* smem) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    return (uint64_t)((s & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+}
+
+// tiles_body's contract (acc += xrot @ Ŵ per slot z, rows z*rows.., tile_n, the fp32 or fixed-point
+// workspace), NT 1: units are warps, four adjacent n-tiles of one split a block (n_groups % 4 == 0).
+template <int MROWS, int P>
+__device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
+                                        const int* __restrict__ slot_exp, float* __restrict__ acc,
+                                        unsigned long long* __restrict__ acc64, int rows,
+                                        int kt, int nt, int kps, int n_groups, int n_units,
+                                        const int* __restrict__ tile_n) {
+    constexpr int MB = MROWS / 8;
+    constexpr int KTILE = MROWS * 16;      // halves of one staged k-tile
+    static_assert(MROWS == 128 || MROWS == 256, "wgmma N");
+    static_assert(P % 2 == 0 && (MROWS * 2 * P) % 128 == 0, "stages");
+    __shared__ __align__(128) half xs[3][P][KTILE];   // 48 KiB at 256 rows (the static limit)
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31;
+    const int unit = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int z = blockIdx.y;
+    const int grp = unit % n_groups, split = unit / n_groups;
+    const int i0 = split * kps;
+    const int i1 = min(kt, i0 + kps);
+    // the whole block returns together (n_groups % 4 == 0): wgmma is warpgroup-wide
+    if (unit >= n_units || i0 >= i1) return;
+    const int e = slot_exp ? slot_exp[z] : 0;
+    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
+    if (e < 0 || nr <= 0) return;
+    const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
+    const int g = lane >> 2, t = lane & 3;
+    const int n = nt * 16;
+
+    int word, off;
+    lane_origin(lane, word, off);
+    const int j0 = grp;
+    const size_t row_stride = (size_t)nt * NW;
+    const uint32_t* wp[NL];
+    weight_ptrs(tr, i0, row_stride, j0, word, wp);
+
+    float d[MROWS / 2];
+#pragma unroll
+    for (int i = 0; i < MROWS / 2; i++) d[i] = 0.f;
+
+    const Consts kc;
+    uint32_t wb[P][1][NL];
+    auto load_w = [&](int p, bool pred) { load_tiles<1>(wb[p], wp, row_stride, pred); };
+    const half* xh = reinterpret_cast<const half*>(xrot);
+    const size_t krow = (size_t)kt * 16;
+    // chunk ch = k-tiles i0 + P ch .. + P - 1: 16-byte pieces (row m, k half h) to row group m / 8,
+    // half h, row m % 8 of the k-tile's core matrices
+    auto load_x = [&](int ch, int buf) {
+        const int kcol = (i0 + P * ch) * 16;
+#pragma unroll
+        for (int q = 0; q < MROWS * 2 * P / 128; q++) {
+            const int s = q * 128 + threadIdx.x;
+            const int p = s / (MROWS * 2), rem = s % (MROWS * 2);
+            const int m = rem >> 1, h = rem & 1;
+            const bool ok = m < nr;
+            cp_async16(&xs[buf][p][(m >> 3) * 128 + h * 64 + (m & 7) * 8],
+                       xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + 16 * p + 8 * h, ok);
+        }
+        cp_async_commit();
+    };
+    // three buffers of P k-tiles: chunk ch + 2 is copied into the one chunk ch - 1 used once this
+    // block's MMAs of chunk ch - 1 are done, which the first MMA of chunk ch waits for (one in
+    // flight), so the MMAs never drain between chunks
+    uint32_t a[2][4];
+    const int count = i1 - i0;             // a multiple of P (kt % 8 == 0, kps % P == 0)
+    const int chunks = count / P;
+#pragma unroll
+    for (int p = 0; p < P; p++) load_w(p, p < count);
+    pdl_wait();
+    load_x(0, 0);
+    if (chunks > 1) load_x(1, 1); else cp_async_commit();
+    int buf = 0;
+    for (int ch = 0; ch < chunks; ch++) {
+        cp_async_wait<1>();                // chunk ch is here (ch + 1 may still be on its way)
+        fence_async_smem();
+        __syncthreads();
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            uint32_t b[4];
+            decode_tile(kc, wb[p][0], off, b);
+            a[p & 1][0] = b[0]; a[p & 1][1] = b[2]; a[p & 1][2] = b[1]; a[p & 1][3] = b[3];
+            load_w(p, ch * P + p + P < count);
+            fence_regs(d);
+            wgmma_fence();
+            wgmma_k16<MROWS>(d, a[p & 1], wg_desc(&xs[buf][p][0]));
+            wgmma_commit();
+            wgmma_wait<1>();               // the MMA before this one is done: its A registers are free
+            fence_regs(d);
+            if (p == 0) {
+                __syncthreads();           // ... in every warp: chunk ch - 1's buffer is free
+                const int nb = buf == 0 ? 2 : buf - 1;
+                if (ch + 2 < chunks) load_x(ch + 2, nb); else cp_async_commit();
+            }
+        }
+        buf = buf == 2 ? 0 : buf + 1;
+    }
+    wgmma_wait<0>();
+    fence_regs(d);
+    float c[MB][1][4];
+#pragma unroll
+    for (int i = 0; i < MB; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) c[i][0][q] = d[4 * i + q];
+    add_fragments<MB, 1>(acc, acc64, c, z * rows, nr, n, j0, g, t);
+}
