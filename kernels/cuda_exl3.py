@@ -431,15 +431,20 @@ class CudaLinear:
 
     def _wgmma(self, x2: torch.Tensor) -> torch.Tensor:
         """y (rows padded to whole slots) through the wgmma kernel: slots of 128 or 256 rows."""
+        r = 128 if x2.shape[0] <= 128 else 256
+        return self._in_slots(x2, r, WG_KERNELS[r])
+
+    def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
+        """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch
+        (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs)."""
         rows = x2.shape[0]
-        r = 128 if rows <= 128 else 256
         slots = -(-rows // r)
         total = r * slots
         if total > rows:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
-        acc = workspace(self.device, total * self.n)
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=WG_KERNELS[r])
+        acc = (fixed_workspace if fixed else workspace)(self.device, total * self.n)
+        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=kernel)
         y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
         return had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, total, total, self.n)
 
@@ -456,18 +461,9 @@ class CudaLinear:
         """y of a batch-invariant run: fixed splits and fixed-point sums, so no row depends on the
         others; past 64 rows, 64-row slots (rows padded) on the shared-memory tile kernel (unless
         EXL3TOOLS_PREFILL_TILES=0: the gemv kernel), which give each row what the gemv kernel does."""
-        rows = x2.shape[0]
-        r = min(rows, SMALL_ROWS)
-        slots = -(-rows // r)
-        total = r * slots
-        if total > rows:
-            x2 = F.pad(x2, (0, 0, 0, total - rows))
-        xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
-        acc = fixed_workspace(self.device, total * self.n)
-        kernel = TILE_KERNELS[SMALL_ROWS] if slots > 1 and self.smem_tiles else None
-        gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=kernel)
-        y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
-        return had_out(self.mod, acc, y, self.svh_tab, self.bias_tab, total, total, self.n)
+        r = min(x2.shape[0], SMALL_ROWS)
+        slots = -(-x2.shape[0] // r)
+        return self._in_slots(x2, r, TILE_KERNELS[SMALL_ROWS] if slots > 1 and self.smem_tiles else None, fixed=True)
 
 
 class CudaExperts:
