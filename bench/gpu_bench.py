@@ -94,9 +94,9 @@ def large_parts(lin, x):
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
                                                        rows, rows, lin.n))}
-    # the same dense linear through the MoE prefill's tile kernels: slots of m rows over one weight
-    # (no slot table: every slot reads expert 0), had_in + tiles + had_out; the weight is decoded
-    # once per slot, never written (the question: does that beat decode + cuBLAS at 128-512 rows)
+    # the same dense linear through the DENSE_TILES kernels: slots of m rows over one weight (no
+    # slot table: every slot reads expert 0), had_in + kernel + had_out; the weight is decoded once
+    # per slot, never written (the question: does that beat decode + cuBLAS, and from how many rows)
     for name in DENSE_TILES:
         m, per = (int(v) for v in name.split("_m")[1].split("_t"))
         if rows % m or rows > 2048 or lin.nt % (4 * per):

@@ -803,10 +803,10 @@ GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f32, float)
 TILES(32, 2, 4, 4)
 TILES(64, 2, 3, 4)
 TILES(128, 1, 3, 4)
-// dense linears of 128-256 rows (bench/gpu_bench.py's rows > 64 table): the weight decoded once per
-// 128 / 256 rows; 241 / 254 registers, no spills (sm_90a)
+// dense linears of 65-128 rows (EXL3TOOLS_DENSE_TILES): the weight decoded once per 128 rows; 241
+// registers, no spills (sm_90a). (A 256-row variant, one n-tile a warp, measured slower than decode
+// + cuBLAS everywhere on the H200, 2026-12-03: docs/gpu.md.)
 TILES(128, 2, 2, 2)
-TILES(256, 1, 1, 2)
 // WG(MROWS, MINB): wg_body (wgmma, one warpgroup a block), P 2
 #ifndef EXL3_HOST_TEST
 #define WG(MROWS, MINB)                                                                              \
