@@ -61,4 +61,8 @@ def test_cubin_key_covers_the_included_headers(tmp_path, monkeypatch):
     first = cuda_build.cubin_path(6, 2).name
     (tmp_path / "exl3_tiles.cuh").write_text("// v2\n")
     assert cuda_build.cubin_path(6, 2).name != first
-    assert {p.name for p in SRC.parent.glob("*.cuh")} == {"exl3_tiles.cuh"}
+    # the real tree: the headers the key hashes are exactly those exl3_gemv.cu includes
+    import re
+
+    assert {p.name for p in SRC.parent.glob("*.cuh")} == set(re.findall(r'#include "(\w+\.cuh)"', SRC.read_text()))
+    assert {"exl3_tiles.cuh", "exl3_wgmma.cuh"} <= {p.name for p in SRC.parent.glob("*.cuh")}
