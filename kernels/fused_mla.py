@@ -1,5 +1,6 @@
-"""Fused glue of the MLA attention in the fixed-shape decode step (DeepSeek-V3, GLM-5; the
-EXL3TOOLS_FUSED_MLA preview, runtime/fused_step.py FusedMlaStep): Triton kernels plus torch references.
+"""Fused glue of the MLA attention in the fixed-shape decode step (DeepSeek-V3, GLM-5;
+runtime/fused_step.py FusedMlaStep, the default on CUDA, EXL3TOOLS_FUSED_MLA=0 opts out): Triton
+kernels plus torch references.
 
 ``MLAttention.decode_static`` spends ~52 small torch ops a layer at one row around its projections
 and its attention kernel. Two kernels take most of them:

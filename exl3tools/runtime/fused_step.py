@@ -1,5 +1,6 @@
 """The GQA layers of the fixed-shape decode step with the fused glue kernels (kernels/fused_decode.py);
-FusedMlaStep (the EXL3TOOLS_FUSED_MLA preview) runs the same glue around MLA/DSA attention.
+FusedMlaStep runs the same glue around MLA/DSA attention (the default on CUDA since 2026-12-03;
+EXL3TOOLS_FUSED_MLA=0 opts out).
 
 Same math as ``PagedDecoder._body``'s torch loop, in fewer launches per layer:
 
@@ -240,9 +241,9 @@ class FusedGqaStep:
 
 
 class FusedMlaStep(FusedGqaStep):
-    """The fused glue around MLA/DSA attention (DeepSeek-V3, GLM-5; the EXL3TOOLS_FUSED_MLA
-    preview): the embedding + first norm, each residual add + RMSNorm (the routed experts' weighted
-    sum included) and the MoE (routing kernel with Fp16ChoiceMoE's fp16 pick, grouped experts, the
+    """The fused glue around MLA/DSA attention (DeepSeek-V3, GLM-5; the default on CUDA,
+    EXL3TOOLS_FUSED_MLA=0 opts out): the embedding + first norm, each residual add + RMSNorm (the
+    routed experts' weighted sum included) and the MoE (routing kernel with Fp16ChoiceMoE's fp16 pick, grouped experts, the
     shared expert in their calls) are FusedGqaStep's; the attention is ``MLAttention.decode_static``
     with the step's RoPE table (its norms, RoPEs and latent writes as kernels/fused_mla.py's
     kernels). ``st``: PagedDecoder's StepInputs."""
