@@ -10,8 +10,9 @@
 // wgmma's K-major no-swizzle layout: for each 8-row group two 8 x 16-byte core matrices (k 0-7, k
 // 8-15), rows 16 bytes apart (LBO 128 B between the two halves, SBO 256 B between row groups). The
 // MMA is asynchronous: the warps decode the next k-tile while it runs (one in flight; A
-// double-buffered; the activations in a ring of three chunks). Accumulators D (64 x MROWS, fp32): d[4i + q] is mma.m16n8's c[q] of the 8-row
-// block i, so add_fragments writes them as tiles_body's c[i][0][q].
+// double-buffered; the activations in a ring of three chunks). Accumulators D (64 x MROWS, fp32):
+// d[4i + q] is mma.m16n8's c[q] of the 8-row block i, so add_fragments writes them as tiles_body's
+// c[i][0][q]. The wrappers' operand lists were written out by a script (128 / 64 accumulators).
 
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
