@@ -175,7 +175,9 @@ def _gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _fp16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).to(torch.float32)      # runtime.dsa's rounding of the indexer's values
+    from exl3tools.runtime.dsa import _fp16 as indexer_rounding  # the indexer's own, lazily as _gptj
+
+    return indexer_rounding(x)
 
 
 def index_key_store(kraw: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float, R: int, cos: torch.Tensor,
