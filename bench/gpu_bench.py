@@ -97,6 +97,7 @@ def large_parts(lin, x):
     # the same dense linear through the DENSE_TILES kernels: slots of m rows over one weight (no
     # slot table: every slot reads expert 0), had_in + kernel + had_out; the weight is decoded once
     # per slot, never written (the question: does that beat decode + cuBLAS, and from how many rows)
+    ref = lin(x).float()
     for name in DENSE_TILES:
         m, per = (int(v) for v in name.split("_m")[1].split("_t"))
         if rows % m or rows > 2048 or lin.nt % (4 * per):
@@ -107,7 +108,6 @@ def large_parts(lin, x):
             cx.gemv(lin.mod, xr, lin.tr_tab, lin.kt, lin.nt, m, rows // m, acc, kernel=name)
             return cx.had_out(lin.mod, acc, torch.empty(rows, lin.n, dtype=x.dtype, device=x.device),
                               lin.svh_tab, lin.bias_tab, rows, rows, lin.n)
-        ref = lin(x).float()
         err = float((tiles().float() - ref).norm() / ref.norm())
         tag = name.split("tiles_")[1]
         out[f"cuda_tiles_{tag}_us"] = bench(tiles)
