@@ -7,7 +7,7 @@ A random EXL3 projection of E experts (GLM-5: 256 experts, 6144 -> 2048; GLM-4.5
 (CUDA events, median of 5 after a warm-up), each output the same (checked against the dense
 reference of the first 4 experts' rows):
 
-- ``cuda tiles``: kernels/cuda_exl3.CudaExperts.tiles over runtime.layers.expert_tiles on the gemv
+- ``cuda tiles``: kernels/cuda_experts.CudaExperts.tiles over runtime.layers.expert_tiles on the gemv
   kernel (the runtime's prefill before the tile kernels, and its tiles of fewer rows): tensor-core
   MMAs on 8-64-row tiles, each decoding its expert, every lane fetching its activations from
   global memory;
@@ -52,7 +52,7 @@ def experts(E: int, k: int, n: int, width: int, gen):
 
 def run(shape: str, T: int, kbits: int) -> dict:
     import torch
-    from exl3tools.kernels import cuda_exl3, triton_exl3
+    from exl3tools.kernels import cuda_exl3, cuda_experts, triton_exl3
 
     from exl3tools.runtime.layers import expert_tiles, tile_rows
 
@@ -67,7 +67,7 @@ def run(shape: str, T: int, kbits: int) -> dict:
     row = {"shape": shape, "tokens": T, "pairs": S, "experts": E, "k": k, "n": n, "K": kbits}
     row["floor_ms"] = E * k * n * kbits / 8 / HBM * 1e3
 
-    cu = cuda_exl3.CudaExperts(ts, "mul1", "cuda")
+    cu = cuda_experts.CudaExperts(ts, "mul1", "cuda")
     outs = {}
 
     def tiled(name: str, rows: int, kernel: str | None = None, skip_padding: bool = False) -> None:

@@ -20,6 +20,13 @@ from tests.gpu.kernel_cases import as_tensors as _tensors
 from tests.gpu.kernel_cases import random_linear as _lin
 from tests.gpu.kernel_cases import rel_err as _rel
 
+
+def _experts(tensors_per_expert, codebook, device):
+    """kernels/cuda_experts.CudaExperts (imported here: the module needs CUDA)."""
+    from exl3tools.kernels.cuda_experts import CudaExperts
+
+    return CudaExperts(tensors_per_expert, codebook, device)
+
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 MODELS = ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"]
@@ -62,7 +69,7 @@ def test_experts_rows_do_not_depend_on_slots_or_tiles(invariant):
 
     rng = np.random.default_rng(3)
     E, k, n = 6, 1024, 384
-    ex = cx.CudaExperts([_tensors(torch, *_lin(rng, k, n, 40, bias=True)) for _ in range(E)], "mcg", "cuda")
+    ex = _experts([_tensors(torch, *_lin(rng, k, n, 40, bias=True)) for _ in range(E)], "mcg", "cuda")
     assert ex.invariant and not ex.fused_out
     assert ex._tile_kernel(64) == cx.TILE_KERNELS[64]          # 64-row tiles: the shared-memory kernel
     T, top = 90, 3

@@ -18,6 +18,13 @@ from tests.gpu.kernel_cases import random_linear as _lin
 from tests.gpu.kernel_cases import rel_err as _rel
 
 
+def _experts(tensors_per_expert, codebook, device):
+    """kernels/cuda_experts.CudaExperts (imported here: the module needs CUDA)."""
+    from exl3tools.kernels.cuda_experts import CudaExperts
+
+    return CudaExperts(tensors_per_expert, codebook, device)
+
+
 @pytest.fixture(scope="module")
 def cx():
     torch = pytest.importorskip("torch")
@@ -152,7 +159,7 @@ def test_expert_slots(cx):
     rng = np.random.default_rng(11)
     E, k, n, T, top = 6, 256, 384, 5, 3
     lins = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
-    ex = cx.CudaExperts([_tensors(torch, *p) for p in lins], "mul1", "cuda")
+    ex = _experts([_tensors(torch, *p) for p in lins], "mul1", "cuda")
     x = rng.normal(0, 1, (T, k)).astype(np.float16)
     sel = np.stack([rng.choice(E, top, replace=False) for _ in range(T)])
     tok = np.repeat(np.arange(T), top)
@@ -186,7 +193,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     rng = np.random.default_rng(width)
     E, k, n = 5, 256, 512
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
-    ex = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     w = [ref.decode_linear(tr, suh, svh, cb).astype(np.float64) for tr, suh, svh, _ in lins]
     T, top = 150, 2
     x = rng.normal(0, 1, (T, k)).astype(np.float16)
@@ -218,7 +225,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
                 assert _rel(again[v], g[v]) < 1e-6, (kernel, rows)
     # split-K: two slots of one expert over k = 4096 (many k-splits a column group)
     tr, suh, svh, b = _lin(rng, 4096, 384, width)
-    one = cx.CudaExperts([_tensors(torch, tr, suh, svh, b)], cb, "cuda")
+    one = _experts([_tensors(torch, tr, suh, svh, b)], cb, "cuda")
     wl = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     xl = rng.normal(0, 1, (2 * 64, 4096)).astype(np.float16)
     zeros = torch.zeros(2 * 64, dtype=torch.int64, device="cuda")
@@ -229,10 +236,10 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
         assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3, kernel
     # the runtime sends 64-row tiles to them unless opted out of
     monkeypatch.delenv("EXL3TOOLS_PREFILL_TILES", raising=False)
-    on = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    on = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     assert on.max_tile_rows == 64 and on._tile_kernel(64) == "exl3_tiles_m64_t2" and on._tile_kernel(32) is None
     monkeypatch.setenv("EXL3TOOLS_PREFILL_TILES", "0")
-    assert cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda").max_tile_rows == 64
+    assert _experts([_tensors(torch, *p) for p in lins], cb, "cuda").max_tile_rows == 64
 
 
 @pytest.mark.parametrize("width,cb", CASES)
@@ -261,7 +268,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     # the kernels alone: 3 experts, slots of m rows, slot 1 of expert 2 with 37 real rows, slot 2 unused
     E = 3
     lins = [_lin(rng, k, n, width) for _ in range(E)]
-    ex = cx.CudaExperts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     for m, kernel in cx.WG_KERNELS.items():
         slots = 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
@@ -317,7 +324,7 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     ys = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("EXL3TOOLS_TILES_EPILOGUE", flag)
-        ex = cx.CudaExperts(tensors, "mul1", "cuda")
+        ex = _experts(tensors, "mul1", "cuda")
         assert (ex._fused_out(cx.TILE_KERNELS[64], dt, tile_exp.shape[0]) is not None) == (flag == "1")
         ys[flag] = ex.tiles(xd, src, row_exp, tile_exp, 64, out_dtype=dt, counts=counts)
     v = valid.cpu()
@@ -327,7 +334,7 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     assert _rel(ys["1"].float().cpu().numpy()[v.numpy()], want) < 2e-3
     # several splits (a long k over few slots): the unfused kernel and had_out
     tr, suh, svh, b = _lin(rng, 4096, 384, 48, bias=True)
-    one = cx.CudaExperts([_tensors(torch, tr, suh, svh, b)], "mul1", "cuda")
+    one = _experts([_tensors(torch, tr, suh, svh, b)], "mul1", "cuda")
     assert one._fused_out(cx.TILE_KERNELS[64], dt, 2) is None
     xl = rng.normal(0, 1, (128, 4096)).astype(np.float16)
     zeros = torch.zeros(128, dtype=torch.int64, device="cuda")
@@ -369,7 +376,7 @@ def test_gemv_with_its_own_input_pass(cx, xdt, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", "1")
     E, k, n = 4, 512, 256
     el = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
-    ex = cx.CudaExperts([_tensors(torch, *p) for p in el], "mul1", "cuda")
+    ex = _experts([_tensors(torch, *p) for p in el], "mul1", "cuda")
     x = rng.normal(0, 1, (3, k)).astype(np.float16)
     row_exp = torch.tensor([2, 0, 3, 1, 2], device="cuda")
     tile_exp = torch.tensor([2, 0, -1, 1, 2], device="cuda")
@@ -505,7 +512,7 @@ def test_down_projection_takes_silu_gate_up(cx, pro, xdt, monkeypatch):
     rng = np.random.default_rng(41)
     E, k, n = 3, 512, 256
     el = [_lin(rng, k, n, 48, bias=True) for _ in range(E)]
-    ex = cx.CudaExperts([_tensors(torch, *p) for p in el], "mul1", "cuda")
+    ex = _experts([_tensors(torch, *p) for p in el], "mul1", "cuda")
     assert ex.fused_act
     for S, rows in ((5, 1), (128, 64)):
         gu = torch.from_numpy(rng.normal(0, 2, (2 * S, k)).astype(np.float16)).cuda().to(dt)
