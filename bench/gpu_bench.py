@@ -109,9 +109,9 @@ def large_parts(lin, x):
             return cx.had_out(lin.mod, acc, torch.empty(rows, lin.n, dtype=x.dtype, device=x.device),
                               lin.svh_tab, lin.bias_tab, rows, rows, lin.n)
         err = float((tiles().float() - ref).norm() / ref.norm())
-        tag = name.split("tiles_")[1]
-        out[f"cuda_tiles_{tag}_us"] = bench(tiles)
-        out[f"cuda_tiles_{tag}_err"] = err
+        tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg_m256_t1
+        out[f"cuda_dense_{tag}_us"] = bench(tiles)
+        out[f"cuda_dense_{tag}_err"] = err
     keep = cx.FOLD_MIN_OUT
     cx.FOLD_MIN_OUT = 0                  # both paths at every shape (the runtime folds above it)
     for fold in (False, True):
@@ -229,14 +229,14 @@ def print_large(results):
               + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
-    tiled = [r for r in rows if any(k.startswith("cuda_tiles") for k in r)]
+    tiled = [r for r in rows if any(k.startswith("cuda_dense_") for k in r)]
     if tiled:
         print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")
         for r in tiled:
             f = r.get("fp16_us")
-            tags = [n.split("tiles_")[1] for n in DENSE_TILES if f"cuda_tiles_{n.split('tiles_')[1]}_us" in r]
-            parts = [f"{t}: {r[f'cuda_tiles_{t}_us']:7.1f}" + (f" ({r[f'cuda_tiles_{t}_us'] / f:.2f}x)" if f else "")
-                     + f" err {r[f'cuda_tiles_{t}_err']:.1e}" for t in tags]
+            tags = [n.removeprefix("exl3_") for n in DENSE_TILES if f"cuda_dense_{n.removeprefix('exl3_')}_us" in r]
+            parts = [f"{t}: {r[f'cuda_dense_{t}_us']:7.1f}" + (f" ({r[f'cuda_dense_{t}_us'] / f:.2f}x)" if f else "")
+                     + f" err {r[f'cuda_dense_{t}_err']:.1e}" for t in tags]
             print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | unfolded {r['cuda_nofold_us']:7.1f} | "
                   + " | ".join(parts))
 
