@@ -9,8 +9,8 @@
 // columns by all MROWS rows of the k-tile's activations, which the block stages in shared memory in
 // wgmma's K-major no-swizzle layout: for each 8-row group two 8 x 16-byte core matrices (k 0-7, k
 // 8-15), rows 16 bytes apart (LBO 128 B between the two halves, SBO 256 B between row groups). The
-// MMA is asynchronous: the warps decode the next k-tile while it runs (one in flight; A
-// double-buffered; the activations in a ring of three chunks). Accumulators D (64 x MROWS, fp32):
+// MMA is asynchronous: the warps decode the next k-tiles while it runs (P - 1 more in flight; one
+// A operand a k-tile of a chunk of P; the activations in a ring of three chunks). Accumulators D (64 x MROWS, fp32):
 // d[4i + q] is mma.m16n8's c[q] of the 8-row block i, so add_fragments writes them as tiles_body's
 // c[i][0][q]. The wrappers' operand lists were written out by a script (128 / 64 accumulators).
 
@@ -64,7 +64,7 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
     constexpr int MB = MROWS / 8;
     constexpr int KTILE = MROWS * 16;      // halves of one staged k-tile
     static_assert(MROWS == 128 || MROWS == 256, "wgmma N");
-    static_assert(P % 2 == 0 && (MROWS * 2 * P) % 128 == 0, "stages");
+    static_assert((P == 2 || P == 4) && (MROWS * 2 * P) % 128 == 0, "stages");
     __shared__ __align__(128) half xs[3][P][KTILE];   // 48 KiB at 256 rows (the static limit)
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
@@ -114,10 +114,11 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
         cp_async_commit();
     };
     // three buffers of P k-tiles: chunk ch + 2 is copied into the one chunk ch - 1 used once this
-    // block's MMAs of chunk ch - 1 are done, which the first MMA of chunk ch waits for (one in
-    // flight), so the MMAs never drain between chunks
-    uint32_t a[2][4];
-    const int count = i1 - i0;             // a multiple of P (kt % 8 == 0, kps % P == 0)
+    // block's MMAs of chunk ch - 1 are done, which the last MMA of chunk ch waits for (P - 1 in
+    // flight behind it), so the MMAs never drain between chunks. A register operand a[p] per k-tile
+    // of a chunk: the MMA that last read a[p] was issued P MMAs earlier, so it is done.
+    uint32_t a[P][4];
+    const int count = i1 - i0;             // a multiple of P (kt % 8 == 0, kps % 4 == 0, P | 4)
     const int chunks = count / P;
 #pragma unroll
     for (int p = 0; p < P; p++) load_w(p, p < count);
@@ -133,15 +134,15 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
         for (int p = 0; p < P; p++) {
             uint32_t b[4];
             decode_tile(kc, wb[p][0], off, b);
-            a[p & 1][0] = b[0]; a[p & 1][1] = b[2]; a[p & 1][2] = b[1]; a[p & 1][3] = b[3];
+            a[p][0] = b[0]; a[p][1] = b[2]; a[p][2] = b[1]; a[p][3] = b[3];
             load_w(p, ch * P + p + P < count);
             fence_regs(d);
             wgmma_fence();
-            wgmma_k16<MROWS>(d, a[p & 1], wg_desc(&xs[buf][p][0]));
+            wgmma_k16<MROWS>(d, a[p], wg_desc(&xs[buf][p][0]));
             wgmma_commit();
-            wgmma_wait<1>();               // the MMA before this one is done: its A registers are free
+            wgmma_wait<P - 1>();           // the MMA P before this one is done: its a[] is free
             fence_regs(d);
-            if (p == 0) {
+            if (p == P - 1) {
                 __syncthreads();           // ... in every warp: chunk ch - 1's buffer is free
                 const int nb = buf == 0 ? 2 : buf - 1;
                 if (ch + 2 < chunks) load_x(ch + 2, nb); else cp_async_commit();
