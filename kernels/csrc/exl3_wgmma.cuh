@@ -54,8 +54,10 @@ __device__ __forceinline__ uint64_t wg_desc(const void* smem) {
 }
 
 // tiles_body's contract (acc += xrot @ Ŵ per slot z, rows z*rows.., tile_n, the fp32 or fixed-point
-// workspace), NT 1: units are warps, four adjacent n-tiles of one split a block (n_groups % 4 == 0).
-template <int MROWS, int P>
+// workspace): units are warps of NT adjacent n-tiles, four of one split a block (n_groups % 4 == 0);
+// NT 2 (128 rows only: 2 x 64 accumulators) is a block of 128 columns, two MMAs a k-tile over the
+// same staged activations (half the activation reads a column of NT 1).
+template <int MROWS, int NT, int P>
 __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                         const int* __restrict__ slot_exp, float* __restrict__ acc,
                                         unsigned long long* __restrict__ acc64, int rows,
@@ -63,7 +65,7 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
                                         const int* __restrict__ tile_n) {
     constexpr int MB = MROWS / 8;
     constexpr int KTILE = MROWS * 16;      // halves of one staged k-tile
-    static_assert(MROWS == 128 || MROWS == 256, "wgmma N");
+    static_assert((MROWS == 128 || MROWS == 256) && (NT == 1 || MROWS == 128), "wgmma N; accumulators");
     static_assert((P == 2 || P == 4) && (MROWS * 2 * P) % 128 == 0, "stages");
     __shared__ __align__(128) half xs[3][P][KTILE];   // 48 KiB at 256 rows (the static limit)
     pdl_launch_dependents();
@@ -84,18 +86,20 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
 
     int word, off;
     lane_origin(lane, word, off);
-    const int j0 = grp;
+    const int j0 = grp * NT;               // NT adjacent n-tiles a warp: MMA jt takes each warp's jt-th
     const size_t row_stride = (size_t)nt * NW;
     const uint32_t* wp[NL];
     weight_ptrs(tr, i0, row_stride, j0, word, wp);
 
-    float d[MROWS / 2];
+    float d[NT][MROWS / 2];
 #pragma unroll
-    for (int i = 0; i < MROWS / 2; i++) d[i] = 0.f;
+    for (int jt = 0; jt < NT; jt++)
+#pragma unroll
+        for (int i = 0; i < MROWS / 2; i++) d[jt][i] = 0.f;
 
     const Consts kc;
-    uint32_t wb[P][1][NL];
-    auto load_w = [&](int p, bool pred) { load_tiles<1>(wb[p], wp, row_stride, pred); };
+    uint32_t wb[P][NT][NL];
+    auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
     const half* xh = reinterpret_cast<const half*>(xrot);
     const size_t krow = (size_t)kt * 16;
     // chunk ch = k-tiles i0 + P ch .. + P - 1: 16-byte pieces (row m, k half h) to row group m / 8,
@@ -117,7 +121,7 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
     // block's MMAs of chunk ch - 1 are done, which the last MMA of chunk ch waits for (P - 1 in
     // flight behind it), so the MMAs never drain between chunks. A register operand a[p] per k-tile
     // of a chunk: the MMA that last read a[p] was issued P MMAs earlier, so it is done.
-    uint32_t a[P][4];
+    uint32_t a[P][NT][4];
     const int count = i1 - i0;             // a multiple of P (kt % 8 == 0, kps % 4 == 0, P | 4)
     const int chunks = count / P;
 #pragma unroll
@@ -132,16 +136,23 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
         __syncthreads();
 #pragma unroll
         for (int p = 0; p < P; p++) {
-            uint32_t b[4];
-            decode_tile(kc, wb[p][0], off, b);
-            a[p][0] = b[0]; a[p][1] = b[2]; a[p][2] = b[1]; a[p][3] = b[3];
+#pragma unroll
+            for (int jt = 0; jt < NT; jt++) {
+                uint32_t b[4];
+                decode_tile(kc, wb[p][jt], off, b);
+                a[p][jt][0] = b[0]; a[p][jt][1] = b[2]; a[p][jt][2] = b[1]; a[p][jt][3] = b[3];
+            }
             load_w(p, ch * P + p + P < count);
-            fence_regs(d);
+#pragma unroll
+            for (int jt = 0; jt < NT; jt++) fence_regs(d[jt]);
             wgmma_fence();
-            wgmma_k16<MROWS>(d, a[p], wg_desc(&xs[buf][p][0]));
+            const uint64_t desc = wg_desc(&xs[buf][p][0]);
+#pragma unroll
+            for (int jt = 0; jt < NT; jt++) wgmma_k16<MROWS>(d[jt], a[p][jt], desc);
             wgmma_commit();
-            wgmma_wait<P - 1>();           // the MMA P before this one is done: its a[] is free
-            fence_regs(d);
+            wgmma_wait<P - 1>();           // the group P before this one is done: its a[] are free
+#pragma unroll
+            for (int jt = 0; jt < NT; jt++) fence_regs(d[jt]);
             if (p == P - 1) {
                 __syncthreads();           // ... in every warp: chunk ch - 1's buffer is free
                 const int nb = buf == 0 ? 2 : buf - 1;
@@ -151,11 +162,14 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
         buf = buf == 2 ? 0 : buf + 1;
     }
     wgmma_wait<0>();
-    fence_regs(d);
-    float c[MB][1][4];
+    float c[MB][NT][4];
 #pragma unroll
-    for (int i = 0; i < MB; i++)
+    for (int jt = 0; jt < NT; jt++) {
+        fence_regs(d[jt]);
 #pragma unroll
-        for (int q = 0; q < 4; q++) c[i][0][q] = d[4 * i + q];
-    add_fragments<MB, 1>(acc, acc64, c, z * rows, nr, n, j0, g, t);
+        for (int i = 0; i < MB; i++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) c[i][jt][q] = d[jt][4 * i + q];
+    }
+    add_fragments<MB, NT>(acc, acc64, c, z * rows, nr, n, j0, g, t);
 }
