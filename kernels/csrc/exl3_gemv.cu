@@ -807,23 +807,25 @@ TILES(128, 1, 3, 4)
 // registers, no spills (sm_90a). (A 256-row variant, one n-tile a warp, measured slower than decode
 // + cuBLAS everywhere on the H200, 2026-12-03: docs/gpu.md.)
 TILES(128, 2, 2, 2)
-// WG(NAME, MROWS, NT, MINB, P): wg_body (wgmma, one warpgroup a block, NT n-tiles a warp), P k-tiles a chunk (P - 1 MMAs
-// in flight behind the newest, weights loaded P k-tiles ahead; 3 x P x MROWS x 32 B of shared memory)
+// WG(NAME, MROWS, NT, WGS, MINB, P): wg_body (wgmma, WGS warpgroups a block, NT n-tiles a warp), P
+// k-tiles a chunk (P - 1 MMAs in flight behind the newest, weights loaded P k-tiles ahead; 3 x P x
+// MROWS x 32 B of shared memory). The first H200 run (2026-12-03, docs/gpu.md): one warpgroup of
+// one n-tile a warp is 2-5x slower than decode + cuBLAS, bound by reading the activations once per
+// 64 columns; two n-tiles a warp halved that time, P 4 did not help.
 #ifndef EXL3_HOST_TEST
-#define WG(NAME, MROWS, NT, MINB, P)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128, MINB) NAME(                                     \
+#define WG(NAME, MROWS, NT, WGS, MINB, P)                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) NAME(                               \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
         const int* tile_n) {                                                                          \
-        wg_body<MROWS, NT, P>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n); \
+        wg_body<MROWS, NT, P, WGS>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
+                                   tile_n);                                                           \
     }
-WG(exl3_wg_m128_t1, 128, 1, 2, 2)
-WG(exl3_wg_m256_t1, 256, 1, 2, 2)
-// the first H200 run (2026-12-03): 2-5x slower than decode + cuBLAS, ~1100-2000 cycles a k-tile
-// where the MMA needs 64-128: deeper weight prefetch and more MMAs in flight, to see whether it
-// is latency that binds it
-WG(exl3_wg_p4_m128_t1, 128, 1, 2, 4)
-WG(exl3_wg_m128_t2, 128, 2, 2, 2)    // two n-tiles a warp: half the activation reads
+WG(exl3_wg_m128_t1, 128, 1, 1, 2, 2)
+WG(exl3_wg_m256_t1, 256, 1, 1, 2, 2)
+WG(exl3_wg_m128_t2, 128, 2, 1, 2, 2)
+WG(exl3_wg2_m128_t2, 128, 2, 2, 1, 2)     // 256 columns a block
+WG(exl3_wg2_m256_t1, 256, 1, 2, 1, 2)     // 128 columns a block, 256 rows: one decode for them all
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

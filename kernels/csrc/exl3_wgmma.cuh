@@ -56,8 +56,9 @@ __device__ __forceinline__ uint64_t wg_desc(const void* smem) {
 // tiles_body's contract (acc += xrot @ Ŵ per slot z, rows z*rows.., tile_n, the fp32 or fixed-point
 // workspace): units are warps of NT adjacent n-tiles, four of one split a block (n_groups % 4 == 0);
 // NT 2 (128 rows only: 2 x 64 accumulators) is a block of 128 columns, two MMAs a k-tile over the
-// same staged activations (half the activation reads a column of NT 1).
-template <int MROWS, int NT, int P>
+// same staged activations (half the activation reads a column of NT 1). WGS warpgroups a block
+// share the staged activations: 4 WGS warps of adjacent n-tiles (WGS 2: a quarter of NT 1's reads).
+template <int MROWS, int NT, int P, int WGS>
 __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                         const int* __restrict__ slot_exp, float* __restrict__ acc,
                                         unsigned long long* __restrict__ acc64, int rows,
@@ -66,16 +67,16 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
     constexpr int MB = MROWS / 8;
     constexpr int KTILE = MROWS * 16;      // halves of one staged k-tile
     static_assert((MROWS == 128 || MROWS == 256) && (NT == 1 || MROWS == 128), "wgmma N; accumulators");
-    static_assert((P == 2 || P == 4) && (MROWS * 2 * P) % 128 == 0, "stages");
+    static_assert((P == 2 || P == 4) && (MROWS * 2 * P) % (128 * WGS) == 0, "stages");
     __shared__ __align__(128) half xs[3][P][KTILE];   // 48 KiB at 256 rows (the static limit)
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
-    const int unit = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int unit = blockIdx.x * 4 * WGS + (threadIdx.x >> 5);
     const int z = blockIdx.y;
     const int grp = unit % n_groups, split = unit / n_groups;
     const int i0 = split * kps;
     const int i1 = min(kt, i0 + kps);
-    // the whole block returns together (n_groups % 4 == 0): wgmma is warpgroup-wide
+    // the whole block returns together (n_groups % (4 WGS) == 0): one split a block, wgmma warpgroup-wide
     if (unit >= n_units || i0 >= i1) return;
     const int e = slot_exp ? slot_exp[z] : 0;
     const int nr = tile_n ? min(rows, tile_n[z]) : rows;
@@ -107,8 +108,8 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
     auto load_x = [&](int ch, int buf) {
         const int kcol = (i0 + P * ch) * 16;
 #pragma unroll
-        for (int q = 0; q < MROWS * 2 * P / 128; q++) {
-            const int s = q * 128 + threadIdx.x;
+        for (int q = 0; q < MROWS * 2 * P / (128 * WGS); q++) {
+            const int s = q * 128 * WGS + threadIdx.x;
             const int p = s / (MROWS * 2), rem = s % (MROWS * 2);
             const int m = rem >> 1, h = rem & 1;
             const bool ok = m < nr;

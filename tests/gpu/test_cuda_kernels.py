@@ -266,10 +266,10 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     if not every:
         return
     # the kernels alone: 3 experts, slots of m rows, slot 1 of expert 2 with 37 real rows, slot 2 unused
-    E = 3
+    E, n = 3, 512         # (n-tiles a multiple of 16: the two-warpgroup kernels' 256 columns a block)
     lins = [_lin(rng, k, n, width) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
-    for kernel in (*cx.WG_KERNELS.values(), "exl3_wg_p4_m128_t1", "exl3_wg_m128_t2"):   # (the bench's variants too)
+    for kernel in (*cx.WG_KERNELS.values(), "exl3_wg_m128_t2", "exl3_wg2_m128_t2", "exl3_wg2_m256_t1"):   # (the bench's too)
         m, slots = int(kernel.split("_m")[1].split("_")[0]), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
