@@ -24,7 +24,7 @@ SHAPES = [(4096, 14336), (14336, 4096), (6144, 2048), (2048, 6144), (8192, 8192)
 ROWS = [1, 8, 32, 256, 2048]
 # the kernels a dense linear of 128-2048 rows is timed on beside decode + cuBLAS (large_parts): the
 # 128-row tile kernel (EXL3TOOLS_DENSE_TILES) and the wgmma kernels (EXL3TOOLS_WGMMA)
-DENSE_TILES = ("exl3_tiles_m128_t2", "exl3_wg_m128_t2", "exl3_wg2_m128_t2", "exl3_wg_m256_t1", "exl3_wg2_m256_t1")
+DENSE_TILES = ("exl3_tiles_m128_t2", "exl3_wg2_m128_t2", "exl3_wg2_m256_t1")
 KS = [2, 3, 4]
 
 
@@ -109,7 +109,7 @@ def large_parts(lin, x):
             return cx.had_out(lin.mod, acc, torch.empty(rows, lin.n, dtype=x.dtype, device=x.device),
                               lin.svh_tab, lin.bias_tab, rows, rows, lin.n)
         err = float((tiles().float() - ref).norm() / ref.norm())
-        tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg_m256_t1
+        tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg2_m256_t1
         out[f"cuda_dense_{tag}_us"] = bench(tiles)
         out[f"cuda_dense_{tag}_err"] = err
     keep = cx.FOLD_MIN_OUT

@@ -9,7 +9,7 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - 65-128 rows, k >= DENSE_TILE_MIN_K, with the EXL3TOOLS_DENSE_TILES preview: one 128-row slot of
   the shared-memory tile kernel (``exl3_tiles_m128_t2``), the weight decoded once, never written.
 - 65-1024 rows with the EXL3TOOLS_WGMMA preview: slots of 128 / 256 rows on the wgmma kernel
-  (``exl3_wg_m*_t1``), the weight decoded once a slot into the warpgroup MMA's register operand.
+  (``exl3_wg2_m*``), the weight decoded once a slot into the warpgroup MMA's register operand.
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
   the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
   the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows
@@ -71,8 +71,10 @@ DENSE_TILE_MIN_K = 4096
 # dense linears of SMALL_ROWS < rows <= WG_MAX_ROWS on Hopper's warpgroup MMA (the EXL3TOOLS_WGMMA
 # preview; kernels/csrc/exl3_wgmma.cuh): slots of 128 rows (up to 128) or 256, each slot decoding the
 # weight once for all its rows into wgmma's register operand while the MMA reads the activations
-# from shared memory; x padded to whole slots. Not yet timed on a GPU (bench/gpu_bench.py --rows).
-WG_KERNELS = {128: "exl3_wg_m128_t1", 256: "exl3_wg_m256_t1"}
+# from shared memory; x padded to whole slots. Slower than the default on the H200 (2026-12-03: 4096
+# -> 14336 at 128 / 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6); kept
+# as the tested base of a decode spread over more warps (docs/gpu.md, "What is left" 2).
+WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wg2_m256_t1"}
 WG_MAX_ROWS = 1024
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
@@ -392,7 +394,7 @@ class CudaLinear:
         self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= GEMV_PRO_MAX_ROWS: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
         self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
-        self.wgmma = preview.switched_on("wgmma") and self.nt % 4 == 0
+        self.wgmma = preview.switched_on("wgmma") and self.nt % 16 == 0     # (256 columns a block)
 
     @property
     def device_tensors(self) -> dict:

@@ -58,7 +58,9 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
     # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
     # register operand while the activations stream through shared memory, instead of decode +
-    # cuBLAS; compiled for sm_90a (255 / 152 registers, no spills), not yet run on a GPU
+    # cuBLAS. Right on the H200 (2026-12-03) and slower than the default: at 4096 -> 14336, 128 /
+    # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
+    # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
 }
 

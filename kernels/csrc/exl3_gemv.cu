@@ -809,9 +809,11 @@ TILES(128, 1, 3, 4)
 TILES(128, 2, 2, 2)
 // WG(NAME, MROWS, NT, WGS, MINB, P): wg_body (wgmma, WGS warpgroups a block, NT n-tiles a warp), P
 // k-tiles a chunk (P - 1 MMAs in flight behind the newest, weights loaded P k-tiles ahead; 3 x P x
-// MROWS x 32 B of shared memory). The first H200 run (2026-12-03, docs/gpu.md): one warpgroup of
-// one n-tile a warp is 2-5x slower than decode + cuBLAS, bound by reading the activations once per
-// 64 columns; two n-tiles a warp halved that time, P 4 did not help.
+// MROWS x 32 B of shared memory). On the H200 (2026-12-03, docs/gpu.md): one warpgroup a block of
+// one n-tile a warp was 2-5x slower than decode + cuBLAS, bound by reading the activations once per
+// 64 columns; two n-tiles a warp halved that, two warpgroups a block took another 5-40 %, P 4 did
+// not help. These two are the fastest; still slower than decode + cuBLAS from 256 rows and than
+// exl3_tiles_m128_t2 at 128 (8 warps an SM decode too slowly beside the accumulators' registers).
 #ifndef EXL3_HOST_TEST
 #define WG(NAME, MROWS, NT, WGS, MINB, P)                                                            \
     extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) NAME(                               \
@@ -821,9 +823,6 @@ TILES(128, 2, 2, 2)
         wg_body<MROWS, NT, P, WGS>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
                                    tile_n);                                                           \
     }
-WG(exl3_wg_m128_t1, 128, 1, 1, 2, 2)
-WG(exl3_wg_m256_t1, 256, 1, 1, 2, 2)
-WG(exl3_wg_m128_t2, 128, 2, 1, 2, 2)
 WG(exl3_wg2_m128_t2, 128, 2, 2, 1, 2)     // 256 columns a block
 WG(exl3_wg2_m256_t1, 256, 1, 2, 1, 2)     // 128 columns a block, 256 rows: one decode for them all
 #endif

@@ -71,6 +71,31 @@ __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* smem) {
 // so the block holds 128 whole columns of its rows: the output Hadamard, svh and bias run here on
 // the block's sums staged in shared memory and y (fp16 / fp32) is written directly; no workspace
 // traffic, no had_out launch (tiles_epilogue).
+// The slot-GEMM kernels' unit (tiles_body, wg_body): units are warps of NT n-tiles, WARPS a block;
+// n_groups % WARPS == 0, so a block's warps share split and slot and every "nothing to do" (false)
+// is the whole block's (no warp is left waiting at a barrier). Sets the split's k-tiles [i0, i1),
+// the slot's expert e and valid rows nr, the warp's first n-tile j0, the lane's bit offset and
+// weight pointers.
+template <int NT, int WARPS>
+__device__ __forceinline__ bool slot_unit(const uint64_t* __restrict__ trellis_ptrs, const int* __restrict__ slot_exp,
+                                          const int* __restrict__ tile_n, int rows, int kt, int nt, int kps,
+                                          int n_groups, int n_units, int lane, int& i0, int& i1, int& e,
+                                          int& nr, int& j0, int& off, const uint32_t* (&wp)[NL]) {
+    const int unit = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int grp = unit % n_groups, split = unit / n_groups;
+    i0 = split * kps;
+    i1 = min(kt, i0 + kps);
+    if (unit >= n_units || i0 >= i1) return false;
+    e = slot_exp ? slot_exp[blockIdx.y] : 0;
+    nr = tile_n ? min(rows, tile_n[blockIdx.y]) : rows;
+    if (e < 0 || nr <= 0) return false;
+    int word;
+    lane_origin(lane, word, off);
+    j0 = grp * NT;
+    weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0, (size_t)nt * NW, j0, word, wp);
+    return true;
+}
+
 template <int MROWS, int NT, int P, int OUT = 0>
 __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                            const int* __restrict__ slot_exp, float* __restrict__ acc,
@@ -87,27 +112,15 @@ __device__ __forceinline__ void tiles_body(const uint32_t* __restrict__ xrot, co
     __shared__ __align__(16) float ys[OUT ? 32 : 1][OUT ? YS : 4];
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
-    const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int z = blockIdx.y;
-    // n_groups % 4 == 0 (n % 128 == 0), so a block's warps share split and slot: every early
-    // return below is taken by the whole block (no warp is left waiting at a barrier)
-    const int grp = unit % n_groups, split = unit / n_groups;
-    const int i0 = split * kps;
-    const int i1 = min(kt, i0 + kps);
-    if (unit >= n_units || i0 >= i1) return;
-    const int e = slot_exp ? slot_exp[z] : 0;
-    const int nr = tile_n ? min(rows, tile_n[z]) : rows;   // valid rows of this slot
-    if (e < 0 || nr <= 0) return;
-    const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
+    int i0, i1, e, nr, j0, off;            // (n_groups % 4 == 0: n % 128 == 0)
+    const uint32_t* wp[NL];
+    if (!slot_unit<NT, 4>(trellis_ptrs, slot_exp, tile_n, rows, kt, nt, kps, n_groups, n_units, lane, i0, i1, e, nr,
+                          j0, off, wp))
+        return;
     const int g = lane >> 2, t = lane & 3;
     const int n = nt * 16;
-
-    int word, off;
-    lane_origin(lane, word, off);
-    const int j0 = grp * NT;
     const size_t row_stride = (size_t)nt * NW;
-    const uint32_t* wp[NL];
-    weight_ptrs(tr, i0, row_stride, j0, word, wp);
 
     float c[MB][NT][4];
     zero_fragments<MB, NT>(c);

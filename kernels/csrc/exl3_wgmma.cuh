@@ -2,17 +2,17 @@
 // 65-256 rows a slot on Hopper's warpgroup MMA (wgmma), the weight decoded once for all the rows.
 #pragma once
 
-// A block is one warpgroup (4 warps): four adjacent n-tiles (one a warp) x one k-range, every row of
-// its slot. Each k-tile a warp decodes its 16 x 16 tile of Ŵᵀ into registers, which is exactly its
-// share of wgmma's register A operand (m64nNk16: warp w holds rows 16w..16w+15, in mma.m16n8k16's A
-// fragment layout, the same a[] tiles_body feeds its mma.sync), and one wgmma multiplies those 64
-// columns by all MROWS rows of the k-tile's activations, which the block stages in shared memory in
+// A warpgroup (4 warps) holds four adjacent n-tile groups (NT n-tiles a warp) x one k-range, every
+// row of its slot; WGS warpgroups a block share the staged activations. Each k-tile a warp decodes
+// its 16 x 16 tiles of Ŵᵀ into registers, which is exactly its share of wgmma's register A operand
+// (m64nNk16: warp w holds rows 16w..16w+15, in mma.m16n8k16's A fragment layout, the same a[]
+// tiles_body feeds its mma.sync), and one wgmma a tile multiplies those 64 columns by all MROWS rows of the k-tile's activations, which the block stages in shared memory in
 // wgmma's K-major no-swizzle layout: for each 8-row group two 8 x 16-byte core matrices (k 0-7, k
 // 8-15), rows 16 bytes apart (LBO 128 B between the two halves, SBO 256 B between row groups). The
 // MMA is asynchronous: the warps decode the next k-tiles while it runs (P - 1 more in flight; one
-// A operand a k-tile of a chunk of P; the activations in a ring of three chunks). Accumulators D (64 x MROWS, fp32):
-// d[4i + q] is mma.m16n8's c[q] of the 8-row block i, so add_fragments writes them as tiles_body's
-// c[i][0][q]. The wrappers' operand lists were written out by a script (128 / 64 accumulators).
+// A operand a k-tile of a chunk of P; the activations in a ring of three chunks). Accumulators D
+// (64 x MROWS fp32 a tile): d[jt][4i + q] is mma.m16n8's c[q] of the 8-row block i, so add_fragments
+// writes them as tiles_body's c[i][jt][q]. The wrappers' operand lists were written out by a script (128 / 64 accumulators).
 
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -71,26 +71,16 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
     __shared__ __align__(128) half xs[3][P][KTILE];   // 48 KiB at 256 rows (the static limit)
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31;
-    const int unit = blockIdx.x * 4 * WGS + (threadIdx.x >> 5);
     const int z = blockIdx.y;
-    const int grp = unit % n_groups, split = unit / n_groups;
-    const int i0 = split * kps;
-    const int i1 = min(kt, i0 + kps);
-    // the whole block returns together (n_groups % (4 WGS) == 0): one split a block, wgmma warpgroup-wide
-    if (unit >= n_units || i0 >= i1) return;
-    const int e = slot_exp ? slot_exp[z] : 0;
-    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
-    if (e < 0 || nr <= 0) return;
-    const uint32_t* tr = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]);
+    // the whole block returns together (n_groups % (4 WGS) == 0): wgmma and the barriers are block-wide
+    int i0, i1, e, nr, j0, off;            // NT adjacent n-tiles a warp from j0: MMA jt takes each warp's jt-th
+    const uint32_t* wp[NL];
+    if (!slot_unit<NT, 4 * WGS>(trellis_ptrs, slot_exp, tile_n, rows, kt, nt, kps, n_groups, n_units, lane, i0, i1, e,
+                                nr, j0, off, wp))
+        return;
     const int g = lane >> 2, t = lane & 3;
     const int n = nt * 16;
-
-    int word, off;
-    lane_origin(lane, word, off);
-    const int j0 = grp * NT;               // NT adjacent n-tiles a warp: MMA jt takes each warp's jt-th
     const size_t row_stride = (size_t)nt * NW;
-    const uint32_t* wp[NL];
-    weight_ptrs(tr, i0, row_stride, j0, word, wp);
 
     float d[NT][MROWS / 2];
 #pragma unroll

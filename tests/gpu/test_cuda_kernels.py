@@ -254,7 +254,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_WGMMA", "1")
     every = cb == "mul1" and width == 48
     rng = np.random.default_rng(width * 3 + len(cb))
-    k, n = 512, 384
+    k, n = 512, 512     # (n-tiles a multiple of 16: the kernels' 256 columns a block)
     tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
@@ -266,10 +266,10 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     if not every:
         return
     # the kernels alone: 3 experts, slots of m rows, slot 1 of expert 2 with 37 real rows, slot 2 unused
-    E, n = 3, 512         # (n-tiles a multiple of 16: the two-warpgroup kernels' 256 columns a block)
+    E = 3
     lins = [_lin(rng, k, n, width) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
-    for kernel in (*cx.WG_KERNELS.values(), "exl3_wg_m128_t2", "exl3_wg2_m128_t2", "exl3_wg2_m256_t1"):   # (the bench's too)
+    for kernel in cx.WG_KERNELS.values():
         m, slots = int(kernel.split("_m")[1].split("_")[0]), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
