@@ -283,9 +283,11 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
 
 
 def kernel_warps(name: str) -> int:
-    """Warps a block of GEMM kernel ``name`` (units are warps): 8 for the two-warpgroup wgmma
-    kernels (exl3_wg2_*), else 4."""
-    return 8 if name.startswith("exl3_wg2_") else 4
+    """Warps a block of GEMM kernel ``name`` (units are warps): 4 a warpgroup for the wgmma kernels
+    of several (exl3_wg2_*, exl3_wg4_*), else 4."""
+    if name.startswith(("exl3_wg2_", "exl3_wg4_")):
+        return 4 * int(name[len("exl3_wg")])
+    return 4
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:

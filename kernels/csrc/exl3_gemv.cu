@@ -825,6 +825,7 @@ TILES(128, 2, 2, 2)
     }
 WG(exl3_wg2_m128_t2, 128, 2, 2, 1, 2)     // 256 columns a block
 WG(exl3_wg2_m256_t1, 256, 1, 2, 1, 2)     // 128 columns a block, 256 rows: one decode for them all
+WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM (128 registers)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST
