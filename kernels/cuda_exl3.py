@@ -283,8 +283,8 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
 
 
 def kernel_warps(name: str) -> int:
-    """Warps a block of GEMM kernel ``name`` (units are warps): 4 a warpgroup for the wgmma kernels
-    of several (exl3_wg2_*, exl3_wg4_*), else 4."""
+    """Warps a block of GEMM kernel ``name`` (its units are warps): 4 for one warpgroup, 8 / 16 for
+    the wgmma kernels of two / four (exl3_wg2_*, exl3_wg4_*)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
         return 4 * int(name[len("exl3_wg")])
     return 4

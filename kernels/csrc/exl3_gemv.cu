@@ -812,8 +812,9 @@ TILES(128, 2, 2, 2)
 // MROWS x 32 B of shared memory). On the H200 (2026-12-03, docs/gpu.md): one warpgroup a block of
 // one n-tile a warp was 2-5x slower than decode + cuBLAS, bound by reading the activations once per
 // 64 columns; two n-tiles a warp halved that, two warpgroups a block took another 5-40 %, P 4 did
-// not help. These two are the fastest; still slower than decode + cuBLAS from 256 rows and than
-// exl3_tiles_m128_t2 at 128 (8 warps an SM decode too slowly beside the accumulators' registers).
+// not help. The two wg2 kernels are the fastest measured (cuda_exl3.WG_KERNELS); still slower than
+// decode + cuBLAS from 256 rows and than exl3_tiles_m128_t2 at 128 (8 warps an SM decode too
+// slowly beside the accumulators' registers). wg4: 16 warps an SM, for the bench.
 #ifndef EXL3_HOST_TEST
 #define WG(NAME, MROWS, NT, WGS, MINB, P)                                                            \
     extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) NAME(                               \

@@ -6,13 +6,15 @@
 // row of its slot; WGS warpgroups a block share the staged activations. Each k-tile a warp decodes
 // its 16 x 16 tiles of Ŵᵀ into registers, which is exactly its share of wgmma's register A operand
 // (m64nNk16: warp w holds rows 16w..16w+15, in mma.m16n8k16's A fragment layout, the same a[]
-// tiles_body feeds its mma.sync), and one wgmma a tile multiplies those 64 columns by all MROWS rows of the k-tile's activations, which the block stages in shared memory in
-// wgmma's K-major no-swizzle layout: for each 8-row group two 8 x 16-byte core matrices (k 0-7, k
-// 8-15), rows 16 bytes apart (LBO 128 B between the two halves, SBO 256 B between row groups). The
-// MMA is asynchronous: the warps decode the next k-tiles while it runs (P - 1 more in flight; one
-// A operand a k-tile of a chunk of P; the activations in a ring of three chunks). Accumulators D
-// (64 x MROWS fp32 a tile): d[jt][4i + q] is mma.m16n8's c[q] of the 8-row block i, so add_fragments
-// writes them as tiles_body's c[i][jt][q]. The wrappers' operand lists were written out by a script (128 / 64 accumulators).
+// tiles_body feeds its mma.sync), and one wgmma a tile multiplies those 64 columns by all MROWS
+// rows of the k-tile's activations, which the block stages in shared memory in wgmma's K-major
+// no-swizzle layout: for each 8-row group two 8 x 16-byte core matrices (k 0-7, k 8-15), rows 16
+// bytes apart (LBO 128 B between the two halves, SBO 256 B between row groups). The MMA is
+// asynchronous: the warps decode the next k-tiles while it runs (P - 1 more in flight; one A
+// operand a k-tile of a chunk of P; the activations in a ring of three chunks). Accumulators D
+// (64 x MROWS fp32 a tile): d[jt][4i + q] is mma.m16n8's c[q] of the 8-row block i, so
+// add_fragments writes them as tiles_body's c[i][jt][q]. The wrappers' operand lists were written
+// out by a script (128 / 64 accumulators).
 
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
