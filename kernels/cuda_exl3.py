@@ -220,7 +220,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         raise UsageError(f"{kernel}: no per-expert trellis width (ld_tab)")
     else:
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
-        if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (kernel_warps(kernel) * nt_per):
+        if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (kernel_block(kernel)[0] * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
     if fixed:      # K split as for one row alone on the 8-row kernel, whatever kernel, rows and
         # slots come, every split at least FIXED_MIN_KTILES k-tiles (a many-slot call adds each
@@ -242,8 +242,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         raise UsageError("gemv: tile_n and ld_tab do not come together")
     extra = (tile_n,) if ld_tab is None else (ld_tab,)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
-    w = kernel_warps(name)
-    mod.launch(name, (-(-units // w), slots), 32 * w, *args, pdl=PDL)
+    w, threads = kernel_block(name)
+    mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL)
 
 
 PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
@@ -282,19 +282,23 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
                nt, kps, groups, units, last, pdl=PDL)
 
 
-def kernel_warps(name: str) -> int:
-    """Warps a block of GEMM kernel ``name`` (its units are warps): 4 for one warpgroup, 8 / 16 for
-    the wgmma kernels of two / four (exl3_wg2_*, exl3_wg4_*)."""
+def kernel_block(name: str) -> tuple[int, int]:
+    """(units, threads) a block of GEMM kernel ``name``: a unit is a warp's n-tiles, 4 a block of
+    128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
+    the warp-specialized exl3_ws_* has 4 units of MMA work in 512 threads (half of them decode)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
-        return 4 * int(name[len("exl3_wg")])
-    return 4
+        w = 4 * int(name[len("exl3_wg")])
+        return w, 32 * w
+    if name.startswith("exl3_ws_"):
+        return 4, 512
+    return 4, 128
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
     are resident at once (one wave: no tail of half-empty SMs); units == groups: one split."""
-    w = kernel_warps(name)
-    resident = _sm_count(device) * mod.blocks_per_sm(name, 32 * w) * w
+    w, threads = kernel_block(name)
+    resident = _sm_count(device) * mod.blocks_per_sm(name, threads) * w
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE

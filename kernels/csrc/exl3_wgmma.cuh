@@ -32,6 +32,14 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], const uint32_t
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
+// both operands from shared memory (descriptors): the warp-specialized kernel's A is decoded there
+__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b));
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -165,4 +173,134 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
             for (int q = 0; q < 4; q++) c[i][jt][q] = d[jt][4 * i + q];
     }
     add_fragments<MB, NT>(acc, acc64, c, z * rows, nr, n, j0, g, t);
+}
+
+// Named barriers (ids 1..15; 0 is __syncthreads): a producer arrives, a consumer waits, the barrier
+// completes when `count` threads of both sides have come (bar.arrive orders the arriving thread's
+// earlier shared-memory writes before the waiters' later reads)
+__device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+
+// Warp-specialized (the decode apart from the MMAs): a block of four warpgroups holds 128 columns (8
+// n-tiles) x one k-range x the slot's 128 rows, under tiles_body's contract (units of 2 n-tiles, four
+// a block: n_groups % 4 == 0). Warpgroups 2-3 are producers: warp pw decodes n-tile pw of each
+// k-tile straight from the trellis (weights loaded WS_STAGES k-tiles ahead in registers) and stores
+// the mma A fragment into that k-tile's stage in wgmma's K-major no-swizzle layout (the same core
+// matrices as the activations: LBO 128 B, SBO 256 B); one thread a 16-byte piece, they also copy
+// the k-tile's activations (cp.async, WS_XA k-tiles ahead). Warpgroups 0-1 are consumers: each
+// waits for a stage to be full, multiplies its 64 columns (n-tiles 4c..4c+3) by the 128 rows with
+// one wgmma (both operands from shared memory), and frees the stage once that MMA is done. The
+// ring's FULL / EMPTY handshakes are named barriers of all 512 threads. The decode no longer waits
+// for the MMAs (wg_body's warps do both, 8 an SM beside 128 accumulator registers); whether eight
+// decode-only warps an SM are faster is what the bench asks.
+constexpr int WS_STAGES = 4;   // ring depth (8 KiB a stage: 2 x 64 x 16 halves of A, 128 x 16 of x)
+constexpr int WS_XA = 2;       // k-tiles the activations' copies run ahead of the decode
+__device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
+                                        const int* __restrict__ slot_exp, float* __restrict__ acc,
+                                        unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
+                                        int n_groups, int n_units, const int* __restrict__ tile_n) {
+    constexpr int S = WS_STAGES, MROWS = 128;
+    static_assert(S > WS_XA && S == 4, "the producer loop is unrolled by S (count % 4 == 0)");
+    __shared__ __align__(128) half as[S][2][64 * 16];     // decoded Ŵᵀ: [stage][consumer][64 x 16]
+    __shared__ __align__(128) half xs[S][MROWS * 16];     // activations: [stage][128 x 16]
+    pdl_launch_dependents();
+    const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
+    const int z = blockIdx.y;
+    const int grp = unit0 % n_groups, split = unit0 / n_groups;
+    const int i0 = split * kps;
+    const int i1 = min(kt, i0 + kps);
+    if (unit0 >= n_units || i0 >= i1) return;               // (the whole block)
+    const int e = slot_exp ? slot_exp[z] : 0;
+    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
+    if (e < 0 || nr <= 0) return;
+    const int jb = grp * 2;                // the block's first n-tile
+    const int count = i1 - i0;             // a multiple of 4 (kt % 8 == 0, kps % 4 == 0)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int FULL = 1, EMPTY = 1 + S;
+
+    if (warp >= 8) {                       // ---- producers
+        const int pw = warp - 8, pt = threadIdx.x - 256;
+        int word, off;
+        lane_origin(lane, word, off);
+        const size_t row_stride = (size_t)nt * NW;
+        const uint32_t* wp[NL];
+        weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0, row_stride, jb + pw, word, wp);
+        const Consts kc;
+        uint32_t wb[S][1][NL];
+#pragma unroll
+        for (int p = 0; p < S; p++) load_tiles<1>(wb[p], wp, row_stride, p < count);
+        const half* xh = reinterpret_cast<const half*>(xrot);
+        const size_t krow = (size_t)kt * 16;
+        const int m = pt >> 1, h = pt & 1;                   // this thread's 16-byte piece of a k-tile
+        const bool ok = m < nr;
+        const half* xsrc = xh + (size_t)(z * rows + (ok ? m : 0)) * krow + (size_t)i0 * 16 + 8 * h;
+        const int xoff = (m >> 3) * 128 + h * 64 + (m & 7) * 8;
+        auto load_x = [&](int i) {         // k-tile i of the range into stage i % S
+            cp_async16(&xs[i % S][xoff], xsrc + 16 * i, ok);
+            cp_async_commit();
+        };
+        // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile: rows 16 q + g
+        // (+ 8), k 2t (+ 8) of the core-matrix layout, q = pw % 4
+        const int r0 = 16 * (pw & 3) + g, r1 = r0 + 8;
+        const int o0 = (r0 >> 3) * 128 + (r0 & 7) * 8 + 2 * t, o1 = (r1 >> 3) * 128 + (r1 & 7) * 8 + 2 * t;
+        pdl_wait();
+#pragma unroll
+        for (int i = 0; i < WS_XA; i++) {
+            if (i < count) load_x(i); else cp_async_commit();
+        }
+        for (int ib = 0; ib < count; ib += S) {
+#pragma unroll
+            for (int u = 0; u < S; u++) {
+                const int i = ib + u;
+                const int ix = i + WS_XA;
+                if (ix < count) {
+                    if (ix >= S) named_sync(EMPTY + ix % S, 512);   // k-tile ix - S's MMAs are done
+                    load_x(ix);
+                } else {
+                    cp_async_commit();
+                }
+                uint32_t b[4];
+                decode_tile(kc, wb[u][0], off, b);
+                load_tiles<1>(wb[u], wp, row_stride, i + S < count);
+                uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);   // (stage i % S == u)
+                a32[o0 >> 1] = b[0];
+                a32[o1 >> 1] = b[2];
+                a32[(o0 + 64) >> 1] = b[1];
+                a32[(o1 + 64) >> 1] = b[3];
+                cp_async_wait<WS_XA>();    // k-tile i's activations have landed (this thread's copy)
+                fence_async_smem();        // the stage's generic-proxy writes, visible to wgmma
+                named_arrive(FULL + u, 512);
+            }
+        }
+        return;
+    }
+    // ---- consumers
+    const int c = warp >> 2;               // 0 / 1: n-tiles 4c..4c+3 of the block
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) d[i] = 0.f;
+    pdl_wait();                            // (the workspace below is the previous kernels')
+    for (int ib = 0; ib < count; ib += S) {
+#pragma unroll
+        for (int u = 0; u < S; u++) {
+            const int i = ib + u;
+            named_sync(FULL + u, 512);
+            fence_regs(d);
+            wgmma_fence();
+            wgmma_ss_m64n128k16(d, wg_desc(&as[u][c][0]), wg_desc(&xs[u][0]));
+            wgmma_commit();
+            wgmma_wait<1>();               // k-tile i - 1's MMA is done: its stage may be refilled
+            fence_regs(d);
+            if (i >= 1 && i - 1 + S < count) named_arrive(EMPTY + (u + S - 1) % S, 512);
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(d);
+    float cf[MROWS / 8][1][4];
+#pragma unroll
+    for (int i = 0; i < MROWS / 8; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
+    add_fragments<MROWS / 8, 1>(acc, acc64, cf, z * rows, nr, nt * 16, jb + 4 * c + (warp & 3), g, t);
 }
