@@ -27,3 +27,10 @@ def as_tensors(torch, tr, suh, svh, b):
 
 def rel_err(y, yref):
     return float(np.linalg.norm(y - yref) / np.linalg.norm(yref))
+
+
+def cuda_experts(tensors_per_expert, codebook, device):
+    """kernels/cuda_experts.CudaExperts (imported on call: the module needs CUDA)."""
+    from exl3tools.kernels.cuda_experts import CudaExperts
+
+    return CudaExperts(tensors_per_expert, codebook, device)

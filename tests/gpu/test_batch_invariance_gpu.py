@@ -17,15 +17,9 @@ import pytest
 from tests.conftest import cuda_available
 from tests.gpu.conftest import cuda_backend
 from tests.gpu.kernel_cases import as_tensors as _tensors
+from tests.gpu.kernel_cases import cuda_experts as _experts
 from tests.gpu.kernel_cases import random_linear as _lin
 from tests.gpu.kernel_cases import rel_err as _rel
-
-
-def _experts(tensors_per_expert, codebook, device):
-    """kernels/cuda_experts.CudaExperts (imported here: the module needs CUDA)."""
-    from exl3tools.kernels.cuda_experts import CudaExperts
-
-    return CudaExperts(tensors_per_expert, codebook, device)
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
