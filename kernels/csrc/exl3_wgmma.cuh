@@ -253,6 +253,17 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
 #pragma unroll
             for (int u = 0; u < S; u++) {
                 const int i = ib + u;
+                uint32_t b[4];
+                decode_tile(kc, wb[u][0], off, b);
+                load_tiles<1>(wb[u], wp, row_stride, i + S < count);
+                // stage i % S == u: k-tile i - S's MMAs are done (its EMPTY, waited at step i - WS_XA)
+                uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);
+                a32[o0 >> 1] = b[0];
+                a32[o1 >> 1] = b[2];
+                a32[(o0 + 64) >> 1] = b[1];
+                a32[(o1 + 64) >> 1] = b[3];
+                // the activations of k-tile i + WS_XA, after the decode (which so runs S k-tiles
+                // ahead of the MMAs, not WS_XA)
                 const int ix = i + WS_XA;
                 if (ix < count) {
                     if (ix >= S) named_sync(EMPTY + ix % S, 512);   // k-tile ix - S's MMAs are done
@@ -260,14 +271,6 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
                 } else {
                     cp_async_commit();
                 }
-                uint32_t b[4];
-                decode_tile(kc, wb[u][0], off, b);
-                load_tiles<1>(wb[u], wp, row_stride, i + S < count);
-                uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);   // (stage i % S == u)
-                a32[o0 >> 1] = b[0];
-                a32[o1 >> 1] = b[2];
-                a32[(o0 + 64) >> 1] = b[1];
-                a32[(o1 + 64) >> 1] = b[3];
                 cp_async_wait<WS_XA>();    // k-tile i's activations have landed (this thread's copy)
                 fence_async_smem();        // the stage's generic-proxy writes, visible to wgmma
                 named_arrive(FULL + u, 512);
