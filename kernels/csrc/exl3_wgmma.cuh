@@ -57,11 +57,14 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[MROWS / 2], const uint32_t 
     if constexpr (MROWS == 128) wgmma_m64n128k16(d, a, desc);
     else wgmma_m64n256k16(d, a, desc);
 }
-// descriptor of one k-tile's staged activations (K-major, no swizzle): start address, LBO 128 B, SBO 256 B
+// descriptor of one k-tile's staged operand (K-major, no swizzle): start address, LBO 128 B, SBO 256 B
 __device__ __forceinline__ uint64_t wg_desc(const void* smem) {
     const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     return (uint64_t)((s & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
 }
+// where (halves) element (row m, k) of a k-tile lies in that layout: 8 x 8 core matrices of 16-byte
+// rows, the two k halves LBO (64 halves) apart, the 8-row groups SBO (128 halves) apart
+__device__ __forceinline__ int kmajor_at(int m, int k) { return (m >> 3) * 128 + (k >> 3) * 64 + (m & 7) * 8 + (k & 7); }
 
 // tiles_body's contract (acc += xrot @ Ŵ per slot z, rows z*rows.., tile_n, the fp32 or fixed-point
 // workspace): units are warps of NT adjacent n-tiles, four of one split a block (n_groups % 4 == 0);
@@ -113,7 +116,7 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
             const int p = s / (MROWS * 2), rem = s % (MROWS * 2);
             const int m = rem >> 1, h = rem & 1;
             const bool ok = m < nr;
-            cp_async16(&xs[buf][p][(m >> 3) * 128 + h * 64 + (m & 7) * 8],
+            cp_async16(&xs[buf][p][kmajor_at(m, 8 * h)],
                        xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + 16 * p + 8 * h, ok);
         }
         cp_async_commit();
@@ -235,7 +238,7 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
         const int m = pt >> 1, h = pt & 1;                   // this thread's 16-byte piece of a k-tile
         const bool ok = m < nr;
         const half* xsrc = xh + (size_t)(z * rows + (ok ? m : 0)) * krow + (size_t)i0 * 16 + 8 * h;
-        const int xoff = (m >> 3) * 128 + h * 64 + (m & 7) * 8;
+        const int xoff = kmajor_at(m, 8 * h);
         auto load_x = [&](int i) {         // k-tile i of the range into stage i % S
             cp_async16(&xs[i % S][xoff], xsrc + 16 * i, ok);
             cp_async_commit();
@@ -243,7 +246,7 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
         // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile: rows 16 q + g
         // (+ 8), k 2t (+ 8) of the core-matrix layout, q = pw % 4
         const int r0 = 16 * (pw & 3) + g, r1 = r0 + 8;
-        const int o0 = (r0 >> 3) * 128 + (r0 & 7) * 8 + 2 * t, o1 = (r1 >> 3) * 128 + (r1 & 7) * 8 + 2 * t;
+        const int o0 = kmajor_at(r0, 2 * t), o1 = kmajor_at(r1, 2 * t);
         pdl_wait();
 #pragma unroll
         for (int i = 0; i < WS_XA; i++) {
@@ -260,8 +263,8 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
                 uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);
                 a32[o0 >> 1] = b[0];
                 a32[o1 >> 1] = b[2];
-                a32[(o0 + 64) >> 1] = b[1];
-                a32[(o1 + 64) >> 1] = b[3];
+                a32[(o0 + kmajor_at(0, 8)) >> 1] = b[1];      // k + 8: the other core matrix
+                a32[(o1 + kmajor_at(0, 8)) >> 1] = b[3];
                 // the activations of k-tile i + WS_XA, after the decode (which so runs S k-tiles
                 // ahead of the MMAs, not WS_XA)
                 const int ix = i + WS_XA;
