@@ -417,8 +417,7 @@ class MLAttention:
         if self.q_proj is not None:
             q, q_resid = qa, None
         else:
-            q_resid = fused_decode.residual_rmsnorm(qa if qa.dtype == torch.float32 else qa.float(),
-                                                    self.q_a_norm.weight, self.q_a_norm.eps)
+            q_resid = fused_decode.residual_rmsnorm(qa.float(), self.q_a_norm.weight, self.q_a_norm.eps)
             q = self.q_b(q_resid)
         q = q.reshape(x.shape[0], self.nh, self.nope + self.rope)
         q_pe = fused_mla.rope_heads(q, self.nope, self.rope, *rope_cs)
