@@ -26,7 +26,9 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   ``:fused-mla``: MLA models (DeepSeek-V3, GLM-5) with the fused glue around their attention
   (``EXL3TOOLS_FUSED_MLA=1``, runtime/fused_step.py FusedMlaStep, the default on CUDA since
   2026-12-03); ``:no-fused-mla``: the same opted out (the torch loop around the attention);
-  ``:units16`` / ``:units64``: the default with tile units of 16 / 64 k-tiles (cuda_exl3.TILE_UNIT_KTILES).
+  ``:units16`` / ``:units64``: the default with tile units of 16 / 64 k-tiles (cuda_exl3.TILE_UNIT_KTILES);
+  ``:chained``: the defaults stepped as ``serve`` steps them (``Runner.step_chained``: step N + 1
+  launched on step N's device tokens before the host reads them, so the host's work overlaps the GPU's).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one
   ``model.forward`` per step on a rectangular cache batch (``attn_mode flash_attn``, ``batch_shape``),
   CUDA events. Mode "generator": ``Generator`` + ``ArgmaxSampler`` jobs, one per row, no stop
@@ -71,6 +73,7 @@ VARIANTS = {"": {}, "fused": {"EXL3TOOLS_FUSED": "1"}, "unfused": {"EXL3TOOLS_FU
             "no-fused-mla": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_FUSED_MLA": "0"},
             "units16": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_TILE_UNIT_KTILES": "16"},
             "units64": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_TILE_UNIT_KTILES": "64"},
+            "chained": {},      # the defaults, stepped as the server steps them (_ours_runner)
             "stack": {"EXL3TOOLS_FUSED": "1", "EXL3TOOLS_GROUPED_PROJ": "1", "EXL3TOOLS_GEMV_PROLOGUE": "1",
                       "EXL3TOOLS_ACT_INPUT": "1"}}
 
@@ -272,6 +275,13 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _time_cuda(step, n: int) -> float:
     """ms per call of ``step()`` over n calls, CUDA events around the whole loop."""
     import torch
@@ -348,6 +358,8 @@ def _ours_runner(runner, prompts, a, row) -> None:
     their batch bucket), logits kept on the device, greedy tokens back to the host every step."""
     import torch
 
+    from exl3tools.runtime.sampling import DeviceTokens
+
     decoder = getattr(getattr(runner, "paged", None), "decoder", None)
     row["mode"] = f"paged-{runner.decode_mode}" + ("+fused" if getattr(decoder, "_fused", None) is not None else "")
     ids = list(range(len(prompts)))
@@ -355,19 +367,39 @@ def _ours_runner(runner, prompts, a, row) -> None:
         runner.add_sequence(s)
     try:
         t = time.perf_counter()
-        state = {"tok": runner.step(list(zip(ids, prompts, strict=True)), device_logits=True).argmax(-1).tolist()}
-        torch.cuda.synchronize()
+        first = runner.step(list(zip(ids, prompts, strict=True)), device_logits=True)
+        state = {"tok": first.argmax(-1).tolist()}
+        _sync()
         row["prefill_ms"] = 1e3 * (time.perf_counter() - t)
         row["kv_cache_bytes"] = int(runner.paged.pool.nbytes())
 
         def step():
             logits = runner.step([(s, [t]) for s, t in zip(ids, state["tok"], strict=True)], device_logits=True)
             state["tok"] = logits.argmax(-1).tolist()
+
+        def chained():
+            # the server's loop (server/engine.py _chain): step N + 1 is launched on step N's device
+            # tokens before the host reads them (their pinned copy waits on an event, not on the
+            # stream), so the host's work of a step runs while the GPU runs the one before
+            if "dev" not in state:
+                state["dev"] = DeviceTokens(torch.tensor(state["tok"], device=first.device))
+            prev = state["dev"]
+            logits = runner.step_chained(ids, prev.rows())
+            state["dev"] = DeviceTokens(logits.argmax(-1))
+            runner.commit_tokens(list(zip(ids, prev.tolist(), strict=True)))
+        if row["impl"].endswith(":chained"):
+            if not runner.can_chain:
+                raise RuntimeError("this runner cannot chain decode steps")
+            row["mode"] += "+chained"
+            step = chained
         for _ in range(a.warmup):
             step()
         row["ms_per_step"] = _time_cuda(step, a.steps)
         if getattr(a, "profile", 0):
             _profile(step, a.profile, f"{row['impl']} batch {len(prompts)}")
+        if "dev" in state:          # the last chained step's samples (its input tokens are committed)
+            state["tok"] = state["dev"].tolist()
+        row["last_tokens"] = state["tok"]       # (the same with and without chaining: tests)
     finally:
         for s in ids:
             runner.free_sequence(s)

@@ -217,3 +217,34 @@ def test_grouped_projections_match_plain_cache(name, monkeypatch):
     dense = sum(isinstance(layer.mlp, GatedMLP) for layer in layers)
     assert len(r.paged.decoder._fused._groups) == len(layers) + dense
     assert set(groups) == ({3, 2} if dense else {3})
+
+
+def test_e2e_bench_chains_steps_as_serve_does(monkeypatch):
+    """``ours:<backend>:chained`` (bench/gpu_e2e_model.py) steps the runner as the server does (step
+    N + 1 launched on step N's device tokens, then those tokens committed): on the demo checkpoint
+    with the fixed-shape step forced on the CPU, every chained step goes through step_chained and
+    the greedy tokens equal the unchained loop's after the same number of steps."""
+    import argparse
+    import sys
+
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import DEMO, REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_e2e_model as g
+
+    monkeypatch.setattr(g, "_time_cuda", lambda step, n: [step() for _ in range(n)] and 1.0)
+    a = argparse.Namespace(warmup=2, steps=5, profile=0)
+    prompts = g.make_prompts(3, 6, 200)
+    rows = {}
+    for impl in ("ours:reference", "ours:reference:chained"):
+        runner = load_runner(str(DEMO / "model"), decode="static", max_num_seqs=4, max_context=64, block_size=8)
+        calls = []
+        real = runner.step_chained
+        monkeypatch.setattr(runner, "step_chained", lambda ids, tok: calls.append(len(ids)) or real(ids, tok))
+        rows[impl] = row = {"impl": impl}
+        g._ours_runner(runner, prompts, a, row)
+        assert calls == ([3] * 7 if impl.endswith("chained") else []), impl
+        runner.close()
+    assert rows["ours:reference:chained"]["mode"].endswith("+chained")
+    assert rows["ours:reference"]["last_tokens"] == rows["ours:reference:chained"]["last_tokens"]
