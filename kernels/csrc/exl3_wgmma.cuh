@@ -40,6 +40,13 @@ __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t des
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "l"(desc_a), "l"(desc_b));
 }
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b));
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -197,13 +204,24 @@ __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("
 // for the MMAs (wg_body's warps do both, 8 an SM beside 128 accumulator registers); whether eight
 // decode-only warps an SM are faster is what the bench asks.
 constexpr int WS_STAGES = 4;   // ring depth (8 KiB a stage: 2 x 64 x 16 halves of A, 128 x 16 of x)
-constexpr int WS_XA = 2;       // k-tiles the activations' copies run ahead of the decode
+// PG producer groups of two warpgroups (8 warps, one n-tile each): group q decodes the k-tiles i with
+// i % PG == q into stages i % WS_STAGES, so each group owns WS_STAGES / PG stages. XA: the group's own
+// k-tiles its activations' copies run ahead of its decode (within its stages). CW consumer
+// warpgroups: 2 (m64n128: 64 columns x the 128 rows each, 64 accumulators, >= 90 registers) or 4
+// (m64n64: 64 columns x 64 rows each, 32 accumulators), so PG 2 fits 1024 threads at 64 registers
+// with 16 decoding warps an SM where PG 1 has 8 (ptxas would not honour setmaxnreg's regions here:
+// a 768-thread variant failed at 80 registers for the m64n128 MMA).
+template <int PG, int CW>
 __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                         const int* __restrict__ slot_exp, float* __restrict__ acc,
                                         unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
                                         int n_groups, int n_units, const int* __restrict__ tile_n) {
     constexpr int S = WS_STAGES, MROWS = 128;
-    static_assert(S > WS_XA && S == 4, "the producer loop is unrolled by S (count % 4 == 0)");
+    constexpr int R = S / PG;              // a group's stages = its register pipeline's depth
+    constexpr int XA = PG == 1 ? 2 : 1;
+    static_assert((PG == 1 || PG == 2) && S == 4 && XA < R, "count % 4 == 0: the loops are unrolled by R");
+    static_assert(CW == 2 || CW == 4, "consumers: 64 columns x 128 or 64 rows each");
+    constexpr int CT = 128 * CW, THREADS = CT + 256 * PG;   // consumer threads, all
     __shared__ __align__(128) half as[S][2][64 * 16];     // decoded Ŵᵀ: [stage][consumer][64 x 16]
     __shared__ __align__(128) half xs[S][MROWS * 16];     // activations: [stage][128 x 16]
     pdl_launch_dependents();
@@ -220,19 +238,23 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
     const int count = i1 - i0;             // a multiple of 4 (kt % 8 == 0, kps % 4 == 0)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    constexpr int FULL = 1, EMPTY = 1 + S;
+    // FULL + u / EMPTY + u: stage u's handshakes, each between one producer group and the consumers
+    constexpr int FULL = 1, EMPTY = 1 + S, BAR = CT + 256;
+    static_assert(THREADS <= 1024 && EMPTY + S <= 16, "named barriers 1..15");
 
-    if (warp >= 8) {                       // ---- producers
-        const int pw = warp - 8, pt = threadIdx.x - 256;
+    if (warp >= CT / 32) {                 // ---- producers
+        const int pw = (warp - CT / 32) & 7, q = (warp - CT / 32) >> 3, pt = (threadIdx.x - CT) & 255;
         int word, off;
         lane_origin(lane, word, off);
         const size_t row_stride = (size_t)nt * NW;
+        const size_t step = row_stride * PG;                 // to the group's next k-tile
         const uint32_t* wp[NL];
-        weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0, row_stride, jb + pw, word, wp);
+        weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0 + q, row_stride, jb + pw, word, wp);
         const Consts kc;
-        uint32_t wb[S][1][NL];
+        const int mine = count / PG;       // the group's k-tiles: i = q + PG j, j < mine (a multiple of R)
+        uint32_t wb[R][1][NL];
 #pragma unroll
-        for (int p = 0; p < S; p++) load_tiles<1>(wb[p], wp, row_stride, p < count);
+        for (int p = 0; p < R; p++) load_tiles<1>(wb[p], wp, step, p < mine);
         const half* xh = reinterpret_cast<const half*>(xrot);
         const size_t krow = (size_t)kt * 16;
         const int m = pt >> 1, h = pt & 1;                   // this thread's 16-byte piece of a k-tile
@@ -249,64 +271,69 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
         const int o0 = kmajor_at(r0, 2 * t), o1 = kmajor_at(r1, 2 * t);
         pdl_wait();
 #pragma unroll
-        for (int i = 0; i < WS_XA; i++) {
-            if (i < count) load_x(i); else cp_async_commit();
+        for (int j = 0; j < XA; j++) {
+            if (j < mine) load_x(q + PG * j); else cp_async_commit();
         }
-        for (int ib = 0; ib < count; ib += S) {
+        for (int jb0 = 0; jb0 < mine; jb0 += R) {
 #pragma unroll
-            for (int u = 0; u < S; u++) {
-                const int i = ib + u;
+            for (int v = 0; v < R; v++) {
+                const int j = jb0 + v, i = q + PG * j, u = i % S;
                 uint32_t b[4];
-                decode_tile(kc, wb[u][0], off, b);
-                load_tiles<1>(wb[u], wp, row_stride, i + S < count);
-                // stage i % S == u: k-tile i - S's MMAs are done (its EMPTY, waited at step i - WS_XA)
+                decode_tile(kc, wb[v][0], off, b);
+                load_tiles<1>(wb[v], wp, step, j + R < mine);
+                // stage u: k-tile i - S's MMAs are done (its EMPTY, waited when k-tile i's
+                // activations were copied, XA of the group's steps ago)
                 uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);
                 a32[o0 >> 1] = b[0];
                 a32[o1 >> 1] = b[2];
                 a32[(o0 + kmajor_at(0, 8)) >> 1] = b[1];      // k + 8: the other core matrix
                 a32[(o1 + kmajor_at(0, 8)) >> 1] = b[3];
-                // the activations of k-tile i + WS_XA, after the decode (which so runs S k-tiles
-                // ahead of the MMAs, not WS_XA)
-                const int ix = i + WS_XA;
-                if (ix < count) {
-                    if (ix >= S) named_sync(EMPTY + ix % S, 512);   // k-tile ix - S's MMAs are done
+                // the activations of the group's k-tile XA steps on, after the decode (which so
+                // runs a whole ring ahead of the MMAs)
+                const int ix = i + PG * XA;
+                if (j + XA < mine) {
+                    if (ix >= S) named_sync(EMPTY + ix % S, BAR);   // k-tile ix - S's MMAs are done
                     load_x(ix);
                 } else {
                     cp_async_commit();
                 }
-                cp_async_wait<WS_XA>();    // k-tile i's activations have landed (this thread's copy)
+                cp_async_wait<XA>();       // k-tile i's activations have landed (this thread's copy)
                 fence_async_smem();        // the stage's generic-proxy writes, visible to wgmma
-                named_arrive(FULL + u, 512);
+                named_arrive(FULL + u, BAR);
             }
         }
         return;
     }
-    // ---- consumers
-    const int c = warp >> 2;               // 0 / 1: n-tiles 4c..4c+3 of the block
-    float d[64];
+    // ---- consumers: warpgroup c takes columns 64 (c % 2).. of the block and (CW 4) rows 64 (c / 2)..
+    constexpr int CROWS = MROWS * 2 / CW, CA = CROWS / 2;  // its rows, accumulators a thread
+    const int c = warp >> 2, ch = c & 1, r0 = (c >> 1) * CROWS;
+    float d[CA];
 #pragma unroll
-    for (int i = 0; i < 64; i++) d[i] = 0.f;
+    for (int i = 0; i < CA; i++) d[i] = 0.f;
     pdl_wait();                            // (the workspace below is the previous kernels')
     for (int ib = 0; ib < count; ib += S) {
 #pragma unroll
         for (int u = 0; u < S; u++) {
             const int i = ib + u;
-            named_sync(FULL + u, 512);
+            named_sync(FULL + u, BAR);
             fence_regs(d);
             wgmma_fence();
-            wgmma_ss_m64n128k16(d, wg_desc(&as[u][c][0]), wg_desc(&xs[u][0]));
+            const uint64_t da = wg_desc(&as[u][ch][0]), db = wg_desc(&xs[u][kmajor_at(r0, 0)]);
+            if constexpr (CW == 2) wgmma_ss_m64n128k16(d, da, db);
+            else wgmma_ss_m64n64k16(d, da, db);
             wgmma_commit();
             wgmma_wait<1>();               // k-tile i - 1's MMA is done: its stage may be refilled
             fence_regs(d);
-            if (i >= 1 && i - 1 + S < count) named_arrive(EMPTY + (u + S - 1) % S, 512);
+            if (i >= 1 && i - 1 + S < count) named_arrive(EMPTY + (u + S - 1) % S, BAR);
         }
     }
     wgmma_wait<0>();
     fence_regs(d);
-    float cf[MROWS / 8][1][4];
+    if (r0 >= nr) return;
+    float cf[CROWS / 8][1][4];
 #pragma unroll
-    for (int i = 0; i < MROWS / 8; i++)
+    for (int i = 0; i < CROWS / 8; i++)
 #pragma unroll
         for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
-    add_fragments<MROWS / 8, 1>(acc, acc64, cf, z * rows, nr, nt * 16, jb + 4 * c + (warp & 3), g, t);
+    add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
 }
