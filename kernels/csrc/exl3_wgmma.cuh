@@ -191,26 +191,24 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
 __device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
-// Warp-specialized (the decode apart from the MMAs): a block of four warpgroups holds 128 columns (8
-// n-tiles) x one k-range x the slot's 128 rows, under tiles_body's contract (units of 2 n-tiles, four
-// a block: n_groups % 4 == 0). Warpgroups 2-3 are producers: warp pw decodes n-tile pw of each
-// k-tile straight from the trellis (weights loaded WS_STAGES k-tiles ahead in registers) and stores
-// the mma A fragment into that k-tile's stage in wgmma's K-major no-swizzle layout (the same core
-// matrices as the activations: LBO 128 B, SBO 256 B); one thread a 16-byte piece, they also copy
-// the k-tile's activations (cp.async, WS_XA k-tiles ahead). Warpgroups 0-1 are consumers: each
-// waits for a stage to be full, multiplies its 64 columns (n-tiles 4c..4c+3) by the 128 rows with
-// one wgmma (both operands from shared memory), and frees the stage once that MMA is done. The
-// ring's FULL / EMPTY handshakes are named barriers of all 512 threads. The decode no longer waits
-// for the MMAs (wg_body's warps do both, 8 an SM beside 128 accumulator registers); whether eight
-// decode-only warps an SM are faster is what the bench asks.
-constexpr int WS_STAGES = 4;   // ring depth (8 KiB a stage: 2 x 64 x 16 halves of A, 128 x 16 of x)
-// PG producer groups of two warpgroups (8 warps, one n-tile each): group q decodes the k-tiles i with
-// i % PG == q into stages i % WS_STAGES, so each group owns WS_STAGES / PG stages. XA: the group's own
-// k-tiles its activations' copies run ahead of its decode (within its stages). CW consumer
-// warpgroups: 2 (m64n128: 64 columns x the 128 rows each, 64 accumulators, >= 90 registers) or 4
-// (m64n64: 64 columns x 64 rows each, 32 accumulators), so PG 2 fits 1024 threads at 64 registers
-// with 16 decoding warps an SM where PG 1 has 8 (ptxas would not honour setmaxnreg's regions here:
-// a 768-thread variant failed at 80 registers for the m64n128 MMA).
+// Warp-specialized (the decode apart from the MMAs): a block holds 128 columns (8 n-tiles) x one
+// k-range x the slot's 128 rows, under tiles_body's contract (units of 2 n-tiles, four a block:
+// n_groups % 4 == 0). CW consumer warpgroups, then PG producer groups of two warpgroups (8 warps).
+// Group q takes the k-tiles i with i % PG == q: warp pw decodes n-tile pw of each straight from the
+// trellis (weights loaded WS_STAGES / PG of its k-tiles ahead in registers) and stores the mma A
+// fragment into stage i % WS_STAGES in wgmma's K-major no-swizzle layout (the same core matrices as
+// the activations: LBO 128 B, SBO 256 B); one thread a 16-byte piece, the group also copies the
+// activations of k-tile i + WS_STAGES (cp.async) into their own ring of 2 WS_STAGES places, freed
+// by the same handshake as the stage, so a stage's FULL never waits on a copy just issued (the
+// 2026-12-03 16:47 session's first version copied them into the stage, two k-tiles ahead: slower
+// than the default at 16 decoding warps an SM as at 8). Consumers: each waits for a stage to be
+// full, multiplies its 64 columns by its rows with one wgmma (both operands from shared memory),
+// and frees the stage once that MMA is done. FULL + u / EMPTY + u: stage u's handshakes, named
+// barriers between the consumers and the group that fills u. CW 2: m64n128, 64 columns x the 128
+// rows each (64 accumulators, >= 90 registers); CW 4: m64n64, 64 x 64 each (32), so PG 2 fits
+// 1024 threads at 64 registers (ptxas would not honour setmaxnreg's regions for a 768-thread
+// variant: the m64n128 MMA needs 90 where the launch allows 80).
+constexpr int WS_STAGES = 4;   // ring depth (4 KiB a stage of A: 2 x 64 x 16 halves; 4 KiB a place of x)
 template <int PG, int CW>
 __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                         const int* __restrict__ slot_exp, float* __restrict__ acc,
@@ -218,12 +216,12 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
                                         int n_groups, int n_units, const int* __restrict__ tile_n) {
     constexpr int S = WS_STAGES, MROWS = 128;
     constexpr int R = S / PG;              // a group's stages = its register pipeline's depth
-    constexpr int XA = PG == 1 ? 2 : 1;
-    static_assert((PG == 1 || PG == 2) && S == 4 && XA < R, "count % 4 == 0: the loops are unrolled by R");
+    constexpr int SX = 2 * S, XA = R;      // the activations' ring; the group's steps its copies run ahead
+    static_assert((PG == 1 || PG == 2) && S == 4, "count % 4 == 0: the loops are unrolled by R");
     static_assert(CW == 2 || CW == 4, "consumers: 64 columns x 128 or 64 rows each");
     constexpr int CT = 128 * CW, THREADS = CT + 256 * PG;   // consumer threads, all
     __shared__ __align__(128) half as[S][2][64 * 16];     // decoded Ŵᵀ: [stage][consumer][64 x 16]
-    __shared__ __align__(128) half xs[S][MROWS * 16];     // activations: [stage][128 x 16]
+    __shared__ __align__(128) half xs[SX][MROWS * 16];    // activations: [k-tile % SX][128 x 16]
     pdl_launch_dependents();
     const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
     const int z = blockIdx.y;
@@ -261,8 +259,8 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
         const bool ok = m < nr;
         const half* xsrc = xh + (size_t)(z * rows + (ok ? m : 0)) * krow + (size_t)i0 * 16 + 8 * h;
         const int xoff = kmajor_at(m, 8 * h);
-        auto load_x = [&](int i) {         // k-tile i of the range into stage i % S
-            cp_async16(&xs[i % S][xoff], xsrc + 16 * i, ok);
+        auto load_x = [&](int i) {         // k-tile i of the range into its place i % SX
+            cp_async16(&xs[i % SX][xoff], xsrc + 16 * i, ok);
             cp_async_commit();
         };
         // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile: rows 16 q + g
@@ -281,22 +279,16 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
                 uint32_t b[4];
                 decode_tile(kc, wb[v][0], off, b);
                 load_tiles<1>(wb[v], wp, step, j + R < mine);
-                // stage u: k-tile i - S's MMAs are done (its EMPTY, waited when k-tile i's
-                // activations were copied, XA of the group's steps ago)
+                // k-tile i - S's MMAs are done: stage u and the activations' place (i + S) % SX
+                if (i >= S) named_sync(EMPTY + u, BAR);
                 uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);
                 a32[o0 >> 1] = b[0];
                 a32[o1 >> 1] = b[2];
                 a32[(o0 + kmajor_at(0, 8)) >> 1] = b[1];      // k + 8: the other core matrix
                 a32[(o1 + kmajor_at(0, 8)) >> 1] = b[3];
-                // the activations of the group's k-tile XA steps on, after the decode (which so
-                // runs a whole ring ahead of the MMAs)
-                const int ix = i + PG * XA;
-                if (j + XA < mine) {
-                    if (ix >= S) named_sync(EMPTY + ix % S, BAR);   // k-tile ix - S's MMAs are done
-                    load_x(ix);
-                } else {
-                    cp_async_commit();
-                }
+                // the activations of k-tile i + S (the group's XA steps on): their copies run a
+                // whole ring ahead, so the FULL below never waits on a copy issued one step ago
+                if (i + S < count) load_x(i + S); else cp_async_commit();
                 cp_async_wait<XA>();       // k-tile i's activations have landed (this thread's copy)
                 fence_async_smem();        // the stage's generic-proxy writes, visible to wgmma
                 named_arrive(FULL + u, BAR);
@@ -318,7 +310,7 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
             named_sync(FULL + u, BAR);
             fence_regs(d);
             wgmma_fence();
-            const uint64_t da = wg_desc(&as[u][ch][0]), db = wg_desc(&xs[u][kmajor_at(r0, 0)]);
+            const uint64_t da = wg_desc(&as[u][ch][0]), db = wg_desc(&xs[i % SX][kmajor_at(r0, 0)]);
             if constexpr (CW == 2) wgmma_ss_m64n128k16(d, da, db);
             else wgmma_ss_m64n64k16(d, da, db);
             wgmma_commit();
