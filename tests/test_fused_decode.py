@@ -241,7 +241,8 @@ def test_e2e_bench_chains_steps_as_serve_does(monkeypatch):
         runner = load_runner(str(DEMO / "model"), decode="static", max_num_seqs=4, max_context=64, block_size=8)
         calls = []
         real = runner.step_chained
-        monkeypatch.setattr(runner, "step_chained", lambda ids, tok: calls.append(len(ids)) or real(ids, tok))
+        monkeypatch.setattr(runner, "step_chained",
+                            lambda ids, tok, calls=calls, real=real: calls.append(len(ids)) or real(ids, tok))
         rows[impl] = row = {"impl": impl}
         g._ours_runner(runner, prompts, a, row)
         assert calls == ([3] * 7 if impl.endswith("chained") else []), impl
