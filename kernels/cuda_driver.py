@@ -22,6 +22,8 @@ class _LaunchConfig(ctypes.Structure):
 
 
 PDL_ATTR = 6                 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+MAX_DYNAMIC_SMEM = 8         # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+STATIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory past this needs the attribute raised
 
 
 class _Driver:
@@ -40,6 +42,7 @@ class _Driver:
         self.lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), v, ctypes.POINTER(v), ctypes.POINTER(v)]
         self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), v,
                                                                          ctypes.c_int, ctypes.c_size_t]
+        self.lib.cuFuncSetAttribute.argtypes = [v, ctypes.c_int, ctypes.c_int]
         # cuFuncGetParamInfo (CUDA 12.4+): a kernel's parameter count, checked against each launch's
         # arguments (a missing one would be read as whatever lies past the packed values)
         self.param_info = getattr(self.lib, "cuFuncGetParamInfo", None)
@@ -84,6 +87,7 @@ class Module:
         self.fns: dict[str, ctypes.c_void_p] = {}
         self.occupancy: dict[tuple, int] = {}
         self.n_params: dict[str, int | None] = {}
+        self.smem_max: dict[str, int] = {}
 
     def param_count(self, name: str) -> int | None:
         """How many parameters kernel ``name`` takes (None: the driver cannot say)."""
@@ -106,21 +110,31 @@ class Module:
             self.fns[name] = f
         return f
 
-    def blocks_per_sm(self, name: str, block: int) -> int:
-        """Resident blocks of ``name`` per SM (registers decide): sizes one-wave grids."""
-        key = (name, block)
+    def allow_smem(self, name: str, smem: int) -> None:
+        """Let kernel ``name`` take ``smem`` bytes of dynamic shared memory (past 48 KiB the
+        function's limit must be raised before a launch or an occupancy query with them)."""
+        if smem > max(STATIC_SMEM_LIMIT, self.smem_max.get(name, 0)):
+            d = driver()
+            d.check(d.lib.cuFuncSetAttribute(self.fn(name), MAX_DYNAMIC_SMEM, smem), f"{name}: {smem} B of shared memory")
+            self.smem_max[name] = smem
+
+    def blocks_per_sm(self, name: str, block: int, smem: int = 0) -> int:
+        """Resident blocks of ``name`` per SM (registers and shared memory decide): sizes one-wave grids."""
+        key = (name, block, smem)
         n = self.occupancy.get(key)
         if n is None:
             c = ctypes.c_int()
             d = driver()
-            d.check(d.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(c), self.fn(name), block, 0),
+            self.allow_smem(name, smem)
+            d.check(d.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(c), self.fn(name), block, smem),
                     f"occupancy {name}")
             n = self.occupancy[key] = max(1, c.value)
         return n
 
-    def launch(self, name: str, grid, block: int, *args, pdl: bool = False) -> None:
+    def launch(self, name: str, grid, block: int, *args, pdl: bool = False, smem: int = 0) -> None:
         """args: tensors (or None for NULL) become pointers, Python ints become int32. ``pdl``:
-        programmatic dependent launch (the kernel starts early and griddepcontrol.wait's)."""
+        programmatic dependent launch (the kernel starts early and griddepcontrol.wait's).
+        ``smem``: bytes of dynamic shared memory."""
         want = self.param_count(name)
         if want is not None and want != len(args):
             raise RuntimeError(f"{name}: takes {want} parameters, launched with {len(args)}")
@@ -137,11 +151,12 @@ class Module:
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         d = driver()
         fn = self.fn(name)
+        self.allow_smem(name, smem)
 
         def go():
             if not pdl:
-                return d.lib.cuLaunchKernel(fn, gx, gy, 1, block, 1, 1, 0, stream, params, None)
-            cfg = _LaunchConfig(grid=(gx, gy, 1), block=(block, 1, 1), smem=0, stream=stream,
+                return d.lib.cuLaunchKernel(fn, gx, gy, 1, block, 1, 1, smem, stream, params, None)
+            cfg = _LaunchConfig(grid=(gx, gy, 1), block=(block, 1, 1), smem=smem, stream=stream,
                                 attrs=ctypes.pointer(d.pdl), n_attrs=1)
             return d.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None)
 

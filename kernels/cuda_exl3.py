@@ -243,7 +243,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     extra = (tile_n,) if ld_tab is None else (ld_tab,)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     w, threads = kernel_block(name)
-    mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL)
+    mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL, smem=kernel_smem(name))
 
 
 PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
@@ -292,16 +292,24 @@ def kernel_block(name: str) -> tuple[int, int]:
         return w, 32 * w
     if name.startswith("exl3_ws_"):
         return 4, 512
-    if name.startswith("exl3_ws2_"):
+    if name.startswith(("exl3_ws2_", "exl3_ws3_")):
         return 4, 1024
     return 4, 128
+
+
+WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
+
+
+def kernel_smem(name: str) -> int:
+    """Bytes of dynamic shared memory a block of GEMM kernel ``name`` takes (the rest: static)."""
+    return WS3_SMEM if name.startswith("exl3_ws3_") else 0
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
     are resident at once (one wave: no tail of half-empty SMs); units == groups: one split."""
     w, threads = kernel_block(name)
-    resident = _sm_count(device) * mod.blocks_per_sm(name, threads) * w
+    resident = _sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE

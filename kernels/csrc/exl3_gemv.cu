@@ -838,6 +838,12 @@ WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM
     }
 WS(exl3_ws_m128_t2, 1, 2)      // 512 threads, 8 decoding warps an SM
 WS(exl3_ws2_m128_t2, 2, 4)     // 1024 threads (64 registers), 16 decoding warps an SM
+// ws3_body: ws2's roles, stages of 4 k-tiles (128 KiB of dynamic shared memory: cuda_exl3.WS3_SMEM)
+extern "C" __global__ void __launch_bounds__(1024, 1) exl3_ws3_m128_t2(
+    const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, unsigned long long* acc64,
+    int rows, int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n) {
+    ws3_body<2, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n);
+}
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

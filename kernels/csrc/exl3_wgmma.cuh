@@ -329,3 +329,124 @@ __device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const
         for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
     add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
 }
+
+// ws3_body: ws_body's roles with stages of WS3_KS k-tiles (dynamic shared memory: WS3_S stages of
+// A and x, cuda_exl3.WS3_SMEM), so the handshakes, the activations' copies, the proxy fence and
+// the stage's addressing are paid once per WS3_KS decoded tiles, not once per tile (ncu on the
+// 2026-12-03 16:47 session's ws2: 145 instructions a decoded tile against the gemv's 52, the
+// issue slots 54 % busy). Group q of the PG producer groups fills the chunks (WS3_KS k-tiles) c
+// with c % PG == q into stage c % WS3_S, copying their activations first (the decode of the chunk
+// hides the copy) and loading its next chunk's weights into registers as it decodes this one.
+constexpr int WS3_KS = 4, WS3_S = 4;
+template <int PG, int CW>
+__device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
+                                         const int* __restrict__ slot_exp, float* __restrict__ acc,
+                                         unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
+                                         int n_groups, int n_units, const int* __restrict__ tile_n) {
+    constexpr int KS = WS3_KS, S = WS3_S, MROWS = 128;
+    static_assert(PG == 2 && CW == 4 && S % PG == 0, "one producer group a stage's barriers; m64n64 consumers");
+    constexpr int CT = 128 * CW;
+    constexpr int A_TILE = 2 * 64 * 16, X_TILE = MROWS * 16;   // halves a k-tile: A [consumer half][64 x 16], x
+    constexpr int A_STAGE = KS * A_TILE, X_STAGE = KS * X_TILE;
+    extern __shared__ __align__(128) unsigned char ws3_smem[];  // [S][A_STAGE] then [S][X_STAGE] halves
+    half* const as = reinterpret_cast<half*>(ws3_smem);
+    half* const xs = as + S * A_STAGE;
+    pdl_launch_dependents();
+    const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
+    const int z = blockIdx.y;
+    const int grp = unit0 % n_groups, split = unit0 / n_groups;
+    const int i0 = split * kps;
+    const int i1 = min(kt, i0 + kps);
+    if (unit0 >= n_units || i0 >= i1) return;               // (the whole block)
+    const int e = slot_exp ? slot_exp[z] : 0;
+    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
+    if (e < 0 || nr <= 0) return;
+    const int jb = grp * 2;                // the block's first n-tile
+    const int chunks = (i1 - i0) / KS;     // (i1 - i0) % 4 == 0
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int FULL = 1, EMPTY = 1 + S, BAR = CT + 256;
+
+    if (warp >= CT / 32) {                 // ---- producers
+        const int pw = (warp - CT / 32) & 7, q = (warp - CT / 32) >> 3, pt = (threadIdx.x - CT) & 255;
+        int word, off;
+        lane_origin(lane, word, off);
+        const size_t row_stride = (size_t)nt * NW;
+        const size_t skip = (size_t)(PG - 1) * KS * row_stride;   // past the other groups' chunks
+        const uint32_t* wp[NL];
+        weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0 + q * KS, row_stride, jb + pw, word, wp);
+        const Consts kc;
+        uint32_t wb[KS][1][NL];
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) load_tiles<1>(wb[kk], wp, row_stride, q < chunks);
+#pragma unroll
+        for (int m = 0; m < NL; m++) wp[m] += skip;
+        const half* xh = reinterpret_cast<const half*>(xrot);
+        const size_t krow = (size_t)kt * 16;
+        const int m = pt >> 1, h = pt & 1;                   // this thread's 16-byte piece of a k-tile
+        const bool ok = m < nr;
+        const half* xsrc = xh + (size_t)(z * rows + (ok ? m : 0)) * krow + (size_t)i0 * 16 + 8 * h;
+        const int xoff = kmajor_at(m, 8 * h);
+        // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile (ws_body's)
+        const int r0 = 16 * (pw & 3) + g, r1 = r0 + 8;
+        const int o0 = kmajor_at(r0, 2 * t), o1 = kmajor_at(r1, 2 * t), o8 = kmajor_at(0, 8);
+        pdl_wait();
+        for (int c = q; c < chunks; c += PG) {
+            const int u = c % S;
+            if (c >= S) named_sync(EMPTY + u, BAR);          // chunk c - S's MMAs are done
+            half* const xst = xs + u * X_STAGE + xoff;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) cp_async16(xst + kk * X_TILE, xsrc + (size_t)(c * KS + kk) * 16, ok);
+            cp_async_commit();
+            uint32_t* const a32 = reinterpret_cast<uint32_t*>(as + u * A_STAGE + (pw >> 2) * (A_TILE / 2));
+            const bool more = c + PG < chunks;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                uint32_t b[4];
+                decode_tile(kc, wb[kk][0], off, b);
+                load_tiles<1>(wb[kk], wp, row_stride, more);  // the group's next chunk
+                uint32_t* const ak = a32 + kk * (A_TILE / 2);
+                ak[o0 >> 1] = b[0];
+                ak[o1 >> 1] = b[2];
+                ak[(o0 + o8) >> 1] = b[1];                    // k + 8: the other core matrix
+                ak[(o1 + o8) >> 1] = b[3];
+            }
+#pragma unroll
+            for (int mm = 0; mm < NL; mm++) wp[mm] += skip;
+            cp_async_wait<0>();            // this thread's activations of the chunk have landed
+            fence_async_smem();            // the stage's generic-proxy writes, visible to wgmma
+            named_arrive(FULL + u, BAR);
+        }
+        return;
+    }
+    // ---- consumers: warpgroup c takes columns 64 (c % 2).. of the block and rows 64 (c / 2)..
+    constexpr int CROWS = 64, CA = CROWS / 2;
+    const int c = warp >> 2, ch = c & 1, r0 = (c >> 1) * CROWS;
+    float d[CA];
+#pragma unroll
+    for (int i = 0; i < CA; i++) d[i] = 0.f;
+    pdl_wait();                            // (the workspace below is the previous kernels')
+    for (int cc = 0; cc < chunks; cc++) {
+        const int u = cc % S;
+        named_sync(FULL + u, BAR);
+        fence_regs(d);
+        wgmma_fence();
+        const half* const ast = as + u * A_STAGE + ch * (A_TILE / 2);
+        const half* const xst = xs + u * X_STAGE + kmajor_at(r0, 0);
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) wgmma_ss_m64n64k16(d, wg_desc(ast + kk * A_TILE), wg_desc(xst + kk * X_TILE));
+        wgmma_commit();
+        wgmma_wait<1>();                   // chunk cc - 1's MMAs are done: its stage may be refilled
+        fence_regs(d);
+        if (cc >= 1 && cc - 1 + S < chunks) named_arrive(EMPTY + (cc - 1) % S, BAR);
+    }
+    wgmma_wait<0>();
+    fence_regs(d);
+    if (r0 >= nr) return;
+    float cf[CROWS / 8][1][4];
+#pragma unroll
+    for (int i = 0; i < CROWS / 8; i++)
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++) cf[i][0][qq] = d[4 * i + qq];
+    add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
+}
