@@ -3,7 +3,7 @@
     ncu --clock-control none --kernel-name regex:exl3_gemv --launch-count 1 \
         --section WarpStateStats --section SchedulerStats python3 bench/ncu_gemv.py [K IN OUT ROWS [KERNEL]]
 
-KERNEL: a dense-slot GEMM kernel (bench/gpu_bench.py DENSE_TILES, e.g. exl3_ws2_m128_t2) over slots of
+KERNEL: a dense-slot GEMM kernel (bench/gpu_bench.py DENSE_TILES, e.g. exl3_ws3_m128_t2) over slots of
 its rows, as the bench times it (had_in, the kernel, had_out), instead of the linear's own path.
 """
 

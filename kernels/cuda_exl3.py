@@ -285,14 +285,11 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
 def kernel_block(name: str) -> tuple[int, int]:
     """(units, threads) a block of GEMM kernel ``name``: a unit is a warp's n-tiles, 4 a block of
     128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
-    the warp-specialized exl3_ws_* has 4 units of MMA work in 512 threads (half of them decode),
-    exl3_ws2_* in 1024 (16 decoding warps, four consumer warpgroups)."""
+    the warp-specialized exl3_ws3_* has 4 units of MMA work in 1024 threads (16 warps decode)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
         w = 4 * int(name[len("exl3_wg")])
         return w, 32 * w
-    if name.startswith("exl3_ws_"):
-        return 4, 512
-    if name.startswith(("exl3_ws2_", "exl3_ws3_")):
+    if name.startswith("exl3_ws3_"):
         return 4, 1024
     return 4, 128
 

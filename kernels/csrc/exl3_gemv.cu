@@ -827,18 +827,7 @@ TILES(128, 2, 2, 2)
 WG(exl3_wg2_m128_t2, 128, 2, 2, 1, 2)     // 256 columns a block
 WG(exl3_wg2_m256_t1, 256, 1, 2, 1, 2)     // 128 columns a block, 256 rows: one decode for them all
 WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM (128 registers)
-// WS(NAME, PG, CW): ws_body, the decode warps apart from the MMA warps (CW consumer warpgroups, PG
-// groups of two producer warpgroups; 128 columns a block, units of two n-tiles), for the bench
-#define WS(NAME, PG, CW)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128 * CW + 256 * PG, 1) NAME(                        \
-        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
-        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
-        const int* tile_n) {                                                                          \
-        ws_body<PG, CW>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n); \
-    }
-WS(exl3_ws_m128_t2, 1, 2)      // 512 threads, 8 decoding warps an SM
-WS(exl3_ws2_m128_t2, 2, 4)     // 1024 threads (64 registers), 16 decoding warps an SM
-// ws3_body: ws2's roles, stages of 4 k-tiles (128 KiB of dynamic shared memory: cuda_exl3.WS3_SMEM)
+// ws3_body: the warp-specialized kernel (128 KiB of dynamic shared memory: cuda_exl3.WS3_SMEM), for the bench
 extern "C" __global__ void __launch_bounds__(1024, 1) exl3_ws3_m128_t2(
     const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, unsigned long long* acc64,
     int rows, int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n) {

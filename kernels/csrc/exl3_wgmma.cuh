@@ -33,13 +33,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], const uint32_t
 }
 
 // both operands from shared memory (descriptors): the warp-specialized kernel's A is decoded there
-__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(desc_a), "l"(desc_b));
-}
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -191,152 +184,21 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
 __device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
-// Warp-specialized (the decode apart from the MMAs): a block holds 128 columns (8 n-tiles) x one
-// k-range x the slot's 128 rows, under tiles_body's contract (units of 2 n-tiles, four a block:
-// n_groups % 4 == 0). CW consumer warpgroups, then PG producer groups of two warpgroups (8 warps).
-// Group q takes the k-tiles i with i % PG == q: warp pw decodes n-tile pw of each straight from the
-// trellis (weights loaded WS_STAGES / PG of its k-tiles ahead in registers) and stores the mma A
-// fragment into stage i % WS_STAGES in wgmma's K-major no-swizzle layout (the same core matrices as
-// the activations: LBO 128 B, SBO 256 B); one thread a 16-byte piece, the group also copies the
-// activations of k-tile i + WS_STAGES (cp.async) into their own ring of 2 WS_STAGES places, freed
-// by the same handshake as the stage, so a stage's FULL never waits on a copy just issued (the
-// 2026-12-03 16:47 session's first version copied them into the stage, two k-tiles ahead: slower
-// than the default at 16 decoding warps an SM as at 8). Consumers: each waits for a stage to be
-// full, multiplies its 64 columns by its rows with one wgmma (both operands from shared memory),
-// and frees the stage once that MMA is done. FULL + u / EMPTY + u: stage u's handshakes, named
-// barriers between the consumers and the group that fills u. CW 2: m64n128, 64 columns x the 128
-// rows each (64 accumulators, >= 90 registers); CW 4: m64n64, 64 x 64 each (32), so PG 2 fits
-// 1024 threads at 64 registers (ptxas would not honour setmaxnreg's regions for a 768-thread
-// variant: the m64n128 MMA needs 90 where the launch allows 80).
-constexpr int WS_STAGES = 4;   // ring depth (4 KiB a stage of A: 2 x 64 x 16 halves; 4 KiB a place of x)
-template <int PG, int CW>
-__device__ __forceinline__ void ws_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
-                                        const int* __restrict__ slot_exp, float* __restrict__ acc,
-                                        unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
-                                        int n_groups, int n_units, const int* __restrict__ tile_n) {
-    constexpr int S = WS_STAGES, MROWS = 128;
-    constexpr int R = S / PG;              // a group's stages = its register pipeline's depth
-    constexpr int SX = 2 * S, XA = R;      // the activations' ring; the group's steps its copies run ahead
-    static_assert((PG == 1 || PG == 2) && S == 4, "count % 4 == 0: the loops are unrolled by R");
-    static_assert(CW == 2 || CW == 4, "consumers: 64 columns x 128 or 64 rows each");
-    constexpr int CT = 128 * CW, THREADS = CT + 256 * PG;   // consumer threads, all
-    __shared__ __align__(128) half as[S][2][64 * 16];     // decoded Ŵᵀ: [stage][consumer][64 x 16]
-    __shared__ __align__(128) half xs[SX][MROWS * 16];    // activations: [k-tile % SX][128 x 16]
-    pdl_launch_dependents();
-    const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
-    const int z = blockIdx.y;
-    const int grp = unit0 % n_groups, split = unit0 / n_groups;
-    const int i0 = split * kps;
-    const int i1 = min(kt, i0 + kps);
-    if (unit0 >= n_units || i0 >= i1) return;               // (the whole block)
-    const int e = slot_exp ? slot_exp[z] : 0;
-    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
-    if (e < 0 || nr <= 0) return;
-    const int jb = grp * 2;                // the block's first n-tile
-    const int count = i1 - i0;             // a multiple of 4 (kt % 8 == 0, kps % 4 == 0)
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    // FULL + u / EMPTY + u: stage u's handshakes, each between one producer group and the consumers
-    constexpr int FULL = 1, EMPTY = 1 + S, BAR = CT + 256;
-    static_assert(THREADS <= 1024 && EMPTY + S <= 16, "named barriers 1..15");
-
-    if (warp >= CT / 32) {                 // ---- producers
-        const int pw = (warp - CT / 32) & 7, q = (warp - CT / 32) >> 3, pt = (threadIdx.x - CT) & 255;
-        int word, off;
-        lane_origin(lane, word, off);
-        const size_t row_stride = (size_t)nt * NW;
-        const size_t step = row_stride * PG;                 // to the group's next k-tile
-        const uint32_t* wp[NL];
-        weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0 + q, row_stride, jb + pw, word, wp);
-        const Consts kc;
-        const int mine = count / PG;       // the group's k-tiles: i = q + PG j, j < mine (a multiple of R)
-        uint32_t wb[R][1][NL];
-#pragma unroll
-        for (int p = 0; p < R; p++) load_tiles<1>(wb[p], wp, step, p < mine);
-        const half* xh = reinterpret_cast<const half*>(xrot);
-        const size_t krow = (size_t)kt * 16;
-        const int m = pt >> 1, h = pt & 1;                   // this thread's 16-byte piece of a k-tile
-        const bool ok = m < nr;
-        const half* xsrc = xh + (size_t)(z * rows + (ok ? m : 0)) * krow + (size_t)i0 * 16 + 8 * h;
-        const int xoff = kmajor_at(m, 8 * h);
-        auto load_x = [&](int i) {         // k-tile i of the range into its place i % SX
-            cp_async16(&xs[i % SX][xoff], xsrc + 16 * i, ok);
-            cp_async_commit();
-        };
-        // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile: rows 16 q + g
-        // (+ 8), k 2t (+ 8) of the core-matrix layout, q = pw % 4
-        const int r0 = 16 * (pw & 3) + g, r1 = r0 + 8;
-        const int o0 = kmajor_at(r0, 2 * t), o1 = kmajor_at(r1, 2 * t);
-        pdl_wait();
-#pragma unroll
-        for (int j = 0; j < XA; j++) {
-            if (j < mine) load_x(q + PG * j); else cp_async_commit();
-        }
-        for (int jb0 = 0; jb0 < mine; jb0 += R) {
-#pragma unroll
-            for (int v = 0; v < R; v++) {
-                const int j = jb0 + v, i = q + PG * j, u = i % S;
-                uint32_t b[4];
-                decode_tile(kc, wb[v][0], off, b);
-                load_tiles<1>(wb[v], wp, step, j + R < mine);
-                // k-tile i - S's MMAs are done: stage u and the activations' place (i + S) % SX
-                if (i >= S) named_sync(EMPTY + u, BAR);
-                uint32_t* a32 = reinterpret_cast<uint32_t*>(&as[u][pw >> 2][0]);
-                a32[o0 >> 1] = b[0];
-                a32[o1 >> 1] = b[2];
-                a32[(o0 + kmajor_at(0, 8)) >> 1] = b[1];      // k + 8: the other core matrix
-                a32[(o1 + kmajor_at(0, 8)) >> 1] = b[3];
-                // the activations of k-tile i + S (the group's XA steps on): their copies run a
-                // whole ring ahead, so the FULL below never waits on a copy issued one step ago
-                if (i + S < count) load_x(i + S); else cp_async_commit();
-                cp_async_wait<XA>();       // k-tile i's activations have landed (this thread's copy)
-                fence_async_smem();        // the stage's generic-proxy writes, visible to wgmma
-                named_arrive(FULL + u, BAR);
-            }
-        }
-        return;
-    }
-    // ---- consumers: warpgroup c takes columns 64 (c % 2).. of the block and (CW 4) rows 64 (c / 2)..
-    constexpr int CROWS = MROWS * 2 / CW, CA = CROWS / 2;  // its rows, accumulators a thread
-    const int c = warp >> 2, ch = c & 1, r0 = (c >> 1) * CROWS;
-    float d[CA];
-#pragma unroll
-    for (int i = 0; i < CA; i++) d[i] = 0.f;
-    pdl_wait();                            // (the workspace below is the previous kernels')
-    for (int ib = 0; ib < count; ib += S) {
-#pragma unroll
-        for (int u = 0; u < S; u++) {
-            const int i = ib + u;
-            named_sync(FULL + u, BAR);
-            fence_regs(d);
-            wgmma_fence();
-            const uint64_t da = wg_desc(&as[u][ch][0]), db = wg_desc(&xs[i % SX][kmajor_at(r0, 0)]);
-            if constexpr (CW == 2) wgmma_ss_m64n128k16(d, da, db);
-            else wgmma_ss_m64n64k16(d, da, db);
-            wgmma_commit();
-            wgmma_wait<1>();               // k-tile i - 1's MMA is done: its stage may be refilled
-            fence_regs(d);
-            if (i >= 1 && i - 1 + S < count) named_arrive(EMPTY + (u + S - 1) % S, BAR);
-        }
-    }
-    wgmma_wait<0>();
-    fence_regs(d);
-    if (r0 >= nr) return;
-    float cf[CROWS / 8][1][4];
-#pragma unroll
-    for (int i = 0; i < CROWS / 8; i++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
-    add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
-}
-
-// ws3_body: ws_body's roles with stages of WS3_KS k-tiles (dynamic shared memory: WS3_S stages of
-// A and x, cuda_exl3.WS3_SMEM), so the handshakes, the activations' copies, the proxy fence and
-// the stage's addressing are paid once per WS3_KS decoded tiles, not once per tile (ncu on the
-// 2026-12-03 16:47 session's ws2: 145 instructions a decoded tile against the gemv's 52, the
-// issue slots 54 % busy). Group q of the PG producer groups fills the chunks (WS3_KS k-tiles) c
-// with c % PG == q into stage c % WS3_S, copying their activations first (the decode of the chunk
-// hides the copy) and loading its next chunk's weights into registers as it decodes this one.
+// Warp-specialized (the decode apart from the MMAs), the 2026-12-03 16:47 session: a block holds
+// 128 columns (8 n-tiles) x one k-range x the slot's 128 rows, under tiles_body's contract (units of
+// 2 n-tiles, four a block: n_groups % 4 == 0), in 1024 threads (64 registers). Four consumer
+// warpgroups each multiply 64 columns by 64 rows (m64n64k16, both operands from shared memory,
+// 32 accumulators); two producer groups of 8 warps decode. Group q fills the chunks (WS3_KS
+// k-tiles) c with c % 2 == q into stage c % WS3_S of dynamic shared memory (cuda_exl3.WS3_SMEM):
+// it copies the chunk's activations (cp.async; the decode hides the copy), then warp pw decodes
+// n-tile pw of each k-tile straight from the trellis into wgmma's K-major no-swizzle layout (the
+// activations' core matrices: LBO 128 B, SBO 256 B) while loading its next chunk's weights into
+// registers. FULL + u / EMPTY + u: stage u's handshakes, named barriers between the consumers and
+// the group that fills u. On the H200 it is exact and slower than exl3_tiles_m128_t2 (docs/gpu.md,
+// the 16:47 session): earlier versions, one k-tile a stage with 8 or 16 decoding warps (512 /
+// 1024 threads; a 768-thread one with setmaxnreg failed in ptxas, which kept the m64n128 MMA at the
+// launch's 80 registers), ran 2.0-2.8x cuBLAS at 128 rows; stages of 4 k-tiles halved the
+// producers' instructions a tile (145 -> 72, the gemv 52) and gained 3-25 %.
 constexpr int WS3_KS = 4, WS3_S = 4;
 template <int PG, int CW>
 __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
@@ -387,7 +249,8 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
         const bool ok = m < nr;
         const half* xsrc = xh + (size_t)(z * rows + (ok ? m : 0)) * krow + (size_t)i0 * 16 + 8 * h;
         const int xoff = kmajor_at(m, 8 * h);
-        // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile (ws_body's)
+        // this lane's four A registers' places (halves) in its consumer's 64 x 16 tile: rows 16 (pw % 4)
+        // + g (+ 8), k 2t (+ 8) of the core-matrix layout
         const int r0 = 16 * (pw & 3) + g, r1 = r0 + 8;
         const int o0 = kmajor_at(r0, 2 * t), o1 = kmajor_at(r1, 2 * t), o8 = kmajor_at(0, 8);
         pdl_wait();
