@@ -110,7 +110,7 @@ fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
   timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch ${E2E_BATCH:-1,8,32} --steps 64 --rounds ${E2E_ROUNDS:-1} \
-    --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:fused,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
+    --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:chained,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
