@@ -285,21 +285,23 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
 def kernel_block(name: str) -> tuple[int, int]:
     """(units, threads) a block of GEMM kernel ``name``: a unit is a warp's n-tiles, 4 a block of
     128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
-    the warp-specialized exl3_ws3_* has 4 units of MMA work in 1024 threads (16 warps decode)."""
+    the warp-specialized exl3_ws3_* / exl3_ws4_* have 4 units of MMA work in 1024 threads (16 warps decode)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
         w = 4 * int(name[len("exl3_wg")])
         return w, 32 * w
-    if name.startswith("exl3_ws3_"):
+    if name.startswith(("exl3_ws3_", "exl3_ws4_")):
         return 4, 1024
     return 4, 128
 
 
 WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
+# exl3_ws4_*: and each of 16 producer warps a ring of 3 chunks of 4 tiles' words (64 at most: K 8)
+WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
 
 
 def kernel_smem(name: str) -> int:
     """Bytes of dynamic shared memory a block of GEMM kernel ``name`` takes (the rest: static)."""
-    return WS3_SMEM if name.startswith("exl3_ws3_") else 0
+    return WS3_SMEM if name.startswith("exl3_ws3_") else WS4_SMEM if name.startswith("exl3_ws4_") else 0
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:

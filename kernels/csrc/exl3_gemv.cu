@@ -827,12 +827,18 @@ TILES(128, 2, 2, 2)
 WG(exl3_wg2_m128_t2, 128, 2, 2, 1, 2)     // 256 columns a block
 WG(exl3_wg2_m256_t1, 256, 1, 2, 1, 2)     // 128 columns a block, 256 rows: one decode for them all
 WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM (128 registers)
-// ws3_body: the warp-specialized kernel (128 KiB of dynamic shared memory: cuda_exl3.WS3_SMEM), for the bench
-extern "C" __global__ void __launch_bounds__(1024, 1) exl3_ws3_m128_t2(
-    const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, unsigned long long* acc64,
-    int rows, int kt, int nt, int kps, int n_groups, int n_units, const int* tile_n) {
-    ws3_body<2, 4>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n);
-}
+// WS3(NAME, WD): ws3_body, the warp-specialized kernel (dynamic shared memory: cuda_exl3.kernel_smem),
+// for the bench; WD 0 (ws3) holds the next chunk's weights in registers, ws4 a ring of WS4_WD in
+// shared memory (written after the 16:47 session's last call)
+#define WS3(NAME, WD)                                                                                \
+    extern "C" __global__ void __launch_bounds__(1024, 1) NAME(                                       \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* tile_n) {                                                                          \
+        ws3_body<2, 4, WD>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n); \
+    }
+WS3(exl3_ws3_m128_t2, 0)
+WS3(exl3_ws4_m128_t2, WS4_WD)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

@@ -199,18 +199,25 @@ __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("
 // 1024 threads; a 768-thread one with setmaxnreg failed in ptxas, which kept the m64n128 MMA at the
 // launch's 80 registers), ran 2.0-2.8x cuBLAS at 128 rows; stages of 4 k-tiles halved the
 // producers' instructions a tile (145 -> 72, the gemv 52) and gained 3-25 %.
-constexpr int WS3_KS = 4, WS3_S = 4;
-template <int PG, int CW>
+// WD > 0 (exl3_ws4_*, the 16:47 session's ncu finding: the producers waited on their weight loads,
+// prefetched one chunk ahead in registers): each producer warp copies its n-tile's raw trellis words
+// of the group's chunk WD chunks ahead into a ring of WD slots in shared memory (cp.async, 16-byte
+// pieces: a tile is K2 of them), and its lanes read their NL words of a tile from there.
+constexpr int WS3_KS = 4, WS3_S = 4, WS4_WD = 3;
+template <int PG, int CW, int WD>
 __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                          const int* __restrict__ slot_exp, float* __restrict__ acc,
                                          unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
                                          int n_groups, int n_units, const int* __restrict__ tile_n) {
     constexpr int KS = WS3_KS, S = WS3_S, MROWS = 128;
     static_assert(PG == 2 && CW == 4 && S % PG == 0, "one producer group a stage's barriers; m64n64 consumers");
+    static_assert(WD == 0 || WD >= 2, "a ring of WD chunks a warp");
+    constexpr int WDS = WD > 0 ? WD : 1;
     constexpr int CT = 128 * CW;
     constexpr int A_TILE = 2 * 64 * 16, X_TILE = MROWS * 16;   // halves a k-tile: A [consumer half][64 x 16], x
     constexpr int A_STAGE = KS * A_TILE, X_STAGE = KS * X_TILE;
-    extern __shared__ __align__(128) unsigned char ws3_smem[];  // [S][A_STAGE] then [S][X_STAGE] halves
+    // [S][A_STAGE] then [S][X_STAGE] halves, then (WD) [producer warp][WD][KS][NW] uint32
+    extern __shared__ __align__(128) unsigned char ws3_smem[];
     half* const as = reinterpret_cast<half*>(ws3_smem);
     half* const xs = as + S * A_STAGE;
     pdl_launch_dependents();
@@ -239,10 +246,29 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
         weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0 + q * KS, row_stride, jb + pw, word, wp);
         const Consts kc;
         uint32_t wb[KS][1][NL];
+        // (WD) the warp's ring, its n-tile's words from k-tile i0, this lane's words of a tile
+        uint32_t* const wring = reinterpret_cast<uint32_t*>(xs + S * X_STAGE) + (warp - CT / 32) * WD * KS * NW;
+        const uint32_t* const trw = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]) + (size_t)i0 * row_stride +
+                                    (size_t)(jb + pw) * NW;
+        int wi[NL];
 #pragma unroll
-        for (int kk = 0; kk < KS; kk++) load_tiles<1>(wb[kk], wp, row_stride, q < chunks);
+        for (int mm = 0; mm < NL; mm++) wi[mm] = (word + mm) % NW;
+        auto load_w = [&](int c, int slot) {   // chunk c's KS tiles into ring slot `slot`, then commit
 #pragma unroll
-        for (int m = 0; m < NL; m++) wp[m] += skip;
+            for (int p0 = 0; p0 < KS * K2; p0 += 32) {
+                const int p = p0 + lane, kk = p / K2, r = p % K2;
+                if (p < KS * K2)
+                    cp_async16(wring + (slot * KS + kk) * NW + 4 * r, trw + (size_t)(c * KS + kk) * row_stride + 4 * r,
+                               c < chunks);
+            }
+            cp_async_commit();
+        };
+        if constexpr (WD == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) load_tiles<1>(wb[kk], wp, row_stride, q < chunks);
+#pragma unroll
+            for (int mm = 0; mm < NL; mm++) wp[mm] += skip;
+        }
         const half* xh = reinterpret_cast<const half*>(xrot);
         const size_t krow = (size_t)kt * 16;
         const int m = pt >> 1, h = pt & 1;                   // this thread's 16-byte piece of a k-tile
@@ -254,31 +280,55 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
         const int r0 = 16 * (pw & 3) + g, r1 = r0 + 8;
         const int o0 = kmajor_at(r0, 2 * t), o1 = kmajor_at(r1, 2 * t), o8 = kmajor_at(0, 8);
         pdl_wait();
-        for (int c = q; c < chunks; c += PG) {
+        if constexpr (WD > 0) {
+            // the group's first WD chunks; each after an empty group, so that the commits keep
+            // one pattern (an activations' group, a weights' group) from the start
+#pragma unroll
+            for (int d = 0; d < WD; d++) {
+                cp_async_commit();
+                load_w(q + PG * d, d);
+            }
+        }
+        for (int c = q, it = 0; c < chunks; c += PG, it++) {
             const int u = c % S;
             if (c >= S) named_sync(EMPTY + u, BAR);          // chunk c - S's MMAs are done
             half* const xst = xs + u * X_STAGE + xoff;
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) cp_async16(xst + kk * X_TILE, xsrc + (size_t)(c * KS + kk) * 16, ok);
             cp_async_commit();
+            const uint32_t* const wslot = wring + (it % WDS) * KS * NW;
+            if constexpr (WD > 0) {
+                cp_async_wait<2 * WD - 1>();   // this chunk's weights (2 WD - 1 groups were committed since)
+                __syncwarp();                  // ... every lane's pieces of them
+            }
             uint32_t* const a32 = reinterpret_cast<uint32_t*>(as + u * A_STAGE + (pw >> 2) * (A_TILE / 2));
             const bool more = c + PG < chunks;
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) {
                 uint32_t b[4];
+                if constexpr (WD > 0) {
+#pragma unroll
+                    for (int mm = 0; mm < NL; mm++) wb[kk][0][mm] = wslot[kk * NW + wi[mm]];
+                }
                 decode_tile(kc, wb[kk][0], off, b);
-                load_tiles<1>(wb[kk], wp, row_stride, more);  // the group's next chunk
+                if constexpr (WD == 0) load_tiles<1>(wb[kk], wp, row_stride, more);  // the group's next chunk
                 uint32_t* const ak = a32 + kk * (A_TILE / 2);
                 ak[o0 >> 1] = b[0];
                 ak[o1 >> 1] = b[2];
                 ak[(o0 + o8) >> 1] = b[1];                    // k + 8: the other core matrix
                 ak[(o1 + o8) >> 1] = b[3];
             }
+            if constexpr (WD == 0) {
 #pragma unroll
-            for (int mm = 0; mm < NL; mm++) wp[mm] += skip;
+                for (int mm = 0; mm < NL; mm++) wp[mm] += skip;
+            }
             cp_async_wait<0>();            // this thread's activations of the chunk have landed
             fence_async_smem();            // the stage's generic-proxy writes, visible to wgmma
             named_arrive(FULL + u, BAR);
+            if constexpr (WD > 0) {
+                __syncwarp();              // every lane has read the slot: refill it, WD chunks on
+                load_w(c + WD * PG, it % WDS);
+            }
         }
         return;
     }
