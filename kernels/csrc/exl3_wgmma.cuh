@@ -330,6 +330,7 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
                 load_w(c + WD * PG, it % WDS);
             }
         }
+        if constexpr (WD > 0) cp_async_wait<0>();   // (the ring's last, empty refills: none left in flight)
         return;
     }
     // ---- consumers: warpgroup c takes columns 64 (c % 2).. of the block and rows 64 (c / 2)..
