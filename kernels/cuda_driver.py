@@ -113,7 +113,7 @@ class Module:
     def allow_smem(self, name: str, smem: int) -> None:
         """Let kernel ``name`` take ``smem`` bytes of dynamic shared memory (past 48 KiB the
         function's limit must be raised before a launch or an occupancy query with them)."""
-        if smem > max(STATIC_SMEM_LIMIT, self.smem_max.get(name, 0)):
+        if smem > STATIC_SMEM_LIMIT and smem > self.smem_max.get(name, 0):   # (every launch asks: 0 B stops here)
             d = driver()
             d.check(d.lib.cuFuncSetAttribute(self.fn(name), MAX_DYNAMIC_SMEM, smem), f"{name}: {smem} B of shared memory")
             self.smem_max[name] = smem
