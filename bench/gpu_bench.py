@@ -26,6 +26,7 @@ ROWS = [1, 8, 32, 256, 2048]
 # 128-row tile kernel (EXL3TOOLS_DENSE_TILES) and the wgmma kernels (EXL3TOOLS_WGMMA)
 DENSE_TILES = ("exl3_tiles_m128_t2", "exl3_wg2_m128_t2", "exl3_wg4_m128_t1", "exl3_ws3_m128_t2", "exl3_ws4_m128_t2", "exl3_wg2_m256_t1")
 KS = [2, 3, 4]
+L2_CHUNKS_MIB = (4, 8, 16, 32)   # EXL3TOOLS_DENSE_L2_CHUNK values large_parts times
 
 
 def make(k, n, K, gen):
@@ -112,12 +113,25 @@ def large_parts(lin, x):
         tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg2_m256_t1
         out[f"cuda_dense_{tag}_us"] = bench(tiles)
         out[f"cuda_dense_{tag}_err"] = err
-    keep = cx.FOLD_MIN_OUT
+    keep = cx.FOLD_MIN_OUT, cx.DENSE_L2_CHUNK_BYTES
     cx.FOLD_MIN_OUT = 0                  # both paths at every shape (the runtime folds above it)
     for fold in (False, True):
         lin.fold = fold
-        out[f"cuda_{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
-    lin.fold, cx.FOLD_MIN_OUT = fold0, keep
+        # the whole Ŵ at once (0), then chunks that fit in L2 (EXL3TOOLS_DENSE_L2_CHUNK, MiB)
+        for mib in (0,) + L2_CHUNKS_MIB:
+            cx.DENSE_L2_CHUNK_BYTES = mib * 2**20
+            tag = f"l2c{mib}_" if mib else ""
+            out[f"cuda_{tag}{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
+    lin.fold, (cx.FOLD_MIN_OUT, cx.DENSE_L2_CHUNK_BYTES) = fold0, keep
+    # the decode alone in those chunks, into one reused buffer (no GEMM between): the store floor
+    # of L2 against HBM's
+    for mib in L2_CHUNKS_MIB:
+        step = min(lin.nt, max(1, mib * 2**20 // (lin.kt * 512)))
+        buf = torch.empty(16 * step, 16 * lin.kt, dtype=torch.float16, device=x.device)
+        spans = [(j0, min(lin.nt, j0 + step)) for j0 in range(0, lin.nt, step)]
+        out[f"cuda_decode_l2c{mib}_us"] = bench(
+            lambda spans=spans, buf=buf: [cx.decode_t(lin.mod, lin.trellis, j0, j1, out=buf[:16 * (j1 - j0)])
+                                          for j0, j1 in spans])
     return out
 
 
@@ -229,6 +243,20 @@ def print_large(results):
               + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
+    chunked = [r for r in rows if f"cuda_l2c{L2_CHUNKS_MIB[0]}_nofold_us" in r]
+    if chunked:
+        print("\nrows > 64, Ŵ decoded in chunks of MiB into one reused buffer (EXL3TOOLS_DENSE_L2_CHUNK; "
+              "0: whole); µs unfolded / folded (x fp16 cuBLAS), decode alone")
+        for r in chunked:
+            f = r.get("fp16_us")
+            parts = []
+            for mib in (0,) + L2_CHUNKS_MIB:
+                tag = f"l2c{mib}_" if mib else ""
+                u, fo = r[f"cuda_{tag}nofold_us"], r[f"cuda_{tag}fold_us"]
+                dec = r[f"cuda_decode_l2c{mib}_us"] if mib else r["cuda_decode_us"]
+                parts.append(f"{mib}: {u:6.1f} / {fo:6.1f}" + (f" ({u / f:.2f}x / {fo / f:.2f}x)" if f else "")
+                             + f" dec {dec:5.1f}")
+            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | " + " | ".join(parts))
     tiled = [r for r in rows if any(k.startswith("cuda_dense_") for k in r)]
     if tiled:
         print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")
