@@ -26,7 +26,6 @@ ROWS = [1, 8, 32, 256, 2048]
 # 128-row tile kernel (EXL3TOOLS_DENSE_TILES) and the wgmma kernels (EXL3TOOLS_WGMMA)
 DENSE_TILES = ("exl3_tiles_m128_t2", "exl3_wg2_m128_t2", "exl3_wg4_m128_t1", "exl3_ws3_m128_t2", "exl3_ws4_m128_t2", "exl3_wg2_m256_t1")
 KS = [2, 3, 4]
-L2_CHUNKS_MIB = (4, 8, 16, 32)   # EXL3TOOLS_DENSE_L2_CHUNK values large_parts times
 
 
 def make(k, n, K, gen):
@@ -48,6 +47,7 @@ def w_true(t, cb):
 
 
 GRAPH = False
+PROFILE = False
 
 
 def bench(fn):
@@ -76,6 +76,31 @@ def bench_graph(fn):
     return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def profile_graph(fn, title: str, n: int = 5) -> None:
+    """Kernels of n replays of fn's CUDA graph by device time (CUPTI traces graph kernels), each
+    replay after the same L2 flush do_bench does: where a whole path's time goes beside its parts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            flush.zero_()
+            g.replay()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    print(f"--- profile: {title}, {n} replays (each after an L2 flush)", flush=True)
+    print(events.table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
+
+
 def large_parts(lin, x):
     """Where the large-row paths' time goes: each launch timed alone (µs), both decode store
     patterns and the folded decode, beside a plain write of the decoded bytes (the store floor),
@@ -91,6 +116,9 @@ def large_parts(lin, x):
            "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
+           "cuda_decode_kq_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_kq")),
+           "cuda_decode_fold_kq_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh,
+                                                                  kernel="exl3_decode_fold_kq")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
@@ -113,25 +141,18 @@ def large_parts(lin, x):
         tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg2_m256_t1
         out[f"cuda_dense_{tag}_us"] = bench(tiles)
         out[f"cuda_dense_{tag}_err"] = err
-    keep = cx.FOLD_MIN_OUT, cx.DENSE_L2_CHUNK_BYTES
+    keep = cx.FOLD_MIN_OUT, cx.DECODE_KQ
     cx.FOLD_MIN_OUT = 0                  # both paths at every shape (the runtime folds above it)
-    for fold in (False, True):
-        lin.fold = fold
-        # the whole Ŵ at once (0), then chunks that fit in L2 (EXL3TOOLS_DENSE_L2_CHUNK, MiB)
-        for mib in (0,) + L2_CHUNKS_MIB:
-            cx.DENSE_L2_CHUNK_BYTES = mib * 2**20
-            tag = f"l2c{mib}_" if mib else ""
-            out[f"cuda_{tag}{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
-    lin.fold, (cx.FOLD_MIN_OUT, cx.DENSE_L2_CHUNK_BYTES) = fold0, keep
-    # the decode alone in those chunks, into one reused buffer (no GEMM between): the store floor
-    # of L2 against HBM's
-    for mib in L2_CHUNKS_MIB:
-        step = min(lin.nt, max(1, mib * 2**20 // (lin.kt * 512)))
-        buf = torch.empty(16 * step, 16 * lin.kt, dtype=torch.float16, device=x.device)
-        spans = [(j0, min(lin.nt, j0 + step)) for j0 in range(0, lin.nt, step)]
-        out[f"cuda_decode_l2c{mib}_us"] = bench(
-            lambda spans=spans, buf=buf: [cx.decode_t(lin.mod, lin.trellis, j0, j1, out=buf[:16 * (j1 - j0)])
-                                          for j0, j1 in spans])
+    for kq in (False, True):             # either decode kernel (cuda_exl3.DECODE_KQ)
+        cx.DECODE_KQ = kq
+        for fold in (False, True):
+            lin.fold = fold
+            out[f"cuda_{'kq_' if kq else ''}{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
+            if PROFILE:
+                profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} fold {fold} kq {kq}")
+    lin.fold, (cx.FOLD_MIN_OUT, cx.DECODE_KQ) = fold0, keep
+    if PROFILE:
+        profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out
 
 
@@ -142,11 +163,13 @@ def main() -> int:
     ap.add_argument("--impls", default="cuda,exllamav3,fp16")
     ap.add_argument("--codebooks", default="mul1", help="extra codebooks at K=3 rows 1/8, e.g. mcg,3inst")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host overhead)")
+    ap.add_argument("--profile-dense", action="store_true",
+                    help="rows > 64: also print the kernels of each whole dense path (torch.profiler)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="bits per weight to run, e.g. 2,3,4")
     a = ap.parse_args()
-    global GRAPH
-    GRAPH = a.graph
+    global GRAPH, PROFILE
+    GRAPH, PROFILE = a.graph, a.profile_dense
     rows_all = [int(r) for r in a.rows.split(",")]
     from exl3tools.kernels.dispatch import make_linear
 
@@ -243,20 +266,17 @@ def print_large(results):
               + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
-    chunked = [r for r in rows if f"cuda_l2c{L2_CHUNKS_MIB[0]}_nofold_us" in r]
-    if chunked:
-        print("\nrows > 64, Ŵ decoded in chunks of MiB into one reused buffer (EXL3TOOLS_DENSE_L2_CHUNK; "
-              "0: whole); µs unfolded / folded (x fp16 cuBLAS), decode alone")
-        for r in chunked:
+    kq = [r for r in rows if "cuda_kq_nofold_us" in r]
+    if kq:
+        print("\nrows > 64, the k-quad decode kernels (cuda_exl3.DECODE_KQ) beside the default ones: µs (x fp16 cuBLAS)")
+        for r in kq:
             f = r.get("fp16_us")
-            parts = []
-            for mib in (0,) + L2_CHUNKS_MIB:
-                tag = f"l2c{mib}_" if mib else ""
-                u, fo = r[f"cuda_{tag}nofold_us"], r[f"cuda_{tag}fold_us"]
-                dec = r[f"cuda_decode_l2c{mib}_us"] if mib else r["cuda_decode_us"]
-                parts.append(f"{mib}: {u:6.1f} / {fo:6.1f}" + (f" ({u / f:.2f}x / {fo / f:.2f}x)" if f else "")
-                             + f" dec {dec:5.1f}")
-            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | " + " | ".join(parts))
+            rat = (lambda p, f=f: f" ({p / f:.2f}x)" if f else "")   # noqa: E731
+            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | decode {r['cuda_decode_us']:6.1f} -> "
+                  f"{r['cuda_decode_kq_us']:6.1f} | decode_fold {r['cuda_decode_fold_us']:6.1f} -> "
+                  f"{r['cuda_decode_fold_kq_us']:6.1f} | unfolded {r['cuda_nofold_us']:6.1f}{rat(r['cuda_nofold_us'])} -> "
+                  f"{r['cuda_kq_nofold_us']:6.1f}{rat(r['cuda_kq_nofold_us'])} | folded {r['cuda_fold_us']:6.1f}"
+                  f"{rat(r['cuda_fold_us'])} -> {r['cuda_kq_fold_us']:6.1f}{rat(r['cuda_kq_fold_us'])}")
     tiled = [r for r in rows if any(k.startswith("cuda_dense_") for k in r)]
     if tiled:
         print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")

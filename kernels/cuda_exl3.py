@@ -45,20 +45,10 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 # decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
 FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
+# decode_t / decode_fold on their k-quad kernels (a warp stores 4 k-adjacent tiles, so each row of
+# Ŵᵀ it touches gets a whole 128-byte line, and loads its next step's words first) where kt % 4 == 0
+DECODE_KQ = False
 
-
-def _l2_chunk(value: str | None) -> int:
-    """EXL3TOOLS_DENSE_L2_CHUNK=MiB: dense_mm decodes Ŵ in chunks of this many MiB of fp16 into one
-    reused buffer, small enough to stay in L2 between the decode that writes it and the GEMM that
-    reads it (0 or unset: DENSE_CHUNK_BYTES, the memory cap)."""
-    if not value:
-        return 0
-    if not value.isdigit():
-        raise UsageError(f"EXL3TOOLS_DENSE_L2_CHUNK={value!r}: expected a whole number of MiB")
-    return int(value) * 2**20
-
-
-DENSE_L2_CHUNK_BYTES = _l2_chunk(os.environ.get("EXL3TOOLS_DENSE_L2_CHUNK"))
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -329,36 +319,43 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
     return kps, groups, groups * -(-kt // kps)
 
 
+def _decode_kernel(base: str, kt: int) -> str:
+    return f"{base}_kq" if DECODE_KQ and kt % 4 == 0 else base
+
+
 def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
-             kernel: str = "exl3_decode_t", out: torch.Tensor | None = None) -> torch.Tensor:
+             kernel: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
     where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel``: exl3_decode_t_scatter
-    is the former store pattern (bench/gpu_bench.py times both: its rows > 64 table). ``out``: a
+    is the former store pattern, exl3_decode_t_kq the k-quad one (DECODE_KQ; kt % 4 == 0;
+    bench/gpu_bench.py times all three: its rows > 64 table). ``out``: a
     contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     wt = _decoded(out, nt, kt, trellis.device)
-    quads = -(-(kt * nt) // 4)
+    quads = -(-(kt * nt) // 4)        # a warp's step either way: 4 tiles
     blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
-    mod.launch(kernel, blocks, 256, trellis[:, j0], wt, kt, nt, ld)
+    mod.launch(kernel or _decode_kernel("exl3_decode_t", kt), blocks, 256, trellis[:, j0], wt, kt, nt, ld)
     return wt
 
 
 def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int = 0, j1: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """W'ᵀ (n, k) fp16 with W' = Ŵ · H_n / sqrt(128) ⊙ svh (the output pass folded in; float32
     inside, rounded once), so that x @ W' + bias = had_out(x @ Ŵ); of n-tiles j0..j1 where given
-    (multiples of 8: whole 128-column Hadamard blocks); ``out`` as in decode_t."""
+    (multiples of 8: whole 128-column Hadamard blocks); ``out`` and ``kernel`` (exl3_decode_fold_kq:
+    a warp walks 4 k-tiles of its block) as in decode_t."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     if nt % 8 or j0 % 8:
         raise UsageError(f"decode_fold: n-tiles {j0}..{j1} are not whole 128-column blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    items = kt * (nt // 8)
+    kernel = kernel or _decode_kernel("exl3_decode_fold", kt)
+    items = kt * (nt // 8) // (4 if kernel.endswith("_kq") else 1)
     blocks = min(-(-items // 8), _sm_count(trellis.device) * 2)
-    mod.launch("exl3_decode_fold", blocks, 256, trellis[:, j0], wt, svh[16 * j0:], kt, nt, ld)
+    mod.launch(kernel, blocks, 256, trellis[:, j0], wt, svh[16 * j0:], kt, nt, ld)
     return wt
 
 
@@ -371,18 +368,16 @@ def _decoded(out: torch.Tensor | None, nt: int, kt: int, device) -> torch.Tensor
 
 
 def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None, chunk_bytes: int | None = None) -> torch.Tensor:
-    """x (rows, k) fp16 @ Ŵ (k, n) through cuBLAS on the decoded Ŵ, decoded ``chunk_bytes`` of
-    fp16 at a time (column chunks; default DENSE_L2_CHUNK_BYTES where set, else DENSE_CHUNK_BYTES,
-    and never more than the latter: a 154880 x 6144 head is 1.9 GB decoded whole, which an MTP
-    verify step's graph held in its pool, docs/serve.md). Every chunk decodes into one buffer: on
-    one stream each GEMM has read it before the next decode writes it, and a chunk that fits in L2
-    is read back from there, not HBM. The chunks' GEMMs write their columns of the result in
-    place. With ``svh``: x @ W' (+ ``bias``) on decode_fold's W', the linear's whole output (no
-    output pass to follow)."""
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, k) fp16 @ Ŵ (k, n) through cuBLAS on the decoded Ŵ, decoded DENSE_CHUNK_BYTES of
+    fp16 at a time (column chunks: a 154880 x 6144 head is 1.9 GB decoded whole, which an MTP
+    verify step's graph held in its pool, docs/serve.md), every chunk into one buffer (on one
+    stream each GEMM has read it before the next decode writes it). Chunks small enough to stay in
+    L2 measured slower (H200, docs/gpu.md): the decode is not bound by its stores' HBM traffic.
+    The chunks' GEMMs write their columns of the result in place. With ``svh``: x @ W' (+
+    ``bias``) on decode_fold's W', the linear's whole output (no output pass to follow)."""
     kt, nt, _ = trellis.shape
-    cap = min(chunk_bytes or DENSE_L2_CHUNK_BYTES or DENSE_CHUNK_BYTES, DENSE_CHUNK_BYTES)
-    step = max(1, cap // (kt * 16 * 16 * 2))      # n-tiles a chunk
+    step = max(1, DENSE_CHUNK_BYTES // (kt * 16 * 16 * 2))      # n-tiles a chunk
     if svh is not None:
         step = max(8, step - step % 8)
     step = min(step, nt)

@@ -38,7 +38,12 @@ def test_decode_bit_exact(cx, width, cb):
     rng = np.random.default_rng(width * 7 + len(cb))
     tr = _lin(rng, 256, 384, width)[0]
     got = cx.decode_rotated(torch.from_numpy(tr).cuda(), cb).cpu().numpy()
-    assert np.array_equal(got.view(np.uint16), ref.decode_rotated(tr, cb).view(np.uint16))
+    want = ref.decode_rotated(tr, cb).view(np.uint16)
+    assert np.array_equal(got.view(np.uint16), want)
+    # the k-quad kernel (DECODE_KQ), every width and codebook
+    trd = torch.from_numpy(tr).cuda()
+    kq = cx.decode_t(cx.module(width, cb, trd.device), trd, kernel="exl3_decode_t_kq").t().cpu().numpy()
+    assert np.array_equal(kq.view(np.uint16), want)
 
 
 @pytest.mark.parametrize("width,cb", CASES)
@@ -81,6 +86,8 @@ def test_decode_column_chunks(cx):
     whole = cx.decode_t(mod, tr)
     for j0, j1 in ((0, 5), (5, 24), (23, 24), (7, 8)):
         assert torch.equal(cx.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
+        # the k-quad kernel (whole lines a warp, its next words loaded first): the same bits
+        assert torch.equal(cx.decode_t(mod, tr, j0, j1, kernel="exl3_decode_t_kq"), whole[16 * j0:16 * j1])
     buf = torch.full((16 * 19, 256), float("nan"), dtype=torch.float16, device=tr.device)   # into a given buffer
     assert cx.decode_t(mod, tr, 5, 24, out=buf) is buf and torch.equal(buf, whole[80:384])
     with pytest.raises(ValueError, match="contiguous fp16"):
@@ -109,18 +116,17 @@ def test_decode_fold(cx, width, cb):
     whole = cx.decode_fold(mod, trd, svd)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
         assert torch.equal(cx.decode_fold(mod, trd, svd, j0, j1), whole[16 * j0:16 * j1])
+        assert torch.equal(cx.decode_fold(mod, trd, svd, j0, j1, kernel="exl3_decode_fold_kq"), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
         cx.decode_fold(mod, trd, svd, 0, 12)
 
 
-@pytest.mark.parametrize("knob", ["DENSE_CHUNK_BYTES", "DENSE_L2_CHUNK_BYTES"])
 @pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("chunk_tiles", [1, 3, 7])
-def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold, knob):
+def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     """rows > SMALL_ROWS with Ŵ decoded a few n-tiles at a time into one reused buffer
-    (DENSE_CHUNK_BYTES, down from 256 MiB so that this shape splits, the last chunk short, or
-    EXL3TOOLS_DENSE_L2_CHUNK's bytes; folded: chunks of whole 128-column blocks) gives what the
-    whole decode gives."""
+    (DENSE_CHUNK_BYTES, down from 256 MiB so that this shape splits, the last chunk short;
+    folded: chunks of whole 128-column blocks) gives what the whole decode gives."""
     import torch
 
     rng = np.random.default_rng(chunk_tiles)
@@ -131,21 +137,12 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold, knob):
     lin.fold = fold
     monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)
     whole = lin(x)
-    monkeypatch.setattr(cx, knob, chunk_tiles * k * 16 * 2)
+    monkeypatch.setattr(cx, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
     y = lin(x).float().cpu().numpy()
     # cuBLAS may pick another kernel (summation order) for a narrower GEMM: equal up to rounding
     assert _rel(y, whole.float().cpu().numpy()) < 1e-3
     w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
     assert _rel(y, x.cpu().numpy().astype(np.float64) @ w + b.astype(np.float64)) < 2e-3
-
-
-def test_l2_chunk_knob(cx):
-    """EXL3TOOLS_DENSE_L2_CHUNK: MiB, unset or 0 off, anything else a one-line usage error."""
-    assert cx._l2_chunk(None) == cx._l2_chunk("") == cx._l2_chunk("0") == 0
-    assert cx._l2_chunk("8") == 8 * 2**20
-    for bad in ("-1", "8M", "1.5"):
-        with pytest.raises(cx.UsageError, match="EXL3TOOLS_DENSE_L2_CHUNK"):
-            cx._l2_chunk(bad)
 
 
 def test_long_k_many_splits(cx):
