@@ -217,6 +217,10 @@ def main() -> int:
                 row.update(large_parts(fns["cuda"], x))
             if "fp16" in impls:
                 row["fp16_us"] = bench(lambda x=x, w=w16: torch.matmul(x, w))
+                if rows > 64:   # the weight as an fp16 checkpoint stores it, (n, k): x @ W.T
+                    w_nk = w16.t().contiguous()
+                    row["fp16_nk_us"] = bench(lambda x=x, w=w_nk: torch.nn.functional.linear(x, w))
+                    del w_nk
             results.append(row)
             print(json.dumps(row), flush=True)
         del t, wt, w16, fns
@@ -268,7 +272,8 @@ def print_large(results):
               + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
     kq = [r for r in rows if "cuda_kq_nofold_us" in r]
     if kq:
-        print("\nrows > 64, the k-quad decode kernels (cuda_exl3.DECODE_KQ) beside the default ones: µs (x fp16 cuBLAS)")
+        print("\nrows > 64, the k-quad decode kernels (cuda_exl3.DECODE_KQ) beside the default ones: µs (x fp16 "
+              "cuBLAS on W (k, n); fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
         for r in kq:
             f = r.get("fp16_us")
             rat = (lambda p, f=f: f" ({p / f:.2f}x)" if f else "")   # noqa: E731
@@ -276,7 +281,8 @@ def print_large(results):
                   f"{r['cuda_decode_kq_us']:6.1f} | decode_fold {r['cuda_decode_fold_us']:6.1f} -> "
                   f"{r['cuda_decode_fold_kq_us']:6.1f} | unfolded {r['cuda_nofold_us']:6.1f}{rat(r['cuda_nofold_us'])} -> "
                   f"{r['cuda_kq_nofold_us']:6.1f}{rat(r['cuda_kq_nofold_us'])} | folded {r['cuda_fold_us']:6.1f}"
-                  f"{rat(r['cuda_fold_us'])} -> {r['cuda_kq_fold_us']:6.1f}{rat(r['cuda_kq_fold_us'])}")
+                  f"{rat(r['cuda_fold_us'])} -> {r['cuda_kq_fold_us']:6.1f}{rat(r['cuda_kq_fold_us'])}"
+                  + (f" | fp16 nk {r['fp16_nk_us']:6.1f}" if "fp16_nk_us" in r else ""))
     tiled = [r for r in rows if any(k.startswith("cuda_dense_") for k in r)]
     if tiled:
         print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")
