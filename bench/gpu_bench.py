@@ -117,6 +117,9 @@ def large_parts(lin, x):
            "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
            "cuda_decode_kq_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_kq")),
+           # the two changes of the k-quad kernel apart: the former kernel on its one-wave grid
+           "cuda_decode_1wave_us": bench(lambda: cx.decode_t(
+               lin.mod, lin.trellis, blocks=cx._sm_count(x.device) * lin.mod.blocks_per_sm("exl3_decode_t", 256))),
            "cuda_decode_fold_kq_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh,
                                                                   kernel="exl3_decode_fold_kq")),
            "write_us": bench(lambda: wt.fill_(1.0)),
@@ -278,7 +281,7 @@ def print_large(results):
             f = r.get("fp16_us")
             rat = (lambda p, f=f: f" ({p / f:.2f}x)" if f else "")   # noqa: E731
             print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | decode {r['cuda_decode_us']:6.1f} -> "
-                  f"{r['cuda_decode_kq_us']:6.1f} | decode_fold {r['cuda_decode_fold_us']:6.1f} -> "
+                  f"{r['cuda_decode_kq_us']:6.1f} (one wave, former kernel: {r['cuda_decode_1wave_us']:6.1f}) | decode_fold {r['cuda_decode_fold_us']:6.1f} -> "
                   f"{r['cuda_decode_fold_kq_us']:6.1f} | unfolded {r['cuda_nofold_us']:6.1f}{rat(r['cuda_nofold_us'])} -> "
                   f"{r['cuda_kq_nofold_us']:6.1f}{rat(r['cuda_kq_nofold_us'])} | folded {r['cuda_fold_us']:6.1f}"
                   f"{rat(r['cuda_fold_us'])} -> {r['cuda_kq_fold_us']:6.1f}{rat(r['cuda_kq_fold_us'])}"

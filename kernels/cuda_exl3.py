@@ -324,19 +324,23 @@ def _decode_kernel(base: str, kt: int) -> str:
 
 
 def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
-             kernel: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+             kernel: str | None = None, out: torch.Tensor | None = None, blocks: int | None = None) -> torch.Tensor:
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
     where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel``: exl3_decode_t_scatter
     is the former store pattern, exl3_decode_t_kq the k-quad one (DECODE_KQ; kt % 4 == 0;
     bench/gpu_bench.py times all three: its rows > 64 table). ``out``: a
-    contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
+    contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk).
+    ``blocks``: the grid (the bench's; the kernels loop over whatever it does not cover)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     wt = _decoded(out, nt, kt, trellis.device)
+    kernel = kernel or _decode_kernel("exl3_decode_t", kt)
     quads = -(-(kt * nt) // 4)        # a warp's step either way: 4 tiles
-    blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
-    mod.launch(kernel or _decode_kernel("exl3_decode_t", kt), blocks, 256, trellis[:, j0], wt, kt, nt, ld)
+    # the k-quad kernel's grid-stride loop in one wave of resident blocks (no last, part-full wave)
+    per_sm = mod.blocks_per_sm(kernel, 256) if kernel.endswith("_kq") and blocks is None else 16
+    blocks = blocks or min(-(-quads // 8), _sm_count(trellis.device) * per_sm)
+    mod.launch(kernel, blocks, 256, trellis[:, j0], wt, kt, nt, ld)
     return wt
 
 
