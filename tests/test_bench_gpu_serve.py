@@ -68,7 +68,13 @@ def test_end_to_end_cpu(small, tmp_path):
                for x in (res["streams"]["2"], res["ctx"]["2"]))
     # the server's steady pace from its step trace, beside the client's figures
     st = res["streams"]["2"]["server_steady"]
-    assert set(st) == {"steps", "paths", "step_ms_median", "interval_ms_median"} and st["steps"] >= 1
+    assert set(st) == {"steps", "paths", "step_ms_median", "interval_ms_median"}
+    # a step held both streams whenever one still decoded after the other's first token (on a busy
+    # CPU the first stream can finish its 8 tokens before the second's prompt is in: no such step);
+    # the margin covers the two client processes' send times
+    per = res["streams"]["2"]["per_stream"]
+    if max(ps["ttft_ms"] for ps in per) + 50 < min(ps["total_ms"] for ps in per):
+        assert st["steps"] >= 1, (st, per)
     # the openai client's own time before its request leaves (httpx's hook): part of every TTFT
     c = res["ttft"]["client_ms"]
     assert 0 < c < res["ttft"]["cold_ms"] and "of which the openai client building the request" in p.stdout
