@@ -46,8 +46,9 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
 # decode_t / decode_fold on their k-quad kernels (a warp stores 4 k-adjacent tiles, so each row of
-# Ŵᵀ it touches gets a whole 128-byte line, and loads its next step's words first) where kt % 4 == 0
-DECODE_KQ = False
+# Ŵᵀ it touches gets a whole 128-byte line, and loads its next step's words first) where kt % 4 == 0;
+# None: the EXL3TOOLS_DECODE_KQ preview decides (runtime/preview.py), True / False: the bench's pick
+DECODE_KQ: bool | None = None
 
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
@@ -320,7 +321,10 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
 
 
 def _decode_kernel(base: str, kt: int) -> str:
-    return f"{base}_kq" if DECODE_KQ and kt % 4 == 0 else base
+    from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
+
+    kq = preview.switched_on("decode_kq") if DECODE_KQ is None else DECODE_KQ
+    return f"{base}_kq" if kq and kt % 4 == 0 else base
 
 
 def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
