@@ -116,12 +116,6 @@ def large_parts(lin, x):
            "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
-           "cuda_decode_kq_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_kq")),
-           # the two changes of the k-quad kernel apart: the former kernel on its one-wave grid
-           "cuda_decode_1wave_us": bench(lambda: cx.decode_t(
-               lin.mod, lin.trellis, blocks=cx._sm_count(x.device) * lin.mod.blocks_per_sm("exl3_decode_t", 256))),
-           "cuda_decode_fold_kq_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh,
-                                                                  kernel="exl3_decode_fold_kq")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
@@ -144,16 +138,14 @@ def large_parts(lin, x):
         tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg2_m256_t1
         out[f"cuda_dense_{tag}_us"] = bench(tiles)
         out[f"cuda_dense_{tag}_err"] = err
-    keep = cx.FOLD_MIN_OUT, cx.DECODE_KQ
+    keep = cx.FOLD_MIN_OUT
     cx.FOLD_MIN_OUT = 0                  # both paths at every shape (the runtime folds above it)
-    for kq in (False, True):             # either decode kernel (cuda_exl3.DECODE_KQ)
-        cx.DECODE_KQ = kq
-        for fold in (False, True):
-            lin.fold = fold
-            out[f"cuda_{'kq_' if kq else ''}{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
-            if PROFILE:
-                profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} fold {fold} kq {kq}")
-    lin.fold, (cx.FOLD_MIN_OUT, cx.DECODE_KQ) = fold0, keep
+    for fold in (False, True):
+        lin.fold = fold
+        out[f"cuda_{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
+        if PROFILE:
+            profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} fold {fold}")
+    lin.fold, cx.FOLD_MIN_OUT = fold0, keep
     if PROFILE:
         profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out
@@ -262,8 +254,9 @@ def print_large(results):
         return
     cols = ("had_in", "decode_scatter", "decode", "decode_fold", "mm", "had_out")
     hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>9}" for c in cols)
-           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'fp16':>8} | {'unf/fp16':>8} {'fold/fp16':>9}")
-    print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor)")
+           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'fp16':>8} {'fp16 nk':>8} | {'unf/fp16':>8} {'fold/fp16':>9}")
+    print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor; fp16: cuBLAS on "
+          "W (k, n), fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -272,20 +265,8 @@ def print_large(results):
         print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | "
               + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
-              + (f"{f:8.1f}" if f else f"{'-':>8}") + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
-    kq = [r for r in rows if "cuda_kq_nofold_us" in r]
-    if kq:
-        print("\nrows > 64, the k-quad decode kernels (cuda_exl3.DECODE_KQ) beside the default ones: µs (x fp16 "
-              "cuBLAS on W (k, n); fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
-        for r in kq:
-            f = r.get("fp16_us")
-            rat = (lambda p, f=f: f" ({p / f:.2f}x)" if f else "")   # noqa: E731
-            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | decode {r['cuda_decode_us']:6.1f} -> "
-                  f"{r['cuda_decode_kq_us']:6.1f} (one wave, former kernel: {r['cuda_decode_1wave_us']:6.1f}) | decode_fold {r['cuda_decode_fold_us']:6.1f} -> "
-                  f"{r['cuda_decode_fold_kq_us']:6.1f} | unfolded {r['cuda_nofold_us']:6.1f}{rat(r['cuda_nofold_us'])} -> "
-                  f"{r['cuda_kq_nofold_us']:6.1f}{rat(r['cuda_kq_nofold_us'])} | folded {r['cuda_fold_us']:6.1f}"
-                  f"{rat(r['cuda_fold_us'])} -> {r['cuda_kq_fold_us']:6.1f}{rat(r['cuda_kq_fold_us'])}"
-                  + (f" | fp16 nk {r['fp16_nk_us']:6.1f}" if "fp16_nk_us" in r else ""))
+              + (f"{f:8.1f}" if f else f"{'-':>8}") + (f" {r['fp16_nk_us']:8.1f}" if "fp16_nk_us" in r else f" {'-':>8}")
+              + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
     tiled = [r for r in rows if any(k.startswith("cuda_dense_") for k in r)]
     if tiled:
         print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")

@@ -45,11 +45,6 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 # decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
 FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
-# decode_t / decode_fold on their k-quad kernels (a warp stores 4 k-adjacent tiles, so each row of
-# Ŵᵀ it touches gets a whole 128-byte line, and loads its next step's words first) where kt % 4 == 0;
-# None: the EXL3TOOLS_DECODE_KQ preview decides (runtime/preview.py), True / False: the bench's pick
-DECODE_KQ: bool | None = None
-
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -320,50 +315,36 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
     return kps, groups, groups * -(-kt // kps)
 
 
-def _decode_kernel(base: str, kt: int) -> str:
-    from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
-
-    kq = preview.switched_on("decode_kq") if DECODE_KQ is None else DECODE_KQ
-    return f"{base}_kq" if kq and kt % 4 == 0 else base
-
-
 def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
-             kernel: str | None = None, out: torch.Tensor | None = None, blocks: int | None = None) -> torch.Tensor:
+             kernel: str = "exl3_decode_t", out: torch.Tensor | None = None) -> torch.Tensor:
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
     where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel``: exl3_decode_t_scatter
-    is the former store pattern, exl3_decode_t_kq the k-quad one (DECODE_KQ; kt % 4 == 0;
-    bench/gpu_bench.py times all three: its rows > 64 table). ``out``: a
-    contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk).
-    ``blocks``: the grid (the bench's; the kernels loop over whatever it does not cover)."""
+    is the former store pattern (bench/gpu_bench.py times both: its rows > 64 table). ``out``: a
+    contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     wt = _decoded(out, nt, kt, trellis.device)
-    kernel = kernel or _decode_kernel("exl3_decode_t", kt)
-    quads = -(-(kt * nt) // 4)        # a warp's step either way: 4 tiles
-    # the k-quad kernel's grid-stride loop in one wave of resident blocks (no last, part-full wave)
-    per_sm = mod.blocks_per_sm(kernel, 256) if kernel.endswith("_kq") and blocks is None else 16
-    blocks = blocks or min(-(-quads // 8), _sm_count(trellis.device) * per_sm)
+    quads = -(-(kt * nt) // 4)
+    blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
     mod.launch(kernel, blocks, 256, trellis[:, j0], wt, kt, nt, ld)
     return wt
 
 
 def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int = 0, j1: int | None = None,
-                out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """W'ᵀ (n, k) fp16 with W' = Ŵ · H_n / sqrt(128) ⊙ svh (the output pass folded in; float32
     inside, rounded once), so that x @ W' + bias = had_out(x @ Ŵ); of n-tiles j0..j1 where given
-    (multiples of 8: whole 128-column Hadamard blocks); ``out`` and ``kernel`` (exl3_decode_fold_kq:
-    a warp walks 4 k-tiles of its block) as in decode_t."""
+    (multiples of 8: whole 128-column Hadamard blocks); ``out`` as in decode_t."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     if nt % 8 or j0 % 8:
         raise UsageError(f"decode_fold: n-tiles {j0}..{j1} are not whole 128-column blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    kernel = kernel or _decode_kernel("exl3_decode_fold", kt)
-    items = kt * (nt // 8) // (4 if kernel.endswith("_kq") else 1)
+    items = kt * (nt // 8)
     blocks = min(-(-items // 8), _sm_count(trellis.device) * 2)
-    mod.launch(kernel, blocks, 256, trellis[:, j0], wt, svh[16 * j0:], kt, nt, ld)
+    mod.launch("exl3_decode_fold", blocks, 256, trellis[:, j0], wt, svh[16 * j0:], kt, nt, ld)
     return wt
 
 

@@ -27,11 +27,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
-    # the decode of Ŵ for linears of more than 64 rows (decode_t, decode_fold) on the k-quad
-    # kernels (kernels/cuda_exl3.DECODE_KQ): a warp decodes 4 k-adjacent tiles, so its stores fill
-    # whole 128-byte lines of each row of Ŵᵀ it touches, and loads its next step's words before
-    # decoding this step's; decode_t's grid is one wave of resident blocks
-    "decode_kq": "EXL3TOOLS_DECODE_KQ",
     # the fused decode step's MoE from PAIR_TILES_MIN_SLOTS pairs (fused_step.py): expert-sorted
     # tiles over the routed experts and the shared one together, their rows put back in pair
     # order and summed by residual_rmsnorm as one row per pair is (fused_step._pairs_by_tiles,

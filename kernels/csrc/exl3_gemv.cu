@@ -496,83 +496,10 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
 // the column index n = 16 u + 8 h + g (u the tile, h = b index >> 1, g = lane >> 2), so the 128-
 // point transform is 4 butterfly stages in registers (h, u) and 3 across lanes (g: xor 4, 8, 16).
 // nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr).
-// One (k-tile i, 128-column block from n-tile j0) of decode_fold: its 8 tiles' words w, decoded,
-// transformed and stored.
-__device__ __forceinline__ void fold_block(const Consts& kc, const uint32_t (&w)[8][NL], int off,
-                                           const half* __restrict__ svh, uint32_t* __restrict__ wt, int i, int j0,
-                                           int k2, int lane) {
-    const int g = lane >> 2, t = lane & 3;
-    float f[8][4][2];                     // [tile u][b index q][half p]
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-        uint32_t b[4];
-        decode_tile(kc, w[u], off, b);
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
-            f[u][q][0] = v.x;
-            f[u][q][1] = v.y;
-        }
-    }
-    // n bit 3: b index q vs q + 2
-#pragma unroll
-    for (int u = 0; u < 8; u++)
-#pragma unroll
-        for (int q = 0; q < 2; q++)
-#pragma unroll
-            for (int p = 0; p < 2; p++) {
-                const float a = f[u][q][p], c = f[u][q + 2][p];
-                f[u][q][p] = a + c;
-                f[u][q + 2][p] = a - c;
-            }
-    // n bits 4..6: tile u vs u ^ s
-#pragma unroll
-    for (int s = 1; s < 8; s <<= 1)
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            if (u & s) continue;
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-#pragma unroll
-                for (int p = 0; p < 2; p++) {
-                    const float a = f[u][q][p], c = f[u + s][q][p];
-                    f[u][q][p] = a + c;
-                    f[u + s][q][p] = a - c;
-                }
-        }
-    // n bits 0..2: g, across lanes
-#pragma unroll
-    for (int m = 4; m < 32; m <<= 1) {
-        const float sg = (lane & m) ? -1.f : 1.f;
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-#pragma unroll
-                for (int p = 0; p < 2; p++) {
-                    const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
-                    f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
-                }
-    }
-    const half* sv = svh + 16 * j0 + g;
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-        const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
-        const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
-        uint32_t b[4];
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const float sc = q < 2 ? s0 : s1;
-            half2 h = __floats2half2_rn(f[u][q][0] * sc, f[u][q][1] * sc);
-            b[q] = *reinterpret_cast<uint32_t*>(&h);
-        }
-        store_tile_t(wt, b, i, j0 + u, k2, g, t);
-    }
-}
-
 __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt,
                                                  const half* __restrict__ svh, int kt, int nt, int ld) {
     const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
     int off, widx[NL];
     lane_words(lane, off, widx);
     const int k2 = kt * 8;
@@ -588,91 +515,72 @@ __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr
         for (int u = 0; u < 8; u++)
 #pragma unroll
             for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + u * NW + widx[m]);
-        fold_block(kc, w, off, svh, wt, i, j0, k2, lane);
-    }
-}
-
-// KQ variants (exl3_decode_t_kq, exl3_decode_fold_kq; kt a multiple of 4): a warp's item is 4
-// k-adjacent tile rows (k-tiles 4 iq .. 4 iq + 3) of its n-tiles, stored in k order, so each wt row
-// it touches gets 128 contiguous bytes (a whole line) from the warp within a few instructions,
-// where the items above leave a line's four 32-byte sectors to four warps; and the next step's
-// trellis words are loaded before this step decodes (two register stages, not a load-use wait a
-// step). decode_t_kq's step: the 4 k-tiles of one n-tile j.
-__device__ __forceinline__ void decode_kq_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt,
-                                               int nt, int ld) {
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    int off, widx[NL];
-    lane_words(lane, off, widx);
-    const int k2 = kt * 8;
-    const long items = (long)(kt >> 2) * nt;      // item = iq * nt + j
-    const long warps = (long)gridDim.x * (blockDim.x >> 5);
-    const Consts kc;
-    uint32_t w[4][NL];
-    auto load = [&](long item) {
-        const uint32_t* src = tr + ((size_t)(4 * (item / nt)) * ld + (size_t)(item % nt)) * NW;
+        float f[8][4][2];                     // [tile u][b index q][half p]
 #pragma unroll
-        for (int u = 0; u < 4; u++)
-#pragma unroll
-            for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + (size_t)u * ld * NW + widx[m]);
-    };
-    long it = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (it < items) load(it);
-    for (; it < items; it += warps) {
-        uint32_t cur[4][NL];
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-#pragma unroll
-            for (int m = 0; m < NL; m++) cur[u][m] = w[u][m];
-        if (it + warps < items) load(it + warps);
-        const int i = 4 * (int)(it / nt), j = (int)(it % nt);
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < 8; u++) {
             uint32_t b[4];
-            decode_tile(kc, cur[u], off, b);
-            store_tile_t(wt, b, i + u, j, k2, g, t);
+            decode_tile(kc, w[u], off, b);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
+                f[u][q][0] = v.x;
+                f[u][q][1] = v.y;
+            }
         }
-    }
-}
-
-// decode_fold_kq's step: one (k-tile, 128-column block); a warp walks its item's 4 k-tiles in order.
-__device__ __forceinline__ void decode_fold_kq_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt,
-                                                    const half* __restrict__ svh, int kt, int nt, int ld) {
-    const int lane = threadIdx.x & 31;
-    int off, widx[NL];
-    lane_words(lane, off, widx);
-    const int k2 = kt * 8;
-    const int nb = nt >> 3;
-    const long items = (long)(kt >> 2) * nb;      // item = iq * nb + jb
-    const long warps = (long)gridDim.x * (blockDim.x >> 5);
-    const Consts kc;
-    uint32_t w[8][NL];
-    auto load = [&](long item, int u) {
-        const uint32_t* src = tr + ((size_t)(4 * (item / nb) + u) * ld + (size_t)(item % nb) * 8) * NW;
+        // n bit 3: b index q vs q + 2
 #pragma unroll
-        for (int v = 0; v < 8; v++)
+        for (int u = 0; u < 8; u++)
 #pragma unroll
-            for (int m = 0; m < NL; m++) w[v][m] = ldg32(src + v * NW + widx[m]);
-    };
-    long it = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int u = 0;
-    if (it < items) load(it, 0);
-    while (it < items) {
-        uint32_t cur[8][NL];
+            for (int q = 0; q < 2; q++)
 #pragma unroll
-        for (int v = 0; v < 8; v++)
+                for (int p = 0; p < 2; p++) {
+                    const float a = f[u][q][p], c = f[u][q + 2][p];
+                    f[u][q][p] = a + c;
+                    f[u][q + 2][p] = a - c;
+                }
+        // n bits 4..6: tile u vs u ^ s
 #pragma unroll
-            for (int m = 0; m < NL; m++) cur[v][m] = w[v][m];
-        long nx = it;
-        int nu = u + 1;
-        if (nu == 4) {
-            nu = 0;
-            nx += warps;
+        for (int s = 1; s < 8; s <<= 1)
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (u & s) continue;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+#pragma unroll
+                    for (int p = 0; p < 2; p++) {
+                        const float a = f[u][q][p], c = f[u + s][q][p];
+                        f[u][q][p] = a + c;
+                        f[u + s][q][p] = a - c;
+                    }
+            }
+        // n bits 0..2: g, across lanes
+#pragma unroll
+        for (int m = 4; m < 32; m <<= 1) {
+            const float sg = (lane & m) ? -1.f : 1.f;
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+#pragma unroll
+                    for (int p = 0; p < 2; p++) {
+                        const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
+                        f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
+                    }
         }
-        if (nx < items) load(nx, nu);
-        fold_block(kc, cur, off, svh, wt, 4 * (int)(it / nb) + u, (int)(it % nb) * 8, k2, lane);
-        it = nx;
-        u = nu;
+        const half* sv = svh + 16 * j0 + g;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
+            const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
+            uint32_t b[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float sc = q < 2 ? s0 : s1;
+                half2 h = __floats2half2_rn(f[u][q][0] * sc, f[u][q][1] * sc);
+                b[q] = *reinterpret_cast<uint32_t*>(&h);
+            }
+            store_tile_t(wt, b, i, j0 + u, k2, g, t);
+        }
     }
 }
 #endif  // EXL3_HOST_TEST
@@ -958,14 +866,6 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_t_scatter(const ui
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_t* tr, uint32_t* wt, const half* svh,
                                                                     int kt, int nt, int ld) {
     decode_fold_body(tr, wt, svh, kt, nt, ld);
-}
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_t_kq(const uint32_t* tr, uint32_t* wt, int kt, int nt,
-                                                                    int ld) {
-    decode_kq_body(tr, wt, kt, nt, ld);
-}
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold_kq(const uint32_t* tr, uint32_t* wt,
-                                                                       const half* svh, int kt, int nt, int ld) {
-    decode_fold_kq_body(tr, wt, svh, kt, nt, ld);
 }
 
 #define HAD_IN(NAME, TX)                                                                                 \

@@ -38,12 +38,7 @@ def test_decode_bit_exact(cx, width, cb):
     rng = np.random.default_rng(width * 7 + len(cb))
     tr = _lin(rng, 256, 384, width)[0]
     got = cx.decode_rotated(torch.from_numpy(tr).cuda(), cb).cpu().numpy()
-    want = ref.decode_rotated(tr, cb).view(np.uint16)
-    assert np.array_equal(got.view(np.uint16), want)
-    # the k-quad kernel (DECODE_KQ), every width and codebook
-    trd = torch.from_numpy(tr).cuda()
-    kq = cx.decode_t(cx.module(width, cb, trd.device), trd, kernel="exl3_decode_t_kq").t().cpu().numpy()
-    assert np.array_equal(kq.view(np.uint16), want)
+    assert np.array_equal(got.view(np.uint16), ref.decode_rotated(tr, cb).view(np.uint16))
 
 
 @pytest.mark.parametrize("width,cb", CASES)
@@ -86,8 +81,6 @@ def test_decode_column_chunks(cx):
     whole = cx.decode_t(mod, tr)
     for j0, j1 in ((0, 5), (5, 24), (23, 24), (7, 8)):
         assert torch.equal(cx.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
-        # the k-quad kernel (whole lines a warp, its next words loaded first): the same bits
-        assert torch.equal(cx.decode_t(mod, tr, j0, j1, kernel="exl3_decode_t_kq"), whole[16 * j0:16 * j1])
     buf = torch.full((16 * 19, 256), float("nan"), dtype=torch.float16, device=tr.device)   # into a given buffer
     assert cx.decode_t(mod, tr, 5, 24, out=buf) is buf and torch.equal(buf, whole[80:384])
     with pytest.raises(ValueError, match="contiguous fp16"):
@@ -116,7 +109,6 @@ def test_decode_fold(cx, width, cb):
     whole = cx.decode_fold(mod, trd, svd)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
         assert torch.equal(cx.decode_fold(mod, trd, svd, j0, j1), whole[16 * j0:16 * j1])
-        assert torch.equal(cx.decode_fold(mod, trd, svd, j0, j1, kernel="exl3_decode_fold_kq"), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
         cx.decode_fold(mod, trd, svd, 0, 12)
 
