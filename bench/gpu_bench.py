@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -116,6 +117,7 @@ def large_parts(lin, x):
            "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
+           "cuda_decode_coop_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
@@ -146,6 +148,18 @@ def large_parts(lin, x):
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} fold {fold}")
     lin.fold, cx.FOLD_MIN_OUT = fold0, keep
+    # the unfolded path with the cooperative-load decode (EXL3TOOLS_DECODE_COOP, read per call)
+    coop0 = os.environ.get("EXL3TOOLS_DECODE_COOP")
+    os.environ["EXL3TOOLS_DECODE_COOP"] = "1"
+    lin.fold = False
+    out["cuda_coop_nofold_us"] = bench(lambda: lin(x))
+    if PROFILE:
+        profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} decode_coop")
+    lin.fold = fold0
+    if coop0 is None:
+        del os.environ["EXL3TOOLS_DECODE_COOP"]
+    else:
+        os.environ["EXL3TOOLS_DECODE_COOP"] = coop0
     if PROFILE:
         profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out
@@ -267,6 +281,16 @@ def print_large(results):
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + (f" {r['fp16_nk_us']:8.1f}" if "fp16_nk_us" in r else f" {'-':>8}")
               + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
+    coop = [r for r in rows if "cuda_coop_nofold_us" in r]
+    if coop:
+        print("\nrows > 64, the decode with each quad of tiles loaded once a warp (exl3_decode_t_coop, "
+              "EXL3TOOLS_DECODE_COOP): µs, decode alone and the unfolded path (x fp16 cuBLAS)")
+        for r in coop:
+            f = r.get("fp16_us")
+            rat = (lambda p, f=f: f" ({p / f:.2f}x)" if f else "")   # noqa: E731
+            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | decode {r['cuda_decode_us']:6.1f} -> "
+                  f"{r['cuda_decode_coop_us']:6.1f} | unfolded {r['cuda_nofold_us']:6.1f}{rat(r['cuda_nofold_us'])} -> "
+                  f"{r['cuda_coop_nofold_us']:6.1f}{rat(r['cuda_coop_nofold_us'])}")
     tiled = [r for r in rows if any(k.startswith("cuda_dense_") for k in r)]
     if tiled:
         print("\nrows > 64 on the tile kernels (m-row slots over one weight, had_in + tiles + had_out; µs, x fp16 cuBLAS)")

@@ -316,14 +316,22 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
 
 
 def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
-             kernel: str = "exl3_decode_t", out: torch.Tensor | None = None) -> torch.Tensor:
+             kernel: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
-    where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel``: exl3_decode_t_scatter
-    is the former store pattern (bench/gpu_bench.py times both: its rows > 64 table). ``out``: a
-    contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
+    where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel`` (default exl3_decode_t,
+    or exl3_decode_t_coop with the EXL3TOOLS_DECODE_COOP preview where nt % 4 == 0):
+    exl3_decode_t_scatter is the former store pattern, exl3_decode_t_coop each quad of tiles loaded
+    once a warp (bench/gpu_bench.py times all three: its rows > 64 table). ``out``: a contiguous
+    fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
+    if kernel is None:
+        from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
+
+        kernel = "exl3_decode_t_coop" if preview.switched_on("decode_coop") and nt % 4 == 0 else "exl3_decode_t"
+    elif kernel == "exl3_decode_t_coop" and nt % 4:
+        raise UsageError(f"exl3_decode_t_coop: {nt} n-tiles is not a multiple of 4")
     wt = _decoded(out, nt, kt, trellis.device)
     quads = -(-(kt * nt) // 4)
     blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)

@@ -27,6 +27,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
+    # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_exl3.decode_t) on
+    # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in
+    # 16-byte pieces (the next quad's while it decodes this one) and hands each lane its words
+    # through shared memory, where exl3_decode_t's per-lane 4-byte loads fetch each tile's sectors
+    # from L2 about three times (ncu on the H200, 2026-12-03 18:05 session: L2 82 % busy, DRAM 44 %)
+    "decode_coop": "EXL3TOOLS_DECODE_COOP",
     # the fused decode step's MoE from PAIR_TILES_MIN_SLOTS pairs (fused_step.py): expert-sorted
     # tiles over the routed experts and the shared one together, their rows put back in pair
     # order and summed by residual_rmsnorm as one row per pair is (fused_step._pairs_by_tiles,

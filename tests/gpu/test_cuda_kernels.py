@@ -38,7 +38,12 @@ def test_decode_bit_exact(cx, width, cb):
     rng = np.random.default_rng(width * 7 + len(cb))
     tr = _lin(rng, 256, 384, width)[0]
     got = cx.decode_rotated(torch.from_numpy(tr).cuda(), cb).cpu().numpy()
-    assert np.array_equal(got.view(np.uint16), ref.decode_rotated(tr, cb).view(np.uint16))
+    want = ref.decode_rotated(tr, cb).view(np.uint16)
+    assert np.array_equal(got.view(np.uint16), want)
+    # the cooperative-load kernel (EXL3TOOLS_DECODE_COOP), every width and codebook
+    trd = torch.from_numpy(tr).cuda()
+    coop = cx.decode_t(cx.module(width, cb, trd.device), trd, kernel="exl3_decode_t_coop").t().cpu().numpy()
+    assert np.array_equal(coop.view(np.uint16), want)
 
 
 @pytest.mark.parametrize("width,cb", CASES)
@@ -81,6 +86,10 @@ def test_decode_column_chunks(cx):
     whole = cx.decode_t(mod, tr)
     for j0, j1 in ((0, 5), (5, 24), (23, 24), (7, 8)):
         assert torch.equal(cx.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
+    for j0, j1 in ((0, 24), (4, 12), (5, 9), (20, 24)):   # the quad kernel: n-tiles in fours, any start
+        assert torch.equal(cx.decode_t(mod, tr, j0, j1, kernel="exl3_decode_t_coop"), whole[16 * j0:16 * j1])
+    with pytest.raises(cx.UsageError, match="multiple of 4"):
+        cx.decode_t(mod, tr, 0, 5, kernel="exl3_decode_t_coop")
     buf = torch.full((16 * 19, 256), float("nan"), dtype=torch.float16, device=tr.device)   # into a given buffer
     assert cx.decode_t(mod, tr, 5, 24, out=buf) is buf and torch.equal(buf, whole[80:384])
     with pytest.raises(ValueError, match="contiguous fp16"):
