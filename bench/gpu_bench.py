@@ -63,8 +63,8 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3   # µs
 
 
-def bench_graph(fn):
-    """Median µs of CUDA-graph replays of fn (device time without host launch overhead)."""
+def capture(fn):
+    """fn's CUDA graph, after two warm calls on a side stream (first-call work stays out of it)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -74,7 +74,12 @@ def bench_graph(fn):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
+    return g
+
+
+def bench_graph(fn):
+    """Median µs of CUDA-graph replays of fn (device time without host launch overhead)."""
+    return do_bench(capture(fn).replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def profile_graph(fn, title: str, n: int = 5) -> None:
@@ -82,14 +87,7 @@ def profile_graph(fn, title: str, n: int = 5) -> None:
     replay after the same L2 flush do_bench does: where a whole path's time goes beside its parts."""
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
