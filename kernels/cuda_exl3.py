@@ -326,12 +326,16 @@ def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = N
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
+    # the quad kernel's 16-byte loads: whole quads from a 16-byte aligned trellis (tile rows and
+    # tiles are multiples of 16 bytes long; a view into a larger buffer need not start at one)
+    quads_fit = nt % 4 == 0 and trellis.data_ptr() % 16 == 0
     if kernel is None:
         from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
 
-        kernel = "exl3_decode_t_coop" if preview.switched_on("decode_coop") and nt % 4 == 0 else "exl3_decode_t"
-    elif kernel == "exl3_decode_t_coop" and nt % 4:
-        raise UsageError(f"exl3_decode_t_coop: {nt} n-tiles is not a multiple of 4")
+        kernel = "exl3_decode_t_coop" if quads_fit and preview.switched_on("decode_coop") else "exl3_decode_t"
+    elif kernel == "exl3_decode_t_coop" and not quads_fit:
+        raise UsageError(f"exl3_decode_t_coop: {nt} n-tiles (a multiple of 4?) from address "
+                         f"{trellis.data_ptr():#x} (16-byte aligned?)")
     wt = _decoded(out, nt, kt, trellis.device)
     quads = -(-(kt * nt) // 4)
     blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)

@@ -90,6 +90,13 @@ def test_decode_column_chunks(cx):
         assert torch.equal(cx.decode_t(mod, tr, j0, j1, kernel="exl3_decode_t_coop"), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError, match="multiple of 4"):
         cx.decode_t(mod, tr, 0, 5, kernel="exl3_decode_t_coop")
+    # a trellis view 4 bytes past an aligned start: the quad kernel refuses it, the default (4-byte
+    # loads) takes it
+    odd = torch.empty(tr.numel() + 2, dtype=tr.dtype, device=tr.device)[2:].view(tr.shape)
+    odd.copy_(tr)
+    with pytest.raises(cx.UsageError, match="16-byte aligned"):
+        cx.decode_t(mod, odd, kernel="exl3_decode_t_coop")
+    assert torch.equal(cx.decode_t(mod, odd), whole)
     buf = torch.full((16 * 19, 256), float("nan"), dtype=torch.float16, device=tr.device)   # into a given buffer
     assert cx.decode_t(mod, tr, 5, 24, out=buf) is buf and torch.equal(buf, whole[80:384])
     with pytest.raises(ValueError, match="contiguous fp16"):
