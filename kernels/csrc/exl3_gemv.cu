@@ -494,7 +494,7 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
 // words of every tile with 4-byte loads issued back to back, so the L1 misses on all of them and
 // each tile's sectors go to L2 about three times (ncu, H200, 4096 x 14336: L2 82 % busy, DRAM 44 %,
 // 55 µs). Here the warp loads its quad once, in 16-byte pieces (the next quad's while it decodes
-// this one), and hands each lane its words through 16 * K2 bytes of shared memory a warp.
+// this one), and hands each lane its words through 64 * K2 bytes of shared memory a warp.
 constexpr int QV = NW;                 // uint4 a quad holds (4 tiles x NW words)
 constexpr int QL = (QV + 31) / 32;     // uint4 a lane loads a quad
 __device__ __forceinline__ void decode_coop_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt,
