@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 from triton.testing import do_bench
@@ -147,17 +148,12 @@ def large_parts(lin, x):
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} fold {fold}")
     lin.fold, cx.FOLD_MIN_OUT = fold0, keep
     # the unfolded path with the cooperative-load decode (EXL3TOOLS_DECODE_COOP, read per call)
-    coop0 = os.environ.get("EXL3TOOLS_DECODE_COOP")
-    os.environ["EXL3TOOLS_DECODE_COOP"] = "1"
     lin.fold = False
-    out["cuda_coop_nofold_us"] = bench(lambda: lin(x))
-    if PROFILE:
-        profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} decode_coop")
+    with mock.patch.dict(os.environ, {"EXL3TOOLS_DECODE_COOP": "1"}):
+        out["cuda_coop_nofold_us"] = bench(lambda: lin(x))
+        if PROFILE:
+            profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} decode_coop")
     lin.fold = fold0
-    if coop0 is None:
-        del os.environ["EXL3TOOLS_DECODE_COOP"]
-    else:
-        os.environ["EXL3TOOLS_DECODE_COOP"] = coop0
     if PROFILE:
         profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out
