@@ -63,6 +63,11 @@ def main(argv=None) -> int:
                          "variant only; preview switches are read per call), each cold then warm")
     ap.add_argument("--forwards-only", action="store_true",
                     help="the MoE layer and forward tables only (no profiles, no mixed step): one variant a process")
+    ap.add_argument("--ab", default="",
+                    help='the 1 x 2048 forward once per "NAME:VAR=1;NAME2:VAR=0" variant, the variants '
+                         "interleaved in --ab-rounds rounds (an A/B in one process: this machine's "
+                         "process-to-process spread is 5-10 %%), medians and ratios to the first")
+    ap.add_argument("--ab-rounds", type=int, default=7)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     import torch
@@ -131,6 +136,8 @@ def main(argv=None) -> int:
         n = sum(lengths)
         res["forward"].append({"case": name, "ms": ms, "tok_s": n / ms * 1e3, "peak_gib": peak})
         print(f"| {name} | {ms:.2f} | {n / ms * 1e3:.0f} | {peak:.2f} |", flush=True)
+    if a.ab:
+        res["ab"] = interleaved(lambda: prefill([2048]), parse_variants(a.ab), a.ab_rounds, 2048)
     if a.forwards_only:
         if a.json:
             a.json.write_text(json.dumps(res, indent=1))
@@ -211,6 +218,43 @@ def mixed_step(runner, sid, running: int = 8, history: int = 4096, prompt: int =
 _RUNS = itertools.count(1)
 
 
+def parse_variants(spec: str) -> dict[str, dict[str, str]]:
+    """ "NAME:VAR=1,VAR2=0;NAME2:..." -> {NAME: {VAR: "1", ...}} (empty: the defaults alone)."""
+    out = {}
+    for entry in [e for e in spec.split(";") if e.strip()] or ["defaults:"]:
+        name, _, assigns = entry.partition(":")
+        # VAR=value pairs split at the commas before a name (a value may hold commas: "32,64,8")
+        out[name] = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_]\w*=)", assigns) if kv.strip())
+    return out
+
+
+def interleaved(fn, variants: dict[str, dict[str, str]], rounds: int, tokens: int, timer=None) -> dict:
+    """``fn`` timed under each variant's variables (preview switches are read per call), the
+    variants taking turns in every round so drifts of clock and heat fall on all of them alike:
+    median ms per variant and its ratio to the first. ``timer(fn) -> ms``: cuda_time's one rep."""
+    import os
+    from unittest import mock
+
+    timer = timer or (lambda f: cuda_time(f, reps=1))
+    ms: dict[str, list[float]] = {name: [] for name in variants}
+    for env in variants.values():      # a warm-up each (a variant's own kernels load)
+        with mock.patch.dict(os.environ, env):
+            fn()
+    for _ in range(rounds):
+        for name, env in variants.items():
+            with mock.patch.dict(os.environ, env):
+                ms[name].append(timer(fn))
+    first = statistics.median(next(iter(ms.values())))
+    print(f"\n| A/B, {tokens}-token forward, {rounds} interleaved rounds: variant | median ms | tok/s | "
+          f"min-max ms | x first |\n|---|---|---|---|---|")
+    out = {}
+    for name, ts in ms.items():
+        med = statistics.median(ts)
+        out[name] = {"env": variants[name], "ms": ts, "median_ms": med}
+        print(f"| {name} | {med:.2f} | {tokens / med * 1e3:.0f} | {min(ts):.2f}-{max(ts):.2f} | {med / first:.3f} |")
+    return out
+
+
 def long_variants(runner, n: int, spec: str) -> dict:
     """The n-token prompt once per variant of ``spec`` ("NAME:VAR=1,VAR2=0;..."; empty: the
     defaults alone), each three times: cold (Triton compiles of new shapes included, what the first
@@ -220,10 +264,7 @@ def long_variants(runner, n: int, spec: str) -> dict:
     from unittest import mock
 
     out = {}
-    for entry in [e for e in spec.split(";") if e.strip()] or ["defaults:"]:
-        name, _, assigns = entry.partition(":")
-        # VAR=value pairs split at the commas before a name (a value may hold commas: "32,64,8")
-        env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_]\w*=)", assigns) if kv.strip())
+    for name, env in parse_variants(spec).items():
         with mock.patch.dict(os.environ, env):
             cold = long_prompt(runner, n, ("long", name, "cold"), profile_last=False, title=f"{name} cold")
             warm = long_prompt(runner, n, ("long", name, "warm"), profile_last=False, title=f"{name} warm")
