@@ -142,21 +142,34 @@ if [[ $STAGES == *hostprof* ]]; then   # the served N-stream decode's host side 
     el "hostprof ${c%%:*} rc $?"; grep -v "^20..-" "$f" | head -n ${HOSTPROF_LINES:-90}
   done
 fi
+# mla_spec_configs ARCH VARIANTS: append to CFG the --speculative-tokens configs (MLA_SPEC) for the mla
+# stage's shape ARCH: glm5 and deepseek_v3 (and their _flat variants) have an MTP head, others none
+mla_spec_configs() {
+  [[ $1 == glm5* || $1 == deepseek_v3* ]] || return 0
+  local k
+  for k in ${MLA_SPEC-1 2 3}; do
+    CFG+=(--config "${1}_mtp$k:--max-model-len 32768 --speculative-tokens $k")
+    [[ $2 == *mtp_paged* ]] && CFG+=(--config "${1}_mtp${k}_eager_head:EXL3TOOLS_MTP_PAGED=0 --max-model-len 32768 --speculative-tokens $k")
+  done
+  return 0
+}
 if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
-  # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: GLM-5 --speculative-tokens values served beside 0 (empty: none)
+  # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: --speculative-tokens values served beside 0
+  # on the shapes with an MTP head (glm5, deepseek_v3; empty: none)
   if [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* ]]; then
     # the paged MLA decode kernel alone first (Triton ieee/tf32x3, DSA selection, indexer, torch, roofline)
     timeout ${MLA_KERNEL_TIMEOUT:-240} python3 bench/gpu_mla_attention.py ${MLA_KERNEL_ARGS:---quick --sweep 64,8,16384} \
       --json "$L/mla_attention.json" > "$L/mla_attention.log" 2>&1
     el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
   fi
-  # glm5_flat: the GLM-5 shape with --flat-logits (every MTP draft accepted: MTP's upper bound)
+  # ARCH_flat (glm5_flat, deepseek_v3_flat): the ARCH shape with --flat-logits (every MTP draft
+  # accepted: MTP's upper bound)
   [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* || ${MLA_PARTS:-kernel e2e serve} == *serve* ]] || MLA_ARCHES=none
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     [ $arch = none ] && continue       # the kernel part alone: no checkpoint to make
     d=/tmp/synth_$arch
     # MLA_SYNTH_EXTRA: more synth_checkpoint.py options (e.g. "--layers 24": MTP's worth on a deeper shape)
-    SYN="--arch $arch ${MLA_SYNTH_EXTRA:-}"; [ $arch = glm5_flat ] && SYN="--arch glm5 --flat-logits ${MLA_SYNTH_EXTRA:-}"
+    SYN="--arch $arch ${MLA_SYNTH_EXTRA:-}"; [[ $arch == *_flat ]] && SYN="--arch ${arch%_flat} --flat-logits ${MLA_SYNTH_EXTRA:-}"
     [ -d $d ] || python3 bench/synth_checkpoint.py $d $SYN > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
@@ -201,10 +214,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *tile* ]] && CFG+=(--config "${arch}_tile_${T//,/x}:EXL3TOOLS_MLA_TILE=$T --max-model-len 32768")
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
-      if [[ $arch == glm5* ]]; then for k in ${MLA_SPEC-1 2 3}; do
-        CFG+=(--config "${arch}_mtp$k:--max-model-len 32768 --speculative-tokens $k")
-        [[ $V == *mtp_paged* ]] && CFG+=(--config "${arch}_mtp${k}_eager_head:EXL3TOOLS_MTP_PAGED=0 --max-model-len 32768 --speculative-tokens $k")
-      done; fi
+      mla_spec_configs $arch "$V"
       timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
         --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1

@@ -24,7 +24,7 @@ dimensions and config.json in bench/synth_configs.py):
   / v 128, 256 routed experts top-8 + 1 shared of 2048, dense 18432, vocab 129280, YaRN x40), 6
   layers (3 dense + 3 MoE) + an MTP layer by default: 22.2 GB at 3 bpw (MTP layer 5.8 GB). Layout
   copies fixture deepseek_v3-3.0bpw-3inst; its MTP layer is named like GLM-5's (exllamav3 drops
-  DeepSeek's MTP when converting, and our runtime does not load it for deepseek_v3 yet). Routing is
+  DeepSeek's MTP when converting; our runtime loads it as GLM-5's, without the indexer). Routing is
   written flat (n_group 1, topk_group 1) because our runtime and exllamav3 1.6.5 both refuse
   group-limited routing; `--grouped-routing` writes DeepSeek-V3's n_group 8 / topk_group 4 (same
   tensors; for header-only tools such as plan and validate).

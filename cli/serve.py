@@ -59,8 +59,8 @@ def _pos(_ctx, _param, value: int) -> int:
                    "streams never wait. 0: start at once.")
 @click.option("--speculative-tokens", type=click.IntRange(0, 8), default=0, show_default=True,
               help="MTP speculative decoding: draft this many tokens per step with the checkpoint's MTP head "
-                   "(GLM-5), verify them in one forward; greedy output is unchanged, sampled output keeps "
-                   "the model's distribution. 0: off.")
+                   "(GLM-5, DeepSeek-V3), verify them in one forward; greedy output is unchanged, sampled "
+                   "output keeps the model's distribution. 0: off.")
 @click.option("--reasoning-parser", type=click.Choice(PARSERS), default="none", show_default=True,
               help="Chat answers' <think>...</think> as message.reasoning_content (streamed as "
                    "delta.reasoning_content) and the rest as content, where tool calls are read (GLM-4.5 and "

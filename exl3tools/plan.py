@@ -4,7 +4,7 @@ Headers and config only, no torch. Per rank:
 
 - ``weight_bytes``: exactly the tensors the rank holds, as the rank-slice planner cuts them
   (slicing.plan.rank_holdings; at ``--tp 1`` every tensor; an MTP layer only where the runtime
-  builds its head, GLM-5): what the runtime reads for that rank.
+  builds its head, GLM-5 and DeepSeek-V3): what the runtime reads for that rank.
 - ``kv_bytes_per_token``: what the runtime's paged pool stores per token (runtime/kv_pool.py over
   each attention's ``cache_spec()``): GQA ``2 x kv_heads_local x head_dim x dtype`` per layer; MLA
   ``(kv_lora_rank + qk_rope_head_dim) x dtype`` per layer, plus the DSA indexer key
@@ -157,7 +157,8 @@ def activation_estimate(cfg: dict, tokens: int) -> int:
     return 4 * tokens * (4 * hidden + 3 * inter + 2 * vocab)
 
 
-MTP_BUILT = ("GlmMoeDsaForCausalLM",)   # architectures whose runtime loads the MTP layer (runtime/mtp.py)
+# architectures whose runtime loads the MTP layer (runtime/mtp.py)
+MTP_BUILT = ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
 def _mtp_tensor(name: str, n_layers: int) -> bool:

@@ -25,6 +25,51 @@ def fixture_dir(name: str) -> Path:
     return d
 
 
+# "synth-ARCH": bench/synth_checkpoint.py --arch ARCH --small, a name for model_dir, not a fixture
+# folder. DeepSeek-V3 with its MTP layer, which no fixture has (exllamav3's converter drops it):
+DSV3_MTP = "synth-deepseek_v3"
+
+
+@pytest.fixture(scope="session")
+def synth_small(tmp_path_factory):
+    """``make(arch, *options) -> Path``: a ``bench/synth_checkpoint.py --arch ARCH --small``
+    checkpoint, written once per session (per xdist worker) for each (arch, options)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import synth_checkpoint as sc
+
+    made: dict[tuple[str, ...], Path] = {}
+
+    def make(arch: str, *options: str) -> Path:
+        key = (arch, *options)
+        if key not in made:
+            out = tmp_path_factory.mktemp("synth") / arch
+            assert sc.main([str(out), "--arch", arch, "--small", *options]) == 0
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+def model_dir(name: str, request) -> Path:
+    """The model folder of ``name``: a shared fixture's, or (``synth-ARCH``) a synthetic checkpoint's."""
+    if name.startswith("synth-"):
+        return request.getfixturevalue("synth_small")(name.removeprefix("synth-"))
+    return fixture_dir(name) / "model"
+
+
+def golden_prompt(model: Path, key: str, n: int) -> list[int]:
+    """The first ``n`` tokens of prompt ``key`` of the fixture goldens beside ``model``; tokens
+    3 .. n + 2 where there are none (a synthetic checkpoint)."""
+    gold = model.parent / "goldens_logits.safetensors"
+    if not gold.is_file():
+        return list(range(3, n + 3))
+    from safetensors.torch import load_file
+
+    return load_file(str(gold))[key].tolist()[:n]
+
+
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture(request) -> Path:
     return fixture_dir(request.param)

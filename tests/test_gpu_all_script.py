@@ -1,7 +1,8 @@
-"""bench/gpu_all.sh, the one script every device call runs, on the CPU: its bash parses, and the
+"""bench/gpu_all.sh, the one script every device call runs, on the CPU: its bash parses, the
 wait for exllamav3's detached build returns at once where no build was started (with
 EXL3_BUILD=0 and a carried .exl3so it once waited for a build log until the call's timeout and
-spent the rest of a session's device time)."""
+spent the rest of a session's device time), and the mla stage serves MTP configs on the shapes
+with an MTP head."""
 
 from __future__ import annotations
 
@@ -27,11 +28,16 @@ def test_the_script_parses():
     assert r.returncode == 0, r.stderr
 
 
+def _function(name: str) -> str:
+    """The text of gpu_all.sh's top-level bash function ``name``."""
+    text = SCRIPT.read_text()
+    body = text[text.index(f"{name}() {{"):]
+    return body[:body.index("\n}\n") + 3]
+
+
 def _wait_build(tmp_path: Path, log: str | None, seconds: str = "") -> tuple[int, float]:
     """Run gpu_all.sh's wait_build alone, its build log at a private path (None: no log)."""
-    text = SCRIPT.read_text()
-    body = text[text.index("wait_build() {"):]
-    body = body[:body.index("\n}\n") + 3].replace("/tmp/exl3build.log", str(tmp_path / "exl3build.log"))
+    body = _function("wait_build").replace("/tmp/exl3build.log", str(tmp_path / "exl3build.log"))
     if log is not None:
         (tmp_path / "exl3build.log").write_text(log)
     # a file, not bash -c: pgrep -f would find the marker in this shell's own command line (it finds
@@ -53,3 +59,28 @@ def test_wait_build_waits_for_a_started_build(tmp_path):
     assert rc == 0 and (tmp_path / "build.log").read_text().endswith("build rc 0\n")
     rc, took = _wait_build(tmp_path, "compiling\n", "4")                # running: waits, then rc 1
     assert rc == 1 and took >= 3.5
+
+
+def _spec_configs(arch: str, variants: str = "graphs", spec: str | None = None) -> list[str]:
+    """The --config arguments gpu_all.sh's mla stage adds for ``arch``'s MTP (MLA_SPEC: ``spec``)."""
+    env = "unset MLA_SPEC" if spec is None else f"MLA_SPEC='{spec}'"
+    script = f"{_function('mla_spec_configs')}\n{env}; CFG=(); mla_spec_configs {arch} '{variants}'\n" \
+             'for x in "${CFG[@]}"; do echo "$x"; done'
+    r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("arch", ["glm5", "glm5_flat", "deepseek_v3", "deepseek_v3_flat"])
+def test_mla_serves_mtp_configs_on_the_shapes_with_an_mtp_head(arch):
+    """MLA_SPEC (default 1 2 3) on every MLA shape with an MTP head, the eager-head opt-out with
+    the mtp_paged variant; MLA_SPEC empty: none."""
+    assert _spec_configs(arch) == [x for k in (1, 2, 3) for x in
+                                   ("--config", f"{arch}_mtp{k}:--max-model-len 32768 --speculative-tokens {k}")]
+    paged = _spec_configs(arch, "graphs mtp_paged", "2")
+    assert paged[3] == f"{arch}_mtp2_eager_head:EXL3TOOLS_MTP_PAGED=0 --max-model-len 32768 --speculative-tokens 2"
+    assert len(paged) == 4 and _spec_configs(arch, spec="") == []
+
+
+def test_mla_serves_no_mtp_config_without_an_mtp_head():
+    assert _spec_configs("glm4_moe") == []

@@ -1,4 +1,7 @@
-"""MTP head (GLM-5 ``model.layers.{N}``) as a speculative-decoding draft.
+"""MTP head (GLM-5 and DeepSeek-V3 ``model.layers.{N}``) as a speculative-decoding draft.
+
+On the GLM-5 fixtures and on a synthetic DeepSeek-V3 checkpoint (``DSV3_MTP``; no fixture carries
+DeepSeek-V3's MTP layer, which exllamav3's converter drops):
 
 - the head is built exactly once, from its own tensors only, and is never one of the target layers;
 - greedy with MTP (any draft length) emits exactly the tokens of plain greedy;
@@ -14,6 +17,7 @@ import json
 import re
 from collections import Counter
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,15 +30,15 @@ from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.mtp import greedy, greedy_mtp
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
-from tests.conftest import fixture_dir
+from tests.conftest import DSV3_MTP, fixture_dir, golden_prompt, model_dir
 
 GLM5 = "glm5_moe_dsa-3.0bpw-mul1"
 GLM5_TP = "glm5_moe_dsa-tp-4.0bpw-mcg"
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _build(name: str, reads: Counter | None = None):
-    ck = Checkpoint.open(fixture_dir(name) / "model")
+def _build(path: Path, reads: Counter | None = None):
+    ck = Checkpoint.open(path)
     ws = WeightSource(ck)
     if reads is not None:
         orig = ws.numpy
@@ -49,16 +53,21 @@ def _build(name: str, reads: Counter | None = None):
 
 
 @lru_cache(maxsize=None)
-def _model(name: str):
-    m, _ = _build(name)
-    return m, load_file(str(fixture_dir(name) / "goldens_logits.safetensors"))
+def _model(path: Path):
+    return _build(path)[0]
+
+
+def _greedy_case(name: str, request) -> tuple:
+    """(model, its 16-token prompt)."""
+    path = model_dir(name, request)
+    return _model(path), golden_prompt(path, "prompt_p16", 16)
 
 
 # ------------------------------------------------------------------ loading
-@pytest.mark.parametrize("name", [GLM5, GLM5_TP])
-def test_mtp_layer_loaded_once_and_kept_apart(name):
+@pytest.mark.parametrize("name", [GLM5, GLM5_TP, DSV3_MTP])
+def test_mtp_layer_loaded_once_and_kept_apart(name, request):
     reads: Counter = Counter()
-    m, ck = _build(name, reads)
+    m, ck = _build(model_dir(name, request), reads)
     n = int(ck.config["num_hidden_layers"])
     mtp_names = {t for t in ck.tensors if LAYER.match(t) and int(LAYER.match(t).group(1)) == n}
     assert mtp_names                                        # the fixture carries an MTP layer
@@ -72,7 +81,9 @@ def test_mtp_layer_loaded_once_and_kept_apart(name):
     assert id(m.mtp.block.attn) not in ids and id(m.mtp.block.mlp) not in ids
     # the target cache has exactly the target's layers; the head writes slot 0 of its own cache
     assert len(m.new_cache().layers) == n and len(m.mtp.new_cache().layers) == 1
-    assert m.mtp.block.attn.layer == 0 and m.mtp.block.attn.indexer is not None
+    assert m.mtp.block.attn.layer == 0
+    # GLM-5's head has its own DSA indexer, DeepSeek-V3's none (as its target layers)
+    assert (m.mtp.block.attn.indexer is not None) == (ck.architecture == "GlmMoeDsaForCausalLM")
     # the draft borrows the target's embedding and head
     assert m.mtp.target is m
 
@@ -80,36 +91,37 @@ def test_mtp_layer_loaded_once_and_kept_apart(name):
 def test_no_mtp_when_the_checkpoint_has_none():
     """deepseek_v3 config says num_nextn_predict_layers 1, but no layer 2 exists (fixtures.md ¹)."""
     reads: Counter = Counter()
-    m, ck = _build("deepseek_v3-3.0bpw-3inst", reads)
+    m, ck = _build(fixture_dir("deepseek_v3-3.0bpw-3inst") / "model", reads)
     assert m.mtp is None
     assert not any(LAYER.match(t) and int(LAYER.match(t).group(1)) >= 2 for t in reads)
 
 
 # ------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("draft_len", [1, 2, 3])
-def test_mtp_greedy_equals_plain_greedy(draft_len, capsys):
-    m, g = _model(GLM5)
-    prompt = g["prompt_p16"].tolist()
+@pytest.mark.parametrize("name", [GLM5, DSV3_MTP])
+def test_mtp_greedy_equals_plain_greedy(name, draft_len, request, capsys):
+    m, prompt = _greedy_case(name, request)
     ref = greedy(m, prompt, 24)
     out, st = greedy_mtp(m, prompt, 24, draft_len)
     assert out == ref
     assert st.drafted >= 23 and st.target_forwards <= 24
     with capsys.disabled():
-        print(f"\n[{GLM5}] MTP draft {draft_len}: accepted {st.accepted}/{st.drafted} "
+        print(f"\n[{name}] MTP draft {draft_len}: accepted {st.accepted}/{st.drafted} "
               f"({100 * st.acceptance_rate:.1f}%), {st.target_forwards} target forwards for 24 tokens")
 
 
 def test_plain_greedy_reproduces_exllamav3_greedy():
-    m, g = _model(GLM5_TP)                  # no near-tie in its 32 steps (fixtures.md §4)
-    assert greedy(m, g["prompt_p16"].tolist(), 32) == g["exl3_greedy_p16"].tolist()
+    d = fixture_dir(GLM5_TP)                # no near-tie in its 32 steps (fixtures.md §4)
+    g = load_file(str(d / "goldens_logits.safetensors"))
+    assert greedy(_model(d / "model"), g["prompt_p16"].tolist(), 32) == g["exl3_greedy_p16"].tolist()
 
 
 @pytest.mark.parametrize("draft_len,wrong", [(1, set()), (3, set()), (3, {20, 26, 27}), (2, {18, 19, 22})])
-def test_accept_and_reject_paths_with_oracle_drafts(draft_len, wrong):
+@pytest.mark.parametrize("name", [GLM5, DSV3_MTP])
+def test_accept_and_reject_paths_with_oracle_drafts(name, draft_len, wrong, request):
     """Drafts forced to the true greedy tokens (except at ``wrong`` positions): the accepted prefix,
     the rollback of both caches and the pending (state, token) pairs must keep the output exact."""
-    m, g = _model(GLM5)
-    prompt = g["prompt_p16"].tolist()
+    m, prompt = _greedy_case(name, request)
     max_new = 20
     ref = greedy(m, prompt, max_new)
     full = prompt + ref

@@ -2,11 +2,12 @@
 verifies every row in one target forward over the paged cache, keeps the accepted prefix and gives
 the rejected slots back; the engine decides with runtime.sampling.accept_drafts.
 
-On the GLM-5 fixture (MLA + DSA + MTP head): greedy decoding through draft/verify/accept equals
+On the GLM-5 fixture (MLA + DSA + MTP head), and where marked on a synthetic DeepSeek-V3 checkpoint
+(``DSV3_MTP``: MLA + MTP head, no indexer): greedy decoding through draft/verify/accept equals
 plain greedy decoding and leaves the cache exactly as long as the emitted text, blocks included;
 the served answers with --speculative-tokens 1..3 equal those without (openai client, real server);
 usage reports accepted/rejected drafts; and rejection sampling keeps the target's distribution
-(chi-square over many draws from real fixture logits)."""
+(chi-square over many draws from real model logits)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch
 
 from exl3tools.runtime import sampling
 from exl3tools.runtime.runner import load_runner
-from tests.conftest import fixture_dir
+from tests.conftest import DSV3_MTP, fixture_dir, model_dir
 
 NAME = "glm5_moe_dsa-3.0bpw-mul1"
+MTP_MODELS = [NAME, DSV3_MTP]        # GLM-5's head with its DSA indexer, DeepSeek-V3's without
 PROMPT = list(range(3, 43))          # 40 tokens: past the fixture's index_topk (32), sparse attention on
 
 
@@ -31,11 +33,12 @@ def _greedy_plain(path, n):
         return out
 
 
-def test_draft_verify_accept_is_greedy_decoding_and_rolls_back():
-    """The fixture's random MTP head never guesses right, so the drafts here are the true greedy
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_draft_verify_accept_is_greedy_decoding_and_rolls_back(name, request):
+    """The random MTP head never guesses right, so the drafts here are the true greedy
     continuation with draft j + 1 corrupted at step j % 4: every step accepts 0, 1, 2 or 3 drafts in
     turn, and the rejected slots must be given back exactly for the text to stay greedy."""
-    path = fixture_dir(NAME) / "model"
+    path = model_dir(name, request)
     n = 40
     want = _greedy_plain(path, n + 4)
     with load_runner(path, max_cache_tokens=256, block_size=4, speculative_tokens=3) as r:
@@ -68,10 +71,11 @@ def test_draft_verify_accept_is_greedy_decoding_and_rolls_back():
         assert int(got.argmax()) == out[-1]
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
-    """First emitted token of a verdict over real fixture logits (target at the last token, MTP
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_rejection_sampling_keeps_the_target_distribution(name, request):
+    """First emitted token of a verdict over real model logits (target at the last token, MTP
     draft rows): its frequency over 6000 seeded draws matches the target's distribution."""
-    path = fixture_dir(NAME) / "model"
+    path = model_dir(name, request)
     with load_runner(path, max_cache_tokens=256, speculative_tokens=2) as r:
         r.add_sequence(0)
         last = int(r.step([(0, PROMPT)])[0].argmax())
@@ -109,11 +113,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(k: int, cuda_graphs=None):
+def _served(path, k: int, cuda_graphs=None):
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
-    cfg = ServeConfig(model_path=str(fixture_dir(NAME) / "model"), served_model_name="m", max_batch=4,
+    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4,
                       max_context=160, block_size=4, speculative_tokens=k, cuda_graphs=cuda_graphs)
     app = create_app(cfg)
     with LiveServer(app) as s:
@@ -136,11 +140,13 @@ def _served(k: int, cuda_graphs=None):
         return [r.model_dump()["choices"][0]["token_ids"] for r in rs], [r.usage for r in rs], stats
 
 
-def test_served_greedy_text_is_the_same_with_drafts():
-    plain, _, st0 = _served(0)
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_served_greedy_text_is_the_same_with_drafts(name, request):
+    path = model_dir(name, request)
+    plain, _, st0 = _served(path, 0)
     assert st0["spec_drafted_tokens"] == 0
     for k in (1, 3):
-        got, usage, st = _served(k)
+        got, usage, st = _served(path, k)
         assert got == plain, k
         assert st["spec_drafted_tokens"] > 0 and 0 <= st["spec_accepted_tokens"] <= st["spec_drafted_tokens"]
         d = usage[0].completion_tokens_details
@@ -154,9 +160,10 @@ def test_served_greedy_text_with_the_heads_own_cache(monkeypatch):
     whose verify rows are computed as plain decoding's: the static step's batched rows can flip
     this random model's near-tied argmax with or without drafts): the same greedy text as without
     drafts, drafts made and counted."""
-    plain, _, _ = _served(0)
+    path = fixture_dir(NAME) / "model"
+    plain, _, _ = _served(path, 0)
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
-    got, _, st = _served(2)
+    got, _, st = _served(path, 2)
     assert got == plain and st["spec_drafted_tokens"] > 0
 
 
@@ -247,10 +254,10 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy(paged_head, decode, monkeypatch)
         assert out1 == want[:len(out1)]
 
 
-def _draft_rounds(together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto"):
+def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto"):
     """Three sequences of different prompt lengths and draft counts, drafted (one pass or one at a
-    time), verified and accepted over two rounds (one round keeps a draft): every draft's rows."""
-    path = fixture_dir(NAME) / "model"
+    time), verified and accepted over two rounds (one round keeps a draft) on the model at
+    ``path``: every draft's rows."""
     prompts = {0: PROMPT, 1: PROMPT[5:17], 2: PROMPT[::-1][:30]}
     ks = {0: 1, 1: 3, 2: 2}
 
@@ -294,12 +301,14 @@ def test_drafts_of_several_sequences_in_one_pass_equal_one_at_a_time():
     row) gives each sequence the head's rows that drafting it alone gives, for different prompt
     lengths and draft counts, over two rounds of verify/accept (the head's cache rolled back
     exactly in between)."""
-    (alone, ks), (many, _) = _draft_rounds(False), _draft_rounds(True)
+    path = fixture_dir(NAME) / "model"
+    (alone, ks), (many, _) = _draft_rounds(path, False), _draft_rounds(path, True)
     _same_rows(alone, many, ks)
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
-def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(name, decode, request, monkeypatch):
     """mtp_paged (the default): the head's cache in the sequences' blocks (PagedState.head_pool),
     drafting through the decoder's fixed-shape draft step ("static": rows up to --max-num-seqs x
     (1 + k), here the three prompts' pairs at once) or the eager head over paged views (decode
@@ -307,12 +316,13 @@ def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(decode, monkeypatch):
     in slots reserved past the cache: the same rows as the head's own cache gives."""
     from exl3tools.runtime.paged_decode import PagedDecoder
 
+    path = model_dir(name, request)
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
-    want, ks = _draft_rounds(True)
+    want, ks = _draft_rounds(path, True)
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
     steps, draft = [], PagedDecoder.draft
     monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: steps.append(len(a[0])) or draft(self, *a))
-    got, _ = _draft_rounds(True, decode)
+    got, _ = _draft_rounds(path, True, decode)
     _same_rows(want, got, ks)
     # static: the prompts' pairs, the deeper drafts and the second round's pairs through the fixed-shape step
     first = len(PROMPT) + 12 + 30                                 # every prompt's pairs (_draft_rounds)

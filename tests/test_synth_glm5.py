@@ -62,10 +62,8 @@ def test_layout_equals_the_exllamav3_fixture(tmp_path, fixture, arch, layers, bi
 
 
 @pytest.fixture(scope="module", params=["glm5", "deepseek_v3"])
-def small(request, tmp_path_factory) -> tuple[str, Path]:
-    out = tmp_path_factory.mktemp("synth") / request.param
-    assert sc.main([str(out), "--arch", request.param, "--small"]) == 0
-    return request.param, out
+def small(request, synth_small) -> tuple[str, Path]:
+    return request.param, synth_small(request.param)
 
 
 def test_small_validates_and_inspects(small):
@@ -101,14 +99,15 @@ def _run(path: Path, prompts: list[list[int]]) -> tuple[list[torch.Tensor], bool
 
 def test_small_runs_in_our_runtime(small):
     """Finite, not flat logits for a short prompt and for one longer than index_topk (32), where the
-    GLM-5 indexer's top-k selection makes attention sparse; GLM-5's MTP head is loaded."""
+    GLM-5 indexer's top-k selection makes attention sparse; the MTP head is loaded (GLM-5's and
+    DeepSeek-V3's)."""
     arch, path = small
     (short, long), has_mtp = _run(path, [[1, 2, 3], list(range(1, 41))])
     for lg in (short, long):
         assert lg.shape == (1, 2048) and torch.isfinite(lg).all()
         assert 0.1 < float(lg.std()) < 100
     assert not torch.equal(short, long)
-    assert has_mtp == (arch == "glm5")       # runtime/arch/deepseek_v3.py builds no MTP head
+    assert has_mtp
 
 
 def test_index_share_small(tmp_path):
@@ -191,14 +190,12 @@ def test_full_size_deepseek_v3_plan():
                                                 ("deepseek_v3", 6 * (512 + 64) * 2)])
 def test_full_size_sparse_plans_on_one_h200(tmp_path, arch, kv_per_token):
     """The header-only real-size checkpoint: plan reads exactly the planned bytes (the MTP layer
-    only where the runtime builds its head: GLM-5) and says it fits one H200 at its full context."""
+    included: the runtime builds both heads) and says it fits one H200 at its full context."""
     s = sc.write_checkpoint(tmp_path / arch, arch=arch, sparse=True)
     assert len(s["files"]) == 7 and 10e9 < s["bytes"] < 40e9
     p = _cli("plan", str(tmp_path / arch), "--gpu", "h200")
     assert p["architecture"] == ARCH[arch] and p["fits"]
-    loaded = s if arch == "glm5" else sc.write_checkpoint(tmp_path / f"{arch}-no-mtp", arch=arch, sparse=True,
-                                                          mtp=False)
-    assert p["ranks"][0]["weight_bytes"] == loaded["bytes"]
+    assert p["ranks"][0]["weight_bytes"] == s["bytes"]
     assert p["ranks"][0]["kv_bytes_per_token"] == kv_per_token
     assert p["max_context"] == json.loads((tmp_path / arch / "config.json").read_text())["max_position_embeddings"]
 
@@ -211,19 +208,20 @@ def test_dry_run_prints_and_writes_nothing(tmp_path, capsys):
     assert "would write" in line and "GlmMoeDsaForCausalLM" in line and "19.396 GB" in line and "1 MTP layer" in line
 
 
-def test_flat_logits_accept_every_mtp_draft(tmp_path):
+@pytest.mark.parametrize("arch", ["glm5", "deepseek_v3"])
+def test_flat_logits_accept_every_mtp_draft(synth_small, arch):
     """--flat-logits: the norms before lm_head (the model's and the MTP head's) are zero, so every
     logit is exactly 0: greedy MTP decoding drafts token 0, the model agrees, every draft is
     accepted (the bench's upper bound of MTP in serve); the rest of the checkpoint is unchanged."""
     from exl3tools.runtime.mtp import greedy, greedy_mtp
     from exl3tools.runtime.runner import load_runner
 
-    out = tmp_path / "flat"
-    assert sc.main([str(out), "--arch", "glm5", "--small", "--flat-logits"]) == 0
-    _, _, mods = sc.build_plan(arch="glm5", small=True, layers=4, flat_logits=True)
+    out = synth_small(arch, "--flat-logits")
+    n = sc.ARCHS[arch].small_layers                  # the MTP layer's index: num_hidden_layers
+    _, _, mods = sc.build_plan(arch=arch, small=True, layers=n, flat_logits=True)
     zero = {t.name for m in mods for t in m.tensors if t.kind == "zero"}
-    assert zero == {"model.norm.weight", "model.layers.4.shared_head.norm.weight"}
-    assert [t.kind for m in sc.build_plan(arch="glm5", small=True, layers=4)[2] for t in m.tensors if t.name in zero] == \
+    assert zero == {"model.norm.weight", f"model.layers.{n}.shared_head.norm.weight"}
+    assert [t.kind for m in sc.build_plan(arch=arch, small=True, layers=n)[2] for t in m.tensors if t.name in zero] == \
         ["norm", "norm"]
     runner = load_runner(out, max_cache_tokens=256)
     try:

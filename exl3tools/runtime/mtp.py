@@ -1,11 +1,13 @@
-"""MTP draft head (GLM-5: ``model.layers.{num_hidden_layers}``) and exact speculative decoding.
+"""MTP draft head (GLM-5, DeepSeek-V3: ``model.layers.{num_hidden_layers}``) and exact speculative decoding.
 
-The head, as exllamav3 1.6.5 runs it (architecture/glm_moe_dsa_mtp.py):
+The head, as exllamav3 1.6.5 runs GLM-5's (architecture/glm_moe_dsa_mtp.py):
 ``x = eh_proj([enorm(embed(token)) | hnorm(state)])`` (2H -> H, EXL3 at ``mtp_bits``), one full
-decoder block (MLA + its own "full" DSA indexer + MoE), ``shared_head.norm``, then the target's
-lm_head. ``state`` is the target's hidden after the final norm at the position before ``token``;
-deeper drafts feed the head its own normed output. The head borrows the target's embedding and
-lm_head (the checkpoint carries neither for it).
+decoder block (MLA + MoE; GLM-5's with its own "full" DSA indexer), ``shared_head.norm``, then the
+target's lm_head. ``state`` is the target's hidden after the final norm at the position before
+``token``; deeper drafts feed the head its own normed output. The head borrows the target's
+embedding and lm_head (the checkpoint carries neither for it). DeepSeek-V3's MTP layer is the same
+without the indexer; exllamav3's converter drops it, so only checkpoints written otherwise (other
+converters, bench/synth_checkpoint.py) have one.
 
 The head is built once per rank from the tensors under its prefix and lives in ``model.mtp``,
 never in ``model.layers``; its attention writes cache slot 0 of its own ``SeqCache(1)``.
@@ -86,7 +88,9 @@ class MTPHead:
         return h, t.logits(h)
 
 
-def load_mtp(ctx: BuildContext, model) -> MTPHead | None:
+def load_mtp(ctx: BuildContext, model, *, indexer_mode: str | None) -> MTPHead | None:
+    """The head of ``model.layers.{N}``, or None where the checkpoint has none. ``indexer_mode``:
+    "full" where the block carries its own DSA indexer (GLM-5), None without one (DeepSeek-V3)."""
     cfg, ws = ctx.config, ctx.weights
     p = mtp_prefix(cfg, ws)
     if p is None:
@@ -96,7 +100,7 @@ def load_mtp(ctx: BuildContext, model) -> MTPHead | None:
     eps = float(cfg["rms_norm_eps"])
     H = int(cfg["hidden_size"])
     n = int(cfg["num_hidden_layers"])
-    block = build_block(ctx, n, model.rope, indexer_mode="full", moe=True, cache_idx=0)
+    block = build_block(ctx, n, model.rope, indexer_mode=indexer_mode, moe=True, cache_idx=0)
     return MTPHead(layer_index=n, enorm=RMSNorm(ws.tensor(f"{p}.enorm.weight"), eps),
                    hnorm=RMSNorm(ws.tensor(f"{p}.hnorm.weight"), eps),
                    eh_proj=load_linear(ws, f"{p}.eh_proj", in_real=2 * H, out_real=H,
@@ -214,8 +218,8 @@ def runner_generate(runner, prompt: list[int], max_new: int, draft_len: int, *, 
     from exl3tools.runtime import sampling
 
     if getattr(runner.model, "mtp", None) is None:
-        raise UsageError(f"{runner.model_name}: this checkpoint has no MTP head (--mtp needs GLM-5 with "
-                         "model.layers.{num_hidden_layers}.* tensors)")
+        raise UsageError(f"{runner.model_name}: this checkpoint has no MTP head (--mtp needs GLM-5 or "
+                         "DeepSeek-V3 with model.layers.{num_hidden_layers}.* tensors)")
     if draft_len < 1:
         raise UsageError("--mtp must be >= 1")
     if getattr(runner, "spec_k", 0) < draft_len:

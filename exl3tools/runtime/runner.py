@@ -98,8 +98,9 @@ class Runner(SpeculativeSteps):
             raise UsageError(f"--speculative-tokens must be >= 0, got {speculative_tokens}")
         if self.spec_k and getattr(model, "mtp", None) is None:
             raise UsageError(f"{name}: this checkpoint has no MTP head that exl3tools loads, which speculative "
-                             "decoding (--speculative-tokens, --mtp) needs: GLM-5 (glm_moe_dsa) carries it as "
-                             "model.layers.{num_hidden_layers}.*; exllamav3's converter drops DeepSeek-V3's")
+                             "decoding (--speculative-tokens, --mtp) needs: GLM-5 (glm_moe_dsa) and DeepSeek-V3 "
+                             "carry it as model.layers.{num_hidden_layers}.* (exllamav3's converter drops "
+                             "DeepSeek-V3's)")
         dev = model.embed.device
         if not 0 < gpu_memory_utilization <= 1:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")

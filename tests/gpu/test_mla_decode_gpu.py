@@ -2,19 +2,21 @@
 MLAttention.decode_static, kernels/mla_attention.py, kernels/dsa_indexer.py) against the eager
 paged path on the same GPU and model, on the DeepSeek-V3 and GLM-5 fixtures: three sequences of
 different lengths, one past index_topk (sparse DSA), over several steps; speculative decoding
-(MTP drafts eager, verify steps in the graphs) with graphs on emits the plain greedy tokens. The kernel itself at real shapes:
-tests/gpu/test_mla_attention.py. Skipped without CUDA."""
+(MTP drafts eager, verify steps in the graphs) with graphs on emits the plain greedy tokens, with
+GLM-5's MTP head and a synthetic DeepSeek-V3 checkpoint's (tests/conftest.py DSV3_MTP). The kernel
+itself at real shapes: tests/gpu/test_mla_attention.py. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import cuda_available
+from tests.conftest import DSV3_MTP, cuda_available
 from tests.gpu.conftest import cuda_backend
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
+MTP_MODELS = ["glm5_moe_dsa-3.0bpw-mul1", DSV3_MTP]    # GLM-5's MTP head, DeepSeek-V3's (synthetic)
 # the graphs pad a batch of 3 to bucket 4: the linear kernels may take other paths than the eager
 # batch of 3 (fp16 partial sums); the attention itself agrees to ~1e-6
 REL = 1e-2
@@ -79,15 +81,15 @@ def test_mla_static_triton_equals_static_reference_attention():
 
 
 @pytest.mark.parametrize("row_steps", ["1", "0"])
-def test_speculative_decoding_with_graphs_is_greedy(row_steps, monkeypatch):
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, monkeypatch):
     """Verify steps through the graph step (EXL3TOOLS_ROW_STEPS=1) or, by default on CUDA, through
     the eager forward beside graph-replayed plain rows: greedy either way."""
     from exl3tools.runtime import sampling
     from exl3tools.runtime.runner import load_runner
-    from tests.conftest import fixture_dir
+    from tests.conftest import model_dir
 
-    name = "glm5_moe_dsa-3.0bpw-mul1"
-    path = fixture_dir(name) / "model"
+    path = model_dir(name, request)
     prompt = list(range(3, 43))
     kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=4)
     with load_runner(path, decode="eager", **kw) as r:
@@ -147,14 +149,17 @@ def test_dsa_width_graphs_equal_eager(monkeypatch):
     assert any(key[1] and key[2] < full for key, full, _ in used), used     # a narrow sparse graph replayed
 
 
-def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(monkeypatch):
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(name, request, monkeypatch):
     """mtp_paged (the default) on CUDA: drafts through the captured draft step (and the eager head
     over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly."""
     from exl3tools.runtime.paged_decode import PagedDecoder
+    from tests.conftest import model_dir
     from tests.test_serve_speculative import _draft_rounds, _same_rows
 
+    path = model_dir(name, request)
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
-    want, ks = _draft_rounds(True, "eager", device="cuda", backend=cuda_backend())
+    want, ks = _draft_rounds(path, True, "eager", device="cuda", backend=cuda_backend())
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
     keys, draft = [], PagedDecoder.draft
 
@@ -164,6 +169,6 @@ def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(monkeypatch):
         return out
 
     monkeypatch.setattr(PagedDecoder, "draft", recorded)
-    got, _ = _draft_rounds(True, "graphs", device="cuda", backend=cuda_backend())
+    got, _ = _draft_rounds(path, True, "graphs", device="cuda", backend=cuda_backend())
     _same_rows(want, got, ks, tol=REL)
     assert keys and all(k[0] == "draft" for k in keys), keys       # replayed draft graphs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import DSV3_MTP
+
 MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"]
 
 
@@ -29,15 +31,14 @@ def _near_a_reference(errs: list[dict], tol: float = 1e-2) -> bool:
 
 
 @pytest.mark.parametrize("sparse", ["default", "0"])
-@pytest.mark.parametrize("name", MLA)
-def test_gpu_mla_logits_match_cpu_reference(dev, name, sparse, monkeypatch):
+@pytest.mark.parametrize("name", MLA + [DSV3_MTP])
+def test_gpu_mla_logits_match_cpu_reference(dev, name, sparse, request, monkeypatch):
     """The DSA prompt rows over their selected keys (the default on CUDA) and densely under the
-    selection mask (EXL3TOOLS_DSA_SPARSE_PREFILL=0), each against the CPU reference."""
-    from safetensors.torch import load_file
-
+    selection mask (EXL3TOOLS_DSA_SPARSE_PREFILL=0), each against the CPU reference; where the
+    checkpoint has an MTP head (GLM-5's, the synthetic DeepSeek-V3's), greedy with drafts is greedy."""
     from exl3tools.runtime.mtp import greedy, greedy_mtp
     from exl3tools.runtime.runner import load_runner
-    from tests.conftest import fixture_dir
+    from tests.conftest import golden_prompt, model_dir
 
     if dev == "cpu":
         pytest.skip("needs CUDA")
@@ -45,13 +46,12 @@ def test_gpu_mla_logits_match_cpu_reference(dev, name, sparse, monkeypatch):
         if "glm5" not in name:
             pytest.skip("DSA fixtures only")
         monkeypatch.setenv("EXL3TOOLS_DSA_SPARSE_PREFILL", "0")
-    g = load_file(str(fixture_dir(name) / "goldens_logits.safetensors"))
-    prompt = g["prompt_p64"].tolist()[:40]           # > index_topk: the DSA path runs
+    path = model_dir(name, request)
+    prompt = golden_prompt(path, "prompt_p64", 40)   # > index_topk: the DSA path runs
     out = {}
     runs = [("reference", "cpu", kv) for kv in kv_references(name)] + [("triton", "cuda", "auto")]
     for backend, device, kv in runs:
-        r = load_runner(fixture_dir(name) / "model", device=device, backend=backend, max_cache_tokens=4096,
-                        kv_dtype=kv)
+        r = load_runner(path, device=device, backend=backend, max_cache_tokens=4096, kv_dtype=kv)
         r.add_sequence("s")
         pre = r.step([("s", prompt)], all_logits=True).float().cpu()
         out[kv if device == "cpu" else "cuda"] = [pre] + [r.step([("s", [t])]).float().cpu() for t in (3, 900, 11)]

@@ -12,6 +12,10 @@ latent side (q_a, kv_a_proj_with_mqa 576->640, norms, the latent cache, the DSA 
 replicated. ``"cut": "replicate"`` (illegal head cut) runs the whole attention on every rank with
 no reduce (exllamav3 instead keeps an MLA layer whole on one device). MLPs and experts use the
 GQA family's builders (runtime/arch/gqa.py): ``--moe ep`` whole experts, ``--moe tp`` cut experts.
+
+The MTP head (``model.layers.{num_hidden_layers}``: GLM-5's without the DSA indexer), when the
+checkpoint carries it, is built once per rank by runtime/mtp.py and attached as ``model.mtp``.
+exllamav3's converter drops DeepSeek-V3's; other converters and bench/synth_checkpoint.py keep it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from exl3tools.runtime.layers import DecoderLayer, MoE, RMSNorm
 from exl3tools.runtime.mla import MLAttention
 from exl3tools.runtime.mla_rope import mla_rope
 from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.mtp import load_mtp
 
 MOE_SPEC = GqaSpec(routing="sigmoid", num_experts_key="n_routed_experts", shared_expert=True)
 
@@ -152,9 +157,10 @@ def build_mla_model(ctx: BuildContext, *, indexer_types: list[str] | None) -> Ca
                           moe=not is_dense_layer(cfg, i)) for i in range(n_layers)]
     model = build_causal_lm(ctx, layers)
     model.rope = rope
-    model.mtp = None
     return model
 
 
 def build(ctx: BuildContext) -> CausalLM:
-    return build_mla_model(ctx, indexer_types=None)
+    model = build_mla_model(ctx, indexer_types=None)
+    model.mtp = load_mtp(ctx, model, indexer_mode=None)
+    return model

@@ -5,8 +5,9 @@ The DeepSeek-V3 body (runtime/arch/deepseek_v3.py) with the DSA lightning indexe
 the nearest preceding full layer. ``mlp_layer_types`` picks dense/sparse MLPs. RoPE is interleaved
 (``rope_interleave`` / ``indexer_rope_interleave`` must not be false, as in exllamav3).
 
-The MTP head (``model.layers.{num_hidden_layers}``), when the checkpoint carries it, is built once
-per rank by runtime/mtp.py and attached as ``model.mtp``; it is never one of ``model.layers``.
+The MTP head (``model.layers.{num_hidden_layers}``, with its own "full" indexer), when the
+checkpoint carries it, is built once per rank by runtime/mtp.py and attached as ``model.mtp``; it is
+never one of ``model.layers``. DeepSeek-V3's is built the same way, without the indexer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.runtime.arch import BuildContext
 from exl3tools.runtime.arch.deepseek_v3 import build_mla_model
 from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.mtp import load_mtp
 
 
 def indexer_schedule(cfg: dict) -> list[str]:
@@ -31,7 +33,5 @@ def build(ctx: BuildContext) -> CausalLM:
         if cfg.get(key, True) is not True:
             raise UnsupportedArchitectureError(f"GlmMoeDsa with {key} = {cfg[key]!r} is not supported")
     model = build_mla_model(ctx, indexer_types=indexer_schedule(cfg))
-    from exl3tools.runtime.mtp import load_mtp
-
-    model.mtp = load_mtp(ctx, model)
+    model.mtp = load_mtp(ctx, model, indexer_mode="full")    # its block has its own indexer
     return model
