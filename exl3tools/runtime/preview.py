@@ -31,7 +31,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in
     # 16-byte pieces (the next quad's while it decodes this one) and hands each lane its words
     # through shared memory, where exl3_decode_t's per-lane 4-byte loads fetch each tile's sectors
-    # from L2 about three times (ncu on the H200, 2026-12-03 18:05 session: L2 82 % busy, DRAM 44 %)
+    # from L2 about three times (ncu on the H200, 2026-12-03 18:05 session: L2 82 % busy, DRAM 44 %).
+    # H200 2026-12-04: tests/gpu passed with it; the decode alone 0.4-2.9 µs faster at all five
+    # bench shapes (59.2 -> 58.8 µs at 4096 -> 14336), but a 2048-token air6 forward 37.55 vs 37.37
+    # ms in 7 interleaved rounds (0.995, inside the spread): no gain measured, so it stays a preview
     "decode_coop": "EXL3TOOLS_DECODE_COOP",
     # the fused decode step's MoE from PAIR_TILES_MIN_SLOTS pairs (fused_step.py): expert-sorted
     # tiles over the routed experts and the shared one together, their rows put back in pair
