@@ -94,9 +94,10 @@ def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, mo
     kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=4)
     with load_runner(path, decode="eager", **kw) as r:
         r.add_sequence(0)
-        want, new = [], prompt
+        want, rows, new = [], [], prompt
         for _ in range(12):
-            want.append(int(r.step([(0, new)])[0].argmax()))
+            rows.append(r.step([(0, new)])[0].float().cpu())
+            want.append(int(rows[-1].argmax()))
             new = [want[-1]]
     monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", row_steps)
     with load_runner(path, speculative_tokens=2, **kw) as r:
@@ -113,8 +114,22 @@ def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, mo
             out += drafts[:a] + [bonus]
             plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
         assert r.paged.decoder._graphs
-        assert out[:12] == want
-        assert plain == want[:len(plain)] and len(plain) >= 5
+        assert_greedy_up_to_a_tie(out[:12], want, rows)
+        assert_greedy_up_to_a_tie(plain, want, rows)
+        assert len(plain) >= 5
+
+
+def assert_greedy_up_to_a_tie(got: list[int], want: list[int], rows, tol: float = REL) -> None:
+    """``got`` is the eager greedy ``want`` up to the first token where they part, and they part only
+    where the eager step's logits (``rows``) put the two tokens within ``tol`` of its largest logit:
+    a random model's near-flat logits can tie (the synthetic DeepSeek-V3's plain row beside the
+    drafts took 1055 for 400 at token 10 on the H200, 2026-12-04), after which the texts differ."""
+    assert len(got) <= len(want), (got, want)
+    for i, (g, w) in enumerate(zip(got, want[:len(got)], strict=True)):
+        if g != w:
+            gap = float((rows[i][w] - rows[i][g]) / rows[i].abs().max())
+            assert 0 <= gap < tol, (i, g, w, gap)
+            return
 
 
 def test_dsa_width_graphs_equal_eager(monkeypatch):
