@@ -2,21 +2,28 @@
 MLAttention.decode_static, kernels/mla_attention.py, kernels/dsa_indexer.py) against the eager
 paged path on the same GPU and model, on the DeepSeek-V3 and GLM-5 fixtures: three sequences of
 different lengths, one past index_topk (sparse DSA), over several steps; speculative decoding
-(MTP drafts eager, verify steps in the graphs) with graphs on emits the plain greedy tokens, with
-GLM-5's MTP head and a synthetic DeepSeek-V3 checkpoint's (tests/conftest.py DSV3_MTP). The kernel
-itself at real shapes: tests/gpu/test_mla_attention.py. Skipped without CUDA."""
+(MTP drafts eager, verify steps in the graphs) with graphs on emits the plain greedy tokens. The
+kernel itself at real shapes: tests/gpu/test_mla_attention.py. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import DSV3_MTP, cuda_available
+from tests.conftest import cuda_available
 from tests.gpu.conftest import cuda_backend
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
-MTP_MODELS = ["glm5_moe_dsa-3.0bpw-mul1", DSV3_MTP]    # GLM-5's MTP head, DeepSeek-V3's (synthetic)
+# GLM-5's fixture only, not the synthetic DeepSeek-V3 (tests/conftest.py DSV3_MTP: synth_checkpoint
+# --small, 16 random experts top-4): it routes on near-ties (the 4th and 5th expert 2.4e-5 apart on
+# the CPU for the drafts' third prompt), which the GPU's split-K sums, landing in any order, flip
+# from load to load. On the H200 (2026-12-04) its cases here failed in three runs of four, each time
+# a different one: draft rows 1.4e-2 and 1.5e-2 apart with the same drafts, and greedy texts parting
+# at a token 7.7e-2 of the largest logit below the top, after a flip upstream. Its MTP head is
+# checked exactly on the CPU (tests/test_mtp.py, tests/test_serve_speculative.py: greedy with drafts,
+# the head's cache in blocks) and on the GPU through test_runtime_mla_gpu.py's logits and greedy MTP.
+MTP_MODELS = ["glm5_moe_dsa-3.0bpw-mul1"]
 # the graphs pad a batch of 3 to bucket 4: the linear kernels may take other paths than the eager
 # batch of 3 (fp16 partial sums); the attention itself agrees to ~1e-6
 REL = 1e-2
@@ -94,10 +101,9 @@ def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, mo
     kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=4)
     with load_runner(path, decode="eager", **kw) as r:
         r.add_sequence(0)
-        want, rows, new = [], [], prompt
+        want, new = [], prompt
         for _ in range(12):
-            rows.append(r.step([(0, new)])[0].float().cpu())
-            want.append(int(rows[-1].argmax()))
+            want.append(int(r.step([(0, new)])[0].argmax()))
             new = [want[-1]]
     monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", row_steps)
     with load_runner(path, speculative_tokens=2, **kw) as r:
@@ -114,25 +120,8 @@ def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, mo
             out += drafts[:a] + [bonus]
             plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
         assert r.paged.decoder._graphs
-        assert_greedy_up_to_a_tie(out[:12], want, rows)
-        assert_greedy_up_to_a_tie(plain, want, rows)
-        assert len(plain) >= 5
-
-
-def assert_greedy_up_to_a_tie(got: list[int], want: list[int], rows, tol: float = 3e-2) -> None:
-    """``got`` is the eager greedy ``want`` up to the first token where they part, and they part only
-    where the eager step's logits (``rows``) put the two tokens within ``tol`` of its largest logit:
-    a random model's near-flat logits can tie (the synthetic DeepSeek-V3's plain row beside the
-    drafts took 1055 for 400 at token 10 on the H200, 2026-12-04), after which the texts differ.
-    ``tol`` is twice what one expert picked differently on a routing near-tie moved that model's
-    rows by (1.5e-2, test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda's note); a broken step
-    parts at once, with a token far from the top."""
-    assert len(got) <= len(want), (got, want)
-    for i, (g, w) in enumerate(zip(got, want[:len(got)], strict=True)):
-        if g != w:
-            gap = float((rows[i][w] - rows[i][g]) / rows[i].abs().max())
-            assert 0 <= gap < tol, (i, g, w, gap)
-            return
+        assert out[:12] == want
+        assert plain == want[:len(plain)] and len(plain) >= 5
 
 
 def test_dsa_width_graphs_equal_eager(monkeypatch):
@@ -167,14 +156,7 @@ def test_dsa_width_graphs_equal_eager(monkeypatch):
     assert any(key[1] and key[2] < full for key, full, _ in used), used     # a narrow sparse graph replayed
 
 
-# GLM-5's fixture only: the synthetic DeepSeek-V3 (synth_checkpoint --small, 16 experts top-4) routes
-# its third prompt's rows on near-ties (the 4th and 5th expert 2.4e-5 apart on the CPU), so two
-# loads on the GPU, whose split-K sums land in any order, can pick different experts: its draft rows
-# moved 1.4e-2 and 1.5e-2 in two H200 runs of three (2026-12-04), the drafts the same. Its head's
-# blocks are checked exactly on the CPU (tests/test_serve_speculative.py
-# test_the_heads_cache_in_blocks_drafts_as_its_own_cache) and on the GPU through greedy decoding
-# with graphs (above) and the logits against the CPU (test_runtime_mla_gpu.py).
-@pytest.mark.parametrize("name", MTP_MODELS[:1])
+@pytest.mark.parametrize("name", MTP_MODELS)
 def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(name, request, monkeypatch):
     """mtp_paged (the default) on CUDA: drafts through the captured draft step (and the eager head
     over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly. Both
