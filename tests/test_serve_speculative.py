@@ -198,15 +198,18 @@ def test_drafting_sequences_survive_preemption(paged_head, monkeypatch):
     assert got == plain
 
 
-@pytest.mark.parametrize("paged_head,decode", [("1", "eager"), ("1", "static")])
-def test_tp2_drafts_in_lockstep_and_stay_greedy(paged_head, decode, monkeypatch):
-    """--tp 2 (gloo, CPU processes) on the GLM-5 tp fixture: every rank runs its part of the MTP
+@pytest.mark.parametrize("name,paged_head,decode,moe", [("glm5_moe_dsa-tp-4.0bpw-mcg", "1", "eager", "tp"),
+                                                         ("glm5_moe_dsa-tp-4.0bpw-mcg", "1", "static", "tp"),
+                                                         (DSV3_MTP, "1", "static", "ep")])
+def test_tp2_drafts_in_lockstep_and_stay_greedy(name, paged_head, decode, moe, request, monkeypatch):
+    """--tp 2 (gloo, CPU processes) on the GLM-5 tp fixture and the synthetic DeepSeek-V3 (whole
+    experts a rank: its 128-wide experts do not cut in two): every rank runs its part of the MTP
     head in step with rank 0 (draft, verify, accept, free); oracle drafts with 0-2 accepted per
     step give exactly the TP=1 greedy text, with the head's cache in blocks (mtp_paged, the
     default: the workers run each draft call rank 0 makes, "hdraft"), decode eager and static.
     (The EXL3TOOLS_MTP_PAGED=0 head at TP 2: test_runtime_mla_tp.py's MTP cases.)"""
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", paged_head)
-    path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
+    path = model_dir(name, request)
     prompt = PROMPT[:24]
     with load_runner(path, max_cache_tokens=256, block_size=4) as r:
         r.add_sequence(0)
@@ -214,7 +217,8 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy(paged_head, decode, monkeypatch)
         for _ in range(16):
             want.append(int(r.step([(0, new)])[0].argmax()))
             new = [want[-1]]
-    with load_runner(path, tp=2, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode=decode) as r:
+    with load_runner(path, tp=2, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode=decode,
+                     moe=moe) as r:
         r.add_sequence(0, prompt)
         out = [int(r.step([(0, prompt)])[0].argmax())]
         step, seen = 0, set()
