@@ -258,8 +258,7 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy(name, paged_head, decode, moe, r
         assert out1 == want[:len(out1)]
 
 
-def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto",
-                  kv_dtype: str = "auto"):
+def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto"):
     """Three sequences of different prompt lengths and draft counts, drafted (one pass or one at a
     time), verified and accepted over two rounds (one round keeps a draft) on the model at
     ``path``: every draft's rows."""
@@ -272,7 +271,7 @@ def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cp
 
     got = []
     with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode=decode,
-                     device=device, backend=backend, kv_dtype=kv_dtype) as r:
+                     device=device, backend=backend) as r:
         last = {}
         for s, p in prompts.items():
             r.add_sequence(s)

@@ -15,15 +15,14 @@ from tests.gpu.conftest import cuda_backend
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
-# GLM-5's fixture only, not the synthetic DeepSeek-V3 (tests/conftest.py DSV3_MTP: synth_checkpoint
-# --small, 16 random experts top-4): it routes on near-ties (the 4th and 5th expert 2.4e-5 apart on
+# The MTP tests here take GLM-5's fixture, not the synthetic DeepSeek-V3 (tests/conftest.py
+# DSV3_MTP: synth_checkpoint --small, 16 random experts top-4): it routes on near-ties (the 4th and 5th expert 2.4e-5 apart on
 # the CPU for the drafts' third prompt), which the GPU's split-K sums, landing in any order, flip
 # from load to load. On the H200 (2026-12-04) its cases here failed in three runs of four, each time
 # a different one: draft rows 1.4e-2 and 1.5e-2 apart with the same drafts, and greedy texts parting
 # at a token 7.7e-2 of the largest logit below the top, after a flip upstream. Its MTP head is
 # checked exactly on the CPU (tests/test_mtp.py, tests/test_serve_speculative.py: greedy with drafts,
-# the head's cache in blocks) and on the GPU through test_runtime_mla_gpu.py's logits and greedy MTP.
-MTP_MODELS = ["glm5_moe_dsa-3.0bpw-mul1"]
+# the head's cache in blocks, TP 2) and on the GPU through test_runtime_mla_gpu.py's logits and greedy MTP.
 # the graphs pad a batch of 3 to bucket 4: the linear kernels may take other paths than the eager
 # batch of 3 (fp16 partial sums); the attention itself agrees to ~1e-6
 REL = 1e-2
@@ -88,15 +87,15 @@ def test_mla_static_triton_equals_static_reference_attention():
 
 
 @pytest.mark.parametrize("row_steps", ["1", "0"])
-@pytest.mark.parametrize("name", MTP_MODELS)
-def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, monkeypatch):
+def test_speculative_decoding_with_graphs_is_greedy(row_steps, monkeypatch):
     """Verify steps through the graph step (EXL3TOOLS_ROW_STEPS=1) or, by default on CUDA, through
     the eager forward beside graph-replayed plain rows: greedy either way."""
     from exl3tools.runtime import sampling
     from exl3tools.runtime.runner import load_runner
-    from tests.conftest import model_dir
+    from tests.conftest import fixture_dir
 
-    path = model_dir(name, request)
+    name = "glm5_moe_dsa-3.0bpw-mul1"
+    path = fixture_dir(name) / "model"
     prompt = list(range(3, 43))
     kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=4)
     with load_runner(path, decode="eager", **kw) as r:
@@ -156,18 +155,16 @@ def test_dsa_width_graphs_equal_eager(monkeypatch):
     assert any(key[1] and key[2] < full for key, full, _ in used), used     # a narrow sparse graph replayed
 
 
-@pytest.mark.parametrize("name", MTP_MODELS)
-def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(name, request, monkeypatch):
+def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(monkeypatch):
     """mtp_paged (the default) on CUDA: drafts through the captured draft step (and the eager head
-    over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly. Both
-    on float32 planes, as the head's own cache is."""
+    over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly."""
     from exl3tools.runtime.paged_decode import PagedDecoder
-    from tests.conftest import model_dir
+    from tests.conftest import fixture_dir
     from tests.test_serve_speculative import _draft_rounds, _same_rows
 
-    path = model_dir(name, request)
+    path = fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model"
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
-    want, ks = _draft_rounds(path, True, "eager", device="cuda", backend=cuda_backend(), kv_dtype="fp32")
+    want, ks = _draft_rounds(path, True, "eager", device="cuda", backend=cuda_backend())
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
     keys, draft = [], PagedDecoder.draft
 
@@ -177,6 +174,6 @@ def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(name, request, monkey
         return out
 
     monkeypatch.setattr(PagedDecoder, "draft", recorded)
-    got, _ = _draft_rounds(path, True, "graphs", device="cuda", backend=cuda_backend(), kv_dtype="fp32")
+    got, _ = _draft_rounds(path, True, "graphs", device="cuda", backend=cuda_backend())
     _same_rows(want, got, ks, tol=REL)
     assert keys and all(k[0] == "draft" for k in keys), keys       # replayed draft graphs
