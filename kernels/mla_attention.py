@@ -48,9 +48,11 @@ PRECISION = os.environ.get("EXL3TOOLS_MLA_PRECISION", "ieee")
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
-MERGE_CHUNK = 16         # splits per merge step (16 x 512 fp32 per step)
+MERGE_CHUNK = 16         # splits per merge step (16 x MERGE_SLICE fp32 per step)
+MERGE_SLICE = 128        # latent channels per merge program
 NUM_STAGES = 2           # the split kernel's pipeline depth (64 x 64 fp16 tiles: 72 KiB of keys a stage)
 Q16_MIN_HB = 64          # fp16 planes from this head block: the queries go in as fp16 (mla_decode)
+SPLIT_OVERHEAD_TILES = 2  # default_num_splits: a program's query load and partial store, in key tiles
 WIDE_HEAD_PROGRAMS = 0.7  # default_config: 64-head blocks from this many programs per SM
 
 
@@ -179,8 +181,11 @@ if triton is not None:
 
     @triton.jit
     def _mla_merge_kernel(po_ptr, plse_ptr, out_ptr, num_splits, C, CP: tl.constexpr, SC: tl.constexpr):
+        # one program per row and CP-wide slice of the latent (grid (B * H, cdiv(C, CP))); slices
+        # only where the rows are few: at one GLM-5 row over a DSA selection 7.5 -> 6.2 us (H200 ncu,
+        # 64 rows x 4 slices), at one DeepSeek-V3 row at 32k 12.7 -> 12.5 (its 16.8 MB of partials)
         row = tl.program_id(0).to(tl.int64)       # b * H + h
-        c = tl.arange(0, CP)
+        c = tl.program_id(1) * CP + tl.arange(0, CP)
         cmask = c < C
         m = tl.full([1], float("-inf"), tl.float32)
         den = tl.zeros([1], tl.float32)
@@ -279,15 +284,30 @@ def _wide_tiles() -> bool:
     return preview.switched_on("mla_wide_tiles")
 
 
-def default_num_splits(B: int, hchunks: int, entries: int, tn: int, cuda: bool, device_index: int = 0) -> int:
-    """Splits from shapes only (a replayed graph keeps them): about two programs per SM, never
-    more tiles than the table (or the selection) has, at most MAX_SPLITS."""
+def _wave_splits() -> bool:
+    from exl3tools.runtime import preview
+
+    return preview.switched_on("mla_wave_splits")
+
+
+def default_num_splits(B: int, hchunks: int, entries: int, tn: int, cuda: bool, device_index: int = 0, *,
+                       one_per_sm: bool = False) -> int:
+    """Splits from shapes only (a replayed graph keeps them), never more tiles than the table (or
+    the selection) has, at most MAX_SPLITS: about two programs per SM, or with ``one_per_sm`` (the
+    fp16 planes' 32- and 64-head tiles: 115-221 KiB of shared memory and ~240 registers a thread
+    hold one program an SM; H200 ncu, 2026-12-04) the count that minimises waves x (tiles a split +
+    SPLIT_OVERHEAD_TILES), fewest splits on a tie. Two programs an SM there had left a third wave
+    42 % full at batch 32 (5 splits, 320 programs) and written 2.5x the partials."""
     programs = max(1, B * hchunks)
     max_tiles = max(1, math.ceil(entries / tn))
     if not cuda:
         return max(1, min(INTERPRET_PROGRAMS // programs, max_tiles))
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return max(1, min(math.ceil(2 * sms / programs), max_tiles, MAX_SPLITS))
+    cap = max(1, min(max_tiles, MAX_SPLITS))
+    if not one_per_sm:
+        return max(1, min(math.ceil(2 * sms / programs), cap))
+    return min(range(1, cap + 1),
+               key=lambda s: (math.ceil(programs * s / sms) * (math.ceil(max_tiles / s) + SPLIT_OVERHEAD_TILES), s))
 
 
 def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
@@ -328,7 +348,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         # held 128 registers a thread and spilled). The kernel rounds them so either way.
         q_lat, q_pe = q_lat.to(torch.float16), q_pe.to(torch.float16)
     hchunks = math.ceil(H / hb)
-    splits = num_splits or default_num_splits(B, hchunks, entries, tn, q_lat.is_cuda, index)
+    splits = num_splits or default_num_splits(B, hchunks, entries, tn, q_lat.is_cuda, index,
+                                              one_per_sm=ckv.dtype == torch.float16 and hb >= 32 and tn >= 64
+                                              and _wave_splits())
     direct = splits == 1
     if direct:
         po = plse = out
@@ -345,8 +367,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
         PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
-        _mla_merge_kernel[(B * H,)](po, plse, out, splits, C, CP=max(16, _pow2(C)),
-                                    SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)
+        # few rows (B x H under two programs an SM; always on the interpreter, so the CPU tests
+        # cover the slices): the merge in latent slices too (_mla_merge_kernel)
+        mc = max(16, _pow2(C)) if sms is not None and B * H >= 2 * sms else min(max(16, _pow2(C)), MERGE_SLICE)
+        _mla_merge_kernel[(B * H, triton.cdiv(C, mc))](po, plse, out, splits, C, CP=mc,
+                                                       SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)
     return out
 
 

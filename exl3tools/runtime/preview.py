@@ -148,6 +148,12 @@ OPT_OUTS = {
     # Its kernel tests pass on the H200 (2026-12-02, every tile against the oracle, the rows of one
     # sequence among them); the one fixture test it failed sat on a tie (docs/gpu.md)
     "mla_wide_tiles": "EXL3TOOLS_MLA_WIDE_TILES",
+    # the MLA kernel's splits on fp16 planes' 32- and 64-head tiles (one program an SM: 115-221 KiB
+    # of shared memory, ~240 registers a thread) fill whole waves (kernels/mla_attention
+    # default_num_splits one_per_sm) instead of about two programs an SM. H200 2026-12-04 17:40
+    # (bench/gpu_mla_attention.py --sweep, 128 heads, 4k): batch 8 98.8-101.4 -> 78.6 us, batch 32
+    # 283 -> 205 us; batch 1 unchanged (64 splits either way); its kernel tests passed (131)
+    "mla_wave_splits": "EXL3TOOLS_MLA_WAVE_SPLITS",
     # the prompt buckets' graphs and the decode buckets' in one graph memory pool (captured largest
     # first: the decode graphs reuse the prompt graphs' freed blocks) instead of a pool each, whose
     # sizes add up (bench/gpu_memory.py on the H200, 2026-12-02: GLM-5 shape with

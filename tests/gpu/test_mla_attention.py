@@ -32,6 +32,7 @@ else:
         (3, 20, 32, 16, 16, "ragged", 0, 2, "ieee"),    # two head chunks (16 + 4)
         (3, 4, 32, 16, 4, "ragged", 8, 2, "ieee"),      # DSA selection, K 8
         (4, 4, 32, 16, 8, "ragged", 24, None, "ieee"),
+        (2, 2, 160, 16, 4, "ragged", 0, 3, "ieee"),     # the merge in two latent slices (MERGE_SLICE 128)
     ]
 
 
@@ -237,6 +238,23 @@ def test_wide_head_blocks_where_programs_fill_the_gpu(monkeypatch):
     assert default_config(128, "ieee", torch.float32, B=32, entries=4096, sms=132) == (16, 16, 8)
     monkeypatch.setenv("EXL3TOOLS_MLA_WIDE_TILES", "0")
     assert default_config(128, "ieee", f16, B=32, entries=4096, sms=132) == (16, 16, 8)
+
+
+def test_splits_fill_whole_waves_where_one_program_holds_an_sm(monkeypatch):
+    """fp16 planes' wide tiles hold one program an SM: the splits minimise waves x (tiles a split +
+    overhead), so batch 32 at 128 heads takes 2 splits (128 programs, one wave), not 5 (320
+    programs, a third wave 42 % full); batch 1 still spreads a 32k context over 64 splits. Other
+    tiles keep about two programs an SM."""
+    from exl3tools.kernels import mla_attention as m
+
+    monkeypatch.delenv("EXL3TOOLS_MLA_WAVE_SPLITS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"multi_processor_count": 132}))
+    wave = {(1, 2, 32768): 64, (1, 2, 2048): 32, (32, 2, 4096): 2, (32, 2, 32768): 2, (8, 2, 4096): 8,
+            (64, 2, 4096): 1, (32, 1, 2048): 4, (64, 1, 2048): 2}
+    for (B, chunks, entries), want in wave.items():
+        assert m.default_num_splits(B, chunks, entries, 64, True, one_per_sm=True) == want, (B, chunks, entries)
+    assert m.default_num_splits(32, 2, 4096, 64, True) == 5
+    assert m.default_num_splits(1, 2, 32768, 64, True) == 64
 
 
 def test_wide_tiles_on_fp16_planes_unless_opted_out(monkeypatch):
