@@ -95,7 +95,7 @@ if triton is not None:
                           s_cb, s_ct, s_pb, s_pt, s_bt, s_sel,
                           CP: tl.constexpr, RP: tl.constexpr, HB: tl.constexpr, BS: tl.constexpr,
                           TN: tl.constexpr, HAS_SEL: tl.constexpr, PREC: tl.constexpr, DIRECT: tl.constexpr,
-                          SPLIT_DOTS: tl.constexpr = False, EVEN: tl.constexpr = False):
+                          SPLIT_DOTS: tl.constexpr = False):
         b = tl.program_id(0)
         hc = tl.program_id(1)
         sp = tl.program_id(2)
@@ -137,14 +137,10 @@ if triton is not None:
             # past-the-end and skipped entries never dereference a table entry
             blk = tl.load(bt_row + t // BS, mask=tmask, other=0).to(tl.int64)
             slot = (t % BS).to(tl.int64)
-            if EVEN:   # C and R powers of two (DeepSeek-V3, GLM-5): a row mask alone, no channel masks
-                kmask = tmask[:, None]
-                pmask = tmask[:, None]
-            else:
-                kmask = tmask[:, None] & cmask[None, :]
-                pmask = tmask[:, None] & rmask[None, :]
-            kc = tl.load(ckv_ptr + (blk * s_cb + slot * s_ct)[:, None] + c[None, :], mask=kmask, other=0.0)
-            kp = tl.load(kpe_ptr + (blk * s_pb + slot * s_pt)[:, None] + r[None, :], mask=pmask, other=0.0)
+            kc = tl.load(ckv_ptr + (blk * s_cb + slot * s_ct)[:, None] + c[None, :],
+                         mask=tmask[:, None] & cmask[None, :], other=0.0)
+            kp = tl.load(kpe_ptr + (blk * s_pb + slot * s_pt)[:, None] + r[None, :],
+                         mask=tmask[:, None] & rmask[None, :], other=0.0)
             if kc.dtype == tl.float16:
                 # fp16 planes: fp16 tensor-core dots, fp32 accumulation (q and p rounded to fp16, as
                 # flash attention does); widening the tiles instead spills on sm_90 (32 registers,
@@ -369,8 +365,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
         sel.stride(0) if sel is not None else 0,
         CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
-        PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, EVEN=C == _pow2(C) >= 16 and R == _pow2(R) >= 16,
-        num_warps=warps, num_stages=num_stages or NUM_STAGES)
+        PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
         # few rows (B x H under two programs an SM; always on the interpreter, so the CPU tests
         # cover the slices): the merge in latent slices too (_mla_merge_kernel)
