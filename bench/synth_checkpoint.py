@@ -3,7 +3,7 @@
     python3 bench/synth_checkpoint.py OUT_DIR [--arch glm4_moe|glm5|deepseek_v3] [--layers N]
         [--dense-layers N] [--experts N] [--bits 3] [--head-bits 6] [--mtp-bits 4] [--no-mtp]
         [--index-share] [--grouped-routing] [--codebook mul1] [--shard-mb 2048] [--seed 0]
-        [--jobs N] [--small] [--sparse] [--flat-logits] [--dry-run]
+        [--jobs N] [--small] [--sparse] [--flat-logits] [--decisive-router] [--dry-run]
 
 Any int16 bit pattern is a valid trellis (exl3-format.md §3.5), so random bytes decode to valid
 weights: these are the models the decode and serving benchmarks (bench/gpu_e2e_model.py,
@@ -96,7 +96,7 @@ class Tensor:
     name: str
     dtype: str                 # safetensors dtype
     shape: tuple[int, ...]
-    kind: str                  # trellis | suh | svh | bias | marker | embed | norm | norm16 | normal | router | score_bias | zero
+    kind: str                  # trellis | suh | svh | bias | marker | embed | norm | norm16 | normal | router | score_bias | score_rank | zero
     real: int = 0              # svh: real out width (columns past it are 0)
     std: float = 0.0           # normal: F16 N(0, std^2)
 
@@ -339,6 +339,8 @@ class Source:
             yield (self.rng.standard_normal(n, dtype=np.float32) * 0.02).astype(np.float16)
         elif t.kind == "score_bias":
             yield self.rng.standard_normal(n, dtype=np.float32) * 0.01
+        elif t.kind == "score_rank":        # --decisive-router: 2 x a permutation of the experts
+            yield (2.0 * self.rng.permutation(n)).astype(np.float32)
         else:  # pragma: no cover
             raise ValueError(t.kind)
 
@@ -346,14 +348,20 @@ class Source:
 def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layers: int | None = None,
                experts: int | None = None, bits: float = 3, head_bits: float = 6, mtp_bits: float = 4,
                mtp: bool = True, index_share: bool = False, grouped_routing: bool = False, codebook: str = "mul1",
-               small: bool = False, dims: dict | None = None, flat_logits: bool = False) -> tuple[dict, dict, list[Module]]:
+               small: bool = False, dims: dict | None = None, flat_logits: bool = False,
+               decisive_router: bool = False) -> tuple[dict, dict, list[Module]]:
     """(config.json, quantization_config, leaf modules): the checkpoint as a value, nothing written.
     ``mtp``, ``mtp_bits``: glm5 / deepseek_v3 only (glm4_moe gets no MTP layer, as the fixture).
     ``flat_logits``: the norms before lm_head (``model.norm``, the MTP head's ``shared_head.norm``)
     are zero, so every logit is exactly 0: greedy decoding yields token 0 from the model and its MTP
     head alike and sampling is uniform under both, so every draft is accepted. The weights and the
     work per token are as without it: the upper bound of what MTP drafts can buy in serve, where a
-    random head accepts nothing."""
+    random head accepts nothing. ``decisive_router``: each MoE layer's score-correction bias is 2 x
+    a permutation of its experts, so the choice (sigmoid scores in (0, 1) plus the bias) is always
+    the top_k experts of largest bias, at least 1 apart from the next: no routing near-ties for GPU
+    sums to flip (the --small DeepSeek-V3's 4th and 5th expert were 2.4e-5 apart on the CPU; GPU
+    tests comparing two loads token by token failed on it). The combine weights stay the sigmoid
+    scores, unbiased."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r} (one of {', '.join(ARCHS)})")
     a = ARCHS[arch]
@@ -381,6 +389,9 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
         if mtp:
             qcfg["mtp_bits"] = mtp_bits         # compile.py writes it whenever an MTP model is converted
     mods = plan(cfg, bits, head_bits, codebook, mtp_bits)
+    if decisive_router:
+        mods = [dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, kind="score_rank")
+                                                     if t.kind == "score_bias" else t for t in m.tensors)) for m in mods]
     if flat_logits:
         heads = ("model.norm.weight", "shared_head.norm.weight")
         mods = [dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, kind="zero") if t.name.endswith(heads)
@@ -499,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="deepseek_v3: n_group 8 / topk_group 4 as DeepSeek-V3 (our runtime and exllamav3 refuse it)")
     ap.add_argument("--flat-logits", action="store_true",
                     help="zero norms before lm_head: every logit 0, every MTP draft accepted (MTP's upper bound)")
+    ap.add_argument("--decisive-router", action="store_true",
+                    help="score-correction bias 2 x a permutation of the experts: a fixed top-k a layer, no routing ties")
     ap.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
     ap.add_argument("--shard-mb", type=int, default=2048, help="max shard size in MiB (whole layers per shard)")
     ap.add_argument("--seed", type=int, default=0)
@@ -514,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                          dense_layers=a.dense_layers, experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits),
                          mtp_bits=num(a.mtp_bits), mtp=not a.no_mtp, index_share=a.index_share,
                          grouped_routing=a.grouped_routing, codebook=a.codebook, small=a.small, shard_mb=a.shard_mb,
-                         flat_logits=a.flat_logits,
+                         flat_logits=a.flat_logits, decisive_router=a.decisive_router,
                          seed=a.seed, progress=True, sparse=a.sparse, dry_run=a.dry_run, jobs=a.jobs)
     fams = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in s["families"].items() if v)
     verb = "would write" if a.dry_run else "wrote"

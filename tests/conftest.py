@@ -28,6 +28,9 @@ def fixture_dir(name: str) -> Path:
 # "synth-ARCH": bench/synth_checkpoint.py --arch ARCH --small, a name for model_dir, not a fixture
 # folder. DeepSeek-V3 with its MTP layer, which no fixture has (exllamav3's converter drops it):
 DSV3_MTP = "synth-deepseek_v3"
+# "+OPTION" after the arch: more synth_checkpoint.py options ("--OPTION"). A fixed top-k a layer,
+# no routing near-ties (what the GPU's token-by-token comparisons of two loads need):
+DSV3_DECISIVE = "synth-deepseek_v3+decisive-router"
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +58,8 @@ def synth_small(tmp_path_factory):
 def model_dir(name: str, request) -> Path:
     """The model folder of ``name``: a shared fixture's, or (``synth-ARCH``) a synthetic checkpoint's."""
     if name.startswith("synth-"):
-        return request.getfixturevalue("synth_small")(name.removeprefix("synth-"))
+        arch, *flags = name.removeprefix("synth-").split("+")
+        return request.getfixturevalue("synth_small")(arch, *(f"--{f}" for f in flags))
     return fixture_dir(name) / "model"
 
 

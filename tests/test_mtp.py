@@ -30,7 +30,7 @@ from exl3tools.runtime.arch import BuildContext, arch_module
 from exl3tools.runtime.mtp import greedy, greedy_mtp
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
-from tests.conftest import DSV3_MTP, fixture_dir, golden_prompt, model_dir
+from tests.conftest import DSV3_DECISIVE, DSV3_MTP, fixture_dir, golden_prompt, model_dir
 
 GLM5 = "glm5_moe_dsa-3.0bpw-mul1"
 GLM5_TP = "glm5_moe_dsa-tp-4.0bpw-mcg"
@@ -108,6 +108,32 @@ def test_mtp_greedy_equals_plain_greedy(name, draft_len, request, capsys):
     with capsys.disabled():
         print(f"\n[{name}] MTP draft {draft_len}: accepted {st.accepted}/{st.drafted} "
               f"({100 * st.acceptance_rate:.1f}%), {st.target_forwards} target forwards for 24 tokens")
+
+
+def test_decisive_router_leaves_no_routing_tie(request, monkeypatch):
+    """DSV3_DECISIVE (synth_checkpoint --decisive-router, the DeepSeek-V3 of tests/gpu's MTP graph
+    tests): every MoE call, target and head, picks the top_k experts of largest bias, the next one
+    at least 1 below in choice score (so GPU sums cannot flip a pick), and greedy with drafts is
+    the plain greedy text."""
+    from exl3tools.runtime.arch.deepseek_v3 import Fp16ChoiceMoE
+
+    m, prompt = _greedy_case(DSV3_DECISIVE, request)
+    route, seen = Fp16ChoiceMoE.route, []
+
+    def recorded(self, x):
+        sel, w = route(self, x)
+        choice = torch.sigmoid(x.half().float() @ self.router.t()) + self.choice_bias()[None, :]
+        top = torch.sort(choice, -1, descending=True).values
+        seen.append(float((top[:, self.top_k - 1] - top[:, self.top_k]).min()))
+        best = set(torch.topk(self.bias, self.top_k).indices.tolist())
+        assert all(set(row) == best for row in sel.tolist())
+        return sel, w
+
+    monkeypatch.setattr(Fp16ChoiceMoE, "route", recorded)
+    ref = greedy(m, prompt, 8)
+    out, st = greedy_mtp(m, prompt, 8, 2)
+    assert out == ref and st.drafted
+    assert seen and min(seen) >= 1.0, min(seen)
 
 
 def test_plain_greedy_reproduces_exllamav3_greedy():

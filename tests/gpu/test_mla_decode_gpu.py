@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import cuda_available
+from tests.conftest import DSV3_DECISIVE, cuda_available
 from tests.gpu.conftest import cuda_backend
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"]
-# The MTP tests here take GLM-5's fixture, not the synthetic DeepSeek-V3 (tests/conftest.py
-# DSV3_MTP: synth_checkpoint --small, 16 random experts top-4): it routes on near-ties (the 4th and 5th expert 2.4e-5 apart on
-# the CPU for the drafts' third prompt), which the GPU's split-K sums, landing in any order, flip
-# from load to load. On the H200 (2026-12-04) its cases here failed in three runs of four, each time
-# a different one: draft rows 1.4e-2 and 1.5e-2 apart with the same drafts, and greedy texts parting
-# at a token 7.7e-2 of the largest logit below the top, after a flip upstream. Its MTP head is
-# checked exactly on the CPU (tests/test_mtp.py, tests/test_serve_speculative.py: greedy with drafts,
-# the head's cache in blocks, TP 2) and on the GPU through test_runtime_mla_gpu.py's logits and greedy MTP.
+# The MTP tests take GLM-5's fixture and a synthetic DeepSeek-V3 with a decisive router
+# (tests/conftest.py DSV3_DECISIVE: synth_checkpoint --small --decisive-router), not DSV3_MTP
+# (16 random experts top-4), which routes on near-ties (the 4th and 5th expert 2.4e-5 apart on the
+# CPU for the drafts' third prompt) that the GPU's split-K sums, landing in any order, flip from
+# load to load: on the H200 (2026-12-04) its cases here failed in three runs of four, each time a
+# different one (draft rows 1.4e-2 and 1.5e-2 apart with the same drafts; greedy texts parting at
+# a token 7.7e-2 below the top, after a flip upstream). DSV3_MTP's head is checked exactly on the
+# CPU (tests/test_mtp.py, tests/test_serve_speculative.py) and on the GPU through
+# test_runtime_mla_gpu.py's logits and greedy MTP.
+MTP_MODELS = ["glm5_moe_dsa-3.0bpw-mul1", DSV3_DECISIVE]
 # the graphs pad a batch of 3 to bucket 4: the linear kernels may take other paths than the eager
 # batch of 3 (fp16 partial sums); the attention itself agrees to ~1e-6
 REL = 1e-2
@@ -87,15 +89,15 @@ def test_mla_static_triton_equals_static_reference_attention():
 
 
 @pytest.mark.parametrize("row_steps", ["1", "0"])
-def test_speculative_decoding_with_graphs_is_greedy(row_steps, monkeypatch):
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, monkeypatch):
     """Verify steps through the graph step (EXL3TOOLS_ROW_STEPS=1) or, by default on CUDA, through
     the eager forward beside graph-replayed plain rows: greedy either way."""
     from exl3tools.runtime import sampling
     from exl3tools.runtime.runner import load_runner
-    from tests.conftest import fixture_dir
+    from tests.conftest import model_dir
 
-    name = "glm5_moe_dsa-3.0bpw-mul1"
-    path = fixture_dir(name) / "model"
+    path = model_dir(name, request)
     prompt = list(range(3, 43))
     kw = dict(device="cuda", backend=cuda_backend(), max_cache_tokens=512, block_size=4, max_num_seqs=4)
     with load_runner(path, decode="eager", **kw) as r:
@@ -155,14 +157,15 @@ def test_dsa_width_graphs_equal_eager(monkeypatch):
     assert any(key[1] and key[2] < full for key, full, _ in used), used     # a narrow sparse graph replayed
 
 
-def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(monkeypatch):
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_mtp_drafts_from_the_heads_cache_in_blocks_on_cuda(name, request, monkeypatch):
     """mtp_paged (the default) on CUDA: drafts through the captured draft step (and the eager head
     over paged views for a prompt's pairs) give the rows the head's own cache gives, eagerly."""
     from exl3tools.runtime.paged_decode import PagedDecoder
-    from tests.conftest import fixture_dir
+    from tests.conftest import model_dir
     from tests.test_serve_speculative import _draft_rounds, _same_rows
 
-    path = fixture_dir("glm5_moe_dsa-3.0bpw-mul1") / "model"
+    path = model_dir(name, request)
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "0")
     want, ks = _draft_rounds(path, True, "eager", device="cuda", backend=cuda_backend())
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", "1")
