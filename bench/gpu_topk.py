@@ -6,8 +6,6 @@
 Scores as the indexer writes them (fp16 values in float32, every row at the table's full length,
 index_topk 2048), timed as CUDA-graph replays (median µs, gpu_bench.bench_graph): topk_select (one
 program a row), topk_select_chunked at its defaults and at every chunk size x warps of the sweep,
-topk_select_coop (the four passes in one launch, a row's programs meeting at barriers; chunks of
-2048 and 1024 scores; past its program cap it is the chunked kernels),
 each checked against runtime.dsa.topk_positions (the same set of positions a row). --profile: the
 chunked kernels' launches one by one (torch.profiler) at batch 1, so a fixed cost per launch shows
 apart from the work. The scores kernel is not timed here (bench/gpu_mla_attention.py's indexer
@@ -64,15 +62,13 @@ def measure(di, topk_positions, B: int, T: int, tbs: list[int], warps: list[int]
     want = topk_positions(s, lens, TOPK)
     r = {"B": B, "width": T, "ok": True, "sweep": {}}
     calls = {"one_per_row": lambda: di.topk_select(s, lens, TOPK),
-             "chunked": lambda: di.topk_select_chunked(s, lens, TOPK),
-             "coop": lambda: di.topk_select_coop(s, lens, TOPK),
-             "coop_1024": lambda: di.topk_select_coop(s, lens, TOPK, tb=1024)}
+             "chunked": lambda: di.topk_select_chunked(s, lens, TOPK)}
     calls.update({f"{tb}x{w}": (lambda tb=tb, w=w: di.topk_select_chunked(s, lens, TOPK, tb=tb, warps=w))
                   for tb in tbs for w in warps})
     for name, fn in calls.items():
         r["ok"] &= same_sets(fn(), want)
         us = bench_graph(fn)
-        if name in ("one_per_row", "chunked", "coop", "coop_1024"):
+        if name in ("one_per_row", "chunked"):
             r[name] = us
         else:
             r["sweep"][name] = us
@@ -100,13 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'B':>3} {'width':>7} | {'one/row':>8} {'chunked':>8} {'coop':>8} {'coop1k':>8} | best chunk x warps (µs) | all ok")
+    print(f"{'B':>3} {'width':>7} | {'one/row':>8} {'chunked':>8} | best chunk x warps (µs) | all ok")
     for B in a.batches:
         for T in a.widths:
             r = measure(di, topk_positions, B, T, a.tbs, a.warps, gen)
             best = min(r["sweep"].items(), key=lambda kv: kv[1])
-            print(f"{B:>3} {T:>7} | {r['one_per_row']:8.1f} {r['chunked']:8.1f} {r['coop']:8.1f} {r['coop_1024']:8.1f} | "
-                  f"{best[0]:>9} {best[1]:7.1f} | "
+            print(f"{B:>3} {T:>7} | {r['one_per_row']:8.1f} {r['chunked']:8.1f} | {best[0]:>9} {best[1]:7.1f} | "
                   f"{r['ok']}   " + " ".join(f"{k}:{v:.1f}" for k, v in r["sweep"].items()), flush=True)
             rows.append(r)
     if a.profile:

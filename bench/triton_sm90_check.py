@@ -149,8 +149,8 @@ def dsa() -> None:
             di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D, dtype=dt),
                             torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1,
                             tensor_cores=tc)
-    for T in (4352, 131072):       # the top-k kernels (one program a row; chunks in parallel; one launch)
-        for fn in (di.topk_select, di.topk_select_chunked, di.topk_select_coop):
+    for T in (4352, 131072):       # the top-k kernels (one program a row; chunks in parallel)
+        for fn in (di.topk_select, di.topk_select_chunked):
             fn(torch.zeros(8, T), torch.ones(8, dtype=torch.int32), 2048)
 
 

@@ -32,8 +32,6 @@ it (``paged_scores_tc``) unless EXL3TOOLS_DSA_SCORES_TC=0.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from exl3tools.kernels.mla_attention import PLANE_DTYPES  # the MLA pool's planes, kidx among them
 
@@ -58,11 +56,6 @@ MIN_CP = 64        # topk_select_chunked's per-chunk count slots at least (a fix
 # 88.9, at 202k 166.9 -> 126.1; batch 8 at 131k 40.8 -> 36.4. (Chunks of 512-4096 scores measured
 # no better than 2048.) One program a row: 19.0 us at 4k, 112.6 at 32k (hence CHUNKED_MIN_WIDTH).
 CHUNK_TILE, CHUNK_WARPS, CHUNK_WIDE_PROGRAMS = TOPK_TILE, 8, 256
-# topk_select_coop (the EXL3TOOLS_DSA_TOPK_COOP preview): scores a chunk, warps a program, programs a
-# launch at most (a quarter of an H200's 132 SMs: every program resident even beside other work),
-# and the count slots a row (programs a row at most)
-COOP_TILE, COOP_WARPS, COOP_MAX_PROGRAMS, COOP_PP = 2048, 8, 32, 32
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if triton is not None:
@@ -208,11 +201,10 @@ if triton is not None:
 
     @triton.jit
     def _threshold(hist_row, K):
-        """(threshold key, count above it, ties to take, entries to fill) from a row's two histograms
-        (read from L2: topk_select_coop's programs read them after a barrier, not a launch)."""
+        """(threshold key, count above it, ties to take, entries to fill) from a row's two histograms."""
         j = tl.arange(0, 256)
-        hi, above_hi, want = _high_bin(tl.load(hist_row + j, cache_modifier=".cg"), K)
-        lo, above_lo = _boundary(tl.load(hist_row + 256 + j, cache_modifier=".cg"), want - above_hi, 256)
+        hi, above_hi, want = _high_bin(tl.load(hist_row + j), K)
+        lo, above_lo = _boundary(tl.load(hist_row + 256 + j), want - above_hi, 256)
         thr, above, ties = _cut(hi, lo, above_hi, above_lo, want)
         return thr, above, ties, want
 
@@ -264,86 +256,6 @@ if triton is not None:
             n_eq = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + CP + tl.arange(0, CP)), 0), 0)
             _write_chosen(o_row, j, _keys(s_ptr + row * T, j, T, L), thr, above, ties, n_gt, n_eq)
             tl.store(o_row + j, -1, mask=(j >= want) & (j < K))
-
-
-    @triton.jit
-    def _row_barrier(ctr_ptr, target):
-        """Every program of a row arrives (one atomic each) and waits until ``target`` have: the
-        counter counts P, 2P, 3P at the three barriers of one launch (acq_rel atomics order the
-        histograms' atomics and the counts' stores before it against the loads after it). One
-        thread does a scalar atomic: the CTA barrier first makes every thread's atomics and stores
-        ones it has observed, which its release then covers."""
-        tl.debug_barrier()
-        tl.atomic_add(ctr_ptr, 1)
-        n = tl.atomic_add(ctr_ptr, 0)
-        while n < target:
-            n = tl.atomic_add(ctr_ptr, 0)
-
-    @triton.jit
-    def _coop_topk_kernel(s_ptr, len_ptr, ws_ptr, out_ptr, T, K, topk, P, cpp, ks,
-                          PP: tl.constexpr, TB: tl.constexpr, PHASE: tl.constexpr):
-        """topk_select_chunked's four passes in one launch: program p of a row takes chunks
-        [p * cpp, (p + 1) * cpp) and the row's P programs meet at a barrier between passes (all
-        resident: topk_select_coop keeps B x P within COOP_MAX_PROGRAMS). PHASE 1-4: one pass a
-        launch, no barrier (the interpreter, which runs programs one after another, and tests)."""
-        row = tl.program_id(0).to(tl.int64)
-        p = tl.program_id(1)
-        L = tl.load(len_ptr + row)
-        s_row = s_ptr + row * T
-        o_row = out_ptr + row * K
-        ws = ws_ptr + row * (512 + 2 * PP + 16)
-        hist, cnt, ctr = ws, ws + 512, ws + 512 + 2 * PP
-        j = tl.arange(0, TB)
-        t_lo = p * cpp * TB
-        t_hi = tl.minimum(T, t_lo + cpp * TB)
-        k_lo = p * ks
-        k_hi = tl.minimum(K, k_lo + ks)
-        if L <= topk:                        # every visible position: no passes, no barriers
-            if PHASE == 0 or PHASE == 4:
-                for j0 in range(k_lo, k_hi, TB):
-                    e = j0 + j
-                    tl.store(o_row + e, tl.where(e < L, e, -1), mask=e < k_hi)
-        else:
-            if PHASE == 0 or PHASE == 1:
-                h = tl.zeros([256], tl.int32)
-                for t0 in range(t_lo, t_hi, TB):
-                    h += tl.histogram(_keys(s_row, t0 + j, t_hi, L) >> 8, 256)
-                tl.atomic_add(hist + tl.arange(0, 256), h, mask=h > 0)
-            if PHASE == 0:
-                _row_barrier(ctr, P)
-            if PHASE == 0 or PHASE == 2:
-                hi, _, _ = _high_bin(tl.load(hist + tl.arange(0, 256), cache_modifier=".cg"), K)
-                b = tl.arange(0, 512)
-                h2 = tl.zeros([512], tl.int32)
-                for t0 in range(t_lo, t_hi, TB):
-                    key = _keys(s_row, t0 + j, t_hi, L)
-                    h2 += tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
-                tl.atomic_add(hist + 256 + b, h2, mask=(b < 256) & (h2 > 0))
-            if PHASE == 0:
-                _row_barrier(ctr, 2 * P)
-            if PHASE == 0 or PHASE == 3:
-                thr, above, ties, want = _threshold(hist, K)
-                n_gt = 0
-                n_eq = 0
-                for t0 in range(t_lo, t_hi, TB):
-                    key = _keys(s_row, t0 + j, t_hi, L)
-                    n_gt += tl.sum((key > thr).to(tl.int32), 0)
-                    n_eq += tl.sum(((key == thr) & (key > 0)).to(tl.int32), 0)
-                tl.store(cnt + p, n_gt)
-                tl.store(cnt + PP + p, n_eq)
-            if PHASE == 0:
-                _row_barrier(ctr, 3 * P)
-            if PHASE == 0 or PHASE == 4:
-                thr, above, ties, want = _threshold(hist, K)
-                prev = tl.arange(0, PP) < p
-                n_gt = tl.sum(tl.where(prev, tl.load(cnt + tl.arange(0, PP), cache_modifier=".cg"), 0), 0)
-                n_eq = tl.sum(tl.where(prev, tl.load(cnt + PP + tl.arange(0, PP), cache_modifier=".cg"), 0), 0)
-                for t0 in range(t_lo, t_hi, TB):
-                    t = t0 + j
-                    n_gt, n_eq = _write_chosen(o_row, t, _keys(s_row, t, t_hi, L), thr, above, ties, n_gt, n_eq)
-                for j0 in range(k_lo, k_hi, TB):     # fewer finite scores than K: the rest unused
-                    e = j0 + j
-                    tl.store(o_row + e, -1, mask=(e >= want) & (e < k_hi))
 
 
 def _pow2(n: int) -> int:
@@ -436,33 +348,6 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int, 
         _chunk_hist_kernel[grid](s, context_lens, hist, T, K, int(topk), LOW=low, TB=tb, num_warps=warps)
     _chunk_count_kernel[grid](s, context_lens, hist, cnt, T, K, int(topk), CP=cp, TB=tb, num_warps=warps)
     _chunk_write_kernel[grid](s, context_lens, hist, cnt, out, T, K, int(topk), CP=cp, TB=tb, num_warps=warps)
-    return out
-
-
-def topk_select_coop(s: torch.Tensor, context_lens: torch.Tensor, topk: int, *, tb: int | None = None,
-                     phased: bool | None = None) -> torch.Tensor:
-    """topk_select_chunked's selection in one launch (``_coop_topk_kernel``: a row's programs meet
-    at barriers between the passes instead of four launches a layer) where B x chunks fits in
-    COOP_MAX_PROGRAMS, so every program of the launch is resident at once (a barrier waiting on a
-    program that cannot start would never return); else topk_select_chunked. ``phased`` (default:
-    on the interpreter): one launch per pass, the same kernel without barriers. The same contract
-    and result set as topk_select."""
-    K, out = _topk_out("topk_select_coop", s, context_lens, topk)
-    B, T = s.shape
-    if not (B and K):
-        return out
-    tb = tb or COOP_TILE
-    chunks = triton.cdiv(T, tb)
-    P = min(chunks, COOP_MAX_PROGRAMS // B) if B <= COOP_MAX_PROGRAMS else 0
-    if P < 1 or P > COOP_PP or P * B > COOP_MAX_PROGRAMS:
-        return topk_select_chunked(s, context_lens, topk)
-    cpp = triton.cdiv(chunks, P)
-    P = triton.cdiv(chunks, cpp)                 # no program without a chunk
-    ws = torch.zeros(B, 512 + 2 * COOP_PP + 16, device=s.device, dtype=torch.int32)
-    args = (s.contiguous(), context_lens, ws, out, T, K, int(topk), P, cpp, triton.cdiv(K, P))
-    phased = INTERPRET if phased is None else phased
-    for phase in ((1, 2, 3, 4) if phased else (0,)):
-        _coop_topk_kernel[(B, P)](*args, PP=COOP_PP, TB=tb, PHASE=phase, num_warps=COOP_WARPS)
     return out
 
 

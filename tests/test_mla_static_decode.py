@@ -161,14 +161,12 @@ def test_topk_positions_is_indexer_select():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (make test sets it)")
-@pytest.mark.parametrize("chunked", [False, True, 512, "coop", "coop512"])
+@pytest.mark.parametrize("chunked", [False, True, 512])
 def test_triton_topk_select_is_topk_positions(chunked):
-    """kernels/dsa_indexer.topk_select (and topk_select_chunked, topk_select_coop's passes) picks
-    dsa.topk_positions' set of positions (its order within a row may differ) on the interpreter:
-    exact ties at the threshold across several 2048-score tiles, -0.0 against +0.0, negative
-    scores, rows with fewer finite scores than K, dense short rows, and a table narrower than
-    topk. coop512: 10 chunks a row over 4 programs (3 chunks each, the last 1): the programs'
-    ranges, the counts' prefix across programs and the -1 fill split between them."""
+    """kernels/dsa_indexer.topk_select (and topk_select_chunked) picks dsa.topk_positions' set of
+    positions (its order within a row may differ) on the interpreter: exact ties at the threshold
+    across several 2048-score tiles, -0.0 against +0.0, negative scores, rows with fewer finite
+    scores than K, dense short rows, and a table narrower than topk."""
     pytest.importorskip("triton")
     from exl3tools.kernels import dsa_indexer
 
@@ -176,9 +174,6 @@ def test_triton_topk_select_is_topk_positions(chunked):
     if chunked == 512:               # another chunk size (bench/gpu_topk.py sweeps them): 10 chunks a row
         def topk_select(sc, cx, k):
             return dsa_indexer.topk_select_chunked(sc, cx, k, tb=512, warps=4)
-    elif chunked in ("coop", "coop512"):
-        def topk_select(sc, cx, k):
-            return dsa_indexer.topk_select_coop(sc, cx, k, tb=512 if chunked == "coop512" else None)
 
     from exl3tools.runtime.dsa import topk_positions
 

@@ -123,8 +123,7 @@ def mla_attention_fn(device: torch.device):
         from exl3tools.kernels import dsa_indexer
 
         # chunked top-k at wide tables unless "0"; "1" takes it at every width (tests/gpu runs it so)
-        topk = (dsa_indexer.topk_select_coop if preview.switched_on("dsa_topk_coop") else
-                dsa_indexer.topk_select_chunked if preview.asked_for("dsa_topk_chunks") else
+        topk = (dsa_indexer.topk_select_chunked if preview.asked_for("dsa_topk_chunks") else
                 dsa_indexer.topk_auto if preview.switched_on("dsa_topk_chunks") else dsa_indexer.topk_select)
         scores = dsa_indexer.paged_scores_tc if preview.switched_on("dsa_scores_tc") else dsa_indexer.paged_scores
         return mla_attention.mla_decode, scores, topk

@@ -71,12 +71,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
-    # the DSA top-k of the decode step in one launch (kernels/dsa_indexer.topk_select_coop): a row's
-    # programs meet at barriers between the four passes instead of four launches (the chunked
-    # kernels: ~4-5 µs each at one row, 16 µs a layer on the H200), where batch x chunks fits in
-    # COOP_MAX_PROGRAMS resident programs; else the chunked kernels. Written 2026-12-04 17:20, its
-    # passes checked on the interpreter; not yet run on a GPU
-    "dsa_topk_coop": "EXL3TOOLS_DSA_TOPK_COOP",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

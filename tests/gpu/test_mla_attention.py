@@ -323,19 +323,15 @@ def test_dsa_paged_scores_match_the_reference(dev, B, NH, D, bs):
         assert (s[fin] == want[fin]).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("chunked", [False, True, "coop", "coop1024"])
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("T,k", [(300, 16), (5000, 2048)] + ([(4352, 2048), (131072, 2048)] if FULL else []))
 def test_dsa_topk_select_picks_topk_positions_set(dev, T, k, chunked):
-    """kernels/dsa_indexer.topk_select (and topk_select_chunked, topk_select_coop: on CUDA one
-    launch whose programs meet at barriers) vs runtime.dsa.topk_positions on real widths: the same
-    set of positions per row (ties among coarse fp16 scores, contexts below, at and past k, -inf
-    beyond)."""
+    """kernels/dsa_indexer.topk_select (and topk_select_chunked) vs runtime.dsa.topk_positions on
+    real widths: the same set of positions per row (ties among coarse fp16 scores, contexts below,
+    at and past k, -inf beyond)."""
     from exl3tools.kernels import dsa_indexer
 
     topk_select = dsa_indexer.topk_select_chunked if chunked else dsa_indexer.topk_select
-    if chunked in ("coop", "coop1024"):
-        def topk_select(sc, cx, kk):
-            return dsa_indexer.topk_select_coop(sc, cx, kk, tb=1024 if chunked == "coop1024" else None)
 
     from exl3tools.runtime.dsa import topk_positions
 
