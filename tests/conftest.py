@@ -56,7 +56,8 @@ def synth_small(tmp_path_factory):
 
 
 def model_dir(name: str, request) -> Path:
-    """The model folder of ``name``: a shared fixture's, or (``synth-ARCH``) a synthetic checkpoint's."""
+    """The model folder of ``name``: a shared fixture's, or (``synth-ARCH[+OPTION...]``) a synthetic
+    checkpoint's, written with ``--OPTION`` for each OPTION."""
     if name.startswith("synth-"):
         arch, *flags = name.removeprefix("synth-").split("+")
         return request.getfixturevalue("synth_small")(arch, *(f"--{f}" for f in flags))

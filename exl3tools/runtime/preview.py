@@ -150,9 +150,11 @@ OPT_OUTS = {
     "mla_wide_tiles": "EXL3TOOLS_MLA_WIDE_TILES",
     # the MLA kernel's splits on fp16 planes' 32- and 64-head tiles (one program an SM: 115-221 KiB
     # of shared memory, ~240 registers a thread) fill whole waves (kernels/mla_attention
-    # default_num_splits one_per_sm) instead of about two programs an SM. H200 2026-12-04 17:40
-    # (bench/gpu_mla_attention.py --sweep, 128 heads, 4k): batch 8 98.8-101.4 -> 78.6 us, batch 32
-    # 283 -> 205 us; batch 1 unchanged (64 splits either way); its kernel tests passed (131)
+    # default_num_splits one_per_sm) instead of about two programs an SM. H200, the 2026-12-04 17:20
+    # session (bench/gpu_mla_attention.py --sweep, 128 heads, 4k): batch 8 98.8-101.4 -> 78.6 us,
+    # batch 32 283 -> 205 us; batch 1 unchanged (64 splits either way); tests/gpu passed with it
+    # (876); DeepSeek-V3 shape served, 8 streams at a 4096-token context 1588 -> 1613 tok/s, 32 short
+    # streams unchanged (2679 / 2677)
     "mla_wave_splits": "EXL3TOOLS_MLA_WAVE_SPLITS",
     # the prompt buckets' graphs and the decode buckets' in one graph memory pool (captured largest
     # first: the decode graphs reuse the prompt graphs' freed blocks) instead of a pool each, whose
