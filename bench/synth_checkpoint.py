@@ -390,13 +390,17 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
             qcfg["mtp_bits"] = mtp_bits         # compile.py writes it whenever an MTP model is converted
     mods = plan(cfg, bits, head_bits, codebook, mtp_bits)
     if decisive_router:
-        mods = [dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, kind="score_rank")
-                                                     if t.kind == "score_bias" else t for t in m.tensors)) for m in mods]
+        mods = _retag(mods, lambda t: t.kind == "score_bias", "score_rank")
     if flat_logits:
         heads = ("model.norm.weight", "shared_head.norm.weight")
-        mods = [dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, kind="zero") if t.name.endswith(heads)
-                                                     else t for t in m.tensors)) for m in mods]
+        mods = _retag(mods, lambda t: t.name.endswith(heads), "zero")
     return cfg, qcfg, mods
+
+
+def _retag(mods: list[Module], pick, kind: str) -> list[Module]:
+    """``mods`` with every tensor ``pick(t)`` selects generated as ``kind`` instead."""
+    return [dataclasses.replace(m, tensors=tuple(dataclasses.replace(t, kind=kind) if pick(t) else t
+                                                 for t in m.tensors)) for m in mods]
 
 
 def write_checkpoint(out: Path, *, shard_mb: int = 2048, seed: int = 0, progress: bool = False,

@@ -290,19 +290,19 @@ def _wave_splits() -> bool:
     return preview.switched_on("mla_wave_splits")
 
 
-def default_num_splits(B: int, hchunks: int, entries: int, tn: int, cuda: bool, device_index: int = 0, *,
+def default_num_splits(B: int, hchunks: int, entries: int, tn: int, sms: int | None, *,
                        one_per_sm: bool = False) -> int:
     """Splits from shapes only (a replayed graph keeps them), never more tiles than the table (or
-    the selection) has, at most MAX_SPLITS: about two programs per SM, or with ``one_per_sm`` (the
+    the selection) has, at most MAX_SPLITS; ``sms`` the GPU's SM count (None: the interpreter, a
+    few programs): about two programs per SM, or with ``one_per_sm`` (the
     fp16 planes' 32- and 64-head tiles: 115-221 KiB of shared memory and ~240 registers a thread
     hold one program an SM; H200 ncu, 2026-12-04) the count that minimises waves x (tiles a split +
     SPLIT_OVERHEAD_TILES), fewest splits on a tie. Two programs an SM there had left a third wave
     42 % full at batch 32 (5 splits, 320 programs) and written 2.5x the partials."""
     programs = max(1, B * hchunks)
     max_tiles = max(1, math.ceil(entries / tn))
-    if not cuda:
+    if sms is None:
         return max(1, min(INTERPRET_PROGRAMS // programs, max_tiles))
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     cap = max(1, min(max_tiles, MAX_SPLITS))
     if not one_per_sm:
         return max(1, min(math.ceil(2 * sms / programs), cap))
@@ -348,7 +348,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         # held 128 registers a thread and spilled). The kernel rounds them so either way.
         q_lat, q_pe = q_lat.to(torch.float16), q_pe.to(torch.float16)
     hchunks = math.ceil(H / hb)
-    splits = num_splits or default_num_splits(B, hchunks, entries, tn, q_lat.is_cuda, index,
+    cp = max(16, _pow2(C))
+    splits = num_splits or default_num_splits(B, hchunks, entries, tn, sms,
                                               one_per_sm=ckv.dtype == torch.float16 and hb >= 32 and tn >= 64
                                               and _wave_splits())
     direct = splits == 1
@@ -364,12 +365,12 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         sel.shape[1] if sel is not None else 0,
         ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
         sel.stride(0) if sel is not None else 0,
-        CP=max(16, _pow2(C)), RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
+        CP=cp, RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
         PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
         # few rows (B x H under two programs an SM; always on the interpreter, so the CPU tests
         # cover the slices): the merge in latent slices too (_mla_merge_kernel)
-        mc = max(16, _pow2(C)) if sms is not None and B * H >= 2 * sms else min(max(16, _pow2(C)), MERGE_SLICE)
+        mc = cp if sms is not None and B * H >= 2 * sms else min(cp, MERGE_SLICE)
         _mla_merge_kernel[(B * H, triton.cdiv(C, mc))](po, plse, out, splits, C, CP=mc,
                                                        SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)
     return out

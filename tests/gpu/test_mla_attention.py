@@ -248,13 +248,12 @@ def test_splits_fill_whole_waves_where_one_program_holds_an_sm(monkeypatch):
     from exl3tools.kernels import mla_attention as m
 
     monkeypatch.delenv("EXL3TOOLS_MLA_WAVE_SPLITS", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"multi_processor_count": 132}))
     wave = {(1, 2, 32768): 64, (1, 2, 2048): 32, (32, 2, 4096): 2, (32, 2, 32768): 2, (8, 2, 4096): 8,
             (64, 2, 4096): 1, (32, 1, 2048): 4, (64, 1, 2048): 2}
     for (B, chunks, entries), want in wave.items():
-        assert m.default_num_splits(B, chunks, entries, 64, True, one_per_sm=True) == want, (B, chunks, entries)
-    assert m.default_num_splits(32, 2, 4096, 64, True) == 5
-    assert m.default_num_splits(1, 2, 32768, 64, True) == 64
+        assert m.default_num_splits(B, chunks, entries, 64, 132, one_per_sm=True) == want, (B, chunks, entries)
+    assert m.default_num_splits(32, 2, 4096, 64, 132) == 5
+    assert m.default_num_splits(1, 2, 32768, 64, 132) == 64
 
 
 def test_wide_tiles_on_fp16_planes_unless_opted_out(monkeypatch):
