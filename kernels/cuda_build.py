@@ -1,7 +1,8 @@
-"""Build the CUDA kernels of backend ``cuda``: one cubin per (K2, codebook), cached on disk.
+"""Build the CUDA kernels: backend ``cuda``'s, one cubin per (K2, codebook), and the MLA decode
+kernel's (kernels/mla_cuda.py), cached on disk.
 
 kernels/csrc/exl3_gemv.cu (with the csrc/*.cuh it includes) is compiled by nvcc with -DK2/-DCB for
-sm_90a (Hopper). Cubins are cached under ``EXL3TOOLS_CUDA_CACHE`` (default ~/.cache/exl3tools/cuda),
+sm_90a (Hopper); csrc/mla_decode.cu once. Cubins are cached under ``EXL3TOOLS_CUDA_CACHE`` (default ~/.cache/exl3tools/cuda),
 named by a hash of the sources and flags, so a folder of prebuilt cubins makes nvcc unnecessary at run time. No torch here:
 
     python -m exl3tools.kernels.cuda_build        # prebuild every (K, codebook) in parallel
@@ -21,6 +22,7 @@ from pathlib import Path
 from exl3tools.errors import UsageError
 
 SRC = Path(__file__).with_name("csrc") / "exl3_gemv.cu"
+MLA_SRC = SRC.with_name("mla_decode.cu")
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
 ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 FLAGS = ("-std=c++17", "-O3", "-cubin", ARCH)
@@ -44,29 +46,51 @@ def can_build() -> bool:
     return _nvcc() is not None or any(cache_dir().glob("exl3_gemv_*.cubin"))
 
 
-def sources() -> bytes:
-    """SRC and the headers beside it that it includes (csrc/*.cuh), in a fixed order: the cubins'
-    cache key, so an edit to any of them builds anew."""
-    return b"".join(p.read_bytes() for p in [SRC, *sorted(SRC.parent.glob("*.cuh"))])
+def can_build_mla() -> bool:
+    """nvcc is here, or the MLA kernel's cubin is already cached."""
+    return _nvcc() is not None or mla_cubin_path().exists()
+
+
+def sources(src: Path | None = None) -> bytes:
+    """``src`` (SRC) and the headers beside it (csrc/*.cuh), in a fixed order: the cubins' cache
+    key, so an edit to any of them builds anew."""
+    src = src or SRC
+    return b"".join(p.read_bytes() for p in [src, *sorted(src.parent.glob("*.cuh"))])
+
+
+def _cached(stem: str, src: Path, defines: tuple[str, ...]) -> Path:
+    key = hashlib.sha1(sources(src) + repr((FLAGS, *defines)).encode()).hexdigest()[:16]
+    return cache_dir() / f"{stem}_{key}.cubin"
 
 
 def cubin_path(k2: int, cb: int) -> Path:
-    key = hashlib.sha1(sources() + repr((FLAGS, k2, cb)).encode()).hexdigest()[:16]
-    return cache_dir() / f"exl3_gemv_k{k2}_c{cb}_{key}.cubin"
+    return _cached(f"exl3_gemv_k{k2}_c{cb}", SRC, (k2, cb))
+
+
+def mla_cubin_path() -> Path:
+    return _cached("mla_decode", MLA_SRC, ())
 
 
 def build(k2: int, cb: int) -> Path:
     """The cubin for (K2, codebook id), compiled now if it is not cached yet."""
-    out = cubin_path(k2, cb)
+    return _compile(cubin_path(k2, cb), SRC, (f"-DK2={k2}", f"-DCB={cb}"))
+
+
+def build_mla() -> Path:
+    """The MLA decode kernel's cubin (kernels/mla_cuda.py), compiled now if it is not cached yet."""
+    return _compile(mla_cubin_path(), MLA_SRC, ())
+
+
+def _compile(out: Path, src: Path, defines: tuple[str, ...]) -> Path:
     if out.exists():
         return out
     nvcc = _nvcc()
     if nvcc is None:
-        raise UsageError(f"backend 'cuda' needs nvcc to build {out.name} (set EXL3TOOLS_NVCC, or "
+        raise UsageError(f"the CUDA kernels need nvcc to build {out.name} (set EXL3TOOLS_NVCC, or "
                          f"EXL3TOOLS_CUDA_CACHE to a folder of prebuilt cubins)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    cmd = [nvcc, *FLAGS, f"-DK2={k2}", f"-DCB={cb}", str(SRC), "-o", str(tmp)]
+    cmd = [nvcc, *FLAGS, *defines, str(src), "-o", str(tmp)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -88,5 +112,5 @@ def prebuild(pairs=None, jobs: int | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    paths = prebuild()
+    paths = [*prebuild(), build_mla()]
     print(f"{len(paths)} cubins in {cache_dir()}", file=sys.stderr)

@@ -132,7 +132,7 @@ class Module:
         return n
 
     def launch(self, name: str, grid, block: int, *args, pdl: bool = False, smem: int = 0) -> None:
-        """args: tensors (or None for NULL) become pointers, Python ints become int32. ``pdl``:
+        """args: tensors (or None for NULL) become pointers, Python ints int32, floats float32. ``pdl``:
         programmatic dependent launch (the kernel starts early and griddepcontrol.wait's).
         ``smem``: bytes of dynamic shared memory."""
         want = self.param_count(name)
@@ -144,6 +144,8 @@ class Module:
                 vals.append(ctypes.c_uint64(0))
             elif isinstance(a, torch.Tensor):
                 vals.append(ctypes.c_uint64(a.data_ptr()))
+            elif isinstance(a, float):
+                vals.append(ctypes.c_float(a))
             else:
                 vals.append(ctypes.c_int32(int(a)))
         params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])

@@ -34,6 +34,7 @@ import math
 import os
 
 import torch
+from exl3tools.kernels import mla_cuda
 
 from exl3tools.errors import UsageError
 
@@ -284,6 +285,12 @@ def _wide_tiles() -> bool:
     return preview.switched_on("mla_wide_tiles")
 
 
+def _cuda_kernel() -> bool:
+    from exl3tools.runtime import preview
+
+    return preview.switched_on("mla_cuda")
+
+
 def _wave_splits() -> bool:
     from exl3tools.runtime import preview
 
@@ -340,9 +347,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     index = q_lat.device.index if q_lat.device.index is not None else (
         torch.cuda.current_device() if q_lat.is_cuda else 0)
     sms = torch.cuda.get_device_properties(index).multi_processor_count if q_lat.is_cuda else None
-    hb, tn, warps = TILE or default_config(H, prec, ckv.dtype, B=B, entries=entries, sms=sms)
-    hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
-    if ckv.dtype == torch.float16 and hb >= Q16_MIN_HB:
+    # the wgmma kernel (kernels/mla_cuda.py) unless a Triton tile, dot or pipeline was asked for
+    cuda = (TILE is None and head_block is None and tile_n is None and num_warps is None and not split_dots
+            and num_stages is None and not INTERPRET and _cuda_kernel() and mla_cuda.fits(q_lat, ckv, kpe))
+    if cuda:
+        hb, tn, warps = mla_cuda.HEADS, mla_cuda.KEYS, 0
+    else:
+        hb, tn, warps = TILE or default_config(H, prec, ckv.dtype, B=B, entries=entries, sms=sms)
+        hb, tn, warps = head_block or hb, tile_n or tn, num_warps or warps
+    if ckv.dtype == torch.float16 and (cuda or hb >= Q16_MIN_HB):
         # fp16 queries in memory: Triton keeps a loaded fp16 dot operand in shared memory, where a
         # converted fp32 one stays in registers beside the (HB, C) accumulator (at 64 heads both
         # held 128 registers a thread and spilled). The kernel rounds them so either way.
@@ -350,8 +363,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     hchunks = math.ceil(H / hb)
     cp = max(16, _pow2(C))
     splits = num_splits or default_num_splits(B, hchunks, entries, tn, sms,
-                                              one_per_sm=ckv.dtype == torch.float16 and hb >= 32 and tn >= 64
-                                              and _wave_splits())
+                                              one_per_sm=cuda or (ckv.dtype == torch.float16 and hb >= 32
+                                                                  and tn >= 64 and _wave_splits()))
     direct = splits == 1
     if direct:
         po = plse = out
@@ -359,14 +372,18 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         po = torch.empty(B, H, splits, C, device=q_lat.device, dtype=torch.float32)
         plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
     s = sel if sel is not None else context_lens
-    _mla_split_kernel[(B, hchunks, splits)](
-        q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,
-        float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)), H, C, R,
-        sel.shape[1] if sel is not None else 0,
-        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
-        sel.stride(0) if sel is not None else 0,
-        CP=cp, RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
-        PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
+    if cuda:
+        mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, sel, out, po,
+                       plse, float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)))
+    else:
+        _mla_split_kernel[(B, hchunks, splits)](
+            q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,
+            float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)), H, C, R,
+            sel.shape[1] if sel is not None else 0,
+            ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
+            sel.stride(0) if sel is not None else 0,
+            CP=cp, RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
+            PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
         # few rows (B x H under two programs an SM; always on the interpreter, so the CPU tests
         # cover the slices): the merge in latent slices too (_mla_merge_kernel)

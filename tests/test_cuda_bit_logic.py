@@ -66,3 +66,17 @@ def test_cubin_key_covers_the_included_headers(tmp_path, monkeypatch):
 
     assert {p.name for p in SRC.parent.glob("*.cuh")} == set(re.findall(r'#include "(\w+\.cuh)"', SRC.read_text()))
     assert {"exl3_tiles.cuh", "exl3_wgmma.cuh"} <= {p.name for p in SRC.parent.glob("*.cuh")}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
+def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
+    """kernels/csrc/mla_decode.cu through cuda_build's flags: ptxas allocates its 128 output
+    accumulators, the scores and the probabilities in registers (a spill would put local-memory
+    traffic inside the key loop) under the one-block-an-SM launch bound."""
+    from exl3tools.kernels import cuda_build
+
+    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", str(cuda_build.MLA_SRC),
+                          "-o", str(tmp_path / "mla.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Compiling entry function 'mla_decode_wg'" in res.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]

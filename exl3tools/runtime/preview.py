@@ -71,6 +71,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
+    # MLA decode attention on fp16 planes (C 512, rope 64, heads in 64s) through the CUDA wgmma
+    # kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py) instead of the Triton split kernel:
+    # two warpgroups share each staged key tile (scores m64n64k16 from shared memory, the latent
+    # product m64n256k16 with the probabilities from registers), the next tile's copies beside
+    # the MMAs; the same partials and merge
+    "mla_cuda": "EXL3TOOLS_MLA_CUDA",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

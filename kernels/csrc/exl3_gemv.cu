@@ -685,6 +685,7 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 // xrot[o, :] = fp16(H(x[src(o), :] ⊙ suh_e) / sqrt(128)); o = z * rows + m, src(o) = src_idx ?
 // src_idx[z] * rows + m : o, e = exp_idx ? exp_idx[z] : 0. x is fp16 or fp32 (the runtime's
 // activations), so no conversion kernel runs before it.
+#include "sm90_async.cuh"   // cp.async, wgmma and barrier wrappers (mla_decode.cu's too)
 #include "exl3_tiles.cuh"   // the prefill tile kernels' bodies (they use the Hadamard helpers above)
 #include "exl3_wgmma.cuh"   // dense linears of 65-256 rows a slot on wgmma
 

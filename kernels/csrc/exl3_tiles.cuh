@@ -54,13 +54,6 @@ __device__ __forceinline__ void tiles_epilogue(const float (&c)[MB][2][4], float
 // ms at 64 rows for one GLM-5 projection at 2048 tokens), so the runtime takes 64. tile_n (or null):
 // the valid rows of each slot; rows past it are zero-filled too and never added to acc, so the
 // Hadamard passes may skip them (a MoE prefill's tiles are about half padding).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* smem) {
     const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -32,26 +32,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], const uint32_t
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
-// both operands from shared memory (descriptors): the warp-specialized kernel's A is decoded there
-__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "%32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(desc_a), "l"(desc_b));
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// the activations cp.async wrote (generic proxy) visible to wgmma's reads (async proxy)
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// keeps the compiler from moving accumulator registers across the asynchronous MMAs
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
 template <int MROWS>
 __device__ __forceinline__ void wgmma_k16(float (&d)[MROWS / 2], const uint32_t (&a)[4], uint64_t desc) {
     if constexpr (MROWS == 128) wgmma_m64n128k16(d, a, desc);
@@ -178,11 +158,6 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
     add_fragments<MB, NT>(acc, acc64, c, z * rows, nr, n, j0, g, t);
 }
 
-// Named barriers (ids 1..15; 0 is __syncthreads): a producer arrives, a consumer waits, the barrier
-// completes when `count` threads of both sides have come (bar.arrive orders the arriving thread's
-// earlier shared-memory writes before the waiters' later reads)
-__device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
 // Warp-specialized (the decode apart from the MMAs), the 2026-12-03 16:47 session: a block holds
 // 128 columns (8 n-tiles) x one k-range x the slot's 128 rows, under tiles_body's contract (units of

@@ -345,3 +345,80 @@ def test_dsa_topk_select_picks_topk_positions_set(dev, T, k, chunked):
     for b in range(6):
         assert sorted(got[b][got[b] >= 0].tolist()) == sorted(want[b][want[b] >= 0].tolist()), b
         assert (got[b] < 0).sum() == (want[b] < 0).sum(), b
+
+
+def _wgmma_kernel_here() -> bool:
+    from exl3tools.kernels import cuda_build
+
+    return FULL and torch.cuda.get_device_capability() == (9, 0) and cuda_build.can_build_mla()
+
+
+# (B, H, block_size, lengths kind, selection K or 0, num_splits): ragged lengths with an empty row,
+# one split (the output written directly), more splits than tiles (empty splits), two head blocks
+WGMMA_CASES = [(B, H, bs, "ragged", k, ns) for B in (1, 5) for H in (64, 128) for bs in (16, 64) for k in (0, 256)
+               for ns in (None, 1)]
+WGMMA_CASES += [(2, 128, 16, "long", 0, None), (2, 64, 64, "long", 2048, None), (5, 64, 16, "ragged", 0, 64),
+                (3, 128, 64, "ragged", 256, 7)]
+
+
+def _through_the_wgmma_kernel(monkeypatch) -> list:
+    """Switch the wgmma kernel on and count its launches (mla_decode must take it, not Triton)."""
+    from exl3tools.kernels import mla_cuda
+
+    calls, real = [], mla_cuda.split
+    monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (calls.append(a[-2]), real(*a, **k))[1])
+    monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "1")
+    return calls
+
+
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the wgmma MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=[str(c) for c in WGMMA_CASES])
+def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, monkeypatch):
+    """kernels/csrc/mla_decode.cu (EXL3TOOLS_MLA_CUDA) on fp16 planes against the float64 oracle of
+    the rounded planes and against the Triton kernel: NaN in unused slots and junk table entries
+    past each row (never read), skipped (-1) DSA entries, partial last tiles."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    B, H, bs, kind, K, ns = case
+    t, lens = _case(B, H, 512, 64, bs, kind, K, dev)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (512 // 4 + 64) ** -0.5
+    want = _oracle(t, lens, scale)
+    calls = _through_the_wgmma_kernel(monkeypatch)
+    out = torch.full((B, H, 512), float("nan"), device=dev)
+    got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
+    assert got is out and calls, "mla_decode did not take the wgmma kernel"
+    err = (got.cpu().double() - want).abs().max().item()
+    assert err < 1e-3, (case, err)
+    monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "0")
+    triton_out = mla_decode(**t, scale=scale, num_splits=ns)
+    assert len(calls) == 1
+    assert (got - triton_out).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the wgmma MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.parametrize("dsa", [False, True], ids=["dense", "dsa"])
+def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, dsa, monkeypatch):
+    """Captured once, replayed with shorter lengths written in place (as the decode graphs are):
+    the replay follows the new lengths (the oracle of them), with no host sync in the launch."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    t, lens = _case(5, 128, 512, 64, 16, "ragged", 256 if dsa else 0, dev, seed=5)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (512 // 4 + 64) ** -0.5
+    calls = _through_the_wgmma_kernel(monkeypatch)
+    out = torch.empty(t["q_lat"].shape, device=dev)
+    mla_decode(**t, scale=scale, out=out)                  # builds and loads the kernel
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(**t, scale=scale, out=out)
+    shorter = [max(0, n - 5) for n in lens]
+    t["context_lens"].copy_(torch.tensor(shorter, dtype=torch.int32))
+    if dsa:   # entries past the new lengths are skipped by the kernel, not by the oracle
+        sel = t["sel"]
+        sel.copy_(torch.where(sel < t["context_lens"][:, None], sel, -1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(calls) == 2
+    err = (out.cpu().double() - _oracle(t, shorter, scale)).abs().max().item()
+    assert err < 1e-3, err

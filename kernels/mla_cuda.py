@@ -1,0 +1,65 @@
+"""Paged MLA decode on Hopper's warpgroup MMA (kernels/csrc/mla_decode.cu): the split kernel of
+kernels/mla_attention.mla_decode for fp16 planes with latent 512 and rope 64 and heads in 64s
+(DeepSeek-V3's 128, GLM-5's 64), launched through the CUDA driver on torch's current stream, so
+CUDA graphs capture it. It writes the Triton kernel's partials (o, base-2 lse) and mla_decode
+merges them with the same kernel. mla_decode takes it where ``fits`` and the ``mla_cuda`` switch
+(runtime/preview.py) allow."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from exl3tools.kernels import cuda_build
+from exl3tools.kernels.cuda_driver import Module
+
+HEADS = 64            # heads a block (one wgmma M)
+KEYS = 64             # keys a staged tile
+LATENT, ROPE = 512, 64
+THREADS = 256         # two warpgroups
+SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 16   # the queries, two key stages, their key masks
+
+_lock = threading.Lock()
+_modules: dict[int, Module] = {}
+
+
+def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
+    """The shapes, dtypes and device this kernel serves (sm_90 only: the cubin is sm_90a); every
+    16-byte piece it copies must be 16-byte aligned."""
+    if not (q_lat.is_cuda and ckv.dtype == torch.float16 and kpe.dtype == torch.float16):
+        return False
+    if q_lat.shape[1] % HEADS or q_lat.shape[2] != LATENT or kpe.shape[2] != ROPE:
+        return False
+    if any(s % 8 for s in (ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1))) or \
+            ckv.data_ptr() % 16 or kpe.data_ptr() % 16:
+        return False
+    return torch.cuda.get_device_capability(q_lat.device) == (9, 0) and cuda_build.can_build_mla()
+
+
+def _module(device: torch.device) -> Module:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    m = _modules.get(index)
+    if m is None:
+        with _lock:
+            m = _modules.get(index)
+            if m is None:
+                m = _modules[index] = Module(cuda_build.build_mla(), torch.device("cuda", index))
+    return m
+
+
+def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+          block_tables: torch.Tensor, context_lens: torch.Tensor, sel: torch.Tensor | None,
+          out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor, qk_scale: float, num_splits: int,
+          min_split_tiles: int) -> None:
+    """One launch of the split kernel: fp16 contiguous queries (B, H, 512) / (B, H, 64), the
+    caller's checked planes, tables and selection (mla_attention._check); with one split the
+    normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout)."""
+    B, H, _ = q_lat.shape
+    hchunks = H // HEADS
+    bs = ckv.shape[1]
+    _module(q_lat.device).launch(
+        "mla_decode_wg", (hchunks * num_splits, B), THREADS,
+        q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel, out, po, plse, float(qk_scale), num_splits,
+        min_split_tiles, H, sel.shape[1] if sel is not None else 0, hchunks, bs.bit_length() - 1,
+        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
+        sel.stride(0) if sel is not None else 0, int(num_splits == 1), smem=SMEM)
