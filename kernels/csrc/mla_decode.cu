@@ -13,10 +13,13 @@
 // cp.async copies run beside the MMAs of this one (two stages).
 //
 // Shared memory: the queries and two key tiles, each 64 rows x 576 halves in 8 x 8 core matrices:
-// row r's 16-byte piece p (halves 8p..8p+7) at halves (p * 8 + r / 8) * 64 + (r % 8) * 8. The
-// scores read a tile K-major (N = keys: core matrices 128 B apart along the keys, 1024 B along
-// the dims) and the latent product reads the same bytes N-major (N = dims: 1024 B apart, K = keys:
-// 128 B apart), so one copy serves both MMAs.
+// row r's 16-byte piece p (halves 8p..8p+7) at halves p * PIECE_STRIDE + (r / 8) * 64 + (r % 8) * 8.
+// The scores read a tile K-major (N = keys: core matrices 128 B apart along the keys, 1040 B
+// along the dims) and the latent product reads the same bytes N-major (N = dims: 1040 B apart,
+// K = keys: 128 B apart), so one copy serves both MMAs. A piece column is 1024 B plus 16 of
+// padding, so the eight pieces of one row land in eight different bank groups: a warp copies four
+// rows x 128 contiguous bytes (whole global lines; 64-byte row pieces fetched each line twice from
+// L2, H200 ncu 2026-12-04) without shared-memory bank conflicts.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -25,28 +28,30 @@ namespace {
 
 constexpr int HB = 64, TN = 64, C = 512, R = 64, D = C + R;
 constexpr int PIECES = D / 8;                 // 16-byte pieces a row (72)
-constexpr int TILE = TN * D;                  // halves of a staged tile (and of the queries)
-constexpr int PIECE_STRIDE = 8 * 64;          // halves between pieces p and p + 1 of a core column
+constexpr int PIECE_STRIDE = 8 * 64 + 8;      // halves between pieces p and p + 1 of the core matrices
+constexpr int TILE = PIECES * PIECE_STRIDE;   // halves of a staged tile (and of the queries)
 constexpr float NEG_INF = -__builtin_huge_valf();
 
-__device__ __forceinline__ int core_at(int r, int p) { return (p * 8 + (r >> 3)) * 64 + (r & 7) * 8; }
+__device__ __forceinline__ int core_at(int r, int p) { return p * PIECE_STRIDE + (r >> 3) * 64 + (r & 7) * 8; }
 
 __device__ __forceinline__ uint64_t smem_desc(const half* p, int lbo, int sbo) {
     const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
     return (uint64_t)((s & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
 }
 
-// 64 rows x 576 halves into the core-matrix layout: thread (warp, lane) copies row 8 warp + lane % 8,
-// pieces 4q + lane / 8 (a warp instruction fills four whole core matrices: no bank conflicts; each
-// row's 64 bytes come from one sector pair). Pieces 0-63 from the latent row, 64-71 from the rope
-// row; rows that are not ``ok`` are zero-filled (unwritten cache slots may hold NaN).
-__device__ __forceinline__ void stage_rows(half* dst, const half* lat, const half* rope, bool ok) {
-    const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) * 8 + (lane & 7);
+// 64 rows x 576 halves into the core-matrix layout: warp w copies rows 8w..8w+7, thread (w, lane)
+// rows 8w + lane / 8 ("a") and 8w + 4 + lane / 8 ("b"), pieces 8q + lane % 8: one warp instruction
+// is four rows x 128 bytes. Pieces 0-63 from the latent row, 64-71 from the rope row; rows that
+// are not ``ok`` are zero-filled (unwritten cache slots may hold NaN).
+struct RowSrc { const half* lat; const half* rope; bool ok; };
+
+__device__ __forceinline__ void stage_rows(half* dst, const RowSrc& a, const RowSrc& b) {
+    const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) * 8 + (lane >> 3), p0 = lane & 7;
 #pragma unroll
-    for (int q = 0; q < PIECES / 4; q++) {
-        const int p = 4 * q + (lane >> 3);
-        const half* src = q < C / 32 ? lat + 8 * p : rope + 8 * (p - C / 8);
-        cp_async16(dst + core_at(r, p), src, ok);
+    for (int q = 0; q < PIECES / 8; q++) {
+        const int p = 8 * q + p0;
+        cp_async16(dst + core_at(r, p), q < C / 64 ? a.lat + 8 * p : a.rope + 8 * (p - C / 8), a.ok);
+        cp_async16(dst + core_at(r + 4, p), q < C / 64 ? b.lat + 8 * p : b.rope + 8 * (p - C / 8), b.ok);
     }
 }
 
@@ -57,7 +62,7 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 }  // namespace
 
-// grid (H / 64 x num_splits, B), 256 threads, 3 x 73728 + 16 bytes of dynamic shared memory.
+// grid (H / 64 x num_splits, B), 256 threads, 3 x 74880 + 16 bytes of dynamic shared memory.
 // Block (hc + hchunks * sp, b): heads 64 hc.., tiles t0..t1 of row b (as _mla_split_kernel: tps
 // tiles a split, at least min_tps). ``sel`` null: tokens 0..lens[b] - 1; else the K entries of
 // sel's row b (entries < 0 or >= lens[b] skipped). direct: out (B, H, C) normalised; else the
@@ -73,6 +78,8 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     half* qs = sm;
     half* ks = sm + TILE;                                                   // two stages
     uint8_t* kmask = reinterpret_cast<uint8_t*>(sm + 3 * TILE);             // [stage][warp]: keys 8 warp + i
+    float* alpha_s = reinterpret_cast<float*>(kmask + 16);                  // MLA_S_ONE_WG: [64] rescales
+    float* lsum_s = alpha_s + HB;                                           // ... and the final row sums
     const int hc = blockIdx.x % hchunks, sp = blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int g = lane >> 2, t4 = lane & 3;
@@ -83,10 +90,12 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     const int t0 = sp * tps, t1 = min(t0 + tps, ntiles);
     const int* bt_row = bt + (size_t)b * s_bt;
     const int* sel_row = sel ? sel + (size_t)b * s_sel : nullptr;
-    const int kr = warp * 8 + (lane & 7);           // the row this thread stages (a key, or a head)
-
-    auto load_tile = [&](int it, int st) {
-        const int e = it * TN + kr;
+    
+    // this thread's two rows (stage_rows) of tile it; the table is read a tile ahead of the
+    // copies, so its latency runs beside the MMAs, not before each tile's copies
+    const int ra = warp * 8 + (lane >> 3);
+    auto locate = [&](int it, int r) -> RowSrc {
+        const int e = it * TN + r;
         int t = e;
         bool ok = e < L;
         if (sel_row) {
@@ -96,9 +105,16 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
         // past-the-end and skipped entries never dereference a table entry
         const int64_t blk = ok ? (int64_t)bt_row[t >> log2bs] : 0;
         const int64_t slot = ok ? (t & ((1 << log2bs) - 1)) : 0;
-        stage_rows(ks + st * TILE, ckv + blk * s_cb + slot * s_ct, kpe + blk * s_pb + slot * s_pt, ok);
-        const unsigned m = __ballot_sync(0xffffffffu, ok);
-        if (lane == 0) kmask[st * 8 + warp] = (uint8_t)(m & 0xff);
+        return {ckv + blk * s_cb + slot * s_ct, kpe + blk * s_pb + slot * s_pt, ok};
+    };
+    auto load_tile = [&](const RowSrc& a, const RowSrc& b, int st) {
+        stage_rows(ks + st * TILE, a, b);
+        // key 8 warp + i valid: bit i (rows "a" of lanes 0, 8, 16, 24, then rows "b")
+        const unsigned ma = __ballot_sync(0xffffffffu, a.ok), mb = __ballot_sync(0xffffffffu, b.ok);
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) m |= ((ma >> (8 * i)) & 1u) << i | ((mb >> (8 * i)) & 1u) << (4 + i);
+        if (lane == 0) kmask[st * 8 + warp] = (uint8_t)m;
     };
 
     float o[128];                                    // O[64 heads, latent 256 wg .. 256 wg + 255]
@@ -107,19 +123,130 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // rows g and g + 8 of this warp's 16
 
     if (t1 > t0) {
-        const size_t qrow = (size_t)b * H + hc * HB + kr;
-        stage_rows(qs, ql + qrow * C, qp + qrow * R, true);
-        load_tile(t0, 0);
+        const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
+        stage_rows(qs, {ql + qa * C, qp + qa * R, true}, {ql + qb * C, qp + qb * R, true});
+        load_tile(locate(t0, ra), locate(t0, ra + 4), 0);
         cp_async_commit();
+        RowSrc na = locate(min(t0 + 1, t1 - 1), ra), nb = locate(min(t0 + 1, t1 - 1), ra + 4);
         for (int it = t0; it < t1; it++) {
             const int st = (it - t0) & 1;
             cp_async_wait<0>();
             fence_async_smem();
             __syncthreads();        // tile it staged; every warp done with tile it - 1 (stage st ^ 1)
-            if (it + 1 < t1) load_tile(it + 1, st ^ 1);
+#ifdef MLA_NO_LOADS
+            if (it + 1 < t1 && it == t0) load_tile(na, nb, st ^ 1);
+#else
+            if (it + 1 < t1) load_tile(na, nb, st ^ 1);
+#endif
+            if (it + 2 < t1) {
+                na = locate(it + 2, ra);
+                nb = locate(it + 2, ra + 4);
+            }
+#ifdef MLA_NO_MMA
+            cp_async_commit();
+            continue;
+#endif
             cp_async_commit();
             const half* kt = ks + st * TILE;
 
+#ifdef MLA_S_ONE_WG
+            // warpgroup 0 alone computes the scores and the softmax; P goes to shared memory over
+            // the tile's rope pieces (dead once the scores are done), its rescales beside it
+            half* pt = const_cast<half*>(kt) + (C / 8) * PIECE_STRIDE;
+            const int hrow = 16 * (warp & 3) + g;
+            float a0, a1;
+            if (wg == 0) {
+                float s[32];
+#pragma unroll
+                for (int i = 0; i < 32; i++) s[i] = 0.f;
+                fence_regs(s);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < D / 16; kk++)
+                    wgmma_ss_m64n64k16(s, smem_desc(qs + 2 * kk * PIECE_STRIDE, 2 * PIECE_STRIDE, 128),
+                                       smem_desc(kt + 2 * kk * PIECE_STRIDE, 2 * PIECE_STRIDE, 128));
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(s);
+
+                // online softmax (base 2) over the tile's keys: s[4j + e] is row g, key 8j + 2 t4 + e;
+                // s[4j + 2 + e] row g + 8
+                const uint64_t mask = *reinterpret_cast<const uint64_t*>(kmask + st * 8);
+                float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const bool v = (mask >> (8 * j + 2 * t4 + e)) & 1;
+                        s[4 * j + e] = v ? s[4 * j + e] * qk_scale : NEG_INF;
+                        s[4 * j + 2 + e] = v ? s[4 * j + 2 + e] * qk_scale : NEG_INF;
+                        mx0 = fmaxf(mx0, s[4 * j + e]);
+                        mx1 = fmaxf(mx1, s[4 * j + 2 + e]);
+                    }
+#pragma unroll
+                for (int x = 1; x <= 2; x <<= 1) {
+                    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+                    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+                }
+                const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+                const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;   // no NaN
+                a0 = exp2f(m0 - ms0);
+                a1 = exp2f(m1 - ms1);
+                m0 = mn0;
+                m1 = mn1;
+                uint32_t pa[4][4];      // P as mma's A fragments, keys 16 ks .. 16 ks + 15
+                float r0 = 0.f, r1 = 0.f;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const float p00 = exp2f(s[4 * j] - ms0), p01 = exp2f(s[4 * j + 1] - ms0);
+                    const float p10 = exp2f(s[4 * j + 2] - ms1), p11 = exp2f(s[4 * j + 3] - ms1);
+                    r0 += p00 + p01;
+                    r1 += p10 + p11;
+                    pa[j >> 1][2 * (j & 1)] = pack_half2(p00, p01);
+                    pa[j >> 1][2 * (j & 1) + 1] = pack_half2(p10, p11);
+                }
+                l0 = l0 * a0 + r0;      // this thread's columns only: the quad sums them at the end
+                l1 = l1 * a1 + r1;
+#pragma unroll
+                for (int j = 0; j < 32; j++) {
+                    o[4 * j] *= a0;
+                    o[4 * j + 1] *= a0;
+                    o[4 * j + 2] *= a1;
+                    o[4 * j + 3] *= a1;
+                }
+#pragma unroll
+                for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+                    for (int hf = 0; hf < 2; hf++) {
+                        half* at = pt + (2 * ks + hf) * PIECE_STRIDE + (hrow >> 3) * 64 + (hrow & 7) * 8 + 2 * t4;
+                        *reinterpret_cast<uint32_t*>(at) = pa[ks][2 * hf];
+                        *reinterpret_cast<uint32_t*>(at + 64) = pa[ks][2 * hf + 1];   // row + 8: the next core matrix
+                    }
+                if (t4 == 0) {
+                    alpha_s[hrow] = a0;
+                    alpha_s[hrow + 8] = a1;
+                }
+                fence_async_smem();
+            }
+            named_sync(1, 256);     // P and the rescales are in shared memory
+            if (wg == 1) {
+                a0 = alpha_s[hrow];
+                a1 = alpha_s[hrow + 8];
+            }
+#pragma unroll
+            for (int j = 0; j < 32; j++) {
+                o[4 * j] *= a0;
+                o[4 * j + 1] *= a0;
+                o[4 * j + 2] *= a1;
+                o[4 * j + 3] *= a1;
+            }
+            fence_regs(o);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < TN / 16; kk++)
+                wgmma_ss_m64n256k16_tb(o, smem_desc(pt + 2 * kk * PIECE_STRIDE, 2 * PIECE_STRIDE, 128),
+                                       smem_desc(kt + 32 * wg * PIECE_STRIDE + 2 * kk * 64, 128, 2 * PIECE_STRIDE));
+#else
             float s[32];
 #pragma unroll
             for (int i = 0; i < 32; i++) s[i] = 0.f;
@@ -181,10 +308,8 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < TN / 16; kk++)
-#ifdef MLA_V_SWAP
-                wgmma_rs_m64n256k16_tb(o, pa[kk], smem_desc(kt + (32 * wg * 8 + 2 * kk) * 64, PIECE_STRIDE * 2, 128));
-#else
-                wgmma_rs_m64n256k16_tb(o, pa[kk], smem_desc(kt + (32 * wg * 8 + 2 * kk) * 64, 128, PIECE_STRIDE * 2));
+                wgmma_rs_m64n256k16_tb(o, pa[kk], smem_desc(kt + 32 * wg * PIECE_STRIDE + 2 * kk * 64, 128,
+                                                            2 * PIECE_STRIDE));
 #endif
             wgmma_commit();
             wgmma_wait<0>();
@@ -197,6 +322,16 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
         l0 += __shfl_xor_sync(0xffffffffu, l0, x);
         l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     }
+#ifdef MLA_S_ONE_WG
+    __syncthreads();
+    if (wg == 0 && t4 == 0) {
+        lsum_s[16 * (warp & 3) + g] = l0;
+        lsum_s[16 * (warp & 3) + g + 8] = l1;
+    }
+    __syncthreads();
+    l0 = lsum_s[16 * (warp & 3) + g];
+    l1 = lsum_s[16 * (warp & 3) + g + 8];
+#endif
     const float i0 = l0 > 0.f ? 1.f / l0 : 1.f, i1 = l1 > 0.f ? 1.f / l1 : 1.f;
     const size_t r0 = (size_t)b * H + hc * HB + 16 * (warp & 3) + g, r1 = r0 + 8;
     float* d0 = direct ? out + r0 * C : po + (r0 * num_splits + sp) * C;
