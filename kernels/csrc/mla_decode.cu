@@ -60,6 +60,28 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+#ifdef MLA_BULK_PROBE
+// diagnostic (with MLA_NO_MMA): each key row copied by the TMA unit (cp.async.bulk, 1024 + 128
+// bytes) into a row-major stage instead of 16-byte cp.async pieces: do bulk copies lift the load rate?
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(uint64_t* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+                   "r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT_%=;\n}\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+}
+#endif
+
 }  // namespace
 
 // grid (H / 64 x num_splits, B), 256 threads, 3 x 74880 + 16 bytes of dynamic shared memory.
@@ -122,7 +144,37 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     for (int i = 0; i < 128; i++) o[i] = 0.f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // rows g and g + 8 of this warp's 16
 
+#ifdef MLA_BULK_PROBE
+    uint64_t* bars = reinterpret_cast<uint64_t*>(lsum_s + HB);
     if (t1 > t0) {
+        if (threadIdx.x == 0) { mbar_init(bars, 64); mbar_init(bars + 1, 64); }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        __syncthreads();
+        auto bulk_tile = [&](int it, int st) {
+            if (threadIdx.x < TN) {
+                const RowSrc r = locate(it, threadIdx.x);
+                half* row = ks + st * TILE + threadIdx.x * D;
+                if (r.ok) {
+                    mbar_arrive_tx(bars + st, 2 * D);
+                    bulk_copy(row, r.lat, 2 * C, bars + st);
+                    bulk_copy(row + C, r.rope, 2 * R, bars + st);
+                } else {
+                    mbar_arrive_tx(bars + st, 0);
+                }
+            }
+        };
+        bulk_tile(t0, 0);
+        for (int it = t0; it < t1; it++) {
+            const int st = (it - t0) & 1;
+            mbar_wait(bars + st, ((it - t0) >> 1) & 1);
+            __syncthreads();
+            if (it + 1 < t1) bulk_tile(it + 1, st ^ 1);
+        }
+    }
+    if (false) {
+#else
+    if (t1 > t0) {
+#endif
         const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
         stage_rows(qs, {ql + qa * C, qp + qa * R, true}, {ql + qb * C, qp + qb * R, true});
         load_tile(locate(t0, ra), locate(t0, ra + 4), 0);
