@@ -17,7 +17,7 @@ HEADS = 64            # heads a block (one wgmma M)
 KEYS = 64             # keys a staged tile
 LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
-SMEM = 3 * (LATENT + ROPE) // 8 * (KEYS * 16 + 16) + 16 + 2 * HEADS * 4 + 16   # queries, two key stages, masks, row stats, probe barriers
+SMEM = 3 * (LATENT + ROPE) // 8 * (KEYS * 16 + 16) + 16 + 16   # queries, two key stages (padded), masks, probe barriers
 
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}

@@ -75,7 +75,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py) instead of the Triton split kernel:
     # two warpgroups share each staged key tile (scores m64n64k16 from shared memory, the latent
     # product m64n256k16 with the probabilities from registers), the next tile's copies beside
-    # the MMAs; the same partials and merge
+    # the MMAs; the same partials and merge. H200, 2026-12-04 evening (bench/gpu_mla_cuda.py):
+    # exact (its GPU tests: 38 passed), but slower than Triton's: 128 heads batch 1 at 32k 81.5 vs
+    # 73.1 us, batch 8 397.7 vs 354.4, GLM-5's 2048-key selection at batch 1 25.9 vs 20.3 (the
+    # gathered rows' cp.async copies bound it: mla_decode.cu's status note), so it stays a preview
     "mla_cuda": "EXL3TOOLS_MLA_CUDA",
 }
 

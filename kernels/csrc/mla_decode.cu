@@ -20,6 +20,17 @@
 // padding, so the eight pieces of one row land in eight different bank groups: a warp copies four
 // rows x 128 contiguous bytes (whole global lines; 64-byte row pieces fetched each line twice from
 // L2, H200 ncu 2026-12-04) without shared-memory bank conflicts.
+//
+// Status (H200, 2026-12-04 evening; docs/gpu.md): exact (tests/gpu/test_mla_attention.py), but
+// 0.78-0.90x the Triton kernel's time, so it stays the EXL3TOOLS_MLA_CUDA preview. Its diagnostics
+// (nvcc -D, bench/gpu_mla_cuda.py --defines): MLA_NO_MMA (copies alone) and MLA_NO_LOADS (MMAs
+// alone on stale tiles) put each 64-key tile at ~6 us of copies and ~3.6 us of MMAs at 128 heads,
+// batch 1, 32k: 16-byte cp.async of gathered rows moves ~10 GB/s an SM at one block an SM (the
+// copies stall on the LSU queue, "lg throttle"). MLA_BULK_PROBE copies each key row through the
+// TMA unit (cp.async.bulk) into a row-major stage instead, which wgmma cannot read: its copies
+// alone take half the time (43.7 vs 67.6 us with the merge). The next step is TMA tensor copies
+// (a tensor map over each plane, 16-row boxes: one cache block) into wgmma's 128-byte-swizzle
+// layout, which both MMAs can read as this layout is read.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -100,8 +111,6 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     half* qs = sm;
     half* ks = sm + TILE;                                                   // two stages
     uint8_t* kmask = reinterpret_cast<uint8_t*>(sm + 3 * TILE);             // [stage][warp]: keys 8 warp + i
-    float* alpha_s = reinterpret_cast<float*>(kmask + 16);                  // MLA_S_ONE_WG: [64] rescales
-    float* lsum_s = alpha_s + HB;                                           // ... and the final row sums
     const int hc = blockIdx.x % hchunks, sp = blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int g = lane >> 2, t4 = lane & 3;
@@ -112,7 +121,7 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     const int t0 = sp * tps, t1 = min(t0 + tps, ntiles);
     const int* bt_row = bt + (size_t)b * s_bt;
     const int* sel_row = sel ? sel + (size_t)b * s_sel : nullptr;
-    
+
     // this thread's two rows (stage_rows) of tile it; the table is read a tile ahead of the
     // copies, so its latency runs beside the MMAs, not before each tile's copies
     const int ra = warp * 8 + (lane >> 3);
@@ -145,7 +154,7 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;   // rows g and g + 8 of this warp's 16
 
 #ifdef MLA_BULK_PROBE
-    uint64_t* bars = reinterpret_cast<uint64_t*>(lsum_s + HB);
+    uint64_t* bars = reinterpret_cast<uint64_t*>(kmask + 16);
     if (t1 > t0) {
         if (threadIdx.x == 0) { mbar_init(bars, 64); mbar_init(bars + 1, 64); }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -201,104 +210,6 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
             cp_async_commit();
             const half* kt = ks + st * TILE;
 
-#ifdef MLA_S_ONE_WG
-            // warpgroup 0 alone computes the scores and the softmax; P goes to shared memory over
-            // the tile's rope pieces (dead once the scores are done), its rescales beside it
-            half* pt = const_cast<half*>(kt) + (C / 8) * PIECE_STRIDE;
-            const int hrow = 16 * (warp & 3) + g;
-            float a0, a1;
-            if (wg == 0) {
-                float s[32];
-#pragma unroll
-                for (int i = 0; i < 32; i++) s[i] = 0.f;
-                fence_regs(s);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < D / 16; kk++)
-                    wgmma_ss_m64n64k16(s, smem_desc(qs + 2 * kk * PIECE_STRIDE, 2 * PIECE_STRIDE, 128),
-                                       smem_desc(kt + 2 * kk * PIECE_STRIDE, 2 * PIECE_STRIDE, 128));
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(s);
-
-                // online softmax (base 2) over the tile's keys: s[4j + e] is row g, key 8j + 2 t4 + e;
-                // s[4j + 2 + e] row g + 8
-                const uint64_t mask = *reinterpret_cast<const uint64_t*>(kmask + st * 8);
-                float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const bool v = (mask >> (8 * j + 2 * t4 + e)) & 1;
-                        s[4 * j + e] = v ? s[4 * j + e] * qk_scale : NEG_INF;
-                        s[4 * j + 2 + e] = v ? s[4 * j + 2 + e] * qk_scale : NEG_INF;
-                        mx0 = fmaxf(mx0, s[4 * j + e]);
-                        mx1 = fmaxf(mx1, s[4 * j + 2 + e]);
-                    }
-#pragma unroll
-                for (int x = 1; x <= 2; x <<= 1) {
-                    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-                    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-                }
-                const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-                const float ms0 = mn0 == NEG_INF ? 0.f : mn0, ms1 = mn1 == NEG_INF ? 0.f : mn1;   // no NaN
-                a0 = exp2f(m0 - ms0);
-                a1 = exp2f(m1 - ms1);
-                m0 = mn0;
-                m1 = mn1;
-                uint32_t pa[4][4];      // P as mma's A fragments, keys 16 ks .. 16 ks + 15
-                float r0 = 0.f, r1 = 0.f;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const float p00 = exp2f(s[4 * j] - ms0), p01 = exp2f(s[4 * j + 1] - ms0);
-                    const float p10 = exp2f(s[4 * j + 2] - ms1), p11 = exp2f(s[4 * j + 3] - ms1);
-                    r0 += p00 + p01;
-                    r1 += p10 + p11;
-                    pa[j >> 1][2 * (j & 1)] = pack_half2(p00, p01);
-                    pa[j >> 1][2 * (j & 1) + 1] = pack_half2(p10, p11);
-                }
-                l0 = l0 * a0 + r0;      // this thread's columns only: the quad sums them at the end
-                l1 = l1 * a1 + r1;
-#pragma unroll
-                for (int j = 0; j < 32; j++) {
-                    o[4 * j] *= a0;
-                    o[4 * j + 1] *= a0;
-                    o[4 * j + 2] *= a1;
-                    o[4 * j + 3] *= a1;
-                }
-#pragma unroll
-                for (int ks = 0; ks < 4; ks++)
-#pragma unroll
-                    for (int hf = 0; hf < 2; hf++) {
-                        half* at = pt + (2 * ks + hf) * PIECE_STRIDE + (hrow >> 3) * 64 + (hrow & 7) * 8 + 2 * t4;
-                        *reinterpret_cast<uint32_t*>(at) = pa[ks][2 * hf];
-                        *reinterpret_cast<uint32_t*>(at + 64) = pa[ks][2 * hf + 1];   // row + 8: the next core matrix
-                    }
-                if (t4 == 0) {
-                    alpha_s[hrow] = a0;
-                    alpha_s[hrow + 8] = a1;
-                }
-                fence_async_smem();
-            }
-            named_sync(1, 256);     // P and the rescales are in shared memory
-            if (wg == 1) {
-                a0 = alpha_s[hrow];
-                a1 = alpha_s[hrow + 8];
-            }
-#pragma unroll
-            for (int j = 0; j < 32; j++) {
-                o[4 * j] *= a0;
-                o[4 * j + 1] *= a0;
-                o[4 * j + 2] *= a1;
-                o[4 * j + 3] *= a1;
-            }
-            fence_regs(o);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < TN / 16; kk++)
-                wgmma_ss_m64n256k16_tb(o, smem_desc(pt + 2 * kk * PIECE_STRIDE, 2 * PIECE_STRIDE, 128),
-                                       smem_desc(kt + 32 * wg * PIECE_STRIDE + 2 * kk * 64, 128, 2 * PIECE_STRIDE));
-#else
             float s[32];
 #pragma unroll
             for (int i = 0; i < 32; i++) s[i] = 0.f;
@@ -362,7 +273,6 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
             for (int kk = 0; kk < TN / 16; kk++)
                 wgmma_rs_m64n256k16_tb(o, pa[kk], smem_desc(kt + 32 * wg * PIECE_STRIDE + 2 * kk * 64, 128,
                                                             2 * PIECE_STRIDE));
-#endif
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs(o);
@@ -374,16 +284,6 @@ mla_decode_wg(const half* __restrict__ ql, const half* __restrict__ qp, const ha
         l0 += __shfl_xor_sync(0xffffffffu, l0, x);
         l1 += __shfl_xor_sync(0xffffffffu, l1, x);
     }
-#ifdef MLA_S_ONE_WG
-    __syncthreads();
-    if (wg == 0 && t4 == 0) {
-        lsum_s[16 * (warp & 3) + g] = l0;
-        lsum_s[16 * (warp & 3) + g + 8] = l1;
-    }
-    __syncthreads();
-    l0 = lsum_s[16 * (warp & 3) + g];
-    l1 = lsum_s[16 * (warp & 3) + g + 8];
-#endif
     const float i0 = l0 > 0.f ? 1.f / l0 : 1.f, i1 = l1 > 0.f ? 1.f / l1 : 1.f;
     const size_t r0 = (size_t)b * H + hc * HB + 16 * (warp & 3) + g, r1 = r0 + 8;
     float* d0 = direct ? out + r0 * C : po + (r0 * num_splits + sp) * C;
