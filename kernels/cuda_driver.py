@@ -43,6 +43,8 @@ class _Driver:
         self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), v,
                                                                          ctypes.c_int, ctypes.c_size_t]
         self.lib.cuFuncSetAttribute.argtypes = [v, ctypes.c_int, ctypes.c_int]
+        u64p, u32p, i = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.c_int
+        self.lib.cuTensorMapEncodeTiled.argtypes = [v, i, ctypes.c_uint32, v, u64p, u64p, u32p, u32p, i, i, i, i]
         # cuFuncGetParamInfo (CUDA 12.4+): a kernel's parameter count, checked against each launch's
         # arguments (a missing one would be read as whatever lies past the packed values)
         self.param_info = getattr(self.lib, "cuFuncGetParamInfo", None)
@@ -64,6 +66,31 @@ class _Driver:
 
 
 _driver: _Driver | None = None
+
+TMAP_FLOAT16, TMAP_SWIZZLE_128B, TMAP_L2_256B = 6, 3, 3      # cuda.h's CUtensorMap* enums
+
+
+class TensorMap:
+    """A CUtensorMap (128 bytes, 64-byte aligned, host memory): a kernel's ``const
+    __grid_constant__ CUtensorMap`` parameter for TMA copies; Module.launch passes it by value."""
+
+    def __init__(self):
+        self._buf = ctypes.create_string_buffer(128 + 64)
+        self.addr = (ctypes.addressof(self._buf) + 63) & ~63
+
+
+def tensor_map_2d(ptr: int, rows: int, cols: int, row_stride: int, box_cols: int, box_rows: int) -> TensorMap:
+    """The tensor map of fp16 rows (``row_stride`` bytes apart) at device address ``ptr``: boxes of
+    ``box_rows`` x ``box_cols`` (128 bytes at most), 128-byte swizzle in shared memory."""
+    d, m = driver(), TensorMap()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride)
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    unit = (ctypes.c_uint32 * 2)(1, 1)
+    d.check(d.lib.cuTensorMapEncodeTiled(ctypes.c_void_p(m.addr), TMAP_FLOAT16, 2, ctypes.c_void_p(ptr), dims, strides,
+                                         box, unit, 0, TMAP_SWIZZLE_128B, TMAP_L2_256B, 0),
+            f"tensor map of {rows} x {cols} fp16 rows, boxes {box_rows} x {box_cols}")
+    return m
 
 
 def driver() -> _Driver:
@@ -132,7 +159,8 @@ class Module:
         return n
 
     def launch(self, name: str, grid, block: int, *args, pdl: bool = False, smem: int = 0) -> None:
-        """args: tensors (or None for NULL) become pointers, Python ints int32, floats float32. ``pdl``:
+        """args: tensors (or None for NULL) become pointers, Python ints int32, floats float32,
+        TensorMaps their 128 bytes. ``pdl``:
         programmatic dependent launch (the kernel starts early and griddepcontrol.wait's).
         ``smem``: bytes of dynamic shared memory."""
         want = self.param_count(name)
@@ -140,7 +168,9 @@ class Module:
             raise RuntimeError(f"{name}: takes {want} parameters, launched with {len(args)}")
         vals = []
         for a in args:
-            if a is None:
+            if isinstance(a, TensorMap):
+                vals.append(a)
+            elif a is None:
                 vals.append(ctypes.c_uint64(0))
             elif isinstance(a, torch.Tensor):
                 vals.append(ctypes.c_uint64(a.data_ptr()))
@@ -148,7 +178,8 @@ class Module:
                 vals.append(ctypes.c_float(a))
             else:
                 vals.append(ctypes.c_int32(int(a)))
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        params = (ctypes.c_void_p * len(vals))(*[v.addr if isinstance(v, TensorMap)
+                                                  else ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         gx, gy = (grid, 1) if isinstance(grid, int) else grid
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         d = driver()

@@ -11,16 +11,18 @@ import threading
 
 import torch
 from exl3tools.kernels import cuda_build
-from exl3tools.kernels.cuda_driver import Module
+from exl3tools.kernels.cuda_driver import Module, TensorMap, tensor_map_2d
 
 HEADS = 64            # heads a block (one wgmma M)
 KEYS = 64             # keys a staged tile
 LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
-SMEM = 3 * (LATENT + ROPE) // 8 * (KEYS * 16 + 16) + 16 + 16   # queries, two key stages (padded), masks, probe barriers
+SMEM = 3 * (LATENT + ROPE) // 8 * (KEYS * 16 + 16) + 16   # mla_decode_wg: queries, two key stages (padded), masks
+SMEM_TMA = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16      # mla_decode_tma: the same unpadded, alignment, barriers
 
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}
+_maps: dict[tuple, TensorMap] = {}      # a pool's planes keep theirs (graphs captured them by value)
 
 
 def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
@@ -47,6 +49,20 @@ def _module(device: torch.device) -> Module:
     return m
 
 
+def _blocks_contiguous(plane: torch.Tensor) -> bool:
+    """The plane's blocks follow each other (one row of slots a tensor map can address)."""
+    return plane.stride(0) == plane.shape[1] * plane.stride(1)
+
+
+def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
+    key = (plane.data_ptr(), tuple(plane.shape), tuple(plane.stride()), box_rows)
+    m = _maps.get(key)
+    if m is None:
+        m = _maps[key] = tensor_map_2d(plane.data_ptr(), plane.shape[0] * plane.shape[1], plane.shape[2],
+                                       plane.stride(1) * 2, 64, box_rows)
+    return m
+
+
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, sel: torch.Tensor | None,
           out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor, qk_scale: float, num_splits: int,
@@ -57,6 +73,15 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
+    if sel is None and _blocks_contiguous(ckv) and _blocks_contiguous(kpe):
+        # dense rows: the key tiles through the TMA unit, a table block's rows a copy
+        box = min(bs, KEYS)
+        _module(q_lat.device).launch(
+            "mla_decode_tma", (hchunks * num_splits, B), THREADS,
+            q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
+            float(qk_scale), num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box, block_tables.stride(0),
+            int(num_splits == 1), smem=SMEM_TMA)
+        return
     _module(q_lat.device).launch(
         "mla_decode_wg", (hchunks * num_splits, B), THREADS,
         q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel, out, po, plse, float(qk_scale), num_splits,

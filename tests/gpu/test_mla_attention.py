@@ -422,3 +422,30 @@ def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, dsa, monkeypatch):
     assert len(calls) == 2
     err = (out.cpu().double() - _oracle(t, shorter, scale)).abs().max().item()
     assert err < 1e-3, err
+
+
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the wgmma MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.parametrize("layout", ["padded_rows", "gapped_blocks"])
+def test_mla_wgmma_kernels_on_strided_planes(dev, layout, monkeypatch):
+    """Planes that are views: rows padded (576 halves apart: still one row of slots, so the TMA
+    kernel's tensor maps take it with a 1152-byte row stride) and blocks with gaps between them
+    (no tensor map spans them: the cp.async kernel), dense, against the oracle."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    t, lens = _case(5, 128, 512, 64, 16, "ragged", 0, dev, seed=9)
+    nb, bs = t["ckv"].shape[:2]
+    if layout == "padded_rows":
+        ckv = torch.full((nb, bs, 576), float("nan"), device=dev, dtype=torch.float16)[..., :512]
+        kpe = torch.full((nb, bs, 72), float("nan"), device=dev, dtype=torch.float16)[..., :64]
+    else:
+        ckv = torch.full((nb, 2 * bs, 512), float("nan"), device=dev, dtype=torch.float16)[:, :bs]
+        kpe = torch.full((nb, 2 * bs, 64), float("nan"), device=dev, dtype=torch.float16)[:, :bs]
+    ckv.copy_(t["ckv"])
+    kpe.copy_(t["kpe"])
+    t = dict(t, ckv=ckv, kpe=kpe)
+    scale = (512 // 4 + 64) ** -0.5
+    calls = _through_the_wgmma_kernel(monkeypatch)
+    got = mla_decode(**t, scale=scale)
+    assert calls
+    err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
+    assert err < 1e-3, (layout, err)
