@@ -1,14 +1,15 @@
 """The MLA decode kernels side by side on the GPU: Triton's split kernel (kernels/mla_attention.py)
-against the wgmma one (kernels/csrc/mla_decode.cu, EXL3TOOLS_MLA_CUDA), each with the merge, on
-fp16 planes as serve keeps them (C 512, rope 64, block size 16), at the shapes DeepSeek-V3 (128
-heads, dense) and GLM-5 (64 heads, a 2048-key DSA selection) decode.
+against the CUDA one (TMA copies, wgmma: kernels/csrc/mla_decode.cu, EXL3TOOLS_MLA_CUDA), each with
+the merge, on fp16 planes as serve keeps them (C 512, rope 64, block size 16), at the shapes
+DeepSeek-V3 (128 heads, dense) and GLM-5 (64 heads, a 2048-key DSA selection) decode. Rows with a
+selection take Triton either way (mla_decode), so their two columns time the same kernel.
 
     python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--defines -DX]
 
 µs: median CUDA-graph replay (bench/gpu_bench.bench_graph); GB/s: the latent bytes read once
 (B x keys x 576 x 2) over the time; roofline: that against 4.26 TB/s; err: max |kernel - reference|
 / max |reference| (mla_decode_reference on the same fp16 planes, fp32 math). ``--defines``: build
-the wgmma kernel with these nvcc defines instead (a diagnostic).
+the CUDA kernel with these nvcc defines instead (a diagnostic).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
 
     ref = mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel)
     row = {}
-    for name, switch in (("triton", "0"), ("wgmma", "1")):
+    for name, switch in (("triton", "0"), ("cuda", "1")):
         os.environ["EXL3TOOLS_MLA_CUDA"] = switch
         got = call().clone()
         row[f"err_{name}"] = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -79,20 +80,20 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="H,B,CTX,SEL (SEL 1: a 2048-key selection) separated by ;")
-    ap.add_argument("--defines", default="", help="nvcc defines for the wgmma kernel (diagnostic)")
+    ap.add_argument("--defines", default="", help="nvcc defines for the CUDA kernel (diagnostic)")
     a = ap.parse_args()
     if a.defines:
         load_variant(a.defines.split())
-    print("| H | B | ctx | sel | triton µs | wgmma µs | speedup | wgmma GB/s | roofline | err triton | err wgmma |")
+    print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | err triton | err cuda |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in a.shapes.split(";"):
         H, B, ctx, use_sel = (int(v) for v in shape.split(","))
         row = time_shape(H, B, ctx, bool(use_sel))
         keys = B * (TOPK if use_sel else ctx)
-        gbps = keys * (C + R) * 2 / (row["wgmma"] * 1e-6) / 1e9
-        print(f"| {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['wgmma']:.1f} | "
-              f"{row['triton'] / row['wgmma']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['err_triton']:.1e} | "
-              f"{row['err_wgmma']:.1e} |", flush=True)
+        gbps = keys * (C + R) * 2 / (row["cuda"] * 1e-6) / 1e9
+        print(f"| {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
+              f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['err_triton']:.1e} | "
+              f"{row['err_cuda']:.1e} |", flush=True)
         torch.cuda.empty_cache()
     return 0
 

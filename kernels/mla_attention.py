@@ -347,9 +347,11 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     index = q_lat.device.index if q_lat.device.index is not None else (
         torch.cuda.current_device() if q_lat.is_cuda else 0)
     sms = torch.cuda.get_device_properties(index).multi_processor_count if q_lat.is_cuda else None
-    # the wgmma kernel (kernels/mla_cuda.py) unless a Triton tile, dot or pipeline was asked for
-    cuda = (TILE is None and head_block is None and tile_n is None and num_warps is None and not split_dots
-            and num_stages is None and not INTERPRET and _cuda_kernel() and mla_cuda.fits(q_lat, ckv, kpe))
+    # dense rows on the TMA + wgmma kernel (kernels/mla_cuda.py) unless a Triton tile, dot or
+    # pipeline was asked for
+    cuda = (sel is None and TILE is None and head_block is None and tile_n is None and num_warps is None
+            and not split_dots and num_stages is None and not INTERPRET and _cuda_kernel()
+            and mla_cuda.fits(q_lat, ckv, kpe))
     if cuda:
         hb, tn, warps = mla_cuda.HEADS, mla_cuda.KEYS, 0
     else:
@@ -373,8 +375,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
     s = sel if sel is not None else context_lens
     if cuda:
-        mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, sel, out, po,
-                       plse, float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)))
+        mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, out, po, plse,
+                       float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)))
     else:
         _mla_split_kernel[(B, hchunks, splits)](
             q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,

@@ -1,9 +1,11 @@
-"""Paged MLA decode on Hopper's warpgroup MMA (kernels/csrc/mla_decode.cu): the split kernel of
-kernels/mla_attention.mla_decode for fp16 planes with latent 512 and rope 64 and heads in 64s
-(DeepSeek-V3's 128, GLM-5's 64), launched through the CUDA driver on torch's current stream, so
-CUDA graphs capture it. It writes the Triton kernel's partials (o, base-2 lse) and mla_decode
-merges them with the same kernel. mla_decode takes it where ``fits`` and the ``mla_cuda`` switch
-(runtime/preview.py) allow."""
+"""Paged MLA decode on Hopper, TMA copies and warpgroup MMAs (kernels/csrc/mla_decode.cu): the
+split kernel of kernels/mla_attention.mla_decode for dense rows on fp16 planes with latent 512 and
+rope 64 and heads in 64s (DeepSeek-V3's 128, GLM-5's 64), launched through the CUDA driver on
+torch's current stream, so CUDA graphs capture it (with the planes' tensor maps as parameters). It
+writes the Triton kernel's partials (o, base-2 lse) and mla_decode merges them with the same
+kernel. mla_decode takes it for rows without a DSA selection where ``fits`` and the ``mla_cuda``
+switch (runtime/preview.py) allow; a selection stays on Triton (a cp.async version of this kernel
+over selected rows measured 0.78-0.90x Triton's time on the H200)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ HEADS = 64            # heads a block (one wgmma M)
 KEYS = 64             # keys a staged tile
 LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
-SMEM = 3 * (LATENT + ROPE) // 8 * (KEYS * 16 + 16) + 16   # mla_decode_wg: queries, two key stages (padded), masks
-SMEM_TMA = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16      # mla_decode_tma: the same unpadded, alignment, barriers
+SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16   # queries, two key stages, alignment, barriers
 
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}
@@ -26,15 +27,16 @@ _maps: dict[tuple, TensorMap] = {}      # a pool's planes keep theirs (graphs ca
 
 
 def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
-    """The shapes, dtypes and device this kernel serves (sm_90 only: the cubin is sm_90a); every
-    16-byte piece it copies must be 16-byte aligned."""
+    """The shapes, dtypes and device this kernel serves (sm_90 only: the cubin is sm_90a), with
+    planes a tensor map can address (16-byte aligned rows, the blocks one run of slots)."""
     if not (q_lat.is_cuda and ckv.dtype == torch.float16 and kpe.dtype == torch.float16):
         return False
     if q_lat.shape[1] % HEADS or q_lat.shape[2] != LATENT or kpe.shape[2] != ROPE:
         return False
-    if any(s % 8 for s in (ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1))) or \
-            ckv.data_ptr() % 16 or kpe.data_ptr() % 16:
-        return False
+    if any(s % 8 for s in (ckv.stride(1), kpe.stride(1))) or ckv.data_ptr() % 16 or kpe.data_ptr() % 16:
+        return False            # TMA: 16-byte aligned rows
+    if not (_blocks_contiguous(ckv) and _blocks_contiguous(kpe)):
+        return False            # one tensor map a plane: its blocks one run of slots
     return torch.cuda.get_device_capability(q_lat.device) == (9, 0) and cuda_build.can_build_mla()
 
 
@@ -64,27 +66,17 @@ def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
 
 
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-          block_tables: torch.Tensor, context_lens: torch.Tensor, sel: torch.Tensor | None,
-          out: torch.Tensor, po: torch.Tensor, plse: torch.Tensor, qk_scale: float, num_splits: int,
-          min_split_tiles: int) -> None:
-    """One launch of the split kernel: fp16 contiguous queries (B, H, 512) / (B, H, 64), the
-    caller's checked planes, tables and selection (mla_attention._check); with one split the
-    normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout)."""
+          block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
+          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int) -> None:
+    """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
+    64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
+    the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout)."""
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
-    if sel is None and _blocks_contiguous(ckv) and _blocks_contiguous(kpe):
-        # dense rows: the key tiles through the TMA unit, a table block's rows a copy
-        box = min(bs, KEYS)
-        _module(q_lat.device).launch(
-            "mla_decode_tma", (hchunks * num_splits, B), THREADS,
-            q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
-            float(qk_scale), num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box, block_tables.stride(0),
-            int(num_splits == 1), smem=SMEM_TMA)
-        return
+    box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
     _module(q_lat.device).launch(
-        "mla_decode_wg", (hchunks * num_splits, B), THREADS,
-        q_lat, q_pe, ckv, kpe, block_tables, context_lens, sel, out, po, plse, float(qk_scale), num_splits,
-        min_split_tiles, H, sel.shape[1] if sel is not None else 0, hchunks, bs.bit_length() - 1,
-        ckv.stride(0), ckv.stride(1), kpe.stride(0), kpe.stride(1), block_tables.stride(0),
-        sel.stride(0) if sel is not None else 0, int(num_splits == 1), smem=SMEM)
+        "mla_decode_tma", (hchunks * num_splits, B), THREADS,
+        q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
+        float(qk_scale), num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box, block_tables.stride(0),
+        int(num_splits == 1), smem=SMEM)

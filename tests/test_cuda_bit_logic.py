@@ -78,5 +78,5 @@ def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
     res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", str(cuda_build.MLA_SRC),
                           "-o", str(tmp_path / "mla.cubin")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "Compiling entry function 'mla_decode_wg'" in res.stderr
+    assert "Compiling entry function 'mla_decode_tma'" in res.stderr
     assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]

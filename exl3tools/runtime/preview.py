@@ -71,14 +71,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
-    # MLA decode attention on fp16 planes (C 512, rope 64, heads in 64s) through the CUDA wgmma
-    # kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py) instead of the Triton split kernel:
-    # two warpgroups share each staged key tile (scores m64n64k16 from shared memory, the latent
-    # product m64n256k16 with the probabilities from registers), the next tile's copies beside
-    # the MMAs; the same partials and merge. H200, 2026-12-04 evening (bench/gpu_mla_cuda.py):
-    # exact (its GPU tests: 38 passed), but slower than Triton's: 128 heads batch 1 at 32k 81.5 vs
-    # 73.1 us, batch 8 397.7 vs 354.4, GLM-5's 2048-key selection at batch 1 25.9 vs 20.3 (the
-    # gathered rows' cp.async copies bound it: mla_decode.cu's status note), so it stays a preview
+    # MLA decode attention over dense rows (no DSA selection) on fp16 planes (C 512, rope 64, heads
+    # in 64s) through the CUDA kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py: the key
+    # tiles by TMA tensor copies, two warpgroups' wgmma on each) instead of the Triton split kernel;
+    # the same partials and merge. H200, 2026-12-04 evening (bench/gpu_mla_cuda.py, with the
+    # merge): 128 heads batch 1 at 32k 73.5 -> 54.6 us, batch 8 at 32k 352 -> 234, batch 32 at 4k
+    # 198 -> 133, 64 heads batch 1 at 32k 59.1 -> 48.7, batch 1 at 4k 32.7 -> 31.3
     "mla_cuda": "EXL3TOOLS_MLA_CUDA",
 }
 

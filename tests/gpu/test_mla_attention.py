@@ -353,16 +353,15 @@ def _wgmma_kernel_here() -> bool:
     return FULL and torch.cuda.get_device_capability() == (9, 0) and cuda_build.can_build_mla()
 
 
-# (B, H, block_size, lengths kind, selection K or 0, num_splits): ragged lengths with an empty row,
-# one split (the output written directly), more splits than tiles (empty splits), two head blocks
-WGMMA_CASES = [(B, H, bs, "ragged", k, ns) for B in (1, 5) for H in (64, 128) for bs in (16, 64) for k in (0, 256)
-               for ns in (None, 1)]
-WGMMA_CASES += [(2, 128, 16, "long", 0, None), (2, 64, 64, "long", 2048, None), (5, 64, 16, "ragged", 0, 64),
-                (3, 128, 64, "ragged", 256, 7)]
+# (B, H, block_size, lengths kind, num_splits): ragged lengths with an empty row, one split (the
+# output written directly), more splits than tiles (empty splits), two head blocks, every block size
+WGMMA_CASES = [(B, H, bs, "ragged", ns) for B in (1, 5) for H in (64, 128) for bs in (8, 16, 64) for ns in (None, 1)]
+WGMMA_CASES += [(2, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 64, 16, "ragged", 64),
+                (3, 128, 64, "ragged", 7)]
 
 
 def _through_the_wgmma_kernel(monkeypatch) -> list:
-    """Switch the wgmma kernel on and count its launches (mla_decode must take it, not Triton)."""
+    """Switch the CUDA kernel on and count its launches (mla_decode must take it, not Triton)."""
     from exl3tools.kernels import mla_cuda
 
     calls, real = [], mla_cuda.split
@@ -371,23 +370,23 @@ def _through_the_wgmma_kernel(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the wgmma MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=[str(c) for c in WGMMA_CASES])
 def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, monkeypatch):
     """kernels/csrc/mla_decode.cu (EXL3TOOLS_MLA_CUDA) on fp16 planes against the float64 oracle of
-    the rounded planes and against the Triton kernel: NaN in unused slots and junk table entries
-    past each row (never read), skipped (-1) DSA entries, partial last tiles."""
+    the rounded planes and against the Triton kernel: NaN in unused slots (copied with their block,
+    then zeroed) and junk table entries past each row (never read), partial last tiles."""
     from exl3tools.kernels.mla_attention import mla_decode
 
-    B, H, bs, kind, K, ns = case
-    t, lens = _case(B, H, 512, 64, bs, kind, K, dev)
+    B, H, bs, kind, ns = case
+    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev)
     t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
     scale = (512 // 4 + 64) ** -0.5
     want = _oracle(t, lens, scale)
     calls = _through_the_wgmma_kernel(monkeypatch)
     out = torch.full((B, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
-    assert got is out and calls, "mla_decode did not take the wgmma kernel"
+    assert got is out and calls, "mla_decode did not take the CUDA kernel"
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "0")
@@ -396,14 +395,27 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, monkeypatch):
     assert (got - triton_out).abs().max().item() < 1e-3
 
 
-@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the wgmma MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("dsa", [False, True], ids=["dense", "dsa"])
-def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, dsa, monkeypatch):
-    """Captured once, replayed with shorter lengths written in place (as the decode graphs are):
-    the replay follows the new lengths (the oracle of them), with no host sync in the launch."""
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+def test_a_dsa_selection_stays_on_triton(dev, monkeypatch):
+    """Rows with a selection take the Triton kernel even with the CUDA one switched on (its gathered
+    rows measured slower there), and stay right."""
     from exl3tools.kernels.mla_attention import mla_decode
 
-    t, lens = _case(5, 128, 512, 64, 16, "ragged", 256 if dsa else 0, dev, seed=5)
+    t, lens = _case(5, 64, 512, 64, 16, "ragged", 256, dev)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (512 // 4 + 64) ** -0.5
+    calls = _through_the_wgmma_kernel(monkeypatch)
+    err = (mla_decode(**t, scale=scale).cpu().double() - _oracle(t, lens, scale)).abs().max().item()
+    assert not calls and err < 1e-3, (calls, err)
+
+
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, monkeypatch):
+    """Captured once (the planes' tensor maps as parameters), replayed with shorter lengths written
+    in place (as the decode graphs are): the replay follows the new lengths (the oracle of them)."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    t, lens = _case(5, 128, 512, 64, 16, "ragged", 0, dev, seed=5)
     t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
     scale = (512 // 4 + 64) ** -0.5
     calls = _through_the_wgmma_kernel(monkeypatch)
@@ -414,9 +426,6 @@ def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, dsa, monkeypatch):
         mla_decode(**t, scale=scale, out=out)
     shorter = [max(0, n - 5) for n in lens]
     t["context_lens"].copy_(torch.tensor(shorter, dtype=torch.int32))
-    if dsa:   # entries past the new lengths are skipped by the kernel, not by the oracle
-        sel = t["sel"]
-        sel.copy_(torch.where(sel < t["context_lens"][:, None], sel, -1))
     graph.replay()
     torch.cuda.synchronize()
     assert len(calls) == 2
@@ -424,12 +433,12 @@ def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, dsa, monkeypatch):
     assert err < 1e-3, err
 
 
-@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the wgmma MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
 @pytest.mark.parametrize("layout", ["padded_rows", "gapped_blocks"])
-def test_mla_wgmma_kernels_on_strided_planes(dev, layout, monkeypatch):
-    """Planes that are views: rows padded (576 halves apart: still one row of slots, so the TMA
-    kernel's tensor maps take it with a 1152-byte row stride) and blocks with gaps between them
-    (no tensor map spans them: the cp.async kernel), dense, against the oracle."""
+def test_mla_wgmma_kernel_on_strided_planes(dev, layout, monkeypatch):
+    """Planes that are views: rows padded (576 halves apart: still one run of slots, so the tensor
+    maps take it with a 1152-byte row stride) run the CUDA kernel; blocks with gaps between them (no
+    tensor map spans them) go to Triton. Both against the oracle."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     t, lens = _case(5, 128, 512, 64, 16, "ragged", 0, dev, seed=9)
@@ -446,6 +455,6 @@ def test_mla_wgmma_kernels_on_strided_planes(dev, layout, monkeypatch):
     scale = (512 // 4 + 64) ** -0.5
     calls = _through_the_wgmma_kernel(monkeypatch)
     got = mla_decode(**t, scale=scale)
-    assert calls
+    assert bool(calls) == (layout == "padded_rows")
     err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
     assert err < 1e-3, (layout, err)
