@@ -71,13 +71,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
-    # MLA decode attention over dense rows (no DSA selection) on fp16 planes (C 512, rope 64, heads
-    # in 64s) through the CUDA kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py: the key
-    # tiles by TMA tensor copies, two warpgroups' wgmma on each) instead of the Triton split kernel;
-    # the same partials and merge. H200, 2026-12-04 evening (bench/gpu_mla_cuda.py, with the
-    # merge): 128 heads batch 1 at 32k 73.5 -> 54.6 us, batch 8 at 32k 352 -> 234, batch 32 at 4k
-    # 198 -> 133, 64 heads batch 1 at 32k 59.1 -> 48.7, batch 1 at 4k 32.7 -> 31.3
-    "mla_cuda": "EXL3TOOLS_MLA_CUDA",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -198,6 +191,16 @@ OPT_OUTS = {
     # prompt graphs of 482 and 497 rows (16.0 and 17.2 ms): TTFT median 114 -> 77 ms, 32 streams
     # 5349 -> 5541 tok/s; tests/gpu 819 passed with it on
     "prompt_fit": "EXL3TOOLS_PROMPT_FIT",
+    # MLA decode attention over dense rows (no DSA selection) on fp16 planes (C 512, rope 64, heads
+    # in 64s) through the CUDA kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py: the key
+    # tiles by TMA tensor copies, two warpgroups' wgmma on each) instead of the Triton split kernel;
+    # the same partials and merge. H200, 2026-12-04 evening (bench/gpu_mla_cuda.py, with the
+    # merge): 128 heads batch 1 at 32k 73.5 -> 54.6 us, batch 8 at 32k 352 -> 234, batch 32 at 4k
+    # 198 -> 133, 64 heads batch 1 at 32k 59.1 -> 48.7, batch 1 at 4k 32.7 -> 31.3; tests/gpu 912
+    # passed with it on; DeepSeek-V3 shape served (gpu_serve.py, the same run) one stream at a
+    # 30000-token context 398 -> 414 tok/s, 8 streams there 1212 -> 1356, at 4096 432 / 1613 -> 438 /
+    # 1654, short 442 / 1579 -> 445 / 1593
+    "mla_cuda": "EXL3TOOLS_MLA_CUDA",
 }
 
 
