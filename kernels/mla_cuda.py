@@ -24,6 +24,7 @@ SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16   # queries, two key stages, a
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}
 _maps: dict[tuple, TensorMap] = {}      # a pool's planes keep theirs (graphs captured them by value)
+_can_build: bool | None = None
 
 
 def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
@@ -37,7 +38,16 @@ def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
         return False            # TMA: 16-byte aligned rows
     if not (_blocks_contiguous(ckv) and _blocks_contiguous(kpe)):
         return False            # one tensor map a plane: its blocks one run of slots
-    return torch.cuda.get_device_capability(q_lat.device) == (9, 0) and cuda_build.can_build_mla()
+    return torch.cuda.get_device_capability(q_lat.device) == (9, 0) and _buildable()
+
+
+def _buildable() -> bool:
+    """cuda_build.can_build_mla, asked once a process (mla_decode asks every call; its answer
+    looks for nvcc on the PATH, or hashes the sources to name the cached cubin)."""
+    global _can_build
+    if _can_build is None:
+        _can_build = cuda_build.can_build_mla()
+    return _can_build
 
 
 def _module(device: torch.device) -> Module:

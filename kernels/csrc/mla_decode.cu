@@ -141,7 +141,7 @@ __device__ __forceinline__ void softmax_pv(float (&s)[32], uint64_t mask, float 
     fence_regs(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < TN / 16; kk++) wgmma_rs_m64n256k16_tb(o, pa[kk], v_desc(kk));
+    for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], v_desc(kk));
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
