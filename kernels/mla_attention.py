@@ -291,6 +291,12 @@ def _cuda_kernel() -> bool:
     return preview.switched_on("mla_cuda")
 
 
+def _cluster_merge() -> bool:
+    from exl3tools.runtime import preview
+
+    return preview.switched_on("mla_cluster")
+
+
 def _wave_splits() -> bool:
     from exl3tools.runtime import preview
 
@@ -367,16 +373,21 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     splits = num_splits or default_num_splits(B, hchunks, entries, tn, sms,
                                               one_per_sm=cuda or (ckv.dtype == torch.float16 and hb >= 32
                                                                   and tn >= 64 and _wave_splits()))
-    direct = splits == 1
+    # the CUDA kernel's clusters merge their splits before they leave (the EXL3TOOLS_MLA_CLUSTER preview)
+    cluster = 1
+    if cuda and _cluster_merge():
+        splits, cluster = mla_cuda.clustered_splits(splits, chosen_here=not num_splits)
+    parts = splits // cluster               # partials a row for the merge kernel
+    direct = parts == 1
     if direct:
         po = plse = out
     else:
-        po = torch.empty(B, H, splits, C, device=q_lat.device, dtype=torch.float32)
-        plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
+        po = torch.empty(B, H, parts, C, device=q_lat.device, dtype=torch.float32)
+        plse = torch.empty(B, H, parts, device=q_lat.device, dtype=torch.float32)
     s = sel if sel is not None else context_lens
     if cuda:
         mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, out, po, plse,
-                       float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)))
+                       float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)), cluster)
     else:
         _mla_split_kernel[(B, hchunks, splits)](
             q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,
@@ -390,8 +401,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         # few rows (B x H under two programs an SM; always on the interpreter, so the CPU tests
         # cover the slices): the merge in latent slices too (_mla_merge_kernel)
         mc = cp if sms is not None and B * H >= 2 * sms else min(cp, MERGE_SLICE)
-        _mla_merge_kernel[(B * H, triton.cdiv(C, mc))](po, plse, out, splits, C, CP=mc,
-                                                       SC=min(_pow2(splits), MERGE_CHUNK), num_warps=4)
+        _mla_merge_kernel[(B * H, triton.cdiv(C, mc))](po, plse, out, parts, C, CP=mc,
+                                                       SC=min(_pow2(parts), MERGE_CHUNK), num_warps=4)
     return out
 
 

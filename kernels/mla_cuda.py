@@ -19,6 +19,7 @@ HEADS = 64            # heads a block (one wgmma M)
 KEYS = 64             # keys a staged tile
 LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
+MAX_CLUSTER = 8       # splits a thread-block cluster merges at most (the portable cluster size)
 SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16   # queries, two key stages, alignment, barriers
 
 _lock = threading.Lock()
@@ -75,16 +76,44 @@ def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
     return m
 
 
+def clustered_splits(num_splits: int, chosen_here: bool) -> tuple[int, int]:
+    """(splits, cluster) for the clustered launch: splits mla_decode chose itself (``chosen_here``)
+    rounded up to a multiple of the largest power of two up to MAX_CLUSTER below them (the extra
+    splits are empty), a caller's count kept; then cluster_size."""
+    if num_splits > 1 and chosen_here:
+        cs = min(MAX_CLUSTER, 1 << (num_splits.bit_length() - 1))
+        num_splits = -(-num_splits // cs) * cs
+    return num_splits, cluster_size(num_splits)
+
+
+def cluster_size(num_splits: int) -> int:
+    """Splits a cluster merges (kernels/csrc/mla_decode.cu merge_cluster): the largest power of two
+    up to MAX_CLUSTER dividing ``num_splits`` (1: no cluster)."""
+    cs = 1
+    while cs < MAX_CLUSTER and num_splits % (2 * cs) == 0:
+        cs *= 2
+    return cs
+
+
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
-          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int) -> None:
+          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int, cluster: int = 1) -> None:
     """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
     64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
-    the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout)."""
+    the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
+    ``cluster`` > 1 (cluster_size): clusters of that many splits merge before they leave, so
+    ``po`` / ``plse`` hold num_splits / cluster partials a row (one: ``out`` itself)."""
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
+    if cluster > 1:
+        _module(q_lat.device).launch(
+            "mla_decode_tma_cluster", (hchunks * num_splits, B), THREADS,
+            q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
+            float(qk_scale), num_splits, min_split_tiles, H, bs.bit_length() - 1, box, block_tables.stride(0), cluster,
+            smem=SMEM, cluster=cluster)
+        return
     _module(q_lat.device).launch(
         "mla_decode_tma", (hchunks * num_splits, B), THREADS,
         q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,

@@ -71,6 +71,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
+    # the CUDA MLA decode kernel (OPT_OUTS mla_cuda) launched in thread-block clusters of up to 8
+    # splits of one head block that merge their partials over distributed shared memory before they
+    # leave (kernels/csrc/mla_decode.cu merge_cluster), so the merge kernel reads 8x fewer partials
+    # (at 128 heads, batch 1 and 64 splits it read 16.8 MB: ~12 of the 54.6 us on the H200) and a
+    # row whose splits fit one cluster needs no merge launch. Written after the 2026-12-04 evening
+    # session's device time was spent: not yet run on a GPU
+    "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -175,6 +175,106 @@ __device__ __forceinline__ void store_rows(const float (&o)[128], SoftmaxState s
     }
 }
 
+// thread-block clusters: distributed shared memory (mla_decode_tma_cluster)
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// the address of ``p`` (this block's shared memory) in block ``rank`` of the cluster
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, unsigned rank) {
+    uint32_t a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t a) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(uint32_t a) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a) : "memory");
+    return v;
+}
+
+constexpr int MAX_CLUSTER = 8;                // splits a cluster merges (portable cluster size)
+constexpr int OSTRIDE = C + 4;                // floats a row of a block's staged O (padded)
+
+// The splits of one cluster (``cs`` consecutive splits of one head block) merged before they leave:
+// each block stages its unnormalised O (64 x 512 fp32, over its free key stages) and its rows'
+// (m, l); then block ``rank`` of the cluster merges columns rank * 512 / cs .. of every row from
+// all cs blocks' shared memory (the softmax merge of _mla_merge_kernel) and writes one partial,
+// ``part`` of ``parts`` (one part: the normalised output itself).
+__device__ __forceinline__ void merge_cluster(const float (&o)[128], SoftmaxState st, float* stage, int cs,
+                                              float* __restrict__ out, float* __restrict__ po,
+                                              float* __restrict__ plse, size_t row0, int part, int parts) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+        st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, x);
+        st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, x);
+    }
+    float* ob = stage;                                   // [64][OSTRIDE]
+    float* rs = stage + HB * OSTRIDE;                    // m [64], l [64]
+    const int r0 = 16 * (warp & 3) + g, r1 = r0 + 8;
+    __syncthreads();                                     // every warp is done with the key stages
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        const int c = 256 * wg + 8 * j + 2 * t4;
+        *reinterpret_cast<float2*>(ob + r0 * OSTRIDE + c) = make_float2(o[4 * j], o[4 * j + 1]);
+        *reinterpret_cast<float2*>(ob + r1 * OSTRIDE + c) = make_float2(o[4 * j + 2], o[4 * j + 3]);
+    }
+    if (wg == 0 && t4 == 0) {
+        rs[r0] = st.m0;
+        rs[r1] = st.m1;
+        rs[HB + r0] = st.l0;
+        rs[HB + r1] = st.l1;
+    }
+    cluster_sync();                                      // every block's O and (m, l) are staged
+    const unsigned rank = cluster_rank();
+    const int row = threadIdx.x >> 2, quarter = threadIdx.x & 3;   // 4 threads a row
+    const int width = C / cs / 4;                        // columns a thread: 16-64
+    const int c0 = rank * (C / cs) + quarter * width;
+    float m[MAX_CLUSTER], w[MAX_CLUSTER], M = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < MAX_CLUSTER; k++)
+        if (k < cs) {
+            m[k] = ld_cluster(cluster_addr(rs + row, k));
+            M = fmaxf(M, m[k]);
+        }
+    const float Ms = M == NEG_INF ? 0.f : M;
+    float lsum = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAX_CLUSTER; k++)
+        if (k < cs) {
+            w[k] = exp2f(m[k] - Ms);                     // an empty split (m -inf): 0
+            lsum += w[k] * ld_cluster(cluster_addr(rs + HB + row, k));
+        }
+    const float inv = lsum > 0.f ? 1.f / lsum : 1.f;
+    const size_t grow = row0 + row;
+    float* dst = parts == 1 ? out + grow * C : po + (grow * parts + part) * C;
+    for (int c = c0; c < c0 + width; c += 4) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int k = 0; k < MAX_CLUSTER; k++)
+            if (k < cs) {
+                const float4 v = ld_cluster4(cluster_addr(ob + row * OSTRIDE + c, k));
+                acc.x += w[k] * v.x;
+                acc.y += w[k] * v.y;
+                acc.z += w[k] * v.z;
+                acc.w += w[k] * v.w;
+            }
+        *reinterpret_cast<float4*>(dst + c) = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    }
+    if (parts > 1 && rank == 0 && quarter == 0) plse[grow * parts + part] = lsum > 0.f ? M + log2f(lsum) : NEG_INF;
+    cluster_sync();                                      // no block leaves while another reads its shared memory
+}
+
 }  // namespace
 
 // Dense rows (no selection) with the key tiles copied by the TMA unit: ``tm_ckv`` / ``tm_kpe`` are
@@ -192,16 +292,20 @@ __device__ __forceinline__ void store_rows(const float (&o)[128], SoftmaxState s
 // tiles a split, at least min_tps), tokens 0..lens[b] - 1. direct: out (B, H, C) normalised; else
 // the normalised partial po (B, H, splits, C) and its base-2 lse plse (B, H, splits), -inf (and no
 // o) for an empty split.
-extern "C" __global__ void __launch_bounds__(256, 1)
-mla_decode_tma(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
-               const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
-               float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
-               int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
+template <bool CLUSTERED>
+__device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half* __restrict__ qp,
+                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
+                                         const int* __restrict__ bt, const int* __restrict__ lens,
+                                         float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse,
+                                         float qk_scale, int num_splits, int min_tps, int H, int hchunks, int log2bs,
+                                         int box_rows, int s_bt, int direct, int cs) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     half* qs = reinterpret_cast<half*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     half* ks = qs + STILE;                                                  // two stages
     uint64_t* bars = reinterpret_cast<uint64_t*>(ks + 2 * STILE);           // a stage's copies landed
-    const int hc = blockIdx.x % hchunks, sp = blockIdx.x / hchunks, b = blockIdx.y;
+    // clustered: a cluster is cs consecutive splits of one head block
+    const int hc = CLUSTERED ? blockIdx.x / num_splits : blockIdx.x % hchunks;
+    const int sp = CLUSTERED ? blockIdx.x % num_splits : blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, t4 = lane & 3;
     const int L = lens[b];
     const int ntiles = (L + TN - 1) / TN;
@@ -287,5 +391,33 @@ mla_decode_tma(const half* __restrict__ ql, const half* __restrict__ qp, const _
                        [&](int kk) { return sw128_desc(kt + 4 * wg * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024); });
         }
     }
-    store_rows(o, sm_st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
+    if constexpr (CLUSTERED)
+        merge_cluster(o, sm_st, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp / cs,
+                      num_splits / cs);
+    else
+        store_rows(o, sm_st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+mla_decode_tma(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
+               const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
+               float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
+               int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
+    tma_body<false>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks, log2bs,
+                    box_rows, s_bt, direct, 1);
+}
+
+// The same, launched in clusters of ``cs`` (2, 4 or 8; num_splits a multiple) consecutive splits of
+// one head block (block hc * num_splits + sp): merge_cluster merges them, so po / plse hold
+// num_splits / cs partials a row (one: out itself, no merge kernel). The EXL3TOOLS_MLA_CLUSTER
+// preview (kernels/mla_attention.py): the merge kernel reads 16.8 MB of partials at 128 heads,
+// batch 1 and 64 splits (~12 of the 54.6 us).
+extern "C" __global__ void __launch_bounds__(256, 1)
+mla_decode_tma_cluster(const half* __restrict__ ql, const half* __restrict__ qp,
+                       const __grid_constant__ CUtensorMap tm_ckv, const __grid_constant__ CUtensorMap tm_kpe,
+                       const int* __restrict__ bt, const int* __restrict__ lens, float* __restrict__ out,
+                       float* __restrict__ po, float* __restrict__ plse, float qk_scale, int num_splits, int min_tps,
+                       int H, int log2bs, int box_rows, int s_bt, int cs) {
+    tma_body<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,
+                   box_rows, s_bt, 0, cs);
 }

@@ -365,7 +365,8 @@ def _through_the_wgmma_kernel(monkeypatch) -> list:
     from exl3tools.kernels import mla_cuda
 
     calls, real = [], mla_cuda.split
-    monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (calls.append(a[-2]), real(*a, **k))[1])
+    # each launch's (num_splits, cluster)
+    monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (calls.append((a[10], a[12])), real(*a, **k))[1])
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "1")
     return calls
 
@@ -458,3 +459,31 @@ def test_mla_wgmma_kernel_on_strided_planes(dev, layout, monkeypatch):
     assert bool(calls) == (layout == "padded_rows")
     err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
     assert err < 1e-3, (layout, err)
+
+
+CLUSTER_CASES = [(1, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 128, 16, "ragged", 8),
+                 (5, 64, 64, "ragged", 2), (3, 128, 16, "ragged", 4), (5, 64, 8, "ragged", 64), (3, 64, 16, "ragged", 24)]
+
+
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.parametrize("case", CLUSTER_CASES, ids=[str(c) for c in CLUSTER_CASES])
+def test_mla_cluster_merge_matches_oracle(dev, case, monkeypatch):
+    """EXL3TOOLS_MLA_CLUSTER: clusters of 2-8 splits merge over distributed shared memory (one
+    cluster a row and head block: the output written directly; more: fewer partials for the merge
+    kernel), with empty splits (ragged lengths, an empty row, 64 splits over short rows), against
+    the float64 oracle."""
+    from exl3tools.kernels import mla_cuda
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    B, H, bs, kind, ns = case
+    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev, seed=11)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (512 // 4 + 64) ** -0.5
+    calls = _through_the_wgmma_kernel(monkeypatch)
+    monkeypatch.setenv("EXL3TOOLS_MLA_CLUSTER", "1")
+    out = torch.full((B, H, 512), float("nan"), device=dev)
+    got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
+    (splits, cluster), = calls
+    assert cluster == mla_cuda.cluster_size(splits) > 1, calls
+    err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
+    assert err < 1e-3, (case, calls, err)

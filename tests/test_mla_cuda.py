@@ -1,0 +1,33 @@
+"""kernels/mla_cuda.py's host-side choices (no GPU): which planes and devices the CUDA MLA kernel
+takes, and how the clustered launch (the EXL3TOOLS_MLA_CLUSTER preview) sizes its splits."""
+
+from __future__ import annotations
+
+import torch
+from exl3tools.kernels import mla_cuda
+
+
+def test_the_kernel_is_never_taken_off_cuda():
+    q = torch.zeros(1, 128, 512)
+    ckv, kpe = torch.zeros(4, 16, 512, dtype=torch.float16), torch.zeros(4, 16, 64, dtype=torch.float16)
+    assert not mla_cuda.fits(q, ckv, kpe)
+
+
+def test_cluster_sizes_divide_the_splits():
+    assert [mla_cuda.cluster_size(s) for s in (1, 2, 3, 6, 8, 12, 24, 64)] == [1, 2, 1, 2, 8, 4, 8, 8]
+
+
+def test_only_splits_chosen_here_are_rounded_up_to_a_cluster():
+    """mla_decode's own split counts round up to a multiple of their cluster (the extra splits are
+    empty); a caller's count is kept and clusters only where a power of two divides it."""
+    assert mla_cuda.clustered_splits(57, True) == (64, 8)
+    assert mla_cuda.clustered_splits(57, False) == (57, 1)
+    assert mla_cuda.clustered_splits(3, True) == (4, 4)
+    assert mla_cuda.clustered_splits(24, False) == (24, 8)
+    assert mla_cuda.clustered_splits(1, True) == (1, 1)
+
+
+def test_blocks_with_gaps_cannot_share_one_tensor_map():
+    plane = torch.zeros(4, 32, 512, dtype=torch.float16)
+    assert mla_cuda._blocks_contiguous(plane) and mla_cuda._blocks_contiguous(plane[..., :256])
+    assert not mla_cuda._blocks_contiguous(plane[:, :16])
