@@ -2,7 +2,8 @@
 against the CUDA one (TMA copies, wgmma: kernels/csrc/mla_decode.cu, EXL3TOOLS_MLA_CUDA), each with
 the merge, on fp16 planes as serve keeps them (C 512, rope 64, block size 16), at the shapes
 DeepSeek-V3 (128 heads, dense) and GLM-5 (64 heads, a 2048-key DSA selection) decode. Rows with a
-selection take Triton either way (mla_decode), so their two columns time the same kernel.
+selection take Triton either way (mla_decode), so their columns time the same kernel. "cluster
+merge": the CUDA kernel with EXL3TOOLS_MLA_CLUSTER (clusters of splits merging their partials).
 
     python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--defines -DX]
 
@@ -56,7 +57,7 @@ def load_variant(defines: list[str]) -> None:
 
 
 def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
-    """Both kernels at one shape: µs and the error against the reference."""
+    """Each kernel at one shape: µs and the error against the reference."""
     from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
 
     q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, torch.Generator("cuda").manual_seed(0))
@@ -69,8 +70,8 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
 
     ref = mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel)
     row = {}
-    for name, switch in (("triton", "0"), ("cuda", "1")):
-        os.environ["EXL3TOOLS_MLA_CUDA"] = switch
+    for name, cuda, cluster in (("triton", "0", "0"), ("cuda", "1", "0"), ("cluster", "1", "1")):
+        os.environ["EXL3TOOLS_MLA_CUDA"], os.environ["EXL3TOOLS_MLA_CLUSTER"] = cuda, cluster
         got = call().clone()
         row[f"err_{name}"] = ((got - ref).abs().max() / ref.abs().max()).item()
         row[name] = bench_graph(call)
@@ -84,16 +85,17 @@ def main() -> int:
     a = ap.parse_args()
     if a.defines:
         load_variant(a.defines.split())
-    print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | err triton | err cuda |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | err triton | "
+          "err cuda | err cluster |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in a.shapes.split(";"):
         H, B, ctx, use_sel = (int(v) for v in shape.split(","))
         row = time_shape(H, B, ctx, bool(use_sel))
         keys = B * (TOPK if use_sel else ctx)
         gbps = keys * (C + R) * 2 / (row["cuda"] * 1e-6) / 1e9
         print(f"| {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
-              f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['err_triton']:.1e} | "
-              f"{row['err_cuda']:.1e} |", flush=True)
+              f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['cluster']:.1f} | "
+              f"{row['err_triton']:.1e} | {row['err_cuda']:.1e} | {row['err_cluster']:.1e} |", flush=True)
         torch.cuda.empty_cache()
     return 0
 
