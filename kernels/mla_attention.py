@@ -1,5 +1,7 @@
 """Paged MLA decode attention (DeepSeek-V3, GLM-5): flash-decoding over the latent cache, in Triton,
-plus a plain torch reference of the same contract.
+plus a plain torch reference of the same contract. On an sm_90 GPU, rows without a selection on fp16
+planes take a CUDA split kernel instead (kernels/mla_cuda.py: TMA copies, wgmma; the same partials
+and merge; ``EXL3TOOLS_MLA_CUDA=0`` keeps Triton).
 
 One query token per row b with H absorbed heads: ``q_lat`` (B, H, C) (``q_nope · W_UK``) and
 ``q_pe`` (B, H, R). Token t of row b has its latent ``ckv[blk, t % bs]`` (C) and rope key

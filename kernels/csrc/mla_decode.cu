@@ -279,7 +279,7 @@ __device__ __forceinline__ void merge_cluster(const float (&o)[128], SoftmaxStat
 
 // Dense rows (no selection) with the key tiles copied by the TMA unit: ``tm_ckv`` / ``tm_kpe`` are
 // 2-D tensor maps over the planes as (slots, 512) / (slots, 64) fp16 rows, boxes of ``box_rows``
-// (min(block_size, 64)) rows x 64 columns, 128-byte swizzle (kernels/mla_cuda.tensor_map). A tile
+// (min(block_size, 64)) rows x 64 columns, 128-byte swizzle (cuda_driver.tensor_map_2d, mla_cuda._plane_map). A tile
 // is 9 chunks (8 latent, the rope) of 64 rows x 128 bytes; lanes 0..64/box_rows-1 of warp 0 each
 // copy one table block's rows of all 9 chunks (box_rows x 1152 bytes) and arrive on the stage's
 // mbarrier with their byte count. The queries go in by cp.async in the same swizzled layout.
