@@ -10,10 +10,13 @@ over selected rows measured 0.78-0.90x Triton's time on the H200)."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 from exl3tools.kernels import cuda_build
 from exl3tools.kernels.cuda_driver import Module, TensorMap, tensor_map_2d
+
+from exl3tools.errors import UsageError
 
 HEADS = 64            # heads a block (one wgmma M)
 KEYS = 64             # keys a staged tile
@@ -43,11 +46,19 @@ def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
 
 
 def _buildable() -> bool:
-    """cuda_build.can_build_mla, asked once a process (mla_decode asks every call; its answer
-    looks for nvcc on the PATH, or hashes the sources to name the cached cubin)."""
+    """Whether the kernel's cubin is there or builds, asked once a process (mla_decode asks every
+    call): a toolchain that cannot compile it (an old nvcc) leaves the Triton kernel serving, with
+    one warning, instead of failing the first decode step."""
     global _can_build
     if _can_build is None:
         _can_build = cuda_build.can_build_mla()
+        if _can_build:
+            try:
+                cuda_build.build_mla()
+            except (RuntimeError, UsageError, OSError) as exc:
+                warnings.warn(f"the CUDA MLA kernel did not build ({str(exc).splitlines()[0]}): Triton's serves",
+                              RuntimeWarning, stacklevel=2)
+                _can_build = False
     return _can_build
 
 
