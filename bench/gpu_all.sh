@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [profile] [memory] [moe]
-# (default: all but prefill, hostprof, longctx, mla, profile, memory and moe)
+#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
+# (default: all but prefill, hostprof, longctx, mla, attn, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -221,6 +221,10 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       el "mla serve $arch rc $?"; tail -n 14 "$L/serve_$arch.log"
     fi
   done
+fi
+if [[ $STAGES == *attn* ]]; then   # the MLA decode kernels side by side: Triton's, the CUDA one, its cluster merge
+  timeout ${ATTN_TIMEOUT:-180} python3 bench/gpu_mla_cuda.py ${ATTN_ARGS:-} > "$L/mla_cuda.log" 2>&1
+  el "attn rc $?"; grep -E "^\|" "$L/mla_cuda.log"
 fi
 if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a long context (top kernels)
   # PROFILE_ARCHES: synthetic shapes (air6 = GLM-4.5-Air; glm5, deepseek_v3 via --arch); PROFILE_RUNS:

@@ -204,7 +204,7 @@ OPT_OUTS = {
     # the same partials and merge. H200, 2026-12-04 evening (bench/gpu_mla_cuda.py, with the
     # merge): 128 heads batch 1 at 32k 73.5 -> 54.6 us, batch 8 at 32k 352 -> 234, batch 32 at 4k
     # 198 -> 133, 64 heads batch 1 at 32k 59.1 -> 48.7, batch 1 at 4k 32.7 -> 31.3; tests/gpu 912
-    # passed with it on; DeepSeek-V3 shape served (gpu_serve.py, the same run) one stream at a
+    # passed with it on; DeepSeek-V3 shape served (gpu_serve.py, both configs in one run) one stream at a
     # 30000-token context 398 -> 414 tok/s, 8 streams there 1212 -> 1356, at 4096 432 / 1613 -> 438 /
     # 1654, short 442 / 1579 -> 445 / 1593
     "mla_cuda": "EXL3TOOLS_MLA_CUDA",
