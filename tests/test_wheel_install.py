@@ -66,7 +66,8 @@ def test_the_wheel_ships_the_demo_and_the_cuda_source(venv):
     import zipfile
 
     names = zipfile.ZipFile(venv["wheel"]).namelist()
-    assert {"exl3tools/kernels/csrc/exl3_gemv.cu", "exl3tools/kernels/csrc/exl3_tiles.cuh"} <= set(names)
+    assert {f"exl3tools/kernels/csrc/{f}" for f in ("exl3_gemv.cu", "exl3_tiles.cuh", "exl3_wgmma.cuh",
+                                                     "sm90_async.cuh", "mla_decode.cu")} <= set(names)
     assert "exl3tools/demo/glm4_moe-3.0bpw-mcg/model/model.safetensors" in names
     assert not any("goldens" in n for n in names)  # test data stays in the repository
 
