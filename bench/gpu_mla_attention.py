@@ -34,16 +34,16 @@ BATCHES = [1, 8, 32]
 TOPK = 2048
 
 
-def make_case(B: int, H: int, ctx: int, gen: torch.Generator, table: int = 0):
+def make_case(B: int, H: int, ctx: int, gen: torch.Generator, table: int = 0, bs: int = BS):
     """``table``: block-table tokens when wider than ctx (serve's tables span --max-model-len; the
-    columns past ctx point at block 0 and are never read)."""
-    nblk = ctx // BS
+    columns past ctx point at block 0 and are never read). ``bs``: the planes' block size."""
+    nblk = ctx // bs
     nb = B * nblk + 1
-    ckv = torch.empty(nb, BS, C, device="cuda").normal_(generator=gen)
-    kpe = torch.empty(nb, BS, R, device="cuda").normal_(generator=gen)
+    ckv = torch.empty(nb, bs, C, device="cuda").normal_(generator=gen)
+    kpe = torch.empty(nb, bs, R, device="cuda").normal_(generator=gen)
     tables = torch.randperm(nb - 1, device="cuda", generator=gen).to(torch.int32).view(B, nblk).contiguous()
     if table > ctx:
-        tables = torch.cat([tables, tables.new_zeros(B, table // BS - nblk)], 1).contiguous()
+        tables = torch.cat([tables, tables.new_zeros(B, table // bs - nblk)], 1).contiguous()
     lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     q_lat = torch.randn(B, H, C, device="cuda", generator=gen) * 0.05
     q_pe = torch.randn(B, H, R, device="cuda", generator=gen) * 0.05

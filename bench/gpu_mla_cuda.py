@@ -5,62 +5,37 @@ DeepSeek-V3 (128 heads, dense) and GLM-5 (64 heads, a 2048-key DSA selection) de
 selection take Triton either way (mla_decode), so their columns time the same kernel. "cluster
 merge": the CUDA kernel with EXL3TOOLS_MLA_CLUSTER (clusters of splits merging their partials).
 
-    python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--defines -DX]
+    python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."]
 
 µs: median CUDA-graph replay (bench/gpu_bench.bench_graph); GB/s: the latent bytes read once
 (B x keys x 576 x 2) over the time; roofline: that against 4.26 TB/s; err: max |kernel - reference|
-/ max |reference| (mla_decode_reference on the same fp16 planes, fp32 math). ``--defines``: build
-the CUDA kernel with these nvcc defines instead (a diagnostic).
+/ max |reference| (mla_decode_reference on the same fp16 planes, fp32 math).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench_graph  # noqa: E402  (bench/ is not a package)
+from gpu_mla_attention import make_case  # noqa: E402
 
 HBM = 4.26e12
 C, R, BS, TOPK = 512, 64, 16, 2048
 SHAPES = "128,1,4096,0;128,1,32768,0;128,8,4096,0;128,32,4096,0;128,8,32768,0;64,1,32768,0;64,1,32768,1;64,32,32768,1"
 
 
-def make_case(B: int, H: int, ctx: int, gen: torch.Generator):
-    nblk = ctx // BS
-    nb = B * nblk + 1
-    ckv = torch.empty(nb, BS, C, device="cuda").normal_(generator=gen).half()
-    kpe = torch.empty(nb, BS, R, device="cuda").normal_(generator=gen).half()
-    tables = torch.randperm(nb - 1, device="cuda", generator=gen).to(torch.int32).view(B, nblk).contiguous()
-    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    q_lat = torch.randn(B, H, C, device="cuda", generator=gen) * 0.05
-    q_pe = torch.randn(B, H, R, device="cuda", generator=gen) * 0.05
-    sel = torch.stack([torch.randperm(ctx, device="cuda", generator=gen)[:TOPK] for _ in range(B)]).to(torch.int32)
-    return q_lat, q_pe, ckv, kpe, tables, lens, sel
-
-
-def load_variant(defines: list[str]) -> None:
-    """Build mla_decode.cu with ``defines`` into a temporary cubin and make mla_cuda launch it."""
-    from exl3tools.kernels import cuda_build, mla_cuda
-    from exl3tools.kernels.cuda_driver import Module
-
-    out = Path(tempfile.mkdtemp()) / "mla_variant.cubin"
-    subprocess.run([cuda_build._nvcc(), *cuda_build.FLAGS, *defines, str(cuda_build.MLA_SRC), "-o", str(out)],
-                   check=True)
-    mla_cuda._modules[torch.cuda.current_device()] = Module(out, torch.device("cuda", torch.cuda.current_device()))
-
-
 def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
     """Each kernel at one shape: µs and the error against the reference."""
     from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
 
-    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, torch.Generator("cuda").manual_seed(0))
+    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, torch.Generator("cuda").manual_seed(0), bs=BS)
+    ckv, kpe = ckv.half(), kpe.half()        # serve's planes for MLA on CUDA
     sel = sel if use_sel else None
     out = torch.empty_like(q_lat)
     scale = 192 ** -0.5
@@ -81,10 +56,7 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="H,B,CTX,SEL (SEL 1: a 2048-key selection) separated by ;")
-    ap.add_argument("--defines", default="", help="nvcc defines for the CUDA kernel (diagnostic)")
     a = ap.parse_args()
-    if a.defines:
-        load_variant(a.defines.split())
     print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | err triton | "
           "err cuda | err cluster |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -271,7 +271,7 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, 
     2026-12-02 night, µs against 32 x 64 x 8: 128 heads batch 1 at 32k 75 vs 101, 4k 32 vs 34;
     batch 32 at 4k 267 vs 319 (a 2048-key selection 160 vs 208); 64 heads batch 32 at 4k 141 vs
     202 (selection 96 vs 130); but 64 heads at batch 1 (64 programs) 74 vs 59, a selection 27 vs 20."""
-    if planes == torch.float16 and _wide_tiles():
+    if planes == torch.float16 and _switched_on("mla_wide_tiles"):
         if H >= 64 and B and entries and sms and \
                 B * math.ceil(H / 64) * min(MAX_SPLITS, math.ceil(entries / 64)) >= WIDE_HEAD_PROGRAMS * sms:
             return 64, 64, 8
@@ -281,28 +281,12 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, 
     return 16, 32, 8
 
 
-def _wide_tiles() -> bool:
-    from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
+def _switched_on(name: str) -> bool:
+    """runtime/preview.py's switch ``name`` (mla_wide_tiles, mla_wave_splits, mla_cuda,
+    mla_cluster), read per call so tests can flip it."""
+    from exl3tools.runtime import preview  # torch-free
 
-    return preview.switched_on("mla_wide_tiles")
-
-
-def _cuda_kernel() -> bool:
-    from exl3tools.runtime import preview
-
-    return preview.switched_on("mla_cuda")
-
-
-def _cluster_merge() -> bool:
-    from exl3tools.runtime import preview
-
-    return preview.switched_on("mla_cluster")
-
-
-def _wave_splits() -> bool:
-    from exl3tools.runtime import preview
-
-    return preview.switched_on("mla_wave_splits")
+    return preview.switched_on(name)
 
 
 def default_num_splits(B: int, hchunks: int, entries: int, tn: int, sms: int | None, *,
@@ -358,7 +342,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     # dense rows on the TMA + wgmma kernel (kernels/mla_cuda.py) unless a Triton tile, dot or
     # pipeline was asked for
     cuda = (sel is None and TILE is None and head_block is None and tile_n is None and num_warps is None
-            and not split_dots and num_stages is None and not INTERPRET and _cuda_kernel()
+            and not split_dots and num_stages is None and not INTERPRET and _switched_on("mla_cuda")
             and mla_cuda.fits(q_lat, ckv, kpe))
     if cuda:
         hb, tn, warps = mla_cuda.HEADS, mla_cuda.KEYS, 0
@@ -374,10 +358,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     cp = max(16, _pow2(C))
     splits = num_splits or default_num_splits(B, hchunks, entries, tn, sms,
                                               one_per_sm=cuda or (ckv.dtype == torch.float16 and hb >= 32
-                                                                  and tn >= 64 and _wave_splits()))
+                                                                  and tn >= 64 and _switched_on("mla_wave_splits")))
     # the CUDA kernel's clusters merge their splits before they leave (the EXL3TOOLS_MLA_CLUSTER preview)
     cluster = 1
-    if cuda and _cluster_merge():
+    if cuda and _switched_on("mla_cluster"):
         splits, cluster = mla_cuda.clustered_splits(splits, chosen_here=not num_splits)
     parts = splits // cluster               # partials a row for the merge kernel
     direct = parts == 1

@@ -118,15 +118,13 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
     hchunks = H // HEADS
     bs = ckv.shape[1]
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
+    head = (q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
+            float(qk_scale), num_splits, min_split_tiles, H)
+    tail = (bs.bit_length() - 1, box, block_tables.stride(0))
+    grid = (hchunks * num_splits, B)
     if cluster > 1:
-        _module(q_lat.device).launch(
-            "mla_decode_tma_cluster", (hchunks * num_splits, B), THREADS,
-            q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
-            float(qk_scale), num_splits, min_split_tiles, H, bs.bit_length() - 1, box, block_tables.stride(0), cluster,
-            smem=SMEM, cluster=cluster)
-        return
-    _module(q_lat.device).launch(
-        "mla_decode_tma", (hchunks * num_splits, B), THREADS,
-        q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
-        float(qk_scale), num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box, block_tables.stride(0),
-        int(num_splits == 1), smem=SMEM)
+        _module(q_lat.device).launch("mla_decode_tma_cluster", grid, THREADS, *head, *tail, cluster, smem=SMEM,
+                                     cluster=cluster)
+    else:
+        _module(q_lat.device).launch("mla_decode_tma", grid, THREADS, *head, hchunks, *tail, int(num_splits == 1),
+                                     smem=SMEM)
