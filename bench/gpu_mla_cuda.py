@@ -3,7 +3,9 @@ against the CUDA one (TMA copies, wgmma: kernels/csrc/mla_decode.cu, EXL3TOOLS_M
 the merge, on fp16 planes as serve keeps them (C 512, rope 64, block size 16), at the shapes
 DeepSeek-V3 (128 heads, dense) and GLM-5 (64 heads, a 2048-key DSA selection) decode. Rows with a
 selection take Triton either way (mla_decode), so their columns time the same kernel. "cluster
-merge": the CUDA kernel with EXL3TOOLS_MLA_CLUSTER (clusters of splits merging their partials).
+merge": the CUDA kernel with EXL3TOOLS_MLA_CLUSTER (clusters of splits merging their partials);
+"ping-pong": with EXL3TOOLS_MLA_PINGPONG (each tile's scores by one warpgroup), alone and with the
+cluster merge.
 
     python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."]
 
@@ -45,8 +47,10 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
 
     ref = mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel)
     row = {}
-    for name, cuda, cluster in (("triton", "0", "0"), ("cuda", "1", "0"), ("cluster", "1", "1")):
+    for name, cuda, cluster, pp in (("triton", "0", "0", "0"), ("cuda", "1", "0", "0"), ("cluster", "1", "1", "0"),
+                                    ("pp", "1", "0", "1"), ("pp_cluster", "1", "1", "1")):
         os.environ["EXL3TOOLS_MLA_CUDA"], os.environ["EXL3TOOLS_MLA_CLUSTER"] = cuda, cluster
+        os.environ["EXL3TOOLS_MLA_PINGPONG"] = pp
         got = call().clone()
         row[f"err_{name}"] = ((got - ref).abs().max() / ref.abs().max()).item()
         row[name] = bench_graph(call)
@@ -57,9 +61,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="H,B,CTX,SEL (SEL 1: a 2048-key selection) separated by ;")
     a = ap.parse_args()
-    print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | err triton | "
-          "err cuda | err cluster |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | ping-pong µs | "
+          "ping-pong + cluster µs | err triton | err cuda | err cluster | err ping-pong | err pp + cluster |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in a.shapes.split(";"):
         H, B, ctx, use_sel = (int(v) for v in shape.split(","))
         row = time_shape(H, B, ctx, bool(use_sel))
@@ -67,7 +71,8 @@ def main() -> int:
         gbps = keys * (C + R) * 2 / (row["cuda"] * 1e-6) / 1e9
         print(f"| {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
               f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['cluster']:.1f} | "
-              f"{row['err_triton']:.1e} | {row['err_cuda']:.1e} | {row['err_cluster']:.1e} |", flush=True)
+              f"{row['pp']:.1f} | {row['pp_cluster']:.1f} | {row['err_triton']:.1e} | {row['err_cuda']:.1e} | "
+              f"{row['err_cluster']:.1e} | {row['err_pp']:.1e} | {row['err_pp_cluster']:.1e} |", flush=True)
         torch.cuda.empty_cache()
     return 0
 

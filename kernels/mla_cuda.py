@@ -24,6 +24,8 @@ LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
 MAX_CLUSTER = 8       # splits a thread-block cluster merges at most (the portable cluster size)
 SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16   # queries, two key stages, alignment, barriers
+# the ping-pong kernel: the same, its rows' softmax state (5 x 64 floats) and a barrier a buffer chunk
+SMEM_PP = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 5 * HEADS * 4 + 2 * (LATENT + ROPE) // 64 * 8
 
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}
@@ -42,6 +44,9 @@ def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
         return False            # TMA: 16-byte aligned rows
     if not (_blocks_contiguous(ckv) and _blocks_contiguous(kpe)):
         return False            # one tensor map a plane: its blocks one run of slots
+    bs = ckv.shape[1]
+    if bs < 2 or bs & (bs - 1):
+        return False            # a power of two (the table's shift), at most 32 boxes (a warp's lanes) a tile
     return torch.cuda.get_device_capability(q_lat.device) == (9, 0) and _buildable()
 
 
@@ -108,12 +113,14 @@ def cluster_size(num_splits: int) -> int:
 
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
-          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int, cluster: int = 1) -> None:
+          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int, cluster: int = 1,
+          pingpong: bool = False) -> None:
     """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
     64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
     the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
     ``cluster`` > 1 (cluster_size): clusters of that many splits merge before they leave, so
-    ``po`` / ``plse`` hold num_splits / cluster partials a row (one: ``out`` itself)."""
+    ``po`` / ``plse`` hold num_splits / cluster partials a row (one: ``out`` itself). ``pingpong``:
+    the kernel that computes each tile's scores once (mla_decode.cu pp_body), same contract."""
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
@@ -122,9 +129,9 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
             float(qk_scale), num_splits, min_split_tiles, H)
     tail = (bs.bit_length() - 1, box, block_tables.stride(0))
     grid = (hchunks * num_splits, B)
+    kernel, smem = ("mla_decode_pp", SMEM_PP) if pingpong else ("mla_decode_tma", SMEM)
     if cluster > 1:
-        _module(q_lat.device).launch("mla_decode_tma_cluster", grid, THREADS, *head, *tail, cluster, smem=SMEM,
+        _module(q_lat.device).launch(f"{kernel}_cluster", grid, THREADS, *head, *tail, cluster, smem=smem,
                                      cluster=cluster)
     else:
-        _module(q_lat.device).launch("mla_decode_tma", grid, THREADS, *head, hchunks, *tail, int(num_splits == 1),
-                                     smem=SMEM)
+        _module(q_lat.device).launch(kernel, grid, THREADS, *head, hchunks, *tail, int(num_splits == 1), smem=smem)

@@ -8,6 +8,7 @@ exl3-format.md §5.3 on random tiles. Needs nvcc only (no GPU); skipped without 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -62,8 +63,6 @@ def test_cubin_key_covers_the_included_headers(tmp_path, monkeypatch):
     (tmp_path / "exl3_tiles.cuh").write_text("// v2\n")
     assert cuda_build.cubin_path(6, 2).name != first
     # the real tree: the headers the key hashes are exactly those exl3_gemv.cu includes
-    import re
-
     assert {p.name for p in SRC.parent.glob("*.cuh")} == set(re.findall(r'#include "(\w+\.cuh)"', SRC.read_text()))
     assert {"exl3_tiles.cuh", "exl3_wgmma.cuh"} <= {p.name for p in SRC.parent.glob("*.cuh")}
 
@@ -78,5 +77,10 @@ def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
     res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", str(cuda_build.MLA_SRC),
                           "-o", str(tmp_path / "mla.cubin")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "Compiling entry function 'mla_decode_tma'" in res.stderr
-    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr[-2000:]
+    kernels = {"mla_decode_tma", "mla_decode_tma_cluster", "mla_decode_pp", "mla_decode_pp_cluster"}
+    assert set(re.findall(r"Compiling entry function '(\w+)'", res.stderr)) == kernels
+    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert len(props) == len(kernels) and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+    # ptxas serialises the warpgroup MMAs where it cannot prove their accumulators untouched (a
+    # branch between two MMAs of one chain): each MMA would wait for the one before
+    assert "C7520" not in res.stderr, res.stderr[-2000:]

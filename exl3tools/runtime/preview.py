@@ -78,6 +78,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # row whose splits fit one cluster needs no merge launch. Written after the 2026-12-04 evening
     # session's device time was spent: not yet run on a GPU
     "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
+    # the CUDA MLA decode kernel with each key tile's scores computed once, by one warpgroup, the
+    # two trading their softmax state through shared memory (kernels/csrc/mla_decode.cu pp_body,
+    # FlashMLA's schedule) instead of by both: S is 69 % of a warpgroup's MMA work a tile there.
+    # Written after the 2026-12-04 evening session: not yet run on a GPU
+    "mla_pingpong": "EXL3TOOLS_MLA_PINGPONG",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

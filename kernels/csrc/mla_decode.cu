@@ -421,3 +421,342 @@ mla_decode_tma_cluster(const half* __restrict__ ql, const half* __restrict__ qp,
     tma_body<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,
                    box_rows, s_bt, 0, cs);
 }
+
+// ---- Ping-pong: each tile's scores computed once (the EXL3TOOLS_MLA_PINGPONG preview) ----
+//
+// mla_decode_tma has both warpgroups compute every tile's scores: at 576-wide keys S is 69 % of a
+// warpgroup's MMA work (4.7 of 6.8 MFLOP a tile), so duplicating it costs half again the MMAs.
+// Here the block takes its tiles in pairs (A in key buffer 0, B in buffer 1): warpgroup 0 computes
+// S of A, warpgroup 1 S of B, and they trade the softmax state through shared memory (FlashMLA's
+// "seesaw" on Hopper, github.com/deepseek-ai/FlashMLA, read for the schedule, not copied):
+//   WG0: S_A; M0 = max(M, rowmax S_A); scale0 = 2^(M - M0); P_A; O_L *= scale0; [scale0 ready]
+//        O_L += P_A V_A,L (P from registers); [wait scale1]; P_A * scale1 -> smem; [P_A ready]
+//        O_L *= scale1; [wait P_B]; O_L += P_B V_B,L (P from shared memory)
+//   WG1: S_B; [wait scale0]; M1 = max(M0, rowmax S_B); scale1 = 2^(M0 - M1); P_B; [scale1 ready];
+//        P_B -> smem; [P_B ready]; O_R *= scale0 scale1; O_R += P_B V_B,R; [wait P_A];
+//        O_R += P_A V_A,R
+// so one warpgroup's softmax runs beside the other's MMAs. Each P (64 heads x 64 keys fp16, one
+// 128-byte-swizzled chunk) overwrites its tile's rope chunk, which only that tile's S read: shared
+// memory stays the queries and two tiles. Each chunk of a buffer has its own mbarrier, so S starts
+// on the first chunks while the last land, and each chunk is refilled as soon as its last reader
+// is done: WG0 refills chunks 0-3 of both buffers (V_L) and B's rope chunk (P_B, which WG0
+// reads), WG1 chunks 4-7 of both (V_R) and A's rope chunk (P_A).
+constexpr int PP_M = 0, PP_SCALE0 = HB, PP_SCALE1 = 2 * HB, PP_L = 3 * HB, PP_FLOATS = 5 * HB;
+enum : int { BAR_SCALE0 = 1, BAR_SCALE1 = 2, BAR_P0 = 3, BAR_P1 = 4, BAR_WG = 5 };   // BAR_WG + wg: one warpgroup
+
+// rows valid..TN-1 of chunks q0..q1-1 of a key buffer to zero (a row's last tile: unused slots of
+// its last block may hold NaN, and 0 x NaN would reach O), by the 128 threads of one warpgroup
+__device__ __forceinline__ void zero_rows(half* kt, int valid, int q0, int q1, int wtid, int wg) {
+    const int per_row = (q1 - q0) * 8;
+    for (int i = wtid; i < (TN - valid) * per_row; i += 128) {
+        const int r = valid + i / per_row, q = q0 + (i / 8) % (q1 - q0), pc = i % 8;
+        *reinterpret_cast<uint4*>(kt + q * CHUNK + r * 64 + pc * 8) = make_uint4(0, 0, 0, 0);
+    }
+    fence_async_smem();
+    named_sync(BAR_WG + wg, 128);
+}
+
+// P (s, already exponentiated, times f0 / f1 for rows g / g + 8) as fp16 into a 128-byte-swizzled
+// chunk, K-major: the A operand of the other warpgroup's latent product
+__device__ __forceinline__ void store_p(half* chunk, const float (&s)[32], float f0, float f1, int r0, int t4) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        *reinterpret_cast<uint32_t*>(chunk + sw128_at(r0, j) + 2 * t4) = pack_half2(s[4 * j] * f0, s[4 * j + 1] * f0);
+        *reinterpret_cast<uint32_t*>(chunk + sw128_at(r0 + 8, j) + 2 * t4) =
+            pack_half2(s[4 * j + 2] * f1, s[4 * j + 3] * f1);
+    }
+}
+
+// S = Q K^T of one buffered tile (m64n64k16 over its 9 chunks, each once its mbarrier completes)
+__device__ __forceinline__ void scores(float (&s)[32], const half* qs, const half* kt, uint64_t* bars, int parity) {
+#pragma unroll
+    for (int i = 0; i < 32; i++) s[i] = 0.f;
+    fence_regs(s);
+#pragma unroll
+    for (int q = 0; q < CHUNKS; q++) {      // a commit group a chunk: the wait loop sits outside the MMAs
+        mbar_wait(bars + q, parity);
+        wgmma_fence();
+#pragma unroll
+        for (int k4 = 0; k4 < 4; k4++)
+            wgmma_ss_m64n64k16(s, sw128_desc(qs + q * CHUNK + 16 * k4, 16, 1024), sw128_desc(kt + q * CHUNK + 16 * k4, 16, 1024));
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_regs(s);
+}
+
+// masked, scaled to base 2, and the rows' maxima over the quad (mx0: row g, mx1: row g + 8)
+__device__ __forceinline__ void mask_rowmax(float (&s)[32], int valid, float qk_scale, int t4, float& mx0, float& mx1) {
+    mx0 = mx1 = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const bool v = 8 * j + 2 * t4 + e < valid;
+            s[4 * j + e] = v ? s[4 * j + e] * qk_scale : NEG_INF;
+            s[4 * j + 2 + e] = v ? s[4 * j + 2 + e] * qk_scale : NEG_INF;
+            mx0 = fmaxf(mx0, s[4 * j + e]);
+            mx1 = fmaxf(mx1, s[4 * j + 2 + e]);
+        }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+    }
+}
+
+// s <- 2^(s - m) (m -inf: 0, no NaN) and, packed, P as mma's A fragments; returns this thread's row sums
+__device__ __forceinline__ void exp_pack(float (&s)[32], float m0, float m1, uint32_t (&pa)[4][4], float& r0, float& r1) {
+    const float ms0 = m0 == NEG_INF ? 0.f : m0, ms1 = m1 == NEG_INF ? 0.f : m1;
+    r0 = r1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        s[4 * j] = exp2f(s[4 * j] - ms0);
+        s[4 * j + 1] = exp2f(s[4 * j + 1] - ms0);
+        s[4 * j + 2] = exp2f(s[4 * j + 2] - ms1);
+        s[4 * j + 3] = exp2f(s[4 * j + 3] - ms1);
+        r0 += s[4 * j] + s[4 * j + 1];
+        r1 += s[4 * j + 2] + s[4 * j + 3];
+        pa[j >> 1][2 * (j & 1)] = pack_half2(s[4 * j], s[4 * j + 1]);
+        pa[j >> 1][2 * (j & 1) + 1] = pack_half2(s[4 * j + 2], s[4 * j + 3]);
+    }
+}
+
+__device__ __forceinline__ float rescale_from(float m_old, float m_new) {
+    return exp2f(m_old - (m_new == NEG_INF ? 0.f : m_new));      // m_old -inf: 0
+}
+__device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        o[4 * j] *= f0;
+        o[4 * j + 1] *= f0;
+        o[4 * j + 2] *= f1;
+        o[4 * j + 3] *= f1;
+    }
+}
+
+// Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 bytes of
+// dynamic shared memory (mla_cuda.SMEM_PP).
+template <bool CLUSTERED>
+__device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
+                                        const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
+                                        const int* __restrict__ bt, const int* __restrict__ lens,
+                                        float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse,
+                                        float qk_scale, int num_splits, int min_tps, int H, int hchunks, int log2bs,
+                                        int box_rows, int s_bt, int direct, int cs) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    half* qs = reinterpret_cast<half*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    half* ks = qs + STILE;                                                  // buffers 0 (A) and 1 (B)
+    float* sc = reinterpret_cast<float*>(ks + 2 * STILE);                   // M, scale0, scale1, l of both
+    uint64_t* bars = reinterpret_cast<uint64_t*>(sc + PP_FLOATS);           // [buffer][chunk]
+    const int hc = CLUSTERED ? blockIdx.x / num_splits : blockIdx.x % hchunks;
+    const int sp = CLUSTERED ? blockIdx.x % num_splits : blockIdx.x / hchunks, b = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, t4 = lane & 3;
+    const int wtid = threadIdx.x & 127, r0 = 16 * (warp & 3) + (lane >> 2), r1 = r0 + 8;
+    const int L = lens[b];
+    const int ntiles = (L + TN - 1) / TN;
+    const int tps = max((ntiles + num_splits - 1) / num_splits, min_tps);
+    const int t0 = sp * tps, t1 = min(t0 + tps, ntiles);
+    const int* bt_row = bt + (size_t)b * s_bt;
+    const int boxes = TN / box_rows;
+    const bool copier = (warp & 3) == 0 && lane < boxes;   // each warpgroup's first warp: lane j, box j
+
+    // chunks q0..q1-1 of tile ``it`` into buffer ``buf``: each copier lane its box (one table
+    // block's rows) of each chunk; a box past the row arrives with no bytes
+    auto copy_chunks = [&](int it, int buf, int q0, int q1) {
+        const int e = it * TN + lane * box_rows;
+        const int slot = e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+        half* dst = ks + buf * STILE + lane * box_rows * 64;
+        for (int q = q0; q < q1; q++) {
+            uint64_t* bar = bars + buf * CHUNKS + q;
+            if (slot < 0) {
+                mbar_arrive_tx(bar, 0);
+                continue;
+            }
+            mbar_arrive_tx(bar, box_rows * 128);
+            if (q < C / 64) tma_2d(dst + q * CHUNK, &tm_ckv, 64 * q, slot, bar);
+            else tma_2d(dst + q * CHUNK, &tm_kpe, 0, slot, bar);
+        }
+    };
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.f;
+    float l0 = 0.f, l1 = 0.f;          // this thread's columns' share of rows r0 / r1's sums
+
+    if (t1 > t0) {
+        if (threadIdx.x == 0)
+            for (int i = 0; i < 2 * CHUNKS; i++) mbar_init(bars + i, boxes);
+        if (threadIdx.x < HB) sc[PP_M + threadIdx.x] = NEG_INF;
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        __syncthreads();
+        if (copier) copy_chunks(t0 + wg, wg, 0, t0 + wg < t1 ? CHUNKS : 0);
+        const int ra = warp * 8 + (lane >> 3);
+        const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
+        stage_rows_sw128(qs, {ql + qa * C, qp + qa * R}, {ql + qb * C, qp + qb * R});
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();                                   // the queries, every thread's
+        half* const ka = ks;
+        half* const kb = ks + STILE;
+        for (int it = t0; it < t1; it += 2) {
+            const int ph = ((it - t0) >> 1) & 1;
+            const bool has_b = it + 1 < t1;
+            const int va = L - it * TN, vb = va - TN;      // keys of A / B in range (>= TN: all)
+            float s[32];
+            uint32_t pa[4][4];
+            float p0, p1, m0, m1;
+            if (wg == 0) {
+                scores(s, qs, ka, bars, ph);
+                float mx0, mx1;
+                mask_rowmax(s, va, qk_scale, t4, mx0, mx1);
+                const float mo0 = sc[PP_M + r0], mo1 = sc[PP_M + r1];
+                m0 = fmaxf(mo0, mx0);
+                m1 = fmaxf(mo1, mx1);
+                const float f0 = rescale_from(mo0, m0), f1 = rescale_from(mo1, m1);
+                exp_pack(s, m0, m1, pa, p0, p1);
+                l0 = l0 * f0 + p0;
+                l1 = l1 * f1 + p1;
+                __syncwarp();                              // the quad read M before its lane 0 writes
+                if (t4 == 0) {
+                    sc[PP_M + r0] = m0;
+                    sc[PP_M + r1] = m1;
+                    sc[PP_SCALE0 + r0] = f0;
+                    sc[PP_SCALE0 + r1] = f1;
+                }
+                named_arrive(BAR_SCALE0, 256);
+                scale_o(o, f0, f1);
+                if (va < TN) zero_rows(ka, va, 0, 4, wtid, 0);
+                fence_regs(o);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; kk++)
+                    wgmma_m64n256k16<1>(o, pa[kk], sw128_desc(ka + kk * 16 * 64, 2 * CHUNK, 1024));
+                wgmma_commit();
+                named_sync(BAR_SCALE1, 256);               // B's maxima (scale1 1 without B)
+                const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
+                wgmma_wait<0>();
+                fence_regs(o);
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 0, 4);    // A's V_L: read
+                store_p(ka + (CHUNKS - 1) * CHUNK, s, g0, g1, r0, t4);      // over A's rope chunk
+                fence_async_smem();
+                named_arrive(BAR_P0, 256);
+                scale_o(o, g0, g1);
+                l0 *= g0;
+                l1 *= g1;
+                if (has_b) {
+                    named_sync(BAR_P1, 256);
+                    for (int q = 0; q < 4; q++) mbar_wait(bars + CHUNKS + q, ph);   // WG1 saw them land; so do we
+                    if (vb < TN) zero_rows(kb, vb, 0, 4, wtid, 0);
+                    fence_regs(o);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; kk++)
+                        wgmma_ss_m64n256k16<1>(o, sw128_desc(kb + (CHUNKS - 1) * CHUNK + 16 * kk, 16, 1024),
+                                               sw128_desc(kb + kk * 16 * 64, 2 * CHUNK, 1024));
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_regs(o);
+                    if (copier && it + 3 < t1) {           // B's V_L and P_B: read
+                        copy_chunks(it + 3, 1, 0, 4);
+                        copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
+                    }
+                }
+            } else {
+                float mx0 = NEG_INF, mx1 = NEG_INF;
+                if (has_b) {
+                    scores(s, qs, kb, bars + CHUNKS, ph);
+                    mask_rowmax(s, vb, qk_scale, t4, mx0, mx1);
+                }
+                named_sync(BAR_SCALE0, 256);               // A's maxima
+                const float ma0 = sc[PP_M + r0], ma1 = sc[PP_M + r1];
+                const float f0 = sc[PP_SCALE0 + r0], f1 = sc[PP_SCALE0 + r1];
+                m0 = fmaxf(ma0, mx0);
+                m1 = fmaxf(ma1, mx1);
+                const float g0 = rescale_from(ma0, m0), g1 = rescale_from(ma1, m1);
+                p0 = p1 = 0.f;
+                if (has_b) exp_pack(s, m0, m1, pa, p0, p1);
+                __syncwarp();
+                if (t4 == 0) {
+                    sc[PP_M + r0] = m0;
+                    sc[PP_M + r1] = m1;
+                    sc[PP_SCALE1 + r0] = g0;
+                    sc[PP_SCALE1 + r1] = g1;
+                }
+                named_arrive(BAR_SCALE1, 256);
+                scale_o(o, f0 * g0, f1 * g1);
+                l0 = l0 * (f0 * g0) + p0;
+                l1 = l1 * (f1 * g1) + p1;
+                if (has_b) {
+                    store_p(kb + (CHUNKS - 1) * CHUNK, s, 1.f, 1.f, r0, t4);   // over B's rope chunk
+                    fence_async_smem();
+                    named_arrive(BAR_P1, 256);
+                    if (vb < TN) zero_rows(kb, vb, 4, 8, wtid, 1);
+                    fence_regs(o);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; kk++)
+                        wgmma_m64n256k16<1>(o, pa[kk], sw128_desc(kb + 4 * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024));
+                    wgmma_commit();
+                }
+                named_sync(BAR_P0, 256);                   // P_A over A's rope chunk
+                for (int q = 4; q < CHUNKS - 1; q++) mbar_wait(bars + q, ph);
+                if (va < TN) zero_rows(ka, va, 4, 8, wtid, 1);
+                fence_regs(o);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; kk++)
+                    wgmma_ss_m64n256k16<1>(o, sw128_desc(ka + (CHUNKS - 1) * CHUNK + 16 * kk, 16, 1024),
+                                           sw128_desc(ka + 4 * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024));
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(o);
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);     // A's V_R and P_A: read
+                if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1); // B's V_R: read
+            }
+        }
+    }
+    // the rows' sums: both warpgroups' shares (each at the final maxima) through shared memory
+    SoftmaxState st{NEG_INF, NEG_INF, 0.f, 0.f};
+    if (t1 > t0) {
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+            l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+        }
+        if (t4 == 0) {
+            sc[PP_L + wg * HB + r0] = l0;
+            sc[PP_L + wg * HB + r1] = l1;
+        }
+        __syncthreads();
+        st.m0 = sc[PP_M + r0];
+        st.m1 = sc[PP_M + r1];
+        st.l0 = t4 == 0 ? sc[PP_L + r0] + sc[PP_L + HB + r0] : 0.f;     // the quad sums them again
+        st.l1 = t4 == 0 ? sc[PP_L + r1] + sc[PP_L + HB + r1] : 0.f;
+    }
+    if constexpr (CLUSTERED)
+        merge_cluster(o, st, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp / cs,
+                      num_splits / cs);
+    else
+        store_rows(o, st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+mla_decode_pp(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
+              const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
+              float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
+              int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
+    pp_body<false>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks, log2bs,
+                   box_rows, s_bt, direct, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+mla_decode_pp_cluster(const half* __restrict__ ql, const half* __restrict__ qp,
+                      const __grid_constant__ CUtensorMap tm_ckv, const __grid_constant__ CUtensorMap tm_kpe,
+                      const int* __restrict__ bt, const int* __restrict__ lens, float* __restrict__ out,
+                      float* __restrict__ po, float* __restrict__ plse, float qk_scale, int num_splits, int min_tps,
+                      int H, int log2bs, int box_rows, int s_bt, int cs) {
+    pp_body<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,
+                  box_rows, s_bt, 0, cs);
+}
