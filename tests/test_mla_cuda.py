@@ -18,12 +18,14 @@ def test_cluster_sizes_divide_the_splits():
     assert [mla_cuda.cluster_size(s) for s in (1, 2, 3, 6, 8, 12, 24, 64)] == [1, 2, 1, 2, 8, 4, 8, 8]
 
 
-def test_only_splits_chosen_here_are_rounded_up_to_a_cluster():
-    """mla_decode's own split counts round up to a multiple of their cluster (the extra splits are
-    empty); a caller's count is kept and clusters only where a power of two divides it."""
-    assert mla_cuda.clustered_splits(57, True) == (64, 8)
+def test_only_splits_chosen_here_are_rounded_down_to_a_cluster():
+    """mla_decode's own split counts of 8 or more round down to a multiple of 8 (never a wave
+    more); fewer keep their count and cluster where a power of two divides it; a caller's count is
+    kept."""
+    assert mla_cuda.clustered_splits(57, True) == (56, 8)
+    assert mla_cuda.clustered_splits(66, True) == (64, 8)
     assert mla_cuda.clustered_splits(57, False) == (57, 1)
-    assert mla_cuda.clustered_splits(3, True) == (4, 4)
+    assert mla_cuda.clustered_splits(6, True) == (6, 2)
     assert mla_cuda.clustered_splits(24, False) == (24, 8)
     assert mla_cuda.clustered_splits(1, True) == (1, 1)
 
