@@ -442,7 +442,7 @@ mla_decode_tma_cluster(const half* __restrict__ ql, const half* __restrict__ qp,
 // is done: WG0 refills chunks 0-3 of both buffers (V_L) and B's rope chunk (P_B, which WG0
 // reads), WG1 chunks 4-7 of both (V_R) and A's rope chunk (P_A).
 constexpr int PP_M = 0, PP_SCALE0 = HB, PP_SCALE1 = 2 * HB, PP_L = 3 * HB, PP_FLOATS = 5 * HB;
-enum : int { BAR_SCALE0 = 1, BAR_SCALE1 = 2, BAR_P0 = 3, BAR_P1 = 4, BAR_WG = 5 };   // BAR_WG + wg: one warpgroup
+enum : int { BAR_SCALE0 = 1, BAR_SCALE1 = 2, BAR_P1 = 3, BAR_WG = 4 };   // BAR_WG + wg: one warpgroup
 
 // rows valid..TN-1 of chunks q0..q1-1 of a key buffer to zero (a row's last tile: unused slots of
 // its last block may hold NaN, and 0 x NaN would reach O), by the 128 threads of one warpgroup
@@ -467,8 +467,16 @@ __device__ __forceinline__ void store_p(half* chunk, const float (&s)[32], float
     }
 }
 
-// S = Q K^T of one buffered tile (m64n64k16 over its 9 chunks, each once its mbarrier completes)
-__device__ __forceinline__ void scores(float (&s)[32], const half* qs, const half* kt, uint64_t* bars, int parity) {
+// Descriptor arithmetic: a descriptor's start address is its bits 0-13 in 16-byte units, so a
+// chunk (8192 bytes) is +512, a k16 step inside a 128-byte row +2, a 16-key step down the latent
+// (N-major, 2048 bytes) +128 and the other warpgroup's half of it (4 chunks) +2048; built once,
+// added to per MMA (the uniform-datapath ops that rebuilt each one were ~16 % of the ncu stall
+// samples, H200 2026-12-04 night).
+constexpr uint64_t D_CHUNK = CHUNK * 2 / 16, D_K16 = 2, D_V16 = 16 * 64 * 2 / 16, D_VHALF = 4 * D_CHUNK;
+
+// S = Q K^T of one buffered tile (m64n64k16 over its 9 chunks, each once its mbarrier completes):
+// dq / dk the K-major descriptors of the queries and the tile
+__device__ __forceinline__ void scores(float (&s)[32], uint64_t dq, uint64_t dk, uint64_t* bars, int parity) {
 #pragma unroll
     for (int i = 0; i < 32; i++) s[i] = 0.f;
     fence_regs(s);
@@ -477,8 +485,7 @@ __device__ __forceinline__ void scores(float (&s)[32], const half* qs, const hal
         mbar_wait(bars + q, parity);
         wgmma_fence();
 #pragma unroll
-        for (int k4 = 0; k4 < 4; k4++)
-            wgmma_ss_m64n64k16(s, sw128_desc(qs + q * CHUNK + 16 * k4, 16, 1024), sw128_desc(kt + q * CHUNK + 16 * k4, 16, 1024));
+        for (int k4 = 0; k4 < 4; k4++) wgmma_ss_m64n64k16(s, dq + q * D_CHUNK + k4 * D_K16, dk + q * D_CHUNK + k4 * D_K16);
         wgmma_commit();
     }
     wgmma_wait<0>();
@@ -526,6 +533,9 @@ __device__ __forceinline__ float rescale_from(float m_old, float m_new) {
     return exp2f(m_old - (m_new == NEG_INF ? 0.f : m_new));      // m_old -inf: 0
 }
 __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
+    // past the first tiles the maxima rarely move: a warp whose factors are all 1 skips the 128
+    // multiplies (FMUL was 9 % of the stall samples)
+    if (!__any_sync(0xffffffffu, f0 != 1.f || f1 != 1.f)) return;
 #pragma unroll
     for (int j = 0; j < 32; j++) {
         o[4 * j] *= f0;
@@ -600,24 +610,30 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         __syncthreads();                                   // the queries, every thread's
         half* const ka = ks;
         half* const kb = ks + STILE;
+        const uint64_t dq = sw128_desc(qs, 16, 1024);
+        const uint64_t da = sw128_desc(ka, 16, 1024), db = sw128_desc(kb, 16, 1024);   // K-major: S, P
+        const uint64_t va_desc = sw128_desc(ka, 2 * CHUNK, 1024) + wg * D_VHALF;      // N-major: this
+        const uint64_t vb_desc = sw128_desc(kb, 2 * CHUNK, 1024) + wg * D_VHALF;      // warpgroup's V
+        const uint64_t dpa = da + (CHUNKS - 1) * D_CHUNK, dpb = db + (CHUNKS - 1) * D_CHUNK;   // P_A, P_B
         for (int it = t0; it < t1; it += 2) {
             const int ph = ((it - t0) >> 1) & 1;
             const bool has_b = it + 1 < t1;
             const int va = L - it * TN, vb = va - TN;      // keys of A / B in range (>= TN: all)
             float s[32];
             uint32_t pa[4][4];
-            float p0, p1, m0, m1;
+            float p0 = 0.f, p1 = 0.f;
             if (wg == 0) {
-                scores(s, qs, ka, bars, ph);
+                scores(s, dq, da, bars, ph);
                 float mx0, mx1;
                 mask_rowmax(s, va, qk_scale, t4, mx0, mx1);
                 const float mo0 = sc[PP_M + r0], mo1 = sc[PP_M + r1];
-                m0 = fmaxf(mo0, mx0);
-                m1 = fmaxf(mo1, mx1);
+                const float m0 = fmaxf(mo0, mx0), m1 = fmaxf(mo1, mx1);
                 const float f0 = rescale_from(mo0, m0), f1 = rescale_from(mo1, m1);
                 exp_pack(s, m0, m1, pa, p0, p1);
                 l0 = l0 * f0 + p0;
                 l1 = l1 * f1 + p1;
+                store_p(ka + (CHUNKS - 1) * CHUNK, s, 1.f, 1.f, r0, t4);   // P_A over A's rope chunk (S read it)
+                fence_async_smem();
                 __syncwarp();                              // the quad read M before its lane 0 writes
                 if (t4 == 0) {
                     sc[PP_M + r0] = m0;
@@ -625,23 +641,19 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     sc[PP_SCALE0 + r0] = f0;
                     sc[PP_SCALE0 + r1] = f1;
                 }
-                named_arrive(BAR_SCALE0, 256);
+                named_arrive(BAR_SCALE0, 256);             // A's maxima, scale0 and P_A
                 scale_o(o, f0, f1);
                 if (va < TN) zero_rows(ka, va, 0, 4, wtid, 0);
                 fence_regs(o);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < TN / 16; kk++)
-                    wgmma_m64n256k16<1>(o, pa[kk], sw128_desc(ka + kk * 16 * 64, 2 * CHUNK, 1024));
+                for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], va_desc + kk * D_V16);
                 wgmma_commit();
                 named_sync(BAR_SCALE1, 256);               // B's maxima (scale1 1 without B)
                 const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
                 wgmma_wait<0>();
                 fence_regs(o);
                 if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 0, 4);    // A's V_L: read
-                store_p(ka + (CHUNKS - 1) * CHUNK, s, g0, g1, r0, t4);      // over A's rope chunk
-                fence_async_smem();
-                named_arrive(BAR_P0, 256);
                 scale_o(o, g0, g1);
                 l0 *= g0;
                 l1 *= g1;
@@ -652,9 +664,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     fence_regs(o);
                     wgmma_fence();
 #pragma unroll
-                    for (int kk = 0; kk < TN / 16; kk++)
-                        wgmma_ss_m64n256k16<1>(o, sw128_desc(kb + (CHUNKS - 1) * CHUNK + 16 * kk, 16, 1024),
-                                               sw128_desc(kb + kk * 16 * 64, 2 * CHUNK, 1024));
+                    for (int kk = 0; kk < TN / 16; kk++) wgmma_ss_m64n256k16<1>(o, dpb + kk * D_K16, vb_desc + kk * D_V16);
                     wgmma_commit();
                     wgmma_wait<0>();
                     fence_regs(o);
@@ -666,16 +676,22 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             } else {
                 float mx0 = NEG_INF, mx1 = NEG_INF;
                 if (has_b) {
-                    scores(s, qs, kb, bars + CHUNKS, ph);
+                    scores(s, dq, db, bars + CHUNKS, ph);
                     mask_rowmax(s, vb, qk_scale, t4, mx0, mx1);
                 }
-                named_sync(BAR_SCALE0, 256);               // A's maxima
+                named_sync(BAR_SCALE0, 256);               // A's maxima and P_A
                 const float ma0 = sc[PP_M + r0], ma1 = sc[PP_M + r1];
                 const float f0 = sc[PP_SCALE0 + r0], f1 = sc[PP_SCALE0 + r1];
-                m0 = fmaxf(ma0, mx0);
-                m1 = fmaxf(ma1, mx1);
+                scale_o(o, f0, f1);                        // O_R at A's maxima
+                for (int q = 4; q < CHUNKS - 1; q++) mbar_wait(bars + q, ph);
+                if (va < TN) zero_rows(ka, va, 4, 8, wtid, 1);
+                fence_regs(o);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; kk++) wgmma_ss_m64n256k16<1>(o, dpa + kk * D_K16, va_desc + kk * D_V16);
+                wgmma_commit();                            // P_A V_A,R beside B's softmax
+                const float m0 = fmaxf(ma0, mx0), m1 = fmaxf(ma1, mx1);
                 const float g0 = rescale_from(ma0, m0), g1 = rescale_from(ma1, m1);
-                p0 = p1 = 0.f;
                 if (has_b) exp_pack(s, m0, m1, pa, p0, p1);
                 __syncwarp();
                 if (t4 == 0) {
@@ -685,35 +701,28 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     sc[PP_SCALE1 + r1] = g1;
                 }
                 named_arrive(BAR_SCALE1, 256);
-                scale_o(o, f0 * g0, f1 * g1);
-                l0 = l0 * (f0 * g0) + p0;
-                l1 = l1 * (f1 * g1) + p1;
                 if (has_b) {
                     store_p(kb + (CHUNKS - 1) * CHUNK, s, 1.f, 1.f, r0, t4);   // over B's rope chunk
                     fence_async_smem();
                     named_arrive(BAR_P1, 256);
+                }
+                wgmma_wait<0>();
+                fence_regs(o);
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);     // A's V_R and P_A: read
+                scale_o(o, g0, g1);
+                l0 = l0 * (f0 * g0) + p0;
+                l1 = l1 * (f1 * g1) + p1;
+                if (has_b) {
                     if (vb < TN) zero_rows(kb, vb, 4, 8, wtid, 1);
                     fence_regs(o);
                     wgmma_fence();
 #pragma unroll
-                    for (int kk = 0; kk < TN / 16; kk++)
-                        wgmma_m64n256k16<1>(o, pa[kk], sw128_desc(kb + 4 * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024));
+                    for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], vb_desc + kk * D_V16);
                     wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_regs(o);
+                    if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1);   // B's V_R: read
                 }
-                named_sync(BAR_P0, 256);                   // P_A over A's rope chunk
-                for (int q = 4; q < CHUNKS - 1; q++) mbar_wait(bars + q, ph);
-                if (va < TN) zero_rows(ka, va, 4, 8, wtid, 1);
-                fence_regs(o);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < TN / 16; kk++)
-                    wgmma_ss_m64n256k16<1>(o, sw128_desc(ka + (CHUNKS - 1) * CHUNK + 16 * kk, 16, 1024),
-                                           sw128_desc(ka + 4 * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024));
-                wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(o);
-                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);     // A's V_R and P_A: read
-                if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1); // B's V_R: read
             }
         }
     }
