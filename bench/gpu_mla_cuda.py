@@ -7,7 +7,7 @@ merge": the CUDA kernel with EXL3TOOLS_MLA_CLUSTER (clusters of splits merging t
 "ping-pong": with EXL3TOOLS_MLA_PINGPONG (each tile's scores by one warpgroup), alone and with the
 cluster merge.
 
-    python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."]
+    python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--block-sizes 16,64]
 
 µs: median CUDA-graph replay (bench/gpu_bench.bench_graph); GB/s: the latent bytes read once
 (B x keys x 576 x 2) over the time; roofline: that against 4.26 TB/s; err: max |kernel - reference|
@@ -32,11 +32,11 @@ C, R, BS, TOPK = 512, 64, 16, 2048
 SHAPES = "128,1,4096,0;128,1,32768,0;128,8,4096,0;128,32,4096,0;128,8,32768,0;64,1,32768,0;64,1,32768,1;64,32,32768,1"
 
 
-def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
+def time_shape(H: int, B: int, ctx: int, use_sel: bool, bs: int = BS) -> dict:
     """Each kernel at one shape: µs and the error against the reference."""
     from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
 
-    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, torch.Generator("cuda").manual_seed(0), bs=BS)
+    q_lat, q_pe, ckv, kpe, tables, lens, sel = make_case(B, H, ctx, torch.Generator("cuda").manual_seed(0), bs=bs)
     ckv, kpe = ckv.half(), kpe.half()        # serve's planes for MLA on CUDA
     sel = sel if use_sel else None
     out = torch.empty_like(q_lat)
@@ -60,16 +60,18 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="H,B,CTX,SEL (SEL 1: a 2048-key selection) separated by ;")
+    ap.add_argument("--block-sizes", default=str(BS), help="the cache's block sizes to time, comma-separated "
+                    "(a TMA copy is one block's rows: 16 rows x 128 bytes at 16)")
     a = ap.parse_args()
-    print("| H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | ping-pong µs | "
+    print("| bs | H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | ping-pong µs | "
           "ping-pong + cluster µs | err triton | err cuda | err cluster | err ping-pong | err pp + cluster |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for shape in a.shapes.split(";"):
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bs, shape in ((int(b), sh) for b in a.block_sizes.split(",") for sh in a.shapes.split(";")):
         H, B, ctx, use_sel = (int(v) for v in shape.split(","))
-        row = time_shape(H, B, ctx, bool(use_sel))
+        row = time_shape(H, B, ctx, bool(use_sel), bs)
         keys = B * (TOPK if use_sel else ctx)
         gbps = keys * (C + R) * 2 / (row["cuda"] * 1e-6) / 1e9
-        print(f"| {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
+        print(f"| {bs} | {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
               f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['cluster']:.1f} | "
               f"{row['pp']:.1f} | {row['pp_cluster']:.1f} | {row['err_triton']:.1e} | {row['err_cuda']:.1e} | "
               f"{row['err_cluster']:.1e} | {row['err_pp']:.1e} | {row['err_pp_cluster']:.1e} |", flush=True)
