@@ -78,11 +78,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # row whose splits fit one cluster needs no merge launch. Written after the 2026-12-04 evening
     # session's device time was spent: not yet run on a GPU
     "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
-    # the CUDA MLA decode kernel with each key tile's scores computed once, by one warpgroup, the
-    # two trading their softmax state through shared memory (kernels/csrc/mla_decode.cu pp_body,
-    # FlashMLA's schedule) instead of by both: S is 69 % of a warpgroup's MMA work a tile there.
-    # Written after the 2026-12-04 evening session: not yet run on a GPU
-    "mla_pingpong": "EXL3TOOLS_MLA_PINGPONG",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -213,6 +208,13 @@ OPT_OUTS = {
     # 30000-token context 398 -> 414 tok/s, 8 streams there 1212 -> 1356, at 4096 432 / 1613 -> 438 /
     # 1654, short 442 / 1579 -> 445 / 1593
     "mla_cuda": "EXL3TOOLS_MLA_CUDA",
+    # that kernel with each key tile's scores computed once, by one warpgroup, the two trading
+    # their softmax state and probabilities through shared memory (kernels/csrc/mla_decode.cu
+    # pp_body, FlashMLA's schedule) instead of both computing them (S is 69 % of a warpgroup's MMA
+    # work a tile there). H200, 2026-12-04 night (bench/gpu_mla_cuda.py, with the merge, block size
+    # 16): 128 heads batch 1 at 32k 53.9 -> 51.3 us, batch 8 at 32k 233.7 -> 204.3, batch 32 at 4k
+    # 132.9 -> 118.8, 64 heads batch 1 at 32k 48.8 -> 46.1; the MLA tests/gpu passed with it on
+    "mla_pingpong": "EXL3TOOLS_MLA_PINGPONG",
 }
 
 

@@ -97,13 +97,27 @@ __host__ __device__ __forceinline__ void lane_states(const uint32_t (&w)[NL], in
 // Loop-invariant operands held in registers the compiler cannot rematerialise (it otherwise
 // re-creates them with a MOV in every unrolled stage).
 struct Consts {
+#if CB == 2
     uint32_t ones, bias, kappa;
     __device__ __forceinline__ Consts() {
         asm volatile("mov.b32 %0, 0x01010101;" : "=r"(ones));
         asm volatile("mov.b32 %0, 0x00006400;" : "=r"(bias));
         asm volatile("mov.b32 %0, 0x1EEE1EEE;" : "=r"(kappa));
     }
+#else
+    // 3INST / MCG: the mask in a register, so (x & mask) ^ 0x3B603B60 is one LOP3 (one LOP3 takes
+    // at most one immediate: with both it is two)
+    uint32_t mask;
+    __device__ __forceinline__ Consts() { asm volatile("mov.b32 %0, 0x8FFF8FFF;" : "=r"(mask)); }
+#endif
 };
+
+// (a & b) ^ 0x3B603B60 in one LOP3 (lut 0xF0 & 0xCC ^ 0xAA)
+__device__ __forceinline__ uint32_t and_flip(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, 0x3B603B60, 0x6A;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
 
 __device__ __forceinline__ uint32_t pair(const Consts& k, uint32_t s0, uint32_t s1) {
 #if CB == 2
@@ -120,8 +134,8 @@ __device__ __forceinline__ uint32_t pair(const Consts& k, uint32_t s0, uint32_t 
 #else
     uint32_t x0 = s0 * 0xCBAC1FEDu, x1 = s1 * 0xCBAC1FEDu;
 #endif
-    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
-    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x0 = and_flip(x0, k.mask);
+    x1 = and_flip(x1, k.mask);
     uint32_t lo = __byte_perm(x0, x1, 0x5410), hi = __byte_perm(x0, x1, 0x7632);
     half2 v = __hadd2(*reinterpret_cast<half2*>(&lo), *reinterpret_cast<half2*>(&hi));
     return *reinterpret_cast<uint32_t*>(&v);
