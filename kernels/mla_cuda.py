@@ -94,9 +94,9 @@ def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
 
 def clustered_splits(num_splits: int, chosen_here: bool) -> tuple[int, int]:
     """(splits, cluster) for the clustered launch: splits mla_decode chose itself (``chosen_here``),
-    8 or more, rounded down to a multiple of MAX_CLUSTER (rounding up had added a wave: 66 splits
-    a head block at batch 1 became 72, 144 blocks on 132 SMs, 1.8x the time on the H200,
-    2026-12-04 night); a caller's count kept; then cluster_size."""
+    8 or more, rounded down to a multiple of MAX_CLUSTER (rounding up can add a wave of blocks); a
+    caller's count kept; then cluster_size. (The clustered launch measured ~1.8x slower on the
+    H200 either way: runtime/preview.py mla_cluster says why.)"""
     if num_splits >= MAX_CLUSTER and chosen_here:
         num_splits = num_splits // MAX_CLUSTER * MAX_CLUSTER
     return num_splits, cluster_size(num_splits)

@@ -75,8 +75,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # splits of one head block that merge their partials over distributed shared memory before they
     # leave (kernels/csrc/mla_decode.cu merge_cluster), so the merge kernel reads 8x fewer partials
     # (at 128 heads, batch 1 and 64 splits it read 16.8 MB: ~12 of the 54.6 us on the H200) and a
-    # row whose splits fit one cluster needs no merge launch. Written after the 2026-12-04 evening
-    # session's device time was spent: not yet run on a GPU
+    # row whose splits fit one cluster needs no merge launch. Right on the H200 (2026-12-04 night,
+    # tests/gpu) and much slower: 128 heads batch 1 at 32k 53.9 -> 95.6 us, batch 8 233.7 -> 458.6
+    # (bench/gpu_mla_cuda.py "cluster merge"), unchanged by rounding the splits down instead of up.
+    # At one block an SM (221 KiB of shared memory) fewer clusters of 8 fit at once than the
+    # splits' blocks need (a GPC holds whole clusters; the H200's GPCs are not multiples of 8
+    # SMs), so the launch takes two waves; the split count would have to come from the cluster
+    # occupancy (cuOccupancyMaxActiveClusters). It stays a preview
     "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
 }
 
