@@ -6,12 +6,14 @@
 // Why not Triton: its kernel holds one 8-warp program an SM (255 registers with spills, 221 KiB of
 // shared memory) whose tile load, two dots, softmax and rescale make one dependent chain; ncu on
 // the H200 (2026-12-04) found no eligible warp in 71.5 % of cycles at 128 heads, batch 1, 32k.
-// Here two warpgroups share each staged tile: both compute the block's scores S (64 heads x 64
-// keys, m64n64k16 from shared memory: the duplicated product costs less than trading row maxima
-// between them), each keeps its own copy of the softmax state, and each multiplies the
+// Here two warpgroups share each staged tile. In tma_body both compute the block's scores S (64
+// heads x 64 keys, m64n64k16 from shared memory), each keeps its own copy of the softmax state, and
+// each multiplies the
 // probabilities (straight from S's registers, mma's A fragment layout) by its half of the latent
 // (m64n256k16, B N-major), so each thread holds 128 output accumulators, not 256. The next tile's
-// copies run beside the MMAs of this one (two stages).
+// copies run beside the MMAs of this one (two stages). pp_body (below; the default, mla_cuda.split
+// pingpong) computes each tile's scores once and trades the softmax state between the warpgroups:
+// 12 % faster at 128 heads, batch 8, 32k on the H200, where the copies, not the MMAs, bound both.
 //
 // Why TMA: a first version copied the gathered key rows with 16-byte cp.async (H200, 2026-12-04
 // evening, docs/gpu.md): exact, but 0.87-0.91x Triton's time. Timed apart (with the MMAs, or the
