@@ -277,6 +277,19 @@ __device__ __forceinline__ void merge_cluster(const float (&o)[128], SoftmaxStat
     cluster_sync();                                      // no block leaves while another reads its shared memory
 }
 
+// A block's rows out: clustered, merged with the cluster's other splits (merge_cluster, over the
+// free key stages ``stage``); else its partial or, with one split, the output (store_rows).
+template <bool CLUSTERED>
+__device__ __forceinline__ void finish_rows(const float (&o)[128], SoftmaxState st, bool any, float* stage, int cs,
+                                            float* __restrict__ out, float* __restrict__ po,
+                                            float* __restrict__ plse, size_t row0, int sp, int num_splits,
+                                            bool direct) {
+    if constexpr (CLUSTERED)
+        merge_cluster(o, st, stage, cs, out, po, plse, row0, sp / cs, num_splits / cs);
+    else
+        store_rows(o, st, any, out, po, plse, row0, sp, num_splits, direct);
+}
+
 }  // namespace
 
 // Dense rows (no selection) with the key tiles copied by the TMA unit: ``tm_ckv`` / ``tm_kpe`` are
@@ -393,38 +406,35 @@ __device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half
                        [&](int kk) { return sw128_desc(kt + 4 * wg * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024); });
         }
     }
-    if constexpr (CLUSTERED)
-        merge_cluster(o, sm_st, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp / cs,
-                      num_splits / cs);
-    else
-        store_rows(o, sm_st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
+    finish_rows<CLUSTERED>(o, sm_st, t1 > t0, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB,
+                           sp, num_splits, direct);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-mla_decode_tma(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
-               const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
-               float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
-               int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
-    tma_body<false>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks, log2bs,
-                    box_rows, s_bt, direct, 1);
-}
+// The entry points of a body: NAME (a block's splits alone) and NAME_cluster (launched in clusters
+// of ``cs`` (2, 4 or 8; num_splits a multiple) consecutive splits of one head block, block hc *
+// num_splits + sp: merge_cluster merges them, so po / plse hold num_splits / cs partials a row,
+// one: out itself, no merge kernel; the EXL3TOOLS_MLA_CLUSTER preview, kernels/mla_attention.py).
+#define MLA_ENTRY_POINTS(NAME, BODY)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                         \
+        NAME(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv, \
+             const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,  \
+             float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,             \
+             int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {      \
+        BODY<false>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks,       \
+                    log2bs, box_rows, s_bt, direct, 1);                                                            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                         \
+        NAME##_cluster(const half* __restrict__ ql, const half* __restrict__ qp,                                  \
+                       const __grid_constant__ CUtensorMap tm_ckv, const __grid_constant__ CUtensorMap tm_kpe,     \
+                       const int* __restrict__ bt, const int* __restrict__ lens, float* __restrict__ out,           \
+                       float* __restrict__ po, float* __restrict__ plse, float qk_scale, int num_splits,            \
+                       int min_tps, int H, int log2bs, int box_rows, int s_bt, int cs) {                            \
+        BODY<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,      \
+                   box_rows, s_bt, 0, cs);                                                                         \
+    }
+MLA_ENTRY_POINTS(mla_decode_tma, tma_body)
 
-// The same, launched in clusters of ``cs`` (2, 4 or 8; num_splits a multiple) consecutive splits of
-// one head block (block hc * num_splits + sp): merge_cluster merges them, so po / plse hold
-// num_splits / cs partials a row (one: out itself, no merge kernel). The EXL3TOOLS_MLA_CLUSTER
-// preview (kernels/mla_attention.py): the merge kernel reads 16.8 MB of partials at 128 heads,
-// batch 1 and 64 splits (~12 of the 54.6 us).
-extern "C" __global__ void __launch_bounds__(256, 1)
-mla_decode_tma_cluster(const half* __restrict__ ql, const half* __restrict__ qp,
-                       const __grid_constant__ CUtensorMap tm_ckv, const __grid_constant__ CUtensorMap tm_kpe,
-                       const int* __restrict__ bt, const int* __restrict__ lens, float* __restrict__ out,
-                       float* __restrict__ po, float* __restrict__ plse, float qk_scale, int num_splits, int min_tps,
-                       int H, int log2bs, int box_rows, int s_bt, int cs) {
-    tma_body<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,
-                   box_rows, s_bt, 0, cs);
-}
-
-// ---- Ping-pong: each tile's scores computed once (the EXL3TOOLS_MLA_PINGPONG preview) ----
+// ---- Ping-pong: each tile's scores computed once (the default; EXL3TOOLS_MLA_PINGPONG=0 opts out) ----
 //
 // mla_decode_tma has both warpgroups compute every tile's scores: at 576-wide keys S is 69 % of a
 // warpgroup's MMA work (4.7 of 6.8 MFLOP a tile), so duplicating it costs half again the MMAs.
@@ -746,28 +756,8 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         st.l0 = t4 == 0 ? sc[PP_L + r0] + sc[PP_L + HB + r0] : 0.f;     // the quad sums them again
         st.l1 = t4 == 0 ? sc[PP_L + r1] + sc[PP_L + HB + r1] : 0.f;
     }
-    if constexpr (CLUSTERED)
-        merge_cluster(o, st, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp / cs,
-                      num_splits / cs);
-    else
-        store_rows(o, st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
+    finish_rows<CLUSTERED>(o, st, t1 > t0, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp,
+                           num_splits, direct);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-mla_decode_pp(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
-              const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
-              float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
-              int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
-    pp_body<false>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks, log2bs,
-                   box_rows, s_bt, direct, 1);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1)
-mla_decode_pp_cluster(const half* __restrict__ ql, const half* __restrict__ qp,
-                      const __grid_constant__ CUtensorMap tm_ckv, const __grid_constant__ CUtensorMap tm_kpe,
-                      const int* __restrict__ bt, const int* __restrict__ lens, float* __restrict__ out,
-                      float* __restrict__ po, float* __restrict__ plse, float qk_scale, int num_splits, int min_tps,
-                      int H, int log2bs, int box_rows, int s_bt, int cs) {
-    pp_body<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,
-                  box_rows, s_bt, 0, cs);
-}
+MLA_ENTRY_POINTS(mla_decode_pp, pp_body)
