@@ -24,8 +24,9 @@ LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
 MAX_CLUSTER = 8       # splits a thread-block cluster merges at most (the portable cluster size)
 SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16   # queries, two key stages, alignment, barriers
-# the ping-pong kernel: the same, its rows' softmax state (5 x 64 floats) and a barrier a buffer chunk
-SMEM_PP = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 5 * HEADS * 4 + 2 * (LATENT + ROPE) // 64 * 8
+# the ping-pong kernel: the same, its rows' softmax state (5 x 64 floats), a barrier a buffer chunk
+# and (multicast) four release counters
+SMEM_PP = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 5 * HEADS * 4 + 2 * (LATENT + ROPE) // 64 * 8 + 16
 
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}
@@ -111,16 +112,24 @@ def cluster_size(num_splits: int) -> int:
     return cs
 
 
+def multicasts(heads: int) -> bool:
+    """Whether a launch over ``heads`` heads can take the multicast kernel: two head blocks a split
+    (a cluster of 2 blocks that read the same keys)."""
+    return heads == 2 * HEADS
+
+
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
           plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int, cluster: int = 1,
-          pingpong: bool = False) -> None:
+          pingpong: bool = False, multicast: bool = False) -> None:
     """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
     64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
     the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
     ``cluster`` > 1 (cluster_size): clusters of that many splits merge before they leave, so
     ``po`` / ``plse`` hold num_splits / cluster partials a row (one: ``out`` itself). ``pingpong``:
-    the kernel that computes each tile's scores once (mla_decode.cu pp_body), same contract."""
+    the kernel that computes each tile's scores once (mla_decode.cu pp_body), same contract;
+    ``multicast`` (``multicasts``): that kernel with each key tile copied once for the two head
+    blocks of a split, launched in clusters of those two."""
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
@@ -130,7 +139,12 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
     tail = (bs.bit_length() - 1, box, block_tables.stride(0))
     grid = (hchunks * num_splits, B)
     kernel, smem = ("mla_decode_pp", SMEM_PP) if pingpong else ("mla_decode_tma", SMEM)
-    if cluster > 1:
+    if multicast:
+        if not (pingpong and cluster == 1 and multicasts(H)):
+            raise ValueError("the multicast kernel is the ping-pong one over 128 heads, without split clusters")
+        _module(q_lat.device).launch("mla_decode_pp_mc", grid, THREADS, *head, hchunks, *tail, int(num_splits == 1),
+                                     smem=smem, cluster=2)
+    elif cluster > 1:
         _module(q_lat.device).launch(f"{kernel}_cluster", grid, THREADS, *head, *tail, cluster, smem=smem,
                                      cluster=cluster)
     else:

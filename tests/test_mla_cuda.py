@@ -49,3 +49,10 @@ def test_a_toolchain_that_cannot_build_it_leaves_triton_serving(monkeypatch):
     with pytest.warns(RuntimeWarning, match="did not build .*nvcc failed"):
         assert mla_cuda._buildable() is False
     assert mla_cuda._buildable() is False          # asked once
+
+
+def test_only_two_head_blocks_multicast():
+    """The multicast kernel's cluster is a split's two head blocks (DeepSeek-V3's 128 heads);
+    GLM-5's 64 heads are one block and take the ping-pong kernel alone."""
+    assert mla_cuda.multicasts(128)
+    assert not mla_cuda.multicasts(64) and not mla_cuda.multicasts(256)

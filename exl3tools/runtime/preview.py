@@ -83,6 +83,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # SMs), so the launch takes two waves; the split count would have to come from the cluster
     # occupancy (cuOccupancyMaxActiveClusters). It stays a preview
     "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
+    # at 128 heads, the ping-pong MLA kernel (OPT_OUTS mla_pingpong) with each key tile fetched once
+    # for the two head blocks of a split and multicast into both (a cluster of the two; kernels/csrc/
+    # mla_decode.cu pp_body MC): the kernel is bound by its copies (ncu, H200 2026-12-04 night:
+    # each SM fills ~22 GB/s of shared memory, every tile read by both head blocks). Written after
+    # that session's device time was spent: not yet run on a GPU
+    "mla_multicast": "EXL3TOOLS_MLA_MULTICAST",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

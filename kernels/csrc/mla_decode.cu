@@ -204,6 +204,25 @@ __device__ __forceinline__ float4 ld_cluster4(uint32_t a) {
     return v;
 }
 
+// a TMA tensor copy into the same shared-memory offset of every block of the cluster in ``ctas``
+// (a bit a rank), each block's mbarrier at ``bar``'s offset told its bytes
+__device__ __forceinline__ void tma_2d_multicast(half* dst, const CUtensorMap* map, int x, int y, uint64_t* bar,
+                                                 uint16_t ctas) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
+                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)),
+                 "h"(ctas)
+                 : "memory");
+}
+// atomic add on a cluster shared-memory address (cluster_addr). Relaxed: the releasing block's reads
+// of the chunks are complete (its MMAs waited for) before it counts, and the copies the count
+// decides depend on its value; acq_rel compiled to GPU-wide fences and a cache invalidation.
+__device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t v) {
+    uint32_t old;
+    asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+    return old;
+}
+
 constexpr int MAX_CLUSTER = 8;                // splits a cluster merges (portable cluster size)
 constexpr int OSTRIDE = C + 4;                // floats a row of a block's staged O (padded)
 
@@ -557,9 +576,17 @@ __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
     }
 }
 
-// Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 bytes of
-// dynamic shared memory (mla_cuda.SMEM_PP).
-template <bool CLUSTERED>
+// Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 + 16 bytes
+// of dynamic shared memory (mla_cuda.SMEM_PP).
+//
+// MC (the EXL3TOOLS_MLA_MULTICAST preview, 128 heads: mla_decode_pp_mc, launched in clusters of
+// the two head blocks of one split, which read the same keys): each key tile is fetched once for
+// the pair and multicast into both blocks' buffers, halving the copies an SM issues and the L2
+// reads (the kernel is bound by its copies: docs/gpu.md). Each block arms its own mbarriers as
+// before; a chunk group (the four refills above) is copied when both blocks have released it:
+// each counts its release on a counter in rank 0's shared memory, and the second to come issues the
+// copies for both. Both blocks have the same tiles, so they make the same decisions.
+template <bool CLUSTERED, bool MC = false>
 __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                         const int* __restrict__ bt, const int* __restrict__ lens,
@@ -571,6 +598,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     half* ks = qs + STILE;                                                  // buffers 0 (A) and 1 (B)
     float* sc = reinterpret_cast<float*>(ks + 2 * STILE);                   // M, scale0, scale1, l of both
     uint64_t* bars = reinterpret_cast<uint64_t*>(sc + PP_FLOATS);           // [buffer][chunk]
+    uint32_t* released = reinterpret_cast<uint32_t*>(bars + 2 * CHUNKS);    // MC: releases a chunk group
     const int hc = CLUSTERED ? blockIdx.x / num_splits : blockIdx.x % hchunks;
     const int sp = CLUSTERED ? blockIdx.x % num_splits : blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, t4 = lane & 3;
@@ -600,6 +628,23 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             else tma_2d(dst + q * CHUNK, &tm_kpe, 0, slot, bar);
         }
     };
+    // MC: the chunks in ``qmask`` of tile ``it`` into buffer ``buf`` of both blocks (group ``g``'s
+    // release; the block that releases it second copies)
+    auto multicast_chunks = [&](int it, int buf, uint32_t qmask, int g) {
+        const int e = it * TN + lane * box_rows;
+        const int slot = e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+        half* dst = ks + buf * STILE + lane * box_rows * 64;
+        for (int q = 0; q < CHUNKS; q++)
+            if ((qmask >> q) & 1) mbar_arrive_tx(bars + buf * CHUNKS + q, slot < 0 ? 0 : box_rows * 128);
+        const unsigned lanes = boxes == 32 ? 0xffffffffu : (1u << boxes) - 1;
+        uint32_t second = 0;
+        if (lane == 0) second = atom_add_cluster(cluster_addr(released + g, 0), 1) & 1;
+        if (!__shfl_sync(lanes, second, 0) || slot < 0) return;
+        for (int q = 0; q < CHUNKS; q++)
+            if ((qmask >> q) & 1)
+                tma_2d_multicast(dst + q * CHUNK, q < C / 64 ? &tm_ckv : &tm_kpe, q < C / 64 ? 64 * q : 0, slot,
+                                 bars + buf * CHUNKS + q, 0x3);
+    };
 
     float o[128];
 #pragma unroll
@@ -610,9 +655,26 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         if (threadIdx.x == 0)
             for (int i = 0; i < 2 * CHUNKS; i++) mbar_init(bars + i, boxes);
         if (threadIdx.x < HB) sc[PP_M + threadIdx.x] = NEG_INF;
+        if (MC && threadIdx.x < 4) released[threadIdx.x] = 0;
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        __syncthreads();
-        if (copier) copy_chunks(t0 + wg, wg, 0, t0 + wg < t1 ? CHUNKS : 0);
+        if constexpr (MC) {
+            cluster_sync();                // the pair's barriers and counters ready before either copies
+            // the first two tiles: each block arms its buffers; rank r copies buffer r's for both
+            if (copier && t0 + wg < t1) {
+                const int e = (t0 + wg) * TN + lane * box_rows;
+                const int slot = e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+                half* dst = ks + wg * STILE + lane * box_rows * 64;
+                for (int q = 0; q < CHUNKS; q++) {
+                    mbar_arrive_tx(bars + wg * CHUNKS + q, slot < 0 ? 0 : box_rows * 128);
+                    if (slot >= 0 && wg == (int)cluster_rank())
+                        tma_2d_multicast(dst + q * CHUNK, q < C / 64 ? &tm_ckv : &tm_kpe, q < C / 64 ? 64 * q : 0,
+                                         slot, bars + wg * CHUNKS + q, 0x3);
+                }
+            }
+        } else {
+            __syncthreads();
+            if (copier) copy_chunks(t0 + wg, wg, 0, t0 + wg < t1 ? CHUNKS : 0);
+        }
         const int ra = warp * 8 + (lane >> 3);
         const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
         stage_rows_sw128(qs, {ql + qa * C, qp + qa * R}, {ql + qb * C, qp + qb * R});
@@ -665,7 +727,10 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 0, 4);    // A's V_L: read
+                if (copier && it + 2 < t1) {                           // A's V_L: read
+                    if constexpr (MC) multicast_chunks(it + 2, 0, 0x00F, 0);
+                    else copy_chunks(it + 2, 0, 0, 4);
+                }
                 scale_o(o, g0, g1);
                 l0 *= g0;
                 l1 *= g1;
@@ -681,8 +746,12 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_wait<0>();
                     fence_regs(o);
                     if (copier && it + 3 < t1) {           // B's V_L and P_B: read
-                        copy_chunks(it + 3, 1, 0, 4);
-                        copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
+                        if constexpr (MC) {
+                            multicast_chunks(it + 3, 1, 0x10F, 2);
+                        } else {
+                            copy_chunks(it + 3, 1, 0, 4);
+                            copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
+                        }
                     }
                 }
             } else {
@@ -720,7 +789,10 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 }
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);     // A's V_R and P_A: read
+                if (copier && it + 2 < t1) {                                     // A's V_R and P_A: read
+                    if constexpr (MC) multicast_chunks(it + 2, 0, 0x1F0, 1);
+                    else copy_chunks(it + 2, 0, 4, CHUNKS);
+                }
                 scale_o(o, g0, g1);
                 l0 = l0 * (f0 * g0) + p0;
                 l1 = l1 * (f1 * g1) + p1;
@@ -733,7 +805,10 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_commit();
                     wgmma_wait<0>();
                     fence_regs(o);
-                    if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1);   // B's V_R: read
+                    if (copier && it + 3 < t1) {                                 // B's V_R: read
+                        if constexpr (MC) multicast_chunks(it + 3, 1, 0x0F0, 3);
+                        else copy_chunks(it + 3, 1, 4, CHUNKS - 1);
+                    }
                 }
             }
         }
@@ -756,8 +831,20 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         st.l0 = t4 == 0 ? sc[PP_L + r0] + sc[PP_L + HB + r0] : 0.f;     // the quad sums them again
         st.l1 = t4 == 0 ? sc[PP_L + r1] + sc[PP_L + HB + r1] : 0.f;
     }
+    if constexpr (MC) cluster_sync();     // neither block leaves while the other may still copy into it
     finish_rows<CLUSTERED>(o, st, t1 > t0, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp,
                            num_splits, direct);
 }
 
 MLA_ENTRY_POINTS(mla_decode_pp, pp_body)
+
+// The ping-pong kernel with each key tile multicast to the two head blocks of a split (MC above):
+// 128 heads (hchunks 2), launched in clusters of 2 along x; mla_decode_pp's arguments.
+extern "C" __global__ void __launch_bounds__(256, 1)
+mla_decode_pp_mc(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
+                 const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
+                 float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
+                 int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
+    pp_body<false, true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks,
+                         log2bs, box_rows, s_bt, direct, 1);
+}
