@@ -611,11 +611,15 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     const int boxes = TN / box_rows;
     const bool copier = (warp & 3) == 0 && lane < boxes;   // each warpgroup's first warp: lane j, box j
 
+    // the first slot of this lane's box of tile ``it``, or -1 past the row (its table entry unread)
+    auto box_slot = [&](int it) -> int {
+        const int e = it * TN + lane * box_rows;
+        return e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+    };
     // chunks q0..q1-1 of tile ``it`` into buffer ``buf``: each copier lane its box (one table
     // block's rows) of each chunk; a box past the row arrives with no bytes
     auto copy_chunks = [&](int it, int buf, int q0, int q1) {
-        const int e = it * TN + lane * box_rows;
-        const int slot = e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+        const int slot = box_slot(it);
         half* dst = ks + buf * STILE + lane * box_rows * 64;
         for (int q = q0; q < q1; q++) {
             uint64_t* bar = bars + buf * CHUNKS + q;
@@ -631,8 +635,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     // MC: the chunks in ``qmask`` of tile ``it`` into buffer ``buf`` of both blocks (group ``g``'s
     // release; the block that releases it second copies)
     auto multicast_chunks = [&](int it, int buf, uint32_t qmask, int g) {
-        const int e = it * TN + lane * box_rows;
-        const int slot = e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+        const int slot = box_slot(it);
         half* dst = ks + buf * STILE + lane * box_rows * 64;
         for (int q = 0; q < CHUNKS; q++)
             if ((qmask >> q) & 1) mbar_arrive_tx(bars + buf * CHUNKS + q, slot < 0 ? 0 : box_rows * 128);
@@ -661,8 +664,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             cluster_sync();                // the pair's barriers and counters ready before either copies
             // the first two tiles: each block arms its buffers; rank r copies buffer r's for both
             if (copier && t0 + wg < t1) {
-                const int e = (t0 + wg) * TN + lane * box_rows;
-                const int slot = e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
+                const int slot = box_slot(t0 + wg);
                 half* dst = ks + wg * STILE + lane * box_rows * 64;
                 for (int q = 0; q < CHUNKS; q++) {
                     mbar_arrive_tx(bars + wg * CHUNKS + q, slot < 0 ? 0 : box_rows * 128);
