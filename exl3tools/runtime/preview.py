@@ -78,10 +78,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # row whose splits fit one cluster needs no merge launch. Right on the H200 (2026-12-04 night,
     # tests/gpu) and much slower: 128 heads batch 1 at 32k 53.9 -> 95.6 us, batch 8 233.7 -> 458.6
     # (bench/gpu_mla_cuda.py "cluster merge"), unchanged by rounding the splits down instead of up.
-    # At one block an SM (221 KiB of shared memory) fewer clusters of 8 fit at once than the
-    # splits' blocks need (a GPC holds whole clusters; the H200's GPCs are not multiples of 8
-    # SMs), so the launch takes two waves; the split count would have to come from the cluster
-    # occupancy (cuOccupancyMaxActiveClusters). It stays a preview
+    # The likely cause, not measured: at one block an SM (221 KiB of shared memory) fewer clusters
+    # of 8 fit at once than the splits' blocks need (a GPC holds whole clusters, and the H200's
+    # GPCs need not be multiples of 8 SMs), so the launch takes two waves; the split count would
+    # then have to come from cuOccupancyMaxActiveClusters. It stays a preview
     "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
     # at 128 heads, the ping-pong MLA kernel (OPT_OUTS mla_pingpong) with each key tile fetched once
     # for the two head blocks of a split and multicast into both (a cluster of the two; kernels/csrc/
