@@ -97,7 +97,7 @@ def clustered_splits(num_splits: int, chosen_here: bool) -> tuple[int, int]:
     """(splits, cluster) for the clustered launch: splits mla_decode chose itself (``chosen_here``),
     8 or more, rounded down to a multiple of MAX_CLUSTER (rounding up can add a wave of blocks); a
     caller's count kept; then cluster_size. (The clustered launch measured ~1.8x slower on the
-    H200 either way: runtime/preview.py mla_cluster says why.)"""
+    H200 either way: runtime/preview.py mla_cluster has the likely cause.)"""
     if num_splits >= MAX_CLUSTER and chosen_here:
         num_splits = num_splits // MAX_CLUSTER * MAX_CLUSTER
     return num_splits, cluster_size(num_splits)
