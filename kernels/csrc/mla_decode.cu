@@ -8,9 +8,9 @@
 // the H200 (2026-12-04) found no eligible warp in 71.5 % of cycles at 128 heads, batch 1, 32k.
 // Here two warpgroups share each staged tile. In tma_body both compute the block's scores S (64
 // heads x 64 keys, m64n64k16 from shared memory), each keeps its own copy of the softmax state, and
-// each multiplies the
-// probabilities (straight from S's registers, mma's A fragment layout) by its half of the latent
-// (m64n256k16, B N-major), so each thread holds 128 output accumulators, not 256. The next tile's
+// each multiplies the probabilities (straight from S's registers, mma's A fragment layout) by its
+// half of the latent (m64n256k16, B N-major), so each thread holds 128 output accumulators, not
+// 256. The next tile's
 // copies run beside the MMAs of this one (two stages). pp_body (below; the default, mla_cuda.split
 // pingpong) computes each tile's scores once and trades the softmax state between the warpgroups:
 // 12 % faster at 128 heads, batch 8, 32k on the H200, where the copies, not the MMAs, bound both.
@@ -88,6 +88,12 @@ __device__ __forceinline__ void tma_2d(half* dst, const CUtensorMap* map, int x,
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
                  : "memory");
+}
+
+// The first slot of a copier lane's box (``box_rows`` keys from key ``e``) of row ``bt_row`` (L keys,
+// blocks of 1 << log2bs slots), or -1 past the row (its table entry unread)
+__device__ __forceinline__ int box_slot_at(const int* __restrict__ bt_row, int e, int L, int log2bs) {
+    return e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
 }
 
 // One tile's online softmax (base 2) and latent product. s: the scores of
@@ -349,11 +355,7 @@ __device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half
     const int boxes = TN / box_rows;
     const bool copier = warp == 0 && lane < boxes;      // lane j copies rows j box_rows.. of each tile
 
-    // the first slot of this lane's box of tile it, or -1 past the row (its table entry unread)
-    auto box_slot = [&](int it) -> int {
-        const int e = it * TN + lane * box_rows;
-        return e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
-    };
+    auto box_slot = [&](int it) { return box_slot_at(bt_row, it * TN + lane * box_rows, L, log2bs); };
     auto copy_tile = [&](int slot, int st) {
         uint64_t* bar = bars + st;
         half* dst = ks + st * STILE + lane * box_rows * 64;
@@ -460,13 +462,14 @@ MLA_ENTRY_POINTS(mla_decode_tma, tma_body)
 // Here the block takes its tiles in pairs (A in key buffer 0, B in buffer 1): warpgroup 0 computes
 // S of A, warpgroup 1 S of B, and they trade the softmax state through shared memory (FlashMLA's
 // "seesaw" on Hopper, github.com/deepseek-ai/FlashMLA, read for the schedule, not copied):
-//   WG0: S_A; M0 = max(M, rowmax S_A); scale0 = 2^(M - M0); P_A; O_L *= scale0; [scale0 ready]
-//        O_L += P_A V_A,L (P from registers); [wait scale1]; P_A * scale1 -> smem; [P_A ready]
-//        O_L *= scale1; [wait P_B]; O_L += P_B V_B,L (P from shared memory)
-//   WG1: S_B; [wait scale0]; M1 = max(M0, rowmax S_B); scale1 = 2^(M0 - M1); P_B; [scale1 ready];
-//        P_B -> smem; [P_B ready]; O_R *= scale0 scale1; O_R += P_B V_B,R; [wait P_A];
-//        O_R += P_A V_A,R
-// so one warpgroup's softmax runs beside the other's MMAs. Each P (64 heads x 64 keys fp16, one
+//   WG0: S_A; M0 = max(M, rowmax S_A); scale0 = 2^(M - M0); P_A -> smem; [M0, scale0, P_A ready];
+//        O_L *= scale0; O_L += P_A V_A,L (P from registers); [wait scale1]; O_L *= scale1;
+//        [wait P_B]; O_L += P_B V_B,L (P from shared memory)
+//   WG1: S_B; [wait M0, scale0, P_A]; O_R *= scale0; O_R += P_A V_A,R (from shared memory), beside
+//        M1 = max(M0, rowmax S_B); scale1 = 2^(M0 - M1); P_B; [scale1 ready]; P_B -> smem;
+//        [P_B ready]; O_R *= scale1; O_R += P_B V_B,R (from registers)
+// so one warpgroup's softmax runs beside the other's MMAs, and A's buffer is free mid-pair (the
+// next A lands while B is multiplied). Each P (64 heads x 64 keys fp16, one
 // 128-byte-swizzled chunk) overwrites its tile's rope chunk, which only that tile's S read: shared
 // memory stays the queries and two tiles. Each chunk of a buffer has its own mbarrier, so S starts
 // on the first chunks while the last land, and each chunk is refilled as soon as its last reader
@@ -487,14 +490,13 @@ __device__ __forceinline__ void zero_rows(half* kt, int valid, int q0, int q1, i
     named_sync(BAR_WG + wg, 128);
 }
 
-// P (s, already exponentiated, times f0 / f1 for rows g / g + 8) as fp16 into a 128-byte-swizzled
-// chunk, K-major: the A operand of the other warpgroup's latent product
-__device__ __forceinline__ void store_p(half* chunk, const float (&s)[32], float f0, float f1, int r0, int t4) {
+// P (s, already exponentiated; rows r0 and r0 + 8) as fp16 into a 128-byte-swizzled chunk,
+// K-major: the A operand of the other warpgroup's latent product
+__device__ __forceinline__ void store_p(half* chunk, const float (&s)[32], int r0, int t4) {
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-        *reinterpret_cast<uint32_t*>(chunk + sw128_at(r0, j) + 2 * t4) = pack_half2(s[4 * j] * f0, s[4 * j + 1] * f0);
-        *reinterpret_cast<uint32_t*>(chunk + sw128_at(r0 + 8, j) + 2 * t4) =
-            pack_half2(s[4 * j + 2] * f1, s[4 * j + 3] * f1);
+        *reinterpret_cast<uint32_t*>(chunk + sw128_at(r0, j) + 2 * t4) = pack_half2(s[4 * j], s[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(chunk + sw128_at(r0 + 8, j) + 2 * t4) = pack_half2(s[4 * j + 2], s[4 * j + 3]);
     }
 }
 
@@ -611,11 +613,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     const int boxes = TN / box_rows;
     const bool copier = (warp & 3) == 0 && lane < boxes;   // each warpgroup's first warp: lane j, box j
 
-    // the first slot of this lane's box of tile ``it``, or -1 past the row (its table entry unread)
-    auto box_slot = [&](int it) -> int {
-        const int e = it * TN + lane * box_rows;
-        return e < L ? bt_row[e >> log2bs] * (1 << log2bs) + (e & ((1 << log2bs) - 1)) : -1;
-    };
+    auto box_slot = [&](int it) { return box_slot_at(bt_row, it * TN + lane * box_rows, L, log2bs); };
     // chunks q0..q1-1 of tile ``it`` into buffer ``buf``: each copier lane its box (one table
     // block's rows) of each chunk; a box past the row arrives with no bytes
     auto copy_chunks = [&](int it, int buf, int q0, int q1) {
@@ -708,7 +706,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 exp_pack(s, m0, m1, pa, p0, p1);
                 l0 = l0 * f0 + p0;
                 l1 = l1 * f1 + p1;
-                store_p(ka + (CHUNKS - 1) * CHUNK, s, 1.f, 1.f, r0, t4);   // P_A over A's rope chunk (S read it)
+                store_p(ka + (CHUNKS - 1) * CHUNK, s, r0, t4);   // P_A over A's rope chunk (S read it)
                 fence_async_smem();
                 __syncwarp();                              // the quad read M before its lane 0 writes
                 if (t4 == 0) {
@@ -785,7 +783,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 }
                 named_arrive(BAR_SCALE1, 256);
                 if (has_b) {
-                    store_p(kb + (CHUNKS - 1) * CHUNK, s, 1.f, 1.f, r0, t4);   // over B's rope chunk
+                    store_p(kb + (CHUNKS - 1) * CHUNK, s, r0, t4);   // over B's rope chunk
                     fence_async_smem();
                     named_arrive(BAR_P1, 256);
                 }
