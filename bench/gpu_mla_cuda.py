@@ -9,6 +9,13 @@ cluster merge; "multicast": ping-pong with EXL3TOOLS_MLA_MULTICAST (each tile co
 split's two head blocks; 128 heads, else the ping-pong kernel alone).
 
     python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--block-sizes 16,64]
+    python3 bench/gpu_mla_cuda.py --merge      # the merge alone: merge_config against a sweep
+
+--merge times the merge kernel alone (kernels/mla_attention.merge) on random partials at the rows x
+partials the kernels leave (one DeepSeek-V3 row at 32k: 128 x 64; batch 8: 1024 x 8; GLM-5's DSA
+rows: 64 x 32; batch 32: 4096 x 2): merge_config's choice beside every (CP, SC) with CP x SC <=
+8192 (4 warps; 8 too from 4096 elements), a tenth of the partials empty (lse -inf, NaN o), each
+after an L2 flush (do_bench).
 
 µs: median CUDA-graph replay (bench/gpu_bench.bench_graph); GB/s: the latent bytes read once
 (B x keys x 576 x 2) over the time; roofline: that against 4.26 TB/s; err: max |kernel - reference|
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,12 +67,50 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool, bs: int = BS) -> dict:
     return row
 
 
+MERGE_SHAPES = ((128, 64), (1024, 8), (64, 32), (4096, 2))
+
+
+def merge_sweep() -> None:
+    from exl3tools.kernels.mla_attention import merge, merge_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| rows | partials | merge_config (CP, SC) | its µs | best (CP, SC, warps) | best µs | (128, 16, 4) µs |")
+    print("|---|---|---|---|---|---|---|")
+    for rows, parts in MERGE_SHAPES:
+        g = torch.Generator("cuda").manual_seed(rows)
+        po = torch.randn(1, rows, parts, C, device="cuda", generator=g)
+        plse = torch.randn(1, rows, parts, device="cuda", generator=g) * 4
+        empty = torch.rand(1, rows, parts, device="cuda", generator=g) < 0.1
+        plse[empty], po[empty] = float("-inf"), float("nan")
+        out = torch.empty(1, rows, C, device="cuda")
+        ref = merge(po, plse, out, (C, 1)).clone()
+        times = {}
+        for cp in (32, 64, 128, 512):
+            for sc in (1 << i for i in range(7)):
+                if sc > 2 * parts or cp * sc > 8192:
+                    continue
+                for warps in (4, 8) if cp * sc >= 4096 else (4,):
+                    merge(po, plse, out, (cp, sc), warps)
+                    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6), (cp, sc, warps)
+                    times[cp, sc, warps] = bench_graph(partial(merge, po, plse, out, (cp, sc), warps))
+        cfg = merge_config(rows, parts, C, sms)
+        if (*cfg, 4) not in times:
+            times[(*cfg, 4)] = bench_graph(partial(merge, po, plse, out, cfg, 4))
+        best = min(times, key=times.get)
+        print(f"| {rows} | {parts} | {cfg} | {times[(*cfg, 4)]:.1f} | {best} | {times[best]:.1f} | "
+              f"{times.get((128, 16, 4), float('nan')):.1f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="H,B,CTX,SEL (SEL 1: a 2048-key selection) separated by ;")
     ap.add_argument("--block-sizes", default=str(BS), help="the cache's block sizes to time, comma-separated "
                     "(a TMA copy is one block's rows: 16 rows x 128 bytes at 16)")
+    ap.add_argument("--merge", action="store_true", help="time the merge alone (module doc) and exit")
     a = ap.parse_args()
+    if a.merge:
+        merge_sweep()
+        return 0
     print("| bs | H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | ping-pong µs | "
           "ping-pong + cluster µs | multicast µs | err triton | err cuda | err cluster | err ping-pong | "
           "err pp + cluster | err multicast |")

@@ -51,8 +51,8 @@ PRECISION = os.environ.get("EXL3TOOLS_MLA_PRECISION", "ieee")
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
-MERGE_CHUNK = 16         # splits per merge step (16 x MERGE_SLICE fp32 per step)
-MERGE_SLICE = 128        # latent channels per merge program
+MERGE_ELEMS = 4096       # fp32 partial elements a merge program loads a step (32 a thread at 4 warps)
+MERGE_SLICE = 128        # latent channels a merge program takes at most where the rows are few
 NUM_STAGES = 2           # the split kernel's pipeline depth (64 x 64 fp16 tiles: 72 KiB of keys a stage)
 Q16_MIN_HB = 64          # fp16 planes from this head block: the queries go in as fp16 (mla_decode)
 SPLIT_OVERHEAD_TILES = 2  # default_num_splits: a program's query load and partial store, in key tiles
@@ -184,9 +184,7 @@ if triton is not None:
 
     @triton.jit
     def _mla_merge_kernel(po_ptr, plse_ptr, out_ptr, num_splits, C, CP: tl.constexpr, SC: tl.constexpr):
-        # one program per row and CP-wide slice of the latent (grid (B * H, cdiv(C, CP))); slices
-        # only where the rows are few: at one GLM-5 row over a DSA selection 7.5 -> 6.2 us (H200 ncu,
-        # 64 rows x 4 slices), at one DeepSeek-V3 row at 32k 12.7 -> 12.5 (its 16.8 MB of partials)
+        # one program per row and CP-wide slice of the latent (grid (B * H, cdiv(C, CP)), merge_config)
         row = tl.program_id(0).to(tl.int64)       # b * H + h
         c = tl.program_id(1) * CP + tl.arange(0, CP)
         cmask = c < C
@@ -197,12 +195,15 @@ if triton is not None:
             s = c0 + tl.arange(0, SC)
             smask = s < num_splits
             lse = tl.load(plse_ptr + row * num_splits + s, mask=smask, other=float("-inf"))
+            # the partials load beside their lse, not masked by it (one memory round trip a step,
+            # not two); an empty split wrote no o, so what its slot holds is dropped, not weighted
+            o = tl.load(po_ptr + (row * num_splits + s)[:, None] * C + c[None, :],
+                        mask=smask[:, None] & cmask[None, :], other=0.0)
+            o = tl.where((lse > float("-inf"))[:, None], o, 0.0)
             m_new = tl.maximum(m, tl.max(lse, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_safe)
             w = tl.exp2(lse - m_safe)
-            o = tl.load(po_ptr + (row * num_splits + s)[:, None] * C + c[None, :],    # not the empty splits'
-                        mask=(smask & (lse > float("-inf")))[:, None] & cmask[None, :], other=0.0)
             acc = acc * alpha + tl.sum(w[:, None] * o, 0)
             den = den * alpha + tl.sum(w, 0)
             m = m_new
@@ -387,11 +388,33 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
             CP=cp, RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
             PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
-        # few rows (B x H under two programs an SM; always on the interpreter, so the CPU tests
-        # cover the slices): the merge in latent slices too (_mla_merge_kernel)
-        mc = cp if sms is not None and B * H >= 2 * sms else min(cp, MERGE_SLICE)
-        _mla_merge_kernel[(B * H, triton.cdiv(C, mc))](po, plse, out, parts, C, CP=mc,
-                                                       SC=min(_pow2(parts), MERGE_CHUNK), num_warps=4)
+        merge(po, plse, out, merge_config(B * H, parts, C, sms))
+    return out
+
+
+def merge_config(rows: int, parts: int, C: int, sms: int | None) -> tuple[int, int]:
+    """(CP latent channels a merge program, SC partials it loads a step) for ``rows`` rows of
+    ``parts`` partials: a step loads at most MERGE_ELEMS fp32. Where the rows are few (under two
+    programs an SM; always on the interpreter, so the CPU tests cover the slices) the programs
+    take slices of the latent and every partial in one step; else whole rows. At one DeepSeek-V3 row
+    at 32k (128 rows x 64 partials, 16.8 MB) 128-channel slices loading 16 partials a step (their
+    offsets waiting on the lse) merged in 12.5 µs (H200 ncu)."""
+    cp = max(16, _pow2(C))
+    sc = _pow2(parts)
+    if sms is not None and rows >= 2 * sms:
+        return cp, max(1, min(sc, MERGE_ELEMS // cp))
+    sc = min(sc, MERGE_ELEMS // 16)
+    return max(16, min(cp, MERGE_SLICE, MERGE_ELEMS // sc)), sc
+
+
+def merge(po: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, config: tuple[int, int],
+          num_warps: int = 4) -> torch.Tensor:
+    """``out`` (B, H, C) from the splits' partials ``po`` (B, H, parts, C) and ``plse`` (B, H, parts),
+    base-2 lse, -inf for a split that attended to nothing (its ``po`` slot is never read as a
+    number); ``config`` (CP, SC): merge_config."""
+    B, H, parts, C = po.shape
+    cp, sc = config
+    _mla_merge_kernel[(B * H, triton.cdiv(C, cp))](po, plse, out, parts, C, CP=cp, SC=sc, num_warps=num_warps)
     return out
 
 

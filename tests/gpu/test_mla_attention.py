@@ -223,6 +223,44 @@ def test_mla_decode_min_split_tiles(dev, min_tiles, dsa):
     assert err < 1e-3, (min_tiles, dsa, err)
 
 
+@pytest.mark.parametrize("config", [None, (16, 2), (32, 8)], ids=["default", "16x2", "32x8"])
+def test_mla_merge_drops_what_empty_splits_left(dev, config):
+    """The merge against torch on partials whose empty splits (lse -inf) left NaN in their o slots
+    (they write none): those slots are dropped, not weighted by 0 (NaN x 0 is NaN); a row whose
+    splits are all empty merges to zeros; slices of the latent and several steps (config)."""
+    from exl3tools.kernels.mla_attention import merge, merge_config
+
+    gen = torch.Generator().manual_seed(3)
+    B, H, parts, C = 2, 3, 11, 48
+    po = torch.randn(B, H, parts, C, generator=gen)
+    plse = torch.randn(B, H, parts, generator=gen) * 4
+    empty = torch.rand(B, H, parts, generator=gen) < 0.3
+    empty[1, 2] = True
+    plse[empty] = float("-inf")
+    po[empty] = float("nan")
+    w = torch.exp2(plse - plse.amax(-1, keepdim=True).nan_to_num(neginf=0.0))
+    want = (w[..., None] * po.nan_to_num()).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    out = torch.full((B, H, C), float("nan"), device=dev)
+    merge(po.to(dev), plse.to(dev), out, config or merge_config(B * H, parts, C, None))
+    got = out.cpu()
+    assert torch.equal(got[1, 2], torch.zeros(C))
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_merge_config_takes_every_partial_in_one_step_where_rows_are_few():
+    """Few rows (one DeepSeek-V3 row: 128 heads x 64 partials): latent slices loading every
+    partial at once, within MERGE_ELEMS; many rows: whole rows, partials in steps."""
+    from exl3tools.kernels.mla_attention import MERGE_ELEMS, merge_config
+
+    assert merge_config(128, 64, 512, 132) == (64, 64)
+    assert merge_config(128, 3, 160, None) == (128, 4)    # the interpreter: slices (CPU coverage)
+    assert merge_config(1024, 8, 512, 132) == (512, 8)
+    assert merge_config(1024, 16, 512, 132) == (512, 8)   # two steps
+    for rows, parts in ((1, 64), (64, 33), (4096, 2), (300, 64)):
+        cp, sc = merge_config(rows, parts, 512, 132)
+        assert cp * sc <= MERGE_ELEMS and sc & (sc - 1) == 0 and cp & (cp - 1) == 0
+
+
 def test_wide_head_blocks_where_programs_fill_the_gpu(monkeypatch):
     """64 heads a program (fp16 queries) where B x head blocks x splits reaches
     WIDE_HEAD_PROGRAMS x the SMs, else 32 (the H200 sweep's crossover); never without B."""
