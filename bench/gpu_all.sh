@@ -58,6 +58,9 @@ if [[ $STAGES == *tests* ]]; then
   # on ("EXL3TOOLS_X=1 ..."), so tests/gpu checks them; tests that need a switch either way set it
   PREVIEW=${PREVIEW-$(python3 -c "from exl3tools.runtime.preview import SWITCHES as S; print(' '.join(v + '=1' for v in S.values()))")}
   el "tests/gpu with preview switches: ${PREVIEW:-none}"
+  # the cubins a build-time preview names apart (EXL3TOOLS_GEMV_HALVES), once here, not in every worker
+  env ${PREVIEW:-} python3 -m exl3tools.kernels.cuda_build > "$L/cubins_preview.log" 2>&1
+  el "preview cubins: $(tail -n 1 "$L/cubins_preview.log")"
   # CPU threads per test worker: the CPU reference halves of the tests (fixture forwards) ran with
   # torch's default of one thread per core in each of TEST_JOBS workers, every pool spinning
   # against the others (the Makefile's CPU suite: 62 s -> 24 s for two files when limited)

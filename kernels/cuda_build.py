@@ -63,8 +63,19 @@ def _cached(stem: str, src: Path, defines: tuple[str, ...]) -> Path:
     return cache_dir() / f"{stem}_{key}.cubin"
 
 
+def halves(cb: int) -> bool:
+    """The EXL3TOOLS_GEMV_HALVES preview (runtime/preview.py gemv_halves, exl3_gemv.cu HALVES) for
+    codebook id ``cb``: 3INST and MCG only, and never in batch-invariant runs (the 8-row kernels'
+    arithmetic would then differ from the wider ones', so a row's result from the batch it is in).
+    A build define: a process reads it when it first builds or loads a module."""
+    from exl3tools.runtime import invariance, preview  # torch-free
+
+    return cb != CODEBOOKS["mul1"] and preview.switched_on("gemv_halves") and not invariance.on()
+
+
 def cubin_path(k2: int, cb: int) -> Path:
-    return _cached(f"exl3_gemv_k{k2}_c{cb}", SRC, (k2, cb))
+    # the default's cache key stays (k2, cb), so earlier prebuilt folders still serve it
+    return _cached(f"exl3_gemv_k{k2}_c{cb}", SRC, (k2, cb, "halves") if halves(cb) else (k2, cb))
 
 
 def mla_cubin_path() -> Path:
@@ -73,7 +84,7 @@ def mla_cubin_path() -> Path:
 
 def build(k2: int, cb: int) -> Path:
     """The cubin for (K2, codebook id), compiled now if it is not cached yet."""
-    return _compile(cubin_path(k2, cb), SRC, (f"-DK2={k2}", f"-DCB={cb}"))
+    return _compile(cubin_path(k2, cb), SRC, (f"-DK2={k2}", f"-DCB={cb}", *(("-DHALVES=1",) if halves(cb) else ())))
 
 
 def build_mla() -> Path:

@@ -35,7 +35,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from exl3tools.kernels.cuda_build import CODEBOOKS, build
+from exl3tools.kernels.cuda_build import CODEBOOKS, build, halves
 from exl3tools.kernels.cuda_driver import Module, driver
 
 from exl3tools.errors import UsageError
@@ -98,7 +98,9 @@ def module(width: int, codebook: str, device) -> Module:
         raise UsageError(f"illegal trellis width {width}")
     if codebook not in CODEBOOKS:
         raise UsageError(f"unknown codebook {codebook!r}")
-    key = (width // 8, CODEBOOKS[codebook], device.index)
+    # the build-time preview is part of the key: a batch-invariant run never gets a HALVES module
+    # that a run without the mode loaded earlier in the process (cuda_build.halves)
+    key = (width // 8, CODEBOOKS[codebook], device.index, halves(CODEBOOKS[codebook]))
     m = _modules.get(key)
     if m is None:
         with _lock:

@@ -84,3 +84,32 @@ def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
     # ptxas serialises the warpgroup MMAs where it cannot prove their accumulators untouched (a
     # branch between two MMAs of one chain): each MMA would wait for the one before
     assert "C7520" not in res.stderr, res.stderr[-2000:]
+
+
+def test_the_halves_preview_names_its_own_cubins_for_3inst_and_mcg(monkeypatch):
+    """EXL3TOOLS_GEMV_HALVES builds 3INST / MCG modules with -DHALVES=1 under their own cache names;
+    MUL1's and the default's names do not move (earlier prebuilt cubin folders keep serving them);
+    batch-invariant runs keep the default."""
+    from exl3tools.kernels import cuda_build
+
+    monkeypatch.delenv("EXL3TOOLS_GEMV_HALVES", raising=False)
+    off = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
+    monkeypatch.setenv("EXL3TOOLS_GEMV_HALVES", "1")
+    on = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
+    assert on[0] != off[0] and on[1] != off[1] and on[2] == off[2]
+    monkeypatch.setenv("EXL3TOOLS_BATCH_INVARIANT", "1")     # one arithmetic for every row count
+    assert {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)} == off
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
+@pytest.mark.parametrize("cb", [0, 1])
+def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
+    """exl3_gemv.cu with -DHALVES=1 (3INST, MCG): the 8-row gemv kernels compile for sm_90a without
+    spills (a tile takes two MMAs there: the halves as k entries)."""
+    from exl3tools.kernels import cuda_build
+
+    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
+                          str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]

@@ -64,6 +64,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # GLM-5 shape with --speculative-tokens 3 at 32 streams (128-row steps) served 851 tok/s either
     # way (steps 34.5 vs 35.5 ms): no served gain measured, so it stays a preview
     "dense_tiles": "EXL3TOOLS_DENSE_TILES",
+    # 3INST / MCG linears of up to 8 rows (a slot): the MMA adds the two fp16 halves of each hashed
+    # state (the state's half2 as two k entries of the A fragment, each activation fed twice), not
+    # two PRMTs and an HADD2 a pair of weights (kernels/csrc/exl3_gemv.cu HALVES; a build define, so
+    # read when a module is first built or loaded: kernels/cuda_build.halves). The weight's sum is
+    # then exact in fp32 instead of rounded to fp16. sm_90a SASS of the 1-row kernel (K 3, 3INST):
+    # 1112 -> 992 instructions, 80 -> 78 registers (the input-pass kernel 96 -> 72). Not yet run
+    "gemv_halves": "EXL3TOOLS_GEMV_HALVES",
     # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
     # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
     # register operand while the activations stream through shared memory, instead of decode +

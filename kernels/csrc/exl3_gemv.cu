@@ -25,6 +25,9 @@
 #ifndef CB
 #define CB 2
 #endif
+#ifndef HALVES
+#define HALVES 0   // 1: the EXL3TOOLS_GEMV_HALVES preview (3INST / MCG, gemv_body at 8 rows; cuda_build)
+#endif
 
 namespace {
 
@@ -141,6 +144,21 @@ __device__ __forceinline__ uint32_t pair(const Consts& k, uint32_t s0, uint32_t 
     return *reinterpret_cast<uint32_t*>(&v);
 #endif
 }
+
+#if HALVES && CB != 2
+// 3INST / MCG: a weight is the fp16 sum of the two halves of its hashed state (pair's HADD2). With
+// HALVES the MMA adds them instead: the state's half2 goes into the A fragment as two k entries and
+// the activation goes in twice (gemv_body), so a tile takes two MMAs and no PRMT / HADD2 (two
+// PRMTs and an HADD2 a pair saved, four PRMTs a k-step for the duplicated activations spent).
+// The sum is then exact in the fp32 accumulator, where pair rounds it to fp16 first.
+__device__ __forceinline__ uint32_t halves(const Consts& k, uint32_t s) {
+#if CB == 0
+    return and_flip(s * 89226354u + 64248484u, k.mask);
+#else
+    return and_flip(s * 0xCBAC1FEDu, k.mask);
+#endif
+}
+#endif
 
 // B fragments of one tile: b[0], b[1] for columns 0-7, b[2], b[3] for columns 8-15 (§5.5).
 __device__ __forceinline__ void decode_tile(const Consts& k, const uint32_t (&w)[NL], int off, uint32_t (&b)[4]) {
@@ -361,13 +379,36 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
     };
     auto step = [&](int p) {
+#if HALVES && CB != 2
+        if constexpr (MB == 1) {
+            // states s0..s7 sit at (n g, k 2t), (g, 2t+1), (g, 2t+8), (g, 2t+9), then n g+8 alike;
+            // each state's halves fill the two k entries of one A register (the first MMA: k 2t in
+            // entries 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9) and each
+            // activation fills both matching B entries
+            const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
+            const uint32_t xd[4] = {__byte_perm(x0, 0, 0x1010), __byte_perm(x0, 0, 0x3232),
+                                    __byte_perm(x1, 0, 0x1010), __byte_perm(x1, 0, 0x3232)};
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-            uint32_t b[4];
-            decode_tile(kc, wb[p][j], off, b);
-            const uint32_t a[4] = {b[0], b[2], b[1], b[3]};   // (n g | g+8) x (k 2t.. | 2t+8..)
+            for (int j = 0; j < NT; j++) {
+                uint32_t st[8], h[8];
+                lane_states(wb[p][j], off, st);
 #pragma unroll
-            for (int mb = 0; mb < MB; mb++) mma(c[mb][j], a, xb[p][mb][0], xb[p][mb][1]);
+                for (int q = 0; q < 8; q++) h[q] = halves(kc, st[q]);
+                const uint32_t a0[4] = {h[0], h[4], h[1], h[5]}, a1[4] = {h[2], h[6], h[3], h[7]};
+                mma(c[0][j], a0, xd[0], xd[1]);
+                mma(c[0][j], a1, xd[2], xd[3]);
+            }
+        } else
+#endif
+        {
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                uint32_t b[4];
+                decode_tile(kc, wb[p][j], off, b);
+                const uint32_t a[4] = {b[0], b[2], b[1], b[3]};   // (n g | g+8) x (k 2t.. | 2t+8..)
+#pragma unroll
+                for (int mb = 0; mb < MB; mb++) mma(c[mb][j], a, xb[p][mb][0], xb[p][mb][1]);
+            }
         }
     };
     const int count = live ? i1 - i0 : 0;
