@@ -2,11 +2,9 @@
 against the CUDA one (TMA copies, wgmma: kernels/csrc/mla_decode.cu, EXL3TOOLS_MLA_CUDA), each with
 the merge, on fp16 planes as serve keeps them (C 512, rope 64, block size 16), at the shapes
 DeepSeek-V3 (128 heads, dense) and GLM-5 (64 heads, a 2048-key DSA selection) decode. Rows with a
-selection take Triton either way (mla_decode), so their columns time the same kernel. "cluster
-merge": the CUDA kernel with EXL3TOOLS_MLA_CLUSTER (clusters of splits merging their partials);
-"ping-pong": with EXL3TOOLS_MLA_PINGPONG (each tile's scores by one warpgroup), alone and with the
-cluster merge; "multicast": ping-pong with EXL3TOOLS_MLA_MULTICAST (each tile copied once for a
-split's two head blocks; 128 heads, else the ping-pong kernel alone).
+selection take Triton either way (mla_decode), so their columns time the same kernel. "cuda": the
+CUDA kernel computing each tile's scores on both warpgroups (EXL3TOOLS_MLA_PINGPONG=0); "ping-pong":
+each tile's scores by one warpgroup (the default).
 
     python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--block-sizes 16,64]
     python3 bench/gpu_mla_cuda.py --merge      # the merge alone: merge_config against a sweep
@@ -56,11 +54,8 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool, bs: int = BS) -> dict:
 
     ref = mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel)
     row = {}
-    for name, cuda, cluster, pp, mc in (("triton", "0", "0", "0", "0"), ("cuda", "1", "0", "0", "0"),
-                                        ("cluster", "1", "1", "0", "0"), ("pp", "1", "0", "1", "0"),
-                                        ("pp_cluster", "1", "1", "1", "0"), ("pp_mc", "1", "0", "1", "1")):
-        os.environ["EXL3TOOLS_MLA_CUDA"], os.environ["EXL3TOOLS_MLA_CLUSTER"] = cuda, cluster
-        os.environ["EXL3TOOLS_MLA_PINGPONG"], os.environ["EXL3TOOLS_MLA_MULTICAST"] = pp, mc
+    for name, cuda, pp in (("triton", "0", "0"), ("cuda", "1", "0"), ("pp", "1", "1")):
+        os.environ["EXL3TOOLS_MLA_CUDA"], os.environ["EXL3TOOLS_MLA_PINGPONG"] = cuda, pp
         got = call().clone()
         row[f"err_{name}"] = ((got - ref).abs().max() / ref.abs().max()).item()
         row[name] = bench_graph(call)
@@ -111,20 +106,17 @@ def main() -> int:
     if a.merge:
         merge_sweep()
         return 0
-    print("| bs | H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | cluster merge µs | ping-pong µs | "
-          "ping-pong + cluster µs | multicast µs | err triton | err cuda | err cluster | err ping-pong | "
-          "err pp + cluster | err multicast |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| bs | H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | ping-pong µs | "
+          "err triton | err cuda | err ping-pong |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bs, shape in ((int(b), sh) for b in a.block_sizes.split(",") for sh in a.shapes.split(";")):
         H, B, ctx, use_sel = (int(v) for v in shape.split(","))
         row = time_shape(H, B, ctx, bool(use_sel), bs)
         keys = B * (TOPK if use_sel else ctx)
         gbps = keys * (C + R) * 2 / (row["cuda"] * 1e-6) / 1e9
         print(f"| {bs} | {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
-              f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['cluster']:.1f} | "
-              f"{row['pp']:.1f} | {row['pp_cluster']:.1f} | {row['pp_mc']:.1f} | {row['err_triton']:.1e} | "
-              f"{row['err_cuda']:.1e} | {row['err_cluster']:.1e} | {row['err_pp']:.1e} | {row['err_pp_cluster']:.1e} | "
-              f"{row['err_pp_mc']:.1e} |", flush=True)
+              f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['pp']:.1f} | "
+              f"{row['err_triton']:.1e} | {row['err_cuda']:.1e} | {row['err_pp']:.1e} |", flush=True)
         torch.cuda.empty_cache()
     return 0
 

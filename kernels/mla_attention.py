@@ -284,7 +284,7 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, 
 
 def _switched_on(name: str) -> bool:
     """runtime/preview.py's switch ``name`` (mla_wide_tiles, mla_wave_splits, mla_cuda,
-    mla_cluster, mla_pingpong, mla_multicast), read per call so tests can flip it."""
+    mla_pingpong), read per call so tests can flip it."""
     from exl3tools.runtime import preview  # torch-free
 
     return preview.switched_on(name)
@@ -360,24 +360,17 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     splits = num_splits or default_num_splits(B, hchunks, entries, tn, sms,
                                               one_per_sm=cuda or (ckv.dtype == torch.float16 and hb >= 32
                                                                   and tn >= 64 and _switched_on("mla_wave_splits")))
-    # the CUDA kernel's clusters merge their splits before they leave (the EXL3TOOLS_MLA_CLUSTER preview)
-    cluster = 1
-    if cuda and _switched_on("mla_cluster"):
-        splits, cluster = mla_cuda.clustered_splits(splits, chosen_here=not num_splits)
-    parts = splits // cluster               # partials a row for the merge kernel
-    direct = parts == 1
+    direct = splits == 1
     if direct:
         po = plse = out
     else:
-        po = torch.empty(B, H, parts, C, device=q_lat.device, dtype=torch.float32)
-        plse = torch.empty(B, H, parts, device=q_lat.device, dtype=torch.float32)
+        po = torch.empty(B, H, splits, C, device=q_lat.device, dtype=torch.float32)
+        plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
     s = sel if sel is not None else context_lens
     if cuda:
-        pingpong = _switched_on("mla_pingpong")
         mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, out, po, plse,
-                       float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)), cluster,
-                       pingpong=pingpong, multicast=pingpong and cluster == 1 and mla_cuda.multicasts(H)
-                       and _switched_on("mla_multicast"))
+                       float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)),
+                       pingpong=_switched_on("mla_pingpong"))
     else:
         _mla_split_kernel[(B, hchunks, splits)](
             q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,
@@ -388,7 +381,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
             CP=cp, RP=max(16, _pow2(R)), HB=hb, BS=ckv.shape[1], TN=tn, HAS_SEL=sel is not None,
             PREC=prec, DIRECT=direct, SPLIT_DOTS=split_dots, num_warps=warps, num_stages=num_stages or NUM_STAGES)
     if not direct:
-        merge(po, plse, out, merge_config(B * H, parts, C, sms))
+        merge(po, plse, out, merge_config(B * H, splits, C, sms))
     return out
 
 

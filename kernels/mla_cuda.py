@@ -22,11 +22,9 @@ HEADS = 64            # heads a block (one wgmma M)
 KEYS = 64             # keys a staged tile
 LATENT, ROPE = 512, 64
 THREADS = 256         # two warpgroups
-MAX_CLUSTER = 8       # splits a thread-block cluster merges at most (the portable cluster size)
 SMEM = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 16   # queries, two key stages, alignment, barriers
-# the ping-pong kernel: the same, its rows' softmax state (5 x 64 floats), a barrier a buffer chunk
-# and (multicast) four release counters
-SMEM_PP = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 5 * HEADS * 4 + 2 * (LATENT + ROPE) // 64 * 8 + 16
+# the ping-pong kernel: the same, its rows' softmax state (5 x 64 floats) and a barrier a buffer chunk
+SMEM_PP = 3 * KEYS * (LATENT + ROPE) * 2 + 1024 + 5 * HEADS * 4 + 2 * (LATENT + ROPE) // 64 * 8
 
 _lock = threading.Lock()
 _modules: dict[int, Module] = {}
@@ -93,59 +91,21 @@ def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
     return m
 
 
-def clustered_splits(num_splits: int, chosen_here: bool) -> tuple[int, int]:
-    """(splits, cluster) for the clustered launch: splits mla_decode chose itself (``chosen_here``),
-    8 or more, rounded down to a multiple of MAX_CLUSTER (rounding up can add a wave of blocks); a
-    caller's count kept; then cluster_size. (The clustered launch measured ~1.8x slower on the
-    H200 either way: runtime/preview.py mla_cluster has the likely cause.)"""
-    if num_splits >= MAX_CLUSTER and chosen_here:
-        num_splits = num_splits // MAX_CLUSTER * MAX_CLUSTER
-    return num_splits, cluster_size(num_splits)
-
-
-def cluster_size(num_splits: int) -> int:
-    """Splits a cluster merges (kernels/csrc/mla_decode.cu merge_cluster): the largest power of two
-    up to MAX_CLUSTER dividing ``num_splits`` (1: no cluster)."""
-    cs = 1
-    while cs < MAX_CLUSTER and num_splits % (2 * cs) == 0:
-        cs *= 2
-    return cs
-
-
-def multicasts(heads: int) -> bool:
-    """Whether a launch over ``heads`` heads can take the multicast kernel: two head blocks a split
-    (a cluster of 2 blocks that read the same keys)."""
-    return heads == 2 * HEADS
-
-
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
-          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int, cluster: int = 1,
-          pingpong: bool = False, multicast: bool = False) -> None:
+          plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int,
+          pingpong: bool = False) -> None:
     """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
     64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
     the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
-    ``cluster`` > 1 (cluster_size): clusters of that many splits merge before they leave, so
-    ``po`` / ``plse`` hold num_splits / cluster partials a row (one: ``out`` itself). ``pingpong``:
-    the kernel that computes each tile's scores once (mla_decode.cu pp_body), same contract;
-    ``multicast`` (``multicasts``): that kernel with each key tile copied once for the two head
-    blocks of a split, launched in clusters of those two."""
+    ``pingpong``: the kernel that computes each tile's scores once (mla_decode.cu pp_body), same
+    contract."""
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
-    head = (q_lat, q_pe, _plane_map(ckv, box), _plane_map(kpe, box), block_tables, context_lens, out, po, plse,
-            float(qk_scale), num_splits, min_split_tiles, H)
-    tail = (bs.bit_length() - 1, box, block_tables.stride(0))
-    grid = (hchunks * num_splits, B)
     kernel, smem = ("mla_decode_pp", SMEM_PP) if pingpong else ("mla_decode_tma", SMEM)
-    if multicast:
-        if not (pingpong and cluster == 1 and multicasts(H)):
-            raise ValueError("the multicast kernel is the ping-pong one over 128 heads, without split clusters")
-        _module(q_lat.device).launch("mla_decode_pp_mc", grid, THREADS, *head, hchunks, *tail, int(num_splits == 1),
-                                     smem=smem, cluster=2)
-    elif cluster > 1:
-        _module(q_lat.device).launch(f"{kernel}_cluster", grid, THREADS, *head, *tail, cluster, smem=smem,
-                                     cluster=cluster)
-    else:
-        _module(q_lat.device).launch(kernel, grid, THREADS, *head, hchunks, *tail, int(num_splits == 1), smem=smem)
+    _module(q_lat.device).launch(kernel, (hchunks * num_splits, B), THREADS, q_lat, q_pe, _plane_map(ckv, box),
+                                 _plane_map(kpe, box), block_tables, context_lens, out, po, plse, float(qk_scale),
+                                 num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box,
+                                 block_tables.stride(0), int(num_splits == 1), smem=smem)

@@ -78,24 +78,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
-    # the CUDA MLA decode kernel (OPT_OUTS mla_cuda) launched in thread-block clusters of up to 8
-    # splits of one head block that merge their partials over distributed shared memory before they
-    # leave (kernels/csrc/mla_decode.cu merge_cluster), so the merge kernel reads 8x fewer partials
-    # (at 128 heads, batch 1 and 64 splits it read 16.8 MB: ~12 of the 54.6 us on the H200) and a
-    # row whose splits fit one cluster needs no merge launch. Right on the H200 (2026-12-04 night,
-    # tests/gpu) and much slower: 128 heads batch 1 at 32k 53.9 -> 95.6 us, batch 8 233.7 -> 458.6
-    # (bench/gpu_mla_cuda.py "cluster merge"), unchanged by rounding the splits down instead of up.
-    # The likely cause, not measured: at one block an SM (221 KiB of shared memory) fewer clusters
-    # of 8 fit at once than the splits' blocks need (a GPC holds whole clusters, and the H200's
-    # GPCs need not be multiples of 8 SMs), so the launch takes two waves; the split count would
-    # then have to come from cuOccupancyMaxActiveClusters. It stays a preview
-    "mla_cluster": "EXL3TOOLS_MLA_CLUSTER",
-    # at 128 heads, the ping-pong MLA kernel (OPT_OUTS mla_pingpong) with each key tile fetched once
-    # for the two head blocks of a split and multicast into both (a cluster of the two; kernels/csrc/
-    # mla_decode.cu pp_body MC): the kernel is bound by its copies (ncu, H200 2026-12-04 night:
-    # each SM fills ~22 GB/s of shared memory, every tile read by both head blocks). Written after
-    # that session's device time was spent: not yet run on a GPU
-    "mla_multicast": "EXL3TOOLS_MLA_MULTICAST",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -183,138 +183,6 @@ __device__ __forceinline__ void store_rows(const float (&o)[128], SoftmaxState s
     }
 }
 
-// thread-block clusters: distributed shared memory (mla_decode_tma_cluster)
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// the address of ``p`` (this block's shared memory) in block ``rank`` of the cluster
-__device__ __forceinline__ uint32_t cluster_addr(const void* p, unsigned rank) {
-    uint32_t a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
-    return a;
-}
-__device__ __forceinline__ float ld_cluster(uint32_t a) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ float4 ld_cluster4(uint32_t a) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a) : "memory");
-    return v;
-}
-
-// a TMA tensor copy into the same shared-memory offset of every block of the cluster in ``ctas``
-// (a bit a rank), each block's mbarrier at ``bar``'s offset told its bytes
-__device__ __forceinline__ void tma_2d_multicast(half* dst, const CUtensorMap* map, int x, int y, uint64_t* bar,
-                                                 uint16_t ctas) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3}], [%4], %5;\n"
-                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar)),
-                 "h"(ctas)
-                 : "memory");
-}
-// atomic add on a cluster shared-memory address (cluster_addr). Relaxed: the releasing block's reads
-// of the chunks are complete (its MMAs waited for) before it counts, and the copies the count
-// decides depend on its value; acq_rel compiled to GPU-wide fences and a cache invalidation.
-__device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t v) {
-    uint32_t old;
-    asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v) : "memory");
-    return old;
-}
-
-constexpr int MAX_CLUSTER = 8;                // splits a cluster merges (portable cluster size)
-constexpr int OSTRIDE = C + 4;                // floats a row of a block's staged O (padded)
-
-// The splits of one cluster (``cs`` consecutive splits of one head block) merged before they leave:
-// each block stages its unnormalised O (64 x 512 fp32, over its free key stages) and its rows'
-// (m, l); then block ``rank`` of the cluster merges columns rank * 512 / cs .. of every row from
-// all cs blocks' shared memory (the softmax merge of _mla_merge_kernel) and writes one partial,
-// ``part`` of ``parts`` (one part: the normalised output itself).
-__device__ __forceinline__ void merge_cluster(const float (&o)[128], SoftmaxState st, float* stage, int cs,
-                                              float* __restrict__ out, float* __restrict__ po,
-                                              float* __restrict__ plse, size_t row0, int part, int parts) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-        st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, x);
-        st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, x);
-    }
-    float* ob = stage;                                   // [64][OSTRIDE]
-    float* rs = stage + HB * OSTRIDE;                    // m [64], l [64]
-    const int r0 = 16 * (warp & 3) + g, r1 = r0 + 8;
-    __syncthreads();                                     // every warp is done with the key stages
-#pragma unroll
-    for (int j = 0; j < 32; j++) {
-        const int c = 256 * wg + 8 * j + 2 * t4;
-        *reinterpret_cast<float2*>(ob + r0 * OSTRIDE + c) = make_float2(o[4 * j], o[4 * j + 1]);
-        *reinterpret_cast<float2*>(ob + r1 * OSTRIDE + c) = make_float2(o[4 * j + 2], o[4 * j + 3]);
-    }
-    if (wg == 0 && t4 == 0) {
-        rs[r0] = st.m0;
-        rs[r1] = st.m1;
-        rs[HB + r0] = st.l0;
-        rs[HB + r1] = st.l1;
-    }
-    cluster_sync();                                      // every block's O and (m, l) are staged
-    const unsigned rank = cluster_rank();
-    const int row = threadIdx.x >> 2, quarter = threadIdx.x & 3;   // 4 threads a row
-    const int width = C / cs / 4;                        // columns a thread: 16-64
-    const int c0 = rank * (C / cs) + quarter * width;
-    float m[MAX_CLUSTER], w[MAX_CLUSTER], M = NEG_INF;
-#pragma unroll
-    for (int k = 0; k < MAX_CLUSTER; k++)
-        if (k < cs) {
-            m[k] = ld_cluster(cluster_addr(rs + row, k));
-            M = fmaxf(M, m[k]);
-        }
-    const float Ms = M == NEG_INF ? 0.f : M;
-    float lsum = 0.f;
-#pragma unroll
-    for (int k = 0; k < MAX_CLUSTER; k++)
-        if (k < cs) {
-            w[k] = exp2f(m[k] - Ms);                     // an empty split (m -inf): 0
-            lsum += w[k] * ld_cluster(cluster_addr(rs + HB + row, k));
-        }
-    const float inv = lsum > 0.f ? 1.f / lsum : 1.f;
-    const size_t grow = row0 + row;
-    float* dst = parts == 1 ? out + grow * C : po + (grow * parts + part) * C;
-    for (int c = c0; c < c0 + width; c += 4) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int k = 0; k < MAX_CLUSTER; k++)
-            if (k < cs) {
-                const float4 v = ld_cluster4(cluster_addr(ob + row * OSTRIDE + c, k));
-                acc.x += w[k] * v.x;
-                acc.y += w[k] * v.y;
-                acc.z += w[k] * v.z;
-                acc.w += w[k] * v.w;
-            }
-        *reinterpret_cast<float4*>(dst + c) = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    }
-    if (parts > 1 && rank == 0 && quarter == 0) plse[grow * parts + part] = lsum > 0.f ? M + log2f(lsum) : NEG_INF;
-    cluster_sync();                                      // no block leaves while another reads its shared memory
-}
-
-// A block's rows out: clustered, merged with the cluster's other splits (merge_cluster, over the
-// free key stages ``stage``); else its partial or, with one split, the output (store_rows).
-template <bool CLUSTERED>
-__device__ __forceinline__ void finish_rows(const float (&o)[128], SoftmaxState st, bool any, float* stage, int cs,
-                                            float* __restrict__ out, float* __restrict__ po,
-                                            float* __restrict__ plse, size_t row0, int sp, int num_splits,
-                                            bool direct) {
-    if constexpr (CLUSTERED)
-        merge_cluster(o, st, stage, cs, out, po, plse, row0, sp / cs, num_splits / cs);
-    else
-        store_rows(o, st, any, out, po, plse, row0, sp, num_splits, direct);
-}
-
 }  // namespace
 
 // Dense rows (no selection) with the key tiles copied by the TMA unit: ``tm_ckv`` / ``tm_kpe`` are
@@ -332,20 +200,17 @@ __device__ __forceinline__ void finish_rows(const float (&o)[128], SoftmaxState 
 // tiles a split, at least min_tps), tokens 0..lens[b] - 1. direct: out (B, H, C) normalised; else
 // the normalised partial po (B, H, splits, C) and its base-2 lse plse (B, H, splits), -inf (and no
 // o) for an empty split.
-template <bool CLUSTERED>
 __device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                          const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                          const int* __restrict__ bt, const int* __restrict__ lens,
                                          float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse,
                                          float qk_scale, int num_splits, int min_tps, int H, int hchunks, int log2bs,
-                                         int box_rows, int s_bt, int direct, int cs) {
+                                         int box_rows, int s_bt, int direct) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     half* qs = reinterpret_cast<half*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     half* ks = qs + STILE;                                                  // two stages
     uint64_t* bars = reinterpret_cast<uint64_t*>(ks + 2 * STILE);           // a stage's copies landed
-    // clustered: a cluster is cs consecutive splits of one head block
-    const int hc = CLUSTERED ? blockIdx.x / num_splits : blockIdx.x % hchunks;
-    const int sp = CLUSTERED ? blockIdx.x % num_splits : blockIdx.x / hchunks, b = blockIdx.y;
+    const int hc = blockIdx.x % hchunks, sp = blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, t4 = lane & 3;
     const int L = lens[b];
     const int ntiles = (L + TN - 1) / TN;
@@ -427,33 +292,20 @@ __device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half
                        [&](int kk) { return sw128_desc(kt + 4 * wg * CHUNK + kk * 16 * 64, 2 * CHUNK, 1024); });
         }
     }
-    finish_rows<CLUSTERED>(o, sm_st, t1 > t0, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB,
-                           sp, num_splits, direct);
+    store_rows(o, sm_st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
 }
 
-// The entry points of a body: NAME (a block's splits alone) and NAME_cluster (launched in clusters
-// of ``cs`` (2, 4 or 8; num_splits a multiple) consecutive splits of one head block, block hc *
-// num_splits + sp: merge_cluster merges them, so po / plse hold num_splits / cs partials a row,
-// one: out itself, no merge kernel; the EXL3TOOLS_MLA_CLUSTER preview, kernels/mla_attention.py).
-#define MLA_ENTRY_POINTS(NAME, BODY)                                                                              \
+// A body's entry point (the bodies take the same arguments)
+#define MLA_ENTRY_POINT(NAME, BODY)                                                                               \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                         \
         NAME(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv, \
              const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,  \
              float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,             \
              int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {      \
-        BODY<false>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks,       \
-                    log2bs, box_rows, s_bt, direct, 1);                                                            \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                                         \
-        NAME##_cluster(const half* __restrict__ ql, const half* __restrict__ qp,                                  \
-                       const __grid_constant__ CUtensorMap tm_ckv, const __grid_constant__ CUtensorMap tm_kpe,     \
-                       const int* __restrict__ bt, const int* __restrict__ lens, float* __restrict__ out,           \
-                       float* __restrict__ po, float* __restrict__ plse, float qk_scale, int num_splits,            \
-                       int min_tps, int H, int log2bs, int box_rows, int s_bt, int cs) {                            \
-        BODY<true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, 0, log2bs,      \
-                   box_rows, s_bt, 0, cs);                                                                         \
+        BODY(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks, log2bs,     \
+             box_rows, s_bt, direct);                                                                            \
     }
-MLA_ENTRY_POINTS(mla_decode_tma, tma_body)
+MLA_ENTRY_POINT(mla_decode_tma, tma_body)
 
 // ---- Ping-pong: each tile's scores computed once (the default; EXL3TOOLS_MLA_PINGPONG=0 opts out) ----
 //
@@ -578,31 +430,20 @@ __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
     }
 }
 
-// Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 + 16 bytes
-// of dynamic shared memory (mla_cuda.SMEM_PP).
-//
-// MC (the EXL3TOOLS_MLA_MULTICAST preview, 128 heads: mla_decode_pp_mc, launched in clusters of
-// the two head blocks of one split, which read the same keys): each key tile is fetched once for
-// the pair and multicast into both blocks' buffers, halving the copies an SM issues and the L2
-// reads (the kernel is bound by its copies: docs/gpu.md). Each block arms its own mbarriers as
-// before; a chunk group (the four refills above) is copied when both blocks have released it:
-// each counts its release on a counter in rank 0's shared memory, and the second to come issues the
-// copies for both. Both blocks have the same tiles, so they make the same decisions.
-template <bool CLUSTERED, bool MC = false>
+// Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 bytes of
+// dynamic shared memory (mla_cuda.SMEM_PP).
 __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                         const int* __restrict__ bt, const int* __restrict__ lens,
                                         float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse,
                                         float qk_scale, int num_splits, int min_tps, int H, int hchunks, int log2bs,
-                                        int box_rows, int s_bt, int direct, int cs) {
+                                        int box_rows, int s_bt, int direct) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     half* qs = reinterpret_cast<half*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     half* ks = qs + STILE;                                                  // buffers 0 (A) and 1 (B)
     float* sc = reinterpret_cast<float*>(ks + 2 * STILE);                   // M, scale0, scale1, l of both
     uint64_t* bars = reinterpret_cast<uint64_t*>(sc + PP_FLOATS);           // [buffer][chunk]
-    uint32_t* released = reinterpret_cast<uint32_t*>(bars + 2 * CHUNKS);    // MC: releases a chunk group
-    const int hc = CLUSTERED ? blockIdx.x / num_splits : blockIdx.x % hchunks;
-    const int sp = CLUSTERED ? blockIdx.x % num_splits : blockIdx.x / hchunks, b = blockIdx.y;
+    const int hc = blockIdx.x % hchunks, sp = blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, t4 = lane & 3;
     const int wtid = threadIdx.x & 127, r0 = 16 * (warp & 3) + (lane >> 2), r1 = r0 + 8;
     const int L = lens[b];
@@ -630,22 +471,6 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             else tma_2d(dst + q * CHUNK, &tm_kpe, 0, slot, bar);
         }
     };
-    // MC: the chunks in ``qmask`` of tile ``it`` into buffer ``buf`` of both blocks (group ``g``'s
-    // release; the block that releases it second copies)
-    auto multicast_chunks = [&](int it, int buf, uint32_t qmask, int g) {
-        const int slot = box_slot(it);
-        half* dst = ks + buf * STILE + lane * box_rows * 64;
-        for (int q = 0; q < CHUNKS; q++)
-            if ((qmask >> q) & 1) mbar_arrive_tx(bars + buf * CHUNKS + q, slot < 0 ? 0 : box_rows * 128);
-        const unsigned lanes = boxes == 32 ? 0xffffffffu : (1u << boxes) - 1;
-        uint32_t second = 0;
-        if (lane == 0) second = atom_add_cluster(cluster_addr(released + g, 0), 1) & 1;
-        if (!__shfl_sync(lanes, second, 0) || slot < 0) return;
-        for (int q = 0; q < CHUNKS; q++)
-            if ((qmask >> q) & 1)
-                tma_2d_multicast(dst + q * CHUNK, q < C / 64 ? &tm_ckv : &tm_kpe, q < C / 64 ? 64 * q : 0, slot,
-                                 bars + buf * CHUNKS + q, 0x3);
-    };
 
     float o[128];
 #pragma unroll
@@ -656,25 +481,9 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         if (threadIdx.x == 0)
             for (int i = 0; i < 2 * CHUNKS; i++) mbar_init(bars + i, boxes);
         if (threadIdx.x < HB) sc[PP_M + threadIdx.x] = NEG_INF;
-        if (MC && threadIdx.x < 4) released[threadIdx.x] = 0;
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        if constexpr (MC) {
-            cluster_sync();                // the pair's barriers and counters ready before either copies
-            // the first two tiles: each block arms its buffers; rank r copies buffer r's for both
-            if (copier && t0 + wg < t1) {
-                const int slot = box_slot(t0 + wg);
-                half* dst = ks + wg * STILE + lane * box_rows * 64;
-                for (int q = 0; q < CHUNKS; q++) {
-                    mbar_arrive_tx(bars + wg * CHUNKS + q, slot < 0 ? 0 : box_rows * 128);
-                    if (slot >= 0 && wg == (int)cluster_rank())
-                        tma_2d_multicast(dst + q * CHUNK, q < C / 64 ? &tm_ckv : &tm_kpe, q < C / 64 ? 64 * q : 0,
-                                         slot, bars + wg * CHUNKS + q, 0x3);
-                }
-            }
-        } else {
-            __syncthreads();
-            if (copier) copy_chunks(t0 + wg, wg, 0, t0 + wg < t1 ? CHUNKS : 0);
-        }
+        __syncthreads();
+        if (copier) copy_chunks(t0 + wg, wg, 0, t0 + wg < t1 ? CHUNKS : 0);
         const int ra = warp * 8 + (lane >> 3);
         const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
         stage_rows_sw128(qs, {ql + qa * C, qp + qa * R}, {ql + qb * C, qp + qb * R});
@@ -727,10 +536,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) {                           // A's V_L: read
-                    if constexpr (MC) multicast_chunks(it + 2, 0, 0x00F, 0);
-                    else copy_chunks(it + 2, 0, 0, 4);
-                }
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 0, 4);   // A's V_L: read
                 scale_o(o, g0, g1);
                 l0 *= g0;
                 l1 *= g1;
@@ -746,12 +552,8 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_wait<0>();
                     fence_regs(o);
                     if (copier && it + 3 < t1) {           // B's V_L and P_B: read
-                        if constexpr (MC) {
-                            multicast_chunks(it + 3, 1, 0x10F, 2);
-                        } else {
-                            copy_chunks(it + 3, 1, 0, 4);
-                            copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
-                        }
+                        copy_chunks(it + 3, 1, 0, 4);
+                        copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
                     }
                 }
             } else {
@@ -789,10 +591,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 }
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) {                                     // A's V_R and P_A: read
-                    if constexpr (MC) multicast_chunks(it + 2, 0, 0x1F0, 1);
-                    else copy_chunks(it + 2, 0, 4, CHUNKS);
-                }
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);   // A's V_R and P_A: read
                 scale_o(o, g0, g1);
                 l0 = l0 * (f0 * g0) + p0;
                 l1 = l1 * (f1 * g1) + p1;
@@ -805,10 +604,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_commit();
                     wgmma_wait<0>();
                     fence_regs(o);
-                    if (copier && it + 3 < t1) {                                 // B's V_R: read
-                        if constexpr (MC) multicast_chunks(it + 3, 1, 0x0F0, 3);
-                        else copy_chunks(it + 3, 1, 4, CHUNKS - 1);
-                    }
+                    if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1);   // B's V_R: read
                 }
             }
         }
@@ -831,20 +627,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         st.l0 = t4 == 0 ? sc[PP_L + r0] + sc[PP_L + HB + r0] : 0.f;     // the quad sums them again
         st.l1 = t4 == 0 ? sc[PP_L + r1] + sc[PP_L + HB + r1] : 0.f;
     }
-    if constexpr (MC) cluster_sync();     // neither block leaves while the other may still copy into it
-    finish_rows<CLUSTERED>(o, st, t1 > t0, reinterpret_cast<float*>(ks), cs, out, po, plse, (size_t)b * H + hc * HB, sp,
-                           num_splits, direct);
+    store_rows(o, st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
 }
 
-MLA_ENTRY_POINTS(mla_decode_pp, pp_body)
-
-// The ping-pong kernel with each key tile multicast to the two head blocks of a split (MC above):
-// 128 heads (hchunks 2), launched in clusters of 2 along x; mla_decode_pp's arguments.
-extern "C" __global__ void __launch_bounds__(256, 1)
-mla_decode_pp_mc(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv,
-                 const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,
-                 float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,
-                 int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {
-    pp_body<false, true>(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks,
-                         log2bs, box_rows, s_bt, direct, 1);
-}
+MLA_ENTRY_POINT(mla_decode_pp, pp_body)

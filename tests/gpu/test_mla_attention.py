@@ -398,35 +398,30 @@ WGMMA_CASES += [(2, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 64, 1
                 (3, 128, 64, "ragged", 7)]
 
 
-def _through_the_wgmma_kernel(monkeypatch, pingpong: str = "0", cluster: str = "0", multicast: str = "0") -> list:
-    """Switch the CUDA kernel on, its ping-pong variant, cluster merge and multicast as asked
-    (whatever previews the run turned on), and count its launches (mla_decode must take it, not
-    Triton)."""
+def _through_the_wgmma_kernel(monkeypatch, pingpong: str = "0") -> list:
+    """Switch the CUDA kernel on and its ping-pong variant as asked, and count its launches
+    (mla_decode must take it, not Triton)."""
     from exl3tools.kernels import mla_cuda
 
     calls, real = [], mla_cuda.split
-    # each launch's (num_splits, cluster, pingpong, multicast)
+    # each launch's (num_splits, pingpong)
     monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (
-        calls.append((a[10], a[12], k.get("pingpong"), k.get("multicast"))), real(*a, **k))[1])
+        calls.append((a[10], k.get("pingpong"))), real(*a, **k))[1])
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "1")
     monkeypatch.setenv("EXL3TOOLS_MLA_PINGPONG", pingpong)
-    monkeypatch.setenv("EXL3TOOLS_MLA_CLUSTER", cluster)
-    monkeypatch.setenv("EXL3TOOLS_MLA_MULTICAST", multicast)
     return calls
 
 
-# (pingpong, multicast): the kernel computing S on both warpgroups, the ping-pong one (the default),
-# and the ping-pong one multicasting each tile to a split's two head blocks (128 heads only)
-VARIANTS = [("0", "0"), ("1", "0"), ("1", "1")]
+# the kernel computing S on both warpgroups and the ping-pong one (the default)
+VARIANTS = ["0", "1"]
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("variant", VARIANTS, ids=["two_s", "pingpong", "multicast"])
+@pytest.mark.parametrize("pingpong", VARIANTS, ids=["two_s", "pingpong"])
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=[str(c) for c in WGMMA_CASES])
-def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, variant, monkeypatch):
+def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeypatch):
     """kernels/csrc/mla_decode.cu (EXL3TOOLS_MLA_CUDA; EXL3TOOLS_MLA_PINGPONG: each tile's scores by
-    one warpgroup; EXL3TOOLS_MLA_MULTICAST: each tile copied once for both head blocks at 128 heads)
-    on fp16 planes against the float64 oracle of the rounded planes and against the Triton kernel:
+    one warpgroup) on fp16 planes against the float64 oracle of the rounded planes and against the Triton kernel:
     NaN in unused slots (copied with their block, then zeroed) and junk table entries past each row
     (never read), partial last tiles, odd and even tile counts a split (the ping-pong kernel's
     pairs)."""
@@ -437,12 +432,11 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, variant, monkeypa
     t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
     scale = (512 // 4 + 64) ** -0.5
     want = _oracle(t, lens, scale)
-    pingpong, multicast = variant
-    calls = _through_the_wgmma_kernel(monkeypatch, pingpong, multicast=multicast)
+    calls = _through_the_wgmma_kernel(monkeypatch, pingpong)
     out = torch.full((B, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
     assert got is out and calls, "mla_decode did not take the CUDA kernel"
-    assert calls[0][2:] == (pingpong == "1", multicast == "1" and H == 128), calls
+    assert calls[0][1] == (pingpong == "1"), calls
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "0")
@@ -466,8 +460,8 @@ def test_a_dsa_selection_stays_on_triton(dev, monkeypatch):
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("variant", VARIANTS, ids=["two_s", "pingpong", "multicast"])
-def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, variant, monkeypatch):
+@pytest.mark.parametrize("pingpong", VARIANTS, ids=["two_s", "pingpong"])
+def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, pingpong, monkeypatch):
     """Captured once (the planes' tensor maps as parameters), replayed with shorter lengths written
     in place (as the decode graphs are): the replay follows the new lengths (the oracle of them)."""
     from exl3tools.kernels.mla_attention import mla_decode
@@ -475,7 +469,7 @@ def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, variant, monkeypatch):
     t, lens = _case(5, 128, 512, 64, 16, "ragged", 0, dev, seed=5)
     t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
     scale = (512 // 4 + 64) ** -0.5
-    calls = _through_the_wgmma_kernel(monkeypatch, *variant)
+    calls = _through_the_wgmma_kernel(monkeypatch, pingpong)
     out = torch.empty(t["q_lat"].shape, device=dev)
     mla_decode(**t, scale=scale, out=out)                  # builds and loads the kernel
     graph = torch.cuda.CUDAGraph()
@@ -515,31 +509,3 @@ def test_mla_wgmma_kernel_on_strided_planes(dev, layout, monkeypatch):
     assert bool(calls) == (layout == "padded_rows")
     err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
     assert err < 1e-3, (layout, err)
-
-
-CLUSTER_CASES = [(1, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 128, 16, "ragged", 8),
-                 (5, 64, 64, "ragged", 2), (3, 128, 16, "ragged", 4), (5, 64, 8, "ragged", 64), (3, 64, 16, "ragged", 24)]
-
-
-@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("pingpong", ["0", "1"])
-@pytest.mark.parametrize("case", CLUSTER_CASES, ids=[str(c) for c in CLUSTER_CASES])
-def test_mla_cluster_merge_matches_oracle(dev, case, pingpong, monkeypatch):
-    """EXL3TOOLS_MLA_CLUSTER: clusters of 2-8 splits merge over distributed shared memory (one
-    cluster a row and head block: the output written directly; more: fewer partials for the merge
-    kernel), with empty splits (ragged lengths, an empty row, 64 splits over short rows), against
-    the float64 oracle."""
-    from exl3tools.kernels import mla_cuda
-    from exl3tools.kernels.mla_attention import mla_decode
-
-    B, H, bs, kind, ns = case
-    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev, seed=11)
-    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
-    scale = (512 // 4 + 64) ** -0.5
-    calls = _through_the_wgmma_kernel(monkeypatch, pingpong, cluster="1")
-    out = torch.full((B, H, 512), float("nan"), device=dev)
-    got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
-    (splits, cluster, _, _), = calls
-    assert cluster == mla_cuda.cluster_size(splits) > 1, calls
-    err = (got.cpu().double() - _oracle(t, lens, scale)).abs().max().item()
-    assert err < 1e-3, (case, calls, err)
