@@ -52,7 +52,7 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 INTERPRET_PROGRAMS = 4   # CPU interpreter: few programs, each costs Python time
 MERGE_ELEMS = 4096       # fp32 partial elements a merge program loads a step (32 a thread at 4 warps)
-MERGE_SLICE = 128        # latent channels a merge program takes at most where the rows are few
+MERGE_SLICE = 32         # latent channels a merge program takes where the rows are few (merge_config)
 NUM_STAGES = 2           # the split kernel's pipeline depth (64 x 64 fp16 tiles: 72 KiB of keys a stage)
 Q16_MIN_HB = 64          # fp16 planes from this head block: the queries go in as fp16 (mla_decode)
 SPLIT_OVERHEAD_TILES = 2  # default_num_splits: a program's query load and partial store, in key tiles
@@ -391,7 +391,10 @@ def merge_config(rows: int, parts: int, C: int, sms: int | None) -> tuple[int, i
     programs an SM; always on the interpreter, so the CPU tests cover the slices) the programs
     take slices of the latent and every partial in one step; else whole rows. At one DeepSeek-V3 row
     at 32k (128 rows x 64 partials, 16.8 MB) 128-channel slices loading 16 partials a step (their
-    offsets waiting on the lse) merged in 12.5 µs (H200 ncu)."""
+    offsets waiting on the lse) merged in 12.5 µs (H200 ncu). H200, 2026-12-04 late session
+    (bench/gpu_mla_cuda.py --merge, each replay after an L2 flush): there 32-channel slices loading
+    all 64 partials at once 11.7 µs, 64-channel 12.0, 128 x 16 17.7; one GLM-5 DSA row's 64 x 32
+    7.5 / 9.3 (128-channel) / 10.0 (128 x 16); whole rows at batch 8 (1024 x 8) 10.9."""
     cp = max(16, _pow2(C))
     sc = _pow2(parts)
     if sms is not None and rows >= 2 * sms:

@@ -32,7 +32,7 @@ else:
         (3, 20, 32, 16, 16, "ragged", 0, 2, "ieee"),    # two head chunks (16 + 4)
         (3, 4, 32, 16, 4, "ragged", 8, 2, "ieee"),      # DSA selection, K 8
         (4, 4, 32, 16, 8, "ragged", 24, None, "ieee"),
-        (2, 2, 160, 16, 4, "ragged", 0, 3, "ieee"),     # the merge in two latent slices (MERGE_SLICE 128)
+        (2, 2, 160, 16, 4, "ragged", 0, 3, "ieee"),     # the merge in latent slices (MERGE_SLICE channels each)
     ]
 
 
@@ -252,8 +252,8 @@ def test_merge_config_takes_every_partial_in_one_step_where_rows_are_few():
     partial at once, within MERGE_ELEMS; many rows: whole rows, partials in steps."""
     from exl3tools.kernels.mla_attention import MERGE_ELEMS, merge_config
 
-    assert merge_config(128, 64, 512, 132) == (64, 64)
-    assert merge_config(128, 3, 160, None) == (128, 4)    # the interpreter: slices (CPU coverage)
+    assert merge_config(128, 64, 512, 132) == (32, 64)
+    assert merge_config(128, 3, 160, None) == (32, 4)     # the interpreter: slices (CPU coverage)
     assert merge_config(1024, 8, 512, 132) == (512, 8)
     assert merge_config(1024, 16, 512, 132) == (512, 8)   # two steps
     for rows, parts in ((1, 64), (64, 33), (4096, 2), (300, 64)):
