@@ -284,7 +284,7 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, 
 
 def _switched_on(name: str) -> bool:
     """runtime/preview.py's switch ``name`` (mla_wide_tiles, mla_wave_splits, mla_cuda,
-    mla_pingpong), read per call so tests can flip it."""
+    mla_pingpong, mla_slot_prefetch), read per call so tests can flip it."""
     from exl3tools.runtime import preview  # torch-free
 
     return preview.switched_on(name)
@@ -368,9 +368,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
     s = sel if sel is not None else context_lens
     if cuda:
+        pingpong = _switched_on("mla_pingpong")
         mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, out, po, plse,
                        float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)),
-                       pingpong=_switched_on("mla_pingpong"))
+                       pingpong=pingpong, prefetch=pingpong and _switched_on("mla_slot_prefetch"))
     else:
         _mla_split_kernel[(B, hchunks, splits)](
             q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,

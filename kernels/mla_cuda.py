@@ -94,17 +94,20 @@ def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
           plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int,
-          pingpong: bool = False) -> None:
+          pingpong: bool = False, prefetch: bool = False) -> None:
     """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
     64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
     the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
     ``pingpong``: the kernel that computes each tile's scores once (mla_decode.cu pp_body), same
-    contract."""
+    contract; ``prefetch`` (with it): its variant that reads the next pair's table entries at the
+    start of a pair (mla_decode_pp_pf)."""
     B, H, _ = q_lat.shape
     hchunks = H // HEADS
     bs = ckv.shape[1]
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
-    kernel, smem = ("mla_decode_pp", SMEM_PP) if pingpong else ("mla_decode_tma", SMEM)
+    if prefetch and not pingpong:
+        raise ValueError("prefetch is a variant of the ping-pong kernel")
+    kernel, smem = (("mla_decode_pp_pf" if prefetch else "mla_decode_pp"), SMEM_PP) if pingpong else ("mla_decode_tma", SMEM)
     _module(q_lat.device).launch(kernel, (hchunks * num_splits, B), THREADS, q_lat, q_pe, _plane_map(ckv, box),
                                  _plane_map(kpe, box), block_tables, context_lens, out, po, plse, float(qk_scale),
                                  num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box,

@@ -71,6 +71,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # then exact in fp32 instead of rounded to fp16. sm_90a SASS of the 1-row kernel (K 3, 3INST):
     # 1112 -> 992 instructions, 80 -> 78 registers (the input-pass kernel 96 -> 72). Not yet run
     "gemv_halves": "EXL3TOOLS_GEMV_HALVES",
+    # the ping-pong MLA kernel (OPT_OUTS mla_pingpong) reading the next pair's table entries at the
+    # start of a pair, beside its scores (kernels/csrc/mla_decode.cu pp_body PF, mla_decode_pp_pf),
+    # where the default reads each right after the wait that ends a PV and the warpgroup's next MMA
+    # waits for that load before the copies go out (FlashMLA loads its page ids ahead alike: docs/
+    # gpu.md, the next session's list). sm_90a: 252 registers, no spills, the default's SASS
+    # unchanged. Not yet run
+    "mla_slot_prefetch": "EXL3TOOLS_MLA_SLOT_PREFETCH",
     # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
     # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
     # register operand while the activations stream through shared memory, instead of decode +

@@ -431,7 +431,10 @@ __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
 }
 
 // Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 bytes of
-// dynamic shared memory (mla_cuda.SMEM_PP).
+// dynamic shared memory (mla_cuda.SMEM_PP). PF (mla_decode_pp_pf, the EXL3TOOLS_MLA_SLOT_PREFETCH
+// preview): the copier lanes read the next pair's table entries at the start of a pair, beside its
+// scores, not right after the wait that ends a PV, where the warpgroup's next MMA waits for them.
+template <bool PF = false>
 __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                         const int* __restrict__ bt, const int* __restrict__ lens,
@@ -457,8 +460,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     auto box_slot = [&](int it) { return box_slot_at(bt_row, it * TN + lane * box_rows, L, log2bs); };
     // chunks q0..q1-1 of tile ``it`` into buffer ``buf``: each copier lane its box (one table
     // block's rows) of each chunk; a box past the row arrives with no bytes
-    auto copy_chunks = [&](int it, int buf, int q0, int q1) {
-        const int slot = box_slot(it);
+    auto copy_slot = [&](int slot, int buf, int q0, int q1) {
         half* dst = ks + buf * STILE + lane * box_rows * 64;
         for (int q = q0; q < q1; q++) {
             uint64_t* bar = bars + buf * CHUNKS + q;
@@ -470,6 +472,13 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             if (q < C / 64) tma_2d(dst + q * CHUNK, &tm_ckv, 64 * q, slot, bar);
             else tma_2d(dst + q * CHUNK, &tm_kpe, 0, slot, bar);
         }
+    };
+    auto copy_chunks = [&](int it, int buf, int q0, int q1) { copy_slot(box_slot(it), buf, q0, q1); };
+    int next_a = -1, next_b = -1;      // PF: the slots of tiles it + 2 and it + 3, read ahead
+    // chunks q0..q1-1 of tile ``it`` (the pair's next A or B: ``slot`` read ahead with PF)
+    auto copy_next = [&](int it, int slot, int buf, int q0, int q1) {
+        if constexpr (PF) copy_slot(slot, buf, q0, q1);
+        else copy_chunks(it, buf, q0, q1);
     };
 
     float o[128];
@@ -505,6 +514,12 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             float s[32];
             uint32_t pa[4][4];
             float p0 = 0.f, p1 = 0.f;
+            if constexpr (PF) {
+                if (copier) {
+                    next_a = box_slot(it + 2);
+                    next_b = box_slot(it + 3);
+                }
+            }
             if (wg == 0) {
                 scores(s, dq, da, bars, ph);
                 float mx0, mx1;
@@ -536,7 +551,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 0, 4);   // A's V_L: read
+                if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 0, 4);   // A's V_L: read
                 scale_o(o, g0, g1);
                 l0 *= g0;
                 l1 *= g1;
@@ -552,8 +567,8 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_wait<0>();
                     fence_regs(o);
                     if (copier && it + 3 < t1) {           // B's V_L and P_B: read
-                        copy_chunks(it + 3, 1, 0, 4);
-                        copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
+                        copy_next(it + 3, next_b, 1, 0, 4);
+                        copy_next(it + 3, next_b, 1, CHUNKS - 1, CHUNKS);
                     }
                 }
             } else {
@@ -591,7 +606,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 }
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);   // A's V_R and P_A: read
+                if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 4, CHUNKS);   // A's V_R and P_A: read
                 scale_o(o, g0, g1);
                 l0 = l0 * (f0 * g0) + p0;
                 l1 = l1 * (f1 * g1) + p1;
@@ -604,7 +619,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_commit();
                     wgmma_wait<0>();
                     fence_regs(o);
-                    if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1);   // B's V_R: read
+                    if (copier && it + 3 < t1) copy_next(it + 3, next_b, 1, 4, CHUNKS - 1);   // B's V_R: read
                 }
             }
         }
@@ -630,4 +645,5 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     store_rows(o, st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
 }
 
-MLA_ENTRY_POINT(mla_decode_pp, pp_body)
+MLA_ENTRY_POINT(mla_decode_pp, pp_body<false>)
+MLA_ENTRY_POINT(mla_decode_pp_pf, pp_body<true>)

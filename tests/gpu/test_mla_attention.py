@@ -399,25 +399,29 @@ WGMMA_CASES += [(2, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 64, 1
 
 
 def _through_the_wgmma_kernel(monkeypatch, pingpong: str = "0") -> list:
-    """Switch the CUDA kernel on and its ping-pong variant as asked, and count its launches
-    (mla_decode must take it, not Triton)."""
+    """Switch the CUDA kernel on and its ping-pong variant as asked ("pf": with the table entries
+    read ahead, EXL3TOOLS_MLA_SLOT_PREFETCH), and count its launches (mla_decode must take it, not
+    Triton)."""
     from exl3tools.kernels import mla_cuda
 
     calls, real = [], mla_cuda.split
-    # each launch's (num_splits, pingpong)
+    # each launch's (num_splits, pingpong, prefetch)
     monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (
-        calls.append((a[10], k.get("pingpong"))), real(*a, **k))[1])
+        calls.append((a[10], k.get("pingpong"), k.get("prefetch"))), real(*a, **k))[1])
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "1")
-    monkeypatch.setenv("EXL3TOOLS_MLA_PINGPONG", pingpong)
+    monkeypatch.setenv("EXL3TOOLS_MLA_PINGPONG", "0" if pingpong == "0" else "1")
+    monkeypatch.setenv("EXL3TOOLS_MLA_SLOT_PREFETCH", "1" if pingpong == "pf" else "0")
     return calls
 
 
-# the kernel computing S on both warpgroups and the ping-pong one (the default)
-VARIANTS = ["0", "1"]
+# the kernel computing S on both warpgroups, the ping-pong one (the default), and the ping-pong one
+# reading its table entries ahead (the EXL3TOOLS_MLA_SLOT_PREFETCH preview)
+VARIANTS = ["0", "1", "pf"]
+VARIANT_IDS = ["two_s", "pingpong", "prefetch"]
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("pingpong", VARIANTS, ids=["two_s", "pingpong"])
+@pytest.mark.parametrize("pingpong", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=[str(c) for c in WGMMA_CASES])
 def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeypatch):
     """kernels/csrc/mla_decode.cu (EXL3TOOLS_MLA_CUDA; EXL3TOOLS_MLA_PINGPONG: each tile's scores by
@@ -436,7 +440,7 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeyp
     out = torch.full((B, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
     assert got is out and calls, "mla_decode did not take the CUDA kernel"
-    assert calls[0][1] == (pingpong == "1"), calls
+    assert calls[0][1:] == (pingpong != "0", pingpong == "pf"), calls
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "0")
@@ -460,7 +464,7 @@ def test_a_dsa_selection_stays_on_triton(dev, monkeypatch):
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("pingpong", VARIANTS, ids=["two_s", "pingpong"])
+@pytest.mark.parametrize("pingpong", VARIANTS, ids=VARIANT_IDS)
 def test_mla_wgmma_kernel_replays_in_a_cuda_graph(dev, pingpong, monkeypatch):
     """Captured once (the planes' tensor maps as parameters), replayed with shorter lengths written
     in place (as the decode graphs are): the replay follows the new lengths (the oracle of them)."""
