@@ -390,12 +390,13 @@ def merge_config(rows: int, parts: int, C: int, sms: int | None) -> tuple[int, i
     """(CP latent channels a merge program, SC partials it loads a step) for ``rows`` rows of
     ``parts`` partials: a step loads at most MERGE_ELEMS fp32. Where the rows are few (under two
     programs an SM; always on the interpreter, so the CPU tests cover the slices) the programs
-    take slices of the latent and every partial in one step; else whole rows. At one DeepSeek-V3 row
-    at 32k (128 rows x 64 partials, 16.8 MB) 128-channel slices loading 16 partials a step (their
-    offsets waiting on the lse) merged in 12.5 µs (H200 ncu). H200, 2026-12-04 late session
-    (bench/gpu_mla_cuda.py --merge, each replay after an L2 flush): there 32-channel slices loading
-    all 64 partials at once 11.7 µs, 64-channel 12.0, 128 x 16 17.7; one GLM-5 DSA row's 64 x 32
-    7.5 / 9.3 (128-channel) / 10.0 (128 x 16); whole rows at batch 8 (1024 x 8) 10.9."""
+    take slices of the latent and every partial in one step; else whole rows. Before the 2026-12-04
+    late session one DeepSeek-V3 row at 32k (128 rows x 64 partials, 16.8 MB) merged in 12.5 µs
+    (H200 ncu: 128-channel slices, 16 partials a step, the partials' loads waiting on the lse). That
+    session's sweep (bench/gpu_mla_cuda.py --merge, each replay after an L2 flush): that row 11.7 µs
+    in 32-channel slices with all 64 partials at once, 12.0 in 64-channel ones, 17.7 at 128 x 16;
+    one GLM-5 DSA row (64 x 32) 7.5 / 9.3 (128-channel) / 10.0 (128 x 16); batch 8's whole rows
+    (1024 x 8) 10.9."""
     cp = max(16, _pow2(C))
     sc = _pow2(parts)
     if sms is not None and rows >= 2 * sms:
