@@ -37,6 +37,12 @@ if [ "${EXL3_BUILD:-1}" != 0 ] && ! grep -q "build rc 0" /tmp/exl3build.log 2>/d
   # niced: the tests and benchmarks beside it keep the CPU (eager launches are host-bound)
   setsid nice -n 19 bash -c "MAX_JOBS=${EXL3_JOBS:-12} python3 -c \"import exllamav3; from exllamav3.ext import exllamav3_ext as e; print('exllamav3 ok', e.__file__)\" > /tmp/exl3build.log 2>&1; echo \"build rc \$?\" >> /tmp/exl3build.log # exl3build_marker" &
 fi
+# No exllamav3 this call (EXL3_BUILD=0, no carried extension): the benchmarks leave its side out by
+# default instead of importing it, which JIT-builds it for minutes (both serve runs of the 2026-12-04
+# late session's mla call ended in that import, at their own time limit and at the call's); an
+# explicit --exllamav3 (SERVE_EXTRA, MLA_SERVE_EXTRA) or *_IMPLS still wins
+EXL3_IMPL=,exllamav3; EXL3_SERVE=""
+if [ "${EXL3_BUILD:-1}" = 0 ] && [ ! -f .exl3so/exl3so.xz ]; then EXL3_IMPL=""; EXL3_SERVE="--exllamav3 off"; fi
 # wait_build [SECONDS]: until the build ended (rc 1 if SECONDS passed first), its log copied to $L
 wait_build() {
   local n=0
@@ -106,14 +112,14 @@ bring_so() {
 }
 bring_so
 if [[ $STAGES == *bench* ]]; then
-  timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda,exllamav3,fp16} \
+  timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda${EXL3_IMPL},fp16} \
     ${BENCH_ARGS:---codebooks mul1,mcg,3inst} --json "$L/bench.json" > "$L/bench.log" 2>&1
   el "bench rc $?"
 fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
   timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch ${E2E_BATCH:-1,8,32} --steps 64 --rounds ${E2E_ROUNDS:-1} \
-    --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:chained,exllamav3} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
+    --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:chained${EXL3_IMPL}} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
@@ -129,7 +135,7 @@ if [[ $STAGES == *serve* ]]; then
     OFF="EXL3TOOLS_FUSED=0 EXL3TOOLS_ROW_STEPS=0"   # the former previews off (runtime/preview.py OPT_OUTS)
     CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"
              --config "ml32k_unfused:$OFF --max-model-len 32768"); fi
-  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" ${SERVE_EXTRA:-} \
+  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" $EXL3_SERVE ${SERVE_EXTRA:-} \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
@@ -177,7 +183,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then
       timeout ${MLA_E2E_TIMEOUT:-200} python3 bench/gpu_e2e_model.py $d --batch ${MLA_BATCH:-1,8,32} --steps 32 \
-        --impls ${MLA_IMPLS:-ours:cuda,exllamav3} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
+        --impls ${MLA_IMPLS:-ours:cuda${EXL3_IMPL}} --json "$L/e2e_$arch.json" > "$L/e2e_$arch.log" 2>&1
       el "mla e2e $arch rc $?"; grep -E "^\|" "$L/e2e_$arch.log"
     fi
     if [[ ${MLA_PARTS:-kernel e2e serve} == *serve* ]]; then
@@ -218,7 +224,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
       [[ $V == *widths* ]] && CFG+=(--config "${arch}_ml128k:--max-model-len 131072"
                                     --config "${arch}_ml128k_one_width:EXL3TOOLS_DSA_WIDTHS=0 --max-model-len 131072")
       mla_spec_configs $arch "$V"
-      timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" \
+      timeout ${MLA_SERVE_TIMEOUT:-300} python3 bench/gpu_serve.py $d --device cuda "${CFG[@]}" $EXL3_SERVE \
         ${MLA_SERVE_EXTRA:---streams 8,32 --ctx-streams 1 --repeats 1 --ttft-prompts 1 --tokens 64} \
         --json "$L/serve_$arch.json" --out "$L/serve_$arch" > "$L/serve_$arch.log" 2>&1
       el "mla serve $arch rc $?"; tail -n 14 "$L/serve_$arch.log"
