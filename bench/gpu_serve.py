@@ -466,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{c['name']}: FAILED: {c['error']}")
     if ex.get("error"):
         notes.append(f"exllamav3: FAILED: {ex['error']}")
+    differ = [c["name"] for c in report["configs"] if str((c.get("summary") or {}).get("seeded", "")).startswith("no")
+              and "--batch-invariant" not in c["args"]]
+    if differ:
+        notes.append(f"{', '.join(differ)}: a seeded text that differs among streams is expected without "
+                     "--batch-invariant (a request's logits move at float rounding with what else its steps hold; "
+                     "docs/serve.md, batch-invariant serving)")
     print(f"\nnotes ({report['elapsed_s']:.0f} s in all; raw numbers: {a.json or 'pass --json'}; logs: {a.out}):")
     for n in notes:
         print(f"- {n}")
