@@ -22,7 +22,6 @@ class _LaunchConfig(ctypes.Structure):
 
 
 PDL_ATTR = 6                 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-CLUSTER_ATTR = 4             # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 MAX_DYNAMIC_SMEM = 8         # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 STATIC_SMEM_LIMIT = 48 * 1024  # dynamic shared memory past this needs the attribute raised
 
@@ -159,11 +158,11 @@ class Module:
             n = self.occupancy[key] = max(1, c.value)
         return n
 
-    def launch(self, name: str, grid, block: int, *args, pdl: bool = False, smem: int = 0, cluster: int = 1) -> None:
+    def launch(self, name: str, grid, block: int, *args, pdl: bool = False, smem: int = 0) -> None:
         """args: tensors (or None for NULL) become pointers, Python ints int32, floats float32,
         TensorMaps their 128 bytes. ``pdl``:
         programmatic dependent launch (the kernel starts early and griddepcontrol.wait's).
-        ``smem``: bytes of dynamic shared memory. ``cluster``: blocks a thread-block cluster along x."""
+        ``smem``: bytes of dynamic shared memory."""
         want = self.param_count(name)
         if want is not None and want != len(args):
             raise RuntimeError(f"{name}: takes {want} parameters, launched with {len(args)}")
@@ -188,17 +187,10 @@ class Module:
         self.allow_smem(name, smem)
 
         def go():
-            if not pdl and cluster == 1:
+            if not pdl:
                 return d.lib.cuLaunchKernel(fn, gx, gy, 1, block, 1, 1, smem, stream, params, None)
-            attrs = []
-            if pdl:
-                attrs.append(d.pdl)
-            if cluster > 1:
-                attrs.append(_LaunchAttr(id=CLUSTER_ATTR))
-                attrs[-1].value[0], attrs[-1].value[1], attrs[-1].value[2] = cluster, 1, 1
-            arr = (_LaunchAttr * len(attrs))(*attrs)
             cfg = _LaunchConfig(grid=(gx, gy, 1), block=(block, 1, 1), smem=smem, stream=stream,
-                                attrs=ctypes.cast(arr, ctypes.POINTER(_LaunchAttr)), n_attrs=len(attrs))
+                                attrs=ctypes.pointer(d.pdl), n_attrs=1)
             return d.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None)
 
         # the module lives in its device's primary context; a thread may have another (or none)
