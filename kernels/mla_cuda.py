@@ -107,7 +107,10 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
     if prefetch and not pingpong:
         raise ValueError("prefetch is a variant of the ping-pong kernel")
-    kernel, smem = (("mla_decode_pp_pf" if prefetch else "mla_decode_pp"), SMEM_PP) if pingpong else ("mla_decode_tma", SMEM)
+    if pingpong:
+        kernel, smem = ("mla_decode_pp_pf" if prefetch else "mla_decode_pp"), SMEM_PP
+    else:
+        kernel, smem = "mla_decode_tma", SMEM
     _module(q_lat.device).launch(kernel, (hchunks * num_splits, B), THREADS, q_lat, q_pe, _plane_map(ckv, box),
                                  _plane_map(kpe, box), block_tables, context_lens, out, po, plse, float(qk_scale),
                                  num_splits, min_split_tiles, H, hchunks, bs.bit_length() - 1, box,
