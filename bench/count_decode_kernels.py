@@ -49,7 +49,10 @@ class Log(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not self.paused and not func.is_view and name not in FREE:
+        # aten.to is marked as a view (it may return its input), but a cast that makes a new
+        # tensor is a kernel
+        real = not func.is_view or (name == "to" and out is not (args[0] if args else None))
+        if not self.paused and real and name not in FREE:
             self.ops[(self.where, name)] += 1
         return out
 
@@ -78,6 +81,14 @@ def instrument(runner, log: Log) -> None:
     dec._attend_mla = _wrap(log, dec._attend_mla, "mla_attention", 2)
     for name in ("embed_rmsnorm", "residual_rmsnorm", "qk_rope_store", "route", "silu_mul"):
         setattr(fused_decode, name, _wrap(log, getattr(fused_decode, name), f"triton:{name}", 1))
+    from exl3tools.kernels import dsa_indexer
+
+    real_select = dsa_indexer.select
+
+    def select(q, w, kidx, tables, ctx, scale, topk, score_fn, topk_fn):
+        n = _select_kernels(score_fn, topk_fn, tables.shape[1] * kidx.shape[1])
+        return _wrap(log, real_select, "triton:dsa_select", n)(q, w, kidx, tables, ctx, scale, topk, score_fn, topk_fn)
+    dsa_indexer.select = select
     expert_groups.group_pairs = _wrap(log, expert_groups.group_pairs, "triton:group_pairs", 1)
     for name in ("latent_store", "rope_heads", "index_key_store", "index_queries"):
         setattr(fused_mla, name, _wrap(log, getattr(fused_mla, name), f"triton:{name}", 1))
@@ -112,6 +123,17 @@ def instrument(runner, log: Log) -> None:
             mlp(layer.mlp)
         _tag(log, projs[0], f"layer{i}:{kind}")
     _tag(log, model.head, "head")
+
+
+def _select_kernels(score_fn, topk_fn, width: int) -> int:
+    """Launches of one DSA selection on CUDA (kernels/dsa_indexer.select, its fp16 key plane): the
+    scores, then one top-k program a row, or the chunked top-k's memset and three passes, the
+    first inside the tensor-core scores kernel."""
+    from exl3tools.kernels import dsa_indexer as di
+
+    if not di._chunked_at(topk_fn, width):
+        return 2
+    return 4 if score_fn is di.paged_scores_tc else 5
 
 
 def _group_calls(log: Log):
@@ -152,23 +174,24 @@ def _tag(log: Log, lin, where: str) -> None:
     lin.fn = tagged
 
 
-def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> collections.Counter:
+def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False, context: int = 9) -> collections.Counter:
     from exl3tools.runtime.runner import load_runner
 
     os.environ["EXL3TOOLS_FUSED"] = "1" if fused else "0"
     os.environ["EXL3TOOLS_FUSED_MLA"] = "1" if fused else "0"
     os.environ["EXL3TOOLS_GROUPED_PROJ"] = "1" if grouped else "0"
-    r = load_runner(model_dir, max_context=64, max_cache_tokens=512, max_num_seqs=max(batch, 1),
-                    block_size=16, decode="static")
+    r = load_runner(model_dir, max_context=max(64, context + 8), max_cache_tokens=max(512, batch * (context + 24)),
+                    max_num_seqs=max(batch, 1), block_size=16, decode="static")
     assert (r.paged.decoder._fused is not None) == fused
     ids = list(range(batch))
     for s in ids:
         r.add_sequence(s)
-        r.step([(s, list(range(3, 12)))])
+        r.step([(s, [3 + t % 200 for t in range(context)])])
     r.step([(s, [5]) for s in ids])
-    from exl3tools.kernels import expert_groups, fused_decode, fused_mla
+    from exl3tools.kernels import dsa_indexer, expert_groups, fused_decode, fused_mla
 
     saved, saved_groups, saved_mla = dict(vars(fused_decode)), expert_groups.group_pairs, dict(vars(fused_mla))
+    saved_select = dsa_indexer.select
     log = Log()
     cls, real_call, call = _group_calls(log)
     try:
@@ -180,6 +203,9 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False) -> co
             log.where = "embed"
             r.step([(s, [7]) for s in ids])
     finally:
+        from exl3tools.kernels import dsa_indexer
+
+        dsa_indexer.select = saved_select
         cls.__call__ = real_call
         vars(fused_decode).update(saved)
         vars(fused_mla).update(saved_mla)
@@ -201,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--detail", action="store_true", help="print every op name with its count")
     ap.add_argument("--grouped", action="store_true", help="the fused step with q/k/v and gate/up grouped")
+    ap.add_argument("--context", type=int, default=9,
+                    help="prompt tokens before the counted step; past a DSA model's index_topk the selection runs")
     a = ap.parse_args(argv)
     for B in [int(x) for x in a.batch.split(",")]:
-        res = {f: count(Path(a.model), f, B, grouped=f and a.grouped) for f in (False, True)}
+        res = {f: count(Path(a.model), f, B, grouped=f and a.grouped, context=a.context) for f in (False, True)}
         print(f"batch {B}: kernels per decode step (torch loop -> fused)")
         wheres = sorted({w for ops in res.values() for w, _ in ops}, key=lambda w: (w != "embed", w))
         for w in wheres:

@@ -9,7 +9,8 @@ length 1k..32k, block ids a random permutation. Timed as CUDA-graph replays (med
 - dsa K=2048: the kernel over a 2048-entry selection (GLM-5's index_topk): cost must stop
   following the context once it exceeds K
 - indexer: kernels/dsa_indexer.paged_scores (H_i 32, D_i 128) + dsa.topk_positions, the rest of a
-  DSA layer's attention-side decode cost
+  DSA layer's attention-side decode cost; "tc + top-k" the decode step's pair as two calls, "select"
+  as dsa_indexer.select makes it (the chunked top-k's first pass inside the scores kernel)
 - torch: mla_decode_reference (gathers every table column; skipped past --max-ref-gb)
 GB/s counts the latent bytes a dense decode must read (B * ctx * (C + rope) * 4); roofline =
 4.26 TB/s (measured H200 HBM read rate, as bench/gpu_bench.py). err = max |triton - torch| / max |torch|.
@@ -52,7 +53,7 @@ def make_case(B: int, H: int, ctx: int, gen: torch.Generator, table: int = 0, bs
 
 
 def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
-    from exl3tools.kernels.dsa_indexer import paged_scores, topk_select, topk_select_chunked
+    from exl3tools.kernels import dsa_indexer as di
     from exl3tools.kernels.mla_attention import mla_decode, mla_decode_reference
 
     from exl3tools.runtime.dsa import topk_positions
@@ -74,20 +75,27 @@ def run(B: int, H: int, ctx: int, max_ref_gb: float) -> dict:
     qi = torch.randn(B, 32, 128, device="cuda", generator=gen)
     wi = torch.randn(B, 32, device="cuda", generator=gen)
     kidx = torch.empty(ckv.shape[0], BS, 128, device="cuda").normal_(generator=gen)
-    row["indexer_us"] = bench_graph(lambda: topk_positions(paged_scores(qi, wi, kidx, tables, lens, 0.01), lens, TOPK))
-    row["indexer_triton_us"] = bench_graph(lambda: topk_select(paged_scores(qi, wi, kidx, tables, lens, 0.01), lens,
-                                                               TOPK))
-    row["indexer_chunked_us"] = bench_graph(lambda: topk_select_chunked(paged_scores(qi, wi, kidx, tables, lens, 0.01),
-                                                                        lens, TOPK))
+    fma = (qi, wi, kidx, tables, lens, 0.01)
+    row["indexer_us"] = bench_graph(lambda: topk_positions(di.paged_scores(*fma), lens, TOPK))
+    row["indexer_triton_us"] = bench_graph(lambda: di.topk_select(di.paged_scores(*fma), lens, TOPK))
+    row["indexer_chunked_us"] = bench_graph(lambda: di.topk_select_chunked(di.paged_scores(*fma), lens, TOPK))
     # the scores alone on the served fp16 plane: the fp32 FMA kernel, and the tensor-core one (preview)
     qi16, kidx16 = qi.half().float(), kidx.half()
-    row["scores_fp16_us"] = bench_graph(lambda: paged_scores(qi16, wi, kidx16, tables, lens, 0.01))
-    row["scores_tc_us"] = bench_graph(lambda: paged_scores(qi16, wi, kidx16, tables, lens, 0.01, tensor_cores=True))
+    row["scores_fp16_us"] = bench_graph(lambda: di.paged_scores(qi16, wi, kidx16, tables, lens, 0.01))
+    row["scores_tc_us"] = bench_graph(lambda: di.paged_scores(qi16, wi, kidx16, tables, lens, 0.01, tensor_cores=True))
     row["scores_tc_roofline"] = B * ctx * 128 * 2 / HBM / (row["scores_tc_us"] * 1e-6)
-    a = paged_scores(qi16, wi, kidx16, tables, lens, 0.01)
-    b = paged_scores(qi16, wi, kidx16, tables, lens, 0.01, tensor_cores=True)
+    a = di.paged_scores(qi16, wi, kidx16, tables, lens, 0.01)
+    b = di.paged_scores(qi16, wi, kidx16, tables, lens, 0.01, tensor_cores=True)
     fin = torch.isfinite(a)
     row["scores_tc_same"] = (a[fin] == b[fin]).float().mean().item()
+    # the decode step's selection (tensor-core scores, the top-k by width) as two calls, and as
+    # dsa_indexer.select makes it (at chunked widths the top-k's first pass inside the scores)
+    tc = (qi16, wi, kidx16, tables, lens, 0.01)
+    row["tc_topk_us"] = bench_graph(lambda: di.topk_auto(di.paged_scores_tc(*tc), lens, TOPK))
+    row["select_us"] = bench_graph(lambda: di.select(*tc, TOPK, di.paged_scores_tc, di.topk_auto))
+    two = di.topk_auto(di.paged_scores_tc(*tc), lens, TOPK)
+    one = di.select(*tc, TOPK, di.paged_scores_tc, di.topk_auto)
+    row["select_same"] = bool(torch.equal(two.sort(1).values, one.sort(1).values))
     nbytes = B * ctx * (C + R) * 4
     best = min(row["ieee_us"], row["tf32x3_us"])
     row["GBps"] = nbytes / (best * 1e-6) / 1e9
@@ -181,8 +189,8 @@ def main() -> int:
     ctxs, batches = ([4096, 32768], [1, 32]) if a.quick else (CTXS, BATCHES)
     rows = []
     print("| H | B | ctx | ieee µs | tf32x3 µs | fp16 planes µs | dsa K=2048 µs | dsa fp16 µs | indexer µs | indexer triton top-k µs | chunked top-k µs | "
-          "scores fp16 µs | scores tc µs | tc roofline | tc same | torch µs | GB/s | roofline | fp16 roofline | err | err tf32x3 | err fp16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "scores fp16 µs | scores tc µs | tc roofline | tc same | tc + top-k µs | select µs | same | torch µs | GB/s | roofline | fp16 roofline | err | err tf32x3 | err fp16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for H in (int(h) for h in a.heads.split(",")):
         for B in batches:
             for ctx in ctxs:
@@ -199,6 +207,7 @@ def main() -> int:
                 print(f"| {H} | {B} | {ctx} | {f('ieee_us')} | {f('tf32x3_us')} | {f('fp16_us')} | {f('dsa_us')} | {f('dsa_fp16_us')} | "
                       f"{f('indexer_us')} | {f('indexer_triton_us')} | {f('indexer_chunked_us')} | "
                       f"{f('scores_fp16_us')} | {f('scores_tc_us')} | {f('scores_tc_roofline', '{:.0%}')} | {f('scores_tc_same', '{:.4f}')} | "
+                      f"{f('tc_topk_us')} | {f('select_us')} | {r.get('select_same', '-')} | "
                       f"{f('torch_us')} | {f('GBps', '{:.0f}')} | {f('roofline', '{:.0%}')} | "
                       f"{f('fp16_roofline', '{:.0%}')} | {f('err', '{:.1e}')} | {f('err_tf32x3', '{:.1e}')} | "
                       f"{f('err_fp16', '{:.1e}')} |", flush=True)

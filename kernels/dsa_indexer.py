@@ -19,6 +19,9 @@ score maps to a 16-bit key, monotone in its value (-0 = +0; non-finite scores to
 pass 1 histograms the keys' high bytes, pass 2 the low bytes within the boundary bin, which fixes
 the threshold key and how many of its ties to take; pass 3 writes every position above the
 threshold and the first ties in ascending position (Indexer.select's stable order).
+``topk_select_chunked`` runs the passes over 2048-score chunks of a row in parallel: pass 2 keeps
+each chunk's low-byte histogram, from which pass 3 derives where the chunk's positions go. ``select``
+(the decode step's) has the tensor-core scores kernel make pass 1 on the scores it holds.
 
 ``paged_scores(tensor_cores=True)`` on an fp16 key plane (the CUDA default for MLA) runs
 ``_scores_tc_kernel`` instead of the scores kernel above: each program loads the fp16 queries once
@@ -49,7 +52,7 @@ TC_TN, TC_TILES = 64, 4   # _scores_tc_kernel: keys per dot, dots per program (2
 # the chunked kernels 35.3 and 101.1; the top-k alone (bench/gpu_topk.py, later that day) 19.0 and
 # 112.6 against 21.9 and 23.1
 CHUNKED_MIN_WIDTH = 8192
-MIN_CP = 64        # topk_select_chunked's per-chunk count slots at least (a fixed compile-time size)
+CHUNK_GROUP = 16   # topk_select_chunked's last pass: the chunks' low histograms read 16 at a time
 # topk_select_chunked's chunk and warps a program; 4 warps where the grid has CHUNK_WIDE_PROGRAMS
 # programs or more. H200, 2026-12-02 (bench/gpu_topk.py, top-k alone): batch 1 at 4k-202k scores
 # 22-25 us with 8 warps (4: 23-28); batch 32 at 32k 41.3 -> 36.8 us with 4 warps, at 131k 114.8 ->
@@ -60,16 +63,17 @@ CHUNK_TILE, CHUNK_WARPS, CHUNK_WIDE_PROGRAMS = TOPK_TILE, 8, 256
 
 if triton is not None:
     @triton.jit
-    def _row_queries(q_ptr, w_ptr, b, NH, D, HP: tl.constexpr, DP: tl.constexpr):
-        """Row b's indexer queries (HP, DP) and head weights (HP,), zero-padded; the key columns."""
+    def _row_queries(q_ptr, w_ptr, b, NH, D, s_w, HP: tl.constexpr, DP: tl.constexpr):
+        """Row b's indexer queries (HP, DP) and fp16-rounded head weights (HP,), zero-padded; the
+        key columns. (The rounding is Indexer.queries'; the decode step passes the weights raw.)"""
         h = tl.arange(0, HP)
         hmask = h < NH
         d = tl.arange(0, DP)
         dmask = d < D
         q = tl.load(q_ptr + (b.to(tl.int64) * NH + h)[:, None] * D + d[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
-        w = tl.load(w_ptr + b.to(tl.int64) * NH + h, mask=hmask, other=0.0)
-        return q, w, d, dmask
+        w = tl.load(w_ptr + b.to(tl.int64) * s_w + h, mask=hmask, other=0.0)
+        return q, w.to(tl.float16).to(tl.float32), d, dmask
 
     @triton.jit
     def _key_tile(k_ptr, bt_ptr, b, t, tmask, d, dmask, s_kb, s_kt, s_bt, BS: tl.constexpr):
@@ -79,9 +83,9 @@ if triton is not None:
                        mask=tmask[:, None] & dmask[None, :], other=0.0)
 
     @triton.jit
-    def _scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, len_ptr, out_ptr, scale, NH, D, T,
-                       s_kb, s_kt, s_bt, HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                       TN: tl.constexpr):
+    def _scores_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, len_ptr, out_ptr, hist_ptr, scale, NH, D, T,
+                       s_kb, s_kt, s_bt, s_w, HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                       TN: tl.constexpr, HIST: tl.constexpr):
         b = tl.program_id(0)
         t = tl.program_id(1) * TN + tl.arange(0, TN)
         L = tl.load(len_ptr + b)
@@ -89,19 +93,21 @@ if triton is not None:
         if tl.program_id(1) * TN >= L:
             tl.store(out, tl.full([TN], float("-inf"), tl.float32), mask=t < T)
         else:
-            q, w, d, dmask = _row_queries(q_ptr, w_ptr, b, NH, D, HP, DP)
+            q, w, d, dmask = _row_queries(q_ptr, w_ptr, b, NH, D, s_w, HP, DP)
             tmask = t < L
             k = _key_tile(k_ptr, bt_ptr, b, t, tmask, d, dmask, s_kb, s_kt, s_bt, BS).to(tl.float32)
             logits = tl.dot(q, tl.trans(k), input_precision="ieee")             # (HP, TN)
             s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale
-            s = s.to(tl.float16).to(tl.float32)
-            tl.store(out, tl.where(tmask, s, float("-inf")), mask=t < T)
+            s = tl.where(tmask, s.to(tl.float16).to(tl.float32), float("-inf"))
+            tl.store(out, s, mask=t < T)
+            if HIST:
+                _add_high_hist(hist_ptr + b.to(tl.int64) * 256, tl.histogram(_key_of(s, tmask) >> 8, 256))
 
 
     @triton.jit
-    def _scores_tc_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, len_ptr, out_ptr, scale, NH, D, T,
-                          s_kb, s_kt, s_bt, HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                          TN: tl.constexpr, TILES: tl.constexpr):
+    def _scores_tc_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, len_ptr, out_ptr, hist_ptr, scale, NH, D, T,
+                          s_kb, s_kt, s_bt, s_w, HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                          TN: tl.constexpr, TILES: tl.constexpr, HIST: tl.constexpr):
         b = tl.program_id(0)
         t0 = tl.program_id(1) * (TN * TILES)
         L = tl.load(len_ptr + b)
@@ -111,25 +117,41 @@ if triton is not None:
                 t = t0 + i * TN + tl.arange(0, TN)
                 tl.store(row + t, tl.full([TN], float("-inf"), tl.float32), mask=t < T)
         else:
-            q, w, d, dmask = _row_queries(q_ptr, w_ptr, b, NH, D, HP, DP)
+            q, w, d, dmask = _row_queries(q_ptr, w_ptr, b, NH, D, s_w, HP, DP)
             q = q.to(tl.float16)                                                 # fp16-exact values
+            hist = tl.zeros([256], tl.int32)
             for i in tl.static_range(TILES):
                 t = t0 + i * TN + tl.arange(0, TN)
                 tmask = t < L
                 k = _key_tile(k_ptr, bt_ptr, b, t, tmask, d, dmask, s_kb, s_kt, s_bt, BS)
                 logits = tl.dot(k, tl.trans(q))                                  # (TN, HP) fp32
                 s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], 1) * scale
-                s = s.to(tl.float16).to(tl.float32)
-                tl.store(row + t, tl.where(tmask, s, float("-inf")), mask=t < T)
+                s = tl.where(tmask, s.to(tl.float16).to(tl.float32), float("-inf"))
+                tl.store(row + t, s, mask=t < T)
+                if HIST:
+                    hist += tl.histogram(_key_of(s, tmask) >> 8, 256)
+            if HIST:
+                _add_high_hist(hist_ptr + b.to(tl.int64) * 256, hist)
 
     @triton.jit
-    def _keys(s_row, t, T, L):
-        """16-bit order keys of fp16-valued float32 scores: 0 for non-finite ones and t >= L."""
-        v = tl.load(s_row + t, mask=t < T, other=float("-inf"))
+    def _key_of(v, visible):
+        """16-bit order keys of fp16-valued float32 scores ``v``: 0 for non-finite or invisible ones."""
         bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
         mag = bits & 0x7FFF
         key = tl.where(bits < 0, -mag, mag) + 32768                        # -0 and +0: 32768
-        return tl.where((mag < 0x7C00) & (t < L), key, 0)
+        return tl.where((mag < 0x7C00) & visible, key, 0)
+
+    @triton.jit
+    def _keys(s_row, t, T, L):
+        """``_key_of`` the scores at positions t of a row of length L (t >= L: key 0)."""
+        return _key_of(tl.load(s_row + t, mask=t < T, other=float("-inf")), t < L)
+
+    @triton.jit
+    def _add_high_hist(hist_row, h):
+        """A chunk's histogram of key high bytes into its row's (topk_select_chunked's pass 1);
+        bin 0 (unselectable keys) is never read, so it is left out."""
+        b = tl.arange(0, 256)
+        tl.atomic_add(hist_row + b, h, mask=(b > 0) & (h > 0))
 
     @triton.jit
     def _boundary(hist, want, NB: tl.constexpr):
@@ -200,48 +222,39 @@ if triton is not None:
 
 
     @triton.jit
-    def _threshold(hist_row, K):
-        """(threshold key, count above it, ties to take, entries to fill) from a row's two histograms."""
-        j = tl.arange(0, 256)
-        hi, above_hi, want = _high_bin(tl.load(hist_row + j), K)
-        lo, above_lo = _boundary(tl.load(hist_row + 256 + j), want - above_hi, 256)
-        thr, above, ties = _cut(hi, lo, above_hi, above_lo, want)
-        return thr, above, ties, want
-
-    @triton.jit
-    def _chunk_hist_kernel(s_ptr, len_ptr, hist_ptr, T, K, topk, LOW: tl.constexpr, TB: tl.constexpr):
-        """Pass 1 (LOW False: high bytes) or 2 (the low bytes within the boundary bin) of one chunk,
-        added into the row's histograms (B, 512) int32: [0, 256) high, [256, 512) low."""
+    def _chunk_high_kernel(s_ptr, len_ptr, hist_ptr, T, topk, TB: tl.constexpr):
+        """Pass 1: one chunk's histogram of key high bytes, added into its row's (B, 256) int32."""
         row = tl.program_id(0).to(tl.int64)
         L = tl.load(len_ptr + row)
         if L > topk:
             key = _keys(s_ptr + row * T, tl.program_id(1) * TB + tl.arange(0, TB), T, L)
-            hist_row = hist_ptr + row * 512
-            if LOW:
-                hi, _, _ = _high_bin(tl.load(hist_row + tl.arange(0, 256)), K)
-                b = tl.arange(0, 512)
-                h = tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
-                tl.atomic_add(hist_row + 256 + b, h, mask=(b < 256) & (h > 0))
-            else:
-                tl.atomic_add(hist_row + tl.arange(0, 256), tl.histogram(key >> 8, 256))
+            _add_high_hist(hist_ptr + row * 256, tl.histogram(key >> 8, 256))
 
-    @triton.jit
-    def _chunk_count_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, T, K, topk, CP: tl.constexpr, TB: tl.constexpr):
-        """Pass 3a: how many of one chunk's keys lie above the threshold, and how many at it."""
+    @triton.jit(do_not_specialize=["NC"])    # one compile for every table width
+    def _chunk_low_kernel(s_ptr, len_ptr, hist_ptr, low_ptr, T, K, topk, NC, TB: tl.constexpr):
+        """Pass 2: one chunk's histogram of the low bytes of its keys in the boundary high bin,
+        and its count of keys above that bin, at ``low[row, chunk]`` ((B, NC, 257) int32: bins
+        [0, 256), the count at 256). Stored per chunk, not summed, so that pass 3 derives each
+        chunk's counts above and at the threshold from them (no counting pass)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         L = tl.load(len_ptr + row)
         if L > topk:
-            thr, above, ties, want = _threshold(hist_ptr + row * 512, K)
             key = _keys(s_ptr + row * T, c * TB + tl.arange(0, TB), T, L)
-            tl.store(cnt_ptr + row * 2 * CP + c, tl.sum((key > thr).to(tl.int32), 0))
-            tl.store(cnt_ptr + row * 2 * CP + CP + c, tl.sum(((key == thr) & (key > 0)).to(tl.int32), 0))
+            hi, _, _ = _high_bin(tl.load(hist_ptr + row * 256 + tl.arange(0, 256)), K)
+            b = tl.arange(0, 512)
+            h = tl.histogram(tl.where((key >> 8) == hi, key & 255, 256), 512)
+            out = low_ptr + (row * NC + c) * 257
+            tl.store(out + b, h, mask=b < 256)
+            tl.store(out + 256, tl.sum(((key >> 8) > hi).to(tl.int32), 0))
 
-    @triton.jit
-    def _chunk_write_kernel(s_ptr, len_ptr, hist_ptr, cnt_ptr, out_ptr, T, K, topk, CP: tl.constexpr,
-                            TB: tl.constexpr):
-        """Pass 3b: one chunk's chosen positions at offsets after the chunks before it; output
-        entries [c * TB, (c + 1) * TB) past the chosen ones (or a dense row's) filled here too."""
+    @triton.jit(do_not_specialize=["NC"])    # one compile for every table width
+    def _chunk_write_kernel(s_ptr, len_ptr, hist_ptr, low_ptr, out_ptr, T, K, topk, NC, TB: tl.constexpr,
+                            CG: tl.constexpr):
+        """Pass 3: the threshold from the high histogram and the chunks' low ones, the keys above it
+        and at it in the chunks before this one (CG chunks a step), then this chunk's chosen
+        positions at offsets after theirs; output entries [c * TB, (c + 1) * TB) past the chosen ones
+        (or a dense row's) filled here too."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         L = tl.load(len_ptr + row)
@@ -250,10 +263,26 @@ if triton is not None:
         if L <= topk:
             tl.store(o_row + j, tl.where(j < L, j, -1), mask=j < K)
         else:
-            thr, above, ties, want = _threshold(hist_ptr + row * 512, K)
-            prev = tl.arange(0, CP) < c
-            n_gt = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + tl.arange(0, CP)), 0), 0)
-            n_eq = tl.sum(tl.where(prev, tl.load(cnt_ptr + row * 2 * CP + CP + tl.arange(0, CP)), 0), 0)
+            hi, above_hi, want = _high_bin(tl.load(hist_ptr + row * 256 + tl.arange(0, 256)), K)
+            bins = tl.arange(0, 256)
+            g = tl.arange(0, CG)
+            low_row = low_ptr + row * NC * 257
+            total = tl.zeros([256], tl.int32)
+            for c0 in range(0, NC, CG):
+                cs = c0 + g
+                tile = tl.load(low_row + cs[:, None] * 257 + bins[None, :], mask=(cs < NC)[:, None], other=0)
+                total += tl.sum(tile, 0)
+            lo, above_lo = _boundary(total, want - above_hi, 256)
+            thr, above, ties = _cut(hi, lo, above_hi, above_lo, want)
+            n_gt = 0
+            n_eq = 0
+            for c0 in range(0, c, CG):
+                cs = c0 + g
+                prev = cs < c
+                tile = tl.load(low_row + cs[:, None] * 257 + bins[None, :], mask=prev[:, None], other=0)
+                n_gt += tl.sum(tl.load(low_row + cs * 257 + 256, mask=prev, other=0), 0)
+                n_gt += tl.sum(tl.sum(tl.where(bins[None, :] > lo, tile, 0), 1), 0)
+                n_eq += tl.sum(tl.sum(tl.where(bins[None, :] == lo, tile, 0), 1), 0)
             _write_chosen(o_row, j, _keys(s_ptr + row * T, j, T, L), thr, above, ties, n_gt, n_eq)
             tl.store(o_row + j, -1, mask=(j >= want) & (j < K))
 
@@ -263,11 +292,15 @@ def _pow2(n: int) -> int:
 
 
 def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, *, tensor_cores: bool = False) -> torch.Tensor:
-    """q (B, H_i, D) and w (B, H_i) float32, kidx (num_blocks, block_size, D) in the pool's dtype
-    (fp32, fp16 or bf16, read as fp32), tables (B, W) int32, context_lens (B,) int32: scores
-    (B, W * block_size) float32 (module doc). ``tensor_cores``: fp16 tensor-core dots where kidx
-    is fp16 (q's values fp16-exact, as Indexer.queries rounds them); other planes ignore it."""
+                 context_lens: torch.Tensor, scale: float, *, tensor_cores: bool = False,
+                 hist: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H_i, D) and w (B, H_i) float32 (w's rows may be strided: the decode step's are columns
+    of the indexer's key projection; rounded to fp16 here, as Indexer.queries rounds them), kidx
+    (num_blocks, block_size, D) in the pool's dtype (fp32, fp16 or bf16, read as fp32), tables
+    (B, W) int32, context_lens (B,) int32: scores (B, W * block_size) float32 (module doc).
+    ``tensor_cores``: fp16 tensor-core dots where kidx is fp16 (q's values fp16-exact, as
+    Indexer.queries rounds them); other planes ignore it. ``hist``: a zeroed (B, 256) int32
+    tensor that gets the scores' key high-byte histogram (topk_select_chunked's first pass)."""
     if triton is None:
         raise RuntimeError("paged_scores needs triton (runtime.dsa.paged_scores_reference does not)")
     B, NH, D = q.shape
@@ -278,20 +311,25 @@ def paged_scores(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tab
     if block_tables.dtype != torch.int32 or block_tables.shape[0] != B or block_tables.stride(1) != 1 \
             or context_lens.dtype != torch.int32 or tuple(context_lens.shape) != (B,):
         raise ValueError("block_tables must be int32 (B, W) with contiguous rows, context_lens int32 (B,)")
+    if hist is not None and (hist.dtype != torch.int32 or tuple(hist.shape) != (B, 256) or not hist.is_contiguous()):
+        raise ValueError(f"hist must be a contiguous int32 ({B}, 256), got {hist.dtype} {tuple(hist.shape)}")
     bs = kidx.shape[1]
     T = block_tables.shape[1] * bs
-    q, w = q.contiguous(), w.contiguous()
+    q = q.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
     out = torch.empty(B, T, device=q.device, dtype=torch.float32)
     if B == 0 or T == 0:
         return out
-    args = (q, w, kidx, block_tables, context_lens, out, float(scale), NH, D, T,
-            kidx.stride(0), kidx.stride(1), block_tables.stride(0))
+    args = (q, w, kidx, block_tables, context_lens, out, out if hist is None else hist, float(scale), NH, D, T,
+            kidx.stride(0), kidx.stride(1), block_tables.stride(0), w.stride(0))
     HP, DP = max(16, _pow2(NH)), max(16, _pow2(D))
     if tensor_cores and kidx.dtype == torch.float16:
         _scores_tc_kernel[(B, triton.cdiv(T, TC_TN * TC_TILES))](
-            *args, HP=HP, DP=DP, BS=bs, TN=TC_TN, TILES=TC_TILES, num_warps=4)
+            *args, HP=HP, DP=DP, BS=bs, TN=TC_TN, TILES=TC_TILES, HIST=hist is not None, num_warps=4)
     else:
-        _scores_kernel[(B, triton.cdiv(T, TILE))](*args, HP=HP, DP=DP, BS=bs, TN=TILE, num_warps=8)
+        _scores_kernel[(B, triton.cdiv(T, TILE))](*args, HP=HP, DP=DP, BS=bs, TN=TILE, HIST=hist is not None,
+                                                  num_warps=8)
     return out
 
 
@@ -324,11 +362,13 @@ def topk_select(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch
 
 
 def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int, *, tb: int | None = None,
-                        warps: int | None = None) -> torch.Tensor:
-    """topk_select over chunks of ``tb`` (CHUNK_TILE) scores in parallel (grid rows x chunks, four
-    launches: the two histograms summed with atomics, then per-chunk counts and writes), for wide
+                        warps: int | None = None, hist: torch.Tensor | None = None) -> torch.Tensor:
+    """topk_select over chunks of ``tb`` (CHUNK_TILE) scores in parallel (grid rows x chunks, three
+    passes: the key high bytes' histogram summed with atomics, each chunk's low bytes in the
+    boundary bin, then each chunk's writes at offsets derived from the chunks before it), for wide
     tables where one program per row walks every chunk three times. The same contract and result
-    set. ``tb`` / ``warps``: the chunk size and warps a program (bench/gpu_topk.py sweeps them)."""
+    set. ``tb`` / ``warps``: the chunk size and warps a program (bench/gpu_topk.py sweeps them).
+    ``hist``: the first pass's histogram, already made (``paged_scores(hist=)``; ``select``)."""
     K, out = _topk_out("topk_select_chunked", s, context_lens, topk)
     B, T = s.shape
     if not (B and K):
@@ -337,17 +377,14 @@ def topk_select_chunked(s: torch.Tensor, context_lens: torch.Tensor, topk: int, 
     s = s.contiguous()
     chunks = triton.cdiv(T, tb)
     warps = warps or (4 if B * chunks >= CHUNK_WIDE_PROGRAMS else CHUNK_WARPS)
-    # CP is a compile-time size: one value for every table up to MIN_CP chunks (128k scores), so
-    # a long prompt's chunks, each over a longer history, do not compile the two kernels afresh
-    # at every power of two (~0.5 s a compile, paid inside the first long prompt a server sees)
-    cp = max(MIN_CP, _pow2(chunks))
-    hist = torch.zeros(B, 512, device=s.device, dtype=torch.int32)
-    cnt = torch.empty(B, 2, cp, device=s.device, dtype=torch.int32)
     grid = (B, chunks)
-    for low in (False, True):
-        _chunk_hist_kernel[grid](s, context_lens, hist, T, K, int(topk), LOW=low, TB=tb, num_warps=warps)
-    _chunk_count_kernel[grid](s, context_lens, hist, cnt, T, K, int(topk), CP=cp, TB=tb, num_warps=warps)
-    _chunk_write_kernel[grid](s, context_lens, hist, cnt, out, T, K, int(topk), CP=cp, TB=tb, num_warps=warps)
+    if hist is None:
+        hist = torch.zeros(B, 256, device=s.device, dtype=torch.int32)
+        _chunk_high_kernel[grid](s, context_lens, hist, T, int(topk), TB=tb, num_warps=warps)
+    low = torch.empty(B, chunks, 257, device=s.device, dtype=torch.int32)
+    _chunk_low_kernel[grid](s, context_lens, hist, low, T, K, int(topk), chunks, TB=tb, num_warps=warps)
+    _chunk_write_kernel[grid](s, context_lens, hist, low, out, T, K, int(topk), chunks, TB=tb, CG=CHUNK_GROUP,
+                              num_warps=warps)
     return out
 
 
@@ -361,3 +398,21 @@ def topk_for_width(width: int):
 def topk_auto(s: torch.Tensor, context_lens: torch.Tensor, topk: int) -> torch.Tensor:
     """topk_select or topk_select_chunked by the table's width (topk_for_width)."""
     return topk_for_width(s.shape[1])(s, context_lens, topk)
+
+
+def _chunked_at(topk_fn, width: int) -> bool:
+    return topk_fn is topk_select_chunked or (topk_fn is topk_auto and topk_for_width(width) is topk_select_chunked)
+
+
+def select(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: torch.Tensor,
+           context_lens: torch.Tensor, scale: float, topk: int, score_fn, topk_fn) -> torch.Tensor:
+    """``topk_fn(score_fn(q, w, ...), context_lens, topk)``: the DSA selection of the decode step
+    (runtime.dsa.Indexer.select_paged). Where the pair is the tensor-core scores and the chunked
+    top-k, the scores kernel makes the top-k's first pass (the key high bytes' histogram) on the
+    scores it holds: one launch and one read of the scores fewer."""
+    width = block_tables.shape[1] * kidx.shape[1]
+    if score_fn is paged_scores_tc and kidx.dtype == torch.float16 and _chunked_at(topk_fn, width):
+        hist = torch.zeros(q.shape[0], 256, device=q.device, dtype=torch.int32)
+        s = paged_scores(q, w, kidx, block_tables, context_lens, scale, tensor_cores=True, hist=hist)
+        return topk_select_chunked(s, context_lens, topk, hist=hist)
+    return topk_fn(score_fn(q, w, kidx, block_tables, context_lens, scale), context_lens, topk)

@@ -39,9 +39,12 @@ class Indexer:
                  weights_proj: torch.Tensor, n_heads: int, head_dim: int, rope_dim: int, topk: int,
                  rope_params: tuple, eps: float = 1e-6):
         self.wq_b = wq_b
-        self.wk, self.wproj = wk.float(), weights_proj.float()        # HF (out, in)
+        # HF (out, in); one tensor, so that the decode step projects keys and head weights in one
+        # GEMM (write_keys), wk and wproj views into it
         self.kn_w, self.kn_b, self.eps = k_norm_w.float(), k_norm_b.float(), eps
         self.nh, self.hd, self.rd, self.topk = n_heads, head_dim, rope_dim, topk
+        self.wkw = torch.cat([wk.float(), weights_proj.float()])
+        self._views()
         self.inv_freq, self.attn_factor = rope_params[0], rope_params[1]
         self.scale = head_dim ** -0.5 * n_heads ** -0.5
         self.last_selection: torch.Tensor | None = None   # (n, L) bool, for tests and diagnostics
@@ -50,10 +53,14 @@ class Indexer:
         r = rope_gptj(x[..., :self.rd], pos, self.inv_freq, self.attn_factor)
         return torch.cat([r, x[..., self.rd:]], dim=-1)
 
+    def _views(self) -> None:
+        self.wk, self.wproj = self.wkw[:self.hd], self.wkw[self.hd:]
+
     def _to(self, dev: torch.device) -> None:
-        if self.wk.device != dev:
-            for name in ("wk", "wproj", "kn_w", "kn_b", "inv_freq"):
+        if self.wkw.device != dev:
+            for name in ("wkw", "kn_w", "kn_b", "inv_freq"):
                 setattr(self, name, getattr(self, name).to(dev))
+            self._views()
 
     def keys(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Roped indexer keys of the new rows (T, D_i): what the cache stores (plane ``kidx``)."""
@@ -63,23 +70,28 @@ class Indexer:
         return _fp16(self._rope_front(k, pos))
 
     def write_keys(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, plane: torch.Tensor,
-                   rope_cs: tuple | None = None) -> None:
+                   rope_cs: tuple | None = None) -> torch.Tensor | None:
         """``keys`` of the new rows into the paged ``plane`` at ``slots``. ``rope_cs``: the step's
         RoPE table for this indexer's RoPE (runtime/fused_step.py FusedMlaStep): the roundings,
-        norm, RoPE and write as one kernel (kernels/fused_mla.index_key_store)."""
+        norm, RoPE and write as one kernel (kernels/fused_mla.index_key_store), after one GEMM
+        that projects the head weights too; those (n, H_i) weights, not yet rounded to fp16
+        (the score kernels round them), are returned for ``select_paged``, else None."""
         if rope_cs is None:
             plane.index_copy_(0, slots, self.keys(x, pos).to(plane.dtype))
-            return
+            return None
         from exl3tools.kernels import fused_mla
 
         self._to(x.device)
-        fused_mla.index_key_store(x @ self.wk.t(), self.kn_w, self.kn_b, self.eps, self.rd, *rope_cs, slots, plane)
+        proj = x @ self.wkw.t()
+        fused_mla.index_key_store(proj[:, :self.hd], self.kn_w, self.kn_b, self.eps, self.rd, *rope_cs, slots, plane)
+        return proj[:, self.hd:]
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
-                rope_cs: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rope_cs: tuple | None = None, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """fp16-rounded roped queries (n, H_i, D_i) and head weights (n, H_i) of n rows; with the
         step's RoPE table ``rope_cs`` the queries' roundings and RoPE as one kernel
-        (kernels/fused_mla.index_queries)."""
+        (kernels/fused_mla.index_queries). ``w``: the head weights ``write_keys`` projected,
+        handed back unrounded (every score function rounds them)."""
         n = x.shape[0]
         if rope_cs is not None:
             from exl3tools.kernels import fused_mla
@@ -88,7 +100,7 @@ class Indexer:
         else:
             q = _fp16(self.wq_b(q_resid)).view(n, self.nh, self.hd)
             q = _fp16(self._rope_front(q, pos))
-        return q, _fp16(x @ self.wproj.t())
+        return q, (_fp16(x @ self.wproj.t()) if w is None else w)
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
                pos0: int) -> torch.Tensor:
@@ -166,13 +178,18 @@ class Indexer:
 
     def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, kidx: torch.Tensor,
                      tables: torch.Tensor, ctx: torch.Tensor, score_fn=None, topk_fn=None,
-                     rope_cs: tuple | None = None) -> torch.Tensor:
+                     rope_cs: tuple | None = None, w: torch.Tensor | None = None) -> torch.Tensor:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
         device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
         ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
-        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``: as ``queries``."""
+        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``, ``w``: as ``queries``.
+        The Triton pair goes through kernels/dsa_indexer.select (one pass of its top-k fused)."""
         self._to(x.device)
-        q, w = self.queries(x, q_resid, pos, rope_cs)
+        q, w = self.queries(x, q_resid, pos, rope_cs, w)
+        if score_fn is not None and topk_fn is not None:
+            from exl3tools.kernels import dsa_indexer
+
+            return dsa_indexer.select(q, w, kidx, tables, ctx, self.scale, self.topk, score_fn, topk_fn)
         s = (score_fn or paged_scores_reference)(q, w, kidx, tables, ctx, self.scale)
         return (topk_fn or topk_positions)(s, ctx, self.topk)
 
@@ -180,7 +197,9 @@ class Indexer:
 def paged_scores_reference(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, tables: torch.Tensor,
                            ctx: torch.Tensor, scale: float) -> torch.Tensor:
     """fp16-rounded indexer scores (B, W * block_size) of one query per row against its paged keys,
-    -inf at and past ``ctx[b]`` (``Indexer.scores`` for a decode row); fixed shapes, no host sync."""
+    -inf at and past ``ctx[b]`` (``Indexer.scores`` for a decode row); fixed shapes, no host sync.
+    ``w`` is rounded to fp16 here, as the kernels round it (the decode step passes it raw)."""
+    w = _fp16(w)
     B, W = tables.shape
     bs = kidx.shape[1]
     T = W * bs

@@ -273,18 +273,19 @@ class MLAttention:
             rows.longest > self.index_topk, shared, "rows", mla_attention_fn(x.device)))
 
     def _attend_paged(self, x, q_resid, q_lat, q_pe, pos, pool, tables, ctx, sparse: bool, shared: dict, key,
-                      fns, rope_cs: tuple | None = None) -> torch.Tensor:
+                      fns, rope_cs: tuple | None = None, index_w: torch.Tensor | None = None) -> torch.Tensor:
         """Rows (their latent already in ``pool``) through the decode step's kernels ``fns`` =
         (MLA attention, DSA scores, DSA top-k): a DSA full layer selects when ``sparse`` (some row
         sees more than index_topk keys) and publishes its selection in ``shared[key]`` for the
         shared layers after it. (rows, H, v) float32 (decode_static, attend_rows). ``rope_cs``: the
-        fused step's RoPE table (decode_static), for the indexer's queries."""
+        fused step's RoPE table (decode_static), for the indexer's queries; ``index_w``: the head
+        weights the indexer's ``write_keys`` projected with its keys (Indexer.queries)."""
         attend, score_fn, topk_fn = fns
         sel = None
         if self.index_topk and sparse:                # else every row keeps all its keys
             if self.indexer is not None:
                 sel = self.indexer.select_paged(x, q_resid, pos, pool.blocks(self.layer, CACHE_KIDX), tables, ctx,
-                                                score_fn, topk_fn, rope_cs=self._index_rope(rope_cs))
+                                                score_fn, topk_fn, rope_cs=self._index_rope(rope_cs), w=index_w)
                 shared[key] = sel
             elif self.dsa_shared:
                 sel = self._shared_selection(shared, key)
@@ -401,10 +402,11 @@ class MLAttention:
                                           self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
             planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
         q_lat = torch.einsum("thn,hnc->thc", q[..., :self.nope], self.w_uk).contiguous()
+        index_w = None
         if self.indexer is not None:
-            self.indexer.write_keys(x, pos, st.slots, planes[CACHE_KIDX], self._index_rope(rope_cs))
+            index_w = self.indexer.write_keys(x, pos, st.slots, planes[CACHE_KIDX], self._index_rope(rope_cs))
         out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,
-                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk), rope_cs)
+                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk), rope_cs, index_w)
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
 
     def _fused_queries_and_latent(self, x, slots, planes, rope_cs, project):

@@ -385,6 +385,39 @@ def test_dsa_topk_select_picks_topk_positions_set(dev, T, k, chunked):
         assert (got[b] < 0).sum() == (want[b] < 0).sum(), b
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_dsa_select_with_the_first_pass_in_the_scores(dev, tensor_cores):
+    """kernels/dsa_indexer.select, the decode step's selection: with the tensor-core scores and the
+    chunked top-k the scores kernel makes the top-k's first pass (its key histogram); any score
+    kernel can (``paged_scores(hist=)``). Both pick runtime.dsa's reference set from raw
+    (unrounded, strided) head weights, as the decode step passes them, over several chunks a row
+    with coarse keys (ties at the threshold), rows at, below and past topk and an empty one."""
+    from exl3tools.kernels import dsa_indexer as di
+
+    from exl3tools.runtime.dsa import paged_scores_reference, topk_positions
+
+    B, NH, D, bs, W, topk = 5, 4, 32, 16, 320, 2048          # 5120 scores a row: 3 chunks of 2048
+    gen = torch.Generator().manual_seed(7)
+    q = (torch.randint(-2, 3, (B, NH, D), generator=gen).float() / 2).to(dev)
+    proj = torch.randn(B, 3 + NH, generator=gen).to(dev)      # key columns, then the head weights
+    w = proj[:, 3:]
+    kidx = (torch.randint(-2, 3, (B * W + 1, bs, D), generator=gen).float() / 2).half().to(dev)
+    tables = torch.stack([torch.randperm(B * W, generator=gen)[:W] for _ in range(B)]).to(torch.int32).to(dev)
+    ctx = torch.tensor([W * bs, 4000, topk + 1, topk, 0], dtype=torch.int32).to(dev)
+    scale = D ** -0.5 * NH ** -0.5
+    want = topk_positions(paged_scores_reference(q, w, kidx, tables, ctx, scale), ctx, topk).cpu()
+    if tensor_cores:
+        got = di.select(q, w, kidx, tables, ctx, scale, topk, di.paged_scores_tc, di.topk_select_chunked).cpu()
+    else:
+        hist = torch.zeros(B, 256, dtype=torch.int32, device=dev)
+        s = di.paged_scores(q, w, kidx, tables, ctx, scale, hist=hist)
+        got = di.topk_select_chunked(s, ctx, topk, hist=hist).cpu()
+    assert got.shape == want.shape
+    for b in range(B):
+        assert sorted(got[b][got[b] >= 0].tolist()) == sorted(want[b][want[b] >= 0].tolist()), b
+        assert (got[b] < 0).sum() == (want[b] < 0).sum(), b
+
+
 def _wgmma_kernel_here() -> bool:
     from exl3tools.kernels import cuda_build
 
