@@ -57,7 +57,8 @@ if triton is not None:
     def _residual_rmsnorm_kernel(h_ptr, d_ptr, y_ptr, wk_ptr, w_ptr, x_ptr, tok_ptr, H, K, eps,
                                  sh, sd, sy, sx,
                                  HAS_D: tl.constexpr, HAS_Y: tl.constexpr, WRITE_H: tl.constexpr,
-                                 GATHER: tl.constexpr, BLOCK: tl.constexpr, Y_ROWS: tl.constexpr = False):
+                                 GATHER: tl.constexpr, BLOCK: tl.constexpr, Y_ROWS: tl.constexpr = False,
+                                 s16=0, COPY16: tl.constexpr = False):
         r = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < H
@@ -84,7 +85,10 @@ if triton is not None:
             tl.store(h_ptr + r * sh + c, h, mask=m)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, 0) / H + eps)
         w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
-        tl.store(x_ptr + r * sx + c, h * rstd * w, mask=m)
+        x = h * rstd * w
+        tl.store(x_ptr + r * sx + c, x, mask=m)
+        if COPY16:   # the fp16-rounded rows too, s16 elements on (an MLA model's router choice)
+            tl.store(x_ptr + s16 + r * sx + c, x.to(tl.float16).to(tl.float32), mask=m)
 
     # ------------------------------------------------------------------ q/k norm + RoPE + K/V store
     @triton.jit
@@ -211,17 +215,20 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 # ------------------------------------------------------------------ residual + RMSNorm
 def residual_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
                      y: torch.Tensor | None = None, wk: torch.Tensor | None = None,
-                     y_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     y_rows: torch.Tensor | None = None, with_fp16: bool = False):
     """In place ``h += delta + sum_j wk[t*K+j] * y[t*K+j, :H]`` (terms optional), then return
     ``rmsnorm(h) * weight`` (T, H) fp32. h (T, H) fp32; y (T*K, >= H) rows of the routed experts,
     or with ``y_rows`` (T*K,) int32 any rows, pair t*K+j's at y[y_rows[t*K+j]] (expert-grouped
-    tiles: kernels.expert_groups; every index must be a row of y)."""
+    tiles: kernels.expert_groups; every index must be a row of y). ``with_fp16``: (x, both), both
+    (2T, H) = x over its fp16-rounded values (x a view of its first T rows), so that one GEMM
+    gives an MLA model's router logits and its choice logits."""
     T, H = _rows(h, "h").shape
     if h.dtype != torch.float32:
         raise ValueError(f"h must be float32, got {h.dtype}")
-    x = torch.empty_like(h)
+    both = torch.empty(2 * T, H, dtype=h.dtype, device=h.device) if with_fp16 else None
+    x = torch.empty_like(h) if both is None else both[:T]
     if T == 0:
-        return x
+        return (x, both) if with_fp16 else x
     K = 0
     if y is not None:
         _rows(y, "y")
@@ -238,8 +245,8 @@ def residual_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: t
         weight, x, y_rows.contiguous() if rows else h, H, K, float(eps), h.stride(0),
         0 if delta is None else delta.stride(0), 0 if y is None else y.stride(0), x.stride(0),
         HAS_D=delta is not None, HAS_Y=y is not None, WRITE_H=delta is not None or y is not None,
-        GATHER=False, BLOCK=block, Y_ROWS=rows, num_warps=_warps(block))
-    return x
+        GATHER=False, BLOCK=block, Y_ROWS=rows, s16=T * H if with_fp16 else 0, COPY16=with_fp16, num_warps=_warps(block))
+    return (x, both) if with_fp16 else x
 
 
 def embed_rmsnorm(embed: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor,

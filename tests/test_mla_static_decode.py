@@ -366,6 +366,16 @@ def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
         calls.append(choice_logits is not None)
         return out
     monkeypatch.setattr(fk, "route", checked)
+    real_route, inputs = fused_step.FusedGqaStep._route, []
+
+    def route_inputs(self, mlp, x, logits, lut, shared=False, choice=None):
+        # the router's two GEMMs, made as one over x and its fp16 rows (residual_rmsnorm's with_fp16)
+        if choice is not None:
+            torch.testing.assert_close(logits, x @ mlp.router.t(), rtol=1e-4, atol=2e-5)
+            torch.testing.assert_close(choice, x.half().float() @ mlp.router.t(), rtol=1e-4, atol=2e-5)
+        inputs.append(choice is not None)
+        return real_route(self, mlp, x, logits, lut, shared, choice)
+    monkeypatch.setattr(fused_step.FusedGqaStep, "_route", route_inputs)
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
     want = _run(_model(name), name, "eager")
@@ -377,6 +387,7 @@ def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
     for s, (x, y) in enumerate(zip(got, want, strict=True)):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
     assert calls and all(calls)         # every MoE layer routed through the kernel, fp16 choice on
+    assert inputs and all(inputs)       # both logits from the one GEMM
 
 
 def test_fused_mla_step_is_asked_for_off_cuda(monkeypatch):

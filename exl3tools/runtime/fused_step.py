@@ -124,8 +124,12 @@ class FusedGqaStep:
         rope: dict[int, tuple] = {}       # cos/sin per distinct inv_freq (one for these models)
         for layer, nxt in zip(layers, self.norms, strict=True):
             d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
-            x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
-            d, y, wk, y_rows = self.mlp(layer.mlp, x)
+            both = None
+            if id(layer.mlp) in self._fp16_bias and self._fused_moe(layer.mlp):
+                x, both = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d, with_fp16=True)
+            else:
+                x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
+            d, y, wk, y_rows = self.mlp(layer.mlp, x, both)
             x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
         return x
 
@@ -147,20 +151,32 @@ class FusedGqaStep:
         o = attend(q, self.pool.blocks(a.layer, "k"), self.pool.blocks(a.layer, "v"), tables, ctx, a.scale)
         return a.reduce(a.o(o.reshape(x.shape[0], a.nq * a.hd)))
 
-    def mlp(self, mlp, x):
+    @staticmethod
+    def _fused_moe(mlp) -> bool:
+        """Whether ``mlp`` takes the fused MoE path of ``mlp`` (else MoE.forward_static)."""
+        return isinstance(mlp, MoE) and mlp.reduce is _identity and bool(mlp.experts)
+
+    def mlp(self, mlp, x, both: torch.Tensor | None = None):
         """(delta, y, wk, y_rows): the MLP's output as ``delta`` plus, for routed experts, their rows
         ``y`` (T * top_k, >= H; or any rows, pair p's at y_rows[p]) and weights ``wk`` (T * top_k,),
-        for residual_rmsnorm to sum."""
+        for residual_rmsnorm to sum. ``both``: x over its fp16-rounded rows (residual_rmsnorm's
+        with_fp16), where the router chooses from fp16 activations: both logits in one GEMM."""
         if isinstance(mlp, GatedMLP):
             return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None, None
-        if not isinstance(mlp, MoE) or mlp.reduce is not _identity or not mlp.experts:
+        if not self._fused_moe(mlp):
             return mlp.forward_static(x), None, None, None
         T, H = x.shape
         g = mlp.grouped()
         g["lut"] = g["lut"].to(x.device)
         # batch-invariant runs: the router's GEMM at a fixed shape; never _tiles_sum (it sums a
         # token's experts in another order than residual_rmsnorm), tiles in pair order instead
-        logits = invariance.rows_mm(x, mlp.router.t()) if self.invariant else x @ mlp.router.t()
+        choice = None
+        if self.invariant:
+            logits = invariance.rows_mm(x, mlp.router.t())
+        elif both is not None:
+            logits, choice = (both @ mlp.router.t()).split(T)
+        else:
+            logits = x @ mlp.router.t()
         S = T * mlp.top_k
         tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.pair_tiles
         by_expert = self.expert_groups and not self.pair_tiles and T > 1
@@ -170,7 +186,7 @@ class FusedGqaStep:
         by_expert = by_expert and T * (mlp.top_k + (merged is not None)) <= self.max_pairs and (merged is not None or g_tiles)
         tiled = tiled and not by_expert
         if merged is not None and not tiled:          # the shared expert as one more pair per token
-            r = self._route(mlp, x, logits, g["lut"], shared=True)
+            r = self._route(mlp, x, logits, g["lut"], shared=True, choice=choice)
             xp = F.pad(x, (0, g["in_pad"] - H)) if g["in_pad"] > H else x
             S = T * (mlp.top_k + 1)
             if by_expert:
@@ -180,7 +196,7 @@ class FusedGqaStep:
                 return None, _pairs_by_tiles(merged, xp, r, S, mlp.top_k + 1, NE), r["wk"], None
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             return None, _down(merged["down_proj"], gu, S, r["down_exp"]), r["wk"], None
-        r = self._route(mlp, x, logits, g["lut"])
+        r = self._route(mlp, x, logits, g["lut"], choice=choice)
         sh = mlp.shared
         shared = None if sh is None else sh.down(fk.silu_mul(sh.gate(x), sh.up(x)))
         if tiled:
@@ -208,12 +224,18 @@ class FusedGqaStep:
             y = down.slots(act, torch.arange(S, device=x.device), r["down_exp"])
         return shared, y, r["wk"], None
 
-    def _route(self, mlp: MoE, x: torch.Tensor, logits: torch.Tensor, lut: torch.Tensor, shared: bool = False) -> dict:
+    def _route(self, mlp: MoE, x: torch.Tensor, logits: torch.Tensor, lut: torch.Tensor, shared: bool = False,
+               choice: torch.Tensor | None = None) -> dict:
         """fk.route of ``mlp``'s router logits; an MoE that picks from fp16-rounded activations
-        (arch.deepseek_v3.Fp16ChoiceMoE: MLA models) gets those logits and its centred fp16 bias."""
-        bias, choice = mlp.bias, None
+        (arch.deepseek_v3.Fp16ChoiceMoE: MLA models) gets those logits (``choice``, or made here)
+        and its centred fp16 bias."""
+        bias = mlp.bias
         if id(mlp) in self._fp16_bias:
-            bias, choice = self._fp16_bias[id(mlp)], x.half().float() @ mlp.router.t()
+            bias = self._fp16_bias[id(mlp)]
+            if choice is None:
+                choice = x.half().float() @ mlp.router.t()
+        else:
+            choice = None
         return fk.route(logits, mlp.top_k, mlp.routing, mlp.norm, mlp.scaling, bias, lut, len(mlp.experts),
                         shared=shared, choice_logits=choice)
 

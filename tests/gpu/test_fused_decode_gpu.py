@@ -62,6 +62,12 @@ def test_residual_rmsnorm(dev, T, H, terms):
         h3 = h.clone()
         fk.residual_rmsnorm(h3, w, 1e-5, None, y.index_select(0, rows.long()), wk)
         _close(h1, h3, 1e-6)
+    # with_fp16 (an MLA model's router input): x as before, then its fp16-rounded rows, exactly
+    h4 = h.clone()
+    x4, both = fk.residual_rmsnorm(h4, w, 1e-5, delta, y, wk, rows, with_fp16=True)
+    assert both.shape == (2 * T, H) and x4.data_ptr() == both.data_ptr()
+    assert torch.equal(x4, x1) and torch.equal(h4, h1)
+    assert torch.equal(both[T:], x1.half().float()) and not torch.equal(both[T:], x1)
 
 
 # (tokens, pairs a token, experts): GLM-4.5-Air's 8 routed + shared at batch 2, 8, 14, 32 and 56 (the
