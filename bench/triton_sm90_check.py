@@ -75,6 +75,7 @@ def fused() -> None:
                             wk=torch.zeros(T * K))
         fk.residual_rmsnorm(h, w, 1e-5, y=torch.zeros(T * K + 9, H, dtype=bf16), wk=torch.zeros(T * K),
                             y_rows=torch.zeros(T * K, dtype=torch.int32))
+        fk.residual_rmsnorm(h, w, 1e-5, delta=torch.zeros(T, H), with_fp16=True)   # an MLA router's input
         fk.embed_rmsnorm(torch.zeros(1000, H, dtype=bf16), torch.zeros(T, dtype=torch.int64), w, 1e-5)
     for T, nq, nkv, hd, rdim, norm, kvdt in ((1, 32, 8, 128, 128, True, bf16), (4, 64, 8, 128, 64, False, f16),
                                              (2, 16, 2, 256, 64, True, torch.float32), (2, 96, 8, 128, 64, False, bf16)):
@@ -146,12 +147,16 @@ def dsa() -> None:
     for NH, D, bs, dt in ((64, 128, 64, torch.float32), (32, 128, 16, torch.float32), (64, 128, 256, torch.float32),
                           (64, 128, 64, torch.float16), (32, 128, 64, torch.float16), (64, 128, 64, torch.bfloat16)):
         for tc in ((False, True) if dt == torch.float16 else (False,)):
-            di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, NH), torch.zeros(16, bs, D, dtype=dt),
-                            torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1,
-                            tensor_cores=tc)
+            for hist in (None, torch.zeros(4, 256, dtype=torch.int32)):   # the chunked top-k's pass 1 inside
+                # head weights as the decode step passes them: columns of the key projection
+                di.paged_scores(torch.zeros(4, NH, D), torch.zeros(4, D + NH)[:, D:], torch.zeros(16, bs, D, dtype=dt),
+                                torch.zeros(4, 32, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1,
+                                tensor_cores=tc, hist=hist)
     for T in (4352, 131072):       # the top-k kernels (one program a row; chunks in parallel)
         for fn in (di.topk_select, di.topk_select_chunked):
             fn(torch.zeros(8, T), torch.ones(8, dtype=torch.int32), 2048)
+        di.topk_select_chunked(torch.zeros(8, T), torch.ones(8, dtype=torch.int32), 2048,
+                               hist=torch.zeros(8, 256, dtype=torch.int32))
 
 
 def main(argv: list[str]) -> int:

@@ -248,6 +248,15 @@ if triton is not None:
             tl.store(out + b, h, mask=b < 256)
             tl.store(out + 256, tl.sum(((key >> 8) > hi).to(tl.int32), 0))
 
+    @triton.jit
+    def _low_tiles(low_row, c0, n, CG: tl.constexpr):
+        """Chunks c0..c0 + CG - 1 (those below n) of a row's pass-2 output: their low-byte
+        histograms (CG, 256) and counts above the boundary bin (CG,), zeros past n."""
+        cs = c0 + tl.arange(0, CG)
+        ok = cs < n
+        tile = tl.load(low_row + cs[:, None] * 257 + tl.arange(0, 256)[None, :], mask=ok[:, None], other=0)
+        return tile, tl.load(low_row + cs * 257 + 256, mask=ok, other=0)
+
     @triton.jit(do_not_specialize=["NC"])    # one compile for every table width
     def _chunk_write_kernel(s_ptr, len_ptr, hist_ptr, low_ptr, out_ptr, T, K, topk, NC, TB: tl.constexpr,
                             CG: tl.constexpr):
@@ -265,23 +274,18 @@ if triton is not None:
         else:
             hi, above_hi, want = _high_bin(tl.load(hist_ptr + row * 256 + tl.arange(0, 256)), K)
             bins = tl.arange(0, 256)
-            g = tl.arange(0, CG)
             low_row = low_ptr + row * NC * 257
             total = tl.zeros([256], tl.int32)
             for c0 in range(0, NC, CG):
-                cs = c0 + g
-                tile = tl.load(low_row + cs[:, None] * 257 + bins[None, :], mask=(cs < NC)[:, None], other=0)
+                tile, _ = _low_tiles(low_row, c0, NC, CG)
                 total += tl.sum(tile, 0)
             lo, above_lo = _boundary(total, want - above_hi, 256)
             thr, above, ties = _cut(hi, lo, above_hi, above_lo, want)
             n_gt = 0
             n_eq = 0
-            for c0 in range(0, c, CG):
-                cs = c0 + g
-                prev = cs < c
-                tile = tl.load(low_row + cs[:, None] * 257 + bins[None, :], mask=prev[:, None], other=0)
-                n_gt += tl.sum(tl.load(low_row + cs * 257 + 256, mask=prev, other=0), 0)
-                n_gt += tl.sum(tl.sum(tl.where(bins[None, :] > lo, tile, 0), 1), 0)
+            for c0 in range(0, c, CG):                  # the chunks before this one
+                tile, gt = _low_tiles(low_row, c0, c, CG)
+                n_gt += tl.sum(gt, 0) + tl.sum(tl.sum(tl.where(bins[None, :] > lo, tile, 0), 1), 0)
                 n_eq += tl.sum(tl.sum(tl.where(bins[None, :] == lo, tile, 0), 1), 0)
             _write_chosen(o_row, j, _keys(s_ptr + row * T, j, T, L), thr, above, ties, n_gt, n_eq)
             tl.store(o_row + j, -1, mask=(j >= want) & (j < K))
