@@ -415,7 +415,7 @@ def test_indexer_select_kernels_keep_the_same_keys(monkeypatch):
     """Indexer.select_kernels (a prompt's DSA mask through the decode step's score and top-k
     functions, over the history padded into one shared table) keeps the keys Indexer.select keeps:
     with the torch references on the glm5 fixture's 64-token prompt, in one row group and in
-    three, at two block sizes; with the Triton kernels (tensor-core scores on fp16 keys, the
+    three, at two block sizes; with the Triton kernels (tensor-core scores on fp16 keys, either
     top-k kernel) on the interpreter for the last 8 rows, up to near-ties of the summation order."""
     from exl3tools.runtime import dsa
 
@@ -449,5 +449,6 @@ def test_indexer_select_kernels_keep_the_same_keys(monkeypatch):
     from exl3tools.kernels import dsa_indexer as di
 
     r = slice(len(ids) - 8, len(ids))
-    got = idx.select_kernels(x[r], q_resid[r], pos[r], keys.half(), pos0 + r.start, di.paged_scores_tc, di.topk_select)
-    assert torch.equal(got.sum(1), want[r].sum(1)) and (got != want[r]).sum(1).max() <= 2
+    for topk_fn in (di.topk_select, di.topk_select_chunked):    # chunked: its first pass inside the scores
+        got = idx.select_kernels(x[r], q_resid[r], pos[r], keys.half(), pos0 + r.start, di.paged_scores_tc, topk_fn)
+        assert torch.equal(got.sum(1), want[r].sum(1)) and (got != want[r]).sum(1).max() <= 2, topk_fn

@@ -162,8 +162,7 @@ class Indexer:
             q, w = self.queries(x[r], None if q_resid is None else q_resid[r], pos[r])
             m = q.shape[0]
             ctx = torch.arange(pos0 + r0 + 1, pos0 + r0 + m + 1, dtype=torch.int32, device=x.device)
-            s = (score_fn or paged_scores_reference)(q, w, plane, table.expand(m, nb), ctx, self.scale)
-            sel = (topk_fn or topk_positions)(s, ctx, self.topk)
+            sel = self._select(q, w, plane, table.expand(m, nb), ctx, score_fn, topk_fn)
             if positions:
                 # (m, min(topk, padded width)): a row sees at most L keys, so its chosen positions
                 # (and a short row's 0 .. ctx - 1) sit in the first K columns
@@ -182,10 +181,15 @@ class Indexer:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
         device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
         ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
-        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``, ``w``: as ``queries``.
-        The Triton pair goes through kernels/dsa_indexer.select (one pass of its top-k fused)."""
+        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``, ``w``: as ``queries``."""
         self._to(x.device)
         q, w = self.queries(x, q_resid, pos, rope_cs, w)
+        return self._select(q, w, kidx, tables, ctx, score_fn, topk_fn)
+
+    def _select(self, q, w, kidx, tables, ctx, score_fn, topk_fn) -> torch.Tensor:
+        """The top-k positions of the scores of queries ``q`` / head weights ``w`` over paged keys:
+        the Triton pair through kernels/dsa_indexer.select (one pass of its top-k fused into the
+        scores), else ``score_fn`` then ``topk_fn`` (None: their torch references)."""
         if score_fn is not None and topk_fn is not None:
             from exl3tools.kernels import dsa_indexer
 
