@@ -232,7 +232,7 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
   done
 fi
 if [[ $STAGES == *attn* ]]; then   # the MLA decode kernels side by side: Triton's, the CUDA ones
-  timeout ${ATTN_TIMEOUT:-180} python3 bench/gpu_mla_cuda.py ${ATTN_ARGS:-} > "$L/mla_cuda.log" 2>&1
+  timeout ${ATTN_TIMEOUT:-240} python3 bench/gpu_mla_cuda.py ${ATTN_ARGS:-} > "$L/mla_cuda.log" 2>&1
   el "attn rc $?"; grep -E "^\|" "$L/mla_cuda.log"
 fi
 if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a long context (top kernels)

@@ -284,7 +284,7 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, 
 
 def _switched_on(name: str) -> bool:
     """runtime/preview.py's switch ``name`` (mla_wide_tiles, mla_wave_splits, mla_cuda,
-    mla_pingpong, mla_slot_prefetch), read per call so tests can flip it."""
+    mla_pingpong, mla_slot_prefetch, mla_pad_heads), read per call so tests can flip it."""
     from exl3tools.runtime import preview  # torch-free
 
     return preview.switched_on(name)
@@ -342,9 +342,10 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     sms = torch.cuda.get_device_properties(index).multi_processor_count if q_lat.is_cuda else None
     # dense rows on the TMA + wgmma kernel (kernels/mla_cuda.py) unless a Triton tile, dot or
     # pipeline was asked for
+    pingpong = _switched_on("mla_pingpong")
     cuda = (sel is None and TILE is None and head_block is None and tile_n is None and num_warps is None
             and not split_dots and num_stages is None and not INTERPRET and _switched_on("mla_cuda")
-            and mla_cuda.fits(q_lat, ckv, kpe))
+            and mla_cuda.fits(q_lat, ckv, kpe, pad=pingpong and _switched_on("mla_pad_heads")))
     if cuda:
         hb, tn, warps = mla_cuda.HEADS, mla_cuda.KEYS, 0
     else:
@@ -368,7 +369,6 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
         plse = torch.empty(B, H, splits, device=q_lat.device, dtype=torch.float32)
     s = sel if sel is not None else context_lens
     if cuda:
-        pingpong = _switched_on("mla_pingpong")
         mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, out, po, plse,
                        float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)),
                        pingpong=pingpong, prefetch=pingpong and _switched_on("mla_slot_prefetch"))

@@ -1,6 +1,7 @@
 """Paged MLA decode on Hopper, TMA copies and warpgroup MMAs (kernels/csrc/mla_decode.cu): the
 split kernel of kernels/mla_attention.mla_decode for dense rows on fp16 planes with latent 512 and
-rope 64 and heads in 64s (DeepSeek-V3's 128, GLM-5's 64), launched through the CUDA driver on
+rope 64 and heads in 64s (DeepSeek-V3's 128, GLM-5's 64; other counts, a tensor-parallel rank's,
+padded to 64 with the EXL3TOOLS_MLA_PAD_HEADS preview), launched through the CUDA driver on
 torch's current stream, so CUDA graphs capture it (with the planes' tensor maps as parameters). It
 writes the Triton kernel's partials (o, base-2 lse) and mla_decode merges them with the same
 kernel. mla_decode takes it for rows without a DSA selection where ``fits`` and the ``mla_cuda``
@@ -32,12 +33,13 @@ _maps: dict[tuple, TensorMap] = {}      # a pool's planes keep theirs (graphs ca
 _can_build: bool | None = None
 
 
-def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> bool:
+def fits(q_lat: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, pad: bool = False) -> bool:
     """The shapes, dtypes and device this kernel serves (sm_90 only: the cubin is sm_90a), with
-    planes a tensor map can address (16-byte aligned rows, the blocks one run of slots)."""
+    planes a tensor map can address (16-byte aligned rows, the blocks one run of slots). Heads in
+    64s, or any count with ``pad`` (the ping-pong kernel's padded variant: split's ``pad``)."""
     if not (q_lat.is_cuda and ckv.dtype == torch.float16 and kpe.dtype == torch.float16):
         return False
-    if q_lat.shape[1] % HEADS or q_lat.shape[2] != LATENT or kpe.shape[2] != ROPE:
+    if (q_lat.shape[1] % HEADS and not pad) or q_lat.shape[2] != LATENT or kpe.shape[2] != ROPE:
         return False
     if any(s % 8 for s in (ckv.stride(1), kpe.stride(1))) or ckv.data_ptr() % 16 or kpe.data_ptr() % 16:
         return False            # TMA: 16-byte aligned rows
@@ -100,15 +102,19 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
     the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
     ``pingpong``: the kernel that computes each tile's scores once (mla_decode.cu pp_body), same
     contract; ``prefetch`` (with it): its variant that reads the next pair's table entries at the
-    start of a pair (mla_decode_pp_pf)."""
+    start of a pair (mla_decode_pp_pf). H not a multiple of 64 takes the ping-pong kernel's padded
+    variant (mla_decode_pp_pad: the last head block's missing rows zero queries, never stored)."""
     B, H, _ = q_lat.shape
-    hchunks = H // HEADS
+    hchunks = -(-H // HEADS)
     bs = ckv.shape[1]
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
     if prefetch and not pingpong:
         raise ValueError("prefetch is a variant of the ping-pong kernel")
+    if H % HEADS and not pingpong:
+        raise ValueError(f"{H} heads (not a multiple of {HEADS}) take the ping-pong kernel's padded variant")
     if pingpong:
         kernel, smem = ("mla_decode_pp_pf" if prefetch else "mla_decode_pp"), SMEM_PP
+        kernel += "_pad" if H % HEADS else ""
     else:
         kernel, smem = "mla_decode_tma", SMEM
     _module(q_lat.device).launch(kernel, (hchunks * num_splits, B), THREADS, q_lat, q_pe, _plane_map(ckv, box),

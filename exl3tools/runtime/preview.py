@@ -78,6 +78,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # gpu.md, the next session's list). sm_90a: 252 registers, no spills, the default's SASS
     # unchanged. Not yet run
     "mla_slot_prefetch": "EXL3TOOLS_MLA_SLOT_PREFETCH",
+    # the CUDA MLA kernel (ping-pong) for head counts that are not a multiple of 64: a tensor-
+    # parallel rank's share (DeepSeek-V3's 128 heads at TP 4 / 8: 32 / 16; GLM-5's 64 at TP 2 / 4:
+    # 32 / 16), which otherwise take Triton's kernel. The last head block's rows past H are zero
+    # queries whose outputs are not stored (pp_body PAD, mla_decode_pp_pad): the MMAs cost what 64
+    # heads cost, the key copies (the kernel's bound) the same. sm_90a: 250 registers, no spills,
+    # the other kernels' SASS unchanged. Not yet run
+    "mla_pad_heads": "EXL3TOOLS_MLA_PAD_HEADS",
     # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
     # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
     # register operand while the activations stream through shared memory, instead of decode +

@@ -57,12 +57,14 @@ __device__ __forceinline__ uint64_t sw128_desc(const half* p, int lbo, int sbo) 
 // x 128 contiguous bytes; chunks 0-7 from the latent row, 8 from the rope row.
 struct RowSrc { const half* lat; const half* rope; };
 
-__device__ __forceinline__ void stage_rows_sw128(half* dst, const RowSrc& a, const RowSrc& b) {
+// ``pa`` / ``pb`` false: that row is zero-filled (a padded head: pp_body's PAD), its source unread.
+__device__ __forceinline__ void stage_rows_sw128(half* dst, const RowSrc& a, const RowSrc& b, bool pa = true,
+                                                 bool pb = true) {
     const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) * 8 + (lane >> 3), p = lane & 7;
 #pragma unroll
     for (int q = 0; q < CHUNKS; q++) {
-        cp_async16(dst + q * CHUNK + sw128_at(r, p), q < C / 64 ? a.lat + 64 * q + 8 * p : a.rope + 8 * p, true);
-        cp_async16(dst + q * CHUNK + sw128_at(r + 4, p), q < C / 64 ? b.lat + 64 * q + 8 * p : b.rope + 8 * p, true);
+        cp_async16(dst + q * CHUNK + sw128_at(r, p), q < C / 64 ? a.lat + 64 * q + 8 * p : a.rope + 8 * p, pa);
+        cp_async16(dst + q * CHUNK + sw128_at(r + 4, p), q < C / 64 ? b.lat + 64 * q + 8 * p : b.rope + 8 * p, pb);
     }
 }
 
@@ -156,10 +158,13 @@ __device__ __forceinline__ void softmax_pv(float (&s)[32], uint64_t mask, float 
 }
 
 // The normalised output (one split: out) or partial and lse (po, plse), as _mla_split_kernel.
+// PAD: only the block's first ``nh`` rows are heads (the rest padding: nothing stored).
+template <bool PAD = false>
 __device__ __forceinline__ void store_rows(const float (&o)[128], SoftmaxState st, bool any, float* __restrict__ out,
                                            float* __restrict__ po, float* __restrict__ plse, size_t row0, int sp,
-                                           int num_splits, bool direct) {
+                                           int num_splits, bool direct, int nh = 64) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
+    const bool w0 = !PAD || 16 * (warp & 3) + g < nh, w1 = !PAD || 16 * (warp & 3) + g + 8 < nh;
 #pragma unroll
     for (int x = 1; x <= 2; x <<= 1) {
         st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, x);
@@ -173,13 +178,13 @@ __device__ __forceinline__ void store_rows(const float (&o)[128], SoftmaxState s
 #pragma unroll
         for (int j = 0; j < 32; j++) {
             const int c = 256 * wg + 8 * j + 2 * t4;
-            *reinterpret_cast<float2*>(d0 + c) = make_float2(o[4 * j] * i0, o[4 * j + 1] * i0);
-            *reinterpret_cast<float2*>(d1 + c) = make_float2(o[4 * j + 2] * i1, o[4 * j + 3] * i1);
+            if (w0) *reinterpret_cast<float2*>(d0 + c) = make_float2(o[4 * j] * i0, o[4 * j + 1] * i0);
+            if (w1) *reinterpret_cast<float2*>(d1 + c) = make_float2(o[4 * j + 2] * i1, o[4 * j + 3] * i1);
         }
     }
     if (!direct && wg == 0 && t4 == 0) {
-        plse[r0 * num_splits + sp] = st.l0 > 0.f ? st.m0 + log2f(st.l0) : NEG_INF;
-        plse[r1 * num_splits + sp] = st.l1 > 0.f ? st.m1 + log2f(st.l1) : NEG_INF;
+        if (w0) plse[r0 * num_splits + sp] = st.l0 > 0.f ? st.m0 + log2f(st.l0) : NEG_INF;
+        if (w1) plse[r1 * num_splits + sp] = st.l1 > 0.f ? st.m1 + log2f(st.l1) : NEG_INF;
     }
 }
 
@@ -295,15 +300,15 @@ __device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half
     store_rows(o, sm_st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
 }
 
-// A body's entry point (the bodies take the same arguments)
-#define MLA_ENTRY_POINT(NAME, BODY)                                                                               \
+// A body's entry point (the bodies take the same arguments; the body a variadic argument: pp_body<PF, PAD>)
+#define MLA_ENTRY_POINT(NAME, ...)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                         \
         NAME(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv, \
              const __grid_constant__ CUtensorMap tm_kpe, const int* __restrict__ bt, const int* __restrict__ lens,  \
              float* __restrict__ out, float* __restrict__ po, float* __restrict__ plse, float qk_scale,             \
              int num_splits, int min_tps, int H, int hchunks, int log2bs, int box_rows, int s_bt, int direct) {      \
-        BODY(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks, log2bs,     \
-             box_rows, s_bt, direct);                                                                            \
+        __VA_ARGS__(ql, qp, tm_ckv, tm_kpe, bt, lens, out, po, plse, qk_scale, num_splits, min_tps, H, hchunks,   \
+                    log2bs, box_rows, s_bt, direct);                                                             \
     }
 MLA_ENTRY_POINT(mla_decode_tma, tma_body)
 
@@ -434,7 +439,10 @@ __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
 // dynamic shared memory (mla_cuda.SMEM_PP). PF (mla_decode_pp_pf, the EXL3TOOLS_MLA_SLOT_PREFETCH
 // preview): the copier lanes read the next pair's table entries at the start of a pair, beside its
 // scores, not right after the wait that ends a PV, where the warpgroup's next MMA waits for them.
-template <bool PF = false>
+// PAD (mla_decode_pp_pad, the EXL3TOOLS_MLA_PAD_HEADS preview): H need not be a multiple of 64 (a
+// tensor-parallel rank's 16 or 32 heads): the last head block's rows past H are zero queries,
+// whose outputs are not stored (the MMAs cost what 64 heads cost; the key copies, the bound, too).
+template <bool PF = false, bool PAD = false>
 __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                         const int* __restrict__ bt, const int* __restrict__ lens,
@@ -449,6 +457,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     const int hc = blockIdx.x % hchunks, sp = blockIdx.x / hchunks, b = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2, t4 = lane & 3;
     const int wtid = threadIdx.x & 127, r0 = 16 * (warp & 3) + (lane >> 2), r1 = r0 + 8;
+    const int nh = PAD ? min(HB, H - hc * HB) : HB;          // this block's heads
     const int L = lens[b];
     const int ntiles = (L + TN - 1) / TN;
     const int tps = max((ntiles + num_splits - 1) / num_splits, min_tps);
@@ -494,8 +503,13 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         __syncthreads();
         if (copier) copy_chunks(t0 + wg, wg, 0, t0 + wg < t1 ? CHUNKS : 0);
         const int ra = warp * 8 + (lane >> 3);
-        const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
-        stage_rows_sw128(qs, {ql + qa * C, qp + qa * R}, {ql + qb * C, qp + qb * R});
+        if constexpr (PAD) {          // a padded row reads the block's first (its copy zero-fills)
+            const size_t q0 = (size_t)b * H + hc * HB, qa = q0 + (ra < nh ? ra : 0), qb = q0 + (ra + 4 < nh ? ra + 4 : 0);
+            stage_rows_sw128(qs, {ql + qa * C, qp + qa * R}, {ql + qb * C, qp + qb * R}, ra < nh, ra + 4 < nh);
+        } else {
+            const size_t qa = (size_t)b * H + hc * HB + ra, qb = qa + 4;
+            stage_rows_sw128(qs, {ql + qa * C, qp + qa * R}, {ql + qb * C, qp + qb * R});
+        }
         cp_async_commit();
         cp_async_wait<0>();
         fence_async_smem();
@@ -642,8 +656,10 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
         st.l0 = t4 == 0 ? sc[PP_L + r0] + sc[PP_L + HB + r0] : 0.f;     // the quad sums them again
         st.l1 = t4 == 0 ? sc[PP_L + r1] + sc[PP_L + HB + r1] : 0.f;
     }
-    store_rows(o, st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
+    store_rows<PAD>(o, st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct, nh);
 }
 
 MLA_ENTRY_POINT(mla_decode_pp, pp_body<false>)
 MLA_ENTRY_POINT(mla_decode_pp_pf, pp_body<true>)
+MLA_ENTRY_POINT(mla_decode_pp_pad, pp_body<false, true>)
+MLA_ENTRY_POINT(mla_decode_pp_pf_pad, pp_body<true, true>)

@@ -482,6 +482,38 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeyp
     assert (got - triton_out).abs().max().item() < 1e-3
 
 
+# (B, H, block_size, lengths kind, num_splits): a tensor-parallel rank's heads (16, 32), a tail block (96)
+PAD_CASES = [(B, H, bs, "ragged", ns) for B in (1, 5) for H in (16, 32, 96) for bs in (16, 64) for ns in (None, 1)]
+PAD_CASES += [(2, 32, 16, "long", None)]
+
+
+@pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
+@pytest.mark.parametrize("pingpong", ["1", "pf"], ids=["pingpong", "prefetch"])
+@pytest.mark.parametrize("case", PAD_CASES, ids=[str(c) for c in PAD_CASES])
+def test_mla_wgmma_kernel_pads_heads(dev, case, pingpong, monkeypatch):
+    """EXL3TOOLS_MLA_PAD_HEADS: head counts that are not a multiple of 64 (a tensor-parallel rank's)
+    on the ping-pong kernel's padded variant, against the float64 oracle; the padding rows write
+    nothing (rows past the output stay NaN); without the switch they stay on Triton."""
+    from exl3tools.kernels.mla_attention import mla_decode
+
+    B, H, bs, kind, ns = case
+    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (512 // 4 + 64) ** -0.5
+    want = _oracle(t, lens, scale)
+    calls = _through_the_wgmma_kernel(monkeypatch, pingpong)
+    monkeypatch.setenv("EXL3TOOLS_MLA_PAD_HEADS", "0")
+    mla_decode(**t, scale=scale, num_splits=ns)
+    assert not calls, "heads not in 64s took the CUDA kernel without the switch"
+    monkeypatch.setenv("EXL3TOOLS_MLA_PAD_HEADS", "1")
+    canary = torch.full((B + 4, H, 512), float("nan"), device=dev)
+    got = mla_decode(**t, scale=scale, num_splits=ns, out=canary[:B])
+    assert calls and calls[0][1:] == (True, pingpong == "pf"), calls
+    assert torch.isnan(canary[B:]).all(), "a padding row was stored"
+    err = (got.cpu().double() - want).abs().max().item()
+    assert err < 1e-3, (case, err)
+
+
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
 def test_a_dsa_selection_stays_on_triton(dev, monkeypatch):
     """Rows with a selection take the Triton kernel even with the CUDA one switched on (its gathered
