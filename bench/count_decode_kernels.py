@@ -131,9 +131,11 @@ def _select_kernels(score_fn, topk_fn, width: int) -> int:
     first inside the tensor-core scores kernel."""
     from exl3tools.kernels import dsa_indexer as di
 
+    from exl3tools.runtime import preview
+
     if not di._chunked_at(topk_fn, width):
         return 2
-    return 4 if score_fn is di.paged_scores_tc else 5
+    return 4 if score_fn is di.paged_scores_tc and preview.switched_on("dsa_fused_select") else 5
 
 
 def _group_calls(log: Log):

@@ -414,8 +414,11 @@ def select(q: torch.Tensor, w: torch.Tensor, kidx: torch.Tensor, block_tables: t
     (runtime.dsa.Indexer.select_paged). Where the pair is the tensor-core scores and the chunked
     top-k, the scores kernel makes the top-k's first pass (the key high bytes' histogram) on the
     scores it holds: one launch and one read of the scores fewer."""
+    from exl3tools.runtime import preview  # torch-free; read per call so tests can flip it
+
     width = block_tables.shape[1] * kidx.shape[1]
-    if score_fn is paged_scores_tc and kidx.dtype == torch.float16 and _chunked_at(topk_fn, width):
+    if score_fn is paged_scores_tc and kidx.dtype == torch.float16 and _chunked_at(topk_fn, width) \
+            and preview.switched_on("dsa_fused_select"):
         hist = torch.zeros(q.shape[0], 256, device=q.device, dtype=torch.int32)
         s = paged_scores(q, w, kidx, block_tables, context_lens, scale, tensor_cores=True, hist=hist)
         return topk_select_chunked(s, context_lens, topk, hist=hist)

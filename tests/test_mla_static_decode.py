@@ -342,11 +342,14 @@ def test_speculative_decoding_through_the_static_step_is_greedy():
         assert 3 in calls and 1 in calls                # verifies and plain decodes took the step
 
 
-@pytest.mark.parametrize("name", MLA)
-def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
+# the opt-outs of the launch cuts (router_one_gemm, dsa_fused_select) on a DSA fixture
+@pytest.mark.parametrize("name,cuts", [(n, "1") for n in MLA] + [(MLA[1], "0")])
+def test_fused_glue_around_mla_equals_eager(name, cuts, monkeypatch):
     """EXL3TOOLS_FUSED_MLA: the fused step's residual/norm and MoE kernels (interpreter) around
     MLAttention.decode_static give the eager path's logits over the same schedule, and every
-    routing call picks Fp16ChoiceMoE.route's experts (fp16-rounded choice, centred fp16 bias)."""
+    routing call picks Fp16ChoiceMoE.route's experts (fp16-rounded choice, centred fp16 bias);
+    the router's two logits come from one GEMM unless EXL3TOOLS_ROUTER_ONE_GEMM=0 (the DSA
+    selection's head weights from the key GEMM unless EXL3TOOLS_DSA_FUSED_SELECT=0)."""
     pytest.importorskip("triton")
     from exl3tools.kernels import fused_decode as fk
 
@@ -376,6 +379,8 @@ def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
         inputs.append(choice is not None)
         return real_route(self, mlp, x, logits, lut, shared, choice)
     monkeypatch.setattr(fused_step.FusedGqaStep, "_route", route_inputs)
+    monkeypatch.setenv("EXL3TOOLS_ROUTER_ONE_GEMM", cuts)
+    monkeypatch.setenv("EXL3TOOLS_DSA_FUSED_SELECT", cuts)
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
     want = _run(_model(name), name, "eager")
@@ -387,7 +392,7 @@ def test_fused_glue_around_mla_equals_eager(name, monkeypatch):
     for s, (x, y) in enumerate(zip(got, want, strict=True)):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
     assert calls and all(calls)         # every MoE layer routed through the kernel, fp16 choice on
-    assert inputs and all(inputs)       # both logits from the one GEMM
+    assert inputs and all(inputs) == (cuts == "1") and any(inputs) == (cuts == "1")   # the one GEMM, or not
 
 
 def test_fused_mla_step_is_asked_for_off_cuda(monkeypatch):

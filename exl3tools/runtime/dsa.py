@@ -80,11 +80,13 @@ class Indexer:
             plane.index_copy_(0, slots, self.keys(x, pos).to(plane.dtype))
             return None
         from exl3tools.kernels import fused_mla
+        from exl3tools.runtime import preview
 
         self._to(x.device)
-        proj = x @ self.wkw.t()
+        both = preview.switched_on("dsa_fused_select")        # "0": the weights' own GEMM (queries)
+        proj = x @ (self.wkw if both else self.wk).t()
         fused_mla.index_key_store(proj[:, :self.hd], self.kn_w, self.kn_b, self.eps, self.rd, *rope_cs, slots, plane)
-        return proj[:, self.hd:]
+        return proj[:, self.hd:] if both else None
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
                 rope_cs: tuple | None = None, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

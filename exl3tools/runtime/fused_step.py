@@ -102,6 +102,8 @@ class FusedGqaStep:
         # the shared expert inside the routed experts' grouped calls ("0": apart; for measurements)
         self.shared_in_group = os.environ.get("EXL3TOOLS_FUSED_SHARED", "1") != "0"
         self.invariant = invariance.on()
+        # an MLA model's router: both logits from one GEMM (runtime/preview.py router_one_gemm)
+        self.router_one_gemm = preview.switched_on("router_one_gemm")
         # MoE rows in expert-sorted tiles, back in pair order (the invariant mode's path; a preview otherwise)
         self.pair_tiles = self.invariant or preview.switched_on("pair_tiles")
         # 2+ tokens: one tile per expert (kernels/expert_groups.py; the default, EXL3TOOLS_EXPERT_GROUPS=0 opts out)
@@ -125,7 +127,7 @@ class FusedGqaStep:
         for layer, nxt in zip(layers, self.norms, strict=True):
             d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
             both = None
-            if id(layer.mlp) in self._fp16_bias and self._fused_moe(layer.mlp):
+            if self.router_one_gemm and id(layer.mlp) in self._fp16_bias and self._fused_moe(layer.mlp):
                 x, both = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d, with_fp16=True)
             else:
                 x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)

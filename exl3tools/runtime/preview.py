@@ -229,6 +229,21 @@ OPT_OUTS = {
     # 16): 128 heads batch 1 at 32k 53.9 -> 51.3 us, batch 8 at 32k 233.7 -> 204.3, batch 32 at 4k
     # 132.9 -> 118.8, 64 heads batch 1 at 32k 48.8 -> 46.1; the MLA tests/gpu passed with it on
     "mla_pingpong": "EXL3TOOLS_MLA_PINGPONG",
+    # The two below became defaults WITHOUT a GPU run (2026-12-04 22:35, no machine lent): launch
+    # cuts of computations checked equal on the Triton interpreter and compiled for sm_90
+    # (bench/triton_sm90_check.py); "0" restores the launches before them, for the A/B the next
+    # GPU session times and in case tests/gpu finds them wrong there.
+    # A DSA decode step's selection: the indexer's keys and head weights from one GEMM
+    # (Indexer.wkw; the weights rounded inside the score kernels) and, with the tensor-core scores
+    # and the chunked top-k, the top-k's first pass (the key high bytes' histogram) inside the
+    # scores kernel (kernels/dsa_indexer.select): 8 launches a layer past index_topk, not 11 ("0":
+    # the weights' own GEMM and two casts, the histogram pass of its own)
+    "dsa_fused_select": "EXL3TOOLS_DSA_FUSED_SELECT",
+    # an MLA model's MoE router in the fused step: its logits of x and of x rounded to fp16
+    # (Fp16ChoiceMoE's pick) from one GEMM over both, the rounded rows written by the residual
+    # norm beside x (fused_decode.residual_rmsnorm with_fp16): 3 launches fewer a MoE layer ("0":
+    # two GEMMs and two casts)
+    "router_one_gemm": "EXL3TOOLS_ROUTER_ONE_GEMM",
 }
 
 

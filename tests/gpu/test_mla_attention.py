@@ -385,8 +385,8 @@ def test_dsa_topk_select_picks_topk_positions_set(dev, T, k, chunked):
         assert (got[b] < 0).sum() == (want[b] < 0).sum(), b
 
 
-@pytest.mark.parametrize("tensor_cores", [True, False])
-def test_dsa_select_with_the_first_pass_in_the_scores(dev, tensor_cores):
+@pytest.mark.parametrize("tensor_cores", [True, False, "opt_out"])
+def test_dsa_select_with_the_first_pass_in_the_scores(dev, tensor_cores, monkeypatch):
     """kernels/dsa_indexer.select, the decode step's selection: with the tensor-core scores and the
     chunked top-k the scores kernel makes the top-k's first pass (its key histogram); any score
     kernel can (``paged_scores(hist=)``). Both pick runtime.dsa's reference set from raw
@@ -406,7 +406,8 @@ def test_dsa_select_with_the_first_pass_in_the_scores(dev, tensor_cores):
     ctx = torch.tensor([W * bs, 4000, topk + 1, topk, 0], dtype=torch.int32).to(dev)
     scale = D ** -0.5 * NH ** -0.5
     want = topk_positions(paged_scores_reference(q, w, kidx, tables, ctx, scale), ctx, topk).cpu()
-    if tensor_cores:
+    if tensor_cores:     # "opt_out" (EXL3TOOLS_DSA_FUSED_SELECT=0): the scores, then the top-k's three passes
+        monkeypatch.setenv("EXL3TOOLS_DSA_FUSED_SELECT", "0" if tensor_cores == "opt_out" else "1")
         got = di.select(q, w, kidx, tables, ctx, scale, topk, di.paged_scores_tc, di.topk_select_chunked).cpu()
     else:
         hist = torch.zeros(B, 256, dtype=torch.int32, device=dev)
