@@ -7,7 +7,9 @@ CUDA kernel computing each tile's scores on both warpgroups (EXL3TOOLS_MLA_PINGP
 each tile's scores by one warpgroup (the default); "+ prefetch": that kernel reading the next
 pair's table entries at the start of a pair (the EXL3TOOLS_MLA_SLOT_PREFETCH preview); "+ pad": the
 ping-pong kernel with EXL3TOOLS_MLA_PAD_HEADS, which takes head counts not in 64s (a tensor-parallel
-rank's 16 or 32 heads, padded to 64; the other columns run Triton's kernel at those shapes).
+rank's 16 or 32 heads, padded to 64; the other columns run Triton's kernel at those shapes); "+ pad +
+scaled P": that with EXL3TOOLS_MLA_SCALED_P too (P_A stored scaled to B's maxima, warpgroup 1's two
+latent products back to back).
 
     python3 bench/gpu_mla_cuda.py [--shapes "H,B,CTX,SEL;..."] [--block-sizes 16,64]
     python3 bench/gpu_mla_cuda.py --merge      # the merge alone: merge_config against a sweep
@@ -58,11 +60,12 @@ def time_shape(H: int, B: int, ctx: int, use_sel: bool, bs: int = BS) -> dict:
 
     ref = mla_decode_reference(q_lat, q_pe, ckv, kpe, tables, lens, scale, sel=sel)
     row = {}
-    for name, cuda, pp, pf, pad in (("triton", "0", "0", "0", "0"), ("cuda", "1", "0", "0", "0"),
-                                    ("pp", "1", "1", "0", "0"), ("pp_pf", "1", "1", "1", "0"),
-                                    ("pp_pad", "1", "1", "0", "1")):
+    for name, cuda, pp, pf, pad, ps in (("triton", "0", "0", "0", "0", "0"), ("cuda", "1", "0", "0", "0", "0"),
+                                        ("pp", "1", "1", "0", "0", "0"), ("pp_pf", "1", "1", "1", "0", "0"),
+                                        ("pp_pad", "1", "1", "0", "1", "0"), ("pp_ps", "1", "1", "0", "1", "1")):
         os.environ["EXL3TOOLS_MLA_CUDA"], os.environ["EXL3TOOLS_MLA_PINGPONG"] = cuda, pp
         os.environ["EXL3TOOLS_MLA_SLOT_PREFETCH"], os.environ["EXL3TOOLS_MLA_PAD_HEADS"] = pf, pad
+        os.environ["EXL3TOOLS_MLA_SCALED_P"] = ps
         got = call().clone()
         row[f"err_{name}"] = ((got - ref).abs().max() / ref.abs().max()).item()
         row[name] = bench_graph(call)
@@ -114,8 +117,9 @@ def main() -> int:
         merge_sweep()
         return 0
     print("| bs | H | B | ctx | sel | triton µs | cuda µs | speedup | cuda GB/s | roofline | ping-pong µs | "
-          "+ prefetch µs | + pad µs | err triton | err cuda | err ping-pong | err + prefetch | err + pad |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "+ prefetch µs | + pad µs | + pad + scaled P µs | err triton | err cuda | err ping-pong | err + prefetch | "
+          "err + pad | err + scaled P |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bs, shape in ((int(b), sh) for b in a.block_sizes.split(",") for sh in a.shapes.split(";")):
         H, B, ctx, use_sel = (int(v) for v in shape.split(","))
         row = time_shape(H, B, ctx, bool(use_sel), bs)
@@ -123,8 +127,9 @@ def main() -> int:
         gbps = keys * (C + R) * 2 / (row["cuda"] * 1e-6) / 1e9
         print(f"| {bs} | {H} | {B} | {ctx} | {'2048' if use_sel else '-'} | {row['triton']:.1f} | {row['cuda']:.1f} | "
               f"{row['triton'] / row['cuda']:.2f}x | {gbps:.0f} | {gbps * 1e9 / HBM:.0%} | {row['pp']:.1f} | "
-              f"{row['pp_pf']:.1f} | {row['pp_pad']:.1f} | {row['err_triton']:.1e} | {row['err_cuda']:.1e} | "
-              f"{row['err_pp']:.1e} | {row['err_pp_pf']:.1e} | {row['err_pp_pad']:.1e} |", flush=True)
+              f"{row['pp_pf']:.1f} | {row['pp_pad']:.1f} | {row['pp_ps']:.1f} | {row['err_triton']:.1e} | "
+              f"{row['err_cuda']:.1e} | {row['err_pp']:.1e} | {row['err_pp_pf']:.1e} | {row['err_pp_pad']:.1e} | "
+              f"{row['err_pp_ps']:.1e} |", flush=True)
         torch.cuda.empty_cache()
     return 0
 

@@ -85,6 +85,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # heads cost, the key copies (the kernel's bound) the same. sm_90a: 250 registers, no spills,
     # the other kernels' SASS unchanged. Not yet run
     "mla_pad_heads": "EXL3TOOLS_MLA_PAD_HEADS",
+    # the ping-pong MLA kernel in FlashMLA's order (kernels/csrc/mla_decode.cu pp_body PS,
+    # mla_decode_pp_ps): warpgroup 0 stores P_A scaled to B's maxima, so warpgroup 1 rescales O_R
+    # once a pair and issues P_B V_B,R and P_A V_A,R back to back, where the default rescales O_R
+    # between them and waits for the first (ncu put the warpgroups' barriers first among the
+    # kernel's stalls). sm_90a: 248 registers, no spills, one wgmma wait fewer, the other kernels'
+    # SASS unchanged. Not yet run
+    "mla_scaled_p": "EXL3TOOLS_MLA_SCALED_P",
     # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
     # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
     # register operand while the activations stream through shared memory, instead of decode +

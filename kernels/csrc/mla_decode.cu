@@ -334,6 +334,7 @@ MLA_ENTRY_POINT(mla_decode_tma, tma_body)
 // reads), WG1 chunks 4-7 of both (V_R) and A's rope chunk (P_A).
 constexpr int PP_M = 0, PP_SCALE0 = HB, PP_SCALE1 = 2 * HB, PP_L = 3 * HB, PP_FLOATS = 5 * HB;
 enum : int { BAR_SCALE0 = 1, BAR_SCALE1 = 2, BAR_P1 = 3, BAR_WG = 4 };   // BAR_WG + wg: one warpgroup
+constexpr int BAR_P0 = 6;      // PS: P_A at B's maxima in shared memory
 
 // rows valid..TN-1 of chunks q0..q1-1 of a key buffer to zero (a row's last tile: unused slots of
 // its last block may hold NaN, and 0 x NaN would reach O), by the 128 threads of one warpgroup
@@ -419,6 +420,17 @@ __device__ __forceinline__ void exp_pack(float (&s)[32], float m0, float m1, uin
     }
 }
 
+// rows r0 (s[4j], s[4j + 1]) and r0 + 8 (s[4j + 2], s[4j + 3]) of P times f0 / f1
+__device__ __forceinline__ void scale_p(float (&s)[32], float f0, float f1) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        s[4 * j] *= f0;
+        s[4 * j + 1] *= f0;
+        s[4 * j + 2] *= f1;
+        s[4 * j + 3] *= f1;
+    }
+}
+
 __device__ __forceinline__ float rescale_from(float m_old, float m_new) {
     return exp2f(m_old - (m_new == NEG_INF ? 0.f : m_new));      // m_old -inf: 0
 }
@@ -442,7 +454,15 @@ __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
 // PAD (mla_decode_pp_pad, the EXL3TOOLS_MLA_PAD_HEADS preview): H need not be a multiple of 64 (a
 // tensor-parallel rank's 16 or 32 heads): the last head block's rows past H are zero queries,
 // whose outputs are not stored (the MMAs cost what 64 heads cost; the key copies, the bound, too).
-template <bool PF = false, bool PAD = false>
+// PS (mla_decode_pp_ps, the EXL3TOOLS_MLA_SCALED_P preview; FlashMLA's order, read, not copied):
+// warpgroup 0 stores P_A only once B's maxima are known, scaled to them, so warpgroup 1 rescales
+// O_R once a pair (by scale0 x scale1) and issues its two latent products back to back, P_B V_B,R
+// from registers first, where the default rescales O_R between them and waits for the first:
+//   WG0: S_A; softmax; [M0, scale0]; O_L *= scale0; O_L += P_A V_A,L; [wait scale1];
+//        P_A *= scale1 -> smem; [P_A ready]; O_L *= scale1; [wait P_B]; O_L += P_B V_B,L
+//   WG1: S_B; [wait M0, scale0]; M1, scale1, P_B; [scale1 ready]; O_R *= scale0 x scale1;
+//        P_B -> smem; [P_B ready]; O_R += P_B V_B,R; [wait P_A]; O_R += P_A V_A,R
+template <bool PF = false, bool PAD = false, bool PS = false>
 __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                         const int* __restrict__ bt, const int* __restrict__ lens,
@@ -534,7 +554,110 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     next_b = box_slot(it + 3);
                 }
             }
-            if (wg == 0) {
+            if constexpr (PS) {
+                if (wg == 0) {
+                    scores(s, dq, da, bars, ph);
+                    float mx0, mx1;
+                    mask_rowmax(s, va, qk_scale, t4, mx0, mx1);
+                    const float mo0 = sc[PP_M + r0], mo1 = sc[PP_M + r1];
+                    const float m0 = fmaxf(mo0, mx0), m1 = fmaxf(mo1, mx1);
+                    const float f0 = rescale_from(mo0, m0), f1 = rescale_from(mo1, m1);
+                    exp_pack(s, m0, m1, pa, p0, p1);
+                    l0 = l0 * f0 + p0;
+                    l1 = l1 * f1 + p1;
+                    __syncwarp();                          // the quad read M before its lane 0 writes
+                    if (t4 == 0) {
+                        sc[PP_M + r0] = m0;
+                        sc[PP_M + r1] = m1;
+                        sc[PP_SCALE0 + r0] = f0;
+                        sc[PP_SCALE0 + r1] = f1;
+                    }
+                    named_arrive(BAR_SCALE0, 256);         // A's maxima and scale0
+                    scale_o(o, f0, f1);
+                    if (va < TN) zero_rows(ka, va, 0, 4, wtid, 0);
+                    fence_regs(o);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], va_desc + kk * D_V16);
+                    wgmma_commit();
+                    named_sync(BAR_SCALE1, 256);           // B's maxima (scale1 1 without B)
+                    const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
+                    scale_p(s, g0, g1);
+                    store_p(ka + (CHUNKS - 1) * CHUNK, s, r0, t4);   // P_A over A's rope chunk (S read it)
+                    fence_async_smem();
+                    named_arrive(BAR_P0, 256);
+                    wgmma_wait<0>();
+                    fence_regs(o);
+                    if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 0, 4);   // A's V_L: read
+                    scale_o(o, g0, g1);
+                    l0 *= g0;
+                    l1 *= g1;
+                    if (has_b) {
+                        named_sync(BAR_P1, 256);
+                        for (int q = 0; q < 4; q++) mbar_wait(bars + CHUNKS + q, ph);   // WG1 saw them land; so do we
+                        if (vb < TN) zero_rows(kb, vb, 0, 4, wtid, 0);
+                        fence_regs(o);
+                        wgmma_fence();
+#pragma unroll
+                        for (int kk = 0; kk < TN / 16; kk++)
+                            wgmma_ss_m64n256k16<1>(o, dpb + kk * D_K16, vb_desc + kk * D_V16);
+                        wgmma_commit();
+                        wgmma_wait<0>();
+                        fence_regs(o);
+                        if (copier && it + 3 < t1) {       // B's V_L and P_B: read
+                            copy_next(it + 3, next_b, 1, 0, 4);
+                            copy_next(it + 3, next_b, 1, CHUNKS - 1, CHUNKS);
+                        }
+                    }
+                } else {
+                    float mx0 = NEG_INF, mx1 = NEG_INF;
+                    if (has_b) {
+                        scores(s, dq, db, bars + CHUNKS, ph);
+                        mask_rowmax(s, vb, qk_scale, t4, mx0, mx1);
+                    }
+                    named_sync(BAR_SCALE0, 256);           // A's maxima
+                    const float ma0 = sc[PP_M + r0], ma1 = sc[PP_M + r1];
+                    const float f0 = sc[PP_SCALE0 + r0], f1 = sc[PP_SCALE0 + r1];
+                    const float m0 = fmaxf(ma0, mx0), m1 = fmaxf(ma1, mx1);
+                    const float g0 = rescale_from(ma0, m0), g1 = rescale_from(ma1, m1);
+                    if (has_b) exp_pack(s, m0, m1, pa, p0, p1);
+                    __syncwarp();
+                    if (t4 == 0) {
+                        sc[PP_M + r0] = m0;
+                        sc[PP_M + r1] = m1;
+                        sc[PP_SCALE1 + r0] = g0;
+                        sc[PP_SCALE1 + r1] = g1;
+                    }
+                    named_arrive(BAR_SCALE1, 256);
+                    scale_o(o, f0 * g0, f1 * g1);          // O_R at B's maxima, once
+                    l0 = l0 * (f0 * g0) + p0;
+                    l1 = l1 * (f1 * g1) + p1;
+                    if (has_b) {
+                        store_p(kb + (CHUNKS - 1) * CHUNK, s, r0, t4);   // over B's rope chunk
+                        fence_async_smem();
+                        named_arrive(BAR_P1, 256);
+                        if (vb < TN) zero_rows(kb, vb, 4, 8, wtid, 1);
+                        fence_regs(o);
+                        wgmma_fence();
+#pragma unroll
+                        for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], vb_desc + kk * D_V16);
+                        wgmma_commit();                    // P_B V_B,R, then at once P_A V_A,R
+                    }
+                    named_sync(BAR_P0, 256);               // P_A at B's maxima
+                    for (int q = 4; q < CHUNKS - 1; q++) mbar_wait(bars + q, ph);
+                    if (va < TN) zero_rows(ka, va, 4, 8, wtid, 1);
+                    fence_regs(o);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; kk++) wgmma_ss_m64n256k16<1>(o, dpa + kk * D_K16, va_desc + kk * D_V16);
+                    wgmma_commit();
+                    wgmma_wait<1>();                       // P_B V_B,R (without B: nothing to wait for)
+                    if (copier && it + 3 < t1) copy_next(it + 3, next_b, 1, 4, CHUNKS - 1);   // B's V_R: read
+                    wgmma_wait<0>();
+                    fence_regs(o);
+                    if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 4, CHUNKS);   // A's V_R and P_A: read
+                }
+            } else if (wg == 0) {
                 scores(s, dq, da, bars, ph);
                 float mx0, mx1;
                 mask_rowmax(s, va, qk_scale, t4, mx0, mx1);
@@ -663,3 +786,7 @@ MLA_ENTRY_POINT(mla_decode_pp, pp_body<false>)
 MLA_ENTRY_POINT(mla_decode_pp_pf, pp_body<true>)
 MLA_ENTRY_POINT(mla_decode_pp_pad, pp_body<false, true>)
 MLA_ENTRY_POINT(mla_decode_pp_pf_pad, pp_body<true, true>)
+MLA_ENTRY_POINT(mla_decode_pp_ps, pp_body<false, false, true>)
+MLA_ENTRY_POINT(mla_decode_pp_pf_ps, pp_body<true, false, true>)
+MLA_ENTRY_POINT(mla_decode_pp_ps_pad, pp_body<false, true, true>)
+MLA_ENTRY_POINT(mla_decode_pp_pf_ps_pad, pp_body<true, true, true>)

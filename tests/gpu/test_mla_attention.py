@@ -434,24 +434,26 @@ WGMMA_CASES += [(2, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 64, 1
 
 def _through_the_wgmma_kernel(monkeypatch, pingpong: str = "0") -> list:
     """Switch the CUDA kernel on and its ping-pong variant as asked ("pf": with the table entries
-    read ahead, EXL3TOOLS_MLA_SLOT_PREFETCH), and count its launches (mla_decode must take it, not
-    Triton)."""
+    read ahead, EXL3TOOLS_MLA_SLOT_PREFETCH; "ps": P_A stored scaled, EXL3TOOLS_MLA_SCALED_P), and
+    count its launches (mla_decode must take it, not Triton)."""
     from exl3tools.kernels import mla_cuda
 
     calls, real = [], mla_cuda.split
-    # each launch's (num_splits, pingpong, prefetch)
+    # each launch's (num_splits, pingpong, prefetch, scaled_p)
     monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (
-        calls.append((a[10], k.get("pingpong"), k.get("prefetch"))), real(*a, **k))[1])
+        calls.append((a[10], k.get("pingpong"), k.get("prefetch"), k.get("scaled_p"))), real(*a, **k))[1])
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "1")
     monkeypatch.setenv("EXL3TOOLS_MLA_PINGPONG", "0" if pingpong == "0" else "1")
     monkeypatch.setenv("EXL3TOOLS_MLA_SLOT_PREFETCH", "1" if pingpong == "pf" else "0")
+    monkeypatch.setenv("EXL3TOOLS_MLA_SCALED_P", "1" if pingpong == "ps" else "0")
     return calls
 
 
-# the kernel computing S on both warpgroups, the ping-pong one (the default), and the ping-pong one
-# reading its table entries ahead (the EXL3TOOLS_MLA_SLOT_PREFETCH preview)
-VARIANTS = ["0", "1", "pf"]
-VARIANT_IDS = ["two_s", "pingpong", "prefetch"]
+# the kernel computing S on both warpgroups, the ping-pong one (the default), the ping-pong one
+# reading its table entries ahead (the EXL3TOOLS_MLA_SLOT_PREFETCH preview) and the one storing P_A
+# scaled (EXL3TOOLS_MLA_SCALED_P)
+VARIANTS = ["0", "1", "pf", "ps"]
+VARIANT_IDS = ["two_s", "pingpong", "prefetch", "scaled_p"]
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
@@ -474,7 +476,7 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeyp
     out = torch.full((B, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
     assert got is out and calls, "mla_decode did not take the CUDA kernel"
-    assert calls[0][1:] == (pingpong != "0", pingpong == "pf"), calls
+    assert calls[0][1:] == (pingpong != "0", pingpong == "pf", pingpong == "ps"), calls
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "0")
@@ -489,7 +491,7 @@ PAD_CASES += [(2, 32, 16, "long", None)]
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("pingpong", ["1", "pf"], ids=["pingpong", "prefetch"])
+@pytest.mark.parametrize("pingpong", ["1", "pf", "ps"], ids=["pingpong", "prefetch", "scaled_p"])
 @pytest.mark.parametrize("case", PAD_CASES, ids=[str(c) for c in PAD_CASES])
 def test_mla_wgmma_kernel_pads_heads(dev, case, pingpong, monkeypatch):
     """EXL3TOOLS_MLA_PAD_HEADS: head counts that are not a multiple of 64 (a tensor-parallel rank's)
@@ -509,7 +511,7 @@ def test_mla_wgmma_kernel_pads_heads(dev, case, pingpong, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_MLA_PAD_HEADS", "1")
     canary = torch.full((B + 4, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=canary[:B])
-    assert calls and calls[0][1:] == (True, pingpong == "pf"), calls
+    assert calls and calls[0][1:] == (True, pingpong == "pf", pingpong == "ps"), calls
     assert torch.isnan(canary[B:]).all(), "a padding row was stored"
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
