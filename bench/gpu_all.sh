@@ -172,13 +172,15 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     el "mla kernel rc $?"; grep -E "^\||^best|Error" "$L/mla_attention.log"
   fi
   # ARCH_flat (glm5_flat, deepseek_v3_flat): the ARCH shape with --flat-logits (every MTP draft
-  # accepted: MTP's upper bound)
+  # accepted: MTP's upper bound); ARCH_hN (deepseek_v3_h32, glm5_h16): the ARCH shape with N attention
+  # heads (--heads N: a tensor-parallel rank's attention on one GPU)
   [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* || ${MLA_PARTS:-kernel e2e serve} == *serve* ]] || MLA_ARCHES=none
   for arch in ${MLA_ARCHES:-glm5 deepseek_v3}; do
     [ $arch = none ] && continue       # the kernel part alone: no checkpoint to make
     d=/tmp/synth_$arch
     # MLA_SYNTH_EXTRA: more synth_checkpoint.py options (e.g. "--layers 24": MTP's worth on a deeper shape)
     SYN="--arch $arch ${MLA_SYNTH_EXTRA:-}"; [[ $arch == *_flat ]] && SYN="--arch ${arch%_flat} --flat-logits ${MLA_SYNTH_EXTRA:-}"
+    [[ $arch =~ ^(.+)_h([0-9]+)$ ]] && SYN="--arch ${BASH_REMATCH[1]} --heads ${BASH_REMATCH[2]} ${MLA_SYNTH_EXTRA:-}"
     [ -d $d ] || python3 bench/synth_checkpoint.py $d $SYN > "$L/synth_$arch.log" 2>&1
     el "synth $arch: $(tail -n 1 "$L/synth_$arch.log")"
     if [[ ${MLA_PARTS:-kernel e2e serve} == *e2e* ]]; then

@@ -349,7 +349,7 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
                experts: int | None = None, bits: float = 3, head_bits: float = 6, mtp_bits: float = 4,
                mtp: bool = True, index_share: bool = False, grouped_routing: bool = False, codebook: str = "mul1",
                small: bool = False, dims: dict | None = None, flat_logits: bool = False,
-               decisive_router: bool = False) -> tuple[dict, dict, list[Module]]:
+               decisive_router: bool = False, heads: int | None = None) -> tuple[dict, dict, list[Module]]:
     """(config.json, quantization_config, leaf modules): the checkpoint as a value, nothing written.
     ``mtp``, ``mtp_bits``: glm5 / deepseek_v3 only (glm4_moe gets no MTP layer, as the fixture).
     ``flat_logits``: the norms before lm_head (``model.norm``, the MTP head's ``shared_head.norm``)
@@ -361,7 +361,8 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
     the top_k experts of largest bias, at least 1 apart from the next: no routing near-ties for GPU
     sums to flip (the --small DeepSeek-V3's 4th and 5th expert were 2.4e-5 apart on the CPU; GPU
     tests comparing two loads token by token failed on it). The combine weights stay the sigmoid
-    scores, unbiased."""
+    scores, unbiased. ``heads``: glm5 / deepseek_v3 attention heads instead of the model's (a
+    tensor-parallel rank's share, e.g. GLM-5's 64 / 4 = 16: its attention shapes on one GPU)."""
     if arch not in ARCHS:
         raise SystemExit(f"unknown --arch {arch!r} (one of {', '.join(ARCHS)})")
     a = ARCHS[arch]
@@ -379,6 +380,10 @@ def build_plan(*, arch: str = "glm4_moe", layers: int | None = None, dense_layer
     if layers < 1 or not 0 <= dense_layers <= layers:
         raise SystemExit("--layers must be >= 1 and --dense-layers within 0..--layers")
     d = dims or (a.small if small else a.full)
+    if heads is not None:
+        if arch == "glm4_moe" or heads < 1:
+            raise SystemExit("--heads is a glm5 / deepseek_v3 option (MLA heads, >= 1)")
+        d = {**d, "num_attention_heads": heads}
     qcfg = {"quant_method": "exl3", "version": VERSION, "bits": float(bits), "head_bits": head_bits,
             "calibration": {"rows": 250, "cols": 2048}, "out_scales": "auto", "codebook": codebook}
     if arch == "glm4_moe":
@@ -517,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decisive-router", action="store_true",
                     help="score-correction bias 2 x a permutation of the experts: a fixed top-k a layer, no routing ties")
     ap.add_argument("--codebook", default="mul1", choices=("mul1", "mcg", "3inst"))
+    ap.add_argument("--heads", type=int, default=None,
+                    help="glm5/deepseek_v3: attention heads instead of the model's (a tensor-parallel rank's "
+                         "share on one GPU, e.g. 16 = GLM-5 at TP 4)")
     ap.add_argument("--shard-mb", type=int, default=2048, help="max shard size in MiB (whole layers per shard)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
@@ -531,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                          dense_layers=a.dense_layers, experts=a.experts, bits=num(a.bits), head_bits=num(a.head_bits),
                          mtp_bits=num(a.mtp_bits), mtp=not a.no_mtp, index_share=a.index_share,
                          grouped_routing=a.grouped_routing, codebook=a.codebook, small=a.small, shard_mb=a.shard_mb,
-                         flat_logits=a.flat_logits, decisive_router=a.decisive_router,
+                         flat_logits=a.flat_logits, decisive_router=a.decisive_router, heads=a.heads,
                          seed=a.seed, progress=True, sparse=a.sparse, dry_run=a.dry_run, jobs=a.jobs)
     fams = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in s["families"].items() if v)
     verb = "would write" if a.dry_run else "wrote"

@@ -232,3 +232,23 @@ def test_flat_logits_accept_every_mtp_draft(synth_small, arch):
         assert stats.drafted > 0 and stats.acceptance_rate == 1.0
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("arch", ["glm5", "deepseek_v3"])
+def test_heads_option_writes_a_tensor_parallel_ranks_attention(synth_small, arch):
+    """--heads: the MLA head count of a tensor-parallel rank's share (a proxy of its attention
+    shapes on one GPU): the config and the per-head projections follow it, and our runtime loads
+    and runs it (finite logits past glm5's index_topk too). The full-size plan at GLM-5's TP 4."""
+    cfg, _, mods = sc.build_plan(arch="glm5", heads=16)
+    h = _shapes(mods)
+    assert cfg["num_attention_heads"] == cfg["num_key_value_heads"] == 16
+    assert h["model.layers.0.self_attn.q_b_proj.trellis"] == ("I16", [128, 256, 48])          # 16 x (192+64)
+    assert h["model.layers.0.self_attn.kv_b_proj.weight"] == ("F16", [7168, 512])              # 16 x (192+256)
+    assert h["model.layers.0.self_attn.o_proj.trellis"] == ("I16", [256, 384, 48])             # 16 x 256 -> 6144
+    path = synth_small(arch, "--heads", "2")
+    assert json.loads((path / "config.json").read_text())["num_attention_heads"] == 2
+    (short, long), _ = _run(path, [[1, 2, 3], list(range(1, 41))])
+    for lg in (short, long):
+        assert lg.shape == (1, 2048) and torch.isfinite(lg).all() and float(lg.std()) > 0.1
+    with pytest.raises(SystemExit, match="--heads"):
+        sc.build_plan(arch="glm4_moe", heads=16)
