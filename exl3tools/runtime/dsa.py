@@ -89,16 +89,19 @@ class Indexer:
         return proj[:, self.hd:] if both else None
 
     def queries(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor,
-                rope_cs: tuple | None = None, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rope_cs: tuple | None = None, w: torch.Tensor | None = None,
+                qraw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """fp16-rounded roped queries (n, H_i, D_i) and head weights (n, H_i) of n rows; with the
         step's RoPE table ``rope_cs`` the queries' roundings and RoPE as one kernel
         (kernels/fused_mla.index_queries). ``w``: the head weights ``write_keys`` projected,
-        handed back unrounded (every score function rounds them)."""
+        handed back unrounded (every score function rounds them); ``qraw``: wq_b(q_resid) made
+        already (with rope_cs: the decode step groups it with the MLA layer's q_b)."""
         n = x.shape[0]
         if rope_cs is not None:
             from exl3tools.kernels import fused_mla
 
-            q = fused_mla.index_queries(self.wq_b(q_resid), self.nh, self.hd, self.rd, *rope_cs)
+            q = fused_mla.index_queries(self.wq_b(q_resid) if qraw is None else qraw, self.nh, self.hd, self.rd,
+                                        *rope_cs)
         else:
             q = _fp16(self.wq_b(q_resid)).view(n, self.nh, self.hd)
             q = _fp16(self._rope_front(q, pos))
@@ -179,13 +182,15 @@ class Indexer:
 
     def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, pos: torch.Tensor, kidx: torch.Tensor,
                      tables: torch.Tensor, ctx: torch.Tensor, score_fn=None, topk_fn=None,
-                     rope_cs: tuple | None = None, w: torch.Tensor | None = None) -> torch.Tensor:
+                     rope_cs: tuple | None = None, w: torch.Tensor | None = None,
+                     qraw: torch.Tensor | None = None) -> torch.Tensor:
         """``select`` for one decode token per row over the paged key plane (the fixed-shape step:
         device ops only). ``kidx`` (num_blocks, block_size, D_i); row b's keys are positions
         ``< ctx[b]`` through ``tables[b]``. Returns the attended positions (B, min(topk, width))
-        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``, ``w``: as ``queries``."""
+        int32, -1 for none (kernels/mla_attention.py's ``sel``). ``rope_cs``, ``w``, ``qraw``: as
+        ``queries``."""
         self._to(x.device)
-        q, w = self.queries(x, q_resid, pos, rope_cs, w)
+        q, w = self.queries(x, q_resid, pos, rope_cs, w, qraw)
         return self._select(q, w, kidx, tables, ctx, score_fn, topk_fn)
 
     def _select(self, q, w, kidx, tables, ctx, score_fn, topk_fn) -> torch.Tensor:

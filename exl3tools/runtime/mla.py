@@ -273,19 +273,22 @@ class MLAttention:
             rows.longest > self.index_topk, shared, "rows", mla_attention_fn(x.device)))
 
     def _attend_paged(self, x, q_resid, q_lat, q_pe, pos, pool, tables, ctx, sparse: bool, shared: dict, key,
-                      fns, rope_cs: tuple | None = None, index_w: torch.Tensor | None = None) -> torch.Tensor:
+                      fns, rope_cs: tuple | None = None, index_w: torch.Tensor | None = None,
+                      index_q: torch.Tensor | None = None) -> torch.Tensor:
         """Rows (their latent already in ``pool``) through the decode step's kernels ``fns`` =
         (MLA attention, DSA scores, DSA top-k): a DSA full layer selects when ``sparse`` (some row
         sees more than index_topk keys) and publishes its selection in ``shared[key]`` for the
         shared layers after it. (rows, H, v) float32 (decode_static, attend_rows). ``rope_cs``: the
         fused step's RoPE table (decode_static), for the indexer's queries; ``index_w``: the head
-        weights the indexer's ``write_keys`` projected with its keys (Indexer.queries)."""
+        weights the indexer's ``write_keys`` projected with its keys, ``index_q`` its query projection
+        made beside q_b's (Indexer.queries)."""
         attend, score_fn, topk_fn = fns
         sel = None
         if self.index_topk and sparse:                # else every row keeps all its keys
             if self.indexer is not None:
                 sel = self.indexer.select_paged(x, q_resid, pos, pool.blocks(self.layer, CACHE_KIDX), tables, ctx,
-                                                score_fn, topk_fn, rope_cs=self._index_rope(rope_cs), w=index_w)
+                                                score_fn, topk_fn, rope_cs=self._index_rope(rope_cs), w=index_w,
+                                                qraw=index_q)
                 shared[key] = sel
             elif self.dsa_shared:
                 sel = self._shared_selection(shared, key)
@@ -390,8 +393,13 @@ class MLAttention:
         self._to(x.device)
         pos = st.positions
         planes = st.pool.planes[self.layer]
+        index_q = None
         if rope_cs is not None:
-            q, q_resid, q_pe = self._fused_queries_and_latent(x, st.slots, planes, rope_cs, project)
+            # a DSA full layer that selects this step: its indexer's query projection (wq_b reads
+            # q_resid too) rides in q_b's grouped call
+            selects = bool(self.index_topk and st.sparse and self.indexer is not None)
+            q, q_resid, q_pe, index_q = self._fused_queries_and_latent(x, st.slots, planes, rope_cs, project,
+                                                                       self.indexer if selects else None)
         else:
             q, q_resid = self._queries(x)
             q = q.view(B, self.nh, self.nope + self.rope)
@@ -406,26 +414,32 @@ class MLAttention:
         if self.indexer is not None:
             index_w = self.indexer.write_keys(x, pos, st.slots, planes[CACHE_KIDX], self._index_rope(rope_cs))
         out = self._attend_paged(x, q_resid, q_lat, q_pe, pos, st.pool, st.tables, st.ctx, st.sparse, st.extras,
-                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk), rope_cs, index_w)
+                                 "dsa_sel", (st.mla_attend, st.dsa_scores, st.dsa_topk), rope_cs, index_w, index_q)
         return self.reduce(self.o(out.reshape(B, self.nh * self.vd)))
 
-    def _fused_queries_and_latent(self, x, slots, planes, rope_cs, project):
-        """decode_static's queries (q, q_resid, q_pe) and latent cache writes through
-        kernels/fused_mla.py, with the step's RoPE table ``rope_cs``."""
+    def _fused_queries_and_latent(self, x, slots, planes, rope_cs, project, indexer=None):
+        """decode_static's queries (q, q_resid, q_pe, index_q) and latent cache writes through
+        kernels/fused_mla.py, with the step's RoPE table ``rope_cs``. ``indexer`` (a DSA layer
+        that selects this step): its wq_b projection of q_resid as ``index_q``, in one grouped
+        call with q_b where ``project`` groups (else None: Indexer.queries projects it)."""
         from exl3tools.kernels import fused_decode, fused_mla
 
         pair = (self.q_proj if self.q_proj is not None else self.q_a, self.kv_a)
         qa, lat = project(self, pair, x) if project is not None else (pair[0](x), pair[1](x))
+        index_q = None
         if self.q_proj is not None:
             q, q_resid = qa, None
         else:
             q_resid = fused_decode.residual_rmsnorm(qa.float(), self.q_a_norm.weight, self.q_a_norm.eps)
-            q = self.q_b(q_resid)
+            if indexer is not None and project is not None:
+                q, index_q = project(indexer, (self.q_b, indexer.wq_b), q_resid)
+            else:
+                q = self.q_b(q_resid)
         q = q.reshape(x.shape[0], self.nh, self.nope + self.rope)
         q_pe = fused_mla.rope_heads(q, self.nope, self.rope, *rope_cs)
         fused_mla.latent_store(lat, self.kv_lora, self.rope, self.kv_a_norm.weight, self.kv_a_norm.eps,
                                *rope_cs, slots, planes[CACHE_CKV], planes[CACHE_KPE])
-        return q, q_resid, q_pe
+        return q, q_resid, q_pe, index_q
 
     def _index_rope(self, rope_cs: tuple | None) -> tuple | None:
         """The step's RoPE table where it fits the indexer's RoPE too (FusedMlaStep shares the
