@@ -243,7 +243,7 @@ OPT_OUTS = {
     # A DSA decode step's selection: the indexer's keys and head weights from one GEMM
     # (Indexer.wkw; the weights rounded inside the score kernels) and, with the tensor-core scores
     # and the chunked top-k, the top-k's first pass (the key high bytes' histogram) inside the
-    # scores kernel (kernels/dsa_indexer.select): 3 launches fewer a layer past index_topk ("0":
+    # scores kernel (kernels/dsa_indexer.select): 4 launches fewer a layer past index_topk ("0":
     # the weights' own GEMM and two casts, the histogram pass of its own)
     "dsa_fused_select": "EXL3TOOLS_DSA_FUSED_SELECT",
     # an MLA model's MoE router in the fused step: its logits of x and of x rounded to fp16
