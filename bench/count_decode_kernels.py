@@ -1,6 +1,6 @@
 """Kernels per fixed-shape decode step, fused glue (kernels/fused_decode.py) on vs off, on the CPU.
 
-    TRITON_INTERPRET=1 python bench/count_decode_kernels.py [MODEL_DIR] [--batch 1,8]
+    TRITON_INTERPRET=1 python bench/count_decode_kernels.py [MODEL_DIR] [--batch 1,8] [--context N] [--draft]
 
 Runs one ``PagedDecoder._body`` (decode="static": the graph body without capture) of a GQA or MLA
 checkpoint (default: fixture glm4_moe-3.0bpw-mcg, 1 dense + 1 MoE layer; an MLA fixture such as
@@ -100,7 +100,8 @@ def instrument(runner, log: Log) -> None:
         for p in (m.gate, m.up, m.down):
             lin(p)
     lin(model.head)
-    for i, layer in enumerate(model.layers):
+
+    def block(layer) -> tuple[list, str]:
         assert isinstance(layer, DecoderLayer)
         a = layer.attn
         if isinstance(a, MLAttention):
@@ -121,7 +122,15 @@ def instrument(runner, log: Log) -> None:
                 mlp(layer.mlp.shared)
         else:
             mlp(layer.mlp)
+        return projs, kind
+    for i, layer in enumerate(model.layers):
+        projs, kind = block(layer)
         _tag(log, projs[0], f"layer{i}:{kind}")
+    head = getattr(model, "mtp", None)
+    if head is not None:          # the MTP head (--draft): its input projection, then its block
+        block(head.block)
+        lin(head.eh_proj)
+        _tag(log, head.eh_proj, "mtp")
     _tag(log, model.head, "head")
 
 
@@ -176,14 +185,17 @@ def _tag(log: Log, lin, where: str) -> None:
     lin.fn = tagged
 
 
-def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False, context: int = 9) -> collections.Counter:
+def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False, context: int = 9,
+          draft: bool = False) -> collections.Counter:
+    """The kernels of one decode step of ``batch`` rows after a ``context``-token prompt each;
+    ``draft``: of one MTP draft step of sequence 0 instead (the head over one row)."""
     from exl3tools.runtime.runner import load_runner
 
     os.environ["EXL3TOOLS_FUSED"] = "1" if fused else "0"
     os.environ["EXL3TOOLS_FUSED_MLA"] = "1" if fused else "0"
     os.environ["EXL3TOOLS_GROUPED_PROJ"] = "1" if grouped else "0"
     r = load_runner(model_dir, max_context=max(64, context + 8), max_cache_tokens=max(512, batch * (context + 24)),
-                    max_num_seqs=max(batch, 1), block_size=16, decode="static")
+                    max_num_seqs=max(batch, 1), block_size=16, decode="static", speculative_tokens=int(draft))
     assert (r.paged.decoder._fused is not None) == fused
     ids = list(range(batch))
     for s in ids:
@@ -203,7 +215,10 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False, conte
         cls.__call__ = call
         with torch.inference_mode(), log:
             log.where = "embed"
-            r.step([(s, [7]) for s in ids])
+            if draft:
+                r.draft(0, 7, 1, lambda row: int(row.argmax()))
+            else:
+                r.step([(s, [7]) for s in ids])
     finally:
         from exl3tools.kernels import dsa_indexer
 
@@ -231,9 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grouped", action="store_true", help="the fused step with q/k/v and gate/up grouped")
     ap.add_argument("--context", type=int, default=9,
                     help="prompt tokens before the counted step; past a DSA model's index_topk the selection runs")
+    ap.add_argument("--draft", action="store_true",
+                    help="count one MTP draft step (the head over one row; an MTP model) instead of a decode step")
     a = ap.parse_args(argv)
     for B in [int(x) for x in a.batch.split(",")]:
-        res = {f: count(Path(a.model), f, B, grouped=f and a.grouped, context=a.context) for f in (False, True)}
+        res = {f: count(Path(a.model), f, B, grouped=f and a.grouped, context=a.context, draft=a.draft)
+               for f in (False, True)}
         print(f"batch {B}: kernels per decode step (torch loop -> fused)")
         wheres = sorted({w for ops in res.values() for w, _ in ops}, key=lambda w: (w != "embed", w))
         for w in wheres:

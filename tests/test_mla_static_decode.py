@@ -260,6 +260,40 @@ def test_speculative_rows_run_the_decode_step_and_feed_the_head():
     assert len(ds) == len(de) == 2
 
 
+@pytest.mark.parametrize("name", ["glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-4.0bpw-mcg"])
+def test_fused_draft_step_equals_the_torch_one(name, monkeypatch):
+    """The MTP head's draft steps through the fused step's glue (FusedMlaStep.draft: fused norms,
+    MLA kernels and MoE routing around the head's block) give the torch draft body's logits: the
+    same drafts and rows within the runtime's tolerance, past index_topk (the head's DSA selection
+    on) as below it."""
+    from exl3tools.kernels import fused_decode as fk
+
+    from exl3tools.runtime import fused_step
+
+    if not fk.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    path = fixture_dir(name) / "model"
+    got, calls = {}, []
+    real = fused_step.FusedMlaStep.draft
+    monkeypatch.setattr(fused_step.FusedMlaStep, "draft", lambda self, *a: calls.append(1) or real(self, *a))
+    for fused in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_FUSED", fused)
+        monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", fused)
+        with load_runner(path, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode="static",
+                         max_num_seqs=48) as r:
+            assert (r.paged.decoder._fused is not None) == (fused == "1")
+            out = []
+            for sid, prompt in ((0, PROMPTS["a"]), (1, PROMPTS["c"])):     # past index_topk (32), below
+                r.add_sequence(sid)
+                first = r.step([(sid, prompt)])
+                drafts, rows = r.draft(sid, int(first[0].argmax()), 2, lambda row: int(row.argmax()))
+                out.append((drafts, torch.stack(rows).float().cpu()))
+            got[fused] = out
+    assert calls, "the fused decoder did not draft through FusedMlaStep.draft"
+    for (d0, r0), (d1, r1) in zip(got["0"], got["1"], strict=True):
+        assert d1 == d0 and _rel(r1, r0) < REL, (d0, d1, _rel(r1, r0))
+
+
 def test_a_verify_past_max_num_seqs_rows_takes_the_decode_step():
     """An MTP verify is 1 + k rows a sequence, so the step takes max_num_seqs x (1 + k) rows: at
     --max-num-seqs 2 and k = 2 both sequences' 3 rows replay the step (on the H200, 32 streams'

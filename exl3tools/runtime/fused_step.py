@@ -82,15 +82,21 @@ class FusedGqaStep:
     def __init__(self, model, pool):
         self.model, self.pool = model, pool
         dev = model.embed.device
-        for layer in model.layers:                       # norms, rope, routers on the device once
+        # the MTP head's block (an MLA model's) takes the same glue in its draft steps (``draft``)
+        self.head = getattr(model, "mtp", None) if self.mla else None
+        blocks = list(model.layers) + ([self.head.block] if self.head is not None else [])
+        for layer in blocks:                             # norms, rope, routers on the device once
             for n in (layer.attn_norm, layer.mlp_norm):
                 n.weight = _dev(n.weight, dev)
             self._prepare_attention(layer.attn, dev)
             if isinstance(layer.mlp, MoE):
                 layer.mlp.router, layer.mlp.bias = _dev(layer.mlp.router, dev), _dev(layer.mlp.bias, dev)
+        if self.head is not None:
+            for n in (self.head.enorm, self.head.hnorm, self.head.final_norm):
+                n.weight = _dev(n.weight, dev)
         # the centred fp16 bias of each MoE that picks its experts as exllamav3 does (computed here,
         # not while a graph is captured)
-        self._fp16_bias = {id(m): _dev(m.choice_bias(), dev) for m in (layer.mlp for layer in model.layers)
+        self._fp16_bias = {id(m): _dev(m.choice_bias(), dev) for m in (layer.mlp for layer in blocks)
                            if getattr(m, "fp16_choice", False)}
         model.norm.weight = _dev(model.norm.weight, dev)
         self.norms = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
@@ -125,15 +131,35 @@ class FusedGqaStep:
         h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
         rope: dict[int, tuple] = {}       # cos/sin per distinct inv_freq (one for these models)
         for layer, nxt in zip(layers, self.norms, strict=True):
-            d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
-            both = None
-            if self.router_one_gemm and id(layer.mlp) in self._fp16_bias and self._fused_moe(layer.mlp):
-                x, both = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d, with_fp16=True)
-            else:
-                x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
-            d, y, wk, y_rows = self.mlp(layer.mlp, x, both)
-            x = fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
+            x = self._layer(layer, nxt, h, x, rope, positions, slots, tables, ctx, attend, st)
         return x
+
+    def _layer(self, layer, nxt, h, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
+        """One block on residual rows ``h`` (updated in place) and their attention-normed ``x``:
+        the block's output normed by ``nxt`` (the next block's attention norm, or the final one)."""
+        d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
+        both = None
+        if self.router_one_gemm and id(layer.mlp) in self._fp16_bias and self._fused_moe(layer.mlp):
+            x, both = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d, with_fp16=True)
+        else:
+            x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
+        d, y, wk, y_rows = self.mlp(layer.mlp, x, both)
+        return fk.residual_rmsnorm(h, nxt.weight, nxt.eps, delta=d, y=y, wk=wk, y_rows=y_rows)
+
+    def draft(self, tokens, states, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
+        """The MTP head's final-normed states of rows (target state ``states[i]``, token
+        ``tokens[i]``): MTPHead.forward_many's math with this step's glue (the embedding row and
+        its norm in one kernel, each norm and residual add in one, the block's MLA through the
+        fused kernels and its MoE through the routing kernel and grouped experts), where the torch
+        draft body runs each RMSNorm, RoPE and router as ~150 small torch ops. ``st``: the draft's
+        StepInputs (the head's pool)."""
+        head = self.head
+        _, xe = fk.embed_rmsnorm(self.model.embed, tokens, head.enorm.weight, head.enorm.eps)
+        xs = fk.residual_rmsnorm(states, head.hnorm.weight, head.hnorm.eps)     # states not written
+        h = head.eh_proj(torch.cat([xe, xs], dim=-1)).float()
+        block = head.block
+        x = fk.residual_rmsnorm(h, block.attn_norm.weight, block.attn_norm.eps)
+        return self._layer(block, head.final_norm, h, x, {}, positions, slots, tables, ctx, attend, st)
 
     def _attend_layer(self, a, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
         if id(a.inv_freq) not in rope:

@@ -460,12 +460,16 @@ class PagedDecoder:
         as device ops with fixed shapes; its attention reads and writes ``head_pool``)."""
         m, head = self.model, self.model.mtp
         tokens, positions, slots, tables, ctx = self._step_inputs(bs, width)
-        emb = m.embed.index_select(0, tokens).float()
-        x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(self.draft_in[:bs])], dim=-1))
         st = StepInputs(positions, slots, tables, ctx, self.head_pool, self._attend_mla, self._dsa_scores,
                         self._dsa_topk, sparse=sparse)
-        layer = head.block
-        hn = head.final_norm(_mlp_static(layer, x + layer.attn.decode_static(layer.attn_norm(x), st)))
+        if self._fused is not None and getattr(self._fused, "head", None) is head and preview.switched_on("fused_draft"):
+            # the decode step's fused glue around the head's block (FusedMlaStep.draft)
+            hn = self._fused.draft(tokens, self.draft_in[:bs], positions, slots, tables, ctx, self._attend, st)
+        else:
+            emb = m.embed.index_select(0, tokens).float()
+            x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(self.draft_in[:bs])], dim=-1))
+            layer = head.block
+            hn = head.final_norm(_mlp_static(layer, x + layer.attn.decode_static(layer.attn_norm(x), st)))
         self.draft_states[:bs].copy_(hn)
         self.draft_out[:bs].copy_(m.logits(hn))
 

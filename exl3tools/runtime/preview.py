@@ -251,6 +251,13 @@ OPT_OUTS = {
     # norm beside x (fused_decode.residual_rmsnorm with_fp16): 3 launches fewer a MoE layer ("0":
     # two GEMMs and two casts)
     "router_one_gemm": "EXL3TOOLS_ROUTER_ONE_GEMM",
+    # the MTP head's draft steps (PagedDecoder.draft) through the fused step's glue around its block
+    # (FusedMlaStep.draft: the fused norms, the MLA kernels, the routing kernel and grouped experts)
+    # instead of the torch draft body (each RMSNorm, RoPE, cache write and the router as torch ops,
+    # MoE.forward_static): one draft step of the glm5 fixture 153 -> 43 kernels
+    # (bench/count_decode_kernels.py --draft), where a DeepSeek-V3-shape draft took ~1.9 ms on the
+    # H200 against ~0.35 ms a main-model layer ("0": the torch body)
+    "fused_draft": "EXL3TOOLS_FUSED_DRAFT",
 }
 
 
