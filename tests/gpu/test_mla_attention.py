@@ -449,6 +449,14 @@ def _through_the_wgmma_kernel(monkeypatch, pingpong: str = "0") -> list:
     return calls
 
 
+def _fp16_case(B, H, bs, kind, dev):
+    """A dense case on fp16 planes (serve's for MLA on CUDA): (tensors, scale, float64 oracle)."""
+    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev)
+    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
+    scale = (512 // 4 + 64) ** -0.5
+    return t, scale, _oracle(t, lens, scale)
+
+
 # the kernel computing S on both warpgroups, the ping-pong one (the default), the ping-pong one
 # reading its table entries ahead (the EXL3TOOLS_MLA_SLOT_PREFETCH preview) and the one storing P_A
 # scaled (EXL3TOOLS_MLA_SCALED_P)
@@ -468,10 +476,7 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeyp
     from exl3tools.kernels.mla_attention import mla_decode
 
     B, H, bs, kind, ns = case
-    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev)
-    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
-    scale = (512 // 4 + 64) ** -0.5
-    want = _oracle(t, lens, scale)
+    t, scale, want = _fp16_case(B, H, bs, kind, dev)
     calls = _through_the_wgmma_kernel(monkeypatch, pingpong)
     out = torch.full((B, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
@@ -500,10 +505,7 @@ def test_mla_wgmma_kernel_pads_heads(dev, case, pingpong, monkeypatch):
     from exl3tools.kernels.mla_attention import mla_decode
 
     B, H, bs, kind, ns = case
-    t, lens = _case(B, H, 512, 64, bs, kind, 0, dev)
-    t = dict(t, ckv=t["ckv"].half(), kpe=t["kpe"].half())
-    scale = (512 // 4 + 64) ** -0.5
-    want = _oracle(t, lens, scale)
+    t, scale, want = _fp16_case(B, H, bs, kind, dev)
     calls = _through_the_wgmma_kernel(monkeypatch, pingpong)
     monkeypatch.setenv("EXL3TOOLS_MLA_PAD_HEADS", "0")
     mla_decode(**t, scale=scale, num_splits=ns)
