@@ -83,7 +83,8 @@ class FusedGqaStep:
         self.model, self.pool = model, pool
         dev = model.embed.device
         # the MTP head's block (an MLA model's) takes the same glue in its draft steps (``draft``)
-        self.head = getattr(model, "mtp", None) if self.mla else None
+        head = getattr(model, "mtp", None) if self.mla else None
+        self.head = head if head is not None and mla_block(head.block) else None
         blocks = list(model.layers) + ([self.head.block] if self.head is not None else [])
         for layer in blocks:                             # norms, rope, routers on the device once
             for n in (layer.attn_norm, layer.mlp_norm):
@@ -322,12 +323,16 @@ class FusedMlaStep(FusedGqaStep):
         return a.decode_static(x, st, rope_cs=rope[key], project=self._project)
 
 
-def supports_mla(model) -> bool:
-    """Whether every layer is an MLA block (MLAttention) with a dense or MoE MLP: FusedMlaStep's."""
+def mla_block(layer) -> bool:
+    """Whether ``layer`` is an MLA block (MLAttention) with a dense or MoE MLP."""
     from exl3tools.runtime.mla import MLAttention
 
-    return all(isinstance(layer, DecoderLayer) and isinstance(layer.attn, MLAttention)
-               and isinstance(layer.mlp, (GatedMLP, MoE)) for layer in model.layers)
+    return isinstance(layer, DecoderLayer) and isinstance(layer.attn, MLAttention) and isinstance(layer.mlp, (GatedMLP, MoE))
+
+
+def supports_mla(model) -> bool:
+    """Whether every layer is an MLA block: FusedMlaStep's."""
+    return all(mla_block(layer) for layer in model.layers)
 
 
 def _down(down, gu: torch.Tensor, N: int, row_exp: torch.Tensor, tile_exp: torch.Tensor | None = None,
