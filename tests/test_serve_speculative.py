@@ -258,10 +258,11 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy(name, paged_head, decode, moe, r
         assert out1 == want[:len(out1)]
 
 
-def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto"):
+def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto",
+                  greedy: bool = False):
     """Three sequences of different prompt lengths and draft counts, drafted (one pass or one at a
     time), verified and accepted over two rounds (one round keeps a draft) on the model at
-    ``path``: every draft's rows."""
+    ``path``: every draft's rows. ``greedy``: every draft the argmax (draw None), not fixed tokens."""
     prompts = {0: PROMPT, 1: PROMPT[5:17], 2: PROMPT[::-1][:30]}
     ks = {0: 1, 1: 3, 2: 2}
 
@@ -277,7 +278,7 @@ def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cp
             r.add_sequence(s)
             last[s] = int(r.step([(s, p)])[0].argmax())
         for rnd in range(2):
-            reqs = [(s, last[s], ks[s], fixed(s, rnd)) for s in prompts]
+            reqs = [(s, last[s], ks[s], None if greedy else fixed(s, rnd)) for s in prompts]
             res = r.draft_many(reqs) if together else [r.draft(*q) for q in reqs]
             got.append([(d, [q.float().cpu() for q in qs]) for d, qs in res])
             target = r.verify([(s, [last[s]] + d) for s, (d, _) in zip(prompts, res, strict=True)])
@@ -331,6 +332,25 @@ def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(name, decode, request
     # static: the prompts' pairs, the deeper drafts and the second round's pairs through the fixed-shape step
     first = len(PROMPT) + 12 + 30                                 # every prompt's pairs (_draft_rounds)
     assert steps == ([] if decode == "eager" else [first, 2, 1, 4, 2, 1]), steps   # depths 2, 3; 4 pairs, depths 2, 3
+
+
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_greedy_drafts_chain_on_the_device(name, request, monkeypatch):
+    """Greedy drafts through the fixed-shape draft step (EXL3TOOLS_CHAINED_DRAFTS, the default):
+    each deeper depth takes the depth before's argmax on the device (its host tokens never read)
+    and the host reads every depth's drafts once; the same drafts and rows as reading each depth
+    back (=0), with three sequences' different draft counts (some stop drafting early)."""
+    from exl3tools.runtime.paged_decode import PagedDecoder
+
+    path = model_dir(name, request)
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
+    want, ks = _draft_rounds(path, True, "static", greedy=True)
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
+    device, draft = [], PagedDecoder.draft
+    monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: device.append(a[5] is not None) or draft(self, *a))
+    got, _ = _draft_rounds(path, True, "static", greedy=True)
+    _same_rows(want, got, ks)
+    assert device == [False, True, True, False, True, True], device     # a round: the pairs, then depths 2, 3
 
 
 def test_the_head_computes_logits_only_for_the_rows_it_drafts_from(monkeypatch):

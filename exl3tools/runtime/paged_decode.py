@@ -255,17 +255,19 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int],
-              states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              states: torch.Tensor, device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head over ``n`` rows as one fixed-shape step (its cache: ``head_pool``, in the
         rows' own blocks): row ``i`` is the pair (target state ``states[i]``, token ``tokens[i]``)
         at position ``positions[i]``, as ``step`` lays rows out. (final-normed states, logits) of
-        every row (views of static buffers: read them before the next draft)."""
+        every row (views of static buffers: read them before the next draft). ``device_tokens``:
+        the rows' tokens on the device instead of ``tokens`` (a deeper greedy draft: the argmax of
+        the depth before, never read on the host)."""
         if self.head_pool is None:
             raise UsageError("this decoder has no MTP head pool")
         n = len(tokens)
         if n > self.max_rows:
             raise UsageError(f"a draft step takes 1..{self.max_rows} rows, got {n}")
-        bs, sparse, need = self._load(tokens, positions, slots, rows, None)
+        bs, sparse, need = self._load(tokens, positions, slots, rows, device_tokens)
         self.draft_in[:n].copy_(states)
         self.draft_in[n:bs].zero_()
         self._run(("draft",), self._draft_body, bs, sparse, need)

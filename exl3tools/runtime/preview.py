@@ -258,6 +258,12 @@ OPT_OUTS = {
     # (bench/count_decode_kernels.py --draft), where a DeepSeek-V3-shape draft took ~1.9 ms on the
     # H200 against ~0.35 ms a main-model layer ("0": the torch body)
     "fused_draft": "EXL3TOOLS_FUSED_DRAFT",
+    # greedy MTP drafts on one rank (runtime/speculative.py _chain_depths): each draft depth's
+    # argmax stays on the device and feeds the next depth's fixed-shape step, the host reading all
+    # depths' drafts once, where each depth read its argmax back first (a sync a depth: the GPU
+    # idle while the host prepares the next; k - 1 of them a verify step at --speculative-tokens
+    # k). "0": a sync a depth
+    "chained_drafts": "EXL3TOOLS_CHAINED_DRAFTS",
 }
 
 

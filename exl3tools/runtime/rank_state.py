@@ -67,18 +67,22 @@ class PagedState:
         return (logits, self.decoder.states[:len(rows)]) if states else logits
 
 
-def run_head(paged: PagedState, mode: str, payload, states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def run_head(paged: PagedState, mode: str, payload, states: list[torch.Tensor],
+             device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MTP head over rows whose cache is ``paged.head_pool`` (every rank runs the same call):
     ``mode`` "static": ``payload`` is ((tokens, positions, slots, rows, updates) of the decode
     step, rows per sequence) and the decoder's draft step runs; "eager": ``payload`` is [(block
     table, first position, tokens)] per sequence and the head runs over paged views. Each
-    sequence's newest (normed state, logits) row, in order."""
+    sequence's newest (normed state, logits) row, in order. ``device_tokens`` ("static" only):
+    the rows' tokens on the device (PagedDecoder.draft's)."""
     import itertools
 
     if mode == "static":
         (tokens, positions, slots, rows, updates), counts = payload
         paged.decoder.set_blocks(updates)
-        g, dl = paged.decoder.draft(tokens, positions, slots, rows, torch.cat(states))
+        g, dl = paged.decoder.draft(tokens, positions, slots, rows, torch.cat(states), device_tokens)
+        if all(c == 1 for c in counts):      # one row a sequence (deeper drafts): no index to copy up
+            return g[:len(counts)].clone(), dl[:len(counts)].clone()
         ends = torch.tensor(list(itertools.accumulate(counts)), device=g.device) - 1
         return g[ends].clone(), dl[ends].clone()
     return paged.model.mtp.forward_many(paged_views(paged.head_pool, payload), states, [t for _, _, t in payload])

@@ -12,6 +12,7 @@ from typing import Any, Hashable
 import torch
 
 from exl3tools.errors import RuntimeFailure, UsageError
+from exl3tools.runtime import preview
 from exl3tools.runtime.rank_state import rows_of, run_head
 
 
@@ -71,18 +72,25 @@ class SpeculativeSteps:
             if k > 1:
                 self.blocks.reserve(s, k - 1)
 
-        def run(rows: list[tuple[Hashable, list[int], int]], states: list[torch.Tensor], lasts=None):
+        def static(rows) -> bool:
+            return self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.paged.decoder.max_rows
+
+        def run(rows: list[tuple[Hashable, list[int], int]], states: list[torch.Tensor], lasts=None,
+                device_tokens: torch.Tensor | None = None):
             """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row;
             the other ranks run the same (``lasts``: the first depth's last tokens, which they take
-            their pending pairs with; deeper: they feed their own rows of the depth before)."""
-            if self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.paged.decoder.max_rows:
+            their pending pairs with; deeper: they feed their own rows of the depth before).
+            ``device_tokens``: one rank's fixed-shape step only, the rows' tokens on the device
+            (``rows`` then hold placeholders)."""
+            if static(rows):
                 slots = [self.blocks.slots(s, n0, len(t)) for s, t, n0 in rows]
                 args = self._decode_args([(s, self._seq(s), t, n0) for s, t, n0 in rows], slots)
                 mode, payload = "static", (args, [len(t) for _, t, _ in rows])
             else:
                 mode, payload = "eager", [(list(self.blocks.table(s)), n0, t) for s, t, n0 in rows]
-            self._send(("hdraft", lasts, [s for s, _, _ in rows], mode, payload))
-            return run_head(self.paged, mode, payload, states)
+            if device_tokens is None:
+                self._send(("hdraft", lasts, [s for s, _, _ in rows], mode, payload))
+            return run_head(self.paged, mode, payload, states, device_tokens)
 
         taken = [sp.take(int(last)) for sp, (_, last, _, _) in zip(specs, reqs, strict=True)]
         g, dl = run([(s, t, sp.length) for (s, *_), sp, (_, t) in zip(reqs, specs, taken, strict=True)],
@@ -97,6 +105,17 @@ class SpeculativeSteps:
                 nxt[i] += 1
             return res
 
+        # greedy drafts on one rank through the fixed-shape step: each depth takes the argmax of the
+        # one before on the device, and the host reads every depth's drafts once at the end
+        # (EXL3TOOLS_CHAINED_DRAFTS=0: a sync a depth)
+        if (self.world == 1 and all(draw is None for *_, draw in reqs) and static([(s, [0], 0) for s, *_ in reqs])
+                and preview.switched_on("chained_drafts")):
+            def deeper_device(live, gs, toks):
+                res = run([(reqs[i][0], [0], nxt[i]) for i in live], gs, device_tokens=toks)
+                for i in live:
+                    nxt[i] += 1
+                return res
+            return _chain_depths(reqs, g, dl, deeper_device)
         return _draw_depths(reqs, g, dl, deeper)
 
     def _catch_up(self, seq_ids: list[Hashable]) -> None:
@@ -170,6 +189,37 @@ class SpeculativeSteps:
         self.blocks.commit(seq_id, seq.tokens)
         self.blocks.trim(seq_id)
         seq.spec.extend(states[:n], toks[:n])
+
+
+def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """``_draw_depths`` for greedy requests without a host sync between depths: each depth's
+    argmax stays on the device and feeds ``deeper(live, state rows, device tokens)``; every
+    depth's tokens reach the host in one read at the end."""
+    rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+    picks: list[tuple[list[int], torch.Tensor]] = []       # (live request indices, their argmaxes)
+    live = list(range(len(reqs)))
+    while True:
+        toks = dl.float().argmax(-1)
+        picks.append((live, toks))
+        for j, i in enumerate(live):
+            rows[i].append(dl[j])
+        keep = [j for j, i in enumerate(live) if len(rows[i]) < reqs[i][2]]
+        if not keep:
+            break
+        idx = None
+        if len(keep) < len(live):          # some requests drafted all theirs: a pinned index (no stream sync)
+            idx = torch.tensor(keep, dtype=torch.int64)
+            idx = (idx.pin_memory() if toks.is_cuda else idx).to(toks.device, non_blocking=True)
+        live = [live[j] for j in keep]
+        g, dl = deeper(live, [g[j:j + 1] for j in keep], toks if idx is None else toks.index_select(0, idx))
+    drafts: list[list[int]] = [[] for _ in reqs]
+    flat = torch.cat([t for _, t in picks]).tolist()           # the one host read
+    at = 0
+    for lv, _ in picks:
+        for i, v in zip(lv, flat[at:at + len(lv)], strict=True):
+            drafts[i].append(v)
+        at += len(lv)
+    return [(d, r) for d, r in zip(drafts, rows, strict=True)]
 
 
 def _draw_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper) -> list[tuple[list[int], list[torch.Tensor]]]:

@@ -52,7 +52,8 @@ class SpeculativeRounds:
             for seq, k in rows:
                 p = seq.params
                 gen = seq.generator if p.temperature > 0 else None
-                # greedy rows: None, the argmax of every such row at once (one host sync a depth)
+                # greedy rows: None, the argmax of every such row at once (one host sync a depth;
+                # one for all depths where every row is greedy: they chain on the device)
                 reqs.append((seq.seq_id, seq.output_ids[-1], k, None if p.temperature <= 0 else
                              lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
             # every row's drafts in one head forward per depth
