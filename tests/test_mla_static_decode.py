@@ -429,6 +429,42 @@ def test_fused_glue_around_mla_equals_eager(name, cuts, monkeypatch):
     assert inputs and all(inputs) == (cuts == "1") and any(inputs) == (cuts == "1")   # the one GEMM, or not
 
 
+@pytest.mark.parametrize("name", [MLA[0], MLA[1], "glm4_moe-3.0bpw-mcg"])      # and a GQA model's
+def test_fused_step_runs_a_tensor_parallel_ranks_moe(name, monkeypatch):
+    """A tensor-parallel rank's MoE (its outputs all-reduced, every expert held: ``--moe tp``)
+    through the fused step (EXL3TOOLS_FUSED_TP_MOE: routing kernel, grouped experts, the rows' sum,
+    then the reduce and the replicated shared expert after it, as MoE._finish) gives the torch
+    loop's logits (MoE.forward_static) over the static-decode schedule. The all-reduce is stood in
+    for by a doubling (what it gives over two ranks holding the same partial), so a sum taken after
+    the reduce, or the shared expert before it, would differ."""
+    from exl3tools.kernels import fused_decode as fk
+
+    from exl3tools.runtime import fused_step
+    from exl3tools.runtime.layers import MoE
+
+    if not fk.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    calls, real = [], fused_step.FusedGqaStep._moe_reduced
+    monkeypatch.setattr(fused_step.FusedGqaStep, "_moe_reduced", lambda self, *a: calls.append(1) or real(self, *a))
+
+    def doubled(model):
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.reduce = lambda t: 2.0 * t
+        return model
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "0")
+    want = _run(doubled(load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model),
+                name, "static")
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
+    got = _run(doubled(load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model),
+               name, "static")
+    assert calls, "the fused step did not run the reduced MoE"
+    for i, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert _rel(x, y) < REL, (name, i, _rel(x, y))
+
+
 def test_fused_mla_step_is_asked_for_off_cuda(monkeypatch):
     """Off CUDA (the interpreter) an MLA model keeps the torch loop, fused kernels or not, unless
     EXL3TOOLS_FUSED_MLA=1 (on CUDA FusedMlaStep is the default: preview.on_cuda)."""

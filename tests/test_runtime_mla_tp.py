@@ -60,3 +60,38 @@ def test_tp2_rank_slice_equals_tp1_with_mtp(tmp_path, monkeypatch):
     for rank, files in opened.items():
         mine = [f for f in files if f.startswith(root)]
         assert mine and all(f.startswith(os.path.join(root, f"rank-{rank}-of-2") + os.sep) for f in mine)
+
+
+@pytest.mark.slow
+def test_tp2_moe_tp_through_the_fused_step_equals_tp1(tmp_path, monkeypatch):
+    """``--moe tp`` (every rank a slice of every expert, the MoE's outputs all-reduced) with the
+    fused decode step on both ranks (the interpreter): the reduced MoE through the routing kernel,
+    grouped experts and their sum before the all-reduce (fused_step._moe_reduced) gives the TP=1
+    torch loop's decode logits, DSA selection on (the 64-token prompt)."""
+    from exl3tools.kernels import fused_decode as fk
+
+    if not fk.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
+    src = fixture_dir(NAME)
+    g = load_file(str(src / "goldens_logits.safetensors"))
+    ck = Checkpoint.open(src / "model")
+    dst = tmp_path / "tp2"
+    write_rank_shards(ck, plan_rank_slices(ck, 2, "tp"), dst)
+
+    def rows(runner):
+        runner.add_sequence("s")
+        runner.step([("s", g["prompt_p64"].tolist())])
+        return torch.stack([runner.step([("s", [t])])[0] for t in g["exl3_greedy_p16"][:3].tolist()])
+    with load_runner(src / "model", decode="static") as r:
+        want = rows(r)
+    from exl3tools.runtime import fused_step
+
+    calls, real = [], fused_step.FusedGqaStep._moe_reduced        # rank 0 runs in this process
+    monkeypatch.setattr(fused_step.FusedGqaStep, "_moe_reduced", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
+    with load_runner(dst, tp=2, decode="static") as r:
+        assert r.paged.decoder._fused is not None and r.paged.decoder._fused.mla
+        got = rows(r)
+    assert calls, "rank 0's MoE did not take the fused reduced path"
+    assert (got - want).abs().max().item() < TP_ATOL, (got - want).abs().max().item()

@@ -185,6 +185,14 @@ class FusedGqaStep:
         """Whether ``mlp`` takes the fused MoE path of ``mlp`` (else MoE.forward_static)."""
         return isinstance(mlp, MoE) and mlp.reduce is _identity and bool(mlp.experts)
 
+    @staticmethod
+    def _reduced_moe(mlp) -> bool:
+        """Whether ``mlp`` is a tensor-parallel rank's MoE (its outputs all-reduced) that holds every
+        expert (``--moe tp``: a slice of each), which ``_moe_reduced`` runs; an expert-parallel
+        rank's (some experts elsewhere) keeps MoE.forward_static."""
+        return (isinstance(mlp, MoE) and mlp.reduce is not _identity and bool(mlp.experts)
+                and len(mlp.experts) == mlp.router.shape[0])
+
     def mlp(self, mlp, x, both: torch.Tensor | None = None):
         """(delta, y, wk, y_rows): the MLP's output as ``delta`` plus, for routed experts, their rows
         ``y`` (T * top_k, >= H; or any rows, pair p's at y_rows[p]) and weights ``wk`` (T * top_k,),
@@ -192,8 +200,39 @@ class FusedGqaStep:
         with_fp16), where the router chooses from fp16 activations: both logits in one GEMM."""
         if isinstance(mlp, GatedMLP):
             return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None, None
-        if not self._fused_moe(mlp):
-            return mlp.forward_static(x), None, None, None
+        if self._fused_moe(mlp):
+            return self._moe(mlp, x, both)
+        if self._reduced_moe(mlp) and preview.switched_on("fused_tp_moe"):
+            return self._moe_reduced(mlp, x), None, None, None
+        return mlp.forward_static(x), None, None, None
+
+    def _moe_reduced(self, mlp: MoE, x: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's MoE output, reduced: the routing kernel and grouped experts as
+        on one rank, the local rows' weighted sum (kernels/moe_combine.py), then MoE._finish's
+        order: a sharded shared expert's part added before the all-reduce, a replicated one after
+        (where MoE.forward_static routes in ~15 torch ops and decodes one row per pair)."""
+        from exl3tools.kernels import moe_combine
+
+        T, H = x.shape
+        d, y, wk, y_rows = self._moe(mlp, x, None, with_shared=False)
+        out = torch.zeros(T, H, dtype=torch.float32, device=x.device) if d is None else d.float()
+        if y is not None:
+            P = mlp.top_k
+            inv = y_rows.view(T, P) if y_rows is not None else \
+                torch.arange(T * P, dtype=torch.int32, device=x.device).view(T, P)
+            (moe_combine.combine if x.is_cuda else moe_combine.combine_reference)(out, y, inv, wk.view(T, P))
+        sh = mlp.shared
+        shared = None if sh is None else sh.down(fk.silu_mul(*self._project(sh, (sh.gate, sh.up), x)))
+        if shared is not None and sh.sharded:
+            out = out + shared
+        out = mlp.reduce(out)
+        if shared is not None and not sh.sharded:
+            out = out + shared
+        return out
+
+    def _moe(self, mlp: MoE, x: torch.Tensor, both: torch.Tensor | None, with_shared: bool = True):
+        """``mlp``'s (delta, y, wk, y_rows) on one rank's experts; ``with_shared`` False: the
+        routed experts alone (``_moe_reduced`` adds the shared one around the reduce)."""
         T, H = x.shape
         g = mlp.grouped()
         g["lut"] = g["lut"].to(x.device)
@@ -209,7 +248,7 @@ class FusedGqaStep:
         S = T * mlp.top_k
         tiled = S >= MOE_TILES_MIN_SLOTS and mlp._tiled() and not self.pair_tiles
         by_expert = self.expert_groups and not self.pair_tiles and T > 1
-        merged = self._with_shared(mlp) if by_expert or not tiled else None
+        merged = self._with_shared(mlp) if with_shared and (by_expert or not tiled) else None
         NE = len(mlp.experts) + (merged is not None)
         g_tiles = "gate_up" in g and hasattr(g["down_proj"], "tiles")     # g's calls take tiles
         by_expert = by_expert and T * (mlp.top_k + (merged is not None)) <= self.max_pairs and (merged is not None or g_tiles)
@@ -226,7 +265,7 @@ class FusedGqaStep:
             gu = merged["gate_up"].slots(xp, r["gate_src"], r["gate_exp"])
             return None, _down(merged["down_proj"], gu, S, r["down_exp"]), r["wk"], None
         r = self._route(mlp, x, logits, g["lut"], choice=choice)
-        sh = mlp.shared
+        sh = mlp.shared if with_shared else None
         shared = None if sh is None else sh.down(fk.silu_mul(sh.gate(x), sh.up(x)))
         if tiled:
             routed = mlp._tiles_sum(x, g, r["loc"], r["w"])
