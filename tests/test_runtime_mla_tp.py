@@ -63,11 +63,12 @@ def test_tp2_rank_slice_equals_tp1_with_mtp(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_tp2_moe_tp_through_the_fused_step_equals_tp1(tmp_path, monkeypatch):
-    """``--moe tp`` (every rank a slice of every expert, the MoE's outputs all-reduced) with the
-    fused decode step on both ranks (the interpreter): the reduced MoE through the routing kernel,
-    grouped experts and their sum before the all-reduce (fused_step._moe_reduced) gives the TP=1
-    torch loop's decode logits, DSA selection on (the 64-token prompt)."""
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_tp2_moe_through_the_fused_step_equals_tp1(tmp_path, monkeypatch, moe):
+    """``--moe tp`` (every rank a slice of every expert) and ``--moe ep`` (whole experts, half
+    here) with the fused decode step on both ranks (the interpreter): the reduced MoE through the
+    routing kernel, grouped experts and their sum before the all-reduce (fused_step._moe_reduced)
+    gives the TP=1 torch loop's decode logits, DSA selection on (the 64-token prompt)."""
     from exl3tools.kernels import fused_decode as fk
 
     if not fk.INTERPRET:
@@ -76,7 +77,7 @@ def test_tp2_moe_tp_through_the_fused_step_equals_tp1(tmp_path, monkeypatch):
     g = load_file(str(src / "goldens_logits.safetensors"))
     ck = Checkpoint.open(src / "model")
     dst = tmp_path / "tp2"
-    write_rank_shards(ck, plan_rank_slices(ck, 2, "tp"), dst)
+    write_rank_shards(ck, plan_rank_slices(ck, 2, moe), dst)
 
     def rows(runner):
         runner.add_sequence("s")

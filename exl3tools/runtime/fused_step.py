@@ -187,11 +187,10 @@ class FusedGqaStep:
 
     @staticmethod
     def _reduced_moe(mlp) -> bool:
-        """Whether ``mlp`` is a tensor-parallel rank's MoE (its outputs all-reduced) that holds every
-        expert (``--moe tp``: a slice of each), which ``_moe_reduced`` runs; an expert-parallel
-        rank's (some experts elsewhere) keeps MoE.forward_static."""
-        return (isinstance(mlp, MoE) and mlp.reduce is not _identity and bool(mlp.experts)
-                and len(mlp.experts) == mlp.router.shape[0])
+        """Whether ``mlp`` is a tensor-parallel rank's MoE (its outputs all-reduced) with experts
+        here (``--moe tp``: a slice of each; ``--moe ep``: whole experts, the routing kernel's
+        ``lut`` giving the others weight 0, as MoE.forward_static does), which ``_moe_reduced`` runs."""
+        return isinstance(mlp, MoE) and mlp.reduce is not _identity and bool(mlp.experts)
 
     def mlp(self, mlp, x, both: torch.Tensor | None = None):
         """(delta, y, wk, y_rows): the MLP's output as ``delta`` plus, for routed experts, their rows

@@ -264,11 +264,10 @@ OPT_OUTS = {
     # idle while the host prepares the next; k - 1 of them a verify step at --speculative-tokens
     # k). "0": a sync a depth
     "chained_drafts": "EXL3TOOLS_CHAINED_DRAFTS",
-    # a tensor-parallel rank's MoE in the fused step (``--moe tp``: every expert sliced, outputs
-    # all-reduced; fused_step._moe_reduced): the routing kernel, the grouped experts and the rows'
-    # weighted sum in one kernel before the all-reduce, the shared expert around it as
-    # MoE._finish, where MoE.forward_static routes in ~15 torch ops and decodes one row per pair
-    # ("0": forward_static; expert-parallel ranks keep it either way)
+    # a tensor-parallel rank's MoE in the fused step (outputs all-reduced; --moe tp or ep;
+    # fused_step._moe_reduced): the routing kernel, the grouped experts and the rows' weighted sum
+    # in one kernel before the all-reduce, the shared expert around it as MoE._finish, where
+    # MoE.forward_static routes in ~15 torch ops and decodes one row per pair ("0": forward_static)
     "fused_tp_moe": "EXL3TOOLS_FUSED_TP_MOE",
 }
 
