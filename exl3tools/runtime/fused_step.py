@@ -111,6 +111,8 @@ class FusedGqaStep:
         self.invariant = invariance.on()
         # an MLA model's router: both logits from one GEMM (runtime/preview.py router_one_gemm)
         self.router_one_gemm = preview.switched_on("router_one_gemm")
+        # a tensor-parallel rank's MoE through the routing kernel too (_moe_reduced)
+        self.fused_tp_moe = preview.switched_on("fused_tp_moe")
         # MoE rows in expert-sorted tiles, back in pair order (the invariant mode's path; a preview otherwise)
         self.pair_tiles = self.invariant or preview.switched_on("pair_tiles")
         # 2+ tokens: one tile per expert (kernels/expert_groups.py; the default, EXL3TOOLS_EXPERT_GROUPS=0 opts out)
@@ -140,7 +142,7 @@ class FusedGqaStep:
         the block's output normed by ``nxt`` (the next block's attention norm, or the final one)."""
         d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
         both = None
-        if self.router_one_gemm and id(layer.mlp) in self._fp16_bias and self._fused_moe(layer.mlp):
+        if self.router_one_gemm and id(layer.mlp) in self._fp16_bias and self._routes_here(layer.mlp):
             x, both = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d, with_fp16=True)
         else:
             x = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d)
@@ -201,11 +203,15 @@ class FusedGqaStep:
             return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None, None
         if self._fused_moe(mlp):
             return self._moe(mlp, x, both)
-        if self._reduced_moe(mlp) and preview.switched_on("fused_tp_moe"):
-            return self._moe_reduced(mlp, x), None, None, None
+        if self._routes_here(mlp):
+            return self._moe_reduced(mlp, x, both), None, None, None
         return mlp.forward_static(x), None, None, None
 
-    def _moe_reduced(self, mlp: MoE, x: torch.Tensor) -> torch.Tensor:
+    def _routes_here(self, mlp) -> bool:
+        """Whether ``mlp`` goes through the routing kernel (``_moe``, or ``_moe_reduced`` at TP > 1)."""
+        return self._fused_moe(mlp) or (self.fused_tp_moe and self._reduced_moe(mlp))
+
+    def _moe_reduced(self, mlp: MoE, x: torch.Tensor, both: torch.Tensor | None = None) -> torch.Tensor:
         """A tensor-parallel rank's MoE output, reduced: the routing kernel and grouped experts as
         on one rank, the local rows' weighted sum (kernels/moe_combine.py), then MoE._finish's
         order: a sharded shared expert's part added before the all-reduce, a replicated one after
@@ -213,7 +219,7 @@ class FusedGqaStep:
         from exl3tools.kernels import moe_combine
 
         T, H = x.shape
-        d, y, wk, y_rows = self._moe(mlp, x, None, with_shared=False)
+        d, y, wk, y_rows = self._moe(mlp, x, both, with_shared=False)
         out = torch.zeros(T, H, dtype=torch.float32, device=x.device) if d is None else d.float()
         if y is not None:
             P = mlp.top_k
