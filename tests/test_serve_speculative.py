@@ -113,7 +113,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(path, k: int, cuda_graphs=None):
+def _served(path, k: int, cuda_graphs=None, one: bool = False):
+    """Three concurrent greedy completions (one with logprobs: no drafts) at ``k`` drafts: their
+    token ids, usages and the engine's stats. ``one``: the first request alone (no batching that
+    timing decides)."""
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
@@ -129,7 +132,7 @@ def _served(path, k: int, cuda_graphs=None):
                 dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
                 dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
         with cf.ThreadPoolExecutor(3) as pool:
-            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs[:1] if one else jobs))
         stats = app.state.server.engine.stats()
         assert app.state.server.engine.runner.cache_tokens_used() == 0
         import httpx
@@ -152,6 +155,66 @@ def test_served_greedy_text_is_the_same_with_drafts(name, request):
         d = usage[0].completion_tokens_details
         assert d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0
         assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
+
+
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_verify_with_device_drafts_equals_the_host_round(name, request):
+    """Runner.draft_device + verify_device (the drafts never read before the verify) against
+    draft_many + verify over two rounds of two sequences (one draft kept each round, accept given
+    the verified tokens): the same drafts, the same verify logits, the same cache afterwards."""
+    path = model_dir(name, request)
+    out = {}
+    for device in (False, True):
+        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode="static") as r:
+            last = {}
+            for s, p in ((0, PROMPT), (1, PROMPT[5:17])):
+                r.add_sequence(s)
+                last[s] = int(r.step([(s, p)])[0].argmax())
+            got = []
+            for _ in range(2):
+                reqs = [(s, last[s], 3, None) for s in last]
+                if device:
+                    dd = r.draft_device(reqs)
+                    logits = r.verify_device([(s, last[s]) for s in last], dd)
+                    assert logits is not None
+                    drafts = dd.tokens.tolist()
+                else:
+                    drafts = [d for d, _ in r.draft_many(reqs)]
+                    logits = r.verify([(s, [last[s]] + d) for s, d in zip(last, drafts, strict=True)])
+                got.append((drafts, logits.float().cpu()))
+                for i, (s, d) in enumerate(zip(list(last), drafts, strict=True)):
+                    r.accept(s, 2, tokens=[last[s]] + d if device else None)
+                    last[s] = int(logits[4 * i + 1].argmax())
+            got.append(r.cache_tokens_used())
+        out[device] = got
+    assert out[True][-1] == out[False][-1]
+    for (d0, l0), (d1, l1) in zip(out[False][:-1], out[True][:-1], strict=True):
+        assert d1 == d0 and ((l1 - l0).abs().max() / l0.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, request, monkeypatch):
+    """The fixed-shape step (graphs forced on the CPU): greedy rows drafting the same k keep their
+    drafts on the device through the verify (draft_device / verify_device; the host reads the
+    drafts with the verdicts once); one request's greedy text equals drafting with a host read
+    between each (EXL3TOOLS_CHAINED_DRAFTS=0: the same rows, so the same verdicts). Three
+    concurrent requests (rows of other k take the host path) finish with drafts made: their
+    texts are not compared, since timing decides their batches and this random model's
+    near-tied argmaxes flip with a batch's rows."""
+    from exl3tools.runtime import speculative
+
+    path = model_dir(name, request)
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
+    want, _, _ = _served(path, 3, cuda_graphs="force", one=True)
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
+    rounds, real = [], speculative.SpeculativeSteps.verify_device
+    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",
+                        lambda self, *a: (lambda out: rounds.append(out is not None) or out)(real(self, *a)))
+    got, _, st = _served(path, 3, cuda_graphs="force", one=True)
+    assert got == want and st["spec_drafted_tokens"] > 0 and any(rounds), rounds
+    rounds.clear()
+    _, usage, st = _served(path, 3, cuda_graphs="force")
+    assert st["spec_drafted_tokens"] > 0 and any(rounds) and usage[2].completion_tokens_details is None
 
 
 def test_served_greedy_text_with_the_heads_own_cache(monkeypatch):

@@ -259,10 +259,12 @@ OPT_OUTS = {
     # H200 against ~0.35 ms a main-model layer ("0": the torch body)
     "fused_draft": "EXL3TOOLS_FUSED_DRAFT",
     # greedy MTP drafts on one rank (runtime/speculative.py _chain_depths): each draft depth's
-    # argmax stays on the device and feeds the next depth's fixed-shape step, the host reading all
-    # depths' drafts once, where each depth read its argmax back first (a sync a depth: the GPU
-    # idle while the host prepares the next; k - 1 of them a verify step at --speculative-tokens
-    # k). "0": a sync a depth
+    # argmax stays on the device and feeds the next depth's fixed-shape step, where each depth read
+    # its argmax back first (a sync a depth: the GPU idle while the host prepares the next); where
+    # every drafting row is greedy with the same k, the drafts stay on the device through the
+    # verify too (draft_device / verify_device) and the engine reads them with its verdicts in one
+    # sync: a speculative round's k + 1 host reads become one. "0": a sync a depth, and the verify
+    # after the drafts are read
     "chained_drafts": "EXL3TOOLS_CHAINED_DRAFTS",
     # a tensor-parallel rank's MoE in the fused step (outputs all-reduced; --moe tp or ep;
     # fused_step._moe_reduced): the routing kernel, the grouped experts and the rows' weighted sum

@@ -7,6 +7,7 @@ workers' side of the same steps is runtime.worker.WorkerDrafts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
@@ -61,7 +62,30 @@ class SpeculativeSteps:
             truncate(sp.cache, n)
         return out
 
-    def _draft_paged(self, reqs: list, specs: list) -> list[tuple[list[int], list[torch.Tensor]]]:
+    def draft_device(self, reqs: list[tuple[Hashable, int, int, Any]]) -> DeviceDrafts | None:
+        """``draft_many`` of greedy requests that all draft the same k, with the drafts left on the
+        device (``DeviceDrafts``: ``verify_device`` reads them there, and the caller reads them
+        with its verdicts in one sync); None where they cannot be (sampled draws, mixed k, tensor
+        parallelism, the head's own cache, rows past the fixed-shape step): call draft_many."""
+        if not reqs or len({k for _, _, k, _ in reqs}) != 1 or self.paged.head_pool is None:
+            return None
+        specs = []
+        for seq_id, _, k, _ in reqs:
+            sp = self._seq(seq_id).spec
+            if sp is None or k < 1:
+                return None
+            specs.append(sp)
+        if not self._chains(reqs):
+            return None
+        return self._draft_paged(reqs, specs, keep_on_device=True)
+
+    def _chains(self, reqs: list) -> bool:
+        """Whether ``reqs``' deeper drafts chain on the device (_chain_depths)."""
+        d = self.paged.decoder
+        return (self.world == 1 and all(draw is None for *_, draw in reqs) and d is not None
+                and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
+
+    def _draft_paged(self, reqs: list, specs: list, keep_on_device: bool = False):
         """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
         sits at position p's slot of the sequence's own blocks. Rows that fit the decoder's
         ``max_rows`` (``--max-num-seqs`` x (1 + k)) run its fixed-shape draft step (a graph replay
@@ -107,15 +131,14 @@ class SpeculativeSteps:
 
         # greedy drafts on one rank through the fixed-shape step: each depth takes the argmax of the
         # one before on the device, and the host reads every depth's drafts once at the end
-        # (EXL3TOOLS_CHAINED_DRAFTS=0: a sync a depth)
-        if (self.world == 1 and all(draw is None for *_, draw in reqs) and static([(s, [0], 0) for s, *_ in reqs])
-                and preview.switched_on("chained_drafts")):
+        # (EXL3TOOLS_CHAINED_DRAFTS=0: a sync a depth), or never (keep_on_device: draft_device)
+        if self._chains(reqs):
             def deeper_device(live, gs, toks):
                 res = run([(reqs[i][0], [0], nxt[i]) for i in live], gs, device_tokens=toks)
                 for i in live:
                     nxt[i] += 1
                 return res
-            return _chain_depths(reqs, g, dl, deeper_device)
+            return _chain_depths(reqs, g, dl, deeper_device, read=not keep_on_device)
         return _draw_depths(reqs, g, dl, deeper)
 
     def _catch_up(self, seq_ids: list[Hashable]) -> None:
@@ -176,11 +199,51 @@ class SpeculativeSteps:
             seq.pending = (t, states)
         return logits
 
-    def accept(self, seq_id: Hashable, n: int) -> None:
+    def verify_device(self, lasts: list[tuple[Hashable, int]], drafts: DeviceDrafts) -> torch.Tensor | None:
+        """``verify`` of each sequence's ``[last token] + drafts`` with the drafts still on the device
+        (``draft_device``'s): the step takes them as device tokens, so nothing is read back before
+        it. ``accept`` then needs the verified tokens (``tokens=``). None where the rows do not fit
+        the fixed-shape step (call ``verify`` with the drafts read)."""
+        if self._closed:
+            raise RuntimeFailure("runner is closed")
+        n, k = drafts.tokens.shape
+        items = []
+        for s, last in lasts:
+            seq = self._seq(s)
+            if seq.spec is None or seq.pending is not None or seq.unknown:
+                raise UsageError(f"sequence {s!r} cannot take a verify step now")
+            items.append((s, seq, [int(last)] + [0] * k, self._length_before(s, k + 1)))
+        if len(items) != n or self._step_path(items, all_logits=True) != "decode":
+            return None
+        self._check_room([(s, k + 1) for s, *_ in items])
+        slots = [self.blocks.reserve(s, k + 1) for s, *_ in items]
+        head = torch.tensor([last for _, last in lasts], dtype=torch.int64)
+        dev = drafts.tokens.device
+        head = (head.pin_memory() if drafts.tokens.is_cuda else head).to(dev, non_blocking=True)
+        tokens = torch.cat([head[:, None], drafts.tokens], dim=1).reshape(-1)
+        try:
+            args = self._decode_args(items, slots)
+            logits, hn = self.paged.decode(*args, tokens, states=True)
+            logits, hn = logits.clone(), hn.clone()
+        except BaseException:
+            for s, *_ in items:
+                self.blocks.trim(s)
+            raise
+        wire = [(None, n0, t) for _, _, t, n0 in items]
+        for (_, seq, _, _), states in zip(items, rows_of(hn, wire), strict=True):
+            seq.pending = (None, states)        # the tokens: accept's, once read
+        return logits
+
+    def accept(self, seq_id: Hashable, n: int, tokens: list[int] | None = None) -> None:
         """Keep the first ``n`` (>= 1) tokens of the last ``verify`` of ``seq_id`` in its cache;
-        the rest of the written slots are given back (blocks past the new length freed)."""
+        the rest of the written slots are given back (blocks past the new length freed).
+        ``tokens``: the verified tokens, after a ``verify_device`` (whose drafts stayed on the device)."""
         seq = self._seq(seq_id)
         toks, states = seq.pending
+        if toks is None:
+            if tokens is None or len(tokens) != len(states):
+                raise UsageError("accept after verify_device needs the verified tokens")
+            toks = [int(t) for t in tokens]
         if not 1 <= n <= len(toks):
             raise UsageError(f"accept {n} of {len(toks)} verified tokens")
         seq.pending = None
@@ -191,10 +254,20 @@ class SpeculativeSteps:
         seq.spec.extend(states[:n], toks[:n])
 
 
-def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper) -> list[tuple[list[int], list[torch.Tensor]]]:
+@dataclass(frozen=True, slots=True)
+class DeviceDrafts:
+    """Greedy drafts left on the device (``SpeculativeSteps.draft_device``): ``tokens`` (n, k)
+    int64, row i sequence i's drafts; ``rows[i]``: the head's logits rows they were drawn from."""
+
+    tokens: torch.Tensor
+    rows: list[list[torch.Tensor]]
+
+
+def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper, read: bool = True):
     """``_draw_depths`` for greedy requests without a host sync between depths: each depth's
     argmax stays on the device and feeds ``deeper(live, state rows, device tokens)``; every
-    depth's tokens reach the host in one read at the end."""
+    depth's tokens reach the host in one read at the end, or (``read`` False: every request drafts
+    the same k) stay on the device as ``DeviceDrafts``."""
     rows: list[list[torch.Tensor]] = [[] for _ in reqs]
     picks: list[tuple[list[int], torch.Tensor]] = []       # (live request indices, their argmaxes)
     live = list(range(len(reqs)))
@@ -212,6 +285,8 @@ def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper) -> list
             idx = (idx.pin_memory() if toks.is_cuda else idx).to(toks.device, non_blocking=True)
         live = [live[j] for j in keep]
         g, dl = deeper(live, [g[j:j + 1] for j in keep], toks if idx is None else toks.index_select(0, idx))
+    if not read:
+        return DeviceDrafts(torch.stack([t for _, t in picks], dim=1), rows)
     drafts: list[list[int]] = [[] for _ in reqs]
     flat = torch.cat([t for _, t in picks]).tolist()           # the one host read
     at = 0

@@ -56,9 +56,13 @@ class SpeculativeRounds:
                 # one for all depths where every row is greedy: they chain on the device)
                 reqs.append((seq.seq_id, seq.output_ids[-1], k, None if p.temperature <= 0 else
                              lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
-            # every row's drafts in one head forward per depth
-            drafted = [(seq, d, q) for (seq, _), (d, q) in zip(rows, runner.draft_many(reqs), strict=True)]
-            logits = runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted])
+            # all greedy, one k: the drafts stay on the device through the verify, and the host
+            # reads them with the verdicts in one sync (else: drafts read, then the verify)
+            logits, drafted, preds, on_device = self._device_round(rows, reqs)   # on_device: accept takes the tokens
+            if logits is None:
+                # every row's drafts in one head forward per depth
+                drafted = [(seq, d, q) for (seq, _), (d, q) in zip(rows, runner.draft_many(reqs), strict=True)]
+                logits = runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted])
         except Exception:
             log.exception("speculative step failed")
             for seq, _ in rows:
@@ -67,7 +71,8 @@ class SpeculativeRounds:
         self.steps += 1
         now = time.monotonic()
         # the greedy rows' verdicts from one argmax over the whole verify (one host sync, not one a row)
-        preds = logits.float().argmax(-1).tolist() if any(s.params.temperature <= 0 for s, _, _ in drafted) else None
+        if preds is None and any(s.params.temperature <= 0 for s, _, _ in drafted):
+            preds = logits.float().argmax(-1).tolist()
         row = 0
         for seq, drafts, qrows in drafted:
             p, k = seq.params, len(drafts)
@@ -77,7 +82,7 @@ class SpeculativeRounds:
             try:
                 a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
                                            seq.generator if p.temperature > 0 else None, preds=mine)
-                runner.accept(seq.seq_id, a + 1)
+                runner.accept(seq.seq_id, a + 1, tokens=[seq.output_ids[-1]] + drafts if on_device else None)
             except Exception:
                 log.exception("accepting drafts failed")
                 self._fail(seq)
@@ -91,3 +96,27 @@ class SpeculativeRounds:
                 if seq.finished:
                     break
                 self._sample(seq, target[j], now, tok)
+
+    def _device_round(self, rows: list[tuple[Sequence, int]], reqs: list) -> tuple:
+        """(logits, drafted, preds, on_device) of a round whose drafts never reach the host before
+        the verify (the runner's draft_device / verify_device: every row greedy and drafting the
+        same k on one rank), the drafts and the verify's argmaxes read in one sync (on_device:
+        accept takes the verified tokens); (None, None, None, False) where the runner cannot
+        (then draft_many and verify)."""
+        import torch
+
+        runner = self.runner
+        draft_device = getattr(runner, "draft_device", None)
+        dd = draft_device(reqs) if draft_device is not None else None
+        if dd is None:
+            return None, None, None, False
+        logits = runner.verify_device([(seq.seq_id, seq.output_ids[-1]) for seq, _ in rows], dd)
+        n, k = dd.tokens.shape
+        if logits is None:                      # rows past the fixed-shape step: read the drafts, verify
+            flat = dd.tokens.reshape(-1).tolist()
+        else:                                   # the drafts and the verify's argmaxes in one read
+            flat = torch.cat([dd.tokens.reshape(-1), logits.float().argmax(-1)]).tolist()
+        drafted = [(seq, flat[i * k:(i + 1) * k], q) for i, ((seq, _), q) in enumerate(zip(rows, dd.rows, strict=True))]
+        if logits is None:
+            return runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted]), drafted, None, False
+        return logits, drafted, flat[n * k:], True
