@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exl3tools.errors import UnsupportedArchitectureError, UsageError
-from exl3tools.runtime import preview
+from exl3tools.runtime import preview, sampling
 from exl3tools.runtime.block_manager import SCRATCH_BLOCK
 from exl3tools.runtime.kv_pool import KVPool
 from exl3tools.runtime.layers import Attention, DecoderLayer, GatedMLP, MoE
@@ -232,7 +232,7 @@ class PagedDecoder:
         """Write (slot row, column, block id) entries of the device block tables (one copy)."""
         if not updates:
             return
-        u = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+        u = sampling.on_device(updates, self.device)      # no stream sync (a pageable copy would be one)
         self.tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
 
     # ------------------------------------------------------------------ the step

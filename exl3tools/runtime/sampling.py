@@ -48,6 +48,17 @@ def sample_batch(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequ
     return out
 
 
+def on_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without a host synchronisation: a CUDA
+    tensor built from a list is a blocking copy (PyTorch synchronises the stream after it, so the
+    host waits for every kernel launched before), so the values go through pinned memory and an
+    asynchronous copy instead (the caching host allocator keeps the buffer until the copy ran)."""
+    t = torch.tensor(values, dtype=dtype)
+    if getattr(device, "type", device) != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def sample_batch_device(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int],
                         top_p: Sequence[float], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """``sample_batch`` without a host synchronisation: the tokens stay on the logits' device
@@ -62,18 +73,18 @@ def sample_batch_device(logits: torch.Tensor, temperature: Sequence[float], top_
     cold = [i for i in range(n) if i not in set(hot)]
     out = torch.zeros(n, dtype=torch.int64, device=dev)
     if cold:
-        cidx = torch.tensor(cold, device=dev)
+        cidx = on_device(cold, dev)
         out.index_copy_(0, cidx, torch.argmax(logits.index_select(0, cidx), -1))
     step = len(hot) if dev.type != "cpu" else max(1, CPU_CHUNK_ELEMS // vocab)
     toks = []
     for c in range(0, len(hot), step):
         rows = hot[c:c + step]
         x = logits[rows[0]:rows[0] + 1] if len(rows) == 1 else (
-            logits.index_select(0, torch.tensor(rows, device=dev)) if len(rows) < n else logits)
+            logits.index_select(0, on_device(rows, dev)) if len(rows) < n else logits)
         toks.append(_draw_rows(x, [temperature[i] for i in rows], [top_k[i] for i in rows],
                                [top_p[i] for i in rows], [generators[i] for i in rows]))
     tok = toks[0] if len(toks) == 1 else torch.cat(toks)
-    return out.index_copy(0, torch.tensor(hot, device=dev), tok)
+    return out.index_copy(0, on_device(hot, dev), tok)
 
 
 class DeviceTokens:
@@ -99,7 +110,7 @@ class DeviceTokens:
 
     def rows(self, keep: list[int] | None = None) -> torch.Tensor:
         """The tokens of rows ``keep`` (all: None) on the device, -1 (not sampled) read as 0."""
-        t = self.tensor if keep is None else self.tensor.index_select(0, torch.tensor(keep, device=self.tensor.device))
+        t = self.tensor if keep is None else self.tensor.index_select(0, on_device(keep, self.tensor.device))
         return t.clamp(min=0)
 
 
@@ -114,21 +125,21 @@ def _draw_rows(x: torch.Tensor, temps: list, ks: list, ps: list, gens: list) -> 
     a row holds NaN or no finite logit)."""
     h, vocab = x.shape
     dev = x.device
-    x = x / torch.tensor(temps, dtype=torch.float32, device=dev)[:, None]
+    x = x / on_device(temps, dev, torch.float32)[:, None]
     ks = [k if k and 0 < k < vocab else 0 for k in ks]
     if any(ks):
         vals = torch.topk(x, max(ks), dim=-1).values                  # the k-th largest is exact
-        kth = vals.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=dev))
-        off = torch.tensor([[k == 0] for k in ks], device=dev)
+        kth = vals.gather(1, on_device([[max(k, 1) - 1] for k in ks], dev))
+        off = on_device([[k == 0] for k in ks], dev, torch.bool)
         x = x.masked_fill((x < kth) & ~off, float("-inf"))
     rows = [j for j in range(h) if ps[j] is not None and 0 < ps[j] < 1]
     if rows:
-        ridx = torch.tensor(rows, device=dev)
+        ridx = on_device(rows, dev)
         sub = x.index_select(0, ridx) if len(rows) < h else x
         sorted_logits, order = torch.sort(sub, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, -1)
         before = _cumsum_rows(probs) - probs
-        p_t = torch.tensor([[float(ps[j])] for j in rows], dtype=torch.float32, device=dev)
+        p_t = on_device([[float(ps[j])] for j in rows], dev, torch.float32)
         sorted_logits = sorted_logits.masked_fill(before >= p_t, float("-inf"))
         sub = torch.full_like(sub, float("-inf")).scatter(1, order, sorted_logits)
         x = x.index_copy(0, ridx, sub) if len(rows) < h else sub

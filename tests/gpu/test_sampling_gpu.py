@@ -26,3 +26,26 @@ def test_cuda_generator_and_batched_sampler(vocab):
         want = [sample(logits[i], temps[i], ks[i], ps[i], a[i]) for i in range(n)]
         assert sample_batch(logits, temps, ks, ps, b) == want
         assert all(torch.equal(x.get_state(), y.get_state()) for x, y in zip(a, b, strict=True))
+
+
+@gpu
+def test_device_sampling_never_synchronises():
+    """sample_batch_device's contract (the chained decode steps and speculative rounds rely on
+    it): no host synchronisation for greedy, sampled (top-k, top-p) and mixed rows, nor for
+    DeviceTokens.rows or the block-table updates' copy. Under torch's sync debug mode "error" a
+    tensor built from a list on the device (a blocking copy) raises."""
+    from exl3tools.runtime.sampling import DeviceTokens, on_device, sample_batch_device
+
+    logits = torch.randn(6, 4096, device="cuda")
+    gens = [make_generator(i, device="cuda") for i in range(6)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.tensor([1, 2], device="cuda")                  # the mode does catch it
+        for temps in ([0.0] * 6, [0.7] * 6, [0.0, 0.8, 0.0, 1.2, 0.5, 0.0]):
+            tok = sample_batch_device(logits, temps, [0, 50, 0, 5, 0, 0], [1.0, 0.9, 1.0, 0.5, 1.0, 1.0], gens)
+            DeviceTokens(tok).rows([0, 2, 5])
+        on_device([[1, 2, 3]], torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
