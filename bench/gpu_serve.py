@@ -9,7 +9,8 @@ Per ``--config NAME:ARGS`` (default ``ml32k:--max-context 32768``; leading ``EXL
 set the server's environment, e.g. ``fused:EXL3TOOLS_FUSED=1 --max-model-len 32768``) the real server runs as a
 subprocess (``exl3tools serve CKPT --device DEV --host 127.0.0.1 --port FREE ARGS``, log in
 ``--out``), is waited for (GET /health 200), measured, and stopped (SIGINT, then SIGTERM, then kill)
-before the next one. Every request is a streamed completion of token-id prompts at temperature 0 with
+before the next one. Every request is a streamed completion of token-id prompts at temperature 0 (or
+``--temperature``) with
 ``ignore_eos`` (so it yields exactly ``max_tokens`` tokens) and ``return_token_ids`` (one chunk per
 token event, counted from the ids and checked against the usage chunk); prompts are
 ``gpu_e2e_model.make_prompts`` (BOS then random valid ids, fixed seeds, distinct per stream and phase),
@@ -78,6 +79,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import serve_clients  # noqa: E402
 from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_clients import client_proc, make_client, spawn_pool, start_time, stream_one  # noqa: E402
@@ -334,6 +336,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--config", dest="configs", action="append", type=parse_config, default=None,
                     metavar="NAME:ARGS", help=f"server configuration, repeatable (default {DEFAULT_CONFIG!r})")
     ap.add_argument("--tokens", type=int, default=128, help="completion tokens per stream")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the streams' sampling temperature (0: greedy; > 0 times sampled serving)")
     ap.add_argument("--repeats", type=int, default=3, help="single-stream repeats (median)")
     ap.add_argument("--client-procs", type=int, default=4,
                     help="client processes a burst of --client-min-streams or more is spread over (1: one "
@@ -363,6 +367,11 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds for one batch of requests")
     ap.add_argument("--stop-timeout", type=float, default=30, help="seconds after SIGINT before SIGTERM")
     a = ap.parse_args(argv)
+    if a.temperature < 0:
+        ap.error("--temperature must be >= 0")
+    # the client processes read it at import (serve_clients.TEMPERATURE); this one too
+    os.environ["EXL3TOOLS_BENCH_TEMPERATURE"] = str(a.temperature)
+    serve_clients.TEMPERATURE = a.temperature
     a.configs = a.configs or [parse_config(DEFAULT_CONFIG)]
     names = [n for n, _ in a.configs]
     if len(set(names)) != len(names) or "exllamav3" in names:

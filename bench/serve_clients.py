@@ -14,6 +14,10 @@ import time
 
 from serve_measure import BenchError, Stream
 
+# the streams' sampling temperature (gpu_serve.py --temperature; the client processes inherit it):
+# 0, greedy, unless a run times sampled serving
+TEMPERATURE = float(os.environ.get("EXL3TOOLS_BENCH_TEMPERATURE", "0"))
+
 
 # ------------------------------------------------------------------ gpu_serve.py's streams
 def make_client(url: str, key: str | None, timeout: float, n_conn: int, current: contextvars.ContextVar):
@@ -42,7 +46,7 @@ async def stream_one(client, model: str, current: contextvars.ContextVar, prompt
     current.set(s)
     usage = None
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=TEMPERATURE, stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True, "return_token_ids": True})
     async for chunk in stream:
