@@ -8,6 +8,7 @@ import torch
 
 from exl3tools.errors import UsageError
 from exl3tools.runtime.model import CausalLM
+from exl3tools.runtime.sampling import on_device
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # the KV budget's share of the GPU (Runner, load_runner)
@@ -83,8 +84,8 @@ def run_head(paged: PagedState, mode: str, payload, states: list[torch.Tensor],
         g, dl = paged.decoder.draft(tokens, positions, slots, rows, torch.cat(states), device_tokens)
         if all(c == 1 for c in counts):      # one row a sequence (deeper drafts): no index to copy up
             return g[:len(counts)].clone(), dl[:len(counts)].clone()
-        ends = torch.tensor(list(itertools.accumulate(counts)), device=g.device) - 1
-        return g[ends].clone(), dl[ends].clone()
+        ends = on_device([e - 1 for e in itertools.accumulate(counts)], g.device)   # no stream sync
+        return g[ends], dl[ends]
     return paged.model.mtp.forward_many(paged_views(paged.head_pool, payload), states, [t for _, _, t in payload])
 
 
