@@ -113,10 +113,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(path, k: int, cuda_graphs=None, one: bool = False):
+def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: float = 0.0):
     """Three concurrent greedy completions (one with logprobs: no drafts) at ``k`` drafts: their
     token ids, usages and the engine's stats. ``one``: the first request alone (no batching that
-    timing decides)."""
+    timing decides); ``temperature`` > 0: that request sampled, seeded."""
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
@@ -128,7 +128,7 @@ def _served(path, k: int, cuda_graphs=None, one: bool = False):
         kw = dict(model="m", extra_body={"ignore_eos": True, "return_token_ids": True})
         import concurrent.futures as cf
 
-        jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=0),
+        jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7),
                 dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
                 dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
         with cf.ThreadPoolExecutor(3) as pool:
@@ -215,6 +215,12 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     rounds.clear()
     _, usage, st = _served(path, 3, cuda_graphs="force")
     assert st["spec_drafted_tokens"] > 0 and any(rounds) and usage[2].completion_tokens_details is None
+    # a seeded sampled request: its drafts drawn on the device (Draw), the same text as drawn on the host
+    rounds.clear()
+    got = _served(path, 3, cuda_graphs="force", one=True, temperature=0.8)[0]
+    assert any(rounds), rounds
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
+    assert got == _served(path, 3, cuda_graphs="force", one=True, temperature=0.8)[0]
 
 
 def test_served_greedy_text_with_the_heads_own_cache(monkeypatch):
@@ -322,10 +328,12 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy(name, paged_head, decode, moe, r
 
 
 def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto",
-                  greedy: bool = False):
+                  greedy: bool = False, sampled: bool = False):
     """Three sequences of different prompt lengths and draft counts, drafted (one pass or one at a
     time), verified and accepted over two rounds (one round keeps a draft) on the model at
-    ``path``: every draft's rows. ``greedy``: every draft the argmax (draw None), not fixed tokens."""
+    ``path``: every draft's rows. ``greedy``: every draft the argmax (draw None), not fixed tokens;
+    ``sampled``: drawn by seeded ``Draw`` settings (sequence 1 greedy beside them)."""
+    from exl3tools.runtime.speculative import Draw
     prompts = {0: PROMPT, 1: PROMPT[5:17], 2: PROMPT[::-1][:30]}
     ks = {0: 1, 1: 3, 2: 2}
 
@@ -341,7 +349,11 @@ def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cp
             r.add_sequence(s)
             last[s] = int(r.step([(s, p)])[0].argmax())
         for rnd in range(2):
-            reqs = [(s, last[s], ks[s], None if greedy else fixed(s, rnd)) for s in prompts]
+            if sampled:
+                draws = {s: None if s == 1 else Draw([0.8, 0, 1.3][s], [0, 0, 40][s], [0.9, 1.0, 1.0][s],
+                                                     sampling.make_generator(10 * rnd + s, device=device))
+                         for s in prompts}
+            reqs = [(s, last[s], ks[s], draws[s] if sampled else None if greedy else fixed(s, rnd)) for s in prompts]
             res = r.draft_many(reqs) if together else [r.draft(*q) for q in reqs]
             got.append([(d, [q.float().cpu() for q in qs]) for d, qs in res])
             target = r.verify([(s, [last[s]] + d) for s, (d, _) in zip(prompts, res, strict=True)])
@@ -414,6 +426,27 @@ def test_greedy_drafts_chain_on_the_device(name, request, monkeypatch):
     got, _ = _draft_rounds(path, True, "static", greedy=True)
     _same_rows(want, got, ks)
     assert device == [False, True, True, False, True, True], device     # a round: the pairs, then depths 2, 3
+
+
+@pytest.mark.parametrize("name", MTP_MODELS)
+def test_sampled_drafts_chain_on_the_device(name, request, monkeypatch):
+    """Seeded ``Draw`` settings (what the engine passes for temperature > 0 rows) chain on the
+    device too: each depth drawn by sampling.sample_batch_device beside a greedy row, the same
+    drafts and rows as drawing each on the host (EXL3TOOLS_CHAINED_DRAFTS=0: sampling.sample
+    row by row, the same generator use)."""
+    from exl3tools.runtime.paged_decode import PagedDecoder
+
+    path = model_dir(name, request)
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
+    want, ks = _draft_rounds(path, True, "static", sampled=True)
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
+    device, draft = [], PagedDecoder.draft
+    monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: device.append(a[5] is not None) or draft(self, *a))
+    got, _ = _draft_rounds(path, True, "static", sampled=True)
+    _same_rows(want, got, ks)
+    assert device == [False, True, True, False, True, True], device
+    greedy, _ = _draft_rounds(path, True, "static", greedy=True)
+    assert [d for d, _ in got[0]] != [d for d, _ in greedy[0]]        # the draws did sample
 
 
 def test_the_head_computes_logits_only_for_the_rows_it_drafts_from(monkeypatch):

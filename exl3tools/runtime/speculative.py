@@ -13,8 +13,23 @@ from typing import Any, Hashable
 import torch
 
 from exl3tools.errors import RuntimeFailure, UsageError
-from exl3tools.runtime import preview
+from exl3tools.runtime import preview, sampling
 from exl3tools.runtime.rank_state import rows_of, run_head
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """A draft depth's sampled draw (temperature > 0) as settings, not a function, so that chained
+    rounds draw it on the device (sampling.sample_batch_device: the same token and generator use
+    as sampling.sample row by row); called on a row it draws on the host like ``sample``."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+
+    def __call__(self, row: torch.Tensor) -> int:
+        return sampling.sample(row, self.temperature, self.top_k, self.top_p, self.generator)
 
 
 class SpeculativeSteps:
@@ -63,10 +78,11 @@ class SpeculativeSteps:
         return out
 
     def draft_device(self, reqs: list[tuple[Hashable, int, int, Any]]) -> DeviceDrafts | None:
-        """``draft_many`` of greedy requests that all draft the same k, with the drafts left on the
+        """``draft_many`` of requests that all draft the same k, with the drafts left on the
         device (``DeviceDrafts``: ``verify_device`` reads them there, and the caller reads them
-        with its verdicts in one sync); None where they cannot be (sampled draws, mixed k, tensor
-        parallelism, the head's own cache, rows past the fixed-shape step): call draft_many."""
+        with its verdicts in one sync); None where they cannot be (draws that are host functions,
+        mixed k, tensor parallelism, the head's own cache, rows past the fixed-shape step): call
+        draft_many."""
         if not reqs or len({k for _, _, k, _ in reqs}) != 1 or self.paged.head_pool is None:
             return None
         specs = []
@@ -80,10 +96,11 @@ class SpeculativeSteps:
         return self._draft_paged(reqs, specs, keep_on_device=True)
 
     def _chains(self, reqs: list) -> bool:
-        """Whether ``reqs``' deeper drafts chain on the device (_chain_depths)."""
+        """Whether ``reqs``' deeper drafts chain on the device (_chain_depths): greedy draws (None)
+        and ``Draw`` settings, not host functions."""
         d = self.paged.decoder
-        return (self.world == 1 and all(draw is None for *_, draw in reqs) and d is not None
-                and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
+        return (self.world == 1 and all(draw is None or isinstance(draw, Draw) for *_, draw in reqs)
+                and d is not None and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
 
     def _draft_paged(self, reqs: list, specs: list, keep_on_device: bool = False):
         """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
@@ -264,15 +281,23 @@ class DeviceDrafts:
 
 
 def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper, read: bool = True):
-    """``_draw_depths`` for greedy requests without a host sync between depths: each depth's
-    argmax stays on the device and feeds ``deeper(live, state rows, device tokens)``; every
-    depth's tokens reach the host in one read at the end, or (``read`` False: every request drafts
-    the same k) stay on the device as ``DeviceDrafts``."""
+    """``_draw_depths`` without a host sync between depths, for greedy requests and ``Draw``
+    settings: each depth's tokens (argmaxes, or draws by sampling.sample_batch_device) stay on
+    the device and feed ``deeper(live, state rows, device tokens)``; every depth's tokens reach
+    the host in one read at the end, or (``read`` False: every request drafts the same k) stay on
+    the device as ``DeviceDrafts``."""
     rows: list[list[torch.Tensor]] = [[] for _ in reqs]
-    picks: list[tuple[list[int], torch.Tensor]] = []       # (live request indices, their argmaxes)
+    picks: list[tuple[list[int], torch.Tensor]] = []       # (live request indices, their tokens)
     live = list(range(len(reqs)))
     while True:
-        toks = dl.float().argmax(-1)
+        draws = [reqs[i][3] for i in live]
+        if all(d is None for d in draws):
+            toks = dl.float().argmax(-1)
+        else:   # a row that cannot be sampled (NaN) drafts token 0: its verify rejects it
+            toks = sampling.sample_batch_device(
+                dl, [0.0 if d is None else d.temperature for d in draws], [0 if d is None else d.top_k for d in draws],
+                [1.0 if d is None else d.top_p for d in draws], [None if d is None else d.generator for d in draws],
+            ).clamp(min=0)
         picks.append((live, toks))
         for j, i in enumerate(live):
             rows[i].append(dl[j])

@@ -48,14 +48,23 @@ class SpeculativeRounds:
         runner = self.runner
         self._ensure_generators([(0, seq) for seq, _ in rows], runner.model.embed.device)
         try:
+            from exl3tools.runtime import sampling
+            from exl3tools.runtime.speculative import Draw
+
             reqs = []
             for seq, k in rows:
                 p = seq.params
                 gen = seq.generator if p.temperature > 0 else None
-                # greedy rows: None, the argmax of every such row at once (one host sync a depth;
-                # one for all depths where every row is greedy: they chain on the device)
-                reqs.append((seq.seq_id, seq.output_ids[-1], k, None if p.temperature <= 0 else
-                             lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)))
+                # greedy rows: None, the argmax of every such row at once; sampled ones: Draw
+                # settings (the stock sampler), so that the depths chain on the device and the
+                # host reads a round once (runtime/speculative.py), else a function a depth
+                if p.temperature <= 0:
+                    draw = None
+                elif self._sample_fn is sampling.sample:
+                    draw = Draw(p.temperature, p.top_k, p.top_p, gen)
+                else:
+                    draw = lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)  # noqa: E731
+                reqs.append((seq.seq_id, seq.output_ids[-1], k, draw))
             # all greedy, one k: the drafts stay on the device through the verify, and the host
             # reads them with the verdicts in one sync (else: drafts read, then the verify)
             logits, drafted, preds, on_device = self._device_round(rows, reqs)   # on_device: accept takes the tokens
