@@ -22,7 +22,7 @@ import torch
 
 from exl3tools.errors import Exl3Error, RuntimeFailure, UsageError
 from exl3tools.runtime import distributed as D
-from exl3tools.runtime import invariance, preview
+from exl3tools.runtime import invariance, preview, sampling
 from exl3tools.runtime.load import load_runner  # noqa: F401  (the public entry point, re-exported)
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
@@ -352,8 +352,8 @@ class Runner(SpeculativeSteps):
                 if all_logits or self.last_path == "prompt":
                     logits = logits.clone()
                 else:
-                    logits = logits[torch.tensor(last_rows([seq.row for _, seq, t, _ in items for _ in t]),
-                                                 device=logits.device)]
+                    logits = logits[sampling.on_device(last_rows([seq.row for _, seq, t, _ in items for _ in t]),
+                                                       logits.device)]          # no stream sync
             else:
                 wire = [(list(self.blocks.table(s)), n0, t) for s, _, t, n0 in items]
                 spec_ids = [s if seq.spec is not None else None for s, seq, _, _ in items]
