@@ -222,3 +222,46 @@ def test_a_failed_capture_on_cuda_decodes_eagerly(monkeypatch, caplog):
     for s, (g, r) in enumerate(zip(schedule(runner), ref, strict=True)):
         assert _rel(g, r) < REL["fp32"], (s, _rel(g, r))
     runner.close()
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0], [0.8, 0.0]], ids=["greedy", "sampled"])
+def test_a_chained_decode_step_and_its_sampling_never_synchronise(temps):
+    """The engine's steady loop (Runner.step_chained, then sample_batch_device and DeviceTokens)
+    launches step N + 1 before reading step N's tokens; a host synchronisation anywhere in it
+    would stall the host behind the GPU and lose that overlap. Under torch's sync debug mode
+    "error" a second chained step (its graph captured by the first) and its sampling, greedy and
+    sampled rows, raise nothing."""
+    import torch
+
+    from exl3tools.runtime.runner import load_runner
+    from exl3tools.runtime.sampling import DeviceTokens, make_generator, sample_batch_device
+    from tests.conftest import fixture_dir
+
+    runner = load_runner(fixture_dir("glm4_moe-3.0bpw-mcg") / "model", device="cuda", backend=cuda_backend(),
+                         max_context=64, max_num_seqs=2, block_size=4)
+    assert runner.can_chain
+    for s in (0, 1):
+        runner.add_sequence(s)
+        runner.step([(s, [3, 4, 5])])
+    gens = [make_generator(1, device="cuda"), make_generator(2, device="cuda")]
+
+    def step(tokens: torch.Tensor) -> DeviceTokens:
+        logits = runner.step_chained([0, 1], tokens)
+        return DeviceTokens(sample_batch_device(logits, temps, [0, 0], [0.9, 1.0], gens))
+
+    first = step(torch.tensor([7, 9], device="cuda"))           # captures, warms the allocators
+    runner.commit_tokens([(0, 7), (1, 9)])
+    torch.cuda.synchronize()
+    # the decoder's one intended wait (its pinned inputs' previous copy: the host at most a step
+    # ahead) is on an event already complete here; left out so that only unintended syncs raise
+    decoder, copied = runner.paged.decoder, runner.paged.decoder._copied
+    decoder._copied = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = step(first.rows())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        decoder._copied = copied
+    runner.commit_tokens(list(zip([0, 1], first.tolist(), strict=True)))
+    assert all(0 <= t < 2048 for t in second.tolist())
+    runner.close()
