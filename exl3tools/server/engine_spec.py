@@ -65,8 +65,9 @@ class SpeculativeRounds:
                 else:
                     draw = lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)  # noqa: E731
                 reqs.append((seq.seq_id, seq.output_ids[-1], k, draw))
-            # all greedy, one k: the drafts stay on the device through the verify, and the host
-            # reads them with the verdicts in one sync (else: drafts read, then the verify)
+            # one k, draws on the device (greedy or Draw): the drafts stay on the device through
+            # the verify, and the host reads them with the verdicts in one sync (else: drafts
+            # read, then the verify)
             logits, drafted, preds, on_device = self._device_round(rows, reqs)   # on_device: accept takes the tokens
             if logits is None:
                 # every row's drafts in one head forward per depth
@@ -108,8 +109,8 @@ class SpeculativeRounds:
 
     def _device_round(self, rows: list[tuple[Sequence, int]], reqs: list) -> tuple:
         """(logits, drafted, preds, on_device) of a round whose drafts never reach the host before
-        the verify (the runner's draft_device / verify_device: every row greedy and drafting the
-        same k on one rank), the drafts and the verify's argmaxes read in one sync (on_device:
+        the verify (the runner's draft_device / verify_device: every row drafting the same k on one
+        rank, greedy or by Draw settings), the drafts and the verify's argmaxes read in one sync (on_device:
         accept takes the verified tokens); (None, None, None, False) where the runner cannot
         (then draft_many and verify)."""
         import torch
