@@ -409,44 +409,30 @@ def test_the_heads_cache_in_blocks_drafts_as_its_own_cache(name, decode, request
     assert steps == ([] if decode == "eager" else [first, 2, 1, 4, 2, 1]), steps   # depths 2, 3; 4 pairs, depths 2, 3
 
 
+@pytest.mark.parametrize("draws", ["greedy", "sampled"])
 @pytest.mark.parametrize("name", MTP_MODELS)
-def test_greedy_drafts_chain_on_the_device(name, request, monkeypatch):
-    """Greedy drafts through the fixed-shape draft step (EXL3TOOLS_CHAINED_DRAFTS, the default):
-    each deeper depth takes the depth before's argmax on the device (its host tokens never read)
-    and the host reads every depth's drafts once; the same drafts and rows as reading each depth
-    back (=0), with three sequences' different draft counts (some stop drafting early)."""
+def test_drafts_chain_on_the_device(name, draws, request, monkeypatch):
+    """Drafts through the fixed-shape draft step (EXL3TOOLS_CHAINED_DRAFTS, the default): each
+    deeper depth takes the depth before's tokens on the device (argmaxes, or seeded ``Draw``
+    settings, what the engine passes for temperature > 0 rows, drawn by sample_batch_device
+    beside a greedy row) and the host reads every depth's drafts once; the same drafts and rows as
+    reading each depth back (=0: the argmax, or sampling.sample row by row with the same generator
+    use), with three sequences' different draft counts (some stop drafting early)."""
     from exl3tools.runtime.paged_decode import PagedDecoder
 
     path = model_dir(name, request)
+    kw = {draws: True}
     monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
-    want, ks = _draft_rounds(path, True, "static", greedy=True)
+    want, ks = _draft_rounds(path, True, "static", **kw)
     monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
     device, draft = [], PagedDecoder.draft
     monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: device.append(a[5] is not None) or draft(self, *a))
-    got, _ = _draft_rounds(path, True, "static", greedy=True)
+    got, _ = _draft_rounds(path, True, "static", **kw)
     _same_rows(want, got, ks)
     assert device == [False, True, True, False, True, True], device     # a round: the pairs, then depths 2, 3
-
-
-@pytest.mark.parametrize("name", MTP_MODELS)
-def test_sampled_drafts_chain_on_the_device(name, request, monkeypatch):
-    """Seeded ``Draw`` settings (what the engine passes for temperature > 0 rows) chain on the
-    device too: each depth drawn by sampling.sample_batch_device beside a greedy row, the same
-    drafts and rows as drawing each on the host (EXL3TOOLS_CHAINED_DRAFTS=0: sampling.sample
-    row by row, the same generator use)."""
-    from exl3tools.runtime.paged_decode import PagedDecoder
-
-    path = model_dir(name, request)
-    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
-    want, ks = _draft_rounds(path, True, "static", sampled=True)
-    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
-    device, draft = [], PagedDecoder.draft
-    monkeypatch.setattr(PagedDecoder, "draft", lambda self, *a: device.append(a[5] is not None) or draft(self, *a))
-    got, _ = _draft_rounds(path, True, "static", sampled=True)
-    _same_rows(want, got, ks)
-    assert device == [False, True, True, False, True, True], device
-    greedy, _ = _draft_rounds(path, True, "static", greedy=True)
-    assert [d for d, _ in got[0]] != [d for d, _ in greedy[0]]        # the draws did sample
+    if draws == "sampled":
+        greedy, _ = _draft_rounds(path, True, "static", greedy=True)
+        assert [d for d, _ in got[0]] != [d for d, _ in greedy[0]]    # the draws did sample
 
 
 def test_the_head_computes_logits_only_for_the_rows_it_drafts_from(monkeypatch):
