@@ -554,110 +554,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     next_b = box_slot(it + 3);
                 }
             }
-            if constexpr (PS) {
-                if (wg == 0) {
-                    scores(s, dq, da, bars, ph);
-                    float mx0, mx1;
-                    mask_rowmax(s, va, qk_scale, t4, mx0, mx1);
-                    const float mo0 = sc[PP_M + r0], mo1 = sc[PP_M + r1];
-                    const float m0 = fmaxf(mo0, mx0), m1 = fmaxf(mo1, mx1);
-                    const float f0 = rescale_from(mo0, m0), f1 = rescale_from(mo1, m1);
-                    exp_pack(s, m0, m1, pa, p0, p1);
-                    l0 = l0 * f0 + p0;
-                    l1 = l1 * f1 + p1;
-                    __syncwarp();                          // the quad read M before its lane 0 writes
-                    if (t4 == 0) {
-                        sc[PP_M + r0] = m0;
-                        sc[PP_M + r1] = m1;
-                        sc[PP_SCALE0 + r0] = f0;
-                        sc[PP_SCALE0 + r1] = f1;
-                    }
-                    named_arrive(BAR_SCALE0, 256);         // A's maxima and scale0
-                    scale_o(o, f0, f1);
-                    if (va < TN) zero_rows(ka, va, 0, 4, wtid, 0);
-                    fence_regs(o);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], va_desc + kk * D_V16);
-                    wgmma_commit();
-                    named_sync(BAR_SCALE1, 256);           // B's maxima (scale1 1 without B)
-                    const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
-                    scale_p(s, g0, g1);
-                    store_p(ka + (CHUNKS - 1) * CHUNK, s, r0, t4);   // P_A over A's rope chunk (S read it)
-                    fence_async_smem();
-                    named_arrive(BAR_P0, 256);
-                    wgmma_wait<0>();
-                    fence_regs(o);
-                    if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 0, 4);   // A's V_L: read
-                    scale_o(o, g0, g1);
-                    l0 *= g0;
-                    l1 *= g1;
-                    if (has_b) {
-                        named_sync(BAR_P1, 256);
-                        for (int q = 0; q < 4; q++) mbar_wait(bars + CHUNKS + q, ph);   // WG1 saw them land; so do we
-                        if (vb < TN) zero_rows(kb, vb, 0, 4, wtid, 0);
-                        fence_regs(o);
-                        wgmma_fence();
-#pragma unroll
-                        for (int kk = 0; kk < TN / 16; kk++)
-                            wgmma_ss_m64n256k16<1>(o, dpb + kk * D_K16, vb_desc + kk * D_V16);
-                        wgmma_commit();
-                        wgmma_wait<0>();
-                        fence_regs(o);
-                        if (copier && it + 3 < t1) {       // B's V_L and P_B: read
-                            copy_next(it + 3, next_b, 1, 0, 4);
-                            copy_next(it + 3, next_b, 1, CHUNKS - 1, CHUNKS);
-                        }
-                    }
-                } else {
-                    float mx0 = NEG_INF, mx1 = NEG_INF;
-                    if (has_b) {
-                        scores(s, dq, db, bars + CHUNKS, ph);
-                        mask_rowmax(s, vb, qk_scale, t4, mx0, mx1);
-                    }
-                    named_sync(BAR_SCALE0, 256);           // A's maxima
-                    const float ma0 = sc[PP_M + r0], ma1 = sc[PP_M + r1];
-                    const float f0 = sc[PP_SCALE0 + r0], f1 = sc[PP_SCALE0 + r1];
-                    const float m0 = fmaxf(ma0, mx0), m1 = fmaxf(ma1, mx1);
-                    const float g0 = rescale_from(ma0, m0), g1 = rescale_from(ma1, m1);
-                    if (has_b) exp_pack(s, m0, m1, pa, p0, p1);
-                    __syncwarp();
-                    if (t4 == 0) {
-                        sc[PP_M + r0] = m0;
-                        sc[PP_M + r1] = m1;
-                        sc[PP_SCALE1 + r0] = g0;
-                        sc[PP_SCALE1 + r1] = g1;
-                    }
-                    named_arrive(BAR_SCALE1, 256);
-                    scale_o(o, f0 * g0, f1 * g1);          // O_R at B's maxima, once
-                    l0 = l0 * (f0 * g0) + p0;
-                    l1 = l1 * (f1 * g1) + p1;
-                    if (has_b) {
-                        store_p(kb + (CHUNKS - 1) * CHUNK, s, r0, t4);   // over B's rope chunk
-                        fence_async_smem();
-                        named_arrive(BAR_P1, 256);
-                        if (vb < TN) zero_rows(kb, vb, 4, 8, wtid, 1);
-                        fence_regs(o);
-                        wgmma_fence();
-#pragma unroll
-                        for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], vb_desc + kk * D_V16);
-                        wgmma_commit();                    // P_B V_B,R, then at once P_A V_A,R
-                    }
-                    named_sync(BAR_P0, 256);               // P_A at B's maxima
-                    for (int q = 4; q < CHUNKS - 1; q++) mbar_wait(bars + q, ph);
-                    if (va < TN) zero_rows(ka, va, 4, 8, wtid, 1);
-                    fence_regs(o);
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < TN / 16; kk++) wgmma_ss_m64n256k16<1>(o, dpa + kk * D_K16, va_desc + kk * D_V16);
-                    wgmma_commit();
-                    wgmma_wait<1>();                       // P_B V_B,R (without B: nothing to wait for)
-                    if (copier && it + 3 < t1) copy_next(it + 3, next_b, 1, 4, CHUNKS - 1);   // B's V_R: read
-                    wgmma_wait<0>();
-                    fence_regs(o);
-                    if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 4, CHUNKS);   // A's V_R and P_A: read
-                }
-            } else if (wg == 0) {
+            if (wg == 0) {
                 scores(s, dq, da, bars, ph);
                 float mx0, mx1;
                 mask_rowmax(s, va, qk_scale, t4, mx0, mx1);
@@ -667,8 +564,10 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 exp_pack(s, m0, m1, pa, p0, p1);
                 l0 = l0 * f0 + p0;
                 l1 = l1 * f1 + p1;
-                store_p(ka + (CHUNKS - 1) * CHUNK, s, r0, t4);   // P_A over A's rope chunk (S read it)
-                fence_async_smem();
+                if constexpr (!PS) {                       // (PS: P_A once B's maxima are known)
+                    store_p(ka + (CHUNKS - 1) * CHUNK, s, r0, t4);   // P_A over A's rope chunk (S read it)
+                    fence_async_smem();
+                }
                 __syncwarp();                              // the quad read M before its lane 0 writes
                 if (t4 == 0) {
                     sc[PP_M + r0] = m0;
@@ -676,7 +575,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     sc[PP_SCALE0 + r0] = f0;
                     sc[PP_SCALE0 + r1] = f1;
                 }
-                named_arrive(BAR_SCALE0, 256);             // A's maxima, scale0 and P_A
+                named_arrive(BAR_SCALE0, 256);             // A's maxima, scale0 and (but for PS) P_A
                 scale_o(o, f0, f1);
                 if (va < TN) zero_rows(ka, va, 0, 4, wtid, 0);
                 fence_regs(o);
@@ -686,6 +585,12 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 wgmma_commit();
                 named_sync(BAR_SCALE1, 256);               // B's maxima (scale1 1 without B)
                 const float g0 = sc[PP_SCALE1 + r0], g1 = sc[PP_SCALE1 + r1];
+                if constexpr (PS) {                        // P_A at B's maxima, for WG1's P_A V_A,R
+                    scale_p(s, g0, g1);
+                    store_p(ka + (CHUNKS - 1) * CHUNK, s, r0, t4);   // over A's rope chunk (S read it)
+                    fence_async_smem();
+                    named_arrive(BAR_P0, 256);
+                }
                 wgmma_wait<0>();
                 fence_regs(o);
                 if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 0, 4);   // A's V_L: read
@@ -708,6 +613,53 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                         copy_next(it + 3, next_b, 1, CHUNKS - 1, CHUNKS);
                     }
                 }
+            } else if constexpr (PS) {
+                float mx0 = NEG_INF, mx1 = NEG_INF;
+                if (has_b) {
+                    scores(s, dq, db, bars + CHUNKS, ph);
+                    mask_rowmax(s, vb, qk_scale, t4, mx0, mx1);
+                }
+                named_sync(BAR_SCALE0, 256);           // A's maxima
+                const float ma0 = sc[PP_M + r0], ma1 = sc[PP_M + r1];
+                const float f0 = sc[PP_SCALE0 + r0], f1 = sc[PP_SCALE0 + r1];
+                const float m0 = fmaxf(ma0, mx0), m1 = fmaxf(ma1, mx1);
+                const float g0 = rescale_from(ma0, m0), g1 = rescale_from(ma1, m1);
+                if (has_b) exp_pack(s, m0, m1, pa, p0, p1);
+                __syncwarp();
+                if (t4 == 0) {
+                    sc[PP_M + r0] = m0;
+                    sc[PP_M + r1] = m1;
+                    sc[PP_SCALE1 + r0] = g0;
+                    sc[PP_SCALE1 + r1] = g1;
+                }
+                named_arrive(BAR_SCALE1, 256);
+                scale_o(o, f0 * g0, f1 * g1);          // O_R at B's maxima, once
+                l0 = l0 * (f0 * g0) + p0;
+                l1 = l1 * (f1 * g1) + p1;
+                if (has_b) {
+                    store_p(kb + (CHUNKS - 1) * CHUNK, s, r0, t4);   // over B's rope chunk
+                    fence_async_smem();
+                    named_arrive(BAR_P1, 256);
+                    if (vb < TN) zero_rows(kb, vb, 4, 8, wtid, 1);
+                    fence_regs(o);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < TN / 16; kk++) wgmma_m64n256k16<1>(o, pa[kk], vb_desc + kk * D_V16);
+                    wgmma_commit();                    // P_B V_B,R, then at once P_A V_A,R
+                }
+                named_sync(BAR_P0, 256);               // P_A at B's maxima
+                for (int q = 4; q < CHUNKS - 1; q++) mbar_wait(bars + q, ph);
+                if (va < TN) zero_rows(ka, va, 4, 8, wtid, 1);
+                fence_regs(o);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < TN / 16; kk++) wgmma_ss_m64n256k16<1>(o, dpa + kk * D_K16, va_desc + kk * D_V16);
+                wgmma_commit();
+                wgmma_wait<1>();                       // P_B V_B,R (without B: nothing to wait for)
+                if (copier && it + 3 < t1) copy_next(it + 3, next_b, 1, 4, CHUNKS - 1);   // B's V_R: read
+                wgmma_wait<0>();
+                fence_regs(o);
+                if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 4, CHUNKS);   // A's V_R and P_A: read
             } else {
                 float mx0 = NEG_INF, mx1 = NEG_INF;
                 if (has_b) {
