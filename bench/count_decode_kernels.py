@@ -220,8 +220,6 @@ def count(model_dir: Path, fused: bool, batch: int, grouped: bool = False, conte
             else:
                 r.step([(s, [7]) for s in ids])
     finally:
-        from exl3tools.kernels import dsa_indexer
-
         dsa_indexer.select = saved_select
         cls.__call__ = real_call
         vars(fused_decode).update(saved)

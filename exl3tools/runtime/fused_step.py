@@ -203,7 +203,7 @@ class FusedGqaStep:
             return mlp.reduce(mlp.down(fk.silu_mul(*self._project(mlp, (mlp.gate, mlp.up), x)))), None, None, None
         if self._fused_moe(mlp):
             return self._moe(mlp, x, both)
-        if self._routes_here(mlp):
+        if self.fused_tp_moe and self._reduced_moe(mlp):
             return self._moe_reduced(mlp, x, both), None, None, None
         return mlp.forward_static(x), None, None, None
 

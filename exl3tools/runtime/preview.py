@@ -236,7 +236,7 @@ OPT_OUTS = {
     # 16): 128 heads batch 1 at 32k 53.9 -> 51.3 us, batch 8 at 32k 233.7 -> 204.3, batch 32 at 4k
     # 132.9 -> 118.8, 64 heads batch 1 at 32k 48.8 -> 46.1; the MLA tests/gpu passed with it on
     "mla_pingpong": "EXL3TOOLS_MLA_PINGPONG",
-    # The two below became defaults WITHOUT a GPU run (2026-12-04 22:35, no machine lent): launch
+    # The five below became defaults WITHOUT a GPU run (2026-12-04 22:35, no machine lent): launch
     # cuts of computations checked equal on the Triton interpreter and compiled for sm_90
     # (bench/triton_sm90_check.py); "0" restores the launches before them, for the A/B the next
     # GPU session times and in case tests/gpu finds them wrong there.
@@ -258,10 +258,10 @@ OPT_OUTS = {
     # (bench/count_decode_kernels.py --draft), where a DeepSeek-V3-shape draft took ~1.9 ms on the
     # H200 against ~0.35 ms a main-model layer ("0": the torch body)
     "fused_draft": "EXL3TOOLS_FUSED_DRAFT",
-    # greedy MTP drafts on one rank (runtime/speculative.py _chain_depths): each draft depth's
-    # argmax stays on the device and feeds the next depth's fixed-shape step, where each depth read
-    # its argmax back first (a sync a depth: the GPU idle while the host prepares the next); where
-    # every drafting row is greedy with the same k, the drafts stay on the device through the
+    # greedy and Draw-sampled MTP drafts on one rank (runtime/speculative.py _chain_depths): each
+    # draft depth's tokens stay on the device and feed the next depth's fixed-shape step, where each
+    # depth read its tokens back first (a sync a depth: the GPU idle while the host prepares the
+    # next); where every drafting row drafts the same k, the drafts stay on the device through the
     # verify too (draft_device / verify_device) and the engine reads them with its verdicts in one
     # sync: a speculative round's k + 1 host reads become one. "0": a sync a depth, and the verify
     # after the drafts are read

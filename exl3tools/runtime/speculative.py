@@ -113,9 +113,6 @@ class SpeculativeSteps:
             if k > 1:
                 self.blocks.reserve(s, k - 1)
 
-        def static(rows) -> bool:
-            return self.paged.decoder is not None and sum(len(t) for _, t, _ in rows) <= self.paged.decoder.max_rows
-
         def run(rows: list[tuple[Hashable, list[int], int]], states: list[torch.Tensor], lasts=None,
                 device_tokens: torch.Tensor | None = None):
             """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row;
@@ -123,7 +120,8 @@ class SpeculativeSteps:
             their pending pairs with; deeper: they feed their own rows of the depth before).
             ``device_tokens``: one rank's fixed-shape step only, the rows' tokens on the device
             (``rows`` then hold placeholders)."""
-            if static(rows):
+            d = self.paged.decoder
+            if d is not None and sum(len(t) for _, t, _ in rows) <= d.max_rows:
                 slots = [self.blocks.slots(s, n0, len(t)) for s, t, n0 in rows]
                 args = self._decode_args([(s, self._seq(s), t, n0) for s, t, n0 in rows], slots)
                 mode, payload = "static", (args, [len(t) for _, t, _ in rows])
@@ -146,9 +144,9 @@ class SpeculativeSteps:
                 nxt[i] += 1
             return res
 
-        # greedy drafts on one rank through the fixed-shape step: each depth takes the argmax of the
-        # one before on the device, and the host reads every depth's drafts once at the end
-        # (EXL3TOOLS_CHAINED_DRAFTS=0: a sync a depth), or never (keep_on_device: draft_device)
+        # greedy and Draw-sampled drafts on one rank through the fixed-shape step: each depth takes
+        # the tokens of the one before on the device, and the host reads every depth's drafts once at
+        # the end (EXL3TOOLS_CHAINED_DRAFTS=0: a sync a depth), or never (keep_on_device)
         if self._chains(reqs):
             def deeper_device(live, gs, toks):
                 res = run([(reqs[i][0], [0], nxt[i]) for i in live], gs, device_tokens=toks)
