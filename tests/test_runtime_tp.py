@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -161,3 +162,44 @@ def test_broken_rank_fails_every_rank_cleanly(sliced, tmp_path):
     assert p.returncode == 1, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("error:") and "rank 1" in lines[-1]
+
+
+_IDLE_RANK0 = """
+import sys, time
+from exl3tools.runtime.runner import load_runner
+r = load_runner(sys.argv[1], tp=2)
+r.add_sequence("s")
+a = r.step([("s", [1, 2, 3])])[0]
+time.sleep(float(sys.argv[2]))          # idle past EXL3TOOLS_TP_TIMEOUT
+b = r.step([("s", [4])])[0]
+print("stepped", float(a.abs().sum()), float(b.abs().sum()), r._procs[0].pid, flush=True)
+time.sleep(600)                          # killed here by the test
+"""
+
+
+@pytest.mark.slow
+def test_workers_outlive_an_idle_spell_and_not_rank_0(sliced):
+    """A server idles for longer than EXL3TOOLS_TP_TIMEOUT between requests: its workers, waiting
+    for the next command, must still be there (they died after the timeout while the commands
+    shared the model's group); and when rank 0 is killed they exit within seconds, not linger."""
+    _, dirs = sliced
+    env = {**os.environ, "EXL3TOOLS_TP_TIMEOUT": "2"}
+    p = subprocess.Popen([sys.executable, "-c", _IDLE_RANK0, str(dirs[2]), "4"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("stepped"), p.stderr.read() if p.poll() is not None else line
+        worker = int(line.split()[-1])
+        os.kill(worker, 0)                   # alive
+    finally:
+        p.kill()
+        p.wait()
+    for _ in range(100):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(worker, 9)
+        pytest.fail("a worker outlived its killed rank 0 by 20 s")

@@ -4,8 +4,14 @@ Rank 0 is the caller (the CLI or the server process); ``spawn_workers`` starts r
 (``spawn`` start method), or torchrun starts them all (env ``RANK``/``WORLD_SIZE``). Rank 0 drives:
 every state change (add/free sequence, step) is broadcast as a small command and every rank runs
 the same forward; collectives inside the model combine the partial results. gloo on CPU, NCCL on
-GPU. Every process group has a timeout (``EXL3TOOLS_TP_TIMEOUT`` seconds, default 120), so a dead
-peer turns into an error, never a hang.
+GPU. The model's collectives have a timeout (``EXL3TOOLS_TP_TIMEOUT`` seconds, default 120), so a
+dead peer turns into an error, never a hang.
+
+Commands travel over a gloo group of their own (``broadcast``), with no timeout: a worker waits
+for the next command as long as the server idles (on the model's group it died after 120 idle
+seconds), and a lost rank 0 still ends it at once (its sockets close). On GPUs that also keeps
+the commands off the device: over NCCL each command was a collective queued behind the worker's
+running step, so its host could not prepare step N+1 while the GPU ran step N.
 
 After loading, ranks exchange a status record (ok or the error they hit, and, when
 ``EXL3TOOLS_TRACE_OPENS=1``, the files they opened) so that a load error on any rank surfaces on
@@ -28,6 +34,9 @@ import torch
 from exl3tools import errors as E
 
 _OPENED: list[str] | None = None
+_COMMANDS = None         # the commands' gloo group (init_group)
+# gloo takes a wait in milliseconds: ten years is "never" for a server and far from overflowing
+_IDLE = datetime.timedelta(days=3650)
 
 
 def _audit(event: str, args) -> None:
@@ -66,10 +75,12 @@ def init_group(rank: int, world: int, device: str, port: int | None = None, proc
     check in, failing at once if one of ``procs`` exits first (instead of waiting out the timeout)."""
     import torch.distributed as dist
 
+    global _COMMANDS
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s())
     if port is None:  # torchrun: MASTER_ADDR/MASTER_PORT come from the environment
         dist.init_process_group(backend, timeout=timeout)
+        _COMMANDS = dist.new_group(backend="gloo", timeout=_IDLE)
         return
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
     if rank == 0:
@@ -86,15 +97,26 @@ def init_group(rank: int, world: int, device: str, port: int | None = None, proc
     else:
         store.set(f"ready{rank}", "1")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    _COMMANDS = dist.new_group(backend="gloo", timeout=_IDLE)
 
 
 def broadcast(obj=None):
-    """Rank 0 sends ``obj``; every rank returns it."""
+    """Rank 0 sends the command ``obj``; every rank returns it (over the commands' group: a
+    worker may wait here for as long as the server idles)."""
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_COMMANDS)
     return box[0]
+
+
+def broadcast_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype), over the model's group: on
+    GPUs a stream-ordered NCCL broadcast that never waits on the host (a chained step's tokens)."""
+    import torch.distributed as dist
+
+    dist.broadcast(t, src=0)
+    return t
 
 
 def exchange_status(error: BaseException | None, opened: list[str] | None) -> list[dict]:
@@ -119,6 +141,8 @@ def exchange_status(error: BaseException | None, opened: list[str] | None) -> li
 def destroy() -> None:
     import torch.distributed as dist
 
+    global _COMMANDS
+    _COMMANDS = None
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
