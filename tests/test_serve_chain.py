@@ -1,7 +1,7 @@
 """Chained decode steps (server/engine.py ``_chain``, Runner.step_chained): the next decode step is
 launched on the previous step's sampled tokens while they are still on the device. With the
 fixed-shape decode step forced on the CPU, a real server answers the official openai client with
-exactly the tokens, text and logprobs of the unchained engine: greedy and seeded sampling,
+exactly the tokens, text and logprobs of the unchained engine (at TP 1 and TP 2): greedy and seeded sampling,
 concurrent requests that end at different lengths, stop strings and EOS-free streams, a
 preempting-free mix of logprobs and plain requests, and a cancelled stream."""
 
@@ -48,9 +48,9 @@ def _requests(client):
     return out
 
 
-def _run(chain: bool):
+def _run(chain: bool, tp: int = 1):
     cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=6, max_context=96,
-                      cuda_graphs="force", block_size=8)
+                      cuda_graphs="force", block_size=8, tp=tp, moe="ep")
     app = create_app(cfg)
     with LiveServer(app) as s:
         engine = app.state.server.engine
@@ -72,6 +72,18 @@ def test_chained_steps_give_the_unchained_engines_answers():
     chained, steps = _run(True)
     assert none == []
     assert len(steps) >= 10 and max(steps) >= 2, steps     # chaining ran, on batches too
+    assert chained == plain
+
+
+@pytest.mark.slow
+def test_chained_steps_at_tp2_give_the_unchained_engines_answers():
+    """At --tp 2 (gloo, a worker process) a chained step's tokens reach the worker by a broadcast
+    of rank 0's tensor (on GPUs a stream-ordered NCCL broadcast): the same answers as the
+    unchained TP 2 engine, which reads every step's tokens on the host first."""
+    plain, none = _run(False, tp=2)
+    chained, steps = _run(True, tp=2)
+    assert none == []
+    assert len(steps) >= 10 and max(steps) >= 2, steps
     assert chained == plain
 
 

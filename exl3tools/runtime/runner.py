@@ -446,16 +446,20 @@ class Runner(SpeculativeSteps):
         """Logits of every row; with ``spec`` ((draft-state id or None, rows) per item, sent to
         the workers so they feed their head too): (logits, final-normed states)."""
         args = self._decode_args(items, slots)
-        self._send(("pdecode", *args, spec))     # chained steps (device_tokens) run on one rank only
+        self._send(("pdecode", *args, spec, device_tokens is not None))
+        if device_tokens is not None and self.world > 1:
+            # the workers take the chained step's tokens from rank 0's device, stream-ordered
+            device_tokens = D.broadcast_tensor(device_tokens.long().contiguous())
         if spec is None:
             return self.paged.decode(*args, device_tokens)
         return self.paged.decode(*args, device_tokens, states=True)
 
     @property
     def can_chain(self) -> bool:
-        """Whether ``step_chained`` works here: the fixed-shape decode step on one rank, no MTP drafts
-        (a chained row's token is unknown when its draft state would need it)."""
-        return self.paged.decoder is not None and self.world == 1 and not self.spec_k
+        """Whether ``step_chained`` works here: the fixed-shape decode step, no MTP drafts (a chained
+        row's token is unknown when its draft state would need it). At TP > 1 the tokens reach
+        the workers by a broadcast on the device (``_decode``)."""
+        return self.paged.decoder is not None and not self.spec_k
 
     def step_chained(self, seq_ids: list[Hashable], tokens: torch.Tensor) -> torch.Tensor:
         """A decode step whose input tokens are a device tensor (the previous step's samples, in
@@ -464,7 +468,7 @@ class Runner(SpeculativeSteps):
         per sequence now; ``commit_tokens`` tells the runner those tokens once they are known
         (prefix hashing needs them); until then the sequence takes no other step."""
         if not self.can_chain:
-            raise UsageError("chained decode steps need the fixed-shape decode step on one rank")
+            raise UsageError("chained decode steps need the fixed-shape decode step and no MTP drafts")
         if self._closed:
             raise RuntimeFailure("runner is closed")
         if not 1 <= len(seq_ids) <= self.max_num_seqs or len(set(seq_ids)) != len(seq_ids):

@@ -54,7 +54,10 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 drafts.run(paged, cmd)
             elif op == "pdecode":
                 args, spec = cmd[1:6], cmd[6] if len(cmd) > 6 else None
-                if spec is not None and any(sid is not None for sid, _ in spec):
+                if len(cmd) > 7 and cmd[7]:     # a chained step: its tokens come from rank 0's device
+                    tokens = torch.empty(len(args[0]), dtype=torch.long, device=paged.model.embed.device)
+                    paged.decode(*args, D.broadcast_tensor(tokens))
+                elif spec is not None and any(sid is not None for sid, _ in spec):
                     _, hn = paged.decode(*args, states=True)
                     drafts.extend(split_rows(args[0], [n for _, n in spec]), [sid for sid, _ in spec], hn)
                 else:
