@@ -119,23 +119,44 @@ def test_serves_a_hub_repo_id_from_the_cache_offline(tmp_path):
     assert "exl3tools/absent" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_tensor_parallel_serving_matches_one_process():
-    """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's."""
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def test_tensor_parallel_serving_matches_one_process_and_stops_when_a_rank_dies():
+    """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's. When
+    the worker is killed, the next request fails, /health turns 503 "failed" and `serve` exits 4
+    with one line naming the lost peer (it used to stay "ok" and fail every request with a 500)."""
     from exl3tools.runtime.runner import load_runner
     from exl3tools.runtime.sampling import sample
 
     model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
     port = free_port()
     proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    body = {"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
     try:
         url = wait_healthy(proc, port)
-        r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
-                                                      "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                                                      "return_token_ids": True}, timeout=60)
-        served = r.json()["choices"][0]["token_ids"]
+        served = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+        workers = _children(proc.pid)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code in (500, 503), r.text
+        _, err = proc.communicate(timeout=60)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 4, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: runtime failure") and "tensor-parallel peer lost: rank 1 (pid " in last, err
+    assert "exited with signal 9" in last, err
     assert "Traceback" not in err
     with load_runner(str(model)) as runner:
         runner.add_sequence(0)

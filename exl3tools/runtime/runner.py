@@ -92,6 +92,9 @@ class Runner(SpeculativeSteps):
         self.vocab_size = model.info.vocab_size
         self.opened_files = opened or {}       # rank -> files opened while loading (when traced)
         self._closed = False
+        # why the tensor-parallel group broke (a peer died, a step failed half-way): the ranks
+        # are out of step for good, so every later step refuses and the server stops (engine.py)
+        self.lost: str | None = None
         self.max_num_seqs = int(max_num_seqs)
         self.spec_k = int(speculative_tokens)
         if self.spec_k < 0:
@@ -264,7 +267,7 @@ class Runner(SpeculativeSteps):
         if s is not None:
             self.blocks.free(seq_id)
             self._rows.append(s.row)
-            if s.spec is not None:
+            if s.spec is not None and not self.lost:
                 self._send(("sfree", seq_id))
 
     def sequence_length(self, seq_id: Hashable) -> int:
@@ -368,7 +371,8 @@ class Runner(SpeculativeSteps):
                     logits = self.paged.forward(wire, all_logits=all_logits)
         except RuntimeError as exc:
             if self.world > 1:
-                raise RuntimeFailure(f"tensor-parallel step failed: {str(exc).splitlines()[0]}") from exc
+                self.lost = self.lost or f"tensor-parallel step failed: {first_line(exc)}"
+                raise RuntimeFailure(self.lost) from exc
             raise
         # only now are the K/V written: a failed step commits nothing, so no block it touched is ever
         # hashed into the prefix cache (its reserved blocks go back with the sequence)
@@ -496,10 +500,23 @@ class Runner(SpeculativeSteps):
 
     def _send(self, cmd) -> None:
         if self.world > 1:
+            if self.lost:
+                raise RuntimeFailure(self.lost)
             try:
                 D.broadcast(cmd)
             except RuntimeError as exc:
-                raise RuntimeFailure(f"tensor-parallel peer lost: {str(exc).splitlines()[0]}") from exc
+                self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
+                raise RuntimeFailure(self.lost) from exc
+
+    def _exited(self) -> str:
+        """Which spawned ranks have exited, and how (empty under torchrun or when none has)."""
+        time.sleep(0.2)         # a killed worker's sockets close a moment before it is reaped
+        out = []
+        for r, p in enumerate(self._procs, 1):
+            if p.poll() is not None:
+                how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+                out.append(f"rank {r} (pid {p.pid}) exited with {how}")
+        return "; ".join(out)
 
     # -- lifetime
     def close(self) -> None:

@@ -30,6 +30,7 @@ from exl3tools.server.engine_spec import SpeculativeRounds
 from exl3tools.server.planner import graph_limits, plan_step
 from exl3tools.server.protocol import APIError, SamplingParams
 from exl3tools.server.requests import Event, RequestHandle, Sequence, TokenLogprob, deliver
+from exl3tools.text import first_line
 
 log = logging.getLogger("exl3tools.serve")
 
@@ -195,7 +196,10 @@ class Engine(SpeculativeRounds):
         try:
             self._loop()
         except BaseException as exc:  # the engine cannot go on: say so, and release every client
-            log.exception("engine died")
+            if isinstance(exc, Exl3Error):  # a known cause (a lost tensor-parallel rank): one line
+                log.error("engine stopped: %s", exc)
+            else:
+                log.exception("engine died")
             self.load_error = f"engine stopped: {type(exc).__name__}: {exc}"
             self.load_exception = RuntimeFailure(self.load_error)
             self.state = "failed"
@@ -241,6 +245,9 @@ class Engine(SpeculativeRounds):
                     self._fail(seq)
                 self._sweep()
             self._flush()
+            lost = getattr(self.runner, "lost", None)
+            if lost:    # a tensor-parallel rank is gone: no later step can work, so stop (/health
+                raise RuntimeFailure(lost)  # 503, `serve` exits 4) rather than fail every request
 
     def _gather(self) -> None:
         """Idle, with requests waiting (the lock held): wait until ``prefill_wait_s`` after the
@@ -295,8 +302,11 @@ class Engine(SpeculativeRounds):
             try:
                 # logits stay on the model's device: sampling runs there, only token ids come back
                 logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True)
-            except Exception:
-                log.exception("runner.step failed")
+            except Exception as exc:
+                if getattr(self.runner, "lost", None):
+                    log.error("runner.step failed: %s", first_line(exc))
+                else:
+                    log.exception("runner.step failed")
                 for seq, _ in batch:
                     self._fail(seq)
                 self._sweep()
