@@ -30,6 +30,7 @@ class CausalLM:
                  head_sharded: bool = False):
         self.info, self.embed, self.layers, self.norm, self.head, self.tp = info, embed, layers, norm, head, tp
         self.head_sharded = head_sharded   # lm_head column-cut by vocab: gather the logits
+        self._head_widths: list[int] | None = None
 
     def new_cache(self) -> SeqCache:
         return SeqCache(len(self.layers))
@@ -70,5 +71,14 @@ class CausalLM:
         trimmed to the real vocab, float32 (on the model's device)."""
         logits = self.head(h)
         if self.head_sharded:
-            logits = self.tp.all_gather_cat(logits, dim=-1)
+            logits = self.tp.all_gather_cat(logits, self.head_widths(logits.shape[-1]), dim=-1)
         return logits[:, :self.info.vocab_size].float()
+
+    def head_widths(self, mine: int) -> list[int]:
+        """Every rank's lm_head width (``mine``: this rank's), gathered on first use. Every rank
+        calls it at the same point (``PagedState`` asks before any step is captured), so the
+        forward's gather has no object collective: that one synced the host at every step and
+        cannot be captured in a CUDA graph."""
+        if self._head_widths is None:
+            self._head_widths = self.tp.sizes(mine)
+        return self._head_widths

@@ -38,6 +38,8 @@ class PagedState:
         from exl3tools.runtime.paged_decode import PagedDecoder
 
         self.model = model
+        if model.head_sharded:     # gathered here, in lockstep, before a step can be captured
+            model.head_widths(model.head.out_real)
         self.pool = KVPool(layer_specs(model), num_blocks, block_size, getattr(torch, dtype), model.embed.device)
         # the MTP head's one layer, in blocks addressed like the pool's (the sequence's own table)
         self.head_pool = None

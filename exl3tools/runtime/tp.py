@@ -28,14 +28,23 @@ class TPContext:
             dist.all_reduce(x)
         return x
 
-    def all_gather_cat(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along ``dim`` (shapes may differ along ``dim``)."""
+    def sizes(self, n: int) -> list[int]:
+        """Every rank's ``n``, in rank order (an object collective: a host sync, never in a step)."""
+        if self.world == 1:
+            return [n]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        dist.all_gather_object(out, int(n))
+        return out
+
+    def all_gather_cat(self, x: torch.Tensor, sizes: list[int], dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim``, where rank r's is ``sizes[r]`` long there
+        (``sizes``, gathered once: tensor collectives only, so a CUDA graph can capture it)."""
         if self.world == 1:
             return x
         import torch.distributed as dist
 
-        sizes = [None] * self.world
-        dist.all_gather_object(sizes, x.shape[dim])
         pad = max(sizes) - x.shape[dim]
         if pad:
             shape = list(x.shape)
