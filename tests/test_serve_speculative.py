@@ -113,15 +113,15 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: float = 0.0):
+def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: float = 0.0, tp: int = 1):
     """Three concurrent greedy completions (one with logprobs: no drafts) at ``k`` drafts: their
     token ids, usages and the engine's stats. ``one``: the first request alone (no batching that
     timing decides); ``temperature`` > 0: that request sampled, seeded."""
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
-    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4,
-                      max_context=160, block_size=4, speculative_tokens=k, cuda_graphs=cuda_graphs)
+    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
+                      speculative_tokens=k, cuda_graphs=cuda_graphs, tp=tp)
     app = create_app(cfg)
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -157,15 +157,21 @@ def test_served_greedy_text_is_the_same_with_drafts(name, request):
         assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
 
 
-@pytest.mark.parametrize("name", MTP_MODELS)
-def test_verify_with_device_drafts_equals_the_host_round(name, request):
+@pytest.mark.parametrize("name,tp", [(NAME, 1), (DSV3_MTP, 1),
+                                     pytest.param("glm5_moe_dsa-tp-4.0bpw-mcg", 2, marks=pytest.mark.slow)])
+def test_verify_with_device_drafts_equals_the_host_round(name, tp, request, monkeypatch):
     """Runner.draft_device + verify_device (the drafts never read before the verify) against
-    draft_many + verify over two rounds of two sequences (one draft kept each round, accept given
-    the verified tokens): the same drafts, the same verify logits, the same cache afterwards."""
+    draft_many + verify with a host read a depth (EXL3TOOLS_CHAINED_DRAFTS=0) over two rounds of
+    two sequences (one draft kept each round, accept given the verified tokens): the same drafts,
+    the same verify logits, the same cache afterwards. At TP 2 (gloo, a worker process) the
+    worker gets each depth's tokens and the drafts it verifies by device broadcasts: a wrong token
+    there changes the drafts and logits (its heads' share is in every all-reduce)."""
     path = model_dir(name, request)
     out = {}
     for device in (False, True):
-        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode="static") as r:
+        monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1" if device else "0")
+        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode="static",
+                         tp=tp) as r:
             last = {}
             for s, p in ((0, PROMPT), (1, PROMPT[5:17])):
                 r.add_sequence(s)
@@ -221,6 +227,25 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     assert any(rounds), rounds
     monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
     assert got == _served(path, 3, cuda_graphs="force", one=True, temperature=0.8)[0]
+
+
+@pytest.mark.slow
+def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
+    """--tp 2 (gloo, a worker process) with the fixed-shape step: rounds keep their drafts on the
+    device (the worker gets them by broadcasts), and a greedy and a seeded sampled request give
+    what rounds that read every depth on the host give (EXL3TOOLS_CHAINED_DRAFTS=0)."""
+    from exl3tools.runtime import speculative
+
+    path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
+    rounds, real = [], speculative.SpeculativeSteps.verify_device
+    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",
+                        lambda self, *a: (lambda out: rounds.append(out is not None) or out)(real(self, *a)))
+    got = {}
+    for chained in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
+        got[chained] = [_served(path, 3, cuda_graphs="force", one=True, temperature=t, tp=2)[0] for t in (0.0, 0.8)]
+        assert any(rounds) == (chained == "1"), rounds
+    assert got["1"] == got["0"]
 
 
 def test_served_greedy_text_with_the_heads_own_cache(monkeypatch):

@@ -258,7 +258,7 @@ OPT_OUTS = {
     # (bench/count_decode_kernels.py --draft), where a DeepSeek-V3-shape draft took ~1.9 ms on the
     # H200 against ~0.35 ms a main-model layer ("0": the torch body)
     "fused_draft": "EXL3TOOLS_FUSED_DRAFT",
-    # greedy and Draw-sampled MTP drafts on one rank (runtime/speculative.py _chain_depths): each
+    # greedy and Draw-sampled MTP drafts, at any TP (runtime/speculative.py _chain_depths): each
     # draft depth's tokens stay on the device and feed the next depth's fixed-shape step, where each
     # depth read its tokens back first (a sync a depth: the GPU idle while the host prepares the
     # next); where every drafting row drafts the same k, the drafts stay on the device through the

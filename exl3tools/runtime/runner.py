@@ -451,9 +451,8 @@ class Runner(SpeculativeSteps):
         the workers so they feed their head too): (logits, final-normed states)."""
         args = self._decode_args(items, slots)
         self._send(("pdecode", *args, spec, device_tokens is not None))
-        if device_tokens is not None and self.world > 1:
-            # the workers take the chained step's tokens from rank 0's device, stream-ordered
-            device_tokens = D.broadcast_tensor(device_tokens.long().contiguous())
+        if device_tokens is not None:
+            device_tokens = self._share(device_tokens)
         if spec is None:
             return self.paged.decode(*args, device_tokens)
         return self.paged.decode(*args, device_tokens, states=True)
@@ -507,6 +506,17 @@ class Runner(SpeculativeSteps):
             except RuntimeError as exc:
                 self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
                 raise RuntimeFailure(self.lost) from exc
+
+    def _share(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Device tokens of a step just sent, from rank 0 to every worker (``_send`` first: a
+        worker takes them with ``worker.receive``); stream-ordered on NCCL, so no host wait."""
+        if self.world == 1:
+            return tokens
+        try:
+            return D.broadcast_tensor(tokens.long().contiguous())
+        except RuntimeError as exc:
+            self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
+            raise RuntimeFailure(self.lost) from exc
 
     def _exited(self) -> str:
         """Which spawned ranks have exited, and how (empty under torchrun or when none has)."""

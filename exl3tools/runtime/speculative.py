@@ -80,9 +80,9 @@ class SpeculativeSteps:
     def draft_device(self, reqs: list[tuple[Hashable, int, int, Any]]) -> DeviceDrafts | None:
         """``draft_many`` of requests that all draft the same k, with the drafts left on the
         device (``DeviceDrafts``: ``verify_device`` reads them there, and the caller reads them
-        with its verdicts in one sync); None where they cannot be (draws that are host functions,
-        mixed k, tensor parallelism, the head's own cache, rows past the fixed-shape step): call
-        draft_many."""
+        with its verdicts in one sync; at TP > 1 the workers get each depth's tokens by a device
+        broadcast); None where they cannot be (draws that are host functions, mixed k, the head's
+        own cache, rows past the fixed-shape step): call draft_many."""
         if not reqs or len({k for _, _, k, _ in reqs}) != 1 or self.paged.head_pool is None:
             return None
         specs = []
@@ -99,8 +99,7 @@ class SpeculativeSteps:
         """Whether ``reqs``' deeper drafts chain on the device (_chain_depths): greedy draws (None)
         and ``Draw`` settings, not host functions."""
         d = self.paged.decoder
-        return (self.world == 1 and all(draw is None or isinstance(draw, Draw) for *_, draw in reqs)
-                and d is not None and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
+        return (all(draw is None or isinstance(draw, Draw) for *_, draw in reqs) and d is not None and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
 
     def _draft_paged(self, reqs: list, specs: list, keep_on_device: bool = False):
         """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
@@ -118,8 +117,8 @@ class SpeculativeSteps:
             """(seq, tokens, first position) per sequence -> each one's newest (state, logits) row;
             the other ranks run the same (``lasts``: the first depth's last tokens, which they take
             their pending pairs with; deeper: they feed their own rows of the depth before).
-            ``device_tokens``: one rank's fixed-shape step only, the rows' tokens on the device
-            (``rows`` then hold placeholders)."""
+            ``device_tokens``: the fixed-shape step only, the rows' tokens on the device (``rows``
+            then hold placeholders; the workers get them by a broadcast, Runner._share)."""
             d = self.paged.decoder
             if d is not None and sum(len(t) for _, t, _ in rows) <= d.max_rows:
                 slots = [self.blocks.slots(s, n0, len(t)) for s, t, n0 in rows]
@@ -127,8 +126,9 @@ class SpeculativeSteps:
                 mode, payload = "static", (args, [len(t) for _, t, _ in rows])
             else:
                 mode, payload = "eager", [(list(self.blocks.table(s)), n0, t) for s, t, n0 in rows]
-            if device_tokens is None:
-                self._send(("hdraft", lasts, [s for s, _, _ in rows], mode, payload))
+            self._send(("hdraft", lasts, [s for s, _, _ in rows], mode, payload, device_tokens is not None))
+            if device_tokens is not None:
+                device_tokens = self._share(device_tokens)
             return run_head(self.paged, mode, payload, states, device_tokens)
 
         taken = [sp.take(int(last)) for sp, (_, last, _, _) in zip(specs, reqs, strict=True)]
@@ -144,7 +144,7 @@ class SpeculativeSteps:
                 nxt[i] += 1
             return res
 
-        # greedy and Draw-sampled drafts on one rank through the fixed-shape step: each depth takes
+        # greedy and Draw-sampled drafts through the fixed-shape step (any TP): each depth takes
         # the tokens of the one before on the device, and the host reads every depth's drafts once at
         # the end (EXL3TOOLS_CHAINED_DRAFTS=0: a sync a depth), or never (keep_on_device)
         if self._chains(reqs):
@@ -236,15 +236,16 @@ class SpeculativeSteps:
         dev = drafts.tokens.device
         head = (head.pin_memory() if drafts.tokens.is_cuda else head).to(dev, non_blocking=True)
         tokens = torch.cat([head[:, None], drafts.tokens], dim=1).reshape(-1)
+        wire = [(None, n0, t) for _, _, t, n0 in items]
         try:
             args = self._decode_args(items, slots)
-            logits, hn = self.paged.decode(*args, tokens, states=True)
+            self._send(("pverify", wire, [s for s, *_ in items], args, True))
+            logits, hn = self.paged.decode(*args, self._share(tokens), states=True)
             logits, hn = logits.clone(), hn.clone()
         except BaseException:
             for s, *_ in items:
                 self.blocks.trim(s)
             raise
-        wire = [(None, n0, t) for _, _, t, n0 in items]
         for (_, seq, _, _), states in zip(items, rows_of(hn, wire), strict=True):
             seq.pending = (None, states)        # the tokens: accept's, once read
         return logits
@@ -262,7 +263,7 @@ class SpeculativeSteps:
         if not 1 <= n <= len(toks):
             raise UsageError(f"accept {n} of {len(toks)} verified tokens")
         seq.pending = None
-        self._send(("accept", seq_id, int(n)))
+        self._send(("accept", seq_id, int(n), toks[:n]))
         seq.tokens.extend(toks[:n])
         self.blocks.commit(seq_id, seq.tokens)
         self.blocks.trim(seq_id)

@@ -55,8 +55,7 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
             elif op == "pdecode":
                 args, spec = cmd[1:6], cmd[6] if len(cmd) > 6 else None
                 if len(cmd) > 7 and cmd[7]:     # a chained step: its tokens come from rank 0's device
-                    tokens = torch.empty(len(args[0]), dtype=torch.long, device=paged.model.embed.device)
-                    paged.decode(*args, D.broadcast_tensor(tokens))
+                    paged.decode(*args, receive(paged, len(args[0])))
                 elif spec is not None and any(sid is not None for sid, _ in spec):
                     _, hn = paged.decode(*args, states=True)
                     drafts.extend(split_rows(args[0], [n for _, n in spec]), [sid for sid, _ in spec], hn)
@@ -72,6 +71,11 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 break
     finally:
         D.destroy()
+
+
+def receive(paged: PagedState, n: int) -> torch.Tensor:
+    """The ``n`` device tokens rank 0 shares after a command (Runner._share)."""
+    return D.broadcast_tensor(torch.empty(n, dtype=torch.long, device=paged.model.embed.device))
 
 
 class WorkerDrafts:
@@ -119,12 +123,14 @@ class WorkerDrafts:
                 _, committed = self.drafting.pop(s)
                 truncate(self.specs[s].cache, committed)
         elif op == "hdraft":        # the head's cache in blocks: rank 0's SpeculativeSteps._draft_paged
-            lasts, sids, mode, payload = cmd[1:]
+            lasts, sids, mode, payload = cmd[1:5]
             if lasts is not None:   # the first depth: every pending pair
                 states = [st for st, _ in (self._spec(s).take(t) for s, t in zip(sids, lasts, strict=True))]
             else:
                 states = [self.drafting[s] for s in sids]
-            g, _ = run_head(paged, mode, payload, states)
+            # a chained depth: its tokens (the depth before's draws) come from rank 0's device
+            tokens = receive(paged, len(payload[0][0])) if len(cmd) > 5 and cmd[5] else None
+            g, _ = run_head(paged, mode, payload, states, tokens)
             self.drafting = {s: g[j:j + 1] for j, s in enumerate(sids)}
         elif op == "hcatch":        # a prompt chunk's known pairs: rank 0's SpeculativeSteps._catch_up
             sids, payload = cmd[1:]
@@ -134,15 +140,17 @@ class WorkerDrafts:
             else:
                 head.forward_many([self.specs[s].cache for s in sids], [st for st, _ in known], [t for _, t in known])
         elif op == "pverify":
-            if len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
+            if len(cmd) > 4 and cmd[4]:     # verify_device: the drafts come from rank 0's device
+                _, hn = paged.decode(*cmd[3], receive(paged, len(cmd[3][0])), states=True)
+            elif len(cmd) > 3 and cmd[3] is not None:          # rank 0 verified through the decode step
                 _, hn = paged.decode(*cmd[3], states=True)
             else:
                 _, hn = paged.forward(cmd[1], all_logits=True, states=True)
             for (_, _, toks), sid, states in zip(cmd[1], cmd[2], rows_of(hn, cmd[1]), strict=True):
                 self.pending[sid] = (toks, states)
-        elif op == "accept":
+        elif op == "accept":        # (seq, n, the n kept tokens: after verify_device only rank 0 knew them)
             toks, states = self.pending.pop(cmd[1])
-            self._spec(cmd[1]).extend(states[:cmd[2]], toks[:cmd[2]])
+            self._spec(cmd[1]).extend(states[:cmd[2]], cmd[3] if len(cmd) > 3 else toks[:cmd[2]])
         elif op == "sfree":
             for d in (self.specs, self.pending, self.drafting):
                 d.pop(cmd[1], None)

@@ -109,8 +109,8 @@ class SpeculativeRounds:
 
     def _device_round(self, rows: list[tuple[Sequence, int]], reqs: list) -> tuple:
         """(logits, drafted, preds, on_device) of a round whose drafts never reach the host before
-        the verify (the runner's draft_device / verify_device: every row drafting the same k on one
-        rank, greedy or by Draw settings), the drafts and the verify's argmaxes read in one sync (on_device:
+        the verify (the runner's draft_device / verify_device: every row drafting the same k, greedy
+        or by Draw settings; at TP > 1 too), the drafts and the verify's argmaxes read in one sync (on_device:
         accept takes the verified tokens); (None, None, None, False) where the runner cannot
         (then draft_many and verify)."""
         import torch
