@@ -127,26 +127,51 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_tensor_parallel_serving_matches_one_process_and_stops_when_a_rank_dies():
-    """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's. When
-    the worker is killed, the next request fails, /health turns 503 "failed" and `serve` exits 4
-    with one line naming the lost peer (it used to stay "ok" and fail every request with a 500)."""
+def test_tensor_parallel_serving_matches_one_process():
+    """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's; SIGTERM
+    stops both processes cleanly."""
     from exl3tools.runtime.runner import load_runner
     from exl3tools.runtime.sampling import sample
 
     model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
     port = free_port()
     proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
-    body = {"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60], "max_tokens": 6, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
     try:
         url = wait_healthy(proc, port)
-        served = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+        workers = _children(proc.pid)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
+                                                      "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                      "return_token_ids": True}, timeout=60)
+        served = r.json()["choices"][0]["token_ids"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err
+    assert len(workers) == 1 and not os.path.exists(f"/proc/{workers[0]}/status"), workers   # reaped
+    with load_runner(str(model)) as runner:
+        runner.add_sequence(0)
+        toks, new = [], [1, 50, 60]
+        for _ in range(6):
+            toks.append(sample(runner.step([(0, new)])[0], 0.0))
+            new = [toks[-1]]
+    assert served == toks
+
+
+def test_tensor_parallel_serving_stops_when_a_rank_dies():
+    """A --tp 2 server whose worker is killed: the next request fails, and `serve` exits 4 with one
+    line naming the lost rank (it used to stay healthy and fail every request with a 500), so a
+    supervisor restarts it."""
+    model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+    port = free_port()
+    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    try:
+        url = wait_healthy(proc, port)
         workers = _children(proc.pid)
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
         time.sleep(0.5)
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": "hi",
+                                                      "max_tokens": 3}, timeout=60)
         assert r.status_code in (500, 503), r.text
         _, err = proc.communicate(timeout=60)
     finally:
@@ -156,12 +181,4 @@ def test_tensor_parallel_serving_matches_one_process_and_stops_when_a_rank_dies(
     assert proc.returncode == 4, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: runtime failure") and "tensor-parallel peer lost: rank 1 (pid " in last, err
-    assert "exited with signal 9" in last, err
-    assert "Traceback" not in err
-    with load_runner(str(model)) as runner:
-        runner.add_sequence(0)
-        toks, new = [], [1, 50, 60]
-        for _ in range(6):
-            toks.append(sample(runner.step([(0, new)])[0], 0.0))
-            new = [toks[-1]]
-    assert served == toks
+    assert "exited with signal 9" in last and "Traceback" not in err, err
