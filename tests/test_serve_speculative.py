@@ -157,16 +157,19 @@ def test_served_greedy_text_is_the_same_with_drafts(name, request):
         assert usage[2].completion_tokens_details is None          # the logprobs request drafted nothing
 
 
-@pytest.mark.parametrize("name,tp", [(NAME, 1), (DSV3_MTP, 1),
-                                     pytest.param("glm5_moe_dsa-tp-4.0bpw-mcg", 2, marks=pytest.mark.slow)])
-def test_verify_with_device_drafts_equals_the_host_round(name, tp, request, monkeypatch):
+@pytest.mark.parametrize("name,tp,ks", [(NAME, 1, (3, 3)), (DSV3_MTP, 1, (3, 3)), (NAME, 1, (3, 1)),
+                                        pytest.param("glm5_moe_dsa-tp-4.0bpw-mcg", 2, (3, 1), marks=pytest.mark.slow)])
+def test_verify_with_device_drafts_equals_the_host_round(name, tp, ks, request, monkeypatch):
     """Runner.draft_device + verify_device (the drafts never read before the verify) against
     draft_many + verify with a host read a depth (EXL3TOOLS_CHAINED_DRAFTS=0) over two rounds of
-    two sequences (one draft kept each round, accept given the verified tokens): the same drafts,
-    the same verify logits, the same cache afterwards. At TP 2 (gloo, a worker process) the
-    worker gets each depth's tokens and the drafts it verifies by device broadcasts: a wrong token
-    there changes the drafts and logits (its heads' share is in every all-reduce)."""
+    two sequences drafting ``ks`` (one draft kept each round, accept given the verified tokens):
+    the same drafts, the same verify logits, the same cache afterwards. Mixed k: the smaller
+    row's drafts are padded to the larger k on the device and its verdict reads its own rows.
+    At TP 2 (gloo, a worker process) the worker gets each depth's tokens and the drafts it
+    verifies by device broadcasts: a wrong token there changes the drafts and logits (its heads'
+    share is in every all-reduce)."""
     path = model_dir(name, request)
+    K = max(ks)
     out = {}
     for device in (False, True):
         monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1" if device else "0")
@@ -178,24 +181,29 @@ def test_verify_with_device_drafts_equals_the_host_round(name, tp, request, monk
                 last[s] = int(r.step([(s, p)])[0].argmax())
             got = []
             for _ in range(2):
-                reqs = [(s, last[s], 3, None) for s in last]
+                reqs = [(s, last[s], k, None) for s, k in zip(last, ks, strict=True)]
                 if device:
                     dd = r.draft_device(reqs)
                     logits = r.verify_device([(s, last[s]) for s in last], dd)
-                    assert logits is not None
-                    drafts = dd.tokens.tolist()
+                    assert logits is not None and dd.tokens.shape == (2, K)
+                    padded = dd.tokens.tolist()
+                    drafts = [t[:k] for t, k in zip(padded, ks, strict=True)]
+                    rows = [logits[i * (K + 1):i * (K + 1) + k + 1] for i, k in enumerate(ks)]
                 else:
                     drafts = [d for d, _ in r.draft_many(reqs)]
                     logits = r.verify([(s, [last[s]] + d) for s, d in zip(last, drafts, strict=True)])
-                got.append((drafts, logits.float().cpu()))
-                for i, (s, d) in enumerate(zip(list(last), drafts, strict=True)):
-                    r.accept(s, 2, tokens=[last[s]] + d if device else None)
-                    last[s] = int(logits[4 * i + 1].argmax())
+                    rows = list(logits.split([k + 1 for k in ks]))
+                got.append((drafts, [x.float().cpu() for x in rows]))
+                for i, s in enumerate(list(last)):
+                    r.accept(s, 2, tokens=[last[s]] + padded[i] if device else None)
+                    last[s] = int(rows[i][1].argmax())
             got.append(r.cache_tokens_used())
         out[device] = got
     assert out[True][-1] == out[False][-1]
     for (d0, l0), (d1, l1) in zip(out[False][:-1], out[True][:-1], strict=True):
-        assert d1 == d0 and ((l1 - l0).abs().max() / l0.abs().max()).item() < 1e-4
+        assert d1 == d0
+        for a, b in zip(l0, l1, strict=True):
+            assert ((b - a).abs().max() / a.abs().max()).item() < 1e-4
 
 
 @pytest.mark.parametrize("name", MTP_MODELS)
@@ -246,6 +254,57 @@ def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
         got[chained] = [_served(path, 3, cuda_graphs="force", one=True, temperature=t, tp=2)[0] for t in (0.0, 0.8)]
         assert any(rounds) == (chained == "1"), rounds
     assert got["1"] == got["0"]
+
+
+def test_served_rounds_of_mixed_k_stay_on_the_device(monkeypatch):
+    """Three concurrent greedy requests of different max_tokens: the rounds where one nears its
+    end (a smaller k) keep their drafts on the device, padded to the largest k, and every
+    verdict is read from the row's own verify rows: each accept keeps exactly the drafts that
+    match the argmaxes of that row's first k + 1 rows (the verify's rows K + 1 apart), plus one."""
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
+
+    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
+    path = fixture_dir(NAME) / "model"
+    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
+                      speculative_tokens=3, cuda_graphs="force", prefill_wait_s=0.3)
+    app = create_app(cfg)
+    rounds, accepts = [], []
+    with LiveServer(app) as s:
+        runner = app.state.server.engine.runner
+        verify, accept = runner.verify_device, runner.accept
+
+        def spy_verify(lasts, dd):
+            out = verify(lasts, dd)
+            if out is not None:
+                rounds.append(([sid for sid, _ in lasts], dd.tokens.tolist(), [len(q) for q in dd.rows],
+                               out.float().argmax(-1).tolist(), len(accepts), dict(lasts)))
+            return out
+
+        runner.verify_device = spy_verify
+        runner.accept = lambda sid, n, tokens=None: accepts.append((sid, n, tokens)) or accept(sid, n, tokens=tokens)
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="m", temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        import concurrent.futures as cf
+
+        jobs = [dict(prompt=PROMPT, max_tokens=14), dict(prompt=PROMPT[:20], max_tokens=6),
+                dict(prompt=PROMPT[3:30], max_tokens=10)]
+        with cf.ThreadPoolExecutor(3) as pool:
+            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+        assert runner.cache_tokens_used() == 0
+    assert [len(r.choices[0].model_dump()["token_ids"]) for r in rs] == [14, 6, 10]
+    mixed, bonus = 0, {}
+    for sids, tokens, ks, preds, at, lasts in rounds:
+        K = len(tokens[0])
+        mixed += len(set(ks)) > 1
+        for i, (sid, k) in enumerate(zip(sids, ks, strict=True)):
+            assert lasts[sid] == bonus.pop(sid, lasts[sid])     # the round before's token after the kept drafts
+            mine = preds[i * (K + 1):i * (K + 1) + k + 1]
+            a = next((j for j in range(k) if tokens[i][j] != mine[j]), k)
+            got = next(x for x in accepts[at:] if x[0] == sid)
+            assert got[1] == a + 1 and len(got[2]) == K + 1 and got[2][1:k + 1] == tokens[i][:k], (got, a, k, K)
+            bonus[sid] = mine[a]
+    assert mixed, [r[2] for r in rounds]
 
 
 def test_served_greedy_text_with_the_heads_own_cache(monkeypatch):

@@ -261,9 +261,9 @@ OPT_OUTS = {
     # greedy and Draw-sampled MTP drafts, at any TP (runtime/speculative.py _chain_depths): each
     # draft depth's tokens stay on the device and feed the next depth's fixed-shape step, where each
     # depth read its tokens back first (a sync a depth: the GPU idle while the host prepares the
-    # next); where every drafting row drafts the same k, the drafts stay on the device through the
-    # verify too (draft_device / verify_device) and the engine reads them with its verdicts in one
-    # sync: a speculative round's k + 1 host reads become one. "0": a sync a depth, and the verify
+    # next); the drafts stay on the device through the verify too (draft_device / verify_device;
+    # a row of a smaller k padded to the largest) and the engine reads them with its verdicts in
+    # one sync: a speculative round's k + 1 host reads become one. "0": a sync a depth, and the verify
     # after the drafts are read
     "chained_drafts": "EXL3TOOLS_CHAINED_DRAFTS",
     # a tensor-parallel rank's MoE in the fused step (outputs all-reduced; --moe tp or ep;

@@ -78,12 +78,15 @@ class SpeculativeSteps:
         return out
 
     def draft_device(self, reqs: list[tuple[Hashable, int, int, Any]]) -> DeviceDrafts | None:
-        """``draft_many`` of requests that all draft the same k, with the drafts left on the
-        device (``DeviceDrafts``: ``verify_device`` reads them there, and the caller reads them
-        with its verdicts in one sync; at TP > 1 the workers get each depth's tokens by a device
-        broadcast); None where they cannot be (draws that are host functions, mixed k, the head's
-        own cache, rows past the fixed-shape step): call draft_many."""
-        if not reqs or len({k for _, _, k, _ in reqs}) != 1 or self.paged.head_pool is None:
+        """``draft_many`` with the drafts left on the device (``DeviceDrafts``: ``verify_device``
+        reads them there, and the caller reads them with its verdicts in one sync; at TP > 1 the
+        workers get each depth's tokens by a device broadcast). Requests of a smaller k than the
+        round's largest (K) draft their own k, padded with token 0 to K: their verify writes K + 1
+        slots, of which ``accept`` keeps at most k + 1, so the round stays on the device when one
+        sequence nears its max_tokens. None where the drafts cannot stay (draws that are host
+        functions, the head's own cache, rows past the fixed-shape step, a padded row past
+        max_context or the free blocks): call draft_many."""
+        if not reqs or self.paged.head_pool is None:
             return None
         specs = []
         for seq_id, _, k, _ in reqs:
@@ -91,8 +94,14 @@ class SpeculativeSteps:
             if sp is None or k < 1:
                 return None
             specs.append(sp)
+        K = max(k for _, _, k, _ in reqs)
         if not self._chains(reqs):
             return None
+        if any(k < K for _, _, k, _ in reqs):      # the padded verify must fit where the real one would
+            if any(self.blocks.length(s) + K + 1 > self.max_context for s, *_ in reqs):
+                return None
+            if not self.fits([(s, K + 1) for s, *_ in reqs]):
+                return None
         return self._draft_paged(reqs, specs, keep_on_device=True)
 
     def _chains(self, reqs: list) -> bool:
@@ -272,8 +281,9 @@ class SpeculativeSteps:
 
 @dataclass(frozen=True, slots=True)
 class DeviceDrafts:
-    """Greedy drafts left on the device (``SpeculativeSteps.draft_device``): ``tokens`` (n, k)
-    int64, row i sequence i's drafts; ``rows[i]``: the head's logits rows they were drawn from."""
+    """Drafts left on the device (``SpeculativeSteps.draft_device``): ``tokens`` (n, K) int64, row
+    i sequence i's drafts, padded with token 0 past its own k; ``rows[i]``: the head's logits rows
+    its k drafts were drawn from (so k = len(rows[i]))."""
 
     tokens: torch.Tensor
     rows: list[list[torch.Tensor]]
@@ -283,7 +293,7 @@ def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper, read: b
     """``_draw_depths`` without a host sync between depths, for greedy requests and ``Draw``
     settings: each depth's tokens (argmaxes, or draws by sampling.sample_batch_device) stay on
     the device and feed ``deeper(live, state rows, device tokens)``; every depth's tokens reach
-    the host in one read at the end, or (``read`` False: every request drafts the same k) stay on
+    the host in one read at the end, or (``read`` False; a request of a smaller k padded) stay on
     the device as ``DeviceDrafts``."""
     rows: list[list[torch.Tensor]] = [[] for _ in reqs]
     picks: list[tuple[list[int], torch.Tensor]] = []       # (live request indices, their tokens)
@@ -310,7 +320,18 @@ def _chain_depths(reqs: list, g: torch.Tensor, dl: torch.Tensor, deeper, read: b
         live = [live[j] for j in keep]
         g, dl = deeper(live, [g[j:j + 1] for j in keep], toks if idx is None else toks.index_select(0, idx))
     if not read:
-        return DeviceDrafts(torch.stack([t for _, t in picks], dim=1), rows)
+        K = len(picks)
+        if all(len(lv) == len(reqs) for lv, _ in picks):
+            return DeviceDrafts(torch.stack([t for _, t in picks], dim=1), rows)
+        out = torch.zeros(len(reqs), K, dtype=torch.int64, device=picks[0][1].device)   # padding: token 0
+        for d, (lv, t) in enumerate(picks):
+            if len(lv) == len(reqs):
+                out[:, d] = t
+            else:   # the rows still drafting at depth d: a pinned index, no stream sync
+                idx = torch.tensor(lv, dtype=torch.int64)
+                idx = (idx.pin_memory() if t.is_cuda else idx).to(t.device, non_blocking=True)
+                out[:, d].index_copy_(0, idx, t.long())
+        return DeviceDrafts(out, rows)
     drafts: list[list[int]] = [[] for _ in reqs]
     flat = torch.cat([t for _, t in picks]).tolist()           # the one host read
     at = 0

@@ -65,9 +65,9 @@ class SpeculativeRounds:
                 else:
                     draw = lambda r, p=p, gen=gen: self._sample_fn(r, p.temperature, p.top_k, p.top_p, gen)  # noqa: E731
                 reqs.append((seq.seq_id, seq.output_ids[-1], k, draw))
-            # one k, draws on the device (greedy or Draw): the drafts stay on the device through
-            # the verify, and the host reads them with the verdicts in one sync (else: drafts
-            # read, then the verify)
+            # draws on the device (greedy or Draw): the drafts stay on the device through the
+            # verify, and the host reads them with the verdicts in one sync (else: drafts read,
+            # then the verify)
             logits, drafted, preds, on_device = self._device_round(rows, reqs)   # on_device: accept takes the tokens
             if logits is None:
                 # every row's drafts in one head forward per depth
@@ -84,15 +84,19 @@ class SpeculativeRounds:
         if preds is None and any(s.params.temperature <= 0 for s, _, _ in drafted):
             preds = logits.float().argmax(-1).tolist()
         row = 0
+        # a device round's rows are K + 1 each, K its largest k (runtime/speculative.draft_device:
+        # a row of a smaller k is padded; its verdict reads only its first k + 1 rows)
+        width = max(len(d) for _, d, _ in drafted) + 1 if on_device else None
         for seq, drafts, qrows in drafted:
             p, k = seq.params, len(drafts)
             target = logits[row:row + k + 1]
             mine = None if preds is None or p.temperature > 0 else preds[row:row + k + 1]
-            row += k + 1
+            verified = [seq.output_ids[-1]] + drafts + [0] * (width - 1 - k) if on_device else None
+            row += width or k + 1
             try:
                 a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
                                            seq.generator if p.temperature > 0 else None, preds=mine)
-                runner.accept(seq.seq_id, a + 1, tokens=[seq.output_ids[-1]] + drafts if on_device else None)
+                runner.accept(seq.seq_id, a + 1, tokens=verified)
             except Exception:
                 log.exception("accepting drafts failed")
                 self._fail(seq)
@@ -109,10 +113,10 @@ class SpeculativeRounds:
 
     def _device_round(self, rows: list[tuple[Sequence, int]], reqs: list) -> tuple:
         """(logits, drafted, preds, on_device) of a round whose drafts never reach the host before
-        the verify (the runner's draft_device / verify_device: every row drafting the same k, greedy
-        or by Draw settings; at TP > 1 too), the drafts and the verify's argmaxes read in one sync (on_device:
-        accept takes the verified tokens); (None, None, None, False) where the runner cannot
-        (then draft_many and verify)."""
+        the verify (the runner's draft_device / verify_device: greedy or Draw-sampled rows, those
+        of a smaller k padded to the largest; at TP > 1 too), the drafts and the verify's argmaxes
+        read in one sync (on_device: accept takes the verified tokens); (None, None, None, False)
+        where the runner cannot (then draft_many and verify)."""
         import torch
 
         runner = self.runner
@@ -126,7 +130,8 @@ class SpeculativeRounds:
             flat = dd.tokens.reshape(-1).tolist()
         else:                                   # the drafts and the verify's argmaxes in one read
             flat = torch.cat([dd.tokens.reshape(-1), logits.float().argmax(-1)]).tolist()
-        drafted = [(seq, flat[i * k:(i + 1) * k], q) for i, ((seq, _), q) in enumerate(zip(rows, dd.rows, strict=True))]
+        # each row's own drafts (len(q) of them: a row of a smaller k is padded to k)
+        drafted = [(seq, flat[i * k:i * k + len(q)], q) for i, ((seq, _), q) in enumerate(zip(rows, dd.rows, strict=True))]
         if logits is None:
             return runner.verify([(seq.seq_id, [seq.output_ids[-1]] + d) for seq, d, _ in drafted]), drafted, None, False
         return logits, drafted, flat[n * k:], True
