@@ -60,6 +60,19 @@ def trace_opens_stop() -> list[str]:
     return out
 
 
+def one_gpu() -> bool:
+    """EXL3TOOLS_TP_ONE_GPU=1: every rank on cuda:0 and the model's collectives over gloo (which
+    takes CUDA tensors through host copies). Slow and without CUDA graphs (gloo syncs the host),
+    it is a test bed: the tensor-parallel CUDA paths (a rank's fused MoE, its 16 / 32 MLA heads,
+    chained steps and device drafts at TP) checked against TP 1 on a machine with one GPU."""
+    return os.environ.get("EXL3TOOLS_TP_ONE_GPU") == "1"
+
+
+def model_backend(device: str) -> str:
+    """The model's collectives: NCCL on GPUs (gloo with ``one_gpu``), gloo on the CPU."""
+    return "nccl" if str(device).startswith("cuda") and not one_gpu() else "gloo"
+
+
 def timeout_s() -> float:
     return float(os.environ.get("EXL3TOOLS_TP_TIMEOUT", "120"))
 
@@ -76,7 +89,7 @@ def init_group(rank: int, world: int, device: str, port: int | None = None, proc
     import torch.distributed as dist
 
     global _COMMANDS
-    backend = "nccl" if str(device).startswith("cuda") else "gloo"
+    backend = model_backend(device)
     timeout = datetime.timedelta(seconds=timeout_s())
     if port is None:  # torchrun: MASTER_ADDR/MASTER_PORT come from the environment
         dist.init_process_group(backend, timeout=timeout)

@@ -34,9 +34,12 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
 
 
 def rank_device(device: str, rank: int, world: int) -> str:
-    """A bare "cuda" under TP means one GPU per rank: cuda:LOCAL_RANK (torchrun) or cuda:rank."""
+    """A bare "cuda" under TP means one GPU per rank: cuda:LOCAL_RANK (torchrun) or cuda:rank
+    (every rank on cuda:0 with EXL3TOOLS_TP_ONE_GPU=1, distributed.one_gpu)."""
+    from exl3tools.runtime.distributed import one_gpu
+
     if str(device) == "cuda" and world > 1:
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = 0 if one_gpu() else int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         return f"cuda:{local}"
     return device

@@ -45,6 +45,9 @@ class TPContext:
             return x
         import torch.distributed as dist
 
+        dev = x.device
+        if x.is_cuda and dist.get_backend() == "gloo":   # gloo gathers no CUDA tensors (EXL3TOOLS_TP_ONE_GPU)
+            x = x.cpu()
         pad = max(sizes) - x.shape[dim]
         if pad:
             shape = list(x.shape)
@@ -53,7 +56,7 @@ class TPContext:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
         parts = [p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)]
-        return torch.cat(parts, dim=dim)
+        return torch.cat(parts, dim=dim).to(dev)
 
 
 SINGLE = TPContext()

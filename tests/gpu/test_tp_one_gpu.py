@@ -1,0 +1,98 @@
+"""Tensor parallelism's CUDA paths on a machine with one GPU (EXL3TOOLS_TP_ONE_GPU=1: both ranks on
+cuda:0, the model's collectives over gloo): a rank's fused MoE (``--moe tp`` and ``ep``, the
+reduced path with kernels/moe_combine.py), an MLA rank's 16-32 heads, the vocab-cut head's
+gather, chained decode steps and device-held MTP drafts at TP 2, each against TP 1 on the same
+GPU. No CUDA graphs (gloo syncs the host), and no NCCL: a two-GPU machine runs those
+(bench/multigpu_tp.py). Spawns a worker process per runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import DSV3_MTP, fixture_dir, model_dir
+
+PROMPT = list(range(3, 43))          # 40 tokens: past the glm5 fixtures' index_topk (32)
+STEPS = (5, 900, 11)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _logits(r) -> list:
+    r.add_sequence("s")
+    out = [r.step([("s", PROMPT)], all_logits=True).float().cpu()]
+    out += [r.step([("s", [t])]).float().cpu() for t in STEPS]
+    r.free_sequence("s")
+    return out
+
+
+@pytest.mark.parametrize("name,moe,tol", [("glm4_moe-tp-2.0bpw-mul1", "tp", 1e-2), ("glm4_moe-tp-2.0bpw-mul1", "ep", 1e-2),
+                                          ("glm5_moe_dsa-tp-4.0bpw-mcg", "tp", 3e-2), (DSV3_MTP, "ep", 1e-2)])
+def test_tp2_on_one_gpu_gives_tp1s_logits(dev, name, moe, tol, request, monkeypatch):
+    """The prompt's every row and three decode steps through the fixed-shape step (``static``):
+    TP 2 against TP 1 within ``tol`` (glm5's DSA selection sits on near-ties of the indexer
+    scores, which a rank's summation order may flip: tests/gpu/test_runtime_mla_gpu.py)."""
+    from exl3tools.runtime.runner import load_runner
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("EXL3TOOLS_TP_ONE_GPU", "1")
+    path = model_dir(name, request) if name.startswith("synth-") else fixture_dir(name) / "model"
+    kw = dict(device="cuda", max_cache_tokens=512, block_size=16, decode="static")
+    with load_runner(path, **kw) as r:
+        want = _logits(r)
+    with load_runner(path, tp=2, moe=moe, **kw) as r:
+        assert r.decode_mode == "static"
+        got = _logits(r)
+        # a chained step (the worker takes its token by a broadcast) gives the plain step's logits
+        import torch
+
+        rows = {}
+        for s in ("plain", "chained"):
+            r.add_sequence(s)
+            r.step([(s, PROMPT[:20])])
+            rows[s] = (r.step([(s, [7])]) if s == "plain" else
+                       r.step_chained([s], torch.tensor([7], device="cuda"))).float().cpu()
+            r.free_sequence(s)
+    errs = [_rel(g, w) for g, w in zip(got, want, strict=True)]
+    assert max(errs) < tol, errs
+    assert _rel(rows["chained"], rows["plain"]) < 1e-5
+
+
+@pytest.mark.parametrize("ks", [(3, 3), (3, 1)])
+def test_tp2_on_one_gpu_device_drafts_equal_the_host_round(dev, ks, monkeypatch):
+    """At TP 2 on the glm5 TP fixture (MLA + DSA + MTP head): draft_device + verify_device (each
+    depth's tokens and the verified drafts broadcast to the worker on the device) against
+    draft_many + verify with a host read a depth: the same drafts and verify logits, rows of a
+    smaller k padded."""
+    from exl3tools.runtime.runner import load_runner
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("EXL3TOOLS_TP_ONE_GPU", "1")
+    path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
+    K = max(ks)
+    out = {}
+    for device in (False, True):
+        monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1" if device else "0")
+        with load_runner(path, tp=2, device="cuda", max_cache_tokens=512, block_size=16, speculative_tokens=3,
+                         decode="static") as r:
+            last = {}
+            for s, p in ((0, PROMPT), (1, PROMPT[5:17])):
+                r.add_sequence(s)
+                last[s] = int(r.step([(s, p)])[0].argmax())
+            reqs = [(s, last[s], k, None) for s, k in zip(last, ks, strict=True)]
+            if device:
+                dd = r.draft_device(reqs)
+                logits = r.verify_device([(s, last[s]) for s in last], dd)
+                assert logits is not None
+                drafts = [t[:k] for t, k in zip(dd.tokens.tolist(), ks, strict=True)]
+                rows = [logits[i * (K + 1):i * (K + 1) + k + 1].float().cpu() for i, k in enumerate(ks)]
+            else:
+                drafts = [d for d, _ in r.draft_many(reqs)]
+                logits = r.verify([(s, [last[s]] + d) for s, d in zip(last, drafts, strict=True)])
+                rows = [x.float().cpu() for x in logits.split([k + 1 for k in ks])]
+            out[device] = (drafts, rows)
+    assert out[True][0] == out[False][0]
+    assert max(_rel(a, b) for a, b in zip(out[True][1], out[False][1], strict=True)) < 1e-3
