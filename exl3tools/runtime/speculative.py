@@ -108,7 +108,8 @@ class SpeculativeSteps:
         """Whether ``reqs``' deeper drafts chain on the device (_chain_depths): greedy draws (None)
         and ``Draw`` settings, not host functions."""
         d = self.paged.decoder
-        return (all(draw is None or isinstance(draw, Draw) for *_, draw in reqs) and d is not None and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
+        return (all(draw is None or isinstance(draw, Draw) for *_, draw in reqs) and d is not None
+                and len(reqs) <= d.max_rows and preview.switched_on("chained_drafts"))
 
     def _draft_paged(self, reqs: list, specs: list, keep_on_device: bool = False):
         """draft_many with the head's cache in ``paged.head_pool``: the pair (state p, token p + 1)
