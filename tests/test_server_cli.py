@@ -127,6 +127,18 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _serve_tp2(model) -> tuple[subprocess.Popen, str, list[int]]:
+    """`serve MODEL --tp 2 --moe ep` once healthy: (process, url, its worker pids)."""
+    port = free_port()
+    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    try:
+        return proc, wait_healthy(proc, port), _children(proc.pid)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
 def test_tensor_parallel_serving_matches_one_process():
     """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's; SIGTERM
     stops both processes cleanly."""
@@ -134,11 +146,8 @@ def test_tensor_parallel_serving_matches_one_process():
     from exl3tools.runtime.sampling import sample
 
     model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
-    port = free_port()
-    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    proc, url, workers = _serve_tp2(model)
     try:
-        url = wait_healthy(proc, port)
-        workers = _children(proc.pid)
         r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
                                                       "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                                                       "return_token_ids": True}, timeout=60)
@@ -161,12 +170,8 @@ def test_tensor_parallel_serving_stops_when_a_rank_dies():
     """A --tp 2 server whose worker is killed: the next request fails, and `serve` exits 4 with one
     line naming the lost rank (it used to stay healthy and fail every request with a 500), so a
     supervisor restarts it."""
-    model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
-    port = free_port()
-    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    proc, url, workers = _serve_tp2(REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model")
     try:
-        url = wait_healthy(proc, port)
-        workers = _children(proc.pid)
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
         time.sleep(0.5)
