@@ -250,7 +250,7 @@ def test_json_container_bombs_are_refused_before_parsing(monkeypatch):
     assert e.value.status == 413 and "JSON arrays and objects" in e.value.message
     code = '"' + "[{" * P.MAX_JSON_CONTAINERS + '\\"]"'       # brackets in a string, an escaped quote
     with pytest.raises(P.APIError) as e:                        # past the count: refused for its length
-        P.parse_body(('{"model":"m","prompt":' + code + ',"max_tokens":0}').encode(), P.CompletionRequest)
+        P.parse_body(('{"model":"m","prompt":' + code + ',"max_tokens":-1}').encode(), P.CompletionRequest)
     assert "JSON arrays" not in e.value.message
     under = '{"model":"m","prompt":"x","logit_bias":{},"stop":[' + ",".join(['"a"'] * 3) + '],"x":' + \
         "[" * 50 + "]" * 50 + "}"

@@ -107,7 +107,7 @@ CASES = [
     ("logit-bias-token", COMP, comp(logit_bias={"99999999": 10}), 400, None),
     ("logit-bias-value", COMP, comp(logit_bias={"5": 101}), 400, None),
     ("min-tokens-over-max", COMP, comp(min_tokens=50, max_tokens=5), 400, None),
-    ("echo", COMP, comp(echo=True), 400, "unsupported_parameter"),
+    ("max-tokens-0-without-echo", COMP, comp(max_tokens=0), 400, None),
     ("suffix", COMP, comp(suffix="x"), 400, "unsupported_parameter"),
     ("best-of", COMP, comp(best_of=3), 400, "unsupported_parameter"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,

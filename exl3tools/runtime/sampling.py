@@ -174,6 +174,26 @@ def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[floa
     return host[0], [(int(a), b) for a, b in zip(host[1 + k:], host[1:1 + k], strict=True)]
 
 
+def logprobs_rows(rows: torch.Tensor, tokens: Sequence[int], top_n: int = 0,
+                  slab: int = 64) -> list[tuple[float, list[tuple[int, float]]]]:
+    """``logprobs`` of each row of ``rows`` for its token (a prompt's rows and next tokens: the
+    completions' echo), ``slab`` rows at a time (a row's float32 log-softmax is the vocabulary's
+    size), in one host copy a slab."""
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    for a in range(0, len(tokens), slab):
+        lp = torch.log_softmax(rows[a:a + slab].float(), -1)
+        idx = torch.tensor(tokens[a:a + slab], dtype=torch.int64).to(lp.device)
+        chosen = lp.gather(1, idx[:, None])
+        if top_n > 0:
+            v, i = torch.topk(lp, min(top_n, lp.shape[-1]), dim=-1)
+            host = torch.cat([chosen.double(), v.double(), i.double()], dim=1).tolist()
+        else:
+            host = chosen.double().tolist()
+        k = (len(host[0]) - 1) // 2
+        out.extend((h[0], [(int(t), x) for t, x in zip(h[1 + k:], h[1:1 + k], strict=True)]) for h in host)
+    return out
+
+
 class Adjust:
     """One sequence's logits processing before sampling, on the logits' device, in this order:
     a grammar's mask (``params.grammar``, structured outputs: every token it does not allow next at

@@ -293,9 +293,15 @@ class Server:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                  vocab_size=runner.vocab_size,
                                  defaults=getattr(runner, "generation_defaults", None))
+        extras: dict[str, Any] = {}
+        if req.echo:     # the prompts' text before the completions; with logprobs, their tokens' too
+            extras["echo"] = [t if isinstance(t, str) else runner.tokenizer.decode(ids, skip_special_tokens=False)
+                              for t, ids in zip(texts, prompts, strict=True)]
+            if req.logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         return Prepared(prompts, params, req.n, req.stream,
                         bool(req.stream_options and req.stream_options.include_usage),
-                        req.return_token_ids)
+                        req.return_token_ids, extras=extras)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         check_chat_extras(req)
@@ -505,7 +511,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                         tokens=server.token_text(), logprobs=prep.params.logprobs is not None,
                         token_ids=prep.return_token_ids,
                         calls=tools.CallReader(prep.extras["calls"]) if prep.extras.get("calls") else None,
-                        think=ThinkSplitter(prep.extras["think"]) if prep.extras.get("think") is not None else None)
+                        think=ThinkSplitter(prep.extras["think"]) if prep.extras.get("think") is not None else None,
+                        echo=prep.extras.get("echo"), n=prep.n)
         if prep.stream:
             return StreamingResponse(_stream(handle, fmt, prep.include_usage),
                                      media_type="text/event-stream",
@@ -536,6 +543,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                     c = choices.setdefault(ev.index, Choice(ev.index))
                     c.text.append(ev.text)
                     c.token_ids.extend(ev.token_ids)
+                    if ev.prompt_logprobs:
+                        c.prompt_logprobs = ev.prompt_logprobs
                     if ev.logprobs:
                         c.logprobs.extend(ev.logprobs)
                     if ev.finish_reason:

@@ -299,9 +299,14 @@ class Engine(SpeculativeRounds):
                     rec.update(path="speculative", seqs=len(spec), ms=round((time.perf_counter() - t0) * 1e3, 3))
                     self.trace.append(rec)
                 return bool(spec)
+            # prompts whose logprobs are wanted (completions' echo): every row's logits this step
+            scored = [i for i, (seq, _) in enumerate(batch) if seq.scores_prompt and seq.num_cached < len(seq.prompt) - 1]
             try:
                 # logits stay on the model's device: sampling runs there, only token ids come back
-                logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True)
+                logits = self.runner.step([(seq.seq_id, chunk) for seq, chunk in batch], device_logits=True,
+                                          all_logits=bool(scored))
+                if scored:
+                    logits = self._score_prompts(batch, scored, logits)
             except Exception as exc:
                 if getattr(self.runner, "lost", None):
                     log.error("runner.step failed: %s", first_line(exc))
@@ -318,6 +323,9 @@ class Engine(SpeculativeRounds):
             ready: list[tuple[int, Sequence]] = []
             for i, (seq, chunk) in enumerate(batch):
                 seq.num_cached += len(chunk)
+                if seq.num_cached >= len(seq.prompt) and not seq.finished and (
+                        seq.scores_prompt or seq.params.max_tokens == 0):
+                    self._end_prompt(seq)
                 if seq.pending == 0 and not seq.finished:  # mid-prefill logits are not wanted
                     ready.append((i, seq))
             fl = _Inflight(ready, logits, self._launch_sample(logits, ready))
@@ -338,6 +346,42 @@ class Engine(SpeculativeRounds):
             rec["admitted"], self._admitted = self._admitted, []
         self.trace.append(rec)
         return True
+
+    def _score_prompts(self, batch: list[tuple[Sequence, list[int]]], scored: list[int], logits: Any) -> Any:
+        """Every row's ``logits`` of a step (runner.step all_logits): each ``scored`` sequence's
+        prompt rows become its prompt tokens' logprobs (the row at position p scores the token at
+        p + 1; rows scored before a preemption are not scored again); returns each sequence's last
+        row, as a step without all_logits would."""
+        import torch
+
+        from exl3tools.runtime import sampling
+
+        ends = list(itertools.accumulate(len(c) for _, c in batch))
+        for i in scored:
+            seq, chunk = batch[i]
+            lps, start = seq.prompt_lps, seq.num_cached
+            if start == 0 and not lps:              # the first token: nothing before it, no logprob
+                lps.append(TokenLogprob(seq.prompt[0], None, None))
+            j0, n = max(0, len(lps) - 1 - start), min(len(chunk), len(seq.prompt) - 1 - start)
+            if j0 < n:
+                r0, nxt = ends[i] - len(chunk), seq.prompt[start + j0 + 1:start + n + 1]
+                got = sampling.logprobs_rows(logits[r0 + j0:r0 + n], nxt, seq.params.prompt_logprobs)
+                lps.extend(TokenLogprob(t, lp, top) for t, (lp, top) in zip(nxt, got, strict=True))
+        return logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
+
+    def _end_prompt(self, seq: Sequence) -> None:
+        """``seq``'s prompt is in the cache: send its prompt logprobs (echo) once, and end a
+        max_tokens 0 choice (echo alone: the prompt scored, nothing generated)."""
+        ev = None
+        if seq.scores_prompt:
+            ev = Event(seq.index, prompt_logprobs=seq.prompt_lps or [TokenLogprob(seq.prompt[0], None, None)])
+            seq.prompt_lps = None
+        if seq.params.max_tokens == 0:
+            ev = ev or Event(seq.index)
+            ev.finish_reason = "length"
+            seq.finished = True
+        if ev is not None:
+            seq.handle.push(ev)
 
     def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
         """The ready rows' tokens, sampled on the logits' device without a host sync (None: no
@@ -521,7 +565,8 @@ class Engine(SpeculativeRounds):
                 if not runner.fits([(None, seq.pending + 1)], held):
                     break  # wait for running sequences to finish and free their cache
                 self._waiting.popleft()
-                seq.num_cached = runner.add_sequence(seq.seq_id, seq.prompt + seq.output_ids,
+                # a prompt being scored computes every row: no prefix-cache blocks for it
+                seq.num_cached = runner.add_sequence(seq.seq_id, () if seq.scores_prompt else seq.prompt + seq.output_ids,
                                                      **self._spec_kw(seq))
                 held += runner.blocks_needed([(seq.seq_id, seq.pending + 1)])
                 self._admitted.append((seq.handle.t_received, seq.handle.t_arrival))

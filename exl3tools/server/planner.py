@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from exl3tools.server.requests import Sequence
 
+# a prompt whose logprobs are wanted (completions' echo) is cut into chunks of at most this many
+# rows: its steps return every row's logits (rows x vocabulary float32: 154k x 128 x 4 B = 79 MB)
+SCORED_CHUNK = 128
+
 
 def _decoding(seq: Sequence) -> bool:
     return seq.pending == 1 and bool(seq.output_ids)
@@ -34,7 +38,7 @@ def plan_step(running: list[Sequence], budget: int,
         if _decoding(seq):
             batch.append((seq, [seq.output_ids[-1]]))
         elif budget > 0:
-            chunk = seq.next_chunk(budget)
+            chunk = seq.next_chunk(min(budget, SCORED_CHUNK) if seq.scores_prompt else budget)
             if graph_limits is not None:
                 max_rows, max_reads = graph_limits
                 r = len(chunk)

@@ -124,8 +124,9 @@ class CompletionRequest(_Sampling):
     # failed on every id of a token prompt (2048 errors: 0.67 ms a request, 0.04 this way); the
     # members are disjoint under strict, so what matches and the first error are the same
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)    # 0: with echo, the prompt alone (scoring)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool = False    # the prompt before the completion; with logprobs, its tokens' logprobs too
     suffix: str | None = None
     best_of: int | None = None
 
@@ -223,6 +224,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k: chosen token + k alternatives
+    # completions' echo with logprobs: each prompt token's logprob and k alternatives (None: off)
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -469,9 +472,9 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def check_completion_extras(req: CompletionRequest) -> None:
-    if req.echo:
-        raise bad_request("echo is not supported by this server", param="echo",
-                          code="unsupported_parameter")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt's logprobs)",
+                          param="max_tokens")
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix",
                           code="unsupported_parameter")

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None                   # None (and top None): a prompt's first token (echo)
+    top: list[tuple[int, float]] | None
 
 
 @dataclass(slots=True)
@@ -29,13 +29,16 @@ class Event:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # echo with logprobs: the prompt's tokens, each with its logprob (None for the first: nothing
+    # before it), sent once, before the choice's first token
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: APIError | None = None
 
 
 class Sequence:
     __slots__ = ("seq_id", "index", "prompt", "params", "handle", "output_ids", "num_cached",
-                 "tracker", "generator", "finished", "t_last", "adjust")
+                 "tracker", "generator", "finished", "t_last", "adjust", "prompt_lps")
 
     def __init__(self, seq_id: int, index: int, prompt: list[int], params: SamplingParams,
                  handle: RequestHandle, tracker: TextTracker) -> None:
@@ -47,6 +50,15 @@ class Sequence:
         self.finished = False
         self.t_last = 0.0
         self.adjust: Any = None     # logits processing state (penalties, bias...), made on first use
+        # params.prompt_logprobs (echo with logprobs): one entry per prompt token so far; None
+        # once sent (Engine._end_prompt)
+        self.prompt_lps: list[TokenLogprob] | None = []
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's logprobs are still to be computed (echo with logprobs): its
+        prefill steps return every row's logits, and it takes no prefix-cache blocks."""
+        return self.params.prompt_logprobs is not None and self.prompt_lps is not None
 
     @property
     def pending(self) -> int:

@@ -21,6 +21,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # echo with logprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
@@ -55,8 +56,11 @@ class Formatter:
 
     def __init__(self, *, chat: bool, rid: str, created: int, model: str, tokens: TokenText,
                  logprobs: bool, token_ids: bool = False, calls: CallReader | None = None,
-                 think: ThinkSplitter | None = None) -> None:
+                 think: ThinkSplitter | None = None, echo: list[str] | None = None, n: int = 1) -> None:
         self.chat, self.rid, self.created, self.model = chat, rid, created, model
+        # completions' echo: each prompt's text before its choices' text (choice i: prompt i // n),
+        # with logprobs the prompt's tokens before the completion's
+        self._echo, self._n, self._echoed = echo, n, set()
         self._tokens, self._logprobs = tokens, logprobs
         self._token_ids = token_ids
         self._started: set[int] = set()
@@ -84,7 +88,8 @@ class Formatter:
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token_str(t): lp for t, lp in e.top} for e in entries],
+                "top_logprobs": [None if e.top is None else {self._token_str(t): lp for t, lp in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
 
     def _lp(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
@@ -109,10 +114,10 @@ class Formatter:
             elif self.chat:
                 body["message"] = {"role": "assistant", "content": text}
             else:
-                body["text"] = text
+                body["text"] = text if self._echo is None else self._echo[c.index // self._n] + text
             if reasoning is not None:
                 body["message"]["reasoning_content"] = reasoning
-            body["logprobs"] = self._lp(c.logprobs)
+            body["logprobs"] = self._lp(c.prompt_logprobs + c.logprobs)
             body["finish_reason"] = finish
             if self._token_ids:
                 body["token_ids"] = c.token_ids
@@ -143,10 +148,15 @@ class Formatter:
                 reasoning, text = reasoning + more[0], text + more[1]
         if self._calls is not None:
             text = self._calls.feed(ev.index, text)
-        if (not text and not reasoning and ev.finish_reason is None and not (self._logprobs and ev.logprobs)
+        entries = ev.logprobs or []
+        if self._echo is not None and ev.index not in self._echoed:     # the choice's first chunk
+            self._echoed.add(ev.index)
+            ev.text = text = self._echo[ev.index // self._n] + ev.text
+            entries = (ev.prompt_logprobs or []) + entries
+        if (not text and not reasoning and ev.finish_reason is None and not (self._logprobs and entries)
                 and not self._token_ids):
             return out
-        lp = self._lp(ev.logprobs or [], text_offset)
+        lp = self._lp(entries, text_offset)
         if self.chat:
             delta, finish = ({"content": text} if text else {}), ev.finish_reason
             if self._calls is not None and finish is not None:   # the calls in one delta, as OpenAI's
