@@ -26,11 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
-from exl3tools.server import detok, reasoning, tools
+from exl3tools.server import detok, openai_responses, reasoning, tools
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
 from exl3tools.server.limits import PromptGuard, check_api_keys
 from exl3tools.server.metrics import Metrics
+from exl3tools.server.openai_responses import ResponsesRequest
 from exl3tools.server.protocol import (
     MAX_BODY_BYTES,
     APIError,
@@ -47,7 +48,7 @@ from exl3tools.server.protocol import (
     sampling_params,
 )
 from exl3tools.server.reasoning import ThinkSplitter
-from exl3tools.server.responses import Choice, Formatter, sse
+from exl3tools.server.responses import Choice, Formatter, sse, usage
 from exl3tools.server.template import ChatTemplate, no_template
 from exl3tools.text import first_line
 
@@ -406,7 +407,7 @@ class Gate:
         return bool(got) and any([hmac.compare_digest(got, k) for k in self._keys])  # never a blank key
 
 
-_KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions",
+_KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
                           "/v1/chat/completions"})
 
 
@@ -498,7 +499,16 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         req = await run_in_threadpool(parse_body, await _read_body(request), ChatCompletionRequest)  # off the loop
         return await _generate(request, req, chat=True, received=received)
 
-    async def _generate(request: Request, req: Any, *, chat: bool, received: float) -> Response:
+    @app.post("/v1/responses")
+    async def responses_api(request: Request) -> Response:
+        received = time.monotonic()
+        req = await run_in_threadpool(parse_body, await _read_body(request), ResponsesRequest)  # off the loop
+        return await _generate(request, openai_responses.to_chat(req), chat=True, received=received, responses=req)
+
+    async def _generate(request: Request, req: Any, *, chat: bool, received: float,
+                        responses: ResponsesRequest | None = None) -> Response:
+        """A completion or chat completion; ``responses``: the Responses API request ``req`` (a
+        chat request) came from, whose answer and stream take its shape (server/openai_responses.py)."""
         server.runner  # noqa: B018 -- 503 while loading, before anything else
         server.check_model(req.model)
         prep = await run_in_threadpool(server.prepare_chat if chat else server.prepare_completion, req)
@@ -513,16 +523,19 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                         calls=tools.CallReader(prep.extras["calls"]) if prep.extras.get("calls") else None,
                         think=ThinkSplitter(prep.extras["think"]) if prep.extras.get("think") is not None else None,
                         echo=prep.extras.get("echo"), n=prep.n)
+        rid = fmt.rid if responses is None else openai_responses.new_id("resp")
         if prep.stream:
-            return StreamingResponse(_stream(handle, fmt, prep.include_usage),
-                                     media_type="text/event-stream",
+            events = (_stream(handle, fmt, prep.include_usage) if responses is None else
+                      _stream_responses(handle, fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model)))
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                              "X-Request-Id": fmt.rid})
-        resp = await _collect(request, handle, fmt)
-        resp.headers["X-Request-Id"] = fmt.rid
-        return resp
+                                              "X-Request-Id": rid})
+        body = await _collect(request, handle, fmt)
+        if responses is not None:
+            body = openai_responses.from_chat(body, responses, rid)
+        return JSONResponse(body, headers={"X-Request-Id": rid})
 
-    async def _collect(request: Request, handle: Any, fmt: Formatter) -> Response:
+    async def _collect(request: Request, handle: Any, fmt: Formatter) -> dict:
         task = asyncio.current_task()
 
         async def watch() -> None:  # the body is read, so the next message is the disconnect
@@ -553,9 +566,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             watcher.cancel()
             handle.cancel()
         server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
-        return JSONResponse(fmt.response(list(choices.values()), handle.prompt_tokens,
-                                         handle.completion_tokens, handle.cached_tokens,
-                                         (handle.accepted_tokens, handle.rejected_tokens)))
+        return fmt.response(list(choices.values()), handle.prompt_tokens, handle.completion_tokens,
+                            handle.cached_tokens, (handle.accepted_tokens, handle.rejected_tokens))
 
     async def _stream(handle: Any, fmt: Formatter, include_usage: bool):
         offsets: dict[int, int] = {}
@@ -582,6 +594,29 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                     yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens,
                                               (handle.accepted_tokens, handle.rejected_tokens)))
             yield "data: [DONE]\n\n"
+        finally:  # client gone (task cancelled) or done: either way the engine lets go
+            handle.cancel()
+
+    async def _stream_responses(handle: Any, fmt: Formatter, writer: openai_responses.EventWriter):
+        """The Responses API's stream: the chat chunks of ``handle``'s events as its events."""
+        sse = openai_responses.event_sse
+        try:
+            yield "".join(map(sse, writer.start()))
+            async for evs in handle.events(ping=PING_INTERVAL_S):
+                if not evs:
+                    yield ": ping\n\n"
+                    continue
+                out = []
+                for ev in evs:
+                    if ev.error is not None:
+                        yield "".join(out) + sse(writer.error(ev.error))
+                        return
+                    for chunk in fmt.chunks(ev):
+                        out.extend(map(sse, writer.feed(chunk)))
+                yield "".join(out)
+            server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
+            yield "".join(map(sse, writer.end(usage(handle.prompt_tokens, handle.completion_tokens,
+                                                    handle.cached_tokens))))
         finally:  # client gone (task cancelled) or done: either way the engine lets go
             handle.cancel()
 
