@@ -37,7 +37,8 @@ def test_serve_profile_on_the_demo_checkpoint(tmp_path, capsys):
         assert m and int(m.group(1)) >= 2, out
     assert "[prof procs=2] steady steps: {'steps': " in out     # (a 6-token round may hold no full step)
     assert "steady steps: {'steps': " in out and "no py-spy" in out
-    assert "Engine._step" in out or "engine.py" in out      # the engine thread's cProfile (prof*)
+    assert "engine.py" in out      # the engine thread's cProfile (prof*): its calls by cumulative time
+    # (by its own time alone, torch's ops can fill the top 30 on a loaded machine)
 
 
 def test_steady_steps_and_raw_profile_summary(tmp_path):
