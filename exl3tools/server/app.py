@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
-from exl3tools.server import detok, openai_responses, reasoning, tools
+from exl3tools.server import anthropic_messages, detok, openai_responses, reasoning, tools
+from exl3tools.server.anthropic_messages import CountTokensRequest, MessagesRequest
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
 from exl3tools.server.limits import PromptGuard, check_api_keys
@@ -408,7 +409,7 @@ class Gate:
 
 
 _KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
-                          "/v1/chat/completions"})
+                          "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -435,6 +436,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path.startswith("/v1/messages"):       # Anthropic's clients read its shape
+            return JSONResponse(anthropic_messages.error_body(exc), status_code=exc.status, headers=exc.headers)
         return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
@@ -499,6 +502,20 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         req = await run_in_threadpool(parse_body, await _read_body(request), ChatCompletionRequest)  # off the loop
         return await _generate(request, req, chat=True, received=received)
 
+    @app.post("/v1/messages")
+    async def messages_api(request: Request) -> Response:
+        received = time.monotonic()
+        req = await run_in_threadpool(parse_body, await _read_body(request), MessagesRequest)  # off the loop
+        return await _generate(request, anthropic_messages.to_chat(req), chat=True, received=received, messages=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        req = await run_in_threadpool(parse_body, await _read_body(request), CountTokensRequest)
+        server.runner  # noqa: B018 -- 503 while loading
+        server.check_model(req.model)
+        prep = await run_in_threadpool(server.prepare_chat, anthropic_messages.to_chat(req))
+        return {"input_tokens": len(prep.prompts[0])}
+
     @app.post("/v1/responses")
     async def responses_api(request: Request) -> Response:
         received = time.monotonic()
@@ -506,9 +523,10 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         return await _generate(request, openai_responses.to_chat(req), chat=True, received=received, responses=req)
 
     async def _generate(request: Request, req: Any, *, chat: bool, received: float,
-                        responses: ResponsesRequest | None = None) -> Response:
+                        responses: ResponsesRequest | None = None, messages: bool = False) -> Response:
         """A completion or chat completion; ``responses``: the Responses API request ``req`` (a
-        chat request) came from, whose answer and stream take its shape (server/openai_responses.py)."""
+        chat request) came from, whose answer and stream take its shape (server/openai_responses.py);
+        ``messages``: likewise from Anthropic's Messages API (server/anthropic_messages.py)."""
         server.runner  # noqa: B018 -- 503 while loading, before anything else
         server.check_model(req.model)
         prep = await run_in_threadpool(server.prepare_chat if chat else server.prepare_completion, req)
@@ -523,16 +541,25 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                         calls=tools.CallReader(prep.extras["calls"]) if prep.extras.get("calls") else None,
                         think=ThinkSplitter(prep.extras["think"]) if prep.extras.get("think") is not None else None,
                         echo=prep.extras.get("echo"), n=prep.n)
-        rid = fmt.rid if responses is None else openai_responses.new_id("resp")
+        rid = (openai_responses.new_id("resp") if responses is not None else anthropic_messages.new_id() if messages
+               else fmt.rid)
         if prep.stream:
-            events = (_stream(handle, fmt, prep.include_usage) if responses is None else
-                      _stream_responses(handle, fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model)))
+            if responses is not None:
+                events = _stream_events(handle, fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model),
+                                        openai_responses.event_sse)
+            elif messages:
+                events = _stream_events(handle, fmt, anthropic_messages.EventWriter(rid, fmt.model, handle.prompt_tokens),
+                                        anthropic_messages.event_sse)
+            else:
+                events = _stream(handle, fmt, prep.include_usage)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": rid})
         body = await _collect(request, handle, fmt)
         if responses is not None:
             body = openai_responses.from_chat(body, responses, rid)
+        elif messages:
+            body = anthropic_messages.from_chat(body, rid)
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
     async def _collect(request: Request, handle: Any, fmt: Formatter) -> dict:
@@ -597,9 +624,9 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         finally:  # client gone (task cancelled) or done: either way the engine lets go
             handle.cancel()
 
-    async def _stream_responses(handle: Any, fmt: Formatter, writer: openai_responses.EventWriter):
-        """The Responses API's stream: the chat chunks of ``handle``'s events as its events."""
-        sse = openai_responses.event_sse
+    async def _stream_events(handle: Any, fmt: Formatter, writer: Any, sse: Callable[[dict], str]):
+        """The Responses or Messages API's stream: the chat chunks of ``handle``'s events as the
+        ``writer``'s events (start, feed(chunk), error(err), end(usage))."""
         try:
             yield "".join(map(sse, writer.start()))
             async for evs in handle.events(ping=PING_INTERVAL_S):

@@ -1,0 +1,130 @@
+"""Anthropic's Messages API (POST /v1/messages, server/anthropic_messages.py) through the official
+anthropic client against a real server on the demo checkpoint: each answer equals the chat
+completion its request amounts to (greedy), streamed events add up to the whole message, forced
+tool calls come back as tool_use blocks and their results round-trip, count_tokens counts the
+rendered prompt, and errors come in Anthropic's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from exl3tools.server.app import ServeConfig, create_app  # noqa: E402
+from exl3tools.server.testing import LiveServer  # noqa: E402
+from tests.conftest import DEMO  # noqa: E402
+
+TOOL = {"name": "get_weather", "description": "the weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                         "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def clients():
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=4, max_context=256,
+                      api_keys=("sk-local",))
+    with LiveServer(create_app(cfg)) as s:
+        yield (anthropic.Anthropic(base_url=s.url, api_key="sk-local", max_retries=0, timeout=120),
+               openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-local", max_retries=0, timeout=120))
+
+
+def test_a_message_is_the_chat_completion_it_amounts_to(clients):
+    claude, oai = clients
+    kw = dict(model="demo", max_tokens=8)
+    greedy = {"extra_body": {"temperature": 0}}        # (the SDK has no temperature argument)
+    m = claude.messages.create(**greedy, system="be brief", messages=[{"role": "user", "content": "Say hi"}], **kw)
+    chat = oai.chat.completions.create(messages=[{"role": "system", "content": "be brief"},
+                                                 {"role": "user", "content": "Say hi"}], temperature=0, **kw)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.stop_reason == "max_tokens"
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    # text blocks and a system prompt as blocks: the same prompt
+    blocks = claude.messages.create(**greedy, system=[{"type": "text", "text": "be brief"}], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}], **kw)
+    assert blocks.content[0].text == m.content[0].text
+    with claude.messages.stream(**greedy, system="be brief", messages=[{"role": "user", "content": "Say hi"}], **kw) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == m.content[0].text == final.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == m.usage.output_tokens
+    n = claude.messages.count_tokens(model="demo", system="be brief", messages=[{"role": "user", "content": "Say hi"}])
+    assert n.input_tokens == m.usage.input_tokens
+
+
+def test_forced_tool_use_round_trips(clients):
+    claude, oai = clients
+    kw = dict(model="demo", max_tokens=60, tools=[TOOL], extra_body={"temperature": 0})
+    m = claude.messages.create(messages=[{"role": "user", "content": "weather?"}],
+                               tool_choice={"type": "tool", "name": "get_weather"}, **kw)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+    assert set(uses[0].input) == {"city"} and uses[0].id
+    with claude.messages.stream(messages=[{"role": "user", "content": "weather?"}], tool_choice={"type": "any"}, **kw) as s:
+        final = s.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == [uses[0].input]
+    u = uses[0]
+    back = claude.messages.create(model="demo", max_tokens=6, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": u.id, "name": u.name, "input": u.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "sunny"}]}])
+    import json
+
+    chat = oai.chat.completions.create(model="demo", max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}]},
+        {"role": "tool", "tool_call_id": u.id, "content": "sunny"}])
+    assert back.content[0].text == chat.choices[0].message.content
+
+
+def test_output_config_format_holds_the_answer_to_a_schema(clients):
+    import json
+
+    claude, _ = clients
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    m = claude.messages.create(model="demo", max_tokens=30, messages=[{"role": "user", "content": "json"}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}},
+                               extra_body={"temperature": 0})
+    assert m.stop_reason == "end_turn" and 0 <= json.loads(m.content[0].text)["a"] <= 9
+
+
+def test_errors_come_in_anthropics_shape(clients):
+    claude, _ = clients
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="demo", max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0].type" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    bad = anthropic.Anthropic(base_url=str(claude.base_url), api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model="demo", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+
+
+def test_thinking_comes_back_as_a_thinking_block():
+    """A reasoning model's chat answer (--reasoning-parser: reasoning_content, then content) as a
+    thinking block before the text, whole and streamed from chat chunks."""
+    from exl3tools.server import anthropic_messages as A
+
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+    chat = {"model": "m", "usage": usage, "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "Hello.", "reasoning_content": "They greet me."}}]}
+    m = A.from_chat(chat, "msg_1")
+    assert [b["type"] for b in m["content"]] == ["thinking", "text"] and m["stop_reason"] == "end_turn"
+    w = A.EventWriter("msg_1", "m", 3)
+    evs = w.start()
+    for delta, finish in (({"reasoning_content": "They greet"}, None), ({"content": "Hello."}, "stop")):
+        evs += w.feed({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    evs += w.end(usage)
+    assert [(e["type"], e.get("index"), (e.get("delta") or {}).get("type")) for e in evs] == [
+        ("message_start", None, None), ("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "signature_delta"), ("content_block_stop", 0, None),
+        ("content_block_start", 1, None), ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None),
+        ("message_delta", None, None), ("message_stop", None, None)]
+    assert evs[-2]["delta"]["stop_reason"] == "end_turn" and evs[-2]["usage"]["output_tokens"] == 5
