@@ -13,14 +13,15 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from exl3tools.server.protocol import (
     APIError,
     ChatCompletionRequest,
-    _from_validation,
     _Request,
     bad_request,
+    chat_request,
+    join_text,
 )
 
 
@@ -134,18 +135,11 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
             raise bad_request("output_config.format.type must be json_schema", param="output_config.format")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise _from_validation(exc) from None
+    return chat_request(body)
 
 
 def _text(content: Any, where: str) -> str:
-    if isinstance(content, str) or content is None:
-        return content or ""
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise bad_request(f"{where}: only text blocks are supported", param=where, code="unsupported_parameter")
+    return join_text(content, ("text",), where)
 
 
 def _tool(t: dict[str, Any], i: int) -> dict[str, Any]:

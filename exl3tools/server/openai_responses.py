@@ -11,14 +11,9 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from exl3tools.server.protocol import (
-    ChatCompletionRequest,
-    _from_validation,
-    _Request,
-    bad_request,
-)
+from exl3tools.server.protocol import ChatCompletionRequest, _Request, bad_request, chat_request, join_text
 
 
 class ResponsesRequest(_Request):
@@ -101,19 +96,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         body["response_format"] = ({"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
             if fmt.get("type") == "json_schema" else {"type": fmt.get("type")})
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise _from_validation(exc) from None
+    return chat_request(body)
 
 
 def _text(content: Any, i: int) -> str:
-    if isinstance(content, str) or content is None:
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise bad_request(f"input[{i}].content: only text parts are supported", param=f"input[{i}].content",
-                      code="unsupported_parameter")
+    return join_text(content, TEXT_PARTS, f"input[{i}].content")
 
 
 def _tool(t: dict[str, Any], i: int) -> dict[str, Any]:

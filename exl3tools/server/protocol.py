@@ -514,6 +514,24 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
         raise bad_request("max_tokens and max_completion_tokens disagree", param="max_tokens")
 
 
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built from another API's (server/openai_responses.py, anthropic_messages.py)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _from_validation(exc) from None
+
+
+def join_text(content: Any, kinds: tuple[str, ...], where: str) -> str:
+    """A string, or a list of text parts or blocks (each a dict of a type in ``kinds``), as one
+    string; a 400 naming ``where`` for any other part (images and the like)."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise bad_request(f"{where}: only text is supported", param=where, code="unsupported_parameter")
+
+
 def message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template (text parts joined)."""
     out = []
