@@ -1,9 +1,9 @@
-"""Tensor parallelism's CUDA paths on a machine with one GPU (EXL3TOOLS_TP_ONE_GPU=1: both ranks on
-cuda:0, the model's collectives over gloo): a rank's fused MoE (``--moe tp`` and ``ep``, the
-reduced path with kernels/moe_combine.py), an MLA rank's 16-32 heads, the vocab-cut head's
-gather, chained decode steps and device-held MTP drafts at TP 2, each against TP 1 on the same
-GPU. No CUDA graphs (gloo syncs the host), and no NCCL: a two-GPU machine runs those
-(bench/multigpu_tp.py). Spawns a worker process per runner."""
+"""Tensor parallelism's CUDA paths at TP 2 against TP 1: a rank's fused MoE (``--moe tp`` and
+``ep``, the reduced path with kernels/moe_combine.py), an MLA rank's 16-32 heads, the vocab-cut
+head's gather, chained decode steps and device-held MTP drafts. On a machine with one GPU
+(``one_gpu``: EXL3TOOLS_TP_ONE_GPU=1, both ranks on cuda:0, the model's collectives over gloo,
+the fixed-shape step without graphs, since gloo syncs the host); with two GPUs also over NCCL
+with CUDA graphs (``nccl``), as `serve --tp 2` runs. Spawns a worker process per runner."""
 
 from __future__ import annotations
 
@@ -19,6 +19,20 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.fixture(params=["one_gpu", "nccl"])
+def tp_mode(request, monkeypatch) -> str:
+    """The decode mode a TP 2 runner takes here ("static" over gloo on one GPU, "graphs" over NCCL)."""
+    import torch
+
+    if request.param == "one_gpu":
+        monkeypatch.setenv("EXL3TOOLS_TP_ONE_GPU", "1")
+        return "static"
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (NCCL)")
+    monkeypatch.delenv("EXL3TOOLS_TP_ONE_GPU", raising=False)
+    return "graphs"
+
+
 def _logits(r) -> list:
     r.add_sequence("s")
     out = [r.step([("s", PROMPT)], all_logits=True).float().cpu()]
@@ -29,21 +43,20 @@ def _logits(r) -> list:
 
 @pytest.mark.parametrize("name,moe,tol", [("glm4_moe-tp-2.0bpw-mul1", "tp", 1e-2), ("glm4_moe-tp-2.0bpw-mul1", "ep", 1e-2),
                                           ("glm5_moe_dsa-tp-4.0bpw-mcg", "tp", 3e-2), (DSV3_MTP, "ep", 1e-2)])
-def test_tp2_on_one_gpu_gives_tp1s_logits(dev, name, moe, tol, request, monkeypatch):
-    """The prompt's every row and three decode steps through the fixed-shape step (``static``):
-    TP 2 against TP 1 within ``tol`` (glm5's DSA selection sits on near-ties of the indexer
-    scores, which a rank's summation order may flip: tests/gpu/test_runtime_mla_gpu.py)."""
+def test_tp2_gives_tp1s_logits(dev, tp_mode, name, moe, tol, request):
+    """The prompt's every row and three decode steps through the fixed-shape step (graphs over
+    NCCL): TP 2 against TP 1 within ``tol`` (glm5's DSA selection sits on near-ties of the
+    indexer scores, which a rank's summation order may flip: tests/gpu/test_runtime_mla_gpu.py)."""
     from exl3tools.runtime.runner import load_runner
 
     if dev == "cpu":
         pytest.skip("needs CUDA")
-    monkeypatch.setenv("EXL3TOOLS_TP_ONE_GPU", "1")
     path = model_dir(name, request) if name.startswith("synth-") else fixture_dir(name) / "model"
-    kw = dict(device="cuda", max_cache_tokens=512, block_size=16, decode="static")
-    with load_runner(path, **kw) as r:
+    kw = dict(device="cuda", max_cache_tokens=512, block_size=16)
+    with load_runner(path, decode="static", **kw) as r:
         want = _logits(r)
-    with load_runner(path, tp=2, moe=moe, **kw) as r:
-        assert r.decode_mode == "static"
+    with load_runner(path, tp=2, moe=moe, decode=tp_mode, **kw) as r:
+        assert r.decode_mode == tp_mode
         got = _logits(r)
         # a chained step (the worker takes its token by a broadcast) gives the plain step's logits
         import torch
@@ -61,7 +74,7 @@ def test_tp2_on_one_gpu_gives_tp1s_logits(dev, name, moe, tol, request, monkeypa
 
 
 @pytest.mark.parametrize("ks", [(3, 3), (3, 1)])
-def test_tp2_on_one_gpu_device_drafts_equal_the_host_round(dev, ks, monkeypatch):
+def test_tp2_device_drafts_equal_the_host_round(dev, tp_mode, ks, monkeypatch):
     """At TP 2 on the glm5 TP fixture (MLA + DSA + MTP head): draft_device + verify_device (each
     depth's tokens and the verified drafts broadcast to the worker on the device) against
     draft_many + verify with a host read a depth: the same drafts and verify logits, rows of a
@@ -70,14 +83,13 @@ def test_tp2_on_one_gpu_device_drafts_equal_the_host_round(dev, ks, monkeypatch)
 
     if dev == "cpu":
         pytest.skip("needs CUDA")
-    monkeypatch.setenv("EXL3TOOLS_TP_ONE_GPU", "1")
     path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
     K = max(ks)
     out = {}
     for device in (False, True):
         monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1" if device else "0")
         with load_runner(path, tp=2, device="cuda", max_cache_tokens=512, block_size=16, speculative_tokens=3,
-                         decode="static") as r:
+                         decode=tp_mode) as r:
             last = {}
             for s, p in ((0, PROMPT), (1, PROMPT[5:17])):
                 r.add_sequence(s)
