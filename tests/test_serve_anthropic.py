@@ -80,6 +80,26 @@ def test_forced_tool_use_round_trips(clients):
     assert back.content[0].text == chat.choices[0].message.content
 
 
+def test_a_stop_sequence_is_named(clients):
+    """The stop string that ended an answer: Anthropic's stop_reason "stop_sequence" with the
+    string, whole and streamed, and the chat choice's stop_reason (vLLM's field)."""
+    claude, oai = clients
+    kw = dict(model="demo", max_tokens=16, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "hi"}])
+    full = claude.messages.create(**kw).content[0].text
+    # the first 3-character piece past the start that occurs nowhere before it
+    at = next(i for i in range(3, len(full) - 3) if full[i:i + 3] not in full[:i + 2])
+    stop = full[at:at + 3]
+    m = claude.messages.create(stop_sequences=[stop, "never here"], **kw)
+    assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", stop, full[:at])
+    with claude.messages.stream(stop_sequences=[stop], **kw) as st:
+        final = st.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    chat = oai.chat.completions.create(model="demo", max_tokens=16, temperature=0, stop=[stop],
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].model_extra["stop_reason"] == stop
+    assert claude.messages.create(**kw).stop_sequence is None
+
+
 def test_output_config_format_holds_the_answer_to_a_schema(clients):
     import json
 

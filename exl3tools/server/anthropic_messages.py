@@ -180,9 +180,16 @@ def from_chat(chat: dict[str, Any], mid: str) -> dict[str, Any]:
         content.append({"type": "text", "text": msg["content"]})
     content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": _input(c["function"]["arguments"])}
                 for c in msg.get("tool_calls") or []]
+    reason, matched = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
     return {"id": mid, "type": "message", "role": "assistant", "model": chat["model"], "content": content,
-            "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": None,
-            "usage": usage(chat["usage"])}
+            "stop_reason": reason, "stop_sequence": matched, "usage": usage(chat["usage"])}
+
+
+def stop_reason(finish: str | None, stopped_by: str | int | None) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) of a chat finish and what stopped it."""
+    if finish == "stop" and isinstance(stopped_by, str):
+        return "stop_sequence", stopped_by
+    return STOP_REASONS.get(finish, "end_turn"), None
 
 
 class EventWriter:
@@ -194,6 +201,7 @@ class EventWriter:
         self.index = -1
         self.open: str | None = None
         self.finish: str | None = None
+        self.stopped_by: str | int | None = None
 
     def start(self) -> list[dict[str, Any]]:
         return [{"type": "message_start", "message": {
@@ -215,7 +223,7 @@ class EventWriter:
                 out.append({"type": "content_block_delta", "index": self.index,
                             "delta": {"type": "input_json_delta", "partial_json": fn.get("arguments") or "{}"}})
             if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+                self.finish, self.stopped_by = choice["finish_reason"], choice.get("stop_reason")
         return out
 
     def _open(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
@@ -245,9 +253,9 @@ class EventWriter:
         return error_body(err)
 
     def end(self, chat_usage: dict[str, Any]) -> list[dict[str, Any]]:
+        reason, matched = stop_reason(self.finish, self.stopped_by)
         return self._close() + [
-            {"type": "message_delta", "delta": {"stop_reason": STOP_REASONS.get(self.finish, "end_turn"),
-                                                "stop_sequence": None},
+            {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
              "usage": {"output_tokens": chat_usage["completion_tokens"]}},
             {"type": "message_stop"}]
 

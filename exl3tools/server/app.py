@@ -588,7 +588,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                     if ev.logprobs:
                         c.logprobs.extend(ev.logprobs)
                     if ev.finish_reason:
-                        c.finish_reason = ev.finish_reason
+                        c.finish_reason, c.stop_reason = ev.finish_reason, ev.stop_reason
         finally:
             watcher.cancel()
             handle.cancel()

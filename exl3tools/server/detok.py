@@ -20,7 +20,7 @@ def held_prefix(text: str, tag: str) -> int:
 class TextTracker:
     """Feeds token ids in, releases text deltas; finds stop strings across token boundaries."""
 
-    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_text", "_sent", "_stops")
+    __slots__ = ("_tok", "_ids", "_prefix", "_read", "_text", "_sent", "_stops", "matched")
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
         self._tok = tokenizer
@@ -30,6 +30,7 @@ class TextTracker:
         self._text = ""  # everything decoded so far
         self._sent = 0  # characters of _text already released
         self._stops = stops
+        self.matched: str | None = None  # the stop string that ended the text (add's hit)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; returns (released text, hit a stop string)."""
@@ -79,7 +80,7 @@ class TextTracker:
         for s in self._stops:
             i = self._text.find(s, start)
             if i >= 0 and (best is None or i < best):
-                best = i
+                best, self.matched = i, s
         return best
 
     def _held_back(self) -> int:

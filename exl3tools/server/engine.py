@@ -504,10 +504,12 @@ class Engine(SpeculativeRounds):
         runner = self.runner
         if (token in runner.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             ev.text, ev.finish_reason = seq.tracker.flush(), "stop"
+            if token in p.stop_token_ids:
+                ev.stop_reason = token
         else:
             ev.text, hit = seq.tracker.add(token)
             if hit:
-                ev.finish_reason = "stop"
+                ev.finish_reason, ev.stop_reason = "stop", seq.tracker.matched
             elif (len(seq.output_ids) >= p.max_tokens
                   or len(seq.prompt) + len(seq.output_ids) >= runner.max_context):
                 ev.text += seq.tracker.flush()

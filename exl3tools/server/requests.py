@@ -33,6 +33,9 @@ class Event:
     # before it), sent once, before the choice's first token
     prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    # what stopped a "stop" finish (vLLM's choice.stop_reason): the stop string matched, the stop
+    # token id, or None for an EOS token
+    stop_reason: str | int | None = None
     error: APIError | None = None
 
 

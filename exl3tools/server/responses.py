@@ -21,6 +21,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None     # the stop string or token id that ended it (Event's)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # echo with logprobs
 
 
@@ -119,6 +120,7 @@ class Formatter:
                 body["message"]["reasoning_content"] = reasoning
             body["logprobs"] = self._lp(c.prompt_logprobs + c.logprobs)
             body["finish_reason"] = finish
+            body["stop_reason"] = c.stop_reason if finish == "stop" else None    # (as vLLM's)
             if self._token_ids:
                 body["token_ids"] = c.token_ids
             out.append(body)
@@ -172,6 +174,8 @@ class Formatter:
                       "finish_reason": ev.finish_reason}
         if self._token_ids:
             choice["token_ids"] = ev.token_ids
+        if choice["finish_reason"] == "stop":        # the last chunk: what stopped it (as vLLM's)
+            choice["stop_reason"] = ev.stop_reason
         out.append(self._chunk([choice]))
         return out
 
