@@ -23,7 +23,7 @@ LONG = [1] + [(7 * i) % 900 + 20 for i in range(SCORED_CHUNK + 40)]   # scored i
 SHORT = [1, 50, 60, 70, 80]
 
 
-def _reference(model, tokens: list[int], k: int) -> tuple[list[float], list[int]]:
+def _reference(model, tokens: list[int]) -> tuple[list[float], list[int]]:
     """Each token's logprob after the ones before it (the first has none), and the argmax of each
     row before it, from one plain forward over every row."""
     logits = model.forward([(model.new_cache(), tokens)], all_logits=True).double()
@@ -43,7 +43,7 @@ def server():
 def test_echo_scores_every_prompt_token_as_the_reference(server):
     _, app, client = server
     model = app.state.server.engine.runner.model
-    ref, argmax = _reference(model, LONG, 1)
+    ref, argmax = _reference(model, LONG)
     for _ in range(2):              # the second time the prompt's blocks are cached: still scored
         r = client.completions.create(model="demo", prompt=LONG, max_tokens=1, temperature=0, logprobs=1, echo=True,
                                       extra_body={"return_token_ids": True})
@@ -59,7 +59,7 @@ def test_echo_scores_every_prompt_token_as_the_reference(server):
         assert r.usage.prompt_tokens_details.cached_tokens == 0
     # the completion's token after the prompt's: its logprob is the last row's
     full = LONG + c.model_dump()["token_ids"]
-    assert abs(lps[-1] - _reference(model, full, 1)[0][-1]) < TOL
+    assert abs(lps[-1] - _reference(model, full)[0][-1]) < TOL
     assert c.text.startswith(model_text(app, LONG))
 
 
@@ -77,7 +77,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(server):
         assert c.text == model_text(app, prompt)
         got = c.logprobs.token_logprobs
         assert got[0] is None and len(got) == len(prompt)
-        assert max(abs(a - b) for a, b in zip(got[1:], _reference(model, prompt, 0)[0], strict=True)) < TOL
+        assert max(abs(a - b) for a, b in zip(got[1:], _reference(model, prompt)[0], strict=True)) < TOL
     plain = client.completions.create(model="demo", prompt="Hello", max_tokens=0, echo=True)
     assert plain.choices[0].text == "Hello" and plain.choices[0].logprobs is None
 
