@@ -52,6 +52,8 @@ def test_a_message_is_the_chat_completion_it_amounts_to(clients):
     assert final.usage.output_tokens == m.usage.output_tokens
     n = claude.messages.count_tokens(model="demo", system="be brief", messages=[{"role": "user", "content": "Say hi"}])
     assert n.input_tokens == m.usage.input_tokens
+    long = claude.messages.count_tokens(model="demo", messages=[{"role": "user", "content": "word " * 400}])
+    assert long.input_tokens > 256          # past the server's context: counted, not refused
 
 
 def test_forced_tool_use_round_trips(clients):

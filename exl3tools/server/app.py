@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import os
@@ -305,7 +306,9 @@ class Server:
                         bool(req.stream_options and req.stream_options.include_usage),
                         req.return_token_ids, extras=extras)
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    def prepare_chat(self, req: ChatCompletionRequest, *, limits: bool = True) -> Prepared:
+        """``req`` rendered and tokenised, its sampling settled; ``limits`` False: a prompt past
+        the context is not refused (count_tokens counts it)."""
         check_chat_extras(req)
         runner = self.runner
         mode = tools.tool_mode(req, tools.call_syntax(getattr(runner, "chat_template", None)))
@@ -321,7 +324,7 @@ class Server:
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", param="messages")
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._limits(len(ids), wanted, None)
+        max_tokens = self._limits(len(ids), wanted, None) if limits else wanted or 1
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                  vocab_size=runner.vocab_size,
@@ -513,7 +516,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         req = await run_in_threadpool(parse_body, await _read_body(request), CountTokensRequest)
         server.runner  # noqa: B018 -- 503 while loading
         server.check_model(req.model)
-        prep = await run_in_threadpool(server.prepare_chat, anthropic_messages.to_chat(req))
+        prep = await run_in_threadpool(functools.partial(server.prepare_chat, limits=False), anthropic_messages.to_chat(req))
         return {"input_tokens": len(prep.prompts[0])}
 
     @app.post("/v1/responses")
