@@ -504,8 +504,7 @@ class Runner(SpeculativeSteps):
             try:
                 D.broadcast(cmd)
             except RuntimeError as exc:
-                self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
-                raise RuntimeFailure(self.lost) from exc
+                raise self._peer_lost(exc) from exc
 
     def _share(self, tokens: torch.Tensor) -> torch.Tensor:
         """Device tokens of a step just sent, from rank 0 to every worker (``_send`` first: a
@@ -515,8 +514,12 @@ class Runner(SpeculativeSteps):
         try:
             return D.broadcast_tensor(tokens.long().contiguous())
         except RuntimeError as exc:
-            self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
-            raise RuntimeFailure(self.lost) from exc
+            raise self._peer_lost(exc) from exc
+
+    def _peer_lost(self, exc: BaseException) -> RuntimeFailure:
+        """A command or shared tokens could not reach the workers: the group is lost for good."""
+        self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
+        return RuntimeFailure(self.lost)
 
     def _exited(self) -> str:
         """Which spawned ranks have exited, and how (empty under torchrun or when none has)."""
