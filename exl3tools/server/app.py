@@ -50,7 +50,7 @@ from exl3tools.server.protocol import (
     sampling_params,
 )
 from exl3tools.server.reasoning import ThinkSplitter
-from exl3tools.server.responses import Choice, Formatter, sse, usage
+from exl3tools.server.responses import ChatStream, Choice, EventStream, Formatter
 from exl3tools.server.template import ChatTemplate, no_template
 from exl3tools.text import first_line
 
@@ -548,14 +548,14 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                else fmt.rid)
         if prep.stream:
             if responses is not None:
-                events = _stream_events(handle, fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model),
-                                        openai_responses.event_sse)
+                stream = EventStream(fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model),
+                                     openai_responses.event_sse)
             elif messages:
-                events = _stream_events(handle, fmt, anthropic_messages.EventWriter(rid, fmt.model, handle.prompt_tokens),
-                                        anthropic_messages.event_sse)
+                stream = EventStream(fmt, anthropic_messages.EventWriter(rid, fmt.model, handle.prompt_tokens),
+                                     anthropic_messages.event_sse)
             else:
-                events = _stream(handle, fmt, prep.include_usage)
-            return StreamingResponse(events, media_type="text/event-stream",
+                stream = ChatStream(fmt, prep.include_usage)
+            return StreamingResponse(_stream(handle, stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": rid})
         body = await _collect(request, handle, fmt)
@@ -599,39 +599,12 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         return fmt.response(list(choices.values()), handle.prompt_tokens, handle.completion_tokens,
                             handle.cached_tokens, (handle.accepted_tokens, handle.rejected_tokens))
 
-    async def _stream(handle: Any, fmt: Formatter, include_usage: bool):
-        offsets: dict[int, int] = {}
+    async def _stream(handle: Any, stream: ChatStream | EventStream):
+        """``handle``'s events as ``stream``'s server-sent text (everything ready in one write)."""
         try:
-            failed = False
-            async for evs in handle.events(ping=PING_INTERVAL_S):
-                if not evs:
-                    yield ": ping\n\n"
-                    continue
-                out = []  # everything ready goes out in one write
-                for ev in evs:
-                    if ev.error is not None:
-                        out.append(sse(ev.error.body()))
-                        failed = True
-                        break
-                    out.extend(sse(chunk, bool(ev.logprobs)) for chunk in fmt.chunks(ev, offsets.get(ev.index, 0)))
-                    offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
-                yield "".join(out)
-                if failed:
-                    break
-            else:
-                server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
-                if include_usage:
-                    yield sse(fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens,
-                                              (handle.accepted_tokens, handle.rejected_tokens)))
-            yield "data: [DONE]\n\n"
-        finally:  # client gone (task cancelled) or done: either way the engine lets go
-            handle.cancel()
-
-    async def _stream_events(handle: Any, fmt: Formatter, writer: Any, sse: Callable[[dict], str]):
-        """The Responses or Messages API's stream: the chat chunks of ``handle``'s events as the
-        ``writer``'s events (start, feed(chunk), error(err), end(usage))."""
-        try:
-            yield "".join(map(sse, writer.start()))
+            head = stream.start()
+            if head:
+                yield head
             async for evs in handle.events(ping=PING_INTERVAL_S):
                 if not evs:
                     yield ": ping\n\n"
@@ -639,14 +612,12 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                 out = []
                 for ev in evs:
                     if ev.error is not None:
-                        yield "".join(out) + sse(writer.error(ev.error))
+                        yield "".join(out) + stream.error(ev.error)
                         return
-                    for chunk in fmt.chunks(ev):
-                        out.extend(map(sse, writer.feed(chunk)))
+                    out.append(stream.feed(ev))
                 yield "".join(out)
             server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
-            yield "".join(map(sse, writer.end(usage(handle.prompt_tokens, handle.completion_tokens,
-                                                    handle.cached_tokens))))
+            yield stream.end(handle)
         finally:  # client gone (task cancelled) or done: either way the engine lets go
             handle.cancel()
 

@@ -182,3 +182,54 @@ class Formatter:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
                     spec: tuple[int, int] = (0, 0)) -> dict:
         return self._chunk([], usage(prompt_tokens, completion_tokens, cached_tokens, spec))
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class ChatStream:
+    """A completion or chat completion stream's text: each event's chunks (their logprob text
+    offsets kept per choice), the usage chunk if asked for, then [DONE]."""
+
+    def __init__(self, fmt: Formatter, include_usage: bool) -> None:
+        self.fmt, self.include_usage = fmt, include_usage
+        self.offsets: dict[int, int] = {}
+
+    def start(self) -> str:
+        return ""
+
+    def feed(self, ev: Event) -> str:
+        out = "".join(sse(chunk, bool(ev.logprobs)) for chunk in self.fmt.chunks(ev, self.offsets.get(ev.index, 0)))
+        self.offsets[ev.index] = self.offsets.get(ev.index, 0) + len(ev.text)   # (echo's text counted too)
+        return out
+
+    def error(self, err: Any) -> str:
+        return sse(err.body()) + DONE
+
+    def end(self, handle: Any) -> str:
+        if not self.include_usage:
+            return DONE
+        return sse(self.fmt.usage_chunk(handle.prompt_tokens, handle.completion_tokens, handle.cached_tokens,
+                                        (handle.accepted_tokens, handle.rejected_tokens))) + DONE
+
+
+class EventStream:
+    """Another API's stream (the Responses or Messages API) over a chat stream's chunks: its
+    ``writer`` turns them into its events (start, feed(chunk), error(err), end(usage)), written by
+    its ``sse``."""
+
+    def __init__(self, fmt: Formatter, writer: Any, sse: Any) -> None:
+        self.fmt, self.writer, self.sse = fmt, writer, sse
+
+    def start(self) -> str:
+        return "".join(map(self.sse, self.writer.start()))
+
+    def feed(self, ev: Event) -> str:
+        return "".join(self.sse(e) for chunk in self.fmt.chunks(ev) for e in self.writer.feed(chunk))
+
+    def error(self, err: Any) -> str:
+        return self.sse(self.writer.error(err))
+
+    def end(self, handle: Any) -> str:
+        return "".join(map(self.sse, self.writer.end(usage(handle.prompt_tokens, handle.completion_tokens,
+                                                            handle.cached_tokens))))
