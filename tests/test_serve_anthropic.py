@@ -126,7 +126,7 @@ def test_errors_come_in_anthropics_shape(clients):
     bad = anthropic.Anthropic(base_url=str(claude.base_url), api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="demo", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["error"]["type"] == "authentication_error"
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
 
 
 def test_thinking_comes_back_as_a_thinking_block():

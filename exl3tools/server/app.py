@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from exl3tools.server import anthropic_messages, detok, openai_responses, reason
 from exl3tools.server.anthropic_messages import CountTokensRequest, MessagesRequest
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
+from exl3tools.server.gate import Gate, error_response
 from exl3tools.server.limits import PromptGuard, check_api_keys
 from exl3tools.server.metrics import Metrics
 from exl3tools.server.openai_responses import ResponsesRequest
@@ -58,7 +58,6 @@ log = logging.getLogger("exl3tools.serve")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PING_INTERVAL_S = 15.0
-OPEN_PATHS = frozenset({"/health"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,62 +362,6 @@ def _special(runner: Any, which: str) -> str:
     return text if isinstance(text, str) else ""
 
 
-# ---------------------------------------------------------------------- ASGI middleware
-
-
-class Gate:
-    """API-key check and request counting, as plain ASGI (keeps streaming and disconnects intact)."""
-
-    def __init__(self, app: Any, server: Server) -> None:
-        self.app, self.server = app, server
-        self._keys = [k.encode() for k in server.cfg.api_keys]
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        status = {"code": 500}  # what an exception before the response start amounts to
-
-        async def send_wrapped(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            if self._keys and path not in OPEN_PATHS and not self._authorised(scope):
-                resp = _error_response(APIError(
-                    401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                    type="authentication_error", code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"}))
-                return await resp(scope, receive, send_wrapped)
-            await self.app(scope, receive, send_wrapped)
-        except asyncio.CancelledError:  # the client left before any answer: nginx's 499
-            if status["code"] == 500:
-                status["code"] = 499
-            raise
-        finally:
-            endpoint = path if path in _KNOWN_PATHS else "other"
-            self.server.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
-
-    def _authorised(self, scope: dict) -> bool:
-        got = None
-        for name, value in scope.get("headers", []):
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                got = value[7:].strip()
-            elif name == b"x-api-key" and got is None:
-                got = value.strip()
-        # compare_digest against every key: no early exit that leaks which key matched
-        return bool(got) and any([hmac.compare_digest(got, k) for k in self._keys])  # never a blank key
-
-
-_KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
-                          "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
-
-
-def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
 # ---------------------------------------------------------------------- the app
 
 
@@ -439,9 +382,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        if request.url.path.startswith("/v1/messages"):       # Anthropic's clients read its shape
-            return JSONResponse(anthropic_messages.error_body(exc), status_code=exc.status, headers=exc.headers)
-        return _error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
