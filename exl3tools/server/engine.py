@@ -26,6 +26,7 @@ from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.runtime import preview
 from exl3tools.server.detok import TextTracker
+from exl3tools.server.engine_scoring import PromptScoring
 from exl3tools.server.engine_spec import SpeculativeRounds
 from exl3tools.server.planner import graph_limits, plan_step
 from exl3tools.server.protocol import APIError, SamplingParams
@@ -48,7 +49,7 @@ class _Inflight:
         self.ready, self.logits, self.tokens = ready, logits, tokens
 
 
-class Engine(SpeculativeRounds):
+class Engine(SpeculativeRounds, PromptScoring):
     def __init__(self, load: Callable[[], Any], *, max_batch: int = DEFAULT_MAX_NUM_SEQS, max_queue: int = 256,
                  max_prefill_tokens: int = 512, metrics: Any = None,
                  sample: Callable | None = None, logprobs: Callable | None = None,
@@ -346,42 +347,6 @@ class Engine(SpeculativeRounds):
             rec["admitted"], self._admitted = self._admitted, []
         self.trace.append(rec)
         return True
-
-    def _score_prompts(self, batch: list[tuple[Sequence, list[int]]], scored: list[int], logits: Any) -> Any:
-        """Every row's ``logits`` of a step (runner.step all_logits): each ``scored`` sequence's
-        prompt rows become its prompt tokens' logprobs (the row at position p scores the token at
-        p + 1; rows scored before a preemption are not scored again); returns each sequence's last
-        row, as a step without all_logits would."""
-        import torch
-
-        from exl3tools.runtime import sampling
-
-        ends = list(itertools.accumulate(len(c) for _, c in batch))
-        for i in scored:
-            seq, chunk = batch[i]
-            lps, start = seq.prompt_lps, seq.num_cached
-            if start == 0 and not lps:              # the first token: nothing before it, no logprob
-                lps.append(TokenLogprob(seq.prompt[0], None, None))
-            j0, n = max(0, len(lps) - 1 - start), min(len(chunk), len(seq.prompt) - 1 - start)
-            if j0 < n:
-                r0, nxt = ends[i] - len(chunk), seq.prompt[start + j0 + 1:start + n + 1]
-                got = sampling.logprobs_rows(logits[r0 + j0:r0 + n], nxt, seq.params.prompt_logprobs)
-                lps.extend(TokenLogprob(t, lp, top) for t, (lp, top) in zip(nxt, got, strict=True))
-        return logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
-
-    def _end_prompt(self, seq: Sequence) -> None:
-        """``seq``'s prompt is in the cache: send its prompt logprobs (echo) once, and end a
-        max_tokens 0 choice (echo alone: the prompt scored, nothing generated)."""
-        ev = None
-        if seq.scores_prompt:
-            ev = Event(seq.index, prompt_logprobs=seq.prompt_lps or [TokenLogprob(seq.prompt[0], None, None)])
-            seq.prompt_lps = None
-        if seq.params.max_tokens == 0:
-            ev = ev or Event(seq.index)
-            ev.finish_reason = "length"
-            seq.finished = True
-        if ev is not None:
-            seq.handle.push(ev)
 
     def _launch_sample(self, logits: Any, ready: list[tuple[int, Sequence]]) -> Any:
         """The ready rows' tokens, sampled on the logits' device without a host sync (None: no
