@@ -197,7 +197,9 @@ def test_workers_outlive_an_idle_spell_and_not_rank_0(sliced):
                          stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
-        assert line.startswith("stepped"), p.stderr.read() if p.poll() is not None else line
+        if not line:                          # rank 0 ended: its stderr says why
+            p.wait(30)
+        assert line.startswith("stepped"), p.stderr.read() if not line else line
         worker = int(line.split()[-1])
         os.kill(worker, 0)                   # alive
     finally:

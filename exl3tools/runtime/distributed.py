@@ -37,6 +37,10 @@ _OPENED: list[str] | None = None
 _COMMANDS = None         # the commands' gloo group (init_group)
 # gloo takes a wait in milliseconds: ten years is "never" for a server and far from overflowing
 _IDLE = datetime.timedelta(days=3650)
+# how long rank 0 waits for its workers to start (a worker that exits fails the wait at once):
+# not the collectives' EXL3TOOLS_TP_TIMEOUT, since starting Python and torch on a busy machine
+# can take longer than a step may
+JOIN_TIMEOUT_S = 600.0
 
 
 def _audit(event: str, args) -> None:
@@ -97,7 +101,8 @@ def init_group(rank: int, world: int, device: str, port: int | None = None, proc
         return
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout, wait_for_workers=False)
     if rank == 0:
-        deadline = time.monotonic() + timeout_s()
+        wait = max(JOIN_TIMEOUT_S, timeout_s())
+        deadline = time.monotonic() + wait
         keys = [f"ready{r}" for r in range(1, world)]
         while not store.check(keys):       # every worker has set its "ready" key
             for p in procs:
@@ -105,7 +110,7 @@ def init_group(rank: int, world: int, device: str, port: int | None = None, proc
                     raise E.RuntimeFailure(f"tensor-parallel worker (pid {p.pid}) exited with code "
                                            f"{p.returncode} before joining")
             if time.monotonic() > deadline:
-                raise E.RuntimeFailure(f"tensor-parallel workers did not join within {timeout_s():.0f} s")
+                raise E.RuntimeFailure(f"tensor-parallel workers did not join within {wait:.0f} s")
             time.sleep(0.05)
     else:
         store.set(f"ready{rank}", "1")
@@ -123,6 +128,16 @@ def broadcast(obj=None):
     return box[0]
 
 
+def gather_ints(value: int) -> list[int]:
+    """Every rank's ``value``, by rank, on every rank (over the commands' group: once at load)."""
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([int(value)], dtype=torch.int64), group=_COMMANDS)
+    return [int(t) for t in out]
+
+
 def broadcast_tensor(t: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype), over the model's group: on
     GPUs a stream-ordered NCCL broadcast that never waits on the host (a chained step's tokens)."""
@@ -133,14 +148,16 @@ def broadcast_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def exchange_status(error: BaseException | None, opened: list[str] | None) -> list[dict]:
-    """All ranks share how loading went; raises the first rank's error on every rank."""
+    """All ranks share how loading went; raises the first rank's error on every rank. Over the
+    commands' group: ranks that finish loading apart (one slice slower to read) wait for each
+    other without the collectives' timeout; a rank that dies ends the wait (its socket closes)."""
     import torch.distributed as dist
 
     mine = {"rank": dist.get_rank(), "ok": error is None, "opened": opened,
             "cls": type(error).__name__ if error else None, "msg": str(error) if error else None}
     world = dist.get_world_size()
     all_status: list = [None] * world
-    dist.all_gather_object(all_status, mine)
+    dist.all_gather_object(all_status, mine, group=_COMMANDS)
     for st in all_status:
         if not st["ok"]:
             cls = getattr(E, st["cls"], None)
