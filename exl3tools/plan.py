@@ -40,7 +40,7 @@ from exl3tools.slicing.plan import rank_holdings
 
 SCHEMA_ID = "https://exl3tools.dev/schemas/plan.v1.json"
 GIB = 2**30
-GRAPH_RESERVE = 512 * 2**20     # = exl3tools.runtime.runner.GRAPH_RESERVE (tests check they agree)
+GRAPH_RESERVE = 512 * 2**20     # kept free beside the KV cache: graph pool, logits, sampling (the runtime's too)
 CUDA_CONTEXT = 512 * 2**20
 DEFAULT_BATCHED_TOKENS = 2048   # serve's --max-prefill-tokens on CUDA
 # serve's --max-num-seqs: 32 until 2026-12-03, when 64 served 64 streams 1.3-1.6x faster on the H200

@@ -12,7 +12,7 @@ from exl3tools.cli import main
 
 from exl3tools.checkpoint import Checkpoint
 from exl3tools.errors import DoesNotFitError, UsageError
-from exl3tools.plan import GPUS, GRAPH_RESERVE, parse_bytes, plan_memory
+from exl3tools.plan import GPUS, parse_bytes, plan_memory
 from tests.conftest import fixture_dir
 
 SCHEMA = json.loads(resources.files("exl3tools.schemas").joinpath("plan.v1.json").read_text())
@@ -40,11 +40,7 @@ def _plan(model_dir, **kw):
 def test_plan_equals_runtime_on_every_fixture(fixture):
     import torch
 
-    from exl3tools.runtime.kv_pool import bytes_per_token, layer_specs
-    from exl3tools.runtime.runner import GRAPH_RESERVE as RUNTIME_RESERVE
-
-    assert GRAPH_RESERVE == RUNTIME_RESERVE
-    from exl3tools.runtime.kv_pool import kv_dtype_for
+    from exl3tools.runtime.kv_pool import bytes_per_token, kv_dtype_for, layer_specs
     from exl3tools.runtime.mla import has_mla
 
     model, read = _runtime(fixture / "model", 1, 0)

@@ -4,14 +4,19 @@ rank 0 (runtime/runner.py) and the workers (runtime/worker.py) use on a step's p
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from exl3tools.errors import UsageError
+from exl3tools.plan import GRAPH_RESERVE
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.sampling import on_device
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # the KV budget's share of the GPU (Runner, load_runner)
+
+log = logging.getLogger("exl3tools.runtime")
 
 
 def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
@@ -25,6 +30,31 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     view = PagedSeqView(pool, pool.slots(list(range(1, nb)), n), 0)
     model.forward([(view, [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
     return pool.nbytes()
+
+
+def kv_budget_blocks(model: CausalLM, block_bytes: int, util: float, batched_tokens: int, dtype: str,
+                     reserve: int = 0, graph_rows: int = 0) -> int:
+    """The KV blocks this rank's GPU holds: ``util`` of the GPU, less what is in use (weights, the
+    CUDA context, other processes), the activation peak of one eager step of ``batched_tokens``
+    (measured), ``GRAPH_RESERVE`` and ``reserve`` bytes; below 2 when nothing is left. Every rank
+    measures its own GPU (Runner takes the fewest over ranks: a worker's GPU may hold more)."""
+    dev = model.embed.device
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    pool_bytes = profile_forward(model, int(batched_tokens), dtype)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base - pool_bytes
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    # prompt-step graphs keep their activations in the graph pool beside an eager step's
+    # (estimated from the eager peak, doubled for what does not shrink with rows: decoded weights)
+    graphs = int(peak * min(1.0, 2 * graph_rows / max(1, batched_tokens)))
+    budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE - reserve - graphs
+    log.info("GPU memory (%s): %.2f GiB total, %.2f GiB in use after loading, activation peak %.2f GiB "
+             "(%d tokens), KV budget %.2f GiB at --gpu-memory-utilization %.2f", dev, total / 2**30,
+             (total - free) / 2**30, peak / 2**30, batched_tokens, max(budget, 0) / 2**30, util)
+    return max(budget, 0) // block_bytes
 
 
 class PagedState:

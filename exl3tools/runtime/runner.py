@@ -33,7 +33,7 @@ from exl3tools.runtime.rank_state import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DraftState,
     PagedState,
-    profile_forward,
+    kv_budget_blocks,
     rows_of,
 )
 from exl3tools.runtime.speculative import SpeculativeSteps
@@ -41,7 +41,6 @@ from exl3tools.runtime.text_meta import read_text_meta
 from exl3tools.text import first_line, printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
-GRAPH_RESERVE = 512 * 2**20           # kept free beside the KV cache: graph pool, logits, sampling
 PROMPT_GRAPH_ROWS = 512               # prompt steps of up to this many rows replay graphs (prompt_graphs)
 # a prompt step's rows each read their whole context through the decode kernels (no prefill
 # kernel's one pass): steps whose multi-row sequences read more (rows x context) run eagerly
@@ -182,28 +181,20 @@ class Runner(SpeculativeSteps):
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
                        reserve: int = 0, graph_rows: int = 0) -> int:
-        dev = self.model.embed.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        self._send(("profile", int(batched_tokens), dtype))
-        pool_bytes = profile_forward(self.model, int(batched_tokens), dtype)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base - pool_bytes
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        # prompt-step graphs keep their activations in the graph pool beside an eager step's
-        # (estimated from the eager peak, doubled for what does not shrink with rows: decoded weights)
-        graphs = int(peak * min(1.0, 2 * graph_rows / max(1, batched_tokens)))
-        budget = int(util * total) - (total - free) - peak - GRAPH_RESERVE - reserve - graphs
-        blocks = budget // block_bytes
-        log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, activation peak %.2f GiB "
-                 "(%d tokens), KV budget %.2f GiB at --gpu-memory-utilization %.2f", total / 2**30,
-                 (total - free) / 2**30, peak / 2**30, batched_tokens, max(budget, 0) / 2**30, util)
-        if blocks < 2:
-            raise CacheFullError(f"no GPU memory left for the KV cache ({max(budget, 0) / 2**20:.0f} MiB "
-                                 f"budget at --gpu-memory-utilization {util}); raise it or use more GPUs")
-        return int(blocks)
+        """The fewest KV blocks any rank's GPU holds (rank_state.kv_budget_blocks): every rank
+        allocates the same blocks, so one measured on rank 0 alone overran a worker's GPU that
+        held more (another process, a larger slice)."""
+        self._send(("kv_budget", block_bytes, util, int(batched_tokens), dtype, reserve, graph_rows))
+        mine = kv_budget_blocks(self.model, block_bytes, util, batched_tokens, dtype, reserve, graph_rows)
+        ranks = D.gather_ints(mine) if self.world > 1 else [mine]
+        self.kv_blocks_by_rank = ranks
+        rank = min(range(len(ranks)), key=ranks.__getitem__)
+        if ranks[rank] < 2:
+            where = f" on rank {rank}" if self.world > 1 else ""
+            raise CacheFullError(f"no GPU memory left for the KV cache{where} (room for {ranks[rank]} blocks of "
+                                 f"{block_bytes / 2**20:.1f} MiB at --gpu-memory-utilization {util}); raise it "
+                                 "or use more GPUs")
+        return int(ranks[rank])
 
     def _decode_mode(self, decode: str | None) -> str:
         from exl3tools.runtime.paged_decode import check

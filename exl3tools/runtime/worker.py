@@ -14,7 +14,7 @@ from exl3tools.runtime.rank_model import build_local_model, rank_device
 from exl3tools.runtime.rank_state import (
     DraftState,
     PagedState,
-    profile_forward,
+    kv_budget_blocks,
     rows_of,
     run_head,
     split_rows,
@@ -65,8 +65,8 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 paged = PagedState(model, **cmd[1])
             elif op == "capture":
                 paged.decoder.capture()
-            elif op == "profile":
-                profile_forward(model, *cmd[1:])
+            elif op == "kv_budget":     # this GPU's blocks; rank 0 takes the fewest (Runner._budget_blocks)
+                D.gather_ints(kv_budget_blocks(model, *cmd[1:]))
             elif op == "stop":
                 break
     finally:

@@ -108,3 +108,26 @@ def test_tp2_device_drafts_equal_the_host_round(dev, tp_mode, ks, monkeypatch):
             out[device] = (drafts, rows)
     assert out[True][0] == out[False][0]
     assert max(_rel(a, b) for a, b in zip(out[True][1], out[False][1], strict=True)) < 1e-3
+
+
+def test_tp2_kv_budget_is_the_fewest_blocks_of_any_rank(dev, monkeypatch):
+    """Without max_cache_tokens every rank measures its own GPU's KV budget and the runner takes
+    the fewest (both ranks on cuda:0 here: each measures the other's weights too)."""
+    from exl3tools.runtime.runner import load_runner
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    import torch
+
+    monkeypatch.setenv("EXL3TOOLS_TP_ONE_GPU", "1")
+    path = fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model"
+    # a few GiB past what the GPU holds now (other test workers share it): each rank's budget
+    free, total = torch.cuda.mem_get_info()
+    util = min(1.0, (total - free) / total + 0.06)
+    with load_runner(path, tp=2, device="cuda", gpu_memory_utilization=util, max_num_batched_tokens=64,
+                     decode="static") as r:
+        ranks = r.kv_blocks_by_rank
+        assert len(ranks) == 2 and min(ranks) >= 2, ranks
+        assert r.blocks.num_blocks == min(ranks)
+        r.add_sequence("s")
+        assert r.step([("s", PROMPT)]).isfinite().all()
