@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.errors import NotFoundError
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
-from exl3tools.server import anthropic_messages, detok, openai_responses, reasoning, tools
+from exl3tools.server import anthropic_messages, detok, openai_responses, reasoning, tokenization, tools
 from exl3tools.server.anthropic_messages import CountTokensRequest, MessagesRequest
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import RETRY_AFTER_S, Engine, not_ready
@@ -459,6 +459,16 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         server.check_model(req.model)
         prep = await run_in_threadpool(functools.partial(server.prepare_chat, limits=False), anthropic_messages.to_chat(req))
         return {"input_tokens": len(prep.prompts[0])}
+
+    @app.post("/tokenize")
+    async def tokenize_api(request: Request) -> dict:
+        req = await run_in_threadpool(parse_body, await _read_body(request), tokenization.TokenizeRequest)
+        return await run_in_threadpool(tokenization.tokenize, server, req)
+
+    @app.post("/detokenize")
+    async def detokenize_api(request: Request) -> dict:
+        req = await run_in_threadpool(parse_body, await _read_body(request), tokenization.DetokenizeRequest)
+        return await run_in_threadpool(tokenization.detokenize, server, req)
 
     @app.post("/v1/responses")
     async def responses_api(request: Request) -> Response:

@@ -15,7 +15,8 @@ from exl3tools.server.protocol import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
-                         "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
+                         "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                         "/tokenize", "/detokenize"})
 
 
 def error_response(exc: APIError, path: str) -> JSONResponse:
