@@ -123,7 +123,7 @@ def test_tp2_kv_budget_is_the_fewest_blocks_of_any_rank(dev, monkeypatch):
     path = fixture_dir("glm4_moe-tp-2.0bpw-mul1") / "model"
     # a few GiB past what the GPU holds now (other test workers share it): each rank's budget
     free, total = torch.cuda.mem_get_info()
-    util = min(1.0, (total - free) / total + 0.06)
+    util = min(1.0, (total - free) / total + 0.1)
     with load_runner(path, tp=2, device="cuda", gpu_memory_utilization=util, max_num_batched_tokens=64,
                      decode="static") as r:
         ranks = r.kv_blocks_by_rank
