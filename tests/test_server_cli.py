@@ -167,18 +167,14 @@ def test_tensor_parallel_serving_matches_one_process():
 
 
 def test_tensor_parallel_serving_stops_when_a_rank_dies():
-    """A --tp 2 server whose worker is killed: the next request fails, and `serve` exits 4 with one
-    line naming the lost rank (it used to stay healthy and fail every request with a 500), so a
-    supervisor restarts it."""
+    """A --tp 2 server whose worker is killed while it idles: `serve` exits 4 on its own within
+    seconds, with one line naming the lost rank (it used to stay healthy until a request came,
+    and before that fail every request with a 500), so a supervisor restarts it."""
     proc, url, workers = _serve_tp2(REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model")
     try:
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)
-        time.sleep(0.5)
-        r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": "hi",
-                                                      "max_tokens": 3}, timeout=60)
-        assert r.status_code in (500, 503), r.text
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=30)     # no request: the watch on the ranks sees it
     finally:
         if proc.poll() is None:
             proc.kill()

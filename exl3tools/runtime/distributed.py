@@ -168,6 +168,19 @@ def exchange_status(error: BaseException | None, opened: list[str] | None) -> li
     return all_status
 
 
+def abort() -> None:
+    """Abort the model's group after a peer died, where its collectives would wait for the dead
+    rank (NCCL: the communicators are aborted, so kernels in flight return); gloo's fail alone."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as exc:  # noqa: BLE001 - a private API; the watchdog's timeout still ends the wait
+        print(f"exl3tools: aborting the NCCL group failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+
+
 def destroy() -> None:
     import torch.distributed as dist
 

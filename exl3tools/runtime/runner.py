@@ -14,7 +14,9 @@ drives the other ranks.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Hashable
 
@@ -41,6 +43,7 @@ from exl3tools.runtime.text_meta import read_text_meta
 from exl3tools.text import first_line, printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
+WATCH_S = 0.5                         # how often rank 0 polls its spawned ranks (Runner._watch)
 PROMPT_GRAPH_ROWS = 512               # prompt steps of up to this many rows replay graphs (prompt_graphs)
 # a prompt step's rows each read their whole context through the decode kernels (no prefill
 # kernel's one pass): steps whose multi-row sequences read more (rows x context) run eagerly
@@ -178,6 +181,11 @@ class Runner(SpeculativeSteps):
         self.eos_token_ids, self.eos_token = meta.eos_token_ids, meta.eos_token
         self.bos_token_id, self.bos_token = meta.bos_token_id, meta.bos_token
         self.generation_defaults = meta.generation_defaults
+        # a spawned rank that exits while rank 0 idles (or waits on the device) is seen at once:
+        # ``lost`` is set and ``on_lost`` called (the engine wakes and stops; serve exits 4)
+        self.on_lost: Callable[[], None] | None = None
+        if self._procs:
+            threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
                        reserve: int = 0, graph_rows: int = 0) -> int:
@@ -511,6 +519,23 @@ class Runner(SpeculativeSteps):
         """A command or shared tokens could not reach the workers: the group is lost for good."""
         self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
         return RuntimeFailure(self.lost)
+
+    def _watch(self) -> None:
+        """Poll the spawned ranks until close(): the first that exits loses the group. On NCCL the
+        model's group is aborted, so a collective rank 0 has in flight returns instead of waiting
+        out the watchdog (EXL3TOOLS_TP_TIMEOUT); gloo's end with the dead rank's sockets."""
+        while not self._closed and not self.lost:
+            if any(p.poll() is not None for p in self._procs):
+                gone = self._exited()
+                if self._closed:        # ranks stopping after close()'s "stop"
+                    return
+                self.lost = f"tensor-parallel peer lost: {gone}"
+                log.error("%s", self.lost)
+                D.abort()
+                if self.on_lost is not None:
+                    self.on_lost()
+                return
+            time.sleep(WATCH_S)
 
     def _exited(self) -> str:
         """Which spawned ranks have exited, and how (empty under torchrun or when none has)."""

@@ -183,6 +183,8 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                 self.on_state("failed")
             return
         self.runner = runner
+        if hasattr(runner, "on_lost"):      # a tensor-parallel rank exiting wakes an idle engine
+            runner.on_lost = self.wake
         self.cache_budget = runner.cache_tokens_free()
         self.state = "ready"
         if self.on_state is not None:
@@ -228,10 +230,12 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and not self._waiting and not self._running and not self._lost():
                     self._cond.wait()
                 if self._stop:
                     break
+                if self._lost():
+                    raise RuntimeFailure(self._lost())
                 if self.prefill_wait_s > 0 and not self._running and self._inflight is None:
                     self._gather()
                     if self._stop:
@@ -247,9 +251,12 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                     self._fail(seq)
                 self._sweep()
             self._flush()
-            lost = getattr(self.runner, "lost", None)
-            if lost:    # a tensor-parallel rank is gone: no later step can work, so stop (/health
-                raise RuntimeFailure(lost)  # 503, `serve` exits 4) rather than fail every request
+            if self._lost():    # a tensor-parallel rank is gone: no later step can work, so stop
+                raise RuntimeFailure(self._lost())  # (/health 503, `serve` exits 4), not fail every request
+
+    def _lost(self) -> str | None:
+        """Why the runner's tensor-parallel group is gone (Runner.lost), or None."""
+        return getattr(self.runner, "lost", None)
 
     def _gather(self) -> None:
         """Idle, with requests waiting (the lock held): wait until ``prefill_wait_s`` after the
@@ -310,7 +317,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                 if scored:
                     logits = self._score_prompts(batch, scored, logits)
             except Exception as exc:
-                if getattr(self.runner, "lost", None):
+                if self._lost():
                     log.error("runner.step failed: %s", first_line(exc))
                 else:
                     log.exception("runner.step failed")
