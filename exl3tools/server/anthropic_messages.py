@@ -23,6 +23,7 @@ from exl3tools.server.protocol import (
     chat_request,
     join_text,
 )
+from exl3tools.server.reasoning import template_switch
 
 
 class MessagesRequest(_Request):
@@ -38,10 +39,10 @@ class MessagesRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None   # its ``format`` (a JSON schema) holds the answer
-    # accepted and ignored: the chat template decides whether the model thinks (thinking, effort);
-    # prompt caching is the server's own (prefix caching); the rest is Anthropic's platform
+    thinking: Any = None      # extended thinking on or off: the template's switch (server/reasoning.py)
+    # accepted and ignored: prompt caching is the server's own (prefix caching); the rest is
+    # Anthropic's platform
     metadata: Any = None
-    thinking: Any = None
     service_tier: Any = None
     container: Any = None
     cache_control: Any = None
@@ -130,6 +131,11 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
             raise bad_request(f"tool_choice.type {kind!r} is not one of auto, any, tool, none", param="tool_choice.type")
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}} if kind == "tool"
                                else "required" if kind == "any" else kind)
+    if req.thinking is not None:     # extended thinking on or off: the template's switch
+        kind = req.thinking.get("type") if isinstance(req.thinking, dict) else None
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise bad_request("thinking.type must be enabled, adaptive or disabled", param="thinking.type")
+        body["chat_template_kwargs"] = template_switch(kind != "disabled")
     fmt = (req.output_config or {}).get("format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":

@@ -315,6 +315,10 @@ class Server:
         messages = message_dicts(req)
         self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
         kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:    # the template's thinking switch, unless the request set it
+            switch = reasoning.template_switch(reasoning.EFFORTS[req.reasoning_effort])
+            for k, v in {**switch, "reasoning_effort": req.reasoning_effort}.items():
+                kwargs.setdefault(k, v)
         if req.tools:
             kwargs["tools"] = tools.template_tools(req)
         text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)

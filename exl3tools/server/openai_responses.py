@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from exl3tools.server.protocol import ChatCompletionRequest, _Request, bad_request, chat_request, join_text
+from exl3tools.server.reasoning import EFFORTS
 
 
 class ResponsesRequest(_Request):
@@ -27,7 +28,7 @@ class ResponsesRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     text: dict[str, Any] | None = None
-    # accepted and ignored: nothing is stored, the reasoning is the chat template's to switch
+    # accepted and ignored: nothing is stored (``reasoning``'s effort switches the thinking)
     store: Any = None
     metadata: Any = None
     user: Any = None
@@ -91,6 +92,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         c = req.tool_choice
         body["tool_choice"] = ({"type": "function", "function": {"name": c.get("name")}}
                                if isinstance(c, dict) and c.get("type") == "function" else c)
+    effort = req.reasoning.get("effort") if isinstance(req.reasoning, dict) else None
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort")
+        body["reasoning_effort"] = effort
     fmt = (req.text or {}).get("format")
     if fmt is not None and fmt.get("type") != "text":
         body["response_format"] = ({"type": "json_schema", "json_schema": {

@@ -185,6 +185,8 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     modalities: list[str] | None = None
+    # thinking on ("low" and up) or off ("none", "minimal") through the template (server/reasoning.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # OpenAI fields that change nothing here: accepted, ignored.
     metadata: Any = None
     store: Any = None
@@ -200,13 +202,12 @@ class ChatCompletionRequest(_Sampling):
     functions: Any = None
     moderation: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
 
 
 UNSUPPORTED_CHAT_FIELDS = ("audio", "function_call", "functions", "moderation", "prediction",
-                           "reasoning_effort", "verbosity", "web_search_options")
+                           "verbosity", "web_search_options")
 
 
 # --------------------------------------------------------------------------- sampling values

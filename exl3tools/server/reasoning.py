@@ -25,6 +25,17 @@ OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("none", "think", "deepseek_r1", "qwen3", "glm45")
 
 
+# reasoning_effort (OpenAI) as thinking on or off: the chat templates of these models switch it
+# whole (GLM-4.5+ and Qwen3 read ``enable_thinking``, DeepSeek-V3.1 ``thinking``)
+EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+
+
+def template_switch(on: bool | None) -> dict[str, bool]:
+    """The chat-template variables that turn a model's thinking on or off ({}: the template's
+    default); a template that reads neither ignores them."""
+    return {} if on is None else {"enable_thinking": on, "thinking": on}
+
+
 def opens_inside(prompt: str) -> bool:
     """Whether the rendered prompt ends inside an open ``<think>``: the answer starts thinking."""
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
