@@ -15,6 +15,7 @@ from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.server.reasoning import PARSERS
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+SHUTDOWN_MARGIN_S = 5.0   # uvicorn's own deadline past --shutdown-timeout: the ended streams' last bytes
 
 
 def _pos(_ctx, _param, value: int) -> int:
@@ -83,6 +84,10 @@ def _pos(_ctx, _param, value: int) -> int:
                    "Prompts then run through the decode kernels (slower TTFT; docs/serve.md).")
 @click.option("--threads", "cpu_threads", type=click.IntRange(1, None), default=None,
               help="CPU threads for the model (default: all cores but one).")
+@click.option("--shutdown-timeout", type=click.FloatRange(0, None), default=5.0, show_default=True,
+              help="On SIGTERM / SIGINT: stop accepting connections, then give requests in flight (streams "
+                   "too) up to this many seconds to finish; those still running then end with a 503 "
+                   "server_shutting_down error (a rolling restart's drain).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_keys: tuple[str, ...],
@@ -90,7 +95,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
               block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int | None,
               prefill_wait_ms: float, speculative_tokens: int, reasoning_parser: str, max_context: int | None,
               served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
-              batch_invariant: bool, cpu_threads: int | None, log_level: str) -> None:
+              batch_invariant: bool, cpu_threads: int | None, shutdown_timeout: float, log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
     Without PATH, serves the demo checkpoint shipped with exl3tools. Binds early: /health
@@ -148,9 +153,17 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
         logging.getLogger("exl3tools.serve").warning(
             "binding %s without --api-key: anyone who can reach it can use it", host)
     app = create_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
     engine = app.state.server.engine
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            # uvicorn stops accepting connections; the engine ends what is still running at the
+            # deadline with an error event in each API's shape, before uvicorn would cut them
+            engine.drain(shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_MARGIN_S))
 
     progress = LoadProgress(logging.getLogger("exl3tools.serve"))  # a bar while the weights load
 

@@ -308,3 +308,26 @@ def test_api_key_required_but_health_open():
         for key in ("k1", "k2"):
             good = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
             assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+
+
+def test_a_draining_server_refuses_new_requests_and_ends_the_rest_at_its_deadline():
+    """Engine.drain (serve's SIGTERM): new requests get 503 server_shutting_down at once; one in
+    flight past the deadline ends with that error in its own API's shape (Messages: an error event)."""
+    cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=2, max_context=4096)
+    with LiveServer(create_app(cfg)) as s:
+        engine = s.app.state.server.engine
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/messages", json={k: v for k, v in body.items() if k != "ignore_eos"},
+                          timeout=60) as first, \
+                httpx.stream("POST", f"{s.url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            engine.drain(0.3)
+            late = httpx.post(f"{s.url}/v1/completions", json={"model": "demo", "prompt": "hi"}, timeout=60)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
+            rest = [ln for ln in lines if ln]
+            msgs = [ln for ln in first.iter_lines() if ln]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["error"]["code"] == "server_shutting_down", rest[-3:]
+        assert "event: error" in msgs and "shutting down" in msgs[msgs.index("event: error") + 1], msgs[-4:]

@@ -60,6 +60,41 @@ def test_serves_the_demo_without_a_path_and_stops_cleanly_on_sigterm():
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("timeout,whole", [("60", True), ("0.2", False)])
+def test_sigterm_lets_streams_in_flight_finish_within_the_shutdown_timeout(timeout, whole):
+    """SIGTERM mid-stream: with --shutdown-timeout long enough the stream ends whole (every token,
+    then usage and [DONE]); with a short one it ends early with a 503 server_shutting_down error
+    event and [DONE], not a cut connection or a traceback; the server exits cleanly either way."""
+    import json
+
+    port = free_port()
+    proc = serve("--port", str(port), "--log-level", "warning", "--shutdown-timeout", timeout)
+    events, done = [], False
+    try:
+        url = wait_healthy(proc, port)
+        body = {"model": "glm4_moe-3.0bpw-mcg", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 5:
+                        proc.send_signal(signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "Traceback" not in err and done, (err, events[-1:])
+    if whole:
+        assert events[-1]["usage"]["completion_tokens"] == 1500
+    else:
+        assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]
+        assert "requests in flight ended" in err
+
+
 @pytest.mark.parametrize("args,code,text", [
     (["/nonexistent/model"], 2, "no such checkpoint directory"),
     ([str(REPO / "demo")], 2, "not a checkpoint"),

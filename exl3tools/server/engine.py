@@ -87,6 +87,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         self._outbox: list[tuple[RequestHandle, Event]] = []
         self._ids = itertools.count(1)
         self._stop = False
+        self._drain_at: float | None = None    # drain(): when requests in flight are ended
         self._thread = threading.Thread(target=self._main, name="exl3tools-engine", daemon=True)
         self.steps = 0
         self.time_forward = 0.0  # seconds in runner.step, and in sampling + bookkeeping
@@ -112,6 +113,15 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
 
     def wake(self) -> None:
         with self._cond:
+            self._cond.notify_all()
+
+    def drain(self, timeout: float) -> None:
+        """The server is shutting down: refuse new requests (503) and give those in flight
+        ``timeout`` seconds to finish; then each ends with a 503 error event (its stream closes in
+        its own API's shape) rather than having its connection cut."""
+        with self._cond:
+            if self._drain_at is None:
+                self._drain_at = time.monotonic() + max(0.0, timeout)
             self._cond.notify_all()
 
     @property
@@ -141,6 +151,8 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         ``tokenizer``: the answers' detokenizer (default the runner's; detok.keeping)."""
         if self.state != "ready":
             raise not_ready(self)
+        if self._drain_at is not None:
+            raise shutting_down()
         seqs_needed = len(prompts) * n
         if seqs_needed > self.max_queue:
             raise APIError(400, f"this request asks for {seqs_needed} sequences (prompts x n); the "
@@ -234,6 +246,8 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                     self._cond.wait()
                 if self._stop:
                     break
+                if self._drain_at is not None and time.monotonic() >= self._drain_at:
+                    self._end_all(shutting_down())
                 if self._lost():
                     raise RuntimeFailure(self._lost())
                 if self.prefill_wait_s > 0 and not self._running and self._inflight is None:
@@ -465,12 +479,23 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         if self.metrics is not None:
             self.metrics.cancelled.inc()
 
-    def _fail(self, seq: Sequence) -> None:
+    def _fail(self, seq: Sequence, error: APIError | None = None) -> None:
         if seq.finished:
             return
         seq.finished = True
-        seq.handle.push(Event(seq.index, error=APIError(
+        seq.handle.push(Event(seq.index, error=error or APIError(
             500, "generation failed; see the server log", type="server_error", code="engine_error")))
+
+    def _end_all(self, error: APIError) -> None:
+        """End every waiting and running sequence with ``error`` (the lock held): the drain's
+        deadline passed."""
+        waiting, self._waiting = list(self._waiting), deque()
+        live = [seq for seq in waiting + self._running if not seq.finished]
+        for seq in live:
+            self._fail(seq, error)
+        if live:
+            log.warning("shutting down: %d requests in flight ended (--shutdown-timeout passed)",
+                        len({id(seq.handle) for seq in live}))
 
     def _sweep(self) -> None:
         """Free the cache of every finished sequence at once."""
@@ -508,6 +533,10 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                 "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hits,
                 "spec_drafted_tokens": self.spec_drafted, "spec_accepted_tokens": self.spec_accepted,
                 "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
 
 
 def not_ready(engine: Engine) -> APIError:
