@@ -238,7 +238,7 @@ def test_a_chained_decode_step_and_its_sampling_never_synchronise(temps):
     from tests.conftest import fixture_dir
 
     runner = load_runner(fixture_dir("glm4_moe-3.0bpw-mcg") / "model", device="cuda", backend=cuda_backend(),
-                         max_context=64, max_num_seqs=2, block_size=4)
+                         max_context=64, max_num_seqs=2, block_size=4, max_cache_tokens=256)
     assert runner.can_chain
     for s in (0, 1):
         runner.add_sequence(s)
