@@ -164,21 +164,14 @@ def _cumsum_rows(t: torch.Tensor) -> torch.Tensor:
 def logprobs(logits_row: torch.Tensor, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
     """(log-probability of ``token``, the ``top_n`` most likely (token, logprob) pairs), from the
     unmodified distribution (temperature 1), as OpenAI-style APIs report them."""
-    lp = torch.log_softmax(logits_row.float().reshape(-1), -1)
-    if top_n <= 0:
-        return float(lp[token]), []
-    v, i = torch.topk(lp, min(top_n, lp.numel()))
-    # one device-to-host copy (token ids < 2**53 are exact in float64): on a GPU, one sync per row
-    host = torch.cat([lp[token:token + 1].double(), v.double(), i.double()]).tolist()
-    k = v.numel()
-    return host[0], [(int(a), b) for a, b in zip(host[1 + k:], host[1:1 + k], strict=True)]
+    return logprobs_rows(logits_row.reshape(1, -1), [token], top_n)[0]
 
 
 def logprobs_rows(rows: torch.Tensor, tokens: Sequence[int], top_n: int = 0,
                   slab: int = 64) -> list[tuple[float, list[tuple[int, float]]]]:
     """``logprobs`` of each row of ``rows`` for its token (a prompt's rows and next tokens: the
     completions' echo), ``slab`` rows at a time (a row's float32 log-softmax is the vocabulary's
-    size), in one host copy a slab."""
+    size), in one host copy a slab (token ids < 2**53 are exact in float64): on a GPU one sync."""
     out: list[tuple[float, list[tuple[int, float]]]] = []
     for a in range(0, len(tokens), slab):
         lp = torch.log_softmax(rows[a:a + slab].float(), -1)
