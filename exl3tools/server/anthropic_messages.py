@@ -264,7 +264,3 @@ class EventWriter:
             {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
              "usage": {"output_tokens": chat_usage["completion_tokens"]}},
             {"type": "message_stop"}]
-
-
-def event_sse(ev: dict[str, Any]) -> str:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False, separators=(',', ':'))}\n\n"

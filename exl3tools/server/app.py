@@ -503,11 +503,9 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                else fmt.rid)
         if prep.stream:
             if responses is not None:
-                stream = EventStream(fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model),
-                                     openai_responses.event_sse)
+                stream = EventStream(fmt, openai_responses.EventWriter(responses, rid, fmt.created, fmt.model))
             elif messages:
-                stream = EventStream(fmt, anthropic_messages.EventWriter(rid, fmt.model, handle.prompt_tokens),
-                                     anthropic_messages.event_sse)
+                stream = EventStream(fmt, anthropic_messages.EventWriter(rid, fmt.model, handle.prompt_tokens))
             else:
                 stream = ChatStream(fmt, prep.include_usage)
             return StreamingResponse(_stream(handle, stream), media_type="text/event-stream",

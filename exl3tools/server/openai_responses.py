@@ -7,7 +7,6 @@ stored, so ``previous_response_id`` is a 400."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -270,7 +269,3 @@ class EventWriter:
         _finish(self.resp, self.finish)
         kind = "response.incomplete" if self.resp["status"] == "incomplete" else "response.completed"
         return out + [self._ev(kind, response=self.resp)]
-
-
-def event_sse(ev: dict[str, Any]) -> str:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -213,23 +213,28 @@ class ChatStream:
                                         (handle.accepted_tokens, handle.rejected_tokens))) + DONE
 
 
+def event_sse(ev: dict[str, Any]) -> str:
+    """One named server-sent event (``event:`` its type), as the Responses and Messages APIs send them."""
+    return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
 class EventStream:
     """Another API's stream (the Responses or Messages API) over a chat stream's chunks: its
-    ``writer`` turns them into its events (start, feed(chunk), error(err), end(usage)), written by
-    its ``sse``."""
+    ``writer`` turns them into its events (start, feed(chunk), error(err), end(usage)), each a
+    named event (``event_sse``)."""
 
-    def __init__(self, fmt: Formatter, writer: Any, sse: Any) -> None:
-        self.fmt, self.writer, self.sse = fmt, writer, sse
+    def __init__(self, fmt: Formatter, writer: Any) -> None:
+        self.fmt, self.writer = fmt, writer
 
     def start(self) -> str:
-        return "".join(map(self.sse, self.writer.start()))
+        return "".join(map(event_sse, self.writer.start()))
 
     def feed(self, ev: Event) -> str:
-        return "".join(self.sse(e) for chunk in self.fmt.chunks(ev) for e in self.writer.feed(chunk))
+        return "".join(event_sse(e) for chunk in self.fmt.chunks(ev) for e in self.writer.feed(chunk))
 
     def error(self, err: Any) -> str:
-        return self.sse(self.writer.error(err))
+        return event_sse(self.writer.error(err))
 
     def end(self, handle: Any) -> str:
-        return "".join(map(self.sse, self.writer.end(usage(handle.prompt_tokens, handle.completion_tokens,
+        return "".join(map(event_sse, self.writer.end(usage(handle.prompt_tokens, handle.completion_tokens,
                                                             handle.cached_tokens))))
