@@ -517,7 +517,10 @@ class Runner(SpeculativeSteps):
 
     def _peer_lost(self, exc: BaseException) -> RuntimeFailure:
         """A command or shared tokens could not reach the workers: the group is lost for good."""
-        self.lost = f"tensor-parallel peer lost: {self._exited() or first_line(exc)}"
+        return self._lose(self._exited() or first_line(exc))
+
+    def _lose(self, why: str) -> RuntimeFailure:
+        self.lost = f"tensor-parallel peer lost: {why}"
         return RuntimeFailure(self.lost)
 
     def _watch(self) -> None:
@@ -529,8 +532,7 @@ class Runner(SpeculativeSteps):
                 gone = self._exited()
                 if self._closed:        # ranks stopping after close()'s "stop"
                     return
-                self.lost = f"tensor-parallel peer lost: {gone}"
-                log.error("%s", self.lost)
+                log.error("%s", self._lose(gone))
                 D.abort()
                 if self.on_lost is not None:
                     self.on_lost()
