@@ -10,11 +10,11 @@ from typing import Any
 
 from exl3tools.server.protocol import (
     APIError,
-    ChatCompletionRequest,
     ChatMessage,
     ToolSpec,
     _Request,
     bad_request,
+    chat_request,
 )
 
 
@@ -58,9 +58,9 @@ def tokenize(server: Any, req: TokenizeRequest) -> dict[str, Any]:
             raise bad_request("add_special_tokens applies to a prompt: a chat's special tokens are its "
                               "template's", param="add_special_tokens")
         # tool_choice "none": the tools are rendered, no call grammar is built (nothing is sampled)
-        chat = ChatCompletionRequest(model=name, messages=req.messages, tools=req.tools, tool_choice="none",
-                                     chat_template_kwargs=req.chat_template_kwargs,
-                                     add_generation_prompt=req.add_generation_prompt)
+        chat = chat_request({"model": name, "messages": req.messages, "tools": req.tools, "tool_choice": "none",
+                             "chat_template_kwargs": req.chat_template_kwargs,
+                             "add_generation_prompt": req.add_generation_prompt})
         ids = server.prepare_chat(chat, limits=False).prompts[0]     # as a chat completion renders it
     else:
         server.guard().check_prompts([req.prompt])
