@@ -56,7 +56,8 @@ wait_build() {
 }
 # our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
 python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
-( [ -d /tmp/air6 ] || python3 bench/synth_checkpoint.py /tmp/air6 > "$L/synth.log" 2>&1 ) &
+# SYNTH_ARGS: synth_checkpoint.py options for /tmp/air6 (e.g. "--codebook mcg": the serve stage on MCG)
+( [ -d /tmp/air6 ] || python3 bench/synth_checkpoint.py /tmp/air6 ${SYNTH_ARGS:-} > "$L/synth.log" 2>&1 ) &
 SYNTH=$!
 
 if [[ $STAGES == *tests* ]]; then

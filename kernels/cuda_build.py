@@ -64,8 +64,8 @@ def _cached(stem: str, src: Path, defines: tuple[str, ...]) -> Path:
 
 
 def halves(cb: int) -> bool:
-    """The EXL3TOOLS_GEMV_HALVES preview (runtime/preview.py gemv_halves, exl3_gemv.cu HALVES) for
-    codebook id ``cb``: 3INST and MCG only, and never in batch-invariant runs (the 8-row kernels'
+    """The halves build (runtime/preview.py OPT_OUTS gemv_halves, exl3_gemv.cu HALVES; off with
+    EXL3TOOLS_GEMV_HALVES=0) for codebook id ``cb``: 3INST and MCG only, and never in batch-invariant runs (the 8-row kernels'
     arithmetic would then differ from the wider ones', so a row's result from the batch it is in).
     A build define: a process reads it when it first builds or loads a module."""
     from exl3tools.runtime import invariance, preview  # torch-free
@@ -74,7 +74,8 @@ def halves(cb: int) -> bool:
 
 
 def cubin_path(k2: int, cb: int) -> Path:
-    # the default's cache key stays (k2, cb), so earlier prebuilt folders still serve it
+    # the plain build's cache key stays (k2, cb), so earlier prebuilt folders still serve MUL1 and
+    # the opt-out
     return _cached(f"exl3_gemv_k{k2}_c{cb}", SRC, (k2, cb, "halves") if halves(cb) else (k2, cb))
 
 

@@ -284,7 +284,7 @@ def default_config(H: int, precision: str, planes: torch.dtype = torch.float32, 
 
 def _switched_on(name: str) -> bool:
     """runtime/preview.py's switch ``name`` (mla_wide_tiles, mla_wave_splits, mla_cuda,
-    mla_pingpong, mla_slot_prefetch, mla_pad_heads, mla_scaled_p), read per call so tests can flip it."""
+    mla_pingpong, mla_pad_heads, mla_scaled_p), read per call so tests can flip it."""
     from exl3tools.runtime import preview  # torch-free
 
     return preview.switched_on(name)
@@ -371,8 +371,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: 
     if cuda:
         mla_cuda.split(q_lat.contiguous(), q_pe.contiguous(), ckv, kpe, block_tables, context_lens, out, po, plse,
                        float(scale) * LOG2E, splits, max(1, int(min_split_tiles or MIN_SPLIT_TILES)),
-                       pingpong=pingpong, prefetch=pingpong and _switched_on("mla_slot_prefetch"),
-                       scaled_p=pingpong and _switched_on("mla_scaled_p"))
+                       pingpong=pingpong, scaled_p=pingpong and _switched_on("mla_scaled_p"))
     else:
         _mla_split_kernel[(B, hchunks, splits)](
             q_lat, q_pe, ckv, kpe, block_tables, context_lens, s, out, po, plse,

@@ -1,7 +1,7 @@
 """Paged MLA decode on Hopper, TMA copies and warpgroup MMAs (kernels/csrc/mla_decode.cu): the
 split kernel of kernels/mla_attention.mla_decode for dense rows on fp16 planes with latent 512 and
 rope 64 and heads in 64s (DeepSeek-V3's 128, GLM-5's 64; other counts, a tensor-parallel rank's,
-padded to 64 with the EXL3TOOLS_MLA_PAD_HEADS preview), launched through the CUDA driver on
+padded to 64 unless EXL3TOOLS_MLA_PAD_HEADS=0), launched through the CUDA driver on
 torch's current stream, so CUDA graphs capture it (with the planes' tensor maps as parameters). It
 writes the Triton kernel's partials (o, base-2 lse) and mla_decode merges them with the same
 kernel. mla_decode takes it for rows without a DSA selection where ``fits`` and the ``mla_cuda``
@@ -96,13 +96,12 @@ def _plane_map(plane: torch.Tensor, box_rows: int) -> TensorMap:
 def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
           block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, po: torch.Tensor,
           plse: torch.Tensor, qk_scale: float, num_splits: int, min_split_tiles: int,
-          pingpong: bool = False, prefetch: bool = False, scaled_p: bool = False) -> None:
+          pingpong: bool = False, scaled_p: bool = False) -> None:
     """One launch of the split kernel over dense rows: fp16 contiguous queries (B, H, 512) / (B, H,
     64), the caller's checked planes (``fits``) and tables (mla_attention._check); with one split
     the normalised output goes to ``out``, else partials to ``po`` / ``plse`` (mla_decode's layout).
     ``pingpong``: the kernel that computes each tile's scores once (mla_decode.cu pp_body), same
-    contract; ``prefetch`` (with it): its variant that reads the next pair's table entries at the
-    start of a pair (mla_decode_pp_pf); ``scaled_p`` (with it): its variant that stores P_A scaled
+    contract; ``scaled_p`` (with it): its variant that stores P_A scaled
     to B's maxima, so warpgroup 1's two latent products go out back to back (mla_decode_pp_ps).
     H not a multiple of 64 takes the ping-pong kernel's padded variant (mla_decode_pp_pad: the
     last head block's missing rows zero queries, never stored)."""
@@ -110,12 +109,12 @@ def split(q_lat: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch
     hchunks = -(-H // HEADS)
     bs = ckv.shape[1]
     box = min(bs, KEYS)          # a copy: one table block's rows (a tile's at most)
-    if (prefetch or scaled_p) and not pingpong:
-        raise ValueError("prefetch and scaled_p are variants of the ping-pong kernel")
+    if scaled_p and not pingpong:
+        raise ValueError("scaled_p is a variant of the ping-pong kernel")
     if H % HEADS and not pingpong:
         raise ValueError(f"{H} heads (not a multiple of {HEADS}) take the ping-pong kernel's padded variant")
     if pingpong:
-        kernel, smem = ("mla_decode_pp_pf" if prefetch else "mla_decode_pp"), SMEM_PP
+        kernel, smem = "mla_decode_pp", SMEM_PP
         kernel += ("_ps" if scaled_p else "") + ("_pad" if H % HEADS else "")
     else:
         kernel, smem = "mla_decode_tma", SMEM

@@ -77,8 +77,7 @@ def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
     res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", str(cuda_build.MLA_SRC),
                           "-o", str(tmp_path / "mla.cubin")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    kernels = {"mla_decode_tma"} | {f"mla_decode_pp{pf}{ps}{pad}" for pf in ("", "_pf") for ps in ("", "_ps")
-                                     for pad in ("", "_pad")}
+    kernels = {"mla_decode_tma"} | {f"mla_decode_pp{ps}{pad}" for ps in ("", "_ps") for pad in ("", "_pad")}
     assert set(re.findall(r"Compiling entry function '(\w+)'", res.stderr)) == kernels
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
     assert len(props) == len(kernels) and all(p == ("0", "0") for p in props), res.stderr[-2000:]
@@ -87,15 +86,15 @@ def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
     assert "C7520" not in res.stderr, res.stderr[-2000:]
 
 
-def test_the_halves_preview_names_its_own_cubins_for_3inst_and_mcg(monkeypatch):
-    """EXL3TOOLS_GEMV_HALVES builds 3INST / MCG modules with -DHALVES=1 under their own cache names;
-    MUL1's and the default's names do not move (earlier prebuilt cubin folders keep serving them);
-    batch-invariant runs keep the default."""
+def test_the_halves_build_names_its_own_cubins_for_3inst_and_mcg(monkeypatch):
+    """The default builds 3INST / MCG modules with -DHALVES=1 under their own cache names;
+    MUL1's and the opt-out's (EXL3TOOLS_GEMV_HALVES=0) names do not move (earlier prebuilt cubin
+    folders keep serving them); batch-invariant runs keep the plain build."""
     from exl3tools.kernels import cuda_build
 
-    monkeypatch.delenv("EXL3TOOLS_GEMV_HALVES", raising=False)
+    monkeypatch.setenv("EXL3TOOLS_GEMV_HALVES", "0")
     off = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
-    monkeypatch.setenv("EXL3TOOLS_GEMV_HALVES", "1")
+    monkeypatch.delenv("EXL3TOOLS_GEMV_HALVES")
     on = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
     assert on[0] != off[0] and on[1] != off[1] and on[2] == off[2]
     monkeypatch.setenv("EXL3TOOLS_BATCH_INVARIANT", "1")     # one arithmetic for every row count

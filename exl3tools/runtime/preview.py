@@ -64,34 +64,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # GLM-5 shape with --speculative-tokens 3 at 32 streams (128-row steps) served 851 tok/s either
     # way (steps 34.5 vs 35.5 ms): no served gain measured, so it stays a preview
     "dense_tiles": "EXL3TOOLS_DENSE_TILES",
-    # 3INST / MCG linears of up to 8 rows (a slot): the MMA adds the two fp16 halves of each hashed
-    # state (the state's half2 as two k entries of the A fragment, each activation fed twice), not
-    # two PRMTs and an HADD2 a pair of weights (kernels/csrc/exl3_gemv.cu HALVES; a build define, so
-    # read when a module is first built or loaded: kernels/cuda_build.halves). The weight's sum is
-    # then exact in fp32 instead of rounded to fp16. sm_90a SASS of the 1-row kernel (K 3, 3INST):
-    # 1112 -> 992 instructions, 80 -> 78 registers (the input-pass kernel 96 -> 72). Not yet run
-    "gemv_halves": "EXL3TOOLS_GEMV_HALVES",
-    # the ping-pong MLA kernel (OPT_OUTS mla_pingpong) reading the next pair's table entries at the
-    # start of a pair, beside its scores (kernels/csrc/mla_decode.cu pp_body PF, mla_decode_pp_pf),
-    # where the default reads each right after the wait that ends a PV and the warpgroup's next MMA
-    # waits for that load before the copies go out (FlashMLA loads its page ids ahead alike: docs/
-    # gpu.md, the next session's list). sm_90a: 252 registers, no spills, the default's SASS
-    # unchanged. Not yet run
-    "mla_slot_prefetch": "EXL3TOOLS_MLA_SLOT_PREFETCH",
-    # the CUDA MLA kernel (ping-pong) for head counts that are not a multiple of 64: a tensor-
-    # parallel rank's share (DeepSeek-V3's 128 heads at TP 4 / 8: 32 / 16; GLM-5's 64 at TP 2 / 4:
-    # 32 / 16), which otherwise take Triton's kernel. The last head block's rows past H are zero
-    # queries whose outputs are not stored (pp_body PAD, mla_decode_pp_pad): the MMAs cost what 64
-    # heads cost, the key copies (the kernel's bound) the same. sm_90a: 250 registers, no spills,
-    # the other kernels' SASS unchanged. Not yet run
-    "mla_pad_heads": "EXL3TOOLS_MLA_PAD_HEADS",
-    # the ping-pong MLA kernel in FlashMLA's order (kernels/csrc/mla_decode.cu pp_body PS,
-    # mla_decode_pp_ps): warpgroup 0 stores P_A scaled to B's maxima, so warpgroup 1 rescales O_R
-    # once a pair and issues P_B V_B,R and P_A V_A,R back to back, where the default rescales O_R
-    # between them and waits for the first (ncu put the warpgroups' barriers first among the
-    # kernel's stalls). sm_90a: 248 registers, no spills, one wgmma wait fewer, the other kernels'
-    # SASS unchanged. Not yet run
-    "mla_scaled_p": "EXL3TOOLS_MLA_SCALED_P",
     # dense linears of 65-1024 rows on Hopper's warpgroup MMA (kernels/csrc/exl3_wgmma.cuh,
     # cuda_exl3.WG_KERNELS): slots of 128 / 256 rows, the weight decoded once a slot into wgmma's
     # register operand while the activations stream through shared memory, instead of decode +
@@ -236,6 +208,30 @@ OPT_OUTS = {
     # 16): 128 heads batch 1 at 32k 53.9 -> 51.3 us, batch 8 at 32k 233.7 -> 204.3, batch 32 at 4k
     # 132.9 -> 118.8, 64 heads batch 1 at 32k 48.8 -> 46.1; the MLA tests/gpu passed with it on
     "mla_pingpong": "EXL3TOOLS_MLA_PINGPONG",
+    # 3INST / MCG linears of up to 8 rows (a slot): the MMA adds the two fp16 halves of each hashed
+    # state (the state's half2 as two k entries of the A fragment, each activation fed twice), not
+    # two PRMTs and an HADD2 a pair of weights (kernels/csrc/exl3_gemv.cu HALVES; a build define, so
+    # read when a module is first built or loaded: kernels/cuda_build.halves). The weight's sum is
+    # then exact in fp32 instead of rounded to fp16 (batch-invariant runs keep the rounded sum).
+    # sm_90a SASS of the 1-row kernel (K 3, 3INST): 1112 -> 992 instructions. H100, 2026-12-05
+    # (bench/gpu_bench.py --graph, off / on / on / off in one call): 4096 -> 14336 K 3 one row 3INST
+    # 35.4 -> 30.6 µs, MCG 33.9 -> 31.0 (MUL1's 29.9), 8 rows 35.9 -> 33.8 / 35.3 -> 33.7; 14336 ->
+    # 4096 35.7 -> 30.9 / 33.6 -> 30.9; tests/gpu passed with it (1085)
+    "gemv_halves": "EXL3TOOLS_GEMV_HALVES",
+    # the ping-pong MLA kernel for head counts that are not a multiple of 64: a tensor-parallel
+    # rank's share (DeepSeek-V3's 128 heads at TP 4 / 8: 32 / 16; GLM-5's 64 at TP 2 / 4: 32 / 16),
+    # which otherwise take Triton's kernel. The last head block's rows past H are zero queries whose
+    # outputs are not stored (pp_body PAD, mla_decode_pp_pad). H100, 2026-12-05 (bench/gpu_mla_cuda.py,
+    # block size 16, 32k): 32 heads batch 1 / 8 58.2 / 180.5 -> 43.3 / 139.5 µs, 16 heads 48.2 /
+    # 156.0 -> 42.3 / 136.6; tests/gpu passed with it (its pad cases at 16 / 32 / 96 heads)
+    "mla_pad_heads": "EXL3TOOLS_MLA_PAD_HEADS",
+    # the ping-pong MLA kernel in FlashMLA's order (pp_body PS, mla_decode_pp_ps): warpgroup 0 stores
+    # P_A scaled to B's maxima, so warpgroup 1 rescales O_R once a pair and issues P_B V_B,R and P_A
+    # V_A,R back to back, where the plain order rescales O_R between them and waits for the first.
+    # H100, 2026-12-05 (bench/gpu_mla_cuda.py): 128 heads batch 8 at 32k 210.4 -> 195.4 µs, batch 32
+    # at 4k 123.9 -> 119.7, batch 1 unchanged (51.0 / 50.8); DeepSeek-V3 shape served at a
+    # 30000-token context, 8 streams 1434 -> 1457 tok/s, one stream 409 / 408
+    "mla_scaled_p": "EXL3TOOLS_MLA_SCALED_P",
     # The five below became defaults WITHOUT a GPU run (2026-12-04 22:35, no machine lent): launch
     # cuts of computations checked equal on the Triton interpreter and compiled for sm_90
     # (bench/triton_sm90_check.py); "0" restores the launches before them, for the A/B the next

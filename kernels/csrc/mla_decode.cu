@@ -300,7 +300,7 @@ __device__ __forceinline__ void tma_body(const half* __restrict__ ql, const half
     store_rows(o, sm_st, t1 > t0, out, po, plse, (size_t)b * H + hc * HB, sp, num_splits, direct);
 }
 
-// A body's entry point (the bodies take the same arguments; the body a variadic argument: pp_body<PF, PAD>)
+// A body's entry point (the bodies take the same arguments; the body a variadic argument: pp_body<PAD, PS>)
 #define MLA_ENTRY_POINT(NAME, ...)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                         \
         NAME(const half* __restrict__ ql, const half* __restrict__ qp, const __grid_constant__ CUtensorMap tm_ckv, \
@@ -448,21 +448,20 @@ __device__ __forceinline__ void scale_o(float (&o)[128], float f0, float f1) {
 }
 
 // Same contract, grid and arguments as tma_body; 3 x 73728 + 1024 + 5 x 64 x 4 + 18 x 8 bytes of
-// dynamic shared memory (mla_cuda.SMEM_PP). PF (mla_decode_pp_pf, the EXL3TOOLS_MLA_SLOT_PREFETCH
-// preview): the copier lanes read the next pair's table entries at the start of a pair, beside its
-// scores, not right after the wait that ends a PV, where the warpgroup's next MMA waits for them.
-// PAD (mla_decode_pp_pad, the EXL3TOOLS_MLA_PAD_HEADS preview): H need not be a multiple of 64 (a
-// tensor-parallel rank's 16 or 32 heads): the last head block's rows past H are zero queries,
-// whose outputs are not stored (the MMAs cost what 64 heads cost; the key copies, the bound, too).
-// PS (mla_decode_pp_ps, the EXL3TOOLS_MLA_SCALED_P preview; FlashMLA's order, read, not copied):
+// dynamic shared memory (mla_cuda.SMEM_PP). PAD (mla_decode_pp_pad, EXL3TOOLS_MLA_PAD_HEADS): H
+// need not be a multiple of 64 (a tensor-parallel rank's 16 or 32 heads): the last head block's
+// rows past H are zero queries, whose outputs are not stored (the MMAs cost what 64 heads cost;
+// the key copies, the bound, too).
+// PS (mla_decode_pp_ps, EXL3TOOLS_MLA_SCALED_P; FlashMLA's order, read, not copied):
 // warpgroup 0 stores P_A only once B's maxima are known, scaled to them, so warpgroup 1 rescales
 // O_R once a pair (by scale0 x scale1) and issues its two latent products back to back, P_B V_B,R
-// from registers first, where the default rescales O_R between them and waits for the first:
+// from registers first, where the plain order (EXL3TOOLS_MLA_SCALED_P=0) rescales O_R between them
+// and waits for the first:
 //   WG0: S_A; softmax; [M0, scale0]; O_L *= scale0; O_L += P_A V_A,L; [wait scale1];
 //        P_A *= scale1 -> smem; [P_A ready]; O_L *= scale1; [wait P_B]; O_L += P_B V_B,L
 //   WG1: S_B; [wait M0, scale0]; M1, scale1, P_B; [scale1 ready]; O_R *= scale0 x scale1;
 //        P_B -> smem; [P_B ready]; O_R += P_B V_B,R; [wait P_A]; O_R += P_A V_A,R
-template <bool PF = false, bool PAD = false, bool PS = false>
+template <bool PAD = false, bool PS = false>
 __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half* __restrict__ qp,
                                         const CUtensorMap& tm_ckv, const CUtensorMap& tm_kpe,
                                         const int* __restrict__ bt, const int* __restrict__ lens,
@@ -489,7 +488,8 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
     auto box_slot = [&](int it) { return box_slot_at(bt_row, it * TN + lane * box_rows, L, log2bs); };
     // chunks q0..q1-1 of tile ``it`` into buffer ``buf``: each copier lane its box (one table
     // block's rows) of each chunk; a box past the row arrives with no bytes
-    auto copy_slot = [&](int slot, int buf, int q0, int q1) {
+    auto copy_chunks = [&](int it, int buf, int q0, int q1) {
+        const int slot = box_slot(it);
         half* dst = ks + buf * STILE + lane * box_rows * 64;
         for (int q = q0; q < q1; q++) {
             uint64_t* bar = bars + buf * CHUNKS + q;
@@ -501,13 +501,6 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             if (q < C / 64) tma_2d(dst + q * CHUNK, &tm_ckv, 64 * q, slot, bar);
             else tma_2d(dst + q * CHUNK, &tm_kpe, 0, slot, bar);
         }
-    };
-    auto copy_chunks = [&](int it, int buf, int q0, int q1) { copy_slot(box_slot(it), buf, q0, q1); };
-    int next_a = -1, next_b = -1;      // PF: the slots of tiles it + 2 and it + 3, read ahead
-    // chunks q0..q1-1 of tile ``it`` (the pair's next A or B: ``slot`` read ahead with PF)
-    auto copy_next = [&](int it, int slot, int buf, int q0, int q1) {
-        if constexpr (PF) copy_slot(slot, buf, q0, q1);
-        else copy_chunks(it, buf, q0, q1);
     };
 
     float o[128];
@@ -548,12 +541,6 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
             float s[32];
             uint32_t pa[4][4];
             float p0 = 0.f, p1 = 0.f;
-            if constexpr (PF) {
-                if (copier) {
-                    next_a = box_slot(it + 2);
-                    next_b = box_slot(it + 3);
-                }
-            }
             if (wg == 0) {
                 scores(s, dq, da, bars, ph);
                 float mx0, mx1;
@@ -593,7 +580,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 }
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 0, 4);   // A's V_L: read
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 0, 4);   // A's V_L: read
                 scale_o(o, g0, g1);
                 l0 *= g0;
                 l1 *= g1;
@@ -609,8 +596,8 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_wait<0>();
                     fence_regs(o);
                     if (copier && it + 3 < t1) {           // B's V_L and P_B: read
-                        copy_next(it + 3, next_b, 1, 0, 4);
-                        copy_next(it + 3, next_b, 1, CHUNKS - 1, CHUNKS);
+                        copy_chunks(it + 3, 1, 0, 4);
+                        copy_chunks(it + 3, 1, CHUNKS - 1, CHUNKS);
                     }
                 }
             } else if constexpr (PS) {
@@ -656,10 +643,10 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 for (int kk = 0; kk < TN / 16; kk++) wgmma_ss_m64n256k16<1>(o, dpa + kk * D_K16, va_desc + kk * D_V16);
                 wgmma_commit();
                 wgmma_wait<1>();                       // P_B V_B,R (without B: nothing to wait for)
-                if (copier && it + 3 < t1) copy_next(it + 3, next_b, 1, 4, CHUNKS - 1);   // B's V_R: read
+                if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1);   // B's V_R: read
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 4, CHUNKS);   // A's V_R and P_A: read
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);   // A's V_R and P_A: read
             } else {
                 float mx0 = NEG_INF, mx1 = NEG_INF;
                 if (has_b) {
@@ -695,7 +682,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                 }
                 wgmma_wait<0>();
                 fence_regs(o);
-                if (copier && it + 2 < t1) copy_next(it + 2, next_a, 0, 4, CHUNKS);   // A's V_R and P_A: read
+                if (copier && it + 2 < t1) copy_chunks(it + 2, 0, 4, CHUNKS);   // A's V_R and P_A: read
                 scale_o(o, g0, g1);
                 l0 = l0 * (f0 * g0) + p0;
                 l1 = l1 * (f1 * g1) + p1;
@@ -708,7 +695,7 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
                     wgmma_commit();
                     wgmma_wait<0>();
                     fence_regs(o);
-                    if (copier && it + 3 < t1) copy_next(it + 3, next_b, 1, 4, CHUNKS - 1);   // B's V_R: read
+                    if (copier && it + 3 < t1) copy_chunks(it + 3, 1, 4, CHUNKS - 1);   // B's V_R: read
                 }
             }
         }
@@ -735,10 +722,6 @@ __device__ __forceinline__ void pp_body(const half* __restrict__ ql, const half*
 }
 
 MLA_ENTRY_POINT(mla_decode_pp, pp_body<false>)
-MLA_ENTRY_POINT(mla_decode_pp_pf, pp_body<true>)
-MLA_ENTRY_POINT(mla_decode_pp_pad, pp_body<false, true>)
-MLA_ENTRY_POINT(mla_decode_pp_pf_pad, pp_body<true, true>)
-MLA_ENTRY_POINT(mla_decode_pp_ps, pp_body<false, false, true>)
-MLA_ENTRY_POINT(mla_decode_pp_pf_ps, pp_body<true, false, true>)
-MLA_ENTRY_POINT(mla_decode_pp_ps_pad, pp_body<false, true, true>)
-MLA_ENTRY_POINT(mla_decode_pp_pf_ps_pad, pp_body<true, true, true>)
+MLA_ENTRY_POINT(mla_decode_pp_pad, pp_body<true>)
+MLA_ENTRY_POINT(mla_decode_pp_ps, pp_body<false, true>)
+MLA_ENTRY_POINT(mla_decode_pp_ps_pad, pp_body<true, true>)

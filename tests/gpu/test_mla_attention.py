@@ -433,18 +433,17 @@ WGMMA_CASES += [(2, 128, 16, "long", None), (2, 64, 32, "long", None), (5, 64, 1
 
 
 def _through_the_wgmma_kernel(monkeypatch, pingpong: str = "0") -> list:
-    """Switch the CUDA kernel on and its ping-pong variant as asked ("pf": with the table entries
-    read ahead, EXL3TOOLS_MLA_SLOT_PREFETCH; "ps": P_A stored scaled, EXL3TOOLS_MLA_SCALED_P), and
-    count its launches (mla_decode must take it, not Triton)."""
+    """Switch the CUDA kernel on and its ping-pong variant as asked ("1": the plain order,
+    EXL3TOOLS_MLA_SCALED_P=0; "ps": P_A stored scaled, the default), and count its launches
+    (mla_decode must take it, not Triton)."""
     from exl3tools.kernels import mla_cuda
 
     calls, real = [], mla_cuda.split
-    # each launch's (num_splits, pingpong, prefetch, scaled_p)
+    # each launch's (num_splits, pingpong, scaled_p)
     monkeypatch.setattr(mla_cuda, "split", lambda *a, **k: (
-        calls.append((a[10], k.get("pingpong"), k.get("prefetch"), k.get("scaled_p"))), real(*a, **k))[1])
+        calls.append((a[10], k.get("pingpong"), k.get("scaled_p"))), real(*a, **k))[1])
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "1")
     monkeypatch.setenv("EXL3TOOLS_MLA_PINGPONG", "0" if pingpong == "0" else "1")
-    monkeypatch.setenv("EXL3TOOLS_MLA_SLOT_PREFETCH", "1" if pingpong == "pf" else "0")
     monkeypatch.setenv("EXL3TOOLS_MLA_SCALED_P", "1" if pingpong == "ps" else "0")
     return calls
 
@@ -457,11 +456,10 @@ def _fp16_case(B, H, bs, kind, dev):
     return t, scale, _oracle(t, lens, scale)
 
 
-# the kernel computing S on both warpgroups, the ping-pong one (the default), the ping-pong one
-# reading its table entries ahead (the EXL3TOOLS_MLA_SLOT_PREFETCH preview) and the one storing P_A
-# scaled (EXL3TOOLS_MLA_SCALED_P)
-VARIANTS = ["0", "1", "pf", "ps"]
-VARIANT_IDS = ["two_s", "pingpong", "prefetch", "scaled_p"]
+# the kernel computing S on both warpgroups, the ping-pong one in its plain order and the one
+# storing P_A scaled (EXL3TOOLS_MLA_SCALED_P, the default)
+VARIANTS = ["0", "1", "ps"]
+VARIANT_IDS = ["two_s", "pingpong", "scaled_p"]
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
@@ -481,7 +479,7 @@ def test_mla_wgmma_kernel_matches_oracle_and_triton(dev, case, pingpong, monkeyp
     out = torch.full((B, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=out)
     assert got is out and calls, "mla_decode did not take the CUDA kernel"
-    assert calls[0][1:] == (pingpong != "0", pingpong == "pf", pingpong == "ps"), calls
+    assert calls[0][1:] == (pingpong != "0", pingpong == "ps"), calls
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
     monkeypatch.setenv("EXL3TOOLS_MLA_CUDA", "0")
@@ -496,12 +494,12 @@ PAD_CASES += [(2, 32, 16, "long", None)]
 
 
 @pytest.mark.skipif(not _wgmma_kernel_here(), reason="the CUDA MLA kernel needs an sm_90 GPU and nvcc (or its cubin)")
-@pytest.mark.parametrize("pingpong", ["1", "pf", "ps"], ids=["pingpong", "prefetch", "scaled_p"])
+@pytest.mark.parametrize("pingpong", ["1", "ps"], ids=["pingpong", "scaled_p"])
 @pytest.mark.parametrize("case", PAD_CASES, ids=[str(c) for c in PAD_CASES])
 def test_mla_wgmma_kernel_pads_heads(dev, case, pingpong, monkeypatch):
-    """EXL3TOOLS_MLA_PAD_HEADS: head counts that are not a multiple of 64 (a tensor-parallel rank's)
+    """EXL3TOOLS_MLA_PAD_HEADS (the default): head counts that are not a multiple of 64 (a tensor-parallel rank's)
     on the ping-pong kernel's padded variant, against the float64 oracle; the padding rows write
-    nothing (rows past the output stay NaN); without the switch they stay on Triton."""
+    nothing (rows past the output stay NaN); with it "0" they stay on Triton."""
     from exl3tools.kernels.mla_attention import mla_decode
 
     B, H, bs, kind, ns = case
@@ -513,7 +511,7 @@ def test_mla_wgmma_kernel_pads_heads(dev, case, pingpong, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_MLA_PAD_HEADS", "1")
     canary = torch.full((B + 4, H, 512), float("nan"), device=dev)
     got = mla_decode(**t, scale=scale, num_splits=ns, out=canary[:B])
-    assert calls and calls[0][1:] == (True, pingpong == "pf", pingpong == "ps"), calls
+    assert calls and calls[0][1:] == (True, pingpong == "ps"), calls
     assert torch.isnan(canary[B:]).all(), "a padding row was stored"
     err = (got.cpu().double() - want).abs().max().item()
     assert err < 1e-3, (case, err)
