@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import sys
 from pathlib import Path
@@ -24,9 +26,23 @@ def _pos(_ctx, _param, value: int) -> int:
     return value
 
 
+def _json_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
+    """vLLM's form of the CORS options: a JSON list of strings, e.g. '["https://a.example"]'."""
+    if value is None:
+        return None
+    try:
+        got = json.loads(value)
+    except ValueError:
+        got = None
+    if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+        raise click.BadParameter(f"must be a JSON list of strings, e.g. '[\"*\"]', not {value!r}")
+    return tuple(got)
+
+
 @click.command("serve")
 @click.argument("path", required=False)
-@click.option("--tp", default=1, show_default=True, callback=_pos, help="Tensor-parallel ranks.")
+@click.option("--tp", "--tensor-parallel-size", "-tp", "tp", default=1, show_default=True, callback=_pos,
+              help="Tensor-parallel ranks.")
 @click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
               help="With --tp on an unsliced checkpoint: split each expert (tp) or whole experts (ep).")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -69,7 +85,25 @@ def _pos(_ctx, _param, value: int) -> int:
                    "tags). none: answers stay whole.")
 @click.option("--max-model-len", "--max-context", "max_context", type=click.IntRange(1, None), default=None,
               help="Cap the context length (default: the model's, and what the KV cache holds).")
-@click.option("--served-model-name", default=None, help="Model id clients send (default: the model's).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="Model id clients send (default: the model's). Repeatable: answers report the first, "
+                   "requests may name any, /v1/models lists them all.")
+@click.option("--chat-template", default=None,
+              help="A Jinja chat template that replaces the checkpoint's: a file, or the template text itself.")
+@click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+              help="auto: generation_config.json's temperature, top_p, top_k, repetition_penalty, min_p and "
+                   "max_new_tokens are the defaults of fields a request leaves out; vllm: ignore them.")
+@click.option("--seed", type=int, default=None,
+              help="Seed the server: requests without a seed sample alike after a restart (sent in the same "
+                   "order). Default: a random seed per request.")
+@click.option("--allowed-origins", callback=_json_list, default=None,
+              help='CORS: origins browsers may call from, a JSON list (\'["*"]\' for any). Default: no CORS.')
+@click.option("--allowed-methods", callback=_json_list, default=None,
+              help='CORS: allowed methods, a JSON list (default \'["*"]\'; needs --allowed-origins).')
+@click.option("--allowed-headers", callback=_json_list, default=None,
+              help='CORS: allowed request headers, a JSON list (default \'["*"]\'; needs --allowed-origins).')
+@click.option("--allow-credentials", is_flag=True, default=False,
+              help="CORS: allow cookies / Authorization on cross-origin requests (needs --allowed-origins).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
 @click.option("--backend", default="auto", show_default=True,
@@ -94,8 +128,11 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
               max_batch: int, max_queue: int, max_cache_tokens: int | None, gpu_memory_utilization: float,
               block_size: str, kv_cache_dtype: str, prefix_caching: bool, max_prefill_tokens: int | None,
               prefill_wait_ms: float, speculative_tokens: int, reasoning_parser: str, max_context: int | None,
-              served_model_name: str | None, device: str, backend: str, cuda_graphs: bool | None,
-              batch_invariant: bool, cpu_threads: int | None, shutdown_timeout: float, log_level: str) -> None:
+              served_model_names: tuple[str, ...], chat_template: str | None, generation_config: str,
+              seed: int | None, allowed_origins: tuple[str, ...] | None, allowed_methods: tuple[str, ...] | None,
+              allowed_headers: tuple[str, ...] | None, allow_credentials: bool, device: str, backend: str,
+              cuda_graphs: bool | None, batch_invariant: bool, cpu_threads: int | None, shutdown_timeout: float,
+              log_level: str) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
     Without PATH, serves the demo checkpoint shipped with exl3tools. Binds early: /health
@@ -112,6 +149,12 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             raise NotFoundError(f"no PATH given and the demo checkpoint is missing ({DEMO_MODEL})")
         path = str(DEMO_MODEL)
     _check_path(path, tp)
+    if allowed_origins is None and (allowed_methods is not None or allowed_headers is not None or allow_credentials):
+        raise UsageError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins "
+                         "(without it the server sends no CORS headers)")
+    if any(not n.strip() for n in served_model_names):
+        raise UsageError("--served-model-name must not be empty")
+    template = _chat_template(chat_template)
     asked, device = device, run_device(device, tp)
     interval = os.environ.get("EXL3TOOLS_SWITCH_INTERVAL_MS")   # the GIL's (docs/serve.md "Diagnostics")
     if interval:
@@ -137,7 +180,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
         preflight_plan(path, device=device, tp=tp, moe=moe, util=gpu_memory_utilization, block_size=int(block_size),
                        kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens,
                        max_model_len=max_context)
-    cfg = ServeConfig(model_path=path, served_model_name=served_model_name, tp=tp, moe=moe, device=device,
+    cfg = ServeConfig(model_path=path, served_model_name=served_model_names or None, tp=tp, moe=moe, device=device,
                       backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
                       max_queue=max_queue, max_cache_tokens=max_cache_tokens,
                       max_prefill_tokens=max_prefill_tokens, max_context=max_context,
@@ -145,7 +188,10 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                       gpu_memory_utilization=gpu_memory_utilization, block_size=int(block_size),
                       kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
                       speculative_tokens=speculative_tokens, prefill_wait_s=prefill_wait_ms / 1e3,
-                      reasoning_parser=reasoning_parser)
+                      reasoning_parser=reasoning_parser, chat_template=template,
+                      generation_config=generation_config, seed=seed, allowed_origins=allowed_origins,
+                      allowed_methods=allowed_methods or ("*",), allowed_headers=allowed_headers or ("*",),
+                      allow_credentials=allow_credentials)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if asked == "auto":
         logging.getLogger("exl3tools.serve").info("--device auto: serving on %s", device)
@@ -188,3 +234,32 @@ def _check_path(path: str, tp: int) -> None:
         resolve(path, tp)
     elif not looks_like_repo_id(path):
         raise NotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: an existing file's text; else the value itself when it
+    looks like Jinja (braces or a newline; backslash escapes such as \\n decoded); else an error.
+    Either way it must compile, so a broken template is one line here, not a 400 on every chat."""
+    if value is None:
+        return None
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        if not any(c in value for c in "{}\n"):
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise UsageError(f"--chat-template {value!r}: not a readable file ({why}) nor a Jinja template") from None
+        try:    # backslashreplace first: characters past latin-1 survive unicode_escape
+            text = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+        except UnicodeDecodeError:   # a lone trailing backslash: the text as given
+            text = value
+    if not text.strip():
+        raise UsageError(f"--chat-template {value!r}: the template is empty")
+    from jinja2 import TemplateSyntaxError
+
+    from exl3tools.server.template import ChatTemplate
+
+    try:
+        ChatTemplate(text)
+    except TemplateSyntaxError as exc:
+        raise UsageError(f"--chat-template: not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+    return text

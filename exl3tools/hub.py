@@ -23,7 +23,8 @@ from exl3tools.errors import CheckpointError, NotFoundError
 HUB_TIMEOUT_S = 10.0  # the first request to the Hub; HF_HUB_ETAG_TIMEOUT overrides it
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 SMALL_FILES = ["config.json", "quantization_config.json", "model.safetensors.index.json", "tokenizer.json",
-               "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "special_tokens_map.json"]
+               "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+               "special_tokens_map.json"]
 
 
 def looks_like_repo_id(s: str) -> bool:

@@ -167,7 +167,7 @@ def test_runner_reads_generation_defaults(tmp_path):
     assert generation_defaults({"temperature": -1, "top_p": 0, "top_k": True}) == {}
     assert generation_defaults({"temperature": "0.7", "top_p": 1.5, "top_k": -1}) == {"top_k": 0}
     with load_runner(str(DEMO / "model")) as r:
-        assert r.generation_defaults == {}  # the demo's file names none (do_sample false only)
+        assert r.generation_defaults == {"max_tokens": 64}  # the demo's max_new_tokens (do_sample false)
 
 
 def test_server_applies_generation_config_defaults(tmp_path, greedy):

@@ -1,4 +1,4 @@
-"""Structured outputs (chat's response_format json_object / json_schema, server/structured.py)
+"""Structured outputs (response_format json_object / json_schema on chat and completions, server/structured.py)
 through a real server and the official openai client on the demo checkpoint: the answers parse and
 follow their schema, greedy answers equal a greedy decode of the plain runtime whose logits are
 masked by llguidance written out here, and bad formats are 400s naming the parameter."""
@@ -119,6 +119,20 @@ def test_a_grammar_with_ignore_eos_or_min_tokens_is_refused(client, extra):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, max_tokens=8, response_format=_fmt(), extra_body=extra)
     assert e.value.body["param"] == "response_format"
+
+
+def test_a_plain_completion_takes_response_format_as_vllm_does(client):
+    """/v1/completions with response_format (vLLM's extension): each of n answers, streamed or not,
+    parses and follows the schema; its bad formats are the same 400s as chat's."""
+    kw = dict(model="demo", prompt="The sky, as JSON:", max_tokens=60, extra_body={"response_format": _fmt()})
+    r = client.completions.create(temperature=1.0, seed=3, n=2, **kw)
+    for c in r.choices:
+        assert c.finish_reason == "stop" and _follows(json.loads(c.text)), c
+    parts = [ch.choices[0].text for ch in client.completions.create(temperature=0, stream=True, **kw) if ch.choices]
+    assert _follows(json.loads("".join(parts)))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="x", max_tokens=4, extra_body={"response_format": {"type": "grammar"}})
+    assert (e.value.body["param"], e.value.body["code"]) == ("response_format.type", "unsupported_parameter")
 
 
 def test_adjust_masks_what_the_constraint_forbids_and_tells_it_each_token():

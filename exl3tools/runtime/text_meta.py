@@ -44,18 +44,13 @@ def read_text_meta(d: Path) -> TextMeta:
             eos.add(tid)
     special = _json(d / "special_tokens_map.json") or {}
     bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
-    tmpl = tcfg.get("chat_template")
-    if isinstance(tmpl, list):  # [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
-        tmpl = named.get("default") or next(iter(named.values()), None)
-    if not isinstance(tmpl, str) and (d / "chat_template.jinja").is_file():
-        tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    tmpl = chat_template(d, tcfg)
     return TextMeta(
         tokenizer=tokenizer, eos_token_ids=frozenset(eos),
         eos_token=_token_text(tokenizer, tcfg, special, "eos_token", cfg.get("eos_token_id", gen.get("eos_token_id"))),
         bos_token=_token_text(tokenizer, tcfg, special, "bos_token", bos),
         bos_token_id=bos if isinstance(bos, int) else None,
-        chat_template=tmpl if isinstance(tmpl, str) else None,
+        chat_template=tmpl,
         generation_defaults=generation_defaults(gen))
 
 
@@ -75,19 +70,50 @@ def _token_text(tokenizer, tcfg: dict, special: dict, key: str, ids) -> str | No
     return None
 
 
+def chat_template(d: Path, tcfg: dict) -> str | None:
+    """The checkpoint's chat template, in transformers' order (PR #33957): a standalone
+    chat_template.jinja, then chat_template.json's "chat_template" (the processor format), then
+    tokenizer_config.json's. A str, or the "default" (else first) of [{"name", "template"}]."""
+    jinja = d / "chat_template.jinja"
+    try:
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        pass
+    for src in (_json(d / "chat_template.json") or {}, tcfg):
+        tmpl = src.get("chat_template") if isinstance(src, dict) else None
+        if isinstance(tmpl, list):
+            named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+            tmpl = named.get("default") or next(iter(named.values()), None)
+        if isinstance(tmpl, str):
+            return tmpl
+    return None
+
+
 def generation_defaults(gen: dict) -> dict[str, float | int]:
-    """generation_config.json's sampling values that are usable: ``temperature`` (>= 0),
-    ``top_p`` (0 < p <= 1), ``top_k`` (>= 0, 0 = off). ``do_sample`` is not consulted (as vLLM):
-    a file that names a temperature means it."""
+    """generation_config.json's request defaults that are usable, as vLLM's ``--generation-config
+    auto`` takes them: ``temperature`` (>= 0), ``top_p`` (0 < p <= 1), ``top_k`` (>= 0, 0 = off),
+    ``repetition_penalty`` (> 0), ``min_p`` (0..1) and ``max_new_tokens`` (>= 1, as ``max_tokens``).
+    ``do_sample`` is not consulted (as vLLM): a file that names a temperature means it."""
     out: dict[str, float | int] = {}
-    num = (int, float)
+
+    def num(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
     t, p, k = gen.get("temperature"), gen.get("top_p"), gen.get("top_k")
-    if isinstance(t, num) and not isinstance(t, bool) and 0 <= t < float("inf"):
+    rp, mp, mt = gen.get("repetition_penalty"), gen.get("min_p"), gen.get("max_new_tokens")
+    if num(t) and t >= 0:
         out["temperature"] = float(t)
-    if isinstance(p, num) and not isinstance(p, bool) and 0 < p <= 1:
+    if num(p) and 0 < p <= 1:
         out["top_p"] = float(p)
     if isinstance(k, int) and not isinstance(k, bool):
         out["top_k"] = max(0, k)
+    if num(rp) and 0 < rp <= 10:     # the request field's own range (server/protocol.py)
+        out["repetition_penalty"] = float(rp)
+    if num(mp) and 0 <= mp <= 1:
+        out["min_p"] = float(mp)
+    if isinstance(mt, int) and not isinstance(mt, bool) and mt >= 1:
+        out["max_tokens"] = mt
     return out
 
 

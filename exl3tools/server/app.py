@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from exl3tools.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Prepared,
+    SamplingParams,
     bad_request,
     check_chat_extras,
     check_completion_extras,
@@ -63,7 +65,8 @@ PING_INTERVAL_S = 15.0
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     model_path: str | None = None
-    served_model_name: str | None = None
+    # --served-model-name: one name or several (the first is reported, every one is accepted)
+    served_model_name: str | tuple[str, ...] | None = None
     tp: int = 1
     moe: str = "tp"  # how an unsliced checkpoint's experts are cut over --tp ranks: "tp" | "ep"
     device: str = "cpu"
@@ -85,11 +88,55 @@ class ServeConfig:
     speculative_tokens: int = 0   # MTP drafts per decode step (0: off)
     prefill_wait_s: float = 0.0   # idle engine: gather a burst of requests this long into one prefill
     reasoning_parser: str = "none"   # "none", or <think> tags apart (server/reasoning.py PARSERS)
+    chat_template: str | None = None  # --chat-template's text: replaces the checkpoint's
+    generation_config: str = "auto"   # "auto": generation_config.json's request defaults; "vllm": none
+    seed: int | None = None           # --seed: requests without a seed draw theirs from it, in order
+    # CORS (Starlette's CORSMiddleware) only when origins are given: else no CORS headers at all
+    allowed_origins: tuple[str, ...] | None = None
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
-def runtime_loader(cfg: ServeConfig) -> Callable[[], Any]:
-    """The runner factory: everything device-related stays in exl3tools.runtime."""
+class LoadCount:
+    """Weights read so far (runtime.weights.progress_hook, as the terminal's bar), for /health."""
+
+    def __init__(self) -> None:
+        self.bytes = self.total = self.tensors = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, total: int) -> None:
+        with self._lock:
+            self.bytes, self.total, self.tensors = self.bytes + nbytes, total, self.tensors + 1
+
+    def body(self) -> dict[str, Any]:
+        total = self.total or None     # unknown before the first tensor (e.g. a hub download)
+        return {"loaded_bytes": self.bytes, "total_bytes": total, "tensors_loaded": self.tensors,
+                "fraction": min(self.bytes / total, 1.0) if total else None}
+
+
+def runtime_loader(cfg: ServeConfig, progress: Callable[[int, int], None] | None = None) -> Callable[[], Any]:
+    """The runner factory: everything device-related stays in exl3tools.runtime. ``progress(bytes
+    read, total)`` after each tensor read, besides the hook already set (the CLI's bar)."""
     def load() -> Any:
+        if progress is None:
+            return _load()
+        from exl3tools.runtime import weights
+
+        prev = weights.progress_hook
+
+        def hook(nbytes: int, total: int) -> None:
+            progress(nbytes, total)
+            if prev is not None:
+                prev(nbytes, total)
+        weights.progress_hook = hook
+        try:
+            return _load()
+        finally:
+            if weights.progress_hook is hook:
+                weights.progress_hook = prev
+
+    def _load() -> Any:
         from exl3tools.runtime.runner import load_runner
 
         kwargs: dict[str, Any] = {"device": cfg.device, "tp": cfg.tp, "backend": cfg.backend}
@@ -166,7 +213,10 @@ class Server:
 
     def __init__(self, cfg: ServeConfig, load: Callable[[], Any], hooks: dict[str, Callable]) -> None:
         self.cfg = cfg
-        self.metrics = Metrics(cfg.served_model_name or _path_name(cfg.model_path))
+        names = cfg.served_model_name
+        self.served_names: tuple[str, ...] = (names,) if isinstance(names, str) else tuple(names or ())
+        self.metrics = Metrics(self.served_names[0] if self.served_names else _path_name(cfg.model_path))
+        self._seeds = random.Random(cfg.seed) if cfg.seed is not None else None
         self.engine = Engine(load, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
                              max_prefill_tokens=prefill_tokens(cfg), metrics=self.metrics,
                              prefill_wait_s=cfg.prefill_wait_s, **hooks)
@@ -223,8 +273,9 @@ class Server:
 
     @property
     def model_name(self) -> str:
-        if self.cfg.served_model_name:
-            return self.cfg.served_model_name
+        """The name answers report: --served-model-name's first, else the checkpoint's."""
+        if self.served_names:
+            return self.served_names[0]
         spec = self.cfg.model_path or ""
         from exl3tools.hub import looks_like_repo_id, split_revision
 
@@ -232,15 +283,49 @@ class Server:
             return split_revision(spec)[0]  # not the snapshot hash the cache dir is named after
         return self.runner.model_name
 
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request's ``model`` may give (vLLM: all of --served-model-name)."""
+        return self.served_names or (self.model_name,)
+
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
+        if name not in self.model_names():
+            served = "', '".join(self.model_names())
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                           f"'{self.model_name}'", param="model", code="model_not_found")
+                           f"'{served}'", param="model", code="model_not_found")
+
+    def defaults(self) -> dict[str, Any]:
+        """The request defaults of generation_config.json (``--generation-config auto``), or none."""
+        if self.cfg.generation_config != "auto":
+            return {}
+        return getattr(self.runner, "generation_defaults", None) or {}
+
+    def with_defaults(self, params: SamplingParams, req: Any) -> SamplingParams:
+        """``params`` with the model's repetition_penalty / min_p where ``req`` left them out
+        (sampling_params fills temperature, top_p and top_k)."""
+        d = self.defaults()
+        extra = {k: d[k] for k in ("repetition_penalty", "min_p") if k in d and getattr(req, k, None) is None}
+        return dataclasses.replace(params, **extra) if extra else params
+
+    def _with_format(self, params: SamplingParams, fmt: Any) -> SamplingParams:
+        """response_format json_object / json_schema as the answer's grammar (server/structured.py)."""
+        if fmt is None or fmt.type == "text":
+            return params
+        return dataclasses.replace(params, grammar=self.grammars().compile(fmt))
+
+    def seeded(self, params: SamplingParams) -> SamplingParams:
+        """With --seed, a request without a seed gets the next of the server's seeds: drawn at
+        submission (the event loop's order), so the same requests sample alike after a restart."""
+        if params.seed is not None or self._seeds is None:
+            return params
+        return dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+
+    def template_source(self) -> str | None:
+        return self.cfg.chat_template or getattr(self.runner, "chat_template", None)
 
     def template(self) -> ChatTemplate:
         if not self._template_checked:
             r = self.runner
-            src = getattr(r, "chat_template", None)
+            src = self.template_source()
             if src:
                 self._template = ChatTemplate(src, bos_token=_special(r, "bos"),
                                               eos_token=_special(r, "eos"))
@@ -251,16 +336,17 @@ class Server:
 
     # ------------------------------------------------------------ request preparation
 
-    def _limits(self, longest: int, max_tokens: int | None, default: int | None) -> int:
+    def _limits(self, longest: int, max_tokens: int | None, default: int | None, param: str) -> int:
+        """``max_tokens`` checked against the context; None: ``default`` (None: the rest of the
+        context), capped by generation_config.json's max_new_tokens, and by the context."""
         runner, budget = self.runner, self.engine.cache_budget
         ctx = runner.max_context
         limit = min(ctx, budget) if budget else ctx
         if longest >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
-                           f"prompt has {longest}", param="messages" if default is None else "prompt",
-                           code="context_length_exceeded")
+                           f"prompt has {longest}", param=param, code="context_length_exceeded")
         if max_tokens is None:
-            max_tokens = limit - longest if default is None else min(default, limit - longest)
+            max_tokens = min(x for x in (default, self.defaults().get("max_tokens"), limit - longest) if x is not None)
         if longest + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
                            f"requested {longest + max_tokens} ({longest} in the prompt, "
@@ -291,10 +377,10 @@ class Server:
                 ids = [runner.bos_token_id]
             prompts.append(ids)
         max_tokens = self._limits(max(map(len, prompts)), req.max_tokens,
-                                  DEFAULT_COMPLETION_MAX_TOKENS)
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                 vocab_size=runner.vocab_size,
-                                 defaults=getattr(runner, "generation_defaults", None))
+                                  DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        params = self.with_defaults(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                                    vocab_size=runner.vocab_size, defaults=self.defaults()), req)
+        params = self._with_format(params, req.response_format)
         extras: dict[str, Any] = {}
         if req.echo:     # the prompts' text before the completions; with logprobs, their tokens' too
             extras["echo"] = [t if isinstance(t, str) else runner.tokenizer.decode(ids, skip_special_tokens=False)
@@ -310,7 +396,7 @@ class Server:
         the context is not refused (count_tokens counts it)."""
         check_chat_extras(req)
         runner = self.runner
-        mode = tools.tool_mode(req, tools.call_syntax(getattr(runner, "chat_template", None)))
+        mode = tools.tool_mode(req, tools.call_syntax(self.template_source()))
         self.token_text()
         messages = message_dicts(req)
         self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
@@ -327,13 +413,11 @@ class Server:
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", param="messages")
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._limits(len(ids), wanted, None) if limits else wanted or 1
+        max_tokens = self._limits(len(ids), wanted, None, "messages") if limits else wanted or 1
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                 vocab_size=runner.vocab_size,
-                                 defaults=getattr(runner, "generation_defaults", None))
-        if req.response_format is not None and req.response_format.type != "text":
-            params = dataclasses.replace(params, grammar=self.grammars().compile(req.response_format))
+        params = self.with_defaults(sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                                    vocab_size=runner.vocab_size, defaults=self.defaults()), req)
+        params = self._with_format(params, req.response_format)
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
         thinks = self.cfg.reasoning_parser != "none"
@@ -372,7 +456,8 @@ def _special(runner: Any, which: str) -> str:
 def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                hooks: dict[str, Callable] | None = None) -> FastAPI:
     check_api_keys(cfg.api_keys)  # an empty key would admit every blank x-api-key header
-    server = Server(cfg, load or runtime_loader(cfg), hooks or runtime_hooks())
+    loaded = LoadCount()   # /health's progress (a ``load`` of the caller's reports none)
+    server = Server(cfg, load or runtime_loader(cfg, loaded.add), hooks or runtime_hooks())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -409,6 +494,8 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                           "model_loading" if eng.state == "loading" else "model_load_failed")
         body["status"] = eng.state
         body["elapsed_s"] = round(time.monotonic() - eng.load_started, 1)
+        if eng.state == "loading":
+            body.update(loaded.body())
         headers = {"Retry-After": str(RETRY_AFTER_S)} if eng.state == "loading" else {}
         return JSONResponse(body, status_code=503, headers=headers)
 
@@ -416,18 +503,18 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def model_card() -> dict[str, Any]:
-        return {"id": server.model_name, "object": "model", "created": _STARTED,
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": _STARTED,
                 "owned_by": "exl3tools", "max_model_len": server.runner.max_context}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in server.model_names()]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         server.check_model(name)
-        return model_card()
+        return model_card(name)
 
     @app.get("/v1/engine/stats")
     async def engine_stats() -> dict[str, Any]:
@@ -489,6 +576,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         server.check_model(req.model)
         prep = await run_in_threadpool(server.prepare_chat if chat else server.prepare_completion, req)
         eng = server.engine
+        prep.params = server.seeded(prep.params)
         handle = eng.submit(asyncio.get_running_loop(), prep.prompts, prep.params, prep.n, received,
                             tokenizer=prep.extras.get("detok"))
         server.metrics.prompt_tokens.inc(handle.prompt_tokens)
@@ -575,6 +663,14 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             handle.cancel()
 
     app.add_middleware(Gate, server=server)
+    if cfg.allowed_origins is not None:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # added last, so outermost: it answers a browser's preflight (which carries no key) before
+        # the Gate, and its headers reach the Gate's 401s too
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                           allow_credentials=cfg.allow_credentials)
     return app
 
 

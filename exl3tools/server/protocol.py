@@ -6,11 +6,15 @@ a typo such as ``max_token`` must not pass silently. Accepted are OpenAI's own r
 the official client sends them) and the documented extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, return_token_ids; chat: chat_template_kwargs,
 add_generation_prompt); presence/frequency/repetition penalties, logit_bias, min_p, min_tokens
-and chat's response_format json_object / json_schema (a grammar mask: server/structured.py) are
+and response_format json_object / json_schema (a grammar mask: server/structured.py; on chat and,
+as vLLM, on plain completions) are
 applied (runtime/sampling.py ``Adjust``); chat's tools with a forced tool_choice are a grammar too
 (server/tools.py). Every feature we do not implement is rejected
 explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
 caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
+JSON null on any optional field means its default, as OpenAI's nullable fields and vLLM read it
+(``"n": null`` is n = 1); a required field's null stays a 400. A message's content parts other than
+text (image_url, input_audio, file) are a 400 unsupported_parameter naming the part's type.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from exl3tools.checkpoint import jsonio
 from exl3tools.server.limits import sampling_value_problem
@@ -77,11 +82,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class StreamOptions(_Strict):
+class _NullIsDefault(_Strict):
+    """null on a field that has a default means that default, so downstream code sees plain types
+    (OpenAI's spec and vLLM take ``"n": null``, ``"stream": null`` as omitted); a required field's
+    null, an unknown field's too, still fails validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
+
+class StreamOptions(_NullIsDefault):
     include_usage: bool = False
 
 
-class _Request(_Strict):
+class _Request(_NullIsDefault):
     model_config = ConfigDict(strict=True, extra="forbid")  # the top level: unknown fields are a 400
 
 
@@ -119,6 +139,24 @@ class _Sampling(_Request):
         return v
 
 
+# OpenAI's rule for a json_schema's and a function's name
+NAME_FIELD = dict(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+
+
+class JsonSchemaSpec(_Strict):
+    """response_format.json_schema (OpenAI): the schema under "schema" (a pydantic name clash)."""
+
+    name: str = Field(**NAME_FIELD)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: JsonSchemaSpec | None = None
+
+
 class CompletionRequest(_Sampling):
     # list[int] before list[str]: a strict union tries its members in order, and list[str] first
     # failed on every id of a token prompt (2048 errors: 0.67 ms a request, 0.04 this way); the
@@ -129,6 +167,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False    # the prompt before the completion; with logprobs, its tokens' logprobs too
     suffix: str | None = None
     best_of: int | None = None
+    response_format: ResponseFormat | None = None    # vLLM's extension: the completion's grammar
 
 
 class TextPart(_Strict):
@@ -141,18 +180,18 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-
-# OpenAI's rule for a json_schema's and a function's name
-NAME_FIELD = dict(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-
-
-class JsonSchemaSpec(_Strict):
-    """response_format.json_schema (OpenAI): the schema under "schema" (a pydantic name clash)."""
-
-    name: str = Field(**NAME_FIELD)
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        # an image / audio / file part is a feature we lack (unsupported_parameter), not a type error
+        if isinstance(v, list):
+            for p in v:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError("unsupported_parameter",
+                                              "content part type '{kind}' is not supported (only text is)",
+                                              {"kind": kind})
+        return v
 
 
 class FunctionSpec(_Strict):
@@ -167,11 +206,6 @@ class ToolSpec(_Strict):
 
     type: str
     function: FunctionSpec
-
-
-class ResponseFormat(_Strict):
-    type: str
-    json_schema: JsonSchemaSpec | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -400,6 +434,7 @@ def _from_validation(exc: ValidationError) -> APIError:
     kind = err["type"]
     code = ("missing_required_parameter" if kind == "missing"
             else "unknown_parameter" if kind == "extra_forbidden"
+            else "unsupported_parameter" if kind == "unsupported_parameter"
             else "invalid_type" if kind.endswith("_type") or kind in ("union_tag_invalid",)
             else "invalid_value")
     text = "unknown parameter (not an OpenAI field nor a documented extension)" \
@@ -482,6 +517,21 @@ def check_completion_extras(req: CompletionRequest) -> None:
     if req.best_of not in (None, req.n):
         raise bad_request("best_of must equal n (beam search is not supported)", param="best_of",
                           code="unsupported_parameter")
+    _check_response_format(req)
+
+
+def _check_response_format(req: CompletionRequest | ChatCompletionRequest) -> None:
+    fmt = req.response_format
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
+                          "(text, json_object, json_schema are)", param="response_format.type",
+                          code="unsupported_parameter")
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise bad_request("response_format json_schema needs its json_schema object", param="response_format.json_schema")
+    if fmt is not None and fmt.type != "text" and (req.ignore_eos or req.min_tokens):
+        # a finished grammar allows only EOS: neither may hold the answer open past it
+        raise bad_request("response_format json_object / json_schema cannot be combined with "
+                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="response_format")
 
 
 def check_chat_extras(req: ChatCompletionRequest) -> None:
@@ -497,17 +547,7 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
             where = "the request's own field" if key == "add_generation_prompt" else "set by the server"
             raise bad_request(f"chat_template_kwargs.{key} is {where}; it cannot be a template kwarg",
                               param=f"chat_template_kwargs.{key}")
-    fmt = req.response_format
-    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
-                          "(text, json_object, json_schema are)", param="response_format.type",
-                          code="unsupported_parameter")
-    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
-        raise bad_request("response_format json_schema needs its json_schema object", param="response_format.json_schema")
-    if fmt is not None and fmt.type != "text" and (req.ignore_eos or req.min_tokens):
-        # a finished grammar allows only EOS: neither may hold the answer open past it
-        raise bad_request("response_format json_object / json_schema cannot be combined with "
-                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="response_format")
+    _check_response_format(req)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if (req.max_tokens is not None and req.max_completion_tokens is not None

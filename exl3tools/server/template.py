@@ -22,9 +22,14 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        # OpenAI's "developer" role replaced "system": a template that never names it would print it
+        # as an unknown role (or refuse it), so it renders as "system" there
+        self._developer = "developer" in source
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                **kwargs: Any) -> str:
+        if not self._developer:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         context = {**kwargs, **self._specials, "messages": messages,
                    "add_generation_prompt": add_generation_prompt}
         try:
