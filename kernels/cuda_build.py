@@ -65,8 +65,9 @@ def _cached(stem: str, src: Path, defines: tuple[str, ...]) -> Path:
 
 def halves(cb: int) -> bool:
     """The halves build (runtime/preview.py OPT_OUTS gemv_halves, exl3_gemv.cu HALVES; off with
-    EXL3TOOLS_GEMV_HALVES=0) for codebook id ``cb``: 3INST and MCG only, and never in batch-invariant runs (the 8-row kernels'
-    arithmetic would then differ from the wider ones', so a row's result from the batch it is in).
+    EXL3TOOLS_GEMV_HALVES=0) for codebook id ``cb``: 3INST and MCG only, and never in batch-invariant
+    runs (the 8-row kernels' arithmetic would then differ from the wider ones', so a row's result
+    from the batch it is in).
     A build define: a process reads it when it first builds or loads a module."""
     from exl3tools.runtime import invariance, preview  # torch-free
 
