@@ -6,6 +6,7 @@ masked by llguidance written out here, and bad formats are 400s naming the param
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -170,3 +171,130 @@ def test_without_llguidance_a_structured_request_is_a_400(monkeypatch):
     with pytest.raises(APIError) as e:
         structured.Grammars("{}", [0], 8)
     assert e.value.status == 400 and "exl3tools[serve]" in str(e.value) and e.value.param == "response_format"
+
+
+# ------------------------------------------------ vLLM's structured_outputs and guided_* fields
+
+CHOICES = ["red", "green", "blue", "a.b*c", 'say "hi" \\ [x]', "two\nlines"]
+TRIPLE = r"[0-9]{3}-[a-z]{2}"
+LARK = 'start: "The answer is " NUM "."\nNUM: /[1-9][0-9]?/'
+
+
+def complete(client, extra, **kw):
+    return client.completions.create(model="demo", prompt=kw.pop("prompt", "Pick one:"),
+                                     max_tokens=kw.pop("max_tokens", 24), extra_body=extra, **kw)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_choice_answers_are_exactly_one_of_the_choices(client, seed):
+    for extra in ({"structured_outputs": {"choice": CHOICES}}, {"guided_choice": CHOICES}):
+        r = chat(client, temperature=1.0, seed=seed, n=2, extra_body=extra)
+        c = complete(client, extra, temperature=1.0, seed=seed, n=2)
+        answers = [x.message.content for x in r.choices] + [x.text for x in c.choices]
+        assert all(a in CHOICES for a in answers), answers
+        assert {x.finish_reason for x in (*r.choices, *c.choices)} == {"stop"}
+
+
+def test_choices_are_matched_literally():
+    """A choice's regex or Lark metacharacters, quotes, backslashes and newlines are literal: the
+    grammar accepts each choice's tokens and nothing that only a pattern would match."""
+    from tokenizers import Tokenizer
+
+    from exl3tools.server.protocol import Constraint
+    from exl3tools.server.structured import Grammars
+
+    tj = (DEMO / "model" / "tokenizer.json").read_text()
+    tok = Tokenizer.from_str(tj)
+    grammar = Grammars(tj, [0], tok.get_vocab_size(with_added_tokens=True)).compile(
+        Constraint("choice", CHOICES, "guided_choice"))
+
+    def accepts(text):
+        m = grammar.proto.deep_copy()
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False).ids) and m.is_accepting()
+
+    assert all(accepts(c) for c in CHOICES)
+    assert not any(accepts(t) for t in ["aXbc", "a.bbc", "ab*c", "re", "redd", 'say "hi" \\ x', "two lines"])
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"regex": TRIPLE}}, {"guided_regex": TRIPLE}])
+def test_regex_answers_fully_match(client, extra):
+    for seed in (4, 5):
+        answers = [x.message.content for x in chat(client, temperature=1.0, seed=seed, n=2, extra_body=extra).choices]
+        answers += [x.text for x in complete(client, extra, temperature=1.0, seed=seed, n=2).choices]
+        assert all(re.fullmatch(TRIPLE, a) for a in answers), answers
+
+
+@pytest.mark.parametrize("extra,pattern", [
+    ({"structured_outputs": {"grammar": LARK}}, r"The answer is [1-9][0-9]?\."),
+    ({"guided_grammar": LARK}, r"The answer is [1-9][0-9]?\."),
+    ({"guided_grammar": 'root ::= "yes" | "no" | "maybe " [0-9]'}, r"yes|no|maybe [0-9]"),   # GBNF
+])
+def test_grammar_answers_follow_the_grammar(client, extra, pattern):
+    for seed in (6, 7):
+        r = chat(client, temperature=1.0, seed=seed, n=2, extra_body=extra)
+        c = complete(client, extra, temperature=1.0, seed=seed)
+        answers = [x.message.content for x in r.choices] + [c.choices[0].text]
+        assert all(re.fullmatch(pattern, a) for a in answers), answers
+        assert {x.finish_reason for x in (*r.choices, *c.choices)} == {"stop"}
+
+
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"json": SCHEMA}}, {"structured_outputs": {"json": json.dumps(SCHEMA)}},
+    {"guided_json": SCHEMA}, {"guided_json": json.dumps(SCHEMA)},
+])
+def test_json_schemas_by_vllm_field(client, extra):
+    c = chat(client, temperature=1.0, seed=8, extra_body=extra).choices[0]
+    assert c.finish_reason == "stop" and _follows(json.loads(c.message.content)), c.message.content
+    assert _follows(json.loads(complete(client, extra, max_tokens=60, temperature=0).choices[0].text))
+
+
+def test_json_object_by_structured_outputs(client):
+    c = chat(client, temperature=0, extra_body={"structured_outputs": {"json_object": True}}).choices[0]
+    assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict)
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"regex": TRIPLE}}, {"guided_choice": CHOICES},
+                                   {"guided_grammar": LARK}])
+def test_constrained_answers_stream_the_same_text(client, extra):
+    whole = chat(client, temperature=1.0, seed=9, extra_body=extra).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in chat(client, temperature=1.0, seed=9, stream=True,
+                                                               extra_body=extra) if ch.choices]
+    assert "".join(parts) == whole
+    text = complete(client, extra, temperature=1.0, seed=9).choices[0].text
+    assert "".join(ch.choices[0].text for ch in complete(client, extra, temperature=1.0, seed=9, stream=True)
+                   if ch.choices) == text
+
+
+@pytest.mark.parametrize("extra,param,named", [
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs.choice",
+     ["structured_outputs.regex", "structured_outputs.choice"]),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice",
+     ["structured_outputs.regex", "guided_choice"]),
+    ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json",
+     ["response_format", "guided_json"]),
+    ({"guided_regex": "(", }, "guided_regex", ["unclosed group"]),
+    ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs.regex", ["regex"]),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["at least one"]),
+    ({"guided_choice": []}, "guided_choice", ["at least one"]),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", ["undefined_rule"]),
+    ({"structured_outputs": {"grammar": "root ::: ("}}, "structured_outputs.grammar", ["GBNF"]),
+    ({"guided_json": "{not json"}, "guided_json", ["not valid JSON"]),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json", ["JSON object"]),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice", []),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", []),
+    ({"guided_regex": "a", "ignore_eos": True}, "guided_regex", ["ignore_eos"]),
+    ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 2}, "structured_outputs.choice", ["min_tokens"]),
+])
+def test_bad_constraints_are_400s_naming_the_field(client, extra, param, named):
+    for call in (lambda: chat(client, max_tokens=4, extra_body=extra), lambda: complete(client, extra, max_tokens=4)):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        err = e.value.body
+        assert err["param"] == param and all(n in err["message"] for n in named), err
+
+
+def test_a_forced_tool_call_with_a_constraint_is_refused(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=8, tools=[tool], tool_choice="required", extra_body={"guided_regex": "a"})
+    assert e.value.body["param"] == "guided_regex"

@@ -48,6 +48,7 @@ from exl3tools.server.protocol import (
     completion_prompts,
     error_body,
     message_dicts,
+    output_constraint,
     parse_body,
     sampling_params,
 )
@@ -243,7 +244,7 @@ class Server:
 
                 r = self.runner
                 if r.tokenizer is None:
-                    raise bad_request("response_format needs the checkpoint's tokenizer.json", param="response_format")
+                    raise bad_request("structured outputs need the checkpoint's tokenizer.json", param="response_format")
                 # the larger of the two vocabularies: ids past the model's are masked by Adjust's trim
                 vocab = max(r.vocab_size, r.tokenizer.get_vocab_size(with_added_tokens=True))
                 self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), vocab)
@@ -306,11 +307,11 @@ class Server:
         extra = {k: d[k] for k in ("repetition_penalty", "min_p") if k in d and getattr(req, k, None) is None}
         return dataclasses.replace(params, **extra) if extra else params
 
-    def _with_format(self, params: SamplingParams, fmt: Any) -> SamplingParams:
-        """response_format json_object / json_schema as the answer's grammar (server/structured.py)."""
-        if fmt is None or fmt.type == "text":
-            return params
-        return dataclasses.replace(params, grammar=self.grammars().compile(fmt))
+    def _with_format(self, params: SamplingParams, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """The request's output constraint (response_format, structured_outputs, guided_*) as the
+        answer's grammar (server/structured.py)."""
+        c = output_constraint(req)
+        return params if c is None else dataclasses.replace(params, grammar=self.grammars().compile(c))
 
     def seeded(self, params: SamplingParams) -> SamplingParams:
         """With --seed, a request without a seed gets the next of the server's seeds: drawn at
@@ -380,7 +381,7 @@ class Server:
                                   DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
         params = self.with_defaults(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                                     vocab_size=runner.vocab_size, defaults=self.defaults()), req)
-        params = self._with_format(params, req.response_format)
+        params = self._with_format(params, req)
         extras: dict[str, Any] = {}
         if req.echo:     # the prompts' text before the completions; with logprobs, their tokens' too
             extras["echo"] = [t if isinstance(t, str) else runner.tokenizer.decode(ids, skip_special_tokens=False)
@@ -417,7 +418,7 @@ class Server:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.with_defaults(sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                                     vocab_size=runner.vocab_size, defaults=self.defaults()), req)
-        params = self._with_format(params, req.response_format)
+        params = self._with_format(params, req)
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
         thinks = self.cfg.reasoning_parser != "none"

@@ -6,9 +6,13 @@ a typo such as ``max_token`` must not pass silently. Accepted are OpenAI's own r
 the official client sends them) and the documented extensions (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, min_tokens, return_token_ids; chat: chat_template_kwargs,
 add_generation_prompt); presence/frequency/repetition penalties, logit_bias, min_p, min_tokens
-and response_format json_object / json_schema (a grammar mask: server/structured.py; on chat and,
-as vLLM, on plain completions) are
-applied (runtime/sampling.py ``Adjust``); chat's tools with a forced tool_choice are a grammar too
+and output constraints are applied (runtime/sampling.py ``Adjust``). An output constraint is a
+grammar mask (server/structured.py), on chat and, as vLLM, on plain completions: response_format
+json_object / json_schema; vLLM's ``structured_outputs`` with one of ``json`` (a schema, or its
+JSON text), ``regex``, ``choice`` (the answer is exactly one of the strings), ``grammar`` (Lark or
+GBNF, as llguidance reads it) or ``json_object: true``; or vLLM's older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one per request (two are a 400
+naming them; ``output_constraint``); chat's tools with a forced tool_choice are a grammar too
 (server/tools.py). Every feature we do not implement is rejected
 explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
 caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
@@ -39,6 +43,7 @@ MAX_PROMPT_TOKENS = 1 << 20      # token ids in one prompt (any model's context 
 MAX_MESSAGES = 16384             # chat messages per request
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300             # entries (OpenAI's limit)
+MAX_GRAMMAR_BYTES = 1 << 20      # an output constraint's schema / regex / choices / grammar, as text
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # JSON arrays + objects in one body, counted before parsing: 16 MB of "[]," is 5.6M empty lists that
 # took 5 s and ~300 MB to parse before any cap could look at them. Legitimate bodies stay far below
@@ -105,6 +110,17 @@ class _Request(_NullIsDefault):
     model_config = ConfigDict(strict=True, extra="forbid")  # the top level: unknown fields are a 400
 
 
+class StructuredOutputs(_NullIsDefault):
+    """vLLM's ``structured_outputs``: one of these (output_constraint); unknown keys are a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")    # a pydantic name clash
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Request):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -127,6 +143,12 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
+    # output constraints beyond response_format, as vLLM takes them (output_constraint)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -517,21 +539,76 @@ def check_completion_extras(req: CompletionRequest) -> None:
     if req.best_of not in (None, req.n):
         raise bad_request("best_of must equal n (beam search is not supported)", param="best_of",
                           code="unsupported_parameter")
-    _check_response_format(req)
+    output_constraint(req)
 
 
-def _check_response_format(req: CompletionRequest | ChatCompletionRequest) -> None:
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """The one rule a request's output follows (server/structured.py makes it a grammar)."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    value: Any      # a JSON schema (dict), a regex, the choices (list[str]), a Lark / GBNF grammar
+    param: str      # the request field it came from, which a 400 names
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    """The request's output constraint, checked (None: free text): response_format json_object /
+    json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400."""
+    found: list[tuple[str, Any, str]] = []         # (kind, value, param), unchecked
     fmt = req.response_format
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
                           "(text, json_object, json_schema are)", param="response_format.type",
                           code="unsupported_parameter")
-    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
-        raise bad_request("response_format json_schema needs its json_schema object", param="response_format.json_schema")
-    if fmt is not None and fmt.type != "text" and (req.ignore_eos or req.min_tokens):
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format json_schema needs its json_schema object",
+                              param="response_format.json_schema")
+        schema = fmt.json_schema.schema_
+        found.append(("json", {} if schema is None else schema, "response_format"))
+    elif fmt is not None and fmt.type == "json_object":
+        found.append(("json", {"type": "object"}, "response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        if so.json_object:
+            found.append(("json", {"type": "object"}, "structured_outputs.json_object"))
+        found += [(k, v, f"structured_outputs.{k}") for k in CONSTRAINT_KINDS
+                  if (v := getattr(so, "json_" if k == "json" else k)) is not None]
+    found += [(k, v, f"guided_{k}") for k in CONSTRAINT_KINDS if (v := getattr(req, f"guided_{k}")) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(p for _, _, p in found)
+        raise bad_request(f"at most one output constraint per request; got {names}", param=found[1][2])
+    kind, value, param = found[0]
+    if req.ignore_eos or req.min_tokens:
         # a finished grammar allows only EOS: neither may hold the answer open past it
-        raise bad_request("response_format json_object / json_schema cannot be combined with "
-                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="response_format")
+        raise bad_request(f"{param} (an output constraint) cannot be combined with "
+                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param=param)
+    if kind == "json" and isinstance(value, str):
+        value = _schema_text(value, param)
+    if kind == "choice" and not value:
+        raise bad_request(f"{param} must hold at least one string", param=param)
+    return Constraint(kind, value, param)
+
+
+def _schema_text(text: str, param: str) -> dict[str, Any]:
+    """A JSON schema sent as JSON text (vLLM takes both), parsed; 400s name ``param``."""
+    if len(text) > MAX_GRAMMAR_BYTES:        # before parsing: a body's container cap does not see inside
+        raise bad_request(f"{param}: the schema is over {MAX_GRAMMAR_BYTES} bytes", param=param)
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):     # JSONDecodeError, an int past Python's digit limit, nesting
+        raise bad_request(f"{param}: not a JSON schema (the text is not valid JSON)", param=param) from None
+    if not isinstance(schema, dict):
+        raise bad_request(f"{param}: a JSON schema must be a JSON object", param=param)
+    if _unencodable(json.dumps(schema, ensure_ascii=False)):
+        raise bad_request(f"{param}: the schema holds a lone UTF-16 surrogate; send valid Unicode",
+                          param=param, code="invalid_encoding")
+    return schema
 
 
 def check_chat_extras(req: ChatCompletionRequest) -> None:
@@ -547,7 +624,7 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
             where = "the request's own field" if key == "add_generation_prompt" else "set by the server"
             raise bad_request(f"chat_template_kwargs.{key} is {where}; it cannot be a template kwarg",
                               param=f"chat_template_kwargs.{key}")
-    _check_response_format(req)
+    output_constraint(req)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if (req.max_tokens is not None and req.max_completion_tokens is not None

@@ -1,14 +1,17 @@
-"""Structured outputs: chat's ``response_format`` of type ``json_object`` or ``json_schema`` (and
-forced tool calls, server/tools.py) as a grammar that masks every step's logits (llguidance,
-imported lazily).
+"""Structured outputs: a request's output constraint (protocol.output_constraint: response_format
+json_object / json_schema, vLLM's structured_outputs json / regex / choice / grammar / json_object
+and its older guided_* fields) and forced tool calls (server/tools.py) as a grammar that masks
+every step's logits (llguidance, imported lazily).
 
-The request's schema is compiled and checked against the model's tokenizer when the request is
-prepared (a bad schema is a 400 naming ``response_format``); each choice then gets its own matcher
-(``Grammar.matcher``), which ``runtime.sampling.Adjust`` asks for the allowed tokens before every
-draw and tells every token drawn. JSON comes out compact, as OpenAI's does (", " and ": " between
-items, no other whitespace): with llguidance's default flexible whitespace a model can emit blanks
-forever; a schema's ``x-guidance`` options override that. Once the grammar is complete only EOS is
-allowed, so the choice ends with ``finish_reason`` "stop".
+The constraint is compiled and checked against the model's tokenizer when the request is prepared
+(a schema, regex or grammar llguidance rejects is a 400 naming its field); each choice then gets its
+own matcher (``Grammar.matcher``), which ``runtime.sampling.Adjust`` asks for the allowed tokens
+before every draw and tells every token drawn. A regex must match the whole answer; choices are
+llguidance's own (each string a Lark literal, so matched exactly); a grammar is Lark (regex
+terminals, ``%json``) or GBNF, which llguidance converts. JSON comes out compact, as OpenAI's does
+(", " and ": " between items, no other whitespace): with llguidance's default flexible whitespace a
+model can emit blanks forever; a schema's ``x-guidance`` options override that. Once the grammar is
+complete only EOS is allowed, so the choice ends with ``finish_reason`` "stop".
 """
 
 from __future__ import annotations
@@ -17,20 +20,19 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from exl3tools.server.protocol import APIError, bad_request
+from exl3tools.server.protocol import MAX_GRAMMAR_BYTES, APIError, Constraint, bad_request
 
 # OpenAI's layout (", " and ": "), no free whitespace; defaults a schema's "x-guidance" can override
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_SCHEMA_BYTES = 1 << 20
 
 
 def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise APIError(400, "structured outputs (response_format json_object / json_schema, forced tool "
-                       "calls) need llguidance, which this server lacks (pip install 'exl3tools[serve]')",
-                       param="response_format", code="unsupported_parameter") from None
+        raise APIError(400, "structured outputs (response_format json_object / json_schema, structured_outputs, "
+                       "guided_*, forced tool calls) need llguidance, which this server lacks (pip install "
+                       "'exl3tools[serve]')", param="response_format", code="unsupported_parameter") from None
     return llguidance
 
 
@@ -42,34 +44,51 @@ class Grammars:
         self._llg = llg
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
 
-    def compile(self, response_format: Any) -> Grammar | None:
-        """The request's response_format as a checked grammar; None for "text"."""
-        kind = response_format.type
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            schema: Any = {"type": "object"}
-        else:                                   # json_schema (protocol.check_chat_extras let no other through)
-            spec = response_format.json_schema
-            schema = spec.schema_ if spec.schema_ is not None else {}
-        return self.schema(schema, "response_format")
+    def compile(self, c: Constraint) -> Grammar:
+        """A request's output constraint as a checked grammar."""
+        if c.kind == "json":
+            return self.schema(c.value, c.param)
+        text = c.value if isinstance(c.value, str) else json.dumps(c.value)
+        _check_size(text, c.param, "the " + c.kind)
+        llg = self._llg
+        try:
+            if c.kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(c.value)
+            else:                                   # "choice" (a list of strings) or "grammar"
+                grammar = llg.grammar_from(c.kind, c.value)
+        except ValueError as exc:                   # a GBNF grammar its converter cannot read
+            raise bad_request(f"{c.param}: {exc}", param=c.param) from None
+        return self._checked(grammar, c.param, f"the {c.kind}")
 
     def schema(self, schema: Any, param: str) -> Grammar:
         """A JSON schema as a checked grammar; ``param``: the request field a 400 names."""
-        if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
-            raise bad_request(f"{param}: the schema is over {MAX_SCHEMA_BYTES} bytes", param=param)
-        LLMatcher = self._llg.LLMatcher
+        _check_size(json.dumps(schema), param, "the schema")
         try:
-            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            grammar = self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise bad_request(f"{param}: {exc}", param=param) from None
+        return self._checked(grammar, param, "the schema")
+
+    def _checked(self, grammar: str, param: str, what: str) -> Grammar:
         # built here, in the request's worker thread (up to ~1 s for a large schema), not on the
         # engine's thread: each choice copies it (Grammar.matcher)
-        proto = LLMatcher(self.tokenizer, grammar, log_level=0)
+        proto = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if proto.is_error():
-            raise bad_request(f"{param}: the schema cannot be enforced: {proto.get_error().splitlines()[0]}",
+            raise bad_request(f"{param}: {what} cannot be enforced: {_first_error(proto.get_error())}",
                               param=param)
         return Grammar(proto)
+
+
+def _check_size(text: str, param: str, what: str) -> None:
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise bad_request(f"{param}: {what} is over {MAX_GRAMMAR_BYTES} bytes", param=param)
+
+
+def _first_error(text: str) -> str:
+    """llguidance's error's first line, and the regex parser's "error: ..." line where it has one."""
+    lines = text.splitlines() or [""]
+    detail = next((x.strip().removeprefix("error:") for x in lines[1:] if x.strip().startswith("error:")), "")
+    return f"{lines[0]} {detail.strip()}".strip()
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exl3tools.server.detok import held_prefix
-from exl3tools.server.protocol import ChatCompletionRequest, bad_request
+from exl3tools.server.protocol import ChatCompletionRequest, bad_request, output_constraint
 
 MAX_TOOLS = 128
 
@@ -76,10 +76,11 @@ def tool_mode(req: ChatCompletionRequest, syntax: CallSyntax | None) -> ToolMode
 
 def _forced(req: ChatCompletionRequest, forced: list[Any], functions: tuple) -> ToolMode:
     """A forced call's ToolMode, refused where another rule would hold the answer open or shape it."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("a forced tool call and a response_format cannot be combined", param="response_format")
+    constraint = output_constraint(req)
+    if constraint is not None:
+        raise bad_request(f"a forced tool call and {constraint.param} cannot be combined", param=constraint.param)
     if req.ignore_eos or req.min_tokens:
-        # a finished call allows only EOS (as protocol.check_chat_extras says of response_format)
+        # a finished call allows only EOS (as protocol.output_constraint says of the others)
         raise bad_request("a forced tool call cannot be combined with "
                           f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="tool_choice")
     return ToolMode(forced=forced, functions=functions)
