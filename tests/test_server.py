@@ -196,6 +196,18 @@ def test_multiple_prompts_times_n(client):
     assert by[0] == by[1] and by[2] == by[3]  # greedy: the two choices of one prompt agree
 
 
+def test_a_scoring_batch_past_64_prompts(client):
+    """lm-eval's batched loglikelihood: many prompts in one completions request, echo + logprobs +
+    max_tokens 0 (the cap was 64 prompts; --max-queue, 256 by default, bounds prompts x n)."""
+    prompts = [f"{PROMPT} {i}" for i in range(80)]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert sorted(c.index for c in r.choices) == list(range(80))
+    assert all(c.text == prompts[c.index] and c.logprobs.token_logprobs[0] is None for c in r.choices)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompts * 4, max_tokens=1)
+    assert (e.value.body["code"], e.value.body["param"]) == ("too_many_sequences", "prompt")
+
+
 def test_completion_logprobs(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3,
                                   extra_body={"ignore_eos": True})

@@ -260,8 +260,8 @@ def test_json_container_bombs_are_refused_before_parsing(monkeypatch):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": [[1]] * 65}, "prompt"),
-    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": [[1]] * 1025}, "prompt"),
+    ({"prompt": ["a"] * 1025}, "prompt"),
     ({"prompt": [1] * ((1 << 20) + 1)}, "prompt"),
     ({"messages": [{"role": "user", "content": ""}] * 16385}, "messages"),
     ({"stop": ["x"] * 17}, "stop"),

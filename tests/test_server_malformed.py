@@ -97,7 +97,7 @@ CASES = [
     ("oversize-text-prompt", COMP, comp(prompt="word " * 20000), 400, "context_length_exceeded"),
     ("oversize-chat", CHAT, chat(messages=[{"role": "user", "content": "word " * 20000}]),
      400, "context_length_exceeded"),
-    ("too-many-prompts", COMP, comp(prompt=["a"] * 1000), 400, "invalid_value"),
+    ("too-many-prompts", COMP, comp(prompt=["a"] * 1025), 400, "invalid_value"),
     ("too-many-sequences", COMP, comp(prompt=["a"] * 64, n=16), 400, "too_many_sequences"),
     ("presence-penalty-range", COMP, comp(presence_penalty=2.5), 400, None),
     ("frequency-penalty-range", CHAT, chat(frequency_penalty=-3.0), 400, None),

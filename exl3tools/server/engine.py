@@ -156,8 +156,8 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         seqs_needed = len(prompts) * n
         if seqs_needed > self.max_queue:
             raise APIError(400, f"this request asks for {seqs_needed} sequences (prompts x n); the "
-                           f"server queues at most {self.max_queue}", param="n",
-                           code="too_many_sequences")
+                           f"server queues at most {self.max_queue} (--max-queue)",
+                           param="n" if n > 1 else "prompt", code="too_many_sequences")
         handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts), received)  # once, not x n
         tok = tokenizer or self.runner.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(63)

@@ -35,7 +35,9 @@ from exl3tools.checkpoint import jsonio
 from exl3tools.server.limits import sampling_value_problem
 
 MAX_N = 16  # choices per prompt
-MAX_PROMPTS = 64  # prompts per completions request
+# prompts per completions request: lm-eval's batched scoring sends batch_size prompts in one (vLLM
+# has no cap); the engine still refuses prompts x n past --max-queue (too_many_sequences)
+MAX_PROMPTS = 1024
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_TOP_LOGPROBS = 20
