@@ -179,9 +179,12 @@ def _tokens(url: str, **body) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def test_generation_config_defaults_repetition_penalty_min_p_and_max_new_tokens(tmp_path):
+def test_generation_config_defaults_repetition_penalty_min_p_and_max_new_tokens(tmp_path, caplog):
     model = _gen_model(tmp_path, repetition_penalty=5.0, min_p=1.0, temperature=1.5, max_new_tokens=6)
-    with LiveServer(create_app(ServeConfig(model_path=str(model), served_model_name="demo"))) as s:
+    with caplog.at_level("INFO", logger="exl3tools"), \
+            LiveServer(create_app(ServeConfig(model_path=str(model), served_model_name="demo"))) as s:
+        # said once at load, as vLLM does: the file changes every request that leaves these out
+        assert "'repetition_penalty': 5.0" in caplog.text and "--generation-config vllm" in caplog.text
         assert len(_tokens(s.url)) == 6                                    # max_new_tokens: the default
         assert len(_tokens(s.url, max_tokens=9)) == 9                      # ... a request's own wins
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=60)

@@ -120,6 +120,14 @@ def runtime_loader(cfg: ServeConfig, progress: Callable[[int, int], None] | None
     """The runner factory: everything device-related stays in exl3tools.runtime. ``progress(bytes
     read, total)`` after each tensor read, besides the hook already set (the CLI's bar)."""
     def load() -> Any:
+        runner = _counted()
+        defaults = getattr(runner, "generation_defaults", None)
+        if cfg.generation_config == "auto" and defaults:   # vLLM warns alike: they change every such request
+            log.info("generation_config.json gives requests that leave them out these defaults: %s "
+                     "(--generation-config vllm ignores them)", defaults)
+        return runner
+
+    def _counted() -> Any:
         if progress is None:
             return _load()
         from exl3tools.runtime import weights
