@@ -315,6 +315,10 @@ def test_api_key_required_but_health_open():
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(f"{s.url}/metrics").status_code == 401
         assert httpx.get(f"{s.url}/health").status_code == 200
+        # vLLM's open /ping (GET and POST, SageMaker's probe) and /version
+        assert [httpx.request(m, f"{s.url}/ping").json()["status"] for m in ("GET", "POST")] == ["ok", "ok"]
+        from exl3tools import __version__
+        assert httpx.get(f"{s.url}/version").json() == {"version": __version__}
         assert httpx.get(f"{s.url}/v1/models", headers={"x-api-key": "k2"}).status_code == 200
         assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer k1x"}).status_code == 401
         for key in ("k1", "k2"):

@@ -495,6 +495,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                                        None, "internal_error"), status_code=500)
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])     # vLLM's (and SageMaker's) name for it
     async def health() -> Response:
         eng = server.engine
         if eng.state == "ready":
@@ -507,6 +508,12 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
             body.update(loaded.body())
         headers = {"Retry-After": str(RETRY_AFTER_S)} if eng.state == "loading" else {}
         return JSONResponse(body, status_code=503, headers=headers)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from exl3tools import __version__
+
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse
 from exl3tools.server import anthropic_messages
 from exl3tools.server.protocol import APIError
 
-OPEN_PATHS = frozenset({"/health"})
-KNOWN_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})   # vLLM keeps /ping and /version open too
+KNOWN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
                          "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                          "/tokenize", "/detokenize"})
 
