@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import secrets
+import statistics
 import threading
 import time
 from collections import deque
@@ -38,6 +39,7 @@ log = logging.getLogger("exl3tools.serve")
 
 RETRY_AFTER_S = 1
 TRACE_STEPS = 512     # the last steps kept for /v1/engine/steps
+BANDWIDTH_STEPS = 64  # decode steps behind the achieved weight-read GB/s (a median)
 
 
 class _Inflight:
@@ -98,6 +100,11 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         # (received, queued) times of the sequences it admitted (a burst's schedule, read back)
         self.trace: deque[dict[str, Any]] = deque(maxlen=TRACE_STEPS)
         self._admitted: list[tuple[float, float]] = []
+        # achieved weight-read bandwidth of decode steps (serving-expectations.md §8): the runner's
+        # roofline.DecodeReads, the last decode step's estimated bytes and recent steps' GB/s
+        self.decode_reads: Any = None
+        self.decode_bytes = 0
+        self._decode_gbps: deque[float] = deque(maxlen=BANDWIDTH_STEPS)
 
     # ----------------------------------------------------------------- event loop side
 
@@ -198,6 +205,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         if hasattr(runner, "on_lost"):      # a tensor-parallel rank exiting wakes an idle engine
             runner.on_lost = self.wake
         self.cache_budget = runner.cache_tokens_free()
+        self.decode_reads = _decode_reads(runner)
         self.state = "ready"
         if self.on_state is not None:
             self.on_state("ready")
@@ -304,6 +312,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         fl = self._inflight
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"t": time.monotonic(), "path": "chained"}
+        spec: list = []
         if fl is None:
             if not self._running:
                 return False
@@ -368,7 +377,22 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         if self._admitted:
             rec["admitted"], self._admitted = self._admitted, []
         self.trace.append(rec)
+        if not spec:        # (a step that also ran MTP drafts timed both)
+            self._note_bandwidth(rec)
         return True
+
+    def _note_bandwidth(self, rec: dict[str, Any]) -> None:
+        """A decode-only step (no prompt rows; speculative steps never get here): its weight bytes
+        at its batch size over its time (to its tokens read, sampling included, as the trace's ms)."""
+        if self.decode_reads is None or rec.get("prefill") or not rec.get("seqs") or rec["ms"] <= 0:
+            return
+        self.decode_bytes = self.decode_reads.bytes_for(rec["seqs"])
+        self._decode_gbps.append(self.decode_bytes / rec["ms"] / 1e6)
+
+    def decode_gbps(self) -> float:
+        """Median achieved weight-read GB/s of the last BANDWIDTH_STEPS decode steps (0: none yet)."""
+        recent = list(self._decode_gbps)    # (appended on the engine thread)
+        return statistics.median(recent) if recent else 0.0
 
     def _chain(self, fl: _Inflight) -> _Inflight | None:
         """Launch the next decode step on ``fl``'s device tokens, before they are read, when that
@@ -532,7 +556,22 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                 "preempted_total": self.preempted_total,
                 "prefix_cache_queried_tokens": queried, "prefix_cache_hit_tokens": hits,
                 "spec_drafted_tokens": self.spec_drafted, "spec_accepted_tokens": self.spec_accepted,
-                "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3)}
+                "time_forward_s": round(self.time_forward, 3), "time_sample_s": round(self.time_sample, 3),
+                "decode_weight_read_bytes": self.decode_bytes,
+                "decode_weight_read_gbps": round(self.decode_gbps(), 4)}
+
+
+def _decode_reads(runner: Any) -> Any:
+    """The runner's roofline.DecodeReads, or None (a runner without one, or headers it cannot read:
+    the metric is a nicety, never a reason not to serve)."""
+    fn = getattr(runner, "decode_reads", None)
+    if fn is None:
+        return None
+    try:
+        return fn()
+    except Exception as exc:   # noqa: BLE001
+        log.warning("no decode weight-read estimate: %s", first_line(exc))
+        return None
 
 
 def shutting_down() -> APIError:

@@ -50,6 +50,16 @@ class Metrics:
                                    registry=r)
         self.spec_rate = Gauge(f"{PREFIX}_spec_acceptance_ratio", "Accepted / proposed MTP draft tokens",
                                registry=r)
+        # serving-expectations.md §8: bytes from the checkpoint headers, experts by uniform routing
+        self.decode_bytes = Gauge(
+            f"{PREFIX}_decode_weight_read_bytes",
+            "Weight bytes the last decode-only step read on rank 0 (estimate: non-expert tensors once plus "
+            "E*(1-(1-k/E)^B) routed experts per MoE layer at B sequences, uniform routing; no KV cache, "
+            "embedding or MTP layers)", registry=r)
+        self.decode_gbps = Gauge(
+            f"{PREFIX}_decode_weight_read_gbps",
+            "Achieved weight-read GB/s of decode-only steps: the uniform-routing byte estimate over the "
+            "step's time, median of the last 64 (KV-cache reads not included)", registry=r)
         self.ready = Gauge(f"{PREFIX}_model_ready", "1 once the model answered its first step",
                            ["model"], registry=r)
         self._ready_child = self.ready.labels(model=model_name)
@@ -66,6 +76,8 @@ class Metrics:
         self.spec_drafted.set_function(lambda: engine.spec_drafted)
         self.spec_accepted.set_function(lambda: engine.spec_accepted)
         self.spec_rate.set_function(lambda: engine.spec_accepted / engine.spec_drafted if engine.spec_drafted else 0.0)
+        self.decode_bytes.set_function(lambda: engine.decode_bytes)
+        self.decode_gbps.set_function(engine.decode_gbps)
         self._ready_child.set_function(lambda: 1.0 if engine.state == "ready" else 0.0)
 
     def render(self) -> bytes:
