@@ -51,3 +51,20 @@ class LiveServer:
         self.server.should_exit = True
         self._thread.join(15)
         self._sock.close()
+        forget_endpoints()
+
+
+def forget_endpoints() -> None:
+    """Clear FastAPI's module-level caches of endpoint functions. FastAPI (0.16x,
+    fastapi/dependencies/models.py) classifies each endpoint in lru_caches of 4096 entries that hold
+    the function itself, and create_app's endpoints close over its Server: every app made in one
+    process kept its engine and model alive (tests/test_serve_speculative.py held 11 GB in one test
+    worker, and make test's workers were OOM-killed on a 23 GB machine). One app a process (serve)
+    never notices."""
+    import sys
+
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in dir(models) if models is not None else ():
+        clear = getattr(getattr(models, name), "cache_clear", None)
+        if callable(clear):
+            clear()
