@@ -1,5 +1,6 @@
-"""Servers made one after another in one process are freed once they end (LiveServer's exit clears
-FastAPI's caches of endpoint functions, which kept every app's engine and model alive)."""
+"""Servers and runners made one after another in one process are freed once they end: LiveServer's
+exit clears FastAPI's caches of endpoint functions (which kept every app's engine and model alive),
+and a closed tensor-parallel runner drops load_runner's exit hook (which kept it until exit)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def test_an_ended_live_server_frees_its_engine_and_model():
         del app, s, engine, r
     gc.collect()
     assert [ref() for ref in refs] == [None] * 4, "an ended server's engine or runner is still alive"
+
+
+def test_a_closed_tensor_parallel_runner_is_freed():
+    """load_runner registers a TP runner's close at exit (the workers must be stopped); once closed
+    the hook is dropped, so the runner and its model do not live until the process ends."""
+    from exl3tools.runtime.runner import load_runner
+
+    r = load_runner(DEMO / "model", tp=2, moe="ep", max_cache_tokens=64)
+    ref = weakref.ref(r)
+    r.close()
+    del r
+    gc.collect()
+    assert ref() is None, "a closed TP runner is still alive"

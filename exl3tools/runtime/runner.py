@@ -13,6 +13,7 @@ drives the other ranks.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -564,6 +565,8 @@ class Runner(SpeculativeSteps):
         self._closed = True
         self._seqs.clear()
         if self.world > 1:
+            # load_runner's exit hook held this runner (and its model) until the process ended
+            atexit.unregister(self.close)
             try:
                 D.broadcast(("stop",))
             except Exception:  # noqa: BLE001 - peers may be gone already
