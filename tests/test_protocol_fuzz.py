@@ -25,6 +25,7 @@ from exl3tools.server.protocol import (  # noqa: E402
     parse_body,
     sampling_params,
 )
+from exl3tools.server.structured import output_constraint  # noqa: E402
 
 BUDGET = dict(derandomize=True, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -59,6 +60,7 @@ def exercise(raw: bytes, cls: type) -> None:
         else:
             check_chat_extras(req)
             message_dicts(req)
+        output_constraint(req)
         sampling_params(req, max_tokens=1, logprobs=None, vocab_size=2048)
     except APIError as exc:
         assert exc.status in (400, 413), exc.status

@@ -200,8 +200,7 @@ def test_choices_are_matched_literally():
     grammar accepts each choice's tokens and nothing that only a pattern would match."""
     from tokenizers import Tokenizer
 
-    from exl3tools.server.protocol import Constraint
-    from exl3tools.server.structured import Grammars
+    from exl3tools.server.structured import Constraint, Grammars
 
     tj = (DEMO / "model" / "tokenizer.json").read_text()
     tok = Tokenizer.from_str(tj)

@@ -48,12 +48,12 @@ from exl3tools.server.protocol import (
     completion_prompts,
     error_body,
     message_dicts,
-    output_constraint,
     parse_body,
     sampling_params,
 )
 from exl3tools.server.reasoning import ThinkSplitter
 from exl3tools.server.responses import ChatStream, Choice, EventStream, Formatter
+from exl3tools.server.structured import Constraint, output_constraint
 from exl3tools.server.template import ChatTemplate, no_template
 from exl3tools.text import first_line
 
@@ -308,17 +308,9 @@ class Server:
             return {}
         return getattr(self.runner, "generation_defaults", None) or {}
 
-    def with_defaults(self, params: SamplingParams, req: Any) -> SamplingParams:
-        """``params`` with the model's repetition_penalty / min_p where ``req`` left them out
-        (sampling_params fills temperature, top_p and top_k)."""
-        d = self.defaults()
-        extra = {k: d[k] for k in ("repetition_penalty", "min_p") if k in d and getattr(req, k, None) is None}
-        return dataclasses.replace(params, **extra) if extra else params
-
-    def _with_format(self, params: SamplingParams, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def _with_format(self, params: SamplingParams, c: Constraint | None) -> SamplingParams:
         """The request's output constraint (response_format, structured_outputs, guided_*) as the
         answer's grammar (server/structured.py)."""
-        c = output_constraint(req)
         return params if c is None else dataclasses.replace(params, grammar=self.grammars().compile(c))
 
     def seeded(self, params: SamplingParams) -> SamplingParams:
@@ -365,6 +357,7 @@ class Server:
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         check_completion_extras(req)
+        constraint = output_constraint(req)   # checked before the prompts are tokenized
         runner = self.runner
         self.token_text()  # built once, here in a worker thread: parsing a big tokenizer takes time
         texts = completion_prompts(req)
@@ -387,9 +380,9 @@ class Server:
             prompts.append(ids)
         max_tokens = self._limits(max(map(len, prompts)), req.max_tokens,
                                   DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-        params = self.with_defaults(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                                    vocab_size=runner.vocab_size, defaults=self.defaults()), req)
-        params = self._with_format(params, req)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, vocab_size=runner.vocab_size,
+                                 defaults=self.defaults())
+        params = self._with_format(params, constraint)
         extras: dict[str, Any] = {}
         if req.echo:     # the prompts' text before the completions; with logprobs, their tokens' too
             extras["echo"] = [t if isinstance(t, str) else runner.tokenizer.decode(ids, skip_special_tokens=False)
@@ -404,6 +397,7 @@ class Server:
         """``req`` rendered and tokenised, its sampling settled; ``limits`` False: a prompt past
         the context is not refused (count_tokens counts it)."""
         check_chat_extras(req)
+        constraint = output_constraint(req)   # checked before the template renders
         runner = self.runner
         mode = tools.tool_mode(req, tools.call_syntax(self.template_source()))
         self.token_text()
@@ -424,9 +418,9 @@ class Server:
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._limits(len(ids), wanted, None, "messages") if limits else wanted or 1
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.with_defaults(sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                                    vocab_size=runner.vocab_size, defaults=self.defaults()), req)
-        params = self._with_format(params, req)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, vocab_size=runner.vocab_size,
+                                 defaults=self.defaults())
+        params = self._with_format(params, constraint)
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
             params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
         thinks = self.cfg.reasoning_parser != "none"

@@ -12,7 +12,7 @@ json_object / json_schema; vLLM's ``structured_outputs`` with one of ``json`` (a
 JSON text), ``regex``, ``choice`` (the answer is exactly one of the strings), ``grammar`` (Lark or
 GBNF, as llguidance reads it) or ``json_object: true``; or vLLM's older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``. At most one per request (two are a 400
-naming them; ``output_constraint``); chat's tools with a forced tool_choice are a grammar too
+naming them; server/structured.py ``output_constraint``); chat's tools with a forced tool_choice are a grammar too
 (server/tools.py). Every feature we do not implement is rejected
 explicitly when set to a non-default value; OpenAI fields that change nothing here (metadata,
 caching hints) are accepted and ignored. Nested objects (messages, stream_options) stay lenient.
@@ -45,7 +45,6 @@ MAX_PROMPT_TOKENS = 1 << 20      # token ids in one prompt (any model's context 
 MAX_MESSAGES = 16384             # chat messages per request
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300             # entries (OpenAI's limit)
-MAX_GRAMMAR_BYTES = 1 << 20      # an output constraint's schema / regex / choices / grammar, as text
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # JSON arrays + objects in one body, counted before parsing: 16 MB of "[]," is 5.6M empty lists that
 # took 5 s and ~300 MB to parse before any cap could look at them. Legitimate bodies stay far below
@@ -113,7 +112,7 @@ class _Request(_NullIsDefault):
 
 
 class StructuredOutputs(_NullIsDefault):
-    """vLLM's ``structured_outputs``: one of these (output_constraint); unknown keys are a 400."""
+    """vLLM's ``structured_outputs``: one of these (structured.output_constraint); unknown keys are a 400."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")    # a pydantic name clash
@@ -500,8 +499,9 @@ def _stops(req: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], tuple[int,
 
 def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None,
                     vocab_size: int, defaults: dict | None = None) -> SamplingParams:
-    """``defaults`` (the model's generation_config.json: temperature, top_p, top_k) fill the
-    fields the request leaves out; then OpenAI's 1 / 1 / off."""
+    """``defaults`` (the model's generation_config.json: temperature, top_p, top_k,
+    repetition_penalty, min_p) fill the fields the request leaves out; then OpenAI's 1 / 1 / off
+    and no penalty, no min_p."""
     stop, stop_ids = _stops(req, vocab_size)
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
@@ -510,12 +510,13 @@ def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None,
     top_k = top_k if top_k > 0 else 0
     temperature = d.get("temperature", 1.0) if req.temperature is None else req.temperature
     top_p = d.get("top_p", 1.0) if req.top_p is None else req.top_p
+    repetition_penalty = d.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty
+    min_p = d.get("min_p", 0.0) if req.min_p is None else req.min_p
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=req.seed, stop=stop, stop_token_ids=stop_ids, logprobs=logprobs,
                           ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty or 0.0,
                           frequency_penalty=req.frequency_penalty or 0.0,
-                          repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                          logit_bias=_logit_bias(req, vocab_size), min_p=req.min_p or 0.0,
+                          repetition_penalty=repetition_penalty, logit_bias=_logit_bias(req, vocab_size), min_p=min_p,
                           min_tokens=req.min_tokens or 0)
 
 
@@ -541,76 +542,6 @@ def check_completion_extras(req: CompletionRequest) -> None:
     if req.best_of not in (None, req.n):
         raise bad_request("best_of must equal n (beam search is not supported)", param="best_of",
                           code="unsupported_parameter")
-    output_constraint(req)
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """The one rule a request's output follows (server/structured.py makes it a grammar)."""
-
-    kind: Literal["json", "regex", "choice", "grammar"]
-    value: Any      # a JSON schema (dict), a regex, the choices (list[str]), a Lark / GBNF grammar
-    param: str      # the request field it came from, which a 400 names
-
-
-CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
-
-
-def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
-    """The request's output constraint, checked (None: free text): response_format json_object /
-    json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400."""
-    found: list[tuple[str, Any, str]] = []         # (kind, value, param), unchecked
-    fmt = req.response_format
-    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
-                          "(text, json_object, json_schema are)", param="response_format.type",
-                          code="unsupported_parameter")
-    if fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise bad_request("response_format json_schema needs its json_schema object",
-                              param="response_format.json_schema")
-        schema = fmt.json_schema.schema_
-        found.append(("json", {} if schema is None else schema, "response_format"))
-    elif fmt is not None and fmt.type == "json_object":
-        found.append(("json", {"type": "object"}, "response_format"))
-    so = req.structured_outputs
-    if so is not None:
-        if so.json_object:
-            found.append(("json", {"type": "object"}, "structured_outputs.json_object"))
-        found += [(k, v, f"structured_outputs.{k}") for k in CONSTRAINT_KINDS
-                  if (v := getattr(so, "json_" if k == "json" else k)) is not None]
-    found += [(k, v, f"guided_{k}") for k in CONSTRAINT_KINDS if (v := getattr(req, f"guided_{k}")) is not None]
-    if not found:
-        return None
-    if len(found) > 1:
-        names = ", ".join(p for _, _, p in found)
-        raise bad_request(f"at most one output constraint per request; got {names}", param=found[1][2])
-    kind, value, param = found[0]
-    if req.ignore_eos or req.min_tokens:
-        # a finished grammar allows only EOS: neither may hold the answer open past it
-        raise bad_request(f"{param} (an output constraint) cannot be combined with "
-                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param=param)
-    if kind == "json" and isinstance(value, str):
-        value = _schema_text(value, param)
-    if kind == "choice" and not value:
-        raise bad_request(f"{param} must hold at least one string", param=param)
-    return Constraint(kind, value, param)
-
-
-def _schema_text(text: str, param: str) -> dict[str, Any]:
-    """A JSON schema sent as JSON text (vLLM takes both), parsed; 400s name ``param``."""
-    if len(text) > MAX_GRAMMAR_BYTES:        # before parsing: a body's container cap does not see inside
-        raise bad_request(f"{param}: the schema is over {MAX_GRAMMAR_BYTES} bytes", param=param)
-    try:
-        schema = json.loads(text)
-    except (ValueError, RecursionError):     # JSONDecodeError, an int past Python's digit limit, nesting
-        raise bad_request(f"{param}: not a JSON schema (the text is not valid JSON)", param=param) from None
-    if not isinstance(schema, dict):
-        raise bad_request(f"{param}: a JSON schema must be a JSON object", param=param)
-    if _unencodable(json.dumps(schema, ensure_ascii=False)):
-        raise bad_request(f"{param}: the schema holds a lone UTF-16 surrogate; send valid Unicode",
-                          param=param, code="invalid_encoding")
-    return schema
 
 
 def check_chat_extras(req: ChatCompletionRequest) -> None:
@@ -626,7 +557,6 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
             where = "the request's own field" if key == "add_generation_prompt" else "set by the server"
             raise bad_request(f"chat_template_kwargs.{key} is {where}; it cannot be a template kwarg",
                               param=f"chat_template_kwargs.{key}")
-    output_constraint(req)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
     if (req.max_tokens is not None and req.max_completion_tokens is not None

@@ -1,4 +1,4 @@
-"""Structured outputs: a request's output constraint (protocol.output_constraint: response_format
+"""Structured outputs: a request's output constraint (``output_constraint``: response_format
 json_object / json_schema, vLLM's structured_outputs json / regex / choice / grammar / json_object
 and its older guided_* fields) and forced tool calls (server/tools.py) as a grammar that masks
 every step's logits (llguidance, imported lazily).
@@ -18,12 +18,88 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from exl3tools.server.protocol import MAX_GRAMMAR_BYTES, APIError, Constraint, bad_request
+from exl3tools.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _unencodable,
+    bad_request,
+)
 
 # OpenAI's layout (", " and ": "), no free whitespace; defaults a schema's "x-guidance" can override
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_GRAMMAR_BYTES = 1 << 20      # an output constraint's schema / regex / choices / grammar, as text
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """The one rule a request's output follows (server/structured.py makes it a grammar)."""
+
+    kind: Literal["json", "regex", "choice", "grammar"]
+    value: Any      # a JSON schema (dict), a regex, the choices (list[str]), a Lark / GBNF grammar
+    param: str      # the request field it came from, which a 400 names
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    """The request's output constraint, checked (None: free text): response_format json_object /
+    json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400."""
+    found: list[tuple[str, Any, str]] = []         # (kind, value, param), unchecked
+    fmt = req.response_format
+    if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
+        raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
+                          "(text, json_object, json_schema are)", param="response_format.type",
+                          code="unsupported_parameter")
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad_request("response_format json_schema needs its json_schema object",
+                              param="response_format.json_schema")
+        schema = fmt.json_schema.schema_
+        found.append(("json", {} if schema is None else schema, "response_format"))
+    elif fmt is not None and fmt.type == "json_object":
+        found.append(("json", {"type": "object"}, "response_format"))
+    so = req.structured_outputs
+    if so is not None:
+        if so.json_object:
+            found.append(("json", {"type": "object"}, "structured_outputs.json_object"))
+        found += [(k, v, f"structured_outputs.{k}") for k in CONSTRAINT_KINDS
+                  if (v := getattr(so, "json_" if k == "json" else k)) is not None]
+    found += [(k, v, f"guided_{k}") for k in CONSTRAINT_KINDS if (v := getattr(req, f"guided_{k}")) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(p for _, _, p in found)
+        raise bad_request(f"at most one output constraint per request; got {names}", param=found[1][2])
+    kind, value, param = found[0]
+    if req.ignore_eos or req.min_tokens:
+        # a finished grammar allows only EOS: neither may hold the answer open past it
+        raise bad_request(f"{param} (an output constraint) cannot be combined with "
+                          f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param=param)
+    if kind == "json" and isinstance(value, str):
+        value = _schema_text(value, param)
+    if kind == "choice" and not value:
+        raise bad_request(f"{param} must hold at least one string", param=param)
+    return Constraint(kind, value, param)
+
+
+def _schema_text(text: str, param: str) -> dict[str, Any]:
+    """A JSON schema sent as JSON text (vLLM takes both), parsed; 400s name ``param``."""
+    if len(text) > MAX_GRAMMAR_BYTES:        # before parsing: a body's container cap does not see inside
+        raise bad_request(f"{param}: the schema is over {MAX_GRAMMAR_BYTES} bytes", param=param)
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):     # JSONDecodeError, an int past Python's digit limit, nesting
+        raise bad_request(f"{param}: not a JSON schema (the text is not valid JSON)", param=param) from None
+    if not isinstance(schema, dict):
+        raise bad_request(f"{param}: a JSON schema must be a JSON object", param=param)
+    if _unencodable(json.dumps(schema, ensure_ascii=False)):
+        raise bad_request(f"{param}: the schema holds a lone UTF-16 surrogate; send valid Unicode",
+                          param=param, code="invalid_encoding")
+    return schema
 
 
 def _llguidance():

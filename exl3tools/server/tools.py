@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exl3tools.server.detok import held_prefix
-from exl3tools.server.protocol import ChatCompletionRequest, bad_request, output_constraint
+from exl3tools.server.protocol import ChatCompletionRequest, bad_request
+from exl3tools.server.structured import output_constraint
 
 MAX_TOOLS = 128
 
@@ -80,7 +81,7 @@ def _forced(req: ChatCompletionRequest, forced: list[Any], functions: tuple) -> 
     if constraint is not None:
         raise bad_request(f"a forced tool call and {constraint.param} cannot be combined", param=constraint.param)
     if req.ignore_eos or req.min_tokens:
-        # a finished call allows only EOS (as protocol.output_constraint says of the others)
+        # a finished call allows only EOS (as structured.output_constraint says of the others)
         raise bad_request("a forced tool call cannot be combined with "
                           f"{'ignore_eos' if req.ignore_eos else 'min_tokens'}", param="tool_choice")
     return ToolMode(forced=forced, functions=functions)
