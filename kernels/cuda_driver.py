@@ -103,6 +103,8 @@ def driver() -> _Driver:
 class Module:
     """One loaded cubin on one device: kernels by name, launched on torch's current stream."""
 
+    aff_rows = 0     # rows a slot its MUL1 AFF kernels take (set by cuda_exl3.module; 0: none)
+
     def __init__(self, path: Path, device: torch.device):
         d = driver()
         with torch.cuda.device(device):

@@ -106,7 +106,9 @@ def module(width: int, codebook: str, device) -> Module:
         with _lock:
             m = _modules.get(key)
             if m is None:
-                m = _modules[key] = Module(build(key[0], key[1]), device)
+                m = Module(build(key[0], key[1]), device)
+                m.aff_rows = AFF_ROWS if key[3] and codebook == "mul1" else 0
+                _modules[key] = m
     return m
 
 
@@ -249,6 +251,10 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
 
 
 PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
+# rows a slot the AFF kernels of a MUL1 halves module take (the EXL3TOOLS_GEMV_AFFINE preview;
+# AFF_ROWS in the source): gemv_pro picks its exl3_gemv_pro_*aff_* entry points up to these, the
+# gemv kernels choose inside
+AFF_ROWS = 4
 # rows a slot up to which gemv_pro is taken (EXL3TOOLS_GEMV_PROLOGUE, the default since 2026-12-03; its kernel takes 8).
 # H200, 2026-12-03 (K 3, µs, had_in + gemv vs gemv_pro): one row 30.6 -> 29.8 at 4096 -> 14336,
 # 31.3 -> 30.7 at 14336 -> 4096, 13.8 -> 13.6, 14.1 -> 13.8, 33.5 -> 34.0 at 8192 -> 8192; eight
@@ -272,7 +278,8 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     if act_rows is not None and ld_tab is not None:
         raise UsageError("gemv_pro: act_rows and ld_tab do not come together")
     kind = "ld_" if ld_tab is not None else "act_" if act_rows is not None else ""
-    name = f"exl3_gemv_pro_{kind}m8_t2_{_SUFFIX[x.dtype]}"
+    aff = "aff_" if rows <= mod.aff_rows else ""
+    name = f"exl3_gemv_pro_{kind}{aff}m8_t2_{_SUFFIX[x.dtype]}"
     groups = nt // 2
     kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
     kps = -(-kps // 8) * 8

@@ -97,15 +97,19 @@ def test_the_halves_build_names_its_own_cubins_for_3inst_and_mcg(monkeypatch):
     monkeypatch.delenv("EXL3TOOLS_GEMV_HALVES")
     on = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
     assert on[0] != off[0] and on[1] != off[1] and on[2] == off[2]
+    monkeypatch.setenv("EXL3TOOLS_GEMV_AFFINE", "1")         # MUL1's AFF kernels: the preview
+    aff = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
+    assert aff[2] not in (off[2], on[0], on[1]) and (aff[0], aff[1]) == (on[0], on[1])
     monkeypatch.setenv("EXL3TOOLS_BATCH_INVARIANT", "1")     # one arithmetic for every row count
     assert {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)} == off
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-@pytest.mark.parametrize("cb", [0, 1])
+@pytest.mark.parametrize("cb", [0, 1, 2])
 def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
-    """exl3_gemv.cu with -DHALVES=1 (3INST, MCG): the 8-row gemv kernels compile for sm_90a without
-    spills (a tile takes two MMAs there: the halves as k entries)."""
+    """exl3_gemv.cu with -DHALVES=1 (3INST, MCG; MUL1's AFF kernels): the 8-row gemv kernels compile
+    for sm_90a without spills (a tile takes two MMAs there: the halves as k entries); MUL1's module
+    has the gemv_pro entry points cuda_exl3.gemv_pro names for AFF, the others have none."""
     from exl3tools.kernels import cuda_build
 
     res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
@@ -113,3 +117,6 @@ def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
     assert res.returncode == 0, res.stderr[-2000:]
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
     assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+    aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", res.stderr) if "_aff_" in f}
+    want = {f"exl3_gemv_pro_{kind}aff_m8_t2_{x}" for kind in ("", "ld_", "act_") for x in ("f16", "f32")}
+    assert aff == (want if cb == 2 else set())

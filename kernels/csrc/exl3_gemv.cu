@@ -26,7 +26,9 @@
 #define CB 2
 #endif
 #ifndef HALVES
-#define HALVES 0   // 1: the EXL3TOOLS_GEMV_HALVES preview (3INST / MCG, gemv_body at 8 rows; cuda_build)
+// 1: the halves gemv (gemv_body at 8 rows; cuda_build.halves): 3INST / MCG with EXL3TOOLS_GEMV_HALVES
+// (the default), MUL1 with the EXL3TOOLS_GEMV_AFFINE preview (at up to 4 rows, AFF below)
+#define HALVES 0
 #endif
 
 namespace {
@@ -102,10 +104,16 @@ __host__ __device__ __forceinline__ void lane_states(const uint32_t (&w)[NL], in
 struct Consts {
 #if CB == 2
     uint32_t ones, bias, kappa;
+#if HALVES
+    uint32_t bias1;   // AFF: fp16 1.0 in the high half, so dp4a leaves (1024 + byte sum, 1.0)
+#endif
     __device__ __forceinline__ Consts() {
         asm volatile("mov.b32 %0, 0x01010101;" : "=r"(ones));
         asm volatile("mov.b32 %0, 0x00006400;" : "=r"(bias));
         asm volatile("mov.b32 %0, 0x1EEE1EEE;" : "=r"(kappa));
+#if HALVES
+        asm volatile("mov.b32 %0, 0x3C006400;" : "=r"(bias1));
+#endif
     }
 #else
     // 3INST / MCG: the mask in a register, so (x & mask) ^ 0x3B603B60 is one LOP3 (one LOP3 takes
@@ -145,19 +153,28 @@ __device__ __forceinline__ uint32_t pair(const Consts& k, uint32_t s0, uint32_t 
 #endif
 }
 
-#if HALVES && CB != 2
+#if HALVES
 // 3INST / MCG: a weight is the fp16 sum of the two halves of its hashed state (pair's HADD2). With
 // HALVES the MMA adds them instead: the state's half2 goes into the A fragment as two k entries and
 // the activation goes in twice (gemv_body), so a tile takes two MMAs and no PRMT / HADD2 (two
 // PRMTs and an HADD2 a pair saved, four PRMTs a k-step for the duplicated activations spent).
 // The sum is then exact in the fp32 accumulator, where pair rounds it to fp16 first.
+// MUL1 (AFF): a weight is kappa * h + beta, h = 1024 + the byte sum (pair's PRMT and HFMA2). Here the
+// state's A entries are (h, 1.0) and activation row r feeds two B columns, (x, 0) at 2r and (0, x)
+// at 2r + 1: the MMA leaves sum x * h at column 2r and sum x at 2r + 1, and the epilogue applies
+// kappa and beta once a split (add_fragments_aff). No PRMT or HFMA2 a pair; the affine is exact in
+// fp32 where pair rounds each weight to fp16.
 __device__ __forceinline__ uint32_t halves(const Consts& k, uint32_t s) {
 #if CB == 0
     return and_flip(s * 89226354u + 64248484u, k.mask);
-#else
+#elif CB == 1
     return and_flip(s * 0xCBAC1FEDu, k.mask);
+#else
+    return __dp4a(s * 0x83DCD12Du, k.ones, k.bias1);
 #endif
 }
+constexpr float AFF_KAPPA = 1774.f / 262144.f;   // fp16 0x1EEE, reference.MUL1_KAPPA
+constexpr float AFF_BETA = -10.3828125f;         // fp16 0xC931
 #endif
 
 // B fragments of one tile: b[0], b[1] for columns 0-7, b[2], b[3] for columns 8-15 (§5.5).
@@ -268,6 +285,31 @@ __device__ __forceinline__ void add_fragments(float* __restrict__ acc, unsigned 
         add_fragments_to<MB, NT>(acc, c, row0, valid, n, j0, g, t);
 }
 
+#if HALVES && CB == 2
+// AFF (MUL1 halves, rows <= 4): lane t holds row t's sum x * h (d0, d2: n g, g + 8) beside its sum
+// x (d1, d3); acc row row0 + t += kappa * (x · h) + beta * (sum x), the split's partial of x · Ŵ
+template <int NT>
+__device__ __forceinline__ void add_fragments_aff(float* __restrict__ acc, unsigned long long* __restrict__ acc64,
+                                                  const float (&c)[1][NT][4], int row0, int valid, int n, int j0,
+                                                  int g, int t) {
+    if (t >= valid) return;
+    const size_t o = (size_t)(row0 + t) * n + (size_t)j0 * 16 + g;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const float v0 = fmaf(AFF_KAPPA, c[0][j][0], AFF_BETA * c[0][j][1]);
+        const float v1 = fmaf(AFF_KAPPA, c[0][j][2], AFF_BETA * c[0][j][3]);
+        if (acc64) {
+            red_fixed(acc64 + o + 16 * j, v0);
+            red_fixed(acc64 + o + 16 * j + 8, v1);
+        } else {
+            red1(acc + o + 16 * j, v0);
+            red1(acc + o + 16 * j + 8, v1);
+        }
+    }
+}
+constexpr int AFF_ROWS = 4;   // rows a slot AFF takes (two B columns a row)
+#endif
+
 // ------------------------------------------------------------------ skinny GEMM
 // Hadamard helpers (defined with the passes below), for the gemv's own input pass (PRO)
 __device__ __forceinline__ void fwht128(float (&v)[4]);
@@ -293,7 +335,8 @@ constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds 
 // themselves, had_in's arithmetic on raw x (fp16 or fp32: TX) with row o's source row_src[o] and
 // sign vector row_exp[o], into shared memory, and take the B fragments from there. PRO 2: the
 // input is silu(gate) * up, gate at that row and up act_rows rows further (rotate4_act).
-template <int MROWS, int NT, int P, int PRO = 0, typename TX = half, bool LD = false>
+// AFF (HALVES MUL1 modules, rows <= AFF_ROWS): the affine halves above; the entry points choose it.
+template <int MROWS, int NT, int P, int PRO = 0, typename TX = half, bool LD = false, bool AFF = false>
 __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                           const int* __restrict__ slot_exp, float* __restrict__ acc,
                                           unsigned long long* __restrict__ acc64, int rows,
@@ -305,6 +348,19 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                                           const int* __restrict__ tile_n = nullptr) {
     constexpr int MB = MROWS / 8;          // 8-row blocks
     static_assert(PRO == 0 || (MB == 1 && NT == 2), "the input pass is for 8-row, two-tile units");
+    static_assert(!AFF || (HALVES && CB == 2 && MB == 1), "AFF: the MUL1 halves gemv of up to 4 rows");
+#if HALVES && CB == 2
+    // (rows > AFF_ROWS: pair's PRMT and HFMA2). PRO has entry points of its own for AFF: in one
+    // kernel, both paths took 96 registers where each alone takes 72-80
+    if constexpr (!AFF && MB == 1 && PRO == 0) {
+        if (rows <= AFF_ROWS) {
+            gemv_body<MROWS, NT, P, PRO, TX, LD, true>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps,
+                                                       n_groups, n_units, x, suh_ptrs, row_src, row_exp, ld_tab,
+                                                       act_rows, tile_n);
+            return;
+        }
+    }
+#endif
     __shared__ uint32_t xs[PRO ? PRO_SMEM : 1];
     pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
     const int lane = threadIdx.x & 31;
@@ -339,11 +395,13 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     const uint32_t* wp[NL];
     weight_ptrs(tr, i0, row_stride, j0, word, wp);
     // B fragment (xᵀ): lane feeds activation row 8mb + g, k = 2t, 2t+1 and 2t+8, 2t+9 of the tile
+    // (AFF: row g / 2, into column g)
+    const int xg = AFF ? g >> 1 : g;
     const uint32_t* xr[MB];
     bool xv[MB];
 #pragma unroll
     for (int mb = 0; mb < MB; mb++) {
-        const int m = 8 * mb + g;
+        const int m = 8 * mb + xg;
         xv[mb] = m < valid;
         xr[mb] = xrot + (size_t)(z * rows + (xv[mb] ? m : 0)) * k2 + t + 8 * i0;
     }
@@ -361,7 +419,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     // loads are predicated, never branched around; pointers advance regardless (never read past)
     auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
     const int xstride = kps * 8 + 4;      // PRO: uint32 a row in xs (+4: the rows' fragments on distinct banks)
-    int xo = g * xstride + t;
+    int xo = xg * xstride + t;
     auto load_x = [&](int p, bool pred) {
         if constexpr (PRO != 0) {
             if (pred && xv[0]) {
@@ -378,7 +436,30 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             }
         }
     };
+#if HALVES && CB == 2
+    // AFF: column g takes (x, 0) pairs (even g) or (0, x) (odd g); byte 4 of the PRMT is the zero
+    const uint32_t sel_lo = g & 1 ? 0x1044u : 0x4410u, sel_hi = g & 1 ? 0x3244u : 0x4432u;
+#endif
     auto step = [&](int p) {
+#if HALVES && CB == 2
+        if constexpr (AFF) {
+            // pair's layout with a state a register: the first MMA takes k 2t (entries 2t, 2t+1) and
+            // 2t+1 (2t+8, 2t+9), the second k 2t+8 and 2t+9
+            const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
+            const uint32_t xd[4] = {__byte_perm(x0, 0, sel_lo), __byte_perm(x0, 0, sel_hi),
+                                    __byte_perm(x1, 0, sel_lo), __byte_perm(x1, 0, sel_hi)};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                uint32_t st[8], h[8];
+                lane_states(wb[p][j], off, st);
+#pragma unroll
+                for (int q = 0; q < 8; q++) h[q] = halves(kc, st[q]);
+                const uint32_t a0[4] = {h[0], h[4], h[1], h[5]}, a1[4] = {h[2], h[6], h[3], h[7]};
+                mma(c[0][j], a0, xd[0], xd[1]);
+                mma(c[0][j], a1, xd[2], xd[3]);
+            }
+        } else
+#endif
 #if HALVES && CB != 2
         if constexpr (MB == 1) {
             // states s0..s7 sit at (n g, k 2t), (g, 2t+1), (g, 2t+8), (g, 2t+9), then n g+8 alike;
@@ -453,6 +534,12 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P - 1; p++)
         if (p < count - it) step(p);
 
+#if HALVES && CB == 2
+    if constexpr (AFF) {
+        if (live) add_fragments_aff<NT>(acc, acc64, c, z * rows, valid, n, j0, g, t);
+        return;
+    }
+#endif
     if (live) add_fragments<MB, NT>(acc, acc64, c, z * rows, valid, n, j0, g, t);
 }
 
@@ -895,6 +982,25 @@ GEMV_PRO(exl3_gemv_pro_m8_t2_f16, half, false)
 GEMV_PRO(exl3_gemv_pro_m8_t2_f32, float, false)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f16, half, true)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
+#if HALVES && CB == 2
+// the same with AFF (MUL1 halves modules, rows <= AFF_ROWS: cuda_exl3.gemv_pro picks them), with
+// the most blocks an SM that compile without spills at every K (sm_90a, nvcc 13.0): 6 (80
+// registers; the pair kernel takes 72 at K 3), 5 from K 7. Unbounded, ptxas took 80 and spilled
+// 8 bytes in the act kernel at K 3; bounded to 7, they spill at K 2.5, 3.5 and from 5
+#define AFF_MINB (K2 <= 12 ? 6 : 5)
+#define GEMV_PRO_AFF(NAME, TX, LD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128, AFF_MINB) NAME(                                         \
+        const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
+        const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
+        int kps, int n_groups, int n_units, const int* ld_tab) {                                     \
+        gemv_body<8, 2, 4, 1, TX, LD, true>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, \
+                                            n_groups, n_units, x, suh_ptrs, row_src, row_exp, ld_tab); \
+    }
+GEMV_PRO_AFF(exl3_gemv_pro_aff_m8_t2_f16, half, false)
+GEMV_PRO_AFF(exl3_gemv_pro_aff_m8_t2_f32, float, false)
+GEMV_PRO_AFF(exl3_gemv_pro_ld_aff_m8_t2_f16, half, true)
+GEMV_PRO_AFF(exl3_gemv_pro_ld_aff_m8_t2_f32, float, true)
+#endif
 // GEMV_PRO_ACT: its input silu(gate) * up (a gate+up call's output, up act_rows rows below gate)
 #define GEMV_PRO_ACT(NAME, TX)                                                                       \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                           \
@@ -906,6 +1012,18 @@ GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
     }
 GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f16, half)
 GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f32, float)
+#if HALVES && CB == 2
+#define GEMV_PRO_ACT_AFF(NAME, TX)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128, AFF_MINB) NAME(                                         \
+        const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
+        const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
+        int kps, int n_groups, int n_units, int act_rows) {                                          \
+        gemv_body<8, 2, 4, 2, TX, false, true>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, \
+                                               n_groups, n_units, x, suh_ptrs, row_src, row_exp, nullptr, act_rows); \
+    }
+GEMV_PRO_ACT_AFF(exl3_gemv_pro_act_aff_m8_t2_f16, half)
+GEMV_PRO_ACT_AFF(exl3_gemv_pro_act_aff_m8_t2_f32, float)
+#endif
 #endif
 TILES(32, 2, 4, 4)
 TILES(64, 2, 3, 4)

@@ -47,7 +47,7 @@ def test_decode_bit_exact(cx, width, cb):
 
 
 @pytest.mark.parametrize("width,cb", CASES)
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 31, 64, 65, 128, 200])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 31, 64, 65, 128, 200])
 def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
     import torch
 
@@ -438,6 +438,60 @@ def _captured(fn, xs):
     with torch.cuda.graph(g):
         ys = fn(xs)
     return g, ys
+
+
+@pytest.mark.parametrize("width", [16, 24, 48, 128])
+def test_mul1_affine_gemv(cx, width, monkeypatch):
+    """EXL3TOOLS_GEMV_AFFINE (preview): a MUL1 module built with HALVES takes its AFF kernels at up
+    to AFF_ROWS rows a slot (each state's (h, 1.0) in the A fragment, kappa and beta applied once a
+    split) and the pair kernels past them. Linears of 1-8 rows, with and without gemv_pro, expert
+    slots of one row (a skipped tile: bias alone) and their silu(gate) * up input pass, and a
+    graph replay: each against the reference and the module without the preview."""
+    import torch
+
+    rng = np.random.default_rng(width + 101)
+    k, n = 4096, 384
+    arrays = _lin(rng, k, n, width, bias=True)
+    w = ref.decode_linear(*arrays[:3], "mul1").astype(np.float64)
+    E = 3
+    el = [_lin(rng, 512, 256, width, bias=True) for _ in range(E)]
+    ys = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_GEMV_AFFINE", flag)
+        for pro in ("0", "1"):
+            monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", pro)
+            lin = cx.CudaLinear(_tensors(torch, *arrays), "mul1", "cuda")
+            assert lin.mod.aff_rows == (cx.AFF_ROWS if flag == "1" else 0)
+            for rows in (1, 2, 3, 4, 5, 8):
+                x = np.random.default_rng(rows).normal(0, 1, (rows, k)).astype(np.float16)
+                for rep in range(2):      # the workspace re-zeroed by the output pass
+                    y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
+                    assert _rel(y, x.astype(np.float64) @ w + arrays[3]) < 2e-3, (flag, pro, rows, rep)
+                ys[flag, pro, rows] = y
+        ex = _experts([_tensors(torch, *p) for p in el], "mul1", "cuda")
+        x = rng.normal(0, 1, (4, 512)).astype(np.float16)
+        row_exp = torch.tensor([2, 0, 1, 2], device="cuda")
+        tile_exp = torch.tensor([2, 0, -1, 2], device="cuda")
+        for pro in ("0", "1"):
+            monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", pro)
+            ex.gemv_in = pro == "1"
+            y = ex.tiles(torch.from_numpy(x).cuda(), None, row_exp, tile_exp, 1).float().cpu().numpy()
+            for s_, (e, te) in enumerate(zip(row_exp.tolist(), tile_exp.tolist(), strict=True)):
+                tr, suh, svh, b = el[e]
+                want = b.astype(np.float64) if te < 0 else x[s_].astype(np.float64) @ ref.decode_linear(
+                    tr, suh, svh, "mul1") + b
+                assert _rel(y[s_], want) < 2e-3, (flag, pro, s_)
+            # the down projection's input pass: silu(gate) * up from a gate+up output of 2S rows
+            from exl3tools.kernels.fused_decode import silu_mul_reference
+
+            gu = torch.from_numpy(rng.normal(0, 2, (8, 512)).astype(np.float16)).cuda()
+            want = ex.tiles(silu_mul_reference(gu[:4], gu[4:]), None, row_exp, tile_exp, 1).float().cpu().numpy()
+            got = ex.tiles(gu, None, row_exp, tile_exp, 1, act_rows=4).float().cpu().numpy()
+            assert _rel(got, want) < 1e-3, (flag, pro)
+        if flag == "1":
+            _graph_replays(cx, arrays, 1, torch.float16)
+    for key in [k_ for k_ in ys if k_[0] == "1"]:     # exact weights against fp16-rounded ones
+        assert _rel(ys[key], ys[("0",) + key[1:]]) < 1e-3, key
 
 
 def test_graph_replay(cx):
