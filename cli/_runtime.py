@@ -16,6 +16,7 @@ from exl3tools.errors import NotFoundError, UsageError
 
 API_KEY_ENV = "EXL3TOOLS_SERVE_API_KEY"     # one key
 API_KEYS_ENV = "EXL3TOOLS_SERVE_API_KEYS"   # several, whitespace-separated (click's auto env var)
+VLLM_API_KEY_ENV = "VLLM_API_KEY"           # vLLM's one key: read only where neither of ours is set
 
 
 def cuda_alloc_conf() -> None:
@@ -58,19 +59,22 @@ def check_output_file(path: Path | None, option: str) -> None:
 
 def api_keys_option(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
     """--api-key values; without any on the command line, EXL3TOOLS_SERVE_API_KEY (one key) and
-    EXL3TOOLS_SERVE_API_KEYS (several). A variable that is set but empty is refused: it usually
-    means a secret that did not arrive, and the server would otherwise start open."""
+    EXL3TOOLS_SERVE_API_KEYS (several); only without both, vLLM's VLLM_API_KEY (one key), so a vLLM
+    deployment's environment keeps working. A variable that is read but set empty is refused: it
+    usually means a secret that did not arrive, and the server would otherwise start open."""
     from click.core import ParameterSource
 
     keys = list(value)
     if ctx.get_parameter_source(param.name) != ParameterSource.COMMANDLINE:
-        for name in (API_KEYS_ENV, API_KEY_ENV):
-            raw = os.environ.get(name)
-            if raw is not None and not raw.strip():
+        names = [n for n in (API_KEYS_ENV, API_KEY_ENV) if n in os.environ]
+        if not names and VLLM_API_KEY_ENV in os.environ:     # vLLM's, last
+            names = [VLLM_API_KEY_ENV]
+        for name in names:
+            raw = os.environ[name].strip()
+            if not raw:
                 raise UsageError(f"{name} is set but empty; give a real API key or unset it")
-        single = os.environ.get(API_KEY_ENV)
-        if single is not None and single.strip() not in keys:
-            keys.append(single.strip())
+            if name != API_KEYS_ENV and raw not in keys:     # API_KEYS: click's auto env var, already in value
+                keys.append(raw)
     from exl3tools.server.limits import check_api_keys
 
     return check_api_keys(keys)  # UsageError: one line, exit 2

@@ -50,7 +50,11 @@ def _json_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", "api_keys", multiple=True, callback=api_keys_option,
               help="Accept this Bearer key (repeatable; never empty). Else EXL3TOOLS_SERVE_API_KEY "
-                   "(one key) / EXL3TOOLS_SERVE_API_KEYS (several). Without any key the API is open.")
+                   "(one key) / EXL3TOOLS_SERVE_API_KEYS (several), then VLLM_API_KEY. Without any key the "
+                   "API is open.")
+@click.option("--metrics-require-key", is_flag=True, default=False,
+              help="Keep /metrics behind the API key too. Default: open, as vLLM's (Prometheus scrapers "
+                   "send no key); /health, /ping and /version are always open.")
 @click.option("--max-num-seqs", "--max-batch", "max_batch", default=DEFAULT_MAX_NUM_SEQS, show_default=True, callback=_pos,
               help="Most sequences decoded together (one CUDA graph per batch bucket up to it).")
 @click.option("--max-queue", default=256, show_default=True, callback=_pos,
@@ -132,7 +136,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
               seed: int | None, allowed_origins: tuple[str, ...] | None, allowed_methods: tuple[str, ...] | None,
               allowed_headers: tuple[str, ...] | None, allow_credentials: bool, device: str, backend: str,
               cuda_graphs: bool | None, batch_invariant: bool, cpu_threads: int | None, shutdown_timeout: float,
-              log_level: str) -> None:
+              log_level: str, metrics_require_key: bool) -> None:
     """Serve PATH (a checkpoint, a rank-slice output or a hub repo id) over the OpenAI API.
 
     Without PATH, serves the demo checkpoint shipped with exl3tools. Binds early: /health
@@ -152,6 +156,9 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
     if allowed_origins is None and (allowed_methods is not None or allowed_headers is not None or allow_credentials):
         raise UsageError("--allowed-methods, --allowed-headers and --allow-credentials need --allowed-origins "
                          "(without it the server sends no CORS headers)")
+    if metrics_require_key and not api_keys:   # refused rather than ignored, as the CORS options are
+        raise UsageError("--metrics-require-key needs an API key (--api-key, EXL3TOOLS_SERVE_API_KEY(S) or "
+                         "VLLM_API_KEY); without one every endpoint is open")
     if any(not n.strip() for n in served_model_names):
         raise UsageError("--served-model-name must not be empty")
     template = _chat_template(chat_template)
@@ -181,8 +188,8 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
                        kv_dtype=kv_cache_dtype, max_num_seqs=max_batch, batched_tokens=max_prefill_tokens,
                        max_model_len=max_context)
     cfg = ServeConfig(model_path=path, served_model_name=served_model_names or None, tp=tp, moe=moe, device=device,
-                      backend=backend, api_keys=tuple(api_keys), max_batch=max_batch,
-                      max_queue=max_queue, max_cache_tokens=max_cache_tokens,
+                      backend=backend, api_keys=tuple(api_keys), metrics_require_key=metrics_require_key,
+                      max_batch=max_batch, max_queue=max_queue, max_cache_tokens=max_cache_tokens,
                       max_prefill_tokens=max_prefill_tokens, max_context=max_context,
                       cpu_threads=cpu_threads, cuda_graphs=cuda_graphs,
                       gpu_memory_utilization=gpu_memory_utilization, block_size=int(block_size),

@@ -96,11 +96,16 @@ def test_a_broken_tokenizer_json_is_a_checkpoint_error(tmp_path, content, code, 
 # ----------------------------------------------------------------------------- item 4/16: serve keys
 
 
+NO_KEYS = {"EXL3TOOLS_SERVE_API_KEY": None, "EXL3TOOLS_SERVE_API_KEYS": None, "VLLM_API_KEY": None}  # None: unset
+
+
 @pytest.mark.parametrize("args,env,text", [
     (["--api-key", ""], {}, "an API key must not be empty"),
     (["--api-key", "ok", "--api-key", "  "], {}, "an API key must not be empty"),
     ([], {"EXL3TOOLS_SERVE_API_KEY": ""}, "EXL3TOOLS_SERVE_API_KEY is set but empty"),
     ([], {"EXL3TOOLS_SERVE_API_KEYS": " "}, "EXL3TOOLS_SERVE_API_KEYS is set but empty"),
+    ([], {**NO_KEYS, "VLLM_API_KEY": ""}, "VLLM_API_KEY is set but empty"),
+    (["--metrics-require-key"], NO_KEYS, "--metrics-require-key needs an API key"),
     (["--device", "bogus"], {}, "use auto, cpu, cuda or cuda:N"),
 ])
 def test_serve_refuses_empty_keys_and_bad_devices_before_binding(args, env, text, never_binds):
@@ -115,6 +120,7 @@ def serve_api_keys(args: list[str]) -> tuple[str, ...]:
 
 
 def test_both_api_key_env_vars_are_read(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.delenv("EXL3TOOLS_SERVE_API_KEYS", raising=False)
     monkeypatch.setenv("EXL3TOOLS_SERVE_API_KEY", "single")
     assert serve_api_keys([]) == ("single",)
@@ -124,6 +130,22 @@ def test_both_api_key_env_vars_are_read(monkeypatch):
     monkeypatch.delenv("EXL3TOOLS_SERVE_API_KEY")
     monkeypatch.delenv("EXL3TOOLS_SERVE_API_KEYS")
     assert serve_api_keys([]) == ()
+
+
+def test_vllm_api_key_is_read_after_ours(monkeypatch):
+    """Precedence: --api-key, then EXL3TOOLS_SERVE_API_KEY(S), then vLLM's VLLM_API_KEY."""
+    for name in ("EXL3TOOLS_SERVE_API_KEY", "EXL3TOOLS_SERVE_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", " from-vllm ")
+    assert serve_api_keys([]) == ("from-vllm",)
+    assert serve_api_keys(["--api-key", "cli"]) == ("cli",)
+    monkeypatch.setenv("EXL3TOOLS_SERVE_API_KEY", "ours")
+    assert serve_api_keys([]) == ("ours",)
+    monkeypatch.delenv("EXL3TOOLS_SERVE_API_KEY")
+    monkeypatch.setenv("EXL3TOOLS_SERVE_API_KEYS", "a b")
+    assert serve_api_keys([]) == ("a", "b")
+    monkeypatch.setenv("VLLM_API_KEY", "")       # shadowed by ours: not read, so not refused
+    assert serve_api_keys([]) == ("a", "b")
 
 
 # ----------------------------------------------------------------------------- item 16: progress

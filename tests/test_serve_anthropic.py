@@ -6,6 +6,8 @@ rendered prompt, and errors come in Anthropic's shape."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 anthropic = pytest.importorskip("anthropic")
@@ -112,6 +114,55 @@ def test_output_config_format_holds_the_answer_to_a_schema(clients):
                                output_config={"format": {"type": "json_schema", "schema": schema}},
                                extra_body={"temperature": 0})
     assert m.stop_reason == "end_turn" and 0 <= json.loads(m.content[0].text)["a"] <= 9
+
+
+CHOICES = ["red", "green", "blue", "a.b*c"]
+TRIPLE = r"[0-9]{3}-[a-z]{2}"
+
+
+@pytest.mark.parametrize("extra,ok", [
+    ({"guided_choice": CHOICES}, CHOICES.__contains__),
+    ({"structured_outputs": {"choice": CHOICES}}, CHOICES.__contains__),
+    ({"guided_regex": TRIPLE}, lambda t: re.fullmatch(TRIPLE, t)),
+    ({"structured_outputs": {"regex": TRIPLE}}, lambda t: re.fullmatch(TRIPLE, t)),
+])
+def test_vllm_constraints_hold_the_answer(clients, extra, ok):
+    """vLLM's structured_outputs / guided_* (Anthropic has no such field) hold the message's text,
+    sampled, whole and streamed; greedy, it is the chat completion's under the same constraint;
+    count_tokens takes them and counts the same prompt."""
+    claude, oai = clients
+    kw = dict(model="demo", max_tokens=40, messages=[{"role": "user", "content": "Pick one:"}])
+    for _ in range(3):
+        m = claude.messages.create(extra_body={**extra, "temperature": 1.0}, **kw)
+        assert m.stop_reason == "end_turn" and ok(m.content[0].text), m.content
+    with claude.messages.stream(extra_body={**extra, "temperature": 1.0}, **kw) as st:
+        streamed = "".join(st.text_stream)
+        assert ok(streamed) and st.get_final_message().stop_reason == "end_turn", streamed
+    greedy = claude.messages.create(extra_body={**extra, "temperature": 0}, **kw)
+    chat = oai.chat.completions.create(temperature=0, extra_body=extra, **kw)
+    assert greedy.content[0].text == chat.choices[0].message.content
+    counted = claude.messages.count_tokens(model="demo", messages=kw["messages"], extra_body=extra)
+    assert counted.input_tokens == greedy.usage.input_tokens
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "guided_regex": "a"},
+     ["output_config.format", "guided_regex"]),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, ["structured_outputs.regex", "guided_choice"]),
+    ({"structured_outputs": {"choice": ["a"], "json_object": True}},
+     ["structured_outputs.json_object", "structured_outputs.choice"]),
+    ({"guided_regex": "("}, ["guided_regex", "unclosed group"]),
+    ({"guided_choice": []}, ["guided_choice", "at least one"]),
+    ({"tools": [TOOL], "tool_choice": {"type": "any"}, "guided_regex": "a"}, ["forced tool call", "guided_regex"]),
+])
+def test_bad_or_doubled_constraints_are_400s_naming_the_fields(clients, extra, named):
+    claude, _ = clients
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="demo", max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                               extra_body=extra)
+    err = e.value.body
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    assert all(n in err["error"]["message"] for n in named), err
 
 
 def test_errors_come_in_anthropics_shape(clients):

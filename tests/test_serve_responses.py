@@ -7,6 +7,7 @@ to a schema, and what the server cannot do is a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -86,6 +87,64 @@ def test_text_format_holds_the_answer_to_a_schema(client):
     r = client.responses.create(model="demo", input="json please", max_output_tokens=30, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
     assert r.status == "completed" and 0 <= json.loads(r.output_text)["a"] <= 9
+
+
+CHOICES = ["red", "green", "blue", "a.b*c"]
+TRIPLE = r"[0-9]{3}-[a-z]{2}"
+DIGIT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+         "additionalProperties": False}
+
+
+def _digit(text: str) -> bool:
+    return 0 <= json.loads(text)["a"] <= 9
+
+
+@pytest.mark.parametrize("extra,chat_extra,ok", [
+    ({"guided_choice": CHOICES}, None, CHOICES.__contains__),
+    ({"structured_outputs": {"choice": CHOICES}}, None, CHOICES.__contains__),
+    ({"guided_regex": TRIPLE}, None, lambda t: re.fullmatch(TRIPLE, t)),
+    ({"structured_outputs": {"regex": TRIPLE}}, None, lambda t: re.fullmatch(TRIPLE, t)),
+    ({"guided_json": DIGIT}, None, _digit),
+    ({"text": {"format": {"type": "json_schema", "name": "d", "schema": DIGIT}}},
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DIGIT}}}, _digit),
+])
+def test_vllm_constraints_hold_the_answer(client, extra, chat_extra, ok):
+    """vLLM's structured_outputs / guided_* (and text.format) hold the Response's text, sampled,
+    whole and streamed; greedy, it is the chat completion's under the same constraint."""
+    kw = dict(model="demo", input="Pick one:", max_output_tokens=40)
+    for _ in range(3):
+        r = client.responses.create(temperature=1.0, extra_body=extra, **kw)
+        assert r.status == "completed" and ok(r.output_text), r.output_text
+    evs = _events(client.responses.create(temperature=1.0, stream=True, extra_body=extra, **kw))
+    streamed = "".join(e.delta for e in evs if e.type == "response.output_text.delta")
+    assert ok(streamed) and streamed == evs[-1].response.output_text, streamed
+    greedy = client.responses.create(temperature=0, extra_body=extra, **kw).output_text
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Pick one:"}],
+                                          max_tokens=40, temperature=0, extra_body=chat_extra or extra)
+    assert greedy == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra,param,named", [
+    ({"text": {"format": {"type": "json_object"}}, "guided_regex": "a"}, "guided_regex",
+     ["text.format", "guided_regex"]),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice",
+     ["structured_outputs.regex", "guided_choice"]),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+      "structured_outputs": {"json_object": True}}, "structured_outputs.json_object",
+     ["text.format", "structured_outputs.json_object"]),
+    ({"guided_regex": "("}, "guided_regex", ["unclosed group"]),
+    ({"guided_choice": []}, "guided_choice", ["at least one"]),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", []),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type", ["text.format type 'grammar'"]),
+    ({"text": {"format": "json_object"}}, "text.format", ["must be an object"]),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex", ["forced tool call"]),
+])
+def test_bad_or_doubled_constraints_are_400s_naming_the_fields(client, extra, param, named):
+    body = {"model": "demo", "input": "hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/responses", body=body, cast_to=object)
+    err = e.value.body
+    assert err["param"] == param and all(n in err["message"] for n in named), err
 
 
 @pytest.mark.parametrize("extra,param", [

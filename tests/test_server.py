@@ -313,7 +313,8 @@ def test_api_key_required_but_health_open():
         assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
         r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(f"{s.url}/metrics").status_code == 401
+        metrics = httpx.get(f"{s.url}/metrics")       # open, as vLLM's: Prometheus scrapers send no key
+        assert metrics.status_code == 200 and "exl3tools_requests_total" in metrics.text
         assert httpx.get(f"{s.url}/health").status_code == 200
         # vLLM's open /ping (GET and POST, SageMaker's probe) and /version
         assert [httpx.request(m, f"{s.url}/ping").json()["status"] for m in ("GET", "POST")] == ["ok", "ok"]
@@ -324,6 +325,19 @@ def test_api_key_required_but_health_open():
         for key in ("k1", "k2"):
             good = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
             assert good.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+
+
+def test_metrics_require_key_keeps_metrics_behind_the_key():
+    app = create_app(ServeConfig(model_path=str(DEMO / "model"), served_model_name=MODEL,
+                                 api_keys=("k1",), metrics_require_key=True))
+    with LiveServer(app) as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.get(f"{s.url}/metrics", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        for headers in ({"Authorization": "Bearer k1"}, {"x-api-key": "k1"}):
+            r = httpx.get(f"{s.url}/metrics", headers=headers)
+            assert r.status_code == 200 and 'status="401"' in r.text   # the refusals above, counted
+        assert httpx.get(f"{s.url}/health").status_code == 200
 
 
 def test_a_draining_server_refuses_new_requests_and_ends_the_rest_at_its_deadline():

@@ -186,6 +186,7 @@ def test_tensor_parallel_serving_matches_one_process():
         r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
                                                       "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                                                       "return_token_ids": True}, timeout=60)
+        assert r.status_code == 200, r.text     # (a make test run under load once got a reply without choices)
         served = r.json()["choices"][0]["token_ids"]
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -239,18 +239,21 @@ def test_health_reports_load_progress(monkeypatch):
 # ------------------------------------------------------------------------------ the CLI, restarted
 
 
-def _run_cli(template) -> tuple[dict, list[list[int]]]:
-    """`serve` with the vLLM-named flags: what it answers, and two unseeded sampled requests."""
+def _run_cli(template, *extra: str) -> tuple[dict, list[list[int]]]:
+    """`serve` with the vLLM-named flags (and ``extra``): what it answers, and two unseeded sampled
+    requests."""
     port = free_port()
     proc = serve("--port", str(port), "--log-level", "warning", "-tp", "1", "--seed", "5",
                  "--served-model-name", "a", "--served-model-name", "b", "--chat-template", str(template),
-                 "--allowed-origins", json.dumps([ORIGIN]), "--api-key", "k", "--generation-config", "vllm")
+                 "--allowed-origins", json.dumps([ORIGIN]), "--api-key", "k", "--generation-config", "vllm", *extra)
     try:
         url = wait_healthy(proc, port)
         seen = {"preflight": httpx.options(f"{url}/v1/completions", headers={
                     "Origin": ORIGIN, "Access-Control-Request-Method": "POST"}).status_code,
                 "models": [m["id"] for m in httpx.get(f"{url}/v1/models", headers=KEY).json()["data"]],
-                "template": _chat_ids(url, KEY, model="b") == _encode("[user] Hello!\n")}
+                "template": _chat_ids(url, KEY, model="b") == _encode("[user] Hello!\n"),
+                "metrics": (httpx.get(f"{url}/metrics").status_code,
+                            httpx.get(f"{url}/metrics", headers=KEY).status_code)}
         sampled = []
         for _ in range(2):
             r = httpx.post(f"{url}/v1/completions", headers=KEY, timeout=60, json={
@@ -269,6 +272,9 @@ def test_cli_vllm_flags_and_seed_reproduce_across_restarts(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text(MARKED)
     seen, first = _run_cli(template)
-    assert seen == {"preflight": 200, "models": ["a", "b"], "template": True}
+    # /metrics is open despite --api-key, as vLLM's
+    assert seen == {"preflight": 200, "models": ["a", "b"], "template": True, "metrics": (200, 200)}
     assert first[0] != first[1]            # the server's seed gives each request its own
-    assert _run_cli(template)[1] == first  # ... and the same ones after a restart
+    seen, again = _run_cli(template, "--metrics-require-key")
+    assert again == first                  # ... and the same ones after a restart
+    assert seen["metrics"] == (401, 200)   # --metrics-require-key: behind the key

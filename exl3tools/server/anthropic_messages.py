@@ -3,9 +3,10 @@ engine, for clients that speak it (Claude Code and other agents pointed at a loc
 DeepSeek). A request becomes the chat completion it amounts to (``system`` the system message;
 text, ``tool_use`` and ``tool_result`` blocks the messages, an assistant turn's calls and the tool
 messages; ``tools`` with their ``input_schema`` and ``tool_choice`` in chat's shape;
-``stop_sequences`` the stop strings), so it takes the same template, tool-call and reasoning
-paths; the chat answer becomes a message (thinking, text and tool_use blocks), streamed as
-Anthropic's events. Errors answer in Anthropic's shape."""
+``stop_sequences`` the stop strings; ``output_config.format`` the response_format; vLLM's
+``structured_outputs`` and ``guided_*`` as they are), so it takes the same template, grammar,
+tool-call and reasoning paths; the chat answer becomes a message (thinking, text and tool_use
+blocks), streamed as Anthropic's events. Errors answer in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ from pydantic import Field
 from exl3tools.server.protocol import (
     APIError,
     ChatCompletionRequest,
-    _Request,
+    _Constrained,
     bad_request,
     chat_request,
+    constraint_fields,
     join_text,
 )
 from exl3tools.server.reasoning import template_switch
 
 
-class MessagesRequest(_Request):
+class MessagesRequest(_Constrained):     # vLLM's structured_outputs / guided_* too (Anthropic has none)
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -56,7 +58,7 @@ class MessagesRequest(_Request):
     mcp_servers: Any = None
 
 
-class CountTokensRequest(_Request):
+class CountTokensRequest(_Constrained):   # the Messages body's fields: a client may send one to both
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -141,7 +143,8 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
             raise bad_request("output_config.format.type must be json_schema", param="output_config.format")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
-    return chat_request(body)
+    body.update(constraint_fields(req))     # checked with output_config.format by structured.output_constraint
+    return chat_request(body, format_param="output_config.format")
 
 
 def _text(content: Any, where: str) -> str:

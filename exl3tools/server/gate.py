@@ -14,6 +14,8 @@ from exl3tools.server import anthropic_messages
 from exl3tools.server.protocol import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})   # vLLM keeps /ping and /version open too
+# open unless --metrics-require-key: vLLM's /metrics is open, and Prometheus scrapers send no key
+METRICS_PATH = "/metrics"
 KNOWN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/responses",
                          "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                          "/tokenize", "/detokenize"})
@@ -32,6 +34,7 @@ class Gate:
     def __init__(self, app: Any, server: Any) -> None:
         self.app, self.server = app, server
         self._keys = [k.encode() for k in server.cfg.api_keys]
+        self._open = OPEN_PATHS if server.cfg.metrics_require_key else OPEN_PATHS | {METRICS_PATH}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -45,7 +48,7 @@ class Gate:
             await send(message)
 
         try:
-            if self._keys and path not in OPEN_PATHS and not self._authorised(scope):
+            if self._keys and path not in self._open and not self._authorised(scope):
                 resp = error_response(APIError(
                     401, "invalid or missing API key (send Authorization: Bearer <key>)",
                     type="authentication_error", code="invalid_api_key",

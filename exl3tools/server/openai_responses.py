@@ -1,9 +1,10 @@
 """OpenAI's Responses API (POST /v1/responses) over the chat engine. A request becomes a chat
 completion request (``instructions`` the system message, ``input`` items the messages, function
-tools and tool_choice in chat's shape, ``text.format`` the response_format), so it takes the same
-template, grammar, tool-call and reasoning paths; the chat answer becomes a Response (reasoning,
-message and function_call output items), streamed as Responses events. Stateless: nothing is
-stored, so ``previous_response_id`` is a 400."""
+tools and tool_choice in chat's shape, ``text.format`` the response_format, vLLM's
+``structured_outputs`` and ``guided_*`` as they are), so it takes the same template, grammar,
+tool-call and reasoning paths; the chat answer becomes a Response (reasoning, message and
+function_call output items), streamed as Responses events. Stateless: nothing is stored, so
+``previous_response_id`` is a 400."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ from typing import Any
 
 from pydantic import Field
 
-from exl3tools.server.protocol import ChatCompletionRequest, _Request, bad_request, chat_request, join_text
+from exl3tools.server.protocol import (
+    ChatCompletionRequest,
+    _Constrained,
+    bad_request,
+    chat_request,
+    constraint_fields,
+    join_text,
+)
 from exl3tools.server.reasoning import EFFORTS
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(_Constrained):     # vLLM's structured_outputs / guided_* too, as on chat
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -97,11 +105,15 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             raise bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort")
         body["reasoning_effort"] = effort
     fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object such as {\"type\": \"json_schema\", ...}",
+                          param="text.format", code="invalid_type")
     if fmt is not None and fmt.get("type") != "text":
         body["response_format"] = ({"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
             if fmt.get("type") == "json_schema" else {"type": fmt.get("type")})
-    return chat_request(body)
+    body.update(constraint_fields(req))     # checked with text.format by structured.output_constraint
+    return chat_request(body, format_param="text.format")
 
 
 def _text(content: Any, i: int) -> str:

@@ -28,7 +28,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from exl3tools.checkpoint import jsonio
@@ -122,7 +130,23 @@ class StructuredOutputs(_NullIsDefault):
     json_object: bool | None = None
 
 
-class _Sampling(_Request):
+class _Constrained(_Request):
+    """vLLM's output constraints besides response_format (structured.output_constraint): fields of
+    chat and completions, and of the Responses and Messages APIs, which hand them on to chat."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+def constraint_fields(req: _Constrained) -> dict[str, Any]:
+    """``req``'s vLLM constraint fields that are set, for the chat request another API becomes."""
+    return {k: v for k in _Constrained.model_fields if (v := getattr(req, k)) is not None}
+
+
+class _Sampling(_Constrained):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -144,12 +168,8 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
-    # output constraints beyond response_format, as vLLM takes them (output_constraint)
-    structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    # the field a 400 names for response_format: the Responses / Messages API's own (chat_request)
+    _format_param: str = PrivateAttr(default="response_format")
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -564,12 +584,15 @@ def check_chat_extras(req: ChatCompletionRequest) -> None:
         raise bad_request("max_tokens and max_completion_tokens disagree", param="max_tokens")
 
 
-def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    """A chat request built from another API's (server/openai_responses.py, anthropic_messages.py)."""
+def chat_request(body: dict[str, Any], format_param: str = "response_format") -> ChatCompletionRequest:
+    """A chat request built from another API's (server/openai_responses.py, anthropic_messages.py);
+    ``format_param``: that API's name for what became ``response_format``, which its 400s name."""
     try:
-        return ChatCompletionRequest.model_validate(body)
+        req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise _from_validation(exc) from None
+    req._format_param = format_param
+    return req
 
 
 def join_text(content: Any, kinds: tuple[str, ...], where: str) -> str:

@@ -47,21 +47,21 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
 
 def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
     """The request's output constraint, checked (None: free text): response_format json_object /
-    json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400."""
+    json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400. 400s
+    name response_format as the request's API does (text.format, output_config.format: chat_request)."""
     found: list[tuple[str, Any, str]] = []         # (kind, value, param), unchecked
-    fmt = req.response_format
+    fmt, name = req.response_format, req._format_param    # name: text.format where Responses sent it
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
-        raise bad_request(f"response_format type {fmt.type!r} is not supported by this server "
-                          "(text, json_object, json_schema are)", param="response_format.type",
+        raise bad_request(f"{name} type {fmt.type!r} is not supported by this server "
+                          "(text, json_object, json_schema are)", param=f"{name}.type",
                           code="unsupported_parameter")
     if fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None:
-            raise bad_request("response_format json_schema needs its json_schema object",
-                              param="response_format.json_schema")
+            raise bad_request(f"{name} json_schema needs its json_schema object", param=f"{name}.json_schema")
         schema = fmt.json_schema.schema_
-        found.append(("json", {} if schema is None else schema, "response_format"))
+        found.append(("json", {} if schema is None else schema, name))
     elif fmt is not None and fmt.type == "json_object":
-        found.append(("json", {"type": "object"}, "response_format"))
+        found.append(("json", {"type": "object"}, name))
     so = req.structured_outputs
     if so is not None:
         if so.json_object:
