@@ -233,12 +233,14 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
 
 
 def _check_path(path: str, tp: int) -> None:
-    """Fail in one line before binding: a missing path or a layout that does not fit --tp."""
+    """Fail in one line before binding: a missing path, a layout that does not fit --tp, or no
+    tokenizer.json (the server answers in text; a hub checkpoint's is checked once downloaded)."""
     from exl3tools.hub import looks_like_repo_id
     from exl3tools.runtime.loader import resolve
+    from exl3tools.server.prepare import check_tokenizer
 
     if Path(path).exists():
-        resolve(path, tp)
+        check_tokenizer(resolve(path, tp).root)
     elif not looks_like_repo_id(path):
         raise NotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")
 

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+# a developer's or CI shell's API key would close every server the tests start (their clients send
+# none); tests that need a key set it themselves (monkeypatch, or the subprocess's env)
+for _var in ("EXL3TOOLS_SERVE_API_KEY", "EXL3TOOLS_SERVE_API_KEYS", "VLLM_API_KEY"):
+    os.environ.pop(_var, None)
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "demo" / "glm4_moe-3.0bpw-mcg"
 FIXTURES = Path(os.environ.get("EXL3TOOLS_FIXTURES", REPO.parent / "shared" / "fixtures"))

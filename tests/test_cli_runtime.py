@@ -112,6 +112,13 @@ def test_serve_refuses_empty_keys_and_bad_devices_before_binding(args, env, text
     one_line_error(run("serve", MODEL, "--port", "0", *args, env=env), 2, text)
 
 
+def test_serve_refuses_a_checkpoint_without_a_tokenizer_before_binding(tmp_path, never_binds):
+    d = tmp_path / "m"
+    shutil.copytree(MODEL, d)
+    (d / "tokenizer.json").unlink()
+    one_line_error(run("serve", d, "--port", "0"), 1, "no tokenizer.json; serve answers in text")
+
+
 def serve_api_keys(args: list[str]) -> tuple[str, ...]:
     """The api_keys serve would start with (click's parse, env vars included), without starting."""
     parent = main.make_context("exl3tools", ["serve", *args])

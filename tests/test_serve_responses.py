@@ -137,6 +137,7 @@ def test_vllm_constraints_hold_the_answer(client, extra, chat_extra, ok):
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", []),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type", ["text.format type 'grammar'"]),
     ({"text": {"format": "json_object"}}, "text.format", ["must be an object"]),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name", ["name"]),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex", ["forced tool call"]),
 ])
 def test_bad_or_doubled_constraints_are_400s_naming_the_fields(client, extra, param, named):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -169,6 +171,23 @@ def test_load_failure_is_reported_not_fatal():
         h = httpx.get(f"{s.url}/health")
         assert h.status_code == 503 and "weights went missing" in h.json()["error"]["message"]
         r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+
+
+def test_a_checkpoint_without_a_tokenizer_fails_to_load_saying_why(tmp_path):
+    """The server answers in text: a folder without tokenizer.json (a hub download, a library
+    caller's path; the CLI refuses a local one before binding) fails the load in one line."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in Path(config().model_path).iterdir():
+        if f.name != "tokenizer.json":
+            (model / f.name).symlink_to(f)
+    cfg = dataclasses.replace(config(), model_path=str(model))
+    with LiveServer(create_app(cfg), wait_ready=False) as s:
+        assert wait_for(lambda: httpx.get(f"{s.url}/health").json().get("status") == "failed")
+        msg = httpx.get(f"{s.url}/health").json()["error"]["message"]
+        assert "CheckpointError" in msg and "no tokenizer.json" in msg, msg
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": [1, 50], "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
 
 

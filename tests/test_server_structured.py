@@ -171,6 +171,9 @@ def test_without_llguidance_a_structured_request_is_a_400(monkeypatch):
     with pytest.raises(APIError) as e:
         structured.Grammars("{}", [0], 8)
     assert e.value.status == 400 and "exl3tools[serve]" in str(e.value) and e.value.param == "response_format"
+    with pytest.raises(APIError) as e:     # the field the request asked with (Server.grammars)
+        structured.Grammars("{}", [0], 8, "guided_regex")
+    assert e.value.param == "guided_regex"
 
 
 # ------------------------------------------------ vLLM's structured_outputs and guided_* fields

@@ -108,6 +108,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if fmt is not None and not isinstance(fmt, dict):
         raise bad_request("text.format must be an object such as {\"type\": \"json_schema\", ...}",
                           param="text.format", code="invalid_type")
+    if fmt is not None and fmt.get("type") == "json_schema" and not isinstance(fmt.get("name"), str):
+        raise bad_request("text.format of type json_schema needs its name", param="text.format.name")
     if fmt is not None and fmt.get("type") != "text":
         body["response_format"] = ({"type": "json_schema", "json_schema": {
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exl3tools.errors import NotFoundError
+from exl3tools.errors import CheckpointError, NotFoundError
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.server import detok, reasoning, tools
 from exl3tools.server.detok import TokenText
@@ -105,6 +105,9 @@ def runtime_loader(cfg: ServeConfig, progress: Callable[[int, int], None] | None
     read, total)`` after each tensor read, besides the hook already set (the CLI's bar)."""
     def load() -> Any:
         runner = _counted()
+        if runner.tokenizer is None:        # a hub id's download, or a library caller's folder
+            runner.close()
+            raise CheckpointError(NO_TOKENIZER.format(cfg.model_path))
         defaults = getattr(runner, "generation_defaults", None)
         if cfg.generation_config == "auto" and defaults:   # vLLM warns alike: they change every such request
             log.info("generation_config.json gives requests that leave them out these defaults: %s "
@@ -149,6 +152,17 @@ def runtime_loader(cfg: ServeConfig, progress: Callable[[int, int], None] | None
             _cpu_threads(cfg.cpu_threads)
         return load_runner(local_path(cfg.model_path, cfg.tp, cfg.moe), **kwargs)
     return load
+
+
+NO_TOKENIZER = "{}: no tokenizer.json; serve answers in text and needs one (exl3tools generate --token-ids runs without it)"
+
+
+def check_tokenizer(root: Path) -> None:
+    """The server answers in text, so a checkpoint without tokenizer.json is refused in one line
+    (CheckpointError, exit 1): before binding where the path is local (cli/serve.py), else when
+    the runner has loaded (runtime_loader: the engine fails, /health says why)."""
+    if not (root / "tokenizer.json").is_file():
+        raise CheckpointError(NO_TOKENIZER.format(root))
 
 
 def prefill_tokens(cfg: ServeConfig) -> int:
@@ -228,18 +242,20 @@ class Server:
             self._guard = PromptGuard.for_runner(self.runner, self.engine.cache_budget)
         return self._guard
 
-    def grammars(self) -> Any:
-        """The tokenizer in llguidance's form (structured outputs), built once (~10 ms to ~1 s)."""
+    def grammars(self, param: str = "response_format") -> Any:
+        """The tokenizer in llguidance's form (structured outputs), built once (~10 ms to ~1 s);
+        ``param``: the request field that asked for it, which the 400 of a checkpoint without a
+        tokenizer names."""
         with self._grammars_lock:
             if self._grammars is None:
                 from exl3tools.server.structured import Grammars
 
                 r = self.runner
                 if r.tokenizer is None:
-                    raise bad_request("structured outputs need the checkpoint's tokenizer.json", param="response_format")
+                    raise bad_request("structured outputs need the checkpoint's tokenizer.json", param=param)
                 # the larger of the two vocabularies: ids past the model's are masked by Adjust's trim
                 vocab = max(r.vocab_size, r.tokenizer.get_vocab_size(with_added_tokens=True))
-                self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), vocab)
+                self._grammars = Grammars(r.tokenizer.to_str(), sorted(r.eos_token_ids), vocab, param)
             return self._grammars
 
     def detokenizer(self, markers: frozenset[str]) -> Any:
@@ -295,7 +311,7 @@ class Server:
     def _with_format(self, params: SamplingParams, c: Constraint | None) -> SamplingParams:
         """The request's output constraint (response_format, structured_outputs, guided_*) as the
         answer's grammar (server/structured.py)."""
-        return params if c is None else dataclasses.replace(params, grammar=self.grammars().compile(c))
+        return params if c is None else dataclasses.replace(params, grammar=self.grammars(c.param).compile(c))
 
     def seeded(self, params: SamplingParams) -> SamplingParams:
         """With --seed, a request without a seed gets the next of the server's seeds: drawn at
@@ -406,7 +422,7 @@ class Server:
                                  defaults=self.defaults())
         params = self._with_format(params, constraint)
         if mode.forced is not None:                    # a call the answer must be (server/tools.py)
-            params = dataclasses.replace(params, grammar=self.grammars().schema(tools.call_schema(mode.forced), "tools"))
+            params = dataclasses.replace(params, grammar=self.grammars("tools").schema(tools.call_schema(mode.forced), "tools"))
         thinks = self.cfg.reasoning_parser != "none"
         opened = thinks and reasoning.opens_inside(text)   # the answer starts inside the thinking
         if thinks and params.grammar is not None:

@@ -102,21 +102,23 @@ def _schema_text(text: str, param: str) -> dict[str, Any]:
     return schema
 
 
-def _llguidance():
+def _llguidance(param: str):
     try:
         import llguidance
     except ImportError:
         raise APIError(400, "structured outputs (response_format json_object / json_schema, structured_outputs, "
                        "guided_*, forced tool calls) need llguidance, which this server lacks (pip install "
-                       "'exl3tools[serve]')", param="response_format", code="unsupported_parameter") from None
+                       "'exl3tools[serve]')", param=param, code="unsupported_parameter") from None
     return llguidance
 
 
 class Grammars:
     """The model's tokenizer in llguidance's form (built once, on the first structured request)."""
 
-    def __init__(self, tokenizer_json: str, eos_token_ids: list[int], vocab_size: int) -> None:
-        llg = _llguidance()
+    def __init__(self, tokenizer_json: str, eos_token_ids: list[int], vocab_size: int,
+                 param: str = "response_format") -> None:
+        """``param``: the field of the request that asked first, which a 400 without llguidance names."""
+        llg = _llguidance(param)
         self._llg = llg
         self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
 
