@@ -240,7 +240,7 @@ def _check_path(path: str, tp: int) -> None:
     from exl3tools.server.prepare import check_tokenizer
 
     if Path(path).exists():
-        check_tokenizer(resolve(path, tp).root)
+        check_tokenizer(resolve(path, tp).rank_dir(0))   # (a rank-slice output: each rank's folder has one)
     elif not looks_like_repo_id(path):
         raise NotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")
 

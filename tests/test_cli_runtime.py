@@ -117,6 +117,15 @@ def test_serve_refuses_a_checkpoint_without_a_tokenizer_before_binding(tmp_path,
     shutil.copytree(MODEL, d)
     (d / "tokenizer.json").unlink()
     one_line_error(run("serve", d, "--port", "0"), 1, "no tokenizer.json; serve answers in text")
+    # a rank-slice output keeps the tokenizer in each rank's folder, not at its root: served, and
+    # refused only without rank 0's
+    out = tmp_path / "tp2"
+    assert run("rank-slice", MODEL, out, "--tp", "2", "--moe", "ep").exit_code == 0
+    assert not (out / "tokenizer.json").exists() and (out / "rank-0-of-2" / "tokenizer.json").is_file()
+    res = run("serve", out, "--tp", "2", "--moe", "ep", "--port", "0")
+    assert "serve started a server" in res.output, res.output     # (never_binds: past every check)
+    (out / "rank-0-of-2" / "tokenizer.json").unlink()
+    one_line_error(run("serve", out, "--tp", "2", "--moe", "ep", "--port", "0"), 1, "rank-0-of-2: no tokenizer.json")
 
 
 def serve_api_keys(args: list[str]) -> tuple[str, ...]:
