@@ -71,13 +71,14 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
-    # MUL1 linears of up to 4 rows a slot on the halves layout (kernels/csrc/exl3_gemv.cu AFF; a
-    # build define, as gemv_halves): each state's A entries are (1024 + byte sum, 1.0) straight from
-    # the dp4a, each activation row feeds two B columns, (x, 0) and (0, x), so the MMA leaves x · h
-    # beside sum x and the split's epilogue applies kappa and beta once, instead of a PRMT and an
-    # HFMA2 a pair of weights (pair). The weights are then exact in fp32, not rounded to fp16.
-    # sm_90a SASS (K 3): the 1-row gemv_pro loop 429 -> 374 instructions a 64 weights a lane, the
-    # gemv loop 417 -> 376; not yet run on a GPU
+    # MUL1 linears of up to 4 real rows a slot (so also expert_groups' 8-row tiles holding 1-4) on
+    # the halves layout (kernels/csrc/exl3_gemv.cu AFF; a build define, as gemv_halves): each
+    # state's A entries are (1024 + byte sum, 1.0) straight from the dp4a, each activation row
+    # feeds two B columns, (x, 0) and (0, x), so the MMA leaves x · h beside sum x and the split's
+    # epilogue applies kappa and beta once, instead of a PRMT and an HFMA2 a pair of weights
+    # (pair). The weights are then exact in fp32, not rounded to fp16. sm_90a SASS (K 3): the
+    # 1-row gemv_pro loop 429 -> 376 instructions (64 weights a lane), the gemv loop 418 -> 377;
+    # not yet run on a GPU
     "gemv_affine": "EXL3TOOLS_GEMV_AFFINE",
 }
 

@@ -350,10 +350,11 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     static_assert(PRO == 0 || (MB == 1 && NT == 2), "the input pass is for 8-row, two-tile units");
     static_assert(!AFF || (HALVES && CB == 2 && MB == 1), "AFF: the MUL1 halves gemv of up to 4 rows");
 #if HALVES && CB == 2
-    // (rows > AFF_ROWS: pair's PRMT and HFMA2). PRO has entry points of its own for AFF: in one
-    // kernel, both paths took 96 registers where each alone takes 72-80
+    // (more real rows: pair's PRMT and HFMA2). Per slot: expert_groups' 8-row tiles mostly hold
+    // 1-2 real rows (tile_n). PRO has entry points of its own for AFF: in one kernel, both paths
+    // took 96 registers where each alone takes 72-80
     if constexpr (!AFF && MB == 1 && PRO == 0) {
-        if (rows <= AFF_ROWS) {
+        if ((tile_n ? min(rows, tile_n[blockIdx.y]) : rows) <= AFF_ROWS) {
             gemv_body<MROWS, NT, P, PRO, TX, LD, true>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps,
                                                        n_groups, n_units, x, suh_ptrs, row_src, row_exp, ld_tab,
                                                        act_rows, tile_n);

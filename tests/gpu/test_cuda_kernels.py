@@ -443,10 +443,11 @@ def _captured(fn, xs):
 @pytest.mark.parametrize("width", [16, 24, 48, 128])
 def test_mul1_affine_gemv(cx, width, monkeypatch):
     """EXL3TOOLS_GEMV_AFFINE (preview): a MUL1 module built with HALVES takes its AFF kernels at up
-    to AFF_ROWS rows a slot (each state's (h, 1.0) in the A fragment, kappa and beta applied once a
-    split) and the pair kernels past them. Linears of 1-8 rows, with and without gemv_pro, expert
-    slots of one row (a skipped tile: bias alone) and their silu(gate) * up input pass, and a
-    graph replay: each against the reference and the module without the preview."""
+    to AFF_ROWS real rows a slot (each state's (h, 1.0) in the A fragment, kappa and beta applied
+    once a split) and the pair kernels past them. Linears of 1-8 rows, with and without gemv_pro,
+    expert slots of one row (a skipped tile: bias alone) and their silu(gate) * up input pass,
+    8-row expert tiles with real-row counts, and a graph replay: each against the reference and
+    the module without the preview."""
     import torch
 
     rng = np.random.default_rng(width + 101)
@@ -488,6 +489,22 @@ def test_mul1_affine_gemv(cx, width, monkeypatch):
             want = ex.tiles(silu_mul_reference(gu[:4], gu[4:]), None, row_exp, tile_exp, 1).float().cpu().numpy()
             got = ex.tiles(gu, None, row_exp, tile_exp, 1, act_rows=4).float().cpu().numpy()
             assert _rel(got, want) < 1e-3, (flag, pro)
+        # expert_groups' 8-row tiles with their real-row counts: AFF per slot of at most AFF_ROWS,
+        # the pair past them; padding rows point at a NaN row (never read)
+        from exl3tools.runtime.layers import expert_tiles
+
+        T, top = 40, 2
+        xt = rng.normal(0, 1, (T, 512)).astype(np.float16)
+        exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
+        tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, 8)
+        counts = valid.view(-1, 8).sum(1)
+        assert (counts <= cx.AFF_ROWS).any() and (counts > cx.AFF_ROWS).any()
+        xn = torch.cat([torch.from_numpy(xt).cuda(), torch.full((1, 512), float("nan"), device="cuda").half()])
+        src = torch.where(valid, slot // top, T)
+        w_e = [ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64) for tr, suh, svh, _ in el]
+        got = ex.tiles(xn, src, row_exp, tile_exp, 8, counts=counts).float().cpu().numpy()
+        v = valid.cpu().numpy()
+        assert _rel(got[v], _tile_rows_reference(xt, el, w_e, slot, row_exp, valid, top)) < 2e-3, flag
         if flag == "1":
             _graph_replays(cx, arrays, 1, torch.float16)
     for key in [k_ for k_ in ys if k_[0] == "1"]:     # exact weights against fp16-rounded ones
