@@ -437,39 +437,26 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             }
         }
     };
-#if HALVES && CB == 2
-    // AFF: column g takes (x, 0) pairs (even g) or (0, x) (odd g); byte 4 of the PRMT is the zero
+#if HALVES
+    // the B entries beside a state's two A entries: each activation twice (3INST / MCG: both halves
+    // are the weight), or AFF's (x, 0) in even columns and (0, x) in odd ones (MUL1: h, then 1.0);
+    // byte 4 of the PRMT is the zero
+#if CB == 2
     const uint32_t sel_lo = g & 1 ? 0x1044u : 0x4410u, sel_hi = g & 1 ? 0x3244u : 0x4432u;
+#else
+    constexpr uint32_t sel_lo = 0x1010u, sel_hi = 0x3232u;
+#endif
 #endif
     auto step = [&](int p) {
-#if HALVES && CB == 2
-        if constexpr (AFF) {
-            // pair's layout with a state a register: the first MMA takes k 2t (entries 2t, 2t+1) and
-            // 2t+1 (2t+8, 2t+9), the second k 2t+8 and 2t+9
+#if HALVES
+        if constexpr (CB == 2 ? AFF : MB == 1) {
+            // states s0..s7 sit at (n g, k 2t), (g, 2t+1), (g, 2t+8), (g, 2t+9), then n g+8 alike;
+            // each state fills the two k entries of one A register (the first MMA: k 2t in entries
+            // 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9), its activation the
+            // matching B entries
             const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
             const uint32_t xd[4] = {__byte_perm(x0, 0, sel_lo), __byte_perm(x0, 0, sel_hi),
                                     __byte_perm(x1, 0, sel_lo), __byte_perm(x1, 0, sel_hi)};
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                uint32_t st[8], h[8];
-                lane_states(wb[p][j], off, st);
-#pragma unroll
-                for (int q = 0; q < 8; q++) h[q] = halves(kc, st[q]);
-                const uint32_t a0[4] = {h[0], h[4], h[1], h[5]}, a1[4] = {h[2], h[6], h[3], h[7]};
-                mma(c[0][j], a0, xd[0], xd[1]);
-                mma(c[0][j], a1, xd[2], xd[3]);
-            }
-        } else
-#endif
-#if HALVES && CB != 2
-        if constexpr (MB == 1) {
-            // states s0..s7 sit at (n g, k 2t), (g, 2t+1), (g, 2t+8), (g, 2t+9), then n g+8 alike;
-            // each state's halves fill the two k entries of one A register (the first MMA: k 2t in
-            // entries 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9) and each
-            // activation fills both matching B entries
-            const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
-            const uint32_t xd[4] = {__byte_perm(x0, 0, 0x1010), __byte_perm(x0, 0, 0x3232),
-                                    __byte_perm(x1, 0, 0x1010), __byte_perm(x1, 0, 0x3232)};
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 uint32_t st[8], h[8];
