@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [bench] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
-# (default: all but prefill, hostprof, longctx, mla, attn, profile, memory and moe)
+#   bash bench/gpu_all.sh [tests] [quick] [ab] [bench] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
+# (default: all but ab, prefill, hostprof, longctx, mla, attn, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -56,9 +56,22 @@ wait_build() {
 }
 # our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
 python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
-# SYNTH_ARGS: synth_checkpoint.py options for /tmp/air6 (e.g. "--codebook mcg": the serve stage on MCG)
-( [ -d /tmp/air6 ] || python3 bench/synth_checkpoint.py /tmp/air6 ${SYNTH_ARGS:-} > "$L/synth.log" 2>&1 ) &
+# SYNTH_ARGS: synth_checkpoint.py options for the GLM-4.5-Air shape (e.g. "--codebook mcg": the
+# serve stage on MCG), in a folder of their own: a warm machine's /tmp/air6 of another codebook is
+# not taken for it
+AIR=/tmp/air6${SYNTH_ARGS:+_$(printf %s "$SYNTH_ARGS" | tr -c 'A-Za-z0-9' _)}
+( [ -d $AIR ] || python3 bench/synth_checkpoint.py $AIR ${SYNTH_ARGS:-} > "$L/synth.log" 2>&1 ) &
 SYNTH=$!
+# ab_runs VAR ARGS...: the linear bench (bench/gpu_bench.py --graph ARGS) with VAR=0, 1, 1, 0 side by
+# side (a build- or run-time switch: each run is a new process, so a build define is read anew)
+ab_runs() {
+  local var=$1 i=0 v; shift
+  for v in 0 1 1 0; do
+    i=$((i + 1))
+    env "$var=$v" timeout ${AB_TIMEOUT:-90} python3 bench/gpu_bench.py --graph "$@" > "$L/ab_${i}_$v.log" 2>&1
+    el "ab $var=$v rc $?"; grep -E -- "->|rror" "$L/ab_${i}_$v.log"
+  done
+}
 
 if [[ $STAGES == *tests* ]]; then
   # PREVIEW: the preview paths' switches, default every one in exl3tools/runtime/preview.py SWITCHES
@@ -95,6 +108,10 @@ if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
     --json "$L/quick.json" > "$L/quick.log" 2>&1
   el "quick rc $?"; sed -n '/in->out/,$p' "$L/quick.log"
 fi
+if [[ $STAGES == *ab* ]]; then   # AB_VAR off / on / on / off, the linear bench (AB_ARGS) each time
+  read -r -a AB_A <<< "${AB_ARGS:---impls cuda,cuda_pro --ks 3 --rows 1,8}"
+  ab_runs "${AB_VAR:?the ab stage needs AB_VAR, e.g. EXL3TOOLS_GEMV_AFFINE}" "${AB_A[@]}"
+fi
 if [[ $STAGES == *paged* ]]; then
   timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1
   el "paged rc $?"; grep -E "^\|" "$L/paged.log" | tail -n 40
@@ -119,14 +136,14 @@ if [[ $STAGES == *bench* ]]; then
 fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then
-  timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py /tmp/air6 --batch ${E2E_BATCH:-1,8,32} --steps 64 --rounds ${E2E_ROUNDS:-1} \
+  timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py $AIR --batch ${E2E_BATCH:-1,8,32} --steps 64 --rounds ${E2E_ROUNDS:-1} \
     --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:chained${EXL3_IMPL}} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
 if [[ $STAGES == *longctx* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token prompts (docs/gpu.md)
   wait_build; tail -n 1 "$L/build.log" 2>/dev/null
-  timeout ${LONGCTX_TIMEOUT:-300} python3 bench/gpu_long_context.py air6=/tmp/air6 \
+  timeout ${LONGCTX_TIMEOUT:-300} python3 bench/gpu_long_context.py air6=$AIR \
     glm5=$PWD/${FIXTURES:-.gpucarry}/fixtures/glm5_moe_dsa-3.0bpw-mul1/model ${LONGCTX_ARGS:-} \
     --json "$L/longctx.json" > "$L/longctx.log" 2>&1
   el "longctx rc $?"
@@ -136,7 +153,7 @@ if [[ $STAGES == *serve* ]]; then
     OFF="EXL3TOOLS_FUSED=0 EXL3TOOLS_ROW_STEPS=0"   # the former previews off (runtime/preview.py OPT_OUTS)
     CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"
              --config "ml32k_unfused:$OFF --max-model-len 32768"); fi
-  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py /tmp/air6 --device cuda "${CONFIGS[@]}" $EXL3_SERVE ${SERVE_EXTRA:-} \
+  timeout ${SERVE_TIMEOUT:-540} python3 bench/gpu_serve.py $AIR --device cuda "${CONFIGS[@]}" $EXL3_SERVE ${SERVE_EXTRA:-} \
     --json "$L/serve.json" --out "$L/serve" > "$L/serve.log" 2>&1
   el "serve rc $?"
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
@@ -147,7 +164,7 @@ if [[ $STAGES == *hostprof* ]]; then   # the served N-stream decode's host side 
   IFS=';' read -r -a HPC <<< "${HOSTPROF_CONFIGS:-default:--max-model-len 32768;ml4k:--max-model-len 4096}"
   for c in "${HPC[@]}"; do
     f="$L/hostprof_${c%%:*}.log"
-    timeout ${HOSTPROF_TIMEOUT:-180} python3 bench/gpu_serve_profile.py /tmp/air6 --config "$c" --streams ${HOSTPROF_STREAMS:-32} \
+    timeout ${HOSTPROF_TIMEOUT:-180} python3 bench/gpu_serve_profile.py $AIR --config "$c" --streams ${HOSTPROF_STREAMS:-32} \
       --tokens ${HOSTPROF_TOKENS:-384} --procs ${HOSTPROF_PROCS:-1,4} --py-spy /tmp/site/bin/py-spy --out "$L/hostprof" > "$f" 2>&1
     el "hostprof ${c%%:*} rc $?"; grep -v "^20..-" "$f" | head -n ${HOSTPROF_LINES:-90}
   done
@@ -242,7 +259,7 @@ if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a lon
   # PROFILE_ARCHES: synthetic shapes (air6 = GLM-4.5-Air; glm5, deepseek_v3 via --arch); PROFILE_RUNS:
   # prompt tokens:cache length per row (the block tables' width: is a 4k context slower at 32k?)
   for arch in ${PROFILE_ARCHES:-glm5 deepseek_v3}; do
-    d=/tmp/synth_$arch; [ $arch = air6 ] && d=/tmp/air6
+    d=/tmp/synth_$arch; [ $arch = air6 ] && d=$AIR
     [ -d $d ] || python3 bench/synth_checkpoint.py $d --arch $arch > "$L/synth_$arch.log" 2>&1
     for run in ${PROFILE_RUNS:-32:256 4096:4352 4096:32768}; do
       f="$L/profile_${arch}_${run/:/_}.log"
@@ -255,7 +272,7 @@ fi
 if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
   # MEMORY_RUNS="CKPT|VARS|ARGS;...": one gpu_memory.py run per entry, one after another (VARS: variables
   # such as EXL3TOOLS_X=1, ARGS: its options; /tmp/synth_ARCH is written first where missing)
-  IFS=';' read -r -a MRUNS <<< "${MEMORY_RUNS:-/tmp/air6||}"
+  IFS=';' read -r -a MRUNS <<< "${MEMORY_RUNS:-$AIR||}"
   for i in "${!MRUNS[@]}"; do
     IFS='|' read -r mck mvars margs <<< "${MRUNS[$i]}"
     [[ -d $mck || $mck != /tmp/synth_* ]] || python3 bench/synth_checkpoint.py $mck --arch ${mck#/tmp/synth_} > "$L/synth_mem_$i.log" 2>&1
@@ -271,7 +288,7 @@ if [[ $STAGES == *moe* ]]; then   # issue 15: one MoE projection of a prompt, pa
   el "moe prefill rc $?"; grep -E "^\||Error" "$L/moe_prefill.log" | head -n 12
 fi
 if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e.g. /tmp/synth_glm5, made by the mla stage)
-  timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-/tmp/air6} ${PREFILL_ARGS:-} \
+  timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-$AIR} ${PREFILL_ARGS:-} \
     --json "$L/prefill.json" > "$L/prefill.log" 2>&1
   el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
   sed -n '/^--- profile 8 x 32/,+20p' "$L/prefill.log" | cut -c1-60,100-200

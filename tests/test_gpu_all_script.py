@@ -84,3 +84,30 @@ def test_mla_serves_mtp_configs_on_the_shapes_with_an_mtp_head(arch):
 
 def test_mla_serves_no_mtp_config_without_an_mtp_head():
     assert _spec_configs("glm4_moe") == []
+
+
+def test_ab_runs_the_bench_off_on_on_off(tmp_path):
+    """The ab stage (ab_runs): the linear bench with the switch 0, 1, 1, 0, each a process of its own
+    with the switch in its environment and the bench's arguments as given, each log kept apart."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\necho "$0 $* switch=$EXL3TOOLS_X ->"\n')
+    (fake / "python3").chmod(0o755)
+    script = (f"L={tmp_path}; T0=0; el() {{ echo \"$*\"; }}\n{_function('ab_runs')}\n"
+              "ab_runs EXL3TOOLS_X --impls cuda --rows 1,8\n")
+    r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
+                       env={"PATH": f"{fake}:/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    runs = [ln for ln in r.stdout.splitlines() if ln.endswith("->")]
+    assert [ln.split("switch=")[1] for ln in runs] == ["0 ->", "1 ->", "1 ->", "0 ->"], r.stdout
+    assert all("bench/gpu_bench.py --graph --impls cuda --rows 1,8 " in ln for ln in runs), runs
+    assert sorted(p.name for p in tmp_path.glob("ab_*.log")) == ["ab_1_0.log", "ab_2_1.log", "ab_3_1.log", "ab_4_0.log"]
+
+
+@pytest.mark.parametrize("synth_args,folder", [(None, "/tmp/air6"), ("--codebook mcg", "/tmp/air6___codebook_mcg")])
+def test_the_synthetic_checkpoint_has_a_folder_per_synth_args(synth_args, folder):
+    """A warm machine's /tmp/air6 built with other SYNTH_ARGS (another codebook) is not reused."""
+    line = next(ln for ln in SCRIPT.read_text().splitlines() if ln.startswith("AIR="))
+    env = "unset SYNTH_ARGS" if synth_args is None else f"SYNTH_ARGS='{synth_args}'"
+    r = subprocess.run([_bash(), "-c", f"{env}; {line}; echo $AIR"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == folder, r.stderr
