@@ -23,8 +23,9 @@ def _bash():
     return bash
 
 
-def test_the_script_parses():
-    r = subprocess.run([_bash(), "-n", str(SCRIPT)], capture_output=True, text=True)
+@pytest.mark.parametrize("script", sorted(SCRIPT.parent.glob("*.sh")), ids=lambda p: p.name)
+def test_the_bench_scripts_parse(script):
+    r = subprocess.run([_bash(), "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Where the 1-row gemv's issue slots go, under ncu, for each value of a switch side by side (default
+# EXL3TOOLS_GEMV_AFFINE 0 and 1: MUL1's pair against its AFF kernel): duration, issue and occupancy
+# lines, ncu's pipeline rules, and each pipe's share of its peak (sm__inst_executed_pipe_* and
+# sm__pipe_*_cycles_active), highest first. Reports and logs go to $OUT (not gpu_all.sh's).
+#   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
+set -u
+OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"
+SWITCH=${SWITCH:-EXL3TOOLS_GEMV_AFFINE}
+for v in ${VALUES:-0 1}; do
+  rep="$OUT/gemv_$v"
+  # shellcheck disable=SC2086  # SHAPE is four words
+  env "$SWITCH=$v" ncu --set full --kernel-name "regex:^exl3_gemv" --launch-skip 2 --launch-count 1 -f -o "$rep" \
+    python3 bench/ncu_gemv.py ${SHAPE:-3 4096 14336 1} > "$rep.run.log" 2>&1
+  echo "== $SWITCH=$v (rc $?): $(grep -o 'exl3_gemv[a-z0-9_]*' "$rep.run.log" | sort -u | tr '\n' ' ')"
+  ncu --import "$rep.ncu-rep" --page details --print-units base > "$rep.details.txt" 2>&1
+  grep -E "^ +(Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Issued Ipc Active|No Eligible|Eligible Warps Per Scheduler|Active Warps Per Scheduler|DRAM Throughput|Compute \(SM\) Throughput) |pipeline|[Pp]ipe " \
+    "$rep.details.txt" | sed 's/  */ /g' | head -n 24
+  ncu --import "$rep.ncu-rep" --page raw --print-units base 2>/dev/null \
+    | grep -E "(sm__inst_executed_pipe_[a-z0-9_]+|sm__pipe_[a-z0-9_]+_cycles_active)\.avg\.pct_of_peak_sustained_active " \
+    | awk '{print $NF, $1}' | sort -rn | head -n 14
+done
