@@ -6,6 +6,7 @@
 #   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
 set -u
 OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}   # gpu_all.sh's install (run it first, or set PYTHONPATH)
 SWITCH=${SWITCH:-EXL3TOOLS_GEMV_AFFINE}
 for v in ${VALUES:-0 1}; do
   rep="$OUT/gemv_$v"

@@ -92,6 +92,7 @@ def test_the_halves_build_names_its_own_cubins_for_3inst_and_mcg(monkeypatch):
     folders keep serving them); batch-invariant runs keep the plain build."""
     from exl3tools.kernels import cuda_build
 
+    monkeypatch.delenv("EXL3TOOLS_GEMV_AFFINE", raising=False)   # (gpu_all.sh turns every preview on)
     monkeypatch.setenv("EXL3TOOLS_GEMV_HALVES", "0")
     off = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
     monkeypatch.delenv("EXL3TOOLS_GEMV_HALVES")

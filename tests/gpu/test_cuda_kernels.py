@@ -234,7 +234,10 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
                 # the plain call after it
                 xn = torch.cat([xd, torch.full_like(xd[:1], float("nan"))])
                 gc = ex.tiles(xn, torch.where(valid, src, T), row_exp, tile_exp, rows, counts=counts)
-                assert _rel(gc.float().cpu().numpy()[v], g[v]) < 1e-6, (kernel, rows)
+                # (EXL3TOOLS_GEMV_AFFINE: a tile of at most AFF_ROWS real rows takes the MUL1 AFF
+                # kernel with its counts, the pair without: exact weights against fp16-rounded ones)
+                same = 1e-3 if rows <= 8 and ex.mod.aff_rows else 1e-6
+                assert _rel(gc.float().cpu().numpy()[v], g[v]) < same, (kernel, rows)
                 again = ex.tiles(xd, src, row_exp, tile_exp, rows).float().cpu().numpy()
                 assert _rel(again[v], g[v]) < 1e-6, (kernel, rows)
     # split-K: two slots of one expert over k = 4096 (many k-splits a column group)
