@@ -77,8 +77,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # feeds two B columns, (x, 0) and (0, x), so the MMA leaves x · h beside sum x and the split's
     # epilogue applies kappa and beta once, instead of a PRMT and an HFMA2 a pair of weights
     # (pair). The weights are then exact in fp32, not rounded to fp16. sm_90a SASS (K 3): the
-    # 1-row gemv_pro loop 429 -> 376 instructions (64 weights a lane), the gemv loop 418 -> 377;
-    # not yet run on a GPU
+    # 1-row gemv_pro loop 429 -> 376 instructions (64 weights a lane), the gemv loop 418 -> 377.
+    # H100, 2026-12-05 08:18 (tests/gpu passed with it; bench/gpu_bench.py --graph, K 3, off / on):
+    # one row 4096 -> 14336 29.8 / 29.9 µs, 14336 -> 4096 30.2 / 30.5, 8192 -> 8192 33.7 / 32.1; four
+    # rows 31.0 / 30.5, 30.9 / 30.2, 33.1 / 32.6: no gain where it counts, so it stays a preview
     "gemv_affine": "EXL3TOOLS_GEMV_AFFINE",
 }
 
