@@ -80,7 +80,9 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 1-row gemv_pro loop 429 -> 376 instructions (64 weights a lane), the gemv loop 418 -> 377.
     # H100, 2026-12-05 08:18 (tests/gpu passed with it; bench/gpu_bench.py --graph, K 3, off / on):
     # one row 4096 -> 14336 29.8 / 29.9 µs, 14336 -> 4096 30.2 / 30.5, 8192 -> 8192 33.7 / 32.1; four
-    # rows 31.0 / 30.5, 30.9 / 30.2, 33.1 / 32.6: no gain where it counts, so it stays a preview
+    # rows 31.0 / 30.5, 30.9 / 30.2, 33.1 / 32.6: no gain where it counts, so it stays a preview.
+    # ncu there: latency-bound (issue slots 52 % busy at 6 blocks an SM, the pair 60 % at 7); its
+    # build now takes 7 blocks at K 1-4 (72 registers), not yet timed
     "gemv_affine": "EXL3TOOLS_GEMV_AFFINE",
 }
 

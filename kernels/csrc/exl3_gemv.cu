@@ -972,10 +972,11 @@ GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f16, half, true)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
 #if HALVES && CB == 2
 // the same with AFF (MUL1 halves modules, rows <= AFF_ROWS: cuda_exl3.gemv_pro picks them), with
-// the most blocks an SM that compile without spills at every K (sm_90a, nvcc 13.0): 6 (80
-// registers; the pair kernel takes 72 at K 3), 5 from K 7. Unbounded, ptxas took 80 and spilled
-// 8 bytes in the act kernel at K 3; bounded to 7, they spill at K 2.5, 3.5 and from 5
-#define AFF_MINB (K2 <= 12 ? 6 : 5)
+// the most blocks an SM that compile without spills (sm_90a, nvcc 13.0): 7, the pair kernel's
+// (72 registers), at K 1, 1.5, 2, 3 and 4; 6 at K 2.5, 3.5, 5 and 6; 5 from K 7. The kernel is
+// latency-bound: at 6 blocks (77 registers, the first H100 run) ncu saw issue slots 52 % busy
+// against the pair's 60 % at 7, which ate the 12 % fewer instructions (2026-12-05 08:18)
+#define AFF_MINB (K2 <= 4 || K2 == 6 || K2 == 8 ? 7 : K2 <= 12 ? 6 : 5)
 #define GEMV_PRO_AFF(NAME, TX, LD)                                                                   \
     extern "C" __global__ void __launch_bounds__(128, AFF_MINB) NAME(                                         \
         const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
