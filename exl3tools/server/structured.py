@@ -88,8 +88,7 @@ def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constra
 
 def _schema_text(text: str, param: str) -> dict[str, Any]:
     """A JSON schema sent as JSON text (vLLM takes both), parsed; 400s name ``param``."""
-    if len(text) > MAX_GRAMMAR_BYTES:        # before parsing: a body's container cap does not see inside
-        raise bad_request(f"{param}: the schema is over {MAX_GRAMMAR_BYTES} bytes", param=param)
+    _check_size(text, param, "the schema")   # before parsing: a body's container cap does not see inside
     try:
         schema = json.loads(text)
     except (ValueError, RecursionError):     # JSONDecodeError, an int past Python's digit limit, nesting
