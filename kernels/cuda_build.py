@@ -65,8 +65,8 @@ def _cached(stem: str, src: Path, defines: tuple[str, ...]) -> Path:
 
 def halves(cb: int) -> bool:
     """The halves build (exl3_gemv.cu HALVES) for codebook id ``cb``: 3INST and MCG unless
-    EXL3TOOLS_GEMV_HALVES=0 (runtime/preview.py OPT_OUTS gemv_halves), MUL1 (its AFF kernels) only
-    with the EXL3TOOLS_GEMV_AFFINE preview; never in batch-invariant runs (the 8-row kernels'
+    EXL3TOOLS_GEMV_HALVES=0, MUL1 (its AFF kernels) unless EXL3TOOLS_GEMV_AFFINE=0 (runtime/preview.py
+    OPT_OUTS gemv_halves, gemv_affine); never in batch-invariant runs (the 8-row kernels'
     arithmetic would then differ from the wider ones', so a row's result from the batch it is in).
     A build define: a process reads it when it first builds or loads a module."""
     from exl3tools.runtime import invariance, preview  # torch-free

@@ -86,19 +86,20 @@ def test_the_mla_kernel_builds_for_hopper_without_spills(tmp_path):
     assert "C7520" not in res.stderr, res.stderr[-2000:]
 
 
-def test_the_halves_build_names_its_own_cubins_for_3inst_and_mcg(monkeypatch):
-    """The default builds 3INST / MCG modules with -DHALVES=1 under their own cache names;
-    MUL1's and the opt-out's (EXL3TOOLS_GEMV_HALVES=0) names do not move (earlier prebuilt cubin
-    folders keep serving them); batch-invariant runs keep the plain build."""
+def test_the_halves_build_names_its_own_cubins(monkeypatch):
+    """The default builds every codebook with -DHALVES=1 (3INST and MCG: the halves gemv, MUL1: its
+    AFF kernels) under their own cache names; the opt-outs' (EXL3TOOLS_GEMV_HALVES=0,
+    EXL3TOOLS_GEMV_AFFINE=0) names are the plain build's, so earlier prebuilt cubin folders keep
+    serving them; batch-invariant runs keep the plain build."""
     from exl3tools.kernels import cuda_build
 
-    monkeypatch.delenv("EXL3TOOLS_GEMV_AFFINE", raising=False)   # (gpu_all.sh turns every preview on)
     monkeypatch.setenv("EXL3TOOLS_GEMV_HALVES", "0")
+    monkeypatch.setenv("EXL3TOOLS_GEMV_AFFINE", "0")
     off = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
     monkeypatch.delenv("EXL3TOOLS_GEMV_HALVES")
     on = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
     assert on[0] != off[0] and on[1] != off[1] and on[2] == off[2]
-    monkeypatch.setenv("EXL3TOOLS_GEMV_AFFINE", "1")         # MUL1's AFF kernels: the preview
+    monkeypatch.delenv("EXL3TOOLS_GEMV_AFFINE")              # MUL1's AFF kernels: the default
     aff = {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)}
     assert aff[2] not in (off[2], on[0], on[1]) and (aff[0], aff[1]) == (on[0], on[1])
     monkeypatch.setenv("EXL3TOOLS_BATCH_INVARIANT", "1")     # one arithmetic for every row count

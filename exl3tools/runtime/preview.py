@@ -71,24 +71,23 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
+}
+
+# Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
+# faster (docs/gpu.md, docs/serve.md): off only when "0"
+OPT_OUTS = {
     # MUL1 linears of up to 4 real rows a slot (so also expert_groups' 8-row tiles holding 1-4) on
     # the halves layout (kernels/csrc/exl3_gemv.cu AFF; a build define, as gemv_halves): each
     # state's A entries are (1024 + byte sum, 1.0) straight from the dp4a, each activation row
     # feeds two B columns, (x, 0) and (0, x), so the MMA leaves x · h beside sum x and the split's
     # epilogue applies kappa and beta once, instead of a PRMT and an HFMA2 a pair of weights
     # (pair). The weights are then exact in fp32, not rounded to fp16. sm_90a SASS (K 3): the
-    # 1-row gemv_pro loop 429 -> 376 instructions (64 weights a lane), the gemv loop 418 -> 377.
-    # H100, 2026-12-05 08:18 (tests/gpu passed with it; bench/gpu_bench.py --graph, K 3, off / on):
-    # one row 4096 -> 14336 29.8 / 29.9 µs, 14336 -> 4096 30.2 / 30.5, 8192 -> 8192 33.7 / 32.1; four
-    # rows 31.0 / 30.5, 30.9 / 30.2, 33.1 / 32.6: no gain where it counts, so it stays a preview.
-    # ncu there: latency-bound (issue slots 52 % busy at 6 blocks an SM, the pair 60 % at 7); its
-    # build now takes 7 blocks at K 1-4 (72 registers), not yet timed
+    # 1-row gemv_pro loop 429 -> 376 instructions. At 6 blocks an SM it bought 0-5 % (H100
+    # 2026-12-05 08:18; ncu: the 1-row kernel is latency-bound, issue slots 52 % busy against the
+    # pair's 60 % at 7); at 7 blocks (72 registers at K 1-4) one row is 3-8 % faster (H100
+    # 2026-12-05 10:55, bench/gpu_bench.py --graph off / on / on / off: 4096 -> 14336 K 2 28.5 ->
+    # 26.1 µs, K 3 30.4 -> 29.5, K 4 30.9 -> 29.5; 8192 -> 8192 K 3 33.9 -> 32.6), four rows -3..+3 %
     "gemv_affine": "EXL3TOOLS_GEMV_AFFINE",
-}
-
-# Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
-# faster (docs/gpu.md, docs/serve.md): off only when "0"
-OPT_OUTS = {
     # linears and expert slots of one row: the gemv kernel rotates its own split of the activations
     # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
     # gemv_body PRO, cuda_exl3.gemv_pro, GEMV_PRO_MAX_ROWS); and the fused decode step's q, k and v

@@ -445,12 +445,12 @@ def _captured(fn, xs):
 
 @pytest.mark.parametrize("width", [16, 24, 48, 128])
 def test_mul1_affine_gemv(cx, width, monkeypatch):
-    """EXL3TOOLS_GEMV_AFFINE (preview): a MUL1 module built with HALVES takes its AFF kernels at up
+    """EXL3TOOLS_GEMV_AFFINE (the default; "0" opts out): a MUL1 module built with HALVES takes its AFF kernels at up
     to AFF_ROWS real rows a slot (each state's (h, 1.0) in the A fragment, kappa and beta applied
     once a split) and the pair kernels past them. Linears of 1-8 rows, with and without gemv_pro,
     expert slots of one row (a skipped tile: bias alone) and their silu(gate) * up input pass,
     8-row expert tiles with real-row counts, and a graph replay: each against the reference and
-    the module without the preview."""
+    the module built without them."""
     import torch
 
     rng = np.random.default_rng(width + 101)
