@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Where the 1-row gemv's issue slots go, under ncu, for each value of a switch side by side (default
 # EXL3TOOLS_GEMV_AFFINE 0 and 1: MUL1's pair against its AFF kernel): duration, issue and occupancy
-# lines, ncu's pipeline rules, and each pipe's share of its peak (sm__inst_executed_pipe_* and
-# sm__pipe_*_cycles_active), highest first. Reports and logs go to $OUT (not gpu_all.sh's).
+# lines, ncu's pipeline rules, each pipe's share of its peak (sm__inst_executed_pipe_* and
+# sm__pipe_*_cycles_active) and the stall reasons (cycles a warp waits per issued instruction), highest first. Reports and logs go to $OUT (not gpu_all.sh's).
 #   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
 set -u
 OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"
@@ -20,4 +20,8 @@ for v in ${VALUES:-0 1}; do
   ncu --import "$rep.ncu-rep" --page raw --print-units base 2>/dev/null \
     | grep -E "(sm__inst_executed_pipe_[a-z0-9_]+|sm__pipe_[a-z0-9_]+_cycles_active)\.avg\.pct_of_peak_sustained_active " \
     | awk '{print $NF, $1}' | sort -rn | head -n 14
+  # where the warps wait: cycles a warp spends in each stall state per issued instruction, highest first
+  ncu --import "$rep.ncu-rep" --page raw --print-units base 2>/dev/null \
+    | grep -E "smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active\.ratio " \
+    | awk '{print $NF, $1}' | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | sort -rn | head -n 10
 done
