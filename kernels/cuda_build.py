@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,10 +77,20 @@ def halves(cb: int) -> bool:
     return preview.switched_on("gemv_affine" if cb == CODEBOOKS["mul1"] else "gemv_halves")
 
 
+def extra_defines() -> tuple[str, ...]:
+    """EXL3TOOLS_GEMV_DEFINES: extra -D flags for exl3_gemv.cu (a tuning A/B of its build constants,
+    PRO_P / PRO_MINB: bench/gpu_all.sh's defs stage), part of the cubins' cache key."""
+    flags = tuple(os.environ.get("EXL3TOOLS_GEMV_DEFINES", "").split())
+    for f in flags:
+        if not re.fullmatch(r"-D[A-Z_][A-Z0-9_]*(=-?[0-9]+)?", f):
+            raise UsageError(f"EXL3TOOLS_GEMV_DEFINES: {f!r} is not -DNAME or -DNAME=integer")
+    return flags
+
+
 def cubin_path(k2: int, cb: int) -> Path:
     # the plain build's cache key stays (k2, cb), so earlier prebuilt folders still serve MUL1 and
     # the opt-out
-    return _cached(f"exl3_gemv_k{k2}_c{cb}", SRC, (k2, cb, "halves") if halves(cb) else (k2, cb))
+    return _cached(f"exl3_gemv_k{k2}_c{cb}", SRC, ((k2, cb, "halves") if halves(cb) else (k2, cb)) + extra_defines())
 
 
 def mla_cubin_path() -> Path:
@@ -88,7 +99,8 @@ def mla_cubin_path() -> Path:
 
 def build(k2: int, cb: int) -> Path:
     """The cubin for (K2, codebook id), compiled now if it is not cached yet."""
-    return _compile(cubin_path(k2, cb), SRC, (f"-DK2={k2}", f"-DCB={cb}", *(("-DHALVES=1",) if halves(cb) else ())))
+    return _compile(cubin_path(k2, cb), SRC, (f"-DK2={k2}", f"-DCB={cb}", *(("-DHALVES=1",) if halves(cb) else ()),
+                                              *extra_defines()))
 
 
 def build_mla() -> Path:

@@ -106,6 +106,40 @@ def test_the_halves_build_names_its_own_cubins(monkeypatch):
     assert {cb: cuda_build.cubin_path(6, cb).name for cb in (0, 1, 2)} == off
 
 
+def test_gemv_defines_name_their_own_cubins_and_refuse_anything_else(monkeypatch):
+    """EXL3TOOLS_GEMV_DEFINES (a tuning A/B's build constants) is part of the cache key, and only
+    -DNAME[=integer] flags pass (the value reaches an nvcc command line)."""
+    from exl3tools.kernels import cuda_build
+
+    from exl3tools.errors import UsageError
+
+    monkeypatch.delenv("EXL3TOOLS_GEMV_DEFINES", raising=False)
+    plain = cuda_build.cubin_path(6, 2).name
+    monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DPRO_P=2 -DPRO_MINB=9")
+    assert cuda_build.cubin_path(6, 2).name not in (plain, cuda_build.cubin_path(6, 0).name)
+    for bad in ("-DPRO_P=2;touch x", "-o /tmp/x", "-DPRO_P=$(id)"):
+        monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", bad)
+        with pytest.raises(UsageError, match="EXL3TOOLS_GEMV_DEFINES"):
+            cuda_build.cubin_path(6, 2)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
+def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
+    """PRO_P / PRO_MINB reach the GEMV_PRO* kernels, pair and AFF: two k-tiles in flight at 9
+    blocks an SM compile to at most 56 registers without spills (the default: 72 at 7)."""
+    from exl3tools.kernels import cuda_build
+
+    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", "-DCB=2", "-DHALVES=1",
+                          "-DPRO_P=2", "-DPRO_MINB=9", str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    regs = dict(re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S))
+    assert {"exl3_gemv_pro_m8_t2_f16", "exl3_gemv_pro_aff_m8_t2_f16", "exl3_gemv_pro_act_aff_m8_t2_f32"} <= set(regs)
+    assert all(int(r) <= 56 for r in regs.values()), regs
+    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 @pytest.mark.parametrize("cb", [0, 1, 2])
 def test_the_halves_gemv_builds_without_spills(tmp_path, cb):

@@ -958,12 +958,23 @@ GEMV_LD(32, 2)
 GEMV_LD(64, 2)
 // GEMV_PRO: the 8-row gemv with its own input pass (no had_in launch), x fp16 or fp32
 #ifndef EXL3_HOST_TEST
+// PRO_P, PRO_MINB: the GEMV_PRO* kernels' k-tiles in flight and blocks an SM, overridable build
+// defines for tuning A/Bs (cuda_build.extra_defines, EXL3TOOLS_GEMV_DEFINES); the defaults are
+// what tests/gpu and the benchmarks run
+#ifndef PRO_P
+#define PRO_P 4
+#endif
+#ifdef PRO_MINB
+#define PRO_BOUNDS __launch_bounds__(128, PRO_MINB)
+#else
+#define PRO_BOUNDS __launch_bounds__(128)
+#endif
 #define GEMV_PRO(NAME, TX, LD)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                           \
+    extern "C" __global__ void PRO_BOUNDS NAME(                                                      \
         const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
         const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
         int kps, int n_groups, int n_units, const int* ld_tab) {                                     \
-        gemv_body<8, 2, 4, 1, TX, LD>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
+        gemv_body<8, 2, PRO_P, 1, TX, LD>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
                                       n_units, x, suh_ptrs, row_src, row_exp, ld_tab);               \
     }
 GEMV_PRO(exl3_gemv_pro_m8_t2_f16, half, false)
@@ -977,12 +988,17 @@ GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
 // latency-bound: at 6 blocks (77 registers, the first H100 run) ncu saw issue slots 52 % busy
 // against the pair's 60 % at 7, which ate the 12 % fewer instructions (2026-12-05 08:18)
 #define AFF_MINB (K2 <= 4 || K2 == 6 || K2 == 8 ? 7 : K2 <= 12 ? 6 : 5)
+#ifdef PRO_MINB
+#define AFF_BOUNDS __launch_bounds__(128, PRO_MINB)
+#else
+#define AFF_BOUNDS __launch_bounds__(128, AFF_MINB)
+#endif
 #define GEMV_PRO_AFF(NAME, TX, LD)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, AFF_MINB) NAME(                                         \
+    extern "C" __global__ void AFF_BOUNDS NAME(                                                      \
         const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
         const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
         int kps, int n_groups, int n_units, const int* ld_tab) {                                     \
-        gemv_body<8, 2, 4, 1, TX, LD, true>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, \
+        gemv_body<8, 2, PRO_P, 1, TX, LD, true>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, \
                                             n_groups, n_units, x, suh_ptrs, row_src, row_exp, ld_tab); \
     }
 GEMV_PRO_AFF(exl3_gemv_pro_aff_m8_t2_f16, half, false)
@@ -992,22 +1008,22 @@ GEMV_PRO_AFF(exl3_gemv_pro_ld_aff_m8_t2_f32, float, true)
 #endif
 // GEMV_PRO_ACT: its input silu(gate) * up (a gate+up call's output, up act_rows rows below gate)
 #define GEMV_PRO_ACT(NAME, TX)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) NAME(                                           \
+    extern "C" __global__ void PRO_BOUNDS NAME(                                                      \
         const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
         const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
         int kps, int n_groups, int n_units, int act_rows) {                                          \
-        gemv_body<8, 2, 4, 2, TX>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
+        gemv_body<8, 2, PRO_P, 2, TX>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, n_groups, \
                                   n_units, x, suh_ptrs, row_src, row_exp, nullptr, act_rows);        \
     }
 GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f16, half)
 GEMV_PRO_ACT(exl3_gemv_pro_act_m8_t2_f32, float)
 #if HALVES && CB == 2
 #define GEMV_PRO_ACT_AFF(NAME, TX)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, AFF_MINB) NAME(                                         \
+    extern "C" __global__ void AFF_BOUNDS NAME(                                                      \
         const TX* x, const uint64_t* suh_ptrs, const int* row_src, const int* row_exp,               \
         const uint64_t* trellis_ptrs, const int* slot_exp, float* acc, int rows, int kt, int nt,     \
         int kps, int n_groups, int n_units, int act_rows) {                                          \
-        gemv_body<8, 2, 4, 2, TX, false, true>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, \
+        gemv_body<8, 2, PRO_P, 2, TX, false, true>(nullptr, trellis_ptrs, slot_exp, acc, nullptr, rows, kt, nt, kps, \
                                                n_groups, n_units, x, suh_ptrs, row_src, row_exp, nullptr, act_rows); \
     }
 GEMV_PRO_ACT_AFF(exl3_gemv_pro_act_aff_m8_t2_f16, half)
