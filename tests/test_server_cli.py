@@ -162,10 +162,10 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _serve_tp2(model) -> tuple[subprocess.Popen, str, list[int]]:
-    """`serve MODEL --tp 2 --moe ep` once healthy: (process, url, its worker pids)."""
+def _serve_tp2(model, *extra: str) -> tuple[subprocess.Popen, str, list[int]]:
+    """`serve MODEL --tp 2 --moe ep` (and ``extra``) once healthy: (process, url, its worker pids)."""
     port = free_port()
-    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning")
+    proc = serve(str(model), "--tp", "2", "--moe", "ep", "--port", str(port), "--log-level", "warning", *extra)
     try:
         return proc, wait_healthy(proc, port), _children(proc.pid)
     except BaseException:
@@ -174,26 +174,37 @@ def _serve_tp2(model) -> tuple[subprocess.Popen, str, list[int]]:
         raise
 
 
-def test_tensor_parallel_serving_matches_one_process():
-    """--tp 2 (experts cut whole, --moe ep) spawns a worker rank; greedy tokens equal TP=1's; SIGTERM
-    stops both processes cleanly."""
-    from exl3tools.runtime.runner import load_runner
-    from exl3tools.runtime.sampling import sample
+TP_MODEL = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
+TP_SEED = "5"
 
-    model = REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model"
-    proc, url, workers = _serve_tp2(model)
+
+@pytest.fixture(scope="module")
+def tp2_server():
+    """One `serve --tp 2 --moe ep --seed 5` (a worker rank spawned) for the two tests below: its url.
+    Only the sampling test sends requests without a seed (each takes the next of --seed's), so
+    its requests get the same seeds whichever tests ran before it. Afterwards SIGTERM must stop
+    both processes cleanly, the worker reaped."""
+    proc, url, workers = _serve_tp2(TP_MODEL, "--seed", TP_SEED)
     try:
-        r = httpx.post(f"{url}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
-                                                      "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                                                      "return_token_ids": True}, timeout=60)
-        assert r.status_code == 200, r.text     # (a make test run under load once got a reply without choices)
-        served = r.json()["choices"][0]["token_ids"]
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err
     assert len(workers) == 1 and not os.path.exists(f"/proc/{workers[0]}/status"), workers   # reaped
-    with load_runner(str(model)) as runner:
+
+
+def test_tensor_parallel_serving_matches_one_process(tp2_server):
+    """--tp 2 (experts cut whole, --moe ep): greedy tokens equal TP=1's."""
+    from exl3tools.runtime.runner import load_runner
+    from exl3tools.runtime.sampling import sample
+
+    r = httpx.post(f"{tp2_server}/v1/completions", json={"model": "glm4_moe-3.0bpw-mcg", "prompt": [1, 50, 60],
+                                                         "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True, "seed": 0}, timeout=60)
+    assert r.status_code == 200, r.text     # (a make test run under load once got a reply without choices)
+    served = r.json()["choices"][0]["token_ids"]
+    with load_runner(str(TP_MODEL)) as runner:
         runner.add_sequence(0)
         toks, new = [], [1, 50, 60]
         for _ in range(6):
@@ -202,11 +213,39 @@ def test_tensor_parallel_serving_matches_one_process():
     assert served == toks
 
 
+def _sampled_texts(url: str) -> list[str]:
+    """Through the official client: two unseeded sampled completions (their seeds the next two of
+    the server's --seed), then one request with its own seed, twice."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    req = dict(model="glm4_moe-3.0bpw-mcg", prompt="Once", max_tokens=8, temperature=1.0,
+               extra_body={"ignore_eos": True})
+    unseeded = [client.completions.create(**req).choices[0].text for _ in range(2)]
+    return unseeded + [client.completions.create(**req, seed=7).choices[0].text for _ in range(2)]
+
+
+def test_tensor_parallel_serving_samples_as_one_process_with_the_same_seed(tp2_server):
+    """--seed at --tp 2 (rank 0 samples from the logits the ranks combine): the same sampled texts
+    as a one-process server started with the same --seed, request for request."""
+    served = _sampled_texts(tp2_server)
+    port = free_port()
+    one = serve(str(TP_MODEL), "--seed", TP_SEED, "--port", str(port), "--log-level", "warning")
+    try:
+        alone = _sampled_texts(wait_healthy(one, port))
+    finally:
+        one.send_signal(signal.SIGTERM)
+        _, err = one.communicate(timeout=30)
+    assert "Traceback" not in err, err
+    assert served[0] != served[1]      # each unseeded request the next of --seed's seeds ...
+    assert served[2] == served[3]      # a request's own seed: the same text every time
+    assert served == alone, (served, alone)
+
+
 def test_tensor_parallel_serving_stops_when_a_rank_dies():
     """A --tp 2 server whose worker is killed while it idles: `serve` exits 4 on its own within
     seconds, with one line naming the lost rank (it used to stay healthy until a request came,
     and before that fail every request with a 500), so a supervisor restarts it."""
-    proc, url, workers = _serve_tp2(REPO / "demo" / "glm4_moe-3.0bpw-mcg" / "model")
+    proc, url, workers = _serve_tp2(TP_MODEL)
     try:
         assert len(workers) == 1, workers
         os.kill(workers[0], signal.SIGKILL)

@@ -237,6 +237,8 @@ def test_json_container_bombs_are_refused_before_parsing(monkeypatch):
     before json.loads sees it (checked by the parser's absence, not a clock: a timed bound failed
     on a loaded machine); brackets inside strings do not count, and a body just under the cap
     still parses."""
+    import json
+
     from exl3tools.server import protocol as P
 
     n = (P.MAX_BODY_BYTES - 100) // 3
@@ -244,7 +246,7 @@ def test_json_container_bombs_are_refused_before_parsing(monkeypatch):
     with monkeypatch.context() as m:
         def no_parse(*a, **k):
             raise AssertionError("the bomb reached json.loads")
-        m.setattr(P.json, "loads", no_parse)
+        m.setattr(json, "loads", no_parse)
         with pytest.raises(P.APIError) as e:
             P.parse_body(bomb, P.CompletionRequest)
     assert e.value.status == 413 and "JSON arrays and objects" in e.value.message

@@ -108,7 +108,7 @@ def generation_defaults(gen: dict) -> dict[str, float | int]:
         out["top_p"] = float(p)
     if isinstance(k, int) and not isinstance(k, bool):
         out["top_k"] = max(0, k)
-    if num(rp) and 0 < rp <= 10:     # the request field's own range (server/protocol.py)
+    if num(rp) and 0 < rp <= 10:     # the request field's own range (server/request_models.py)
         out["repetition_penalty"] = float(rp)
     if num(mp) and 0 <= mp <= 1:
         out["min_p"] = float(mp)

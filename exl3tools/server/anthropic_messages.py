@@ -16,16 +16,17 @@ from typing import Any
 
 from pydantic import Field
 
-from exl3tools.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    _Constrained,
-    bad_request,
-    chat_request,
-    constraint_fields,
-    join_text,
-)
+from exl3tools.server.api_errors import APIError, bad_request
 from exl3tools.server.reasoning import template_switch
+from exl3tools.server.request_body import chat_request
+from exl3tools.server.request_checks import join_text
+from exl3tools.server.request_models import ChatCompletionRequest, _Constrained, constraint_fields
+
+
+class MessagesChat(ChatCompletionRequest):
+    """The chat request a Messages request becomes (``to_chat``): its 400s name output_config.format."""
+
+    format_param = "output_config.format"
 
 
 class MessagesRequest(_Constrained):     # vLLM's structured_outputs / guided_* too (Anthropic has none)
@@ -144,7 +145,7 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
             raise bad_request("output_config.format.type must be json_schema", param="output_config.format")
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
     body.update(constraint_fields(req))     # checked with output_config.format by structured.output_constraint
-    return chat_request(body, format_param="output_config.format")
+    return chat_request(body, MessagesChat)
 
 
 def _text(content: Any, where: str) -> str:

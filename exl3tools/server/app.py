@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exl3tools.server import anthropic_messages, openai_responses, tokenization, tools
 from exl3tools.server.anthropic_messages import CountTokensRequest, MessagesRequest
+from exl3tools.server.api_errors import APIError, error_body
 from exl3tools.server.engine import RETRY_AFTER_S, not_ready
 from exl3tools.server.gate import Gate, error_response
 from exl3tools.server.limits import check_api_keys
@@ -35,15 +36,9 @@ from exl3tools.server.prepare import (
     runtime_hooks,
     runtime_loader,
 )
-from exl3tools.server.protocol import (
-    MAX_BODY_BYTES,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    parse_body,
-)
 from exl3tools.server.reasoning import ThinkSplitter
+from exl3tools.server.request_body import MAX_BODY_BYTES, parse_body
+from exl3tools.server.request_models import ChatCompletionRequest, CompletionRequest
 from exl3tools.server.responses import ChatStream, Choice, EventStream, Formatter
 
 # ServeConfig and the loader are imported from here by the CLI, tests and benchmarks

@@ -26,13 +26,14 @@ from typing import Any
 from exl3tools.errors import Exl3Error, RuntimeFailure
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.runtime import preview
+from exl3tools.server.api_errors import APIError
 from exl3tools.server.detok import TextTracker
 from exl3tools.server.engine_sampling import TokenSampling
 from exl3tools.server.engine_scoring import PromptScoring
 from exl3tools.server.engine_spec import SpeculativeRounds
 from exl3tools.server.planner import graph_limits, plan_step
-from exl3tools.server.protocol import APIError, SamplingParams
 from exl3tools.server.requests import Event, RequestHandle, Sequence, deliver
+from exl3tools.server.sampling_params import SamplingParams
 from exl3tools.text import first_line
 
 log = logging.getLogger("exl3tools.serve")

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from exl3tools.server import anthropic_messages
-from exl3tools.server.protocol import APIError
+from exl3tools.server.api_errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})   # vLLM keeps /ping and /version open too
 # open unless --metrics-require-key: vLLM's /metrics is open, and Prometheus scrapers send no key

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exl3tools.errors import UsageError
+from exl3tools.server.api_errors import APIError
 
 # The text of one request's prompts (or chat messages, or the rendered chat) is tokenized only
 # below this many characters: about 1M tokens of English, ~15 s and a few hundred MB to tokenize.
@@ -67,12 +68,6 @@ def check_api_keys(keys: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 # ---------------------------------------------------------------------- prompt sizes
 
 
-def _api_error(status: int, message: str, param: str, code: str) -> Exception:
-    from exl3tools.server.protocol import APIError
-
-    return APIError(status, message, param=param, code=code)
-
-
 @dataclass(frozen=True, slots=True)
 class PromptGuard:
     """Size checks on prompt text before any tokenization.
@@ -103,17 +98,17 @@ class PromptGuard:
         """One prompt (or the rendered chat) of ``n_chars`` characters."""
         if self.chars_per_token is not None and n_chars > self.limit * self.chars_per_token:
             at_least = -(-n_chars // self.chars_per_token)
-            raise _api_error(400, f"this model's maximum context length is {self.limit} tokens; the "
-                             f"{param} has {n_chars} characters, which is at least {at_least} tokens "
-                             f"(checked before tokenizing)", param, "context_length_exceeded")
+            raise APIError(400, f"this model's maximum context length is {self.limit} tokens; the "
+                           f"{param} has {n_chars} characters, which is at least {at_least} tokens "
+                           f"(checked before tokenizing)", param=param, code="context_length_exceeded")
         self.check_total(n_chars, param)
 
     @staticmethod
     def check_total(n_chars: int, param: str) -> None:
         """All the text of one request: the absolute cap, whatever the tokenizer."""
         if n_chars > MAX_PROMPT_CHARS:
-            raise _api_error(413, f"the {param} has {n_chars} characters; this server tokenizes at "
-                             f"most {MAX_PROMPT_CHARS} per request", param, "request_too_large")
+            raise APIError(413, f"the {param} has {n_chars} characters; this server tokenizes at "
+                           f"most {MAX_PROMPT_CHARS} per request", param=param, code="request_too_large")
 
     def check_prompts(self, prompts: list[str | list[int]]) -> None:
         """Completions: each text prompt against the context, their total against the cap; token
@@ -124,8 +119,8 @@ class PromptGuard:
                 self.check_text(len(p), "prompt")
                 total += len(p)
             elif len(p) > self.limit:
-                raise _api_error(400, f"this model's maximum context length is {self.limit} tokens; "
-                                 f"the prompt has {len(p)}", "prompt", "context_length_exceeded")
+                raise APIError(400, f"this model's maximum context length is {self.limit} tokens; "
+                               f"the prompt has {len(p)}", param="prompt", code="context_length_exceeded")
         self.check_total(total, "prompt")
 
     def check_messages(self, messages: list[dict[str, Any]]) -> None:

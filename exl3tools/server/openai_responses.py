@@ -13,15 +13,17 @@ from typing import Any
 
 from pydantic import Field
 
-from exl3tools.server.protocol import (
-    ChatCompletionRequest,
-    _Constrained,
-    bad_request,
-    chat_request,
-    constraint_fields,
-    join_text,
-)
+from exl3tools.server.api_errors import bad_request
 from exl3tools.server.reasoning import EFFORTS
+from exl3tools.server.request_body import chat_request
+from exl3tools.server.request_checks import join_text
+from exl3tools.server.request_models import ChatCompletionRequest, _Constrained, constraint_fields
+
+
+class ResponsesChat(ChatCompletionRequest):
+    """The chat request a Responses request becomes (``to_chat``): its 400s name text.format."""
+
+    format_param = "text.format"
 
 
 class ResponsesRequest(_Constrained):     # vLLM's structured_outputs / guided_* too, as on chat
@@ -115,7 +117,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
             if fmt.get("type") == "json_schema" else {"type": fmt.get("type")})
     body.update(constraint_fields(req))     # checked with text.format by structured.output_constraint
-    return chat_request(body, format_param="text.format")
+    return chat_request(body, ResponsesChat)
 
 
 def _text(content: Any, i: int) -> str:

@@ -20,23 +20,19 @@ from typing import Any
 from exl3tools.errors import CheckpointError, NotFoundError
 from exl3tools.plan import DEFAULT_MAX_NUM_SEQS
 from exl3tools.server import detok, reasoning, tools
+from exl3tools.server.api_errors import APIError, bad_request
 from exl3tools.server.detok import TokenText
 from exl3tools.server.engine import Engine, not_ready
 from exl3tools.server.limits import PromptGuard
 from exl3tools.server.metrics import Metrics
-from exl3tools.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Prepared,
-    SamplingParams,
-    bad_request,
+from exl3tools.server.request_checks import (
     check_chat_extras,
     check_completion_extras,
     completion_prompts,
     message_dicts,
-    sampling_params,
 )
+from exl3tools.server.request_models import ChatCompletionRequest, CompletionRequest
+from exl3tools.server.sampling_params import Prepared, SamplingParams, sampling_params
 from exl3tools.server.structured import Constraint, output_constraint
 from exl3tools.server.template import ChatTemplate, no_template
 from exl3tools.text import first_line

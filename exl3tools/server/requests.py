@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from exl3tools.server.api_errors import APIError
 from exl3tools.server.detok import TextTracker
-from exl3tools.server.protocol import APIError, SamplingParams
+from exl3tools.server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from exl3tools.server.engine import Engine

@@ -20,13 +20,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from exl3tools.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    _unencodable,
-    bad_request,
-)
+from exl3tools.server.api_errors import APIError, bad_request
+from exl3tools.server.request_body import _unencodable
+from exl3tools.server.request_models import ChatCompletionRequest, CompletionRequest
 
 # OpenAI's layout (", " and ": "), no free whitespace; defaults a schema's "x-guidance" can override
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -48,9 +44,9 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
 def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
     """The request's output constraint, checked (None: free text): response_format json_object /
     json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400. 400s
-    name response_format as the request's API does (text.format, output_config.format: chat_request)."""
+    name response_format as the request's API does (``format_param``: text.format, output_config.format)."""
     found: list[tuple[str, Any, str]] = []         # (kind, value, param), unchecked
-    fmt, name = req.response_format, req._format_param    # name: text.format where Responses sent it
+    fmt, name = req.response_format, req.format_param    # name: text.format where Responses sent it
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise bad_request(f"{name} type {fmt.type!r} is not supported by this server "
                           "(text, json_object, json_schema are)", param=f"{name}.type",

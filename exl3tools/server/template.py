@@ -9,7 +9,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from exl3tools.server.protocol import APIError, bad_request
+from exl3tools.server.api_errors import APIError, bad_request
 
 
 class ChatTemplate:

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from exl3tools.server.protocol import (
-    APIError,
-    ChatMessage,
-    ToolSpec,
-    _Request,
-    bad_request,
-    chat_request,
-)
+from exl3tools.server.api_errors import APIError, bad_request
+from exl3tools.server.request_body import chat_request
+from exl3tools.server.request_models import ChatMessage, ToolSpec, _Request
 
 
 class TokenizeRequest(_Request):

@@ -27,8 +27,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from exl3tools.server.api_errors import bad_request
 from exl3tools.server.detok import held_prefix
-from exl3tools.server.protocol import ChatCompletionRequest, bad_request
+from exl3tools.server.request_models import ChatCompletionRequest
 from exl3tools.server.structured import output_constraint
 
 MAX_TOOLS = 128
