@@ -86,7 +86,8 @@ OPT_OUTS = {
     # 2026-12-05 08:18; ncu: the 1-row kernel is latency-bound, issue slots 52 % busy against the
     # pair's 60 % at 7); at 7 blocks (72 registers at K 1-4) one row is 3-8 % faster (H100
     # 2026-12-05 10:55, bench/gpu_bench.py --graph off / on / on / off: 4096 -> 14336 K 2 28.5 ->
-    # 26.1 µs, K 3 30.4 -> 29.5, K 4 30.9 -> 29.5; 8192 -> 8192 K 3 33.9 -> 32.6), four rows -3..+3 %
+    # 26.1 µs, K 3 30.4 -> 29.5, K 4 30.9 -> 29.5; 8192 -> 8192 K 3 33.9 -> 32.6), four rows -3..+3 %.
+    # tests/gpu passed with it the default (H100 2026-12-05 11:55: 1067 passed); not yet served A/B
     "gemv_affine": "EXL3TOOLS_GEMV_AFFINE",
     # linears and expert slots of one row: the gemv kernel rotates its own split of the activations
     # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
