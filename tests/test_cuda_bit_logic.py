@@ -27,27 +27,31 @@ def _cuda_include() -> Path | None:
     return None
 
 
-def _compile(k2: int, exe: Path) -> None:
+def _compile(k2: int, exe: Path, state_fma: int = 0) -> None:
     """g++ on the host-only code (what nvcc's host pass runs, in ~0.4 s instead of 2.5-7 s: the
     device passes of nvcc dominate, and 15 widths ran ~100 s of a loaded CI machine); nvcc where
     no g++ or headers are found."""
     inc = _cuda_include()
     if shutil.which("g++") and inc is not None:
-        cmd = ["g++", "-std=c++17", "-O1", "-DEXL3_HOST_TEST", f"-DK2={k2}", "-x", "c++", f"-I{inc}",
+        cmd = ["g++", "-std=c++17", "-O1", "-DEXL3_HOST_TEST", f"-DK2={k2}", f"-DSTATE_FMA={state_fma}", "-x", "c++", f"-I{inc}",
                "-include", "cuda_runtime.h", str(SRC), "-o", str(exe)]
     else:
-        cmd = ["nvcc", "-std=c++17", "-DEXL3_HOST_TEST", f"-DK2={k2}", "-x", "cu", str(SRC), "-o", str(exe)]
+        cmd = ["nvcc", "-std=c++17", "-DEXL3_HOST_TEST", f"-DK2={k2}", f"-DSTATE_FMA={state_fma}", "-x", "cu", str(SRC),
+               "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (host-side check, no GPU)")
+@pytest.mark.parametrize("state_fma", [0, 255])
 @pytest.mark.parametrize("k2", range(2, 17))
-def test_host_bit_logic(tmp_path, k2):
+def test_host_bit_logic(tmp_path, k2, state_fma):
+    """state_fma 255: every window inside one normalised word taken by window_at's multiplies."""
     exe = tmp_path / "bits"
-    _compile(k2, exe)
+    _compile(k2, exe, state_fma)
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
-    assert f"K2={k2} " in res.stdout and res.stdout.rstrip().endswith("ok"), res.stdout
+    assert f"K2={k2} " in res.stdout and f"STATE_FMA={state_fma}:" in res.stdout, res.stdout
+    assert res.stdout.rstrip().endswith("ok"), res.stdout
 
 
 def test_cubin_key_covers_the_included_headers(tmp_path, monkeypatch):
@@ -136,6 +140,24 @@ def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
     regs = dict(re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S))
     assert {"exl3_gemv_pro_m8_t2_f16", "exl3_gemv_pro_aff_m8_t2_f16", "exl3_gemv_pro_act_aff_m8_t2_f32"} <= set(regs)
     assert all(int(r) <= 56 for r in regs.values()), regs
+    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
+@pytest.mark.parametrize("cb", [0, 2])
+def test_state_fma_builds_without_spills(tmp_path, cb):
+    """STATE_FMA (windows on the FMA pipe, a tuning A/B's define): the one-row kernels keep the
+    default's 72 registers (7 blocks an SM) without spills at K 3 with windows 1-5 taken so."""
+    from exl3tools.kernels import cuda_build
+
+    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
+                          "-DSTATE_FMA=0x3E", str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    regs = dict(re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S))
+    one_row = "exl3_gemv_pro_aff_m8_t2_f16" if cb == 2 else "exl3_gemv_pro_m8_t2_f16"
+    assert int(regs[one_row]) <= 72, regs
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
     assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
 
