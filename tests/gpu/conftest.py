@@ -47,3 +47,16 @@ def _release_cuda_cache():
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def cx():
+    """kernels/cuda_exl3 with every (K, codebook) module built (skips without CUDA)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from exl3tools.kernels import cuda_build, cuda_exl3
+
+    # all modules in parallel up front (nvcc is single-threaded; ~2 s each)
+    cuda_build.prebuild()
+    return cuda_exl3

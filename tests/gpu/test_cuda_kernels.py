@@ -12,23 +12,11 @@ import numpy as np
 import pytest
 from exl3tools.kernels import reference as ref
 
-from tests.gpu.kernel_cases import CASES
+from tests.gpu.kernel_cases import CASES, captured, graph_replays, tile_rows_reference
 from tests.gpu.kernel_cases import as_tensors as _tensors
 from tests.gpu.kernel_cases import cuda_experts as _experts
 from tests.gpu.kernel_cases import random_linear as _lin
 from tests.gpu.kernel_cases import rel_err as _rel
-
-
-@pytest.fixture(scope="module")
-def cx():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from exl3tools.kernels import cuda_build, cuda_exl3
-
-    # all modules in parallel up front (nvcc is single-threaded; ~2 s each)
-    cuda_build.prebuild()
-    return cuda_exl3
 
 
 @pytest.mark.parametrize("width,cb", CASES)
@@ -186,14 +174,6 @@ def test_expert_slots(cx):
         assert _rel(y[s], want) < 2e-3
 
 
-def _tile_rows_reference(x, lins, w, slot, row_exp, valid, top):
-    """x[token] @ W_e + bias (float64) of each real row of expert_tiles' tiles, in row order
-    (``w``: the experts' decoded weights, ``lins``: their (trellis, suh, svh, bias))."""
-    v = valid.cpu().numpy()
-    s_, re = slot.cpu().numpy()[v], row_exp.cpu().numpy()[v]
-    return np.stack([x[s // top].astype(np.float64) @ w[e] + lins[e][3] for s, e in zip(s_, re, strict=True)])
-
-
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (24, "mul1"), (64, "3inst"), (128, "mcg")])
 def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     """Every shared-memory tile kernel (TILE_KERNELS) against the reference and the gemv kernel:
@@ -220,7 +200,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
             src = torch.where(valid, slot // top, 0)
             y = ex.tiles(xd, src, row_exp, tile_exp, rows, kernel=kernel).float().cpu().numpy()
             v = valid.cpu().numpy()
-            assert _rel(y[v], _tile_rows_reference(x, lins, w, slot, row_exp, valid, top)) < 2e-3, (kernel, rows)
+            assert _rel(y[v], tile_rows_reference(x, lins, w, slot, row_exp, valid, top)) < 2e-3, (kernel, rows)
             if rows <= 64:   # the gemv kernel on the same tiles: the same sums up to their order
                 g = ex.tiles(xd, src, row_exp, tile_exp, rows).float().cpu().numpy()
                 assert _rel(y[v], g[v]) < 1e-3, (kernel, rows)
@@ -348,7 +328,7 @@ def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     v = valid.cpu()
     assert torch.equal(ys["1"].cpu()[v], ys["0"].cpu()[v])
     w = [ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64) for tr, suh, svh, _ in lins]
-    want = _tile_rows_reference(x, lins, w, slot, row_exp, valid, top)
+    want = tile_rows_reference(x, lins, w, slot, row_exp, valid, top)
     assert _rel(ys["1"].float().cpu().numpy()[v.numpy()], want) < 2e-3
     # several splits (a long k over few slots): the unfused kernel and had_out
     tr, suh, svh, b = _lin(rng, 4096, 384, 48, bias=True)
@@ -405,119 +385,13 @@ def test_gemv_with_its_own_input_pass(cx, xdt, monkeypatch):
         want = b.astype(np.float64) if te < 0 else x[t].astype(np.float64) @ ref.decode_linear(tr, suh, svh, "mul1") + b
         assert _rel(y[s_], want) < 2e-3, s_
     # a graph replayed with new inputs
-    _graph_replays(cx, cases[(4096, 640)], 2, dt)
-
-
-def _graph_replays(cx, lin_arrays, rows: int, dtype) -> None:
-    """The linear of ``lin_arrays`` (trellis, suh, svh, bias) captured in a CUDA graph on a zero
-    input of ``rows`` rows (after a warm-up on a side stream), replayed with three new inputs,
-    each against the reference."""
-    import torch
-
-    tr, suh, svh, b = lin_arrays
-    k = tr.shape[0] * 16
-    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
-    xs = torch.zeros(rows, k, dtype=dtype, device="cuda")
-    g, ys = _captured(lin, xs)
-    w = ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64)
-    for seed in range(3):
-        x = np.random.default_rng(seed).normal(0, 1, (rows, k)).astype(np.float16)
-        xs.copy_(torch.from_numpy(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert _rel(ys.float().cpu().numpy(), x.astype(np.float64) @ w + b) < 2e-3, seed
-
-
-def _captured(fn, xs):
-    """(graph, outputs) of ``fn(xs)`` captured in a CUDA graph after a warm-up on a side stream."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(xs)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        ys = fn(xs)
-    return g, ys
-
-
-@pytest.mark.parametrize("width", [16, 24, 48, 128])
-def test_mul1_affine_gemv(cx, width, monkeypatch):
-    """EXL3TOOLS_GEMV_AFFINE (the default; "0" opts out): a MUL1 module built with HALVES takes its AFF kernels at up
-    to AFF_ROWS real rows a slot (each state's (h, 1.0) in the A fragment, kappa and beta applied
-    once a split) and the pair kernels past them. Linears of 1-8 rows, with and without gemv_pro,
-    expert slots of one row (a skipped tile: bias alone) and their silu(gate) * up input pass,
-    8-row expert tiles with real-row counts, and a graph replay: each against the reference and
-    the module built without them."""
-    import torch
-
-    rng = np.random.default_rng(width + 101)
-    k, n = 4096, 384
-    arrays = _lin(rng, k, n, width, bias=True)
-    w = ref.decode_linear(*arrays[:3], "mul1").astype(np.float64)
-    E = 3
-    el = [_lin(rng, 512, 256, width, bias=True) for _ in range(E)]
-    ys = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("EXL3TOOLS_GEMV_AFFINE", flag)
-        for pro in ("0", "1"):
-            monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", pro)
-            lin = cx.CudaLinear(_tensors(torch, *arrays), "mul1", "cuda")
-            assert lin.mod.aff_rows == (cx.AFF_ROWS if flag == "1" else 0)
-            for rows in (1, 2, 3, 4, 5, 8):
-                x = np.random.default_rng(rows).normal(0, 1, (rows, k)).astype(np.float16)
-                for rep in range(2):      # the workspace re-zeroed by the output pass
-                    y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-                    assert _rel(y, x.astype(np.float64) @ w + arrays[3]) < 2e-3, (flag, pro, rows, rep)
-                ys[flag, pro, rows] = y
-        ex = _experts([_tensors(torch, *p) for p in el], "mul1", "cuda")
-        x = rng.normal(0, 1, (4, 512)).astype(np.float16)
-        row_exp = torch.tensor([2, 0, 1, 2], device="cuda")
-        tile_exp = torch.tensor([2, 0, -1, 2], device="cuda")
-        for pro in ("0", "1"):
-            monkeypatch.setenv("EXL3TOOLS_GEMV_PROLOGUE", pro)
-            ex.gemv_in = pro == "1"
-            y = ex.tiles(torch.from_numpy(x).cuda(), None, row_exp, tile_exp, 1).float().cpu().numpy()
-            for s_, (e, te) in enumerate(zip(row_exp.tolist(), tile_exp.tolist(), strict=True)):
-                tr, suh, svh, b = el[e]
-                want = b.astype(np.float64) if te < 0 else x[s_].astype(np.float64) @ ref.decode_linear(
-                    tr, suh, svh, "mul1") + b
-                assert _rel(y[s_], want) < 2e-3, (flag, pro, s_)
-            # the down projection's input pass: silu(gate) * up from a gate+up output of 2S rows
-            from exl3tools.kernels.fused_decode import silu_mul_reference
-
-            gu = torch.from_numpy(rng.normal(0, 2, (8, 512)).astype(np.float16)).cuda()
-            want = ex.tiles(silu_mul_reference(gu[:4], gu[4:]), None, row_exp, tile_exp, 1).float().cpu().numpy()
-            got = ex.tiles(gu, None, row_exp, tile_exp, 1, act_rows=4).float().cpu().numpy()
-            assert _rel(got, want) < 1e-3, (flag, pro)
-        # expert_groups' 8-row tiles with their real-row counts: AFF per slot of at most AFF_ROWS,
-        # the pair past them; padding rows point at a NaN row (never read)
-        from exl3tools.runtime.layers import expert_tiles
-
-        T, top = 40, 2
-        xt = rng.normal(0, 1, (T, 512)).astype(np.float16)
-        exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
-        tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, 8)
-        counts = valid.view(-1, 8).sum(1)
-        assert (counts <= cx.AFF_ROWS).any() and (counts > cx.AFF_ROWS).any()
-        xn = torch.cat([torch.from_numpy(xt).cuda(), torch.full((1, 512), float("nan"), device="cuda").half()])
-        src = torch.where(valid, slot // top, T)
-        w_e = [ref.decode_linear(tr, suh, svh, "mul1").astype(np.float64) for tr, suh, svh, _ in el]
-        got = ex.tiles(xn, src, row_exp, tile_exp, 8, counts=counts).float().cpu().numpy()
-        v = valid.cpu().numpy()
-        assert _rel(got[v], _tile_rows_reference(xt, el, w_e, slot, row_exp, valid, top)) < 2e-3, flag
-        if flag == "1":
-            _graph_replays(cx, arrays, 1, torch.float16)
-    for key in [k_ for k_ in ys if k_[0] == "1"]:     # exact weights against fp16-rounded ones
-        assert _rel(ys[key], ys[("0",) + key[1:]]) < 1e-3, key
+    graph_replays(cx, cases[(4096, 640)], 2, dt)
 
 
 def test_graph_replay(cx):
     import torch
 
-    _graph_replays(cx, _lin(np.random.default_rng(3), 512, 768, 48, bias=True), 4, torch.float16)
+    graph_replays(cx, _lin(np.random.default_rng(3), 512, 768, 48, bias=True), 4, torch.float16)
 
 
 @pytest.mark.parametrize("pro", ["0", "1"])
@@ -555,7 +429,7 @@ def test_grouped_linears(cx, pro, xdt, monkeypatch):
                     assert _rel(got, lin(xd).float().cpu().numpy()) < 1e-3, (chunks, rows, i)
         # one row, captured and replayed with new inputs
         xs = torch.zeros(1, k, dtype=dt, device="cuda")
-        graph, ys = _captured(g, xs)
+        graph, ys = captured(g, xs)
         for seed in range(2):
             x = np.random.default_rng(100 + seed).normal(0, 1, (1, k)).astype(np.float16)
             xs.copy_(torch.from_numpy(x))
