@@ -30,6 +30,10 @@
 // (the default), MUL1 with EXL3TOOLS_GEMV_AFFINE (the default; at up to 4 rows, AFF below)
 #define HALVES 0
 #endif
+#ifndef XDUP_HMUL
+// 1: 3INST / MCG halves kernels duplicate each activation with fp16 multiplies, not PRMTs (step)
+#define XDUP_HMUL 0
+#endif
 #ifndef STATE_FMA
 // A bit mask over a lane's 8 windows (a tuning A/B's build define, EXL3TOOLS_GEMV_DEFINES): window
 // e of bit e set, where it lies inside one normalised word, is extracted on the FMA pipe (window_fma)
@@ -95,15 +99,16 @@ __host__ __device__ __forceinline__ uint32_t umulhi(uint32_t a, uint32_t b) {
 #endif
 }
 
-// Window e (at normalised bit Q) with STATE_FMA: where it lies inside word q at 0 < r < 16, the same
-// state from two multiplies on the FMA pipe instead of a shift and a mask on the ALU pipe (the
-// 1-row gemv's busiest, whose throttle stalls it: ncu, docs/gpu.md 2026-12-05 10:51): t = n << r
-// (an IMAD by 2^r) puts the window in t's high half, its low half garbage, and IMAD.HI(t, 2^16) is
-// t >> 16. c16 = 2^16 held in a register, so ptxas keeps the IMAD.HI rather than a shift.
+// Window e (at normalised bit Q) with STATE_FMA: where it lies inside word q at r < 16, the same
+// state from multiplies on the FMA pipe instead of a shift and a mask on the ALU pipe (the 1-row
+// gemv's busiest, whose throttle stalls it: ncu, docs/gpu.md 2026-12-05 10:51): t = n << r (an
+// IMAD by 2^r; none at r 0) puts the window in t's high half, its low half garbage, and
+// IMAD.HI(t, 2^16) is t >> 16. c16 = 2^16 held in a register, so ptxas keeps the IMAD.HI rather
+// than a shift.
 template <int Q, int E>
 __host__ __device__ __forceinline__ uint32_t window_at(const uint32_t (&n)[NN], uint32_t c16) {
     constexpr int q = Q >> 5, r = Q & 31;
-    if constexpr ((STATE_FMA >> E & 1) && r > 0 && r < 16) {
+    if constexpr ((STATE_FMA >> E & 1) && r < 16) {
         return umulhi(n[q] * (1u << r), c16);
     } else {       // (across two words it would take three multiplies: 80 registers or spills at K 3)
         return window<Q>(n);
@@ -134,6 +139,9 @@ struct Consts {
 #if STATE_FMA
     uint32_t c16;     // 2^16 (window_at)
 #endif
+#if XDUP_HMUL
+    uint32_t one2;    // fp16 (1.0, 1.0) (the activation duplicates)
+#endif
 #if CB == 2
     uint32_t ones, bias, kappa;
 #if HALVES
@@ -160,6 +168,9 @@ struct Consts {
     __device__ __forceinline__ void init_c16() {
 #if STATE_FMA
         asm volatile("mov.b32 %0, 0x00010000;" : "=r"(c16));
+#endif
+#if XDUP_HMUL
+        asm volatile("mov.b32 %0, 0x3C003C00;" : "=r"(one2));
 #endif
     }
     __device__ __forceinline__ uint32_t two16() const {
@@ -503,8 +514,18 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             // 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9), its activation the
             // matching B entries
             const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
+#if XDUP_HMUL && CB != 2
+            // each activation twice as an fp16 multiply by 1.0 with an operand swizzle (HMUL2 .H0_H0,
+            // .H1_H1: the fp16 pipe) instead of a PRMT on the ALU pipe (a tuning A/B's define)
+            const half2 one2 = *reinterpret_cast<const half2*>(&kc.one2);
+            const half2 h0 = *reinterpret_cast<const half2*>(&x0), h1 = *reinterpret_cast<const half2*>(&x1);
+            half2 d[4] = {__hmul2(__low2half2(h0), one2), __hmul2(__high2half2(h0), one2),
+                          __hmul2(__low2half2(h1), one2), __hmul2(__high2half2(h1), one2)};
+            const uint32_t* xd = reinterpret_cast<const uint32_t*>(d);
+#else
             const uint32_t xd[4] = {__byte_perm(x0, 0, sel_lo), __byte_perm(x0, 0, sel_hi),
                                     __byte_perm(x1, 0, sel_lo), __byte_perm(x1, 0, sel_hi)};
+#endif
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 uint32_t st[8], h[8];
