@@ -112,19 +112,23 @@ if [[ $STAGES == *ab* ]]; then   # AB_VAR off / on / on / off, the linear bench 
   read -r -a AB_A <<< "${AB_ARGS:---impls cuda,cuda_pro --ks 3 --rows 1,8}"
   ab_runs "${AB_VAR:?the ab stage needs AB_VAR, e.g. EXL3TOOLS_GEMV_AFFINE}" "${AB_A[@]}"
 fi
-if [[ $STAGES == *defs* ]]; then  # build constants of exl3_gemv.cu side by side: the default build, each DEFS entry, the default again
-  # DEFS="-DPRO_P=2 -DPRO_MINB=9;-DPRO_P=3 -DPRO_MINB=8" (EXL3TOOLS_GEMV_DEFINES each), the linear bench DEFS_ARGS
-  IFS=';' read -ra DV <<< "${DEFS:?the defs stage needs DEFS, e.g. -DPRO_P=2 -DPRO_MINB=9}"
-  read -r -a DA <<< "${DEFS_ARGS:---impls cuda_pro --ks 2,3,4 --rows 1 --codebooks mul1,3inst}"
-  i=0
-  for d in "" "${DV[@]}" ""; do
+# defs_runs "SET;SET" ARGS...: build constants of exl3_gemv.cu side by side, the linear bench
+# (bench/gpu_bench.py --graph ARGS) with the default build, each set as EXL3TOOLS_GEMV_DEFINES, the
+# default again; each set's cubins for DEFS_K2 (trellis widths / 8) and every codebook built first
+defs_runs() {
+  local sets=$1 i=0 d; shift
+  local -a dv; IFS=';' read -ra dv <<< "$sets"
+  for d in "" "${dv[@]}" ""; do
     i=$((i + 1))
-    # this define set's cubins for DEFS_K2 (trellis width / 8) and every codebook, in parallel
     EXL3TOOLS_GEMV_DEFINES="$d" python3 -c "import sys; from exl3tools.kernels import cuda_build as c; c.prebuild([(int(k), cb) for k in sys.argv[1].split(',') for cb in (0, 1, 2)])" \
       "${DEFS_K2:-4,6,8}" > "$L/defs_${i}_build.log" 2>&1
-    EXL3TOOLS_GEMV_DEFINES="$d" timeout ${AB_TIMEOUT:-90} python3 bench/gpu_bench.py --graph "${DA[@]}" > "$L/defs_$i.log" 2>&1
+    EXL3TOOLS_GEMV_DEFINES="$d" timeout ${AB_TIMEOUT:-90} python3 bench/gpu_bench.py --graph "$@" > "$L/defs_$i.log" 2>&1
     el "defs [${d:-default}] rc $?"; grep -E -- "->|rror" "$L/defs_$i.log"
   done
+}
+if [[ $STAGES == *defs* ]]; then  # DEFS="-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7", the bench's DEFS_ARGS
+  read -r -a DA <<< "${DEFS_ARGS:---impls cuda_pro --ks 2,3,4 --rows 1 --codebooks mul1,3inst}"
+  defs_runs "${DEFS:?the defs stage needs DEFS, e.g. -DSTATE_FMA=0x3E}" "${DA[@]}"
 fi
 if [[ $STAGES == *paged* ]]; then
   timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1

@@ -105,6 +105,26 @@ def test_ab_runs_the_bench_off_on_on_off(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("ab_*.log")) == ["ab_1_0.log", "ab_2_1.log", "ab_3_1.log", "ab_4_0.log"]
 
 
+def test_defs_runs_each_define_set_between_two_default_builds(tmp_path):
+    """The defs stage (defs_runs): the default build, each ';'-separated set whole (spaces kept) as
+    EXL3TOOLS_GEMV_DEFINES, the default again; each set's cubins built before its bench run."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\necho "$0 $1 defs=[$EXL3TOOLS_GEMV_DEFINES] ->"\n')
+    (fake / "python3").chmod(0o755)
+    script = (f"L={tmp_path}; T0=0; el() {{ echo \"$*\"; }}\n{_function('defs_runs')}\n"
+              "defs_runs '-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7' --impls cuda_pro --rows 1\n")
+    r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
+                       env={"PATH": f"{fake}:/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    runs = [ln for ln in r.stdout.splitlines() if ln.endswith("->")]
+    assert [ln.split("defs=")[1] for ln in runs] == ["[] ->", "[-DSTATE_FMA=0x3E] ->", "[-DXDUP_HMUL=1 -DPRO_MINB=7] ->",
+                                                     "[] ->"], r.stdout
+    builds = [(tmp_path / f"defs_{i}_build.log").read_text() for i in range(1, 5)]
+    assert all(" -c " in b for b in builds), builds
+    assert "defs=[-DXDUP_HMUL=1 -DPRO_MINB=7]" in builds[2], builds
+
+
 @pytest.mark.parametrize("synth_args,folder", [(None, "/tmp/air6"), ("--codebook mcg", "/tmp/air6___codebook_mcg")])
 def test_the_synthetic_checkpoint_has_a_folder_per_synth_args(synth_args, folder):
     """A warm machine's /tmp/air6 built with other SYNTH_ARGS (another codebook) is not reused."""
