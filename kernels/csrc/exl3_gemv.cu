@@ -36,7 +36,7 @@
 #endif
 #ifndef STATE_FMA
 // A bit mask over a lane's 8 windows (a tuning A/B's build define, EXL3TOOLS_GEMV_DEFINES): window
-// e of bit e set, where it lies inside one normalised word, is extracted on the FMA pipe (window_fma)
+// e of bit e set, where it lies inside one normalised word, is extracted on the FMA pipe (window_at)
 #define STATE_FMA 0
 #endif
 
@@ -154,7 +154,7 @@ struct Consts {
 #if HALVES
         asm volatile("mov.b32 %0, 0x3C006400;" : "=r"(bias1));
 #endif
-        init_c16();
+        init_tuning();
     }
 #else
     // 3INST / MCG: the mask in a register, so (x & mask) ^ 0x3B603B60 is one LOP3 (one LOP3 takes
@@ -162,10 +162,10 @@ struct Consts {
     uint32_t mask;
     __device__ __forceinline__ Consts() {
         asm volatile("mov.b32 %0, 0x8FFF8FFF;" : "=r"(mask));
-        init_c16();
+        init_tuning();
     }
 #endif
-    __device__ __forceinline__ void init_c16() {
+    __device__ __forceinline__ void init_tuning() {
 #if STATE_FMA
         asm volatile("mov.b32 %0, 0x00010000;" : "=r"(c16));
 #endif
@@ -1053,9 +1053,9 @@ GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
 #if HALVES && CB == 2
 // the same with AFF (MUL1 halves modules, rows <= AFF_ROWS: cuda_exl3.gemv_pro picks them), with
 // the most blocks an SM that compile without spills (sm_90a, nvcc 13.0): 7, the pair kernel's
-// (72 registers), at K 1, 1.5, 2, 3 and 4; 6 at K 2.5, 3.5, 5 and 6; 5 from K 7. The kernel is
-// latency-bound: at 6 blocks (77 registers, the first H100 run) ncu saw issue slots 52 % busy
-// against the pair's 60 % at 7, which ate the 12 % fewer instructions (2026-12-05 08:18)
+// (72 registers), at K 1, 1.5, 2, 3 and 4; 6 at K 2.5, 3.5, 5 and 6; 5 from K 7. At 6 blocks (77
+// registers) ncu saw issue slots 52 % busy against the pair's 60 % at 7, which ate the 12 % fewer
+// instructions (H100, 2026-12-05 08:18); at 7 it is 2-9 % faster at one row (10:51)
 #define AFF_MINB (K2 <= 4 || K2 == 6 || K2 == 8 ? 7 : K2 <= 12 ? 6 : 5)
 #ifdef PRO_MINB
 #define AFF_BOUNDS __launch_bounds__(128, PRO_MINB)
