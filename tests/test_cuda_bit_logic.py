@@ -146,11 +146,12 @@ def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 @pytest.mark.parametrize("cb,defines", [(0, ("-DSTATE_FMA=0x3E",)), (2, ("-DSTATE_FMA=0x3E",)),
-                                        (1, ("-DXDUP_HMUL=1", "-DPRO_MINB=7"))])
+                                        (1, ("-DXDUP_HMUL=1", "-DPRO_MINB=7")),
+                                        (1, ("-DXDUP_SMEM=1", "-DSTATE_FMA=0x3E", "-DPRO_MINB=7"))])
 def test_pipe_balance_defines_build_without_spills(tmp_path, cb, defines):
     """The tuning A/Bs' pipe-balance defines (STATE_FMA: windows on the FMA pipe; XDUP_HMUL: the
-    activation duplicates as fp16 multiplies) keep the one-row kernels at the default's 72
-    registers (7 blocks an SM) without spills at K 3."""
+    activation duplicates as fp16 multiplies; XDUP_SMEM: kept twice in shared memory) keep the
+    one-row kernels at the default's 72 registers (7 blocks an SM) without spills at K 3."""
     from exl3tools.kernels import cuda_build
 
     res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",

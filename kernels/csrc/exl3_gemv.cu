@@ -30,6 +30,12 @@
 // (the default), MUL1 with EXL3TOOLS_GEMV_AFFINE (the default; at up to 4 rows, AFF below)
 #define HALVES 0
 #endif
+#ifndef XDUP_SMEM
+// 1: the 3INST / MCG halves kernels with their own input pass (PRO) keep each rotated activation
+// twice in shared memory, a lane's four B words of a k-step in one 16-byte load (step), instead of
+// two loads and four PRMTs; a tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
+#define XDUP_SMEM 0
+#endif
 #ifndef XDUP_HMUL
 // 1: 3INST / MCG halves kernels duplicate each activation with fp16 multiplies, not PRMTs (step)
 #define XDUP_HMUL 0
@@ -421,7 +427,9 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
     }
 #endif
-    __shared__ uint32_t xs[PRO ? PRO_SMEM : 1];
+    __shared__ __align__(16) uint32_t xs[PRO ? PRO_SMEM : 1];
+    // XD: xs holds dup(x) = (x, x) words, 16 a row's k-tile: lane t's dup(k 2t, 2t+1, 2t+8, 2t+9) at 4t
+    constexpr bool XD = XDUP_SMEM && HALVES && CB != 2 && PRO != 0;
     pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
     const int lane = threadIdx.x & 31;
     const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -478,10 +486,17 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         for (int mb = 0; mb < MB; mb++) xb[p][mb][0] = xb[p][mb][1] = 0u;
     // loads are predicated, never branched around; pointers advance regardless (never read past)
     auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
-    const int xstride = kps * 8 + 4;      // PRO: uint32 a row in xs (+4: the rows' fragments on distinct banks)
+    // PRO: uint32 a row in xs (+4: the rows' fragments on distinct banks; XD: +16, rows g and g + 1
+    // of a quarter warp's 16-byte loads on distinct bank halves)
+    const int xstride = XD ? kps * 16 + 16 : kps * 8 + 4;
     int xo = xg * xstride + t;
+    // XD: step's own position, a k-tile a step; a lane past the slot's rows reads row 0 (its output
+    // column is never added), so the load needs no predicate and stays inside the rows written
+    int xq = (xv[0] ? xg : 0) * xstride + 4 * t;
     auto load_x = [&](int p, bool pred) {
-        if constexpr (PRO != 0) {
+        if constexpr (XD) {
+            // (step reads its words itself: nothing to prefetch)
+        } else if constexpr (PRO != 0) {
             if (pred && xv[0]) {
                 xb[p][0][0] = xs[xo];
                 xb[p][0][1] = xs[xo + 4];
@@ -514,7 +529,17 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             // 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9), its activation the
             // matching B entries
             const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
-#if XDUP_HMUL && CB != 2
+#if XDUP_SMEM && CB != 2
+            uint32_t xd[4];
+            if constexpr (XD) {
+                const uint4 q4 = *reinterpret_cast<const uint4*>(xs + xq);
+                xd[0] = q4.x, xd[1] = q4.y, xd[2] = q4.z, xd[3] = q4.w;
+                xq += 16;
+            } else {
+                xd[0] = __byte_perm(x0, 0, sel_lo), xd[1] = __byte_perm(x0, 0, sel_hi);
+                xd[2] = __byte_perm(x1, 0, sel_lo), xd[3] = __byte_perm(x1, 0, sel_hi);
+            }
+#elif XDUP_HMUL && CB != 2
             // each activation twice as an fp16 multiply by 1.0 with an operand swizzle (HMUL2 .H0_H0,
             // .H1_H1: the fp16 pipe) instead of a PRMT on the ALU pipe (a tuning A/B's define)
             const half2 one2 = *reinterpret_cast<const half2*>(&kc.one2);
@@ -568,11 +593,23 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                 rotate4_act(xo_, xo_ + (size_t)act_rows * k, suh + col, v);
             else
                 rotate4(xo_, suh + col, v);
-            half2 h0 = __floats2half2_rn(v[0], v[1]);
-            half2 h1 = __floats2half2_rn(v[2], v[3]);
-            uint32_t* d = xs + m * xstride + ch * 64 + 2 * lane;
-            d[0] = *reinterpret_cast<uint32_t*>(&h0);
-            d[1] = *reinterpret_cast<uint32_t*>(&h1);
+            if constexpr (XD) {
+                // columns k .. k + 3 of k-tile 8 ch + lane / 4, k = 4 (lane % 4): dup(k), dup(k + 1)
+                // at lane t = (k % 8) / 2's words 2 (k >= 8), + 1; dup(k + 2), dup(k + 3) at t + 1's
+                const int kk = 4 * (lane & 3);
+                uint32_t* d = xs + m * xstride + (ch * 8 + (lane >> 2)) * 16 + 2 * (kk & 7) + (kk >= 8 ? 2 : 0);
+                half2 h[4] = {__float2half2_rn(v[0]), __float2half2_rn(v[1]), __float2half2_rn(v[2]),
+                              __float2half2_rn(v[3])};
+                const uint32_t* u = reinterpret_cast<const uint32_t*>(h);
+                *reinterpret_cast<uint2*>(d) = make_uint2(u[0], u[1]);
+                *reinterpret_cast<uint2*>(d + 4) = make_uint2(u[2], u[3]);
+            } else {
+                half2 h0 = __floats2half2_rn(v[0], v[1]);
+                half2 h1 = __floats2half2_rn(v[2], v[3]);
+                uint32_t* d = xs + m * xstride + ch * 64 + 2 * lane;
+                d[0] = *reinterpret_cast<uint32_t*>(&h0);
+                d[1] = *reinterpret_cast<uint32_t*>(&h1);
+            }
         }
         __syncthreads();
     }
