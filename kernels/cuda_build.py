@@ -79,12 +79,23 @@ def halves(cb: int) -> bool:
 
 def extra_defines() -> tuple[str, ...]:
     """EXL3TOOLS_GEMV_DEFINES: extra -D flags for exl3_gemv.cu (a tuning A/B of its build constants,
-    PRO_P / PRO_MINB: bench/gpu_all.sh's defs stage), part of the cubins' cache key."""
+    PRO_P, PRO_MINB, STATE_FMA, XDUP_SMEM, XDUP_HMUL: bench/gpu_all.sh's defs stage), part of the
+    cubins' cache key; integers decimal or hex."""
     flags = tuple(os.environ.get("EXL3TOOLS_GEMV_DEFINES", "").split())
     for f in flags:
-        if not re.fullmatch(r"-D[A-Z_][A-Z0-9_]*(=-?[0-9]+)?", f):
+        if not re.fullmatch(r"-D[A-Z_][A-Z0-9_]*(=-?(0x[0-9A-Fa-f]+|[0-9]+))?", f):
             raise UsageError(f"EXL3TOOLS_GEMV_DEFINES: {f!r} is not -DNAME or -DNAME=integer")
     return flags
+
+
+def extra_define(name: str) -> int:
+    """The value EXL3TOOLS_GEMV_DEFINES gives ``name`` as nvcc reads it: -DNAME is 1, absent 0."""
+    value = 0
+    for f in extra_defines():
+        key, _, v = f[2:].partition("=")
+        if key == name:
+            value = int(v, 0) if v else 1
+    return value
 
 
 def cubin_path(k2: int, cb: int) -> Path:

@@ -104,7 +104,7 @@ class Module:
     """One loaded cubin on one device: kernels by name, launched on torch's current stream."""
 
     aff_rows = 0     # rows a slot its MUL1 AFF kernels take (set by cuda_exl3.module; 0: none)
-    xdup = False     # its PRO kernels keep activations twice in shared memory (XDUP_SMEM; cuda_exl3.module)
+    xdup_words = 0   # uint32 its PRO kernels keep a row's k-tile in shared memory with XDUP_SMEM (cuda_exl3.module)
 
     def __init__(self, path: Path, device: torch.device):
         d = driver()

@@ -35,7 +35,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_defines, halves
+from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves
 from exl3tools.kernels.cuda_driver import Module, driver
 
 from exl3tools.errors import UsageError
@@ -108,9 +108,11 @@ def module(width: int, codebook: str, device) -> Module:
             if m is None:
                 m = Module(build(key[0], key[1]), device)
                 m.aff_rows = AFF_ROWS if key[3] and codebook == "mul1" else 0
-                # XDUP_SMEM (a tuning A/B's build define): the 3INST / MCG halves PRO kernels keep
-                # each activation twice in shared memory (gemv_pro sizes its split for it)
-                m.xdup = key[3] and codebook != "mul1" and "-DXDUP_SMEM=1" in extra_defines()
+                # XDUP_SMEM (a tuning A/B's build define): the halves PRO kernels keep each activation
+                # as its B words in shared memory, 16 uint32 a row's k-tile (3INST / MCG: (x, x)) or 32
+                # (MUL1's AFF kernels: (x, 0) and (0, x)); gemv_pro sizes its split for them
+                if key[3] and extra_define("XDUP_SMEM"):
+                    m.xdup_words = 32 if codebook == "mul1" else 16
                 _modules[key] = m
     return m
 
@@ -286,8 +288,10 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     groups = nt // 2
     kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
     kps = -(-kps // 8) * 8
-    # xs holds rows x (kps x 8 + 4) uint32, or with XDUP_SMEM rows x (kps x 16 + 16)
-    per, pad = (16, 16) if mod.xdup else (8, 4)
+    # xs holds rows x (kps x 8 + 4) uint32, or with XDUP_SMEM rows x (kps x xdup_words + 16) (MUL1:
+    # its AFF kernels alone; a module without AFF rows is 3INST / MCG)
+    xw = mod.xdup_words if aff or not mod.aff_rows else 0
+    per, pad = (xw, 16) if xw else (8, 4)
     cap = (PRO_SMEM // rows - pad) // per // 8 * 8
     kps = max(8, min(kps, cap))
     units = groups * -(-kt // kps)

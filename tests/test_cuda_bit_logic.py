@@ -121,7 +121,12 @@ def test_gemv_defines_name_their_own_cubins_and_refuse_anything_else(monkeypatch
     plain = cuda_build.cubin_path(6, 2).name
     monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DPRO_P=2 -DPRO_MINB=9")
     assert cuda_build.cubin_path(6, 2).name not in (plain, cuda_build.cubin_path(6, 0).name)
-    for bad in ("-DPRO_P=2;touch x", "-o /tmp/x", "-DPRO_P=$(id)"):
+    monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DSTATE_FMA=0x3E -DXDUP_SMEM=1")   # hex masks pass
+    assert cuda_build.extra_defines() == ("-DSTATE_FMA=0x3E", "-DXDUP_SMEM=1")
+    assert (cuda_build.extra_define("STATE_FMA"), cuda_build.extra_define("XDUP_SMEM")) == (0x3E, 1)
+    monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DXDUP_SMEM -DPRO_P=2")   # as nvcc reads them
+    assert (cuda_build.extra_define("XDUP_SMEM"), cuda_build.extra_define("STATE_FMA")) == (1, 0)
+    for bad in ("-DPRO_P=2;touch x", "-o /tmp/x", "-DPRO_P=$(id)", "-DSTATE_FMA=0xZZ"):
         monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", bad)
         with pytest.raises(UsageError, match="EXL3TOOLS_GEMV_DEFINES"):
             cuda_build.cubin_path(6, 2)

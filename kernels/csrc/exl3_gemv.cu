@@ -31,9 +31,10 @@
 #define HALVES 0
 #endif
 #ifndef XDUP_SMEM
-// 1: the 3INST / MCG halves kernels with their own input pass (PRO) keep each rotated activation
-// twice in shared memory, a lane's four B words of a k-step in one 16-byte load (step), instead of
-// two loads and four PRMTs; a tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
+// 1: the halves kernels with their own input pass (PRO; MUL1's AFF ones too) keep each rotated
+// activation in shared memory as the B words it feeds (3INST / MCG (x, x); AFF (x, 0) and (0, x)),
+// a lane's four of a k-step in one 16-byte load (step), instead of two loads and four PRMTs; a
+// tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
 #define XDUP_SMEM 0
 #endif
 #ifndef XDUP_HMUL
@@ -428,8 +429,11 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     }
 #endif
     __shared__ __align__(16) uint32_t xs[PRO ? PRO_SMEM : 1];
-    // XD: xs holds dup(x) = (x, x) words, 16 a row's k-tile: lane t's dup(k 2t, 2t+1, 2t+8, 2t+9) at 4t
-    constexpr bool XD = XDUP_SMEM && HALVES && CB != 2 && PRO != 0;
+    // XD: xs holds a lane's B words ready: 3INST / MCG dup(x) = (x, x), 16 words a row's k-tile,
+    // lane t's dup(k 2t, 2t+1, 2t+8, 2t+9) at 4t; AFF (x, 0) for even columns g, then (0, x) for
+    // odd ones 16 words further (32 a row's k-tile)
+    constexpr bool XD = XDUP_SMEM && HALVES && PRO != 0 && (CB != 2 || AFF);
+    constexpr int XW = CB == 2 ? 32 : 16;
     pdl_launch_dependents();               // the output pass may be scheduled now; it waits for us
     const int lane = threadIdx.x & 31;
     const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -488,11 +492,11 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     auto load_w = [&](int p, bool pred) { load_tiles<NT>(wb[p], wp, row_stride, pred); };
     // PRO: uint32 a row in xs (+4: the rows' fragments on distinct banks; XD: +16, rows g and g + 1
     // of a quarter warp's 16-byte loads on distinct bank halves)
-    const int xstride = XD ? kps * 16 + 16 : kps * 8 + 4;
+    const int xstride = XD ? kps * XW + 16 : kps * 8 + 4;
     int xo = xg * xstride + t;
     // XD: step's own position, a k-tile a step; a lane past the slot's rows reads row 0 (its output
     // column is never added), so the load needs no predicate and stays inside the rows written
-    int xq = (xv[0] ? xg : 0) * xstride + 4 * t;
+    int xq = (xv[0] ? xg : 0) * xstride + (CB == 2 ? (g & 1) * 16 : 0) + 4 * t;
     auto load_x = [&](int p, bool pred) {
         if constexpr (XD) {
             // (step reads its words itself: nothing to prefetch)
@@ -529,12 +533,12 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             // 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9), its activation the
             // matching B entries
             const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
-#if XDUP_SMEM && CB != 2
+#if XDUP_SMEM
             uint32_t xd[4];
             if constexpr (XD) {
                 const uint4 q4 = *reinterpret_cast<const uint4*>(xs + xq);
                 xd[0] = q4.x, xd[1] = q4.y, xd[2] = q4.z, xd[3] = q4.w;
-                xq += 16;
+                xq += XW;
             } else {
                 xd[0] = __byte_perm(x0, 0, sel_lo), xd[1] = __byte_perm(x0, 0, sel_hi);
                 xd[2] = __byte_perm(x1, 0, sel_lo), xd[3] = __byte_perm(x1, 0, sel_hi);
@@ -596,13 +600,22 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             if constexpr (XD) {
                 // columns k .. k + 3 of k-tile 8 ch + lane / 4, k = 4 (lane % 4): dup(k), dup(k + 1)
                 // at lane t = (k % 8) / 2's words 2 (k >= 8), + 1; dup(k + 2), dup(k + 3) at t + 1's
+                // (AFF: (x, 0) there, (0, x) 16 words further)
                 const int kk = 4 * (lane & 3);
-                uint32_t* d = xs + m * xstride + (ch * 8 + (lane >> 2)) * 16 + 2 * (kk & 7) + (kk >= 8 ? 2 : 0);
-                half2 h[4] = {__float2half2_rn(v[0]), __float2half2_rn(v[1]), __float2half2_rn(v[2]),
-                              __float2half2_rn(v[3])};
-                const uint32_t* u = reinterpret_cast<const uint32_t*>(h);
+                uint32_t* d = xs + m * xstride + (ch * 8 + (lane >> 2)) * XW + 2 * (kk & 7) + (kk >= 8 ? 2 : 0);
+                uint32_t u[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const half2 h = CB == 2 ? __halves2half2(__float2half_rn(v[q]), __ushort_as_half(0))
+                                            : __float2half2_rn(v[q]);
+                    u[q] = *reinterpret_cast<const uint32_t*>(&h);
+                }
                 *reinterpret_cast<uint2*>(d) = make_uint2(u[0], u[1]);
                 *reinterpret_cast<uint2*>(d + 4) = make_uint2(u[2], u[3]);
+                if constexpr (CB == 2) {      // (0, x): the halves swapped
+                    *reinterpret_cast<uint2*>(d + 16) = make_uint2(u[0] << 16, u[1] << 16);
+                    *reinterpret_cast<uint2*>(d + 20) = make_uint2(u[2] << 16, u[3] << 16);
+                }
             } else {
                 half2 h0 = __floats2half2_rn(v[0], v[1]);
                 half2 h1 = __floats2half2_rn(v[2], v[3]);
