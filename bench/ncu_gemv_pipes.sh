@@ -2,7 +2,9 @@
 # Where the 1-row gemv's issue slots go, under ncu, for each value of a switch side by side (default
 # EXL3TOOLS_GEMV_AFFINE 0 and 1: MUL1's pair against its AFF kernel): duration, issue and occupancy
 # lines, ncu's pipeline rules, each pipe's share of its peak (sm__inst_executed_pipe_* and
-# sm__pipe_*_cycles_active) and the stall reasons (cycles a warp waits per issued instruction), highest first. Reports and logs go to $OUT (not gpu_all.sh's).
+# sm__pipe_*_cycles_active) and the stall reasons (cycles a warp waits per issued instruction),
+# highest first. Reports and logs go to $OUT (not gpu_all.sh's). SWITCH=EXL3TOOLS_GEMV_DEFINES
+# VALUES="-DSTATE_FMA=0 -DSTATE_FMA=0x3E" compares build defines the same way.
 #   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
 set -u
 OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"
