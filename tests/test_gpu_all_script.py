@@ -87,20 +87,25 @@ def test_mla_serves_no_mtp_config_without_an_mtp_head():
     assert _spec_configs("glm4_moe") == []
 
 
-def test_ab_runs_the_bench_off_on_on_off(tmp_path):
-    """The ab stage (ab_runs): the linear bench with the switch 0, 1, 1, 0, each a process of its own
-    with the switch in its environment and the bench's arguments as given, each log kept apart."""
+def _stage_runs(tmp_path: Path, echo: str, function: str, call: str) -> list[str]:
+    """gpu_all.sh's stage ``function`` run by ``call`` with logs under tmp_path and a fake python3
+    that prints ``echo`` (shell words) and "->": the lines the stage shows from its bench logs."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "python3").write_text('#!/bin/sh\necho "$0 $* switch=$EXL3TOOLS_X ->"\n')
+    (fake / "python3").write_text(f'#!/bin/sh\necho "{echo} ->"\n')
     (fake / "python3").chmod(0o755)
-    script = (f"L={tmp_path}; T0=0; el() {{ echo \"$*\"; }}\n{_function('ab_runs')}\n"
-              "ab_runs EXL3TOOLS_X --impls cuda --rows 1,8\n")
+    script = f"L={tmp_path}; T0=0; el() {{ echo \"$*\"; }}\n{_function(function)}\n{call}\n"
     r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
                        env={"PATH": f"{fake}:/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
-    runs = [ln for ln in r.stdout.splitlines() if ln.endswith("->")]
-    assert [ln.split("switch=")[1] for ln in runs] == ["0 ->", "1 ->", "1 ->", "0 ->"], r.stdout
+    return [ln for ln in r.stdout.splitlines() if ln.endswith("->")]
+
+
+def test_ab_runs_the_bench_off_on_on_off(tmp_path):
+    """The ab stage (ab_runs): the linear bench with the switch 0, 1, 1, 0, each a process of its own
+    with the switch in its environment and the bench's arguments as given, each log kept apart."""
+    runs = _stage_runs(tmp_path, "$0 $* switch=$EXL3TOOLS_X", "ab_runs", "ab_runs EXL3TOOLS_X --impls cuda --rows 1,8")
+    assert [ln.split("switch=")[1] for ln in runs] == ["0 ->", "1 ->", "1 ->", "0 ->"], runs
     assert all("bench/gpu_bench.py --graph --impls cuda --rows 1,8 " in ln for ln in runs), runs
     assert sorted(p.name for p in tmp_path.glob("ab_*.log")) == ["ab_1_0.log", "ab_2_1.log", "ab_3_1.log", "ab_4_0.log"]
 
@@ -108,18 +113,10 @@ def test_ab_runs_the_bench_off_on_on_off(tmp_path):
 def test_defs_runs_each_define_set_between_two_default_builds(tmp_path):
     """The defs stage (defs_runs): the default build, each ';'-separated set whole (spaces kept) as
     EXL3TOOLS_GEMV_DEFINES, the default again; each set's cubins built before its bench run."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text('#!/bin/sh\necho "$0 $1 defs=[$EXL3TOOLS_GEMV_DEFINES] ->"\n')
-    (fake / "python3").chmod(0o755)
-    script = (f"L={tmp_path}; T0=0; el() {{ echo \"$*\"; }}\n{_function('defs_runs')}\n"
-              "defs_runs '-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7' --impls cuda_pro --rows 1\n")
-    r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
-                       env={"PATH": f"{fake}:/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
-    runs = [ln for ln in r.stdout.splitlines() if ln.endswith("->")]
+    runs = _stage_runs(tmp_path, "$0 $1 defs=[$EXL3TOOLS_GEMV_DEFINES]", "defs_runs",
+                       "defs_runs '-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7' --impls cuda_pro --rows 1")
     assert [ln.split("defs=")[1] for ln in runs] == ["[] ->", "[-DSTATE_FMA=0x3E] ->", "[-DXDUP_HMUL=1 -DPRO_MINB=7] ->",
-                                                     "[] ->"], r.stdout
+                                                     "[] ->"], runs
     builds = [(tmp_path / f"defs_{i}_build.log").read_text() for i in range(1, 5)]
     assert all(" -c " in b for b in builds), builds
     assert "defs=[-DXDUP_HMUL=1 -DPRO_MINB=7]" in builds[2], builds
