@@ -533,28 +533,26 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             // 2t, 2t+1, k 2t+1 in 2t+8, 2t+9; the second: k 2t+8, 2t+9), its activation the
             // matching B entries
             const uint32_t x0 = xb[p][0][0], x1 = xb[p][0][1];
-#if XDUP_SMEM
             uint32_t xd[4];
-            if constexpr (XD) {
+            if constexpr (XD) {           // XDUP_SMEM: the four words ready in xs
                 const uint4 q4 = *reinterpret_cast<const uint4*>(xs + xq);
                 xd[0] = q4.x, xd[1] = q4.y, xd[2] = q4.z, xd[3] = q4.w;
                 xq += XW;
             } else {
+#if XDUP_HMUL && CB != 2
+                // each activation twice as an fp16 multiply by 1.0 with an operand swizzle (HMUL2
+                // .H0_H0, .H1_H1: the fp16 pipe) instead of a PRMT on the ALU pipe (a tuning A/B's define)
+                const half2 one2 = *reinterpret_cast<const half2*>(&kc.one2);
+                const half2 h0 = *reinterpret_cast<const half2*>(&x0), h1 = *reinterpret_cast<const half2*>(&x1);
+                const half2 d[4] = {__hmul2(__low2half2(h0), one2), __hmul2(__high2half2(h0), one2),
+                                    __hmul2(__low2half2(h1), one2), __hmul2(__high2half2(h1), one2)};
+#pragma unroll
+                for (int q = 0; q < 4; q++) xd[q] = *reinterpret_cast<const uint32_t*>(&d[q]);
+#else
                 xd[0] = __byte_perm(x0, 0, sel_lo), xd[1] = __byte_perm(x0, 0, sel_hi);
                 xd[2] = __byte_perm(x1, 0, sel_lo), xd[3] = __byte_perm(x1, 0, sel_hi);
-            }
-#elif XDUP_HMUL && CB != 2
-            // each activation twice as an fp16 multiply by 1.0 with an operand swizzle (HMUL2 .H0_H0,
-            // .H1_H1: the fp16 pipe) instead of a PRMT on the ALU pipe (a tuning A/B's define)
-            const half2 one2 = *reinterpret_cast<const half2*>(&kc.one2);
-            const half2 h0 = *reinterpret_cast<const half2*>(&x0), h1 = *reinterpret_cast<const half2*>(&x1);
-            half2 d[4] = {__hmul2(__low2half2(h0), one2), __hmul2(__high2half2(h0), one2),
-                          __hmul2(__low2half2(h1), one2), __hmul2(__high2half2(h1), one2)};
-            const uint32_t* xd = reinterpret_cast<const uint32_t*>(d);
-#else
-            const uint32_t xd[4] = {__byte_perm(x0, 0, sel_lo), __byte_perm(x0, 0, sel_hi),
-                                    __byte_perm(x1, 0, sel_lo), __byte_perm(x1, 0, sel_hi)};
 #endif
+            }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 uint32_t st[8], h[8];
