@@ -132,21 +132,28 @@ def test_gemv_defines_name_their_own_cubins_and_refuse_anything_else(monkeypatch
             cuda_build.cubin_path(6, 2)
 
 
+def _ptxas(tmp_path: Path, cb: int, *defines: str) -> tuple[str, dict[str, int]]:
+    """exl3_gemv.cu's halves build at K 3 (K2 6) for codebook id ``cb`` compiled for sm_90a with
+    ``defines``, asserted to build without spills: (ptxas's report, registers of each gemv_pro entry)."""
+    from exl3tools.kernels import cuda_build
+
+    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
+                          *defines, str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+    regs = re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S)
+    return res.stderr, {f: int(r) for f, r in regs}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
     """PRO_P / PRO_MINB reach the GEMV_PRO* kernels, pair and AFF: two k-tiles in flight at 9
     blocks an SM compile to at most 56 registers without spills (the default: 72 at 7)."""
-    from exl3tools.kernels import cuda_build
-
-    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", "-DCB=2", "-DHALVES=1",
-                          "-DPRO_P=2", "-DPRO_MINB=9", str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    regs = dict(re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S))
+    _, regs = _ptxas(tmp_path, 2, "-DPRO_P=2", "-DPRO_MINB=9")
     assert {"exl3_gemv_pro_m8_t2_f16", "exl3_gemv_pro_aff_m8_t2_f16", "exl3_gemv_pro_act_aff_m8_t2_f32"} <= set(regs)
-    assert all(int(r) <= 56 for r in regs.values()), regs
-    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
-    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+    assert all(r <= 56 for r in regs.values()), regs
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
@@ -157,17 +164,9 @@ def test_pipe_balance_defines_build_without_spills(tmp_path, cb, defines):
     """The tuning A/Bs' pipe-balance defines (STATE_FMA: windows on the FMA pipe; XDUP_HMUL: the
     activation duplicates as fp16 multiplies; XDUP_SMEM: kept twice in shared memory) keep the
     one-row kernels at the default's 72 registers (7 blocks an SM) without spills at K 3."""
-    from exl3tools.kernels import cuda_build
-
-    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
-                          *defines, str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    regs = dict(re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S))
+    _, regs = _ptxas(tmp_path, cb, *defines)
     one_row = "exl3_gemv_pro_aff_m8_t2_f16" if cb == 2 else "exl3_gemv_pro_m8_t2_f16"
-    assert int(regs[one_row]) <= 72, regs
-    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
-    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
+    assert regs[one_row] <= 72, regs
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
@@ -176,13 +175,7 @@ def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
     """exl3_gemv.cu with -DHALVES=1 (3INST, MCG; MUL1's AFF kernels): the 8-row gemv kernels compile
     for sm_90a without spills (a tile takes two MMAs there: the halves as k entries); MUL1's module
     has the gemv_pro entry points cuda_exl3.gemv_pro names for AFF, the others have none."""
-    from exl3tools.kernels import cuda_build
-
-    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
-                          str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
-    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
-    aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", res.stderr) if "_aff_" in f}
+    report, _ = _ptxas(tmp_path, cb)
+    aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", report) if "_aff_" in f}
     want = {f"exl3_gemv_pro_{kind}aff_m8_t2_{x}" for kind in ("", "ld_", "act_") for x in ("f16", "f32")}
     assert aff == (want if cb == 2 else set())
