@@ -140,3 +140,20 @@ def test_metrics_and_stats_report_decode_bandwidth(server):
     stats = httpx.get(f"{server.url}/v1/engine/stats").json()
     assert stats["decode_weight_read_gbps"] > 0
     assert stats["decode_weight_read_bytes"] in {reads.bytes_for(b) for b in (1, 2, 3)}
+
+
+def test_runner_takes_the_reads_from_the_headers_it_loaded(monkeypatch):
+    """The estimate comes from the checkpoint the load opened: the server's ready step no longer
+    parses every shard header of a large checkpoint a second time."""
+    from exl3tools.runtime.runner import load_runner
+
+    want = decode_reads(Checkpoint.open(MODEL_DIR))
+    runner = load_runner(MODEL_DIR, backend="reference", device="cpu")
+    try:
+        def no_open(*a, **k):
+            raise AssertionError("headers re-read")
+
+        monkeypatch.setattr(Checkpoint, "open", no_open)
+        assert runner.decode_reads() == want
+    finally:
+        runner.close()

@@ -31,6 +31,7 @@ class CausalLM:
         self.info, self.embed, self.layers, self.norm, self.head, self.tp = info, embed, layers, norm, head, tp
         self.head_sharded = head_sharded   # lm_head column-cut by vocab: gather the logits
         self._head_widths: list[int] | None = None
+        self.weight_reads = None           # roofline.DecodeReads, set by rank_model.build_local_model
 
     def new_cache(self) -> SeqCache:
         return SeqCache(len(self.layers))

@@ -30,7 +30,20 @@ def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "
         block = plan_rank_slices(ckpt, world, moe).configs[rank]["exl3tools"]
     ctx = BuildContext(ckpt.config, WeightSource(ckpt), TPContext(world, rank), cut, block, backend, device,
                        max_context)
-    return mod.build(ctx)
+    model = mod.build(ctx)
+    if rank == 0:   # the server's weight-read metric, from the headers already open (not re-read at ready)
+        model.weight_reads = _weight_reads(ckpt, world, moe)
+    return model
+
+
+def _weight_reads(ckpt, world: int, moe: str):
+    """roofline.DecodeReads of rank 0, or None: the metric is a nicety, never a reason not to load."""
+    from exl3tools.roofline import decode_reads
+
+    try:
+        return decode_reads(ckpt, world, moe)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def rank_device(device: str, rank: int, world: int) -> str:

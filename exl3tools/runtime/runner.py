@@ -279,7 +279,10 @@ class Runner(SpeculativeSteps):
         return sum(self.blocks.length(k) for k in self._seqs)
 
     def decode_reads(self):
-        """Weight bytes rank 0 reads per decode step, from headers (exl3tools/roofline.py)."""
+        """Weight bytes rank 0 reads per decode step, from headers (exl3tools/roofline.py): those
+        build_local_model read, else rank 0's directory opened again."""
+        if getattr(self.model, "weight_reads", None) is not None:
+            return self.model.weight_reads
         from exl3tools.checkpoint import Checkpoint
         from exl3tools.roofline import decode_reads
 
