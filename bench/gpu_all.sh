@@ -62,15 +62,27 @@ python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(ta
 AIR=/tmp/air6${SYNTH_ARGS:+_$(printf %s "$SYNTH_ARGS" | tr -c 'A-Za-z0-9' _)}
 ( [ -d $AIR ] || python3 bench/synth_checkpoint.py $AIR ${SYNTH_ARGS:-} > "$L/synth.log" 2>&1 ) &
 SYNTH=$!
-# ab_runs VAR ARGS...: the linear bench (bench/gpu_bench.py --graph ARGS) with VAR=0, 1, 1, 0 side by
-# side (a build- or run-time switch: each run is a new process, so a build define is read anew)
-ab_runs() {
-  local var=$1 i=0 v; shift
-  for v in 0 1 1 0; do
+# side_runs TAG VAR K2 ARGS...: the linear bench (bench/gpu_bench.py --graph ARGS) once for each
+# value of the caller's array VALS in order, VAR=value in that run's environment (each run a new
+# process, so a build define is read anew); with K2 (trellis widths / 8, "4,6,8"), the value's
+# cubins for those widths and every codebook built before its run. Logs TAG_N.log, TAG_N_build.log
+side_runs() {
+  local tag=$1 var=$2 k2=$3 i=0 v; shift 3
+  for v in "${VALS[@]}"; do
     i=$((i + 1))
-    env "$var=$v" timeout ${AB_TIMEOUT:-90} python3 bench/gpu_bench.py --graph "$@" > "$L/ab_${i}_$v.log" 2>&1
-    el "ab $var=$v rc $?"; grep -E -- "->|rror" "$L/ab_${i}_$v.log"
+    if [ -n "$k2" ]; then
+      env "$var=$v" python3 -c "import sys; from exl3tools.kernels import cuda_build as c; c.prebuild([(int(k), cb) for k in sys.argv[1].split(',') for cb in (0, 1, 2)])" \
+        "$k2" > "$L/${tag}_${i}_build.log" 2>&1
+    fi
+    env "$var=$v" timeout ${AB_TIMEOUT:-90} python3 bench/gpu_bench.py --graph "$@" > "$L/${tag}_$i.log" 2>&1
+    el "$tag $var=[${v}] rc $?"; grep -E -- "->|rror" "$L/${tag}_$i.log"
   done
+}
+# ab_runs VAR ARGS...: VAR=0, 1, 1, 0 side by side (a run-time or build-time switch)
+ab_runs() {
+  local var=$1; shift
+  local -a VALS=(0 1 1 0)
+  side_runs ab "$var" "" "$@"
 }
 
 if [[ $STAGES == *tests* ]]; then
@@ -112,19 +124,12 @@ if [[ $STAGES == *ab* ]]; then   # AB_VAR off / on / on / off, the linear bench 
   read -r -a AB_A <<< "${AB_ARGS:---impls cuda,cuda_pro --ks 3 --rows 1,8}"
   ab_runs "${AB_VAR:?the ab stage needs AB_VAR, e.g. EXL3TOOLS_GEMV_AFFINE}" "${AB_A[@]}"
 fi
-# defs_runs "SET;SET" ARGS...: build constants of exl3_gemv.cu side by side, the linear bench
-# (bench/gpu_bench.py --graph ARGS) with the default build, each set as EXL3TOOLS_GEMV_DEFINES, the
-# default again; each set's cubins for DEFS_K2 (trellis widths / 8) and every codebook built first
+# defs_runs "SET;SET" ARGS...: build constants of exl3_gemv.cu side by side: the default build, each
+# set as EXL3TOOLS_GEMV_DEFINES, the default again; each set's cubins for DEFS_K2 built first
 defs_runs() {
-  local sets=$1 i=0 d; shift
-  local -a dv; IFS=';' read -ra dv <<< "$sets"
-  for d in "" "${dv[@]}" ""; do
-    i=$((i + 1))
-    EXL3TOOLS_GEMV_DEFINES="$d" python3 -c "import sys; from exl3tools.kernels import cuda_build as c; c.prebuild([(int(k), cb) for k in sys.argv[1].split(',') for cb in (0, 1, 2)])" \
-      "${DEFS_K2:-4,6,8}" > "$L/defs_${i}_build.log" 2>&1
-    EXL3TOOLS_GEMV_DEFINES="$d" timeout ${AB_TIMEOUT:-90} python3 bench/gpu_bench.py --graph "$@" > "$L/defs_$i.log" 2>&1
-    el "defs [${d:-default}] rc $?"; grep -E -- "->|rror" "$L/defs_$i.log"
-  done
+  local -a dv; IFS=';' read -ra dv <<< "$1"; shift
+  local -a VALS=("" "${dv[@]}" "")
+  side_runs defs EXL3TOOLS_GEMV_DEFINES "${DEFS_K2:-4,6,8}" "$@"
 }
 if [[ $STAGES == *defs* ]]; then  # DEFS="-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7", the bench's DEFS_ARGS
   read -r -a DA <<< "${DEFS_ARGS:---impls cuda_pro --ks 2,3,4 --rows 1 --codebooks mul1,3inst}"
