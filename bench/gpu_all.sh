@@ -131,9 +131,9 @@ defs_runs() {
   local -a VALS=("" "${dv[@]}" "")
   side_runs defs EXL3TOOLS_GEMV_DEFINES "${DEFS_K2:-4,6,8}" "$@"
 }
-if [[ $STAGES == *defs* ]]; then  # DEFS="-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7", the bench's DEFS_ARGS
+if [[ $STAGES == *defs* ]]; then  # DEFS="-DXDUP_SMEM=1;-DPRO_P=2 -DPRO_MINB=9", the bench's DEFS_ARGS
   read -r -a DA <<< "${DEFS_ARGS:---impls cuda_pro --ks 2,3,4 --rows 1 --codebooks mul1,3inst}"
-  defs_runs "${DEFS:?the defs stage needs DEFS, e.g. -DSTATE_FMA=0x3E}" "${DA[@]}"
+  defs_runs "${DEFS:?the defs stage needs DEFS, e.g. -DXDUP_SMEM=1}" "${DA[@]}"
 fi
 if [[ $STAGES == *paged* ]]; then
   timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1

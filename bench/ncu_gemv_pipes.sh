@@ -4,7 +4,7 @@
 # lines, ncu's pipeline rules, each pipe's share of its peak (sm__inst_executed_pipe_* and
 # sm__pipe_*_cycles_active) and the stall reasons (cycles a warp waits per issued instruction),
 # highest first. Reports and logs go to $OUT (not gpu_all.sh's). SWITCH=EXL3TOOLS_GEMV_DEFINES
-# VALUES="-DSTATE_FMA=0 -DSTATE_FMA=0x3E" compares build defines the same way.
+# VALUES="-DXDUP_SMEM=0 -DXDUP_SMEM=1" compares build defines the same way.
 #   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
 set -u
 OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"

@@ -6,9 +6,11 @@ busiest and throttling, the FMA pipe two thirds idle (docs/gpu.md, 2026-12-05 10
 for each EXL3TOOLS_GEMV_DEFINES-style set, the kernel's innermost large loop (the k-tile loop)
 by opcode, the ALU and FMA pipes' shares, and "ALU cycles" (2 an ALU instruction) beside FMA
 cycles (1 each), registers and spills, so a timed A/B (bench/gpu_all.sh defs) can be read
-against what each set changed:
+against what each set changed. The counts are a guide, not a timing: moving the window
+extraction onto the FMA pipe (IMAD, IMAD.HI) cut the ALU cycles 28 % and made MUL1 13 % slower,
+IMAD.HI taking two FMA-pipe cycles (docs/gpu.md, the 2026-12-05 21:12 session):
 
-    python bench/sass_pipes.py --k2 6 --cb 0,2 --defs ";-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7"
+    python bench/sass_pipes.py --k2 6 --cb 0,2 --defs ";-DXDUP_SMEM=1;-DXDUP_SMEM=1 -DPRO_MINB=6"
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k2", type=int, default=6, help="trellis width / 8 (6: K 3)")
     ap.add_argument("--cb", default="0,1,2", help="codebook ids: 0 3INST, 1 MCG, 2 MUL1 (AFF)")
-    ap.add_argument("--defs", default=";-DSTATE_FMA=0x3E", help="define sets, ';'-separated (empty: the default)")
+    ap.add_argument("--defs", default=";-DXDUP_SMEM=1", help="define sets, ';'-separated (empty: the default)")
     a = ap.parse_args()
     print(f"{'cb':>3} {'defines':<44} {'regs':>4} {'spill':>5} {'loop':>4} {'ALU':>4} {'FMA':>4} {'fp16':>4}"
           f" {'ALU cyc / FMA cyc':>17}  top opcodes")

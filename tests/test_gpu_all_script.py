@@ -114,12 +114,12 @@ def test_defs_runs_each_define_set_between_two_default_builds(tmp_path):
     """The defs stage (defs_runs): the default build, each ';'-separated set whole (spaces kept) as
     EXL3TOOLS_GEMV_DEFINES, the default again; each set's cubins built before its bench run."""
     runs = _stage_runs(tmp_path, "$0 $1 defs=[$EXL3TOOLS_GEMV_DEFINES]", "defs_runs",
-                       "defs_runs '-DSTATE_FMA=0x3E;-DXDUP_HMUL=1 -DPRO_MINB=7' --impls cuda_pro --rows 1")
-    assert [ln.split("defs=")[1] for ln in runs] == ["[] ->", "[-DSTATE_FMA=0x3E] ->", "[-DXDUP_HMUL=1 -DPRO_MINB=7] ->",
+                       "defs_runs '-DXDUP_SMEM=1;-DPRO_P=2 -DPRO_MINB=9' --impls cuda_pro --rows 1")
+    assert [ln.split("defs=")[1] for ln in runs] == ["[] ->", "[-DXDUP_SMEM=1] ->", "[-DPRO_P=2 -DPRO_MINB=9] ->",
                                                      "[] ->"], runs
     builds = [(tmp_path / f"defs_{i}_build.log").read_text() for i in range(1, 5)]
     assert all(" -c " in b for b in builds), builds
-    assert "defs=[-DXDUP_HMUL=1 -DPRO_MINB=7]" in builds[2], builds
+    assert "defs=[-DPRO_P=2 -DPRO_MINB=9]" in builds[2], builds
 
 
 @pytest.mark.parametrize("synth_args,folder", [(None, "/tmp/air6"), ("--codebook mcg", "/tmp/air6___codebook_mcg")])

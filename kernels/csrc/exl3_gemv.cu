@@ -37,15 +37,6 @@
 // tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
 #define XDUP_SMEM 0
 #endif
-#ifndef XDUP_HMUL
-// 1: 3INST / MCG halves kernels duplicate each activation with fp16 multiplies, not PRMTs (step)
-#define XDUP_HMUL 0
-#endif
-#ifndef STATE_FMA
-// A bit mask over a lane's 8 windows (a tuning A/B's build define, EXL3TOOLS_GEMV_DEFINES): window
-// e of bit e set, where it lies inside one normalised word, is extracted on the FMA pipe (window_at)
-#define STATE_FMA 0
-#endif
 
 namespace {
 
@@ -98,44 +89,19 @@ __host__ __device__ __forceinline__ uint32_t window(const uint32_t (&n)[NN]) {
     }
 }
 
-__host__ __device__ __forceinline__ uint32_t umulhi(uint32_t a, uint32_t b) {
-#ifdef __CUDA_ARCH__
-    return __umulhi(a, b);
-#else
-    return (uint32_t)(((uint64_t)a * b) >> 32);
-#endif
-}
-
-// Window e (at normalised bit Q) with STATE_FMA: where it lies inside word q at r < 16, the same
-// state from multiplies on the FMA pipe instead of a shift and a mask on the ALU pipe (the 1-row
-// gemv's busiest, whose throttle stalls it: ncu, docs/gpu.md 2026-12-05 10:51): t = n << r (an
-// IMAD by 2^r; none at r 0) puts the window in t's high half, its low half garbage, and
-// IMAD.HI(t, 2^16) is t >> 16. c16 = 2^16 held in a register, so ptxas keeps the IMAD.HI rather
-// than a shift.
-template <int Q, int E>
-__host__ __device__ __forceinline__ uint32_t window_at(const uint32_t (&n)[NN], uint32_t c16) {
-    constexpr int q = Q >> 5, r = Q & 31;
-    if constexpr ((STATE_FMA >> E & 1) && r < 16) {
-        return umulhi(n[q] * (1u << r), c16);
-    } else {       // (across two words it would take three multiplies: 80 registers or spills at K 3)
-        return window<Q>(n);
-    }
-}
-
 // The 8 states of lane L from the words it loaded (w[m] = tile word (word + m) mod NW).
-__host__ __device__ __forceinline__ void lane_states(const uint32_t (&w)[NL], int off, uint32_t (&s)[8],
-                                                     uint32_t c16 = 1u << 16) {
+__host__ __device__ __forceinline__ void lane_states(const uint32_t (&w)[NL], int off, uint32_t (&s)[8]) {
     uint32_t n[NN];
 #pragma unroll
     for (int q = 0; q < NN; q++) n[q] = fsl(w[q + 1], w[q], off);
-    s[0] = window_at<D(0), 0>(n, c16);
-    s[1] = window_at<D(1), 1>(n, c16);
-    s[2] = window_at<D(2), 2>(n, c16);
-    s[3] = window_at<D(3), 3>(n, c16);
-    s[4] = window_at<D(4), 4>(n, c16);
-    s[5] = window_at<D(5), 5>(n, c16);
-    s[6] = window_at<D(6), 6>(n, c16);
-    s[7] = window_at<D(7), 7>(n, c16);
+    s[0] = window<D(0)>(n);
+    s[1] = window<D(1)>(n);
+    s[2] = window<D(2)>(n);
+    s[3] = window<D(3)>(n);
+    s[4] = window<D(4)>(n);
+    s[5] = window<D(5)>(n);
+    s[6] = window<D(6)>(n);
+    s[7] = window<D(7)>(n);
 }
 
 #ifndef EXL3_HOST_TEST
@@ -143,12 +109,6 @@ __host__ __device__ __forceinline__ void lane_states(const uint32_t (&w)[NL], in
 // Loop-invariant operands held in registers the compiler cannot rematerialise (it otherwise
 // re-creates them with a MOV in every unrolled stage).
 struct Consts {
-#if STATE_FMA
-    uint32_t c16;     // 2^16 (window_at)
-#endif
-#if XDUP_HMUL
-    uint32_t one2;    // fp16 (1.0, 1.0) (the activation duplicates)
-#endif
 #if CB == 2
     uint32_t ones, bias, kappa;
 #if HALVES
@@ -161,7 +121,6 @@ struct Consts {
 #if HALVES
         asm volatile("mov.b32 %0, 0x3C006400;" : "=r"(bias1));
 #endif
-        init_tuning();
     }
 #else
     // 3INST / MCG: the mask in a register, so (x & mask) ^ 0x3B603B60 is one LOP3 (one LOP3 takes
@@ -169,24 +128,8 @@ struct Consts {
     uint32_t mask;
     __device__ __forceinline__ Consts() {
         asm volatile("mov.b32 %0, 0x8FFF8FFF;" : "=r"(mask));
-        init_tuning();
     }
 #endif
-    __device__ __forceinline__ void init_tuning() {
-#if STATE_FMA
-        asm volatile("mov.b32 %0, 0x00010000;" : "=r"(c16));
-#endif
-#if XDUP_HMUL
-        asm volatile("mov.b32 %0, 0x3C003C00;" : "=r"(one2));
-#endif
-    }
-    __device__ __forceinline__ uint32_t two16() const {
-#if STATE_FMA
-        return c16;
-#else
-        return 1u << 16;
-#endif
-    }
 };
 
 // (a & b) ^ 0x3B603B60 in one LOP3 (lut 0xF0 & 0xCC ^ 0xAA)
@@ -246,7 +189,7 @@ constexpr float AFF_BETA = -10.3828125f;         // fp16 0xC931
 // B fragments of one tile: b[0], b[1] for columns 0-7, b[2], b[3] for columns 8-15 (§5.5).
 __device__ __forceinline__ void decode_tile(const Consts& k, const uint32_t (&w)[NL], int off, uint32_t (&b)[4]) {
     uint32_t s[8];
-    lane_states(w, off, s, k.two16());
+    lane_states(w, off, s);
     b[0] = pair(k, s[0], s[1]);
     b[1] = pair(k, s[2], s[3]);
     b[2] = pair(k, s[4], s[5]);
@@ -539,24 +482,13 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                 xd[0] = q4.x, xd[1] = q4.y, xd[2] = q4.z, xd[3] = q4.w;
                 xq += XW;
             } else {
-#if XDUP_HMUL && CB != 2
-                // each activation twice as an fp16 multiply by 1.0 with an operand swizzle (HMUL2
-                // .H0_H0, .H1_H1: the fp16 pipe) instead of a PRMT on the ALU pipe (a tuning A/B's define)
-                const half2 one2 = *reinterpret_cast<const half2*>(&kc.one2);
-                const half2 h0 = *reinterpret_cast<const half2*>(&x0), h1 = *reinterpret_cast<const half2*>(&x1);
-                const half2 d[4] = {__hmul2(__low2half2(h0), one2), __hmul2(__high2half2(h0), one2),
-                                    __hmul2(__low2half2(h1), one2), __hmul2(__high2half2(h1), one2)};
-#pragma unroll
-                for (int q = 0; q < 4; q++) xd[q] = *reinterpret_cast<const uint32_t*>(&d[q]);
-#else
                 xd[0] = __byte_perm(x0, 0, sel_lo), xd[1] = __byte_perm(x0, 0, sel_hi);
                 xd[2] = __byte_perm(x1, 0, sel_lo), xd[3] = __byte_perm(x1, 0, sel_hi);
-#endif
             }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 uint32_t st[8], h[8];
-                lane_states(wb[p][j], off, st, kc.two16());
+                lane_states(wb[p][j], off, st);
 #pragma unroll
                 for (int q = 0; q < 8; q++) h[q] = halves(kc, st[q]);
                 const uint32_t a0[4] = {h[0], h[4], h[1], h[5]}, a1[4] = {h[2], h[6], h[3], h[7]};
@@ -1279,7 +1211,7 @@ int main() {
             }
         }
     }
-    printf("K2=%d NL=%d STATE_FMA=%d: %s\n", K2, NL, STATE_FMA, bad ? "MISMATCH" : "ok");
+    printf("K2=%d NL=%d: %s\n", K2, NL, bad ? "MISMATCH" : "ok");
     return bad != 0;
 }
 #endif
