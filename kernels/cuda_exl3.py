@@ -255,7 +255,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL, smem=kernel_smem(name))
 
 
-PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
+PRO_SMEM = 4096     # the most uint32 of rotated activations a gemv_pro block holds (dynamic shared memory)
 # rows a slot the AFF kernels of a MUL1 halves module take (the EXL3TOOLS_GEMV_AFFINE preview;
 # AFF_ROWS in the source): gemv_pro picks its exl3_gemv_pro_*aff_* entry points up to these, the
 # gemv kernels choose inside
@@ -297,7 +297,7 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     units = groups * -(-kt // kps)
     last = ld_tab if act_rows is None else act_rows
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
-               nt, kps, groups, units, last, pdl=PDL)
+               nt, kps, groups, units, last, pdl=PDL, smem=4 * rows * (kps * per + pad))
 
 
 def kernel_block(name: str) -> tuple[int, int]:

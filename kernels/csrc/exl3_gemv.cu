@@ -329,7 +329,6 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 template <typename TX>
 __device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
                                             const half* __restrict__ suh, float (&v)[4]);
-constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
 
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
 // trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot), nt n-tiles of a trellis
@@ -371,7 +370,10 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
     }
 #endif
-    __shared__ __align__(16) uint32_t xs[PRO ? PRO_SMEM : 1];
+    // PRO: rows x xstride uint32 of rotated activations (below), dynamic: gemv_pro sizes it at
+    // launch (~2 KB at one row, where a static 16 KB held the block count an SM at 7)
+    extern __shared__ __align__(16) uint32_t gemv_xs[];
+    uint32_t* const xs = gemv_xs;
     // XD: xs holds a lane's B words ready: 3INST / MCG dup(x) = (x, x), 16 words a row's k-tile,
     // lane t's dup(k 2t, 2t+1, 2t+8, 2t+9) at 4t; AFF (x, 0) for even columns g, then (0, x) for
     // odd ones 16 words further (32 a row's k-tile)
