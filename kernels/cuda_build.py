@@ -79,7 +79,7 @@ def halves(cb: int) -> bool:
 
 def extra_defines() -> tuple[str, ...]:
     """EXL3TOOLS_GEMV_DEFINES: extra -D flags for exl3_gemv.cu (a tuning A/B of its build constants,
-    PRO_P, PRO_MINB, XDUP_SMEM: bench/gpu_all.sh's defs stage), part of the
+    PRO_P, PRO_MINB, XDUP_SMEM, PRO_DYN_SMEM: bench/gpu_all.sh's defs stage), part of the
     cubins' cache key; integers decimal or hex."""
     flags = tuple(os.environ.get("EXL3TOOLS_GEMV_DEFINES", "").split())
     for f in flags:

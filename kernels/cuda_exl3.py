@@ -113,6 +113,8 @@ def module(width: int, codebook: str, device) -> Module:
                 # (MUL1's AFF kernels: (x, 0) and (0, x)); gemv_pro sizes its split for them
                 if key[3] and extra_define("XDUP_SMEM"):
                     m.xdup_words = 32 if codebook == "mul1" else 16
+                # PRO_DYN_SMEM (the same): gemv_pro passes its kernels' shared memory at launch
+                m.pro_dyn_smem = bool(extra_define("PRO_DYN_SMEM"))
                 _modules[key] = m
     return m
 
@@ -255,7 +257,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL, smem=kernel_smem(name))
 
 
-PRO_SMEM = 4096     # the most uint32 of rotated activations a gemv_pro block holds (dynamic shared memory)
+PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
 # rows a slot the AFF kernels of a MUL1 halves module take (the EXL3TOOLS_GEMV_AFFINE preview;
 # AFF_ROWS in the source): gemv_pro picks its exl3_gemv_pro_*aff_* entry points up to these, the
 # gemv kernels choose inside
@@ -297,7 +299,7 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     units = groups * -(-kt // kps)
     last = ld_tab if act_rows is None else act_rows
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
-               nt, kps, groups, units, last, pdl=PDL, smem=4 * rows * (kps * per + pad))
+               nt, kps, groups, units, last, pdl=PDL, smem=4 * rows * (kps * per + pad) if mod.pro_dyn_smem else 0)
 
 
 def kernel_block(name: str) -> tuple[int, int]:

@@ -148,13 +148,13 @@ def _ptxas(tmp_path: Path, cb: int, *defines: str) -> tuple[str, dict[str, int]]
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
     """PRO_P / PRO_MINB reach the GEMV_PRO* kernels, pair and AFF: two k-tiles in flight at 9
-    blocks an SM compile to at most 56 registers without spills (the default: 72 at 7), and no
-    static shared memory keeps them from 9."""
-    report, regs = _ptxas(tmp_path, 2, "-DPRO_P=2", "-DPRO_MINB=9")
+    blocks an SM compile to at most 56 registers without spills (the default: 72 at 7), and with
+    PRO_DYN_SMEM no static shared memory keeps them from 9."""
+    report, regs = _ptxas(tmp_path, 2, "-DPRO_P=2", "-DPRO_MINB=9", "-DPRO_DYN_SMEM=1")
     assert {"exl3_gemv_pro_m8_t2_f16", "exl3_gemv_pro_aff_m8_t2_f16", "exl3_gemv_pro_act_aff_m8_t2_f32"} <= set(regs)
     assert all(r <= 56 for r in regs.values()), regs
-    # and no static shared memory: the rotated activations are dynamic, sized by gemv_pro at launch
-    # (a static 16 KB held every build at 7 blocks an SM whatever its registers: 2026-12-05 10:51)
+    # and with PRO_DYN_SMEM no static shared memory: the rotated activations sized by gemv_pro at
+    # launch (a static 16 KB holds every build at 7 blocks an SM whatever its registers: 2026-12-05 10:51)
     usage = re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?(Used \d+ registers[^\n]*)", report, re.S)
     assert len(usage) == len(regs) and not [u for u in usage if "smem" in u[1]], usage
 

@@ -37,6 +37,12 @@
 // tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
 #define XDUP_SMEM 0
 #endif
+#ifndef PRO_DYN_SMEM
+// 1: the PRO kernels' rotated activations in dynamic shared memory sized at launch (~2 KB at one
+// row; cuda_exl3.gemv_pro), not a static PRO_SMEM (16 KB), which holds every PRO build at 7
+// blocks an SM whatever its registers (PRO_MINB 8 or 9); a tuning A/B's define
+#define PRO_DYN_SMEM 0
+#endif
 
 namespace {
 
@@ -329,6 +335,7 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 template <typename TX>
 __device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
                                             const half* __restrict__ suh, float (&v)[4]);
+constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
 
 // acc[o, :] += xrot[o, :] @ Ŵ_e for rows o of slot z = blockIdx.y (o = z * rows + m), Ŵ_e from
 // trellis_ptrs[slot_exp ? slot_exp[z] : 0] (slot_exp[z] < 0: skip the slot), nt n-tiles of a trellis
@@ -370,10 +377,12 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
     }
 #endif
-    // PRO: rows x xstride uint32 of rotated activations (below), dynamic: gemv_pro sizes it at
-    // launch (~2 KB at one row, where a static 16 KB held the block count an SM at 7)
-    extern __shared__ __align__(16) uint32_t gemv_xs[];
+#if PRO_DYN_SMEM
+    extern __shared__ __align__(16) uint32_t gemv_xs[];   // PRO: rows x xstride uint32 (below)
     uint32_t* const xs = gemv_xs;
+#else
+    __shared__ __align__(16) uint32_t xs[PRO ? PRO_SMEM : 1];
+#endif
     // XD: xs holds a lane's B words ready: 3INST / MCG dup(x) = (x, x), 16 words a row's k-tile,
     // lane t's dup(k 2t, 2t+1, 2t+8, 2t+9) at 4t; AFF (x, 0) for even columns g, then (0, x) for
     // odd ones 16 words further (32 a row's k-tile)
