@@ -560,9 +560,9 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             else
                 rotate4(xo_, suh + col, v);
             if constexpr (XD) {
-                // columns k .. k + 3 of k-tile 8 ch + lane / 4 (PRO_FINE_K: ktl), k = 4 (lane % 4): dup(k), dup(k + 1)
-                // at lane t = (k % 8) / 2's words 2 (k >= 8), + 1; dup(k + 2), dup(k + 3) at t + 1's
-                // (AFF: (x, 0) there, (0, x) 16 words further)
+                // columns k .. k + 3 of k-tile 8 ch + lane / 4 (PRO_FINE_K: ktl), k = 4 (lane % 4):
+                // dup(k), dup(k + 1) at lane t = (k % 8) / 2's words 2 (k >= 8), + 1; dup(k + 2),
+                // dup(k + 3) at t + 1's (AFF: (x, 0) there, (0, x) 16 words further)
                 const int kk = 4 * (lane & 3);
 #if PRO_FINE_K
                 uint32_t* d = xs + m * xstride + ktl * XW + 2 * (kk & 7) + (kk >= 8 ? 2 : 0);
