@@ -95,8 +95,7 @@ def load_runner(path, *, device: str = "cpu", tp: int = 1, backend: str = "auto"
                         max_cache_tokens=max_cache_tokens, opened=opened, max_num_seqs=max_num_seqs,
                         block_size=block_size, kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization,
                         decode=decode, prefix_caching=prefix_caching,
-                        max_num_batched_tokens=max_num_batched_tokens, speculative_tokens=speculative_tokens,
-                        moe=moe)
+                        max_num_batched_tokens=max_num_batched_tokens, speculative_tokens=speculative_tokens)
     except BaseException:
         if world > 1:       # the workers wait for a command: release them
             try:

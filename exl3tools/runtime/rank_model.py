@@ -3,6 +3,7 @@ modules built on this rank's device (runtime/runner.py's rank 0 and runtime/work
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -12,6 +13,9 @@ from exl3tools.runtime.loader import Layout, open_rank
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.tp import TPContext
 from exl3tools.runtime.weights import WeightSource
+from exl3tools.text import first_line
+
+log = logging.getLogger("exl3tools.runtime")
 
 
 def build_local_model(layout: Layout, rank: int, world: int, *, backend: str = "reference",
@@ -42,7 +46,8 @@ def _weight_reads(ckpt, world: int, moe: str):
 
     try:
         return decode_reads(ckpt, world, moe)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        log.warning("no decode weight-read estimate: %s", first_line(exc))
         return None
 
 

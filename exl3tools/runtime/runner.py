@@ -80,7 +80,7 @@ class Runner(SpeculativeSteps):
                  block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = "auto",
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, decode: str | None = None,
                  prefix_caching: bool = True, max_num_batched_tokens: int = 512, speculative_tokens: int = 0,
-                 prompt_rows: int | None = None, moe: str = "tp"):
+                 prompt_rows: int | None = None):
         from exl3tools.runtime.block_manager import BlockManager
         from exl3tools.runtime.kv_pool import (
             bytes_per_token,
@@ -91,7 +91,6 @@ class Runner(SpeculativeSteps):
 
         self.model = model
         self.world, self._procs = world, list(procs)
-        self.ckpt_dir, self.moe = Path(ckpt_dir), moe   # rank 0's checkpoint (decode_reads)
         self.model_name = name
         self.vocab_size = model.info.vocab_size
         self.opened_files = opened or {}       # rank -> files opened while loading (when traced)
@@ -279,14 +278,9 @@ class Runner(SpeculativeSteps):
         return sum(self.blocks.length(k) for k in self._seqs)
 
     def decode_reads(self):
-        """Weight bytes rank 0 reads per decode step, from headers (exl3tools/roofline.py): those
-        build_local_model read, else rank 0's directory opened again."""
-        if getattr(self.model, "weight_reads", None) is not None:
-            return self.model.weight_reads
-        from exl3tools.checkpoint import Checkpoint
-        from exl3tools.roofline import decode_reads
-
-        return decode_reads(Checkpoint.open(self.ckpt_dir), self.world, self.moe)
+        """Weight bytes rank 0 reads per decode step (exl3tools/roofline.py), from the headers
+        build_local_model read; None where it could not tell (it logged why)."""
+        return self.model.weight_reads
 
     def cache_tokens_free(self) -> int:
         return self.blocks.free_blocks() * self.block_size
