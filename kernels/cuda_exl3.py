@@ -282,8 +282,8 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     """``had_in`` and ``gemv`` in one launch (``exl3_gemv_pro_m8_t2_*``, rows <= 8 a slot): each
     block rotates its split's columns of raw x (row o: x[row_src[o]] and sign vector row_exp[o],
     had_in's rounding) into shared memory. K splits are multiples of 8 k-tiles (whole 128-column
-    Hadamard blocks; 4 with the PRO_FINE_K build define), small enough that rows x the split fit PRO_SMEM; the fp32 acc and ``ld_tab``
-    as gemv's; ``act_rows`` as had_in's (not with ``ld_tab``)."""
+    Hadamard blocks; 4 with the PRO_FINE_K build define), small enough that rows x the split fit
+    PRO_SMEM; the fp32 acc and ``ld_tab`` as gemv's; ``act_rows`` as had_in's (not with ``ld_tab``)."""
     if act_rows is not None and ld_tab is not None:
         raise UsageError("gemv_pro: act_rows and ld_tab do not come together")
     kind = "ld_" if ld_tab is not None else "act_" if act_rows is not None else ""
