@@ -116,6 +116,7 @@ def large_parts(lin, x):
            "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
+           "cuda_decode_fold2_us": bench(lambda: cx.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh)),
            "cuda_decode_coop_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
@@ -139,21 +140,23 @@ def large_parts(lin, x):
         tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg2_m256_t1
         out[f"cuda_dense_{tag}_us"] = bench(tiles)
         out[f"cuda_dense_{tag}_err"] = err
-    keep = cx.FOLD_MIN_OUT
-    cx.FOLD_MIN_OUT = 0                  # both paths at every shape (the runtime folds above it)
-    for fold in (False, True):
-        lin.fold = fold
-        out[f"cuda_{'fold' if fold else 'nofold'}_us"] = bench(lambda: lin(x))
+    keep, fold_in0 = cx.FOLD_MIN_OUT, lin.fold_in
+    cx.FOLD_MIN_OUT = 0                  # every path at every shape (the runtime folds above it)
+    for tag, fold, fold_in in (("nofold", False, False), ("fold", True, False), ("fold2", False, True)):
+        lin.fold, lin.fold_in = fold, fold_in
+        out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
+        if fold_in:                      # the input pass folded too: x itself into cuBLAS
+            out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
         if PROFILE:
-            profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} fold {fold}")
-    lin.fold, cx.FOLD_MIN_OUT = fold0, keep
+            profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
+    lin.fold, lin.fold_in, cx.FOLD_MIN_OUT = fold0, fold_in0, keep
     # the unfolded path with the cooperative-load decode (EXL3TOOLS_DECODE_COOP, read per call)
-    lin.fold = False
+    lin.fold, lin.fold_in = False, False
     with mock.patch.dict(os.environ, {"EXL3TOOLS_DECODE_COOP": "1"}):
         out["cuda_coop_nofold_us"] = bench(lambda: lin(x))
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} decode_coop")
-    lin.fold = fold0
+    lin.fold, lin.fold_in = fold0, fold_in0
     if PROFILE:
         profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out
@@ -262,21 +265,24 @@ def print_large(results):
     rows = [r for r in results if "cuda_fold_us" in r]
     if not rows:
         return
-    cols = ("had_in", "decode_scatter", "decode", "decode_fold", "mm", "had_out")
-    hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>9}" for c in cols)
-           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'fp16':>8} {'fp16 nk':>8} | {'unf/fp16':>8} {'fold/fp16':>9}")
-    print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor; fp16: cuBLAS on "
-          "W (k, n), fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
+    cols = ("had_in", "decode_scatter", "decode", "decode_fold", "decode_fold2", "mm", "had_out")
+    hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>12}" for c in cols)
+           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'folded2':>8} {'fp16':>8} {'fp16 nk':>8} | "
+           f"{'unf/fp16':>8} {'fold/fp16':>9} {'fold2/fp16':>10} {'fold2 err':>9}")
+    print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor; folded: the output "
+          "pass in the decoded weights; folded2: both passes, x itself into cuBLAS; fp16: cuBLAS on W (k, n), "
+          "fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         f = r.get("fp16_us")
         rat = lambda p, f=f: f"{p / f:8.2f}" if f else f"{'-':>8}"   # noqa: E731
         print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | "
-              + " ".join(f"{r[f'cuda_{c}_us']:9.1f}" for c in cols)
-              + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} "
+              + " ".join(f"{r[f'cuda_{c}_us']:12.1f}" for c in cols)
+              + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} {r['cuda_fold2_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + (f" {r['fp16_nk_us']:8.1f}" if "fp16_nk_us" in r else f" {'-':>8}")
-              + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9}")
+              + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9} {rat(r['cuda_fold2_us']):>10}"
+              + f" {r['cuda_fold2_err']:9.1e}")
     coop = [r for r in rows if "cuda_coop_nofold_us" in r]
     if coop:
         print("\nrows > 64, the decode with each quad of tiles loaded once a warp (exl3_decode_t_coop, "

@@ -27,6 +27,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
+    # the same linears with the input pass folded in too (kernels/cuda_exl3.decode_fold2: W =
+    # diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole weight, rounded to fp16 once; fp16
+    # activations only), so that x itself goes into cuBLAS and no had_in runs: H100 2026-12-06,
+    # 2048 rows, had_in took 21.9 µs at 4096 -> 14336 and 61.3 at 14336 -> 4096 of a 464-474 µs
+    # path. Never run on a GPU yet
+    "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
     # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_exl3.decode_t) on
     # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in
     # 16-byte pieces (the next quad's while it decodes this one) and hands each lane its words
