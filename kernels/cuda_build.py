@@ -79,9 +79,9 @@ def halves(cb: int) -> bool:
 
 def extra_defines() -> tuple[str, ...]:
     """EXL3TOOLS_GEMV_DEFINES: extra -D flags for exl3_gemv.cu (a tuning A/B of its build constants,
-    PRO_P, PRO_MINB, XDUP_SMEM, PRO_DYN_SMEM, PRO_FINE_K: bench/gpu_all.sh's defs stage), part
-    of the cubins' cache key; integers decimal or hex; separated by spaces or commas (a value
-    without spaces fits gpu_all.sh's TEST_ENVS, "VAR=value ...")."""
+    PRO_P, PRO_MINB, XDUP_SMEM: bench/gpu_all.sh's defs stage), part of the cubins' cache key;
+    integers decimal or hex; separated by spaces or commas (a value without spaces fits
+    gpu_all.sh's TEST_ENVS, "VAR=value ...")."""
     flags = tuple(os.environ.get("EXL3TOOLS_GEMV_DEFINES", "").replace(",", " ").split())
     for f in flags:
         if not re.fullmatch(r"-D[A-Z_][A-Z0-9_]*(=-?(0x[0-9A-Fa-f]+|[0-9]+))?", f):

@@ -105,8 +105,6 @@ class Module:
 
     aff_rows = 0     # rows a slot its MUL1 AFF kernels take (set by cuda_exl3.module; 0: none)
     xdup_words = 0   # uint32 its PRO kernels keep a row's k-tile in shared memory with XDUP_SMEM (cuda_exl3.module)
-    pro_dyn_smem = False   # its PRO kernels' activations in dynamic shared memory (PRO_DYN_SMEM, cuda_exl3.module)
-    pro_fine_k = False     # its PRO kernels' K splits in half Hadamard blocks (PRO_FINE_K, cuda_exl3.module)
 
     def __init__(self, path: Path, device: torch.device):
         d = driver()

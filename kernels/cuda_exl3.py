@@ -113,10 +113,6 @@ def module(width: int, codebook: str, device) -> Module:
                 # (MUL1's AFF kernels: (x, 0) and (0, x)); gemv_pro sizes its split for them
                 if key[3] and extra_define("XDUP_SMEM"):
                     m.xdup_words = 32 if codebook == "mul1" else 16
-                # PRO_DYN_SMEM, PRO_FINE_K (the same): gemv_pro passes its kernels' shared memory
-                # at launch; its K splits come in half Hadamard blocks (4 k-tiles), not whole ones
-                m.pro_dyn_smem = bool(extra_define("PRO_DYN_SMEM"))
-                m.pro_fine_k = bool(extra_define("PRO_FINE_K"))
                 _modules[key] = m
     return m
 
@@ -282,8 +278,8 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     """``had_in`` and ``gemv`` in one launch (``exl3_gemv_pro_m8_t2_*``, rows <= 8 a slot): each
     block rotates its split's columns of raw x (row o: x[row_src[o]] and sign vector row_exp[o],
     had_in's rounding) into shared memory. K splits are multiples of 8 k-tiles (whole 128-column
-    Hadamard blocks; 4 with the PRO_FINE_K build define), small enough that rows x the split fit
-    PRO_SMEM; the fp32 acc and ``ld_tab`` as gemv's; ``act_rows`` as had_in's (not with ``ld_tab``)."""
+    Hadamard blocks), small enough that rows x the split fit PRO_SMEM; the fp32 acc and ``ld_tab``
+    as gemv's; ``act_rows`` as had_in's (not with ``ld_tab``)."""
     if act_rows is not None and ld_tab is not None:
         raise UsageError("gemv_pro: act_rows and ld_tab do not come together")
     kind = "ld_" if ld_tab is not None else "act_" if act_rows is not None else ""
@@ -291,18 +287,17 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     name = f"exl3_gemv_pro_{kind}{aff}m8_t2_{_SUFFIX[x.dtype]}"
     groups = nt // 2
     kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
-    q = 4 if mod.pro_fine_k else 8
-    kps = -(-kps // q) * q
+    kps = -(-kps // 8) * 8
     # xs holds rows x (kps x 8 + 4) uint32, or with XDUP_SMEM rows x (kps x xdup_words + 16) (MUL1:
     # its AFF kernels alone; a module without AFF rows is 3INST / MCG)
     xw = mod.xdup_words if aff or not mod.aff_rows else 0
     per, pad = (xw, 16) if xw else (8, 4)
-    cap = (PRO_SMEM // rows - pad) // per // q * q
-    kps = max(q, min(kps, cap))
+    cap = (PRO_SMEM // rows - pad) // per // 8 * 8
+    kps = max(8, min(kps, cap))
     units = groups * -(-kt // kps)
     last = ld_tab if act_rows is None else act_rows
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
-               nt, kps, groups, units, last, pdl=PDL, smem=4 * rows * (kps * per + pad) if mod.pro_dyn_smem else 0)
+               nt, kps, groups, units, last, pdl=PDL)
 
 
 def kernel_block(name: str) -> tuple[int, int]:

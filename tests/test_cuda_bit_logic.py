@@ -150,57 +150,10 @@ def _ptxas(tmp_path: Path, cb: int, *defines: str) -> tuple[str, dict[str, int]]
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
     """PRO_P / PRO_MINB reach the GEMV_PRO* kernels, pair and AFF: two k-tiles in flight at 9
-    blocks an SM compile to at most 56 registers without spills (the default: 72 at 7), and with
-    PRO_DYN_SMEM no static shared memory keeps them from 9."""
-    report, regs = _ptxas(tmp_path, 2, "-DPRO_P=2", "-DPRO_MINB=9", "-DPRO_DYN_SMEM=1")
+    blocks an SM compile to at most 56 registers without spills (the default: 72 at 7)."""
+    _, regs = _ptxas(tmp_path, 2, "-DPRO_P=2", "-DPRO_MINB=9")
     assert {"exl3_gemv_pro_m8_t2_f16", "exl3_gemv_pro_aff_m8_t2_f16", "exl3_gemv_pro_act_aff_m8_t2_f32"} <= set(regs)
     assert all(r <= 56 for r in regs.values()), regs
-    # and with PRO_DYN_SMEM no static shared memory: the rotated activations sized by gemv_pro at
-    # launch (a static 16 KB holds every build at 7 blocks an SM whatever its registers: 2026-12-05 10:51)
-    usage = re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?(Used \d+ registers[^\n]*)", report, re.S)
-    assert len(usage) == len(regs) and not [u for u in usage if "smem" in u[1]], usage
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-@pytest.mark.parametrize("cb,blocks", [(0, 9), (1, 9), (2, 8)])
-def test_fine_k_splits_build_without_spills(tmp_path, cb, blocks):
-    """PRO_FINE_K (K splits inside a Hadamard block) with PRO_DYN_SMEM and two k-tiles in flight:
-    every kernel without spills at 9 blocks an SM for 3INST / MCG (56 registers), at 8 for MUL1
-    (at 9 its grouped-launch AFF entries, exl3_gemv_pro_ld_aff_*, spill 20 bytes)."""
-    _, regs = _ptxas(tmp_path, cb, "-DPRO_FINE_K=1", "-DPRO_DYN_SMEM=1", "-DPRO_P=2", f"-DPRO_MINB={blocks}")
-    assert regs and all(r <= 65536 // (128 * blocks) // 8 * 8 for r in regs.values()), regs
-
-
-@pytest.mark.parametrize("kt,kps", [(256, 28), (256, 32), (64, 12), (448, 20), (32, 4)])
-def test_fine_k_input_pass_fills_exactly_the_words_the_loop_reads(kt, kps):
-    """A mirror of gemv_body's PRO input pass with PRO_FINE_K (each split rotates the whole
-    Hadamard blocks it touches, a lane keeping its four columns where their k-tile is the split's)
-    against its k-loop's reads (xs[xo], xs[xo + 4], xo = g x xstride + t + 8 per k-tile): every
-    word the loop reads is written once, with the columns of that k-tile, and nothing else is."""
-    for i0 in range(0, kt, kps):
-        i1 = min(kt, i0 + kps)
-        hb0 = i0 >> 3
-        chunks = ((i1 + 7) >> 3) - hb0
-        written: dict[int, tuple[int, int]] = {}
-        for ch in range(chunks):
-            for lane in range(32):
-                col = hb0 * 128 + ch * 128 + 4 * lane
-                ktl = hb0 * 8 - i0 + ch * 8 + (lane >> 2)
-                if not 0 <= ktl < i1 - i0:
-                    continue
-                assert col // 16 == i0 + ktl                         # the lane's columns are that k-tile's
-                d = ktl * 8 + 2 * (lane & 3)
-                for w, c in ((d, col), (d + 1, col + 2)):            # h0 = columns c, c + 1
-                    assert w not in written
-                    written[w] = (c, c + 1)
-        read = {}
-        for it in range(i1 - i0):
-            for t in range(4):
-                xo = t + 8 * it                                     # row 0 (xstride per row)
-                for w in (xo, xo + 4):
-                    read[w] = 16 * (i0 + it) + 2 * (w - 8 * it)      # B entries k 2t, 2t+1 / 2t+8, 2t+9
-        assert set(written) == set(read)
-        assert all(written[w][0] == read[w] for w in read)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")

@@ -37,19 +37,6 @@
 // tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
 #define XDUP_SMEM 0
 #endif
-#ifndef PRO_DYN_SMEM
-// 1: the PRO kernels' rotated activations in dynamic shared memory sized at launch (~2 KB at one
-// row; cuda_exl3.gemv_pro), not a static PRO_SMEM (16 KB), which holds every PRO build at 7
-// blocks an SM whatever its registers (PRO_MINB 8 or 9); a tuning A/B's define
-#define PRO_DYN_SMEM 0
-#endif
-#ifndef PRO_FINE_K
-// 1: the PRO kernels' K splits may start and end inside a 128-column Hadamard block (multiples of 4
-// k-tiles: cuda_exl3.gemv_pro), each block rotating the whole blocks its split touches and keeping
-// its own columns, so that a grid of more blocks than whole-block splits allow (896 at 4096 ->
-// 14336, one wave at 7 blocks an SM) can fill 8 or 9 an SM (with PRO_DYN_SMEM); a tuning A/B's define
-#define PRO_FINE_K 0
-#endif
 
 namespace {
 
@@ -384,12 +371,7 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
         }
     }
 #endif
-#if PRO_DYN_SMEM
-    extern __shared__ __align__(16) uint32_t gemv_xs[];   // PRO: rows x xstride uint32 (below)
-    uint32_t* const xs = gemv_xs;
-#else
     __shared__ __align__(16) uint32_t xs[PRO ? PRO_SMEM : 1];
-#endif
     // XD: xs holds a lane's B words ready: 3INST / MCG dup(x) = (x, x), 16 words a row's k-tile,
     // lane t's dup(k 2t, 2t+1, 2t+8, 2t+9) at 4t; AFF (x, 0) for even columns g, then (0, x) for
     // odd ones 16 words further (32 a row's k-tile)
@@ -532,26 +514,12 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
     for (int p = 0; p < P; p++) load_w(p, p < count);
     pdl_wait();
     if constexpr (PRO != 0) {             // had_in_body's pass on this split's 128-column blocks
-#if PRO_FINE_K
-        // the Hadamard blocks the split touches, whole (the transform needs all 128 columns); a
-        // lane keeps its four columns where their k-tile ktl (from i0) is the split's
-        const int hb0 = i0 >> 3;
-        const int chunks = ((i1 + 7) >> 3) - hb0;
-#else
         const int chunks = (i1 - i0) >> 3;
-#endif
         const int k = kt * 16;
         for (int task = threadIdx.x >> 5; task < rows * chunks; task += blockDim.x >> 5) {
             const int m = task / chunks, ch = task % chunks;
             const int o = z * rows + m;
-#if PRO_FINE_K
-            const int col = hb0 * 128 + ch * 128 + 4 * lane;
-            const int ktl = hb0 * 8 - i0 + ch * 8 + (lane >> 2);
-            const bool keep = ktl >= 0 && ktl < i1 - i0;
-#else
             const int col = i0 * 16 + ch * 128 + 4 * lane;
-            constexpr bool keep = true;
-#endif
             const half* suh = reinterpret_cast<const half*>(suh_ptrs[row_exp ? row_exp[o] : 0]);
             float v[4];
             const TX* xo_ = x + (size_t)(row_src ? row_src[o] : o) * k + col;
@@ -560,15 +528,11 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
             else
                 rotate4(xo_, suh + col, v);
             if constexpr (XD) {
-                // columns k .. k + 3 of k-tile 8 ch + lane / 4 (PRO_FINE_K: ktl), k = 4 (lane % 4):
-                // dup(k), dup(k + 1) at lane t = (k % 8) / 2's words 2 (k >= 8), + 1; dup(k + 2),
-                // dup(k + 3) at t + 1's (AFF: (x, 0) there, (0, x) 16 words further)
+                // columns k .. k + 3 of k-tile 8 ch + lane / 4, k = 4 (lane % 4): dup(k), dup(k + 1)
+                // at lane t = (k % 8) / 2's words 2 (k >= 8), + 1; dup(k + 2), dup(k + 3) at t + 1's
+                // (AFF: (x, 0) there, (0, x) 16 words further)
                 const int kk = 4 * (lane & 3);
-#if PRO_FINE_K
-                uint32_t* d = xs + m * xstride + ktl * XW + 2 * (kk & 7) + (kk >= 8 ? 2 : 0);
-#else
                 uint32_t* d = xs + m * xstride + (ch * 8 + (lane >> 2)) * XW + 2 * (kk & 7) + (kk >= 8 ? 2 : 0);
-#endif
                 uint32_t u[4];
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
@@ -576,28 +540,18 @@ __device__ __forceinline__ void gemv_body(const uint32_t* __restrict__ xrot, con
                                             : __float2half2_rn(v[q]);
                     u[q] = *reinterpret_cast<const uint32_t*>(&h);
                 }
-                if (keep) {
-                    *reinterpret_cast<uint2*>(d) = make_uint2(u[0], u[1]);
-                    *reinterpret_cast<uint2*>(d + 4) = make_uint2(u[2], u[3]);
-                }
+                *reinterpret_cast<uint2*>(d) = make_uint2(u[0], u[1]);
+                *reinterpret_cast<uint2*>(d + 4) = make_uint2(u[2], u[3]);
                 if constexpr (CB == 2) {      // (0, x): the halves swapped
-                    if (keep) {
-                        *reinterpret_cast<uint2*>(d + 16) = make_uint2(u[0] << 16, u[1] << 16);
-                        *reinterpret_cast<uint2*>(d + 20) = make_uint2(u[2] << 16, u[3] << 16);
-                    }
+                    *reinterpret_cast<uint2*>(d + 16) = make_uint2(u[0] << 16, u[1] << 16);
+                    *reinterpret_cast<uint2*>(d + 20) = make_uint2(u[2] << 16, u[3] << 16);
                 }
             } else {
                 half2 h0 = __floats2half2_rn(v[0], v[1]);
                 half2 h1 = __floats2half2_rn(v[2], v[3]);
-#if PRO_FINE_K
-                uint32_t* d = xs + m * xstride + ktl * 8 + 2 * (lane & 3);
-#else
                 uint32_t* d = xs + m * xstride + ch * 64 + 2 * lane;   // k-tile 8 ch + lane / 4
-#endif
-                if (keep) {
-                    d[0] = *reinterpret_cast<uint32_t*>(&h0);
-                    d[1] = *reinterpret_cast<uint32_t*>(&h1);
-                }
+                d[0] = *reinterpret_cast<uint32_t*>(&h0);
+                d[1] = *reinterpret_cast<uint32_t*>(&h1);
             }
         }
         __syncthreads();
