@@ -13,7 +13,8 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
   the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
   the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows
-  (where rows x n >= FOLD_MIN_OUT).
+  (where rows x n >= FOLD_MIN_OUT); with the EXL3TOOLS_DENSE_FOLD_IN preview and fp16 activations,
+  ``decode_fold2`` the whole weight W (the input pass folded in too) and one GEMM on x itself.
 Many experts' projections in one call: ``CudaExperts`` (kernels/cuda_experts.py).
 
 Batch-invariant runs (runtime/invariance.py): K splits fixed by the weight's shape and the partials
@@ -45,6 +46,7 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 # decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
 FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
+FOLD2_SMEM = 128 * 136 * 4   # decode_fold2's dynamic shared memory a block: 128 columns x F2_LD floats
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -378,6 +380,23 @@ def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int =
     return wt
 
 
+def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, j0: int = 0,
+                 j1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Wᵀ (n, k) fp16 with W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the linear's whole weight
+    (both Hadamard passes folded in; float32 inside, rounded once), so that x @ W + bias is the
+    linear of x itself; of n-tiles j0..j1 where given (whole 128-column blocks), ``out`` as in
+    decode_t. ``suh``: all k entries."""
+    kt, ld, _ = trellis.shape
+    j1 = ld if j1 is None else j1
+    nt = j1 - j0
+    if nt % 8 or j0 % 8 or kt % 8:
+        raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
+    wt = _decoded(out, nt, kt, trellis.device)
+    mod.launch("exl3_decode_fold2", (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld,
+               smem=FOLD2_SMEM)
+    return wt
+
+
 def _decoded(out: torch.Tensor | None, nt: int, kt: int, device) -> torch.Tensor:
     if out is None:
         return torch.empty(nt * 16, kt * 16, dtype=torch.float16, device=device)
@@ -387,14 +406,15 @@ def _decoded(out: torch.Tensor | None, nt: int, kt: int, device) -> torch.Tensor
 
 
 def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, suh: torch.Tensor | None = None) -> torch.Tensor:
     """x (rows, k) fp16 @ Ŵ (k, n) through cuBLAS on the decoded Ŵ, decoded DENSE_CHUNK_BYTES of
     fp16 at a time (column chunks: a 154880 x 6144 head is 1.9 GB decoded whole, which an MTP
     verify step's graph held in its pool, docs/serve.md), every chunk into one buffer (on one
     stream each GEMM has read it before the next decode writes it). Chunks small enough to stay in
     L2 measured slower (H200, docs/gpu.md): the decode is not bound by its stores' HBM traffic.
     The chunks' GEMMs write their columns of the result in place. With ``svh``: x @ W' (+
-    ``bias``) on decode_fold's W', the linear's whole output (no output pass to follow)."""
+    ``bias``) on decode_fold's W', the linear's whole output (no output pass to follow); with
+    ``suh`` too, x is the raw input and W decode_fold2's whole weight (no input pass before)."""
     kt, nt, _ = trellis.shape
     step = max(1, DENSE_CHUNK_BYTES // (kt * 16 * 16 * 2))      # n-tiles a chunk
     if svh is not None:
@@ -406,7 +426,8 @@ def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor, svh: torch.Ten
         wt = buf[:16 * (j1 - j0)]
         if svh is None:
             return torch.mm(x, decode_t(mod, trellis, j0, j1, out=wt).t(), out=out)
-        w = decode_fold(mod, trellis, svh, j0, j1, out=wt).t()
+        w = (decode_fold(mod, trellis, svh, j0, j1, out=wt) if suh is None
+             else decode_fold2(mod, trellis, suh, svh, j0, j1, out=wt)).t()
         if bias is None:
             return torch.mm(x, w, out=out)
         return torch.addmm(bias[16 * j0:16 * j1], x, w, out=out)
@@ -451,6 +472,7 @@ class CudaLinear:
         from exl3tools.runtime import invariance, preview
 
         self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
+        self.fold_in = preview.switched_on("dense_fold_in")   # and the input pass too (fp16 x)
         self.invariant = invariance.on()
         self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= GEMV_PRO_MAX_ROWS: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
@@ -476,6 +498,10 @@ class CudaLinear:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         if self.wgmma and SMALL_ROWS < rows <= WG_MAX_ROWS:
             return self._wgmma(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
+        if self.fold_in and rows > SMALL_ROWS and rows * self.n >= FOLD_MIN_OUT and x2.dtype == torch.float16:
+            # the whole weight: x itself into cuBLAS
+            y = dense_mm(self.mod, x2, self.trellis, self.svh, self.bias, suh=self.suh)
+            return y.to(x.dtype).reshape(*shape[:-1], self.n)
         if self.gemv_in and gemv_pro_fits(rows, x2.dtype):     # had_in inside the gemv
             acc = workspace(self.device, rows * self.n)
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, 1, acc)

@@ -725,7 +725,83 @@ __device__ __forceinline__ void decode_coop_body(const uint32_t* __restrict__ tr
 // i, 8 adjacent n-tiles = one 128-column Hadamard block): its 8 tiles' 64 values a lane in fp32;
 // the column index n = 16 u + 8 h + g (u the tile, h = b index >> 1, g = lane >> 2), so the 128-
 // point transform is 4 butterfly stages in registers (h, u) and 3 across lanes (g: xor 4, 8, 16).
-// nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr).
+// nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr). fold_n is one such warp's
+// part, left in f in fp32 with svh / sqrt(128) applied: f[u][q][p] [tile u][b index q][half p] is
+// column 16 u + 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p of k-tile i (decode_fold2 goes on from it).
+__device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restrict__ tr, const half* __restrict__ svh,
+                                       int i, int j0, int ld, int off, const int (&widx)[NL], float (&f)[8][4][2]) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    uint32_t w[8][NL];
+    const uint32_t* src = tr + ((size_t)i * ld + j0) * NW;
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+#pragma unroll
+        for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + u * NW + widx[m]);
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        uint32_t b[4];
+        decode_tile(kc, w[u], off, b);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
+            f[u][q][0] = v.x;
+            f[u][q][1] = v.y;
+        }
+    }
+    // n bit 3: b index q vs q + 2
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                const float a = f[u][q][p], c = f[u][q + 2][p];
+                f[u][q][p] = a + c;
+                f[u][q + 2][p] = a - c;
+            }
+    // n bits 4..6: tile u vs u ^ s
+#pragma unroll
+    for (int s = 1; s < 8; s <<= 1)
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            if (u & s) continue;
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    const float a = f[u][q][p], c = f[u + s][q][p];
+                    f[u][q][p] = a + c;
+                    f[u + s][q][p] = a - c;
+                }
+        }
+    // n bits 0..2: g, across lanes
+#pragma unroll
+    for (int m = 4; m < 32; m <<= 1) {
+        const float sg = (lane & m) ? -1.f : 1.f;
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+#pragma unroll
+                for (int p = 0; p < 2; p++) {
+                    const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
+                    f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
+                }
+    }
+    const half* sv = svh + 16 * j0 + g;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
+        const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float sc = q < 2 ? s0 : s1;
+            f[u][q][0] *= sc;
+            f[u][q][1] *= sc;
+        }
+    }
+}
 __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt,
                                                  const half* __restrict__ svh, int kt, int nt, int ld) {
     const int lane = threadIdx.x & 31;
@@ -739,74 +815,14 @@ __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr
     const Consts kc;
     for (long it = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
         const int i = (int)(it / nb), j0 = (int)(it % nb) * 8;
-        uint32_t w[8][NL];
-        const uint32_t* src = tr + ((size_t)i * ld + j0) * NW;
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-#pragma unroll
-            for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + u * NW + widx[m]);
-        float f[8][4][2];                     // [tile u][b index q][half p]
+        float f[8][4][2];
+        fold_n(kc, tr, svh, i, j0, ld, off, widx, f);
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             uint32_t b[4];
-            decode_tile(kc, w[u], off, b);
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
-                f[u][q][0] = v.x;
-                f[u][q][1] = v.y;
-            }
-        }
-        // n bit 3: b index q vs q + 2
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-#pragma unroll
-                for (int p = 0; p < 2; p++) {
-                    const float a = f[u][q][p], c = f[u][q + 2][p];
-                    f[u][q][p] = a + c;
-                    f[u][q + 2][p] = a - c;
-                }
-        // n bits 4..6: tile u vs u ^ s
-#pragma unroll
-        for (int s = 1; s < 8; s <<= 1)
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (u & s) continue;
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-#pragma unroll
-                    for (int p = 0; p < 2; p++) {
-                        const float a = f[u][q][p], c = f[u + s][q][p];
-                        f[u][q][p] = a + c;
-                        f[u + s][q][p] = a - c;
-                    }
-            }
-        // n bits 0..2: g, across lanes
-#pragma unroll
-        for (int m = 4; m < 32; m <<= 1) {
-            const float sg = (lane & m) ? -1.f : 1.f;
-#pragma unroll
-            for (int u = 0; u < 8; u++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-#pragma unroll
-                    for (int p = 0; p < 2; p++) {
-                        const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
-                        f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
-                    }
-        }
-        const half* sv = svh + 16 * j0 + g;
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
-            const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
-            uint32_t b[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float sc = q < 2 ? s0 : s1;
-                half2 h = __floats2half2_rn(f[u][q][0] * sc, f[u][q][1] * sc);
+                half2 h = __floats2half2_rn(f[u][q][0], f[u][q][1]);
                 b[q] = *reinterpret_cast<uint32_t*>(&h);
             }
             store_tile_t(wt, b, i, j0 + u, k2, g, t);
@@ -883,6 +899,55 @@ template <typename TX>
 __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]) {
     load4(x, v);
     rotate4_vals(suh, v);
+}
+
+// wt[n, k] = fp16(W[k, n]) for the whole linear, W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128 (both
+// Hadamard passes and both sign vectors folded in: exl3-format.md §5.7, the reference decoder's final
+// W), so that y = x @ W + bias is one cuBLAS call on the raw activations, with neither had_in (61 µs
+// at 2048 x 14336 on the H100) nor had_out. One block of 8 warps per (128-row block kb of k, 128-column
+// block jb of n): warp w runs decode_fold's n pass on k-tile 8 kb + w and puts its 16 x 128 values,
+// fp32, in shared memory (a row per column n, F2_LD floats: the float2 stores take two wavefronts);
+// after the barrier each warp takes 16 columns, transforms each along k (fwht128: lane L holds k 4L ..
+// 4L + 3), scales by suh / sqrt(128) and stores 4 fp16 a lane, 256 contiguous bytes of a wt row.
+// Rounded once. nt: a multiple of 8; svh: of these columns (n-tile 0 of tr); suh: the whole k.
+constexpr int F2_LD = 136;   // the launch's dynamic shared memory: 128 x F2_LD floats (cuda_exl3.FOLD2_SMEM)
+__device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
+                                                  const half* __restrict__ suh, const half* __restrict__ svh,
+                                                  int kt, int nt, int ld) {
+    extern __shared__ __align__(16) float fs[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    int off, widx[NL];
+    lane_words(lane, off, widx);
+    const int nb = nt >> 3;
+    const int kb = blockIdx.x / nb, j0 = (blockIdx.x % nb) * 8;
+    const Consts kc;
+    float f[8][4][2];
+    fold_n(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
+    // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 2 t + 8 (q & 1) + p of the warp's k-tile
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            *reinterpret_cast<float2*>(fs + (16 * u + 8 * (q >> 1) + g) * F2_LD + 16 * warp + 2 * t + 8 * (q & 1)) =
+                make_float2(f[u][q][0], f[u][q][1]);
+    __syncthreads();
+    float sv[4];
+    load4(suh + 128 * kb + 4 * lane, sv);
+#pragma unroll
+    for (int q = 0; q < 4; q++) sv[q] *= 0.08838834764831845f;   // 1/sqrt(128)
+    const size_t k = (size_t)kt * 16;
+    half* dst = wt + (size_t)(16 * j0 + 16 * warp) * k + 128 * kb + 4 * lane;
+#pragma unroll 4
+    for (int c = 0; c < 16; c++) {
+        float v[4];
+        const float4 a = *reinterpret_cast<const float4*>(fs + (16 * warp + c) * F2_LD + 4 * lane);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        fwht128(v);
+#pragma unroll
+        for (int q = 0; q < 4; q++) v[q] *= sv[q];
+        store4(dst + (size_t)c * k, v);
+    }
 }
 // ACT: the input is silu(gate) * up of a gate+up call's output (fused_decode.silu_mul's fp32
 // arithmetic, rounded to TX as its output would be), gate row at x, up row at u
@@ -1149,6 +1214,10 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_t_coop(const uint3
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_t* tr, uint32_t* wt, const half* svh,
                                                                     int kt, int nt, int ld) {
     decode_fold_body(tr, wt, svh, kt, nt, ld);
+}
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
+                                                                     const half* svh, int kt, int nt, int ld) {
+    decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
 #define HAD_IN(NAME, TX)                                                                                 \

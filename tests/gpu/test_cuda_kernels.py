@@ -52,16 +52,18 @@ def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
     yref = x.astype(np.float64) @ w + (b.astype(np.float64) if b is not None else 0)
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
     assert lin.dense_tiles
-    # rows > 64: both dense paths, and up to 128 rows the tile kernel
-    paths = [(False, False), (False, True)] + ([(True, False)] if rows <= 128 else []) \
-        if rows > cx.SMALL_ROWS else [(lin.dense_tiles, lin.fold)]
-    for tiles, fold in paths:
-        lin.dense_tiles, lin.fold = tiles, fold
+    # rows > 64: the three dense paths (decode + GEMM + output pass, the output pass folded, both
+    # passes folded), and up to 128 rows the tile kernel
+    paths = [(False, False, False), (False, True, False), (False, False, True)] \
+        + ([(True, False, False)] if rows <= 128 else []) if rows > cx.SMALL_ROWS \
+        else [(lin.dense_tiles, lin.fold, lin.fold_in)]
+    for path in paths:
+        lin.dense_tiles, lin.fold, lin.fold_in = path
         y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-        assert _rel(y, yref) < 2e-3, (tiles, fold)
+        assert _rel(y, yref) < 2e-3, path
         # the workspace was re-zeroed (split-K atomics add in any order: equal up to rounding)
         y2 = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
-        assert _rel(y2, y) < 1e-3, (tiles, fold)
+        assert _rel(y2, y) < 1e-3, path
 
 
 def test_decode_column_chunks(cx):
@@ -117,12 +119,39 @@ def test_decode_fold(cx, width, cb):
         cx.decode_fold(mod, trd, svd, 0, 12)
 
 
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("width,cb", [(48, "mul1"), (16, "3inst"), (128, "mcg"), (40, "mul1")])
+def test_decode_fold2_is_the_whole_weight(cx, width, cb):
+    """decode_fold2's Wᵀ, both Hadamard passes and sign vectors folded into the decoded weights,
+    is the reference decoder's final W within fp16 rounding (a wrong lane, row, column, sign or
+    scale is off by O(1)); its 128-column chunks equal those rows of the whole; k or n not in
+    whole 128-wide blocks is refused."""
+    import torch
+
+    rng = np.random.default_rng(width + 1)
+    k, n = 384, 640
+    tr, suh, svh, _ = _lin(rng, k, n, width)
+    trd, sud, svd = (torch.from_numpy(a).cuda() for a in (tr, suh, svh))
+    mod = cx.module(width, cb, trd.device)
+    got = cx.decode_fold2(mod, trd, sud, svd).double().cpu().numpy().T            # W (k, n)
+    want = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
+    assert err.max() < 2e-3, err.max()
+    whole = cx.decode_fold2(mod, trd, sud, svd)
+    for j0, j1 in ((0, 8), (8, 40), (16, 24)):
+        assert torch.equal(cx.decode_fold2(mod, trd, sud, svd, j0, j1), whole[16 * j0:16 * j1])
+    with pytest.raises(cx.UsageError):
+        cx.decode_fold2(mod, trd, sud, svd, 0, 12)
+    with pytest.raises(cx.UsageError):
+        cx.decode_fold2(mod, trd[:20], sud[:320], svd)          # 20 k-tiles: not whole 128-row blocks
+
+
+@pytest.mark.parametrize("fold", [False, True, "in"])
 @pytest.mark.parametrize("chunk_tiles", [1, 3, 7])
 def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     """rows > SMALL_ROWS with Ŵ decoded a few n-tiles at a time into one reused buffer
     (DENSE_CHUNK_BYTES, down from 256 MiB so that this shape splits, the last chunk short;
-    folded: chunks of whole 128-column blocks) gives what the whole decode gives."""
+    folded: chunks of whole 128-column blocks; "in": both passes folded) gives what the whole
+    decode gives."""
     import torch
 
     rng = np.random.default_rng(chunk_tiles)
@@ -130,7 +159,7 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     tr, suh, svh, b = _lin(rng, k, n, 48, bias=True)
     x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda()
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
-    lin.fold = fold
+    lin.fold, lin.fold_in = fold is True, fold == "in"
     monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)
     whole = lin(x)
     monkeypatch.setattr(cx, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
