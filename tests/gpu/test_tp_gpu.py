@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import DSV3_MTP, fixture_dir, model_dir
+from tests.conftest import DSV3_DECISIVE, fixture_dir, model_dir
 
 PROMPT = list(range(3, 43))          # 40 tokens: past the glm5 fixtures' index_topk (32)
 STEPS = (5, 900, 11)
@@ -42,7 +42,7 @@ def _logits(r) -> list:
 
 
 @pytest.mark.parametrize("name,moe,tol", [("glm4_moe-tp-2.0bpw-mul1", "tp", 1e-2), ("glm4_moe-tp-2.0bpw-mul1", "ep", 1e-2),
-                                          ("glm5_moe_dsa-tp-4.0bpw-mcg", "tp", 3e-2), (DSV3_MTP, "ep", 1e-2)])
+                                          ("glm5_moe_dsa-tp-4.0bpw-mcg", "tp", 3e-2), (DSV3_DECISIVE, "ep", 1e-2)])
 def test_tp2_gives_tp1s_logits(dev, tp_mode, name, moe, tol, request):
     """The prompt's every row and three decode steps through the fixed-shape step (graphs over
     NCCL): TP 2 against TP 1 within ``tol`` (glm5's DSA selection sits on near-ties of the
