@@ -140,8 +140,8 @@ def large_parts(lin, x):
         tag = name.removeprefix("exl3_")      # tiles_m128_t2, wg2_m256_t1
         out[f"cuda_dense_{tag}_us"] = bench(tiles)
         out[f"cuda_dense_{tag}_err"] = err
-    keep, fold_in0 = cx.FOLD_MIN_OUT, lin.fold_in
-    cx.FOLD_MIN_OUT = 0                  # every path at every shape (the runtime folds above it)
+    keep, keep2, fold_in0 = cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS, lin.fold_in
+    cx.FOLD_MIN_OUT = cx.FOLD2_MIN_ROWS = 0   # every path at every shape (the runtime folds above them)
     for tag, fold, fold_in in (("nofold", False, False), ("fold", True, False), ("fold2", False, True)):
         lin.fold, lin.fold_in = fold, fold_in
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
@@ -149,7 +149,7 @@ def large_parts(lin, x):
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
-    lin.fold, lin.fold_in, cx.FOLD_MIN_OUT = fold0, fold_in0, keep
+    lin.fold, lin.fold_in, cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS = fold0, fold_in0, keep, keep2
     # the unfolded path with the cooperative-load decode (EXL3TOOLS_DECODE_COOP, read per call)
     lin.fold, lin.fold_in = False, False
     with mock.patch.dict(os.environ, {"EXL3TOOLS_DECODE_COOP": "1"}):

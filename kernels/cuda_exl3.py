@@ -47,6 +47,10 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 FOLD_MIN_OUT = 12_000_000
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
 FOLD2_SMEM = 128 * 136 * 4   # decode_fold2's dynamic shared memory a block: 128 columns x F2_LD floats
+# both passes folded (EXL3TOOLS_DENSE_FOLD_IN) from this many rows: the decode takes ~27 µs longer a
+# 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
+# at 2048 rows at every bench shape (2-21 % under decode + GEMM + had_out) but not at 256 (0-12 % over)
+FOLD2_MIN_ROWS = 1024
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -471,8 +475,10 @@ class CudaLinear:
         self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
         from exl3tools.runtime import invariance, preview
 
-        self.fold = preview.switched_on("dense_fold")   # rows > SMALL_ROWS: the output pass in Ŵ
-        self.fold_in = preview.switched_on("dense_fold_in")   # and the input pass too (fp16 x)
+        # rows > SMALL_ROWS: the output pass folded into Ŵ (fold), both passes (fold_in; fp16 x);
+        # None: their preview switches, read per call (a prefill A/B switches them in one process)
+        self.fold: bool | None = None
+        self.fold_in: bool | None = None
         self.invariant = invariance.on()
         self.gemv_in = preview.switched_on("gemv_prologue")   # rows <= GEMV_PRO_MAX_ROWS: no had_in launch
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
@@ -498,7 +504,13 @@ class CudaLinear:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         if self.wgmma and SMALL_ROWS < rows <= WG_MAX_ROWS:
             return self._wgmma(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
-        if self.fold_in and rows > SMALL_ROWS and rows * self.n >= FOLD_MIN_OUT and x2.dtype == torch.float16:
+        fold = fold_in = False
+        if rows > SMALL_ROWS:
+            from exl3tools.runtime import preview
+
+            fold = preview.switched_on("dense_fold") if self.fold is None else self.fold
+            fold_in = preview.switched_on("dense_fold_in") if self.fold_in is None else self.fold_in
+        if fold_in and rows >= FOLD2_MIN_ROWS and x2.dtype == torch.float16:
             # the whole weight: x itself into cuBLAS
             y = dense_mm(self.mod, x2, self.trellis, self.svh, self.bias, suh=self.suh)
             return y.to(x.dtype).reshape(*shape[:-1], self.n)
@@ -507,7 +519,7 @@ class CudaLinear:
             gemv_pro(self.mod, x2, self.suh_tab, self.tr_tab, self.kt, self.nt, rows, 1, acc)
         else:
             xrot = had_in(self.mod, x2, self.suh_tab, rows, rows, self.k)
-            if rows > SMALL_ROWS and self.fold and rows * self.n >= FOLD_MIN_OUT:
+            if fold and rows * self.n >= FOLD_MIN_OUT:
                 y = dense_mm(self.mod, xrot, self.trellis, self.svh, self.bias)
                 return y.to(x.dtype).reshape(*shape[:-1], self.n)
             if rows <= SMALL_ROWS:

@@ -27,11 +27,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
-    # the same linears with the input pass folded in too (kernels/cuda_exl3.decode_fold2: W =
-    # diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole weight, rounded to fp16 once; fp16
-    # activations only), so that x itself goes into cuBLAS and no had_in runs: H100 2026-12-06,
-    # 2048 rows, had_in took 21.9 µs at 4096 -> 14336 and 61.3 at 14336 -> 4096 of a 464-474 µs
-    # path. Never run on a GPU yet
+    # linears of cuda_exl3.FOLD2_MIN_ROWS rows or more with fp16 activations: both passes folded
+    # (kernels/cuda_exl3.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole
+    # weight, rounded to fp16 once), so that x itself goes into cuBLAS, no had_in and no had_out.
+    # H100 2026-12-06 (bench/gpu_bench.py, K 3, 2048 rows, µs, against decode + GEMM + had_out):
+    # 14336 -> 4096 432.9 vs 464.9, 6144 -> 2048 94.5 vs 119.2, 2048 -> 6144 99.5 vs 126.0, 4096
+    # -> 14336 443.5 vs 470.3, 8192 -> 8192 506.3 vs 515.6; at 256 rows 0-12 % slower (its decode
+    # 98 µs against 71 at 4096 x 14336); tests/gpu passed with it on
     "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
     # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_exl3.decode_t) on
     # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in

@@ -39,7 +39,8 @@ def test_decode_bit_exact(cx, width, cb):
 def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
     import torch
 
-    monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)     # the folded path at these small shapes too
+    monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)     # the folded paths at these small shapes too
+    monkeypatch.setattr(cx, "FOLD2_MIN_ROWS", 0)
     monkeypatch.setattr(cx, "DENSE_TILE_MIN_K", 0)   # and the 128-row tile kernel (dense_tiles)
     monkeypatch.setenv("EXL3TOOLS_DENSE_TILES", "1")
     if rows not in (1, 13) and cb != "mul1" and width != 48:
@@ -161,6 +162,7 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
     lin.fold, lin.fold_in = fold is True, fold == "in"
     monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)
+    monkeypatch.setattr(cx, "FOLD2_MIN_ROWS", 0)
     whole = lin(x)
     monkeypatch.setattr(cx, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
     y = lin(x).float().cpu().numpy()
