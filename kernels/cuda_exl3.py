@@ -51,6 +51,7 @@ FOLD2_SMEM = 128 * 136 * 4   # decode_fold2's dynamic shared memory a block: 128
 # 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
 # at 2048 rows at every bench shape (2-21 % under decode + GEMM + had_out) but not at 256 (0-12 % over)
 FOLD2_MIN_ROWS = 1024
+FOLD2_KERNEL = "exl3_decode_fold2"   # or exl3_decode_fold2s (no warp shuffles; bench/gpu_bench.py times both)
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -385,19 +386,20 @@ def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int =
 
 
 def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, j0: int = 0,
-                 j1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 j1: int | None = None, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """Wᵀ (n, k) fp16 with W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the linear's whole weight
     (both Hadamard passes folded in; float32 inside, rounded once), so that x @ W + bias is the
     linear of x itself; of n-tiles j0..j1 where given (whole 128-column blocks), ``out`` as in
-    decode_t. ``suh``: all k entries."""
+    decode_t. ``suh``: all k entries. ``kernel`` (default FOLD2_KERNEL): exl3_decode_fold2 (the k
+    pass by warp shuffles) or exl3_decode_fold2s (both passes' last stages through shared memory,
+    no shuffle)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     if nt % 8 or j0 % 8 or kt % 8:
         raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    mod.launch("exl3_decode_fold2", (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld,
-               smem=FOLD2_SMEM)
+    mod.launch(kernel or FOLD2_KERNEL, (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld, smem=FOLD2_SMEM)
     return wt
 
 

@@ -120,12 +120,13 @@ def test_decode_fold(cx, width, cb):
         cx.decode_fold(mod, trd, svd, 0, 12)
 
 
+@pytest.mark.parametrize("kernel", ["exl3_decode_fold2", "exl3_decode_fold2s"])
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (16, "3inst"), (128, "mcg"), (40, "mul1")])
-def test_decode_fold2_is_the_whole_weight(cx, width, cb):
+def test_decode_fold2_is_the_whole_weight(cx, width, cb, kernel):
     """decode_fold2's Wᵀ, both Hadamard passes and sign vectors folded into the decoded weights,
     is the reference decoder's final W within fp16 rounding (a wrong lane, row, column, sign or
-    scale is off by O(1)); its 128-column chunks equal those rows of the whole; k or n not in
-    whole 128-wide blocks is refused."""
+    scale is off by O(1)), by either kernel; its 128-column chunks equal those rows of the
+    whole; k or n not in whole 128-wide blocks is refused."""
     import torch
 
     rng = np.random.default_rng(width + 1)
@@ -133,13 +134,13 @@ def test_decode_fold2_is_the_whole_weight(cx, width, cb):
     tr, suh, svh, _ = _lin(rng, k, n, width)
     trd, sud, svd = (torch.from_numpy(a).cuda() for a in (tr, suh, svh))
     mod = cx.module(width, cb, trd.device)
-    got = cx.decode_fold2(mod, trd, sud, svd).double().cpu().numpy().T            # W (k, n)
+    got = cx.decode_fold2(mod, trd, sud, svd, kernel=kernel).double().cpu().numpy().T      # W (k, n)
     want = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
     assert err.max() < 2e-3, err.max()
-    whole = cx.decode_fold2(mod, trd, sud, svd)
+    whole = cx.decode_fold2(mod, trd, sud, svd, kernel=kernel)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
-        assert torch.equal(cx.decode_fold2(mod, trd, sud, svd, j0, j1), whole[16 * j0:16 * j1])
+        assert torch.equal(cx.decode_fold2(mod, trd, sud, svd, j0, j1, kernel=kernel), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
         cx.decode_fold2(mod, trd, sud, svd, 0, 12)
     with pytest.raises(cx.UsageError):
