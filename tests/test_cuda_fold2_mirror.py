@@ -6,6 +6,8 @@ one before wrote, and that no pass has a shared-memory bank conflict."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 LD = 136                                   # F2_LD
@@ -126,13 +128,8 @@ def test_fold2s_passes_compute_the_whole_weight_without_bank_conflicts():
     assert worst == 1, f"a {worst}-way bank conflict"
 
 
-def test_the_mirror_sees_a_wrong_swizzle():
+def test_the_mirror_sees_a_wrong_swizzle(monkeypatch):
     """Without the XOR the second pass's half-warps share banks: the check above can fail."""
-    global swz
-    keep = swz
-    try:
-        swz = lambda n: 0   # noqa: E731
-        _, worst = run_mirror(np.zeros((128, 128)), np.ones(128), np.ones(128))
-        assert worst > 1
-    finally:
-        swz = keep
+    monkeypatch.setattr(sys.modules[__name__], "swz", lambda n: 0)
+    _, worst = run_mirror(np.zeros((128, 128)), np.ones(128), np.ones(128))
+    assert worst > 1
