@@ -34,8 +34,9 @@ one prompt at each ``--ctx`` length and, with ``--join``, one join (one stream a
    is past its prefill and none has finished, over that window (prefill excluded; falls back to
    tokens after each stream's first over first first token -> last token when the window holds
    fewer than 2 tokens per stream); one stream: ``--repeats`` times, median;
-5. ``--join N:CTX:M``: N streams decode after CTX-token prompts; once each has 8 tokens, M
-   short prompts are sent: their TTFT, and the running streams' longest gap between tokens while
+5. ``--join N:CTX:M``: N streams decode after CTX-token prompts (at least 64 tokens each, so they
+   still run when the new ones land); once each has 8 tokens, M short prompts are sent: their
+   TTFT, and the still-running streams' longest gap between tokens while
    the new ones are admitted (first new request -> last new first token) against their median gap
    before (what a user mid-answer sees when others arrive); the server's schedule of each burst
    comes from GET /v1/engine/steps;

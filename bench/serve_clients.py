@@ -60,6 +60,9 @@ async def stream_one(client, model: str, current: contextvars.ContextVar, prompt
                 s.events.append((now, k))
                 if seen is not None:
                     seen(s)
+                    # a client behind the server reads buffered chunks without yielding: let a gate
+                    # just opened send its requests now, not once this stream has drained its buffer
+                    await asyncio.sleep(0)
         if len(s.events) > max_tokens + 8:
             raise BenchError(f"more than {max_tokens} token chunks in one stream")
     return s, usage

@@ -9,7 +9,7 @@ import sys
 import time
 
 from proc_memory import keep_max_memory, memory_sample
-from serve_measure import BenchError, Stream, check_streams, measure, round_pages
+from serve_measure import JOIN_MIN_TOKENS, BenchError, Stream, check_streams, measure, round_pages
 from serve_report import summarize
 
 
@@ -32,7 +32,8 @@ def exllamav3_cache_tokens(a) -> int:
     need = max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens)
     if getattr(a, "join", None):          # N streams at CTX and M short ones at once
         n, c, m = a.join
-        need = max(need, n * (c + a.tokens) + m * (a.short_prompt_len + a.tokens))
+        t = max(a.tokens, JOIN_MIN_TOKENS)
+        need = max(need, n * (c + t) + m * (a.short_prompt_len + t))
     return round_pages(need)
 
 

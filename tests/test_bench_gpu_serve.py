@@ -162,9 +162,10 @@ def test_join_phase_end_to_end_cpu(small, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (cfg,) = json.loads(js.read_text())["configs"]
     j = cfg["results"]["join"]
-    assert (j["base"], j["joiners"], j["ctx"]) == (2, 2, 96) and "join" in cfg["results"]["phases"]
-    assert 0 < j["joiner_ttft_ms_median"] <= j["joiner_ttft_ms_max"] and j["window_ms"] > 0
-    assert j["stall_ms_max"] >= j["stall_ms_median"] > 0 and j["itl_ms_median_before"] > 0
+    assert (j["base"], j["joiners"], j["ctx"], j["tokens"]) == (2, 2, 96, sm.JOIN_MIN_TOKENS)
+    assert "join" in cfg["results"]["phases"] and j["running_at_join"] == 2, j
+    assert 0 < j["joiner_ttft_ms_median"] <= j["joiner_ttft_ms_max"] and j["window_ms"] > 0, j
+    assert j["stall_ms_max"] >= j["stall_ms_median"] > 0 and j["itl_ms_median_before"] > 0, j
     assert cfg["summary"]["join_stall_ms"] == j["stall_ms_max"]
     # the prompts went as text: the server's prefix lookups counted its own tokenization, not the
     # ids (sent as ids, this run counts exactly these 576: single, streams, ttft x2, ctx, join)
@@ -185,6 +186,21 @@ def test_join_stats_windows():
     assert j["stall_ms_max"] == pytest.approx(500) and j["stall_ms_median"] == pytest.approx(300)
     assert j["itl_ms_median_before"] == pytest.approx(100) and j["window_ms"] == pytest.approx(400)
     assert j["joiner_ttft_ms_median"] == pytest.approx(300) and j["joiner_ttft_ms_max"] == pytest.approx(400)
+    assert j["running_at_join"] == 2
+
+
+def test_join_stats_leaves_out_streams_done_before_the_join():
+    """A running stream that finished before the first new request went out felt no join: it
+    counts in neither the stall nor its median (once it was counted as a 0 ms stall); with none
+    left running the stall is None, and the log line says so."""
+    done = sm.Stream(0.0, [(0.1 * i, 1) for i in range(1, 5)])            # last token at 0.4
+    live = sm.Stream(0.0, [(0.1 * i, 1) for i in (1, 2, 3, 4, 9, 10)])
+    new = [sm.Stream(0.45, [(0.85, 1)])]
+    j = sm.join_stats([done, live], new)
+    assert j["running_at_join"] == 1 and j["stall_ms_max"] == j["stall_ms_median"] == pytest.approx(500)
+    assert j["itl_ms_median_before"] == pytest.approx(100)
+    j = sm.join_stats([done], new)
+    assert j["running_at_join"] == 0 and j["stall_ms_max"] is None and j["stall_ms_median"] is None
 
 
 def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
@@ -255,13 +271,15 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     assert set(res["phases"]) == {"warmup", "single", "streams_2", "ttft", "ctx_1", "ctx_2"}
     # the join phase: the new jobs are enqueued once each running one has its tokens
     a = gs.parse_args([str(small), "--device", "cuda", "--tokens", "24", *TINY[2:], "--join", "2:96:3"])
-    assert sx.exllamav3_cache_tokens(a) == sm.round_pages(max(2 * (128 + 24), 2 * (96 + 24) + 3 * (32 + 24)))
+    t = sm.JOIN_MIN_TOKENS                             # the join phase's streams run at least this many
+    assert sx.exllamav3_cache_tokens(a) == sm.round_pages(max(2 * (128 + 24), 2 * (96 + t) + 3 * (32 + t)))
     seen = {}
     real = sm.join_stats
     monkeypatch.setattr(sm, "join_stats", lambda base, new: seen.update(base=base, new=new) or real(base, new))
     loaded.clear()
     j = sx.run_exllamav3_side(a, {"notes": [], "exllamav3": None}, None, lambda: None)["results"]["join"]
-    assert (j["base"], j["joiners"]) == (2, 3) and j["joiner_ttft_ms_max"] > 0
+    assert (j["base"], j["joiners"], j["tokens"]) == (2, 3, t) and j["joiner_ttft_ms_max"] > 0
+    assert all(s.tokens == t for s in seen["base"] + seen["new"])
     # 96-token prompts: the warm-up join's stream (its CTX-token prefill), the join phase's two streams
     assert loaded["lens"].count(96) == 3
     sent = min(s.t_send for s in seen["new"])          # after each running job had JOIN_AFTER_TOKENS tokens
