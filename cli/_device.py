@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import os
 
+import click
 from exl3tools.cli._runtime import check_device, cuda_alloc_conf
+
+
+def run_options(f):
+    """--device and --backend of the commands that run the model (serve, generate, eval)."""
+    f = click.option("--backend", default="auto", show_default=True,
+                     help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, "
+                          "triton, exllamav3, reference.")(f)
+    return click.option("--device", default="auto", show_default=True,
+                        help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, "
+                             "cuda:N.")(f)
 
 
 def _nvidia_driver() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from exl3tools.cli._device import run_options
 from exl3tools.cli._output import console, emit_json, err_console
 
 from exl3tools.text import for_console
@@ -20,9 +21,7 @@ from exl3tools.text import for_console
               help="Tokens per window (capped at the runner's longest context).")
 @click.option("--stride", type=click.IntRange(1, None), default=None, help="Window step (default: window / 2).")
 @click.option("--add-bos/--no-add-bos", default=True, show_default=True, help="Prepend BOS to the text.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
-@click.option("--backend", default="auto", show_default=True)
+@run_options
 @click.option("--json", "as_json", is_flag=True, help="Emit one JSON document (schemas/eval.v1.json).")
 def eval_cmd(path: Path, text_file: Path, reference: Path | None, window: int, stride: int | None, add_bos: bool,
              device: str, backend: str, as_json: bool) -> None:

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import click
+from exl3tools.cli._device import run_options
 
 from exl3tools.errors import UsageError
 
@@ -39,11 +40,7 @@ def _token_ids(text: str) -> list[int]:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @click.option("--logits-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write prompt logits (every position) and per-step logits as safetensors.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
-@click.option("--backend", default="auto", show_default=True,
-              help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
-                   "exllamav3, reference.")
+@run_options
 @click.option("--moe", type=click.Choice(["tp", "ep"]), default="tp", show_default=True,
               help="MoE cut when running an unsliced checkpoint with --tp > 1.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import click
-from exl3tools.cli._device import run_device
+from exl3tools.cli._device import run_device, run_options
 from exl3tools.cli._runtime import LoadProgress, api_keys_option, preflight_plan
 
 from exl3tools.errors import NotFoundError, UsageError
@@ -108,11 +108,7 @@ def _json_list(_ctx, _param, value: str | None) -> tuple[str, ...] | None:
               help='CORS: allowed request headers, a JSON list (default \'["*"]\'; needs --allowed-origins).')
 @click.option("--allow-credentials", is_flag=True, default=False,
               help="CORS: allow cookies / Authorization on cross-origin requests (needs --allowed-origins).")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (cuda when this machine has a GPU for every rank, else cpu), cpu, cuda, cuda:N.")
-@click.option("--backend", default="auto", show_default=True,
-              help="Kernel backend: auto (cuda kernels on a CUDA device, reference on the CPU), cuda, triton, "
-                   "exllamav3, reference.")
+@run_options
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Decode steps as CUDA graphs, one per batch-size bucket, over the paged KV cache. "
                    "Default: on with a CUDA device (if a capture fails on one GPU, eager decode).")

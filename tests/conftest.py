@@ -80,6 +80,26 @@ def golden_prompt(model: Path, key: str, n: int) -> list[int]:
     return load_file(str(gold))[key].tolist()[:n]
 
 
+def speculate_beside_plain(r, prompt: list[int], n: int, k: int = 2) -> tuple[list[int], list[int]]:
+    """On runner ``r``: greedy speculative decoding of sequence 0 (``k`` MTP drafts, then one verify
+    step) beside a plain greedy row, sequence 1, fed the same prompt. Returns sequence 0's first
+    ``n``-or-more tokens and the plain row's tokens meanwhile (one per verify step)."""
+    from exl3tools.runtime import sampling
+
+    r.add_sequence(0)
+    r.add_sequence(1, speculative=False)
+    out = [int(r.step([(0, prompt)])[0].argmax())]
+    plain = [int(r.step([(1, prompt)])[0].argmax())]
+    while len(out) < n:
+        drafts, qrows = r.draft(0, out[-1], k, lambda row: int(row.argmax()))
+        target = r.verify([(0, [out[-1]] + drafts)])
+        a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
+        r.accept(0, a + 1)
+        out += drafts[:a] + [bonus]
+        plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
+    return out, plain
+
+
 @pytest.fixture(params=FIXTURE_NAMES)
 def fixture(request) -> Path:
     return fixture_dir(request.param)

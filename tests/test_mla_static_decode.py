@@ -15,9 +15,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from exl3tools.runtime import sampling
 from exl3tools.runtime.runner import Runner, load_runner
-from tests.conftest import fixture_dir
+from tests.conftest import fixture_dir, speculate_beside_plain
 
 REL = 1e-4
 FP16_REL = 5e-3   # fp16 planes vs fp32 ones: the rounding of every cached latent (3.4e-4 measured)
@@ -361,17 +360,7 @@ def test_speculative_decoding_through_the_static_step_is_greedy():
         calls = []
         step = r.paged.decoder.step
         r.paged.decoder.step = lambda *a: calls.append(len(a[0])) or step(*a)
-        r.add_sequence(0)
-        r.add_sequence(1, speculative=False)
-        out = [int(r.step([(0, prompt)])[0].argmax())]
-        plain = [int(r.step([(1, prompt)])[0].argmax())]
-        while len(out) < 10:
-            drafts, qrows = r.draft(0, out[-1], 2, lambda row: int(row.argmax()))
-            target = r.verify([(0, [out[-1]] + drafts)])
-            a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
-            r.accept(0, a + 1)
-            out += drafts[:a] + [bonus]
-            plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
+        out, plain = speculate_beside_plain(r, prompt, 10)
         assert out[:10] == want and plain == want[:len(plain)]
         assert 3 in calls and 1 in calls                # verifies and plain decodes took the step
 

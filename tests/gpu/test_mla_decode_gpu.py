@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import DSV3_DECISIVE, cuda_available
+from tests.conftest import DSV3_DECISIVE, cuda_available, speculate_beside_plain
 from tests.gpu.conftest import cuda_backend
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
@@ -93,7 +93,6 @@ def test_mla_static_triton_equals_static_reference_attention():
 def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, monkeypatch):
     """Verify steps through the graph step (EXL3TOOLS_ROW_STEPS=1) or, by default on CUDA, through
     the eager forward beside graph-replayed plain rows: greedy either way."""
-    from exl3tools.runtime import sampling
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import model_dir
 
@@ -109,17 +108,7 @@ def test_speculative_decoding_with_graphs_is_greedy(name, row_steps, request, mo
     monkeypatch.setenv("EXL3TOOLS_ROW_STEPS", row_steps)
     with load_runner(path, speculative_tokens=2, **kw) as r:
         assert r.decode_mode == "graphs" and not r.can_chain and r._row_steps == (row_steps == "1")
-        r.add_sequence(0)
-        r.add_sequence(1, speculative=False)           # a plain row beside it: graph steps
-        out = [int(r.step([(0, prompt)])[0].argmax())]
-        plain = [int(r.step([(1, prompt)])[0].argmax())]
-        while len(out) < 12:
-            drafts, qrows = r.draft(0, out[-1], 2, lambda row: int(row.argmax()))
-            target = r.verify([(0, [out[-1]] + drafts)])
-            a, bonus = sampling.accept_drafts(target, qrows, drafts, 0.0, 0, 1.0, None)
-            r.accept(0, a + 1)
-            out += drafts[:a] + [bonus]
-            plain.append(int(r.step([(1, [plain[-1]])])[0].argmax()))
+        out, plain = speculate_beside_plain(r, prompt, 12)      # the plain row beside it: graph steps
         assert r.paged.decoder._graphs
         assert out[:12] == want
         assert plain == want[:len(plain)] and len(plain) >= 5
