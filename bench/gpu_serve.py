@@ -85,7 +85,7 @@ from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_clients import client_proc, make_client, spawn_pool, start_time, stream_one  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
-from serve_measure import BenchError, Stream, check_streams, measure  # noqa: E402
+from serve_measure import JOIN_MIN_TOKENS, BenchError, Stream, check_streams, measure  # noqa: E402
 from serve_process import Server, ServerDied, api_key_of, config_env, parse_config  # noqa: E402,F401
 from serve_report import burst_line, burst_schedule, ctx_cases, steady_steps, summarize, tables  # noqa: E402
 from serve_seeded import seeded_check, seeded_line  # noqa: E402
@@ -103,14 +103,20 @@ def budget_notes(a, name: str, stats: dict | None, max_model_len: int | None) ->
     notes = []
     need = {f"{n} streams": n * (a.short_prompt_len + a.tokens) for n in a.streams}
     need |= {f"{n} stream(s) @ctx{c}": n * (c + a.tokens) for _, n, c in ctx_cases(a)}
+    longest = max(*a.ctx, a.prompt_len) + a.tokens
+    if getattr(a, "join", None):
+        n, c, m = a.join
+        t = max(a.tokens, JOIN_MIN_TOKENS)
+        need[f"the join, {n} @ctx{c} + {m}"] = n * (c + t) + m * (a.short_prompt_len + t)
+        longest = max(longest, c + t)
     budget = (stats or {}).get("cache_tokens_budget")
     if budget:
         for case, k in need.items():
             if k > budget:
                 notes.append(f"{name}: {case} needs {k} KV tokens > the server's budget {budget}: it queues or "
                              "preempts (raise --max-cache-tokens)")
-    if max_model_len and max(*a.ctx, a.prompt_len) + a.tokens > max_model_len:
-        notes.append(f"{name}: max_model_len {max_model_len} < {max(*a.ctx, a.prompt_len) + a.tokens}")
+    if max_model_len and longest > max_model_len:
+        notes.append(f"{name}: max_model_len {max_model_len} < {longest}")
     return notes
 
 

@@ -291,3 +291,15 @@ def test_memory_split_reads_weights_and_kv_from_engine_stats():
     stats = {"memory": {"weights": 7.45e9, "kv_pool": 124.98e9, "allocated": 1, "reserved": 1, "peak_allocated": 1}}
     assert gs.memory_split(135.79, stats) == " = weights 7.45 + KV 124.98 + beyond 3.36 GB"
     assert gs.memory_split(135.79, {"memory": {"kv_pool": 1e9}}) == "" and gs.memory_split(1.0, None) == ""
+
+
+def test_budget_notes_count_the_join_phase(small):
+    """The join phase's streams (at least JOIN_MIN_TOKENS tokens each) count in the KV budget and
+    the longest context that the notes check before the run."""
+    a = gs.parse_args([str(small), *TINY[:-6], "--ctx", "128", "--ctx-streams", "1", "--join", "4:256:8"])
+    t = max(a.tokens, sm.JOIN_MIN_TOKENS)
+    need = 4 * (256 + t) + 8 * (a.short_prompt_len + t)
+    notes = gs.budget_notes(a, "ours", {"cache_tokens_budget": need - 1}, 256 + t - 1)
+    assert notes == [f"ours: the join, 4 @ctx256 + 8 needs {need} KV tokens > the server's budget {need - 1}: it "
+                     "queues or preempts (raise --max-cache-tokens)", f"ours: max_model_len {256 + t - 1} < {256 + t}"]
+    assert gs.budget_notes(a, "ours", {"cache_tokens_budget": need}, 256 + t) == []
