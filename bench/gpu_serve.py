@@ -85,7 +85,7 @@ from gpu_e2e_model import parse_ints  # noqa: E402
 from proc_memory import gpu_total_used_mib, keep_max_memory, memory_sample, run_quiet  # noqa: E402
 from serve_clients import client_proc, make_client, spawn_pool, start_time, stream_one  # noqa: E402
 from serve_exllamav3 import exllamav3_usable, run_exllamav3_side  # noqa: E402
-from serve_measure import JOIN_MIN_TOKENS, BenchError, Stream, check_streams, measure  # noqa: E402
+from serve_measure import BenchError, Stream, check_streams, join_kv_tokens, join_tokens, measure  # noqa: E402
 from serve_process import Server, ServerDied, api_key_of, config_env, parse_config  # noqa: E402,F401
 from serve_report import burst_line, burst_schedule, ctx_cases, steady_steps, summarize, tables  # noqa: E402
 from serve_seeded import seeded_check, seeded_line  # noqa: E402
@@ -106,9 +106,8 @@ def budget_notes(a, name: str, stats: dict | None, max_model_len: int | None) ->
     longest = max(*a.ctx, a.prompt_len) + a.tokens
     if getattr(a, "join", None):
         n, c, m = a.join
-        t = max(a.tokens, JOIN_MIN_TOKENS)
-        need[f"the join, {n} @ctx{c} + {m}"] = n * (c + t) + m * (a.short_prompt_len + t)
-        longest = max(longest, c + t)
+        need[f"the join, {n} @ctx{c} + {m}"] = join_kv_tokens(a)
+        longest = max(longest, c + join_tokens(a))
     budget = (stats or {}).get("cache_tokens_budget")
     if budget:
         for case, k in need.items():

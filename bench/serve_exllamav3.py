@@ -9,7 +9,7 @@ import sys
 import time
 
 from proc_memory import keep_max_memory, memory_sample
-from serve_measure import JOIN_MIN_TOKENS, BenchError, Stream, check_streams, measure, round_pages
+from serve_measure import BenchError, Stream, check_streams, join_kv_tokens, measure, round_pages
 from serve_report import summarize
 
 
@@ -31,9 +31,7 @@ def exllamav3_cache_tokens(a) -> int:
     longest = max(*a.ctx, a.prompt_len, a.short_prompt_len)
     need = max(a.streams + a.ctx_streams + [1]) * (longest + a.tokens)
     if getattr(a, "join", None):          # N streams at CTX and M short ones at once
-        n, c, m = a.join
-        t = max(a.tokens, JOIN_MIN_TOKENS)
-        need = max(need, n * (c + t) + m * (a.short_prompt_len + t))
+        need = max(need, join_kv_tokens(a))
     return round_pages(need)
 
 

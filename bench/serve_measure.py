@@ -21,6 +21,18 @@ JOIN_MIN_TOKENS = 8 * JOIN_AFTER_TOKENS  # the join phase's streams run at least
                                          # the CPU server finished first on a busy 2-core CI machine, 2026-12-05)
 
 
+def join_tokens(a) -> int:
+    """Tokens each stream of the join phase (``--join``) runs."""
+    return max(a.tokens, JOIN_MIN_TOKENS)
+
+
+def join_kv_tokens(a) -> int:
+    """KV tokens the join phase holds at once: N streams at CTX and M short ones."""
+    n, c, m = a.join
+    t = join_tokens(a)
+    return n * (c + t) + m * (a.short_prompt_len + t)
+
+
 class BenchError(RuntimeError):
     """A phase failed; the message says which and why."""
 
@@ -179,7 +191,7 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print)
     if getattr(a, "join", None):
         n, c, m = a.join
         base, new = make_prompts(n, c, vocab, SEEDS["join"]), make_prompts(m, S, vocab, SEEDS["join"] + 1)
-        Tj = max(T, JOIN_MIN_TOKENS)
+        Tj = join_tokens(a)
         streams = run(base + new, Tj, join_after=(n, JOIN_AFTER_TOKENS))
         j = res["join"] = {"ctx": c, "tokens": Tj, **join_stats(streams[:n], streams[n:])}
         gap = ("every running stream had finished before they went out" if j["stall_ms_max"] is None else

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_bench  # noqa: E402
