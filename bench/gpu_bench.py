@@ -105,21 +105,22 @@ def large_parts(lin, x):
     """Where the large-row paths' time goes: each launch timed alone (µs), both decode store
     patterns and the folded decode, beside a plain write of the decoded bytes (the store floor),
     and both whole paths (decode + GEMM + output pass; folded decode + GEMM)."""
+    from exl3tools.kernels import cuda_dense as cd
     from exl3tools.kernels import cuda_exl3 as cx
 
     rows = x.shape[0]
     xrot = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
-    wt = cx.decode_t(lin.mod, lin.trellis)
+    wt = cd.decode_t(lin.mod, lin.trellis)
     y = torch.mm(xrot, wt.t())
     fold0 = lin.fold
     out = {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
-           "cuda_decode_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis)),
-           "cuda_decode_scatter_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
-           "cuda_decode_fold_us": bench(lambda: cx.decode_fold(lin.mod, lin.trellis, lin.svh)),
-           "cuda_decode_fold2_us": bench(lambda: cx.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh)),
-           "cuda_decode_fold2s_us": bench(lambda: cx.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh,
+           "cuda_decode_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis)),
+           "cuda_decode_scatter_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
+           "cuda_decode_fold_us": bench(lambda: cd.decode_fold(lin.mod, lin.trellis, lin.svh)),
+           "cuda_decode_fold2_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh)),
+           "cuda_decode_fold2s_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh,
                                                                  kernel="exl3_decode_fold2s")),
-           "cuda_decode_coop_us": bench(lambda: cx.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
+           "cuda_decode_coop_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
@@ -149,10 +150,10 @@ def large_parts(lin, x):
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
         if fold_in:                      # the input pass folded too: x itself into cuBLAS
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-            kernel0, cx.FOLD2_KERNEL = cx.FOLD2_KERNEL, "exl3_decode_fold2s"     # its shuffle-free decode
+            kernel0, cd.FOLD2_KERNEL = cd.FOLD2_KERNEL, "exl3_decode_fold2s"     # its shuffle-free decode
             out["cuda_fold2s_us"] = bench(lambda: lin(x))
             out["cuda_fold2s_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-            cx.FOLD2_KERNEL = kernel0
+            cd.FOLD2_KERNEL = kernel0
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
     lin.fold, lin.fold_in, cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS = fold0, fold_in0, keep, keep2

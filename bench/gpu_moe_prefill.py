@@ -17,7 +17,7 @@ reference of the first 4 experts' rows):
 - ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
 - ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
   k) x (E, k, n): the tensor-core floor without any decode;
-- ``decode``: decoding every expert's fp16 weights (kernels/cuda_exl3.decode_t per expert), what a
+- ``decode``: decoding every expert's fp16 weights (kernels/cuda_dense.decode_t per expert), what a
   decode-once-then-GEMM path adds to ``dense bmm``.
 
 Also the HBM floor of reading the trellis once. Nothing here runs in CI.
@@ -52,7 +52,7 @@ def experts(E: int, k: int, n: int, width: int, gen):
 
 def run(shape: str, T: int, kbits: int) -> dict:
     import torch
-    from exl3tools.kernels import cuda_exl3, cuda_experts, triton_exl3
+    from exl3tools.kernels import cuda_dense, cuda_exl3, cuda_experts, triton_exl3
 
     from exl3tools.runtime.layers import expert_tiles, tile_rows
 
@@ -106,8 +106,8 @@ def run(shape: str, T: int, kbits: int) -> dict:
     y_tr = tr(x, tok, exp, bm=16)
 
     mods = cu.mod
-    w = torch.stack([cuda_exl3.decode_t(mods, t["trellis"]).t() for t in ts])            # (E, k, n) fp16 Ŵ
-    row["decode_ms"] = cuda_time(lambda: [cuda_exl3.decode_t(mods, t["trellis"]) for t in ts])
+    w = torch.stack([cuda_dense.decode_t(mods, t["trellis"]).t() for t in ts])            # (E, k, n) fp16 Ŵ
+    row["decode_ms"] = cuda_time(lambda: [cuda_dense.decode_t(mods, t["trellis"]) for t in ts])
     counts = torch.bincount(exp, minlength=E)
     mx = int(counts.max())
     order = torch.argsort(exp, stable=True)

@@ -10,9 +10,10 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
   the shared-memory tile kernel (``exl3_tiles_m128_t2``), the weight decoded once, never written.
 - 65-1024 rows with the EXL3TOOLS_WGMMA preview: slots of 128 / 256 rows on the wgmma kernel
   (``exl3_wg2_m*``), the weight decoded once a slot into the warpgroup MMA's register operand.
-- more rows: ``decode`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM, ``had_out`` in place; or, with
-  the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh (the output pass folded into
-  the decoded weights) and one cuBLAS GEMM with the bias: no output pass, whose cost grows with rows
+- more rows (kernels/cuda_dense.py): ``decode_t`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM,
+  ``had_out`` in place; or, with the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh
+  (the output pass folded into the decoded weights) and one cuBLAS GEMM with the bias: no output
+  pass, whose cost grows with rows
   (where rows x n >= FOLD_MIN_OUT); with the EXL3TOOLS_DENSE_FOLD_IN preview and fp16 activations,
   ``decode_fold2`` the whole weight W (the input pass folded in too) and one GEMM on x itself.
 Many experts' projections in one call: ``CudaExperts`` (kernels/cuda_experts.py).
@@ -37,6 +38,7 @@ import threading
 import torch
 import torch.nn.functional as F
 from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves
+from exl3tools.kernels.cuda_dense import decode_t, dense_mm, sm_count
 from exl3tools.kernels.cuda_driver import Module, driver
 
 from exl3tools.errors import UsageError
@@ -45,13 +47,10 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 # the folded decode (EXL3TOOLS_DENSE_FOLD) only where the output pass it saves outweighs its extra
 # decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
 FOLD_MIN_OUT = 12_000_000
-DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once above SMALL_ROWS (dense_mm)
-FOLD2_SMEM = 128 * 136 * 4   # decode_fold2's dynamic shared memory a block: 128 columns x F2_LD floats
 # both passes folded (EXL3TOOLS_DENSE_FOLD_IN) from this many rows: the decode takes ~27 µs longer a
 # 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
 # at 2048 rows at every bench shape (2-21 % under decode + GEMM + had_out) but not at 256 (0-12 % over)
 FOLD2_MIN_ROWS = 1024
-FOLD2_KERNEL = "exl3_decode_fold2"   # or exl3_decode_fold2s (no warp shuffles; bench/gpu_bench.py times both)
 PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -159,10 +158,6 @@ def fixed_workspace(device: torch.device, numel: int) -> torch.Tensor:
     """``workspace`` as ``numel`` int64 (the fixed-point sums of batch-invariant gemv calls; zero
     bits are zero either way, and had_out_i64 re-zeroes what it reads)."""
     return workspace(device, 2 * numel)[:2 * numel].view(torch.int64)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _ptrs(tensors, device) -> torch.Tensor | None:
@@ -333,117 +328,11 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
     are resident at once (one wave: no tail of half-empty SMs); units == groups: one split."""
     w, threads = kernel_block(name)
-    resident = _sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
+    resident = sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
     splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
     return kps, groups, groups * -(-kt // kps)
-
-
-def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = None,
-             kernel: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
-    where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel`` (default exl3_decode_t,
-    or exl3_decode_t_coop with the EXL3TOOLS_DECODE_COOP preview where nt % 4 == 0):
-    exl3_decode_t_scatter is the former store pattern, exl3_decode_t_coop each quad of tiles loaded
-    once a warp (bench/gpu_bench.py times all three: its rows > 64 table). ``out``: a contiguous
-    fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
-    kt, ld, _ = trellis.shape
-    j1 = ld if j1 is None else j1
-    nt = j1 - j0
-    # the quad kernel's 16-byte loads: whole quads from a 16-byte aligned trellis (tile rows and
-    # tiles are multiples of 16 bytes long; a view into a larger buffer need not start at one)
-    quads_fit = nt % 4 == 0 and trellis.data_ptr() % 16 == 0
-    if kernel is None:
-        from exl3tools.runtime import preview  # torch-free; read per call so tests can switch it
-
-        kernel = "exl3_decode_t_coop" if quads_fit and preview.switched_on("decode_coop") else "exl3_decode_t"
-    elif kernel == "exl3_decode_t_coop" and not quads_fit:
-        raise UsageError(f"exl3_decode_t_coop: {nt} n-tiles (a multiple of 4?) from address "
-                         f"{trellis.data_ptr():#x} (16-byte aligned?)")
-    wt = _decoded(out, nt, kt, trellis.device)
-    quads = -(-(kt * nt) // 4)
-    blocks = min(-(-quads // 8), _sm_count(trellis.device) * 16)
-    mod.launch(kernel, blocks, 256, trellis[:, j0], wt, kt, nt, ld)
-    return wt
-
-
-def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int = 0, j1: int | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """W'ᵀ (n, k) fp16 with W' = Ŵ · H_n / sqrt(128) ⊙ svh (the output pass folded in; float32
-    inside, rounded once), so that x @ W' + bias = had_out(x @ Ŵ); of n-tiles j0..j1 where given
-    (multiples of 8: whole 128-column Hadamard blocks); ``out`` as in decode_t."""
-    kt, ld, _ = trellis.shape
-    j1 = ld if j1 is None else j1
-    nt = j1 - j0
-    if nt % 8 or j0 % 8:
-        raise UsageError(f"decode_fold: n-tiles {j0}..{j1} are not whole 128-column blocks")
-    wt = _decoded(out, nt, kt, trellis.device)
-    items = kt * (nt // 8)
-    blocks = min(-(-items // 8), _sm_count(trellis.device) * 2)
-    mod.launch("exl3_decode_fold", blocks, 256, trellis[:, j0], wt, svh[16 * j0:], kt, nt, ld)
-    return wt
-
-
-def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, j0: int = 0,
-                 j1: int | None = None, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
-    """Wᵀ (n, k) fp16 with W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the linear's whole weight
-    (both Hadamard passes folded in; float32 inside, rounded once), so that x @ W + bias is the
-    linear of x itself; of n-tiles j0..j1 where given (whole 128-column blocks), ``out`` as in
-    decode_t. ``suh``: all k entries. ``kernel`` (default FOLD2_KERNEL): exl3_decode_fold2 (the k
-    pass by warp shuffles) or exl3_decode_fold2s (both passes' last stages through shared memory,
-    no shuffle)."""
-    kt, ld, _ = trellis.shape
-    j1 = ld if j1 is None else j1
-    nt = j1 - j0
-    if nt % 8 or j0 % 8 or kt % 8:
-        raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
-    wt = _decoded(out, nt, kt, trellis.device)
-    mod.launch(kernel or FOLD2_KERNEL, (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld, smem=FOLD2_SMEM)
-    return wt
-
-
-def _decoded(out: torch.Tensor | None, nt: int, kt: int, device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(nt * 16, kt * 16, dtype=torch.float16, device=device)
-    if out.shape != (nt * 16, kt * 16) or out.dtype != torch.float16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp16 {(nt * 16, kt * 16)} tensor, got {out.dtype} {tuple(out.shape)}")
-    return out
-
-
-def dense_mm(mod: Module, x: torch.Tensor, trellis: torch.Tensor, svh: torch.Tensor | None = None,
-             bias: torch.Tensor | None = None, suh: torch.Tensor | None = None) -> torch.Tensor:
-    """x (rows, k) fp16 @ Ŵ (k, n) through cuBLAS on the decoded Ŵ, decoded DENSE_CHUNK_BYTES of
-    fp16 at a time (column chunks: a 154880 x 6144 head is 1.9 GB decoded whole, which an MTP
-    verify step's graph held in its pool, docs/serve.md), every chunk into one buffer (on one
-    stream each GEMM has read it before the next decode writes it). Chunks small enough to stay in
-    L2 measured slower (H200, docs/gpu.md): the decode is not bound by its stores' HBM traffic.
-    The chunks' GEMMs write their columns of the result in place. With ``svh``: x @ W' (+
-    ``bias``) on decode_fold's W', the linear's whole output (no output pass to follow); with
-    ``suh`` too, x is the raw input and W decode_fold2's whole weight (no input pass before)."""
-    kt, nt, _ = trellis.shape
-    step = max(1, DENSE_CHUNK_BYTES // (kt * 16 * 16 * 2))      # n-tiles a chunk
-    if svh is not None:
-        step = max(8, step - step % 8)
-    step = min(step, nt)
-    buf = torch.empty(step * 16, kt * 16, dtype=torch.float16, device=x.device)
-
-    def mm(j0: int, j1: int, out=None):
-        wt = buf[:16 * (j1 - j0)]
-        if svh is None:
-            return torch.mm(x, decode_t(mod, trellis, j0, j1, out=wt).t(), out=out)
-        w = (decode_fold(mod, trellis, svh, j0, j1, out=wt) if suh is None
-             else decode_fold2(mod, trellis, suh, svh, j0, j1, out=wt)).t()
-        if bias is None:
-            return torch.mm(x, w, out=out)
-        return torch.addmm(bias[16 * j0:16 * j1], x, w, out=out)
-    if step >= nt:
-        return mm(0, nt)
-    y = torch.empty(x.shape[0], nt * 16, dtype=x.dtype, device=x.device)
-    for j0 in range(0, nt, step):
-        j1 = min(nt, j0 + step)
-        mm(j0, j1, out=y[:, 16 * j0:16 * j1])
-    return y
 
 
 def decode_rotated(trellis: torch.Tensor, codebook: str) -> torch.Tensor:

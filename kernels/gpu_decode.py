@@ -92,9 +92,9 @@ class GpuDecoder:
     runs one decode at a time anyway; callers' CPU work on the results overlaps)."""
 
     def __init__(self, device: str = "cuda"):
-        from exl3tools.kernels import cuda_exl3  # raises ImportError without CUDA
+        from exl3tools.kernels import cuda_dense, cuda_exl3  # cuda_exl3 raises ImportError without CUDA
 
-        self.cx = cuda_exl3
+        self.cx, self.dense = cuda_exl3, cuda_dense
         self.device = cuda_exl3.cuda_device(device)
         self.lock = threading.Lock()
 
@@ -105,7 +105,7 @@ class GpuDecoder:
 
         with torch.cuda.device(self.device):  # Triton launches on the thread's current device
             tr = host(trellis, np.int16).to(self.device)
-            what_t = self.cx.decode_t(self.cx.module(tr.shape[-1], codebook, self.device), tr)
+            what_t = self.dense.decode_t(self.cx.module(tr.shape[-1], codebook, self.device), tr)
             return rotate_out_t(what_t, host(suh, np.float16), host(svh, np.float16))
 
     def decode_linear(self, trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, codebook: str) -> np.ndarray:

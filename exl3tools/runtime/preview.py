@@ -20,7 +20,7 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
     # linears of more than 64 rows (prompts): the output Hadamard pass and svh folded into the
-    # decoded weights (kernels/cuda_exl3.decode_fold, W' = Ŵ·H_n ⊙ svh rounded to fp16 once) and
+    # decoded weights (kernels/cuda_dense.decode_fold, W' = Ŵ·H_n ⊙ svh rounded to fp16 once) and
     # the bias into cuBLAS's GEMM, instead of decode + GEMM + had_out, whose cost grows with the
     # rows; where rows x n >= cuda_exl3.FOLD_MIN_OUT. H200, 2026-12-02 (bench/gpu_bench.py, K 3,
     # 2048 rows): 4096 -> 14336 468 -> 440 us, 2048 -> 6144 123 -> 103, 14336 -> 4096 452 -> 459
@@ -28,14 +28,14 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
     # linears of cuda_exl3.FOLD2_MIN_ROWS rows or more with fp16 activations: both passes folded
-    # (kernels/cuda_exl3.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole
+    # (kernels/cuda_dense.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole
     # weight, rounded to fp16 once), so that x itself goes into cuBLAS, no had_in and no had_out.
     # H100 2026-12-06 (bench/gpu_bench.py, K 3, 2048 rows, µs, against decode + GEMM + had_out):
     # 14336 -> 4096 432.9 vs 464.9, 6144 -> 2048 94.5 vs 119.2, 2048 -> 6144 99.5 vs 126.0, 4096
     # -> 14336 443.5 vs 470.3, 8192 -> 8192 506.3 vs 515.6; at 256 rows 0-12 % slower (its decode
     # 98 µs against 71 at 4096 x 14336); tests/gpu passed with it on
     "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
-    # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_exl3.decode_t) on
+    # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_dense.decode_t) on
     # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in
     # 16-byte pieces (the next quad's while it decodes this one) and hands each lane its words
     # through shared memory, where exl3_decode_t's per-lane 4-byte loads fetch each tile's sectors

@@ -22,6 +22,7 @@ from tests.gpu.kernel_cases import rel_err as _rel
 @pytest.mark.parametrize("width,cb", CASES)
 def test_decode_bit_exact(cx, width, cb):
     import torch
+    from exl3tools.kernels import cuda_dense as cd
 
     rng = np.random.default_rng(width * 7 + len(cb))
     tr = _lin(rng, 256, 384, width)[0]
@@ -30,7 +31,7 @@ def test_decode_bit_exact(cx, width, cb):
     assert np.array_equal(got.view(np.uint16), want)
     # the cooperative-load kernel (EXL3TOOLS_DECODE_COOP), every width and codebook
     trd = torch.from_numpy(tr).cuda()
-    coop = cx.decode_t(cx.module(width, cb, trd.device), trd, kernel="exl3_decode_t_coop").t().cpu().numpy()
+    coop = cd.decode_t(cx.module(width, cb, trd.device), trd, kernel="exl3_decode_t_coop").t().cpu().numpy()
     assert np.array_equal(coop.view(np.uint16), want)
 
 
@@ -70,28 +71,29 @@ def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
 def test_decode_column_chunks(cx):
     """decode_t of n-tiles j0..j1 (the kernel's row stride ``ld``) equals those rows of the whole Ŵᵀ."""
     import torch
+    from exl3tools.kernels import cuda_dense as cd
 
     rng = np.random.default_rng(11)
     tr = torch.from_numpy(_lin(rng, 256, 384, 48)[0]).cuda()
     mod = cx.module(48, "mul1", tr.device)
-    whole = cx.decode_t(mod, tr)
+    whole = cd.decode_t(mod, tr)
     for j0, j1 in ((0, 5), (5, 24), (23, 24), (7, 8)):
-        assert torch.equal(cx.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
+        assert torch.equal(cd.decode_t(mod, tr, j0, j1), whole[16 * j0:16 * j1])
     for j0, j1 in ((0, 24), (4, 12), (5, 9), (20, 24)):   # the quad kernel: n-tiles in fours, any start
-        assert torch.equal(cx.decode_t(mod, tr, j0, j1, kernel="exl3_decode_t_coop"), whole[16 * j0:16 * j1])
+        assert torch.equal(cd.decode_t(mod, tr, j0, j1, kernel="exl3_decode_t_coop"), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError, match="multiple of 4"):
-        cx.decode_t(mod, tr, 0, 5, kernel="exl3_decode_t_coop")
+        cd.decode_t(mod, tr, 0, 5, kernel="exl3_decode_t_coop")
     # a trellis view 4 bytes past an aligned start: the quad kernel refuses it, the default (4-byte
     # loads) takes it
     odd = torch.empty(tr.numel() + 2, dtype=tr.dtype, device=tr.device)[2:].view(tr.shape)
     odd.copy_(tr)
     with pytest.raises(cx.UsageError, match="16-byte aligned"):
-        cx.decode_t(mod, odd, kernel="exl3_decode_t_coop")
-    assert torch.equal(cx.decode_t(mod, odd), whole)
+        cd.decode_t(mod, odd, kernel="exl3_decode_t_coop")
+    assert torch.equal(cd.decode_t(mod, odd), whole)
     buf = torch.full((16 * 19, 256), float("nan"), dtype=torch.float16, device=tr.device)   # into a given buffer
-    assert cx.decode_t(mod, tr, 5, 24, out=buf) is buf and torch.equal(buf, whole[80:384])
+    assert cd.decode_t(mod, tr, 5, 24, out=buf) is buf and torch.equal(buf, whole[80:384])
     with pytest.raises(ValueError, match="contiguous fp16"):
-        cx.decode_t(mod, tr, 5, 23, out=buf)
+        cd.decode_t(mod, tr, 5, 23, out=buf)
 
 
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (16, "3inst"), (128, "mcg"), (40, "mul1")])
@@ -100,6 +102,7 @@ def test_decode_fold(cx, width, cb):
     Ŵ, within fp16 rounding (a wrong lane, column or sign is off by O(1)); its 128-column chunks
     equal those rows of the whole."""
     import torch
+    from exl3tools.kernels import cuda_dense as cd
     from exl3tools.kernels.triton_exl3 import _hadamard_pm1
 
     rng = np.random.default_rng(width)
@@ -107,17 +110,17 @@ def test_decode_fold(cx, width, cb):
     tr, _, svh, _ = _lin(rng, k, n, width)
     trd, svd = torch.from_numpy(tr).cuda(), torch.from_numpy(svh).cuda()
     mod = cx.module(width, cb, trd.device)
-    got = cx.decode_fold(mod, trd, svd).double().cpu()
-    w = cx.decode_t(mod, trd).t().double().cpu()                                # Ŵ (k, n)
+    got = cd.decode_fold(mod, trd, svd).double().cpu()
+    w = cd.decode_t(mod, trd).t().double().cpu()                                # Ŵ (k, n)
     h = _hadamard_pm1("cpu").double() / 128 ** 0.5
     want = ((w.view(k, n // 128, 128) @ h).view(k, n) * svd.double().cpu()[None]).t()
     err = (got - want).abs() / (want.abs() + 1e-3 * want.abs().max())
     assert err.max().item() < 2e-3
-    whole = cx.decode_fold(mod, trd, svd)
+    whole = cd.decode_fold(mod, trd, svd)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
-        assert torch.equal(cx.decode_fold(mod, trd, svd, j0, j1), whole[16 * j0:16 * j1])
+        assert torch.equal(cd.decode_fold(mod, trd, svd, j0, j1), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
-        cx.decode_fold(mod, trd, svd, 0, 12)
+        cd.decode_fold(mod, trd, svd, 0, 12)
 
 
 @pytest.mark.parametrize("kernel", ["exl3_decode_fold2", "exl3_decode_fold2s"])
@@ -128,23 +131,24 @@ def test_decode_fold2_is_the_whole_weight(cx, width, cb, kernel):
     scale is off by O(1)), by either kernel; its 128-column chunks equal those rows of the
     whole; k or n not in whole 128-wide blocks is refused."""
     import torch
+    from exl3tools.kernels import cuda_dense as cd
 
     rng = np.random.default_rng(width + 1)
     k, n = 384, 640
     tr, suh, svh, _ = _lin(rng, k, n, width)
     trd, sud, svd = (torch.from_numpy(a).cuda() for a in (tr, suh, svh))
     mod = cx.module(width, cb, trd.device)
-    got = cx.decode_fold2(mod, trd, sud, svd, kernel=kernel).double().cpu().numpy().T      # W (k, n)
+    got = cd.decode_fold2(mod, trd, sud, svd, kernel=kernel).double().cpu().numpy().T      # W (k, n)
     want = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
     assert err.max() < 2e-3, err.max()
-    whole = cx.decode_fold2(mod, trd, sud, svd, kernel=kernel)
+    whole = cd.decode_fold2(mod, trd, sud, svd, kernel=kernel)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
-        assert torch.equal(cx.decode_fold2(mod, trd, sud, svd, j0, j1, kernel=kernel), whole[16 * j0:16 * j1])
+        assert torch.equal(cd.decode_fold2(mod, trd, sud, svd, j0, j1, kernel=kernel), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
-        cx.decode_fold2(mod, trd, sud, svd, 0, 12)
+        cd.decode_fold2(mod, trd, sud, svd, 0, 12)
     with pytest.raises(cx.UsageError):
-        cx.decode_fold2(mod, trd[:20], sud[:320], svd)          # 20 k-tiles: not whole 128-row blocks
+        cd.decode_fold2(mod, trd[:20], sud[:320], svd)          # 20 k-tiles: not whole 128-row blocks
 
 
 @pytest.mark.parametrize("fold", [False, True, "in"])
@@ -155,6 +159,7 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     folded: chunks of whole 128-column blocks; "in": both passes folded) gives what the whole
     decode gives."""
     import torch
+    from exl3tools.kernels import cuda_dense as cd
 
     rng = np.random.default_rng(chunk_tiles)
     k, n, rows = 256, 640, 100
@@ -165,7 +170,7 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)
     monkeypatch.setattr(cx, "FOLD2_MIN_ROWS", 0)
     whole = lin(x)
-    monkeypatch.setattr(cx, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
+    monkeypatch.setattr(cd, "DENSE_CHUNK_BYTES", chunk_tiles * k * 16 * 2)
     y = lin(x).float().cpu().numpy()
     # cuBLAS may pick another kernel (summation order) for a narrower GEMM: equal up to rounding
     assert _rel(y, whole.float().cpu().numpy()) < 1e-3
