@@ -150,10 +150,9 @@ def large_parts(lin, x):
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
         if fold_in:                      # the input pass folded too: x itself into cuBLAS
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-            kernel0, cd.FOLD2_KERNEL = cd.FOLD2_KERNEL, "exl3_decode_fold2s"     # its shuffle-free decode
-            out["cuda_fold2s_us"] = bench(lambda: lin(x))
-            out["cuda_fold2s_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-            cd.FOLD2_KERNEL = kernel0
+            with mock.patch.dict(os.environ, {"EXL3TOOLS_DENSE_FOLD2S": "1"}):     # its shuffle-free decode
+                out["cuda_fold2s_us"] = bench(lambda: lin(x))
+                out["cuda_fold2s_err"] = float((lin(x).float() - ref).norm() / ref.norm())
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
     lin.fold, lin.fold_in, cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS = fold0, fold_in0, keep, keep2

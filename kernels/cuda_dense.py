@@ -22,7 +22,6 @@ from exl3tools.errors import UsageError
 
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once (dense_mm)
 FOLD2_SMEM = 128 * 136 * 4   # decode_fold2's dynamic shared memory a block: 128 columns x F2_LD floats
-FOLD2_KERNEL = "exl3_decode_fold2"   # or exl3_decode_fold2s (no warp shuffles; bench/gpu_bench.py times both)
 
 
 @functools.cache
@@ -80,16 +79,20 @@ def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: tor
     """Wᵀ (n, k) fp16 with W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the linear's whole weight
     (both Hadamard passes folded in; float32 inside, rounded once), so that x @ W + bias is the
     linear of x itself; of n-tiles j0..j1 where given (whole 128-column blocks), ``out`` as in
-    decode_t. ``suh``: all k entries. ``kernel`` (default FOLD2_KERNEL): exl3_decode_fold2 (the k
-    pass by warp shuffles) or exl3_decode_fold2s (both passes' last stages through shared memory,
-    no shuffle)."""
+    decode_t. ``suh``: all k entries. ``kernel``: exl3_decode_fold2 (the k pass by warp shuffles;
+    the default) or exl3_decode_fold2s (both passes' last stages through shared memory, no
+    shuffle; the default with the EXL3TOOLS_DENSE_FOLD2S preview, read per call)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     if nt % 8 or j0 % 8 or kt % 8:
         raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    mod.launch(kernel or FOLD2_KERNEL, (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld, smem=FOLD2_SMEM)
+    if kernel is None:
+        from exl3tools.runtime import preview  # torch-free; read per call so an A/B can switch it
+
+        kernel = "exl3_decode_fold2s" if preview.switched_on("dense_fold2s") else "exl3_decode_fold2"
+    mod.launch(kernel, (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld, smem=FOLD2_SMEM)
     return wt
 
 
