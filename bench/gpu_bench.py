@@ -118,8 +118,6 @@ def large_parts(lin, x):
            "cuda_decode_scatter_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cd.decode_fold(lin.mod, lin.trellis, lin.svh)),
            "cuda_decode_fold2_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh)),
-           "cuda_decode_fold2s_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh,
-                                                                 kernel="exl3_decode_fold2s")),
            "cuda_decode_coop_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
@@ -150,9 +148,6 @@ def large_parts(lin, x):
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
         if fold_in:                      # the input pass folded too: x itself into cuBLAS
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-            with mock.patch.dict(os.environ, {"EXL3TOOLS_DENSE_FOLD2S": "1"}):     # its shuffle-free decode
-                out["cuda_fold2s_us"] = bench(lambda: lin(x))
-                out["cuda_fold2s_err"] = float((lin(x).float() - ref).norm() / ref.norm())
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
     lin.fold, lin.fold_in, cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS = fold0, fold_in0, keep, keep2
@@ -271,10 +266,10 @@ def print_large(results):
     rows = [r for r in results if "cuda_fold_us" in r]
     if not rows:
         return
-    cols = ("had_in", "decode_scatter", "decode", "decode_fold", "decode_fold2", "decode_fold2s", "mm", "had_out")
+    cols = ("had_in", "decode_scatter", "decode", "decode_fold", "decode_fold2", "mm", "had_out")
     hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>12}" for c in cols)
-           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'folded2':>8} {'folded2s':>8} {'fp16':>8} {'fp16 nk':>8} | "
-           f"{'unf/fp16':>8} {'fold/fp16':>9} {'fold2/fp16':>10} {'fold2s/fp16':>11} {'fold2 err':>9} {'fold2s err':>10}")
+           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'folded2':>8} {'fp16':>8} {'fp16 nk':>8} | "
+           f"{'unf/fp16':>8} {'fold/fp16':>9} {'fold2/fp16':>10} {'fold2 err':>9}")
     print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor; folded: the output "
           "pass in the decoded weights; folded2: both passes, x itself into cuBLAS; fp16: cuBLAS on W (k, n), "
           "fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
@@ -286,10 +281,9 @@ def print_large(results):
         print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | "
               + " ".join(f"{r[f'cuda_{c}_us']:12.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} {r['cuda_fold2_us']:8.1f} "
-              + f"{r['cuda_fold2s_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + (f" {r['fp16_nk_us']:8.1f}" if "fp16_nk_us" in r else f" {'-':>8}")
               + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9} {rat(r['cuda_fold2_us']):>10}"
-              + f" {rat(r['cuda_fold2s_us']):>11} {r['cuda_fold2_err']:9.1e} {r['cuda_fold2s_err']:10.1e}")
+              + f" {r['cuda_fold2_err']:9.1e}")
     coop = [r for r in rows if "cuda_coop_nofold_us" in r]
     if coop:
         print("\nrows > 64, the decode with each quad of tiles loaded once a warp (exl3_decode_t_coop, "

@@ -35,11 +35,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # -> 14336 443.5 vs 470.3, 8192 -> 8192 506.3 vs 515.6; at 256 rows 0-12 % slower (its decode
     # 98 µs against 71 at 4096 x 14336); tests/gpu passed with it on
     "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
-    # decode_fold2 on exl3_decode_fold2s: both Hadamard passes' last stages through shared memory
-    # (XOR-swizzled, no bank conflicts), no warp shuffle, where exl3_decode_fold2 issues ~0.25
-    # shuffles a weight (98 µs against decode_fold's 76 at 4096 x 14336 on the H100); its CPU mirror
-    # (tests/test_cuda_fold2_mirror.py) checks its result and banks; never run on a GPU yet
-    "dense_fold2s": "EXL3TOOLS_DENSE_FOLD2S",
     # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_dense.decode_t) on
     # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in
     # 16-byte pieces (the next quad's while it decodes this one) and hands each lane its words

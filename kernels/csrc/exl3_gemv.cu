@@ -728,8 +728,6 @@ __device__ __forceinline__ void decode_coop_body(const uint32_t* __restrict__ tr
 // nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr). fold_n is one such warp's
 // part, left in f in fp32 with svh / sqrt(128) applied: f[u][q][p] [tile u][b index q][half p] is
 // column 16 u + 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p of k-tile i (decode_fold2 goes on from it).
-// LANES false (decode_fold2s): only the decode and the in-register stages, n bits 3..6.
-template <bool LANES = true>
 __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restrict__ tr, const half* __restrict__ svh,
                                        int i, int j0, int ld, int off, const int (&widx)[NL], float (&f)[8][4][2]) {
     const int lane = threadIdx.x & 31;
@@ -777,7 +775,6 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
                     f[u + s][q][p] = a - c;
                 }
         }
-    if constexpr (!LANES) return;
     // n bits 0..2: g, across lanes
 #pragma unroll
     for (int m = 4; m < 32; m <<= 1) {
@@ -950,115 +947,6 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
 #pragma unroll
         for (int q = 0; q < 4; q++) v[q] *= sv[q];
         store4(dst + (size_t)c * k, v);
-    }
-}
-
-// decode_fold2's result with no warp shuffle (exl3_decode_fold2s): decode_fold2 issues ~0.25 of them
-// a weight (its n pass's lane stages and fwht128's), and an SM runs one a clock, which held it at 98 µs
-// against decode_fold's 76 (H100, 4096 x 14336). Here the warps put fold_n's values after the
-// in-register stages (n bits 3..6) in shared memory; then each thread takes 8 columns x 8 rows (n bits
-// 0..2, k bits 4..6: 6 stages in registers) and writes them back; then 16 contiguous rows of one
-// column (k bits 0..3), scales them by svh suh / 128 and stores 32 bytes. Element (n, k) lives at
-// n F2_LD + (k ^ f2_swz(n)): with the XOR, every pass's accesses are free of bank conflicts (the
-// first pass's float2 rows 8 banks apart, the second's half-warps 16, the third's 8 columns of a
-// float4 phase 4 or 8).
-__device__ __forceinline__ int f2_swz(int n) { return ((n >> 3) & 1) * 16 + ((n >> 2) & 1) * 4; }
-__device__ __forceinline__ void decode_fold2s_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
-                                                   const half* __restrict__ suh, const half* __restrict__ svh,
-                                                   int kt, int nt, int ld) {
-    extern __shared__ __align__(16) float fs[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    int off, widx[NL];
-    lane_words(lane, off, widx);
-    const int nb = nt >> 3;
-    const int kb = blockIdx.x / nb, j0 = (blockIdx.x % nb) * 8;
-    {
-        const Consts kc;
-        float f[8][4][2];
-        fold_n<false>(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
-#pragma unroll
-        for (int u = 0; u < 8; u++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int n = 16 * u + 8 * (q >> 1) + g, kk = 16 * warp + 2 * t + 8 * (q & 1);
-                *reinterpret_cast<float2*>(fs + n * F2_LD + (kk ^ f2_swz(n))) = make_float2(f[u][q][0], f[u][q][1]);
-            }
-    }
-    __syncthreads();
-    {   // n bits 0..2 and k bits 4..6: columns 8 nh + a, rows kl + 16 b
-        const int kl = threadIdx.x & 15, nh = threadIdx.x >> 4;
-        float v[8][8];
-#pragma unroll
-        for (int a = 0; a < 8; a++)
-#pragma unroll
-            for (int b = 0; b < 8; b++) {
-                const int n = 8 * nh + a;
-                v[a][b] = fs[n * F2_LD + ((kl + 16 * b) ^ f2_swz(n))];
-            }
-#pragma unroll
-        for (int s = 1; s < 8; s <<= 1)
-#pragma unroll
-            for (int a = 0; a < 8; a++) {
-                if (a & s) continue;
-#pragma unroll
-                for (int b = 0; b < 8; b++) {
-                    const float x = v[a][b], y = v[a + s][b];
-                    v[a][b] = x + y;
-                    v[a + s][b] = x - y;
-                }
-            }
-#pragma unroll
-        for (int s = 1; s < 8; s <<= 1)
-#pragma unroll
-            for (int b = 0; b < 8; b++) {
-                if (b & s) continue;
-#pragma unroll
-                for (int a = 0; a < 8; a++) {
-                    const float x = v[a][b], y = v[a][b + s];
-                    v[a][b] = x + y;
-                    v[a][b + s] = x - y;
-                }
-            }
-#pragma unroll
-        for (int a = 0; a < 8; a++)     // back where they came from: no other thread reads them
-#pragma unroll
-            for (int b = 0; b < 8; b++) {
-                const int n = 8 * nh + a;
-                fs[n * F2_LD + ((kl + 16 * b) ^ f2_swz(n))] = v[a][b];
-            }
-    }
-    __syncthreads();
-    const size_t k = (size_t)kt * 16;
-#pragma unroll 1
-    for (int task = threadIdx.x; task < 128 * 8; task += 256) {   // k bits 0..3: 16 rows of a column
-        const int n = (task & 7) + 8 * (task >> 6), seg = (task >> 3) & 7;
-        float v[16];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float4 a = *reinterpret_cast<const float4*>(fs + n * F2_LD + ((16 * seg + 4 * j) ^ f2_swz(n)));
-            v[4 * j] = a.x; v[4 * j + 1] = a.y; v[4 * j + 2] = a.z; v[4 * j + 3] = a.w;
-        }
-#pragma unroll
-        for (int s = 1; s < 16; s <<= 1)
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                if (i & s) continue;
-                const float x = v[i], y = v[i + s];
-                v[i] = x + y;
-                v[i + s] = x - y;
-            }
-        const float sc = __half2float(svh[16 * j0 + n]) * (1.f / 128.f);
-        const half* su = suh + 128 * kb + 16 * seg;
-        uint32_t o[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            half2 h = __floats2half2_rn(v[2 * j] * sc * __half2float(su[2 * j]), v[2 * j + 1] * sc * __half2float(su[2 * j + 1]));
-            o[j] = *reinterpret_cast<uint32_t*>(&h);
-        }
-        uint4* dst = reinterpret_cast<uint4*>(wt + (size_t)(16 * j0 + n) * k + 128 * kb + 16 * seg);
-        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
     }
 }
 // ACT: the input is silu(gate) * up of a gate+up call's output (fused_decode.silu_mul's fp32
@@ -1330,10 +1218,6 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
                                                                      const half* svh, int kt, int nt, int ld) {
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) exl3_decode_fold2s(const uint32_t* tr, half* wt, const half* suh,
-                                                                         const half* svh, int kt, int nt, int ld) {
-    decode_fold2s_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
 #define HAD_IN(NAME, TX)                                                                                 \

@@ -123,13 +123,12 @@ def test_decode_fold(cx, width, cb):
         cd.decode_fold(mod, trd, svd, 0, 12)
 
 
-@pytest.mark.parametrize("kernel", ["exl3_decode_fold2", "exl3_decode_fold2s"])
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (16, "3inst"), (128, "mcg"), (40, "mul1")])
-def test_decode_fold2_is_the_whole_weight(cx, width, cb, kernel):
+def test_decode_fold2_is_the_whole_weight(cx, width, cb):
     """decode_fold2's Wᵀ, both Hadamard passes and sign vectors folded into the decoded weights,
     is the reference decoder's final W within fp16 rounding (a wrong lane, row, column, sign or
-    scale is off by O(1)), by either kernel; its 128-column chunks equal those rows of the
-    whole; k or n not in whole 128-wide blocks is refused."""
+    scale is off by O(1)); its 128-column chunks equal those rows of the whole; k or n not in
+    whole 128-wide blocks is refused."""
     import torch
     from exl3tools.kernels import cuda_dense as cd
 
@@ -138,13 +137,13 @@ def test_decode_fold2_is_the_whole_weight(cx, width, cb, kernel):
     tr, suh, svh, _ = _lin(rng, k, n, width)
     trd, sud, svd = (torch.from_numpy(a).cuda() for a in (tr, suh, svh))
     mod = cx.module(width, cb, trd.device)
-    got = cd.decode_fold2(mod, trd, sud, svd, kernel=kernel).double().cpu().numpy().T      # W (k, n)
+    got = cd.decode_fold2(mod, trd, sud, svd).double().cpu().numpy().T      # W (k, n)
     want = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
     assert err.max() < 2e-3, err.max()
-    whole = cd.decode_fold2(mod, trd, sud, svd, kernel=kernel)
+    whole = cd.decode_fold2(mod, trd, sud, svd)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
-        assert torch.equal(cd.decode_fold2(mod, trd, sud, svd, j0, j1, kernel=kernel), whole[16 * j0:16 * j1])
+        assert torch.equal(cd.decode_fold2(mod, trd, sud, svd, j0, j1), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
         cd.decode_fold2(mod, trd, sud, svd, 0, 12)
     with pytest.raises(cx.UsageError):
@@ -235,7 +234,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
         for rows in {mrows, mrows - 24}:
             tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, rows)
             src = torch.where(valid, slot // top, 0)
-            y = ex.tiles(xd, src, row_exp, tile_exp, rows, kernel=kernel).float().cpu().numpy()
+            y = ex.tiles(xd, src, row_exp, tile_exp, rows).float().cpu().numpy()
             v = valid.cpu().numpy()
             assert _rel(y[v], tile_rows_reference(x, lins, w, slot, row_exp, valid, top)) < 2e-3, (kernel, rows)
             if rows <= 64:   # the gemv kernel on the same tiles: the same sums up to their order
@@ -266,7 +265,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     for kernel in ("exl3_tiles_m64_t2", "exl3_tiles_m128_t1"):
         rows = 64 if "m64" in kernel else 128
         te = torch.zeros(2 * 64 // rows, dtype=torch.int64, device="cuda")
-        y = one.tiles(torch.from_numpy(xl).cuda(), None, zeros, te, rows, kernel=kernel).float().cpu().numpy()
+        y = one.tiles(torch.from_numpy(xl).cuda(), None, zeros, te, rows).float().cpu().numpy()
         assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3, kernel
     # the runtime sends 64-row tiles to them unless opted out of
     monkeypatch.delenv("EXL3TOOLS_PREFILL_TILES", raising=False)
