@@ -304,6 +304,48 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("name", MLA_FIXTURES[:2])
+def test_prompt_keys_from_one_gemm(name, monkeypatch):
+    """EXL3TOOLS_MLA_K_GEMM (a preview): attend_decompressed's K, nope and rope parts, from one GEMM of
+    [latent | rope key] with W_UK and an identity block, not a GEMM and a cat: the same logits (a
+    64-token prompt, is_causal; a 40-token chunk after a 24-token prefix, with DSA's mask on GLM-5),
+    float32 on the CPU through the decompressed path (SDPA_ON_CPU), two heads a group."""
+    from exl3tools.runtime import mla
+
+    m, g = _model(name)
+    ids = g["prompt_p64"].tolist()
+    att = m.layers[0].attn
+
+    def run():
+        for layer in m.layers:
+            layer.attn._w16 = None
+        cache = m.new_cache()
+        m.forward([(cache, ids[:24])])
+        return _logits(m, ids), m.forward([(cache, ids[24:])], all_logits=True)
+
+    monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
+    monkeypatch.setattr(mla, "DECOMPRESS_BYTES", 2 * 64 * (att.nope + att.rope + att.vd) * 4)  # ~2 heads a group
+    ref = run()
+    monkeypatch.setenv("EXL3TOOLS_MLA_K_GEMM", "1")
+    widths, cats = [], []
+
+    class Spy(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.einsum and args[0] == "blc,hnc->bhln":
+                widths.append(args[1].shape[-1])
+            if func is torch.cat and getattr(args[0][0], "dim", lambda: 0)() == 4:
+                cats.append(args[0][0].shape)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        got = run()
+    assert widths and set(widths) == {att.kv_lora + att.rope}, widths     # every K from [c | r]
+    assert not cats, cats                                                # and no K concatenated
+    assert att._w16[0].data_ptr() == att._w16[3].data_ptr()              # W_UK: a view of W_K
+    for a, b in zip(got, ref, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
 @pytest.mark.parametrize("name", [n for n in MLA_FIXTURES if "glm5" in n])
 def test_dsa_prompt_rows_over_their_selected_keys(name, kernel, monkeypatch):

@@ -77,7 +77,7 @@ class MLAttention:
         self.w_uv = w[:, nope:, :].contiguous()                    # (H, v, C)
         self.indexer, self.dsa_shared = indexer, dsa_shared
         self.index_topk = index_topk if (indexer is not None or dsa_shared) else 0
-        self._w16 = None                                           # (W_UK, W_UV[, W_UV padded]) for attend_decompressed
+        self._w16 = None                  # (W_UK, W_UV, W_UV padded, W_K or None) for attend_decompressed
 
     def cache_spec(self) -> list:
         """Per token: the normed latent, the roped key and (a DSA "full" layer) the indexer key, in
@@ -351,12 +351,23 @@ class MLAttention:
         # (n, L) mask rules flash out anyway (EXL3TOOLS_MLA_FLASH_PAD=0 opts out, runtime/preview.py)
         pad = (self.vd < qk <= 256 and (mask is None or isinstance(mask, CausalBias))
                and (q.is_cuda or PAD_V_ON_CPU) and preview.switched_on("mla_flash_pad"))
-        if self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt:
+        # (EXL3TOOLS_MLA_K_GEMM) K from one GEMM of [c | r]: W_K (H, nope + rope, C + rope) holds
+        # W_UK and an identity block from the rope key to K's rope columns, so no cat copies K
+        kgemm = preview.switched_on("mla_k_gemm")
+        if (self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt
+                or (kgemm and self._w16[3] is None)):
             w_uv = self.w_uv.to(q.device, dt)
-            self._w16 = (self.w_uk.to(q.device, dt), w_uv,
+            w_uk, w_k = self.w_uk.to(q.device, dt), None
+            if kgemm:
+                C = self.kv_lora
+                w_k = w_uk.new_zeros(self.nh, qk, C + self.rope)
+                w_k[:, :self.nope, :C] = w_uk
+                w_k[:, self.nope:, C:] = torch.eye(self.rope, dtype=dt, device=q.device)
+                w_uk = w_k[:, :self.nope, :C]          # a view: W_UK is not held twice
+            self._w16 = (w_uk, w_uv,
                          torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
-                         if self.vd < qk else w_uv)
-        w_uk, w_uv = self._w16[0], self._w16[2 if pad else 1]
+                         if self.vd < qk else w_uv, w_k)
+        w_uk, w_uv, w_k = self._w16[0], self._w16[2 if pad else 1], self._w16[3] if kgemm else None
         vd = w_uv.shape[1]
         B, L = c.shape[0], c.shape[1]
         # heads in groups whose decompressed K/V fit DECOMPRESS_BYTES (a 128k history is 128 MB a
@@ -364,10 +375,14 @@ class MLAttention:
         # activation measure (a prompt without history) cannot see
         per_head = B * L * (qk + vd) * c.element_size()
         g = max(1, min(self.nh, DECOMPRESS_BYTES // max(per_head, 1)))
+        cr = torch.cat((c, r), -1) if w_k is not None else None      # (B, L, C + rope), once
         for h0 in range(0, self.nh, g):
             h = slice(h0, min(h0 + g, self.nh))
-            k = torch.cat((torch.einsum("blc,hnc->bhln", c, w_uk[h]),
-                           r[:, None].expand(B, h.stop - h0, L, self.rope)), -1)
+            if w_k is not None:
+                k = torch.einsum("blc,hnc->bhln", cr, w_k[h])
+            else:
+                k = torch.cat((torch.einsum("blc,hnc->bhln", c, w_uk[h]),
+                               r[:, None].expand(B, h.stop - h0, L, self.rope)), -1)
             v = torch.einsum("blc,hvc->bhlv", c, w_uv[h])
             # 4-D: the flash and memory-efficient kernels take nothing else; 3-D inputs fall back
             # to the math path, which widens to fp32 and materialises the scores (H200 profile of a

@@ -19,6 +19,14 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
     # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
+    # MLA prompts through decompressed K/V (MLAttention._sdpa_decompressed): each head group's K
+    # (nope and rope parts) from one GEMM of [latent | rope key] with W_UK and an identity block,
+    # instead of the nope GEMM and a torch.cat with the broadcast rope key, which copies every K
+    # (~127 MB a head group at a 28k history). H100, 2026-12-06 (bench/gpu_prefill.py --long
+    # 30000, synthetic DeepSeek-V3): the cat was 19.6 of a late chunk's 166 ms. The GEMM grows by
+    # (C + rope)(nope + rope) / (C nope) (1.69x at DeepSeek-V3's K part); the extended weight
+    # replaces W_UK (its view), +11.5 MB a layer at 128 heads. Never run on a GPU yet
+    "mla_k_gemm": "EXL3TOOLS_MLA_K_GEMM",
     # linears of more than 64 rows (prompts): the output Hadamard pass and svh folded into the
     # decoded weights (kernels/cuda_dense.decode_fold, W' = Ŵ·H_n ⊙ svh rounded to fp16 once) and
     # the bias into cuBLAS's GEMM, instead of decode + GEMM + had_out, whose cost grows with the
