@@ -49,6 +49,16 @@ def _logits(m, ids: list[int]) -> torch.Tensor:
     return m.forward([(m.new_cache(), ids)], all_logits=True)
 
 
+def _prompt_and_chunk(m, ids: list[int]):
+    """(the whole prompt's logits, a 40-token chunk's after a 24-token cached prefix), the
+    decompression weights made anew (attend_decompressed's cache, which a switch may change)."""
+    for layer in m.layers:
+        layer.attn._w16 = None
+    cache = m.new_cache()
+    m.forward([(cache, ids[:24])])
+    return _logits(m, ids), m.forward([(cache, ids[24:])], all_logits=True)
+
+
 def _kl(ours: torch.Tensor, gold: torch.Tensor) -> torch.Tensor:
     lp, lq = torch.log_softmax(gold.double(), -1), torch.log_softmax(ours.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
@@ -277,17 +287,10 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
     att = m.layers[0].attn
     assert att.vd < att.nope + att.rope
 
-    def run():
-        for layer in m.layers:
-            layer.attn._w16 = None
-        cache = m.new_cache()
-        m.forward([(cache, ids[:24])])
-        return _logits(m, ids), m.forward([(cache, ids[24:])], all_logits=True)
-
     monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
     monkeypatch.setattr(mla, "PAD_V_ON_CPU", True)
     monkeypatch.setenv("EXL3TOOLS_MLA_FLASH_PAD", "0")
-    ref = run()
+    ref = _prompt_and_chunk(m, ids)
     monkeypatch.delenv("EXL3TOOLS_MLA_FLASH_PAD")
     sizes = []
 
@@ -298,7 +301,7 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
             return func(*args, **(kwargs or {}))
 
     with Spy():
-        got = run()
+        got = _prompt_and_chunk(m, ids)
     assert sizes and all(qs == vs == att.nope + att.rope for qs, vs in sizes), sizes
     for a, b in zip(got, ref, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
@@ -316,16 +319,9 @@ def test_prompt_keys_from_one_gemm(name, monkeypatch):
     ids = g["prompt_p64"].tolist()
     att = m.layers[0].attn
 
-    def run():
-        for layer in m.layers:
-            layer.attn._w16 = None
-        cache = m.new_cache()
-        m.forward([(cache, ids[:24])])
-        return _logits(m, ids), m.forward([(cache, ids[24:])], all_logits=True)
-
     monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
     monkeypatch.setattr(mla, "DECOMPRESS_BYTES", 2 * 64 * (att.nope + att.rope + att.vd) * 4)  # ~2 heads a group
-    ref = run()
+    ref = _prompt_and_chunk(m, ids)
     monkeypatch.setenv("EXL3TOOLS_MLA_K_GEMM", "1")
     widths, cats = [], []
 
@@ -338,7 +334,7 @@ def test_prompt_keys_from_one_gemm(name, monkeypatch):
             return func(*args, **(kwargs or {}))
 
     with Spy():
-        got = run()
+        got = _prompt_and_chunk(m, ids)
     assert widths and set(widths) == {att.kv_lora + att.rope}, widths     # every K from [c | r]
     assert not cats, cats                                                # and no K concatenated
     assert att._w16[0].data_ptr() == att._w16[3].data_ptr()              # W_UK: a view of W_K
