@@ -13,9 +13,9 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
 - more rows (kernels/cuda_dense.py): ``decode_t`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM,
   ``had_out`` in place; or, with the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh
   (the output pass folded into the decoded weights) and one cuBLAS GEMM with the bias: no output
-  pass, whose cost grows with rows
-  (where rows x n >= FOLD_MIN_OUT); with the EXL3TOOLS_DENSE_FOLD_IN preview and fp16 activations,
-  ``decode_fold2`` the whole weight W (the input pass folded in too) and one GEMM on x itself.
+  pass, whose cost grows with rows (where rows x n >= FOLD_MIN_OUT); with the
+  EXL3TOOLS_DENSE_FOLD_IN preview and fp16 activations, ``decode_fold2`` the whole weight W (the
+  input pass folded in too) and one GEMM on x itself.
 Many experts' projections in one call: ``CudaExperts`` (kernels/cuda_experts.py).
 
 Batch-invariant runs (runtime/invariance.py): K splits fixed by the weight's shape and the partials
