@@ -22,7 +22,7 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # MLA prompts through decompressed K/V (MLAttention._sdpa_decompressed): each head group's K
     # (nope and rope parts) from one GEMM of [latent | rope key] with W_UK and an identity block,
     # instead of the nope GEMM and a torch.cat with the broadcast rope key, which copies every K
-    # (~127 MB a head group at a 28k history). H100, 2026-12-06 (bench/gpu_prefill.py --long
+    # (~121 MB a head group at a 28k history). H100, 2026-12-06 (bench/gpu_prefill.py --long
     # 30000, synthetic DeepSeek-V3): the cat was 19.6 ms of a late chunk's 166. The GEMM grows by
     # (C + rope)(nope + rope) / (C nope) (1.69x at DeepSeek-V3's K part); the extended weight
     # replaces W_UK (its view), +11.5 MB a layer at 128 heads. Never run on a GPU yet
