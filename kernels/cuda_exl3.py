@@ -84,10 +84,6 @@ WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wg2_m256_t1"}
 WG_MAX_ROWS = 1024
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
-# from this many (row, 128-column block) items a pass takes its _x4 kernel: four items a warp, all
-# four loads in flight before the first transform (the one-item kernel keeps ~16 KB an SM in flight,
-# which left the 2048-row passes at ~2.5x the HBM floor); 8 warps x 4 items x 132 SMs x 8 blocks
-HAD_X4_MIN_ITEMS = 32768
 
 _lock = threading.Lock()
 
@@ -183,14 +179,6 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2.contiguous()
 
 
-def _had_items(items: int) -> tuple[str, int]:
-    """A Hadamard pass's kernel suffix and items a block (HAD_X4_MIN_ITEMS; EXL3TOOLS_HAD_X4=0
-    keeps one item a warp, for A/Bs)."""
-    if items >= HAD_X4_MIN_ITEMS and os.environ.get("EXL3TOOLS_HAD_X4", "1") != "0":
-        return "_x4", 4 * HAD_WARPS
-    return "", HAD_WARPS
-
-
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None,
            tile_n=None, tile_rows: int = 1, act_rows: int | None = None) -> torch.Tensor:
     """``tile_n`` (int32 per tile of ``tile_rows`` rows, or None): rows at and past a tile's count
@@ -199,8 +187,7 @@ def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int,
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
     items = total * (k // 128)
     act = () if act_rows is None else (act_rows,)
-    x4, per = _had_items(items)
-    mod.launch(f"exl3_had_in_{'act_' if act else ''}{_SUFFIX[x.dtype]}{x4}", -(-items // per), 32 * HAD_WARPS, x,
+    mod.launch(f"exl3_had_in_{'act_' if act else ''}{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x,
                xrot, suh_tab, src, exp, rows, total, k, tile_n, tile_rows, *act)
     return xrot
 
@@ -208,10 +195,9 @@ def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int,
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
             exp=None, tile_n=None, tile_rows: int = 1) -> torch.Tensor:
     """``tile_n``: as in had_in (the tile kernels never add to a skipped row: it stays zero)."""
+    name = f"exl3_had_out_{_ACC[acc.dtype]}_{_SUFFIX[y.dtype]}"
     items = total * (n // 128)
-    x4, per = _had_items(items)
-    name = f"exl3_had_out_{_ACC[acc.dtype]}_{_SUFFIX[y.dtype]}{x4}"
-    mod.launch(name, -(-items // per), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
+    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
                tile_n, tile_rows, pdl=PDL)
     return y
 

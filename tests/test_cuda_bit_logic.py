@@ -177,16 +177,3 @@ def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
     aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", report) if "_aff_" in f}
     want = {f"exl3_gemv_pro_{kind}aff_m8_t2_{x}" for kind in ("", "ld_", "act_") for x in ("f16", "f32")}
     assert aff == (want if cb == 2 else set())
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-def test_every_hadamard_pass_has_its_four_item_kernel(tmp_path):
-    """cuda_exl3.had_in / had_out launch exl3_had_*, with the _x4 suffix from HAD_X4_MIN_ITEMS
-    items: each of the ten one-item passes has its twin, and the twins build without spills in at
-    most 64 registers (4 blocks of 256 threads an SM: 128 items' loads in flight, 32 KB at fp16)."""
-    report, _ = _ptxas(tmp_path, 2)
-    regs = {f: int(r) for f, r in re.findall(r"Compiling entry function '(exl3_had_\w+)'.*?Used (\d+) registers",
-                                               report, re.S)}
-    ones = {f for f in regs if not f.endswith("_x4")}
-    assert len(ones) == 10 and {f"{f}_x4" for f in ones} == set(regs) - ones, sorted(regs)
-    assert all(regs[f"{f}_x4"] <= 64 for f in ones), regs

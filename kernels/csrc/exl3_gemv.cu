@@ -321,7 +321,6 @@ constexpr int AFF_ROWS = 4;   // rows a slot AFF takes (two B columns a row)
 
 // ------------------------------------------------------------------ skinny GEMM
 // Hadamard helpers (defined with the passes below), for the gemv's own input pass (PRO)
-template <bool SIGN_FMA = false>
 __device__ __forceinline__ void fwht128(float (&v)[4]);
 __device__ __forceinline__ void load4(const half* p, float (&v)[4]);
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]);
@@ -836,10 +835,6 @@ __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr
 // One warp per (row, 128-column block); lane holds columns 4L..4L+3. Natural-order Sylvester H128
 // (§5.7) as 7 butterfly stages in fp32: 2 in registers, 5 across lanes.
 #ifndef EXL3_HOST_TEST
-// SIGN_FMA: each stage as fma(v, ±1, o) (the upper lane's o - v, the lower's v + o: exact, so the
-// same bits), one instruction a value where a select and an add are two; the Hadamard passes take
-// it, the gemv's own input pass keeps the select (its register count, so its blocks an SM)
-template <bool SIGN_FMA>
 __device__ __forceinline__ void fwht128(float (&v)[4]) {
     float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
     v[0] = a + c; v[1] = b + d; v[2] = a - c; v[3] = b - d;
@@ -847,11 +842,10 @@ __device__ __forceinline__ void fwht128(float (&v)[4]) {
 #pragma unroll
     for (int m = 1; m < 32; m <<= 1) {
         const bool up = lane & m;
-        const float sgn = up ? -1.0f : 1.0f;
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const float o = __shfl_xor_sync(0xffffffffu, v[q], m);
-            v[q] = SIGN_FMA ? __fmaf_rn(v[q], sgn, o) : up ? o - v[q] : v[q] + o;
+            v[q] = up ? o - v[q] : v[q] + o;
         }
     }
 }
@@ -892,18 +886,14 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 
 // The input rotation of lane L's 4 values (x at its column, the sign vector at the same column):
 // (x ⊙ suh) · H128 / sqrt(128) in fp32, had_in's arithmetic (and the gemv's own input pass's)
-template <bool SIGN_FMA = false>
-__device__ __forceinline__ void rotate4_signs(const float (&sv)[4], float (&v)[4]) {
-#pragma unroll
-    for (int q = 0; q < 4; q++) v[q] *= sv[q];
-    fwht128<SIGN_FMA>(v);
-#pragma unroll
-    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
-}
 __device__ __forceinline__ void rotate4_vals(const half* __restrict__ suh, float (&v)[4]) {
     float sv[4];
     load4(suh, sv);
-    rotate4_signs(sv, v);
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] *= sv[q];
+    fwht128(v);
+#pragma unroll
+    for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
 }
 template <typename TX>
 __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]) {
@@ -964,109 +954,71 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
 __device__ __forceinline__ float as_stored(float v, const half*) { return __half2float(__float2half_rn(v)); }
 __device__ __forceinline__ float as_stored(float v, const float*) { return v; }
 template <typename TX>
-__device__ __forceinline__ void load4_act(const TX* __restrict__ x, const TX* __restrict__ u, float (&v)[4]) {
+__device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
+                                            const half* __restrict__ suh, float (&v)[4]) {
     float b[4];
     load4(x, v);
     load4(u, b);
 #pragma unroll
     for (int q = 0; q < 4; q++) v[q] = as_stored(v[q] / (1.0f + __expf(-v[q])) * b[q], x);
-}
-template <typename TX>
-__device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
-                                            const half* __restrict__ suh, float (&v)[4]) {
-    load4_act(x, u, v);
     rotate4_vals(suh, v);
 }
 
-// (row o, block blk) of the item `step` items further, blocks a row (no 64-bit division an item)
-__device__ __forceinline__ void next_item(int& o, int& blk, int step, int blocks) {
-    for (blk += step; blk >= blocks; blk -= blocks) o++;
-}
-
-// ITEMS: the (row, block) items a warp takes, ITEMS x 8 consecutive ones a block, all its loads
-// issued before the first transform (a pass over 2048 x 14336 ran at ~2.5x the HBM floor with one
-// 256-byte load in flight a warp). The arithmetic of an item is the same whatever ITEMS.
-template <typename TX, bool ACT = false, int ITEMS = 1>
+template <typename TX, bool ACT = false>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
                                             const int* __restrict__ exp_idx, int rows, int total_rows, int k,
                                             const int* __restrict__ tile_n, int tile_rows, int act_rows = 0) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
-    const int blocks = k >> 7, warps = blockDim.x >> 5;
-    const long first = (long)blockIdx.x * warps * ITEMS + (threadIdx.x >> 5);
-    float v[ITEMS][4], sv[ITEMS][4];       // a dead item's zeros go through the same shuffles
-    long dst[ITEMS];                       // xrot offset of the item's 4 values, -1: none
-    int o = (int)(first / blocks), blk = (int)(first % blocks);   // item i: first + i * warps
-#pragma unroll
-    for (int i = 0; i < ITEMS; i++) {
-        dst[i] = -1;
-        v[i][0] = v[i][1] = v[i][2] = v[i][3] = sv[i][0] = sv[i][1] = sv[i][2] = sv[i][3] = 0.f;
-        if (i) next_item(o, blk, warps, blocks);
-        if (o >= total_rows) continue;
-        if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) continue;   // a padding row (tiles_body skips it)
-        const int z = o / rows, m = o % rows;
-        const int src = src_idx ? src_idx[z] * rows + m : o;
-        const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
-        const int col = blk * 128 + 4 * (threadIdx.x & 31);
-        if constexpr (ACT)
-            load4_act(x + (size_t)src * k + col, x + ((size_t)src + act_rows) * k + col, v[i]);
-        else
-            load4(x + (size_t)src * k + col, v[i]);
-        load4(suh + col, sv[i]);
-        dst[i] = (long)o * k + col;
-    }
-#pragma unroll
-    for (int i = 0; i < ITEMS; i++) {
-        rotate4_signs<true>(sv[i], v[i]);  // outside any branch: no divergent path for the shuffles
-        if (dst[i] >= 0) store4(xrot + dst[i], v[i]);
-    }
+    const int blocks = k >> 7;
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return;
+    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) return;   // a padding row (tiles_body skips it)
+    const int z = o / rows, m = o % rows;
+    const int src = src_idx ? src_idx[z] * rows + m : o;
+    const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
+    const int col = blk * 128 + 4 * (threadIdx.x & 31);
+    float v[4];
+    if constexpr (ACT)
+        rotate4_act(x + (size_t)src * k + col, x + ((size_t)src + act_rows) * k + col, suh + col, v);
+    else
+        rotate4(x + (size_t)src * k + col, suh + col, v);
+    store4(xrot + (size_t)o * k + col, v);
 }
 
 // y[o, :] = H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e, stored as TY (fp16 or the runtime's fp32);
 // an fp32 or fixed-point acc (the gemv workspaces) is re-zeroed as it is read.
-template <typename TA, typename TY, int ITEMS = 1>
+template <typename TA, typename TY>
 __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
                                              const int* __restrict__ exp_idx, int rows, int total_rows, int n,
                                              const int* __restrict__ tile_n, int tile_rows) {
     pdl_wait();                            // acc is complete only when gemv has finished
-    const int blocks = n >> 7, warps = blockDim.x >> 5;
-    const long first = (long)blockIdx.x * warps * ITEMS + (threadIdx.x >> 5);
-    float v[ITEMS][4];
-    long at[ITEMS];                        // offset of the item's 4 values in acc and y, -1: none
-    int ex[ITEMS], col[ITEMS];
-    int o = (int)(first / blocks), blk = (int)(first % blocks);   // item i: first + i * warps
-#pragma unroll
-    for (int i = 0; i < ITEMS; i++) {
-        at[i] = -1;
-        v[i][0] = v[i][1] = v[i][2] = v[i][3] = 0.f;   // a dead item's zeros go through the same shuffles
-        if (i) next_item(o, blk, warps, blocks);
-        if (o >= total_rows) continue;
-        // a padding row of tiles_body's tiles: never added to acc (still zero), y left undefined
-        if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) continue;
-        ex[i] = exp_idx ? exp_idx[o / rows] : 0;
-        col[i] = blk * 128 + 4 * (threadIdx.x & 31);
-        at[i] = (long)o * n + col[i];
-        load4(acc + at[i], v[i]);
-        if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + at[i]) = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (sizeof(TA) == 8) {
-            longlong2* a = reinterpret_cast<longlong2*>(acc + at[i]);
-            a[0] = a[1] = make_longlong2(0, 0);
-        }
+    const int blocks = n >> 7;
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return;
+    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    // a padding row of tiles_body's tiles: never added to acc (still zero), y left undefined
+    if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) return;
+    const int e = exp_idx ? exp_idx[o / rows] : 0;
+    const int col = blk * 128 + 4 * (threadIdx.x & 31);
+    float v[4];
+    load4(acc + (size_t)o * n + col, v);
+    if constexpr (sizeof(TA) == 4) *reinterpret_cast<float4*>(acc + (size_t)o * n + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (sizeof(TA) == 8) {
+        longlong2* a = reinterpret_cast<longlong2*>(acc + (size_t)o * n + col);
+        a[0] = a[1] = make_longlong2(0, 0);
     }
+    fwht128(v);
+    const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
+    const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
+    float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
+    load4(svh + col, sv);
+    if (bias) load4(bias + col, bv);
 #pragma unroll
-    for (int i = 0; i < ITEMS; i++) {
-        fwht128<true>(v[i]);               // outside any branch: no divergent path for the shuffles
-        if (at[i] < 0) continue;
-        const half* svh = reinterpret_cast<const half*>(svh_ptrs[ex[i]]);
-        const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[ex[i]]) : nullptr;
-        float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
-        load4(svh + col[i], sv);
-        if (bias) load4(bias + col[i], bv);
-#pragma unroll
-        for (int q = 0; q < 4; q++) v[i][q] = v[i][q] * 0.08838834764831845f * sv[q] + bv[q];
-        store4(y + at[i], v[i]);
-    }
+    for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
+    store4(y + (size_t)o * n + col, v);
 }
 #endif  // EXL3_HOST_TEST
 
@@ -1268,49 +1220,37 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
-#define HAD_IN(NAME, TX, ITEMS)                                                                               \
+#define HAD_IN(NAME, TX)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
                                                           int total_rows, int k, const int* tile_n, int tile_rows) { \
-        had_in_body<TX, false, ITEMS>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows); \
+        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows);           \
     }
-// _x4: four items a warp (cuda_exl3.HAD_X4_MIN_ITEMS: the large passes of prefill)
-HAD_IN(exl3_had_in_f16, half, 1)
-HAD_IN(exl3_had_in_f32, float, 1)
-HAD_IN(exl3_had_in_f16_x4, half, 4)
-HAD_IN(exl3_had_in_f32_x4, float, 4)
+HAD_IN(exl3_had_in_f16, half)
+HAD_IN(exl3_had_in_f32, float)
 // HAD_IN_ACT: the input silu(gate) * up, up act_rows rows below gate (rotate4_act)
-#define HAD_IN_ACT(NAME, TX, ITEMS)                                                                           \
+#define HAD_IN_ACT(NAME, TX)                                                                             \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
                                                           int total_rows, int k, const int* tile_n, int tile_rows, \
                                                           int act_rows) {                                         \
-        had_in_body<TX, true, ITEMS>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows, \
-                                     act_rows);                                                             \
+        had_in_body<TX, true>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows, act_rows); \
     }
-HAD_IN_ACT(exl3_had_in_act_f16, half, 1)
-HAD_IN_ACT(exl3_had_in_act_f32, float, 1)
-HAD_IN_ACT(exl3_had_in_act_f16_x4, half, 4)
-HAD_IN_ACT(exl3_had_in_act_f32_x4, float, 4)
+HAD_IN_ACT(exl3_had_in_act_f16, half)
+HAD_IN_ACT(exl3_had_in_act_f32, float)
 
-#define HAD_OUT(NAME, TA, TY, ITEMS)                                                                          \
+#define HAD_OUT(NAME, TA, TY)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \
                                                           const uint64_t* bias_ptrs, const int* exp_idx, int rows, \
                                                           int total_rows, int n, const int* tile_n, int tile_rows) { \
-        had_out_body<TA, TY, ITEMS>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, tile_n, tile_rows); \
+        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, tile_n, tile_rows);     \
     }
-HAD_OUT(exl3_had_out_f32_f16, float, half, 1)
-HAD_OUT(exl3_had_out_f32_f16_x4, float, half, 4)
-HAD_OUT(exl3_had_out_f32_f32, float, float, 1)
-HAD_OUT(exl3_had_out_f32_f32_x4, float, float, 4)
-HAD_OUT(exl3_had_out_f16_f16, half, half, 1)
-HAD_OUT(exl3_had_out_f16_f16_x4, half, half, 4)
-HAD_OUT(exl3_had_out_f16_f32, half, float, 1)
-HAD_OUT(exl3_had_out_f16_f32_x4, half, float, 4)
-HAD_OUT(exl3_had_out_i64_f16, long long, half, 1)
-HAD_OUT(exl3_had_out_i64_f16_x4, long long, half, 4)
-HAD_OUT(exl3_had_out_i64_f32, long long, float, 1)
-HAD_OUT(exl3_had_out_i64_f32_x4, long long, float, 4)
+HAD_OUT(exl3_had_out_f32_f16, float, half)
+HAD_OUT(exl3_had_out_f32_f32, float, float)
+HAD_OUT(exl3_had_out_f16_f16, half, half)
+HAD_OUT(exl3_had_out_f16_f32, half, float)
+HAD_OUT(exl3_had_out_i64_f16, long long, half)
+HAD_OUT(exl3_had_out_i64_f32, long long, float)
 #endif
 
 #ifdef EXL3_HOST_TEST
