@@ -309,10 +309,11 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
 
 @pytest.mark.parametrize("name", MLA_FIXTURES[:2])
 def test_prompt_keys_from_one_gemm(name, monkeypatch):
-    """EXL3TOOLS_MLA_K_GEMM (a preview): attend_decompressed's K, nope and rope parts, from one GEMM of
-    [latent | rope key] with W_UK and an identity block, not a GEMM and a cat: the same logits (a
-    64-token prompt, is_causal; a 40-token chunk after a 24-token prefix, with DSA's mask on GLM-5),
-    float32 on the CPU through the decompressed path (SDPA_ON_CPU), two heads a group."""
+    """EXL3TOOLS_MLA_K_GEMM (the default on CUDA; on the CPU only when "1": preview.on_cuda):
+    attend_decompressed's K, nope and rope parts, from one GEMM of [latent | rope key] with W_UK and
+    an identity block, not a GEMM and a cat: the same logits (a 64-token prompt, is_causal; a
+    40-token chunk after a 24-token prefix, with DSA's mask on GLM-5), float32 on the CPU through
+    the decompressed path (SDPA_ON_CPU), two heads a group."""
     from exl3tools.runtime import mla
 
     m, g = _model(name)
@@ -321,8 +322,7 @@ def test_prompt_keys_from_one_gemm(name, monkeypatch):
 
     monkeypatch.setattr(mla, "SDPA_ON_CPU", True)
     monkeypatch.setattr(mla, "DECOMPRESS_BYTES", 2 * 64 * (att.nope + att.rope + att.vd) * 4)  # ~2 heads a group
-    ref = _prompt_and_chunk(m, ids)
-    monkeypatch.setenv("EXL3TOOLS_MLA_K_GEMM", "1")
+    monkeypatch.delenv("EXL3TOOLS_MLA_K_GEMM", raising=False)
     widths, cats = [], []
 
     class Spy(torch.overrides.TorchFunctionMode):
@@ -333,6 +333,11 @@ def test_prompt_keys_from_one_gemm(name, monkeypatch):
                 cats.append(args[0][0].shape)
             return func(*args, **(kwargs or {}))
 
+    with Spy():
+        ref = _prompt_and_chunk(m, ids)
+    assert set(widths) == {att.kv_lora} and cats, (widths, cats)         # the CPU's default: GEMM and cat
+    widths.clear(), cats.clear()
+    monkeypatch.setenv("EXL3TOOLS_MLA_K_GEMM", "1")
     with Spy():
         got = _prompt_and_chunk(m, ids)
     assert widths and set(widths) == {att.kv_lora + att.rope}, widths     # every K from [c | r]

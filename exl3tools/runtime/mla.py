@@ -351,9 +351,10 @@ class MLAttention:
         # (n, L) mask rules flash out anyway (EXL3TOOLS_MLA_FLASH_PAD=0 opts out, runtime/preview.py)
         pad = (self.vd < qk <= 256 and (mask is None or isinstance(mask, CausalBias))
                and (q.is_cuda or PAD_V_ON_CPU) and preview.switched_on("mla_flash_pad"))
-        # (EXL3TOOLS_MLA_K_GEMM) K from one GEMM of [c | r]: W_K (H, nope + rope, C + rope) holds
-        # W_UK and an identity block from the rope key to K's rope columns, so no cat copies K
-        kgemm = preview.switched_on("mla_k_gemm")
+        # (EXL3TOOLS_MLA_K_GEMM, the default on CUDA) K from one GEMM of [c | r]: W_K (H, nope +
+        # rope, C + rope) holds W_UK and an identity block from the rope key to K's rope columns, so
+        # no cat copies K
+        kgemm = preview.on_cuda("mla_k_gemm", q.device)
         if (self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt
                 or (kgemm and self._w16[3] is None)):
             w_uv = self.w_uv.to(q.device, dt)

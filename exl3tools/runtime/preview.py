@@ -19,14 +19,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # prompts joining 8 streams stall them 82 ms instead of 173, but 32 streams 1947 -> 1756; its
     # GPU tests pass on the H200 (2026-12-02 14:02, tests/gpu with the other previews on)
     "mla_eager_rows": "EXL3TOOLS_MLA_EAGER_ROWS",
-    # MLA prompts through decompressed K/V (MLAttention._sdpa_decompressed): each head group's K
-    # (nope and rope parts) from one GEMM of [latent | rope key] with W_UK and an identity block,
-    # instead of the nope GEMM and a torch.cat with the broadcast rope key, which copies every K
-    # (~121 MB a head group at a 28k history). H100, 2026-12-06 (bench/gpu_prefill.py --long
-    # 30000, synthetic DeepSeek-V3): the cat was 19.6 ms of a late chunk's 166. The GEMM grows by
-    # (C + rope)(nope + rope) / (C nope) (1.69x at DeepSeek-V3's K part); the extended weight
-    # replaces W_UK (its view), +11.5 MB a layer at 128 heads. Never run on a GPU yet
-    "mla_k_gemm": "EXL3TOOLS_MLA_K_GEMM",
     # linears of more than 64 rows (prompts): the output Hadamard pass and svh folded into the
     # decoded weights (kernels/cuda_dense.decode_fold, W' = Ŵ·H_n ⊙ svh rounded to fp16 once) and
     # the bias into cuBLAS's GEMM, instead of decode + GEMM + had_out, whose cost grows with the
@@ -92,6 +84,16 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
+    # MLA prompts through decompressed K/V (MLAttention._sdpa_decompressed): each head group's K
+    # (nope and rope parts) from one GEMM of [latent | rope key] with W_UK and an identity block,
+    # instead of the nope GEMM and a torch.cat with the broadcast rope key, which copies every K
+    # (~121 MB a head group at a 28k history). The GEMM grows by (C + rope)(nope + rope) / (C nope)
+    # (1.69x at DeepSeek-V3's K part); the extended weight replaces W_UK (its view), +11.5 MB a
+    # layer at 128 heads. H100, 2026-12-06 (bench/gpu_prefill.py --long 30000 --long-variants,
+    # synthetic DeepSeek-V3, one process): a 30000-token prompt 2276 -> 2173 ms warm, its last chunk
+    # 167.3 -> 152.8 ms (the cat's 19.6 ms gone, the K GEMMs +2.7); tests/gpu passed with it on
+    # (1080). CUDA only (preview.on_cuda): the CPU reference keeps the cat unless asked ("1")
+    "mla_k_gemm": "EXL3TOOLS_MLA_K_GEMM",
     # MUL1 linears of up to 4 real rows a slot (so also expert_groups' 8-row tiles holding 1-4) on
     # the halves layout (kernels/csrc/exl3_gemv.cu AFF; a build define, as gemv_halves): each
     # state's A entries are (1024 + byte sum, 1.0) straight from the dp4a, each activation row
