@@ -4,18 +4,21 @@
 # lines, ncu's pipeline rules, each pipe's share of its peak (sm__inst_executed_pipe_* and
 # sm__pipe_*_cycles_active) and the stall reasons (cycles a warp waits per issued instruction),
 # highest first. Reports and logs go to $OUT (not gpu_all.sh's). SWITCH=EXL3TOOLS_GEMV_DEFINES
-# VALUES="-DXDUP_SMEM=0 -DXDUP_SMEM=1" compares build defines the same way.
+# VALUES="-DXDUP_SMEM=0 -DXDUP_SMEM=1" compares build defines the same way. KERNEL: another kernel of
+# the same call, e.g. the output Hadamard pass of a 2048-row linear (the dense path):
 #   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
+#   KERNEL=^exl3_had_out VALUES=1 SHAPE="3 4096 14336 2048" bash bench/ncu_gemv_pipes.sh
 set -u
 OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}   # gpu_all.sh's install (run it first, or set PYTHONPATH)
 SWITCH=${SWITCH:-EXL3TOOLS_GEMV_AFFINE}
+KERNEL=${KERNEL:-^exl3_gemv}
 for v in ${VALUES:-0 1}; do
   rep="$OUT/gemv_$v"
   # shellcheck disable=SC2086  # SHAPE is four words
-  env "$SWITCH=$v" ncu --set full --kernel-name "regex:^exl3_gemv" --launch-skip 2 --launch-count 1 -f -o "$rep" \
+  env "$SWITCH=$v" ncu --set full --kernel-name "regex:$KERNEL" --launch-skip 2 --launch-count 1 -f -o "$rep" \
     python3 bench/ncu_gemv.py ${SHAPE:-3 4096 14336 1} > "$rep.run.log" 2>&1
-  echo "== $SWITCH=$v (rc $?): $(grep -o 'exl3_gemv[a-z0-9_]*' "$rep.run.log" | sort -u | tr '\n' ' ')"
+  echo "== $SWITCH=$v (rc $?): $(grep -o 'exl3_[a-z0-9_]*' "$rep.run.log" | sort -u | tr '\n' ' ')"
   ncu --import "$rep.ncu-rep" --page details --print-units base > "$rep.details.txt" 2>&1
   grep -E "^ +(Duration|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Issued Ipc Active|No Eligible|Eligible Warps Per Scheduler|Active Warps Per Scheduler|DRAM Throughput|Compute \(SM\) Throughput) |pipeline|[Pp]ipe " \
     "$rep.details.txt" | sed 's/  */ /g' | head -n 24
