@@ -179,15 +179,27 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _had_grid(total: int, width: int) -> tuple[int | tuple[int, int], str]:
+    """A Hadamard pass's grid and kernel suffix over ``total`` rows of ``width`` columns: one warp
+    per (row, 128-column block), HAD_WARPS a block, as a flat 1-D grid; with the EXL3TOOLS_HAD_GRID
+    preview (read per call) the _grid kernels' (row, group of HAD_WARPS blocks) 2-D grid."""
+    from exl3tools.runtime import preview  # torch-free
+
+    blocks = width // 128
+    if preview.switched_on("had_grid"):
+        return (total, -(-blocks // HAD_WARPS)), "_grid"
+    return -(-(total * blocks) // HAD_WARPS), ""
+
+
 def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int, src=None, exp=None,
            tile_n=None, tile_rows: int = 1, act_rows: int | None = None) -> torch.Tensor:
     """``tile_n`` (int32 per tile of ``tile_rows`` rows, or None): rows at and past a tile's count
     are skipped (left undefined); only for the tile kernels, which zero-fill them. ``act_rows``:
     the input is silu(x[r]) * x[r + act_rows] (a gate+up output), not x[r]."""
     xrot = torch.empty(total, k, dtype=torch.float16, device=x.device)
-    items = total * (k // 128)
     act = () if act_rows is None else (act_rows,)
-    mod.launch(f"exl3_had_in_{'act_' if act else ''}{_SUFFIX[x.dtype]}", -(-items // HAD_WARPS), 32 * HAD_WARPS, x,
+    grid, tag = _had_grid(total, k)
+    mod.launch(f"exl3_had_in_{'act_' if act else ''}{_SUFFIX[x.dtype]}{tag}", grid, 32 * HAD_WARPS, x,
                xrot, suh_tab, src, exp, rows, total, k, tile_n, tile_rows, *act)
     return xrot
 
@@ -195,10 +207,9 @@ def had_in(mod: Module, x: torch.Tensor, suh_tab, rows: int, total: int, k: int,
 def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, rows: int, total: int, n: int,
             exp=None, tile_n=None, tile_rows: int = 1) -> torch.Tensor:
     """``tile_n``: as in had_in (the tile kernels never add to a skipped row: it stays zero)."""
-    name = f"exl3_had_out_{_ACC[acc.dtype]}_{_SUFFIX[y.dtype]}"
-    items = total * (n // 128)
-    mod.launch(name, -(-items // HAD_WARPS), 32 * HAD_WARPS, acc, y, svh_tab, bias_tab, exp, rows, total, n,
-               tile_n, tile_rows, pdl=PDL)
+    grid, tag = _had_grid(total, n)
+    mod.launch(f"exl3_had_out_{_ACC[acc.dtype]}_{_SUFFIX[y.dtype]}{tag}", grid, 32 * HAD_WARPS, acc, y, svh_tab,
+               bias_tab, exp, rows, total, n, tile_n, tile_rows, pdl=PDL)
     return y
 
 

@@ -177,3 +177,16 @@ def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
     aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", report) if "_aff_" in f}
     want = {f"exl3_gemv_pro_{kind}aff_m8_t2_{x}" for kind in ("", "ld_", "act_") for x in ("f16", "f32")}
     assert aff == (want if cb == 2 else set())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
+def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
+    """cuda_exl3.had_in / had_out launch exl3_had_*, with the _grid suffix under EXL3TOOLS_HAD_GRID:
+    each of the ten 1-D passes has its twin, built without spills in no more registers than 32
+    (8 blocks of 256 threads an SM, as the 1-D passes)."""
+    report, _ = _ptxas(tmp_path, 2)
+    regs = {f: int(r) for f, r in re.findall(r"Compiling entry function '(exl3_had_\w+)'.*?Used (\d+) registers",
+                                               report, re.S)}
+    flat = {f for f in regs if not f.endswith("_grid")}
+    assert len(flat) == 10 and {f"{f}_grid" for f in flat} == set(regs) - flat, sorted(regs)
+    assert all(regs[f"{f}_grid"] <= 32 for f in flat), regs

@@ -44,6 +44,14 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # bench shapes (59.2 -> 58.8 µs at 4096 -> 14336), but a 2048-token air6 forward 37.55 vs 37.37
     # ms in 7 interleaved rounds (0.995, inside the spread): no gain measured, so it stays a preview
     "decode_coop": "EXL3TOOLS_DECODE_COOP",
+    # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
+    # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
+    # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a
+    # row division without source or expert indices), and the butterflies are fma(v, ±1, o) (the
+    # same bits). Why: ncu of had_out at 2048 x 14336 (H100, 2026-12-06 04:33 session) found the 1-D
+    # pass issue-bound, ~193 instructions an item, issue slots 85 % busy, DRAM throughput 47 %; the
+    # _grid kernel's path for a dense linear is ~140 instructions (sm_90a SASS). Never run on a GPU
+    "had_grid": "EXL3TOOLS_HAD_GRID",
     # the fused decode step's MoE from PAIR_TILES_MIN_SLOTS pairs (fused_step.py): expert-sorted
     # tiles over the routed experts and the shared one together, their rows put back in pair
     # order and summed by residual_rmsnorm as one row per pair is (fused_step._pairs_by_tiles,

@@ -321,12 +321,13 @@ constexpr int AFF_ROWS = 4;   // rows a slot AFF takes (two B columns a row)
 
 // ------------------------------------------------------------------ skinny GEMM
 // Hadamard helpers (defined with the passes below), for the gemv's own input pass (PRO)
+template <bool SIGN_FMA = false>
 __device__ __forceinline__ void fwht128(float (&v)[4]);
 __device__ __forceinline__ void load4(const half* p, float (&v)[4]);
 __device__ __forceinline__ void load4(const float* p, float (&v)[4]);
-template <typename TX>
+template <typename TX, bool SIGN_FMA = false>
 __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]);
-template <typename TX>
+template <typename TX, bool SIGN_FMA = false>
 __device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
                                             const half* __restrict__ suh, float (&v)[4]);
 constexpr int PRO_SMEM = 4096;   // uint32 of rotated activations a block holds (PRO): rows x (kps x 8 + 4)
@@ -835,6 +836,10 @@ __device__ __forceinline__ void decode_fold_body(const uint32_t* __restrict__ tr
 // One warp per (row, 128-column block); lane holds columns 4L..4L+3. Natural-order Sylvester H128
 // (§5.7) as 7 butterfly stages in fp32: 2 in registers, 5 across lanes.
 #ifndef EXL3_HOST_TEST
+// SIGN_FMA (the GRID passes): each butterfly as fma(v, ±1, o), the upper lane's o - v and the lower
+// one's v + o exactly (the same bits), one FMA-pipe instruction a value where a select (ALU) and an
+// add were two
+template <bool SIGN_FMA>
 __device__ __forceinline__ void fwht128(float (&v)[4]) {
     float a = v[0] + v[1], b = v[0] - v[1], c = v[2] + v[3], d = v[2] - v[3];
     v[0] = a + c; v[1] = b + d; v[2] = a - c; v[3] = b - d;
@@ -842,10 +847,11 @@ __device__ __forceinline__ void fwht128(float (&v)[4]) {
 #pragma unroll
     for (int m = 1; m < 32; m <<= 1) {
         const bool up = lane & m;
+        const float sgn = up ? -1.0f : 1.0f;
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const float o = __shfl_xor_sync(0xffffffffu, v[q], m);
-            v[q] = up ? o - v[q] : v[q] + o;
+            v[q] = SIGN_FMA ? __fmaf_rn(v[q], sgn, o) : up ? o - v[q] : v[q] + o;
         }
     }
 }
@@ -886,19 +892,20 @@ __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
 
 // The input rotation of lane L's 4 values (x at its column, the sign vector at the same column):
 // (x ⊙ suh) · H128 / sqrt(128) in fp32, had_in's arithmetic (and the gemv's own input pass's)
+template <bool SIGN_FMA = false>
 __device__ __forceinline__ void rotate4_vals(const half* __restrict__ suh, float (&v)[4]) {
     float sv[4];
     load4(suh, sv);
 #pragma unroll
     for (int q = 0; q < 4; q++) v[q] *= sv[q];
-    fwht128(v);
+    fwht128<SIGN_FMA>(v);
 #pragma unroll
     for (int q = 0; q < 4; q++) v[q] *= 0.08838834764831845f;   // 1/sqrt(128)
 }
-template <typename TX>
+template <typename TX, bool SIGN_FMA>
 __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __restrict__ suh, float (&v)[4]) {
     load4(x, v);
-    rotate4_vals(suh, v);
+    rotate4_vals<SIGN_FMA>(suh, v);
 }
 
 // wt[n, k] = fp16(W[k, n]) for the whole linear, W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128 (both
@@ -953,7 +960,7 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
 // arithmetic, rounded to TX as its output would be), gate row at x, up row at u
 __device__ __forceinline__ float as_stored(float v, const half*) { return __half2float(__float2half_rn(v)); }
 __device__ __forceinline__ float as_stored(float v, const float*) { return v; }
-template <typename TX>
+template <typename TX, bool SIGN_FMA>
 __device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* __restrict__ u,
                                             const half* __restrict__ suh, float (&v)[4]) {
     float b[4];
@@ -961,44 +968,61 @@ __device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* 
     load4(u, b);
 #pragma unroll
     for (int q = 0; q < 4; q++) v[q] = as_stored(v[q] / (1.0f + __expf(-v[q])) * b[q], x);
-    rotate4_vals(suh, v);
+    rotate4_vals<SIGN_FMA>(suh, v);
 }
 
-template <typename TX, bool ACT = false>
+// GRID (the EXL3TOOLS_HAD_GRID preview): block (o, j) of a 2-D grid takes row o's 128-column blocks
+// 8 j .. 8 j + 7, a warp each, so an item costs no 64-bit division of a flat index and no row
+// division where there are no source or expert indices; its butterflies are SIGN_FMA's. The 1-D
+// passes executed ~193 instructions an item (had_out at 2048 x 14336 on the H100, ncu: issue slots
+// 85 % busy, the ALU pipe the busiest at 61 %, DRAM throughput 47 %, 2026-12-06).
+template <bool GRID>
+__device__ __forceinline__ bool had_item(int total_rows, int blocks, int& o, int& blk) {
+    if constexpr (GRID) {
+        o = blockIdx.x;
+        blk = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+        return blk < blocks;
+    }
+    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (item >= (long)total_rows * blocks) return false;
+    o = (int)(item / blocks), blk = (int)(item % blocks);
+    return true;
+}
+
+template <typename TX, bool ACT = false, bool GRID = false>
 __device__ __forceinline__ void had_in_body(const TX* __restrict__ x, half* __restrict__ xrot,
                                             const uint64_t* __restrict__ suh_ptrs, const int* __restrict__ src_idx,
                                             const int* __restrict__ exp_idx, int rows, int total_rows, int k,
                                             const int* __restrict__ tile_n, int tile_rows, int act_rows = 0) {
     pdl_launch_dependents();               // gemv prefetches weights meanwhile, then waits for us
     const int blocks = k >> 7;
-    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (item >= (long)total_rows * blocks) return;
-    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    int o, blk;
+    if (!had_item<GRID>(total_rows, blocks, o, blk)) return;
     if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) return;   // a padding row (tiles_body skips it)
-    const int z = o / rows, m = o % rows;
+    int z = 0, m = o;                      // slot z's row m (GRID: divided only where indices need it)
+    if (!GRID || src_idx || exp_idx) z = o / rows, m = o % rows;
     const int src = src_idx ? src_idx[z] * rows + m : o;
     const half* suh = reinterpret_cast<const half*>(suh_ptrs[exp_idx ? exp_idx[z] : 0]);
     const int col = blk * 128 + 4 * (threadIdx.x & 31);
     float v[4];
     if constexpr (ACT)
-        rotate4_act(x + (size_t)src * k + col, x + ((size_t)src + act_rows) * k + col, suh + col, v);
+        rotate4_act<TX, GRID>(x + (size_t)src * k + col, x + ((size_t)src + act_rows) * k + col, suh + col, v);
     else
-        rotate4(x + (size_t)src * k + col, suh + col, v);
+        rotate4<TX, GRID>(x + (size_t)src * k + col, suh + col, v);
     store4(xrot + (size_t)o * k + col, v);
 }
 
 // y[o, :] = H(acc[o, :]) / sqrt(128) ⊙ svh_e + bias_e, stored as TY (fp16 or the runtime's fp32);
 // an fp32 or fixed-point acc (the gemv workspaces) is re-zeroed as it is read.
-template <typename TA, typename TY>
+template <typename TA, typename TY, bool GRID = false>
 __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restrict__ y,
                                              const uint64_t* __restrict__ svh_ptrs, const uint64_t* __restrict__ bias_ptrs,
                                              const int* __restrict__ exp_idx, int rows, int total_rows, int n,
                                              const int* __restrict__ tile_n, int tile_rows) {
     pdl_wait();                            // acc is complete only when gemv has finished
     const int blocks = n >> 7;
-    const long item = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (item >= (long)total_rows * blocks) return;
-    const int o = (int)(item / blocks), blk = (int)(item % blocks);
+    int o, blk;
+    if (!had_item<GRID>(total_rows, blocks, o, blk)) return;
     // a padding row of tiles_body's tiles: never added to acc (still zero), y left undefined
     if (tile_n && o % tile_rows >= tile_n[o / tile_rows]) return;
     const int e = exp_idx ? exp_idx[o / rows] : 0;
@@ -1010,7 +1034,7 @@ __device__ __forceinline__ void had_out_body(TA* __restrict__ acc, TY* __restric
         longlong2* a = reinterpret_cast<longlong2*>(acc + (size_t)o * n + col);
         a[0] = a[1] = make_longlong2(0, 0);
     }
-    fwht128(v);
+    fwht128<GRID>(v);
     const half* svh = reinterpret_cast<const half*>(svh_ptrs[e]);
     const half* bias = bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[e]) : nullptr;
     float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1220,37 +1244,49 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
-#define HAD_IN(NAME, TX)                                                                                 \
+// GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out with the EXL3TOOLS_HAD_GRID preview)
+#define HAD_IN(NAME, TX, GRID)                                                                           \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
                                                           int total_rows, int k, const int* tile_n, int tile_rows) { \
-        had_in_body<TX>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows);           \
+        had_in_body<TX, false, GRID>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows); \
     }
-HAD_IN(exl3_had_in_f16, half)
-HAD_IN(exl3_had_in_f32, float)
+HAD_IN(exl3_had_in_f16, half, false)
+HAD_IN(exl3_had_in_f32, float, false)
+HAD_IN(exl3_had_in_f16_grid, half, true)
+HAD_IN(exl3_had_in_f32_grid, float, true)
 // HAD_IN_ACT: the input silu(gate) * up, up act_rows rows below gate (rotate4_act)
-#define HAD_IN_ACT(NAME, TX)                                                                             \
+#define HAD_IN_ACT(NAME, TX, GRID)                                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
                                                           int total_rows, int k, const int* tile_n, int tile_rows, \
                                                           int act_rows) {                                         \
-        had_in_body<TX, true>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows, act_rows); \
+        had_in_body<TX, true, GRID>(x, xrot, suh_ptrs, src_idx, exp_idx, rows, total_rows, k, tile_n, tile_rows, \
+                                    act_rows);                                                               \
     }
-HAD_IN_ACT(exl3_had_in_act_f16, half)
-HAD_IN_ACT(exl3_had_in_act_f32, float)
+HAD_IN_ACT(exl3_had_in_act_f16, half, false)
+HAD_IN_ACT(exl3_had_in_act_f32, float, false)
+HAD_IN_ACT(exl3_had_in_act_f16_grid, half, true)
+HAD_IN_ACT(exl3_had_in_act_f32_grid, float, true)
 
-#define HAD_OUT(NAME, TA, TY)                                                                            \
+#define HAD_OUT(NAME, TA, TY, GRID)                                                                      \
     extern "C" __global__ void __launch_bounds__(256) NAME(TA* acc, TY* y, const uint64_t* svh_ptrs,              \
                                                           const uint64_t* bias_ptrs, const int* exp_idx, int rows, \
                                                           int total_rows, int n, const int* tile_n, int tile_rows) { \
-        had_out_body<TA, TY>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, tile_n, tile_rows);     \
+        had_out_body<TA, TY, GRID>(acc, y, svh_ptrs, bias_ptrs, exp_idx, rows, total_rows, n, tile_n, tile_rows); \
     }
-HAD_OUT(exl3_had_out_f32_f16, float, half)
-HAD_OUT(exl3_had_out_f32_f32, float, float)
-HAD_OUT(exl3_had_out_f16_f16, half, half)
-HAD_OUT(exl3_had_out_f16_f32, half, float)
-HAD_OUT(exl3_had_out_i64_f16, long long, half)
-HAD_OUT(exl3_had_out_i64_f32, long long, float)
+HAD_OUT(exl3_had_out_f32_f16, float, half, false)
+HAD_OUT(exl3_had_out_f32_f16_grid, float, half, true)
+HAD_OUT(exl3_had_out_f32_f32, float, float, false)
+HAD_OUT(exl3_had_out_f32_f32_grid, float, float, true)
+HAD_OUT(exl3_had_out_f16_f16, half, half, false)
+HAD_OUT(exl3_had_out_f16_f16_grid, half, half, true)
+HAD_OUT(exl3_had_out_f16_f32, half, float, false)
+HAD_OUT(exl3_had_out_f16_f32_grid, half, float, true)
+HAD_OUT(exl3_had_out_i64_f16, long long, half, false)
+HAD_OUT(exl3_had_out_i64_f16_grid, long long, half, true)
+HAD_OUT(exl3_had_out_i64_f32, long long, float, false)
+HAD_OUT(exl3_had_out_i64_f32_grid, long long, float, true)
 #endif
 
 #ifdef EXL3_HOST_TEST
