@@ -150,11 +150,11 @@ def large_parts(lin, x):
     for tag, fold, fold_in in (("nofold", False, False), ("fold", True, False), ("fold2", False, True)):
         lin.fold, lin.fold_in = fold, fold_in
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
-        if not fold_in:                  # the same path with the _grid Hadamard passes (read per call)
-            with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "1"}):
-                out[f"cuda_{tag}_hadgrid_us"] = bench(lambda: lin(x))
         if fold_in:                      # the input pass folded too: x itself into cuBLAS
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
+        else:                            # the same path with the _grid Hadamard passes (read per call)
+            with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "1"}):
+                out[f"cuda_{tag}_hadgrid_us"] = bench(lambda: lin(x))
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
     lin.fold, lin.fold_in, cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS = fold0, fold_in0, keep, keep2

@@ -132,9 +132,10 @@ def test_gemv_defines_name_their_own_cubins_and_refuse_anything_else(monkeypatch
             cuda_build.cubin_path(6, 2)
 
 
-def _ptxas(tmp_path: Path, cb: int, *defines: str) -> tuple[str, dict[str, int]]:
+def _ptxas(tmp_path: Path, cb: int, *defines: str, entries: str = "exl3_gemv_pro_") -> tuple[str, dict[str, int]]:
     """exl3_gemv.cu's halves build at K 3 (K2 6) for codebook id ``cb`` compiled for sm_90a with
-    ``defines``, asserted to build without spills: (ptxas's report, registers of each gemv_pro entry)."""
+    ``defines``, asserted to build without spills: (ptxas's report, registers of each entry whose
+    name starts with ``entries``)."""
     from exl3tools.kernels import cuda_build
 
     res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
@@ -143,7 +144,7 @@ def _ptxas(tmp_path: Path, cb: int, *defines: str) -> tuple[str, dict[str, int]]
     assert res.returncode == 0, res.stderr[-2000:]
     props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
     assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
-    regs = re.findall(r"Compiling entry function '(exl3_gemv_pro_\w+)'.*?Used (\d+) registers", res.stderr, re.S)
+    regs = re.findall(rf"Compiling entry function '({entries}\w+)'.*?Used (\d+) registers", res.stderr, re.S)
     return res.stderr, {f: int(r) for f, r in regs}
 
 
@@ -184,9 +185,7 @@ def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
     """cuda_exl3.had_in / had_out launch exl3_had_*, with the _grid suffix under EXL3TOOLS_HAD_GRID:
     each of the ten 1-D passes has its twin, built without spills in no more registers than 32
     (8 blocks of 256 threads an SM, as the 1-D passes)."""
-    report, _ = _ptxas(tmp_path, 2)
-    regs = {f: int(r) for f, r in re.findall(r"Compiling entry function '(exl3_had_\w+)'.*?Used (\d+) registers",
-                                               report, re.S)}
+    _, regs = _ptxas(tmp_path, 2, entries="exl3_had_")
     flat = {f for f in regs if not f.endswith("_grid")}
     assert len(flat) == 10 and {f"{f}_grid" for f in flat} == set(regs) - flat, sorted(regs)
     assert all(regs[f"{f}_grid"] <= 32 for f in flat), regs
