@@ -123,9 +123,9 @@ def large_parts(lin, x):
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
            "cuda_had_out_us": bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab, lin.bias_tab,
                                                        rows, rows, lin.n))}
-    with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "1"}):     # the _grid passes (read per call)
-        out["cuda_had_in_grid_us"] = bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k))
-        out["cuda_had_out_grid_us"] = bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab,
+    with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "0"}):     # the 1-D passes (read per call)
+        out["cuda_had_in_flat_us"] = bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k))
+        out["cuda_had_out_flat_us"] = bench(lambda: cx.had_out(lin.mod, y, torch.empty_like(y), lin.svh_tab,
                                                                lin.bias_tab, rows, rows, lin.n))
     # the same dense linear through the DENSE_TILES kernels: slots of m rows over one weight (no
     # slot table: every slot reads expert 0), had_in + kernel + had_out; the weight is decoded once
@@ -152,9 +152,9 @@ def large_parts(lin, x):
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
         if fold_in:                      # the input pass folded too: x itself into cuBLAS
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-        else:                            # the same path with the _grid Hadamard passes (read per call)
-            with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "1"}):
-                out[f"cuda_{tag}_hadgrid_us"] = bench(lambda: lin(x))
+        else:                            # the same path with the 1-D Hadamard passes (read per call)
+            with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "0"}):
+                out[f"cuda_{tag}_hadflat_us"] = bench(lambda: lin(x))
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} {tag}")
     lin.fold, lin.fold_in, cx.FOLD_MIN_OUT, cx.FOLD2_MIN_ROWS = fold0, fold_in0, keep, keep2
@@ -291,19 +291,20 @@ def print_large(results):
               + (f"{f:8.1f}" if f else f"{'-':>8}") + (f" {r['fp16_nk_us']:8.1f}" if "fp16_nk_us" in r else f" {'-':>8}")
               + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9} {rat(r['cuda_fold2_us']):>10}"
               + f" {r['cuda_fold2_err']:9.1e}")
-    had = [r for r in rows if "cuda_had_in_grid_us" in r]
+    had = [r for r in rows if "cuda_had_in_flat_us" in r]
     if had:
-        print("\nrows > 64, the Hadamard passes on their 1-D grid -> the _grid kernels (EXL3TOOLS_HAD_GRID): µs, "
+        print("\nrows > 64, the Hadamard passes on their 1-D grid (EXL3TOOLS_HAD_GRID=0) -> the _grid kernels (the "
+              "default): µs, "
               f"each pass beside its HBM floor (fp16 in and out at {HBM / 1e12:.2f} TB/s), and the two dense paths")
         for r in had:
             f = r.get("fp16_us")
             rat = (lambda p, f=f: f" ({p / f:.2f}x)" if f else "")   # noqa: E731
             fl_in, fl_out = (r["rows"] * d * 4 / HBM * 1e6 for d in (r["k"], r["n"]))
-            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | had_in {r['cuda_had_in_us']:6.1f} -> "
-                  f"{r['cuda_had_in_grid_us']:6.1f} (floor {fl_in:5.1f}) | had_out {r['cuda_had_out_us']:6.1f} -> "
-                  f"{r['cuda_had_out_grid_us']:6.1f} (floor {fl_out:5.1f}) | unfolded {r['cuda_nofold_us']:6.1f} -> "
-                  f"{r['cuda_nofold_hadgrid_us']:6.1f}{rat(r['cuda_nofold_hadgrid_us'])} | folded "
-                  f"{r['cuda_fold_us']:6.1f} -> {r['cuda_fold_hadgrid_us']:6.1f}{rat(r['cuda_fold_hadgrid_us'])}")
+            print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | had_in {r['cuda_had_in_flat_us']:6.1f} -> "
+                  f"{r['cuda_had_in_us']:6.1f} (floor {fl_in:5.1f}) | had_out {r['cuda_had_out_flat_us']:6.1f} -> "
+                  f"{r['cuda_had_out_us']:6.1f} (floor {fl_out:5.1f}) | unfolded {r['cuda_nofold_hadflat_us']:6.1f} -> "
+                  f"{r['cuda_nofold_us']:6.1f}{rat(r['cuda_nofold_us'])} | folded "
+                  f"{r['cuda_fold_hadflat_us']:6.1f} -> {r['cuda_fold_us']:6.1f}{rat(r['cuda_fold_us'])}")
     coop = [r for r in rows if "cuda_coop_nofold_us" in r]
     if coop:
         print("\nrows > 64, the decode with each quad of tiles loaded once a warp (exl3_decode_t_coop, "

@@ -181,8 +181,8 @@ def _act(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _had_grid(total: int, width: int) -> tuple[int | tuple[int, int], str]:
     """A Hadamard pass's grid and kernel suffix over ``total`` rows of ``width`` columns: one warp
-    per (row, 128-column block), HAD_WARPS a block, as a flat 1-D grid; with the EXL3TOOLS_HAD_GRID
-    preview (read per call) the _grid kernels' (row, group of HAD_WARPS blocks) 2-D grid."""
+    per (row, 128-column block), HAD_WARPS a block; the _grid kernels' (row, group of HAD_WARPS
+    blocks) 2-D grid, or with EXL3TOOLS_HAD_GRID=0 (read per call) the flat 1-D grid."""
     from exl3tools.runtime import preview  # torch-free
 
     blocks = width // 128

@@ -182,7 +182,7 @@ def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
-    """cuda_exl3.had_in / had_out launch exl3_had_*, with the _grid suffix under EXL3TOOLS_HAD_GRID:
+    """cuda_exl3.had_in / had_out launch exl3_had_*_grid, the 1-D passes under EXL3TOOLS_HAD_GRID=0:
     each of the ten 1-D passes has its twin, built without spills in no more registers than 32
     (8 blocks of 256 threads an SM, as the 1-D passes)."""
     _, regs = _ptxas(tmp_path, 2, entries="exl3_had_")

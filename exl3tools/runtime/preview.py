@@ -44,14 +44,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # bench shapes (59.2 -> 58.8 µs at 4096 -> 14336), but a 2048-token air6 forward 37.55 vs 37.37
     # ms in 7 interleaved rounds (0.995, inside the spread): no gain measured, so it stays a preview
     "decode_coop": "EXL3TOOLS_DECODE_COOP",
-    # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
-    # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
-    # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a
-    # row division without source or expert indices), and the butterflies are fma(v, ±1, o) (the
-    # same bits). Why: ncu of had_out at 2048 x 14336 (H100, 2026-12-06 04:33 session) found the 1-D
-    # pass issue-bound, ~193 instructions an item, issue slots 85 % busy, DRAM throughput 47 %; the
-    # _grid kernel's path for a dense linear is ~140 instructions (sm_90a SASS). Never run on a GPU
-    "had_grid": "EXL3TOOLS_HAD_GRID",
     # the fused decode step's MoE from PAIR_TILES_MIN_SLOTS pairs (fused_step.py): expert-sorted
     # tiles over the routed experts and the shared one together, their rows put back in pair
     # order and summed by residual_rmsnorm as one row per pair is (fused_step._pairs_by_tiles,
@@ -92,6 +84,17 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
+    # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
+    # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
+    # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a
+    # row division without source or expert indices), and the butterflies are fma(v, ±1, o) (the
+    # same bits). ncu had found the 1-D had_out at 2048 x 14336 issue-bound (~193 instructions an
+    # item, issue slots 85 % busy, DRAM 47 %; the _grid path ~140). H100, 2026-12-06 (bench/gpu_bench.py
+    # --ks 3 --rows 256,2048): at 2048 rows had_out 55.3 -> 51.6 µs (4096 -> 14336), had_in 60.9 ->
+    # 51.3 (14336 -> 4096), 38.0 -> 32.6 (8192), never slower beyond 0.2 µs; a 2048-token air6
+    # forward 39.42 -> 38.89 ms (7 interleaved rounds); tests/gpu 1080 passed with it on ("0": the
+    # flat 1-D grid)
+    "had_grid": "EXL3TOOLS_HAD_GRID",
     # MLA prompts through decompressed K/V (MLAttention._sdpa_decompressed): each head group's K
     # (nope and rope parts) from one GEMM of [latent | rope key] with W_UK and an identity block,
     # instead of the nope GEMM and a torch.cat with the broadcast rope key, which copies every K

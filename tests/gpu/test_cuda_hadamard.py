@@ -1,5 +1,5 @@
 """The Hadamard passes (kernels/cuda_exl3.had_in / had_out: every linear's input and output
-rotation) on their two grids, the 1-D one and the _grid kernels of the EXL3TOOLS_HAD_GRID preview,
+rotation) on their two grids, the _grid kernels (the default) and the 1-D one (EXL3TOOLS_HAD_GRID=0),
 against each other bit for bit and against fp64 H·x. CUDA only."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _had_out_fresh(cx, ex, a, dt, rows, total, n, kept, **kw):
 
 @pytest.mark.parametrize("xdt", ["float16", "float32"])
 def test_hadamard_passes_on_a_2d_grid(cx, xdt, monkeypatch):
-    """The _grid Hadamard passes (EXL3TOOLS_HAD_GRID: a (row, 8-block group) grid, butterflies as
+    """The _grid Hadamard passes (the default; a (row, 8-block group) grid, butterflies as
     fma(v, ±1, o)) give the 1-D kernels' bits: had_in on raw x and on silu(gate) * up, with source
     rows, experts and skipped padding rows; had_out from fp32 (re-zeroed), fp16 and fixed-point
     accumulators with bias; rows of fewer blocks than a block's warps (k = 128, 384) and of a
