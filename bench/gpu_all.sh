@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
-# (default: all but ab, defs, prefill, hostprof, longctx, mla, attn, profile, memory and moe)
+#   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [cublas] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
+# (default: all but ab, defs, cublas, prefill, hostprof, longctx, mla, attn, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -156,6 +156,10 @@ if [[ $STAGES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda${EXL3_IMPL},fp16} \
     ${BENCH_ARGS:---codebooks mul1,mcg,3inst} --json "$L/bench.json" > "$L/bench.log" 2>&1
   el "bench rc $?"
+fi
+if [[ $STAGES == *cublas* ]]; then   # our dense paths and fp16 cuBLAS interleaved (bench/gpu_gemm_ab.py)
+  timeout ${CUBLAS_TIMEOUT:-200} python3 bench/gpu_gemm_ab.py ${CUBLAS_ARGS:-} --json "$L/cublas.json" > "$L/cublas.log" 2>&1
+  el "cublas rc $?"; cat "$L/cublas.log"
 fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
 if [[ $STAGES == *e2e* ]]; then

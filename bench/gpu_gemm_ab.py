@@ -1,0 +1,104 @@
+"""Our dense paths against fp16 cuBLAS, interleaved: is the baseline's GEMM the same GEMM as ours?
+
+    python3 bench/gpu_gemm_ab.py [--rows 256,2048] [--shapes 4096x14336,14336x4096] [--rounds 5]
+
+bench/gpu_bench.py times fp16 cuBLAS once, after every path of ours at that shape (minutes of
+tensor-core load later, so at whatever clock the card's power limit then allows); its 2048-row
+rows have shown our own GEMM (decoded Ŵ, the same (n, k) layout as F.linear's) 25 % faster than
+the baseline's F.linear of the same shape. This times each variant once a round, in the same order
+every round, several rounds, and prints each variant's median over the rounds and the median of
+its per-round ratio to ``fp16 nk`` (F.linear(x, W) on W as a checkpoint stores it), so that
+clock drift shows up as spread, not as a ratio:
+
+- fp16 / fp16 nk: the baseline's two GEMMs (x @ W (k, n); F.linear(x, W (n, k))), W the true
+  weight (values ~0.01: svh scales every column by ±0.01)
+- fp16 nk x100: F.linear on 100 W (values ~1, as the decoded Ŵ): do the values change the time?
+- mm Ŵ: our GEMM of the unfolded path, F.linear(had_in(x), Ŵ) (Ŵ decoded, values ~1)
+- ours / fold / fold2: our whole paths (decode + GEMM + passes), as gpu_bench's large_parts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import bench, make, w_true  # noqa: E402  (bench/ is not a package)
+
+
+def variants(lin, x, w):
+    """name -> zero-argument call, in timing order."""
+    from exl3tools.kernels import cuda_dense as cd
+    from exl3tools.kernels import cuda_exl3 as cx
+
+    F = torch.nn.functional
+    rows = x.shape[0]
+    w_kn = w.half()
+    w_nk = w_kn.t().contiguous()
+    w_nk100 = (w_nk.float() * 100).half()
+    wt = cd.decode_t(lin.mod, lin.trellis)
+    xrot = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
+
+    def path(fold, fold_in):
+        def call():
+            lin.fold, lin.fold_in = fold, fold_in
+            return lin(x)
+        return call
+
+    return {"fp16": lambda: torch.matmul(x, w_kn),
+            "fp16 nk": lambda: F.linear(x, w_nk),
+            "fp16 nk x100": lambda: F.linear(x, w_nk100),
+            "mm Ŵ": lambda: F.linear(xrot, wt),
+            "ours": path(False, False),
+            "fold": path(True, False),
+            "fold2": path(False, True)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="256,2048")
+    ap.add_argument("--shapes", default="4096x14336,14336x4096,8192x8192")
+    ap.add_argument("--K", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    from exl3tools.kernels import cuda_exl3 as cx
+    from exl3tools.kernels.dispatch import make_linear
+
+    cx.FOLD_MIN_OUT = cx.FOLD2_MIN_ROWS = 0      # every path at every shape, as large_parts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for shape in a.shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        t = make(k, n, a.K, gen)
+        w = w_true(t, "mul1")
+        lin = make_linear(t, "mul1", a.K, "cuda", backend="cuda")
+        for rows in (int(r) for r in a.rows.split(",")):
+            x = torch.randn(rows, k, device="cuda", generator=gen).half()
+            calls = variants(lin, x, w)
+            times = {name: [] for name in calls}
+            for _ in range(a.rounds):
+                for name, fn in calls.items():
+                    times[name].append(bench(fn))
+            base = times["fp16 nk"]
+            print(f"\n{k}->{n} K {a.K}, {rows} rows, {a.rounds} interleaved rounds: variant | median µs | "
+                  "min-max | x fp16 nk (median of the rounds' ratios)")
+            for name, ts in times.items():
+                ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))
+                print(f"  {name:13s} | {statistics.median(ts):8.1f} | {min(ts):7.1f}-{max(ts):7.1f} | {ratio:5.2f}")
+            out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times))
+            del calls
+        del t, w, lin
+        torch.cuda.empty_cache()
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
