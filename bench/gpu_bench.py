@@ -280,6 +280,9 @@ def print_large(results):
     print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor; folded: the output "
           "pass in the decoded weights; folded2: both passes, x itself into cuBLAS; fp16: cuBLAS on W (k, n), "
           "fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
+    print("  caution: fp16 is timed once, after all of ours at its shape; at 2048 rows the card sits at its power "
+          "cap and its clock drifts (H100 2026-12-06: 1.5-2.0 GHz), so these ratios are not side by side: "
+          "bench/gpu_gemm_ab.py (gpu_all.sh cublas) interleaves them")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:

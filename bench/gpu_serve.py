@@ -99,6 +99,21 @@ def scrape_metrics(text: str) -> list[str]:
             and any(k in ln.lower() for k in keys)]
 
 
+def ttft_histogram(srv) -> tuple[float, int] | None:
+    """The server's TTFT histogram (exl3tools_time_to_first_token_seconds) as (sum, count), None
+    where /metrics does not answer with both."""
+    try:
+        r = srv.get("/metrics")
+    except Exception:  # noqa: BLE001 - the TTFT column is then left empty, the rest goes on
+        return None
+    vals = {}
+    for ln in r.text.splitlines() if r.status_code == 200 else ():
+        name, _, v = ln.partition(" ")
+        if name in ("exl3tools_time_to_first_token_seconds_sum", "exl3tools_time_to_first_token_seconds_count"):
+            vals[name.rsplit("_", 1)[1]] = float(v)
+    return (vals["sum"], int(vals["count"])) if len(vals) == 2 else None
+
+
 def budget_notes(a, name: str, stats: dict | None, max_model_len: int | None) -> list[str]:
     notes = []
     need = {f"{n} streams": n * (a.short_prompt_len + a.tokens) for n in a.streams}
@@ -276,7 +291,8 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
                               f"a step)", flush=True)
             save()
 
-        measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True))
+        measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True),
+                server_ttft=lambda: ttft_histogram(srv))
         if a.seeded:
             res["seeded"] = loop.run_until_complete(asyncio.wait_for(
                 seeded_check(client, model, a.seeded, a.vocab, a.tokens), a.request_timeout))

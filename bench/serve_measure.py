@@ -120,12 +120,21 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _hist_mean_ms(before, after) -> float | None:
+    """Mean ms of the observations a histogram's (sum seconds, count) gained between two reads."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
+
+
 # ------------------------------------------------------------------ the measurement plan (both engines)
-def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print) -> dict:
+def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print, server_ttft=None) -> dict:
     """Phases 1-4 (and the join phase with ``a.join``) through ``run(prompts, max_tokens, join_after=None)
     -> list[Stream]`` (one stream per prompt, sent together; with ``join_after`` (n, k) the prompts
     after the first n go out once each of those n streams has k tokens), filling ``res``.
-    ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON."""
+    ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON. ``server_ttft()``
+    (None: not known): the server's TTFT histogram as (seconds summed, count), read around the TTFT
+    phase for the server's own mean, request queued -> first token: no client time in it."""
     res = {} if res is None else res
     S, T = a.short_prompt_len, a.tokens
     if a.warmup:
@@ -162,16 +171,25 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print)
         after_phase(f"streams_{n}", res)
 
     prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
+    h0 = server_ttft() if server_ttft else None
     cold = [stream_stats(run([p], 1)[0]) for p in prompts]
+    h1 = server_ttft() if server_ttft else None
     hit = [stream_stats(run([p], 1)[0]) for p in prompts]
+    h2 = server_ttft() if server_ttft else None
     res["ttft"] = {"prompt_len": a.prompt_len, "cold_runs_ms": [c["ttft_ms"] for c in cold],
                    "hit_runs_ms": [h["ttft_ms"] for h in hit],
                    "cold_ms": statistics.median(c["ttft_ms"] for c in cold),
                    "hit_ms": statistics.median(h["ttft_ms"] for h in hit),
-                   "client_ms": _median([x["client_ms"] for x in cold + hit])}
-    client = res["ttft"]["client_ms"]
-    log(f"  TTFT {a.prompt_len}: cold {res['ttft']['cold_ms']:.1f} ms, again {res['ttft']['hit_ms']:.1f} ms"
-        + ("" if client is None else f" (of which the openai client building the request: {client:.1f} ms)"))
+                   "client_ms": _median([x["client_ms"] for x in cold + hit]),
+                   "server_cold_ms": _hist_mean_ms(h0, h1), "server_hit_ms": _hist_mean_ms(h1, h2)}
+    t = res["ttft"]
+    client = t["client_ms"]
+    server = ("" if t["server_cold_ms"] is None or t["server_hit_ms"] is None else
+              f"; the server's own (queued -> first token, mean): cold {t['server_cold_ms']:.1f} ms, "
+              f"again {t['server_hit_ms']:.1f} ms")
+    log(f"  TTFT {a.prompt_len}: cold {t['cold_ms']:.1f} ms, again {t['hit_ms']:.1f} ms"
+        + ("" if client is None else f" (of which the openai client building the request: {client:.1f} ms)")
+        + server)
     after_phase("ttft", res)
 
     res["ctx"] = {}

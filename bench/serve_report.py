@@ -23,6 +23,7 @@ def columns(a) -> list[tuple[str, str]]:
         n, c, m = a.join
         cols += [("join_stall_ms", f"stall ms, {m} join {n} @ctx{c}"), ("join_ttft_ms", f"TTFT ms of the {m}")]
     cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
+             ("ttft_server_cold_ms", "its server's own cold ms"),
              ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
     if getattr(a, "seeded", 0):
         cols.append(("seeded", f"seeded text alone = among {a.seeded}"))
@@ -46,6 +47,8 @@ def summarize(res: dict) -> dict:
     if "ttft" in res:
         out["ttft_cold_ms"] = res["ttft"]["cold_ms"]
         out["ttft_hit_ms"] = res["ttft"]["hit_ms"]
+        if res["ttft"].get("server_cold_ms") is not None:     # our server's histogram (exllamav3: none)
+            out["ttft_server_cold_ms"] = res["ttft"]["server_cold_ms"]
     if res.get("memory"):
         out["mem_gb"] = res["memory"]["gb"]
     if "seeded" in res:

@@ -33,8 +33,9 @@ def small(tmp_path_factory):
     return out
 
 
-def _check_summary(summary: dict, streams=(2,), ctx_streams=(1, 2)) -> None:
+def _check_summary(summary: dict, streams=(2,), ctx_streams=(1, 2), ours=True) -> None:
     want = {"single_tok_s", "single_ttft_ms", "ttft_cold_ms", "ttft_hit_ms", "mem_gb"}
+    want |= {"ttft_server_cold_ms"} if ours else set()     # from our server's /metrics (exllamav3: none)
     want |= {f"streams_{n}_tok_s" for n in streams} | {f"ctx_{n}_tok_s" for n in ctx_streams}
     assert want <= set(summary), want - set(summary)
     for k, v in summary.items():
@@ -78,6 +79,10 @@ def test_end_to_end_cpu(small, tmp_path):
     # the openai client's own time before its request leaves (httpx's hook): part of every TTFT
     c = res["ttft"]["client_ms"]
     assert 0 < c < res["ttft"]["cold_ms"] and "of which the openai client building the request" in p.stdout
+    # the server's own TTFT from its /metrics histogram, around the phase: no client time in it
+    t = res["ttft"]
+    assert 0 < t["server_cold_ms"] < t["cold_ms"] and 0 < t["server_hit_ms"] < t["hit_ms"], t
+    assert cfg["summary"]["ttft_server_cold_ms"] == t["server_cold_ms"] and "the server's own (queued" in p.stdout
     assert res["memory"]["source"] == "peak RSS (VmHWM)"
     assert any("kv_cache" in ln for ln in res["metrics"])
     assert cfg["stop_status"] is not None                       # it was stopped, not left running
@@ -94,7 +99,7 @@ def test_end_to_end_cpu(small, tmp_path):
     out = p.stdout.rstrip().splitlines()
     assert "exllamav3: not available, skipped (device cpu is not CUDA)" in p.stdout
     head = ("| config | 1 stream tok/s | 2 streams | 1 stream @ctx128 | 2 streams @ctx128 | TTFT 64 cold ms "
-            "| TTFT 64 prefix-hit ms | RSS GB | seeded text alone = among 3 |")
+            "| TTFT 64 prefix-hit ms | its server's own cold ms | RSS GB | seeded text alone = among 3 |")
     assert [" ".join(ln.split()) for ln in out if ln.startswith("| config")] == [head, head]
     assert out[-1].startswith("| ml32k ") and out[-7].startswith("| exllamav3 ")   # results, then ratios, last
     print(f"gpu_serve end to end: {took:.1f} s")
@@ -265,7 +270,7 @@ def test_exllamav3_side_with_a_stand_in(small, monkeypatch):
     # at a new length compiles kernels: it must not land in the timed phase)
     assert lens.count(128) == 4 and lens[:7] == [32] * 4 + [64, 128, 32]   # warm-up, then the single stream
     assert entry["version"] == "stand-in" and entry["results"]["max_memory_allocated_gb"] == 2.0
-    _check_summary(entry["summary"])
+    _check_summary(entry["summary"], ours=False)
     res = entry["results"]
     assert res["streams"][2]["tokens"] == 16 and [x["tokens"] for x in res["single"]["runs"]] == [8]
     assert set(res["phases"]) == {"warmup", "single", "streams_2", "ttft", "ctx_1", "ctx_2"}
