@@ -625,6 +625,20 @@ __device__ __forceinline__ void lane_words(int lane, int& off, int (&widx)[NL]) 
 // that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
 // 64 path decodes a large Ŵ in column chunks, never the whole matrix at once. SCATTER: the former
 // 4-byte stores (bench/gpu_bench.py times both in its rows > 64 table).
+#ifndef DECODE_TILE_DIV   // 1: each tile's (i, j) from its own division, as before 2026-12-06 (an A/B build define)
+#define DECODE_TILE_DIV 0
+#endif
+// tile u of a quad: (i, j) one step on from tile u - 1's (or, with DECODE_TILE_DIV, from tile / nt)
+__device__ __forceinline__ void step_tile(long tile, int u, int nt, int& i, int& j) {
+    if constexpr (DECODE_TILE_DIV) {
+        i = (int)(tile / nt);
+        j = (int)(tile % nt);
+    } else if (u && ++j == nt) {
+        j = 0;
+        i++;
+    }
+}
+
 template <bool SCATTER>
 __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
                                             int ld) {
@@ -638,21 +652,25 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
     const Consts kc;
     // whole quads only: every lane of the warp takes part in the shuffles of store_tile_t
     for (long q = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); q * 4 < tiles; q += warps) {
+        // the quad's tile (i, j) pairs from one division (a 64-bit one is a called subroutine, and
+        // one a tile cost ~25 instructions x 8 a quad); then j steps by one, wrapping at nt
+        const int i0 = (int)(q * 4 / nt), j0 = (int)(q * 4 - (long)i0 * nt);
         uint32_t w[4][NL];
+        int i = i0, j = j0;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const long tile = q * 4 + u;
-            if (tile < tiles) {
-                const uint32_t* src = tr + ((size_t)(tile / nt) * ld + (size_t)(tile % nt)) * NW;
+            step_tile(q * 4 + u, u, nt, i, j);
+            if (q * 4 + u < tiles) {
+                const uint32_t* src = tr + ((size_t)i * ld + (size_t)j) * NW;
 #pragma unroll
                 for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + widx[m]);
             }
         }
+        i = i0, j = j0;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const long tile = q * 4 + u;
-            if (tile >= tiles) break;        // uniform across the warp
-            const int i = (int)(tile / nt), j = (int)(tile % nt);
+            if (q * 4 + u >= tiles) break;   // uniform across the warp
+            step_tile(q * 4 + u, u, nt, i, j);
             uint32_t b[4];
             decode_tile(kc, w[u], off, b);
             if constexpr (SCATTER) {
@@ -1223,7 +1241,7 @@ TILES_OUT(64, 3, f32, 2)
 #endif
 
 #ifndef EXL3_HOST_TEST
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt,
+extern "C" __global__ void __launch_bounds__(256, 5) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt,
                                                                  int ld) {
     decode_body<false>(tr, wt, kt, nt, ld);
 }
