@@ -115,7 +115,6 @@ def large_parts(lin, x):
     fold0 = lin.fold
     out = {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
            "cuda_decode_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis)),
-           "cuda_decode_scatter_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_scatter")),
            "cuda_decode_fold_us": bench(lambda: cd.decode_fold(lin.mod, lin.trellis, lin.svh)),
            "cuda_decode_fold2_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh)),
            "cuda_decode_coop_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
@@ -273,7 +272,7 @@ def print_large(results):
     rows = [r for r in results if "cuda_fold_us" in r]
     if not rows:
         return
-    cols = ("had_in", "decode_scatter", "decode", "decode_fold", "decode_fold2", "mm", "had_out")
+    cols = ("had_in", "decode", "decode_fold", "decode_fold2", "mm", "had_out")
     hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>12}" for c in cols)
            + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'folded2':>8} {'fp16':>8} {'fp16 nk':>8} | "
            f"{'unf/fp16':>8} {'fold/fp16':>9} {'fold2/fp16':>10} {'fold2 err':>9}")

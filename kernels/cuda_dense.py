@@ -34,8 +34,8 @@ def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = N
     """Ŵᵀ (n, k) fp16, bit-exact; of n-tiles j0..j1 only (rows 16 j0 .. 16 j1 of the whole Ŵᵀ)
     where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel`` (default exl3_decode_t,
     or exl3_decode_t_coop with the EXL3TOOLS_DECODE_COOP preview where nt % 4 == 0):
-    exl3_decode_t_scatter is the former store pattern, exl3_decode_t_coop each quad of tiles loaded
-    once a warp (bench/gpu_bench.py times all three: its rows > 64 table). ``out``: a contiguous
+    exl3_decode_t_coop each quad of tiles loaded once a warp (bench/gpu_bench.py times both: its
+    rows > 64 table). ``out``: a contiguous
     fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1

@@ -623,8 +623,7 @@ __device__ __forceinline__ void lane_words(int lane, int& off, int (&widx)[NL]) 
 // wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
 // four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
 // that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
-// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once. SCATTER: the former
-// 4-byte stores (bench/gpu_bench.py times both in its rows > 64 table).
+// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once.
 #ifndef DECODE_TILE_DIV   // 1: each tile's (i, j) from its own division, as before 2026-12-06 (an A/B build define)
 #define DECODE_TILE_DIV 0
 #endif
@@ -639,7 +638,6 @@ __device__ __forceinline__ void step_tile(long tile, int u, int nt, int& i, int&
     }
 }
 
-template <bool SCATTER>
 __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
                                             int ld) {
     const int lane = threadIdx.x & 31;
@@ -653,7 +651,9 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
     // whole quads only: every lane of the warp takes part in the shuffles of store_tile_t
     for (long q = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); q * 4 < tiles; q += warps) {
         // the quad's tile (i, j) pairs from one division (a 64-bit one is a called subroutine, and
-        // one a tile cost ~25 instructions x 8 a quad); then j steps by one, wrapping at nt
+        // one a tile cost ~25 instructions x 8 a quad); then j steps by one, wrapping at nt. SASS
+        // (sm_90a, K 3) of the quad loop ~760 -> ~470 instructions; H100 2026-12-06: 70.9 -> 70.5
+        // µs at 4096 x 14336 (the kernel is L2-bound, not issue-bound)
         const int i0 = (int)(q * 4 / nt), j0 = (int)(q * 4 - (long)i0 * nt);
         uint32_t w[4][NL];
         int i = i0, j = j0;
@@ -673,16 +673,7 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
             step_tile(q * 4 + u, u, nt, i, j);
             uint32_t b[4];
             decode_tile(kc, w[u], off, b);
-            if constexpr (SCATTER) {
-                uint32_t* col0 = wt + (size_t)(16 * j + g) * k2 + 8 * i + t;
-                uint32_t* col1 = col0 + (size_t)8 * k2;
-                col0[0] = b[0];
-                col0[4] = b[1];
-                col1[0] = b[2];
-                col1[4] = b[3];
-            } else {
-                store_tile_t(wt, b, i, j, k2, g, t);
-            }
+            store_tile_t(wt, b, i, j, k2, g, t);
         }
     }
 }
@@ -1243,11 +1234,7 @@ TILES_OUT(64, 3, f32, 2)
 #ifndef EXL3_HOST_TEST
 extern "C" __global__ void __launch_bounds__(256, 5) exl3_decode_t(const uint32_t* tr, uint32_t* wt, int kt, int nt,
                                                                  int ld) {
-    decode_body<false>(tr, wt, kt, nt, ld);
-}
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_t_scatter(const uint32_t* tr, uint32_t* wt, int kt,
-                                                                         int nt, int ld) {
-    decode_body<true>(tr, wt, kt, nt, ld);
+    decode_body(tr, wt, kt, nt, ld);
 }
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_t_coop(const uint32_t* tr, uint32_t* wt, int kt,
                                                                       int nt, int ld) {
