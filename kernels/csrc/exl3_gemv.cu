@@ -638,9 +638,6 @@ __device__ __forceinline__ void step_tile(long tile, int u, int nt, int& i, int&
     }
 }
 
-#ifndef DECODE_QUAD_K   // 1: a warp's quad is one n-tile's 4 k-adjacent tiles (an A/B build define)
-#define DECODE_QUAD_K 0
-#endif
 __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
                                             int ld) {
     const int lane = threadIdx.x & 31;
@@ -649,35 +646,21 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
     lane_words(lane, off, widx);
     const int k2 = kt * 8;   // uint32 (half pairs) per wt row
     const long tiles = (long)kt * nt;
-    // DECODE_QUAD_K: quad q is k-tiles 4 (q / nt) .. + 3 of n-tile q % nt, so each of its 16 wt rows
-    // gets 128 contiguous bytes (a whole line) from one warp, where n-adjacent tiles give each of
-    // their 64 rows one 32-byte sector and leave the line's other three to three other warps
-    const long quads = (long)((kt + 3) / 4) * nt;
     const long warps = (long)gridDim.x * (blockDim.x >> 5);
     const Consts kc;
     // whole quads only: every lane of the warp takes part in the shuffles of store_tile_t
-    for (long q = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); DECODE_QUAD_K ? q < quads : q * 4 < tiles;
-         q += warps) {
+    for (long q = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); q * 4 < tiles; q += warps) {
         // the quad's tile (i, j) pairs from one division (a 64-bit one is a called subroutine, and
         // one a tile cost ~25 instructions x 8 a quad); then j steps by one, wrapping at nt. SASS
         // (sm_90a, K 3) of the quad loop ~760 -> ~470 instructions; H100 2026-12-06: 70.9 -> 70.5
         // µs at 4096 x 14336 (the kernel is L2-bound, not issue-bound)
-        int i0, j0;
-        if constexpr (DECODE_QUAD_K) {
-            const int iq = (int)(q / nt);
-            i0 = 4 * iq;
-            j0 = (int)(q - (long)iq * nt);
-        } else {
-            i0 = (int)(q * 4 / nt);
-            j0 = (int)(q * 4 - (long)i0 * nt);
-        }
+        const int i0 = (int)(q * 4 / nt), j0 = (int)(q * 4 - (long)i0 * nt);
         uint32_t w[4][NL];
         int i = i0, j = j0;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            if constexpr (DECODE_QUAD_K) i = i0 + u;
-            else step_tile(q * 4 + u, u, nt, i, j);
-            if (DECODE_QUAD_K ? i < kt : q * 4 + u < tiles) {
+            step_tile(q * 4 + u, u, nt, i, j);
+            if (q * 4 + u < tiles) {
                 const uint32_t* src = tr + ((size_t)i * ld + (size_t)j) * NW;
 #pragma unroll
                 for (int m = 0; m < NL; m++) w[u][m] = ldg32(src + widx[m]);
@@ -686,9 +669,8 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
         i = i0, j = j0;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            if (DECODE_QUAD_K ? i0 + u >= kt : q * 4 + u >= tiles) break;   // uniform across the warp
-            if constexpr (DECODE_QUAD_K) i = i0 + u;
-            else step_tile(q * 4 + u, u, nt, i, j);
+            if (q * 4 + u >= tiles) break;   // uniform across the warp
+            step_tile(q * 4 + u, u, nt, i, j);
             uint32_t b[4];
             decode_tile(kc, w[u], off, b);
             store_tile_t(wt, b, i, j, k2, g, t);
