@@ -8,6 +8,7 @@
 # the same call, e.g. the output Hadamard pass of a 2048-row linear (the dense path):
 #   SWITCH=EXL3TOOLS_GEMV_AFFINE VALUES="0 1" SHAPE="3 4096 14336 1" bash bench/ncu_gemv_pipes.sh
 #   KERNEL=^exl3_had_out VALUES=1 SHAPE="3 4096 14336 2048" bash bench/ncu_gemv_pipes.sh
+#   KERNEL='^exl3_decode_t$' VALUES=1 SHAPE="3 4096 14336 2048" bash bench/ncu_gemv_pipes.sh   # + L2 / DRAM bytes
 set -u
 OUT=${OUT:-/tmp/ncu_gemv}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD}   # gpu_all.sh's install (run it first, or set PYTHONPATH)
@@ -29,4 +30,9 @@ for v in ${VALUES:-0 1}; do
   ncu --import "$rep.ncu-rep" --page raw --print-units base 2>/dev/null \
     | grep -E "smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active\.ratio " \
     | awk '{print $NF, $1}' | sed 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | sort -rn | head -n 10
+  # the memory side (a memory-bound kernel, e.g. KERNEL='^exl3_decode_t$'): bytes through L2 and
+  # DRAM against what the kernel must move (a partial-line write shows as DRAM reads beyond its inputs)
+  ncu --import "$rep.ncu-rep" --page raw --print-units base 2>/dev/null \
+    | grep -E "^ +(lts__t_sectors_op_(read|write)\.sum|dram__bytes_(read|write)\.sum|lts__t_sector_hit_rate\.pct|lts__t_sectors_srcunit_tex_op_(read|write)_lookup_(hit|miss)\.sum) " \
+    | awk '{print $1, $NF}'
 done
