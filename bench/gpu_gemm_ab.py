@@ -2,7 +2,7 @@
 
     python3 bench/gpu_gemm_ab.py [--rows 256,2048] [--shapes 4096x14336,14336x4096] [--rounds 5]
 
-bench/gpu_bench.py times fp16 cuBLAS once, after every path of ours at that shape (minutes of
+bench/gpu_bench.py times fp16 cuBLAS once, after every path of ours at that shape (seconds of
 tensor-core load later, so at whatever clock the card's power limit then allows); its 2048-row
 rows have shown our own GEMM (decoded Ŵ, the same (n, k) layout as F.linear's) 25 % faster than
 the baseline's F.linear of the same shape. This times each variant once a round, in the same order

@@ -92,8 +92,9 @@ OPT_OUTS = {
     # item, issue slots 85 % busy, DRAM 47 %; the _grid path ~140). H100, 2026-12-06 (bench/gpu_bench.py
     # --ks 3 --rows 256,2048): at 2048 rows had_out 55.3 -> 51.6 µs (4096 -> 14336), had_in 60.9 ->
     # 51.3 (14336 -> 4096), 38.0 -> 32.6 (8192), never slower beyond 0.2 µs; a 2048-token air6
-    # forward 39.42 -> 38.89 ms (7 interleaved rounds); tests/gpu 1080 passed with it on ("0": the
-    # flat 1-D grid)
+    # forward 39.42 -> 38.89 ms (7 interleaved rounds); tests/gpu 1080 passed with it on and as the
+    # default; served, an 8192-token prompt's server-side TTFT 194.8 -> 193.6 ms. H100 only: not
+    # yet on an H200 ("0": the flat 1-D grid)
     "had_grid": "EXL3TOOLS_HAD_GRID",
     # MLA prompts through decompressed K/V (MLAttention._sdpa_decompressed): each head group's K
     # (nope and rope parts) from one GEMM of [latent | rope key] with W_UK and an identity block,

@@ -624,15 +624,9 @@ __device__ __forceinline__ void lane_words(int lane, int& off, int (&widx)[NL]) 
 // four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
 // that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
 // 64 path decodes a large Ŵ in column chunks, never the whole matrix at once.
-#ifndef DECODE_TILE_DIV   // 1: each tile's (i, j) from its own division, as before 2026-12-06 (an A/B build define)
-#define DECODE_TILE_DIV 0
-#endif
-// tile u of a quad: (i, j) one step on from tile u - 1's (or, with DECODE_TILE_DIV, from tile / nt)
-__device__ __forceinline__ void step_tile(long tile, int u, int nt, int& i, int& j) {
-    if constexpr (DECODE_TILE_DIV) {
-        i = (int)(tile / nt);
-        j = (int)(tile % nt);
-    } else if (u && ++j == nt) {
+// tile u of a quad: (i, j) one step on from tile u - 1's
+__device__ __forceinline__ void step_tile(int u, int nt, int& i, int& j) {
+    if (u && ++j == nt) {
         j = 0;
         i++;
     }
@@ -653,13 +647,13 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
         // the quad's tile (i, j) pairs from one division (a 64-bit one is a called subroutine, and
         // one a tile cost ~25 instructions x 8 a quad); then j steps by one, wrapping at nt. SASS
         // (sm_90a, K 3) of the quad loop ~760 -> ~470 instructions; H100 2026-12-06: 70.9 -> 70.5
-        // µs at 4096 x 14336 (the kernel is L2-bound, not issue-bound)
+        // µs at 4096 x 14336 (the time is the memory side's: ncu, 2026-12-03, L2 82 % busy)
         const int i0 = (int)(q * 4 / nt), j0 = (int)(q * 4 - (long)i0 * nt);
         uint32_t w[4][NL];
         int i = i0, j = j0;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            step_tile(q * 4 + u, u, nt, i, j);
+            step_tile(u, nt, i, j);
             if (q * 4 + u < tiles) {
                 const uint32_t* src = tr + ((size_t)i * ld + (size_t)j) * NW;
 #pragma unroll
@@ -670,7 +664,7 @@ __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uin
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             if (q * 4 + u >= tiles) break;   // uniform across the warp
-            step_tile(q * 4 + u, u, nt, i, j);
+            step_tile(u, nt, i, j);
             uint32_t b[4];
             decode_tile(kc, w[u], off, b);
             store_tile_t(wt, b, i, j, k2, g, t);
