@@ -620,11 +620,7 @@ __device__ __forceinline__ void lane_words(int lane, int& off, int (&widx)[NL]) 
     for (int m = 0; m < NL; m++) widx[m] = (word + m) % NW;
 }
 
-// wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
-// four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
-// that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
-// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once.
-// tile u of a quad: (i, j) one step on from tile u - 1's
+// tile u of a decode quad: (i, j) one step on from tile u - 1's
 __device__ __forceinline__ void step_tile(int u, int nt, int& i, int& j) {
     if (u && ++j == nt) {
         j = 0;
@@ -632,6 +628,10 @@ __device__ __forceinline__ void step_tile(int u, int nt, int& i, int& j) {
     }
 }
 
+// wt[n, k] = Ŵ[k, n] (fp16), so that y = x @ Ŵ is one cuBLAS call on wt.T. One warp per tile,
+// four tiles in flight per warp (grid-stride over tile quads). ``ld``: tiles per trellis row, so
+// that nt adjacent n-tiles of a wider trellis (tr pointing at the first) decode alone: the rows >
+// 64 path decodes a large Ŵ in column chunks, never the whole matrix at once.
 __device__ __forceinline__ void decode_body(const uint32_t* __restrict__ tr, uint32_t* __restrict__ wt, int kt, int nt,
                                             int ld) {
     const int lane = threadIdx.x & 31;
@@ -974,7 +974,7 @@ __device__ __forceinline__ void rotate4_act(const TX* __restrict__ x, const TX* 
     rotate4_vals<SIGN_FMA>(suh, v);
 }
 
-// GRID (the EXL3TOOLS_HAD_GRID preview): block (o, j) of a 2-D grid takes row o's 128-column blocks
+// GRID (the default; EXL3TOOLS_HAD_GRID=0 takes the 1-D passes): block (o, j) of a 2-D grid takes row o's 128-column blocks
 // 8 j .. 8 j + 7, a warp each, so an item costs no 64-bit division of a flat index and no row
 // division where there are no source or expert indices; its butterflies are SIGN_FMA's. The 1-D
 // passes executed ~193 instructions an item (had_out at 2048 x 14336 on the H100, ncu: issue slots
@@ -1243,7 +1243,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
-// GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out with the EXL3TOOLS_HAD_GRID preview)
+// GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)
 #define HAD_IN(NAME, TX, GRID)                                                                           \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \
