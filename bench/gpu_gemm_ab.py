@@ -15,6 +15,8 @@ clock drift shows up as spread, not as a ratio:
 - fp16 nk x100: F.linear on 100 W (values ~1, as the decoded Ŵ): do the values change the time?
 - mm Ŵ: our GEMM of the unfolded path, F.linear(had_in(x), Ŵ) (Ŵ decoded, values ~1)
 - ours / fold / fold2: our whole paths (decode + GEMM + passes), as gpu_bench's large_parts
+- wga: had_in + exl3_wga_m256_t2 (slots of 256 rows, the weight decoded inside the GEMM, never
+  written) + had_out; its relative error to ``ours`` is printed under the table
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def variants(lin, x, w):
             "mm Ŵ": lambda: F.linear(xrot, wt),
             "ours": path(False, False),
             "fold": path(True, False),
-            "fold2": path(False, True)}
+            "fold2": path(False, True),
+            "wga": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
 
 
 def main() -> int:
@@ -91,7 +94,11 @@ def main() -> int:
             for name, ts in times.items():
                 ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))
                 print(f"  {name:13s} | {statistics.median(ts):8.1f} | {min(ts):7.1f}-{max(ts):7.1f} | {ratio:5.2f}")
-            out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times))
+            lin.fold = lin.fold_in = False
+            ref = lin(x).float()
+            err = float((calls["wga"]().float() - ref).norm() / ref.norm())
+            print(f"  wga: relative error to ours {err:.2e}")
+            out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times, wga_err=err))
             del calls
         del t, w, lin
         torch.cuda.empty_cache()

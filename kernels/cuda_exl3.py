@@ -79,8 +79,10 @@ DENSE_TILE_MIN_K = 4096
 # weight once for all its rows into wgmma's register operand while the MMA reads the activations
 # from shared memory; x padded to whole slots. Slower than the default on the H200 (2026-12-03: 4096
 # -> 14336 at 128 / 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6); kept
-# as the tested base of a decode spread over more warps (docs/gpu.md, "What is left" 2).
-WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wg2_m256_t1"}
+# as the tested base of a decode spread over more warps (docs/gpu.md, "What is left" 2). 256-row
+# slots: exl3_wga_m256_t2 (the 2026-12-06 session: every warp decodes into shared memory, four
+# warpgroups' MMAs read it; exl3_wg2_m256_t1 before, now the bench's).
+WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wga_m256_t2"}
 WG_MAX_ROWS = 1024
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
@@ -316,23 +318,30 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
 def kernel_block(name: str) -> tuple[int, int]:
     """(units, threads) a block of GEMM kernel ``name``: a unit is a warp's n-tiles, 4 a block of
     128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
-    the warp-specialized exl3_ws3_* / exl3_ws4_* have 4 units of MMA work in 1024 threads (16 warps decode)."""
+    the warp-specialized exl3_ws3_* / exl3_ws4_* have 4 units of MMA work in 1024 threads (16 warps decode),
+    exl3_wga_* 4 units in 512 threads (every warp decodes, every warpgroup multiplies)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
         w = 4 * int(name[len("exl3_wg")])
         return w, 32 * w
     if name.startswith(("exl3_ws3_", "exl3_ws4_")):
         return 4, 1024
+    if name.startswith("exl3_wga_"):
+        return 4, 512
     return 4, 128
 
 
 WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
 # exl3_ws4_*: and each of 16 producer warps a ring of 3 chunks of 4 tiles' words (64 at most: K 8)
 WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
+WGA_SMEM = 3 * 4 * (2 * 64 + 256) * 16 * 2   # exl3_wga_*: 3 stages of 4 k-tiles of A (128 columns) and x (256 rows)
 
 
 def kernel_smem(name: str) -> int:
     """Bytes of dynamic shared memory a block of GEMM kernel ``name`` takes (the rest: static)."""
-    return WS3_SMEM if name.startswith("exl3_ws3_") else WS4_SMEM if name.startswith("exl3_ws4_") else 0
+    for prefix, smem in (("exl3_ws3_", WS3_SMEM), ("exl3_ws4_", WS4_SMEM), ("exl3_wga_", WGA_SMEM)):
+        if name.startswith(prefix):
+            return smem
+    return 0
 
 
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:

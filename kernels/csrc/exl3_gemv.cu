@@ -1210,6 +1210,16 @@ WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM
     }
 WS3(exl3_ws3_m128_t2, 0)
 WS3(exl3_ws4_m128_t2, WS4_WD)
+// WGA(NAME, MROWS): wga_body, every warp decoding and every warpgroup multiplying (dynamic shared
+// memory: cuda_exl3.kernel_smem)
+#define WGA(NAME, MROWS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                        \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* tile_n) {                                                                          \
+        wga_body<MROWS>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n); \
+    }
+WGA(exl3_wga_m256_t2, 256)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

@@ -24,6 +24,14 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
+// both operands from shared memory, 64 x 128 (exl3_wga_*: Ŵᵀ's 64 columns x a warpgroup's 128 rows)
+__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b));
+}
 
 template <int MROWS>
 __device__ __forceinline__ void wgmma_k16(float (&d)[MROWS / 2], const uint32_t (&a)[4], uint64_t desc) {
@@ -331,4 +339,145 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 #pragma unroll
         for (int qq = 0; qq < 4; qq++) cf[i][0][qq] = d[4 * i + qq];
     add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
+}
+
+
+// Every warp decodes, every warpgroup multiplies (the 2026-12-06 session; docs/gpu.md "What is left"
+// 2): a block holds 128 columns (8 n-tiles) x one k-range x a slot of 256 rows, under tiles_body's
+// contract (units of 2 n-tiles, four a block), in 512 threads (128 registers). Chunks of WGA_KS
+// k-tiles run through WGA_S stages of dynamic shared memory (cuda_exl3.WGA_SMEM): each warp decodes
+// two tiles of the next chunk (n-tile w % 8, k-tiles 2 (w / 8) and the one after) straight into
+// wgmma's K-major no-swizzle layout, as ws3's producers do, while this chunk's asynchronous MMAs run;
+// then one barrier, and each warpgroup issues its m64n128k16 MMAs (64 columns x 128 rows, both
+// operands from shared memory, 64 accumulators: half ws3's smem reads per MMA of m64n64). Three
+// stages: a stage is rewritten two chunks after its MMAs were issued, and every warpgroup waits for
+// those (wgmma.wait_group 1 behind the newest) before the barrier that precedes the rewrite.
+constexpr int WGA_KS = 4, WGA_S = 3;
+template <int MROWS>
+__device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
+                                         const int* __restrict__ slot_exp, float* __restrict__ acc,
+                                         unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
+                                         int n_groups, int n_units, const int* __restrict__ tile_n) {
+    constexpr int KS = WGA_KS, S = WGA_S, CROWS = MROWS / 2, THREADS = 512;
+    static_assert(MROWS == 256 && KS == 4, "four warpgroups: two column halves x two row halves; two tiles a warp");
+    constexpr int A_TILE = 2 * 64 * 16, X_TILE = MROWS * 16;   // halves a k-tile: A [column half][64 x 16], x
+    constexpr int A_STAGE = KS * A_TILE, X_STAGE = KS * X_TILE;
+    constexpr int XP = MROWS * 2 * KS / THREADS;                // 16-byte pieces of a chunk's x a thread
+    extern __shared__ __align__(128) unsigned char wga_smem[];  // [S][A_STAGE] then [S][X_STAGE] halves
+    half* const as = reinterpret_cast<half*>(wga_smem);
+    half* const xs = as + S * A_STAGE;
+    pdl_launch_dependents();
+    const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
+    const int z = blockIdx.y;
+    const int grp = unit0 % n_groups, split = unit0 / n_groups;
+    const int i0 = split * kps;
+    const int i1 = min(kt, i0 + kps);
+    if (unit0 >= n_units || i0 >= i1) return;               // (the whole block)
+    const int e = slot_exp ? slot_exp[z] : 0;
+    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
+    if (e < 0 || nr <= 0) return;
+    const int jb = grp * 2;                // the block's first n-tile
+    const int chunks = (i1 - i0) / KS;     // (i1 - i0) % 4 == 0
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    // ---- the decode: n-tile pw, k-tiles 2 kh and 2 kh + 1 of every chunk
+    const int pw = warp & 7, kh = warp >> 3;
+    int word, off;
+    lane_origin(lane, word, off);
+    const size_t row_stride = (size_t)nt * NW;
+    const uint32_t* wp[NL];
+    weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0 + 2 * kh, row_stride, jb + pw, word, wp);
+    const Consts kc;
+    uint32_t wb[2][1][NL];                 // the next chunk's two tiles
+    auto load_w = [&](bool pred) {
+        load_tiles<1>(wb[0], wp, row_stride, pred);
+        load_tiles<1>(wb[1], wp, row_stride, pred);
+#pragma unroll
+        for (int m = 0; m < NL; m++) wp[m] += (size_t)(KS - 2) * row_stride;   // to the next chunk's
+    };
+    // this lane's four registers' places in the 64 x 16 A tile of its column half (as ws3's)
+    const int ra = 16 * (pw & 3) + g, rb = ra + 8;
+    const int o0 = kmajor_at(ra, 2 * t) >> 1, o1 = kmajor_at(rb, 2 * t) >> 1, o8 = kmajor_at(0, 8) >> 1;
+    auto decode = [&](int c) {
+        uint32_t* const a32 = reinterpret_cast<uint32_t*>(as + (c % S) * A_STAGE + (pw >> 2) * (A_TILE / 2)) +
+                              2 * kh * (A_TILE / 2);
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            uint32_t b[4];
+            decode_tile(kc, wb[q][0], off, b);
+            uint32_t* const ak = a32 + q * (A_TILE / 2);
+            ak[o0] = b[0];
+            ak[o1] = b[2];
+            ak[o0 + o8] = b[1];            // k + 8: the other core matrix
+            ak[o1 + o8] = b[3];
+        }
+    };
+    // ---- the activations: chunk c's 16-byte pieces (row m, k-tile p, k half h), eight rows a
+    // piece for eight adjacent threads (one core-matrix column: no bank conflicts), 64 B a row a warp
+    const half* xh = reinterpret_cast<const half*>(xrot);
+    const size_t krow = (size_t)kt * 16;
+    auto load_x = [&](int c) {
+        half* const xst = xs + (c % S) * X_STAGE;
+        const int kcol = (i0 + KS * c) * 16;
+#pragma unroll
+        for (int q = 0; q < XP; q++) {
+            const int s = q * THREADS + threadIdx.x;
+            const int m = (s >> 6) * 8 + (s & 7), pc = (s >> 3) & 7, p = pc >> 1, h = pc & 1;
+            const bool ok = m < nr;
+            cp_async16(xst + p * X_TILE + kmajor_at(m, 8 * h),
+                       xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + 16 * p + 8 * h, ok);
+        }
+        cp_async_commit();
+    };
+    // ---- the MMAs: warpgroup wg, columns 64 ch.. of the block x rows rw0..
+    const int wg = warp >> 2, ch = wg & 1, rw0 = (wg >> 1) * CROWS;
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) d[i] = 0.f;
+    auto issue = [&](int c) {
+        const half* const ast = as + (c % S) * A_STAGE + ch * (A_TILE / 2);
+        const half* const xst = xs + (c % S) * X_STAGE + kmajor_at(rw0, 0);
+        fence_regs(d);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) wgmma_ss_m64n128k16(d, wg_desc(ast + kk * A_TILE), wg_desc(xst + kk * X_TILE));
+        wgmma_commit();
+    };
+
+    load_w(true);                          // (chunks >= 1) the weights are the launch's constants
+    pdl_wait();                            // xrot and the workspace are the previous kernels'
+    load_x(0);
+    if (chunks > 1) load_x(1); else cp_async_commit();
+    decode(0);
+    load_w(chunks > 1);
+    cp_async_wait<1>();                    // chunk 0's activations
+    fence_async_smem();                    // the stage's generic-proxy writes, visible to wgmma
+    __syncthreads();
+    issue(0);
+    for (int c = 0; c < chunks; c++) {     // chunk c's MMAs in flight
+        const bool next = c + 1 < chunks;
+        if (next) {
+            decode(c + 1);
+            load_w(c + 2 < chunks);
+        }
+        cp_async_wait<0>();                // chunk c + 1's activations
+        fence_async_smem();
+        __syncthreads();                   // stage (c + 1) % S written; every warpgroup past chunk c - 1's MMAs
+        if (c + 2 < chunks) load_x(c + 2); // into chunk c - 1's stage
+        if (next) {
+            issue(c + 1);
+            wgmma_wait<1>();               // chunk c's MMAs (this warpgroup's) are done
+            fence_regs(d);
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(d);
+    if (rw0 >= nr) return;
+    float cf[CROWS / 8][1][4];
+#pragma unroll
+    for (int i = 0; i < CROWS / 8; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
+    add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + rw0, nr - rw0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
 }
