@@ -8,7 +8,9 @@ rows have shown our own GEMM (decoded Ŵ, the same (n, k) layout as F.linear's) 
 the baseline's F.linear of the same shape. This times each variant once a round, in the same order
 every round, several rounds, and prints each variant's median over the rounds and the median of
 its per-round ratio to ``fp16 nk`` (F.linear(x, W) on W as a checkpoint stores it), so that
-clock drift shows up as spread, not as a ratio:
+clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-graph replay
+(gpu_bench --graph), since our paths are 3-5 launches whose host time, timed eagerly, moved the
+256-row ratios 2x between two H100 machines (2026-12-06); ``--eager`` times the calls as issued:
 
 - fp16 / fp16 nk: the baseline's two GEMMs (x @ W (k, n); F.linear(x, W (n, k))), W the true
   weight (values ~0.01: svh scales every column by ±0.01)
@@ -69,7 +71,11 @@ def main() -> int:
     ap.add_argument("--K", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--eager", action="store_true", help="time eager calls, not CUDA-graph replays")
     a = ap.parse_args()
+    import gpu_bench
+
+    gpu_bench.GRAPH = not a.eager
     from exl3tools.kernels import cuda_exl3 as cx
     from exl3tools.kernels.dispatch import make_linear
 
@@ -89,7 +95,8 @@ def main() -> int:
                 for name, fn in calls.items():
                     times[name].append(bench(fn))
             base = times["fp16 nk"]
-            print(f"\n{k}->{n} K {a.K}, {rows} rows, {a.rounds} interleaved rounds: variant | median µs | "
+            print(f"\n{k}->{n} K {a.K}, {rows} rows, {a.rounds} interleaved rounds ({'eager' if a.eager else 'graphs'}): "
+                  "variant | median µs | "
                   "min-max | x fp16 nk (median of the rounds' ratios)")
             for name, ts in times.items():
                 ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))

@@ -333,7 +333,7 @@ def kernel_block(name: str) -> tuple[int, int]:
 WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
 # exl3_ws4_*: and each of 16 producer warps a ring of 3 chunks of 4 tiles' words (64 at most: K 8)
 WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
-WGA_SMEM = 3 * 4 * (2 * 64 + 256) * 16 * 2   # exl3_wga_*: 3 stages of 4 k-tiles of A (128 columns) and x (256 rows)
+WGA_SMEM = 3 * (128 + 256) * 64 * 2   # exl3_wga_*: 3 stages of 64 k of A (128 columns) and x (256 rows)
 
 
 def kernel_smem(name: str) -> int:

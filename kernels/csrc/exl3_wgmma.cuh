@@ -347,11 +347,14 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 // contract (units of 2 n-tiles, four a block), in 512 threads (128 registers). Chunks of WGA_KS
 // k-tiles run through WGA_S stages of dynamic shared memory (cuda_exl3.WGA_SMEM): each warp decodes
 // two tiles of the next chunk (n-tile w % 8, k-tiles 2 (w / 8) and the one after) straight into
-// wgmma's K-major no-swizzle layout, as ws3's producers do, while this chunk's asynchronous MMAs run;
-// then one barrier, and each warpgroup issues its m64n128k16 MMAs (64 columns x 128 rows, both
-// operands from shared memory, 64 accumulators: half ws3's smem reads per MMA of m64n64). Three
-// stages: a stage is rewritten two chunks after its MMAs were issued, and every warpgroup waits for
-// those (wgmma.wait_group 1 behind the newest) before the barrier that precedes the rewrite.
+// shared memory while this chunk's asynchronous MMAs run; then one barrier, and each warpgroup
+// issues its m64n128k16 MMAs (64 columns x 128 rows, both operands from shared memory, 64
+// accumulators). A stage holds Ŵᵀ (128 columns) and x (256 rows) as rows of a chunk's 64 k (128
+// bytes) in the 128-byte swizzle, K-major (SBO 1024 B; a k16 step 32 bytes on); without the swizzle
+// (ws3's core-matrix layout, LBO 128 B, SBO 256 B) the first version ran 5-6x slower than its MMAs
+// (H100). Three stages: a stage is rewritten two chunks after its MMAs were issued, and every
+// warpgroup waits for those (wgmma.wait_group 1 behind the newest) before the barrier that
+// precedes the rewrite.
 constexpr int WGA_KS = 4, WGA_S = 3;
 template <int MROWS>
 __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
@@ -359,11 +362,10 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
                                          unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
                                          int n_groups, int n_units, const int* __restrict__ tile_n) {
     constexpr int KS = WGA_KS, S = WGA_S, CROWS = MROWS / 2, THREADS = 512;
-    static_assert(MROWS == 256 && KS == 4, "four warpgroups: two column halves x two row halves; two tiles a warp");
-    constexpr int A_TILE = 2 * 64 * 16, X_TILE = MROWS * 16;   // halves a k-tile: A [column half][64 x 16], x
-    constexpr int A_STAGE = KS * A_TILE, X_STAGE = KS * X_TILE;
-    constexpr int XP = MROWS * 2 * KS / THREADS;                // 16-byte pieces of a chunk's x a thread
-    extern __shared__ __align__(128) unsigned char wga_smem[];  // [S][A_STAGE] then [S][X_STAGE] halves
+    static_assert(MROWS == 256 && KS == 4, "four warpgroups: two column halves x two row halves; 128-byte rows");
+    constexpr int A_STAGE = 128 * 64, X_STAGE = MROWS * 64;    // halves: 128 columns, MROWS rows x 64 k
+    constexpr int XP = MROWS * 8 / THREADS;                     // 16-byte pieces of a chunk's x a thread
+    extern __shared__ __align__(1024) unsigned char wga_smem[]; // [S][A_STAGE] then [S][X_STAGE] halves
     half* const as = reinterpret_cast<half*>(wga_smem);
     half* const xs = as + S * A_STAGE;
     pdl_launch_dependents();
@@ -396,25 +398,24 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 #pragma unroll
         for (int m = 0; m < NL; m++) wp[m] += (size_t)(KS - 2) * row_stride;   // to the next chunk's
     };
-    // this lane's four registers' places in the 64 x 16 A tile of its column half (as ws3's)
-    const int ra = 16 * (pw & 3) + g, rb = ra + 8;
-    const int o0 = kmajor_at(ra, 2 * t) >> 1, o1 = kmajor_at(rb, 2 * t) >> 1, o8 = kmajor_at(0, 8) >> 1;
+    // this lane's registers of a tile: b[0] / b[2] columns 16 pw + g / + 8 at k 2t, b[1] / b[3] at
+    // k 2t + 8: uint32 places in the stage's rows (k-tile kk: pieces 2 kk, 2 kk + 1); the lanes of
+    // one store hit 32 distinct banks (the swizzle spreads the 8 columns over the 8 pieces)
+    const int ca = 16 * pw + g, cb = ca + 8;
     auto decode = [&](int c) {
-        uint32_t* const a32 = reinterpret_cast<uint32_t*>(as + (c % S) * A_STAGE + (pw >> 2) * (A_TILE / 2)) +
-                              2 * kh * (A_TILE / 2);
+        uint32_t* const a32 = reinterpret_cast<uint32_t*>(as + (c % S) * A_STAGE);
 #pragma unroll
         for (int q = 0; q < 2; q++) {
+            const int kk = 2 * kh + q;
             uint32_t b[4];
             decode_tile(kc, wb[q][0], off, b);
-            uint32_t* const ak = a32 + q * (A_TILE / 2);
-            ak[o0] = b[0];
-            ak[o1] = b[2];
-            ak[o0 + o8] = b[1];            // k + 8: the other core matrix
-            ak[o1 + o8] = b[3];
+            a32[(sw128_at(ca, 2 * kk) >> 1) + t] = b[0];
+            a32[(sw128_at(cb, 2 * kk) >> 1) + t] = b[2];
+            a32[(sw128_at(ca, 2 * kk + 1) >> 1) + t] = b[1];
+            a32[(sw128_at(cb, 2 * kk + 1) >> 1) + t] = b[3];
         }
     };
-    // ---- the activations: chunk c's 16-byte pieces (row m, k-tile p, k half h), eight rows a
-    // piece for eight adjacent threads (one core-matrix column: no bank conflicts), 64 B a row a warp
+    // ---- the activations: chunk c's 16-byte pieces, eight adjacent threads a row's 128 bytes
     const half* xh = reinterpret_cast<const half*>(xrot);
     const size_t krow = (size_t)kt * 16;
     auto load_x = [&](int c) {
@@ -423,10 +424,9 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 #pragma unroll
         for (int q = 0; q < XP; q++) {
             const int s = q * THREADS + threadIdx.x;
-            const int m = (s >> 6) * 8 + (s & 7), pc = (s >> 3) & 7, p = pc >> 1, h = pc & 1;
+            const int m = s >> 3, p = s & 7;
             const bool ok = m < nr;
-            cp_async16(xst + p * X_TILE + kmajor_at(m, 8 * h),
-                       xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + 16 * p + 8 * h, ok);
+            cp_async16(xst + sw128_at(m, p), xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + 8 * p, ok);
         }
         cp_async_commit();
     };
@@ -436,12 +436,13 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 #pragma unroll
     for (int i = 0; i < 64; i++) d[i] = 0.f;
     auto issue = [&](int c) {
-        const half* const ast = as + (c % S) * A_STAGE + ch * (A_TILE / 2);
-        const half* const xst = xs + (c % S) * X_STAGE + kmajor_at(rw0, 0);
+        const half* const ast = as + (c % S) * A_STAGE + ch * 64 * 64;
+        const half* const xst = xs + (c % S) * X_STAGE + rw0 * 64;
         fence_regs(d);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KS; kk++) wgmma_ss_m64n128k16(d, wg_desc(ast + kk * A_TILE), wg_desc(xst + kk * X_TILE));
+        for (int kk = 0; kk < KS; kk++)
+            wgmma_ss_m64n128k16(d, sw128_desc(ast + 16 * kk, 16, 1024), sw128_desc(xst + 16 * kk, 16, 1024));
         wgmma_commit();
     };
 

@@ -41,16 +41,6 @@ constexpr int CHUNKS = D / 64;                // 8 latent chunks and the rope's
 constexpr int STILE = CHUNKS * CHUNK;         // halves of a tile (73728 bytes)
 constexpr float NEG_INF = -__builtin_huge_valf();
 
-// 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B, wgmma's layout 1): row r's 16-byte piece p
-// of a 1024-byte-aligned chunk at halves r * 64 + (p ^ r % 8) * 8
-__device__ __forceinline__ int sw128_at(int r, int p) { return r * 64 + ((p ^ (r & 7)) << 3); }
-
-__device__ __forceinline__ uint64_t smem_desc(const half* p, int lbo, int sbo) {
-    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-    return (uint64_t)((s & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
-}
-__device__ __forceinline__ uint64_t sw128_desc(const half* p, int lbo, int sbo) { return smem_desc(p, lbo, sbo) | (1ull << 62); }
-
 // 64 rows x 576 halves (the queries) into the 128-byte-swizzled chunks (chunk q: halves
 // 64q..64q+63 of each row): warp w copies rows 8w..8w+7, thread (w, lane) rows 8w + lane / 8 ("a")
 // and 8w + 4 + lane / 8 ("b"), piece lane % 8 of each chunk, so one warp instruction is four rows

@@ -10,6 +10,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B, wgmma's layout 1; the MLA kernel's tiles and
+// exl3_wga_*'s stages): row r's 16-byte piece p of a 1024-byte-aligned chunk at halves
+// r * 64 + (p ^ r % 8) * 8
+__device__ __forceinline__ int sw128_at(int r, int p) { return r * 64 + ((p ^ (r & 7)) << 3); }
+
+__device__ __forceinline__ uint64_t smem_desc(const half* p, int lbo, int sbo) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+    return (uint64_t)((s & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ uint64_t sw128_desc(const half* p, int lbo, int sbo) { return smem_desc(p, lbo, sbo) | (1ull << 62); }
+
 // both operands from shared memory (descriptors): the warp-specialized GEMM decodes its A there, the
 // MLA kernel's scores read the queries and a key tile there
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
