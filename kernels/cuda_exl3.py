@@ -333,7 +333,9 @@ def kernel_block(name: str) -> tuple[int, int]:
 WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
 # exl3_ws4_*: and each of 16 producer warps a ring of 3 chunks of 4 tiles' words (64 at most: K 8)
 WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
-WGA_SMEM = 3 * (128 + 256) * 64 * 2   # exl3_wga_*: 3 stages of 64 k of A (128 columns) and x (256 rows)
+# exl3_wga_*: 3 stages of 64 k of A (128 columns) and x (256 rows), a ring of 4 chunks' trellis words
+# (4 k-tiles x 8 tiles of 64 words at most: K 8) and its 4 mbarriers
+WGA_SMEM = 3 * (128 + 256) * 64 * 2 + 4 * 4 * 8 * 64 * 4 + 4 * 8
 
 
 def kernel_smem(name: str) -> int:

@@ -354,8 +354,11 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 // (ws3's core-matrix layout, LBO 128 B, SBO 256 B) the first version ran 5-6x slower than its MMAs
 // (H100). Three stages: a stage is rewritten two chunks after its MMAs were issued, and every
 // warpgroup waits for those (wgmma.wait_group 1 behind the newest) before the barrier that
-// precedes the rewrite.
-constexpr int WGA_KS = 4, WGA_S = 3;
+// precedes the rewrite. The trellis words come WGA_TS chunks ahead through the TMA unit (bulk copies
+// of each k-tile's 8 tiles into a ring, an mbarrier a slot): the proxy fence that makes the decoded
+// stores visible to wgmma waits for every load of the thread still in flight, so words loaded into
+// registers a chunk ahead (the version before) put a whole load latency into every chunk.
+constexpr int WGA_KS = 4, WGA_S = 3, WGA_TS = 4;
 template <int MROWS>
 __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                          const int* __restrict__ slot_exp, float* __restrict__ acc,
@@ -365,9 +368,13 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     static_assert(MROWS == 256 && KS == 4, "four warpgroups: two column halves x two row halves; 128-byte rows");
     constexpr int A_STAGE = 128 * 64, X_STAGE = MROWS * 64;    // halves: 128 columns, MROWS rows x 64 k
     constexpr int XP = MROWS * 8 / THREADS;                     // 16-byte pieces of a chunk's x a thread
-    extern __shared__ __align__(1024) unsigned char wga_smem[]; // [S][A_STAGE] then [S][X_STAGE] halves
+    constexpr int TS = WGA_TS, W_SLOT = KS * 8 * NW;           // uint32 of a chunk's trellis words
+    // [S][A_STAGE], [S][X_STAGE] halves, [TS][W_SLOT] uint32, TS mbarriers
+    extern __shared__ __align__(1024) unsigned char wga_smem[];
     half* const as = reinterpret_cast<half*>(wga_smem);
     half* const xs = as + S * A_STAGE;
+    uint32_t* const ws = reinterpret_cast<uint32_t*>(xs + S * X_STAGE);
+    uint64_t* const bars = reinterpret_cast<uint64_t*>(ws + TS * W_SLOT);
     pdl_launch_dependents();
     const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
     const int z = blockIdx.y;
@@ -383,32 +390,49 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 
-    // ---- the decode: n-tile pw, k-tiles 2 kh and 2 kh + 1 of every chunk
+    // ---- the trellis words: thread 0 copies chunk c's (k-tile rows of the block's 8 tiles, 32 NW
+    // contiguous bytes each) into ring slot c % TS
+    const size_t row_stride = (size_t)nt * NW;
+    const uint32_t* const trb = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]) + (size_t)i0 * row_stride +
+                                (size_t)jb * NW;
+    auto fetch_w = [&](int c) {
+        uint64_t* const bar = bars + c % TS;
+        mbar_arrive_tx(bar, W_SLOT * 4);
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++)
+            bulk_copy(ws + (c % TS) * W_SLOT + kk * 8 * NW, trb + (size_t)(KS * c + kk) * row_stride, 8 * NW * 4, bar);
+    };
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < TS; i++) mbar_init(bars + i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)                  // (the weights are the launch's constants: before pdl_wait)
+        for (int c = 0; c < TS && c < chunks; c++) fetch_w(c);
+    // ---- the decode: n-tile pw, k-tiles 2 kh and 2 kh + 1 of every chunk, lane words (word + m) % NW
     const int pw = warp & 7, kh = warp >> 3;
     int word, off;
     lane_origin(lane, word, off);
-    const size_t row_stride = (size_t)nt * NW;
-    const uint32_t* wp[NL];
-    weight_ptrs(reinterpret_cast<const uint32_t*>(trellis_ptrs[e]), i0 + 2 * kh, row_stride, jb + pw, word, wp);
-    const Consts kc;
-    uint32_t wb[2][1][NL];                 // the next chunk's two tiles
-    auto load_w = [&](bool pred) {
-        load_tiles<1>(wb[0], wp, row_stride, pred);
-        load_tiles<1>(wb[1], wp, row_stride, pred);
+    int wi[NL];
 #pragma unroll
-        for (int m = 0; m < NL; m++) wp[m] += (size_t)(KS - 2) * row_stride;   // to the next chunk's
-    };
+    for (int m = 0; m < NL; m++) wi[m] = (word + m) % NW;
+    const Consts kc;
     // this lane's registers of a tile: b[0] / b[2] columns 16 pw + g / + 8 at k 2t, b[1] / b[3] at
     // k 2t + 8: uint32 places in the stage's rows (k-tile kk: pieces 2 kk, 2 kk + 1); the lanes of
     // one store hit 32 distinct banks (the swizzle spreads the 8 columns over the 8 pieces)
     const int ca = 16 * pw + g, cb = ca + 8;
     auto decode = [&](int c) {
         uint32_t* const a32 = reinterpret_cast<uint32_t*>(as + (c % S) * A_STAGE);
+        mbar_wait(bars + c % TS, (c / TS) & 1);
+        const uint32_t* const wsl = ws + (c % TS) * W_SLOT + pw * NW;
 #pragma unroll
         for (int q = 0; q < 2; q++) {
             const int kk = 2 * kh + q;
-            uint32_t b[4];
-            decode_tile(kc, wb[q][0], off, b);
+            uint32_t w[NL], b[4];
+#pragma unroll
+            for (int m = 0; m < NL; m++) w[m] = wsl[kk * 8 * NW + wi[m]];
+            decode_tile(kc, w, off, b);
             a32[(sw128_at(ca, 2 * kk) >> 1) + t] = b[0];
             a32[(sw128_at(cb, 2 * kk) >> 1) + t] = b[2];
             a32[(sw128_at(ca, 2 * kk + 1) >> 1) + t] = b[1];
@@ -446,26 +470,23 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
         wgmma_commit();
     };
 
-    load_w(true);                          // (chunks >= 1) the weights are the launch's constants
     pdl_wait();                            // xrot and the workspace are the previous kernels'
     load_x(0);
     if (chunks > 1) load_x(1); else cp_async_commit();
     decode(0);
-    load_w(chunks > 1);
     cp_async_wait<1>();                    // chunk 0's activations
     fence_async_smem();                    // the stage's generic-proxy writes, visible to wgmma
-    __syncthreads();
+    __syncthreads();                       // ... and every warp past ring slot 0
+    if (threadIdx.x == 0 && TS < chunks) fetch_w(TS);
     issue(0);
     for (int c = 0; c < chunks; c++) {     // chunk c's MMAs in flight
         const bool next = c + 1 < chunks;
-        if (next) {
-            decode(c + 1);
-            load_w(c + 2 < chunks);
-        }
+        if (next) decode(c + 1);
         cp_async_wait<0>();                // chunk c + 1's activations
         fence_async_smem();
         __syncthreads();                   // stage (c + 1) % S written; every warpgroup past chunk c - 1's MMAs
         if (c + 2 < chunks) load_x(c + 2); // into chunk c - 1's stage
+        if (threadIdx.x == 0 && c + 1 + TS < chunks) fetch_w(c + 1 + TS);   // ring slot (c + 1) % TS is read
         if (next) {
             issue(c + 1);
             wgmma_wait<1>();               // chunk c's MMAs (this warpgroup's) are done
