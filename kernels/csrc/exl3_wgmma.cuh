@@ -359,6 +359,11 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 // stores visible to wgmma waits for every load of the thread still in flight, so words loaded into
 // registers a chunk ahead (the version before) put a whole load latency into every chunk.
 constexpr int WGA_KS = 4, WGA_S = 3, WGA_TS = 4;
+#ifndef WGA_PROBE
+// a bench-only build define that times one side of the loop alone (wrong results): 1 no MMAs, 2 no
+// decode (the ring's waits and the barriers stay)
+#define WGA_PROBE 0
+#endif
 template <int MROWS>
 __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                          const int* __restrict__ slot_exp, float* __restrict__ acc,
@@ -430,6 +435,7 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
         for (int q = 0; q < 2; q++) {
             const int kk = 2 * kh + q;
             uint32_t w[NL], b[4];
+            if constexpr (WGA_PROBE == 2) continue;
 #pragma unroll
             for (int m = 0; m < NL; m++) w[m] = wsl[kk * 8 * NW + wi[m]];
             decode_tile(kc, w, off, b);
@@ -462,6 +468,7 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     auto issue = [&](int c) {
         const half* const ast = as + (c % S) * A_STAGE + ch * 64 * 64;
         const half* const xst = xs + (c % S) * X_STAGE + rw0 * 64;
+        if constexpr (WGA_PROBE == 1) return;
         fence_regs(d);
         wgmma_fence();
 #pragma unroll
