@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves
 from exl3tools.kernels.cuda_dense import decode_t, dense_mm, sm_count
-from exl3tools.kernels.cuda_driver import Module, driver
+from exl3tools.kernels.cuda_driver import Module, TensorMap, driver, tensor_map_2d
 
 from exl3tools.errors import UsageError
 
@@ -265,9 +265,27 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     if ld_tab is not None and tile_n is not None:
         raise UsageError("gemv: tile_n and ld_tab do not come together")
     extra = (tile_n,) if ld_tab is None else (ld_tab,)
+    if name.startswith("exl3_wga_"):      # the activations through TMA: boxes of the kernel's rows x 64 k
+        extra += (_x_map(xrot, kt * 16, int(name.split("_m")[1].split("_")[0])),)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     w, threads = kernel_block(name)
     mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL, smem=kernel_smem(name))
+
+
+_x_maps: dict[tuple, TensorMap] = {}
+
+
+def _x_map(xrot: torch.Tensor, k: int, box_rows: int) -> TensorMap:
+    """The tensor map of the rotated activations (fp16 rows of k) for exl3_wga_*, boxes of
+    ``box_rows`` (the kernel's slot: its transaction count; rows past a smaller slot are read, never
+    added) x 64; kept per buffer (a launch copies the map's bytes, so dropping one is safe)."""
+    key = (xrot.data_ptr(), xrot.numel(), k, box_rows)
+    m = _x_maps.get(key)
+    if m is None:
+        if len(_x_maps) >= 256:           # (a long-running process's old buffers)
+            _x_maps.clear()
+        m = _x_maps[key] = tensor_map_2d(xrot.data_ptr(), xrot.numel() // k, k, k * 2, 64, box_rows)
+    return m
 
 
 PRO_SMEM = 4096     # uint32 of rotated activations a gemv_pro block holds (PRO_SMEM in the source)
@@ -333,9 +351,9 @@ def kernel_block(name: str) -> tuple[int, int]:
 WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
 # exl3_ws4_*: and each of 16 producer warps a ring of 3 chunks of 4 tiles' words (64 at most: K 8)
 WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
-# exl3_wga_*: 3 stages of 64 k of A (128 columns) and x (256 rows), a ring of 4 chunks' trellis words
-# (4 k-tiles x 8 tiles of 64 words at most: K 8) and its 4 mbarriers
-WGA_SMEM = 3 * (128 + 256) * 64 * 2 + 4 * 4 * 8 * 64 * 4 + 4 * 8
+# exl3_wga_*: 3 stages (4 with -DWGA_S=4) of 64 k of A (128 columns) and x (256 rows), a ring of 4
+# chunks' trellis words (4 k-tiles x 8 tiles of 64 words at most: K 8) and 8 mbarriers (the ring's, x's)
+WGA_SMEM = 4 * (128 + 256) * 64 * 2 + 4 * 4 * 8 * 64 * 4 + 8 * 8
 
 
 def kernel_smem(name: str) -> int:

@@ -15,6 +15,7 @@
 // funnel shifts per tile), and then extracts every state with constant shifts: about 2 integer ops
 // per state, 1 multiply, 1 dp4a (MUL1) or LOP3 (3INST/MCG), and half an fp16 op, then the MMA.
 
+#include <cuda.h>        // CUtensorMap (exl3_wga_*'s activations)
 #include <cuda_fp16.h>
 #include <type_traits>
 #include <stdint.h>
@@ -1211,13 +1212,14 @@ WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM
 WS3(exl3_ws3_m128_t2, 0)
 WS3(exl3_ws4_m128_t2, WS4_WD)
 // WGA(NAME, MROWS): wga_body, every warp decoding and every warpgroup multiplying (dynamic shared
-// memory: cuda_exl3.kernel_smem)
+// memory: cuda_exl3.kernel_smem); xmap: xrot's tensor map (cuda_exl3.gemv: boxes of MROWS x 64)
 #define WGA(NAME, MROWS)                                                                             \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                        \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
-        const int* tile_n) {                                                                          \
-        wga_body<MROWS>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n); \
+        const int* tile_n, const __grid_constant__ CUtensorMap xmap) {                                \
+        wga_body<MROWS>(xrot, trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n, \
+                        xmap);                                                                        \
     }
 WGA(exl3_wga_m256_t2, 256)
 #endif

@@ -358,7 +358,10 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 // of each k-tile's 8 tiles into a ring, an mbarrier a slot): the proxy fence that makes the decoded
 // stores visible to wgmma waits for every load of the thread still in flight, so words loaded into
 // registers a chunk ahead (the version before) put a whole load latency into every chunk.
-constexpr int WGA_KS = 4, WGA_S = 3, WGA_TS = 4;
+#ifndef WGA_S
+#define WGA_S 3   // stages (a tuning define; cuda_exl3.WGA_SMEM holds 4)
+#endif
+constexpr int WGA_KS = 4, WGA_TS = 4;
 #ifndef WGA_PROBE
 // a bench-only build define that times one side of the loop alone (wrong results): 1 no MMAs, 2 no
 // decode (the ring's waits and the barriers stay)
@@ -368,18 +371,20 @@ template <int MROWS>
 __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, const uint64_t* __restrict__ trellis_ptrs,
                                          const int* __restrict__ slot_exp, float* __restrict__ acc,
                                          unsigned long long* __restrict__ acc64, int rows, int kt, int nt, int kps,
-                                         int n_groups, int n_units, const int* __restrict__ tile_n) {
-    constexpr int KS = WGA_KS, S = WGA_S, CROWS = MROWS / 2, THREADS = 512;
+                                         int n_groups, int n_units, const int* __restrict__ tile_n,
+                                         const CUtensorMap& xmap) {
+    constexpr int KS = WGA_KS, S = WGA_S, CROWS = MROWS / 2;
+    static_assert(S == 3 || S == 4, "stages");
     static_assert(MROWS == 256 && KS == 4, "four warpgroups: two column halves x two row halves; 128-byte rows");
     constexpr int A_STAGE = 128 * 64, X_STAGE = MROWS * 64;    // halves: 128 columns, MROWS rows x 64 k
-    constexpr int XP = MROWS * 8 / THREADS;                     // 16-byte pieces of a chunk's x a thread
     constexpr int TS = WGA_TS, W_SLOT = KS * 8 * NW;           // uint32 of a chunk's trellis words
-    // [S][A_STAGE], [S][X_STAGE] halves, [TS][W_SLOT] uint32, TS mbarriers
+    // [S][A_STAGE], [S][X_STAGE] halves, [TS][W_SLOT] uint32, TS + S mbarriers (the words', x's)
     extern __shared__ __align__(1024) unsigned char wga_smem[];
     half* const as = reinterpret_cast<half*>(wga_smem);
     half* const xs = as + S * A_STAGE;
     uint32_t* const ws = reinterpret_cast<uint32_t*>(xs + S * X_STAGE);
     uint64_t* const bars = reinterpret_cast<uint64_t*>(ws + TS * W_SLOT);
+    uint64_t* const xbars = bars + TS;
     pdl_launch_dependents();
     const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
     const int z = blockIdx.y;
@@ -409,7 +414,7 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     };
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int i = 0; i < TS; i++) mbar_init(bars + i, 1);
+        for (int i = 0; i < TS + S; i++) mbar_init(bars + i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -445,20 +450,12 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
             a32[(sw128_at(cb, 2 * kk + 1) >> 1) + t] = b[3];
         }
     };
-    // ---- the activations: chunk c's 16-byte pieces, eight adjacent threads a row's 128 bytes
-    const half* xh = reinterpret_cast<const half*>(xrot);
-    const size_t krow = (size_t)kt * 16;
+    // ---- the activations: thread 0 copies chunk c's (the slot's MROWS rows x 64 k, one TMA box in
+    // the 128-byte swizzle; rows past the tensor come as zeros) into stage c % S
     auto load_x = [&](int c) {
-        half* const xst = xs + (c % S) * X_STAGE;
-        const int kcol = (i0 + KS * c) * 16;
-#pragma unroll
-        for (int q = 0; q < XP; q++) {
-            const int s = q * THREADS + threadIdx.x;
-            const int m = s >> 3, p = s & 7;
-            const bool ok = m < nr;
-            cp_async16(xst + sw128_at(m, p), xh + (size_t)(z * rows + (ok ? m : 0)) * krow + kcol + 8 * p, ok);
-        }
-        cp_async_commit();
+        uint64_t* const bar = xbars + c % S;
+        mbar_arrive_tx(bar, X_STAGE * 2);
+        tma_2d(xs + (c % S) * X_STAGE, &xmap, (i0 + KS * c) * 16, z * rows, bar);
     };
     // ---- the MMAs: warpgroup wg, columns 64 ch.. of the block x rows rw0..
     const int wg = warp >> 2, ch = wg & 1, rw0 = (wg >> 1) * CROWS;
@@ -478,21 +475,25 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     };
 
     pdl_wait();                            // xrot and the workspace are the previous kernels'
-    load_x(0);
-    if (chunks > 1) load_x(1); else cp_async_commit();
+    if (threadIdx.x == 0) {
+        load_x(0);
+        if (chunks > 1) load_x(1);
+    }
     decode(0);
-    cp_async_wait<1>();                    // chunk 0's activations
-    fence_async_smem();                    // the stage's generic-proxy writes, visible to wgmma
+    mbar_wait(xbars, 0);                   // chunk 0's activations
+    fence_async_smem();                    // the decoded stores (generic proxy), visible to wgmma
     __syncthreads();                       // ... and every warp past ring slot 0
     if (threadIdx.x == 0 && TS < chunks) fetch_w(TS);
     issue(0);
     for (int c = 0; c < chunks; c++) {     // chunk c's MMAs in flight
         const bool next = c + 1 < chunks;
-        if (next) decode(c + 1);
-        cp_async_wait<0>();                // chunk c + 1's activations
+        if (next) {
+            decode(c + 1);
+            mbar_wait(xbars + (c + 1) % S, ((c + 1) / S) & 1);   // chunk c + 1's activations
+        }
         fence_async_smem();
         __syncthreads();                   // stage (c + 1) % S written; every warpgroup past chunk c - 1's MMAs
-        if (c + 2 < chunks) load_x(c + 2); // into chunk c - 1's stage
+        if (threadIdx.x == 0 && c + 2 < chunks) load_x(c + 2);   // into chunk c - 1's stage
         if (threadIdx.x == 0 && c + 1 + TS < chunks) fetch_w(c + 1 + TS);   // ring slot (c + 1) % TS is read
         if (next) {
             issue(c + 1);

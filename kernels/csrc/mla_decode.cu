@@ -63,13 +63,6 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// TMA tensor copies (the mbarriers: sm90_async.cuh)
-__device__ __forceinline__ void tma_2d(half* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
-                 : "memory");
-}
-
 // The first slot of a copier lane's box (``box_rows`` keys from key ``e``) of row ``bt_row`` (L keys,
 // blocks of 1 << log2bs slots), or -1 past the row (its table entry unread)
 __device__ __forceinline__ int box_slot_at(const int* __restrict__ bt_row, int e, int L, int log2bs) {

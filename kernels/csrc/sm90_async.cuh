@@ -30,6 +30,13 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes,
                  ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
+// a box of a 2-D tensor map (its column x, row y) into shared memory, completing on ``bar``
+__device__ __forceinline__ void tma_2d(half* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
+                 : "memory");
+}
+
 // 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B, wgmma's layout 1; the MLA kernel's tiles and
 // exl3_wga_*'s stages): row r's 16-byte piece p of a 1024-byte-aligned chunk at halves
 // r * 64 + (p ^ r % 8) * 8
