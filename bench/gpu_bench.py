@@ -114,6 +114,7 @@ def large_parts(lin, x):
     wt = cd.decode_t(lin.mod, lin.trellis)
     y = torch.mm(xrot, wt.t())
     fold0 = lin.fold
+    wga0, lin.wga = lin.wga, False     # the decode + cuBLAS paths below (wga: its DENSE_TILES entry)
     out = {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
            "cuda_decode_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_fold_us": bench(lambda: cd.decode_fold(lin.mod, lin.trellis, lin.svh)),
@@ -164,7 +165,7 @@ def large_parts(lin, x):
         out["cuda_coop_nofold_us"] = bench(lambda: lin(x))
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} decode_coop")
-    lin.fold, lin.fold_in = fold0, fold_in0
+    lin.fold, lin.fold_in, lin.wga = fold0, fold_in0, wga0
     if PROFILE:
         profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out

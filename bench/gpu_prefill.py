@@ -64,10 +64,12 @@ def main(argv=None) -> int:
     ap.add_argument("--forwards-only", action="store_true",
                     help="the MoE layer and forward tables only (no profiles, no mixed step): one variant a process")
     ap.add_argument("--ab", default="",
-                    help='the 1 x 2048 forward once per "NAME:VAR=1;NAME2:VAR=0" variant, the variants '
+                    help='the 1 x --ab-tokens forward once per "NAME:VAR=1;NAME2:VAR=0" variant, the variants '
                          "interleaved in --ab-rounds rounds (an A/B in one process: this machine's "
                          "process-to-process spread is 5-10 %%), medians and ratios to the first")
     ap.add_argument("--ab-rounds", type=int, default=7)
+    ap.add_argument("--ab-tokens", type=int, default=2048, help="the A/B's prompt length (256: the dense linears "
+                    "of 65-256 rows)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     import torch
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
         res["forward"].append({"case": name, "ms": ms, "tok_s": n / ms * 1e3, "peak_gib": peak})
         print(f"| {name} | {ms:.2f} | {n / ms * 1e3:.0f} | {peak:.2f} |", flush=True)
     if a.ab:
-        res["ab"] = interleaved(lambda: prefill([2048]), parse_variants(a.ab), a.ab_rounds, 2048)
+        res["ab"] = interleaved(lambda: prefill([a.ab_tokens]), parse_variants(a.ab), a.ab_rounds, a.ab_tokens)
     if a.forwards_only:
         if a.json:
             a.json.write_text(json.dumps(res, indent=1))

@@ -84,6 +84,14 @@ DENSE_TILE_MIN_K = 4096
 # warpgroups' MMAs read it; exl3_wg2_m256_t1 before, now the bench's).
 WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wga_m256_t2"}
 WG_MAX_ROWS = 1024
+# dense linears of SMALL_ROWS < rows <= WGA_MAX_ROWS (the default; EXL3TOOLS_DENSE_WGA=0 opts out):
+# one 256-row slot (x padded) of exl3_wga_m256_t2, the weight decoded inside the GEMM, never written,
+# instead of decode + cuBLAS. H100 2026-12-06 (bench/gpu_gemm_ab.py, CUDA-graph replays, K 3, µs,
+# had_in + kernel + had_out against decode + cuBLAS + had_out): 256 rows 4096 -> 14336 108 vs 133,
+# 14336 -> 4096 88 vs 142, 8192 -> 8192 101 vs 149; 128 rows 111 / 92 / 105 vs 127 / 130 / 142; at
+# 512 rows (two slots, two decodes) 257 / 160 / 184 vs 180 / 168 / 188, hence the bound
+WGA_KERNEL = WG_KERNELS[256]
+WGA_MAX_ROWS = 256
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -415,6 +423,7 @@ class CudaLinear:
         self.smem_tiles = preview.switched_on("prefill_tiles")   # invariant runs past 64 rows
         self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
         self.wgmma = preview.switched_on("wgmma") and self.nt % 16 == 0     # (256 columns a block)
+        self.wga: bool | None = None        # rows 65-256 on WGA_KERNEL; None: its switch, read per call
 
     @property
     def device_tensors(self) -> dict:
@@ -435,6 +444,11 @@ class CudaLinear:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         if self.wgmma and SMALL_ROWS < rows <= WG_MAX_ROWS:
             return self._wgmma(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
+        if SMALL_ROWS < rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles):
+            from exl3tools.runtime import preview
+
+            if preview.switched_on("dense_wga") if self.wga is None else self.wga:
+                return self._in_slots(x2, WGA_MAX_ROWS, WGA_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         fold = fold_in = False
         if rows > SMALL_ROWS:
             from exl3tools.runtime import preview

@@ -84,6 +84,15 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
+    # dense linears of 65-256 rows (prompt chunks, prompt-graph buckets, MTP verify steps, decode
+    # batches past 64) on one 256-row slot of exl3_wga_m256_t2 (kernels/csrc/exl3_wgmma.cuh: every
+    # warp decodes the next 64 k of 128 columns into shared memory while four warpgroups' wgmma
+    # multiply this one; the trellis words and the activations come by TMA) instead of decode to
+    # fp16 + cuBLAS (cuda_exl3.WGA_MAX_ROWS). H100, 2026-12-06 (bench/gpu_gemm_ab.py, graph replays,
+    # K 3, against the fp16 cuBLAS GEMM of the same shape): 256 rows 4096 -> 14336 108 vs 133 µs
+    # (1.86x cuBLAS, from 2.29x), 14336 -> 4096 88 vs 142 (1.31x, from 2.12x), 8192 -> 8192 101 vs
+    # 149 (1.58x, from 2.36x); its GPU tests pass on every K and codebook
+    "dense_wga": "EXL3TOOLS_DENSE_WGA",
     # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
     # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
     # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a

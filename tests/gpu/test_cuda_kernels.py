@@ -344,6 +344,43 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3
 
 
+@pytest.mark.parametrize("width,cb", CASES)
+def test_dense_linears_of_65_to_256_rows_take_the_wga_kernel(cx, width, cb, monkeypatch):
+    """The default (EXL3TOOLS_DENSE_WGA=0 opts out): a dense linear of 65-256 rows runs one 256-row
+    slot of exl3_wga_m256_t2 (x padded; the rest read, never added), within 2e-3 of x·W + bias on
+    every K and codebook and fp16 / fp32 activations, in a CUDA graph too; 257 rows and the opt-out
+    take decode + cuBLAS, which agrees with it."""
+    import torch
+
+    monkeypatch.delenv("EXL3TOOLS_WGMMA", raising=False)
+    monkeypatch.delenv("EXL3TOOLS_DENSE_TILES", raising=False)
+    rng = np.random.default_rng(width * 5 + len(cb))
+    k, n = 512, 384
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    kernels = []
+    real = cx.gemv
+    monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    for rows, dtype in ((65, torch.float16), (200, torch.float32), (256, torch.float16), (257, torch.float16)):
+        x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+        kernels.clear()
+        y = lin(torch.from_numpy(x).cuda().to(dtype))
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert kernels == ([cx.WGA_KERNEL] if rows <= 256 else []), (rows, kernels)
+        assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
+    x = torch.from_numpy(rng.normal(0, 1, (100, k)).astype(np.float16)).cuda()
+    want = lin(x).float()
+    g, got = captured(lin, x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got.float(), want)
+    monkeypatch.setenv("EXL3TOOLS_DENSE_WGA", "0")
+    kernels.clear()
+    off = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")(x).float()
+    assert kernels == [] and _rel(off.cpu().numpy(), want.cpu().numpy()) < 2e-3
+
+
 @pytest.mark.parametrize("out", ["float16", "float32"])
 def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     """The default (EXL3TOOLS_TILES_EPILOGUE=0 opts out): the 64-row tile kernel applies the output Hadamard, svh and bias
