@@ -348,8 +348,8 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
 def test_dense_linears_of_65_to_256_rows_take_the_wga_kernel(cx, width, cb, monkeypatch):
     """The default (EXL3TOOLS_DENSE_WGA=0 opts out): a dense linear of 65-256 rows runs one 256-row
     slot of exl3_wga_m256_t2 (x padded; the rest read, never added), within 2e-3 of x·W + bias on
-    every K and codebook and fp16 / fp32 activations, in a CUDA graph too; 257 rows and the opt-out
-    take decode + cuBLAS, which agrees with it."""
+    every K and codebook and fp16 / fp32 activations, in a CUDA graph too (within 1e-3 of the eager
+    call: fp32 atomics); 257 rows and the opt-out take decode + cuBLAS, which agrees with it."""
     import torch
 
     monkeypatch.delenv("EXL3TOOLS_WGMMA", raising=False)
@@ -374,7 +374,8 @@ def test_dense_linears_of_65_to_256_rows_take_the_wga_kernel(cx, width, cb, monk
     g, got = captured(lin, x)
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(got.float(), want)
+    # (K splits add in fp32 atomics: the order, and so the last bits, may change from run to run)
+    assert _rel(got.float().cpu().numpy(), want.cpu().numpy()) < 1e-3
     monkeypatch.setenv("EXL3TOOLS_DENSE_WGA", "0")
     kernels.clear()
     off = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")(x).float()
