@@ -352,8 +352,8 @@ def test_dense_linears_of_65_to_256_rows_take_the_wga_kernel(cx, width, cb, monk
     call: fp32 atomics); 257 rows and the opt-out take decode + cuBLAS, which agrees with it."""
     import torch
 
-    monkeypatch.delenv("EXL3TOOLS_WGMMA", raising=False)
-    monkeypatch.delenv("EXL3TOOLS_DENSE_TILES", raising=False)
+    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA"):
+        monkeypatch.delenv(var, raising=False)
     rng = np.random.default_rng(width * 5 + len(cb))
     k, n = 512, 384
     tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
