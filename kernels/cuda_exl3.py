@@ -79,18 +79,16 @@ DENSE_TILE_MIN_K = 4096
 # weight once for all its rows into wgmma's register operand while the MMA reads the activations
 # from shared memory; x padded to whole slots. Slower than the default on the H200 (2026-12-03: 4096
 # -> 14336 at 128 / 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6); kept
-# as the tested base of a decode spread over more warps (docs/gpu.md, "What is left" 2). 256-row
-# slots: exl3_wga_m256_t2 (the 2026-12-06 session: every warp decodes into shared memory, four
-# warpgroups' MMAs read it; exl3_wg2_m256_t1 before, now the bench's).
-WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wga_m256_t2"}
+# as the tested base of a decode spread over more warps (docs/gpu.md, "What is left" 2).
+WG_KERNELS = {128: "exl3_wg2_m128_t2", 256: "exl3_wg2_m256_t1"}
 WG_MAX_ROWS = 1024
-# dense linears of SMALL_ROWS < rows <= WGA_MAX_ROWS (the default; EXL3TOOLS_DENSE_WGA=0 opts out):
-# one 256-row slot (x padded) of exl3_wga_m256_t2, the weight decoded inside the GEMM, never written,
+# dense linears of SMALL_ROWS < rows <= WGA_MAX_ROWS under the EXL3TOOLS_DENSE_WGA preview: one
+# 256-row slot (x padded) of exl3_wga_m256_t2, the weight decoded inside the GEMM, never written,
 # instead of decode + cuBLAS. H100 2026-12-06 (bench/gpu_gemm_ab.py, CUDA-graph replays, K 3, µs,
 # had_in + kernel + had_out against decode + cuBLAS + had_out): 256 rows 4096 -> 14336 108 vs 133,
 # 14336 -> 4096 88 vs 142, 8192 -> 8192 101 vs 149; 128 rows 111 / 92 / 105 vs 127 / 130 / 142; at
 # 512 rows (two slots, two decodes) 257 / 160 / 184 vs 180 / 168 / 188, hence the bound
-WGA_KERNEL = WG_KERNELS[256]
+WGA_KERNEL = "exl3_wga_m256_t2"
 WGA_MAX_ROWS = 256
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)

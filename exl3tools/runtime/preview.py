@@ -79,20 +79,24 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 256 / 1024 rows 82.8 / 162.9 / 669.8 µs against 105.2 / 119.6 / 268.6 (and the 128-row tile
     # kernel's 78.5); it stays a preview, the tested base of the next design (docs/gpu.md)
     "wgmma": "EXL3TOOLS_WGMMA",
-}
-
-# Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
-# faster (docs/gpu.md, docs/serve.md): off only when "0"
-OPT_OUTS = {
     # dense linears of 65-256 rows (prompt chunks, prompt-graph buckets, MTP verify steps, decode
     # batches past 64) on one 256-row slot of exl3_wga_m256_t2 (kernels/csrc/exl3_wgmma.cuh: every
     # warp decodes the next 64 k of 128 columns into shared memory while four warpgroups' wgmma
     # multiply this one; the trellis words and the activations come by TMA) instead of decode to
     # fp16 + cuBLAS (cuda_exl3.WGA_MAX_ROWS). H100, 2026-12-06 (bench/gpu_gemm_ab.py, graph replays,
     # K 3, against the fp16 cuBLAS GEMM of the same shape): 256 rows 4096 -> 14336 108 vs 133 µs
-    # (1.86x cuBLAS, from 2.29x), 14336 -> 4096 88 vs 142 (1.31x, from 2.12x), 8192 -> 8192 101 vs
-    # 149 (1.58x, from 2.36x); its GPU tests pass on every K and codebook
+    # (1.87x cuBLAS, from 2.29x), 14336 -> 4096 88 vs 142 (1.28x, from 2.08x), 8192 -> 8192 101 vs
+    # 149 (1.60x, from 2.36x); its GPU tests pass on every K and codebook. But a 256-token air6
+    # forward is no faster (13.04 vs 12.95 ms, 7 interleaved rounds: its dense linears are small
+    # beside the MoE), and as the default it moved tests/gpu's seeded serve test (its crowd's prompt
+    # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
+    # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
+}
+
+# Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
+# faster (docs/gpu.md, docs/serve.md): off only when "0"
+OPT_OUTS = {
     # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
     # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
     # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a

@@ -312,7 +312,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     lins = [_lin(rng, k, n, width) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     for kernel in (*cx.WG_KERNELS.values(), "exl3_wg4_m128_t1", "exl3_ws3_m128_t2",
-                   "exl3_ws4_m128_t2", "exl3_wg2_m256_t1"):    # (and the bench's)
+                   "exl3_ws4_m128_t2", "exl3_wga_m256_t2"):    # (and the bench's)
         m, slots = int(kernel.split("_m")[1].split("_")[0]), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
@@ -345,15 +345,16 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
 
 
 @pytest.mark.parametrize("width,cb", CASES)
-def test_dense_linears_of_65_to_256_rows_take_the_wga_kernel(cx, width, cb, monkeypatch):
-    """The default (EXL3TOOLS_DENSE_WGA=0 opts out): a dense linear of 65-256 rows runs one 256-row
-    slot of exl3_wga_m256_t2 (x padded; the rest read, never added), within 2e-3 of x·W + bias on
-    every K and codebook and fp16 / fp32 activations, in a CUDA graph too (within 1e-3 of the eager
-    call: fp32 atomics); 257 rows and the opt-out take decode + cuBLAS, which agrees with it."""
+def test_dense_wga_runs_linears_of_65_to_256_rows_on_the_wga_kernel(cx, width, cb, monkeypatch):
+    """EXL3TOOLS_DENSE_WGA (a preview: off on CUDA unless "1"): a dense linear of 65-256 rows runs one
+    256-row slot of exl3_wga_m256_t2 (x padded; the rest read, never added), within 2e-3 of x·W +
+    bias on every K and codebook and fp16 / fp32 activations, in a CUDA graph too (within 1e-3 of
+    the eager call: fp32 atomics); 257 rows and the switch off take decode + cuBLAS, which agrees."""
     import torch
 
-    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA"):
+    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EXL3TOOLS_DENSE_WGA", "1")
     rng = np.random.default_rng(width * 5 + len(cb))
     k, n = 512, 384
     tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
