@@ -160,6 +160,37 @@ __device__ __forceinline__ void wg_body(const uint32_t* __restrict__ xrot, const
 }
 
 
+// A warpgroup's accumulators of Ŵᵀ's 64 columns x CROWS rows (wgmma m64nCROWS: d[4 i + q] is
+// mma.m16n8's c[q] of the 8-row block i) added into rows row0.. of acc (ws3_body, wga_body)
+template <int CROWS>
+__device__ __forceinline__ void add_wgmma_d(float* __restrict__ acc, unsigned long long* __restrict__ acc64,
+                                            const float (&d)[CROWS / 2], int row0, int valid, int n, int j0, int g,
+                                            int t) {
+    float cf[CROWS / 8][1][4];
+#pragma unroll
+    for (int i = 0; i < CROWS / 8; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
+    add_fragments<CROWS / 8, 1>(acc, acc64, cf, row0, valid, n, j0, g, t);
+}
+// A block of four units of two n-tiles (ws3_body, wga_body; tiles_body's contract, n_groups % 4 ==
+// 0): the split's k-tiles [i0, i1), the slot's expert e and valid rows nr, the block's first n-tile
+// jb; false: nothing to do, for the whole block
+__device__ __forceinline__ bool block_units(const int* __restrict__ slot_exp, const int* __restrict__ tile_n, int rows,
+                                            int kt, int kps, int n_groups, int n_units, int& i0, int& i1, int& e,
+                                            int& nr, int& jb) {
+    const int unit0 = blockIdx.x * 4;
+    const int grp = unit0 % n_groups, split = unit0 / n_groups;
+    i0 = split * kps;
+    i1 = min(kt, i0 + kps);
+    if (unit0 >= n_units || i0 >= i1) return false;
+    e = slot_exp ? slot_exp[blockIdx.y] : 0;
+    nr = tile_n ? min(rows, tile_n[blockIdx.y]) : rows;
+    if (e < 0 || nr <= 0) return false;
+    jb = grp * 2;
+    return true;
+}
+
 // Warp-specialized (the decode apart from the MMAs), the 2026-12-03 16:47 session: a block holds
 // 128 columns (8 n-tiles) x one k-range x the slot's 128 rows, under tiles_body's contract (units of
 // 2 n-tiles, four a block: n_groups % 4 == 0), in 1024 threads (64 registers). Four consumer
@@ -197,16 +228,9 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
     half* const as = reinterpret_cast<half*>(ws3_smem);
     half* const xs = as + S * A_STAGE;
     pdl_launch_dependents();
-    const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
     const int z = blockIdx.y;
-    const int grp = unit0 % n_groups, split = unit0 / n_groups;
-    const int i0 = split * kps;
-    const int i1 = min(kt, i0 + kps);
-    if (unit0 >= n_units || i0 >= i1) return;               // (the whole block)
-    const int e = slot_exp ? slot_exp[z] : 0;
-    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
-    if (e < 0 || nr <= 0) return;
-    const int jb = grp * 2;                // the block's first n-tile
+    int i0, i1, e, nr, jb;
+    if (!block_units(slot_exp, tile_n, rows, kt, kps, n_groups, n_units, i0, i1, e, nr, jb)) return;
     const int chunks = (i1 - i0) / KS;     // (i1 - i0) % 4 == 0
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -333,12 +357,7 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
     wgmma_wait<0>();
     fence_regs(d);
     if (r0 >= nr) return;
-    float cf[CROWS / 8][1][4];
-#pragma unroll
-    for (int i = 0; i < CROWS / 8; i++)
-#pragma unroll
-        for (int qq = 0; qq < 4; qq++) cf[i][0][qq] = d[4 * i + qq];
-    add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
+    add_wgmma_d<CROWS>(acc, acc64, d, z * rows + r0, nr - r0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
 }
 
 
@@ -389,16 +408,9 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     uint64_t* const bars = reinterpret_cast<uint64_t*>(ws + TS * W_SLOT);
     uint64_t* const xbars = bars + TS;
     pdl_launch_dependents();
-    const int unit0 = blockIdx.x * 4;      // the block's four units of two n-tiles
     const int z = blockIdx.y;
-    const int grp = unit0 % n_groups, split = unit0 / n_groups;
-    const int i0 = split * kps;
-    const int i1 = min(kt, i0 + kps);
-    if (unit0 >= n_units || i0 >= i1) return;               // (the whole block)
-    const int e = slot_exp ? slot_exp[z] : 0;
-    const int nr = tile_n ? min(rows, tile_n[z]) : rows;
-    if (e < 0 || nr <= 0) return;
-    const int jb = grp * 2;                // the block's first n-tile
+    int i0, i1, e, nr, jb;
+    if (!block_units(slot_exp, tile_n, rows, kt, kps, n_groups, n_units, i0, i1, e, nr, jb)) return;
     const int chunks = (i1 - i0) / KS;     // (i1 - i0) % 4 == 0
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -507,10 +519,5 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     wgmma_wait<0>();
     fence_regs(d);
     if (rw0 >= nr) return;
-    float cf[CROWS / 8][1][4];
-#pragma unroll
-    for (int i = 0; i < CROWS / 8; i++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) cf[i][0][q] = d[4 * i + q];
-    add_fragments<CROWS / 8, 1>(acc, acc64, cf, z * rows + rw0, nr - rw0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
+    add_wgmma_d<CROWS>(acc, acc64, d, z * rows + rw0, nr - rw0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
 }
