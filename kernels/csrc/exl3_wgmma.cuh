@@ -477,15 +477,16 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     float d[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) d[i] = 0.f;
+    // stage 0's descriptors of this warpgroup's operands; a descriptor's address field is the byte
+    // address / 16 (14 bits: all of shared memory), so another stage or k16 step is an addition
+    const uint64_t da0 = sw128_desc(as + ch * 64 * 64, 16, 1024), db0 = sw128_desc(xs + rw0 * 64, 16, 1024);
     auto issue = [&](int c) {
-        const half* const ast = as + (c % S) * A_STAGE + ch * 64 * 64;
-        const half* const xst = xs + (c % S) * X_STAGE + rw0 * 64;
+        const uint64_t da = da0 + (c % S) * (A_STAGE * 2 / 16), db = db0 + (c % S) * (X_STAGE * 2 / 16);
         if constexpr (WGA_PROBE == 1) return;
         fence_regs(d);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KS; kk++)
-            wgmma_ss_m64n128k16(d, sw128_desc(ast + 16 * kk, 16, 1024), sw128_desc(xst + 16 * kk, 16, 1024));
+        for (int kk = 0; kk < KS; kk++) wgmma_ss_m64n128k16(d, da + 2 * kk, db + 2 * kk);   // 32 bytes a k16 step
         wgmma_commit();
     };
 
