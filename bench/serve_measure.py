@@ -171,11 +171,12 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print,
         after_phase(f"streams_{n}", res)
 
     prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
-    h0 = server_ttft() if server_ttft else None
+    read_ttft = server_ttft or (lambda: None)
+    h0 = read_ttft()
     cold = [stream_stats(run([p], 1)[0]) for p in prompts]
-    h1 = server_ttft() if server_ttft else None
+    h1 = read_ttft()
     hit = [stream_stats(run([p], 1)[0]) for p in prompts]
-    h2 = server_ttft() if server_ttft else None
+    h2 = read_ttft()
     res["ttft"] = {"prompt_len": a.prompt_len, "cold_runs_ms": [c["ttft_ms"] for c in cold],
                    "hit_runs_ms": [h["ttft_ms"] for h in hit],
                    "cold_ms": statistics.median(c["ttft_ms"] for c in cold),

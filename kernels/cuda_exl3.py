@@ -250,7 +250,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         raise UsageError(f"{kernel}: no per-expert trellis width (ld_tab)")
     else:
         name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
-        if rows > int(kernel.split("_m")[1].split("_")[0]) or nt % (kernel_block(kernel)[0] * nt_per):
+        if rows > slot_rows(kernel) or nt % (kernel_block(kernel)[0] * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
     if fixed:      # K split as for one row alone on the 8-row kernel, whatever kernel, rows and
         # slots come, every split at least FIXED_MIN_KTILES k-tiles (a many-slot call adds each
@@ -272,7 +272,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         raise UsageError("gemv: tile_n and ld_tab do not come together")
     extra = (tile_n,) if ld_tab is None else (ld_tab,)
     if name.startswith("exl3_wga_"):      # the activations through TMA: boxes of the kernel's rows x 64 k
-        extra += (_x_map(xrot, kt * 16, int(name.split("_m")[1].split("_")[0])),)
+        extra += (_x_map(xrot, kt * 16, slot_rows(name)),)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     w, threads = kernel_block(name)
     mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL, smem=kernel_smem(name))
@@ -337,6 +337,11 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     last = ld_tab if act_rows is None else act_rows
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
                nt, kps, groups, units, last, pdl=PDL)
+
+
+def slot_rows(name: str) -> int:
+    """The most rows a slot of GEMM kernel ``name`` takes (its _m field: exl3_wga_m256_t2 -> 256)."""
+    return int(name.split("_m")[1].split("_")[0])
 
 
 def kernel_block(name: str) -> tuple[int, int]:
@@ -442,15 +447,13 @@ class CudaLinear:
             return self._invariant(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         if self.wgmma and SMALL_ROWS < rows <= WG_MAX_ROWS:
             return self._wgmma(x2)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
-        if SMALL_ROWS < rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles):
-            from exl3tools.runtime import preview
-
-            if preview.switched_on("dense_wga") if self.wga is None else self.wga:
-                return self._in_slots(x2, WGA_MAX_ROWS, WGA_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
         fold = fold_in = False
         if rows > SMALL_ROWS:
             from exl3tools.runtime import preview
 
+            if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
+                    preview.switched_on("dense_wga") if self.wga is None else self.wga):
+                return self._in_slots(x2, WGA_MAX_ROWS, WGA_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
             fold = preview.switched_on("dense_fold") if self.fold is None else self.fold
             fold_in = preview.switched_on("dense_fold_in") if self.fold_in is None else self.fold_in
         if fold_in and rows >= FOLD2_MIN_ROWS and x2.dtype == torch.float16:

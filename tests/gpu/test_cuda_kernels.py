@@ -231,7 +231,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
     xd = torch.from_numpy(x).cuda()
     for kernel in cx.TILE_KERNELS.values():
-        mrows = int(kernel.split("_m")[1].split("_")[0])
+        mrows = cx.slot_rows(kernel)
         for rows in {mrows, mrows - 24}:
             tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, rows)
             src = torch.where(valid, slot // top, 0)
@@ -313,7 +313,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     for kernel in (*cx.WG_KERNELS.values(), "exl3_wg4_m128_t1", "exl3_ws3_m128_t2",
                    "exl3_ws4_m128_t2", "exl3_wga_m256_t2"):    # (and the bench's)
-        m, slots = int(kernel.split("_m")[1].split("_")[0]), 4
+        m, slots = cx.slot_rows(kernel), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
                          exp=torch.tensor(np.repeat([0, 2, 1, 1], m), dtype=torch.int32, device="cuda"))
