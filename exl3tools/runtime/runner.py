@@ -185,8 +185,11 @@ class Runner(SpeculativeSteps):
         # a spawned rank that exits while rank 0 idles (or waits on the device) is seen at once:
         # ``lost`` is set and ``on_lost`` called (the engine wakes and stops; serve exits 4)
         self.on_lost: Callable[[], None] | None = None
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
         if self._procs:
-            threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
+            self._watcher.start()
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
                        reserve: int = 0, graph_rows: int = 0) -> int:
@@ -543,7 +546,7 @@ class Runner(SpeculativeSteps):
                 if self.on_lost is not None:
                     self.on_lost()
                 return
-            time.sleep(WATCH_S)
+            self._stop_watch.wait(WATCH_S)
 
     def _exited(self) -> str:
         """Which spawned ranks have exited, and how (empty under torchrun or when none has)."""
@@ -560,6 +563,7 @@ class Runner(SpeculativeSteps):
         if self._closed:
             return
         self._closed = True
+        self._stop_watch.set()
         self._seqs.clear()
         if self.world > 1:
             # load_runner's exit hook held this runner (and its model) until the process ended
@@ -570,6 +574,10 @@ class Runner(SpeculativeSteps):
                 pass
             D.destroy()
             D.reap(self._procs)
+        # the watcher's frame holds this runner: a closed runner is freed once it has returned
+        # (close() on the watcher itself, through on_lost, cannot wait for its own end)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=2 * WATCH_S + 1.0)
 
     def __enter__(self):
         return self
