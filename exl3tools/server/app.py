@@ -240,7 +240,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
         finally:
             watcher.cancel()
             handle.cancel()
-        server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
+        server.metrics.e2e.observe(time.monotonic() - handle.t_received)
         return fmt.response(list(choices.values()), handle.prompt_tokens, handle.completion_tokens,
                             handle.cached_tokens, (handle.accepted_tokens, handle.rejected_tokens))
 
@@ -261,7 +261,7 @@ def create_app(cfg: ServeConfig, *, load: Callable[[], Any] | None = None,
                         return
                     out.append(stream.feed(ev))
                 yield "".join(out)
-            server.metrics.e2e.observe(time.monotonic() - handle.t_arrival)
+            server.metrics.e2e.observe(time.monotonic() - handle.t_received)
             yield stream.end(handle)
         finally:  # client gone (task cancelled) or done: either way the engine lets go
             handle.cancel()

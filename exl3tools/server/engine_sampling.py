@@ -126,7 +126,7 @@ class TokenSampling:
         if m is None:
             return
         if len(seq.output_ids) == 1:
-            m.ttft.observe(now - seq.handle.t_arrival)
+            m.ttft.observe(now - seq.handle.t_received)   # as the client waits: parsing and templating count
         else:
             m.itl.observe(now - seq.t_last)
         seq.t_last = now

@@ -25,12 +25,12 @@ class Metrics:
                                  "Sequences that gave their KV cache back to recompute later",
                                  registry=r)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Arrival to first sampled token, per sequence", registry=r,
+                              "Request received to first sampled token, per sequence", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
                              "Time between consecutive tokens of a sequence", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "Arrival to last token",
+        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "Request received to last token",
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "Sequences waiting for admission",
                                  registry=r)
