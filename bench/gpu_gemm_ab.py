@@ -18,9 +18,10 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
 - mm Ŵ: our GEMM of the unfolded path, F.linear(had_in(x), Ŵ) (Ŵ decoded, values ~1)
 - ours / fold / fold2: our whole paths (decode + GEMM + passes), as gpu_bench's large_parts ("ours":
   the linear's default, its preview switches as the environment sets them)
-- wga: had_in + exl3_wga_m256_t2 over slots of 256 rows (the weight decoded inside the GEMM, never
-  written; the EXL3TOOLS_DENSE_WGA preview up to 256 rows) + had_out at every row count; its
-  relative error to ``ours`` is printed under the table
+- wga / wgr / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256 rows),
+  exl3_wgr_m256_t2 (register A over TMA stages) or exl3_wg2_m256_t1 (register A, unswizzled x) over
+  slots of 256 rows (the weight decoded inside the GEMM, never written) + had_out at every row
+  count; each one's relative error to ``ours`` is printed under the table
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, make, w_true  # noqa: E402  (bench/ is not a package)
+
+IN_GEMM = ("wga", "wgr", "wg2")     # the variants that decode inside the GEMM (their error is printed)
 
 
 def variants(lin, x, w):
@@ -63,7 +66,9 @@ def variants(lin, x, w):
             "ours": path(None, None),
             "fold": path(True, False),
             "fold2": path(False, True),
-            "wga": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
+            "wga": lambda: lin._in_slots(x, 256, cx.WGA_KERNEL)[:rows],
+            "wgr": lambda: lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows],
+            "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
 
 
 def main() -> int:
@@ -104,9 +109,9 @@ def main() -> int:
                 ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))
                 print(f"  {name:13s} | {statistics.median(ts):8.1f} | {min(ts):7.1f}-{max(ts):7.1f} | {ratio:5.2f}")
             ref = calls["ours"]().float()
-            err = float((calls["wga"]().float() - ref).norm() / ref.norm())
-            print(f"  wga: relative error to ours {err:.2e}")
-            out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times, wga_err=err))
+            errs = {name: float((calls[name]().float() - ref).norm() / ref.norm()) for name in IN_GEMM}
+            print("  relative error to ours: " + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
+            out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times, errors=errs))
             del calls
         del t, w, lin
         torch.cuda.empty_cache()

@@ -90,6 +90,10 @@ WG_MAX_ROWS = 1024
 # 512 rows (two slots, two decodes) 257 / 160 / 184 vs 180 / 168 / 188, hence the bound
 WGA_KERNEL = "exl3_wga_m256_t2"
 WGA_MAX_ROWS = 256
+# exl3_wgr_m256_t2 (the 2026-12-06 08:39 session, not yet run on a GPU): exl3_wg2_m256_t1's register
+# A operand (each warp's decoded tile straight into the MMA) over wga's TMA-staged, swizzled x and
+# mbarrier stages, no block barrier in its loop; bench/gpu_gemm_ab.py's wgr row and tests/gpu only
+WGR_KERNEL = "exl3_wgr_m256_t2"
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -271,7 +275,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     if ld_tab is not None and tile_n is not None:
         raise UsageError("gemv: tile_n and ld_tab do not come together")
     extra = (tile_n,) if ld_tab is None else (ld_tab,)
-    if name.startswith("exl3_wga_"):      # the activations through TMA: boxes of the kernel's rows x 64 k
+    if name.startswith(("exl3_wga_", "exl3_wgr_")):   # the activations through TMA: boxes of the kernel's rows x 64 k
         extra += (_x_map(xrot, kt * 16, slot_rows(name)),)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     w, threads = kernel_block(name)
@@ -282,7 +286,7 @@ _x_maps: dict[tuple, TensorMap] = {}
 
 
 def _x_map(xrot: torch.Tensor, k: int, box_rows: int) -> TensorMap:
-    """The tensor map of the rotated activations (fp16 rows of k) for exl3_wga_*, boxes of
+    """The tensor map of the rotated activations (fp16 rows of k) for exl3_wga_* / exl3_wgr_*, boxes of
     ``box_rows`` (the kernel's slot: its transaction count; rows past a smaller slot are read, never
     added) x 64; kept per buffer (a launch copies the map's bytes, so dropping one is safe)."""
     key = (xrot.data_ptr(), xrot.numel(), k, box_rows)
@@ -348,7 +352,8 @@ def kernel_block(name: str) -> tuple[int, int]:
     """(units, threads) a block of GEMM kernel ``name``: a unit is a warp's n-tiles, 4 a block of
     128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
     the warp-specialized exl3_ws3_* / exl3_ws4_* have 4 units of MMA work in 1024 threads (16 warps decode),
-    exl3_wga_* 4 units in 512 threads (every warp decodes, every warpgroup multiplies)."""
+    exl3_wga_* 4 units in 512 threads (every warp decodes, every warpgroup multiplies), exl3_wgr_* 4
+    units in 288 (8 warps decode and multiply, one copies)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
         w = 4 * int(name[len("exl3_wg")])
         return w, 32 * w
@@ -356,6 +361,8 @@ def kernel_block(name: str) -> tuple[int, int]:
         return 4, 1024
     if name.startswith("exl3_wga_"):
         return 4, 512
+    if name.startswith("exl3_wgr_"):
+        return 4, 288
     return 4, 128
 
 
@@ -365,11 +372,15 @@ WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
 # exl3_wga_*: 3 stages (4 with -DWGA_S=4) of 64 k of A (128 columns) and x (256 rows), a ring of 4
 # chunks' trellis words (4 k-tiles x 8 tiles of 64 words at most: K 8) and 8 mbarriers (the ring's, x's)
 WGA_SMEM = 4 * (128 + 256) * 64 * 2 + 4 * 4 * 8 * 64 * 4 + 8 * 8
+# exl3_wgr_*: 5 stages (WGR_S) of x (256 rows x 64 k) and 4 k-tiles x 8 tiles of trellis words (64 at
+# most: K 8), a full and an empty mbarrier a stage
+WGR_SMEM = 5 * (256 * 64 * 2 + 4 * 8 * 64 * 4) + 2 * 5 * 8
 
 
 def kernel_smem(name: str) -> int:
     """Bytes of dynamic shared memory a block of GEMM kernel ``name`` takes (the rest: static)."""
-    for prefix, smem in (("exl3_ws3_", WS3_SMEM), ("exl3_ws4_", WS4_SMEM), ("exl3_wga_", WGA_SMEM)):
+    for prefix, smem in (("exl3_ws3_", WS3_SMEM), ("exl3_ws4_", WS4_SMEM), ("exl3_wga_", WGA_SMEM),
+                         ("exl3_wgr_", WGR_SMEM)):
         if name.startswith(prefix):
             return smem
     return 0

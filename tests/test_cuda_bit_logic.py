@@ -189,3 +189,16 @@ def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
     flat = {f for f in regs if not f.endswith("_grid")}
     assert len(flat) == 10 and {f"{f}_grid" for f in flat} == set(regs) - flat, sorted(regs)
     assert all(regs[f"{f}_grid"] <= 32 for f in flat), regs
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
+def test_no_wgmma_kernel_has_its_mmas_serialized(tmp_path):
+    """ptxas serializes a kernel's asynchronous MMAs (C7512 / C7515: each one waited for at once)
+    when registers run short or other instructions touch the accumulators while they run; it still
+    compiles, just slowly. exl3_wgr_m256_t2 hit both while written (four A operands in 288 threads;
+    thread 0's copies inside a 256-thread loop): it keeps within the 168 registers a thread of its
+    288-thread block (ptxas rounds to whole warpgroups) with its MMAs asynchronous."""
+    report, regs = _ptxas(tmp_path, 2, entries="exl3_w")
+    assert "are serialized" not in report, [ln for ln in report.splitlines() if "serialized" in ln]
+    assert {"exl3_wga_m256_t2", "exl3_wgr_m256_t2", "exl3_wg2_m256_t1"} <= set(regs), sorted(regs)
+    assert regs["exl3_wgr_m256_t2"] <= 168, regs

@@ -522,3 +522,147 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     if (rw0 >= nr) return;
     add_wgmma_d<CROWS>(acc, acc64, d, z * rows + rw0, nr - rw0, nt * 16, jb + 4 * ch + (warp & 3), g, t);
 }
+
+
+// wg_body's register A operand over TMA stages with no block barrier in the loop (the 2026-12-06
+// 08:39 session; docs/gpu.md "What is left" 2): a block holds 128 columns (8 n-tiles) x one
+// k-range x a slot of 256 rows, in 288 threads. Warps 0-7 are two warpgroups of four n-tiles each:
+// every k-tile a warp decodes its own 16 x 16 tile of Ŵᵀ straight into its share of wgmma's A
+// registers (wg_body's way: no store, no proxy fence), and the warpgroup's m64n256k16 multiplies
+// those 64 columns by the whole slot, WGR_AS - 1 MMAs in flight behind the newest. Warp 8
+// produces: stage c % WGR_S of chunk c (4 k-tiles) holds the slot's 256 rows x 64 k of x (one TMA
+// box in the 128-byte swizzle, wga's layout; wg_body's unswizzled core matrices were what made
+// wga's first version 5x slower) and the block's trellis words of those k-tiles (bulk copies),
+// completing on the stage's full mbarrier. As soon as a warp's waits show chunk c - 1's MMAs done
+// (after its MMA WGR_AS - 2 of chunk c), its lane 0 arrives on that stage's empty mbarrier, which
+// the producer waits for (8 arrivals) before refilling it. So warps meet only at the stages: a
+// warpgroup can run up to WGR_S - 1 chunks ahead of the other. Registers (ptxas, sm_90a): 162 at
+// WGR_AS 2 with no spills at every K and codebook; at WGR_AS 4 ptxas serialized the MMAs for
+// registers (C7512: a 288-thread block leaves 168 a thread), and with the producer's copies on
+// thread 0 inside the loop of a 256-thread block it serialized them for accumulators moved around
+// that branch (C7515). Not on any default route: bench/gpu_gemm_ab.py's wgr row and tests/gpu's
+// kernel list (cuda_exl3.WGR_KERNEL); not yet run on a GPU.
+#ifndef WGR_S
+#define WGR_S 5   // stages (cuda_exl3.WGR_SMEM holds 5)
+#endif
+#ifndef WGR_AS
+#define WGR_AS 2  // A operands in registers: WGR_AS - 1 MMAs in flight behind the newest (2 or 4)
+#endif
+#ifndef WGR_PROBE
+// a bench-only build define (wrong results): 1 no MMAs, 2 no decode (the words' loads and the
+// stages' waits stay)
+#define WGR_PROBE 0
+#endif
+template <int MROWS>
+__device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_ptrs, const int* __restrict__ slot_exp,
+                                         float* __restrict__ acc, unsigned long long* __restrict__ acc64, int rows,
+                                         int kt, int nt, int kps, int n_groups, int n_units,
+                                         const int* __restrict__ tile_n, const CUtensorMap& xmap) {
+    constexpr int KS = 4, S = WGR_S;
+    static_assert(MROWS == 256, "m64n256: one warpgroup's MMA takes the whole slot");
+    static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
+    static_assert(WGR_AS >= 2 && KS % WGR_AS == 0, "A operands: the same one every WGR_AS k-tiles, across chunks too");
+    constexpr int X_STAGE = MROWS * 64, W_SLOT = KS * 8 * NW;       // halves; uint32
+    constexpr int STAGE_TX = X_STAGE * 2 + W_SLOT * 4;              // bytes a stage's copies bring
+    // [S][X_STAGE] halves (1024-byte aligned: the swizzle), [S][W_SLOT] uint32, S full + S empty mbarriers
+    extern __shared__ __align__(1024) unsigned char wgr_smem[];
+    half* const xs = reinterpret_cast<half*>(wgr_smem);
+    uint32_t* const ws = reinterpret_cast<uint32_t*>(xs + S * X_STAGE);
+    uint64_t* const full = reinterpret_cast<uint64_t*>(ws + S * W_SLOT);
+    uint64_t* const empty = full + S;
+    pdl_launch_dependents();
+    const int z = blockIdx.y;
+    int i0, i1, e, nr, jb;
+    if (!block_units(slot_exp, tile_n, rows, kt, kps, n_groups, n_units, i0, i1, e, nr, jb)) return;
+    const int chunks = (i1 - i0) / KS;     // (i1 - i0) % 4 == 0
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < S; i++) {
+            mbar_init(full + i, 1);
+            mbar_init(empty + i, 8);       // lane 0 of each consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();                       // (the last block-wide barrier: warp 8 leaves early)
+
+    if (warp == 8) {                       // ---- the producer
+        if (lane != 0) return;
+        const size_t row_stride = (size_t)nt * NW;
+        const uint32_t* const trb = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]) + (size_t)i0 * row_stride +
+                                    (size_t)jb * NW;
+        auto words = [&](int c) {          // also announces the stage's whole transaction count
+            uint64_t* const bar = full + c % S;
+            mbar_arrive_tx(bar, STAGE_TX);
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++)
+                bulk_copy(ws + (c % S) * W_SLOT + kk * 8 * NW, trb + (size_t)(KS * c + kk) * row_stride, 8 * NW * 4,
+                          bar);
+        };
+        auto x_box = [&](int c) { tma_2d(xs + (c % S) * X_STAGE, &xmap, (i0 + KS * c) * 16, z * rows, full + c % S); };
+        const int first = min(S, chunks);
+        for (int c = 0; c < first; c++) words(c);   // the weights are the launch's constants: before pdl_wait
+        pdl_wait();                        // xrot is the previous kernel's
+        for (int c = 0; c < first; c++) x_box(c);
+        for (int c = S; c < chunks; c++) {
+            mbar_wait(empty + c % S, (c / S - 1) & 1);   // chunk c - S's MMAs done in both warpgroups
+            words(c);
+            x_box(c);
+        }
+        return;
+    }
+
+    // ---- the consumers: warp w decodes n-tile w of the block (rows 16 (w % 4).. of its
+    // warpgroup's A: columns 64 (w / 4) + 16 (w % 4)..), lane words (word + m) % NW of each tile
+    pdl_wait();                            // the workspace acc is the previous kernels'
+    const int g = lane >> 2, t = lane & 3;
+    int word, off;
+    lane_origin(lane, word, off);
+    int wi[NL];
+#pragma unroll
+    for (int m = 0; m < NL; m++) wi[m] = (word + m) % NW;
+    const Consts kc;
+    float d[MROWS / 2];
+#pragma unroll
+    for (int i = 0; i < MROWS / 2; i++) d[i] = 0.f;
+    // A operand kk % WGR_AS: the MMA that last read it was issued WGR_AS groups earlier, so the
+    // wait behind the newest (WGR_AS - 1 in flight) has seen it done before the decode overwrites it
+    uint32_t a[WGR_AS][4], sink = 0;
+    const uint64_t db0 = sw128_desc(xs, 16, 1024);   // a stage or k16 step on: an addition (bytes / 16)
+    for (int c = 0; c < chunks; c++) {
+        const int s = c % S;
+        mbar_wait(full + s, (c / S) & 1);
+        const uint32_t* const wsl = ws + s * W_SLOT + warp * NW;
+        const uint64_t db = db0 + s * (X_STAGE * 2 / 16);
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            uint32_t w[NL], b[4];
+#pragma unroll
+            for (int m = 0; m < NL; m++) w[m] = wsl[kk * 8 * NW + wi[m]];
+            if constexpr (WGR_PROBE == 2) {
+#pragma unroll
+                for (int q = 0; q < 4; q++) b[q] = w[q % NL];
+            } else {
+                decode_tile(kc, w, off, b);
+            }
+            uint32_t (&ak)[4] = a[kk % WGR_AS];
+            ak[0] = b[0]; ak[1] = b[2]; ak[2] = b[1]; ak[3] = b[3];
+            if constexpr (WGR_PROBE == 1) {
+                sink ^= ak[0] ^ ak[1] ^ ak[2] ^ ak[3];   // (ptxas drops a decode nothing reads)
+            } else {
+                fence_regs(d);
+                wgmma_fence();
+                wgmma_m64n256k16<0>(d, ak, db + 2 * kk);   // 32 bytes a k16 step
+                wgmma_commit();
+                wgmma_wait<WGR_AS - 1>();
+                fence_regs(d);
+            }
+            // WGR_AS - 1 of this chunk's MMAs may still run: chunk c - 1's are done
+            if (kk == WGR_AS - 2 && c > 0 && lane == 0) mbar_arrive(empty + (c - 1) % S);
+        }
+    }
+    wgmma_wait<0>();
+    fence_regs(d);
+    if constexpr (WGR_PROBE == 1) d[0] = sink == 0x9e3779b9u ? 1.f : d[0];
+    add_wgmma_d<MROWS>(acc, acc64, d, z * rows, nr, nt * 16, jb + warp, g, t);
+}

@@ -312,7 +312,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     lins = [_lin(rng, k, n, width) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     for kernel in (*cx.WG_KERNELS.values(), "exl3_wg4_m128_t1", "exl3_ws3_m128_t2",
-                   "exl3_ws4_m128_t2", "exl3_wga_m256_t2"):    # (and the bench's)
+                   "exl3_ws4_m128_t2", cx.WGA_KERNEL, cx.WGR_KERNEL):    # (and the bench's)
         m, slots = cx.slot_rows(kernel), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
