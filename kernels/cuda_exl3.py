@@ -92,8 +92,10 @@ WGA_KERNEL = "exl3_wga_m256_t2"
 WGA_MAX_ROWS = 256
 # exl3_wgr_m256_t2 (the 2026-12-06 08:39 session, not yet run on a GPU): exl3_wg2_m256_t1's register
 # A operand (each warp's decoded tile straight into the MMA) over wga's TMA-staged, swizzled x and
-# mbarrier stages, no block barrier in its loop; bench/gpu_gemm_ab.py's wgr row and tests/gpu only
+# mbarrier stages, no block barrier in its loop; dense linears of more than SMALL_ROWS rows in slots of
+# WGR_ROWS under the EXL3TOOLS_DENSE_WGR preview
 WGR_KERNEL = "exl3_wgr_m256_t2"
+WGR_ROWS = 256
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -438,6 +440,7 @@ class CudaLinear:
         self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
         self.wgmma = preview.switched_on("wgmma") and self.nt % 16 == 0     # (256 columns a block)
         self.wga: bool | None = None        # rows 65-256 on WGA_KERNEL; None: its switch, read per call
+        self.wgr: bool | None = None        # rows > 64 on WGR_KERNEL; None: its switch, read per call
 
     @property
     def device_tensors(self) -> dict:
@@ -462,6 +465,8 @@ class CudaLinear:
         if rows > SMALL_ROWS:
             from exl3tools.runtime import preview
 
+            if (preview.switched_on("dense_wgr") if self.wgr is None else self.wgr):
+                return self._in_slots(x2, WGR_ROWS, WGR_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
                     preview.switched_on("dense_wga") if self.wga is None else self.wga):
                 return self._in_slots(x2, WGA_MAX_ROWS, WGA_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)

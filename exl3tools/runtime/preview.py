@@ -92,6 +92,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
+    # dense linears of more than 64 rows, any count, in slots of 256 rows on exl3_wgr_m256_t2
+    # (kernels/csrc/exl3_wgmma.cuh: each warp decodes its tile straight into the register A operand
+    # of an m64n256 wgmma; x and the trellis words come by TMA into mbarrier stages; no block
+    # barrier): written in the 2026-12-06 08:39 session without a GPU, to be timed against decode +
+    # cuBLAS at 256 and 2048 rows (bench/gpu_gemm_ab.py's wgr row); ahead of EXL3TOOLS_DENSE_WGA
+    "dense_wgr": "EXL3TOOLS_DENSE_WGR",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

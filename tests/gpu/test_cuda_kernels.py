@@ -383,6 +383,46 @@ def test_dense_wga_runs_linears_of_65_to_256_rows_on_the_wga_kernel(cx, width, c
     assert kernels == [] and _rel(off.cpu().numpy(), want.cpu().numpy()) < 2e-3
 
 
+@pytest.mark.parametrize("width,cb", CASES)
+def test_dense_wgr_runs_linears_past_64_rows_on_the_wgr_kernel(cx, width, cb, monkeypatch):
+    """EXL3TOOLS_DENSE_WGR (a preview: off on CUDA unless "1"): a dense linear of more than 64 rows
+    runs slots of 256 rows of exl3_wgr_m256_t2 (x padded; the rest read, never added), within 2e-3
+    of x·W + bias on every K and codebook and fp16 / fp32 activations, several slots too, in a CUDA
+    graph too (within 1e-3 of the eager call: fp32 atomics); 64 rows and the switch off take the
+    default, which agrees."""
+    import torch
+
+    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("EXL3TOOLS_DENSE_WGR", "1")
+    rng = np.random.default_rng(width * 7 + len(cb))
+    k, n = 512, 384
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    kernels = []
+    real = cx.gemv
+    monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    for rows, dtype in ((64, torch.float16), (65, torch.float16), (200, torch.float32), (256, torch.float16),
+                        (700, torch.float16)):
+        x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+        kernels.clear()
+        y = lin(torch.from_numpy(x).cuda().to(dtype))
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert kernels == [cx.WGR_KERNEL] if rows > 64 else cx.WGR_KERNEL not in kernels, (rows, kernels)
+        assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
+    x = torch.from_numpy(rng.normal(0, 1, (300, k)).astype(np.float16)).cuda()
+    want = lin(x).float()
+    g, got = captured(lin, x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert _rel(got.float().cpu().numpy(), want.cpu().numpy()) < 1e-3
+    monkeypatch.setenv("EXL3TOOLS_DENSE_WGR", "0")
+    kernels.clear()
+    off = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")(x).float()
+    assert kernels == [] and _rel(off.cpu().numpy(), want.cpu().numpy()) < 2e-3
+
+
 @pytest.mark.parametrize("out", ["float16", "float32"])
 def test_tile_kernel_with_the_output_pass_fused(cx, out, monkeypatch):
     """The default (EXL3TOOLS_TILES_EPILOGUE=0 opts out): the 64-row tile kernel applies the output Hadamard, svh and bias
