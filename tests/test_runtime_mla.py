@@ -303,6 +303,7 @@ def test_prompt_attention_with_a_zero_padded_value_head(monkeypatch):
     with Spy():
         got = _prompt_and_chunk(m, ids)
     assert sizes and all(qs == vs == att.nope + att.rope for qs, vs in sizes), sizes
+    assert att._w16[1].data_ptr() == att._w16[2].data_ptr()              # W_UV: a view of the padded W_UV
     for a, b in zip(got, ref, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
 

@@ -365,9 +365,11 @@ class MLAttention:
                 w_k[:, :self.nope, :C] = w_uk
                 w_k[:, self.nope:, C:] = torch.eye(self.rope, dtype=dt, device=q.device)
                 w_uk = w_k[:, :self.nope, :C]          # a view: W_UK is not held twice
-            self._w16 = (w_uk, w_uv,
-                         torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
-                         if self.vd < qk else w_uv, w_k)
+            w_uv_pad = w_uv
+            if self.vd < qk:   # W_UV a view of the padded one: not held twice (DeepSeek-V3: 17 MB a layer)
+                w_uv_pad = torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
+                w_uv = w_uv_pad[:, :self.vd]
+            self._w16 = (w_uk, w_uv, w_uv_pad, w_k)
         w_uk, w_uv, w_k = self._w16[0], self._w16[2 if pad else 1], self._w16[3] if kgemm else None
         vd = w_uv.shape[1]
         B, L = c.shape[0], c.shape[1]
