@@ -190,6 +190,24 @@ __device__ __forceinline__ bool block_units(const int* __restrict__ slot_exp, co
     jb = grp * 2;
     return true;
 }
+// a chunk's trellis words for a staged decode (wga_body, wgr_body): its KS k-tile rows of the
+// block's 8 tiles (32 NW contiguous bytes each, from trb: n-tile jb of the split's first k-tile)
+// into dst through the TMA unit, completing on bar
+template <int KS>
+__device__ __forceinline__ void chunk_words(uint32_t* dst, const uint32_t* trb, size_t row_stride, int c,
+                                            uint64_t* bar) {
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++)
+        bulk_copy(dst + kk * 8 * NW, trb + (size_t)(KS * c + kk) * row_stride, 8 * NW * 4, bar);
+}
+// where a lane reads its NL words of a staged tile: words wi[m] (its window's, wrapping) and the
+// first one's bit offset
+__device__ __forceinline__ void staged_lane_words(int lane, int (&wi)[NL], int& off) {
+    int word;
+    lane_origin(lane, word, off);
+#pragma unroll
+    for (int m = 0; m < NL; m++) wi[m] = (word + m) % NW;
+}
 
 // Warp-specialized (the decode apart from the MMAs), the 2026-12-03 16:47 session: a block holds
 // 128 columns (8 n-tiles) x one k-range x the slot's 128 rows, under tiles_body's contract (units of
@@ -423,9 +441,7 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
     auto fetch_w = [&](int c) {
         uint64_t* const bar = bars + c % TS;
         mbar_arrive_tx(bar, W_SLOT * 4);
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++)
-            bulk_copy(ws + (c % TS) * W_SLOT + kk * 8 * NW, trb + (size_t)(KS * c + kk) * row_stride, 8 * NW * 4, bar);
+        chunk_words<KS>(ws + (c % TS) * W_SLOT, trb, row_stride, c, bar);
     };
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -437,11 +453,8 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
         for (int c = 0; c < TS && c < chunks; c++) fetch_w(c);
     // ---- the decode: n-tile pw, k-tiles 2 kh and 2 kh + 1 of every chunk, lane words (word + m) % NW
     const int pw = warp & 7, kh = warp >> 3;
-    int word, off;
-    lane_origin(lane, word, off);
-    int wi[NL];
-#pragma unroll
-    for (int m = 0; m < NL; m++) wi[m] = (word + m) % NW;
+    int wi[NL], off;
+    staged_lane_words(lane, wi, off);
     const Consts kc;
     // this lane's registers of a tile: b[0] / b[2] columns 16 pw + g / + 8 at k 2t, b[1] / b[3] at
     // k 2t + 8: uint32 places in the stage's rows (k-tile kk: pieces 2 kk, 2 kk + 1); the lanes of
@@ -594,10 +607,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
         auto words = [&](int c) {          // also announces the stage's whole transaction count
             uint64_t* const bar = full + c % S;
             mbar_arrive_tx(bar, STAGE_TX);
-#pragma unroll
-            for (int kk = 0; kk < KS; kk++)
-                bulk_copy(ws + (c % S) * W_SLOT + kk * 8 * NW, trb + (size_t)(KS * c + kk) * row_stride, 8 * NW * 4,
-                          bar);
+            chunk_words<KS>(ws + (c % S) * W_SLOT, trb, row_stride, c, bar);
         };
         auto x_box = [&](int c) { tma_2d(xs + (c % S) * X_STAGE, &xmap, (i0 + KS * c) * 16, z * rows, full + c % S); };
         const int first = min(S, chunks);
@@ -616,11 +626,8 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     // warpgroup's A: columns 64 (w / 4) + 16 (w % 4)..), lane words (word + m) % NW of each tile
     pdl_wait();                            // the workspace acc is the previous kernels'
     const int g = lane >> 2, t = lane & 3;
-    int word, off;
-    lane_origin(lane, word, off);
-    int wi[NL];
-#pragma unroll
-    for (int m = 0; m < NL; m++) wi[m] = (word + m) % NW;
+    int wi[NL], off;
+    staged_lane_words(lane, wi, off);
     const Consts kc;
     float d[MROWS / 2];
 #pragma unroll

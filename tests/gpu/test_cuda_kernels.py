@@ -344,58 +344,22 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3
 
 
+@pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
 @pytest.mark.parametrize("width,cb", CASES)
-def test_dense_wga_runs_linears_of_65_to_256_rows_on_the_wga_kernel(cx, width, cb, monkeypatch):
-    """EXL3TOOLS_DENSE_WGA (a preview: off on CUDA unless "1"): a dense linear of 65-256 rows runs one
-    256-row slot of exl3_wga_m256_t2 (x padded; the rest read, never added), within 2e-3 of x·W +
-    bias on every K and codebook and fp16 / fp32 activations, in a CUDA graph too (within 1e-3 of
-    the eager call: fp32 atomics); 257 rows and the switch off take decode + cuBLAS, which agrees."""
+def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
+    """EXL3TOOLS_DENSE_WGA / EXL3TOOLS_DENSE_WGR (previews: off on CUDA unless "1"): a dense linear
+    of 65-256 rows (wga) or of more than 64 rows, any count (wgr) runs slots of 256 rows of
+    exl3_wga_m256_t2 / exl3_wgr_m256_t2 (x padded; the rest read, never added), within 2e-3 of
+    x·W + bias on every K and codebook and fp16 / fp32 activations, several slots too (wgr), in a
+    CUDA graph too (within 1e-3 of the eager call: fp32 atomics); the other row counts and the
+    switch off take the default paths, which agree."""
     import torch
 
-    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES"):
+    kernel, top = (cx.WGA_KERNEL, cx.WGA_MAX_ROWS) if switch == "EXL3TOOLS_DENSE_WGA" else (cx.WGR_KERNEL, 1 << 30)
+    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("EXL3TOOLS_DENSE_WGA", "1")
-    rng = np.random.default_rng(width * 5 + len(cb))
-    k, n = 512, 384
-    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
-    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
-    kernels = []
-    real = cx.gemv
-    monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
-    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
-    for rows, dtype in ((65, torch.float16), (200, torch.float32), (256, torch.float16), (257, torch.float16)):
-        x = rng.normal(0, 1, (rows, k)).astype(np.float32)
-        kernels.clear()
-        y = lin(torch.from_numpy(x).cuda().to(dtype))
-        assert y.dtype == dtype and y.shape == (rows, n)
-        assert kernels == ([cx.WGA_KERNEL] if rows <= 256 else []), (rows, kernels)
-        assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
-    x = torch.from_numpy(rng.normal(0, 1, (100, k)).astype(np.float16)).cuda()
-    want = lin(x).float()
-    g, got = captured(lin, x)
-    g.replay()
-    torch.cuda.synchronize()
-    # (K splits add in fp32 atomics: the order, and so the last bits, may change from run to run)
-    assert _rel(got.float().cpu().numpy(), want.cpu().numpy()) < 1e-3
-    monkeypatch.setenv("EXL3TOOLS_DENSE_WGA", "0")
-    kernels.clear()
-    off = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")(x).float()
-    assert kernels == [] and _rel(off.cpu().numpy(), want.cpu().numpy()) < 2e-3
-
-
-@pytest.mark.parametrize("width,cb", CASES)
-def test_dense_wgr_runs_linears_past_64_rows_on_the_wgr_kernel(cx, width, cb, monkeypatch):
-    """EXL3TOOLS_DENSE_WGR (a preview: off on CUDA unless "1"): a dense linear of more than 64 rows
-    runs slots of 256 rows of exl3_wgr_m256_t2 (x padded; the rest read, never added), within 2e-3
-    of x·W + bias on every K and codebook and fp16 / fp32 activations, several slots too, in a CUDA
-    graph too (within 1e-3 of the eager call: fp32 atomics); 64 rows and the switch off take the
-    default, which agrees."""
-    import torch
-
-    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("EXL3TOOLS_DENSE_WGR", "1")
-    rng = np.random.default_rng(width * 7 + len(cb))
+    monkeypatch.setenv(switch, "1")
+    rng = np.random.default_rng(width * 5 + len(cb) + len(switch))
     k, n = 512, 384
     tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
@@ -404,20 +368,21 @@ def test_dense_wgr_runs_linears_past_64_rows_on_the_wgr_kernel(cx, width, cb, mo
     monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
     for rows, dtype in ((64, torch.float16), (65, torch.float16), (200, torch.float32), (256, torch.float16),
-                        (700, torch.float16)):
+                        (257, torch.float16), (700, torch.float16)):
         x = rng.normal(0, 1, (rows, k)).astype(np.float32)
         kernels.clear()
         y = lin(torch.from_numpy(x).cuda().to(dtype))
         assert y.dtype == dtype and y.shape == (rows, n)
-        assert kernels == [cx.WGR_KERNEL] if rows > 64 else cx.WGR_KERNEL not in kernels, (rows, kernels)
+        assert kernels == [kernel] if 64 < rows <= top else kernel not in kernels, (rows, kernels)
         assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
-    x = torch.from_numpy(rng.normal(0, 1, (300, k)).astype(np.float16)).cuda()
+    x = torch.from_numpy(rng.normal(0, 1, (200, k)).astype(np.float16)).cuda()
     want = lin(x).float()
     g, got = captured(lin, x)
     g.replay()
     torch.cuda.synchronize()
+    # (K splits add in fp32 atomics: the order, and so the last bits, may change from run to run)
     assert _rel(got.float().cpu().numpy(), want.cpu().numpy()) < 1e-3
-    monkeypatch.setenv("EXL3TOOLS_DENSE_WGR", "0")
+    monkeypatch.setenv(switch, "0")
     kernels.clear()
     off = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")(x).float()
     assert kernels == [] and _rel(off.cpu().numpy(), want.cpu().numpy()) < 2e-3
