@@ -27,7 +27,7 @@ ROWS = [1, 8, 32, 256, 2048]
 # the kernels a dense linear of 128-2048 rows is timed on beside decode + cuBLAS (large_parts): the
 # 128-row tile kernel (EXL3TOOLS_DENSE_TILES) and the wgmma kernels (EXL3TOOLS_WGMMA)
 DENSE_TILES = ("exl3_tiles_m128_t2", "exl3_wg2_m128_t2", "exl3_wg4_m128_t1", "exl3_ws3_m128_t2", "exl3_ws4_m128_t2", "exl3_wg2_m256_t1",
-               "exl3_wga_m256_t2", "exl3_wgr_m256_t2")
+               "exl3_wga_m256_t2", "exl3_wgr_m256_t2", "exl3_wgr_sk_m256_t2")
 KS = [2, 3, 4]
 
 

@@ -18,8 +18,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
 - mm Ŵ: our GEMM of the unfolded path, F.linear(had_in(x), Ŵ) (Ŵ decoded, values ~1)
 - ours / fold / fold2: our whole paths (decode + GEMM + passes), as gpu_bench's large_parts ("ours":
   the linear's default, its preview switches as the environment sets them)
-- wga / wgr / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256 rows),
-  exl3_wgr_m256_t2 (register A over TMA stages) or exl3_wg2_m256_t1 (register A, unswizzled x) over
+- wga / wgr / wgr_sk / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256
+  rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
+  exl3_wg2_m256_t1 (register A, unswizzled x) over
   slots of 256 rows (the weight decoded inside the GEMM, never written) + had_out at every row
   count; each one's relative error to ``ours`` is printed under the table
 """
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, make, w_true  # noqa: E402  (bench/ is not a package)
 
-IN_GEMM = ("wga", "wgr", "wg2")     # the variants that decode inside the GEMM (their error is printed)
+IN_GEMM = ("wga", "wgr", "wgr_sk", "wg2")     # the variants that decode inside the GEMM (their error is printed)
 
 
 def variants(lin, x, w):
@@ -68,6 +69,7 @@ def variants(lin, x, w):
             "fold2": path(False, True),
             "wga": lambda: lin._in_slots(x, 256, cx.WGA_KERNEL)[:rows],
             "wgr": lambda: lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows],
+            "wgr_sk": lambda: lin._in_slots(x, 256, cx.WGR_SK_KERNEL)[:rows],
             "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
 
 

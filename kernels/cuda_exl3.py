@@ -96,6 +96,12 @@ WGA_MAX_ROWS = 256
 # WGR_ROWS under the EXL3TOOLS_DENSE_WGR preview
 WGR_KERNEL = "exl3_wgr_m256_t2"
 WGR_ROWS = 256
+# exl3_wgr_sk_m256_t2: the same loop, stream-K: a 1-D grid of one block an SM shares all slots' tiles
+# x chunks equally, a block's share crossing tiles (each tile's partial sums added by atomics), so
+# no SM idles when the tiles are not a multiple of the SMs (4096 -> 14336 at 256 rows: 112 tiles on
+# 132 SMs); a share is at least WGR_SK_MIN_CHUNKS chunks of 4 k-tiles
+WGR_SK_KERNEL = "exl3_wgr_sk_m256_t2"
+WGR_SK_MIN_CHUNKS = 8
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -279,9 +285,18 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     extra = (tile_n,) if ld_tab is None else (ld_tab,)
     if name.startswith(("exl3_wga_", "exl3_wgr_")):   # the activations through TMA: boxes of the kernel's rows x 64 k
         extra += (_x_map(xrot, kt * 16, slot_rows(name)),)
-    args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     w, threads = kernel_block(name)
-    mod.launch(name, (-(-units // w), slots), threads, *args, pdl=PDL, smem=kernel_smem(name))
+    grid = (-(-units // w), slots)
+    if name.startswith("exl3_wgr_"):
+        extra += (slots,)
+        if name.startswith("exl3_wgr_sk_"):   # stream-K: every tile's whole k-range; all slots' chunks
+            # (4 k-tiles) in equal shares, one block an SM (WGR_SK_MIN_CHUNKS at the least)
+            kps, units = kt, groups
+            work = slots * (groups // w) * (kt // 4)
+            resident = sm_count(xrot.device) * mod.blocks_per_sm(name, threads, kernel_smem(name))
+            grid = (max(1, min(resident, work // WGR_SK_MIN_CHUNKS)), 1)
+    args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
+    mod.launch(name, grid, threads, *args, pdl=PDL, smem=kernel_smem(name))
 
 
 _x_maps: dict[tuple, TensorMap] = {}

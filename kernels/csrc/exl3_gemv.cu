@@ -1222,15 +1222,18 @@ WS3(exl3_ws4_m128_t2, WS4_WD)
                         xmap);                                                                        \
     }
 WGA(exl3_wga_m256_t2, 256)
-// WGR(NAME, MROWS): wgr_body, two warpgroups (dynamic shared memory: cuda_exl3.kernel_smem)
-#define WGR(NAME, MROWS)                                                                             \
+// WGR(NAME, MROWS, SK): wgr_body, two warpgroups and a producer warp (dynamic shared memory:
+// cuda_exl3.kernel_smem); SK: stream-K, a 1-D grid that shares all slots' work (slots: their count)
+#define WGR(NAME, MROWS, SK)                                                                         \
     extern "C" __global__ void __launch_bounds__(288, 1) NAME(                                        \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
-        const int* tile_n, const __grid_constant__ CUtensorMap xmap) {                                \
-        wgr_body<MROWS>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n, xmap); \
+        const int* tile_n, const __grid_constant__ CUtensorMap xmap, int slots) {                     \
+        wgr_body<MROWS, SK>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n, xmap, \
+                            slots);                                                                   \
     }
-WGR(exl3_wgr_m256_t2, 256)
+WGR(exl3_wgr_m256_t2, 256, false)
+WGR(exl3_wgr_sk_m256_t2, 256, true)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

@@ -538,23 +538,27 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 
 
 // wg_body's register A operand over TMA stages with no block barrier in the loop (the 2026-12-06
-// 08:39 session; docs/gpu.md "What is left" 2): a block holds 128 columns (8 n-tiles) x one
-// k-range x a slot of 256 rows, in 288 threads. Warps 0-7 are two warpgroups of four n-tiles each:
-// every k-tile a warp decodes its own 16 x 16 tile of Ŵᵀ straight into its share of wgmma's A
-// registers (wg_body's way: no store, no proxy fence), and the warpgroup's m64n256k16 multiplies
-// those 64 columns by the whole slot, WGR_AS - 1 MMAs in flight behind the newest. Warp 8
-// produces: stage c % WGR_S of chunk c (4 k-tiles) holds the slot's 256 rows x 64 k of x (one TMA
-// box in the 128-byte swizzle, wga's layout; wg_body's unswizzled core matrices were what made
-// wga's first version 5x slower) and the block's trellis words of those k-tiles (bulk copies),
-// completing on the stage's full mbarrier. As soon as a warp's waits show chunk c - 1's MMAs done
-// (after its MMA WGR_AS - 2 of chunk c), its lane 0 arrives on that stage's empty mbarrier, which
-// the producer waits for (8 arrivals) before refilling it. So warps meet only at the stages: a
-// warpgroup can run up to WGR_S - 1 chunks ahead of the other. Registers (ptxas, sm_90a): 162 at
-// WGR_AS 2 with no spills at every K and codebook; at WGR_AS 4 ptxas serialized the MMAs for
-// registers (C7512: a 288-thread block leaves 168 a thread), and with the producer's copies on
-// thread 0 inside the loop of a 256-thread block it serialized them for accumulators moved around
-// that branch (C7515). Not on any default route: bench/gpu_gemm_ab.py's wgr row and tests/gpu's
-// kernel list (cuda_exl3.WGR_KERNEL); not yet run on a GPU.
+// 08:39 session; docs/gpu.md "What is left" 2): a block holds 128 columns (8 n-tiles) x a slot of
+// 256 rows, in 288 threads. Warps 0-7 are two warpgroups of four n-tiles each: every k-tile a warp
+// decodes its own 16 x 16 tile of Ŵᵀ straight into its share of wgmma's A registers (wg_body's
+// way: no store, no proxy fence), and the warpgroup's m64n256k16 multiplies those 64 columns by
+// the whole slot, WGR_AS - 1 MMAs in flight behind the newest. Warp 8 produces: the block's q-th
+// chunk (4 k-tiles) goes to stage q % WGR_S, the slot's 256 rows x 64 k of x (one TMA box in the
+// 128-byte swizzle, wga's layout; wg_body's unswizzled core matrices were what made wga's first
+// version 5x slower) and the block's trellis words of those k-tiles (bulk copies), completing on
+// the stage's full mbarrier. As soon as a warp's waits show chunk q - 1's MMAs done (after its MMA
+// WGR_AS - 2 of chunk q, or at the end of a segment), its lane 0 arrives on that stage's empty
+// mbarrier, which the producer waits for (8 arrivals) before refilling it. So warps meet only at
+// the stages: a warpgroup can run up to WGR_S - 1 chunks ahead of the other. A block's work is a
+// list of segments (WgrSeg: a tile's chunks c0..c1 - 1, each segment its own accumulators and
+// epilogue, the one ring across them): one, the split block_units gives (exl3_wgr_*), or the
+// block's share of all slots' tiles x chunks (exl3_wgr_sk_*, stream-K: a 1-D grid of one block an
+// SM, so no SM idles when the tiles are not a multiple of the SMs). Registers (ptxas, sm_90a):
+// 162-165 (stream-K 167-168) with no spills at every K and codebook; at WGR_AS 4 ptxas serialized
+// the MMAs for registers (C7512: a 288-thread block leaves 168 a thread), and with the producer's
+// copies on thread 0 inside the loop of a 256-thread block it serialized them for accumulators
+// moved around that branch (C7515). Not on any default route: the EXL3TOOLS_DENSE_WGR preview,
+// bench/gpu_gemm_ab.py's wgr rows and tests/gpu; not yet run on a GPU.
 #ifndef WGR_S
 #define WGR_S 5   // stages (cuda_exl3.WGR_SMEM holds 5)
 #endif
@@ -566,11 +570,34 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 // stages' waits stay)
 #define WGR_PROBE 0
 #endif
-template <int MROWS>
+// A segment of a wgr block's work: the chunks [c0, c1) (KS k-tiles each, from k-tile i0) of one
+// tile, slot z's rows x the 128 columns from n-tile jb, expert e, nr valid rows
+struct WgrSeg {
+    int z, e, nr, jb, i0, c0, c1;
+};
+// stream-K (exl3_wgr_sk_*): the slots x col_blocks (n_groups / 4) tiles x C chunks of work, in that order,
+// cut into gridDim.x equal shares; the share's next segment from item on (false: none left). A
+// slot of no expert or rows is skipped whole, by the producer and the consumers alike.
+__device__ __forceinline__ bool wgr_next(long long& item, long long end, int C, int col_blocks,
+                                         const int* __restrict__ slot_exp, const int* __restrict__ tile_n, int rows,
+                                         WgrSeg& sg) {
+    while (item < end) {
+        const int tile = (int)(item / C), c0 = (int)(item % C);
+        const int c1 = (int)min((long long)C, c0 + (end - item));
+        item += c1 - c0;
+        const int z = tile / col_blocks;
+        const int e = slot_exp ? slot_exp[z] : 0, nr = tile_n ? min(rows, tile_n[z]) : rows;
+        if (e < 0 || nr <= 0) continue;
+        sg = WgrSeg{z, e, nr, (tile % col_blocks) * 8, 0, c0, c1};
+        return true;
+    }
+    return false;
+}
+template <int MROWS, bool SK>
 __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_ptrs, const int* __restrict__ slot_exp,
                                          float* __restrict__ acc, unsigned long long* __restrict__ acc64, int rows,
                                          int kt, int nt, int kps, int n_groups, int n_units,
-                                         const int* __restrict__ tile_n, const CUtensorMap& xmap) {
+                                         const int* __restrict__ tile_n, const CUtensorMap& xmap, int slots) {
     constexpr int KS = 4, S = WGR_S;
     static_assert(MROWS == 256, "m64n256: one warpgroup's MMA takes the whole slot");
     static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
@@ -584,10 +611,29 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     uint64_t* const full = reinterpret_cast<uint64_t*>(ws + S * W_SLOT);
     uint64_t* const empty = full + S;
     pdl_launch_dependents();
-    const int z = blockIdx.y;
-    int i0, i1, e, nr, jb;
-    if (!block_units(slot_exp, tile_n, rows, kt, kps, n_groups, n_units, i0, i1, e, nr, jb)) return;
-    const int chunks = (i1 - i0) / KS;     // (i1 - i0) % 4 == 0
+    // the block's segments: plain, the one block_units gives (the grid's (unit block, slot));
+    // stream-K, its share of all the work (kps: kt, every tile's whole k-range)
+    WgrSeg sg;
+    long long item = 0, end = 0;
+    const int C = kt / KS, col_blocks = n_groups / 4;
+    bool more;
+    if constexpr (SK) {
+        const long long work = (long long)slots * col_blocks * C;
+        item = work * blockIdx.x / gridDim.x;
+        end = work * (blockIdx.x + 1) / gridDim.x;
+        more = wgr_next(item, end, C, col_blocks, slot_exp, tile_n, rows, sg);
+    } else {
+        int i1;
+        sg.z = blockIdx.y;
+        more = block_units(slot_exp, tile_n, rows, kt, kps, n_groups, n_units, sg.i0, i1, sg.e, sg.nr, sg.jb);
+        sg.c0 = 0;
+        sg.c1 = (i1 - sg.i0) / KS;         // (i1 - i0) % 4 == 0
+    }
+    if (!more) return;                     // the whole block, before any barrier
+    auto next = [&]() -> bool {
+        if constexpr (SK) return wgr_next(item, end, C, col_blocks, slot_exp, tile_n, rows, sg);
+        return false;
+    };
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -598,27 +644,25 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();                       // (the last block-wide barrier: warp 8 leaves early)
+    // stage and parity of a chunk come from q, the block's running count of chunks over its
+    // segments, so one ring serves them all
 
     if (warp == 8) {                       // ---- the producer
         if (lane != 0) return;
-        const size_t row_stride = (size_t)nt * NW;
-        const uint32_t* const trb = reinterpret_cast<const uint32_t*>(trellis_ptrs[e]) + (size_t)i0 * row_stride +
-                                    (size_t)jb * NW;
-        auto words = [&](int c) {          // also announces the stage's whole transaction count
-            uint64_t* const bar = full + c % S;
-            mbar_arrive_tx(bar, STAGE_TX);
-            chunk_words<KS>(ws + (c % S) * W_SLOT, trb, row_stride, c, bar);
-        };
-        auto x_box = [&](int c) { tma_2d(xs + (c % S) * X_STAGE, &xmap, (i0 + KS * c) * 16, z * rows, full + c % S); };
-        const int first = min(S, chunks);
-        for (int c = 0; c < first; c++) words(c);   // the weights are the launch's constants: before pdl_wait
         pdl_wait();                        // xrot is the previous kernel's
-        for (int c = 0; c < first; c++) x_box(c);
-        for (int c = S; c < chunks; c++) {
-            mbar_wait(empty + c % S, (c / S - 1) & 1);   // chunk c - S's MMAs done in both warpgroups
-            words(c);
-            x_box(c);
-        }
+        const size_t row_stride = (size_t)nt * NW;
+        int q = 0;
+        do {
+            const uint32_t* const trb = reinterpret_cast<const uint32_t*>(trellis_ptrs[sg.e]) +
+                                        (size_t)sg.i0 * row_stride + (size_t)sg.jb * NW;
+            for (int c = sg.c0; c < sg.c1; c++, q++) {
+                uint64_t* const bar = full + q % S;
+                if (q >= S) mbar_wait(empty + q % S, (q / S - 1) & 1);   // chunk q - S's MMAs done in both warpgroups
+                mbar_arrive_tx(bar, STAGE_TX);
+                chunk_words<KS>(ws + (q % S) * W_SLOT, trb, row_stride, c, bar);
+                tma_2d(xs + (q % S) * X_STAGE, &xmap, (sg.i0 + KS * c) * 16, sg.z * rows, bar);
+            }
+        } while (next());
         return;
     }
 
@@ -629,47 +673,51 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     int wi[NL], off;
     staged_lane_words(lane, wi, off);
     const Consts kc;
-    float d[MROWS / 2];
-#pragma unroll
-    for (int i = 0; i < MROWS / 2; i++) d[i] = 0.f;
     // A operand kk % WGR_AS: the MMA that last read it was issued WGR_AS groups earlier, so the
     // wait behind the newest (WGR_AS - 1 in flight) has seen it done before the decode overwrites it
     uint32_t a[WGR_AS][4], sink = 0;
     const uint64_t db0 = sw128_desc(xs, 16, 1024);   // a stage or k16 step on: an addition (bytes / 16)
-    for (int c = 0; c < chunks; c++) {
-        const int s = c % S;
-        mbar_wait(full + s, (c / S) & 1);
-        const uint32_t* const wsl = ws + s * W_SLOT + warp * NW;
-        const uint64_t db = db0 + s * (X_STAGE * 2 / 16);
+    int q = 0;
+    do {
+        float d[MROWS / 2];
 #pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-            uint32_t w[NL], b[4];
+        for (int i = 0; i < MROWS / 2; i++) d[i] = 0.f;
+        for (int c = sg.c0; c < sg.c1; c++, q++) {
+            const int s = q % S;
+            mbar_wait(full + s, (q / S) & 1);
+            const uint32_t* const wsl = ws + s * W_SLOT + warp * NW;
+            const uint64_t db = db0 + s * (X_STAGE * 2 / 16);
 #pragma unroll
-            for (int m = 0; m < NL; m++) w[m] = wsl[kk * 8 * NW + wi[m]];
-            if constexpr (WGR_PROBE == 2) {
+            for (int kk = 0; kk < KS; kk++) {
+                uint32_t w[NL], b[4];
 #pragma unroll
-                for (int q = 0; q < 4; q++) b[q] = w[q % NL];
-            } else {
-                decode_tile(kc, w, off, b);
+                for (int m = 0; m < NL; m++) w[m] = wsl[kk * 8 * NW + wi[m]];
+                if constexpr (WGR_PROBE == 2) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) b[i] = w[i % NL];
+                } else {
+                    decode_tile(kc, w, off, b);
+                }
+                uint32_t (&ak)[4] = a[kk % WGR_AS];
+                ak[0] = b[0]; ak[1] = b[2]; ak[2] = b[1]; ak[3] = b[3];
+                if constexpr (WGR_PROBE == 1) {
+                    sink ^= ak[0] ^ ak[1] ^ ak[2] ^ ak[3];   // (ptxas drops a decode nothing reads)
+                } else {
+                    fence_regs(d);
+                    wgmma_fence();
+                    wgmma_m64n256k16<0>(d, ak, db + 2 * kk);   // 32 bytes a k16 step
+                    wgmma_commit();
+                    wgmma_wait<WGR_AS - 1>();
+                    fence_regs(d);
+                }
+                // WGR_AS - 1 of this chunk's MMAs may still run: the segment's chunk before is done
+                if (kk == WGR_AS - 2 && c > sg.c0 && lane == 0) mbar_arrive(empty + (q - 1) % S);
             }
-            uint32_t (&ak)[4] = a[kk % WGR_AS];
-            ak[0] = b[0]; ak[1] = b[2]; ak[2] = b[1]; ak[3] = b[3];
-            if constexpr (WGR_PROBE == 1) {
-                sink ^= ak[0] ^ ak[1] ^ ak[2] ^ ak[3];   // (ptxas drops a decode nothing reads)
-            } else {
-                fence_regs(d);
-                wgmma_fence();
-                wgmma_m64n256k16<0>(d, ak, db + 2 * kk);   // 32 bytes a k16 step
-                wgmma_commit();
-                wgmma_wait<WGR_AS - 1>();
-                fence_regs(d);
-            }
-            // WGR_AS - 1 of this chunk's MMAs may still run: chunk c - 1's are done
-            if (kk == WGR_AS - 2 && c > 0 && lane == 0) mbar_arrive(empty + (c - 1) % S);
         }
-    }
-    wgmma_wait<0>();
-    fence_regs(d);
-    if constexpr (WGR_PROBE == 1) d[0] = sink == 0x9e3779b9u ? 1.f : d[0];
-    add_wgmma_d<MROWS>(acc, acc64, d, z * rows, nr, nt * 16, jb + warp, g, t);
+        wgmma_wait<0>();
+        fence_regs(d);
+        if (lane == 0) mbar_arrive(empty + (q - 1) % S);     // the segment's last chunk is done too
+        if constexpr (WGR_PROBE == 1) d[0] = sink == 0x9e3779b9u ? 1.f : d[0];
+        add_wgmma_d<MROWS>(acc, acc64, d, sg.z * rows, sg.nr, nt * 16, sg.jb + warp, g, t);
+    } while (next());
 }

@@ -312,7 +312,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     lins = [_lin(rng, k, n, width) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     for kernel in (*cx.WG_KERNELS.values(), "exl3_wg4_m128_t1", "exl3_ws3_m128_t2",
-                   "exl3_ws4_m128_t2", cx.WGA_KERNEL, cx.WGR_KERNEL):    # (and the bench's)
+                   "exl3_ws4_m128_t2", cx.WGA_KERNEL, cx.WGR_KERNEL, cx.WGR_SK_KERNEL):    # (and the bench's)
         m, slots = cx.slot_rows(kernel), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
@@ -342,6 +342,38 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     xl = rng.normal(0, 1, (512, 4096)).astype(np.float16)
     y = big(torch.from_numpy(xl).cuda()).float().cpu().numpy()
     assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3
+
+
+@pytest.mark.parametrize("cb", ["3inst", "mul1"])
+def test_stream_k_wgr_adds_any_cut_of_the_work(cx, cb, monkeypatch):
+    """exl3_wgr_sk_m256_t2 cuts all slots' tiles x chunks (4 k-tiles) into one share a block: shares
+    that start and end inside tiles, span several tiles (one block: all of them), skip a slot of no
+    expert and add partial tiles by atomics give what the plain kernel gives (within fp32 atomics'
+    order), and nothing in the unused slot or past a slot's real rows."""
+    import torch
+
+    rng = np.random.default_rng(11 + len(cb))
+    k, n, m = 2048, 384, 256
+    lins = [_lin(rng, k, n, 48) for _ in range(2)]
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    x = rng.normal(0, 1, (3 * m, k)).astype(np.float16)
+    xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, 3 * m, k,
+                     exp=torch.tensor(np.repeat([0, 0, 1], m), dtype=torch.int32, device="cuda"))
+    slot_exp = torch.tensor([0, -1, 1], dtype=torch.int32, device="cuda")
+    tile_n = torch.tensor([m, m, 100], dtype=torch.int32, device="cuda")
+
+    def run(kernel):
+        acc = torch.zeros(3 * m, n, device="cuda")
+        cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, 3, acc, slot_exp=slot_exp, kernel=kernel, tile_n=tile_n)
+        return acc.cpu().numpy()
+
+    base = run(cx.WGR_KERNEL)
+    live = np.r_[0:m, 2 * m:2 * m + 100]
+    for least in (1, 3, 7, 40, 10**6):       # 3 x 3 x 32 chunks: 288 shares of 1 .. one share of all
+        monkeypatch.setattr(cx, "WGR_SK_MIN_CHUNKS", least)
+        got = run(cx.WGR_SK_KERNEL)
+        assert not got[m:2 * m].any() and not got[2 * m + 100:].any(), least
+        assert _rel(got[live], base[live]) < 1e-5, least
 
 
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
