@@ -618,6 +618,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     const int C = kt / KS, col_blocks = n_groups / 4;
     bool more;
     if constexpr (SK) {
+        pdl_wait();                        // (its share may begin in any slot: the tables first)
         const long long work = (long long)slots * col_blocks * C;
         item = work * blockIdx.x / gridDim.x;
         end = work * (blockIdx.x + 1) / gridDim.x;
