@@ -20,9 +20,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   the linear's default, its preview switches as the environment sets them)
 - wga / wgr / wgr_sk / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256
   rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
-  exl3_wg2_m256_t1 (register A, unswizzled x) over
-  slots of 256 rows (the weight decoded inside the GEMM, never written) + had_out at every row
-  count; each one's relative error to ``ours`` is printed under the table
+  exl3_wg2_m256_t1 (register A, unswizzled x) over slots of 256 rows (the weight decoded inside the
+  GEMM, never written) + had_out at every row count; each one's relative error to ``ours`` is
+  printed under the table
 """
 
 from __future__ import annotations

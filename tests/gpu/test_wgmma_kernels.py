@@ -1,0 +1,152 @@
+"""The dense wgmma GEMM kernels (kernels/csrc/exl3_wgmma.cuh: wg2, wg4, ws3 / ws4, wga, wgr and its
+stream-K twin) against the 128-row tile kernel and kernels/reference.py, and the previews that route
+dense linears to them (EXL3TOOLS_WGMMA, EXL3TOOLS_DENSE_WGA, EXL3TOOLS_DENSE_WGR). CUDA (sm_90) only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from exl3tools.kernels import reference as ref
+
+from tests.gpu.kernel_cases import CASES, captured
+from tests.gpu.kernel_cases import as_tensors as _tensors
+from tests.gpu.kernel_cases import cuda_experts as _experts
+from tests.gpu.kernel_cases import random_linear as _lin
+from tests.gpu.kernel_cases import rel_err as _rel
+
+
+@pytest.mark.parametrize("width,cb", CASES)
+def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
+    """EXL3TOOLS_WGMMA: dense linears of 65-1024 rows on the wgmma kernels (kernels/csrc/exl3_wgmma.cuh:
+    slots of 128 or 256 rows, x padded to whole slots) within 2e-3 of x·W + bias on every K and
+    codebook (rows 200; every row count on MUL1 K=3), and each kernel alone against the 128-row tile
+    kernel's sums: slots of other experts, a slot's real rows (tile_n: the rest neither read nor
+    added), an unused slot, and split-K over k = 4096."""
+    import torch
+
+    monkeypatch.setenv("EXL3TOOLS_WGMMA", "1")
+    every = cb == "mul1" and width == 48
+    rng = np.random.default_rng(width * 3 + len(cb))
+    k, n = 512, 512     # (n-tiles a multiple of 16: the kernels' 256 columns a block)
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    assert lin.wgmma
+    for rows in (65, 128, 200, 256, 300, 1024) if every else (200,):
+        x = rng.normal(0, 1, (rows, k)).astype(np.float16)
+        y = lin(torch.from_numpy(x).cuda()).float().cpu().numpy()
+        assert _rel(y, x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
+    if not every:
+        return
+    # the kernels alone: 3 experts, slots of m rows, slot 1 of expert 2 with 37 real rows, slot 2 unused
+    E = 3
+    lins = [_lin(rng, k, n, width) for _ in range(E)]
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    for kernel in (*cx.WG_KERNELS.values(), "exl3_wg4_m128_t1", "exl3_ws3_m128_t2",
+                   "exl3_ws4_m128_t2", cx.WGA_KERNEL, cx.WGR_KERNEL, cx.WGR_SK_KERNEL):    # (and the bench's)
+        m, slots = cx.slot_rows(kernel), 4
+        x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
+        xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
+                         exp=torch.tensor(np.repeat([0, 2, 1, 1], m), dtype=torch.int32, device="cuda"))
+        slot_exp = torch.tensor([0, 2, -1, 1], dtype=torch.int32, device="cuda")
+        tile_n = torch.tensor([m, 37, m, m], dtype=torch.int32, device="cuda")
+        got, base = (torch.zeros(slots * m, n, device="cuda") for _ in range(2))
+        cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, got, slot_exp=slot_exp, kernel=kernel, tile_n=tile_n)
+        for z in range(slots):     # the 128-row tile kernel (one n-tile a warp) as the oracle, slot by slot
+            for h in range(0, m, 128):
+                r0 = z * m + h
+                cx.gemv(ex.mod, xrot[r0:r0 + 128].contiguous(), ex.tr_tab, ex.kt, ex.nt, 128, 1, base[r0:r0 + 128],
+                        slot_exp=slot_exp[z:z + 1], kernel="exl3_tiles_m128_t1",
+                        tile_n=(tile_n[z:z + 1] - h).clamp(0, 128).contiguous())
+        g, bb = got.cpu().numpy(), base.cpu().numpy()
+        assert not g[2 * m:3 * m].any() and not g[m + 37:2 * m].any(), kernel    # unused slot, padding rows
+        live = np.r_[0:m, m:m + 37, 3 * m:4 * m]
+        assert _rel(g[live], bb[live]) < 1e-5, kernel
+        # the rotated-basis sums against the reference: slot 0 is expert 0's rows
+        xr = xrot[:m].float().cpu().numpy().astype(np.float64)
+        wr = ref.decode_rotated(lins[0][0], cb).astype(np.float64)
+        assert _rel(g[:m], xr @ wr) < 1e-3, kernel
+    # split-K: k = 4096, two slots of 256 rows of one weight
+    tr, suh, svh, b = _lin(rng, 4096, 256, width)
+    big = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    wl = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    xl = rng.normal(0, 1, (512, 4096)).astype(np.float16)
+    y = big(torch.from_numpy(xl).cuda()).float().cpu().numpy()
+    assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3
+
+
+@pytest.mark.parametrize("cb", ["3inst", "mul1"])
+def test_stream_k_wgr_adds_any_cut_of_the_work(cx, cb, monkeypatch):
+    """exl3_wgr_sk_m256_t2 cuts all slots' tiles x chunks (4 k-tiles) into one share a block: shares
+    that start and end inside tiles, span several tiles (one block: all of them), skip a slot of no
+    expert and add partial tiles by atomics give what the plain kernel gives (within fp32 atomics'
+    order), and nothing in the unused slot or past a slot's real rows."""
+    import torch
+
+    rng = np.random.default_rng(11 + len(cb))
+    k, n, m = 2048, 384, 256
+    lins = [_lin(rng, k, n, 48) for _ in range(2)]
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    x = rng.normal(0, 1, (3 * m, k)).astype(np.float16)
+    xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, 3 * m, k,
+                     exp=torch.tensor(np.repeat([0, 0, 1], m), dtype=torch.int32, device="cuda"))
+    slot_exp = torch.tensor([0, -1, 1], dtype=torch.int32, device="cuda")
+    tile_n = torch.tensor([m, m, 100], dtype=torch.int32, device="cuda")
+
+    def run(kernel):
+        acc = torch.zeros(3 * m, n, device="cuda")
+        cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, 3, acc, slot_exp=slot_exp, kernel=kernel, tile_n=tile_n)
+        return acc.cpu().numpy()
+
+    base = run(cx.WGR_KERNEL)
+    live = np.r_[0:m, 2 * m:2 * m + 100]
+    for least in (1, 3, 7, 40, 10**6):       # 3 x 3 x 32 chunks: 288 shares of 1 .. one share of all
+        monkeypatch.setattr(cx, "WGR_SK_MIN_CHUNKS", least)
+        got = run(cx.WGR_SK_KERNEL)
+        assert not got[m:2 * m].any() and not got[2 * m + 100:].any(), least
+        assert _rel(got[live], base[live]) < 1e-5, least
+
+
+@pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
+@pytest.mark.parametrize("width,cb", CASES)
+def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
+    """EXL3TOOLS_DENSE_WGA / EXL3TOOLS_DENSE_WGR (previews: off on CUDA unless "1"): a dense linear
+    of 65-256 rows (wga) or of more than 64 rows, any count (wgr) runs slots of 256 rows of
+    exl3_wga_m256_t2 / exl3_wgr_m256_t2 (x padded; the rest read, never added), within 2e-3 of
+    x·W + bias on every K and codebook and fp16 / fp32 activations, several slots too (wgr), in a
+    CUDA graph too (within 1e-3 of the eager call: fp32 atomics); the other row counts and the
+    switch off take the default paths, which agree."""
+    import torch
+
+    kernel, top = (cx.WGA_KERNEL, cx.WGA_MAX_ROWS) if switch == "EXL3TOOLS_DENSE_WGA" else (cx.WGR_KERNEL, 1 << 30)
+    for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(switch, "1")
+    rng = np.random.default_rng(width * 5 + len(cb) + len(switch))
+    k, n = 512, 384
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    kernels = []
+    real = cx.gemv
+    monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    for rows, dtype in ((64, torch.float16), (65, torch.float16), (200, torch.float32), (256, torch.float16),
+                        (257, torch.float16), (700, torch.float16)):
+        x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+        kernels.clear()
+        y = lin(torch.from_numpy(x).cuda().to(dtype))
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert kernels == [kernel] if 64 < rows <= top else kernel not in kernels, (rows, kernels)
+        assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
+    x = torch.from_numpy(rng.normal(0, 1, (200, k)).astype(np.float16)).cuda()
+    want = lin(x).float()
+    g, got = captured(lin, x)
+    g.replay()
+    torch.cuda.synchronize()
+    # (K splits add in fp32 atomics: the order, and so the last bits, may change from run to run)
+    assert _rel(got.float().cpu().numpy(), want.cpu().numpy()) < 1e-3
+    monkeypatch.setenv(switch, "0")
+    kernels.clear()
+    off = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")(x).float()
+    assert kernels == [] and _rel(off.cpu().numpy(), want.cpu().numpy()) < 2e-3
