@@ -21,8 +21,13 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
 - wga / wgr / wgr_sk / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256
   rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
   exl3_wg2_m256_t1 (register A, unswizzled x) over slots of 256 rows (the weight decoded inside the
-  GEMM, never written) + had_out at every row count; each one's relative error to ``ours`` is
-  printed under the table
+  GEMM, never written) + had_out at every row count; wgr_out: had_in + exl3_wgr_out_m256_t2_f16
+  (wgr with the output pass in its epilogue, one split whatever the shape); each one's relative
+  error to ``ours`` is printed under the table
+
+``--parts``: under each table, every variant's kernels with their device µs a call (torch.profiler
+over CUDA-graph replays, each after an L2 flush): what of a path is its GEMM and what the passes
+around it.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import bench, make, w_true  # noqa: E402  (bench/ is not a package)
+from gpu_bench import bench, capture, make, w_true  # noqa: E402  (bench/ is not a package)
 
-IN_GEMM = ("wga", "wgr", "wgr_sk", "wg2")     # the variants that decode inside the GEMM (their error is printed)
+IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wg2")     # the variants that decode inside the GEMM (their error is printed)
 
 
 def variants(lin, x, w):
@@ -70,7 +75,26 @@ def variants(lin, x, w):
             "wga": lambda: lin._in_slots(x, 256, cx.WGA_KERNEL)[:rows],
             "wgr": lambda: lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows],
             "wgr_sk": lambda: lin._in_slots(x, 256, cx.WGR_SK_KERNEL)[:rows],
+            "wgr_out": lambda: lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[x.dtype])[:rows],
             "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
+
+
+def kernel_parts(fn, n: int = 5) -> list[tuple[str, float]]:
+    """fn's kernels and their device µs a call, largest first (n graph replays, each after the L2
+    flush do_bench does)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = capture(fn)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            flush.zero_()
+            g.replay()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    parts = [(e.key, getattr(e, key) / n) for e in events if getattr(e, key) > 0]
+    return sorted((p for p in parts if "FillFunctor<signed char>" not in p[0]), key=lambda p: -p[1])   # (the flush)
 
 
 def main() -> int:
@@ -81,6 +105,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--eager", action="store_true", help="time eager calls, not CUDA-graph replays")
+    ap.add_argument("--parts", action="store_true", help="print each variant's kernels (device µs a call)")
     a = ap.parse_args()
     import gpu_bench
 
@@ -113,6 +138,9 @@ def main() -> int:
             ref = calls["ours"]().float()
             errs = {name: float((calls[name]().float() - ref).norm() / ref.norm()) for name in IN_GEMM}
             print("  relative error to ours: " + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
+            if a.parts:
+                for name, fn in calls.items():
+                    print(f"  parts of {name}: " + ", ".join(f"{k[:48]} {us:.1f}" for k, us in kernel_parts(fn)))
             out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times, errors=errs))
             del calls
         del t, w, lin

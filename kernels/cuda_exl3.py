@@ -102,6 +102,11 @@ WGR_ROWS = 256
 # 132 SMs); a share is at least WGR_SK_MIN_CHUNKS chunks of 4 k-tiles
 WGR_SK_KERNEL = "exl3_wgr_sk_m256_t2"
 WGR_SK_MIN_CHUNKS = 8
+# exl3_wgr_out_m256_t2_{f16,f32}: exl3_wgr_m256_t2 with the output pass fused (H128, svh and bias on
+# the block's sums in shared memory, y written directly: no workspace, no atomics, no had_out), for
+# launches of one split (every tile's whole k-range); the EXL3TOOLS_DENSE_WGR route takes it where
+# _units gives one split
+WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -242,7 +247,8 @@ TILE_UNIT_KTILES = 32
 
 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
-         slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None, unit_ktiles: int | None = None) -> None:
+         slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None, unit_ktiles: int | None = None,
+         out: tuple | None = None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64);
     ``tile_n`` (int32 valid rows per slot, or None: all; not with ``ld_tab``): the rest are
@@ -250,8 +256,12 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     one wave needs). An int64 ``acc`` (``fixed_workspace``, either kernel): batch-invariant sums, K
     split by the weight's shape alone. ``ld_tab`` (int32 per expert, gemv kernel only): the n-tiles
     of each expert's whole trellis, whose first ``nt`` columns (from its table pointer) the slot
-    multiplies (CudaGroup's column chunks); None: nt."""
-    fixed = acc.dtype == torch.int64
+    multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the
+    WGR_OUT_KERNELS only, acc None): y = the output pass of the sums, written by the kernel
+    itself, one split."""
+    if (out is not None) != (kernel is not None and kernel.startswith("exl3_wgr_out_")):
+        raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
+    fixed = acc is not None and acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
         nt_per = 2 if nt % 2 == 0 else 1      # 1 and 4 per warp measured no faster (more warps / more ILP)
@@ -261,7 +271,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     elif ld_tab is not None:
         raise UsageError(f"{kernel}: no per-expert trellis width (ld_tab)")
     else:
-        name, nt_per = kernel, int(kernel.rsplit("_t", 1)[1])
+        name, nt_per = kernel, int(kernel.split("_t")[-1].split("_")[0])   # (..._t2, ..._t2_f16)
         if rows > slot_rows(kernel) or nt % (kernel_block(kernel)[0] * nt_per):
             raise UsageError(f"{kernel}: {rows} rows or {nt} n-tiles do not fit it")
     if fixed:      # K split as for one row alone on the 8-row kernel, whatever kernel, rows and
@@ -289,7 +299,11 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     grid = (-(-units // w), slots)
     if name.startswith("exl3_wgr_"):
         extra += (slots,)
-        if name.startswith("exl3_wgr_sk_"):   # stream-K: every tile's whole k-range; all slots' chunks
+        if out is not None:                   # every tile's whole k-range, in one block
+            kps, units = kt, groups
+            grid = (-(-units // w), slots)
+            extra += tuple(out)
+        elif name.startswith("exl3_wgr_sk_"):   # stream-K: every tile's whole k-range; all slots' chunks
             # (4 k-tiles) in equal shares, one block an SM (WGR_SK_MIN_CHUNKS at the least)
             kps, units = kt, groups
             work = slots * (groups // w) * (kt // 4)
@@ -481,7 +495,8 @@ class CudaLinear:
             from exl3tools.runtime import preview
 
             if (preview.switched_on("dense_wgr") if self.wgr is None else self.wgr):
-                return self._in_slots(x2, WGR_ROWS, WGR_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
+                return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(rows, x2.dtype))[:rows].to(x.dtype).reshape(
+                    *shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
                     preview.switched_on("dense_wga") if self.wga is None else self.wga):
                 return self._in_slots(x2, WGA_MAX_ROWS, WGA_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
@@ -516,15 +531,33 @@ class CudaLinear:
         r = 128 if x2.shape[0] <= 128 else 256
         return self._in_slots(x2, r, WG_KERNELS[r])
 
+    def _wgr_kernel(self, rows: int, dtype: torch.dtype) -> str:
+        """EXL3TOOLS_DENSE_WGR's kernel for ``rows``: the fused output pass where the launch is one
+        split anyway (its tiles fill half the SMs or more) and y is fp16 / fp32, else the split
+        kernel (partial sums by atomics, had_out after)."""
+        name = WGR_OUT_KERNELS.get(dtype)
+        if name is None:
+            return WGR_KERNEL
+        _, groups, units = _units(self.mod, name, self.device, self.kt, self.nt // 2, -(-rows // WGR_ROWS))
+        return name if units == groups else WGR_KERNEL
+
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch
-        (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs)."""
+        (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs).
+        A WGR_OUT_KERNELS kernel writes y itself (y in x2's dtype, fp16 or fp32)."""
         rows = x2.shape[0]
         slots = -(-rows // r)
         total = r * slots
         if total > rows:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
+        if kernel is not None and kernel.startswith("exl3_wgr_out_"):
+            if kernel != WGR_OUT_KERNELS.get(x2.dtype):
+                raise UsageError(f"{kernel}: y in {x2.dtype}")
+            y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
+            gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, None, kernel=kernel,
+                 out=(y, self.svh_tab, self.bias_tab))
+            return y
         acc = (fixed_workspace if fixed else workspace)(self.device, total * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=kernel)
         y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)

@@ -566,8 +566,9 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 #define WGR_AS 2  // A operands in registers: WGR_AS - 1 MMAs in flight behind the newest (2 or 4)
 #endif
 #ifndef WGR_PROBE
-// a bench-only build define (wrong results): 1 no MMAs, 2 no decode (the words' loads and the
-// stages' waits stay)
+// a bench-only build define (wrong results), bits: 1 no MMAs, 2 no decode (the words' loads and
+// the stages' waits stay), 4 no loads (the producer idles, the consumers neither wait nor arrive:
+// stale shared memory)
 #define WGR_PROBE 0
 #endif
 // A segment of a wgr block's work: the chunks [c0, c1) (KS k-tiles each, from k-tile i0) of one
@@ -593,14 +594,50 @@ __device__ __forceinline__ bool wgr_next(long long& item, long long end, int C, 
     }
     return false;
 }
-template <int MROWS, bool SK>
+// wgr_body's fused output pass (exl3_wgr_out_*: one segment, a tile's whole k-range): both
+// warpgroups' sums (the block's 128 columns x MROWS rows, fp32) go to shared memory over the
+// drained stages, then each warp takes whole rows as tiles_epilogue does (lane L: columns 4L..4L+3,
+// H128 across the warp, 1/sqrt(128), svh, bias) and writes y: had_out_body's operations in its
+// order on the sums acc would have held, so y is bit-identical to gemv + had_out's. Columns are
+// XOR-swizzled by ((m >> 1) & 3) * 8 in row m, so a fragment store hits 32 banks and a row's read
+// stays whole float4s.
+template <int MROWS, typename TY>
+__device__ __forceinline__ void wgr_epilogue(const float (&d)[MROWS / 2], float* __restrict__ ts, TY* __restrict__ y,
+                                             const half* __restrict__ svh, const half* __restrict__ bias, int row0,
+                                             int nr, int n, int col0, int lane, int warp) {
+    const int g = lane >> 2, t = lane & 3;
+    named_sync(1, 256);                    // both warpgroups' MMAs are done reading the stages
+#pragma unroll
+    for (int i = 0; i < MROWS / 8; i++)
+#pragma unroll
+        for (int q = 0; q < 4; q++)        // d[4i + q]: row 8i + 2t + (q & 1), column 16 warp + g + 8 (q >> 1)
+            ts[(8 * i + 2 * t + (q & 1)) * 128 + ((16 * warp + g + 8 * (q >> 1)) ^ (t << 3))] = d[4 * i + q];
+    named_sync(1, 256);
+    float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
+    load4(svh + col0 + 4 * lane, sv);
+    if (bias) load4(bias + col0 + 4 * lane, bv);
+    for (int m = warp; m < nr; m += 8) {
+        float v[4];
+        load4(ts + m * 128 + ((4 * lane) ^ (((m >> 1) & 3) << 3)), v);
+        fwht128(v);
+#pragma unroll
+        for (int q = 0; q < 4; q++) v[q] = v[q] * 0.08838834764831845f * sv[q] + bv[q];
+        store4(y + (size_t)(row0 + m) * n + col0 + 4 * lane, v);
+    }
+}
+// OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K, one split):
+// the output pass fused (wgr_epilogue), y fp16 / fp32
+template <int MROWS, bool SK, int OUT = 0>
 __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_ptrs, const int* __restrict__ slot_exp,
                                          float* __restrict__ acc, unsigned long long* __restrict__ acc64, int rows,
                                          int kt, int nt, int kps, int n_groups, int n_units,
-                                         const int* __restrict__ tile_n, const CUtensorMap& xmap, int slots) {
+                                         const int* __restrict__ tile_n, const CUtensorMap& xmap, int slots,
+                                         void* __restrict__ y = nullptr, const uint64_t* __restrict__ svh_ptrs = nullptr,
+                                         const uint64_t* __restrict__ bias_ptrs = nullptr) {
     constexpr int KS = 4, S = WGR_S;
     static_assert(MROWS == 256, "m64n256: one warpgroup's MMA takes the whole slot");
     static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
+    static_assert(OUT == 0 || (!SK && S * MROWS * 64 * 2 >= MROWS * 128 * 4), "the epilogue: one segment, sums over the x stages");
     static_assert(WGR_AS >= 2 && KS % WGR_AS == 0, "A operands: the same one every WGR_AS k-tiles, across chunks too");
     constexpr int X_STAGE = MROWS * 64, W_SLOT = KS * 8 * NW;       // halves; uint32
     constexpr int STAGE_TX = X_STAGE * 2 + W_SLOT * 4;              // bytes a stage's copies bring
@@ -649,7 +686,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     // segments, so one ring serves them all
 
     if (warp == 8) {                       // ---- the producer
-        if (lane != 0) return;
+        if (lane != 0 || (WGR_PROBE & 4)) return;
         pdl_wait();                        // xrot is the previous kernel's
         const size_t row_stride = (size_t)nt * NW;
         int q = 0;
@@ -685,7 +722,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
         for (int i = 0; i < MROWS / 2; i++) d[i] = 0.f;
         for (int c = sg.c0; c < sg.c1; c++, q++) {
             const int s = q % S;
-            mbar_wait(full + s, (q / S) & 1);
+            if constexpr (!(WGR_PROBE & 4)) mbar_wait(full + s, (q / S) & 1);
             const uint32_t* const wsl = ws + s * W_SLOT + warp * NW;
             const uint64_t db = db0 + s * (X_STAGE * 2 / 16);
 #pragma unroll
@@ -693,7 +730,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                 uint32_t w[NL], b[4];
 #pragma unroll
                 for (int m = 0; m < NL; m++) w[m] = wsl[kk * 8 * NW + wi[m]];
-                if constexpr (WGR_PROBE == 2) {
+                if constexpr ((WGR_PROBE & 2) != 0) {
 #pragma unroll
                     for (int i = 0; i < 4; i++) b[i] = w[i % NL];
                 } else {
@@ -701,7 +738,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                 }
                 uint32_t (&ak)[4] = a[kk % WGR_AS];
                 ak[0] = b[0]; ak[1] = b[2]; ak[2] = b[1]; ak[3] = b[3];
-                if constexpr (WGR_PROBE == 1) {
+                if constexpr ((WGR_PROBE & 1) != 0) {
                     sink ^= ak[0] ^ ak[1] ^ ak[2] ^ ak[3];   // (ptxas drops a decode nothing reads)
                 } else {
                     fence_regs(d);
@@ -712,13 +749,21 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                     fence_regs(d);
                 }
                 // WGR_AS - 1 of this chunk's MMAs may still run: the segment's chunk before is done
-                if (kk == WGR_AS - 2 && c > sg.c0 && lane == 0) mbar_arrive(empty + (q - 1) % S);
+                if (kk == WGR_AS - 2 && c > sg.c0 && lane == 0 && !(WGR_PROBE & 4)) mbar_arrive(empty + (q - 1) % S);
             }
         }
         wgmma_wait<0>();
         fence_regs(d);
-        if (lane == 0) mbar_arrive(empty + (q - 1) % S);     // the segment's last chunk is done too
-        if constexpr (WGR_PROBE == 1) d[0] = sink == 0x9e3779b9u ? 1.f : d[0];
-        add_wgmma_d<MROWS>(acc, acc64, d, sg.z * rows, sg.nr, nt * 16, sg.jb + warp, g, t);
+        if (lane == 0 && !(WGR_PROBE & 4)) mbar_arrive(empty + (q - 1) % S);     // the segment's last chunk is done too
+        if constexpr ((WGR_PROBE & 1) != 0) d[0] = sink == 0x9e3779b9u ? 1.f : d[0];
+        if constexpr (OUT == 0) {
+            add_wgmma_d<MROWS>(acc, acc64, d, sg.z * rows, sg.nr, nt * 16, sg.jb + warp, g, t);
+        } else {
+            using TY = typename std::conditional<OUT == 1, half, float>::type;
+            wgr_epilogue<MROWS, TY>(d, reinterpret_cast<float*>(wgr_smem), reinterpret_cast<TY*>(y),
+                                    reinterpret_cast<const half*>(svh_ptrs[sg.e]),
+                                    bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[sg.e]) : nullptr,
+                                    sg.z * rows, sg.nr, nt * 16, sg.jb * 16, lane, warp);
+        }
     } while (next());
 }

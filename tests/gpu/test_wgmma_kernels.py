@@ -108,6 +108,49 @@ def test_stream_k_wgr_adds_any_cut_of_the_work(cx, cb, monkeypatch):
         assert _rel(got[live], base[live]) < 1e-5, least
 
 
+@pytest.mark.parametrize("width,cb", CASES)
+def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
+    """exl3_wgr_out_m256_t2_{f16,f32} (exl3_wgr_m256_t2 with the output pass in its epilogue, one
+    split): y bit-identical to exl3_wgr_m256_t2's sums, also one split, through had_out, in fp16 and
+    fp32, with and without bias, over several slots of one weight; for experts, slots of other
+    experts, a slot of 37 real rows and an unused slot, whose rows y keeps as it was (NaN here)."""
+    import torch
+
+    monkeypatch.setattr(cx, "sm_count", lambda device: 1)     # _units: one split, so acc held exact sums
+    rng = np.random.default_rng(width * 7 + len(cb))
+    k, n = 512, 384
+    for bias in (True, False):
+        tr, suh, svh, b = _lin(rng, k, n, width, bias=bias)
+        lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+        w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+        for rows, dtype in ((200, torch.float16), (700, torch.float32), (512, torch.float16)):
+            x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().to(dtype)
+            assert lin._wgr_kernel(rows, dtype) == cx.WGR_OUT_KERNELS[dtype]
+            got = lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[dtype])[:rows]
+            want = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows]
+            assert got.dtype == dtype and torch.equal(got, want), (bias, rows, dtype)
+            ref_y = x.double().cpu().numpy() @ w + (0 if b is None else b.astype(np.float64))
+            assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3
+    E, m, slots = 3, 256, 4
+    lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
+    slot_exp = torch.tensor([0, 2, -1, 1], dtype=torch.int32, device="cuda")
+    row_exp = slot_exp.clamp(min=0).repeat_interleave(m)
+    xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k, exp=row_exp)
+    tile_n = torch.tensor([m, 37, m, m], dtype=torch.int32, device="cuda")
+    got = torch.full((slots * m, n), float("nan"), dtype=torch.float16, device="cuda")
+    cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, None, slot_exp=slot_exp, kernel=cx.WGR_OUT_KERNELS[torch.float16],
+            tile_n=tile_n, out=(got, ex.svh_tab, ex.bias_tab))
+    acc = torch.zeros(slots * m, n, device="cuda")
+    cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, acc, slot_exp=slot_exp, kernel=cx.WGR_KERNEL, tile_n=tile_n)
+    want = cx.had_out(ex.mod, acc, torch.empty_like(got), ex.svh_tab, ex.bias_tab, 1, slots * m, n, exp=row_exp)
+    live = np.r_[0:m, m:m + 37, 3 * m:4 * m]
+    g = got.cpu()
+    assert g[2 * m:3 * m].isnan().all() and g[m + 37:2 * m].isnan().all()
+    assert torch.equal(g[live], want.cpu()[live])
+
+
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
 @pytest.mark.parametrize("width,cb", CASES)
 def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
@@ -137,7 +180,8 @@ def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, sw
         kernels.clear()
         y = lin(torch.from_numpy(x).cuda().to(dtype))
         assert y.dtype == dtype and y.shape == (rows, n)
-        assert kernels == [kernel] if 64 < rows <= top else kernel not in kernels, (rows, kernels)
+        want = lin._wgr_kernel(rows, dtype) if kernel == cx.WGR_KERNEL else kernel   # (WGR_OUT where one split)
+        assert kernels == [want] if 64 < rows <= top else want not in kernels, (rows, kernels)
         assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
     x = torch.from_numpy(rng.normal(0, 1, (200, k)).astype(np.float16)).cuda()
     want = lin(x).float()
