@@ -107,6 +107,8 @@ WGR_SK_MIN_CHUNKS = 8
 # launches of one split (every tile's whole k-range); the EXL3TOOLS_DENSE_WGR route takes it where
 # _units gives one split
 WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
+# the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
+WGR_MAX_ROWS = 1024
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -246,6 +248,11 @@ def had_out(mod: Module, acc: torch.Tensor, y: torch.Tensor, svh_tab, bias_tab, 
 TILE_UNIT_KTILES = 32
 
 
+def _wgr_out(name: str | None) -> bool:
+    """Whether ``name`` is a wgr kernel with the output pass fused (it takes gemv's ``out``)."""
+    return name is not None and name.startswith("exl3_wgr_") and "_out_" in name
+
+
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
          slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None, unit_ktiles: int | None = None,
          out: tuple | None = None) -> None:
@@ -259,7 +266,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the
     WGR_OUT_KERNELS only, acc None): y = the output pass of the sums, written by the kernel
     itself, one split."""
-    if (out is not None) != (kernel is not None and kernel.startswith("exl3_wgr_out_")):
+    if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
     fixed = acc is not None and acc.dtype == torch.int64
     if kernel is None:
@@ -298,6 +305,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     w, threads = kernel_block(name)
     grid = (-(-units // w), slots)
     if name.startswith("exl3_wgr_"):
+        if kt % 4:                            # (chunks of 4 k-tiles)
+            raise UsageError(f"{kernel}: {kt} k-tiles, not a multiple of 4")
         extra += (slots,)
         if out is not None:                   # every tile's whole k-range, in one block
             kps, units = kt, groups
@@ -469,7 +478,7 @@ class CudaLinear:
         self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
         self.wgmma = preview.switched_on("wgmma") and self.nt % 16 == 0     # (256 columns a block)
         self.wga: bool | None = None        # rows 65-256 on WGA_KERNEL; None: its switch, read per call
-        self.wgr: bool | None = None        # rows > 64 on WGR_KERNEL; None: its switch, read per call
+        self.wgr: bool | None = None        # rows 65-WGR_MAX_ROWS on the wgr kernels; None: its switch, read per call
 
     @property
     def device_tensors(self) -> dict:
@@ -494,7 +503,8 @@ class CudaLinear:
         if rows > SMALL_ROWS:
             from exl3tools.runtime import preview
 
-            if (preview.switched_on("dense_wgr") if self.wgr is None else self.wgr):
+            if rows <= WGR_MAX_ROWS and (
+                    preview.switched_on("dense_wgr") if self.wgr is None else self.wgr):
                 return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(rows, x2.dtype))[:rows].to(x.dtype).reshape(
                     *shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
@@ -551,7 +561,7 @@ class CudaLinear:
         if total > rows:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
-        if kernel is not None and kernel.startswith("exl3_wgr_out_"):
+        if _wgr_out(kernel):
             if kernel != WGR_OUT_KERNELS.get(x2.dtype):
                 raise UsageError(f"{kernel}: y in {x2.dtype}")
             y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)

@@ -626,7 +626,9 @@ __device__ __forceinline__ void wgr_epilogue(const float (&d)[MROWS / 2], float*
     }
 }
 // OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K, one split):
-// the output pass fused (wgr_epilogue), y fp16 / fp32
+// the output pass fused (wgr_epilogue), y fp16 / fp32. (Clusters of two blocks sharing x by TMA
+// multicast, a producer's handshake with the other block's before each refill, measured slower:
+// docs/gpu.md, the 2026-12-06 09:49 session.)
 template <int MROWS, bool SK, int OUT = 0>
 __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_ptrs, const int* __restrict__ slot_exp,
                                          float* __restrict__ acc, unsigned long long* __restrict__ acc64, int rows,
