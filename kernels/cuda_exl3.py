@@ -90,22 +90,27 @@ WG_MAX_ROWS = 1024
 # 512 rows (two slots, two decodes) 257 / 160 / 184 vs 180 / 168 / 188, hence the bound
 WGA_KERNEL = "exl3_wga_m256_t2"
 WGA_MAX_ROWS = 256
-# exl3_wgr_m256_t2 (the 2026-12-06 08:39 session, not yet run on a GPU): exl3_wg2_m256_t1's register
-# A operand (each warp's decoded tile straight into the MMA) over wga's TMA-staged, swizzled x and
-# mbarrier stages, no block barrier in its loop; dense linears of more than SMALL_ROWS rows in slots of
-# WGR_ROWS under the EXL3TOOLS_DENSE_WGR preview
+# exl3_wgr_m256_t2 (the 2026-12-06 08:39 session): exl3_wg2_m256_t1's register A operand (each
+# warp's decoded tile straight into the MMA) over wga's TMA-staged, swizzled x and mbarrier stages,
+# no block barrier in its loop; dense linears of 65-WGR_MAX_ROWS rows in slots of WGR_ROWS under the
+# EXL3TOOLS_DENSE_WGR preview where _units splits K. H100, 2026-12-06 09:49 (bench/gpu_gemm_ab.py,
+# graph replays, K 3, 256 rows, with had_in and had_out): 95.4 / 76.4 / 87.9 µs at 4096 -> 14336 /
+# 14336 -> 4096 / 8192 -> 8192, 1.60 / 1.14 / 1.36x fp16 cuBLAS
 WGR_KERNEL = "exl3_wgr_m256_t2"
 WGR_ROWS = 256
 # exl3_wgr_sk_m256_t2: the same loop, stream-K: a 1-D grid of one block an SM shares all slots' tiles
 # x chunks equally, a block's share crossing tiles (each tile's partial sums added by atomics), so
 # no SM idles when the tiles are not a multiple of the SMs (4096 -> 14336 at 256 rows: 112 tiles on
-# 132 SMs); a share is at least WGR_SK_MIN_CHUNKS chunks of 4 k-tiles
+# 132 SMs); a share is at least WGR_SK_MIN_CHUNKS chunks of 4 k-tiles. Measured no faster than the
+# split kernel (H100: 91.1 / 78.9 / 90.4 µs, the same three shapes): its atomics and had_out cost
+# what the idle SMs did; on no route
 WGR_SK_KERNEL = "exl3_wgr_sk_m256_t2"
 WGR_SK_MIN_CHUNKS = 8
 # exl3_wgr_out_m256_t2_{f16,f32}: exl3_wgr_m256_t2 with the output pass fused (H128, svh and bias on
 # the block's sums in shared memory, y written directly: no workspace, no atomics, no had_out), for
 # launches of one split (every tile's whole k-range); the EXL3TOOLS_DENSE_WGR route takes it where
-# _units gives one split
+# _units gives one split (its tiles fill half the SMs or more). H100 (as above): 69.2 µs at 4096 ->
+# 14336 and 256 rows (the kernel 64 µs, 1.16x fp16 cuBLAS), 473 at 2048 rows (1.33x)
 WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
 # the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
 WGR_MAX_ROWS = 1024

@@ -54,7 +54,7 @@ def test_linear_matches_reference(cx, width, cb, rows, monkeypatch):
     yref = x.astype(np.float64) @ w + (b.astype(np.float64) if b is not None else 0)
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
     assert lin.dense_tiles
-    lin.wgr = False     # (the wgr kernels, the default up to WGR_MAX_ROWS: tests/gpu/test_wgmma_kernels.py)
+    lin.wgr = False     # (whatever EXL3TOOLS_DENSE_WGR says: the wgr kernels are tests/gpu/test_wgmma_kernels.py's)
     # rows > 64: the three dense paths (decode + GEMM + output pass, the output pass folded, both
     # passes folded), and up to 128 rows the tile kernel
     paths = [(False, False, False), (False, True, False), (False, False, True)] \
@@ -167,7 +167,7 @@ def test_dense_path_in_column_chunks(cx, monkeypatch, chunk_tiles, fold):
     x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda()
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), "mul1", "cuda")
     lin.fold, lin.fold_in = fold is True, fold == "in"
-    lin.wgr = False     # (100 rows: the decode + cuBLAS path, not the wgr default)
+    lin.wgr = False     # (100 rows: the decode + cuBLAS path, whatever EXL3TOOLS_DENSE_WGR says)
     monkeypatch.setattr(cx, "FOLD_MIN_OUT", 0)
     monkeypatch.setattr(cx, "FOLD2_MIN_ROWS", 0)
     whole = lin(x)

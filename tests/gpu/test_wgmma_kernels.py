@@ -166,7 +166,7 @@ def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, sw
     kernel, top = (cx.WGA_KERNEL, cx.WGA_MAX_ROWS) if switch == "EXL3TOOLS_DENSE_WGA" else (cx.WGR_KERNEL, cx.WGR_MAX_ROWS)
     for var in ("EXL3TOOLS_WGMMA", "EXL3TOOLS_DENSE_TILES", "EXL3TOOLS_DENSE_WGA"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("EXL3TOOLS_DENSE_WGR", "0")    # (on by default, and ahead of wga)
+    monkeypatch.setenv("EXL3TOOLS_DENSE_WGR", "0")    # (ahead of wga)
     monkeypatch.setenv(switch, "1")
     rng = np.random.default_rng(width * 5 + len(cb) + len(switch))
     k, n = 512, 384
