@@ -22,8 +22,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
   exl3_wg2_m256_t1 (register A, unswizzled x) over slots of 256 rows (the weight decoded inside the
   GEMM, never written) + had_out at every row count; wgr_out: had_in + exl3_wgr_out_m256_t2_f16
-  (wgr with the output pass in its epilogue, one split whatever the shape); each one's relative
-  error to ``ours`` is printed under the table
+  (wgr with the output pass in its epilogue, one split whatever the shape); wgr_rg: the same with
+  the producer's warpgroup giving its registers to the consumers for four A operands in flight
+  (exl3_wgr_rg_out_m256_t2_f16); each one's relative error to ``ours`` is printed under the table
 
 ``--parts``: under each table, every variant's kernels with their device µs a call (torch.profiler
 over CUDA-graph replays, each after an L2 flush): what of a path is its GEMM and what the passes
@@ -43,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, capture, make, w_true  # noqa: E402  (bench/ is not a package)
 
-IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wg2")     # the variants that decode inside the GEMM (their error is printed)
+IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wg2")     # the variants that decode inside the GEMM (their error is printed)
 
 
 def variants(lin, x, w):
@@ -76,6 +77,7 @@ def variants(lin, x, w):
             "wgr": lambda: lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows],
             "wgr_sk": lambda: lin._in_slots(x, 256, cx.WGR_SK_KERNEL)[:rows],
             "wgr_out": lambda: lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[x.dtype])[:rows],
+            "wgr_rg": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype])[:rows],
             "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
 
 

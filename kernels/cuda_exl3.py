@@ -112,6 +112,11 @@ WGR_SK_MIN_CHUNKS = 8
 # _units gives one split (its tiles fill half the SMs or more). H100 (as above): 69.2 µs at 4096 ->
 # 14336 and 256 rows (the kernel 64 µs, 1.16x fp16 cuBLAS), 473 at 2048 rows (1.33x)
 WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
+# exl3_wgr_rg_out_m256_t2_{f16,f32}: the same with the producer warp in a warpgroup of its own that
+# gives its registers to the consumers (setmaxnreg 40 / 232, 384 threads), so four A operands stay
+# in registers and a chunk's decode runs with three MMAs queued ahead instead of one (the decode
+# left the tensor pipe idle ~7 µs of exl3_wgr_out's 64 at 4096 -> 14336 and 256 rows, H100)
+WGR_RG_OUT_KERNELS = {torch.float16: "exl3_wgr_rg_out_m256_t2_f16", torch.float32: "exl3_wgr_rg_out_m256_t2_f32"}
 # the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
 WGR_MAX_ROWS = 1024
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
@@ -398,7 +403,8 @@ def kernel_block(name: str) -> tuple[int, int]:
     128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
     the warp-specialized exl3_ws3_* / exl3_ws4_* have 4 units of MMA work in 1024 threads (16 warps decode),
     exl3_wga_* 4 units in 512 threads (every warp decodes, every warpgroup multiplies), exl3_wgr_* 4
-    units in 288 (8 warps decode and multiply, one copies)."""
+    units in 288 (8 warps decode and multiply, one copies), exl3_wgr_rg_* in 384 (the copying warp's
+    warpgroup gives its registers away)."""
     if name.startswith(("exl3_wg2_", "exl3_wg4_")):
         w = 4 * int(name[len("exl3_wg")])
         return w, 32 * w
@@ -406,6 +412,8 @@ def kernel_block(name: str) -> tuple[int, int]:
         return 4, 1024
     if name.startswith("exl3_wga_"):
         return 4, 512
+    if name.startswith("exl3_wgr_rg_"):
+        return 4, 384
     if name.startswith("exl3_wgr_"):
         return 4, 288
     return 4, 128
@@ -567,7 +575,7 @@ class CudaLinear:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
         if _wgr_out(kernel):
-            if kernel != WGR_OUT_KERNELS.get(x2.dtype):
+            if kernel not in (WGR_OUT_KERNELS.get(x2.dtype), WGR_RG_OUT_KERNELS.get(x2.dtype)):
                 raise UsageError(f"{kernel}: y in {x2.dtype}")
             y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, None, kernel=kernel,

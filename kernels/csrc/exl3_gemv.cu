@@ -1246,6 +1246,19 @@ WGR(exl3_wgr_sk_m256_t2, 256, true)
     }
 WGR_OUT(256, f16, 1)
 WGR_OUT(256, f32, 2)
+// WGR_RG_OUT(MROWS, SUFFIX, OUT): the same with a producer warpgroup that gives its registers to
+// the consumers (setmaxnreg) and four A operands in flight (384 threads)
+#define WGR_RG_OUT(MROWS, SUFFIX, OUT)                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1) exl3_wgr_rg_out_m##MROWS##_t2_##SUFFIX(       \
+        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
+        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
+        const int* tile_n, const __grid_constant__ CUtensorMap xmap, int slots, void* y,              \
+        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs) {                                        \
+        wgr_body<MROWS, false, OUT, 4, true>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups,   \
+                                             n_units, tile_n, xmap, slots, y, svh_ptrs, bias_ptrs);   \
+    }
+WGR_RG_OUT(256, f16, 1)
+WGR_RG_OUT(256, f32, 2)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

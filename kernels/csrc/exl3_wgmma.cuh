@@ -631,8 +631,12 @@ __device__ __forceinline__ void wgr_epilogue(const float (&d)[MROWS / 2], float*
 // OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K, one split):
 // the output pass fused (wgr_epilogue), y fp16 / fp32. (Clusters of two blocks sharing x by TMA
 // multicast, a producer's handshake with the other block's before each refill, measured slower:
-// docs/gpu.md, the 2026-12-06 09:49 session.)
-template <int MROWS, bool SK, int OUT = 0>
+// docs/gpu.md, the 2026-12-06 09:49 session.) AS: A operands in registers (AS - 1 MMAs in flight
+// behind the newest). RG (exl3_wgr_rg_*, 384 threads): the producer warp is a warpgroup of its
+// own that gives its registers to the consumers (setmaxnreg: 40 a thread there, 232 here; 168 at
+// launch), so four A operands fit without ptxas serializing the MMAs (C7512 at 168), and a
+// chunk's decode runs with three MMAs queued ahead of it instead of one.
+template <int MROWS, bool SK, int OUT = 0, int AS = WGR_AS, bool RG = false>
 __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_ptrs, const int* __restrict__ slot_exp,
                                          float* __restrict__ acc, unsigned long long* __restrict__ acc64, int rows,
                                          int kt, int nt, int kps, int n_groups, int n_units,
@@ -643,7 +647,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     static_assert(MROWS == 256, "m64n256: one warpgroup's MMA takes the whole slot");
     static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
     static_assert(OUT == 0 || (!SK && S * MROWS * 64 * 2 >= MROWS * 128 * 4), "the epilogue: one segment, sums over the x stages");
-    static_assert(WGR_AS >= 2 && KS % WGR_AS == 0, "A operands: the same one every WGR_AS k-tiles, across chunks too");
+    static_assert(AS >= 2 && KS % AS == 0, "A operands: the same one every AS k-tiles, across chunks too");
     constexpr int X_STAGE = MROWS * 64, W_SLOT = KS * 8 * NW;       // halves; uint32
     constexpr int STAGE_TX = X_STAGE * 2 + W_SLOT * 4;              // bytes a stage's copies bring
     // [S][X_STAGE] halves (1024-byte aligned: the swizzle), [S][W_SLOT] uint32, S full + S empty mbarriers
@@ -690,8 +694,9 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     // stage and parity of a chunk come from q, the block's running count of chunks over its
     // segments, so one ring serves them all
 
-    if (warp == 8) {                       // ---- the producer
-        if (lane != 0 || (WGR_PROBE & 4)) return;
+    if (RG ? warp >= 8 : warp == 8) {      // ---- the producer (RG: its warpgroup)
+        if constexpr (RG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if ((RG && warp != 8) || lane != 0 || (WGR_PROBE & 4)) return;
         pdl_wait();                        // xrot is the previous kernel's
         const size_t row_stride = (size_t)nt * NW;
         int q = 0;
@@ -711,14 +716,15 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
 
     // ---- the consumers: warp w decodes n-tile w of the block (rows 16 (w % 4).. of its
     // warpgroup's A: columns 64 (w / 4) + 16 (w % 4)..), lane words (word + m) % NW of each tile
+    if constexpr (RG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     pdl_wait();                            // the workspace acc is the previous kernels'
     const int g = lane >> 2, t = lane & 3;
     int wi[NL], off;
     staged_lane_words(lane, wi, off);
     const Consts kc;
-    // A operand kk % WGR_AS: the MMA that last read it was issued WGR_AS groups earlier, so the
-    // wait behind the newest (WGR_AS - 1 in flight) has seen it done before the decode overwrites it
-    uint32_t a[WGR_AS][4], sink = 0;
+    // A operand kk % AS: the MMA that last read it was issued AS groups earlier, so the wait
+    // behind the newest (AS - 1 in flight) has seen it done before the decode overwrites it
+    uint32_t a[AS][4], sink = 0;
     const uint64_t db0 = sw128_desc(xs, 16, 1024);   // a stage or k16 step on: an addition (bytes / 16)
     int q = 0;
     do {
@@ -741,7 +747,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                 } else {
                     decode_tile(kc, w, off, b);
                 }
-                uint32_t (&ak)[4] = a[kk % WGR_AS];
+                uint32_t (&ak)[4] = a[kk % AS];
                 ak[0] = b[0]; ak[1] = b[2]; ak[2] = b[1]; ak[3] = b[3];
                 if constexpr ((WGR_PROBE & 1) != 0) {
                     sink ^= ak[0] ^ ak[1] ^ ak[2] ^ ak[3];   // (ptxas drops a decode nothing reads)
@@ -750,11 +756,11 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                     wgmma_fence();
                     wgmma_m64n256k16<0>(d, ak, db + 2 * kk);   // 32 bytes a k16 step
                     wgmma_commit();
-                    wgmma_wait<WGR_AS - 1>();
+                    wgmma_wait<AS - 1>();
                     fence_regs(d);
                 }
-                // WGR_AS - 1 of this chunk's MMAs may still run: the segment's chunk before is done
-                if (kk == WGR_AS - 2 && c > sg.c0 && lane == 0 && !(WGR_PROBE & 4)) mbar_arrive(empty + (q - 1) % S);
+                // AS - 1 of this chunk's MMAs may still run: the segment's chunk before is done
+                if (kk == AS - 2 && c > sg.c0 && lane == 0 && !(WGR_PROBE & 4)) mbar_arrive(empty + (q - 1) % S);
             }
         }
         wgmma_wait<0>();

@@ -111,7 +111,7 @@ def test_stream_k_wgr_adds_any_cut_of_the_work(cx, cb, monkeypatch):
 @pytest.mark.parametrize("width,cb", CASES)
 def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
     """exl3_wgr_out_m256_t2_{f16,f32} (exl3_wgr_m256_t2 with the output pass in its epilogue, one
-    split): y bit-identical to exl3_wgr_m256_t2's sums, also one split, through had_out, in fp16 and
+    split) and exl3_wgr_rg_out_* (the same with four A operands, setmaxnreg): y bit-identical to exl3_wgr_m256_t2's sums, also one split, through had_out, in fp16 and
     fp32, with and without bias, over several slots of one weight; for experts, slots of other
     experts, a slot of 37 real rows and an unused slot, whose rows y keeps as it was (NaN here)."""
     import torch
@@ -128,9 +128,10 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
             assert lin._wgr_kernel(rows, dtype) == cx.WGR_OUT_KERNELS[dtype]
             want = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows]
             ref_y = x.double().cpu().numpy() @ w + (0 if b is None else b.astype(np.float64))
-            got = lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[dtype])[:rows]
-            assert got.dtype == dtype and torch.equal(got, want), (bias, rows)
-            assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3
+            for kernel in (cx.WGR_OUT_KERNELS[dtype], cx.WGR_RG_OUT_KERNELS[dtype]):
+                got = lin._in_slots(x, 256, kernel)[:rows]
+                assert got.dtype == dtype and torch.equal(got, want), (kernel, bias, rows)
+                assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
     E, m, slots = 3, 256, 4
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
@@ -144,12 +145,13 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
     want = cx.had_out(ex.mod, acc, torch.empty(slots * m, n, dtype=torch.float16, device="cuda"), ex.svh_tab,
                       ex.bias_tab, 1, slots * m, n, exp=row_exp).cpu()
     live = np.r_[0:m, m:m + 37, 3 * m:4 * m]
-    got = torch.full((slots * m, n), float("nan"), dtype=torch.float16, device="cuda")
-    cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, None, slot_exp=slot_exp,
-            kernel=cx.WGR_OUT_KERNELS[torch.float16], tile_n=tile_n, out=(got, ex.svh_tab, ex.bias_tab))
-    g = got.cpu()
-    assert g[2 * m:3 * m].isnan().all() and g[m + 37:2 * m].isnan().all()
-    assert torch.equal(g[live], want[live])
+    for kernel in (cx.WGR_OUT_KERNELS[torch.float16], cx.WGR_RG_OUT_KERNELS[torch.float16]):
+        got = torch.full((slots * m, n), float("nan"), dtype=torch.float16, device="cuda")
+        cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, None, slot_exp=slot_exp, kernel=kernel,
+                tile_n=tile_n, out=(got, ex.svh_tab, ex.bias_tab))
+        g = got.cpu()
+        assert g[2 * m:3 * m].isnan().all() and g[m + 37:2 * m].isnan().all(), kernel
+        assert torch.equal(g[live], want[live]), kernel
 
 
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
