@@ -22,7 +22,7 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
   exl3_wg2_m256_t1 (register A, unswizzled x) over slots of 256 rows (the weight decoded inside the
   GEMM, never written) + had_out at every row count; wgr_out: had_in + exl3_wgr_out_m256_t2_f16
-  (wgr with the output pass in its epilogue, one split whatever the shape); wgr_rg: the same with
+  (wgr with the output pass in its epilogue, a tile's K splits added inside it); wgr_rg: the same with
   the producer's warpgroup giving its registers to the consumers for four A operands in flight
   (exl3_wgr_rg_out_m256_t2_f16); each one's relative error to ``ours`` is printed under the table
 

@@ -108,9 +108,11 @@ WGR_SK_KERNEL = "exl3_wgr_sk_m256_t2"
 WGR_SK_MIN_CHUNKS = 8
 # exl3_wgr_out_m256_t2_{f16,f32}: exl3_wgr_m256_t2 with the output pass fused (H128, svh and bias on
 # the block's sums in shared memory, y written directly: no workspace, no atomics, no had_out), for
-# launches of one split (every tile's whole k-range); the EXL3TOOLS_DENSE_WGR route takes it where
-# _units gives one split (its tiles fill half the SMs or more). H100 (as above): 69.2 µs at 4096 ->
-# 14336 and 256 rows (the kernel 64 µs, 1.16x fp16 cuBLAS), 473 at 2048 rows (1.33x)
+# any launch: where its tiles fill under half the SMs, K is split as for the others (_units: one
+# wave) and each tile's first split adds the others' sums from a scratch in split order
+# (wgr_fixup, since the 2026-12-06 09:49 session's last commits, not yet run on a GPU); the
+# EXL3TOOLS_DENSE_WGR route. H100, one split (as above): 69.2 µs at 4096 -> 14336 and 256 rows
+# (the kernel 64 µs, 1.16x fp16 cuBLAS), 473 at 2048 rows (1.33x)
 WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
 # exl3_wgr_rg_out_m256_t2_{f16,f32}: the same with the producer warp in a warpgroup of its own that
 # gives its registers to the consumers (setmaxnreg 40 / 232, 384 threads), so four A operands stay
@@ -189,6 +191,28 @@ def workspace(device: torch.device, numel: int) -> torch.Tensor:
             _retired.append(ws)
         ws = _workspace[device.index] = torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device)
     return ws
+
+
+_wgr_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def wgr_buffers(device: torch.device, tiles: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: an int32 count a tile (zero
+    between launches: each tile's first split re-zeroes it) and (splits - 1) partial sums of 256 x
+    128 fp32 a tile. Grown only outside graph capture; outgrown ones are kept (``workspace``'s way)."""
+    need = tiles * (splits - 1) * 256 * 128
+    got = _wgr_bufs.get(device.index)
+    if got is None or got[0].numel() < tiles or got[1].numel() < need:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cuda backend: wgr buffers must grow during CUDA-graph capture; warm up first")
+        if got is not None:
+            _retired.extend(got)
+        n_flags, n_scratch = max(tiles, 1024), max(need, 1 << 22)
+        if got is not None:
+            n_flags, n_scratch = max(n_flags, got[0].numel()), max(n_scratch, got[1].numel())
+        got = _wgr_bufs[device.index] = (torch.zeros(n_flags, dtype=torch.int32, device=device),
+                                         torch.empty(n_scratch, dtype=torch.float32, device=device))
+    return got
 
 
 def fixed_workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -274,8 +298,9 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     split by the weight's shape alone. ``ld_tab`` (int32 per expert, gemv kernel only): the n-tiles
     of each expert's whole trellis, whose first ``nt`` columns (from its table pointer) the slot
     multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the
-    WGR_OUT_KERNELS only, acc None): y = the output pass of the sums, written by the kernel
-    itself, one split."""
+    WGR_OUT_KERNELS / WGR_RG_OUT_KERNELS only, acc None): y = the output pass of the sums, written
+    by the kernel itself; K split as for the others (one wave), each tile's splits added inside
+    the kernel in split order (``wgr_buffers``)."""
     if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
     fixed = acc is not None and acc.dtype == torch.int64
@@ -318,10 +343,10 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         if kt % 4:                            # (chunks of 4 k-tiles)
             raise UsageError(f"{kernel}: {kt} k-tiles, not a multiple of 4")
         extra += (slots,)
-        if out is not None:                   # every tile's whole k-range, in one block
-            kps, units = kt, groups
-            grid = (-(-units // w), slots)
-            extra += tuple(out)
+        if out is not None:                   # K split as _units says (one wave), the splits added in the kernel
+            splits = -(-kt // kps)
+            tiles = slots * (groups // w)
+            extra += tuple(out) + (wgr_buffers(xrot.device, tiles, splits) if splits > 1 else (None, None))
         elif name.startswith("exl3_wgr_sk_"):   # stream-K: every tile's whole k-range; all slots' chunks
             # (4 k-tiles) in equal shares, one block an SM (WGR_SK_MIN_CHUNKS at the least)
             kps, units = kt, groups
@@ -518,7 +543,7 @@ class CudaLinear:
 
             if rows <= WGR_MAX_ROWS and (
                     preview.switched_on("dense_wgr") if self.wgr is None else self.wgr):
-                return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(rows, x2.dtype))[:rows].to(x.dtype).reshape(
+                return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(x2.dtype))[:rows].to(x.dtype).reshape(
                     *shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
                     preview.switched_on("dense_wga") if self.wga is None else self.wga):
@@ -554,15 +579,12 @@ class CudaLinear:
         r = 128 if x2.shape[0] <= 128 else 256
         return self._in_slots(x2, r, WG_KERNELS[r])
 
-    def _wgr_kernel(self, rows: int, dtype: torch.dtype) -> str:
-        """EXL3TOOLS_DENSE_WGR's kernel for ``rows``: the fused output pass where the launch is one
-        split anyway (its tiles fill half the SMs or more) and y is fp16 / fp32, else the split
-        kernel (partial sums by atomics, had_out after)."""
-        name = WGR_OUT_KERNELS.get(dtype)
-        if name is None:
-            return WGR_KERNEL
-        _, groups, units = _units(self.mod, name, self.device, self.kt, self.nt // 2, -(-rows // WGR_ROWS))
-        return name if units == groups else WGR_KERNEL
+    @staticmethod
+    def _wgr_kernel(dtype: torch.dtype) -> str:
+        """EXL3TOOLS_DENSE_WGR's kernel: the fused output pass where y is fp16 / fp32 (a launch of
+        too few tiles for the SMs splits K and adds the splits inside), else the split kernel with
+        atomics and had_out."""
+        return WGR_OUT_KERNELS.get(dtype, WGR_KERNEL)
 
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch

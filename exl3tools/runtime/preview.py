@@ -96,8 +96,10 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # decode batches past 64) in slots of 256 rows on the wgr kernels (kernels/csrc/exl3_wgmma.cuh
     # wgr_body: each warp decodes its tile straight into the register A operand of an m64n256
     # wgmma; x and the trellis words come by TMA into mbarrier stages; exl3_wgr_out_* writes y with
-    # the output pass in its epilogue where a launch of one split fills half the SMs, else
-    # exl3_wgr_m256_t2 splits K) instead of decode to fp16 + cuBLAS. H100, 2026-12-06 09:49
+    # the output pass in its epilogue) instead of decode to fp16 + cuBLAS. The figures below took
+    # exl3_wgr_out_* where a launch of one split fills half the SMs, else exl3_wgr_m256_t2 (K split,
+    # atomics, had_out); since that session's last commits the route takes exl3_wgr_out_* always,
+    # its K splits added inside it (wgr_fixup: not yet run on a GPU). H100, 2026-12-06 09:49
     # (bench/gpu_gemm_ab.py, graph replays, K 3, x fp16 cuBLAS): 4096 -> 14336 at 128 / 256 / 512 /
     # 1024 rows 1.32 / 1.16 / 1.37 / 1.48 against the default's 2.31 / 2.27 / 1.83 / 1.53;
     # 14336 -> 4096 1.36 / 1.14 / 1.55 / 1.41 against 2.14 / 2.13 / 1.87 / 1.50; 8192 -> 8192 1.53 /

@@ -1234,15 +1234,16 @@ WGA(exl3_wga_m256_t2, 256)
     }
 WGR(exl3_wgr_m256_t2, 256, false)
 WGR(exl3_wgr_sk_m256_t2, 256, true)
-// WGR_OUT(MROWS, SUFFIX, OUT): wgr_body with the fused output pass (one split), y in fp16 or fp32
+// WGR_OUT(MROWS, SUFFIX, OUT): wgr_body with the fused output pass, y in fp16 or fp32; flags and scratch
+// (cuda_exl3.wgr_buffers) where kps < kt: a tile's splits added in the kernel (wgr_fixup)
 #define WGR_OUT(MROWS, SUFFIX, OUT)                                                                  \
     extern "C" __global__ void __launch_bounds__(288, 1) exl3_wgr_out_m##MROWS##_t2_##SUFFIX(          \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
         const int* tile_n, const __grid_constant__ CUtensorMap xmap, int slots, void* y,              \
-        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs) {                                        \
+        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs, int* flags, float* scratch) {            \
         wgr_body<MROWS, false, OUT>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n, \
-                                    xmap, slots, y, svh_ptrs, bias_ptrs);                             \
+                                    xmap, slots, y, svh_ptrs, bias_ptrs, flags, scratch);             \
     }
 WGR_OUT(256, f16, 1)
 WGR_OUT(256, f32, 2)
@@ -1253,9 +1254,9 @@ WGR_OUT(256, f32, 2)
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
         const int* tile_n, const __grid_constant__ CUtensorMap xmap, int slots, void* y,              \
-        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs) {                                        \
+        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs, int* flags, float* scratch) {            \
         wgr_body<MROWS, false, OUT, 4, true>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups,   \
-                                             n_units, tile_n, xmap, slots, y, svh_ptrs, bias_ptrs);   \
+                                             n_units, tile_n, xmap, slots, y, svh_ptrs, bias_ptrs, flags, scratch); \
     }
 WGR_RG_OUT(256, f16, 1)
 WGR_RG_OUT(256, f32, 2)

@@ -628,8 +628,63 @@ __device__ __forceinline__ void wgr_epilogue(const float (&d)[MROWS / 2], float*
         store4(y + (size_t)(row0 + m) * n + col0 + 4 * lane, v);
     }
 }
-// OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K, one split):
-// the output pass fused (wgr_epilogue), y fp16 / fp32. (Clusters of two blocks sharing x by TMA
+// slot z's expert read again after setmaxnreg (exl3_wgr_rg_*): a value kept across it from
+// before was spilled by ptxas (4 bytes, both regions); a volatile load is not merged with the first
+__device__ __forceinline__ int wgr_expert(const int* __restrict__ slot_exp, int z) {
+    return slot_exp ? *reinterpret_cast<const volatile int*>(slot_exp + z) : 0;
+}
+// a 32-bit count in global memory: added with release, read with acquire (GPU scope)
+__device__ __forceinline__ void red_release_gpu(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// Split K inside exl3_wgr_out_* (kps < kt): a tile's splits meet here. Split s > 0 stores its sums
+// in scratch (its own MROWS x 128 floats, as [i][thread] float4s: coalesced) and counts itself in
+// flags[tile] (release); split 0 waits for the count (acquire), adds the others' sums in split
+// order, so y depends on the split count alone (not on timing, as atomics would), re-zeroes the
+// count for the next launch and goes on to the epilogue (true). Every block of such a launch is
+// resident at once (cuda_exl3._units sizes it to one wave), so split 0 never waits for a block
+// that cannot start.
+template <int MROWS>
+__device__ __forceinline__ bool wgr_fixup(float (&d)[MROWS / 2], int* __restrict__ flags, float* __restrict__ scratch,
+                                         int tile, int split, int splits) {
+    constexpr int V = MROWS / 8;           // float4s a thread
+    const int tid = threadIdx.x;           // (the consumers: 0-255)
+    float4* const base = reinterpret_cast<float4*>(scratch) + (size_t)tile * (splits - 1) * V * 256 + tid;
+    if (split > 0) {
+        float4* const dst = base + (size_t)(split - 1) * V * 256;
+#pragma unroll
+        for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+        __threadfence();
+        named_sync(1, 256);
+        if (tid == 0) red_release_gpu(flags + tile, 1);
+        return false;
+    }
+    if (tid == 0) {
+        while (ld_acquire_gpu(flags + tile) < splits - 1) {
+        }
+        flags[tile] = 0;                   // (every other split has counted)
+    }
+    named_sync(1, 256);
+    for (int s = 1; s < splits; s++) {
+        const float4* const src = base + (size_t)(s - 1) * V * 256;
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            const float4 v = __ldcg(src + i * 256);
+            d[4 * i] += v.x;
+            d[4 * i + 1] += v.y;
+            d[4 * i + 2] += v.z;
+            d[4 * i + 3] += v.w;
+        }
+    }
+    return true;
+}
+// OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K): the output
+// pass fused (wgr_epilogue), y fp16 / fp32, a tile's K splits (kps < kt) added by wgr_fixup first. (Clusters of two blocks sharing x by TMA
 // multicast, a producer's handshake with the other block's before each refill, measured slower:
 // docs/gpu.md, the 2026-12-06 09:49 session.) AS: A operands in registers (AS - 1 MMAs in flight
 // behind the newest). RG (exl3_wgr_rg_*, 384 threads): the producer warp is a warpgroup of its
@@ -642,7 +697,8 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                                          int kt, int nt, int kps, int n_groups, int n_units,
                                          const int* __restrict__ tile_n, const CUtensorMap& xmap, int slots,
                                          void* __restrict__ y = nullptr, const uint64_t* __restrict__ svh_ptrs = nullptr,
-                                         const uint64_t* __restrict__ bias_ptrs = nullptr) {
+                                         const uint64_t* __restrict__ bias_ptrs = nullptr, int* __restrict__ flags = nullptr,
+                                         float* __restrict__ scratch = nullptr) {
     constexpr int KS = 4, S = WGR_S;
     static_assert(MROWS == 256, "m64n256: one warpgroup's MMA takes the whole slot");
     static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
@@ -697,6 +753,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
     if (RG ? warp >= 8 : warp == 8) {      // ---- the producer (RG: its warpgroup)
         if constexpr (RG) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if ((RG && warp != 8) || lane != 0 || (WGR_PROBE & 4)) return;
+        if constexpr (RG) sg.e = wgr_expert(slot_exp, sg.z);
         pdl_wait();                        // xrot is the previous kernel's
         const size_t row_stride = (size_t)nt * NW;
         int q = 0;
@@ -716,7 +773,10 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
 
     // ---- the consumers: warp w decodes n-tile w of the block (rows 16 (w % 4).. of its
     // warpgroup's A: columns 64 (w / 4) + 16 (w % 4)..), lane words (word + m) % NW of each tile
-    if constexpr (RG) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (RG) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        sg.e = wgr_expert(slot_exp, sg.z);
+    }
     pdl_wait();                            // the workspace acc is the previous kernels'
     const int g = lane >> 2, t = lane & 3;
     int wi[NL], off;
@@ -770,6 +830,9 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
         if constexpr (OUT == 0) {
             add_wgmma_d<MROWS>(acc, acc64, d, sg.z * rows, sg.nr, nt * 16, sg.jb + warp, g, t);
         } else {
+            if (kps < kt && !wgr_fixup<MROWS>(d, flags, scratch, sg.z * col_blocks + sg.jb / 8, sg.i0 / kps,
+                                              (kt + kps - 1) / kps))
+                continue;                  // (a split past the first: its sums are in scratch)
             using TY = typename std::conditional<OUT == 1, half, float>::type;
             wgr_epilogue<MROWS, TY>(d, reinterpret_cast<float*>(wgr_smem), reinterpret_cast<TY*>(y),
                                     reinterpret_cast<const half*>(svh_ptrs[sg.e]),

@@ -110,28 +110,43 @@ def test_stream_k_wgr_adds_any_cut_of_the_work(cx, cb, monkeypatch):
 
 @pytest.mark.parametrize("width,cb", CASES)
 def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
-    """exl3_wgr_out_m256_t2_{f16,f32} (exl3_wgr_m256_t2 with the output pass in its epilogue, one
-    split) and exl3_wgr_rg_out_* (the same with four A operands, setmaxnreg): y bit-identical to exl3_wgr_m256_t2's sums, also one split, through had_out, in fp16 and
-    fp32, with and without bias, over several slots of one weight; for experts, slots of other
-    experts, a slot of 37 real rows and an unused slot, whose rows y keeps as it was (NaN here)."""
+    """exl3_wgr_out_m256_t2_{f16,f32} (exl3_wgr_m256_t2 with the output pass in its epilogue) and
+    exl3_wgr_rg_out_* (the same with four A operands, setmaxnreg). One split (as if on one SM): y
+    bit-identical to exl3_wgr_m256_t2's sums, also one split, through had_out, in fp16 and fp32,
+    with and without bias, over several slots of one weight; for experts, slots of other experts,
+    a slot of 37 real rows and an unused slot, whose rows y keeps as it was (NaN here). K split
+    (these shapes on the real SMs: each tile's splits added in the kernel): within fp32 rounding of
+    the split kernel's atomics, the same bits on every run, and every tile's count back at zero."""
     import torch
 
-    monkeypatch.setattr(cx, "sm_count", lambda device: 1)     # _units: one split, so acc held exact sums
     rng = np.random.default_rng(width * 7 + len(cb))
     k, n = 512, 384
+    one_split = (cx, "sm_count", lambda device: 1)     # _units: one split, so acc held exact sums
     for bias in (True, False):
         tr, suh, svh, b = _lin(rng, k, n, width, bias=bias)
         lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
         w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
         for rows, dtype in ((200, torch.float16), (700, torch.float32), (512, torch.float16)):
             x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().to(dtype)
-            assert lin._wgr_kernel(rows, dtype) == cx.WGR_OUT_KERNELS[dtype]
-            want = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows]
             ref_y = x.double().cpu().numpy() @ w + (0 if b is None else b.astype(np.float64))
-            for kernel in (cx.WGR_OUT_KERNELS[dtype], cx.WGR_RG_OUT_KERNELS[dtype]):
+            kernels = (cx.WGR_OUT_KERNELS[dtype], cx.WGR_RG_OUT_KERNELS[dtype])
+            assert lin._wgr_kernel(dtype) == kernels[0]
+            with monkeypatch.context() as mp:
+                mp.setattr(*one_split)
+                want = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows]
+                for kernel in kernels:
+                    got = lin._in_slots(x, 256, kernel)[:rows]
+                    assert got.dtype == dtype and torch.equal(got, want), (kernel, bias, rows)
+                    assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
+            _, groups, units = cx._units(lin.mod, kernels[0], lin.device, lin.kt, lin.nt // 2, -(-rows // 256))
+            assert units > groups      # (K split)
+            split = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows].double().cpu().numpy()
+            for kernel in kernels:
                 got = lin._in_slots(x, 256, kernel)[:rows]
-                assert got.dtype == dtype and torch.equal(got, want), (kernel, bias, rows)
+                assert torch.equal(lin._in_slots(x, 256, kernel)[:rows], got), kernel   # split order, not timing
+                assert _rel(got.double().cpu().numpy(), split) < 1e-5, (kernel, bias, rows)
                 assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
+            assert not cx._wgr_bufs[lin.device.index][0].any()
     E, m, slots = 3, 256, 4
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
@@ -140,18 +155,27 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
     row_exp = slot_exp.clamp(min=0).repeat_interleave(m)
     xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k, exp=row_exp)
     tile_n = torch.tensor([m, 37, m, m], dtype=torch.int32, device="cuda")
-    acc = torch.zeros(slots * m, n, device="cuda")
-    cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, acc, slot_exp=slot_exp, kernel=cx.WGR_KERNEL, tile_n=tile_n)
-    want = cx.had_out(ex.mod, acc, torch.empty(slots * m, n, dtype=torch.float16, device="cuda"), ex.svh_tab,
-                      ex.bias_tab, 1, slots * m, n, exp=row_exp).cpu()
     live = np.r_[0:m, m:m + 37, 3 * m:4 * m]
-    for kernel in (cx.WGR_OUT_KERNELS[torch.float16], cx.WGR_RG_OUT_KERNELS[torch.float16]):
-        got = torch.full((slots * m, n), float("nan"), dtype=torch.float16, device="cuda")
-        cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, None, slot_exp=slot_exp, kernel=kernel,
-                tile_n=tile_n, out=(got, ex.svh_tab, ex.bias_tab))
-        g = got.cpu()
-        assert g[2 * m:3 * m].isnan().all() and g[m + 37:2 * m].isnan().all(), kernel
-        assert torch.equal(g[live], want[live]), kernel
+    for split in (False, True):
+        with monkeypatch.context() as mp:
+            if not split:
+                mp.setattr(*one_split)
+            acc = torch.zeros(slots * m, n, device="cuda")
+            cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, acc, slot_exp=slot_exp, kernel=cx.WGR_KERNEL,
+                    tile_n=tile_n)
+            want = cx.had_out(ex.mod, acc, torch.empty(slots * m, n, dtype=torch.float16, device="cuda"), ex.svh_tab,
+                              ex.bias_tab, 1, slots * m, n, exp=row_exp).cpu()
+            for kernel in (cx.WGR_OUT_KERNELS[torch.float16], cx.WGR_RG_OUT_KERNELS[torch.float16]):
+                got = torch.full((slots * m, n), float("nan"), dtype=torch.float16, device="cuda")
+                cx.gemv(ex.mod, xrot, ex.tr_tab, ex.kt, ex.nt, m, slots, None, slot_exp=slot_exp, kernel=kernel,
+                        tile_n=tile_n, out=(got, ex.svh_tab, ex.bias_tab))
+                g = got.cpu()
+                assert g[2 * m:3 * m].isnan().all() and g[m + 37:2 * m].isnan().all(), (kernel, split)
+                if split:
+                    assert _rel(g[live].double().numpy(), want[live].double().numpy()) < 1e-3, kernel
+                else:
+                    assert torch.equal(g[live], want[live]), kernel
+    assert not cx._wgr_bufs[ex.device.index][0].any()
 
 
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
@@ -159,10 +183,10 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
 def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
     """EXL3TOOLS_DENSE_WGA / EXL3TOOLS_DENSE_WGR: a dense linear of 65-256 rows (wga) or 65-
     WGR_MAX_ROWS rows (wgr) runs slots of 256 rows of exl3_wga_m256_t2 / a wgr kernel (x padded; the
-    rest read, never added): exl3_wgr_out_* where the launch is one split (here: as if on one SM),
-    else exl3_wgr_m256_t2, within 2e-3 of x·W + bias on every K and codebook and fp16 / fp32
-    activations, several slots too (wgr), in a CUDA graph too (within 1e-3 of the eager call: fp32
-    atomics); the other row counts and the switch off take the default paths, which agree."""
+    rest read, never added; wgr: exl3_wgr_out_*, whose K splits here are added in the kernel),
+    within 2e-3 of x·W + bias on every K and codebook and fp16 / fp32 activations, several slots
+    too (wgr), in a CUDA graph too (within 1e-3 of the eager call: wga's fp32 atomics); the other
+    row counts and the switch off take the default paths, which agree."""
     import torch
 
     kernel, top = (cx.WGA_KERNEL, cx.WGA_MAX_ROWS) if switch == "EXL3TOOLS_DENSE_WGA" else (cx.WGR_KERNEL, cx.WGR_MAX_ROWS)
@@ -185,19 +209,10 @@ def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, sw
         y = lin(torch.from_numpy(x).cuda().to(dtype))
         assert y.dtype == dtype and y.shape == (rows, n)
         if 64 < rows <= top:
-            assert kernels == [kernel], (rows, kernels)
+            assert kernels == [cx.CudaLinear._wgr_kernel(dtype) if kernel == cx.WGR_KERNEL else kernel], (rows, kernels)
         else:
             assert not any(k_ and k_.startswith(kernel[:8]) for k_ in kernels), (rows, kernels)
         assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
-    if kernel == cx.WGR_KERNEL:
-        with monkeypatch.context() as mp:
-            mp.setattr(cx, "sm_count", lambda device: 1)    # one split fills the "GPU": the fused output pass
-            for dtype in (torch.float16, torch.float32):
-                x = rng.normal(0, 1, (200, k)).astype(np.float32)
-                kernels.clear()
-                y = lin(torch.from_numpy(x).cuda().to(dtype))
-                assert kernels == [cx.WGR_OUT_KERNELS[dtype]] and y.dtype == dtype, kernels
-                assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3
     x = torch.from_numpy(rng.normal(0, 1, (200, k)).astype(np.float16)).cuda()
     want = lin(x).float()
     g, got = captured(lin, x)
