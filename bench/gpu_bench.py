@@ -84,9 +84,9 @@ def bench_graph(fn):
     return do_bench(capture(fn).replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def profile_graph(fn, title: str, n: int = 5) -> None:
-    """Kernels of n replays of fn's CUDA graph by device time (CUPTI traces graph kernels), each
-    replay after the same L2 flush do_bench does: where a whole path's time goes beside its parts."""
+def graph_profile(fn, n: int = 5):
+    """(torch.profiler's key averages, the device-time key) of n replays of fn's CUDA graph (CUPTI
+    traces graph kernels), each replay after the same L2 flush do_bench does (an int8 fill)."""
     from torch.profiler import ProfilerActivity, profile
 
     g = capture(fn)
@@ -97,7 +97,13 @@ def profile_graph(fn, title: str, n: int = 5) -> None:
             g.replay()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    return events, "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+
+
+def profile_graph(fn, title: str, n: int = 5) -> None:
+    """Kernels of n replays of fn's CUDA graph by device time (graph_profile): where a whole path's
+    time goes beside its parts."""
+    events, key = graph_profile(fn, n)
     print(f"--- profile: {title}, {n} replays (each after an L2 flush)", flush=True)
     print(events.table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import bench, capture, make, w_true  # noqa: E402  (bench/ is not a package)
+from gpu_bench import bench, graph_profile, make, w_true  # noqa: E402  (bench/ is not a package)
 
 IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wg2")     # the variants that decode inside the GEMM (their error is printed)
 
@@ -82,19 +82,8 @@ def variants(lin, x, w):
 
 
 def kernel_parts(fn, n: int = 5) -> list[tuple[str, float]]:
-    """fn's kernels and their device µs a call, largest first (n graph replays, each after the L2
-    flush do_bench does)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    g = capture(fn)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            flush.zero_()
-            g.replay()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    """fn's kernels and their device µs a call, largest first (gpu_bench.graph_profile's replays)."""
+    events, key = graph_profile(fn, n)
     parts = [(e.key, getattr(e, key) / n) for e in events if getattr(e, key) > 0]
     return sorted((p for p in parts if "FillFunctor<signed char>" not in p[0]), key=lambda p: -p[1])   # (the flush)
 

@@ -1234,32 +1234,23 @@ WGA(exl3_wga_m256_t2, 256)
     }
 WGR(exl3_wgr_m256_t2, 256, false)
 WGR(exl3_wgr_sk_m256_t2, 256, true)
-// WGR_OUT(MROWS, SUFFIX, OUT): wgr_body with the fused output pass, y in fp16 or fp32; flags and scratch
-// (cuda_exl3.wgr_buffers) where kps < kt: a tile's splits added in the kernel (wgr_fixup)
-#define WGR_OUT(MROWS, SUFFIX, OUT)                                                                  \
-    extern "C" __global__ void __launch_bounds__(288, 1) exl3_wgr_out_m##MROWS##_t2_##SUFFIX(          \
+// WGR_OUT(NAME, THREADS, AS, RG, MROWS, OUT): wgr_body with the fused output pass, y in fp16 (OUT 1)
+// or fp32 (2); flags and scratch (cuda_exl3.wgr_buffers) where kps < kt: a tile's splits added in
+// the kernel (wgr_fixup). RG: a producer warpgroup that gives its registers to the consumers
+// (setmaxnreg), AS A operands in flight (384 threads)
+#define WGR_OUT(NAME, THREADS, AS, RG, MROWS, OUT)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) NAME(                                    \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
         unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
         const int* tile_n, const __grid_constant__ CUtensorMap xmap, int slots, void* y,              \
         const uint64_t* svh_ptrs, const uint64_t* bias_ptrs, int* flags, float* scratch) {            \
-        wgr_body<MROWS, false, OUT>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, tile_n, \
-                                    xmap, slots, y, svh_ptrs, bias_ptrs, flags, scratch);             \
+        wgr_body<MROWS, false, OUT, AS, RG>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups, n_units, \
+                                            tile_n, xmap, slots, y, svh_ptrs, bias_ptrs, flags, scratch); \
     }
-WGR_OUT(256, f16, 1)
-WGR_OUT(256, f32, 2)
-// WGR_RG_OUT(MROWS, SUFFIX, OUT): the same with a producer warpgroup that gives its registers to
-// the consumers (setmaxnreg) and four A operands in flight (384 threads)
-#define WGR_RG_OUT(MROWS, SUFFIX, OUT)                                                               \
-    extern "C" __global__ void __launch_bounds__(384, 1) exl3_wgr_rg_out_m##MROWS##_t2_##SUFFIX(       \
-        const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
-        unsigned long long* acc64, int rows, int kt, int nt, int kps, int n_groups, int n_units,      \
-        const int* tile_n, const __grid_constant__ CUtensorMap xmap, int slots, void* y,              \
-        const uint64_t* svh_ptrs, const uint64_t* bias_ptrs, int* flags, float* scratch) {            \
-        wgr_body<MROWS, false, OUT, 4, true>(trellis_ptrs, slot_exp, acc, acc64, rows, kt, nt, kps, n_groups,   \
-                                             n_units, tile_n, xmap, slots, y, svh_ptrs, bias_ptrs, flags, scratch); \
-    }
-WGR_RG_OUT(256, f16, 1)
-WGR_RG_OUT(256, f32, 2)
+WGR_OUT(exl3_wgr_out_m256_t2_f16, 288, WGR_AS, false, 256, 1)
+WGR_OUT(exl3_wgr_out_m256_t2_f32, 288, WGR_AS, false, 256, 2)
+WGR_OUT(exl3_wgr_rg_out_m256_t2_f16, 384, 4, true, 256, 1)
+WGR_OUT(exl3_wgr_rg_out_m256_t2_f32, 384, 4, true, 256, 2)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST
