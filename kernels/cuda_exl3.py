@@ -92,8 +92,8 @@ WGA_KERNEL = "exl3_wga_m256_t2"
 WGA_MAX_ROWS = 256
 # exl3_wgr_m256_t2 (the 2026-12-06 08:39 session): exl3_wg2_m256_t1's register A operand (each
 # warp's decoded tile straight into the MMA) over wga's TMA-staged, swizzled x and mbarrier stages,
-# no block barrier in its loop; dense linears of 65-WGR_MAX_ROWS rows in slots of WGR_ROWS under the
-# EXL3TOOLS_DENSE_WGR preview where _units splits K. H100, 2026-12-06 09:49 (bench/gpu_gemm_ab.py,
+# no block barrier in its loop, partial sums by atomics (had_out after); benches and tests (the
+# EXL3TOOLS_DENSE_WGR route takes exl3_wgr_out_*, below). H100, 2026-12-06 09:49 (bench/gpu_gemm_ab.py,
 # graph replays, K 3, 256 rows, with had_in and had_out): 95.4 / 76.4 / 87.9 µs at 4096 -> 14336 /
 # 14336 -> 4096 / 8192 -> 8192, 1.60 / 1.14 / 1.36x fp16 cuBLAS
 WGR_KERNEL = "exl3_wgr_m256_t2"
@@ -199,12 +199,15 @@ _wgr_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 def wgr_buffers(device: torch.device, tiles: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: an int32 count a tile (zero
     between launches: each tile's first split re-zeroes it) and (splits - 1) partial sums of 256 x
-    128 fp32 a tile. Grown only outside graph capture; outgrown ones are kept (``workspace``'s way)."""
+    128 fp32 a tile. Kept per device and grown outside graph capture, outgrown ones kept
+    (``workspace``'s way); under capture, too small ones are replaced by the graph's own (from its
+    pool, the counts' zeroing part of the graph)."""
     need = tiles * (splits - 1) * 256 * 128
     got = _wgr_bufs.get(device.index)
     if got is None or got[0].numel() < tiles or got[1].numel() < need:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cuda backend: wgr buffers must grow during CUDA-graph capture; warm up first")
+            return (torch.zeros(tiles, dtype=torch.int32, device=device),
+                    torch.empty(need, dtype=torch.float32, device=device))
         if got is not None:
             _retired.extend(got)
         n_flags, n_scratch = max(tiles, 1024), max(need, 1 << 22)
@@ -581,15 +584,15 @@ class CudaLinear:
 
     @staticmethod
     def _wgr_kernel(dtype: torch.dtype) -> str:
-        """EXL3TOOLS_DENSE_WGR's kernel: the fused output pass where y is fp16 / fp32 (a launch of
-        too few tiles for the SMs splits K and adds the splits inside), else the split kernel with
-        atomics and had_out."""
+        """EXL3TOOLS_DENSE_WGR's kernel: the fused output pass (a launch of too few tiles for the
+        SMs splits K and adds the splits inside); WGR_KERNEL (atomics, had_out) for a y that is
+        neither fp16 nor fp32 (``_act`` gives one or the other)."""
         return WGR_OUT_KERNELS.get(dtype, WGR_KERNEL)
 
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch
         (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs).
-        A WGR_OUT_KERNELS kernel writes y itself (y in x2's dtype, fp16 or fp32)."""
+        A WGR_OUT_KERNELS / WGR_RG_OUT_KERNELS kernel writes y itself (in x2's dtype, fp16 or fp32)."""
         rows = x2.shape[0]
         slots = -(-rows // r)
         total = r * slots

@@ -597,9 +597,9 @@ __device__ __forceinline__ bool wgr_next(long long& item, long long end, int C, 
     }
     return false;
 }
-// wgr_body's fused output pass (exl3_wgr_out_*: one segment, a tile's whole k-range): both
-// warpgroups' sums (the block's 128 columns x MROWS rows, fp32) go to shared memory over the
-// drained stages, then each warp takes whole rows as tiles_epilogue does (lane L: columns 4L..4L+3,
+// wgr_body's fused output pass (exl3_wgr_out_*: a tile's whole k-range, its other K splits added
+// by wgr_fixup first): both warpgroups' sums (the block's 128 columns x MROWS rows, fp32) go to
+// shared memory over the drained stages, then each warp takes whole rows as tiles_epilogue does (lane L: columns 4L..4L+3,
 // H128 across the warp, 1/sqrt(128), svh, bias) and writes y: had_out_body's operations in its
 // order on the sums acc would have held, so y is bit-identical to gemv + had_out's. Columns are
 // XOR-swizzled by ((m >> 1) & 3) * 8 in row m, so a fragment store hits 32 banks and a row's read
@@ -684,10 +684,10 @@ __device__ __forceinline__ bool wgr_fixup(float (&d)[MROWS / 2], int* __restrict
     return true;
 }
 // OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K): the output
-// pass fused (wgr_epilogue), y fp16 / fp32, a tile's K splits (kps < kt) added by wgr_fixup first. (Clusters of two blocks sharing x by TMA
-// multicast, a producer's handshake with the other block's before each refill, measured slower:
-// docs/gpu.md, the 2026-12-06 09:49 session.) AS: A operands in registers (AS - 1 MMAs in flight
-// behind the newest). RG (exl3_wgr_rg_*, 384 threads): the producer warp is a warpgroup of its
+// pass fused (wgr_epilogue), y fp16 / fp32, a tile's K splits (kps < kt) added by wgr_fixup first.
+// (Clusters of two blocks sharing x by TMA multicast, a producer's handshake with the other
+// block's before each refill, measured slower: docs/gpu.md, the 2026-12-06 09:49 session.) AS: A
+// operands in registers (AS - 1 MMAs in flight behind the newest). RG (exl3_wgr_rg_*, 384 threads): the producer warp is a warpgroup of its
 // own that gives its registers to the consumers (setmaxnreg: 40 a thread there, 232 here; 168 at
 // launch), so four A operands fit without ptxas serializing the MMAs (C7512 at 168), and a
 // chunk's decode runs with three MMAs queued ahead of it instead of one.

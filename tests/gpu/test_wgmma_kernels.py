@@ -115,8 +115,8 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
     bit-identical to exl3_wgr_m256_t2's sums, also one split, through had_out, in fp16 and fp32,
     with and without bias, over several slots of one weight; for experts, slots of other experts,
     a slot of 37 real rows and an unused slot, whose rows y keeps as it was (NaN here). K split
-    (these shapes on the real SMs: each tile's splits added in the kernel): within fp32 rounding of
-    the split kernel's atomics, the same bits on every run, and every tile's count back at zero."""
+    (these shapes on the real SMs: each tile's splits added in the kernel): within rounding of the
+    split kernel's atomics, the same bits on every run, and every tile's count back at zero."""
     import torch
 
     rng = np.random.default_rng(width * 7 + len(cb))
@@ -144,7 +144,8 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
             for kernel in kernels:
                 got = lin._in_slots(x, 256, kernel)[:rows]
                 assert torch.equal(lin._in_slots(x, 256, kernel)[:rows], got), kernel   # split order, not timing
-                assert _rel(got.double().cpu().numpy(), split) < 1e-5, (kernel, bias, rows)
+                # (fp32 sums in another order: within fp32 rounding, or fp16's where y is fp16)
+                assert _rel(got.double().cpu().numpy(), split) < (1e-5 if dtype == torch.float32 else 1e-3), kernel
                 assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
             assert not cx._wgr_bufs[lin.device.index][0].any()
     E, m, slots = 3, 256, 4
