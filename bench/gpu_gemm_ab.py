@@ -26,9 +26,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   the producer's warpgroup giving its registers to the consumers for four A operands in flight
   (exl3_wgr_rg_out_m256_t2_f16); each one's relative error to ``ours`` is printed under the table
 
-``--parts``: under each table, every variant's kernels with their device µs a call (torch.profiler
-over CUDA-graph replays, each after an L2 flush): what of a path is its GEMM and what the passes
-around it.
+``--variants a,b``: only those rows (beside the baseline and ``ours``). ``--parts``: under each
+table, every variant's kernels with their device µs a call (torch.profiler over CUDA-graph
+replays, each after an L2 flush): what of a path is its GEMM and what the passes around it.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--eager", action="store_true", help="time eager calls, not CUDA-graph replays")
     ap.add_argument("--parts", action="store_true", help="print each variant's kernels (device µs a call)")
+    ap.add_argument("--variants", default="",
+                    help='only these (comma-separated, e.g. "wgr_out,wgr_rg,fold"; "fp16 nk" and "ours" always run)')
     a = ap.parse_args()
     import gpu_bench
 
@@ -115,6 +117,11 @@ def main() -> int:
         for rows in (int(r) for r in a.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
             calls = variants(lin, x, w)
+            if a.variants:
+                keep = {"fp16 nk", "ours", *a.variants.split(",")}
+                if keep - set(calls):
+                    ap.error(f"--variants: no {sorted(keep - set(calls))}; there are {list(calls)}")
+                calls = {name: fn for name, fn in calls.items() if name in keep}
             times = {name: [] for name in calls}
             for _ in range(a.rounds):
                 for name, fn in calls.items():
@@ -127,7 +134,7 @@ def main() -> int:
                 ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))
                 print(f"  {name:13s} | {statistics.median(ts):8.1f} | {min(ts):7.1f}-{max(ts):7.1f} | {ratio:5.2f}")
             ref = calls["ours"]().float()
-            errs = {name: float((calls[name]().float() - ref).norm() / ref.norm()) for name in IN_GEMM}
+            errs = {name: float((calls[name]().float() - ref).norm() / ref.norm()) for name in IN_GEMM if name in calls}
             print("  relative error to ours: " + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
             if a.parts:
                 for name, fn in calls.items():
