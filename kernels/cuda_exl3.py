@@ -170,52 +170,54 @@ _retired: list[torch.Tensor] = []      # outgrown workspaces: captured graphs ma
 WORKSPACE_KEEP = 1 << 24     # floats (64 MiB): larger requests outside graph capture get a buffer of their own
 
 
+def _kept(kept: dict[int, torch.Tensor], device: torch.device, numel: int, dtype: torch.dtype, least: int,
+          zero: bool) -> torch.Tensor | None:
+    """``kept``'s buffer for ``device`` if it holds ≥ numel, else a new one of max(numel, least)
+    (zeroed where ``zero``) in its place, the outgrown one kept, never freed, because a CUDA graph
+    captured earlier replays into it; None where it would have to grow under graph capture."""
+    buf = kept.get(device.index)
+    if buf is None or buf.numel() < numel:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _retired.append(buf)
+        buf = kept[device.index] = (torch.zeros if zero else torch.empty)(max(numel, least), dtype=dtype,
+                                                                            device=device)
+    return buf
+
+
 def workspace(device: torch.device, numel: int) -> torch.Tensor:
     """A zero fp32 buffer of ≥ numel shared by all small-row calls on ``device``.
 
     Every gemv adds into it and the output pass that follows re-zeroes what it read, so it is
-    zero between calls (stream order; one stream per device). Grown only outside graph capture;
-    an outgrown buffer is kept, never freed, because a CUDA graph captured earlier replays into it.
-    A request above WORKSPACE_KEEP floats (a long prefill's MoE tiles) gets a fresh zeroed buffer,
-    freed after the call: the shared one, and what it retires, stay small. Under capture (a
-    prompt-step graph of hundreds of rows) that buffer comes from the graph's pool and its zeroing
-    is part of the graph, since its warm-up never grew the shared one.
+    zero between calls (stream order; one stream per device). Grown only outside graph capture
+    (``_kept``). A request above WORKSPACE_KEEP floats (a long prefill's MoE tiles) gets a fresh
+    zeroed buffer, freed after the call: the shared one, and what it retires, stay small. Under
+    capture (a prompt-step graph of hundreds of rows) that buffer comes from the graph's pool and
+    its zeroing is part of the graph, since its warm-up never grew the shared one.
     """
     if numel > WORKSPACE_KEEP:
         return torch.zeros(numel, dtype=torch.float32, device=device)
-    ws = _workspace.get(device.index)
-    if ws is None or ws.numel() < numel:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cuda backend: workspace must grow during CUDA-graph capture; warm up first")
-        if ws is not None:
-            _retired.append(ws)
-        ws = _workspace[device.index] = torch.zeros(max(numel, 1 << 22), dtype=torch.float32, device=device)
+    ws = _kept(_workspace, device, numel, torch.float32, 1 << 22, zero=True)
+    if ws is None:
+        raise RuntimeError("cuda backend: workspace must grow during CUDA-graph capture; warm up first")
     return ws
 
 
-_wgr_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_wgr_flags: dict[int, torch.Tensor] = {}
+_wgr_scratch: dict[int, torch.Tensor] = {}
 
 
 def wgr_buffers(device: torch.device, tiles: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: an int32 count a tile (zero
     between launches: each tile's first split re-zeroes it) and (splits - 1) partial sums of 256 x
-    128 fp32 a tile. Kept per device and grown outside graph capture, outgrown ones kept
-    (``workspace``'s way); under capture, too small ones are replaced by the graph's own (from its
-    pool, the counts' zeroing part of the graph)."""
+    128 fp32 a tile. Each kept per device (``_kept``, as ``workspace``); under capture one too small
+    is replaced by the graph's own (from its pool, the counts' zeroing part of the graph)."""
     need = tiles * (splits - 1) * 256 * 128
-    got = _wgr_bufs.get(device.index)
-    if got is None or got[0].numel() < tiles or got[1].numel() < need:
-        if torch.cuda.is_current_stream_capturing():
-            return (torch.zeros(tiles, dtype=torch.int32, device=device),
-                    torch.empty(need, dtype=torch.float32, device=device))
-        if got is not None:
-            _retired.extend(got)
-        n_flags, n_scratch = max(tiles, 1024), max(need, 1 << 22)
-        if got is not None:
-            n_flags, n_scratch = max(n_flags, got[0].numel()), max(n_scratch, got[1].numel())
-        got = _wgr_bufs[device.index] = (torch.zeros(n_flags, dtype=torch.int32, device=device),
-                                         torch.empty(n_scratch, dtype=torch.float32, device=device))
-    return got
+    flags = _kept(_wgr_flags, device, tiles, torch.int32, 1024, zero=True)
+    scratch = _kept(_wgr_scratch, device, need, torch.float32, 1 << 22, zero=False)
+    return (torch.zeros(tiles, dtype=torch.int32, device=device) if flags is None else flags,
+            torch.empty(need, dtype=torch.float32, device=device) if scratch is None else scratch)
 
 
 def fixed_workspace(device: torch.device, numel: int) -> torch.Tensor:

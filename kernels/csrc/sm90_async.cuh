@@ -26,13 +26,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
                  "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
                  "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 }
-// whether the phase of ``parity`` has completed, without waiting (mbar_wait's test)
-__device__ __forceinline__ bool mbar_test(uint64_t* bar, int parity) {
-    uint32_t done;
-    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    return done != 0;
-}
 // bytes (a multiple of 16, both ends 16-byte aligned) from global to shared memory through the TMA
 // unit (the async proxy), completing on ``bar``'s transaction count
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes, uint64_t* bar) {

@@ -147,7 +147,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
                 # (fp32 sums in another order: within fp32 rounding, or fp16's where y is fp16)
                 assert _rel(got.double().cpu().numpy(), split) < (1e-5 if dtype == torch.float32 else 1e-3), kernel
                 assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
-            assert not cx._wgr_bufs[lin.device.index][0].any()
+            assert not cx._wgr_flags[lin.device.index].any()
     E, m, slots = 3, 256, 4
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
@@ -176,7 +176,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
                     assert _rel(g[live].double().numpy(), want[live].double().numpy()) < 1e-3, kernel
                 else:
                     assert torch.equal(g[live], want[live]), kernel
-    assert not cx._wgr_bufs[ex.device.index][0].any()
+    assert not cx._wgr_flags[ex.device.index].any()
 
 
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
