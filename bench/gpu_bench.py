@@ -120,7 +120,8 @@ def large_parts(lin, x):
     wt = cd.decode_t(lin.mod, lin.trellis)
     y = torch.mm(xrot, wt.t())
     fold0 = lin.fold
-    wga0, lin.wga = lin.wga, False     # the decode + cuBLAS paths below (wga: its DENSE_TILES entry)
+    wga0, wgr0 = lin.wga, lin.wgr      # the decode + cuBLAS paths below (wga, wgr: their DENSE_TILES entries)
+    lin.wga = lin.wgr = False
     out = {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
            "cuda_decode_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_fold_us": bench(lambda: cd.decode_fold(lin.mod, lin.trellis, lin.svh)),
@@ -171,7 +172,7 @@ def large_parts(lin, x):
         out["cuda_coop_nofold_us"] = bench(lambda: lin(x))
         if PROFILE:
             profile_graph(lambda: lin(x), f"{lin.k}->{lin.n} rows {rows} decode_coop")
-    lin.fold, lin.fold_in, lin.wga = fold0, fold_in0, wga0
+    lin.fold, lin.fold_in, lin.wga, lin.wgr = fold0, fold_in0, wga0, wgr0
     if PROFILE:
         profile_graph(lambda: torch.mm(xrot, wt.t()), f"{lin.k}->{lin.n} rows {rows}: the GEMM alone")
     return out

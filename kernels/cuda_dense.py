@@ -35,8 +35,8 @@ def decode_t(mod: Module, trellis: torch.Tensor, j0: int = 0, j1: int | None = N
     where given. ``trellis``: (kt, nt, width) int16, contiguous. ``kernel`` (default exl3_decode_t,
     or exl3_decode_t_coop with the EXL3TOOLS_DECODE_COOP preview where nt % 4 == 0):
     exl3_decode_t_coop each quad of tiles loaded once a warp (bench/gpu_bench.py times both: its
-    rows > 64 table). ``out``: a contiguous
-    fp16 (16 (j1 - j0), 16 kt) buffer to decode into (dense_mm's reused chunk)."""
+    rows > 64 table). ``out``: a contiguous fp16 (16 (j1 - j0), 16 kt) buffer to decode into
+    (dense_mm's reused chunk)."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0

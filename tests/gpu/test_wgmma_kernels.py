@@ -1,6 +1,7 @@
-"""The dense wgmma GEMM kernels (kernels/csrc/exl3_wgmma.cuh: wg2, wg4, ws3 / ws4, wga, wgr and its
-stream-K twin) against the 128-row tile kernel and kernels/reference.py, and the previews that route
-dense linears to them (EXL3TOOLS_WGMMA, EXL3TOOLS_DENSE_WGA, EXL3TOOLS_DENSE_WGR). CUDA (sm_90) only.
+"""The dense wgmma GEMM kernels (kernels/csrc/exl3_wgmma.cuh: wg2, wg4, ws3 / ws4, wga, wgr, its
+stream-K twin and its fused-output ones, wgr_out and wgr_rg_out) against the 128-row tile kernel,
+had_out and kernels/reference.py, and the previews that route dense linears to them
+(EXL3TOOLS_WGMMA, EXL3TOOLS_DENSE_WGA, EXL3TOOLS_DENSE_WGR). CUDA (sm_90) only.
 """
 
 from __future__ import annotations
