@@ -138,7 +138,7 @@ def main() -> int:
             print("  relative error to ours: " + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
             if a.parts:
                 for name, fn in calls.items():
-                    print(f"  parts of {name}: " + ", ".join(f"{k[:48]} {us:.1f}" for k, us in kernel_parts(fn)))
+                    print(f"  parts of {name}: " + ", ".join(f"{kern[:48]} {us:.1f}" for kern, us in kernel_parts(fn)))
             out.append(dict(k=k, n=n, K=a.K, rows=rows, times_us=times, errors=errs))
             del calls
         del t, w, lin
