@@ -292,7 +292,7 @@ def _measure_server(a, srv: Server, entry: dict, baseline_mib, save, notes: list
             save()
 
         measure(run, a, a.vocab, after_phase, res, log=lambda m: print(f"[{srv.name}]{m}", flush=True),
-                server_ttft=lambda: ttft_histogram(srv))
+                server_ttft=lambda: ttft_histogram(srv), server_steps=lambda: trace_steps(srv))
         if a.seeded:
             res["seeded"] = loop.run_until_complete(asyncio.wait_for(
                 seeded_check(client, model, a.seeded, a.vocab, a.tokens), a.request_timeout))

@@ -128,13 +128,17 @@ def _hist_mean_ms(before, after) -> float | None:
 
 
 # ------------------------------------------------------------------ the measurement plan (both engines)
-def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print, server_ttft=None) -> dict:
+def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print, server_ttft=None,
+            server_steps=None) -> dict:
     """Phases 1-4 (and the join phase with ``a.join``) through ``run(prompts, max_tokens, join_after=None)
     -> list[Stream]`` (one stream per prompt, sent together; with ``join_after`` (n, k) the prompts
     after the first n go out once each of those n streams has k tokens), filling ``res``.
     ``after_phase(name, res)`` samples memory, checks liveness, saves the JSON. ``server_ttft()``
     (None: not known): the server's TTFT histogram as (seconds summed, count), read around the TTFT
-    phase for the server's own mean, request queued -> first token: no client time in it."""
+    phase for the server's own mean, request queued -> first token: no client time in it.
+    ``server_steps()`` (None: not known): the server's step trace (GET /v1/engine/steps), read around
+    the cold TTFT prompts for the steps that ran their prefill (each step's own time: no queueing,
+    no HTTP)."""
     res = {} if res is None else res
     S, T = a.short_prompt_len, a.tokens
     if a.warmup:
@@ -173,8 +177,12 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print,
     prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
     read_ttft = server_ttft or (lambda: None)
     h0 = read_ttft()
+    before = (server_steps or (lambda: None))() or []
     cold = [stream_stats(run([p], 1)[0]) for p in prompts]
     h1 = read_ttft()
+    t0 = max((x["t"] for x in before), default=float("-inf"))
+    after = (server_steps or (lambda: None))()
+    prefill_ms = None if after is None else [x["ms"] for x in after if x["t"] > t0 and x.get("prefill")]
     hit = [stream_stats(run([p], 1)[0]) for p in prompts]
     h2 = read_ttft()
     res["ttft"] = {"prompt_len": a.prompt_len, "cold_runs_ms": [c["ttft_ms"] for c in cold],
@@ -182,12 +190,16 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print,
                    "cold_ms": statistics.median(c["ttft_ms"] for c in cold),
                    "hit_ms": statistics.median(h["ttft_ms"] for h in hit),
                    "client_ms": _median([x["client_ms"] for x in cold + hit]),
-                   "server_cold_ms": _hist_mean_ms(h0, h1), "server_hit_ms": _hist_mean_ms(h1, h2)}
+                   "server_cold_ms": _hist_mean_ms(h0, h1), "server_hit_ms": _hist_mean_ms(h1, h2),
+                   "cold_prefill_steps_ms": prefill_ms}
     t = res["ttft"]
     client = t["client_ms"]
     server = ("" if t["server_cold_ms"] is None or t["server_hit_ms"] is None else
               f"; the server's own (queued -> first token, mean): cold {t['server_cold_ms']:.1f} ms, "
               f"again {t['server_hit_ms']:.1f} ms")
+    if prefill_ms:
+        server += (f"; its prefill steps: {len(prefill_ms)} for {len(prompts)} prompts, "
+                   f"{sum(prefill_ms) / len(prompts):.2f} ms a prompt ({', '.join(f'{m:.2f}' for m in prefill_ms[:8])})")
     log(f"  TTFT {a.prompt_len}: cold {t['cold_ms']:.1f} ms, again {t['hit_ms']:.1f} ms"
         + ("" if client is None else f" (of which the openai client building the request: {client:.1f} ms)")
         + server)

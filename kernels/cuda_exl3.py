@@ -109,15 +109,16 @@ WGR_SK_MIN_CHUNKS = 8
 # exl3_wgr_out_m256_t2_{f16,f32}: exl3_wgr_m256_t2 with the output pass fused (H128, svh and bias on
 # the block's sums in shared memory, y written directly: no workspace, no atomics, no had_out), for
 # any launch: where its tiles fill under half the SMs, K is split as for the others (_units: one
-# wave) and each tile's first split adds the others' sums from a scratch in split order
-# (wgr_fixup, since the 2026-12-06 09:49 session's last commits, not yet run on a GPU); the
-# EXL3TOOLS_DENSE_WGR route. H100, one split (as above): 69.2 µs at 4096 -> 14336 and 256 rows
-# (the kernel 64 µs, 1.16x fp16 cuBLAS), 473 at 2048 rows (1.33x)
+# wave) and the splits meet in the kernel (wgr_fixup: each stores its sums in a scratch, then
+# finishes an even share of the tile's rows, adding all splits' sums in split order). H100, one
+# split: 69.9 µs at 4096 -> 14336 and 256 rows (1.20x fp16 cuBLAS), 478 at 2048 rows (1.32x)
 WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
 # exl3_wgr_rg_out_m256_t2_{f16,f32}: the same with the producer warp in a warpgroup of its own that
 # gives its registers to the consumers (setmaxnreg 40 / 232, 384 threads), so four A operands stay
-# in registers and a chunk's decode runs with three MMAs queued ahead instead of one (the decode
-# left the tensor pipe idle ~7 µs of exl3_wgr_out's 64 at 4096 -> 14336 and 256 rows, H100)
+# in registers and a chunk's decode runs with three MMAs queued ahead instead of one: 4-8 % faster
+# than exl3_wgr_out at every shape and row count measured (H100, 2026-12-06 11:03: 65.1 µs at 4096 ->
+# 14336 and 256 rows, 1.12x fp16 cuBLAS; 74.3 at 14336 -> 4096, 1.12x; 74.8 at 8192 -> 8192,
+# 1.19x); the EXL3TOOLS_DENSE_WGR route
 WGR_RG_OUT_KERNELS = {torch.float16: "exl3_wgr_rg_out_m256_t2_f16", torch.float32: "exl3_wgr_rg_out_m256_t2_f32"}
 # the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
 WGR_MAX_ROWS = 1024
@@ -209,14 +210,14 @@ _wgr_scratch: dict[int, torch.Tensor] = {}
 
 
 def wgr_buffers(device: torch.device, tiles: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: an int32 count a tile (zero
-    between launches: each tile's first split re-zeroes it) and (splits - 1) partial sums of 256 x
+    """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: two int32 counts a tile (zero
+    between launches: the last split to leave re-zeroes them) and ``splits`` partial sums of 256 x
     128 fp32 a tile. Each kept per device (``_kept``, as ``workspace``); under capture one too small
     is replaced by the graph's own (from its pool, the counts' zeroing part of the graph)."""
-    need = tiles * (splits - 1) * 256 * 128
-    flags = _kept(_wgr_flags, device, tiles, torch.int32, 1024, zero=True)
+    need = tiles * splits * 256 * 128
+    flags = _kept(_wgr_flags, device, 2 * tiles, torch.int32, 1024, zero=True)
     scratch = _kept(_wgr_scratch, device, need, torch.float32, 1 << 22, zero=False)
-    return (torch.zeros(tiles, dtype=torch.int32, device=device) if flags is None else flags,
+    return (torch.zeros(2 * tiles, dtype=torch.int32, device=device) if flags is None else flags,
             torch.empty(need, dtype=torch.float32, device=device) if scratch is None else scratch)
 
 
@@ -586,10 +587,11 @@ class CudaLinear:
 
     @staticmethod
     def _wgr_kernel(dtype: torch.dtype) -> str:
-        """EXL3TOOLS_DENSE_WGR's kernel: the fused output pass (a launch of too few tiles for the
-        SMs splits K and adds the splits inside); WGR_KERNEL (atomics, had_out) for a y that is
-        neither fp16 nor fp32 (``_act`` gives one or the other)."""
-        return WGR_OUT_KERNELS.get(dtype, WGR_KERNEL)
+        """EXL3TOOLS_DENSE_WGR's kernel: the fused output pass with the register-donating producer
+        (WGR_RG_OUT_KERNELS; a launch of too few tiles for the SMs splits K and adds the splits
+        inside); WGR_KERNEL (atomics, had_out) for a y that is neither fp16 nor fp32 (``_act`` gives
+        one or the other)."""
+        return WGR_RG_OUT_KERNELS.get(dtype, WGR_KERNEL)
 
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch

@@ -597,29 +597,33 @@ __device__ __forceinline__ bool wgr_next(long long& item, long long end, int C, 
     }
     return false;
 }
-// wgr_body's fused output pass (exl3_wgr_out_*: a tile's whole k-range, its other K splits added
-// by wgr_fixup first): both warpgroups' sums (the block's 128 columns x MROWS rows, fp32) go to
-// shared memory over the drained stages, then each warp takes whole rows as tiles_epilogue does (lane L: columns 4L..4L+3,
-// H128 across the warp, 1/sqrt(128), svh, bias) and writes y: had_out_body's operations in its
-// order on the sums acc would have held, so y is bit-identical to gemv + had_out's. Columns are
-// XOR-swizzled by ((m >> 1) & 3) * 8 in row m, so a fragment store hits 32 banks and a row's read
-// stays whole float4s.
-template <int MROWS, typename TY>
-__device__ __forceinline__ void wgr_epilogue(const float (&d)[MROWS / 2], float* __restrict__ ts, TY* __restrict__ y,
-                                             const half* __restrict__ svh, const half* __restrict__ bias, int row0,
-                                             int nr, int n, int col0, int lane, int warp) {
+// wgr_body's fused output pass (exl3_wgr_out_*: a tile's whole k-range, its K splits added by
+// wgr_fixup first): the sums (the block's 128 columns x MROWS rows, fp32) are in shared memory
+// over the drained stages (wgr_stage, or wgr_fixup for the rows a split finishes); each warp takes
+// whole rows m0.. m1 as tiles_epilogue does (lane L: columns 4L..4L+3, H128 across the warp,
+// 1/sqrt(128), svh, bias) and writes y: had_out_body's operations in its order on the sums acc
+// would have held, so y is bit-identical to gemv + had_out's. Columns are XOR-swizzled by
+// ((m >> 1) & 3) * 8 in row m, so a fragment store hits 32 banks and a row's read stays whole float4s.
+// (d[4i + q] of thread (warp, g, t): row 8i + 2t + (q & 1), column 16 warp + g + 8 (q >> 1).)
+__device__ __forceinline__ int wgr_ts_index(int i, int q, int warp, int g, int t) {
+    return (8 * i + 2 * t + (q & 1)) * 128 + ((16 * warp + g + 8 * (q >> 1)) ^ (t << 3));
+}
+template <int MROWS>
+__device__ __forceinline__ void wgr_stage(const float (&d)[MROWS / 2], float* __restrict__ ts, int lane, int warp) {
     const int g = lane >> 2, t = lane & 3;
-    named_sync(1, 256);                    // both warpgroups' MMAs are done reading the stages
 #pragma unroll
     for (int i = 0; i < MROWS / 8; i++)
 #pragma unroll
-        for (int q = 0; q < 4; q++)        // d[4i + q]: row 8i + 2t + (q & 1), column 16 warp + g + 8 (q >> 1)
-            ts[(8 * i + 2 * t + (q & 1)) * 128 + ((16 * warp + g + 8 * (q >> 1)) ^ (t << 3))] = d[4 * i + q];
-    named_sync(1, 256);
+        for (int q = 0; q < 4; q++) ts[wgr_ts_index(i, q, warp, g, t)] = d[4 * i + q];
+}
+template <typename TY>
+__device__ __forceinline__ void wgr_rows(const float* __restrict__ ts, TY* __restrict__ y, const half* __restrict__ svh,
+                                         const half* __restrict__ bias, int row0, int m0, int m1, int n, int col0,
+                                         int lane, int warp) {
     float sv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
     load4(svh + col0 + 4 * lane, sv);
     if (bias) load4(bias + col0 + 4 * lane, bv);
-    for (int m = warp; m < nr; m += 8) {
+    for (int m = m0 + warp; m < m1; m += 8) {
         float v[4];
         load4(ts + m * 128 + ((4 * lane) ^ (((m >> 1) & 3) << 3)), v);
         fwht128(v);
@@ -642,49 +646,69 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-// Split K inside exl3_wgr_out_* (kps < kt): a tile's splits meet here. Split s > 0 stores its sums
-// in scratch (its own MROWS x 128 floats, as [i][thread] float4s: coalesced) and counts itself in
-// flags[tile] (release); split 0 waits for the count (acquire), adds the others' sums in split
-// order, so y depends on the split count alone (not on timing, as atomics would), re-zeroes the
-// count for the next launch and goes on to the epilogue (true). Every block of such a launch is
-// resident at once (cuda_exl3._units sizes it to one wave), so split 0 never waits for a block
-// that cannot start.
+// Split K inside exl3_wgr_out_* (kps < kt): a tile's splits meet here and share the finishing.
+// Every split stores its sums in scratch (its own MROWS x 128 floats, as [i][thread] float4s:
+// coalesced), counts itself in flags[2 tile] (release) and waits until all have (acquire); split s
+// then adds all splits' sums of its own rows 8 i0.. 8 i1 (an even share of the tile) in split order,
+// so y depends on the split count alone (not on timing, as atomics would), into ts for wgr_rows.
+// The last to leave (flags[2 tile + 1]) re-zeroes both counts for the next launch. A tile's
+// finishing is spread over its splits (each reads MROWS x 128 floats), not one block reading all
+// of them. Every block of such a launch is resident at once (cuda_exl3._units sizes it to one
+// wave), so no split waits for a block that cannot start.
 template <int MROWS>
-__device__ __forceinline__ bool wgr_fixup(float (&d)[MROWS / 2], int* __restrict__ flags, float* __restrict__ scratch,
-                                         int tile, int split, int splits) {
+__device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __restrict__ flags,
+                                          float* __restrict__ scratch, float* __restrict__ ts, int tile, int split,
+                                          int splits, int lane, int warp, int& i0, int& i1) {
     constexpr int V = MROWS / 8;           // float4s a thread
     const int tid = threadIdx.x;           // (the consumers: 0-255)
-    float4* const base = reinterpret_cast<float4*>(scratch) + (size_t)tile * (splits - 1) * V * 256 + tid;
-    if (split > 0) {
-        float4* const dst = base + (size_t)(split - 1) * V * 256;
+    const float4* const base = reinterpret_cast<const float4*>(scratch) + (size_t)tile * splits * V * 256 + tid;
+    float4* const dst = reinterpret_cast<float4*>(scratch) + (size_t)(tile * splits + split) * V * 256 + tid;
 #pragma unroll
-        for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
-        __threadfence();
-        named_sync(1, 256);
-        if (tid == 0) red_release_gpu(flags + tile, 1);
-        return false;
-    }
+    for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+    __threadfence();
+    named_sync(1, 256);
     if (tid == 0) {
-        while (ld_acquire_gpu(flags + tile) < splits - 1) {
+        red_release_gpu(flags + 2 * tile, 1);
+        while (ld_acquire_gpu(flags + 2 * tile) < splits) {
         }
-        flags[tile] = 0;                   // (every other split has counted)
+        if (atomicAdd(flags + 2 * tile + 1, 1) == splits - 1) {   // (every split has seen the count)
+            flags[2 * tile] = 0;
+            flags[2 * tile + 1] = 0;
+        }
     }
     named_sync(1, 256);
-    for (int s = 1; s < splits; s++) {
-        const float4* const src = base + (size_t)(s - 1) * V * 256;
+    i0 = split * V / splits;
+    i1 = (split + 1) * V / splits;
+    const int g = lane >> 2, t = lane & 3, n = (i1 - i0) * splits;   // (row group, split) pairs, split fastest
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int u0 = 0; u0 < n; u0 += 8) {    // eight loads in flight
+        float4 v[8];
 #pragma unroll
-        for (int i = 0; i < V; i++) {
-            const float4 v = __ldcg(src + i * 256);
-            d[4 * i] += v.x;
-            d[4 * i + 1] += v.y;
-            d[4 * i + 2] += v.z;
-            d[4 * i + 3] += v.w;
+        for (int k = 0; k < 8; k++)
+            if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int u = u0 + k, s = u % splits, i = i0 + u / splits;
+            if (u >= n) break;
+            if (s == 0) {
+                sum = v[k];
+            } else {
+                sum.x += v[k].x;
+                sum.y += v[k].y;
+                sum.z += v[k].z;
+                sum.w += v[k].w;
+            }
+            if (s == splits - 1) {
+                ts[wgr_ts_index(i, 0, warp, g, t)] = sum.x;
+                ts[wgr_ts_index(i, 1, warp, g, t)] = sum.y;
+                ts[wgr_ts_index(i, 2, warp, g, t)] = sum.z;
+                ts[wgr_ts_index(i, 3, warp, g, t)] = sum.w;
+            }
         }
     }
-    return true;
 }
 // OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K): the output
-// pass fused (wgr_epilogue), y fp16 / fp32, a tile's K splits (kps < kt) added by wgr_fixup first.
+// pass fused (wgr_rows), y fp16 / fp32, a tile's K splits (kps < kt) added by wgr_fixup first.
 // (Clusters of two blocks sharing x by TMA multicast, a producer's handshake with the other
 // block's before each refill, measured slower: docs/gpu.md, the 2026-12-06 09:49 session.) AS: A
 // operands in registers (AS - 1 MMAs in flight behind the newest). RG (exl3_wgr_rg_*, 384 threads): the producer warp is a warpgroup of its
@@ -830,14 +854,19 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
         if constexpr (OUT == 0) {
             add_wgmma_d<MROWS>(acc, acc64, d, sg.z * rows, sg.nr, nt * 16, sg.jb + warp, g, t);
         } else {
-            if (kps < kt && !wgr_fixup<MROWS>(d, flags, scratch, sg.z * col_blocks + sg.jb / 8, sg.i0 / kps,
-                                              (kt + kps - 1) / kps))
-                continue;                  // (a split past the first: its sums are in scratch)
+            float* const ts = reinterpret_cast<float*>(wgr_smem);
+            int i0 = 0, i1 = MROWS / 8;
+            named_sync(1, 256);            // both warpgroups' MMAs are done reading the stages
+            if (kps < kt)
+                wgr_fixup<MROWS>(d, flags, scratch, ts, sg.z * col_blocks + sg.jb / 8, sg.i0 / kps, (kt + kps - 1) / kps,
+                                 lane, warp, i0, i1);
+            else
+                wgr_stage<MROWS>(d, ts, lane, warp);
+            named_sync(1, 256);
             using TY = typename std::conditional<OUT == 1, half, float>::type;
-            wgr_epilogue<MROWS, TY>(d, reinterpret_cast<float*>(wgr_smem), reinterpret_cast<TY*>(y),
-                                    reinterpret_cast<const half*>(svh_ptrs[sg.e]),
-                                    bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[sg.e]) : nullptr,
-                                    sg.z * rows, sg.nr, nt * 16, sg.jb * 16, lane, warp);
+            wgr_rows<TY>(ts, reinterpret_cast<TY*>(y), reinterpret_cast<const half*>(svh_ptrs[sg.e]),
+                         bias_ptrs ? reinterpret_cast<const half*>(bias_ptrs[sg.e]) : nullptr, sg.z * rows, 8 * i0,
+                         min(sg.nr, 8 * i1), nt * 16, sg.jb * 16, lane, warp);
         }
     } while (next());
 }

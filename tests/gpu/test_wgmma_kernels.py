@@ -131,7 +131,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
             x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().to(dtype)
             ref_y = x.double().cpu().numpy() @ w + (0 if b is None else b.astype(np.float64))
             kernels = (cx.WGR_OUT_KERNELS[dtype], cx.WGR_RG_OUT_KERNELS[dtype])
-            assert lin._wgr_kernel(dtype) == kernels[0]
+            assert lin._wgr_kernel(dtype) == kernels[1]
             with monkeypatch.context() as mp:
                 mp.setattr(*one_split)
                 want = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows]
@@ -178,6 +178,35 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
                 else:
                     assert torch.equal(g[live], want[live]), kernel
     assert not cx._wgr_flags[ex.device.index].any()
+
+
+@pytest.mark.parametrize("width,cb", CASES[:3])
+def test_wgr_out_splits_share_the_finishing(cx, width, cb, monkeypatch):
+    """wgr_fixup at split counts that do and do not divide a tile's 32 row groups (3, 5, 7, 11, 16,
+    each split finishing its share of rows): y within fp32 rounding of the atomics kernel at the
+    same splits, the same bits on every run, x·W within 2e-3, a last slot of 8 real rows (only the
+    first share holds rows) and every tile's counts back at zero."""
+    import torch
+
+    rng = np.random.default_rng(width * 11 + len(cb))
+    k, n = 2048, 128                        # 128 k-tiles, one column tile a slot
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    kernel = cx.WGR_RG_OUT_KERNELS[torch.float32]
+    for rows, sms, splits in ((200, 3, 3), (200, 5, 5), (200, 7, 7), (200, 11, 11), (200, 16, 16), (520, 33, 11)):
+        x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().float()
+        with monkeypatch.context() as mp:
+            mp.setattr(cx, "sm_count", lambda device, s=sms: s)
+            kps, groups, units = cx._units(lin.mod, kernel, lin.device, lin.kt, lin.nt // 2, -(-rows // 256))
+            assert -(-lin.kt // kps) == splits and units == splits * groups, (sms, kps)
+            atomics = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows].double().cpu().numpy()
+            got = lin._in_slots(x, 256, kernel)[:rows]
+            assert torch.equal(lin._in_slots(x, 256, kernel)[:rows], got), sms
+        g = got.double().cpu().numpy()
+        assert _rel(g, atomics) < 1e-5, sms
+        assert _rel(g, x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3, sms
+        assert not cx._wgr_flags[lin.device.index].any(), sms
 
 
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
