@@ -122,6 +122,11 @@ WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "ex
 WGR_RG_OUT_KERNELS = {torch.float16: "exl3_wgr_rg_out_m256_t2_f16", torch.float32: "exl3_wgr_rg_out_m256_t2_f32"}
 # the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
 WGR_MAX_ROWS = 1024
+# and its fewest weights (k x n): a smaller linear fills the SMs only by splitting K into a few
+# chunks a block, and decode + cuBLAS won (H100, 2026-12-06 11:03, 256-1024 rows: 4096 -> 1024,
+# 4096 -> 1408 and 1408 -> 4096 (air6's k / v and shared expert) 1-11 % slower on wgr_rg; every
+# linear of 45 M weights or more 4-50 % faster)
+WGR_MIN_WEIGHTS = 1 << 24
 PDL = os.environ.get("EXL3TOOLS_CUDA_PDL", "1") == "1"   # programmatic dependent launch (Hopper)
 HAD_WARPS = 8                # warps per block in the Hadamard passes (one warp per 128 values)
 
@@ -522,7 +527,8 @@ class CudaLinear:
         self.dense_tiles = preview.switched_on("dense_tiles") and self.k >= DENSE_TILE_MIN_K and self.nt % 8 == 0
         self.wgmma = preview.switched_on("wgmma") and self.nt % 16 == 0     # (256 columns a block)
         self.wga: bool | None = None        # rows 65-256 on WGA_KERNEL; None: its switch, read per call
-        self.wgr: bool | None = None        # rows 65-WGR_MAX_ROWS on the wgr kernels; None: its switch, read per call
+        # rows 65-WGR_MAX_ROWS on the wgr kernels; None: its switch, read per call (WGR_MIN_WEIGHTS at least)
+        self.wgr: bool | None = None
 
     @property
     def device_tensors(self) -> dict:
@@ -548,7 +554,8 @@ class CudaLinear:
             from exl3tools.runtime import preview
 
             if rows <= WGR_MAX_ROWS and (
-                    preview.switched_on("dense_wgr") if self.wgr is None else self.wgr):
+                    preview.switched_on("dense_wgr") and self.k * self.n >= WGR_MIN_WEIGHTS
+                    if self.wgr is None else self.wgr):
                 return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(x2.dtype))[:rows].to(x.dtype).reshape(
                     *shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (

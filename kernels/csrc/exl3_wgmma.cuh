@@ -655,7 +655,9 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 // finishing is spread over its splits (each reads MROWS x 128 floats), not one block reading all
 // of them. Every block of such a launch is resident at once (cuda_exl3._units sizes it to one
 // wave), so no split waits for a block that cannot start.
-template <int MROWS>
+// LOADS: loads in flight a thread (with 8, two splits of 1408 -> 4096 at 512 rows ran 3.6 µs slower
+// than one split reading the other's sums, H100; 32 spill at 168 registers)
+template <int MROWS, int LOADS>
 __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __restrict__ flags,
                                           float* __restrict__ scratch, float* __restrict__ ts, int tile, int split,
                                           int splits, int lane, int warp, int& i0, int& i1) {
@@ -681,13 +683,13 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
     i1 = (split + 1) * V / splits;
     const int g = lane >> 2, t = lane & 3, n = (i1 - i0) * splits;   // (row group, split) pairs, split fastest
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int u0 = 0; u0 < n; u0 += 8) {    // eight loads in flight
-        float4 v[8];
+    for (int u0 = 0; u0 < n; u0 += LOADS) {   // (d is dead: its registers hold the loads in flight)
+        float4 v[LOADS];
 #pragma unroll
-        for (int k = 0; k < 8; k++)
+        for (int k = 0; k < LOADS; k++)
             if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < LOADS; k++) {
             const int u = u0 + k, s = u % splits, i = i0 + u / splits;
             if (u >= n) break;
             if (s == 0) {
@@ -858,7 +860,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
             int i0 = 0, i1 = MROWS / 8;
             named_sync(1, 256);            // both warpgroups' MMAs are done reading the stages
             if (kps < kt)
-                wgr_fixup<MROWS>(d, flags, scratch, ts, sg.z * col_blocks + sg.jb / 8, sg.i0 / kps, (kt + kps - 1) / kps,
+                wgr_fixup<MROWS, RG ? 32 : 16>(d, flags, scratch, ts, sg.z * col_blocks + sg.jb / 8, sg.i0 / kps, (kt + kps - 1) / kps,
                                  lane, warp, i0, i1);
             else
                 wgr_stage<MROWS>(d, ts, lane, warp);

@@ -213,7 +213,8 @@ def test_wgr_out_splits_share_the_finishing(cx, width, cb, monkeypatch):
 @pytest.mark.parametrize("width,cb", CASES)
 def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
     """EXL3TOOLS_DENSE_WGA / EXL3TOOLS_DENSE_WGR: a dense linear of 65-256 rows (wga) or 65-
-    WGR_MAX_ROWS rows (wgr) runs slots of 256 rows of exl3_wga_m256_t2 / a wgr kernel (x padded; the
+    WGR_MAX_ROWS rows and WGR_MIN_WEIGHTS weights (wgr; a smaller one takes the default path) runs
+    slots of 256 rows of exl3_wga_m256_t2 / a wgr kernel (x padded; the
     rest read, never added; wgr: exl3_wgr_out_*, whose K splits here are added in the kernel),
     within 2e-3 of x·W + bias on every K and codebook and fp16 / fp32 activations, several slots
     too (wgr), in a CUDA graph too (within 1e-3 of the eager call: wga's fp32 atomics); the other
@@ -233,6 +234,10 @@ def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, sw
     real = cx.gemv
     monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    if switch == "EXL3TOOLS_DENSE_WGR":     # under WGR_MIN_WEIGHTS: the default path
+        lin(torch.from_numpy(rng.normal(0, 1, (200, k)).astype(np.float16)).cuda())
+        assert not any(k_ and k_.startswith("exl3_wgr") for k_ in kernels), kernels
+        monkeypatch.setattr(cx, "WGR_MIN_WEIGHTS", k * n)
     for rows, dtype in ((64, torch.float16), (65, torch.float16), (200, torch.float32), (256, torch.float16),
                         (257, torch.float16), (700, torch.float16), (cx.WGR_MAX_ROWS + 1, torch.float16)):
         x = rng.normal(0, 1, (rows, k)).astype(np.float32)
