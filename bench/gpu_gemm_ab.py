@@ -16,8 +16,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   weight (values ~0.01: svh scales every column by ±0.01)
 - fp16 nk x100: F.linear on 100 W (values ~1, as the decoded Ŵ): do the values change the time?
 - mm Ŵ: our GEMM of the unfolded path, F.linear(had_in(x), Ŵ) (Ŵ decoded, values ~1)
-- ours / fold / fold2: our whole paths (decode + GEMM + passes), as gpu_bench's large_parts ("ours":
-  the linear's default, its preview switches as the environment sets them)
+- ours: the linear's default path (up to WGR_MAX_ROWS rows of a large enough linear the wgr kernel,
+  EXL3TOOLS_DENSE_WGR; its switches as the environment sets them); dec_mm / fold / fold2: decode +
+  GEMM + passes, the output pass folded, both folded (gpu_bench's large_parts), never the wgr kernel
 - wga / wgr / wgr_sk / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256
   rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
   exl3_wg2_m256_t1 (register A, unswizzled x) over slots of 256 rows (the weight decoded inside the
@@ -26,7 +27,7 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   the producer's warpgroup giving its registers to the consumers for four A operands in flight
   (exl3_wgr_rg_out_m256_t2_f16); each one's relative error to ``ours`` is printed under the table
 
-``--variants a,b``: only those rows (beside the baseline and ``ours``). ``--parts``: under each
+``--variants a,b``: only those rows (beside the baseline, ``ours`` and ``dec_mm``). ``--parts``: under each
 table, every variant's kernels with their device µs a call (torch.profiler over CUDA-graph
 replays, each after an L2 flush): what of a path is its GEMM and what the passes around it.
 """
@@ -60,9 +61,9 @@ def variants(lin, x, w):
     wt = cd.decode_t(lin.mod, lin.trellis)
     xrot = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
 
-    def path(fold, fold_in):
+    def path(fold, fold_in, wgr=False):
         def call():
-            lin.fold, lin.fold_in = fold, fold_in
+            lin.fold, lin.fold_in, lin.wgr = fold, fold_in, wgr
             return lin(x)
         return call
 
@@ -70,7 +71,8 @@ def variants(lin, x, w):
             "fp16 nk": lambda: F.linear(x, w_nk),
             "fp16 nk x100": lambda: F.linear(x, w_nk100),
             "mm Ŵ": lambda: F.linear(xrot, wt),
-            "ours": path(None, None),
+            "ours": path(None, None, None),
+            "dec_mm": path(False, False),
             "fold": path(True, False),
             "fold2": path(False, True),
             "wga": lambda: lin._in_slots(x, 256, cx.WGA_KERNEL)[:rows],
@@ -98,7 +100,7 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="time eager calls, not CUDA-graph replays")
     ap.add_argument("--parts", action="store_true", help="print each variant's kernels (device µs a call)")
     ap.add_argument("--variants", default="",
-                    help='only these (comma-separated, e.g. "wgr_out,wgr_rg,fold"; "fp16 nk" and "ours" always run)')
+                    help='only these (comma-separated, e.g. "wgr_out,wgr_rg,fold"; "fp16 nk", "ours" and "dec_mm" always run)')
     a = ap.parse_args()
     import gpu_bench
 
@@ -118,7 +120,7 @@ def main() -> int:
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
             calls = variants(lin, x, w)
             if a.variants:
-                keep = {"fp16 nk", "ours", *a.variants.split(",")}
+                keep = {"fp16 nk", "ours", "dec_mm", *a.variants.split(",")}
                 if keep - set(calls):
                     ap.error(f"--variants: no {sorted(keep - set(calls))}; there are {list(calls)}")
                 calls = {name: fn for name, fn in calls.items() if name in keep}

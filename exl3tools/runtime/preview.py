@@ -92,23 +92,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
-    # dense linears of 65-1024 rows (cuda_exl3.WGR_MAX_ROWS: prompt chunks, prompt-graph buckets,
-    # decode batches past 64) in slots of 256 rows on the wgr kernels (kernels/csrc/exl3_wgmma.cuh
-    # wgr_body: each warp decodes its tile straight into the register A operand of an m64n256
-    # wgmma; x and the trellis words come by TMA into mbarrier stages; exl3_wgr_out_* writes y with
-    # the output pass in its epilogue) instead of decode to fp16 + cuBLAS. The figures below took
-    # exl3_wgr_out_* where a launch of one split fills half the SMs, else exl3_wgr_m256_t2 (K split,
-    # atomics, had_out); since that session's last commits the route takes exl3_wgr_out_* always,
-    # its K splits added inside it (wgr_fixup: not yet run on a GPU). H100, 2026-12-06 09:49
-    # (bench/gpu_gemm_ab.py, graph replays, K 3, x fp16 cuBLAS): 4096 -> 14336 at 128 / 256 / 512 /
-    # 1024 rows 1.32 / 1.16 / 1.37 / 1.48 against the default's 2.31 / 2.27 / 1.83 / 1.53;
-    # 14336 -> 4096 1.36 / 1.14 / 1.55 / 1.41 against 2.14 / 2.13 / 1.87 / 1.50; 8192 -> 8192 1.53 /
-    # 1.36 / 1.29 / 1.35 against 2.37 / 2.34 / 1.86 / 1.48; a 1024-token air6 forward 39.63 ->
-    # 37.75 ms (7 interleaved rounds); tests/gpu 1164 passed with it on. But served (air6, the
-    # openai client, four servers alternating) a 1024-token prompt's cold TTFT was 60.4 / 55.0 ms
-    # with it against 49.3 / 43.7 without (the prefix-hit TTFT, which never reaches it, moved as
-    # much): no served gain measured, so it stays a preview (docs/gpu.md, the 09:49 session)
-    "dense_wgr": "EXL3TOOLS_DENSE_WGR",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -259,6 +242,22 @@ OPT_OUTS = {
     # shape, 66.9 -> 58.7 on GLM-5's (with dense_fold); one GLM-5 expert projection of 2048 tokens
     # 3.50 -> 2.87 ms (bench/gpu_moe_prefill.py); the step's activation peak 0.52 -> 0.45 GiB
     "tiles_epilogue": "EXL3TOOLS_TILES_EPILOGUE",
+    # dense linears of 65-1024 rows (cuda_exl3.WGR_MAX_ROWS: prompt chunks, prompt-graph buckets,
+    # decode batches past 64) of cuda_exl3.WGR_MIN_WEIGHTS (16 M) weights or more, in slots of 256
+    # rows on exl3_wgr_rg_out_* (kernels/csrc/exl3_wgmma.cuh wgr_body: each warp decodes its tile
+    # straight into the register A operand of an m64n256 wgmma; x and the trellis words come by TMA
+    # into mbarrier stages from a producer warpgroup that gives its registers to the consumers; the
+    # output pass in the epilogue writes y; a launch of too few tiles splits K, its splits meeting
+    # in the kernel, each finishing a share of the rows in split order) instead of decode to fp16
+    # + cuBLAS. H100, 2026-12-06 11:03 (bench/gpu_gemm_ab.py, graph replays, K 3, x fp16 cuBLAS
+    # side by side): 256 rows 1.02-1.36x at 4096 -> 14336 / 14336 -> 4096 / 8192 -> 8192 / 4096 ->
+    # 12288 / 12288 -> 4096 / 4096 -> 11008 / 11008 -> 4096 (1.12 / 1.09 / 1.25 / 1.28 / 1.11 / 1.36
+    # / 1.02) against the default's 1.94-2.37x; 512 rows 1.25-1.82x against 1.83-1.92x; 1024 rows
+    # 1.30-1.41x against 1.49-1.57x; tests/gpu 1167 passed with it on. Served (air6, the openai
+    # client, four servers alternating on, off, on, off, 2026-12-06 11:40): a cold 1024-token prompt's
+    # prefill step 40.5 / 32.1 ms against 49.6 / 53.2 (the server's own TTFT 42.6 / 34.0 against
+    # 51.3 / 54.9); 2048-token prompts (one 2048-row step, past WGR_MAX_ROWS) and decode unchanged
+    "dense_wgr": "EXL3TOOLS_DENSE_WGR",
     # the server's planner keeps a step that replays a prompt graph within the graphs' rows and
     # context reads: a prompt whose chunk would push it into the eager forward waits for the next
     # step (server/planner.py plan_step). H200, 2026-12-03 (bench/gpu_serve.py, GLM-4.5-Air shape, 4
