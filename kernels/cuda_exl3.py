@@ -93,7 +93,7 @@ WGA_MAX_ROWS = 256
 # exl3_wgr_m256_t2 (the 2026-12-06 08:39 session): exl3_wg2_m256_t1's register A operand (each
 # warp's decoded tile straight into the MMA) over wga's TMA-staged, swizzled x and mbarrier stages,
 # no block barrier in its loop, partial sums by atomics (had_out after); benches and tests (the
-# EXL3TOOLS_DENSE_WGR route takes exl3_wgr_out_*, below). H100, 2026-12-06 09:49 (bench/gpu_gemm_ab.py,
+# EXL3TOOLS_DENSE_WGR route takes exl3_wgr_rg_out_*, below). H100, 2026-12-06 09:49 (bench/gpu_gemm_ab.py,
 # graph replays, K 3, 256 rows, with had_in and had_out): 95.4 / 76.4 / 87.9 µs at 4096 -> 14336 /
 # 14336 -> 4096 / 8192 -> 8192, 1.60 / 1.14 / 1.36x fp16 cuBLAS
 WGR_KERNEL = "exl3_wgr_m256_t2"

@@ -557,8 +557,9 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 // 162-165 (stream-K 167-168) with no spills at every K and codebook; at WGR_AS 4 ptxas serialized
 // the MMAs for registers (C7512: a 288-thread block leaves 168 a thread), and with the producer's
 // copies on thread 0 inside the loop of a 256-thread block it serialized them for accumulators
-// moved around that branch (C7515). Not on any default route: the EXL3TOOLS_DENSE_WGR preview,
-// bench/gpu_gemm_ab.py's wgr rows and tests/gpu. H100, 2026-12-06 09:49 (graph replays, K 3, 256
+// moved around that branch (C7515). exl3_wgr_rg_out_* is the default route of dense linears of
+// 65-1024 rows and 16 M weights or more (cuda_exl3.WGR_MIN_WEIGHTS; EXL3TOOLS_DENSE_WGR=0 opts
+// out); the others: bench/gpu_gemm_ab.py's rows and tests/gpu. H100, 2026-12-06 09:49 (graph replays, K 3, 256
 // rows, 4096 -> 14336, kernels alone by torch.profiler): exl3_wgr_out 64 µs (fp16 cuBLAS 55); with
 // the bench defines, no loads 52.6, no loads and no decode (the MMAs alone) 45.3: the decode and
 // the loads each leave the tensor pipe idle for part of the time.
@@ -655,8 +656,9 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 // finishing is spread over its splits (each reads MROWS x 128 floats), not one block reading all
 // of them. Every block of such a launch is resident at once (cuda_exl3._units sizes it to one
 // wave), so no split waits for a block that cannot start.
-// LOADS: loads in flight a thread (with 8, two splits of 1408 -> 4096 at 512 rows ran 3.6 µs slower
-// than one split reading the other's sums, H100; 32 spill at 168 registers)
+// LOADS: loads in flight a thread (32 spill at 168 registers: 16 outside the rg kernel). H100: 8 and
+// 32 timed alike; at two splits this is ~3-4 µs slower than split 0 reading split 1's sums alone
+// (8192 -> 8192 at 256 rows 79.0 vs 74.8 µs): not yet known why (its per-element u / splits?)
 template <int MROWS, int LOADS>
 __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __restrict__ flags,
                                           float* __restrict__ scratch, float* __restrict__ ts, int tile, int split,
