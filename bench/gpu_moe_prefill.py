@@ -14,6 +14,8 @@ reference of the first 4 experts' rows):
 - ``exl3_tiles_m*``: each shared-memory tile kernel (cuda_exl3.TILE_KERNELS; the runtime's prefill
   takes the 64-row one unless EXL3TOOLS_PREFILL_TILES=0) on tiles of its own rows, padding rows
   skipped; ``fused_out``: the 64-row one with the output pass inside it (EXL3TOOLS_TILES_EPILOGUE);
+- ``wgr_m128``: cuda_exl3.WGR_RG_OUT_M128_KERNELS on 128-row tiles (wgmma with each warp's decoded
+  tile as the register A operand, the output pass in its epilogue), padding rows not stored;
 - ``triton bm16/32/64``: kernels/triton_exl3.TritonExperts (tensor-core dots per group of bm rows);
 - ``dense bmm``: fp16 weights decoded once (not timed) and one padded batched GEMM (E, max rows,
   k) x (E, k, n): the tensor-core floor without any decode;
@@ -96,6 +98,12 @@ def run(shape: str, T: int, kbits: int) -> dict:
     if cu._fused_out(cuda_exl3.TILE_KERNELS[64], x.dtype, S // 64 + min(E, S)) is not None:
         tiled("fused_out", 64, cuda_exl3.TILE_KERNELS[64], skip_padding=True)
     cu.fused_out = False
+    # the wgmma kernel on 128-row tiles (the weight decoded into the register A operand, the output
+    # pass in its epilogue; not yet on the runtime's route)
+    try:
+        tiled("wgr_m128", 128, cuda_exl3.WGR_RG_OUT_M128_KERNELS[x.dtype], skip_padding=True)
+    except Exception as exc:  # noqa: BLE001 - a kernel's first run failing is a finding
+        row["wgr_m128_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
     tr = triton_exl3.TritonExperts(ts, "mul1", "cuda")
     for bm in (16, 32, 64):
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
     rows = []
     from exl3tools.kernels.cuda_exl3 import TILE_KERNELS
 
-    smem = [*TILE_KERNELS.values(), "fused_out"]
+    smem = [*TILE_KERNELS.values(), "fused_out", "wgr_m128"]
     print("| shape | tokens | pairs | tile rows | cuda tiles ms | " + " | ".join(k.replace("exl3_tiles_", "smem ")
                                                                        for k in smem) +
           " | triton bm16 | bm32 | bm64 | decode all ms | dense bmm ms | HBM floor ms | err cuda | err smem max | err triton |")

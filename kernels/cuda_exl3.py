@@ -120,6 +120,11 @@ WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "ex
 # 14336 and 256 rows, 1.12x fp16 cuBLAS; 74.3 at 14336 -> 4096, 1.12x; 74.8 at 8192 -> 8192,
 # 1.19x); the EXL3TOOLS_DENSE_WGR route
 WGR_RG_OUT_KERNELS = {torch.float16: "exl3_wgr_rg_out_m256_t2_f16", torch.float32: "exl3_wgr_rg_out_m256_t2_f32"}
+# exl3_wgr_rg_out_m128_t2_{f16,f32}: the same loop on 128-row slots (wgmma.m64n128k16), for MoE
+# prefill tiles (air6 has ~128 pairs an expert at 2048 tokens, GLM-5 ~64: a 256-row slot would be
+# half padding); CudaExperts.tiles takes it when a caller names it (bench/gpu_moe_prefill.py,
+# tests/gpu); ptxas: 168 registers at launch, no spills, no serialized MMAs; not yet run on a GPU
+WGR_RG_OUT_M128_KERNELS = {torch.float16: "exl3_wgr_rg_out_m128_t2_f16", torch.float32: "exl3_wgr_rg_out_m128_t2_f32"}
 # the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
 WGR_MAX_ROWS = 1024
 # and its fewest weights (k x n): a smaller linear fills the SMs only by splitting K into a few
@@ -214,12 +219,12 @@ _wgr_flags: dict[int, torch.Tensor] = {}
 _wgr_scratch: dict[int, torch.Tensor] = {}
 
 
-def wgr_buffers(device: torch.device, tiles: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def wgr_buffers(device: torch.device, tiles: int, splits: int, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: two int32 counts a tile (zero
-    between launches: the last split to leave re-zeroes them) and ``splits`` partial sums of 256 x
-    128 fp32 a tile. Each kept per device (``_kept``, as ``workspace``); under capture one too small
+    between launches: the last split to leave re-zeroes them) and ``splits`` partial sums of
+    ``rows`` (the kernel's slot) x 128 fp32 a tile. Each kept per device (``_kept``, as ``workspace``); under capture one too small
     is replaced by the graph's own (from its pool, the counts' zeroing part of the graph)."""
-    need = tiles * splits * 256 * 128
+    need = tiles * splits * rows * 128
     flags = _kept(_wgr_flags, device, 2 * tiles, torch.int32, 1024, zero=True)
     scratch = _kept(_wgr_scratch, device, need, torch.float32, 1 << 22, zero=False)
     return (torch.zeros(2 * tiles, dtype=torch.int32, device=device) if flags is None else flags,
@@ -308,8 +313,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     one wave needs). An int64 ``acc`` (``fixed_workspace``, either kernel): batch-invariant sums, K
     split by the weight's shape alone. ``ld_tab`` (int32 per expert, gemv kernel only): the n-tiles
     of each expert's whole trellis, whose first ``nt`` columns (from its table pointer) the slot
-    multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the
-    WGR_OUT_KERNELS / WGR_RG_OUT_KERNELS only, acc None): y = the output pass of the sums, written
+    multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the wgr
+    kernels with the output pass only, ``_wgr_out``; acc None): y = the output pass of the sums, written
     by the kernel itself; K split as for the others (one wave), each tile's splits added inside
     the kernel in split order (``wgr_buffers``)."""
     if (out is not None) != _wgr_out(kernel):
@@ -357,7 +362,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         if out is not None:                   # K split as _units says (one wave), the splits added in the kernel
             splits = -(-kt // kps)
             tiles = slots * (groups // w)
-            extra += tuple(out) + (wgr_buffers(xrot.device, tiles, splits) if splits > 1 else (None, None))
+            extra += tuple(out) + (wgr_buffers(xrot.device, tiles, splits, slot_rows(name)) if splits > 1
+                                   else (None, None))
         elif name.startswith("exl3_wgr_sk_"):   # stream-K: every tile's whole k-range; all slots' chunks
             # (4 k-tiles) in equal shares, one block an SM (WGR_SK_MIN_CHUNKS at the least)
             kps, units = kt, groups
@@ -603,7 +609,8 @@ class CudaLinear:
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch
         (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs).
-        A WGR_OUT_KERNELS / WGR_RG_OUT_KERNELS kernel writes y itself (in x2's dtype, fp16 or fp32)."""
+        A wgr kernel with the output pass (WGR_OUT_KERNELS, WGR_RG_OUT_KERNELS, WGR_RG_OUT_M128_KERNELS)
+        writes y itself (in x2's dtype, fp16 or fp32)."""
         rows = x2.shape[0]
         slots = -(-rows // r)
         total = r * slots
@@ -611,7 +618,7 @@ class CudaLinear:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
         if _wgr_out(kernel):
-            if kernel not in (WGR_OUT_KERNELS.get(x2.dtype), WGR_RG_OUT_KERNELS.get(x2.dtype)):
+            if not kernel.endswith("_" + _SUFFIX.get(x2.dtype, "?")):
                 raise UsageError(f"{kernel}: y in {x2.dtype}")
             y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, None, kernel=kernel,

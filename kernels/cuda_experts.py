@@ -24,6 +24,7 @@ from exl3tools.kernels.cuda_exl3 import (
     _check_dims,
     _ptrs,
     _units,
+    _wgr_out,
     cuda_device,
     fixed_workspace,
     gemv,
@@ -100,7 +101,8 @@ class CudaExperts:
         tile t = rows [t * rows, (t + 1) * rows) all of expert tile_exp[t] (-1: skipped, its rows
         come out as bias). Each tile decodes its expert's weights once for all its rows.
         ``out_dtype``: fp16 or fp32 straight from the output pass (default x's). ``kernel``: a
-        TILE_KERNELS entry (benches), else the shared-memory one for PREFILL_TILE_ROWS (unless
+        TILE_KERNELS entry or a wgr kernel with the output pass (cuda_exl3.WGR_RG_OUT_M128_KERNELS:
+        benches, tests), else the shared-memory one for PREFILL_TILE_ROWS (unless
         EXL3TOOLS_PREFILL_TILES=0), else gemv.
         ``counts`` (NT,): the rows of each tile that are real; the rest are skipped by all three
         launches (either kernel) and come out undefined (their src/row_exp are never read).
@@ -125,6 +127,13 @@ class CudaExperts:
         else:
             xrot = had_in(self.mod, x2, self.suh_tab, 1, N, self.k, src=src32, exp=rexp32, tile_n=tn, tile_rows=rows,
                           act_rows=act_rows)
+            if _wgr_out(kernel):      # a wgr kernel with the output pass (benches, tests): y from the kernel
+                if not kernel.endswith("_" + _SUFFIX.get(out_dtype, "?")):
+                    raise UsageError(f"{kernel}: y in {out_dtype}")
+                y = torch.empty(N, self.n, dtype=out_dtype, device=self.device)
+                gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, rows, tile_exp.shape[0], None, slot_exp=texp32,
+                     kernel=kernel, tile_n=tn, out=(y, self.svh_tab, self.bias_tab))
+                return y
             fused = self._fused_out(kernel, out_dtype, tile_exp.shape[0])
             if fused is not None:     # the output pass inside the tile kernel: no workspace, no had_out
                 name, kps, groups = fused

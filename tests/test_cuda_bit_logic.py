@@ -201,6 +201,7 @@ def test_no_wgmma_kernel_has_its_mmas_serialized(tmp_path):
     report, regs = _ptxas(tmp_path, 2, entries="exl3_w")
     assert "are serialized" not in report, [ln for ln in report.splitlines() if "serialized" in ln]
     wgr = {"exl3_wgr_m256_t2", "exl3_wgr_sk_m256_t2", "exl3_wgr_out_m256_t2_f16", "exl3_wgr_out_m256_t2_f32",
-           "exl3_wgr_rg_out_m256_t2_f16", "exl3_wgr_rg_out_m256_t2_f32"}
+           "exl3_wgr_rg_out_m256_t2_f16", "exl3_wgr_rg_out_m256_t2_f32", "exl3_wgr_rg_out_m128_t2_f16",
+           "exl3_wgr_rg_out_m128_t2_f32"}
     assert {"exl3_wga_m256_t2", "exl3_wg2_m256_t1"} | wgr <= set(regs), sorted(regs)
     assert all(regs[f] <= 168 for f in wgr), regs

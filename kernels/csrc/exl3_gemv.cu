@@ -1251,6 +1251,9 @@ WGR_OUT(exl3_wgr_out_m256_t2_f16, 288, WGR_AS, false, 256, 1)
 WGR_OUT(exl3_wgr_out_m256_t2_f32, 288, WGR_AS, false, 256, 2)
 WGR_OUT(exl3_wgr_rg_out_m256_t2_f16, 384, 4, true, 256, 1)
 WGR_OUT(exl3_wgr_rg_out_m256_t2_f32, 384, 4, true, 256, 2)
+// 128-row slots (m64n128k16; MoE prefill tiles: bench and tests only, not yet run on a GPU)
+WGR_OUT(exl3_wgr_rg_out_m128_t2_f16, 384, 4, true, 128, 1)
+WGR_OUT(exl3_wgr_rg_out_m128_t2_f32, 384, 4, true, 128, 2)
 #endif
 // TILES_OUT(MROWS, MINB, SUFFIX, OUT): tiles_body with the fused output pass, y in fp16 or fp32
 #ifndef EXL3_HOST_TEST

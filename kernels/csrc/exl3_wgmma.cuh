@@ -658,7 +658,14 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 // wave), so no split waits for a block that cannot start.
 // LOADS: loads in flight a thread (32 spill at 168 registers: 16 outside the rg kernel). H100: 8 and
 // 32 timed alike; at two splits this is ~3-4 µs slower than split 0 reading split 1's sums alone
-// (8192 -> 8192 at 256 rows 79.0 vs 74.8 µs): not yet known why (its per-element u / splits?)
+// (8192 -> 8192 at 256 rows 79.0 vs 74.8 µs). A likely cause: s splits store and load s tiles of
+// sums where that one stored and loaded s - 1 (twice the bytes at two splits: 17 MB more through
+// L2 there). WGR_FIX_OWN (a build define, off; EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_OWN=1; not yet run
+// on a GPU): a split keeps its own share of row groups in shared memory (ts) instead of storing
+// and reloading it, so a tile moves s - 1 tiles of sums each way, as before, spread over s blocks.
+#ifndef WGR_FIX_OWN
+#define WGR_FIX_OWN 0
+#endif
 template <int MROWS, int LOADS>
 __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __restrict__ flags,
                                           float* __restrict__ scratch, float* __restrict__ ts, int tile, int split,
@@ -667,8 +674,21 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
     const int tid = threadIdx.x;           // (the consumers: 0-255)
     const float4* const base = reinterpret_cast<const float4*>(scratch) + (size_t)tile * splits * V * 256 + tid;
     float4* const dst = reinterpret_cast<float4*>(scratch) + (size_t)(tile * splits + split) * V * 256 + tid;
+    if constexpr (WGR_FIX_OWN) {
+        const int j0 = split * V / splits, j1 = (split + 1) * V / splits, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+        for (int i = 0; i < V; i++) {
+            if (i >= j0 && i < j1) {       // (static register indices: the predicate picks)
+#pragma unroll
+                for (int q = 0; q < 4; q++) ts[wgr_ts_index(i, q, warp, g, t)] = d[4 * i + q];
+            } else {
+                __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
+    }
     __threadfence();
     named_sync(1, 256);
     if (tid == 0) {
@@ -688,8 +708,19 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
     for (int u0 = 0; u0 < n; u0 += LOADS) {   // (d is dead: its registers hold the loads in flight)
         float4 v[LOADS];
 #pragma unroll
-        for (int k = 0; k < LOADS; k++)
-            if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
+        for (int k = 0; k < LOADS; k++) {
+            if constexpr (WGR_FIX_OWN) {
+                const int u = u0 + k, s = u % splits, i = i0 + u / splits;
+                if (u >= n) break;
+                if (s == split)            // (this thread's own values, written above)
+                    v[k] = make_float4(ts[wgr_ts_index(i, 0, warp, g, t)], ts[wgr_ts_index(i, 1, warp, g, t)],
+                                       ts[wgr_ts_index(i, 2, warp, g, t)], ts[wgr_ts_index(i, 3, warp, g, t)]);
+                else
+                    v[k] = __ldcg(base + (size_t)(s * V + i) * 256);
+            } else {
+                if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
+            }
+        }
 #pragma unroll
         for (int k = 0; k < LOADS; k++) {
             const int u = u0 + k, s = u % splits, i = i0 + u / splits;
@@ -728,7 +759,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                                          const uint64_t* __restrict__ bias_ptrs = nullptr, int* __restrict__ flags = nullptr,
                                          float* __restrict__ scratch = nullptr) {
     constexpr int KS = 4, S = WGR_S;
-    static_assert(MROWS == 256, "m64n256: one warpgroup's MMA takes the whole slot");
+    static_assert(MROWS == 256 || MROWS == 128, "m64n256 / m64n128: one warpgroup's MMA takes the whole slot");
     static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
     static_assert(OUT == 0 || (!SK && S * MROWS * 64 * 2 >= MROWS * 128 * 4), "the epilogue: one segment, sums over the x stages");
     static_assert(AS >= 2 && KS % AS == 0, "A operands: the same one every AS k-tiles, across chunks too");
@@ -842,7 +873,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                 } else {
                     fence_regs(d);
                     wgmma_fence();
-                    wgmma_m64n256k16<0>(d, ak, db + 2 * kk);   // 32 bytes a k16 step
+                    wgmma_k16<MROWS>(d, ak, db + 2 * kk);   // 32 bytes a k16 step
                     wgmma_commit();
                     wgmma_wait<AS - 1>();
                     fence_regs(d);

@@ -209,6 +209,56 @@ def test_wgr_out_splits_share_the_finishing(cx, width, cb, monkeypatch):
         assert not cx._wgr_flags[lin.device.index].any(), sms
 
 
+@pytest.mark.parametrize("width,cb", CASES)
+def test_wgr_m128_slots(cx, width, cb, monkeypatch):
+    """exl3_wgr_rg_out_m128_t2_* (128-row slots, wgmma.m64n128k16; for MoE prefill tiles): a dense
+    linear within fp32 rounding of the 256-row kernel (one split each), K split within 1e-5 of one
+    split and the same bits on every run; experts through CudaExperts.tiles (slots of other
+    experts, a slot of 37 real rows, an unused slot): each live row
+    within 1e-3 of the m64 tile kernel's and 2e-3 of x·W + bias; every tile's counts back at zero."""
+    import torch
+
+    rng = np.random.default_rng(width * 13 + len(cb))
+    k, n = 1024, 384
+    one_split = (cx, "sm_count", lambda device: 1)
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    for rows, dtype in ((200, torch.float32), (300, torch.float16)):
+        x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().to(dtype)
+        kernel = cx.WGR_RG_OUT_M128_KERNELS[dtype]
+        with monkeypatch.context() as mp:
+            mp.setattr(*one_split)
+            one = lin._in_slots(x, 128, kernel)[:rows]
+            m256 = lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[dtype])[:rows]
+        split = lin._in_slots(x, 128, kernel)[:rows]
+        assert torch.equal(lin._in_slots(x, 128, kernel)[:rows], split), rows
+        tol = 1e-5 if dtype == torch.float32 else 1e-3
+        assert _rel(one.double().cpu().numpy(), m256.double().cpu().numpy()) < tol, rows
+        assert _rel(split.double().cpu().numpy(), one.double().cpu().numpy()) < tol, rows
+        assert _rel(split.double().cpu().numpy(), x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3, rows
+    assert not cx._wgr_flags[lin.device.index].any()
+    E, m = 3, 128
+    lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
+    ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
+    tile_exp = torch.tensor([0, 2, -1, 1, 0], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([m, 37, m, m, m], dtype=torch.int32, device="cuda")
+    row_exp = tile_exp.clamp(min=0).repeat_interleave(m)
+    T = 200
+    x = torch.from_numpy(rng.normal(0, 1, (T, k)).astype(np.float16)).cuda()
+    src = torch.from_numpy(rng.integers(0, T, row_exp.shape[0])).cuda()
+    live = np.r_[0:m, m:m + 37, 3 * m:5 * m]
+    got = ex.tiles(x, src, row_exp, tile_exp, m, kernel=cx.WGR_RG_OUT_M128_KERNELS[torch.float16], counts=counts)
+    want = ex.tiles(x, src, row_exp, tile_exp, m, kernel=cx.TILE_KERNELS[128], counts=counts)
+    g, wt = got.double().cpu().numpy()[live], want.double().cpu().numpy()[live]
+    assert _rel(g, wt) < 1e-3
+    ws = [ref.decode_linear(*p[:3], cb).astype(np.float64) for p in lins]
+    xs, re_ = x.double().cpu().numpy()[src.cpu().numpy()], row_exp.cpu().numpy()
+    exact = np.stack([xs[r] @ ws[re_[r]] + lins[re_[r]][3].astype(np.float64) for r in live])
+    assert _rel(g, exact) < 2e-3
+    assert not cx._wgr_flags[ex.device.index].any()
+
+
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
 @pytest.mark.parametrize("width,cb", CASES)
 def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
