@@ -220,10 +220,11 @@ _wgr_scratch: dict[int, torch.Tensor] = {}
 
 
 def wgr_buffers(device: torch.device, tiles: int, splits: int, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flags, scratch) of a WGR_OUT_KERNELS launch that splits K: two int32 counts a tile (zero
-    between launches: the last split to leave re-zeroes them) and ``splits`` partial sums of
-    ``rows`` (the kernel's slot) x 128 fp32 a tile. Each kept per device (``_kept``, as ``workspace``); under capture one too small
-    is replaced by the graph's own (from its pool, the counts' zeroing part of the graph)."""
+    """(flags, scratch) of a wgr launch with the output pass that splits K: two int32 counts a tile
+    (zero between launches: the last split to leave re-zeroes them) and ``splits`` partial sums of
+    ``rows`` (the kernel's slot) x 128 fp32 a tile. Each kept per device (``_kept``, as
+    ``workspace``); under capture one too small is replaced by the graph's own (from its pool, the
+    counts' zeroing part of the graph)."""
     need = tiles * splits * rows * 128
     flags = _kept(_wgr_flags, device, 2 * tiles, torch.int32, 1024, zero=True)
     scratch = _kept(_wgr_scratch, device, need, torch.float32, 1 << 22, zero=False)
@@ -314,8 +315,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     split by the weight's shape alone. ``ld_tab`` (int32 per expert, gemv kernel only): the n-tiles
     of each expert's whole trellis, whose first ``nt`` columns (from its table pointer) the slot
     multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the wgr
-    kernels with the output pass only, ``_wgr_out``; acc None): y = the output pass of the sums, written
-    by the kernel itself; K split as for the others (one wave), each tile's splits added inside
+    kernels with the output pass only, ``_wgr_out``; acc None): y = the output pass of the sums,
+    written by the kernel itself; K split as for the others (one wave), each tile's splits added inside
     the kernel in split order (``wgr_buffers``)."""
     if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")

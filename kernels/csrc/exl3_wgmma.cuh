@@ -559,8 +559,8 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 // copies on thread 0 inside the loop of a 256-thread block it serialized them for accumulators
 // moved around that branch (C7515). exl3_wgr_rg_out_* is the default route of dense linears of
 // 65-1024 rows and 16 M weights or more (cuda_exl3.WGR_MIN_WEIGHTS; EXL3TOOLS_DENSE_WGR=0 opts
-// out); the others: bench/gpu_gemm_ab.py's rows and tests/gpu. H100, 2026-12-06 09:49 (graph replays, K 3, 256
-// rows, 4096 -> 14336, kernels alone by torch.profiler): exl3_wgr_out 64 µs (fp16 cuBLAS 55); with
+// out); the others: bench/gpu_gemm_ab.py's rows and tests/gpu. H100, 2026-12-06 09:49 (graph
+// replays, K 3, 256 rows, 4096 -> 14336, kernels alone by torch.profiler): exl3_wgr_out 64 µs (fp16 cuBLAS 55); with
 // the bench defines, no loads 52.6, no loads and no decode (the MMAs alone) 45.3: the decode and
 // the loads each leave the tensor pipe idle for part of the time.
 #ifndef WGR_S
