@@ -20,6 +20,7 @@ from exl3tools.kernels.cuda_exl3 import (
     SMALL_ROWS,
     TILE_KERNELS,
     TILE_UNIT_KTILES,
+    WGR_RG_OUT_M128_KERNELS,
     _act,
     _check_dims,
     _ptrs,
@@ -65,7 +66,10 @@ class CudaExperts:
         self.invariant = invariance.on()
         # tiles of up to this many rows (runtime.layers.tile_rows)
         self.smem_tiles = preview.switched_on("prefill_tiles")
-        self.max_tile_rows = max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
+        # EXL3TOOLS_MOE_WGR: 128-row tiles on the wgmma kernel (whole 128-column blocks, 64-k chunks)
+        self.moe_wgr = (preview.switched_on("moe_wgr") and not self.invariant and self.nt % 8 == 0
+                        and self.kt % 4 == 0)
+        self.max_tile_rows = 128 if self.moe_wgr else max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
         self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # (GEMV_PRO_MAX_ROWS)
@@ -118,6 +122,8 @@ class CudaExperts:
         src32 = None if src is None else src.to(torch.int32).contiguous()
         rexp32 = row_exp.to(torch.int32).contiguous()
         texp32 = rexp32 if tile_exp is row_exp else tile_exp.to(torch.int32).contiguous()   # slots: one cast
+        if kernel is None and self.moe_wgr and rows == 128 and out_dtype in _SUFFIX:
+            kernel = WGR_RG_OUT_M128_KERNELS[out_dtype]
         kernel = kernel or self._tile_kernel(rows)
         tn = None if counts is None else counts.to(torch.int32).contiguous()
         if self.gemv_in and kernel is None and tn is None and gemv_pro_fits(rows, x2.dtype):   # had_in inside the gemv

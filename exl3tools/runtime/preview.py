@@ -92,6 +92,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
+    # MoE prefill tiles of 128 rows (runtime.layers.tile_rows: where 1.5x the mean pairs an expert
+    # passes 64) on exl3_wgr_rg_out_m128_t2_* (kernels/csrc/exl3_wgmma.cuh wgr_body on 128-row slots,
+    # wgmma.m64n128k16: each warp decodes its tile straight into the register A operand, the output
+    # pass in the epilogue, padding rows never stored) instead of the 64-row mma.sync tile kernel;
+    # where every grouped projection's columns come in 128s and its k in 64s (CudaExperts.moe_wgr).
+    # Written 2026-12-06 11:03 without a GPU (ptxas: no spills, MMAs asynchronous): not yet run
+    "moe_wgr": "EXL3TOOLS_MOE_WGR",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

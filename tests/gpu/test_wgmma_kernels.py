@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from exl3tools.kernels import reference as ref
 
-from tests.gpu.kernel_cases import CASES, captured
+from tests.gpu.kernel_cases import CASES, captured, tile_rows_reference
 from tests.gpu.kernel_cases import as_tensors as _tensors
 from tests.gpu.kernel_cases import cuda_experts as _experts
 from tests.gpu.kernel_cases import random_linear as _lin
@@ -257,6 +257,66 @@ def test_wgr_m128_slots(cx, width, cb, monkeypatch):
     exact = np.stack([xs[r] @ ws[re_[r]] + lins[re_[r]][3].astype(np.float64) for r in live])
     assert _rel(g, exact) < 2e-3
     assert not cx._wgr_flags[ex.device.index].any()
+
+
+@pytest.mark.parametrize("width,cb", [(48, "mul1"), (64, "3inst"), (32, "mcg")])
+def test_moe_wgr_preview_routes_128_row_tiles(cx, width, cb, monkeypatch):
+    """EXL3TOOLS_MOE_WGR: experts whose columns come in 128s take tiles of up to 128 rows, and a
+    128-row tiles call runs exl3_wgr_rg_out_m128_t2_* (y in fp16 or fp32 from its epilogue; the
+    real rows within 2e-3 of the reference and 1e-3 of the 128-row tile kernel), a down projection
+    taking silu(gate) * up too; 64-row tiles keep the tile kernel; off, or columns not in 128s:
+    64-row tiles as before."""
+    import torch
+
+    from exl3tools.runtime.layers import expert_tiles
+
+    rng = np.random.default_rng(width + 3 * len(cb))
+    E, k, n, T, top = 4, 512, 384, 300, 2
+    lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
+    tensors = [_tensors(torch, *p) for p in lins]
+    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "0")
+    assert _experts(tensors, cb, "cuda").max_tile_rows == 64
+    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "1")
+    ex = _experts(tensors, cb, "cuda")
+    assert ex.moe_wgr and ex.max_tile_rows == 128
+    odd = [_tensors(torch, *_lin(rng, k, 320, width, bias=True)) for _ in range(2)]   # 320 columns
+    assert _experts(odd, cb, "cuda").max_tile_rows == 64
+    kernels = []
+    real = cx.gemv
+    monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
+    import exl3tools.kernels.cuda_experts as ce
+    monkeypatch.setattr(ce, "gemv", cx.gemv)
+    w = [ref.decode_linear(tr, suh, svh, cb).astype(np.float64) for tr, suh, svh, _ in lins]
+    x = rng.normal(0, 1, (T, k)).astype(np.float16)
+    exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
+    xd = torch.from_numpy(x).cuda()
+    tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, 128)
+    src, counts = torch.where(valid, slot // top, 0), valid.view(-1, 128).sum(1)
+    v = valid.cpu().numpy()
+    want = tile_rows_reference(x, lins, w, slot, row_exp, valid, top)
+    tiles = ex.tiles(xd, src, row_exp, tile_exp, 128, kernel=cx.TILE_KERNELS[128], counts=counts)
+    for dt in (torch.float16, torch.float32):
+        kernels.clear()
+        y = ex.tiles(xd, src, row_exp, tile_exp, 128, out_dtype=dt, counts=counts)
+        assert kernels == [cx.WGR_RG_OUT_M128_KERNELS[dt]] and y.dtype == dt, kernels
+        assert _rel(y.double().cpu().numpy()[v], want) < 2e-3, dt
+        assert _rel(y.double().cpu().numpy()[v], tiles.double().cpu().numpy()[v]) < 1e-3, dt
+    # silu(gate) * up inside the input pass (act_rows): the down projection of a gate+up output
+    gu = torch.from_numpy(rng.normal(0, 1, (2 * row_exp.shape[0], k)).astype(np.float16)).cuda()
+    kernels.clear()
+    y = ex.tiles(gu, None, row_exp, tile_exp, 128, counts=counts, act_rows=row_exp.shape[0])
+    assert kernels == [cx.WGR_RG_OUT_M128_KERNELS[torch.float16]], kernels
+    a = torch.nn.functional.silu(gu[:row_exp.shape[0]].float()) * gu[row_exp.shape[0]:].float()
+    re_ = row_exp.cpu().numpy()
+    exact = np.stack([a[r].double().cpu().numpy() @ w[re_[r]] + lins[re_[r]][3].astype(np.float64)
+                      for r in np.nonzero(v)[0]])
+    assert _rel(y.double().cpu().numpy()[v], exact) < 2e-3
+    te64, re64, sl64, va64 = expert_tiles(torch.from_numpy(exp).cuda(), E, 64)
+    kernels.clear()
+    y64 = ex.tiles(xd, torch.where(va64, sl64 // top, 0), re64, te64, 64)   # (the fused tile kernel: no gemv)
+    assert not any(k_ and k_.startswith("exl3_wgr") for k_ in kernels), kernels
+    assert _rel(y64.double().cpu().numpy()[va64.cpu().numpy()],
+                tile_rows_reference(x, lins, w, sl64, re64, va64, top)) < 2e-3
 
 
 @pytest.mark.parametrize("switch", ["EXL3TOOLS_DENSE_WGA", "EXL3TOOLS_DENSE_WGR"])
