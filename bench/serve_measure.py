@@ -176,12 +176,13 @@ def measure(run, a, vocab: int, after_phase, res: dict | None = None, log=print,
 
     prompts = make_prompts(a.ttft_prompts, a.prompt_len, vocab, SEEDS["ttft"])
     read_ttft = server_ttft or (lambda: None)
+    read_steps = server_steps or (lambda: None)
     h0 = read_ttft()
-    before = (server_steps or (lambda: None))() or []
+    before = read_steps() or []
     cold = [stream_stats(run([p], 1)[0]) for p in prompts]
     h1 = read_ttft()
     t0 = max((x["t"] for x in before), default=float("-inf"))
-    after = (server_steps or (lambda: None))()
+    after = read_steps()
     prefill_ms = None if after is None else [x["ms"] for x in after if x["t"] > t0 and x.get("prefill")]
     hit = [stream_stats(run([p], 1)[0]) for p in prompts]
     h2 = read_ttft()

@@ -320,6 +320,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     the kernel in split order (``wgr_buffers``)."""
     if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
+    if out is not None and not kernel.endswith("_" + _SUFFIX.get(out[0].dtype, "?")):
+        raise UsageError(f"{kernel}: y in {out[0].dtype}")
     fixed = acc is not None and acc.dtype == torch.int64
     if kernel is None:
         mrows = 8 if rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
@@ -619,8 +621,6 @@ class CudaLinear:
             x2 = F.pad(x2, (0, 0, 0, total - rows))
         xrot = had_in(self.mod, x2, self.suh_tab, total, total, self.k)
         if _wgr_out(kernel):
-            if not kernel.endswith("_" + _SUFFIX.get(x2.dtype, "?")):
-                raise UsageError(f"{kernel}: y in {x2.dtype}")
             y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, None, kernel=kernel,
                  out=(y, self.svh_tab, self.bias_tab))
