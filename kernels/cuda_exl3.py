@@ -495,9 +495,8 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int,
     where one wave cannot hold every unit."""
     w, threads = kernel_block(name)
     resident = sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
-    splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
-    if waves:
-        splits = wave_splits(groups * slots, resident, -(-kt // 8))
+    most = -(-kt // 8)
+    splits = wave_splits(groups * slots, resident, most) if waves else max(1, min(most, resident // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
     return kps, groups, groups * -(-kt // kps)

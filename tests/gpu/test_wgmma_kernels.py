@@ -228,7 +228,7 @@ def test_wgr_waves_fill_the_last_wave(cx, width, cb, monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(cx, "sm_count", lambda device: 3)
         for waves, splits in ((False, 1), (True, 3)):
-            kps, groups, _ = cx._units(lin.mod, kernel, lin.device, lin.kt, lin.nt // 2, 1, waves=waves)
+            kps, _, _ = cx._units(lin.mod, kernel, lin.device, lin.kt, lin.nt // 2, 1, waves=waves)
             assert -(-lin.kt // kps) == splits, waves
         one = lin._in_slots(x, 256, kernel)[:rows]
         lin.waves = True
