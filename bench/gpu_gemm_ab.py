@@ -25,11 +25,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   GEMM, never written) + had_out at every row count; wgr_out: had_in + exl3_wgr_out_m256_t2_f16
   (wgr with the output pass in its epilogue, a tile's K splits added inside it); wgr_rg: the same with
   the producer's warpgroup giving its registers to the consumers for four A operands in flight
-  (exl3_wgr_rg_out_m256_t2_f16); wgr_wave: wgr_rg with K split to fill the last wave too (the
-  EXL3TOOLS_WGR_WAVES preview, kernels/launch_waves.py); wgr128: that kernel on 128-row slots (exl3_wgr_rg_out_m128_t2_f16,
+  (exl3_wgr_rg_out_m256_t2_f16); wgr128: that kernel on 128-row slots (exl3_wgr_rg_out_m128_t2_f16,
   the MoE prefill candidate); each one's relative error to ``ours`` is printed under the table
 
-``--splits 1,2,3``: wgr_rg forced to each K split count too (wgr_s1 ...: launch_waves' model checked).
 ``--variants a,b``: only those rows (beside the baseline, ``ours`` and ``dec_mm``). ``--parts``: under each
 table, every variant's kernels with their device µs a call (torch.profiler over CUDA-graph
 replays, each after an L2 flush): what of a path is its GEMM and what the passes around it.
@@ -48,23 +46,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, graph_profile, make, w_true  # noqa: E402  (bench/ is not a package)
 
-IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr_wave", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed; wgr_s<N> too)
+IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed)
 
 
-def forced_splits(cx, s: int, kernel: str, lin, x, rows: int):
-    """wgr_rg's launch at ``s`` K splits whatever launch_waves would pick (``--splits``: the data
-    its model's costs come from)."""
-    def call():
-        pick, cx.wave_splits = cx.wave_splits, lambda need, resident, most: min(s, most)
-        try:
-            return lin._in_slots(x, 256, kernel, waves=True)[:rows]
-        finally:
-            cx.wave_splits = pick
-    return call
-
-
-def variants(lin, x, w, splits=()):
-    """name -> zero-argument call, in timing order (``splits``: a wgr_s<N> variant each)."""
+def variants(lin, x, w):
+    """name -> zero-argument call, in timing order."""
     from exl3tools.kernels import cuda_dense as cd
     from exl3tools.kernels import cuda_exl3 as cx
 
@@ -95,10 +81,8 @@ def variants(lin, x, w, splits=()):
             "wgr_sk": lambda: lin._in_slots(x, 256, cx.WGR_SK_KERNEL)[:rows],
             "wgr_out": lambda: lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[x.dtype])[:rows],
             "wgr_rg": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype])[:rows],
-            "wgr_wave": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype], waves=True)[:rows],
             "wgr128": lambda: lin._in_slots(x, 128, cx.WGR_RG_OUT_M128_KERNELS[x.dtype])[:rows],
-            "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows],
-            **{f"wgr_s{s}": forced_splits(cx, s, cx.WGR_RG_OUT_KERNELS[x.dtype], lin, x, rows) for s in splits}}
+            "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
 
 
 def kernel_parts(fn, n: int = 5) -> list[tuple[str, float]]:
@@ -116,7 +100,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--eager", action="store_true", help="time eager calls, not CUDA-graph replays")
-    ap.add_argument("--splits", default="", help='wgr_rg at these K split counts too ("1,2,3,4": variants wgr_s1 ...)')
     ap.add_argument("--parts", action="store_true", help="print each variant's kernels (device µs a call)")
     ap.add_argument("--variants", default="",
                     help='only these (comma-separated, e.g. "wgr_out,wgr_rg,fold"; "fp16 nk", "ours" and "dec_mm" always run)')
@@ -137,10 +120,9 @@ def main() -> int:
         lin = make_linear(t, "mul1", a.K, "cuda", backend="cuda")
         for rows in (int(r) for r in a.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
-            splits = [int(v) for v in a.splits.split(",") if v]
-            calls = variants(lin, x, w, splits)
+            calls = variants(lin, x, w)
             if a.variants:
-                keep = {"fp16 nk", "ours", "dec_mm", *a.variants.split(","), *(f"wgr_s{s}" for s in splits)}
+                keep = {"fp16 nk", "ours", "dec_mm", *a.variants.split(",")}
                 if keep - set(calls):
                     ap.error(f"--variants: no {sorted(keep - set(calls))}; there are {list(calls)}")
                 calls = {name: fn for name, fn in calls.items() if name in keep}
@@ -156,8 +138,7 @@ def main() -> int:
                 ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))
                 print(f"  {name:13s} | {statistics.median(ts):8.1f} | {min(ts):7.1f}-{max(ts):7.1f} | {ratio:5.2f}")
             ref = calls["ours"]().float()
-            errs = {name: float((fn().float() - ref).norm() / ref.norm()) for name, fn in calls.items()
-                    if name in IN_GEMM or name.startswith("wgr_s")}
+            errs = {name: float((calls[name]().float() - ref).norm() / ref.norm()) for name in IN_GEMM if name in calls}
             print("  relative error to ours: " + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
             if a.parts:
                 for name, fn in calls.items():
