@@ -28,6 +28,9 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   (exl3_wgr_rg_out_m256_t2_f16); wgr128: that kernel on 128-row slots (exl3_wgr_rg_out_m128_t2_f16,
   the MoE prefill candidate); each one's relative error to ``ours`` is printed under the table
 
+``--splits 2,3,4``: wgr_rg with K split that many ways too (wgr_s2 ...; the one-wave rule of
+``cuda_exl3._units`` aside). Counts past one wave need a build whose fixup never waits
+(EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1); elsewhere they are left out with a note.
 ``--variants a,b``: only those rows (beside the baseline, ``ours`` and ``dec_mm``). ``--parts``: under each
 table, every variant's kernels with their device µs a call (torch.profiler over CUDA-graph
 replays, each after an L2 flush): what of a path is its GEMM and what the passes around it.
@@ -46,11 +49,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, graph_profile, make, w_true  # noqa: E402  (bench/ is not a package)
 
-IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed)
+IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed; wgr_s<N> too)
 
 
-def variants(lin, x, w):
-    """name -> zero-argument call, in timing order."""
+def variants(lin, x, w, splits=()):
+    """name -> zero-argument call, in timing order (``splits``: a wgr_s<N> each)."""
     from exl3tools.kernels import cuda_dense as cd
     from exl3tools.kernels import cuda_exl3 as cx
 
@@ -82,7 +85,24 @@ def variants(lin, x, w):
             "wgr_out": lambda: lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[x.dtype])[:rows],
             "wgr_rg": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype])[:rows],
             "wgr128": lambda: lin._in_slots(x, 128, cx.WGR_RG_OUT_M128_KERNELS[x.dtype])[:rows],
-            "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows]}
+            "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows],
+            **{f"wgr_s{s}": forced(lin, x, s) for s in splits}}
+
+
+def forced(lin, x, s: int):
+    """wgr_rg at ``s`` K splits; None where this build cannot run that many (past one wave)."""
+    from exl3tools.kernels import cuda_exl3 as cx
+
+    from exl3tools.errors import UsageError
+
+    def call():
+        return lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype], splits=s)[:x.shape[0]]
+    try:
+        call()
+    except UsageError as e:
+        print(f"  wgr_s{s}: left out ({e})")
+        return None
+    return call
 
 
 def kernel_parts(fn, n: int = 5) -> list[tuple[str, float]]:
@@ -100,6 +120,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--eager", action="store_true", help="time eager calls, not CUDA-graph replays")
+    ap.add_argument("--splits", default="", help='wgr_rg at these K split counts too ("2,3,4": wgr_s2 ...)')
     ap.add_argument("--parts", action="store_true", help="print each variant's kernels (device µs a call)")
     ap.add_argument("--variants", default="",
                     help='only these (comma-separated, e.g. "wgr_out,wgr_rg,fold"; "fp16 nk", "ours" and "dec_mm" always run)')
@@ -120,12 +141,13 @@ def main() -> int:
         lin = make_linear(t, "mul1", a.K, "cuda", backend="cuda")
         for rows in (int(r) for r in a.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
-            calls = variants(lin, x, w)
+            splits = [int(v) for v in a.splits.split(",") if v]
+            calls = {name: fn for name, fn in variants(lin, x, w, splits).items() if fn is not None}
             if a.variants:
                 keep = {"fp16 nk", "ours", "dec_mm", *a.variants.split(",")}
                 if keep - set(calls):
                     ap.error(f"--variants: no {sorted(keep - set(calls))}; there are {list(calls)}")
-                calls = {name: fn for name, fn in calls.items() if name in keep}
+                calls = {name: fn for name, fn in calls.items() if name in keep or name.startswith("wgr_s")}
             times = {name: [] for name in calls}
             for _ in range(a.rounds):
                 for name, fn in calls.items():
@@ -138,7 +160,8 @@ def main() -> int:
                 ratio = statistics.median(t_ / b for t_, b in zip(ts, base, strict=True))
                 print(f"  {name:13s} | {statistics.median(ts):8.1f} | {min(ts):7.1f}-{max(ts):7.1f} | {ratio:5.2f}")
             ref = calls["ours"]().float()
-            errs = {name: float((calls[name]().float() - ref).norm() / ref.norm()) for name in IN_GEMM if name in calls}
+            errs = {name: float((fn().float() - ref).norm() / ref.norm()) for name, fn in calls.items()
+                    if name in IN_GEMM or name.startswith("wgr_s")}
             print("  relative error to ours: " + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
             if a.parts:
                 for name, fn in calls.items():

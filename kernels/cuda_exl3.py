@@ -306,7 +306,7 @@ def _wgr_out(name: str | None) -> bool:
 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
          slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None, unit_ktiles: int | None = None,
-         out: tuple | None = None) -> None:
+         out: tuple | None = None, splits: int | None = None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64);
     ``tile_n`` (int32 valid rows per slot, or None: all; not with ``ld_tab``): the rest are
@@ -317,7 +317,8 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     multiplies (CudaGroup's column chunks); None: nt. ``out`` (y, svh table, bias table; the wgr
     kernels with the output pass only, ``_wgr_out``; acc None): y = the output pass of the sums,
     written by the kernel itself; K split as for the others (one wave), each tile's splits added inside
-    the kernel in split order (``wgr_buffers``)."""
+    the kernel in split order (``wgr_buffers``); ``splits`` (with ``out``): K split that many ways
+    instead (benches, tests), past one wave only in a build whose fixup never waits (``wgr_waits``)."""
     if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
     if out is not None and not kernel.endswith("_" + _SUFFIX.get(out[0].dtype, "?")):
@@ -347,9 +348,14 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         units = groups * -(-kt // kps)
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
+        if splits is not None and out is not None:
+            unit_ktiles = -(-kt // splits)
         if unit_ktiles and kps > unit_ktiles:
             kps = -(-unit_ktiles // PIPE) * PIPE
             units = groups * -(-kt // kps)
+        if out is not None and wgr_waits() and units * slots > _resident(mod, name, xrot.device):
+            raise UsageError(f"{kernel}: {-(-kt // kps)} K splits of {units * slots} units past one wave, "
+                             "whose splits would wait for blocks that cannot start (build with -DWGR_FIX_LAST=1)")
     accs = (None, acc) if fixed else (acc, None)
     if ld_tab is not None and tile_n is not None:
         raise UsageError("gemv: tile_n and ld_tab do not come together")
@@ -484,14 +490,25 @@ def kernel_smem(name: str) -> int:
     return 0
 
 
+def wgr_waits() -> bool:
+    """Whether the wgr kernels' fixup has each K split of a tile wait for all the others (the
+    default build), so that all must be resident at once; not with -DWGR_FIX_LAST=1 (the last
+    split to arrive finishes the tile, none waits: any number of waves)."""
+    return not extra_define("WGR_FIX_LAST")
+
+
+def _resident(mod: Module, name: str, device) -> int:
+    """Units of a GEMM kernel launch resident at once on the device (one wave)."""
+    w, threads = kernel_block(name)
+    return sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
+
+
 def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
     are resident at once (one wave: no tail of half-empty SMs); units == groups: one split."""
-    w, threads = kernel_block(name)
-    resident = sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
     # (one wave is also what makes the wgr kernels' in-kernel K splits safe: wgr_fixup has each
-    # split of a tile wait for all the others, so they must all be resident at once)
-    splits = max(1, min(-(-kt // 8), resident // (groups * slots)))
+    # split of a tile wait for all the others, so they must all be resident at once; wgr_waits)
+    splits = max(1, min(-(-kt // 8), _resident(mod, name, device) // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
     return kps, groups, groups * -(-kt // kps)
@@ -611,11 +628,12 @@ class CudaLinear:
         one or the other)."""
         return WGR_RG_OUT_KERNELS.get(dtype, WGR_KERNEL)
 
-    def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False) -> torch.Tensor:
+    def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False,
+                  splits: int | None = None) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch
         (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs).
         A wgr kernel with the output pass (WGR_OUT_KERNELS, WGR_RG_OUT_KERNELS, WGR_RG_OUT_M128_KERNELS)
-        writes y itself (in x2's dtype, fp16 or fp32)."""
+        writes y itself (in x2's dtype, fp16 or fp32), K split ``splits`` ways if given (``gemv``)."""
         rows = x2.shape[0]
         slots = -(-rows // r)
         total = r * slots
@@ -625,7 +643,7 @@ class CudaLinear:
         if _wgr_out(kernel):
             y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, None, kernel=kernel,
-                 out=(y, self.svh_tab, self.bias_tab))
+                 out=(y, self.svh_tab, self.bias_tab), splits=splits)
             return y
         acc = (fixed_workspace if fixed else workspace)(self.device, total * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=kernel)

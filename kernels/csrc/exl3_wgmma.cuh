@@ -663,18 +663,35 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 // L2 there). WGR_FIX_OWN (a build define, off; EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_OWN=1; not yet run
 // on a GPU): a split keeps its own share of row groups in shared memory (ts) instead of storing
 // and reloading it, so a tile moves s - 1 tiles of sums each way, as before, spread over s blocks.
+// WGR_FIX_LAST (a build define, off; EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1; not yet run on a
+// GPU): no split waits. Every split stores its sums and counts itself (acq_rel); the last to
+// arrive finishes the whole tile (its own sums from shared memory, the others' from scratch, added
+// in split order as above: the same bits) and the others leave. Nothing spins, so it is safe
+// whatever is resident (more splits than one wave, MPS, other kernels on the SMs), and a tile's
+// sums cross L2 as in the two-split design that timed 3-4 µs faster (s - 1 tiles read, one block).
 #ifndef WGR_FIX_OWN
 #define WGR_FIX_OWN 0
 #endif
+#ifndef WGR_FIX_LAST
+#define WGR_FIX_LAST 0
+#endif
+// a 0/1 of thread 0 to every thread of the 256 consumers (bar.red: a barrier and an OR in one)
+__device__ __forceinline__ int consumers_or(int v) {
+    int r;
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, 1, 256, p;\n"
+                 " selp.s32 %0, 1, 0, q;\n}\n" : "=r"(r) : "r"(v) : "memory");
+    return r;
+}
 template <int MROWS, int LOADS>
 __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __restrict__ flags,
                                           float* __restrict__ scratch, float* __restrict__ ts, int tile, int split,
                                           int splits, int lane, int warp, int& i0, int& i1) {
     constexpr int V = MROWS / 8;           // float4s a thread
+    constexpr bool OWN = WGR_FIX_OWN || WGR_FIX_LAST;   // this split's own sums read back from ts
     const int tid = threadIdx.x;           // (the consumers: 0-255)
     const float4* const base = reinterpret_cast<const float4*>(scratch) + (size_t)tile * splits * V * 256 + tid;
     float4* const dst = reinterpret_cast<float4*>(scratch) + (size_t)(tile * splits + split) * V * 256 + tid;
-    if constexpr (WGR_FIX_OWN) {
+    if constexpr (WGR_FIX_OWN && !WGR_FIX_LAST) {
         const int j0 = split * V / splits, j1 = (split + 1) * V / splits, g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int i = 0; i < V; i++) {
@@ -691,25 +708,42 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
     }
     __threadfence();
     named_sync(1, 256);
-    if (tid == 0) {
-        red_release_gpu(flags + 2 * tile, 1);
-        while (ld_acquire_gpu(flags + 2 * tile) < splits) {
+    if constexpr (WGR_FIX_LAST) {
+        int last = 0;
+        if (tid == 0) {
+            int old;
+            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(flags + 2 * tile) : "memory");
+            last = old == splits - 1;
+            if (last) flags[2 * tile] = 0;     // (every split has counted: none reads it again this launch)
         }
-        if (atomicAdd(flags + 2 * tile + 1, 1) == splits - 1) {   // (every split has seen the count)
-            flags[2 * tile] = 0;
-            flags[2 * tile + 1] = 0;
+        if (!consumers_or(last)) {         // (uniform: the caller's wgr_rows gets no rows)
+            i0 = i1 = 0;
+            return;
         }
+        i0 = 0;
+        i1 = V;
+        wgr_stage<MROWS>(d, ts, lane, warp);   // (each thread reads back only its own values)
+    } else {
+        if (tid == 0) {
+            red_release_gpu(flags + 2 * tile, 1);
+            while (ld_acquire_gpu(flags + 2 * tile) < splits) {
+            }
+            if (atomicAdd(flags + 2 * tile + 1, 1) == splits - 1) {   // (every split has seen the count)
+                flags[2 * tile] = 0;
+                flags[2 * tile + 1] = 0;
+            }
+        }
+        named_sync(1, 256);
+        i0 = split * V / splits;
+        i1 = (split + 1) * V / splits;
     }
-    named_sync(1, 256);
-    i0 = split * V / splits;
-    i1 = (split + 1) * V / splits;
     const int g = lane >> 2, t = lane & 3, n = (i1 - i0) * splits;   // (row group, split) pairs, split fastest
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int u0 = 0; u0 < n; u0 += LOADS) {   // (d is dead: its registers hold the loads in flight)
         float4 v[LOADS];
 #pragma unroll
         for (int k = 0; k < LOADS; k++) {
-            if constexpr (WGR_FIX_OWN) {
+            if constexpr (OWN) {
                 const int u = u0 + k, s = u % splits, i = i0 + u / splits;
                 if (u >= n) break;
                 if (s == split)            // (this thread's own values, written above)

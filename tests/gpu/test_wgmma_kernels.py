@@ -209,6 +209,37 @@ def test_wgr_out_splits_share_the_finishing(cx, width, cb, monkeypatch):
         assert not cx._wgr_flags[lin.device.index].any(), sms
 
 
+@pytest.mark.parametrize("width,cb", CASES[:2])
+def test_wgr_splits_past_one_wave(cx, width, cb):
+    """K split 16 ways over 3 slots of 8 tiles (384 blocks of one an SM: several waves). The
+    default build refuses it (its fixup has every split wait for all the others, UsageError); a
+    -DWGR_FIX_LAST=1 build (the last split to arrive finishes the tile, none waits) runs it: the
+    same bits on every run, within fp32 rounding of the atomics kernel, x·W within 2e-3, every
+    tile's counts back at zero."""
+    import torch
+
+    from exl3tools.errors import UsageError
+
+    rng = np.random.default_rng(width * 13 + len(cb))
+    k, n, rows = 2048, 1024, 520           # 128 k-tiles
+    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
+    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
+    x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().float()
+    kernel = cx.WGR_RG_OUT_KERNELS[torch.float32]
+    if cx.wgr_waits():
+        with pytest.raises(UsageError, match="past one wave"):
+            lin._in_slots(x, 256, kernel, splits=16)
+        return
+    got = lin._in_slots(x, 256, kernel, splits=16)[:rows]
+    assert torch.equal(lin._in_slots(x, 256, kernel, splits=16)[:rows], got)
+    g = got.double().cpu().numpy()
+    atomics = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows].double().cpu().numpy()
+    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
+    assert _rel(g, atomics) < 1e-5
+    assert _rel(g, x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3
+    assert not cx._wgr_flags[lin.device.index].any()
+
+
 @pytest.mark.parametrize("width,cb", CASES)
 def test_wgr_m128_slots(cx, width, cb, monkeypatch):
     """exl3_wgr_rg_out_m128_t2_* (128-row slots, wgmma.m64n128k16; for MoE prefill tiles): a dense
