@@ -168,7 +168,9 @@ def test_join_phase_end_to_end_cpu(small, tmp_path):
     (cfg,) = json.loads(js.read_text())["configs"]
     j = cfg["results"]["join"]
     assert (j["base"], j["joiners"], j["ctx"], j["tokens"]) == (2, 2, 96, sm.JOIN_MIN_TOKENS)
-    assert "join" in cfg["results"]["phases"] and j["running_at_join"] == 2, j
+    # (both base streams run 64 tokens and the joiners go out at 8, but a loaded CI machine can
+    # hold the client back until one has finished: make test of the 2026-12-06 14:28 session)
+    assert "join" in cfg["results"]["phases"] and j["running_at_join"] in (1, 2), j
     assert 0 < j["joiner_ttft_ms_median"] <= j["joiner_ttft_ms_max"] and j["window_ms"] > 0, j
     assert j["stall_ms_max"] >= j["stall_ms_median"] > 0 and j["itl_ms_median_before"] > 0, j
     assert cfg["summary"]["join_stall_ms"] == j["stall_ms_max"]
