@@ -669,6 +669,9 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 // in split order as above: the same bits) and the others leave. Nothing spins, so it is safe
 // whatever is resident (more splits than one wave, MPS, other kernels on the SMs), and a tile's
 // sums cross L2 as in the two-split design that timed 3-4 µs faster (s - 1 tiles read, one block).
+// Both defines step each (row group, split) pair's indices instead of dividing them out of a
+// running count by the runtime split count (the rg kernel's SASS 4264 -> 3168 instructions with
+// LAST, IMAD.HI 103 -> 3): the other candidate cause of those 3-4 µs.
 #ifndef WGR_FIX_OWN
 #define WGR_FIX_OWN 0
 #endif
@@ -739,21 +742,49 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
     }
     const int g = lane >> 2, t = lane & 3, n = (i1 - i0) * splits;   // (row group, split) pairs, split fastest
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&](const float4& v, int s, int i) {   // pair (i, s): its sums, in split order
+        if (s == 0) {
+            sum = v;
+        } else {
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        if (s == splits - 1) {
+            ts[wgr_ts_index(i, 0, warp, g, t)] = sum.x;
+            ts[wgr_ts_index(i, 1, warp, g, t)] = sum.y;
+            ts[wgr_ts_index(i, 2, warp, g, t)] = sum.z;
+            ts[wgr_ts_index(i, 3, warp, g, t)] = sum.w;
+        }
+    };
+    if constexpr (OWN) {   // (i, s) stepped, not divided out of the pair's index (a runtime divisor)
+        for (int u0 = 0, i = i0, s = 0; u0 < n; u0 += LOADS) {
+            float4 v[LOADS];
+#pragma unroll
+            for (int k = 0, ik = i, sk = s; k < LOADS; k++) {
+                if (u0 + k >= n) break;
+                if (sk == split)           // (this thread's own values, written above)
+                    v[k] = make_float4(ts[wgr_ts_index(ik, 0, warp, g, t)], ts[wgr_ts_index(ik, 1, warp, g, t)],
+                                       ts[wgr_ts_index(ik, 2, warp, g, t)], ts[wgr_ts_index(ik, 3, warp, g, t)]);
+                else
+                    v[k] = __ldcg(base + (size_t)(sk * V + ik) * 256);
+                if (++sk == splits) sk = 0, ik++;
+            }
+#pragma unroll
+            for (int k = 0; k < LOADS; k++) {
+                if (u0 + k >= n) break;
+                add(v[k], s, i);
+                if (++s == splits) s = 0, i++;
+            }
+        }
+        return;
+    }
     for (int u0 = 0; u0 < n; u0 += LOADS) {   // (d is dead: its registers hold the loads in flight)
         float4 v[LOADS];
 #pragma unroll
         for (int k = 0; k < LOADS; k++) {
-            if constexpr (OWN) {
-                const int u = u0 + k, s = u % splits, i = i0 + u / splits;
-                if (u >= n) break;
-                if (s == split)            // (this thread's own values, written above)
-                    v[k] = make_float4(ts[wgr_ts_index(i, 0, warp, g, t)], ts[wgr_ts_index(i, 1, warp, g, t)],
-                                       ts[wgr_ts_index(i, 2, warp, g, t)], ts[wgr_ts_index(i, 3, warp, g, t)]);
-                else
-                    v[k] = __ldcg(base + (size_t)(s * V + i) * 256);
-            } else {
-                if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
-            }
+            if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
         }
 #pragma unroll
         for (int k = 0; k < LOADS; k++) {
