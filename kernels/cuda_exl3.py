@@ -352,12 +352,14 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots,
                                     waves=waves and out is not None and slot_exp is None)
-        if splits is not None and out is not None:
-            unit_ktiles = -(-kt // splits)
+        if splits is not None and out is not None:   # (fewer than the rule's too)
+            kps = -(-kt // splits)
+            kps = -(-kps // PIPE) * PIPE
+            units = groups * -(-kt // kps)
         if unit_ktiles and kps > unit_ktiles:
             kps = -(-unit_ktiles // PIPE) * PIPE
             units = groups * -(-kt // kps)
-        if out is not None and wgr_waits() and units * slots > _resident(mod, name, xrot.device):
+        if out is not None and kps < kt and wgr_waits() and units * slots > _resident(mod, name, xrot.device):
             raise UsageError(f"{kernel}: {-(-kt // kps)} K splits of {units * slots} units past one wave, "
                              "whose splits would wait for blocks that cannot start (build with -DWGR_FIX_LAST=1)")
     accs = (None, acc) if fixed else (acc, None)
