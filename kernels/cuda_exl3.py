@@ -37,7 +37,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves
+from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves, wgr_waits
 from exl3tools.kernels.cuda_dense import decode_t, dense_mm, sm_count
 from exl3tools.kernels.cuda_driver import Module, TensorMap, driver, tensor_map_2d
 from exl3tools.kernels.launch_waves import wave_splits
@@ -494,13 +494,6 @@ def kernel_smem(name: str) -> int:
         if name.startswith(prefix):
             return smem
     return 0
-
-
-def wgr_waits() -> bool:
-    """Whether the wgr kernels' fixup has each K split of a tile wait for all the others (the
-    default build), so that all must be resident at once; not with -DWGR_FIX_LAST=1 (the last
-    split to arrive finishes the tile, none waits: any number of waves)."""
-    return not extra_define("WGR_FIX_LAST")
 
 
 def _resident(mod: Module, name: str, device) -> int:

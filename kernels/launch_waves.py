@@ -3,7 +3,7 @@ Python: the CUDA launchers in cuda_exl3 call it; CPU tests check the choices).
 
 A launch of wgr kernels that add their K splits inside (cuda_exl3 WGR_RG_OUT_KERNELS) can split at
 any count where no split waits for the others (the -DWGR_FIX_LAST=1 build: the last split to arrive
-finishes the tile; ``cuda_exl3.wgr_waits``), so a launch whose last wave is part-empty can split K to
+finishes the tile; ``cuda_build.wgr_waits``), so a launch whose last wave is part-empty can split K to
 fill the waves instead of leaving SMs idle: 4096 -> 12288 at 512 rows is 192 tiles on 132 SMs, two
 waves of whole tiles (the second 45 % full) or three waves of half tiles. (The default build's
 fixup has every split wait for all the others: past one wave that can hang, so there the one-wave
