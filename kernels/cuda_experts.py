@@ -66,9 +66,9 @@ class CudaExperts:
         self.invariant = invariance.on()
         # tiles of up to this many rows (runtime.layers.tile_rows)
         self.smem_tiles = preview.switched_on("prefill_tiles")
-        # EXL3TOOLS_MOE_WGR: 128-row tiles on the wgmma kernel (whole 128-column blocks, 64-k chunks)
-        self.moe_wgr = (preview.switched_on("moe_wgr") and not self.invariant and self.nt % 8 == 0
-                        and self.kt % 4 == 0)
+        # EXL3TOOLS_MOE_WGR: 128-row tiles on the wgmma kernel (whole 128-column blocks and 64-k
+        # chunks: _check_dims has k and n in 128s)
+        self.moe_wgr = preview.switched_on("moe_wgr") and not self.invariant
         self.max_tile_rows = 128 if self.moe_wgr else max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant

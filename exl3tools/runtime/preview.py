@@ -96,7 +96,7 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # passes 64) on exl3_wgr_rg_out_m128_t2_* (kernels/csrc/exl3_wgmma.cuh wgr_body on 128-row slots,
     # wgmma.m64n128k16: each warp decodes its tile straight into the register A operand, the output
     # pass in the epilogue, padding rows never stored) instead of the 64-row mma.sync tile kernel;
-    # where every grouped projection's columns come in 128s and its k in 64s (CudaExperts.moe_wgr).
+    # (CudaExperts.moe_wgr; every CUDA expert set has k and n in 128s).
     # Written 2026-12-06 11:03 without a GPU (ptxas: no spills, MMAs asynchronous): not yet run
     "moe_wgr": "EXL3TOOLS_MOE_WGR",
     # the EXL3TOOLS_DENSE_WGR route's K splits chosen to fill the last wave too
