@@ -25,9 +25,7 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   GEMM, never written) + had_out at every row count; wgr_out: had_in + exl3_wgr_out_m256_t2_f16
   (wgr with the output pass in its epilogue, a tile's K splits added inside it); wgr_rg: the same with
   the producer's warpgroup giving its registers to the consumers for four A operands in flight
-  (exl3_wgr_rg_out_m256_t2_f16); wgr_wave: wgr_rg with K split to fill the last wave too (the
-  EXL3TOOLS_WGR_WAVES preview, kernels/launch_waves.py; a -DWGR_FIX_LAST=1 build only, else wgr_rg's
-  one-wave split); wgr128: that kernel on 128-row slots (exl3_wgr_rg_out_m128_t2_f16,
+  (exl3_wgr_rg_out_m256_t2_f16); wgr128: that kernel on 128-row slots (exl3_wgr_rg_out_m128_t2_f16,
   the MoE prefill candidate); each one's relative error to ``ours`` is printed under the table
 
 ``--splits 2,3,4``: wgr_rg with K split that many ways too (wgr_s2 ...; the one-wave rule of
@@ -51,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, graph_profile, make, w_true  # noqa: E402  (bench/ is not a package)
 
-IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr_wave", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed; wgr_s<N> too)
+IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed; wgr_s<N> too)
 
 
 def variants(lin, x, w, splits=()):
@@ -86,7 +84,6 @@ def variants(lin, x, w, splits=()):
             "wgr_sk": lambda: lin._in_slots(x, 256, cx.WGR_SK_KERNEL)[:rows],
             "wgr_out": lambda: lin._in_slots(x, 256, cx.WGR_OUT_KERNELS[x.dtype])[:rows],
             "wgr_rg": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype])[:rows],
-            "wgr_wave": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype], waves=True)[:rows],
             "wgr128": lambda: lin._in_slots(x, 128, cx.WGR_RG_OUT_M128_KERNELS[x.dtype])[:rows],
             "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows],
             **{f"wgr_s{s}": forced(lin, x, s) for s in splits}}

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves, wgr_waits
 from exl3tools.kernels.cuda_dense import decode_t, dense_mm, sm_count
 from exl3tools.kernels.cuda_driver import Module, TensorMap, driver, tensor_map_2d
-from exl3tools.kernels.launch_waves import wave_splits
 
 from exl3tools.errors import UsageError
 
@@ -307,7 +306,7 @@ def _wgr_out(name: str | None) -> bool:
 
 def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, slots: int, acc: torch.Tensor,
          slot_exp=None, kernel: str | None = None, tile_n=None, ld_tab=None, unit_ktiles: int | None = None,
-         out: tuple | None = None, splits: int | None = None, waves: bool = False) -> None:
+         out: tuple | None = None, splits: int | None = None) -> None:
     """acc[z * rows + m] += xrot[z * rows + m] @ Ŵ of slot z's expert; ``kernel``: a TILE_KERNELS
     entry with at least ``rows`` rows (default: the register-fed gemv kernel, rows <= 64);
     ``tile_n`` (int32 valid rows per slot, or None: all; not with ``ld_tab``): the rest are
@@ -319,9 +318,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     kernels with the output pass only, ``_wgr_out``; acc None): y = the output pass of the sums,
     written by the kernel itself; K split as for the others (one wave), each tile's splits added inside
     the kernel in split order (``wgr_buffers``); ``splits`` (with ``out``): K split that many ways
-    instead (benches, tests), past one wave only in a build whose fixup never waits (``wgr_waits``);
-    ``waves`` (with ``out``, dense: no ``slot_exp``; such a build only): K split to fill the last
-    wave too (launch_waves.wave_splits)."""
+    instead (benches, tests), past one wave only in a build whose fixup never waits (``wgr_waits``)."""
     if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
     if out is not None and not kernel.endswith("_" + _SUFFIX.get(out[0].dtype, "?")):
@@ -350,8 +347,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         groups = nt // nt_per
         units = groups * -(-kt // kps)
     else:
-        kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots,
-                                    waves=waves and out is not None and slot_exp is None)
+        kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
         if splits is not None and out is not None:   # (fewer than the rule's too)
             kps = -(-kt // splits)
             kps = -(-kps // PIPE) * PIPE
@@ -502,17 +498,13 @@ def _resident(mod: Module, name: str, device) -> int:
     return sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
 
 
-def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int,
-           waves: bool = False) -> tuple[int, int, int]:
+def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
-    are resident at once (one wave: no tail of half-empty SMs); units == groups: one split.
-    ``waves`` (the wgr kernels that add their splits inside, dense launches) in a build whose fixup
-    never waits (``wgr_waits``): ``wave_splits`` where one wave cannot hold every unit."""
+    are resident at once (one wave: no tail of half-empty SMs); units == groups: one split. (More
+    splits to fill a part-empty last wave timed slower on the H100: docs/gpu.md, 2026-12-06 14:28.)"""
     # (one wave is also what makes the default build's in-kernel K splits safe: its wgr_fixup has
-    # each split of a tile wait for all the others, so they must all be resident at once)
-    resident, most = _resident(mod, name, device), -(-kt // 8)
-    splits = (wave_splits(groups * slots, resident, most) if waves and not wgr_waits()
-              else max(1, min(most, resident // (groups * slots))))
+    # each split of a tile wait for all the others, so they must all be resident at once; wgr_waits)
+    splits = max(1, min(-(-kt // 8), _resident(mod, name, device) // (groups * slots)))
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
     return kps, groups, groups * -(-kt // kps)
@@ -561,7 +553,6 @@ class CudaLinear:
         self.wga: bool | None = None        # rows 65-256 on WGA_KERNEL; None: its switch, read per call
         # rows 65-WGR_MAX_ROWS on the wgr kernels; None: its switch, read per call (WGR_MIN_WEIGHTS at least)
         self.wgr: bool | None = None
-        self.waves: bool | None = None      # their K splits by launch_waves; None: its switch, read per call
 
     @property
     def device_tensors(self) -> dict:
@@ -589,9 +580,8 @@ class CudaLinear:
             if rows <= WGR_MAX_ROWS and (
                     preview.switched_on("dense_wgr") and self.k * self.n >= WGR_MIN_WEIGHTS
                     if self.wgr is None else self.wgr):
-                waves = preview.switched_on("wgr_waves") if self.waves is None else self.waves
-                return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(x2.dtype), waves=waves)[:rows].to(
-                    x.dtype).reshape(*shape[:-1], self.n)
+                return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(x2.dtype))[:rows].to(x.dtype).reshape(
+                    *shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
                     preview.switched_on("dense_wga") if self.wga is None else self.wga):
                 return self._in_slots(x2, WGA_MAX_ROWS, WGA_KERNEL)[:rows].to(x.dtype).reshape(*shape[:-1], self.n)
@@ -635,12 +625,11 @@ class CudaLinear:
         return WGR_RG_OUT_KERNELS.get(dtype, WGR_KERNEL)
 
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False,
-                  splits: int | None = None, waves: bool = False) -> torch.Tensor:
+                  splits: int | None = None) -> torch.Tensor:
         """y of x2's rows padded to whole slots of ``r`` rows, every slot a slot of one gemv launch
         (``kernel``) over this weight; ``fixed``: the fixed-point workspace (batch-invariant runs).
         A wgr kernel with the output pass (WGR_OUT_KERNELS, WGR_RG_OUT_KERNELS, WGR_RG_OUT_M128_KERNELS)
-        writes y itself (in x2's dtype, fp16 or fp32), K split ``splits`` ways if given, or to fill
-        the last wave too where ``waves`` and the build allows (``gemv``)."""
+        writes y itself (in x2's dtype, fp16 or fp32), K split ``splits`` ways if given (``gemv``)."""
         rows = x2.shape[0]
         slots = -(-rows // r)
         total = r * slots
@@ -650,7 +639,7 @@ class CudaLinear:
         if _wgr_out(kernel):
             y = torch.empty(total, self.n, dtype=x2.dtype, device=self.device)
             gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, None, kernel=kernel,
-                 out=(y, self.svh_tab, self.bias_tab), splits=splits, waves=waves)
+                 out=(y, self.svh_tab, self.bias_tab), splits=splits)
             return y
         acc = (fixed_workspace if fixed else workspace)(self.device, total * self.n)
         gemv(self.mod, xrot, self.tr_tab, self.kt, self.nt, r, slots, acc, kernel=kernel)

@@ -99,13 +99,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (CudaExperts.moe_wgr; every CUDA expert set has k and n in 128s).
     # Written 2026-12-06 11:03 without a GPU (ptxas: no spills, MMAs asynchronous): not yet run
     "moe_wgr": "EXL3TOOLS_MOE_WGR",
-    # the EXL3TOOLS_DENSE_WGR route's K splits chosen to fill the last wave too
-    # (kernels/launch_waves.py), not only where the tiles fill under one wave: 4096 -> 12288 at 512
-    # rows (192 tiles on 132 SMs, the second wave 45 % full) in two splits, 4096 -> 11008 at 256
-    # rows (86 tiles) in three. Only in a build whose fixup never waits
-    # (EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1; elsewhere the one-wave rule stays, as past one wave
-    # the default fixup can hang). Written 2026-12-06 without a GPU: not yet run
-    "wgr_waves": "EXL3TOOLS_WGR_WAVES",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -240,40 +240,6 @@ def test_wgr_splits_past_one_wave(cx, width, cb):
     assert not cx._wgr_flags[lin.device.index].any()
 
 
-@pytest.mark.parametrize("width,cb", CASES[:2])
-def test_wgr_waves_fill_the_last_wave(cx, width, cb, monkeypatch):
-    """EXL3TOOLS_WGR_WAVES: 4 tiles on 3 SMs take 3 K splits in a -DWGR_FIX_LAST=1 build
-    (launch_waves: 4 waves of thirds, not 2 of whole tiles), one in the default build (its fixup
-    waits: the one-wave rule stays) and one without it; y through the route (CudaLinear.waves, the
-    switch) within fp32 rounding of one split, the same bits on every run, x·W within 2e-3, and
-    every tile's counts back at zero."""
-    import torch
-
-    rng = np.random.default_rng(width * 17 + len(cb))
-    k, n, rows = 1024, 512, 200            # 64 k-tiles; 4 tiles of 128 columns, one slot
-    tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
-    lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
-    w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
-    x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().float()
-    kernel = cx.WGR_RG_OUT_KERNELS[torch.float32]
-    lin.wgr = True
-    with monkeypatch.context() as mp:
-        mp.setattr(cx, "sm_count", lambda device: 3)
-        for waves, splits in ((False, 1), (True, 1 if cx.wgr_waits() else 3)):
-            kps, _, _ = cx._units(lin.mod, kernel, lin.device, lin.kt, lin.nt // 2, 1, waves=waves)
-            assert -(-lin.kt // kps) == splits, waves
-        one = lin._in_slots(x, 256, kernel)[:rows]
-        lin.waves = True
-        got = lin(x)
-        assert torch.equal(lin(x), got)
-        lin.waves = None
-        mp.setenv("EXL3TOOLS_WGR_WAVES", "1")
-        assert torch.equal(lin(x), got)       # (the switch: the same launch)
-    assert _rel(got.double().cpu().numpy(), one.double().cpu().numpy()) < 1e-5
-    assert _rel(got.double().cpu().numpy(), x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3
-    assert not cx._wgr_flags[lin.device.index].any()
-
-
 @pytest.mark.parametrize("width,cb", CASES)
 def test_wgr_m128_slots(cx, width, cb, monkeypatch):
     """exl3_wgr_rg_out_m128_t2_* (128-row slots, wgmma.m64n128k16; for MoE prefill tiles): a dense
