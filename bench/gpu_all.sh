@@ -100,6 +100,9 @@ if [[ $STAGES == *tests* ]]; then
   # TEST_ENVS="A=1 B=2;C=3": the same tests once per entry (its variables beside PREVIEW), the
   # runs side by side, each with TEST_JOBS workers and logs tests_N.log (a switch's A/B in one call)
   run_tests() {  # N EXTRA_ENV
+    # the entry's own cubins first (a build define in EXTRA_ENV names cubins of its own, and every
+    # worker compiling them at once ran the 14:28 session's tests of one past their 150 s)
+    env ${PREVIEW:-} $2 python3 -m exl3tools.kernels.cuda_build > "$L/cubins_tests$1.log" 2>&1
     env ${PREVIEW:-} $2 OMP_NUM_THREADS=$NT MKL_NUM_THREADS=$NT OPENBLAS_NUM_THREADS=$NT EXL3TOOLS_TEST_LOG=$L/tests${1}_live.log \
     EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
       -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \

@@ -129,3 +129,24 @@ def test_the_synthetic_checkpoint_has_a_folder_per_synth_args(synth_args, folder
     env = "unset SYNTH_ARGS" if synth_args is None else f"SYNTH_ARGS='{synth_args}'"
     r = subprocess.run([_bash(), "-c", f"{env}; {line}; echo $AIR"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.strip() == folder, r.stderr
+
+
+def test_each_test_run_builds_its_own_cubins_first(tmp_path):
+    """The tests stage (run_tests): an entry's cubins (its build defines in its environment) are
+    built once before its pytest starts, not by every worker at once."""
+    text = SCRIPT.read_text()
+    body = text[text.index("run_tests() {"):]
+    body = body[:body.index("\n  }\n") + 5]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(f'#!/bin/sh\necho "$* defs=[$EXL3TOOLS_GEMV_DEFINES]" >> {tmp_path}/calls\n')
+    (fake / "python3").chmod(0o755)
+    (fake / "timeout").write_text('#!/bin/sh\nshift\nexec "$@"\n')
+    (fake / "timeout").chmod(0o755)
+    script = f"L={tmp_path}; NT=1; T0=0; el() {{ echo \"$*\"; }}\n{body}\nrun_tests _0 EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1\n"
+    r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
+                       env={"PATH": f"{fake}:/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[:2] for c in calls] == [["-m", "exl3tools.kernels.cuda_build"], ["-m", "pytest"]], calls
+    assert all(c.endswith("defs=[-DWGR_FIX_LAST=1]") for c in calls), calls
