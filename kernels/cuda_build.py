@@ -10,6 +10,7 @@ named by a hash of the sources and flags, so a folder of prebuilt cubins makes n
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -135,6 +136,16 @@ def _compile(out: Path, src: Path, defines: tuple[str, ...]) -> Path:
         raise UsageError(f"the CUDA kernels need nvcc to build {out.name} (set EXL3TOOLS_NVCC, or "
                          f"EXL3TOOLS_CUDA_CACHE to a folder of prebuilt cubins)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # one compile of a cubin at a time (test workers, TP ranks): the others wait for it, then
+    # find it built (an flock: released when its holder exits, however it exits)
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        return _nvcc_to(out, nvcc, src, defines)
+
+
+def _nvcc_to(out: Path, nvcc: str, src: Path, defines: tuple[str, ...]) -> Path:
     tmp = out.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [nvcc, *FLAGS, *defines, str(src), "-o", str(tmp)]
     res = subprocess.run(cmd, capture_output=True, text=True)

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,23 @@ def test_cubin_key_covers_the_included_headers(tmp_path, monkeypatch):
     # the real tree: the headers the key hashes are exactly those exl3_gemv.cu includes
     assert {p.name for p in SRC.parent.glob("*.cuh")} == set(re.findall(r'#include "(\w+\.cuh)"', SRC.read_text()))
     assert {"exl3_tiles.cuh", "exl3_wgmma.cuh"} <= {p.name for p in SRC.parent.glob("*.cuh")}
+
+
+def test_processes_building_one_cubin_compile_it_once(tmp_path):
+    """Three processes asking for the same missing cubin at once (test workers, TP ranks): one
+    runs nvcc, the others wait for it and load its file (a slow fake nvcc that counts its runs)."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text('#!/bin/sh\necho run >> "$(dirname "$0")/runs"\nsleep 1\n'
+                    'while [ $# -gt 1 ]; do [ "$1" = -o ] && echo cubin > "$2"; shift; done\n')
+    nvcc.chmod(0o755)
+    env = {**os.environ, "EXL3TOOLS_NVCC": str(nvcc), "EXL3TOOLS_CUDA_CACHE": str(tmp_path / "cache")}
+    env.pop("EXL3TOOLS_GEMV_DEFINES", None)
+    code = "from exl3tools.kernels import cuda_build as c; print(c.build(6, 2).read_text().strip())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0] and outs == ["cubin"] * 3, outs
+    assert (tmp_path / "runs").read_text().split() == ["run"]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
