@@ -90,9 +90,6 @@ if [[ $STAGES == *tests* ]]; then
   # on ("EXL3TOOLS_X=1 ..."), so tests/gpu checks them; tests that need a switch either way set it
   PREVIEW=${PREVIEW-$(python3 -c "from exl3tools.runtime.preview import SWITCHES as S; print(' '.join(v + '=1' for v in S.values()))")}
   el "tests/gpu with preview switches: ${PREVIEW:-none}"
-  # the cubins a build-time preview names apart (EXL3TOOLS_GEMV_HALVES), once here, not in every worker
-  env ${PREVIEW:-} python3 -m exl3tools.kernels.cuda_build > "$L/cubins_preview.log" 2>&1
-  el "preview cubins: $(tail -n 1 "$L/cubins_preview.log")"
   # CPU threads per test worker: the CPU reference halves of the tests (fixture forwards) ran with
   # torch's default of one thread per core in each of TEST_JOBS workers, every pool spinning
   # against the others (the Makefile's CPU suite: 62 s -> 24 s for two files when limited)
@@ -100,9 +97,10 @@ if [[ $STAGES == *tests* ]]; then
   # TEST_ENVS="A=1 B=2;C=3": the same tests once per entry (its variables beside PREVIEW), the
   # runs side by side, each with TEST_JOBS workers and logs tests_N.log (a switch's A/B in one call)
   run_tests() {  # N EXTRA_ENV
-    # the entry's own cubins first (a build define in EXTRA_ENV names cubins of its own, and every
-    # worker compiling them at once ran the 14:28 session's tests of one past their 150 s)
+    # the entry's own cubins first, once, not in every worker (a build-time preview or define in
+    # PREVIEW / EXTRA_ENV names cubins of its own: EXL3TOOLS_GEMV_HALVES, EXL3TOOLS_GEMV_DEFINES)
     env ${PREVIEW:-} $2 python3 -m exl3tools.kernels.cuda_build > "$L/cubins_tests$1.log" 2>&1
+    el "cubins for tests$1 [${2:-}]: $(tail -n 1 "$L/cubins_tests$1.log")"
     env ${PREVIEW:-} $2 OMP_NUM_THREADS=$NT MKL_NUM_THREADS=$NT OPENBLAS_NUM_THREADS=$NT EXL3TOOLS_TEST_LOG=$L/tests${1}_live.log \
     EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
       -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \

@@ -348,14 +348,14 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         units = groups * -(-kt // kps)
     else:
         kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
+        rule = kps                            # (within one wave wherever it splits K)
         if splits is not None and out is not None:   # (fewer than the rule's too)
-            kps = -(-kt // splits)
-            kps = -(-kps // PIPE) * PIPE
-            units = groups * -(-kt // kps)
+            kps, units = _split_k(kt, groups, splits)
         if unit_ktiles and kps > unit_ktiles:
             kps = -(-unit_ktiles // PIPE) * PIPE
             units = groups * -(-kt // kps)
-        if out is not None and kps < kt and wgr_waits() and units * slots > _resident(mod, name, xrot.device):
+        if (out is not None and kps != rule and kps < kt and wgr_waits()
+                and units * slots > _resident(mod, name, xrot.device)):
             raise UsageError(f"{kernel}: {-(-kt // kps)} K splits of {units * slots} units past one wave, "
                              "whose splits would wait for blocks that cannot start (build with -DWGR_FIX_LAST=1)")
     accs = (None, acc) if fixed else (acc, None)
@@ -504,10 +504,15 @@ def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> 
     splits to fill a part-empty last wave timed slower on the H100: docs/gpu.md, 2026-12-06 14:28.)"""
     # (one wave is also what makes the default build's in-kernel K splits safe: its wgr_fixup has
     # each split of a tile wait for all the others, so they must all be resident at once; wgr_waits)
-    splits = max(1, min(-(-kt // 8), _resident(mod, name, device) // (groups * slots)))
+    kps, units = _split_k(kt, groups, max(1, min(-(-kt // 8), _resident(mod, name, device) // (groups * slots))))
+    return kps, groups, units
+
+
+def _split_k(kt: int, groups: int, splits: int) -> tuple[int, int]:
+    """(k-tiles per split, units) of K split at most ``splits`` ways in whole pipeline stages."""
     kps = -(-kt // splits)
     kps = -(-kps // PIPE) * PIPE
-    return kps, groups, groups * -(-kt // kps)
+    return kps, groups * -(-kt // kps)
 
 
 def decode_rotated(trellis: torch.Tensor, codebook: str) -> torch.Tensor:

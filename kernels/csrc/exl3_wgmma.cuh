@@ -780,6 +780,8 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
         }
         return;
     }
+    // the default build's loop, written out (``add`` inlined: through the lambda ptxas orders its
+    // registers otherwise, and the default's SASS stays what ran on the GPU)
     for (int u0 = 0; u0 < n; u0 += LOADS) {   // (d is dead: its registers hold the loads in flight)
         float4 v[LOADS];
 #pragma unroll
