@@ -96,14 +96,19 @@ if [[ $STAGES == *tests* ]]; then
   NT=${TEST_THREADS:-$(( $(nproc) / ${TEST_JOBS:-3} > 0 ? $(nproc) / ${TEST_JOBS:-3} : 1 ))}
   # TEST_ENVS="A=1 B=2;C=3": the same tests once per entry (its variables beside PREVIEW), the
   # runs side by side, each with TEST_JOBS workers and logs tests_N.log (a switch's A/B in one call)
+  # an entry's "paths=a.py,b.py" token limits that entry to those test files (the full suite once,
+  # a define's own tests beside it: TEST_ENVS=";paths=tests/gpu/test_wgmma_kernels.py X=1")
   run_tests() {  # N EXTRA_ENV
+    local paths=${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} envs="" w
+    for w in $2; do if [[ $w == paths=* ]]; then paths=${w#paths=}; paths=${paths//,/ }; else envs+="$w "; fi; done
+    set -- "$1" "$envs"
     # the entry's own cubins first, once, not in every worker (a build-time preview or define in
     # PREVIEW / EXTRA_ENV names cubins of its own: EXL3TOOLS_GEMV_HALVES, EXL3TOOLS_GEMV_DEFINES)
     env ${PREVIEW:-} $2 python3 -m exl3tools.kernels.cuda_build > "$L/cubins_tests$1.log" 2>&1
     el "cubins for tests$1 [${2:-}]: $(tail -n 1 "$L/cubins_tests$1.log")"
     env ${PREVIEW:-} $2 OMP_NUM_THREADS=$NT MKL_NUM_THREADS=$NT OPENBLAS_NUM_THREADS=$NT EXL3TOOLS_TEST_LOG=$L/tests${1}_live.log \
     EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
-      -n ${TEST_JOBS:-3} ${TEST_PATHS:-tests/gpu tests/test_cuda_bit_logic.py} ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
+      -n ${TEST_JOBS:-3} $paths ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
       > "$L/tests$1.log" 2>&1
     el "tests$1 [${2:-}] rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests$1.log" | tail -n 25
     grep -E "^(FAILED|SLOW) " "$L/tests${1}_live.log" 2>/dev/null | head -n 60
