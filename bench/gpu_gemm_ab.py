@@ -29,7 +29,7 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   the MoE prefill candidate); each one's relative error to ``ours`` is printed under the table
 
 ``--splits 2,3,4``: wgr_rg with K split that many ways too (wgr_s2 ...; the one-wave rule of
-``cuda_exl3._units`` aside). Counts past one wave need a build whose fixup never waits
+``cuda_exl3.wave_split`` aside). Counts past one wave need a build whose fixup never waits
 (EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1); elsewhere they are left out with a note.
 ``--variants a,b``: only those rows (beside the baseline, ``ours`` and ``dec_mm``). ``--parts``: under each
 table, every variant's kernels with their device µs a call (torch.profiler over CUDA-graph

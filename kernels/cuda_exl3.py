@@ -38,8 +38,17 @@ import threading
 import torch
 import torch.nn.functional as F
 from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves, wgr_waits
-from exl3tools.kernels.cuda_dense import decode_t, dense_mm, sm_count
+from exl3tools.kernels.cuda_dense import decode_t, dense_mm
 from exl3tools.kernels.cuda_driver import Module, TensorMap, driver, tensor_map_2d
+from exl3tools.kernels.cuda_launch import (
+    PIPE,
+    kernel_block,
+    kernel_smem,
+    resident,
+    slot_rows,
+    split_k,
+    wave_split,
+)
 
 from exl3tools.errors import UsageError
 
@@ -51,7 +60,6 @@ FOLD_MIN_OUT = 12_000_000
 # 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
 # at 2048 rows at every bench shape (2-21 % under decode + GEMM + had_out) but not at 256 (0-12 % over)
 FOLD2_MIN_ROWS = 1024
-PIPE = 4                     # k-tiles per pipeline stage in the gemv kernel (P in the source)
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
 # atomics per output
@@ -108,7 +116,7 @@ WGR_SK_KERNEL = "exl3_wgr_sk_m256_t2"
 WGR_SK_MIN_CHUNKS = 8
 # exl3_wgr_out_m256_t2_{f16,f32}: exl3_wgr_m256_t2 with the output pass fused (H128, svh and bias on
 # the block's sums in shared memory, y written directly: no workspace, no atomics, no had_out), for
-# any launch: where its tiles fill under half the SMs, K is split as for the others (_units: one
+# any launch: where its tiles fill under half the SMs, K is split as for the others (wave_split: one
 # wave) and the splits meet in the kernel (wgr_fixup: each stores its sums in a scratch, then
 # finishes an even share of the tile's rows, adding all splits' sums in split order). H100, one
 # split: 69.9 µs at 4096 -> 14336 and 256 rows (1.20x fp16 cuBLAS), 478 at 2048 rows (1.32x)
@@ -342,20 +350,20 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         # the same on either (tests/gpu/test_batch_invariance_gpu.py)
         if nt % 2:
             raise UsageError(f"batch-invariant gemv needs an even number of n-tiles, got {nt}")
-        kps, _, _ = _units(mod, "exl3_gemv_m8_t2", xrot.device, kt, nt // 2, 1)
+        kps, _, _ = wave_split(mod, "exl3_gemv_m8_t2", xrot.device, kt, nt // 2, 1)
         kps = max(kps, FIXED_MIN_KTILES)
         groups = nt // nt_per
         units = groups * -(-kt // kps)
     else:
-        kps, groups, units = _units(mod, name, xrot.device, kt, nt // nt_per, slots)
+        kps, groups, units = wave_split(mod, name, xrot.device, kt, nt // nt_per, slots)
         rule = kps                            # (within one wave wherever it splits K)
         if splits is not None and out is not None:   # (fewer than the rule's too)
-            kps, units = _split_k(kt, groups, splits)
+            kps, units = split_k(kt, groups, splits)
         if unit_ktiles and kps > unit_ktiles:
             kps = -(-unit_ktiles // PIPE) * PIPE
             units = groups * -(-kt // kps)
         if (out is not None and kps != rule and kps < kt and wgr_waits()
-                and units * slots > _resident(mod, name, xrot.device)):
+                and units * slots > resident(mod, name, xrot.device)):
             raise UsageError(f"{kernel}: {-(-kt // kps)} K splits of {units * slots} units past one wave, "
                              "whose splits would wait for blocks that cannot start (build with -DWGR_FIX_LAST=1)")
     accs = (None, acc) if fixed else (acc, None)
@@ -370,7 +378,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         if kt % 4:                            # (chunks of 4 k-tiles)
             raise UsageError(f"{kernel}: {kt} k-tiles, not a multiple of 4")
         extra += (slots,)
-        if out is not None:                   # K split as _units says (one wave), the splits added in the kernel
+        if out is not None:                   # K split as wave_split says (one wave), the splits added in the kernel
             splits = -(-kt // kps)
             tiles = slots * (groups // w)
             extra += tuple(out) + (wgr_buffers(xrot.device, tiles, splits, slot_rows(name)) if splits > 1
@@ -379,8 +387,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
             # (4 k-tiles) in equal shares, one block an SM (WGR_SK_MIN_CHUNKS at the least)
             kps, units = kt, groups
             work = slots * (groups // w) * (kt // 4)
-            resident = sm_count(xrot.device) * mod.blocks_per_sm(name, threads, kernel_smem(name))
-            grid = (max(1, min(resident, work // WGR_SK_MIN_CHUNKS)), 1)
+            grid = (max(1, min(resident(mod, name, xrot.device) // w, work // WGR_SK_MIN_CHUNKS)), 1)
     args = (xrot, tr_tab, slot_exp, *accs, rows, kt, nt, kps, groups, units) + extra
     mod.launch(name, grid, threads, *args, pdl=PDL, smem=kernel_smem(name))
 
@@ -432,7 +439,7 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     aff = "aff_" if rows <= mod.aff_rows else ""
     name = f"exl3_gemv_pro_{kind}{aff}m8_t2_{_SUFFIX[x.dtype]}"
     groups = nt // 2
-    kps, _, _ = _units(mod, name, x.device, kt, groups, slots)
+    kps, _, _ = wave_split(mod, name, x.device, kt, groups, slots)
     kps = -(-kps // 8) * 8
     # xs holds rows x (kps x 8 + 4) uint32, or with XDUP_SMEM rows x (kps x xdup_words + 16) (MUL1:
     # its AFF kernels alone; a module without AFF rows is 3INST / MCG)
@@ -444,75 +451,6 @@ def gemv_pro(mod: Module, x: torch.Tensor, suh_tab, tr_tab, kt: int, nt: int, ro
     last = ld_tab if act_rows is None else act_rows
     mod.launch(name, (-(-units // 4), slots), 128, x, suh_tab, row_src, row_exp, tr_tab, slot_exp, acc, rows, kt,
                nt, kps, groups, units, last, pdl=PDL)
-
-
-def slot_rows(name: str) -> int:
-    """The most rows a slot of GEMM kernel ``name`` takes (its _m field: exl3_wga_m256_t2 -> 256)."""
-    return int(name.split("_m")[1].split("_")[0])
-
-
-def kernel_block(name: str) -> tuple[int, int]:
-    """(units, threads) a block of GEMM kernel ``name``: a unit is a warp's n-tiles, 4 a block of
-    128 threads, 8 / 16 for the wgmma kernels of two / four warpgroups (exl3_wg2_*, exl3_wg4_*);
-    the warp-specialized exl3_ws3_* / exl3_ws4_* have 4 units of MMA work in 1024 threads (16 warps decode),
-    exl3_wga_* 4 units in 512 threads (every warp decodes, every warpgroup multiplies), exl3_wgr_* 4
-    units in 288 (8 warps decode and multiply, one copies), exl3_wgr_rg_* in 384 (the copying warp's
-    warpgroup gives its registers away)."""
-    if name.startswith(("exl3_wg2_", "exl3_wg4_")):
-        w = 4 * int(name[len("exl3_wg")])
-        return w, 32 * w
-    if name.startswith(("exl3_ws3_", "exl3_ws4_")):
-        return 4, 1024
-    if name.startswith("exl3_wga_"):
-        return 4, 512
-    if name.startswith("exl3_wgr_rg_"):
-        return 4, 384
-    if name.startswith("exl3_wgr_"):
-        return 4, 288
-    return 4, 128
-
-
-WS3_SMEM = 4 * 4 * (2 * 64 + 128) * 16 * 2   # exl3_ws3_*: 4 stages of 4 k-tiles of A (128 columns) and x (128 rows)
-# exl3_ws4_*: and each of 16 producer warps a ring of 3 chunks of 4 tiles' words (64 at most: K 8)
-WS4_SMEM = WS3_SMEM + 16 * 3 * 4 * 64 * 4
-# exl3_wga_*: 3 stages (4 with -DWGA_S=4) of 64 k of A (128 columns) and x (256 rows), a ring of 4
-# chunks' trellis words (4 k-tiles x 8 tiles of 64 words at most: K 8) and 8 mbarriers (the ring's, x's)
-WGA_SMEM = 4 * (128 + 256) * 64 * 2 + 4 * 4 * 8 * 64 * 4 + 8 * 8
-# exl3_wgr_*: 5 stages (WGR_S) of x (256 rows x 64 k) and 4 k-tiles x 8 tiles of trellis words (64 at
-# most: K 8), a full and an empty mbarrier a stage
-WGR_SMEM = 5 * (256 * 64 * 2 + 4 * 8 * 64 * 4) + 2 * 5 * 8
-
-
-def kernel_smem(name: str) -> int:
-    """Bytes of dynamic shared memory a block of GEMM kernel ``name`` takes (the rest: static)."""
-    for prefix, smem in (("exl3_ws3_", WS3_SMEM), ("exl3_ws4_", WS4_SMEM), ("exl3_wga_", WGA_SMEM),
-                         ("exl3_wgr_", WGR_SMEM)):
-        if name.startswith(prefix):
-            return smem
-    return 0
-
-
-def _resident(mod: Module, name: str, device) -> int:
-    """Units of a GEMM kernel launch resident at once on the device (one wave)."""
-    w, threads = kernel_block(name)
-    return sm_count(device) * mod.blocks_per_sm(name, threads, kernel_smem(name)) * w
-
-
-def _units(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
-    """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
-    are resident at once (one wave: no tail of half-empty SMs); units == groups: one split. (More
-    splits to fill a part-empty last wave timed slower on the H100: docs/gpu.md, 2026-12-06 14:28.)"""
-    # (one wave is also what makes the default build's in-kernel K splits safe: its wgr_fixup has
-    # each split of a tile wait for all the others, so they must all be resident at once; wgr_waits)
-    kps, units = _split_k(kt, groups, max(1, min(-(-kt // 8), _resident(mod, name, device) // (groups * slots))))
-    return kps, groups, units
-
-
-def _split_k(kt: int, groups: int, splits: int) -> tuple[int, int]:
-    """(k-tiles per split, units) of K split at most ``splits`` ways in whole pipeline stages."""
-    kps = -(-kt // splits)
-    kps = -(-kps // PIPE) * PIPE
-    return kps, groups * -(-kt // kps)
 
 
 def decode_rotated(trellis: torch.Tensor, codebook: str) -> torch.Tensor:

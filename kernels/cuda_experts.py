@@ -24,7 +24,6 @@ from exl3tools.kernels.cuda_exl3 import (
     _act,
     _check_dims,
     _ptrs,
-    _units,
     _wgr_out,
     cuda_device,
     fixed_workspace,
@@ -36,6 +35,7 @@ from exl3tools.kernels.cuda_exl3 import (
     module,
     workspace,
 )
+from exl3tools.kernels.cuda_launch import wave_split
 
 from exl3tools.errors import UsageError
 
@@ -85,7 +85,7 @@ class CudaExperts:
         if not self.fused_out or kernel != TILE_KERNELS[64] or out_dtype not in _SUFFIX:
             return None
         name = f"exl3_tiles_out_m64_t2_{_SUFFIX[out_dtype]}"
-        kps, groups, units = _units(self.mod, name, self.device, self.kt, self.nt // 2, slots)
+        kps, groups, units = wave_split(self.mod, name, self.device, self.kt, self.nt // 2, slots)
         return (name, kps, groups) if units == groups else None
 
     def _tile_kernel(self, rows: int) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from exl3tools.kernels import cuda_launch as cl
 from exl3tools.kernels import reference as ref
 
 from tests.gpu.kernel_cases import CASES, captured, tile_rows_reference
@@ -122,7 +123,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
 
     rng = np.random.default_rng(width * 7 + len(cb))
     k, n = 512, 384
-    one_split = (cx, "sm_count", lambda device: 1)     # _units: one split, so acc held exact sums
+    one_split = (cl, "sm_count", lambda device: 1)     # wave_split: one split, so acc held exact sums
     for bias in (True, False):
         tr, suh, svh, b = _lin(rng, k, n, width, bias=bias)
         lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
@@ -139,7 +140,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
                     got = lin._in_slots(x, 256, kernel)[:rows]
                     assert got.dtype == dtype and torch.equal(got, want), (kernel, bias, rows)
                     assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
-            _, groups, units = cx._units(lin.mod, kernels[0], lin.device, lin.kt, lin.nt // 2, -(-rows // 256))
+            _, groups, units = cl.wave_split(lin.mod, kernels[0], lin.device, lin.kt, lin.nt // 2, -(-rows // 256))
             assert units > groups      # (K split)
             split = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows].double().cpu().numpy()
             for kernel in kernels:
@@ -197,8 +198,8 @@ def test_wgr_out_splits_share_the_finishing(cx, width, cb, monkeypatch):
     for rows, sms, splits in ((200, 3, 3), (200, 5, 5), (200, 7, 7), (200, 11, 11), (200, 16, 16), (520, 33, 11)):
         x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float16)).cuda().float()
         with monkeypatch.context() as mp:
-            mp.setattr(cx, "sm_count", lambda device, s=sms: s)
-            kps, groups, units = cx._units(lin.mod, kernel, lin.device, lin.kt, lin.nt // 2, -(-rows // 256))
+            mp.setattr(cl, "sm_count", lambda device, s=sms: s)
+            kps, groups, units = cl.wave_split(lin.mod, kernel, lin.device, lin.kt, lin.nt // 2, -(-rows // 256))
             assert -(-lin.kt // kps) == splits and units == splits * groups, (sms, kps)
             atomics = lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows].double().cpu().numpy()
             got = lin._in_slots(x, 256, kernel)[:rows]
@@ -251,7 +252,7 @@ def test_wgr_m128_slots(cx, width, cb, monkeypatch):
 
     rng = np.random.default_rng(width * 13 + len(cb))
     k, n = 1024, 384
-    one_split = (cx, "sm_count", lambda device: 1)
+    one_split = (cl, "sm_count", lambda device: 1)
     tr, suh, svh, b = _lin(rng, k, n, width, bias=True)
     lin = cx.CudaLinear(_tensors(torch, tr, suh, svh, b), cb, "cuda")
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
