@@ -29,8 +29,7 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
   the MoE prefill candidate); each one's relative error to ``ours`` is printed under the table
 
 ``--splits 2,3,4``: wgr_rg with K split that many ways too (wgr_s2 ...; the one-wave rule of
-``cuda_exl3.wave_split`` aside). Counts past one wave need a build whose fixup never waits
-(EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1); elsewhere they are left out with a note.
+``cuda_launch.wave_split`` aside, past one wave too: no split waits for another).
 ``--variants a,b``: only those rows (beside the baseline, ``ours`` and ``dec_mm``). ``--parts``: under each
 table, every variant's kernels with their device µs a call (torch.profiler over CUDA-graph
 replays, each after an L2 flush): what of a path is its GEMM and what the passes around it.
@@ -86,23 +85,8 @@ def variants(lin, x, w, splits=()):
             "wgr_rg": lambda: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype])[:rows],
             "wgr128": lambda: lin._in_slots(x, 128, cx.WGR_RG_OUT_M128_KERNELS[x.dtype])[:rows],
             "wg2": lambda: lin._in_slots(x, 256, cx.WG_KERNELS[256])[:rows],
-            **{f"wgr_s{s}": forced(lin, x, s) for s in splits}}
-
-
-def forced(lin, x, s: int):
-    """wgr_rg at ``s`` K splits; None where this build cannot run that many (past one wave)."""
-    from exl3tools.kernels import cuda_exl3 as cx
-
-    from exl3tools.errors import UsageError
-
-    def call():
-        return lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype], splits=s)[:x.shape[0]]
-    try:
-        call()
-    except UsageError as e:
-        print(f"  wgr_s{s}: left out ({e})")
-        return None
-    return call
+            **{f"wgr_s{s}": lambda s=s: lin._in_slots(x, 256, cx.WGR_RG_OUT_KERNELS[x.dtype], splits=s)[:rows]
+               for s in splits}}
 
 
 def kernel_parts(fn, n: int = 5) -> list[tuple[str, float]]:
@@ -142,7 +126,7 @@ def main() -> int:
         for rows in (int(r) for r in a.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", generator=gen).half()
             splits = [int(v) for v in a.splits.split(",") if v]
-            calls = {name: fn for name, fn in variants(lin, x, w, splits).items() if fn is not None}
+            calls = variants(lin, x, w, splits)
             if a.variants:
                 keep = {"fp16 nk", "ours", "dec_mm", *a.variants.split(",")}
                 if keep - set(calls):

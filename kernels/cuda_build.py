@@ -100,13 +100,6 @@ def extra_define(name: str) -> int:
     return value
 
 
-def wgr_waits() -> bool:
-    """Whether the wgr kernels' K-split fixup has each split of a tile wait for all the others (the
-    default build), so that all must be resident at once (one wave); not with -DWGR_FIX_LAST=1
-    (the last split to arrive finishes the tile, none waits: any number of waves)."""
-    return not extra_define("WGR_FIX_LAST")
-
-
 def cubin_path(k2: int, cb: int) -> Path:
     # the plain build's cache key stays (k2, cb), so earlier prebuilt folders still serve MUL1 and
     # the opt-out

@@ -37,7 +37,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
-from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves, wgr_waits
+from exl3tools.kernels.cuda_build import CODEBOOKS, build, extra_define, halves
 from exl3tools.kernels.cuda_dense import decode_t, dense_mm
 from exl3tools.kernels.cuda_driver import Module, TensorMap, driver, tensor_map_2d
 from exl3tools.kernels.cuda_launch import (
@@ -117,8 +117,8 @@ WGR_SK_MIN_CHUNKS = 8
 # exl3_wgr_out_m256_t2_{f16,f32}: exl3_wgr_m256_t2 with the output pass fused (H128, svh and bias on
 # the block's sums in shared memory, y written directly: no workspace, no atomics, no had_out), for
 # any launch: where its tiles fill under half the SMs, K is split as for the others (wave_split: one
-# wave) and the splits meet in the kernel (wgr_fixup: each stores its sums in a scratch, then
-# finishes an even share of the tile's rows, adding all splits' sums in split order). H100, one
+# wave) and the splits meet in the kernel (wgr_fixup: each stores its sums in a scratch, and the
+# last to arrive adds all splits' sums in split order and finishes the tile; none waits). H100, one
 # split: 69.9 µs at 4096 -> 14336 and 256 rows (1.20x fp16 cuBLAS), 478 at 2048 rows (1.32x)
 WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "exl3_wgr_out_m256_t2_f32"}
 # exl3_wgr_rg_out_m256_t2_{f16,f32}: the same with the producer warp in a warpgroup of its own that
@@ -228,15 +228,15 @@ _wgr_scratch: dict[int, torch.Tensor] = {}
 
 
 def wgr_buffers(device: torch.device, tiles: int, splits: int, rows: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flags, scratch) of a wgr launch with the output pass that splits K: two int32 counts a tile
-    (zero between launches: the last split to leave re-zeroes them) and ``splits`` partial sums of
+    """(flags, scratch) of a wgr launch with the output pass that splits K: an int32 count a tile
+    (zero between launches: the last split to arrive re-zeroes it) and ``splits`` partial sums of
     ``rows`` (the kernel's slot) x 128 fp32 a tile. Each kept per device (``_kept``, as
     ``workspace``); under capture one too small is replaced by the graph's own (from its pool, the
     counts' zeroing part of the graph)."""
     need = tiles * splits * rows * 128
-    flags = _kept(_wgr_flags, device, 2 * tiles, torch.int32, 1024, zero=True)
+    flags = _kept(_wgr_flags, device, tiles, torch.int32, 1024, zero=True)
     scratch = _kept(_wgr_scratch, device, need, torch.float32, 1 << 22, zero=False)
-    return (torch.zeros(2 * tiles, dtype=torch.int32, device=device) if flags is None else flags,
+    return (torch.zeros(tiles, dtype=torch.int32, device=device) if flags is None else flags,
             torch.empty(need, dtype=torch.float32, device=device) if scratch is None else scratch)
 
 
@@ -326,7 +326,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
     kernels with the output pass only, ``_wgr_out``; acc None): y = the output pass of the sums,
     written by the kernel itself; K split as for the others (one wave), each tile's splits added inside
     the kernel in split order (``wgr_buffers``); ``splits`` (with ``out``): K split that many ways
-    instead (benches, tests), past one wave only in a build whose fixup never waits (``wgr_waits``)."""
+    instead (benches, tests; past one wave too: no split waits for another)."""
     if (out is not None) != _wgr_out(kernel):
         raise UsageError(f"{kernel}: the fused output pass takes out=(y, svh, bias), and only it does")
     if out is not None and not kernel.endswith("_" + _SUFFIX.get(out[0].dtype, "?")):
@@ -356,16 +356,11 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         units = groups * -(-kt // kps)
     else:
         kps, groups, units = wave_split(mod, name, xrot.device, kt, nt // nt_per, slots)
-        rule = kps                            # (within one wave wherever it splits K)
-        if splits is not None and out is not None:   # (fewer than the rule's too)
+        if splits is not None and out is not None:   # (more or fewer than the rule's)
             kps, units = split_k(kt, groups, splits)
         if unit_ktiles and kps > unit_ktiles:
             kps = -(-unit_ktiles // PIPE) * PIPE
             units = groups * -(-kt // kps)
-        if (out is not None and kps != rule and kps < kt and wgr_waits()
-                and units * slots > resident(mod, name, xrot.device)):
-            raise UsageError(f"{kernel}: {-(-kt // kps)} K splits of {units * slots} units past one wave, "
-                             "whose splits would wait for blocks that cannot start (build with -DWGR_FIX_LAST=1)")
     accs = (None, acc) if fixed else (acc, None)
     if ld_tab is not None and tile_n is not None:
         raise UsageError("gemv: tile_n and ld_tab do not come together")

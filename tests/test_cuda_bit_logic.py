@@ -144,11 +144,6 @@ def test_gemv_defines_name_their_own_cubins_and_refuse_anything_else(monkeypatch
     assert cuda_build.extra_defines() == ("-DPRO_MINB=0x7", "-DXDUP_SMEM=1")
     monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DXDUP_SMEM -DPRO_P=2")   # as nvcc reads them
     assert (cuda_build.extra_define("XDUP_SMEM"), cuda_build.extra_define("PRO_MINB")) == (1, 0)
-    assert cuda_build.wgr_waits()             # the default fixup: K splits within one wave only
-    monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DWGR_FIX_LAST=1")
-    assert not cuda_build.wgr_waits()
-    monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", "-DWGR_FIX_LAST=0")
-    assert cuda_build.wgr_waits()
     for bad in ("-DPRO_P=2;touch x", "-o /tmp/x", "-DPRO_P=$(id)", "-DPRO_MINB=0xZZ"):
         monkeypatch.setenv("EXL3TOOLS_GEMV_DEFINES", bad)
         with pytest.raises(UsageError, match="EXL3TOOLS_GEMV_DEFINES"):
@@ -215,15 +210,13 @@ def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-@pytest.mark.parametrize("defines", [(), ("-DWGR_FIX_OWN=1",), ("-DWGR_FIX_LAST=1",)])
-def test_no_wgmma_kernel_has_its_mmas_serialized(tmp_path, defines):
+def test_no_wgmma_kernel_has_its_mmas_serialized(tmp_path):
     """ptxas serializes a kernel's asynchronous MMAs (C7512 / C7515: each one waited for at once)
     when registers run short or other instructions touch the accumulators while they run; it still
     compiles, just slowly. exl3_wgr_m256_t2 hit both while written (four A operands in 288 threads;
     thread 0's copies inside a 256-thread loop): it keeps within the 168 registers a thread of its
-    288-thread block (ptxas rounds to whole warpgroups) with its MMAs asynchronous; so do the
-    fixup's build variants (WGR_FIX_OWN, WGR_FIX_LAST)."""
-    report, regs = _ptxas(tmp_path, 2, *defines, entries="exl3_w")
+    288-thread block (ptxas rounds to whole warpgroups) with its MMAs asynchronous."""
+    report, regs = _ptxas(tmp_path, 2, entries="exl3_w")
     assert "are serialized" not in report, [ln for ln in report.splitlines() if "serialized" in ln]
     wgr = {"exl3_wgr_m256_t2", "exl3_wgr_sk_m256_t2", "exl3_wgr_out_m256_t2_f16", "exl3_wgr_out_m256_t2_f32",
            "exl3_wgr_rg_out_m256_t2_f16", "exl3_wgr_rg_out_m256_t2_f32", "exl3_wgr_rg_out_m128_t2_f16",

@@ -638,46 +638,18 @@ __device__ __forceinline__ void wgr_rows(const float* __restrict__ ts, TY* __res
 __device__ __forceinline__ int wgr_expert(const int* __restrict__ slot_exp, int z) {
     return slot_exp ? *reinterpret_cast<const volatile int*>(slot_exp + z) : 0;
 }
-// a 32-bit count in global memory: added with release, read with acquire (GPU scope)
-__device__ __forceinline__ void red_release_gpu(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// Split K inside exl3_wgr_out_* (kps < kt): a tile's splits meet here and share the finishing.
-// Every split stores its sums in scratch (its own MROWS x 128 floats, as [i][thread] float4s:
-// coalesced), counts itself in flags[2 tile] (release) and waits until all have (acquire); split s
-// then adds all splits' sums of its own rows 8 i0.. 8 i1 (an even share of the tile) in split order,
-// so y depends on the split count alone (not on timing, as atomics would), into ts for wgr_rows.
-// The last to leave (flags[2 tile + 1]) re-zeroes both counts for the next launch. A tile's
-// finishing is spread over its splits (each reads MROWS x 128 floats), not one block reading all
-// of them. Every block of such a launch is resident at once (cuda_exl3._units sizes it to one
-// wave), so no split waits for a block that cannot start.
-// LOADS: loads in flight a thread (32 spill at 168 registers: 16 outside the rg kernel). H100: 8 and
-// 32 timed alike; at two splits this is ~3-4 µs slower than split 0 reading split 1's sums alone
-// (8192 -> 8192 at 256 rows 79.0 vs 74.8 µs). A likely cause: s splits store and load s tiles of
-// sums where that one stored and loaded s - 1 (twice the bytes at two splits: 17 MB more through
-// L2 there). WGR_FIX_OWN (a build define, off; EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_OWN=1; not yet run
-// on a GPU): a split keeps its own share of row groups in shared memory (ts) instead of storing
-// and reloading it, so a tile moves s - 1 tiles of sums each way, as before, spread over s blocks.
-// WGR_FIX_LAST (a build define, off; EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1; not yet run on a
-// GPU): no split waits. Every split stores its sums and counts itself (acq_rel); the last to
-// arrive finishes the whole tile (its own sums from shared memory, the others' from scratch, added
-// in split order as above: the same bits) and the others leave. Nothing spins, so it is safe
-// whatever is resident (more splits than one wave, MPS, other kernels on the SMs), and a tile's
-// sums cross L2 as in the two-split design that timed 3-4 µs faster (s - 1 tiles read, one block).
-// Both defines step each (row group, split) pair's indices instead of dividing them out of a
-// running count by the runtime split count (the rg kernel's SASS 4264 -> 3168 instructions with
-// LAST, IMAD.HI 103 -> 3): the other candidate cause of those 3-4 µs.
-#ifndef WGR_FIX_OWN
-#define WGR_FIX_OWN 0
-#endif
-#ifndef WGR_FIX_LAST
-#define WGR_FIX_LAST 0
-#endif
+// Split K inside exl3_wgr_out_* (kps < kt): a tile's splits meet here. Every split stores its sums
+// in scratch (its own MROWS x 128 floats, as [i][thread] float4s: coalesced) and counts itself in
+// flags[tile] (acq_rel); the last to arrive finishes the whole tile (i0.. i1: all its row groups),
+// its own sums from shared memory (ts) and the others' from scratch, added in split order, so y
+// depends on the split count alone (not on timing, as atomics would), into ts for wgr_rows; it
+// re-zeroes the count for the next launch, and the others leave with no rows. Nothing waits, so it
+// is safe whatever is resident: more splits than one wave, MPS, other kernels on the SMs. (It
+// replaced, at the same time on the H100, a fixup whose splits each waited for all the others and
+// then finished an even share of the rows, safe only within one wave: docs/gpu.md, the 2026-12-06
+// 16:56 session.) The (row group, split) pairs' indices are stepped, not divided out of a running
+// count by the runtime split count (the rg kernel's SASS 4264 -> 3168 instructions, IMAD.HI 103 -> 3).
+// LOADS: loads in flight a thread (32 spill at 168 registers: 16 outside the rg kernel).
 // a 0/1 of thread 0 to every thread of the 256 consumers (bar.red: a barrier and an OR in one)
 __device__ __forceinline__ int consumers_or(int v) {
     int r;
@@ -690,56 +662,27 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
                                           float* __restrict__ scratch, float* __restrict__ ts, int tile, int split,
                                           int splits, int lane, int warp, int& i0, int& i1) {
     constexpr int V = MROWS / 8;           // float4s a thread
-    constexpr bool OWN = WGR_FIX_OWN || WGR_FIX_LAST;   // this split's own sums read back from ts
     const int tid = threadIdx.x;           // (the consumers: 0-255)
     const float4* const base = reinterpret_cast<const float4*>(scratch) + (size_t)tile * splits * V * 256 + tid;
     float4* const dst = reinterpret_cast<float4*>(scratch) + (size_t)(tile * splits + split) * V * 256 + tid;
-    if constexpr (WGR_FIX_OWN && !WGR_FIX_LAST) {
-        const int j0 = split * V / splits, j1 = (split + 1) * V / splits, g = lane >> 2, t = lane & 3;
 #pragma unroll
-        for (int i = 0; i < V; i++) {
-            if (i >= j0 && i < j1) {       // (static register indices: the predicate picks)
-#pragma unroll
-                for (int q = 0; q < 4; q++) ts[wgr_ts_index(i, q, warp, g, t)] = d[4 * i + q];
-            } else {
-                __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
-            }
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
-    }
+    for (int i = 0; i < V; i++) __stcg(dst + i * 256, make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]));
     __threadfence();
     named_sync(1, 256);
-    if constexpr (WGR_FIX_LAST) {
-        int last = 0;
-        if (tid == 0) {
-            int old;
-            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(flags + 2 * tile) : "memory");
-            last = old == splits - 1;
-            if (last) flags[2 * tile] = 0;     // (every split has counted: none reads it again this launch)
-        }
-        if (!consumers_or(last)) {         // (uniform: the caller's wgr_rows gets no rows)
-            i0 = i1 = 0;
-            return;
-        }
-        i0 = 0;
-        i1 = V;
-        wgr_stage<MROWS>(d, ts, lane, warp);   // (each thread reads back only its own values)
-    } else {
-        if (tid == 0) {
-            red_release_gpu(flags + 2 * tile, 1);
-            while (ld_acquire_gpu(flags + 2 * tile) < splits) {
-            }
-            if (atomicAdd(flags + 2 * tile + 1, 1) == splits - 1) {   // (every split has seen the count)
-                flags[2 * tile] = 0;
-                flags[2 * tile + 1] = 0;
-            }
-        }
-        named_sync(1, 256);
-        i0 = split * V / splits;
-        i1 = (split + 1) * V / splits;
+    int last = 0;
+    if (tid == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(flags + tile) : "memory");
+        last = old == splits - 1;
+        if (last) flags[tile] = 0;         // (every split has counted: none reads it again this launch)
     }
+    if (!consumers_or(last)) {             // (uniform: the caller's wgr_rows gets no rows)
+        i0 = i1 = 0;
+        return;
+    }
+    i0 = 0;
+    i1 = V;
+    wgr_stage<MROWS>(d, ts, lane, warp);   // (each thread reads back only its own values)
     const int g = lane >> 2, t = lane & 3, n = (i1 - i0) * splits;   // (row group, split) pairs, split fastest
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     auto add = [&](const float4& v, int s, int i) {   // pair (i, s): its sums, in split order
@@ -758,54 +701,23 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
             ts[wgr_ts_index(i, 3, warp, g, t)] = sum.w;
         }
     };
-    if constexpr (OWN) {   // (i, s) stepped, not divided out of the pair's index (a runtime divisor)
-        for (int u0 = 0, i = i0, s = 0; u0 < n; u0 += LOADS) {
-            float4 v[LOADS];
-#pragma unroll
-            for (int k = 0, ik = i, sk = s; k < LOADS; k++) {
-                if (u0 + k >= n) break;
-                if (sk == split)           // (this thread's own values, written above)
-                    v[k] = make_float4(ts[wgr_ts_index(ik, 0, warp, g, t)], ts[wgr_ts_index(ik, 1, warp, g, t)],
-                                       ts[wgr_ts_index(ik, 2, warp, g, t)], ts[wgr_ts_index(ik, 3, warp, g, t)]);
-                else
-                    v[k] = __ldcg(base + (size_t)(sk * V + ik) * 256);
-                if (++sk == splits) sk = 0, ik++;
-            }
-#pragma unroll
-            for (int k = 0; k < LOADS; k++) {
-                if (u0 + k >= n) break;
-                add(v[k], s, i);
-                if (++s == splits) s = 0, i++;
-            }
-        }
-        return;
-    }
-    // the default build's loop, written out (``add`` inlined: through the lambda ptxas orders its
-    // registers otherwise, and the default's SASS stays what ran on the GPU)
-    for (int u0 = 0; u0 < n; u0 += LOADS) {   // (d is dead: its registers hold the loads in flight)
+    for (int u0 = 0, i = i0, s = 0; u0 < n; u0 += LOADS) {   // ((i, s) stepped, not divided out)
         float4 v[LOADS];
 #pragma unroll
-        for (int k = 0; k < LOADS; k++) {
-            if (u0 + k < n) v[k] = __ldcg(base + (size_t)((u0 + k) % splits * V + i0 + (u0 + k) / splits) * 256);
+        for (int k = 0, ik = i, sk = s; k < LOADS; k++) {
+            if (u0 + k >= n) break;
+            if (sk == split)               // (this thread's own values, staged above)
+                v[k] = make_float4(ts[wgr_ts_index(ik, 0, warp, g, t)], ts[wgr_ts_index(ik, 1, warp, g, t)],
+                                   ts[wgr_ts_index(ik, 2, warp, g, t)], ts[wgr_ts_index(ik, 3, warp, g, t)]);
+            else
+                v[k] = __ldcg(base + (size_t)(sk * V + ik) * 256);
+            if (++sk == splits) sk = 0, ik++;
         }
 #pragma unroll
         for (int k = 0; k < LOADS; k++) {
-            const int u = u0 + k, s = u % splits, i = i0 + u / splits;
-            if (u >= n) break;
-            if (s == 0) {
-                sum = v[k];
-            } else {
-                sum.x += v[k].x;
-                sum.y += v[k].y;
-                sum.z += v[k].z;
-                sum.w += v[k].w;
-            }
-            if (s == splits - 1) {
-                ts[wgr_ts_index(i, 0, warp, g, t)] = sum.x;
-                ts[wgr_ts_index(i, 1, warp, g, t)] = sum.y;
-                ts[wgr_ts_index(i, 2, warp, g, t)] = sum.z;
-                ts[wgr_ts_index(i, 3, warp, g, t)] = sum.w;
-            }
+            if (u0 + k >= n) break;
+            add(v[k], s, i);
+            if (++s == splits) s = 0, i++;
         }
     }
 }
