@@ -131,30 +131,9 @@ def test_the_synthetic_checkpoint_has_a_folder_per_synth_args(synth_args, folder
     assert r.returncode == 0 and r.stdout.strip() == folder, r.stderr
 
 
-def test_each_test_run_builds_its_own_cubins_first(tmp_path):
-    """The tests stage (run_tests): an entry's cubins (its build defines in its environment) are
-    built once before its pytest starts, not by every worker at once."""
-    text = SCRIPT.read_text()
-    body = text[text.index("run_tests() {"):]
-    body = body[:body.index("\n  }\n") + 5]
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text(f'#!/bin/sh\necho "$* defs=[$EXL3TOOLS_GEMV_DEFINES]" >> {tmp_path}/calls\n')
-    (fake / "python3").chmod(0o755)
-    (fake / "timeout").write_text('#!/bin/sh\nshift\nexec "$@"\n')
-    (fake / "timeout").chmod(0o755)
-    script = f"L={tmp_path}; NT=1; T0=0; el() {{ echo \"$*\"; }}\n{body}\nrun_tests _0 EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1\n"
-    r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
-                       env={"PATH": f"{fake}:/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
-    calls = (tmp_path / "calls").read_text().splitlines()
-    assert [c.split()[:2] for c in calls] == [["-m", "exl3tools.kernels.cuda_build"], ["-m", "pytest"]], calls
-    assert all(c.endswith("defs=[-DWGR_FIX_LAST=1]") for c in calls), calls
-
-
-def test_a_test_entry_with_paths_runs_only_those_files(tmp_path):
-    """TEST_ENVS's "paths=a.py,b.py" token: that entry's pytest gets those files (not the full
-    suite), the token is no environment variable, and an entry without one keeps TEST_PATHS."""
+def _run_tests(tmp_path, calls: str) -> list[str]:
+    """gpu_all.sh's run_tests function alone, its python3 and timeout faked (each python3 call a line
+    of its arguments, its EXL3TOOLS_GEMV_DEFINES and any $paths it sees), ``calls`` after it."""
     text = SCRIPT.read_text()
     body = text[text.index("  run_tests() {"):]
     body = body[:body.index("\n  }\n") + 5]
@@ -164,12 +143,27 @@ def test_a_test_entry_with_paths_runs_only_those_files(tmp_path):
     (fake / "python3").chmod(0o755)
     (fake / "timeout").write_text('#!/bin/sh\nshift\nexec "$@"\n')
     (fake / "timeout").chmod(0o755)
-    script = (f"L={tmp_path}; NT=1; T0=0; el() {{ echo \"$*\"; }}\n{body}\n"
-              "run_tests _1 'paths=tests/gpu/a.py,tests/gpu/b.py EXL3TOOLS_GEMV_DEFINES=-DX=1'\nrun_tests _0 ''\n")
+    script = f"L={tmp_path}; NT=1; T0=0; el() {{ echo \"$*\"; }}\n{body}\n{calls}\n"
     r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
                        env={"PATH": f"{fake}:/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
-    pytests = [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("-m pytest")]
+    return (tmp_path / "calls").read_text().splitlines()
+
+
+def test_each_test_run_builds_its_own_cubins_first(tmp_path):
+    """The tests stage (run_tests): an entry's cubins (its build defines in its environment) are
+    built once before its pytest starts, not by every worker at once."""
+    calls = _run_tests(tmp_path, "run_tests _0 EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1")
+    assert [c.split()[:2] for c in calls] == [["-m", "exl3tools.kernels.cuda_build"], ["-m", "pytest"]], calls
+    assert all(c.endswith("defs=[-DWGR_FIX_LAST=1] p=[]") for c in calls), calls
+
+
+def test_a_test_entry_with_paths_runs_only_those_files(tmp_path):
+    """TEST_ENVS's "paths=a.py,b.py" token: that entry's pytest gets those files (not the full
+    suite), the token is no environment variable, and an entry without one keeps TEST_PATHS."""
+    calls = _run_tests(tmp_path, "run_tests _1 'paths=tests/gpu/a.py,tests/gpu/b.py EXL3TOOLS_GEMV_DEFINES=-DX=1'\n"
+                                 "run_tests _0 ''")
+    pytests = [c for c in calls if c.startswith("-m pytest")]
     assert len(pytests) == 2, pytests
     assert " tests/gpu/a.py tests/gpu/b.py " in pytests[0] and "tests/gpu " not in pytests[0], pytests[0]
     assert pytests[0].endswith("defs=[-DX=1] p=[]"), pytests[0]     # (paths= is no variable of the run)
