@@ -128,11 +128,14 @@ WGR_OUT_KERNELS = {torch.float16: "exl3_wgr_out_m256_t2_f16", torch.float32: "ex
 # 14336 and 256 rows, 1.12x fp16 cuBLAS; 74.3 at 14336 -> 4096, 1.12x; 74.8 at 8192 -> 8192,
 # 1.19x); the EXL3TOOLS_DENSE_WGR route
 WGR_RG_OUT_KERNELS = {torch.float16: "exl3_wgr_rg_out_m256_t2_f16", torch.float32: "exl3_wgr_rg_out_m256_t2_f32"}
-# exl3_wgr_rg_out_m128_t2_{f16,f32}: the same loop on 128-row slots (wgmma.m64n128k16), for MoE
-# prefill tiles (air6 has ~128 pairs an expert at 2048 tokens, GLM-5 ~64: a 256-row slot would be
-# half padding); CudaExperts.tiles takes it when a caller names it (bench/gpu_moe_prefill.py,
-# tests/gpu); ptxas: 168 registers at launch, no spills, no serialized MMAs; not yet run on a GPU
+# exl3_wgr_rg_out_m128_t2_{f16,f32}: the same loop on 128-row slots (wgmma.m64n128k16): MoE prefill
+# tiles of 128 rows (CudaExperts.moe_wgr; air6 has ~128 pairs an expert at 2048 tokens) and dense
+# linears of 65-WGR_M128_ROWS rows on the EXL3TOOLS_DENSE_WGR route, where a 256-row slot is half
+# padding. H100, 2026-12-06 16:56 (bench/gpu_gemm_ab.py, graph replays, K 3): 8192 -> 8192 at 128
+# rows 57.2 µs (0.96x fp16 cuBLAS) against the 256-row slot's 80.7 (1.35x); at 256 rows two slots
+# 89.7 against one 256-row slot's 78.8
 WGR_RG_OUT_M128_KERNELS = {torch.float16: "exl3_wgr_rg_out_m128_t2_f16", torch.float32: "exl3_wgr_rg_out_m128_t2_f32"}
+WGR_M128_ROWS = 128
 # the EXL3TOOLS_DENSE_WGR route's most rows (past it: decode + cuBLAS, the weight decoded once)
 WGR_MAX_ROWS = 1024
 # and its fewest weights (k x n): a smaller linear fills the SMs only by splitting K into a few
@@ -518,7 +521,8 @@ class CudaLinear:
             if rows <= WGR_MAX_ROWS and (
                     preview.switched_on("dense_wgr") and self.k * self.n >= WGR_MIN_WEIGHTS
                     if self.wgr is None else self.wgr):
-                return self._in_slots(x2, WGR_ROWS, self._wgr_kernel(x2.dtype))[:rows].to(x.dtype).reshape(
+                slot = WGR_M128_ROWS if rows <= WGR_M128_ROWS else WGR_ROWS
+                return self._in_slots(x2, slot, self._wgr_kernel(x2.dtype, slot))[:rows].to(x.dtype).reshape(
                     *shape[:-1], self.n)
             if rows <= WGA_MAX_ROWS and not (rows <= 128 and self.dense_tiles) and (
                     preview.switched_on("dense_wga") if self.wga is None else self.wga):
@@ -555,12 +559,13 @@ class CudaLinear:
         return self._in_slots(x2, r, WG_KERNELS[r])
 
     @staticmethod
-    def _wgr_kernel(dtype: torch.dtype) -> str:
-        """EXL3TOOLS_DENSE_WGR's kernel: the fused output pass with the register-donating producer
-        (WGR_RG_OUT_KERNELS; a launch of too few tiles for the SMs splits K and adds the splits
-        inside); WGR_KERNEL (atomics, had_out) for a y that is neither fp16 nor fp32 (``_act`` gives
-        one or the other)."""
-        return WGR_RG_OUT_KERNELS.get(dtype, WGR_KERNEL)
+    def _wgr_kernel(dtype: torch.dtype, slot: int = WGR_ROWS) -> str:
+        """EXL3TOOLS_DENSE_WGR's kernel for slots of ``slot`` rows (256, or WGR_M128_ROWS): the fused
+        output pass with the register-donating producer (WGR_RG_OUT_KERNELS, WGR_RG_OUT_M128_KERNELS;
+        a launch of too few tiles for the SMs splits K and adds the splits inside); WGR_KERNEL
+        (atomics, had_out; 256-row slots hold smaller ones) for a y that is neither fp16 nor fp32
+        (``_act`` gives one or the other)."""
+        return (WGR_RG_OUT_M128_KERNELS if slot == WGR_M128_ROWS else WGR_RG_OUT_KERNELS).get(dtype, WGR_KERNEL)
 
     def _in_slots(self, x2: torch.Tensor, r: int, kernel: str | None, fixed: bool = False,
                   splits: int | None = None) -> torch.Tensor:

@@ -547,7 +547,7 @@ PROJECTIONS = ("gate_up", "gate_proj", "up_proj", "down_proj")   # the grouped e
 
 def tile_rows(slots: int, experts: int, max_rows: int = 64) -> int:
     """Rows per tile: about 1.5x the mean rows per expert, 8 to ``max_rows`` (the backend's
-    ``max_tile_rows``: 64, or 128 for CUDA experts under the EXL3TOOLS_MOE_WGR preview)."""
+    ``max_tile_rows``: 64, or 128 for CUDA experts (EXL3TOOLS_MOE_WGR, the default; "0": 64))."""
     mean = slots / max(1, experts)
     for r in (8, 16, 32, 64, 128):
         if r >= max_rows or 1.5 * mean <= r:

@@ -92,13 +92,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
-    # MoE prefill tiles of 128 rows (runtime.layers.tile_rows: where 1.5x the mean pairs an expert
-    # passes 64) on exl3_wgr_rg_out_m128_t2_* (kernels/csrc/exl3_wgmma.cuh wgr_body on 128-row slots,
-    # wgmma.m64n128k16: each warp decodes its tile straight into the register A operand, the output
-    # pass in the epilogue, padding rows never stored) instead of the 64-row mma.sync tile kernel;
-    # (CudaExperts.moe_wgr; every CUDA expert set has k and n in 128s).
-    # Written 2026-12-06 11:03 without a GPU (ptxas: no spills, MMAs asynchronous): not yet run
-    "moe_wgr": "EXL3TOOLS_MOE_WGR",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -272,6 +265,16 @@ OPT_OUTS = {
     # prompt graphs of 482 and 497 rows (16.0 and 17.2 ms): TTFT median 114 -> 77 ms, 32 streams
     # 5349 -> 5541 tok/s; tests/gpu 819 passed with it on
     "prompt_fit": "EXL3TOOLS_PROMPT_FIT",
+    # MoE prefill tiles of 128 rows (runtime.layers.tile_rows: where 1.5x the mean pairs an expert
+    # passes 64) on exl3_wgr_rg_out_m128_t2_* (kernels/csrc/exl3_wgmma.cuh wgr_body on 128-row slots,
+    # wgmma.m64n128k16: each warp decodes its tile straight into the register A operand, the output
+    # pass in the epilogue, padding rows never stored) instead of the 64-row mma.sync tile kernel
+    # (CudaExperts.moe_wgr; every CUDA expert set has k and n in 128s; never in batch-invariant runs).
+    # H100, 2026-12-06 16:56: one air6 expert projection of 2048 tokens 1.00 ms against the 64-row
+    # tiles' 1.29 (bench/gpu_moe_prefill.py); a 2048-token air6 forward 38.62 / 38.82 -> 35.56 / 35.64
+    # ms, its MoE layer 5.29 / 5.27 -> 4.51 / 4.56 ms (bench/gpu_prefill.py --forwards-only, one
+    # process a variant, off / on / off / on); its route test passed in tests/gpu
+    "moe_wgr": "EXL3TOOLS_MOE_WGR",
     # MLA decode attention over dense rows (no DSA selection) on fp16 planes (C 512, rope 64, heads
     # in 64s) through the CUDA kernel (kernels/csrc/mla_decode.cu, kernels/mla_cuda.py: the key
     # tiles by TMA tensor copies, two warpgroups' wgmma on each) instead of the Triton split kernel;

@@ -346,7 +346,8 @@ def test_moe_wgr_preview_routes_128_row_tiles(cx, width, cb, monkeypatch):
 def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, switch, monkeypatch):
     """EXL3TOOLS_DENSE_WGA / EXL3TOOLS_DENSE_WGR: a dense linear of 65-256 rows (wga) or 65-
     WGR_MAX_ROWS rows and WGR_MIN_WEIGHTS weights (wgr; a smaller one takes the default path) runs
-    slots of 256 rows of exl3_wga_m256_t2 / a wgr kernel (x padded; the
+    slots of 256 rows of exl3_wga_m256_t2 / a wgr kernel (up to WGR_M128_ROWS rows: one 128-row
+    slot of the m128 wgr kernel) (x padded; the
     rest read, never added; wgr: exl3_wgr_out_*, whose K splits here are added in the kernel),
     within 2e-3 of x·W + bias on every K and codebook and fp16 / fp32 activations, several slots
     too (wgr), in a CUDA graph too (within 1e-3 of the eager call: wga's fp32 atomics); the other
@@ -370,14 +371,19 @@ def test_dense_in_gemm_previews_run_their_rows_on_their_kernel(cx, width, cb, sw
         lin(torch.from_numpy(rng.normal(0, 1, (200, k)).astype(np.float16)).cuda())
         assert not any(k_ and k_.startswith("exl3_wgr") for k_ in kernels), kernels
         monkeypatch.setattr(cx, "WGR_MIN_WEIGHTS", k * n)
-    for rows, dtype in ((64, torch.float16), (65, torch.float16), (200, torch.float32), (256, torch.float16),
-                        (257, torch.float16), (700, torch.float16), (cx.WGR_MAX_ROWS + 1, torch.float16)):
+    for rows, dtype in ((64, torch.float16), (65, torch.float16), (128, torch.float32), (129, torch.float16),
+                        (200, torch.float32), (256, torch.float16), (257, torch.float16), (700, torch.float16),
+                        (cx.WGR_MAX_ROWS + 1, torch.float16)):
         x = rng.normal(0, 1, (rows, k)).astype(np.float32)
         kernels.clear()
         y = lin(torch.from_numpy(x).cuda().to(dtype))
         assert y.dtype == dtype and y.shape == (rows, n)
         if 64 < rows <= top:
-            assert kernels == [cx.CudaLinear._wgr_kernel(dtype) if kernel == cx.WGR_KERNEL else kernel], (rows, kernels)
+            want_kernel = kernel
+            if kernel == cx.WGR_KERNEL:
+                want_kernel = cx.CudaLinear._wgr_kernel(dtype, cx.WGR_M128_ROWS if rows <= cx.WGR_M128_ROWS else 256)
+                assert ("_m128_" in want_kernel) == (rows <= 128), want_kernel
+            assert kernels == [want_kernel], (rows, kernels)
         else:
             assert not any(k_ and k_.startswith(kernel[:8]) for k_ in kernels), (rows, kernels)
         assert _rel(y.float().cpu().numpy(), x.astype(np.float64) @ w + b.astype(np.float64)) < 2e-3, rows
