@@ -64,12 +64,7 @@ class CudaExperts:
 
         # batch-invariant runs: fixed splits, fixed-point sums, no fused output pass
         self.invariant = invariance.on()
-        # tiles of up to this many rows (runtime.layers.tile_rows)
         self.smem_tiles = preview.switched_on("prefill_tiles")
-        # EXL3TOOLS_MOE_WGR: 128-row tiles on the wgmma kernel (whole 128-column blocks and 64-k
-        # chunks: _check_dims has k and n in 128s)
-        self.moe_wgr = preview.switched_on("moe_wgr") and not self.invariant
-        self.max_tile_rows = 128 if self.moe_wgr else max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
         # the default since 2026-12-02
         self.fused_out = preview.switched_on("tiles_epilogue") and not self.invariant
         self.gemv_in = preview.switched_on("gemv_prologue") and not self.invariant   # (GEMV_PRO_MAX_ROWS)
@@ -97,6 +92,20 @@ class CudaExperts:
         """y[s] = x[tok[s]] @ W_{exp[s]} + bias_{exp[s]}, (S, n) in x.dtype; no host sync: the
         tiled call with one row per tile (the same three launches)."""
         return self.tiles(x, tok, exp, exp, 1)
+
+    @property
+    def moe_wgr(self) -> bool:
+        """EXL3TOOLS_MOE_WGR (the default): 128-row tiles on the wgmma kernel (whole 128-column
+        blocks and 64-k chunks: _check_dims has k and n in 128s). Read per call, so that one
+        process can time it both ways (bench/gpu_prefill.py --ab)."""
+        from exl3tools.runtime import preview
+
+        return not self.invariant and preview.switched_on("moe_wgr")
+
+    @property
+    def max_tile_rows(self) -> int:
+        """Tiles of up to this many rows (runtime.layers.tile_rows)."""
+        return 128 if self.moe_wgr else max(PREFILL_TILE_ROWS) if self.smem_tiles else SMALL_ROWS
 
     def tiles(self, x: torch.Tensor, src: torch.Tensor | None, row_exp: torch.Tensor, tile_exp: torch.Tensor,
               rows: int, out_dtype: torch.dtype | None = None, kernel: str | None = None,

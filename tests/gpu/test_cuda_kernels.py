@@ -278,8 +278,10 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
         te = torch.zeros(2 * 64 // rows, dtype=torch.int64, device="cuda")
         y = one.tiles(torch.from_numpy(xl).cuda(), None, zeros, te, rows).float().cpu().numpy()
         assert _rel(y, xl.astype(np.float64) @ wl) < 2e-3, kernel
-    # the runtime sends 64-row tiles to them unless opted out of
+    # the runtime sends 64-row tiles to them unless opted out of (or, EXL3TOOLS_MOE_WGR's default,
+    # sends up to 128-row tiles to the wgmma kernel)
     monkeypatch.delenv("EXL3TOOLS_PREFILL_TILES", raising=False)
+    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "0")
     on = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     assert on.max_tile_rows == 64 and on._tile_kernel(64) == "exl3_tiles_m64_t2" and on._tile_kernel(32) is None
     monkeypatch.setenv("EXL3TOOLS_PREFILL_TILES", "0")

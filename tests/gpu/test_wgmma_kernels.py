@@ -284,8 +284,8 @@ def test_wgr_m128_slots(cx, width, cb, monkeypatch):
 
 
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (64, "3inst"), (32, "mcg")])
-def test_moe_wgr_preview_routes_128_row_tiles(cx, width, cb, monkeypatch):
-    """EXL3TOOLS_MOE_WGR: experts take tiles of up to 128 rows, and a
+def test_moe_wgr_routes_128_row_tiles(cx, width, cb, monkeypatch):
+    """EXL3TOOLS_MOE_WGR (the default, read per call): experts take tiles of up to 128 rows, and a
     128-row tiles call runs exl3_wgr_rg_out_m128_t2_* (y in fp16 or fp32 from its epilogue; the
     real rows within 2e-3 of the reference and 1e-3 of the 128-row tile kernel), a down projection
     taking silu(gate) * up too; 64-row tiles keep the tile kernel; off: 64-row tiles as before.
@@ -298,11 +298,12 @@ def test_moe_wgr_preview_routes_128_row_tiles(cx, width, cb, monkeypatch):
     E, k, n, T, top = 4, 512, 384, 300, 2
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
     tensors = [_tensors(torch, *p) for p in lins]
-    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "0")
-    assert _experts(tensors, cb, "cuda").max_tile_rows == 64
-    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "1")
+    monkeypatch.delenv("EXL3TOOLS_MOE_WGR", raising=False)       # (the default)
     ex = _experts(tensors, cb, "cuda")
     assert ex.moe_wgr and ex.max_tile_rows == 128
+    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "0")                 # read per call (an A/B in one process)
+    assert not ex.moe_wgr and ex.max_tile_rows == 64
+    monkeypatch.setenv("EXL3TOOLS_MOE_WGR", "1")
     kernels = []
     real = cx.gemv
     monkeypatch.setattr(cx, "gemv", lambda *a, **kw: (kernels.append(kw.get("kernel")), real(*a, **kw))[1])
