@@ -376,7 +376,7 @@ def gemv(mod: Module, xrot: torch.Tensor, tr_tab, kt: int, nt: int, rows: int, s
         if kt % 4:                            # (chunks of 4 k-tiles)
             raise UsageError(f"{kernel}: {kt} k-tiles, not a multiple of 4")
         extra += (slots,)
-        if out is not None:                   # K split as wave_split says (one wave), the splits added in the kernel
+        if out is not None:                   # K split as above (wave_split, or splits), the splits added in the kernel
             splits = -(-kt // kps)
             tiles = slots * (groups // w)
             extra += tuple(out) + (wgr_buffers(xrot.device, tiles, splits, slot_rows(name)) if splits > 1
