@@ -10,12 +10,12 @@ Paths by rows (x is (rows, k) at padded dims, k and n multiples of 128):
   the shared-memory tile kernel (``exl3_tiles_m128_t2``), the weight decoded once, never written.
 - 65-1024 rows with the EXL3TOOLS_WGMMA preview: slots of 128 / 256 rows on the wgmma kernel
   (``exl3_wg2_m*``), the weight decoded once a slot into the warpgroup MMA's register operand.
-- more rows (kernels/cuda_dense.py): ``decode_t`` Ŵᵀ to fp16 once per call, one cuBLAS GEMM,
-  ``had_out`` in place; or, with the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' = Ŵ·H_n ⊙ svh
-  (the output pass folded into the decoded weights) and one cuBLAS GEMM with the bias: no output
-  pass, whose cost grows with rows (where rows x n >= FOLD_MIN_OUT); with the
-  EXL3TOOLS_DENSE_FOLD_IN preview and fp16 activations, ``decode_fold2`` the whole weight W (the
-  input pass folded in too) and one GEMM on x itself.
+- more rows (kernels/cuda_dense.py): from FOLD2_MIN_ROWS rows with fp16 activations (the default
+  since 2026-12-06; EXL3TOOLS_DENSE_FOLD_IN=0 opts out), ``decode_fold2`` the whole weight W (both
+  passes folded in) and one GEMM on x itself; else ``decode_t`` Ŵᵀ to fp16 once per call, one
+  cuBLAS GEMM, ``had_out`` in place; or, with the EXL3TOOLS_DENSE_FOLD preview, ``decode_fold`` W' =
+  Ŵ·H_n ⊙ svh (the output pass folded into the decoded weights) and one cuBLAS GEMM with the bias:
+  no output pass, whose cost grows with rows (where rows x n >= FOLD_MIN_OUT).
 Many experts' projections in one call: ``CudaExperts`` (kernels/cuda_experts.py).
 
 Batch-invariant runs (runtime/invariance.py): K splits fixed by the weight's shape and the partials
@@ -56,9 +56,11 @@ SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
 # the folded decode (EXL3TOOLS_DENSE_FOLD) only where the output pass it saves outweighs its extra
 # decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
 FOLD_MIN_OUT = 12_000_000
-# both passes folded (EXL3TOOLS_DENSE_FOLD_IN) from this many rows: the decode takes ~27 µs longer a
-# 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
-# at 2048 rows at every bench shape (2-21 % under decode + GEMM + had_out) but not at 256 (0-12 % over)
+# both passes folded (EXL3TOOLS_DENSE_FOLD_IN, the default) from this many rows (the weights of
+# WGR_MIN_WEIGHTS or more take the wgr route up to WGR_MAX_ROWS first): the decode takes ~27 µs longer
+# a 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
+# at 1024 and 2048 rows at every bench shape (1-30 % under decode + GEMM + had_out) but not at 256
+# (0-12 % over)
 FOLD2_MIN_ROWS = 1024
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
@@ -482,8 +484,8 @@ class CudaLinear:
         self.bias_tab = _ptrs(None if self.bias is None else [self.bias], self.device)
         from exl3tools.runtime import invariance, preview
 
-        # rows > SMALL_ROWS: the output pass folded into Ŵ (fold), both passes (fold_in; fp16 x);
-        # None: their preview switches, read per call (a prefill A/B switches them in one process)
+        # rows > SMALL_ROWS: the output pass folded into Ŵ (fold), both passes (fold_in; fp16 x, the default);
+        # None: their switches, read per call (a prefill A/B switches them in one process)
         self.fold: bool | None = None
         self.fold_in: bool | None = None
         self.invariant = invariance.on()

@@ -27,14 +27,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # (hence the threshold); at 256 rows 2-10 us slower everywhere (decode_fold 71 us against
     # decode's 59); a whole 2048-token forward unchanged (air6 47.6 vs 48.0 ms): it stays a preview
     "dense_fold": "EXL3TOOLS_DENSE_FOLD",
-    # linears of cuda_exl3.FOLD2_MIN_ROWS rows or more with fp16 activations: both passes folded
-    # (kernels/cuda_dense.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole
-    # weight, rounded to fp16 once), so that x itself goes into cuBLAS, no had_in and no had_out.
-    # H100 2026-12-06 (bench/gpu_bench.py, K 3, 2048 rows, µs, against decode + GEMM + had_out):
-    # 14336 -> 4096 432.9 vs 464.9, 6144 -> 2048 94.5 vs 119.2, 2048 -> 6144 99.5 vs 126.0, 4096
-    # -> 14336 443.5 vs 470.3, 8192 -> 8192 506.3 vs 515.6; at 256 rows 0-12 % slower (its decode
-    # 98 µs against 71 at 4096 x 14336); tests/gpu passed with it on
-    "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
     # the decode of Ŵ for linears of more than 64 rows (kernels/cuda_dense.decode_t) on
     # exl3_decode_t_coop where the n-tiles come in fours: a warp loads its quad of tiles once in
     # 16-byte pieces (the next quad's while it decodes this one) and hands each lane its words
@@ -97,6 +89,21 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
+    # linears of more than cuda_exl3.WGR_MAX_ROWS rows (and those under WGR_MIN_WEIGHTS from
+    # cuda_exl3.FOLD2_MIN_ROWS rows) with fp16 activations: both passes folded
+    # (kernels/cuda_dense.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole
+    # weight, rounded to fp16 once), so that x itself goes into cuBLAS, no had_in and no had_out,
+    # instead of had_in + decode + GEMM + had_out. H100 2026-12-06 (bench/gpu_bench.py, K 3, 2048
+    # rows, µs): 14336 -> 4096 432.9 vs 464.9, 6144 -> 2048 94.5 vs 119.2, 2048 -> 6144 99.5 vs
+    # 126.0, 4096 -> 14336 443.5 vs 470.3, 8192 -> 8192 506.3 vs 515.6; at 256 rows 0-12 % slower
+    # (its decode 98 µs against 71 at 4096 x 14336: hence the rows). H100, 2026-12-06 19:15
+    # (bench/gpu_gemm_ab.py, interleaved, x fp16 cuBLAS, 2048 rows): 1.21-1.26x against decode +
+    # GEMM + had_out's 1.26-1.30x at five shapes of 50-117 M weights, 1.31-1.36x against 1.73-1.86x
+    # at air6's small ones (4096 -> 1024 38.0 vs 54.3 µs); at 1024 rows under WGR_MIN_WEIGHTS
+    # 1.46-1.57x against 1.75-1.92x. tests/gpu passed with it the default (1200); served (air6, the
+    # openai client, four servers alternating) a 2048-token prompt's prefill step 37.8 / 36.9 ms
+    # (the median of 5) against 52.6 / 44.9, decode unchanged
+    "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
     # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
     # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
     # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a
