@@ -52,15 +52,16 @@ from exl3tools.kernels.cuda_launch import (
 
 from exl3tools.errors import UsageError
 
-SMALL_ROWS = 64              # above this: decode Ŵ + cuBLAS
+SMALL_ROWS = 64              # above this: the wgr route, or a decoded weight + cuBLAS (module doc)
 # the folded decode (EXL3TOOLS_DENSE_FOLD) only where the output pass it saves outweighs its extra
 # decode cost (~12 µs at 4096 x 14336 on the H200): rows x n at least this (2048 x 6144 ≈ 12.6M)
 FOLD_MIN_OUT = 12_000_000
 # both passes folded (EXL3TOOLS_DENSE_FOLD_IN, the default) from this many rows (the weights of
 # WGR_MIN_WEIGHTS or more take the wgr route up to WGR_MAX_ROWS first): the decode takes ~27 µs longer
 # a 4096 x 14336 weight (98 against 71 on the H100), which the input and output passes it saves repay
-# at 1024 and 2048 rows at every bench shape (1-30 % under decode + GEMM + had_out) but not at 256
-# (0-12 % over)
+# at 2048 rows at every bench shape (1-30 % under decode + GEMM + had_out) and at 1024 rows under
+# WGR_MIN_WEIGHTS (15-22 %), but not at 1024 rows of the large shapes (2-5 % over: the wgr route takes
+# those; between 1024 and 2048 rows they cross over, not measured) nor at 256 (0-12 % over)
 FOLD2_MIN_ROWS = 1024
 # batch-invariant calls: K split every >= this many k-tiles (512 k), a multiple of PIPE; the one-row
 # one-wave split count otherwise, which at many slots (tiles of a prompt's MoE) would add 32 int64
