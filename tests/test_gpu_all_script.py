@@ -153,9 +153,9 @@ def _run_tests(tmp_path, calls: str) -> list[str]:
 def test_each_test_run_builds_its_own_cubins_first(tmp_path):
     """The tests stage (run_tests): an entry's cubins (its build defines in its environment) are
     built once before its pytest starts, not by every worker at once."""
-    calls = _run_tests(tmp_path, "run_tests _0 EXL3TOOLS_GEMV_DEFINES=-DWGR_FIX_LAST=1")
+    calls = _run_tests(tmp_path, "run_tests _0 EXL3TOOLS_GEMV_DEFINES=-DXDUP_SMEM=1")
     assert [c.split()[:2] for c in calls] == [["-m", "exl3tools.kernels.cuda_build"], ["-m", "pytest"]], calls
-    assert all(c.endswith("defs=[-DWGR_FIX_LAST=1] p=[]") for c in calls), calls
+    assert all(c.endswith("defs=[-DXDUP_SMEM=1] p=[]") for c in calls), calls
 
 
 def test_a_test_entry_with_paths_runs_only_those_files(tmp_path):
