@@ -733,6 +733,8 @@ __device__ __forceinline__ void decode_coop_body(const uint32_t* __restrict__ tr
 // nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr). fold_n is one such warp's
 // part, left in f in fp32 with svh / sqrt(128) applied: f[u][q][p] [tile u][b index q][half p] is
 // column 16 u + 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p of k-tile i (decode_fold2 goes on from it).
+// LANES false (decode_fold2b): only the decode and the in-register stages, n bits 3..6, no svh.
+template <bool LANES = true>
 __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restrict__ tr, const half* __restrict__ svh,
                                        int i, int j0, int ld, int off, const int (&widx)[NL], float (&f)[8][4][2]) {
     const int lane = threadIdx.x & 31;
@@ -780,6 +782,7 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
                     f[u + s][q][p] = a - c;
                 }
         }
+    if constexpr (!LANES) return;
     // n bits 0..2: g, across lanes
 #pragma unroll
     for (int m = 4; m < 32; m <<= 1) {
@@ -958,6 +961,143 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
 #pragma unroll
         for (int q = 0; q < 4; q++) v[q] *= sv[q];
         store4(dst + (size_t)c * k, v);
+    }
+}
+// decode_fold2's result with 3 warp-shuffle stages a value where decode_fold2 has 8
+// (exl3_decode_fold2b). decode_fold2 sends each value through the shuffle unit 8 times and shared
+// memory twice (~0.31 of an SM's shuffle / shared-memory clock a weight: ~75 µs of its 98 at 4096 x
+// 14336 on the H100, if that unit is what bounds it). Here: the decode's 64 values a lane take the
+// six stages its registers hold (n bits 3..6 and k bits 0 and 3); shared memory, then each thread
+// holds 8 contiguous rows (k bits 0..2) x k bit 6 x n bits 0, 1 (64 values): k bits 1, 2, 6 and n
+// bits 0, 1 in registers, k bits 4, 5 and n bit 2 across lanes (xor 2, 8, 4). Its lanes are k bits
+// 3, 4, n 2, k 5, n 3 (bits 0..4), its warp n bits 4..6, so a 16-byte store a lane writes 4 whole
+// 128-byte lines of wt per instruction. Element (n, k) lives at n F2B_LD + f2b_k(k): the row's k
+// bits in the order 0, 1, 3, 4, 2, 5, 6, with which both passes are free of bank conflicts (the
+// float2 stores' half-warps and the float4 loads' quarter-warps; tests/test_cuda_fold2b_mirror.py
+// checks both and the result on the CPU).
+constexpr int F2B_LD = 132;   // floats a column (cuda_dense.FOLD2B_SMEM = 128 x F2B_LD x 4 bytes)
+__host__ __device__ __forceinline__ int f2b_k(int k) {
+    return (k & 3) | ((k >> 1) & 12) | ((k & 4) << 2) | (k & 0x60);
+}
+__device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
+                                                   const half* __restrict__ suh, const half* __restrict__ svh,
+                                                   int kt, int nt, int ld) {
+    extern __shared__ __align__(16) float fs[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nb = nt >> 3;
+    const int kb = blockIdx.x / nb, j0 = (blockIdx.x % nb) * 8;
+    {
+        const int g = lane >> 2, t = lane & 3;
+        int off, widx[NL];
+        lane_words(lane, off, widx);
+        const Consts kc;
+        float f[8][4][2];
+        fold_n<false>(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
+        // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 16 warp + 2 t + 8 (q & 1) + p; k bit 0 (p),
+        // then k bit 3 (q & 1)
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+#pragma unroll
+            for (int h = 0; h < 4; h += 2) {
+                const float s0 = f[u][h][0] + f[u][h][1], d0 = f[u][h][0] - f[u][h][1];
+                const float s1 = f[u][h + 1][0] + f[u][h + 1][1], d1 = f[u][h + 1][0] - f[u][h + 1][1];
+                f[u][h][0] = s0 + s1;
+                f[u][h][1] = d0 + d1;
+                f[u][h + 1][0] = s0 - s1;
+                f[u][h + 1][1] = d0 - d1;
+            }
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                *reinterpret_cast<float2*>(fs + (16 * u + 8 * (q >> 1) + g) * F2B_LD +
+                                           f2b_k(16 * warp + 2 * t + 8 * (q & 1))) = make_float2(f[u][q][0], f[u][q][1]);
+    }
+    __syncthreads();
+    // v[a][h][e]: column nl + a, row kl + 64 h + e
+    const int kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
+    const int nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
+    float v[4][2][8];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float* src = fs + (nl + a) * F2B_LD + f2b_k(kl + 64 * h);
+            const float4 x = *reinterpret_cast<const float4*>(src), y = *reinterpret_cast<const float4*>(src + 16);
+            v[a][h][0] = x.x; v[a][h][1] = x.y; v[a][h][2] = x.z; v[a][h][3] = x.w;
+            v[a][h][4] = y.x; v[a][h][5] = y.y; v[a][h][6] = y.z; v[a][h][7] = y.w;
+        }
+    // k bits 1, 2 (e), 6 (h); n bits 0, 1 (a)
+#pragma unroll
+    for (int s = 2; s < 8; s <<= 1)
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    if (e & s) continue;
+                    const float x = v[a][h][e], y = v[a][h][e + s];
+                    v[a][h][e] = x + y;
+                    v[a][h][e + s] = x - y;
+                }
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float x = v[a][0][e], y = v[a][1][e];
+            v[a][0][e] = x + y;
+            v[a][1][e] = x - y;
+        }
+#pragma unroll
+    for (int s = 1; s < 4; s <<= 1)
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            if (a & s) continue;
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const float x = v[a][h][e], y = v[a + s][h][e];
+                    v[a][h][e] = x + y;
+                    v[a + s][h][e] = x - y;
+                }
+        }
+    // k bit 4 (lane xor 2), n bit 2 (xor 4), k bit 5 (xor 8)
+#pragma unroll
+    for (int m = 2; m < 16; m <<= 1) {
+        const float sg = (lane & m) ? -1.f : 1.f;
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const float o = __shfl_xor_sync(0xffffffffu, v[a][h][e], m);
+                    v[a][h][e] = fmaf(sg, v[a][h][e], o);    // lower lane a + b, upper a - b
+                }
+    }
+    float sv[4];
+    load4(svh + 16 * j0 + nl, sv);
+    const size_t k = (size_t)kt * 16;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float su[2][4];   // rows kl + 64 h + e
+        load4(suh + 128 * kb + kl + 64 * h, su[0]);
+        load4(suh + 128 * kb + kl + 64 * h + 4, su[1]);
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            const float sc = sv[a] * (1.f / 128.f);
+            uint32_t o[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                half2 r = __floats2half2_rn(v[a][h][e] * sc * su[e >> 2][e & 3],
+                                            v[a][h][e + 1] * sc * su[e >> 2][(e & 3) + 1]);
+                o[e >> 1] = *reinterpret_cast<uint32_t*>(&r);
+            }
+            *reinterpret_cast<uint4*>(wt + (size_t)(16 * j0 + nl + a) * k + 128 * kb + kl + 64 * h) =
+                make_uint4(o[0], o[1], o[2], o[3]);
+        }
     }
 }
 // ACT: the input is silu(gate) * up of a gate+up call's output (fused_decode.silu_mul's fp32
@@ -1285,6 +1425,14 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
                                                                      const half* svh, int kt, int nt, int ld) {
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
+}
+// FOLD2B_MINB 3 (three blocks an SM, 80 registers: 24 bytes spilled) or 2 (86 registers, none)
+#ifndef FOLD2B_MINB
+#define FOLD2B_MINB 3
+#endif
+extern "C" __global__ void __launch_bounds__(256, FOLD2B_MINB) exl3_decode_fold2b(const uint32_t* tr, half* wt, const half* suh,
+                                                                      const half* svh, int kt, int nt, int ld) {
+    decode_fold2b_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
 // GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)
