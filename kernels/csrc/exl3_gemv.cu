@@ -782,31 +782,32 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
                     f[u + s][q][p] = a - c;
                 }
         }
-    if constexpr (!LANES) return;
-    // n bits 0..2: g, across lanes
+    if constexpr (LANES) {
+        // n bits 0..2: g, across lanes
 #pragma unroll
-    for (int m = 4; m < 32; m <<= 1) {
-        const float sg = (lane & m) ? -1.f : 1.f;
+        for (int m = 4; m < 32; m <<= 1) {
+            const float sg = (lane & m) ? -1.f : 1.f;
 #pragma unroll
-        for (int u = 0; u < 8; u++)
+            for (int u = 0; u < 8; u++)
 #pragma unroll
-            for (int q = 0; q < 4; q++)
+                for (int q = 0; q < 4; q++)
 #pragma unroll
-                for (int p = 0; p < 2; p++) {
-                    const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
-                    f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
-                }
-    }
-    const half* sv = svh + 16 * j0 + g;
+                    for (int p = 0; p < 2; p++) {
+                        const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
+                        f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
+                    }
+        }
+        const half* sv = svh + 16 * j0 + g;
 #pragma unroll
-    for (int u = 0; u < 8; u++) {
-        const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
-        const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
+        for (int u = 0; u < 8; u++) {
+            const float s0 = __half2float(sv[16 * u]) * 0.08838834764831845f;      // column g
+            const float s1 = __half2float(sv[16 * u + 8]) * 0.08838834764831845f;  // column g + 8
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const float sc = q < 2 ? s0 : s1;
-            f[u][q][0] *= sc;
-            f[u][q][1] *= sc;
+            for (int q = 0; q < 4; q++) {
+                const float sc = q < 2 ? s0 : s1;
+                f[u][q][0] *= sc;
+                f[u][q][1] *= sc;
+            }
         }
     }
 }
@@ -1079,12 +1080,16 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
     }
     float sv[4];
     load4(svh + 16 * j0 + nl, sv);
-    const size_t k = (size_t)kt * 16;
+    // one base pointer and small int offsets from it: the 8 stores. 64-bit addresses held 24 bytes
+    // past 80 registers
+    const int k = kt * 16;
+    half* dst = wt + (size_t)(16 * j0 + nl) * k + 128 * kb + kl;
+    const half* sup = suh + 128 * kb + kl;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         float su[2][4];   // rows kl + 64 h + e
-        load4(suh + 128 * kb + kl + 64 * h, su[0]);
-        load4(suh + 128 * kb + kl + 64 * h + 4, su[1]);
+        load4(sup + 64 * h, su[0]);
+        load4(sup + 64 * h + 4, su[1]);
 #pragma unroll
         for (int a = 0; a < 4; a++) {
             const float sc = sv[a] * (1.f / 128.f);
@@ -1095,8 +1100,7 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
                                             v[a][h][e + 1] * sc * su[e >> 2][(e & 3) + 1]);
                 o[e >> 1] = *reinterpret_cast<uint32_t*>(&r);
             }
-            *reinterpret_cast<uint4*>(wt + (size_t)(16 * j0 + nl + a) * k + 128 * kb + kl + 64 * h) =
-                make_uint4(o[0], o[1], o[2], o[3]);
+            *reinterpret_cast<uint4*>(dst + (a * k + 64 * h)) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
 }
@@ -1426,11 +1430,8 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32
                                                                      const half* svh, int kt, int nt, int ld) {
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
-// FOLD2B_MINB 3 (three blocks an SM, 80 registers: 24 bytes spilled) or 2 (86 registers, none)
-#ifndef FOLD2B_MINB
-#define FOLD2B_MINB 3
-#endif
-extern "C" __global__ void __launch_bounds__(256, FOLD2B_MINB) exl3_decode_fold2b(const uint32_t* tr, half* wt, const half* suh,
+// three blocks an SM (their shared memory's limit too): 80 registers, none spilled
+extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2b(const uint32_t* tr, half* wt, const half* suh,
                                                                       const half* svh, int kt, int nt, int ld) {
     decode_fold2b_body(tr, wt, suh, svh, kt, nt, ld);
 }
