@@ -724,6 +724,17 @@ __device__ __forceinline__ void decode_coop_body(const uint32_t* __restrict__ tr
     }
 }
 
+// One natural-order Hadamard butterfly: (x, y) -> (x + y, x - y); across lanes, with lane ^ m:
+// sg = -1 in the upper lane (fma(sg, v, o): the lower lane's v + o, the upper's o - v, exactly)
+__device__ __forceinline__ void bfly(float& x, float& y) {
+    const float a = x;
+    x = a + y;
+    y = a - y;
+}
+__device__ __forceinline__ void bfly_lanes(float& v, int m, float sg) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, m);
+    v = fmaf(sg, v, o);
+}
 // wt[n, k] = fp16(W'[k, n]), W' = Ŵ · H_n / sqrt(128) ⊙ svh: the output Hadamard pass and svh
 // folded into the decoded weights, so that y = xrot @ W' + bias is one cuBLAS call and no output
 // pass runs (its cost grows with the rows: 56 µs at 2048 x 14336 on the H200). One warp per (k-tile
@@ -763,9 +774,7 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
         for (int q = 0; q < 2; q++)
 #pragma unroll
             for (int p = 0; p < 2; p++) {
-                const float a = f[u][q][p], c = f[u][q + 2][p];
-                f[u][q][p] = a + c;
-                f[u][q + 2][p] = a - c;
+                bfly(f[u][q][p], f[u][q + 2][p]);
             }
     // n bits 4..6: tile u vs u ^ s
 #pragma unroll
@@ -777,9 +786,7 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
             for (int q = 0; q < 4; q++)
 #pragma unroll
                 for (int p = 0; p < 2; p++) {
-                    const float a = f[u][q][p], c = f[u + s][q][p];
-                    f[u][q][p] = a + c;
-                    f[u + s][q][p] = a - c;
+                    bfly(f[u][q][p], f[u + s][q][p]);
                 }
         }
     if constexpr (LANES) {
@@ -793,8 +800,7 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
                 for (int q = 0; q < 4; q++)
 #pragma unroll
                     for (int p = 0; p < 2; p++) {
-                        const float o = __shfl_xor_sync(0xffffffffu, f[u][q][p], m);
-                        f[u][q][p] = fmaf(sg, f[u][q][p], o);    // lower lane a + b, upper a - b
+                        bfly_lanes(f[u][q][p], m, sg);
                     }
         }
         const half* sv = svh + 16 * j0 + g;
@@ -1000,12 +1006,10 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
         for (int u = 0; u < 8; u++)
 #pragma unroll
             for (int h = 0; h < 4; h += 2) {
-                const float s0 = f[u][h][0] + f[u][h][1], d0 = f[u][h][0] - f[u][h][1];
-                const float s1 = f[u][h + 1][0] + f[u][h + 1][1], d1 = f[u][h + 1][0] - f[u][h + 1][1];
-                f[u][h][0] = s0 + s1;
-                f[u][h][1] = d0 + d1;
-                f[u][h + 1][0] = s0 - s1;
-                f[u][h + 1][1] = d0 - d1;
+                bfly(f[u][h][0], f[u][h][1]);
+                bfly(f[u][h + 1][0], f[u][h + 1][1]);
+                bfly(f[u][h][0], f[u][h + 1][0]);
+                bfly(f[u][h][1], f[u][h + 1][1]);
             }
 #pragma unroll
         for (int u = 0; u < 8; u++)
@@ -1038,18 +1042,12 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
                     if (e & s) continue;
-                    const float x = v[a][h][e], y = v[a][h][e + s];
-                    v[a][h][e] = x + y;
-                    v[a][h][e + s] = x - y;
+                    bfly(v[a][h][e], v[a][h][e + s]);
                 }
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            const float x = v[a][0][e], y = v[a][1][e];
-            v[a][0][e] = x + y;
-            v[a][1][e] = x - y;
-        }
+        for (int e = 0; e < 8; e++) bfly(v[a][0][e], v[a][1][e]);
 #pragma unroll
     for (int s = 1; s < 4; s <<= 1)
 #pragma unroll
@@ -1058,11 +1056,7 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    const float x = v[a][h][e], y = v[a + s][h][e];
-                    v[a][h][e] = x + y;
-                    v[a + s][h][e] = x - y;
-                }
+                for (int e = 0; e < 8; e++) bfly(v[a][h][e], v[a + s][h][e]);
         }
     // k bit 4 (lane xor 2), n bit 2 (xor 4), k bit 5 (xor 8)
 #pragma unroll
@@ -1073,10 +1067,7 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    const float o = __shfl_xor_sync(0xffffffffu, v[a][h][e], m);
-                    v[a][h][e] = fmaf(sg, v[a][h][e], o);    // lower lane a + b, upper a - b
-                }
+                for (int e = 0; e < 8; e++) bfly_lanes(v[a][h][e], m, sg);
     }
     float sv[4];
     load4(svh + 16 * j0 + nl, sv);
