@@ -16,18 +16,20 @@ import pytest
 from tests.conftest import REPO
 
 SRC = (REPO / "kernels" / "csrc" / "exl3_gemv.cu").read_text()
+BODY = SRC[SRC.index("void decode_fold2b_body("):]
+BODY = BODY[:BODY.index("\n}\n")]                        # the kernel's body alone
 
 
-def _source_expr(pattern: str) -> str:
-    m = re.search(pattern, SRC)
+def _source_expr(pattern: str, text: str = SRC) -> str:
+    m = re.search(pattern, text)
     assert m, f"exl3_gemv.cu no longer has {pattern!r}: update the mirror with the kernel"
     return m.group(1)
 
 
 LD = int(_source_expr(r"constexpr int F2B_LD = (\d+);"))
 F2B_K = _source_expr(r"int f2b_k\(int k\) \{\s*return (.+?);\s*\}")
-KL = _source_expr(r"const int kl = (.+?);\n")          # decode_fold2b_body's second pass: the lane's rows
-NL = _source_expr(r"const int nl = (.+?);\n")          # and columns
+KL = _source_expr(r"const int kl = (.+?);\n", BODY)    # the second pass: the lane's rows
+NL = _source_expr(r"const int nl = (.+?);\n", BODY)    # and columns
 
 
 def f2b_k(k):
