@@ -125,10 +125,7 @@ def large_parts(lin, x):
     out = {"cuda_had_in_us": bench(lambda: cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)),
            "cuda_decode_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis)),
            "cuda_decode_fold_us": bench(lambda: cd.decode_fold(lin.mod, lin.trellis, lin.svh)),
-           "cuda_decode_fold2_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh,
-                                                                 kernel="exl3_decode_fold2")),
-           "cuda_decode_fold2b_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh,
-                                                                  kernel="exl3_decode_fold2b")),
+           "cuda_decode_fold2_us": bench(lambda: cd.decode_fold2(lin.mod, lin.trellis, lin.suh, lin.svh)),
            "cuda_decode_coop_us": bench(lambda: cd.decode_t(lin.mod, lin.trellis, kernel="exl3_decode_t_coop")),
            "write_us": bench(lambda: wt.fill_(1.0)),
            "cuda_mm_us": bench(lambda: torch.mm(xrot, wt.t())),
@@ -163,9 +160,6 @@ def large_parts(lin, x):
         out[f"cuda_{tag}_us"] = bench(lambda: lin(x))
         if fold_in:                      # the input pass folded too: x itself into cuBLAS
             out["cuda_fold2_err"] = float((lin(x).float() - ref).norm() / ref.norm())
-            with mock.patch.dict(os.environ, {"EXL3TOOLS_DENSE_FOLD2B": "1"}):     # on exl3_decode_fold2b
-                out["cuda_fold2b_us"] = bench(lambda: lin(x))
-                out["cuda_fold2b_err"] = float((lin(x).float() - ref).norm() / ref.norm())
         else:                            # the same path with the 1-D Hadamard passes (read per call)
             with mock.patch.dict(os.environ, {"EXL3TOOLS_HAD_GRID": "0"}):
                 out[f"cuda_{tag}_hadflat_us"] = bench(lambda: lin(x))
@@ -287,10 +281,10 @@ def print_large(results):
     rows = [r for r in results if "cuda_fold_us" in r]
     if not rows:
         return
-    cols = ("had_in", "decode", "decode_fold", "decode_fold2", "decode_fold2b", "mm", "had_out")
-    hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>13}" for c in cols)
-           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'folded2':>8} {'folded2b':>8} {'fp16':>8} {'fp16 nk':>8} | "
-           f"{'unf/fp16':>8} {'fold/fp16':>9} {'fold2/fp16':>10} {'fold2b/fp16':>11} {'fold2 err':>9} {'fold2b err':>10}")
+    cols = ("had_in", "decode", "decode_fold", "decode_fold2", "mm", "had_out")
+    hdr = (f"{'in->out':>12} {'K':>3} {'rows':>5} | " + " ".join(f"{c:>12}" for c in cols)
+           + f" {'write':>7} | {'unfolded':>8} {'folded':>8} {'folded2':>8} {'fp16':>8} {'fp16 nk':>8} | "
+           f"{'unf/fp16':>8} {'fold/fp16':>9} {'fold2/fp16':>10} {'fold2 err':>9}")
     print("\nrows > 64, launch by launch (write: a fill of the decoded bytes, the store floor; folded: the output "
           "pass in the decoded weights; folded2: both passes, x itself into cuBLAS; fp16: cuBLAS on W (k, n), "
           "fp16 nk: F.linear on W (n, k), as a checkpoint stores it)")
@@ -303,12 +297,11 @@ def print_large(results):
         f = r.get("fp16_us")
         rat = lambda p, f=f: f"{p / f:8.2f}" if f else f"{'-':>8}"   # noqa: E731
         print(f"{r['k']:>5}->{r['n']:<6} {r['K']:>3} {r['rows']:>5} | "
-              + " ".join(f"{r[f'cuda_{c}_us']:13.1f}" for c in cols)
+              + " ".join(f"{r[f'cuda_{c}_us']:12.1f}" for c in cols)
               + f" {r['write_us']:7.1f} | {r['cuda_nofold_us']:8.1f} {r['cuda_fold_us']:8.1f} {r['cuda_fold2_us']:8.1f} "
-              + f"{r['cuda_fold2b_us']:8.1f} "
               + (f"{f:8.1f}" if f else f"{'-':>8}") + (f" {r['fp16_nk_us']:8.1f}" if "fp16_nk_us" in r else f" {'-':>8}")
               + f" | {rat(r['cuda_nofold_us'])} {rat(r['cuda_fold_us']):>9} {rat(r['cuda_fold2_us']):>10}"
-              + f" {rat(r['cuda_fold2b_us']):>11} {r['cuda_fold2_err']:9.1e} {r['cuda_fold2b_err']:10.1e}")
+              + f" {r['cuda_fold2_err']:9.1e}")
     had = [r for r in rows if "cuda_had_in_flat_us" in r]
     if had:
         print("\nrows > 64, the Hadamard passes on their 1-D grid (EXL3TOOLS_HAD_GRID=0) -> the _grid kernels (the "

@@ -21,8 +21,7 @@ from exl3tools.kernels.cuda_driver import Module
 from exl3tools.errors import UsageError
 
 DENSE_CHUNK_BYTES = 256 * 2**20   # the most fp16 Ŵ decoded at once (dense_mm)
-FOLD2_SMEM = 128 * 136 * 4   # decode_fold2's dynamic shared memory a block: 128 columns x F2_LD floats
-FOLD2B_SMEM = 128 * 132 * 4  # exl3_decode_fold2b's: 128 columns x F2B_LD floats
+FOLD2_SMEM = 128 * 132 * 4   # decode_fold2's dynamic shared memory a block: 128 columns x F2_LD floats
 
 
 @functools.cache
@@ -76,25 +75,19 @@ def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int =
 
 
 def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, j0: int = 0,
-                 j1: int | None = None, out: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
+                 j1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Wᵀ (n, k) fp16 with W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the linear's whole weight
     (both Hadamard passes folded in; float32 inside, rounded once), so that x @ W + bias is the
     linear of x itself; of n-tiles j0..j1 where given (whole 128-column blocks), ``out`` as in
-    decode_t. ``suh``: all k entries. ``kernel``: exl3_decode_fold2 (8 warp-shuffle stages a value;
-    the default) or exl3_decode_fold2b (3; the default with the EXL3TOOLS_DENSE_FOLD2B preview,
-    read per call)."""
+    decode_t. ``suh``: all k entries."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     if nt % 8 or j0 % 8 or kt % 8:
         raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    if kernel is None:
-        from exl3tools.runtime import preview  # torch-free; read per call so an A/B can switch it
-
-        kernel = "exl3_decode_fold2b" if preview.switched_on("dense_fold2b") else "exl3_decode_fold2"
-    smem = FOLD2B_SMEM if kernel == "exl3_decode_fold2b" else FOLD2_SMEM
-    mod.launch(kernel, (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld, smem=smem)
+    mod.launch("exl3_decode_fold2", (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld,
+               smem=FOLD2_SMEM)
     return wt
 
 

@@ -84,15 +84,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
-    # the doubly folded path's decode (kernels/cuda_dense.decode_fold2, the default at 1024+ rows)
-    # on exl3_decode_fold2b: 3 warp-shuffle stages a value where exl3_decode_fold2 has 8 (k bits 0
-    # and 3 in the decode's registers, then 8 contiguous rows x 2 x 4 columns a thread after shared
-    # memory), bank-conflict free, 4 whole 128-byte lines a store instruction. exl3_decode_fold2
-    # takes 98 µs at 4096 x 14336 against decode_t's 59-70 (H100 / H200), and its ~0.31 shuffle /
-    # shared-memory clocks a weight would be ~75 of them. Its CPU mirror
-    # (tests/test_cuda_fold2b_mirror.py) checks the result, the banks and the store lines; not yet
-    # run on a GPU
-    "dense_fold2b": "EXL3TOOLS_DENSE_FOLD2B",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

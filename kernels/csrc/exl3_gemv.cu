@@ -744,7 +744,7 @@ __device__ __forceinline__ void bfly_lanes(float& v, int m, float sg) {
 // nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr). fold_n is one such warp's
 // part, left in f in fp32 with svh / sqrt(128) applied: f[u][q][p] [tile u][b index q][half p] is
 // column 16 u + 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p of k-tile i (decode_fold2 goes on from it).
-// LANES false (decode_fold2b): only the decode and the in-register stages, n bits 3..6, no svh.
+// LANES false (decode_fold2): only the decode and the in-register stages, n bits 3..6, no svh.
 template <bool LANES = true>
 __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restrict__ tr, const half* __restrict__ svh,
                                        int i, int j0, int ld, int off, const int (&widx)[NL], float (&f)[8][4][2]) {
@@ -926,67 +926,23 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 // Hadamard passes and both sign vectors folded in: exl3-format.md §5.7, the reference decoder's final
 // W), so that y = x @ W + bias is one cuBLAS call on the raw activations, with neither had_in (61 µs
 // at 2048 x 14336 on the H100) nor had_out. One block of 8 warps per (128-row block kb of k, 128-column
-// block jb of n): warp w runs decode_fold's n pass on k-tile 8 kb + w and puts its 16 x 128 values,
-// fp32, in shared memory (a row per column n, F2_LD floats: the float2 stores take two wavefronts);
-// after the barrier each warp takes 16 columns, transforms each along k (fwht128: lane L holds k 4L ..
-// 4L + 3), scales by suh / sqrt(128) and stores 4 fp16 a lane, 256 contiguous bytes of a wt row.
-// Rounded once. nt: a multiple of 8; svh: of these columns (n-tile 0 of tr); suh: the whole k.
-constexpr int F2_LD = 136;   // the launch's dynamic shared memory: 128 x F2_LD floats (cuda_exl3.FOLD2_SMEM)
-__device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
-                                                  const half* __restrict__ suh, const half* __restrict__ svh,
-                                                  int kt, int nt, int ld) {
-    extern __shared__ __align__(16) float fs[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    int off, widx[NL];
-    lane_words(lane, off, widx);
-    const int nb = nt >> 3;
-    const int kb = blockIdx.x / nb, j0 = (blockIdx.x % nb) * 8;
-    const Consts kc;
-    float f[8][4][2];
-    fold_n(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
-    // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 2 t + 8 (q & 1) + p of the warp's k-tile
-#pragma unroll
-    for (int u = 0; u < 8; u++)
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-            *reinterpret_cast<float2*>(fs + (16 * u + 8 * (q >> 1) + g) * F2_LD + 16 * warp + 2 * t + 8 * (q & 1)) =
-                make_float2(f[u][q][0], f[u][q][1]);
-    __syncthreads();
-    float sv[4];
-    load4(suh + 128 * kb + 4 * lane, sv);
-#pragma unroll
-    for (int q = 0; q < 4; q++) sv[q] *= 0.08838834764831845f;   // 1/sqrt(128)
-    const size_t k = (size_t)kt * 16;
-    half* dst = wt + (size_t)(16 * j0 + 16 * warp) * k + 128 * kb + 4 * lane;
-#pragma unroll 4
-    for (int c = 0; c < 16; c++) {
-        float v[4];
-        const float4 a = *reinterpret_cast<const float4*>(fs + (16 * warp + c) * F2_LD + 4 * lane);
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-        fwht128(v);
-#pragma unroll
-        for (int q = 0; q < 4; q++) v[q] *= sv[q];
-        store4(dst + (size_t)c * k, v);
-    }
-}
-// decode_fold2's result with 3 warp-shuffle stages a value where decode_fold2 has 8
-// (exl3_decode_fold2b). decode_fold2 sends each value through the shuffle unit 8 times and shared
-// memory twice (~0.31 of an SM's shuffle / shared-memory clock a weight: ~75 µs of its 98 at 4096 x
-// 14336 on the H100, if that unit is what bounds it). Here: the decode's 64 values a lane take the
-// six stages its registers hold (n bits 3..6 and k bits 0 and 3); shared memory, then each thread
-// holds 8 contiguous rows (k bits 0..2) x k bit 6 x n bits 0, 1 (64 values): k bits 1, 2, 6 and n
-// bits 0, 1 in registers, k bits 4, 5 and n bit 2 across lanes (xor 2, 8, 4). Its lanes are k bits
-// 3, 4, n 2, k 5, n 3 (bits 0..4), its warp n bits 4..6, so a 16-byte store a lane writes 4 whole
-// 128-byte lines of wt per instruction. Element (n, k) lives at n F2B_LD + f2b_k(k): the row's k
-// bits in the order 0, 1, 3, 4, 2, 5, 6, with which both passes are free of bank conflicts (the
-// float2 stores' half-warps and the float4 loads' quarter-warps; tests/test_cuda_fold2b_mirror.py
-// checks both and the result on the CPU).
-constexpr int F2B_LD = 132;   // floats a column (cuda_dense.FOLD2B_SMEM = 128 x F2B_LD x 4 bytes)
-__host__ __device__ __forceinline__ int f2b_k(int k) {
+// block jb of n); warp w decodes k-tile 8 kb + w. Each value goes through the shuffle / shared-memory
+// unit 5 times (3 warp-shuffle stages, one store, one load; 10 in the first version, which that unit
+// bounded: 118 -> 88 µs under ncu at 4096 x 14336, H100, the 2026-12-06 23:08 session): the decode's
+// 64 values a lane take the six stages its registers hold (n bits 3..6 and k bits 0 and 3); shared
+// memory, then each thread holds 8 contiguous rows (k bits 0..2) x k bit 6 x n bits 0, 1 (64 values):
+// k bits 1, 2, 6 and n bits 0, 1 in registers, k bits 4, 5 and n bit 2 across lanes (xor 2, 8, 4).
+// Its lanes are k bits 3, 4, n 2, k 5, n 3 (bits 0..4), its warp n bits 4..6, so a 16-byte store a
+// lane writes 4 whole 128-byte lines of wt per instruction. Element (n, k) lives at n F2_LD + f2_k(k):
+// the row's k bits in the order 0, 1, 3, 4, 2, 5, 6, with which both passes are free of bank
+// conflicts (the float2 stores' half-warps and the float4 loads' quarter-warps;
+// tests/test_cuda_fold2_mirror.py checks both and the result on the CPU). Rounded once. nt: a
+// multiple of 8; svh: of these columns (n-tile 0 of tr); suh: the whole k.
+constexpr int F2_LD = 132;   // floats a column (cuda_dense.FOLD2_SMEM = 128 x F2_LD x 4 bytes)
+__host__ __device__ __forceinline__ int f2_k(int k) {
     return (k & 3) | ((k >> 1) & 12) | ((k & 4) << 2) | (k & 0x60);
 }
-__device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
+__device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
                                                    const half* __restrict__ suh, const half* __restrict__ svh,
                                                    int kt, int nt, int ld) {
     extern __shared__ __align__(16) float fs[];
@@ -1015,8 +971,8 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
         for (int u = 0; u < 8; u++)
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                *reinterpret_cast<float2*>(fs + (16 * u + 8 * (q >> 1) + g) * F2B_LD +
-                                           f2b_k(16 * warp + 2 * t + 8 * (q & 1))) = make_float2(f[u][q][0], f[u][q][1]);
+                *reinterpret_cast<float2*>(fs + (16 * u + 8 * (q >> 1) + g) * F2_LD +
+                                           f2_k(16 * warp + 2 * t + 8 * (q & 1))) = make_float2(f[u][q][0], f[u][q][1]);
     }
     __syncthreads();
     // v[a][h][e]: column nl + a, row kl + 64 h + e
@@ -1027,7 +983,7 @@ __device__ __forceinline__ void decode_fold2b_body(const uint32_t* __restrict__ 
     for (int a = 0; a < 4; a++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const float* src = fs + (nl + a) * F2B_LD + f2b_k(kl + 64 * h);
+            const float* src = fs + (nl + a) * F2_LD + f2_k(kl + 64 * h);
             const float4 x = *reinterpret_cast<const float4*>(src), y = *reinterpret_cast<const float4*>(src + 16);
             v[a][h][0] = x.x; v[a][h][1] = x.y; v[a][h][2] = x.z; v[a][h][3] = x.w;
             v[a][h][4] = y.x; v[a][h][5] = y.y; v[a][h][6] = y.z; v[a][h][7] = y.w;
@@ -1417,14 +1373,10 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
                                                                     int kt, int nt, int ld) {
     decode_fold_body(tr, wt, svh, kt, nt, ld);
 }
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
+// three blocks an SM (their shared memory's limit too): 80 registers, none spilled
+extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
                                                                      const half* svh, int kt, int nt, int ld) {
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
-}
-// three blocks an SM (their shared memory's limit too): 80 registers, none spilled
-extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2b(const uint32_t* tr, half* wt, const half* suh,
-                                                                      const half* svh, int kt, int nt, int ld) {
-    decode_fold2b_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
 // GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)

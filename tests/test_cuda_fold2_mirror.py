@@ -1,4 +1,4 @@
-"""A CPU mirror of exl3_decode_fold2b (kernels/csrc/exl3_gemv.cu, decode_fold2b_body): the same lanes,
+"""A CPU mirror of exl3_decode_fold2 (kernels/csrc/exl3_gemv.cu, decode_fold2_body): the same lanes,
 the same shared-memory addresses, the same butterflies and warp shuffles, in numpy. It checks what a
 GPU run cannot show by itself: that the kernel computes diag(suh) · H · Ŵ · H · diag(svh) / 128 for a
 128 x 128 block, that the second pass reads exactly what the first wrote, that no shared-memory
@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO
 
 SRC = (REPO / "kernels" / "csrc" / "exl3_gemv.cu").read_text()
-BODY = SRC[SRC.index("void decode_fold2b_body("):]
+BODY = SRC[SRC.index("void decode_fold2_body("):]
 BODY = BODY[:BODY.index("\n}\n")]                        # the kernel's body alone
 
 
@@ -26,18 +26,18 @@ def _source_expr(pattern: str, text: str = SRC) -> str:
     return m.group(1)
 
 
-LD = int(_source_expr(r"constexpr int F2B_LD = (\d+);"))
-F2B_K = _source_expr(r"int f2b_k\(int k\) \{\s*return (.+?);\s*\}")
+LD = int(_source_expr(r"constexpr int F2_LD = (\d+);"))
+F2_K = _source_expr(r"int f2_k\(int k\) \{\s*return (.+?);\s*\}")
 KL = _source_expr(r"const int kl = (.+?);\n", BODY)    # the second pass: the lane's rows
 NL = _source_expr(r"const int nl = (.+?);\n", BODY)    # and columns
 
 
-def f2b_k(k):
-    return eval(F2B_K, {}, {"k": k})   # C integer arithmetic that is also Python's
+def f2_k(k):
+    return eval(F2_K, {}, {"k": k})   # C integer arithmetic that is also Python's
 
 
 def addr(n, k):
-    return n * LD + f2b_k(k)
+    return n * LD + f2_k(k)
 
 
 def hadamard(m=128):
@@ -89,7 +89,7 @@ def run_mirror(w_hat, suh, svh):
                 words = []
                 for lane in range(32):
                     g, t = lane >> 2, lane & 3
-                    a = (16 * u + 8 * (q >> 1) + g) * LD + f2b_k(16 * warp + 2 * t + 8 * (q & 1))
+                    a = (16 * u + 8 * (q >> 1) + g) * LD + f2_k(16 * warp + 2 * t + 8 * (q & 1))
                     assert a % 2 == 0                                   # float2 aligned
                     assert np.isnan(smem[a]) and np.isnan(smem[a + 1])
                     smem[a], smem[a + 1] = f[lane, u, q]
@@ -105,7 +105,7 @@ def run_mirror(w_hat, suh, svh):
                     words = []
                     for lane in range(32):
                         kl, nl = eval(KL, {}, {"lane": lane}), eval(NL, {}, {"lane": lane, "warp": warp})
-                        w0 = (nl + a) * LD + f2b_k(kl + 64 * h) + 16 * half
+                        w0 = (nl + a) * LD + f2_k(kl + 64 * h) + 16 * half
                         assert w0 % 4 == 0                              # float4 aligned
                         for e in range(4):
                             assert w0 + e == addr(nl + a, kl + 64 * h + 4 * half + e)
@@ -144,7 +144,7 @@ def run_mirror(w_hat, suh, svh):
     return w, worst, lines_ok
 
 
-def test_fold2b_computes_the_whole_weight_without_bank_conflicts():
+def test_fold2_computes_the_whole_weight_without_bank_conflicts():
     rng = np.random.default_rng(0)
     w_hat = rng.normal(size=(128, 128))
     suh, svh = rng.choice([-1.0, 1.0], 128) * rng.uniform(0.5, 1.5, 128), rng.normal(size=128)
@@ -160,7 +160,7 @@ def test_the_mirror_sees_a_wrong_layout(monkeypatch):
     """With k bits 3, 4 and 5, 6 trading places in a column's row (the second pass's float4 loads
     still contiguous) the loads conflict, and with a lane's k bits 3 and 4 swapped the result is
     wrong: both checks above can fail."""
-    monkeypatch.setattr(sys.modules[__name__], "F2B_K", "(k & 3) | ((k >> 3) & 12) | ((k & 4) << 2) | ((k << 2) & 0x60)")
+    monkeypatch.setattr(sys.modules[__name__], "F2_K", "(k & 3) | ((k >> 3) & 12) | ((k & 4) << 2) | ((k << 2) & 0x60)")
     _, worst, _ = run_mirror(np.zeros((128, 128)), np.ones(128), np.ones(128))
     assert worst > 1
     monkeypatch.undo()
@@ -176,4 +176,4 @@ def test_the_mirror_sees_a_wrong_layout(monkeypatch):
 def test_the_launch_gives_the_kernel_its_shared_memory():
     from exl3tools.kernels import cuda_dense as cd
 
-    assert cd.FOLD2B_SMEM == 128 * LD * 4
+    assert cd.FOLD2_SMEM == 128 * LD * 4
