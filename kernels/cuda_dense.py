@@ -86,7 +86,7 @@ def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: tor
     if nt % 8 or j0 % 8 or kt % 8:
         raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    mod.launch("exl3_decode_fold2", (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld,
+    mod.launch("exl3_decode_fold2", (nt // 8, kt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld,
                smem=FOLD2_SMEM)
     return wt
 
