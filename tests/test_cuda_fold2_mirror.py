@@ -1,10 +1,10 @@
-"""A CPU mirror of exl3_decode_fold2 (kernels/csrc/exl3_gemv.cu, decode_fold2_body): the same lanes, the
-same shared-memory addresses, the same MMA fragments (k16_mma, as PTX lays out m16n8k16), butterflies
-and warp shuffles, in numpy. It checks what a GPU run cannot show by itself: that the kernel computes
-diag(suh) · H · Ŵ · H · diag(svh) / 128 for a 128 x 128 block, that the second pass reads exactly what
-the first wrote, that no shared-memory access has a bank conflict, and that every 16-byte store
-instruction writes whole 128-byte lines. The layout constants and index expressions are read from the
-source, so the mirror follows an edit."""
+"""A CPU mirror of exl3_decode_fold2 and exl3_decode_fold2_mma (kernels/csrc/exl3_gemv.cu,
+decode_fold2_body<K16>): the same lanes, the same shared-memory addresses, the same MMA fragments
+(k16_mma, as PTX lays out m16n8k16), butterflies and warp shuffles, in numpy. It checks what a GPU run
+cannot show by itself: that the kernel computes diag(suh) · H · Ŵ · H · diag(svh) / 128 for a 128 x 128
+block, that the second pass reads exactly what the first wrote, that no shared-memory access has a bank
+conflict, and that every 16-byte store instruction writes whole 128-byte lines. The layout constants and
+index expressions are read from the source, so the mirror follows an edit."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def _source_expr(pattern: str, text: str = SRC) -> str:
 
 LD = int(_source_expr(r"constexpr int F2_LD = (\d+);"))
 F2_K = _source_expr(r"int f2_k\(int k\) \{\s*return (.+?);\s*\}")
-KL = _source_expr(r"const int kl = (.+?);\n", BODY)    # the second pass: the lane's rows
-NL = _source_expr(r"const int nl = (.+?);\n", BODY)    # and columns
-# the stores' rows and columns, from threadIdx.x read anew (tid = 32 warp + lane)
-KL_TID = re.findall(r"const int kl = (.+?);\n", BODY)[-1]
-NL_TID = re.findall(r"const int nl = (.+?);\n", BODY)[-1]
+KL = _source_expr(r"int kl = (.+?);\n", BODY)    # the second pass: the lane's rows
+NL = _source_expr(r"int nl = (.+?);\n", BODY)    # and columns
+# K16's stores: the same rows and columns from threadIdx.x read anew (tid = 32 warp + lane)
+KL_TID = _source_expr(r"\n\s+kl = (.+?);\n", BODY)
+NL_TID = _source_expr(r"\n\s+nl = (.+?);\n", BODY)
 
 
 def f2_k(k):
@@ -117,8 +117,9 @@ def _k16_operands():
 A_ORDER, C_ROWS, B_REGS = _k16_operands()
 
 
-def run_mirror(w_hat, suh, svh):
-    """W (k, n) as the kernel computes it, the worst bank conflict, and the store lines' check."""
+def run_mirror(w_hat, suh, svh, k16=True):
+    """W (k, n) as the kernel computes it (``k16``: exl3_decode_fold2_mma, else exl3_decode_fold2),
+    the worst bank conflict, and the store lines' check."""
     smem = np.full(128 * LD, np.nan)
     worst = 1
     # pass 1: warp w decodes k-tile w; lane (g, t) f[u][q][p] = Ŵ[16 w + 2 t + 8 (q & 1) + p, 16 u + 8 (q >> 1) + g]
@@ -130,13 +131,17 @@ def run_mirror(w_hat, suh, svh):
                 for q in range(4):
                     for p in range(2):
                         f[lane, u, q, p] = w_hat[16 * warp + 2 * t + 8 * (q & 1) + p, 16 * u + 8 * (q >> 1) + g]
-        # fold_n<false>: k bits 0..3 (k16_mma a tile), n bit 3 (q vs q + 2), n bits 4..6 (u vs u ^ s)
-        for u in range(8):
-            f[:, u] = k16_mma(f[:, u])
+        # fold_n<false, K16>: (K16) k bits 0..3 (k16_mma a tile), n bit 3 (q vs q + 2), n bits 4..6
+        if k16:
+            for u in range(8):
+                f[:, u] = k16_mma(f[:, u])
         f[:, :, [0, 1]], f[:, :, [2, 3]] = bfly(f[:, :, [0, 1]], f[:, :, [2, 3]])
         for s in (1, 2, 4):
             lo = [u for u in range(8) if not u & s]
             f[:, lo], f[:, [u + s for u in lo]] = bfly(f[:, lo], f[:, [u + s for u in lo]])
+        if not k16:      # k bit 0 (p), then k bit 3 (q & 1)
+            f[..., 0], f[..., 1] = bfly(f[..., 0], f[..., 1])
+            f[:, :, [0, 2]], f[:, :, [1, 3]] = bfly(f[:, :, [0, 2]], f[:, :, [1, 3]])
         for u in range(8):
             for q in range(4):
                 words = []
@@ -165,7 +170,11 @@ def run_mirror(w_hat, suh, svh):
                         v[warp, lane, a, h, 4 * half:4 * half + 4] = smem[w0:w0 + 4]
                         words.append(tuple(range(w0, w0 + 4)))
                     worst = max(worst, conflicts(words, 8))             # 128-bit accesses: quarter-warps
-    # k bit 6 (h); n bits 0, 1 (a)
+    # k bits 1, 2 (e; K16 false), 6 (h); n bits 0, 1 (a)
+    if not k16:
+        for s in (2, 4):
+            lo = [e for e in range(8) if not e & s]
+            v[..., lo], v[..., [e + s for e in lo]] = bfly(v[..., lo], v[..., [e + s for e in lo]])
     v[..., 0, :], v[..., 1, :] = bfly(v[..., 0, :], v[..., 1, :])
     for s in (1, 2):
         lo = [a for a in range(4) if not a & s]
@@ -182,8 +191,11 @@ def run_mirror(w_hat, suh, svh):
             for a in range(4):
                 spans = []                                              # one 16-byte store a lane
                 for lane in range(32):
-                    tid = {"tid": 32 * warp + lane}
-                    kl, nl = eval(KL_TID, {}, tid), eval(NL_TID, {}, tid)
+                    if k16:
+                        tid = {"tid": 32 * warp + lane}
+                        kl, nl = eval(KL_TID, {}, tid), eval(NL_TID, {}, tid)
+                    else:
+                        kl, nl = eval(KL, {}, {"lane": lane}), eval(NL, {}, {"lane": lane, "warp": warp})
                     ks, n = kl + 64 * h + np.arange(8), nl + a
                     assert np.isnan(w[ks, n]).all()
                     w[ks, n] = v[warp, lane, a, h] * (svh[n] / 128) * suh[ks]
@@ -195,11 +207,12 @@ def run_mirror(w_hat, suh, svh):
     return w, worst, lines_ok
 
 
-def test_fold2_computes_the_whole_weight_without_bank_conflicts():
+@pytest.mark.parametrize("k16", [False, True])
+def test_fold2_computes_the_whole_weight_without_bank_conflicts(k16):
     rng = np.random.default_rng(0)
     w_hat = rng.normal(size=(128, 128))
     suh, svh = rng.choice([-1.0, 1.0], 128) * rng.uniform(0.5, 1.5, 128), rng.normal(size=128)
-    got, worst, lines_ok = run_mirror(w_hat, suh, svh)
+    got, worst, lines_ok = run_mirror(w_hat, suh, svh, k16)
     h = hadamard()
     want = suh[:, None] * (h @ w_hat @ h) * svh[None, :] / 128
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)

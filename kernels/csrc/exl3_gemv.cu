@@ -765,8 +765,9 @@ __device__ __forceinline__ void k16_mma(const uint32_t (&b)[4], float (&c)[4][2]
 // nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr). fold_n is one such warp's
 // part, left in f in fp32 with svh / sqrt(128) applied: f[u][q][p] [tile u][b index q][half p] is
 // column 16 u + 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p of k-tile i (decode_fold2 goes on from it).
-// LANES false (decode_fold2): k bits 0..3 by k16_mma, then n bits 3..6 in registers; no lanes, no svh.
-template <bool LANES = true>
+// LANES false (decode_fold2): only the decode and the in-register stages, n bits 3..6, no svh; K16
+// (exl3_decode_fold2_mma): k bits 0..3 by k16_mma first, in place of the fp16 -> fp32 conversions.
+template <bool LANES = true, bool K16 = false>
 __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restrict__ tr, const half* __restrict__ svh,
                                        int i, int j0, int ld, int off, const int (&widx)[NL], float (&f)[8][4][2]) {
     const int lane = threadIdx.x & 31;
@@ -781,7 +782,7 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
     for (int u = 0; u < 8; u++) {
         uint32_t b[4];
         decode_tile(kc, w[u], off, b);
-        if constexpr (LANES) {
+        if constexpr (!K16) {
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
@@ -949,21 +950,20 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 
 // wt[n, k] = fp16(W[k, n]) for the whole linear, W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128 (both
 // Hadamard passes and both sign vectors folded in: exl3-format.md §5.7, the reference decoder's final
-// W), so that y = x @ W + bias is one cuBLAS call on the raw activations, with neither had_in (61 µs at
-// 2048 x 14336 on the H100) nor had_out. One block of 8 warps per (128-row block kb of k, 128-column
-// block jb of n: blockIdx.x jb, .y kb); warp w decodes k-tile 8 kb + w. Each value goes through the
-// shuffle / shared-memory unit 5 times (3 warp-shuffle stages, one store, one load; 10 in the first
-// version, which that unit bounded: 118 -> 88 µs under ncu at 4096 x 14336, H100, the 2026-12-06 23:08
-// session). Each decoded tile's k bits 0..3 go through two MMAs (k16_mma: exact products, no fp16 ->
-// fp32 conversion; those four butterfly stages were 256 FADDs a thread of the kernel's ~1950 SASS
-// instructions, ~1660 now at K 3), then n bits 3..6 in registers; shared memory, then each thread holds
-// 8 contiguous rows (k bits 0..2) x k bit 6 x n bits 0, 1 (64 values): k bit 6 and n bits 0, 1 in
-// registers, k bits 4, 5 and n bit 2 across lanes (xor 2, 8, 4). Its lanes are k bits 3, 4, n 2, k 5, n
-// 3 (bits 0..4), its warp n bits 4..6, so a 16-byte store a lane writes 4 whole 128-byte lines of wt
-// per instruction. Element (n, k) lives at n F2_LD + f2_k(k): the row's k bits in the order 0, 1, 3, 4,
-// 2, 5, 6, with which both passes are free of bank conflicts (the float2 stores' half-warps and the
-// float4 loads' quarter-warps; tests/test_cuda_fold2_mirror.py checks both and the result on the CPU).
-// Rounded once. nt: a multiple of 8; svh: of these columns (n-tile 0 of tr); suh: the whole k.
+// W), so that y = x @ W + bias is one cuBLAS call on the raw activations, with neither had_in (61 µs
+// at 2048 x 14336 on the H100) nor had_out. One block of 8 warps per (128-row block kb of k, 128-column
+// block jb of n); warp w decodes k-tile 8 kb + w. Each value goes through the shuffle / shared-memory
+// unit 5 times (3 warp-shuffle stages, one store, one load; 10 in the first version, which that unit
+// bounded: 118 -> 88 µs under ncu at 4096 x 14336, H100, the 2026-12-06 23:08 session): the decode's
+// 64 values a lane take the six stages its registers hold (n bits 3..6 and k bits 0 and 3); shared
+// memory, then each thread holds 8 contiguous rows (k bits 0..2) x k bit 6 x n bits 0, 1 (64 values):
+// k bits 1, 2, 6 and n bits 0, 1 in registers, k bits 4, 5 and n bit 2 across lanes (xor 2, 8, 4).
+// Its lanes are k bits 3, 4, n 2, k 5, n 3 (bits 0..4), its warp n bits 4..6, so a 16-byte store a
+// lane writes 4 whole 128-byte lines of wt per instruction. Element (n, k) lives at n F2_LD + f2_k(k):
+// the row's k bits in the order 0, 1, 3, 4, 2, 5, 6, with which both passes are free of bank
+// conflicts (the float2 stores' half-warps and the float4 loads' quarter-warps;
+// tests/test_cuda_fold2_mirror.py checks both and the result on the CPU). Rounded once. nt: a
+// multiple of 8; svh: of these columns (n-tile 0 of tr); suh: the whole k.
 // sreg(0) blockIdx.x, sreg(1) blockIdx.y, sreg(2) threadIdx.x, read where called (volatile: not a
 // register held from before)
 __device__ __forceinline__ int sreg(int which) {
@@ -977,20 +977,46 @@ constexpr int F2_LD = 132;   // floats a column (cuda_dense.FOLD2_SMEM = 128 x F
 __host__ __device__ __forceinline__ int f2_k(int k) {
     return (k & 3) | ((k >> 1) & 12) | ((k & 4) << 2) | (k & 0x60);
 }
+// K16: the k16_mma variant (exl3_decode_fold2_mma, the EXL3TOOLS_DENSE_FOLD2_MMA preview): each
+// decoded tile's k bits 0..3 by two MMAs where K16 false has four butterfly stages (k bits 0 and 3
+// before shared memory, 1 and 2 after) and the fp16 -> fp32 conversions; its grid is 2-D (blockIdx.x
+// jb, .y kb: no division), and it reads its block's and lane's position anew after the butterflies,
+// which keeps it at 80 registers without spills.
+template <bool K16>
 __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
-                                                   const half* __restrict__ suh, const half* __restrict__ svh,
-                                                   int kt, int nt, int ld) {
+                                                  const half* __restrict__ suh, const half* __restrict__ svh,
+                                                  int kt, int nt, int ld) {
     extern __shared__ __align__(16) float fs[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nb = nt >> 3;
+    int kb, j0;
+    if constexpr (K16) {
+        kb = blockIdx.y;
+        j0 = blockIdx.x * 8;
+    } else {
+        kb = blockIdx.x / nb;
+        j0 = (blockIdx.x % nb) * 8;
+    }
     {
-        const int kb = blockIdx.y, j0 = blockIdx.x * 8;
         const int g = lane >> 2, t = lane & 3;
         int off, widx[NL];
         lane_words(lane, off, widx);
         const Consts kc;
         float f[8][4][2];
-        fold_n<false>(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
-        // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 16 warp + 2 t + 8 (q & 1) + p, k bits 0..3 done
+        fold_n<false, K16>(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
+        // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 16 warp + 2 t + 8 (q & 1) + p (K16: k bits
+        // 0..3 done); k bit 0 (p), then k bit 3 (q & 1)
+        if constexpr (!K16) {
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+#pragma unroll
+                for (int h = 0; h < 4; h += 2) {
+                    bfly(f[u][h][0], f[u][h][1]);
+                    bfly(f[u][h + 1][0], f[u][h + 1][1]);
+                    bfly(f[u][h][0], f[u][h + 1][0]);
+                    bfly(f[u][h][1], f[u][h + 1][1]);
+                }
+        }
 #pragma unroll
         for (int u = 0; u < 8; u++)
 #pragma unroll
@@ -1000,10 +1026,9 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
     }
     __syncthreads();
     // v[a][h][e]: column nl + a, row kl + 64 h + e
+    int kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
+    int nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
     float v[4][2][8];
-    {
-        const int kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
-        const int nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
@@ -1013,8 +1038,20 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
             v[a][h][0] = x.x; v[a][h][1] = x.y; v[a][h][2] = x.z; v[a][h][3] = x.w;
             v[a][h][4] = y.x; v[a][h][5] = y.y; v[a][h][6] = y.z; v[a][h][7] = y.w;
         }
+    // k bits 1, 2 (e; K16 false), 6 (h); n bits 0, 1 (a)
+    if constexpr (!K16) {
+#pragma unroll
+        for (int s = 2; s < 8; s <<= 1)
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) {
+                        if (e & s) continue;
+                        bfly(v[a][h][e], v[a][h][e + s]);
+                    }
     }
-    // k bit 6 (h); n bits 0, 1 (a)
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
@@ -1032,7 +1069,7 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
     // k bit 4 (lane xor 2), n bit 2 (xor 4), k bit 5 (xor 8)
 #pragma unroll
     for (int m = 2; m < 16; m <<= 1) {
-        const float sg = (sreg(2) & m) ? -1.f : 1.f;
+        const float sg = ((K16 ? sreg(2) : lane) & m) ? -1.f : 1.f;
 #pragma unroll
         for (int a = 0; a < 4; a++)
 #pragma unroll
@@ -1040,11 +1077,15 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
 #pragma unroll
                 for (int e = 0; e < 8; e++) bfly_lanes(v[a][h][e], m, sg);
     }
-    // the block's and the lane's position read anew: not held across the decode and the butterflies
-    // (80 registers: 3INST / MCG spilled the block's, MUL1 a lane's)
-    const int kb = sreg(1), j0 = sreg(0) * 8, tid = sreg(2);
-    const int kl = 8 * (tid & 1) + 16 * ((tid >> 1) & 1) + 32 * ((tid >> 3) & 1);
-    const int nl = 4 * ((tid >> 2) & 1) + 8 * ((tid >> 4) & 1) + 16 * (tid >> 5);
+    if constexpr (K16) {
+        // the block's and the lane's position read anew, not held across the decode and the
+        // butterflies (at 80 registers 3INST / MCG spilled the block's, MUL1 a lane's)
+        kb = sreg(1);
+        j0 = sreg(0) * 8;
+        const int tid = sreg(2);
+        kl = 8 * (tid & 1) + 16 * ((tid >> 1) & 1) + 32 * ((tid >> 3) & 1);
+        nl = 4 * ((tid >> 2) & 1) + 8 * ((tid >> 4) & 1) + 16 * (tid >> 5);
+    }
     float sv[4];
     load4(svh + 16 * j0 + nl, sv);
     // one base pointer and small int offsets from it: the 8 stores. 64-bit addresses held 24 bytes
@@ -1396,7 +1437,12 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
 // three blocks an SM (their shared memory's limit too): 80 registers, none spilled
 extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
                                                                      const half* svh, int kt, int nt, int ld) {
-    decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
+    decode_fold2_body<false>(tr, wt, suh, svh, kt, nt, ld);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2_mma(const uint32_t* tr, half* wt,
+                                                                         const half* suh, const half* svh,
+                                                                         int kt, int nt, int ld) {
+    decode_fold2_body<true>(tr, wt, suh, svh, kt, nt, ld);
 }
 
 // GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)
