@@ -29,11 +29,10 @@ def _source_expr(pattern: str, text: str = SRC) -> str:
 
 LD = int(_source_expr(r"constexpr int F2_LD = (\d+);"))
 F2_K = _source_expr(r"int f2_k\(int k\) \{\s*return (.+?);\s*\}")
-KL = _source_expr(r"int kl = (.+?);\n", BODY)    # the second pass: the lane's rows
-NL = _source_expr(r"int nl = (.+?);\n", BODY)    # and columns
-# K16's stores: the same rows and columns from threadIdx.x read anew (tid = 32 warp + lane)
-KL_TID = _source_expr(r"\n\s+kl = (.+?);\n", BODY)
-NL_TID = _source_expr(r"\n\s+nl = (.+?);\n", BODY)
+LANE_POS = SRC[SRC.index("void f2_lane("):]
+LANE_POS = LANE_POS[:LANE_POS.index("\n}\n")]
+KL = _source_expr(r"kl = (.+?);", LANE_POS)    # the second pass: a lane's rows
+NL = _source_expr(r"nl = (.+?);", LANE_POS)    # and columns
 
 
 def f2_k(k):
@@ -191,11 +190,7 @@ def run_mirror(w_hat, suh, svh, k16=True):
             for a in range(4):
                 spans = []                                              # one 16-byte store a lane
                 for lane in range(32):
-                    if k16:
-                        tid = {"tid": 32 * warp + lane}
-                        kl, nl = eval(KL_TID, {}, tid), eval(NL_TID, {}, tid)
-                    else:
-                        kl, nl = eval(KL, {}, {"lane": lane}), eval(NL, {}, {"lane": lane, "warp": warp})
+                    kl, nl = eval(KL, {}, {"lane": lane}), eval(NL, {}, {"lane": lane, "warp": warp})
                     ks, n = kl + 64 * h + np.arange(8), nl + a
                     assert np.isnan(w[ks, n]).all()
                     w[ks, n] = v[warp, lane, a, h] * (svh[n] / 128) * suh[ks]
@@ -238,6 +233,14 @@ def test_the_mirror_sees_a_wrong_layout(monkeypatch):
         with pytest.raises(AssertionError):
             np.testing.assert_allclose(got, h @ w_hat @ h / 128, rtol=1e-6, atol=1e-6)
         monkeypatch.undo()
+
+
+def test_both_passes_take_their_lane_positions_from_one_place():
+    """The loads and (K16) the stores after the position is read anew place a thread by f2_lane of
+    the same lane and warp, so the mirror's one KL / NL stands for both."""
+    assert "f2_lane(lane, warp, kl, nl);" in BODY
+    assert "f2_lane(tid & 31, tid >> 5, kl, nl);" in BODY
+    assert BODY.count("f2_lane(") == 2 and "kl =" not in BODY and "nl =" not in BODY
 
 
 def test_the_launch_gives_the_kernel_its_shared_memory():

@@ -977,6 +977,12 @@ constexpr int F2_LD = 132;   // floats a column (cuda_dense.FOLD2_SMEM = 128 x F
 __host__ __device__ __forceinline__ int f2_k(int k) {
     return (k & 3) | ((k >> 1) & 12) | ((k & 4) << 2) | (k & 0x60);
 }
+// the second pass's rows kl .. kl + 7 (and kl + 64 ..) and columns nl .. nl + 3 of a thread: its lane
+// bits are k bits 3, 4, n 2, k 5, n 3, its warp n bits 4..6
+__device__ __forceinline__ void f2_lane(int lane, int warp, int& kl, int& nl) {
+    kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
+    nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
+}
 // K16: the k16_mma variant (exl3_decode_fold2_mma, the EXL3TOOLS_DENSE_FOLD2_MMA preview): each
 // decoded tile's k bits 0..3 by two MMAs where K16 false has four butterfly stages (k bits 0 and 3
 // before shared memory, 1 and 2 after) and the fp16 -> fp32 conversions; its grid is 2-D (blockIdx.x
@@ -988,12 +994,12 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
                                                   int kt, int nt, int ld) {
     extern __shared__ __align__(16) float fs[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nb = nt >> 3;
     int kb, j0;
     if constexpr (K16) {
         kb = blockIdx.y;
         j0 = blockIdx.x * 8;
     } else {
+        const int nb = nt >> 3;
         kb = blockIdx.x / nb;
         j0 = (blockIdx.x % nb) * 8;
     }
@@ -1026,8 +1032,8 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
     }
     __syncthreads();
     // v[a][h][e]: column nl + a, row kl + 64 h + e
-    int kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
-    int nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
+    int kl, nl;
+    f2_lane(lane, warp, kl, nl);
     float v[4][2][8];
 #pragma unroll
     for (int a = 0; a < 4; a++)
@@ -1083,8 +1089,7 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
         kb = sreg(1);
         j0 = sreg(0) * 8;
         const int tid = sreg(2);
-        kl = 8 * (tid & 1) + 16 * ((tid >> 1) & 1) + 32 * ((tid >> 3) & 1);
-        nl = 4 * ((tid >> 2) & 1) + 8 * ((tid >> 4) & 1) + 16 * (tid >> 5);
+        f2_lane(tid & 31, tid >> 5, kl, nl);
     }
     float sv[4];
     load4(svh + 16 * j0 + nl, sv);
