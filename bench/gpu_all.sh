@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [cublas] [paged] [e2e] [prefill] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
-# (default: all but ab, defs, cublas, prefill, hostprof, longctx, mla, attn, profile, memory and moe)
+#   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [cublas] [paged] [e2e] [prefill] [series] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
+# (default: all but ab, defs, cublas, prefill, series, hostprof, longctx, mla, attn, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -327,6 +327,11 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
   sed -n '/^--- profile 8 x 32/,+20p' "$L/prefill.log" | cut -c1-60,100-200
   sed -n '/^--- profile of the mixed step/,+20p' "$L/prefill.log" | cut -c1-60,100-200
   sed -n '/^total /p; /^--- profile of the last chunk/,+24p' "$L/prefill.log" | cut -c1-60,100-200   # PREFILL_ARGS="--long N"
+fi
+if [[ $STAGES == *series* ]]; then   # a long prompt's forward again and again: clocks, allocator, kernels (bench/gpu_prefill_series.py)
+  timeout ${SERIES_TIMEOUT:-240} python3 bench/gpu_prefill_series.py ${PREFILL_CKPT:-$AIR} ${SERIES_ARGS:-} \
+    > "$L/series.log" 2>&1
+  el "series rc $?"; grep -vE "^\s*$" "$L/series.log" | grep -E "^\||^idle|clusters|Error" | head -n 90
 fi
 # SO_WAIT: seconds to wait at the end for a build still running (stages that never needed exllamav3)
 if [ "${SO_WAIT:-0}" -gt 0 ] && ! ls "$OUT"/exl3so.xz.* >/dev/null 2>&1; then

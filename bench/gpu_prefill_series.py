@@ -1,0 +1,195 @@
+"""Is a long prompt's forward bimodal, and why: the same prompt length many times in one process.
+
+    python3 bench/gpu_prefill_series.py CKPT [--tokens 2048] [--n 10] [--sleeps 0,0.5,3] [--no-profile]
+
+A served 2048-token prefill step spread 36-54 ms on one H100 and a forward in one process read
+~36 or ~48-50 ms (docs/gpu.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
+something else? For each idle gap in ``--sleeps`` (the host sleeps that long before each forward,
+as a server idles between requests), ``--n`` forwards of one new ``--tokens`` prompt through the
+paged pool (``Runner.step``, serve's path), each printed with:
+- its CUDA-event ms and host wall ms;
+- the SM / memory clocks, power and clock-event reasons that ``nvidia-smi -lms`` sampled during it;
+- the caching allocator's cudaMalloc / cudaFree calls and retries during it (torch.cuda.memory_stats).
+Then (unless ``--no-profile``) the series again under torch.profiler: per forward the kernels'
+summed ms against the GPU span (a span well above the kernels: gaps, so the host or a sync), and
+the kernels whose time differs most between the slowest and the fastest profiled forward.
+A diagnostic (docs/gpu.md), not a benchmark table. Nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import itertools
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu"
+REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")   # newer name first
+
+
+class ClockSampler:
+    """``nvidia-smi -lms`` in the background into a file; ``window(t0, t1)`` the samples between two
+    host times (datetime.now(); nvidia-smi prints local time to the millisecond)."""
+
+    def __init__(self, period_ms: int = 20):
+        self.proc = None
+        self.out = Path(tempfile.mkstemp(prefix="clocks", suffix=".csv")[1])
+        if not shutil.which("nvidia-smi"):
+            return
+        for reason in REASONS:
+            probe = subprocess.run(["nvidia-smi", f"--query-gpu={reason}", "--format=csv,noheader"],
+                                   capture_output=True, text=True)
+            if probe.returncode == 0 and "not a valid" not in probe.stdout.lower():
+                break
+        else:
+            reason = ""
+        query = FIELDS + (f",{reason}" if reason else "")
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                      "-lms", str(period_ms)], stdout=self.out.open("w"), stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+
+    def window(self, t0: dt.datetime, t1: dt.datetime) -> dict:
+        rows = []
+        for line in self.out.read_text(errors="replace").splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                ts = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+                sm, mem, power = float(parts[1]), float(parts[2]), float(parts[3])
+            except (ValueError, IndexError):
+                continue
+            if t0 <= ts <= t1:
+                rows.append((sm, mem, power, parts[5] if len(parts) > 5 else ""))
+        if not rows:
+            return {"samples": 0}
+        sm = [r[0] for r in rows]
+        return {"samples": len(rows), "sm_min": min(sm), "sm_med": statistics.median(sm),
+                "mem_med": statistics.median(r[1] for r in rows), "power_max": max(r[2] for r in rows),
+                "reasons": sorted({r[3] for r in rows if r[3] and r[3] != "0x0000000000000000"})}
+
+
+ALLOC = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ckpt")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=10, help="forwards per idle gap")
+    ap.add_argument("--sleeps", default="0,0.5,3", help="idle seconds before each forward, one series each")
+    ap.add_argument("--max-cache-tokens", type=int, default=40000)
+    ap.add_argument("--no-profile", action="store_true")
+    a = ap.parse_args(argv)
+    import torch
+
+    from exl3tools.runtime.runner import load_runner
+
+    runner = load_runner(a.ckpt, device="cuda", max_cache_tokens=a.max_cache_tokens, max_num_seqs=32)
+    sid = itertools.count()
+
+    def forward() -> None:
+        s = next(sid)
+        runner.add_sequence(s)
+        try:
+            runner.step([(s, [(7 * i + s) % 1000 + 3 for i in range(a.tokens)])], device_logits=True)
+        finally:
+            runner.free_sequence(s)
+
+    forward()   # warm-up: kernels load, Triton compiles, the pool's first pages
+    torch.cuda.synchronize()
+    sampler = ClockSampler()
+    time.sleep(0.5)
+    rows = []
+    print(f"| {a.tokens}-token forward: idle s | # | ms | wall ms | SM MHz min / median | mem MHz | power W max | "
+          "clock reasons | cudaMalloc | cudaFree | retries |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        for sleep in [float(s) for s in a.sleeps.split(",")]:
+            for i in range(a.n):
+                time.sleep(sleep)
+                before = torch.cuda.memory_stats()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0, w0 = dt.datetime.now(), time.perf_counter()
+                e0.record()
+                forward()
+                e1.record()
+                e1.synchronize()
+                w1, t1 = time.perf_counter(), dt.datetime.now()
+                after = torch.cuda.memory_stats()
+                time.sleep(0.06)   # the sampler's file catches up
+                clk = sampler.window(t0, t1)
+                row = {"sleep": sleep, "i": i, "ms": e0.elapsed_time(e1), "wall_ms": (w1 - w0) * 1e3, **clk,
+                       **{k: after.get(k, 0) - before.get(k, 0) for k in ALLOC}}
+                rows.append(row)
+                f = lambda k, r=row: f"{r[k]:.0f}" if k in r else "-"   # noqa: E731
+                print(f"| {sleep:g} | {i} | {row['ms']:.1f} | {row['wall_ms']:.1f} | {f('sm_min')} / {f('sm_med')} | "
+                      f"{f('mem_med')} | {f('power_max')} | {' '.join(row.get('reasons', [])) or '-'} | "
+                      f"{row['num_device_alloc']} | {row['num_device_free']} | {row['num_alloc_retries']} |", flush=True)
+    finally:
+        sampler.stop()
+    for sleep in sorted({r["sleep"] for r in rows}):
+        ms = [r["ms"] for r in rows if r["sleep"] == sleep]
+        print(f"idle {sleep:g} s: median {statistics.median(ms):.1f} ms, min {min(ms):.1f}, max {max(ms):.1f}")
+    if not a.no_profile:
+        profiled(forward, a.n, max(float(s) for s in a.sleeps.split(",")))
+    runner.close()
+    return 0
+
+
+def profiled(forward, n: int, sleep: float, gap_ms: float = 5.0) -> None:
+    """n forwards under torch.profiler, ``sleep`` s apart (at least 20 ms, so the kernels of one
+    forward are the cluster between two gaps of ``gap_ms``): per forward the span of its kernels and
+    their summed time, then the kernels that differ most between the slowest and fastest forward."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            time.sleep(max(sleep, 0.02))
+            forward()
+            torch.cuda.synchronize()
+    kern = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    groups: list[list] = []
+    for k in kern:
+        if not groups or k[0] - groups[-1][-1][1] > gap_ms * 1e3:
+            groups.append([])
+        groups[-1].append(k)
+    print(f"\n| profiled forward (idle {max(sleep, 0.02):g} s before each) | kernels | GPU span ms | kernel ms | "
+          f"span - kernels |\n|---|---|---|---|---|")
+    per = []
+    for j, g in enumerate(groups):
+        span = (max(k[1] for k in g) - g[0][0]) / 1e3
+        busy = sum(k[1] - k[0] for k in g) / 1e3
+        by = collections.Counter()
+        for k in g:
+            by[k[2][:70]] += (k[1] - k[0]) / 1e3
+        per.append((span, by))
+        print(f"| {j} | {len(g)} | {span:.1f} | {busy:.1f} | {span - busy:.1f} |")
+    if len(groups) != n:
+        print(f"({len(groups)} kernel clusters for {n} forwards: a gap of over {gap_ms} ms inside a forward)")
+    if len(per) >= 2:
+        slow, fast = max(per, key=lambda p: p[0]), min(per, key=lambda p: p[0])
+        print(f"\n| kernel (slowest {slow[0]:.1f} ms vs fastest {fast[0]:.1f} ms forward) | slow ms | fast ms | "
+              "delta |\n|---|---|---|---|")
+        names = set(slow[1]) | set(fast[1])
+        for name in sorted(names, key=lambda k: -abs(slow[1][k] - fast[1][k]))[:12]:
+            print(f"| {name} | {slow[1][name]:.2f} | {fast[1][name]:.2f} | {slow[1][name] - fast[1][name]:+.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
