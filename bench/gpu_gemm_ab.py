@@ -18,8 +18,7 @@ clock drift shows up as spread, not as a ratio. Each call is timed as a CUDA-gra
 - mm Ŵ: our GEMM of the unfolded path, F.linear(had_in(x), Ŵ) (Ŵ decoded, values ~1)
 - ours: the linear's default path (up to WGR_MAX_ROWS rows of a large enough linear the wgr kernel,
   EXL3TOOLS_DENSE_WGR; its switches as the environment sets them); dec_mm / fold / fold2: decode +
-  GEMM + passes, the output pass folded, both folded (gpu_bench's large_parts), never the wgr kernel;
-  fold2_mma: fold2 with its decode on exl3_decode_fold2_mma (the EXL3TOOLS_DENSE_FOLD2_MMA preview)
+  GEMM + passes, the output pass folded, both folded (gpu_bench's large_parts), never the wgr kernel
 - wga / wgr / wgr_sk / wg2: had_in + exl3_wga_m256_t2 (the EXL3TOOLS_DENSE_WGA preview up to 256
   rows), exl3_wgr_m256_t2 (register A over TMA stages), exl3_wgr_sk_m256_t2 (the same, stream-K) or
   exl3_wg2_m256_t1 (register A, unswizzled x) over slots of 256 rows (the weight decoded inside the
@@ -40,11 +39,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -52,15 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import bench, graph_profile, make, w_true  # noqa: E402  (bench/ is not a package)
 
 IN_GEMM = ("wga", "wgr", "wgr_sk", "wgr_out", "wgr_rg", "wgr128", "wg2")     # the variants that decode inside the GEMM (their error is printed; wgr_s<N> too)
-
-
-def with_env(fn, **env):
-    """fn with the environment variables set while it runs (a switch read per call: under a graph,
-    while it is captured)."""
-    def call():
-        with mock.patch.dict(os.environ, env):
-            return fn()
-    return call
 
 
 def variants(lin, x, w, splits=()):
@@ -90,7 +78,6 @@ def variants(lin, x, w, splits=()):
             "dec_mm": path(False, False),
             "fold": path(True, False),
             "fold2": path(False, True),
-            "fold2_mma": with_env(path(False, True), EXL3TOOLS_DENSE_FOLD2_MMA="1"),
             "wga": lambda: lin._in_slots(x, 256, cx.WGA_KERNEL)[:rows],
             "wgr": lambda: lin._in_slots(x, 256, cx.WGR_KERNEL)[:rows],
             "wgr_sk": lambda: lin._in_slots(x, 256, cx.WGR_SK_KERNEL)[:rows],

@@ -75,25 +75,19 @@ def decode_fold(mod: Module, trellis: torch.Tensor, svh: torch.Tensor, j0: int =
 
 
 def decode_fold2(mod: Module, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, j0: int = 0,
-                 j1: int | None = None, out: torch.Tensor | None = None, mma: bool | None = None) -> torch.Tensor:
+                 j1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Wᵀ (n, k) fp16 with W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the linear's whole weight
     (both Hadamard passes folded in; float32 inside, rounded once), so that x @ W + bias is the
     linear of x itself; of n-tiles j0..j1 where given (whole 128-column blocks), ``out`` as in
-    decode_t. ``suh``: all k entries. ``mma``: on exl3_decode_fold2_mma (each tile's k bits 0..3 by
-    two MMAs; None: the EXL3TOOLS_DENSE_FOLD2_MMA preview, read per call) or exl3_decode_fold2."""
+    decode_t. ``suh``: all k entries."""
     kt, ld, _ = trellis.shape
     j1 = ld if j1 is None else j1
     nt = j1 - j0
     if nt % 8 or j0 % 8 or kt % 8:
         raise UsageError(f"decode_fold2: k-tiles {kt}, n-tiles {j0}..{j1} are not whole 128-wide blocks")
     wt = _decoded(out, nt, kt, trellis.device)
-    if mma is None:
-        from exl3tools.runtime import preview  # torch-free; read per call so an A/B can switch it
-
-        mma = preview.switched_on("dense_fold2_mma")
-    # the same blocks in the same order: the mma kernel's 2-D grid spares it a division
-    name, grid = ("exl3_decode_fold2_mma", (nt // 8, kt // 8)) if mma else ("exl3_decode_fold2", (kt // 8) * (nt // 8))
-    mod.launch(name, grid, 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld, smem=FOLD2_SMEM)
+    mod.launch("exl3_decode_fold2", (kt // 8) * (nt // 8), 256, trellis[:, j0], wt, suh, svh[16 * j0:], kt, nt, ld,
+               smem=FOLD2_SMEM)
     return wt
 
 

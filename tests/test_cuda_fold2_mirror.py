@@ -1,10 +1,9 @@
-"""A CPU mirror of exl3_decode_fold2 and exl3_decode_fold2_mma (kernels/csrc/exl3_gemv.cu,
-decode_fold2_body<K16>): the same lanes, the same shared-memory addresses, the same MMA fragments
-(k16_mma, as PTX lays out m16n8k16), butterflies and warp shuffles, in numpy. It checks what a GPU run
-cannot show by itself: that the kernel computes diag(suh) · H · Ŵ · H · diag(svh) / 128 for a 128 x 128
-block, that the second pass reads exactly what the first wrote, that no shared-memory access has a bank
-conflict, and that every 16-byte store instruction writes whole 128-byte lines. The layout constants and
-index expressions are read from the source, so the mirror follows an edit."""
+"""A CPU mirror of exl3_decode_fold2 (kernels/csrc/exl3_gemv.cu, decode_fold2_body): the same lanes,
+the same shared-memory addresses, the same butterflies and warp shuffles, in numpy. It checks what a
+GPU run cannot show by itself: that the kernel computes diag(suh) · H · Ŵ · H · diag(svh) / 128 for a
+128 x 128 block, that the second pass reads exactly what the first wrote, that no shared-memory
+access has a bank conflict, and that every 16-byte store instruction writes whole 128-byte lines.
+The layout constants and index expressions are read from the source, so the mirror follows an edit."""
 
 from __future__ import annotations
 
@@ -29,10 +28,8 @@ def _source_expr(pattern: str, text: str = SRC) -> str:
 
 LD = int(_source_expr(r"constexpr int F2_LD = (\d+);"))
 F2_K = _source_expr(r"int f2_k\(int k\) \{\s*return (.+?);\s*\}")
-LANE_POS = SRC[SRC.index("void f2_lane("):]
-LANE_POS = LANE_POS[:LANE_POS.index("\n}\n")]
-KL = _source_expr(r"kl = (.+?);", LANE_POS)    # the second pass: a lane's rows
-NL = _source_expr(r"nl = (.+?);", LANE_POS)    # and columns
+KL = _source_expr(r"const int kl = (.+?);\n", BODY)    # the second pass: the lane's rows
+NL = _source_expr(r"const int nl = (.+?);\n", BODY)    # and columns
 
 
 def f2_k(k):
@@ -66,59 +63,8 @@ def bfly(a, b):
     return a + b, a - b
 
 
-def k16_mma(b):
-    """k16_mma on one tile: b[lane, q, p] the decoded values (column 8 (q >> 1) + g, row 2 t + 8 (q & 1)
-    + p); the kernel's A registers {b0, b2, b1, b3} and B registers (hp, hp), (hp, hn) laid out as
-    PTX's m16n8k16 fragments say, the products summed; the result in the kernel's c[q][p]."""
-    a_regs = b[:, A_ORDER]                       # [lane, reg, half]: reg 0..3 = a0a1, a2a3, a4a5, a6a7
-    A = np.empty((16, 16))
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        for r in range(4):
-            for p in range(2):
-                A[g + 8 * (r & 1), 2 * t + 8 * (r >> 1) + p] = a_regs[lane, r, p]
-    out = np.empty((32, 4, 2))
-    for half, regs in enumerate(B_REGS):             # (b0, b1) of each MMA: 0 = hp, 1 = hn
-        B = np.empty((16, 8))
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            hp = [(-1.0) ** (bin((2 * t + p) & g).count("1") & 1) for p in range(2)]
-            for r, neg in enumerate(regs):
-                for p in range(2):
-                    B[2 * t + 8 * r + p, g] = -hp[p] if neg else hp[p]
-        D = A @ B
-        for lane in range(32):
-            g, t = lane >> 2, lane & 3
-            for p in range(2):
-                out[lane, C_ROWS[half][0], p] = D[g, 2 * t + p]          # c0, c1
-                out[lane, C_ROWS[half][1], p] = D[g + 8, 2 * t + p]      # c2, c3
-    return out
-
-
-def _k16_operands():
-    """k16_mma's two MMAs as the source writes them: the A registers' order of b (the same in both),
-    each MMA's (c0c1, c2c3) rows of c, and its B registers (0 = hp, 1 = hn)."""
-    body = SRC[SRC.index("void k16_mma("):]
-    body = body[:body.index("\n}\n")]
-    mmas = re.findall(r"asm\((.+?)\);", body, re.S)
-    assert len(mmas) == 2, "k16_mma no longer has two MMAs: update the mirror with the kernel"
-    orders, rows, bregs = [], [], []
-    for m in mmas:
-        orders.append([int(i) for i in re.findall(r'"r"\(b\[(\d)\]\)', m)])
-        outs = [(int(q), int(p)) for q, p in re.findall(r'"=f"\(c\[(\d)\]\[(\d)\]\)', m)]
-        assert [p for _, p in outs] == [0, 1, 0, 1] and outs[0][0] == outs[1][0] and outs[2][0] == outs[3][0]
-        rows.append((outs[0][0], outs[2][0]))
-        bregs.append(tuple(int(r == "hn") for r in re.findall(r'"r"\((hp|hn)\)', m)))
-    assert orders[0] == orders[1]
-    return orders[0], tuple(rows), tuple(bregs)
-
-
-A_ORDER, C_ROWS, B_REGS = _k16_operands()
-
-
-def run_mirror(w_hat, suh, svh, k16=True):
-    """W (k, n) as the kernel computes it (``k16``: exl3_decode_fold2_mma, else exl3_decode_fold2),
-    the worst bank conflict, and the store lines' check."""
+def run_mirror(w_hat, suh, svh):
+    """W (k, n) as the kernel computes it, the worst bank conflict, and the store lines' check."""
     smem = np.full(128 * LD, np.nan)
     worst = 1
     # pass 1: warp w decodes k-tile w; lane (g, t) f[u][q][p] = Ŵ[16 w + 2 t + 8 (q & 1) + p, 16 u + 8 (q >> 1) + g]
@@ -130,17 +76,14 @@ def run_mirror(w_hat, suh, svh, k16=True):
                 for q in range(4):
                     for p in range(2):
                         f[lane, u, q, p] = w_hat[16 * warp + 2 * t + 8 * (q & 1) + p, 16 * u + 8 * (q >> 1) + g]
-        # fold_n<false, K16>: (K16) k bits 0..3 (k16_mma a tile), n bit 3 (q vs q + 2), n bits 4..6
-        if k16:
-            for u in range(8):
-                f[:, u] = k16_mma(f[:, u])
+        # fold_n<false>: n bit 3 (q vs q + 2), n bits 4..6 (u vs u ^ s)
         f[:, :, [0, 1]], f[:, :, [2, 3]] = bfly(f[:, :, [0, 1]], f[:, :, [2, 3]])
         for s in (1, 2, 4):
             lo = [u for u in range(8) if not u & s]
             f[:, lo], f[:, [u + s for u in lo]] = bfly(f[:, lo], f[:, [u + s for u in lo]])
-        if not k16:      # k bit 0 (p), then k bit 3 (q & 1)
-            f[..., 0], f[..., 1] = bfly(f[..., 0], f[..., 1])
-            f[:, :, [0, 2]], f[:, :, [1, 3]] = bfly(f[:, :, [0, 2]], f[:, :, [1, 3]])
+        # k bit 0 (p), then k bit 3 (q & 1)
+        f[..., 0], f[..., 1] = bfly(f[..., 0], f[..., 1])
+        f[:, :, [0, 2]], f[:, :, [1, 3]] = bfly(f[:, :, [0, 2]], f[:, :, [1, 3]])
         for u in range(8):
             for q in range(4):
                 words = []
@@ -169,11 +112,10 @@ def run_mirror(w_hat, suh, svh, k16=True):
                         v[warp, lane, a, h, 4 * half:4 * half + 4] = smem[w0:w0 + 4]
                         words.append(tuple(range(w0, w0 + 4)))
                     worst = max(worst, conflicts(words, 8))             # 128-bit accesses: quarter-warps
-    # k bits 1, 2 (e; K16 false), 6 (h); n bits 0, 1 (a)
-    if not k16:
-        for s in (2, 4):
-            lo = [e for e in range(8) if not e & s]
-            v[..., lo], v[..., [e + s for e in lo]] = bfly(v[..., lo], v[..., [e + s for e in lo]])
+    # k bits 1, 2 (e), 6 (h); n bits 0, 1 (a)
+    for s in (2, 4):
+        lo = [e for e in range(8) if not e & s]
+        v[..., lo], v[..., [e + s for e in lo]] = bfly(v[..., lo], v[..., [e + s for e in lo]])
     v[..., 0, :], v[..., 1, :] = bfly(v[..., 0, :], v[..., 1, :])
     for s in (1, 2):
         lo = [a for a in range(4) if not a & s]
@@ -202,12 +144,11 @@ def run_mirror(w_hat, suh, svh, k16=True):
     return w, worst, lines_ok
 
 
-@pytest.mark.parametrize("k16", [False, True])
-def test_fold2_computes_the_whole_weight_without_bank_conflicts(k16):
+def test_fold2_computes_the_whole_weight_without_bank_conflicts():
     rng = np.random.default_rng(0)
     w_hat = rng.normal(size=(128, 128))
     suh, svh = rng.choice([-1.0, 1.0], 128) * rng.uniform(0.5, 1.5, 128), rng.normal(size=128)
-    got, worst, lines_ok = run_mirror(w_hat, suh, svh, k16)
+    got, worst, lines_ok = run_mirror(w_hat, suh, svh)
     h = hadamard()
     want = suh[:, None] * (h @ w_hat @ h) * svh[None, :] / 128
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
@@ -217,30 +158,19 @@ def test_fold2_computes_the_whole_weight_without_bank_conflicts(k16):
 
 def test_the_mirror_sees_a_wrong_layout(monkeypatch):
     """With k bits 3, 4 and 5, 6 trading places in a column's row (the second pass's float4 loads
-    still contiguous) the loads conflict; with a lane's k bits 3 and 4 swapped, or k16_mma's A
-    registers, output rows or B signs wrong, the result is wrong: both checks above can fail."""
+    still contiguous) the loads conflict, and with a lane's k bits 3 and 4 swapped the result is
+    wrong: both checks above can fail."""
     monkeypatch.setattr(sys.modules[__name__], "F2_K", "(k & 3) | ((k >> 3) & 12) | ((k & 4) << 2) | ((k << 2) & 0x60)")
     _, worst, _ = run_mirror(np.zeros((128, 128)), np.ones(128), np.ones(128))
     assert worst > 1
     monkeypatch.undo()
+    monkeypatch.setattr(sys.modules[__name__], "KL", "8 * ((lane >> 1) & 1) + 16 * (lane & 1) + 32 * ((lane >> 3) & 1)")
     rng = np.random.default_rng(1)
     w_hat = rng.normal(size=(128, 128))
+    got, _, _ = run_mirror(w_hat, np.ones(128), np.ones(128))
     h = hadamard()
-    for name, wrong in (("KL", "8 * ((lane >> 1) & 1) + 16 * (lane & 1) + 32 * ((lane >> 3) & 1)"),
-                        ("A_ORDER", [0, 1, 2, 3]), ("C_ROWS", ((0, 1), (2, 3))), ("B_REGS", ((0, 0), (0, 0)))):
-        monkeypatch.setattr(sys.modules[__name__], name, wrong)
-        got, _, _ = run_mirror(w_hat, np.ones(128), np.ones(128))
-        with pytest.raises(AssertionError):
-            np.testing.assert_allclose(got, h @ w_hat @ h / 128, rtol=1e-6, atol=1e-6)
-        monkeypatch.undo()
-
-
-def test_both_passes_take_their_lane_positions_from_one_place():
-    """The loads and (K16) the stores after the position is read anew place a thread by f2_lane of
-    the same lane and warp, so the mirror's one KL / NL stands for both."""
-    assert "f2_lane(lane, warp, kl, nl);" in BODY
-    assert "f2_lane(tid & 31, tid >> 5, kl, nl);" in BODY
-    assert BODY.count("f2_lane(") == 2 and "kl =" not in BODY and "nl =" not in BODY
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(got, h @ w_hat @ h / 128, rtol=1e-6, atol=1e-6)
 
 
 def test_the_launch_gives_the_kernel_its_shared_memory():

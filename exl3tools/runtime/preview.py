@@ -84,13 +84,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
-    # the doubly folded path's decode (kernels/cuda_dense.decode_fold2, the default at 1024+ rows)
-    # on exl3_decode_fold2_mma: each decoded tile's k bits 0..3 by two m16n8k16 MMAs against H16
-    # (exact ±1 products) where exl3_decode_fold2 has four butterfly stages and the fp16 -> fp32
-    # conversions: SASS 1952 -> 1664 at K 3 MUL1. exl3_decode_fold2 is issue-bound (77 % of issue
-    # slots, H100 ncu, 2026-12-06 23:08 session); its CPU mirror (tests/test_cuda_fold2_mirror.py)
-    # checks the MMAs' fragments and the result; not yet run on a GPU
-    "dense_fold2_mma": "EXL3TOOLS_DENSE_FOLD2_MMA",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -735,27 +735,6 @@ __device__ __forceinline__ void bfly_lanes(float& v, int m, float sg) {
     const float o = __shfl_xor_sync(0xffffffffu, v, m);
     v = fmaf(sg, v, o);
 }
-// A decoded tile's 16-point Hadamard transform along k (k bits 0..3, natural order) on the tensor
-// cores, into fp32: the tile as the A operand (its B fragments b[0..3] are A's {b0, b2, b1, b3}:
-// row n, column k), H16 as B (its entries ±1, so every product is exact), two m16n8k16 MMAs, one a
-// half of the output rows; c[u][q][p] as fold_n's f (column 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p).
-// Lane (g, t)'s B registers: H[2t][g], H[2t+1][g] for both halves' first one; the second is the same
-// for half 0 and negated for half 1 (H[r + 8][c] = H[r][c] · (-1)^(c >> 3), H[r][c + 8] = H[r][c] for
-// r < 8). Two MMAs in place of four butterfly stages and the fp16 -> fp32 conversions.
-__device__ __forceinline__ void k16_mma(const uint32_t (&b)[4], float (&c)[4][2]) {
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const uint32_t h0 = (__popc((2 * t) & g) & 1) ? 0xBC00u : 0x3C00u;         // ±1.0 in fp16
-    const uint32_t h1 = (__popc((2 * t + 1) & g) & 1) ? 0xBC00u : 0x3C00u;
-    const uint32_t hp = h0 | (h1 << 16), hn = hp ^ 0x80008000u;
-    // output rows 0..7, then 8..15; C is zero (ptxas reads RZ: no accumulator to clear)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-        : "=f"(c[0][0]), "=f"(c[0][1]), "=f"(c[2][0]), "=f"(c[2][1])
-        : "r"(b[0]), "r"(b[2]), "r"(b[1]), "r"(b[3]), "r"(hp), "r"(hp), "f"(0.f));
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-        : "=f"(c[1][0]), "=f"(c[1][1]), "=f"(c[3][0]), "=f"(c[3][1])
-        : "r"(b[0]), "r"(b[2]), "r"(b[1]), "r"(b[3]), "r"(hp), "r"(hn), "f"(0.f));
-}
 // wt[n, k] = fp16(W'[k, n]), W' = Ŵ · H_n / sqrt(128) ⊙ svh: the output Hadamard pass and svh
 // folded into the decoded weights, so that y = xrot @ W' + bias is one cuBLAS call and no output
 // pass runs (its cost grows with the rows: 56 µs at 2048 x 14336 on the H200). One warp per (k-tile
@@ -765,9 +744,8 @@ __device__ __forceinline__ void k16_mma(const uint32_t (&b)[4], float (&c)[4][2]
 // nt: a multiple of 8; svh: the svh of these columns (n-tile 0 of tr). fold_n is one such warp's
 // part, left in f in fp32 with svh / sqrt(128) applied: f[u][q][p] [tile u][b index q][half p] is
 // column 16 u + 8 (q >> 1) + g, row 2 t + 8 (q & 1) + p of k-tile i (decode_fold2 goes on from it).
-// LANES false (decode_fold2): only the decode and the in-register stages, n bits 3..6, no svh; K16
-// (exl3_decode_fold2_mma): k bits 0..3 by k16_mma first, in place of the fp16 -> fp32 conversions.
-template <bool LANES = true, bool K16 = false>
+// LANES false (decode_fold2): only the decode and the in-register stages, n bits 3..6, no svh.
+template <bool LANES = true>
 __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restrict__ tr, const half* __restrict__ svh,
                                        int i, int j0, int ld, int off, const int (&widx)[NL], float (&f)[8][4][2]) {
     const int lane = threadIdx.x & 31;
@@ -782,15 +760,11 @@ __device__ __forceinline__ void fold_n(const Consts& kc, const uint32_t* __restr
     for (int u = 0; u < 8; u++) {
         uint32_t b[4];
         decode_tile(kc, w[u], off, b);
-        if constexpr (!K16) {
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
-                f[u][q][0] = v.x;
-                f[u][q][1] = v.y;
-            }
-        } else {
-            k16_mma(b, f[u]);
+        for (int q = 0; q < 4; q++) {
+            const float2 v = __half22float2(*reinterpret_cast<const half2*>(&b[q]));
+            f[u][q][0] = v.x;
+            f[u][q][1] = v.y;
         }
     }
     // n bit 3: b index q vs q + 2
@@ -964,65 +938,35 @@ __device__ __forceinline__ void rotate4(const TX* __restrict__ x, const half* __
 // conflicts (the float2 stores' half-warps and the float4 loads' quarter-warps;
 // tests/test_cuda_fold2_mirror.py checks both and the result on the CPU). Rounded once. nt: a
 // multiple of 8; svh: of these columns (n-tile 0 of tr); suh: the whole k.
-// sreg(0) blockIdx.x, sreg(1) blockIdx.y, sreg(2) threadIdx.x, read where called (volatile: not a
-// register held from before)
-__device__ __forceinline__ int sreg(int which) {
-    int v;
-    if (which == 1) asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(v));
-    else if (which == 0) asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v));
-    else asm volatile("mov.u32 %0, %%tid.x;" : "=r"(v));
-    return v;
-}
 constexpr int F2_LD = 132;   // floats a column (cuda_dense.FOLD2_SMEM = 128 x F2_LD x 4 bytes)
 __host__ __device__ __forceinline__ int f2_k(int k) {
     return (k & 3) | ((k >> 1) & 12) | ((k & 4) << 2) | (k & 0x60);
 }
-// the second pass's rows kl .. kl + 7 (and kl + 64 ..) and columns nl .. nl + 3 of a thread: its lane
-// bits are k bits 3, 4, n 2, k 5, n 3, its warp n bits 4..6
-__device__ __forceinline__ void f2_lane(int lane, int warp, int& kl, int& nl) {
-    kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
-    nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
-}
-// K16: the k16_mma variant (exl3_decode_fold2_mma, the EXL3TOOLS_DENSE_FOLD2_MMA preview): each
-// decoded tile's k bits 0..3 by two MMAs where K16 false has four butterfly stages (k bits 0 and 3
-// before shared memory, 1 and 2 after) and the fp16 -> fp32 conversions; its grid is 2-D (blockIdx.x
-// jb, .y kb: no division), and it reads its block's and lane's position anew after the butterflies,
-// which keeps it at 80 registers without spills.
-template <bool K16>
 __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
-                                                  const half* __restrict__ suh, const half* __restrict__ svh,
-                                                  int kt, int nt, int ld) {
+                                                   const half* __restrict__ suh, const half* __restrict__ svh,
+                                                   int kt, int nt, int ld) {
     extern __shared__ __align__(16) float fs[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int kb, j0;
-    if constexpr (K16) {
-        kb = blockIdx.y;
-        j0 = blockIdx.x * 8;
-    } else {
-        const int nb = nt >> 3;
-        kb = blockIdx.x / nb;
-        j0 = (blockIdx.x % nb) * 8;
-    }
+    const int nb = nt >> 3;
+    const int kb = blockIdx.x / nb, j0 = (blockIdx.x % nb) * 8;
     {
         const int g = lane >> 2, t = lane & 3;
         int off, widx[NL];
         lane_words(lane, off, widx);
         const Consts kc;
         float f[8][4][2];
-        fold_n<false, K16>(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
-        // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 16 warp + 2 t + 8 (q & 1) + p (K16: k bits
-        // 0..3 done); k bit 0 (p), then k bit 3 (q & 1)
-        if constexpr (!K16) {
+        fold_n<false>(kc, tr, svh, 8 * kb + warp, j0, ld, off, widx, f);
+        // f[u][q][p]: column 16 u + 8 (q >> 1) + g, k row 16 warp + 2 t + 8 (q & 1) + p; k bit 0 (p),
+        // then k bit 3 (q & 1)
 #pragma unroll
-            for (int u = 0; u < 8; u++)
+        for (int u = 0; u < 8; u++)
 #pragma unroll
-                for (int h = 0; h < 4; h += 2) {
-                    bfly(f[u][h][0], f[u][h][1]);
-                    bfly(f[u][h + 1][0], f[u][h + 1][1]);
-                    bfly(f[u][h][0], f[u][h + 1][0]);
-                    bfly(f[u][h][1], f[u][h + 1][1]);
-                }
-        }
+            for (int h = 0; h < 4; h += 2) {
+                bfly(f[u][h][0], f[u][h][1]);
+                bfly(f[u][h + 1][0], f[u][h + 1][1]);
+                bfly(f[u][h][0], f[u][h + 1][0]);
+                bfly(f[u][h][1], f[u][h + 1][1]);
+            }
 #pragma unroll
         for (int u = 0; u < 8; u++)
 #pragma unroll
@@ -1032,8 +976,8 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
     }
     __syncthreads();
     // v[a][h][e]: column nl + a, row kl + 64 h + e
-    int kl, nl;
-    f2_lane(lane, warp, kl, nl);
+    const int kl = 8 * (lane & 1) + 16 * ((lane >> 1) & 1) + 32 * ((lane >> 3) & 1);
+    const int nl = 4 * ((lane >> 2) & 1) + 8 * (lane >> 4) + 16 * warp;
     float v[4][2][8];
 #pragma unroll
     for (int a = 0; a < 4; a++)
@@ -1044,20 +988,18 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
             v[a][h][0] = x.x; v[a][h][1] = x.y; v[a][h][2] = x.z; v[a][h][3] = x.w;
             v[a][h][4] = y.x; v[a][h][5] = y.y; v[a][h][6] = y.z; v[a][h][7] = y.w;
         }
-    // k bits 1, 2 (e; K16 false), 6 (h); n bits 0, 1 (a)
-    if constexpr (!K16) {
+    // k bits 1, 2 (e), 6 (h); n bits 0, 1 (a)
 #pragma unroll
-        for (int s = 2; s < 8; s <<= 1)
+    for (int s = 2; s < 8; s <<= 1)
 #pragma unroll
-            for (int a = 0; a < 4; a++)
+        for (int a = 0; a < 4; a++)
 #pragma unroll
-                for (int h = 0; h < 2; h++)
+            for (int h = 0; h < 2; h++)
 #pragma unroll
-                    for (int e = 0; e < 8; e++) {
-                        if (e & s) continue;
-                        bfly(v[a][h][e], v[a][h][e + s]);
-                    }
-    }
+                for (int e = 0; e < 8; e++) {
+                    if (e & s) continue;
+                    bfly(v[a][h][e], v[a][h][e + s]);
+                }
 #pragma unroll
     for (int a = 0; a < 4; a++)
 #pragma unroll
@@ -1075,21 +1017,13 @@ __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ t
     // k bit 4 (lane xor 2), n bit 2 (xor 4), k bit 5 (xor 8)
 #pragma unroll
     for (int m = 2; m < 16; m <<= 1) {
-        const float sg = ((K16 ? sreg(2) : lane) & m) ? -1.f : 1.f;
+        const float sg = (lane & m) ? -1.f : 1.f;
 #pragma unroll
         for (int a = 0; a < 4; a++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
                 for (int e = 0; e < 8; e++) bfly_lanes(v[a][h][e], m, sg);
-    }
-    if constexpr (K16) {
-        // the block's and the lane's position read anew, not held across the decode and the
-        // butterflies (at 80 registers 3INST / MCG spilled the block's, MUL1 a lane's)
-        kb = sreg(1);
-        j0 = sreg(0) * 8;
-        const int tid = sreg(2);
-        f2_lane(tid & 31, tid >> 5, kl, nl);
     }
     float sv[4];
     load4(svh + 16 * j0 + nl, sv);
@@ -1442,12 +1376,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
 // three blocks an SM (their shared memory's limit too): 80 registers, none spilled
 extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
                                                                      const half* svh, int kt, int nt, int ld) {
-    decode_fold2_body<false>(tr, wt, suh, svh, kt, nt, ld);
-}
-extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2_mma(const uint32_t* tr, half* wt,
-                                                                         const half* suh, const half* svh,
-                                                                         int kt, int nt, int ld) {
-    decode_fold2_body<true>(tr, wt, suh, svh, kt, nt, ld);
+    decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
 // GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)

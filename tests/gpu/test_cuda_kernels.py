@@ -124,14 +124,12 @@ def test_decode_fold(cx, width, cb):
         cd.decode_fold(mod, trd, svd, 0, 12)
 
 
-@pytest.mark.parametrize("mma", [False, True])
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (16, "3inst"), (128, "mcg"), (40, "mul1")])
-def test_decode_fold2_is_the_whole_weight(cx, width, cb, mma):
+def test_decode_fold2_is_the_whole_weight(cx, width, cb):
     """decode_fold2's Wᵀ, both Hadamard passes and sign vectors folded into the decoded weights,
     is the reference decoder's final W within fp16 rounding (a wrong lane, row, column, sign or
     scale is off by O(1)); its 128-column chunks equal those rows of the whole; k or n not in
-    whole 128-wide blocks is refused. On both kernels (mma: exl3_decode_fold2_mma, the
-    EXL3TOOLS_DENSE_FOLD2_MMA preview's)."""
+    whole 128-wide blocks is refused."""
     import torch
     from exl3tools.kernels import cuda_dense as cd
 
@@ -140,17 +138,17 @@ def test_decode_fold2_is_the_whole_weight(cx, width, cb, mma):
     tr, suh, svh, _ = _lin(rng, k, n, width)
     trd, sud, svd = (torch.from_numpy(a).cuda() for a in (tr, suh, svh))
     mod = cx.module(width, cb, trd.device)
-    got = cd.decode_fold2(mod, trd, sud, svd, mma=mma).double().cpu().numpy().T      # W (k, n)
+    got = cd.decode_fold2(mod, trd, sud, svd).double().cpu().numpy().T      # W (k, n)
     want = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     err = np.abs(got - want) / (np.abs(want) + 1e-3 * np.abs(want).max())
     assert err.max() < 2e-3, err.max()
-    whole = cd.decode_fold2(mod, trd, sud, svd, mma=mma)
+    whole = cd.decode_fold2(mod, trd, sud, svd)
     for j0, j1 in ((0, 8), (8, 40), (16, 24)):
-        assert torch.equal(cd.decode_fold2(mod, trd, sud, svd, j0, j1, mma=mma), whole[16 * j0:16 * j1])
+        assert torch.equal(cd.decode_fold2(mod, trd, sud, svd, j0, j1), whole[16 * j0:16 * j1])
     with pytest.raises(cx.UsageError):
-        cd.decode_fold2(mod, trd, sud, svd, 0, 12, mma=mma)
+        cd.decode_fold2(mod, trd, sud, svd, 0, 12)
     with pytest.raises(cx.UsageError):
-        cd.decode_fold2(mod, trd[:20], sud[:320], svd, mma=mma)          # 20 k-tiles: not whole 128-row blocks
+        cd.decode_fold2(mod, trd[:20], sud[:320], svd)          # 20 k-tiles: not whole 128-row blocks
 
 
 @pytest.mark.parametrize("fold", [False, True, "in"])
