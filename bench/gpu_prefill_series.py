@@ -93,6 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sleeps", default="0,0.5,3", help="idle seconds before each forward, one series each")
     ap.add_argument("--max-cache-tokens", type=int, default=40000)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="first one forward under torch.cuda.set_sync_debug_mode('warn'): each op that makes the "
+                         "host wait for the GPU, with the line of ours that called it")
     a = ap.parse_args(argv)
     import torch
 
@@ -111,6 +114,8 @@ def main(argv=None) -> int:
 
     forward()   # warm-up: kernels load, Triton compiles, the pool's first pages
     torch.cuda.synchronize()
+    if a.sync_debug:
+        host_syncs(forward)
     sampler = ClockSampler()
     time.sleep(0.5)
     rows = []
@@ -149,6 +154,38 @@ def main(argv=None) -> int:
     return 0
 
 
+def host_syncs(forward) -> None:
+    """One forward with torch's sync debug mode on: each synchronizing op (a .item(), .tolist(),
+    nonzero, a blocking copy) once, with the innermost frame of exl3tools / kernels that called it
+    and how often."""
+    import traceback
+    import warnings
+
+    import torch
+
+    seen: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack() if "/exl3tools/" in f.filename or "/kernels/" in f.filename]
+        where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
+        seen[(str(message).split("\n")[0][:80], where[:120])] += 1
+
+    keep = warnings.showwarning
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            forward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = keep
+    print(f"\n| host syncs in one forward ({sum(seen.values())}): op | where | times |\n|---|---|---|")
+    for (msg, where), n in seen.most_common(20):
+        print(f"| {msg} | {where} | {n} |")
+
+
 def profiled(forward, n: int, sleep: float, gap_ms: float = 5.0) -> None:
     """n forwards under torch.profiler, ``sleep`` s apart (at least 20 ms, so the kernels of one
     forward are the cluster between two gaps of ``gap_ms``): per forward the span of its kernels and
@@ -182,6 +219,19 @@ def profiled(forward, n: int, sleep: float, gap_ms: float = 5.0) -> None:
         print(f"| {j} | {len(g)} | {span:.1f} | {busy:.1f} | {span - busy:.1f} |")
     if len(groups) != n:
         print(f"({len(groups)} kernel clusters for {n} forwards: a gap of over {gap_ms} ms inside a forward)")
+    if groups:
+        fastest = min(groups, key=lambda g: max(k[1] for k in g) - g[0][0])
+        gaps, end, last = [], fastest[0][1], fastest[0][2]
+        for k in fastest[1:]:      # idle: a kernel starts after every earlier one ended
+            gaps.append((k[0] - end, last, k[2]))
+            if k[1] > end:
+                end, last = k[1], k[2]
+        gaps.sort(reverse=True)
+        total = sum(g[0] for g in gaps if g[0] > 0) / 1e3
+        print(f"\n| the fastest profiled forward's longest idle gaps (all gaps {total:.1f} ms; the profiler "
+              f"slows the host) | µs | after | before |\n|---|---|---|---|")
+        for j, (gap, before, after) in enumerate(gaps[:12]):
+            print(f"| {j} | {gap:.0f} | {before[:50]} | {after[:50]} |")
     if len(per) >= 2:
         slow, fast = max(per, key=lambda p: p[0]), min(per, key=lambda p: p[0])
         print(f"\n| kernel (slowest {slow[0]:.1f} ms vs fastest {fast[0]:.1f} ms forward) | slow ms | fast ms | "
