@@ -1,6 +1,6 @@
 """Is a long prompt's forward bimodal, and why: the same prompt length many times in one process.
 
-    python3 bench/gpu_prefill_series.py CKPT [--tokens 2048] [--n 10] [--sleeps 0,0.5,3] [--no-profile]
+    python3 bench/gpu_prefill_series.py CKPT [--tokens 2048] [--n 10] [--sleeps 0,0.5,3] [--sync-debug] [--no-profile]
 
 A served 2048-token prefill step spread 36-54 ms on one H100 and a forward in one process read
 ~36 or ~48-50 ms (docs/gpu.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
@@ -12,7 +12,10 @@ paged pool (``Runner.step``, serve's path), each printed with:
 - the caching allocator's cudaMalloc / cudaFree calls and retries during it (torch.cuda.memory_stats).
 Then (unless ``--no-profile``) the series again under torch.profiler: per forward the kernels'
 summed ms against the GPU span (a span well above the kernels: gaps, so the host or a sync), and
-the kernels whose time differs most between the slowest and the fastest profiled forward.
+the kernels whose time differs most between the slowest and the fastest profiled forward, and the
+fastest one's longest idle gaps with the kernels on either side. ``--sync-debug``: first one forward
+under torch's sync debug mode, each op that made the host wait for the GPU with the line of ours
+that called it.
 A diagnostic (docs/gpu.md), not a benchmark table. Nothing here runs in CI.
 """
 
