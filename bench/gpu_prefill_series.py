@@ -173,17 +173,14 @@ def host_syncs(forward) -> None:
         where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
         seen[(str(message).split("\n")[0][:80], where[:120])] += 1
 
-    keep = warnings.showwarning
-    warnings.showwarning = show
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():     # restores showwarning and the filters on exit
             warnings.simplefilter("always")
             warnings.showwarning = show
             forward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = keep
     print(f"\n| host syncs in one forward ({sum(seen.values())}): op | where | times |\n|---|---|---|")
     for (msg, where), n in seen.most_common(20):
         print(f"| {msg} | {where} | {n} |")
