@@ -943,8 +943,8 @@ __host__ __device__ __forceinline__ int f2_k(int k) {
     return (k & 3) | ((k >> 1) & 12) | ((k & 4) << 2) | (k & 0x60);
 }
 __device__ __forceinline__ void decode_fold2_body(const uint32_t* __restrict__ tr, half* __restrict__ wt,
-                                                   const half* __restrict__ suh, const half* __restrict__ svh,
-                                                   int kt, int nt, int ld) {
+                                                  const half* __restrict__ suh, const half* __restrict__ svh,
+                                                  int kt, int nt, int ld) {
     extern __shared__ __align__(16) float fs[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nb = nt >> 3;
@@ -1375,7 +1375,7 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_fold(const uint32_
 }
 // three blocks an SM (their shared memory's limit too): 80 registers, none spilled
 extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2(const uint32_t* tr, half* wt, const half* suh,
-                                                                     const half* svh, int kt, int nt, int ld) {
+                                                                       const half* svh, int kt, int nt, int ld) {
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
