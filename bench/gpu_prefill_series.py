@@ -42,8 +42,9 @@ REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")   # 
 
 
 class ClockSampler:
-    """``nvidia-smi -lms`` in the background into a file; ``window(t0, t1)`` the samples between two
-    host times (datetime.now(); nvidia-smi prints local time to the millisecond)."""
+    """``nvidia-smi -lms`` in the background into a file; after ``stop``, ``samples()`` reads it once
+    (timestamps in local time to the millisecond, as datetime.now() gives the host's) and
+    ``window`` summarizes those between two host times."""
 
     def __init__(self, period_ms: int = 20):
         self.proc = None
@@ -66,23 +67,28 @@ class ClockSampler:
             self.proc.terminate()
             self.proc.wait()
 
-    def window(self, t0: dt.datetime, t1: dt.datetime) -> dict:
-        rows = []
+    def samples(self) -> list[tuple]:
+        """(time, SM MHz, memory MHz, power W, clock-event reasons) per sample."""
+        out = []
         for line in self.out.read_text(errors="replace").splitlines():
             parts = [p.strip() for p in line.split(",")]
             try:
                 ts = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
-                sm, mem, power = float(parts[1]), float(parts[2]), float(parts[3])
+                out.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[5] if len(parts) > 5 else ""))
             except (ValueError, IndexError):
                 continue
-            if t0 <= ts <= t1:
-                rows.append((sm, mem, power, parts[5] if len(parts) > 5 else ""))
-        if not rows:
-            return {"samples": 0}
-        sm = [r[0] for r in rows]
-        return {"samples": len(rows), "sm_min": min(sm), "sm_med": statistics.median(sm),
-                "mem_med": statistics.median(r[1] for r in rows), "power_max": max(r[2] for r in rows),
-                "reasons": sorted({r[3] for r in rows if r[3] and r[3] != "0x0000000000000000"})}
+        return out
+
+
+def window(samples: list[tuple], t0: dt.datetime, t1: dt.datetime) -> dict:
+    """The clocks, power and reasons of the samples between two host times."""
+    rows = [r[1:] for r in samples if t0 <= r[0] <= t1]
+    if not rows:
+        return {"samples": 0}
+    sm = [r[0] for r in rows]
+    return {"samples": len(rows), "sm_min": min(sm), "sm_med": statistics.median(sm),
+            "mem_med": statistics.median(r[1] for r in rows), "power_max": max(r[2] for r in rows),
+            "reasons": sorted({r[3] for r in rows if r[3] and r[3] != "0x0000000000000000"})}
 
 
 ALLOC = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -119,15 +125,14 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     if a.sync_debug:
         host_syncs(forward)
+    sleeps = [float(v) for v in a.sleeps.split(",")]
     sampler = ClockSampler()
     time.sleep(0.5)
     rows = []
-    print(f"| {a.tokens}-token forward: idle s | # | ms | wall ms | SM MHz min / median | mem MHz | power W max | "
-          "clock reasons | cudaMalloc | cudaFree | retries |\n|---|---|---|---|---|---|---|---|---|---|---|")
     try:
-        for sleep in [float(s) for s in a.sleeps.split(",")]:
+        for sleep in sleeps:
             for i in range(a.n):
-                time.sleep(sleep)
+                time.sleep(sleep)     # the only idle time between forwards: the table comes after
                 before = torch.cuda.memory_stats()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0, w0 = dt.datetime.now(), time.perf_counter()
@@ -137,22 +142,25 @@ def main(argv=None) -> int:
                 e1.synchronize()
                 w1, t1 = time.perf_counter(), dt.datetime.now()
                 after = torch.cuda.memory_stats()
-                time.sleep(0.06)   # the sampler's file catches up
-                clk = sampler.window(t0, t1)
-                row = {"sleep": sleep, "i": i, "ms": e0.elapsed_time(e1), "wall_ms": (w1 - w0) * 1e3, **clk,
-                       **{k: after.get(k, 0) - before.get(k, 0) for k in ALLOC}}
-                rows.append(row)
-                f = lambda k, r=row: f"{r[k]:.0f}" if k in r else "-"   # noqa: E731
-                print(f"| {sleep:g} | {i} | {row['ms']:.1f} | {row['wall_ms']:.1f} | {f('sm_min')} / {f('sm_med')} | "
-                      f"{f('mem_med')} | {f('power_max')} | {' '.join(row.get('reasons', [])) or '-'} | "
-                      f"{row['num_device_alloc']} | {row['num_device_free']} | {row['num_alloc_retries']} |", flush=True)
+                rows.append({"sleep": sleep, "i": i, "ms": e0.elapsed_time(e1), "wall_ms": (w1 - w0) * 1e3,
+                             "t": (t0, t1), **{k: after.get(k, 0) - before.get(k, 0) for k in ALLOC}})
+        time.sleep(0.1)               # the sampler's last lines
     finally:
         sampler.stop()
-    for sleep in sorted({r["sleep"] for r in rows}):
+    samples = sampler.samples()
+    print(f"| {a.tokens}-token forward: idle s | # | ms | wall ms | SM MHz min / median | mem MHz | power W max | "
+          "clock reasons | cudaMalloc | cudaFree | retries |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        row.update(window(samples, *row.pop("t")))
+        f = lambda k, r=row: f"{r[k]:.0f}" if k in r else "-"   # noqa: E731
+        print(f"| {row['sleep']:g} | {row['i']} | {row['ms']:.1f} | {row['wall_ms']:.1f} | {f('sm_min')} / "
+              f"{f('sm_med')} | {f('mem_med')} | {f('power_max')} | {' '.join(row.get('reasons', [])) or '-'} | "
+              f"{row['num_device_alloc']} | {row['num_device_free']} | {row['num_alloc_retries']} |")
+    for sleep in sleeps:
         ms = [r["ms"] for r in rows if r["sleep"] == sleep]
         print(f"idle {sleep:g} s: median {statistics.median(ms):.1f} ms, min {min(ms):.1f}, max {max(ms):.1f}")
     if not a.no_profile:
-        profiled(forward, a.n, max(float(s) for s in a.sleeps.split(",")))
+        profiled(forward, a.n, max(sleeps))
     runner.close()
     return 0
 
