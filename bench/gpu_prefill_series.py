@@ -1,6 +1,7 @@
 """Is a long prompt's forward bimodal, and why: the same prompt length many times in one process.
 
     python3 bench/gpu_prefill_series.py CKPT [--tokens 2048] [--n 10] [--sleeps 0,0.5,3] [--sync-debug] [--no-profile]
+                                         [--paths eager,long]
 
 A served 2048-token prefill step spread 36-54 ms on one H100 and a forward in one process read
 ~36 or ~48-50 ms (docs/gpu.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
@@ -15,7 +16,9 @@ summed ms against the GPU span (a span well above the kernels: gaps, so the host
 the kernels whose time differs most between the slowest and the fastest profiled forward, and the
 fastest one's longest idle gaps with the kernels on either side. ``--sync-debug``: first one forward
 under torch's sync debug mode, each op that made the host wait for the GPU with the line of ours
-that called it.
+that called it. ``--paths eager,long``: each forward once per path in turn, the eager forward and
+the decoder's long step (PagedDecoder.long_step, the long_steps preview; GQA models), with each
+forward's activation peak and a median per path; the sync list and the profile once per path.
 A diagnostic (docs/gpu.md), not a benchmark table. Nothing here runs in CI.
 """
 
@@ -102,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sleeps", default="0,0.5,3", help="idle seconds before each forward, one series each")
     ap.add_argument("--max-cache-tokens", type=int, default=40000)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--paths", default="",
+                    help="eager,long: alternate the eager forward and the decoder's long step (default: whichever "
+                         "the runner takes)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="first one forward under torch.cuda.set_sync_debug_mode('warn'): each op that makes the "
                          "host wait for the GPU, with the line of ours that called it")
@@ -112,6 +118,14 @@ def main(argv=None) -> int:
 
     runner = load_runner(a.ckpt, device="cuda", max_cache_tokens=a.max_cache_tokens, max_num_seqs=32)
     sid = itertools.count()
+    d = runner.paged.decoder
+    paths = [p for p in a.paths.split(",") if p] or [""]
+    if "long" in paths and (d is None or d._fused is None or d._fused.mla):
+        raise SystemExit("--paths long needs the fused step of a GQA model (PagedDecoder.long_step)")
+
+    def use(path: str) -> None:
+        if path:                   # the runner takes the decoder's long step where long_steps is on
+            d.long_steps = path == "long"
 
     def forward() -> None:
         s = next(sid)
@@ -121,19 +135,26 @@ def main(argv=None) -> int:
         finally:
             runner.free_sequence(s)
 
-    forward()   # warm-up: kernels load, Triton compiles, the pool's first pages
+    for path in paths:   # warm-up: kernels load, Triton compiles, the pool's first pages
+        use(path)
+        forward()
     torch.cuda.synchronize()
     if a.sync_debug:
-        host_syncs(forward)
+        for path in paths:
+            use(path)
+            host_syncs(forward, path)
     sleeps = [float(v) for v in a.sleeps.split(",")]
     sampler = ClockSampler()
     time.sleep(0.5)
     rows = []
     try:
         for sleep in sleeps:
-            for i in range(a.n):
+            for i, path in itertools.product(range(a.n), paths):
+                use(path)
                 time.sleep(sleep)     # the only idle time between forwards: the table comes after
                 before = torch.cuda.memory_stats()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0, w0 = dt.datetime.now(), time.perf_counter()
                 e0.record()
@@ -142,30 +163,37 @@ def main(argv=None) -> int:
                 e1.synchronize()
                 w1, t1 = time.perf_counter(), dt.datetime.now()
                 after = torch.cuda.memory_stats()
-                rows.append({"sleep": sleep, "i": i, "ms": e0.elapsed_time(e1), "wall_ms": (w1 - w0) * 1e3,
+                rows.append({"sleep": sleep, "i": i, "path": runner.last_path, "ms": e0.elapsed_time(e1),
+                             "wall_ms": (w1 - w0) * 1e3, "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20,
                              "t": (t0, t1), **{k: after.get(k, 0) - before.get(k, 0) for k in ALLOC}})
         time.sleep(0.1)               # the sampler's last lines
     finally:
         sampler.stop()
     samples = sampler.samples()
-    print(f"| {a.tokens}-token forward: idle s | # | ms | wall ms | SM MHz min / median | mem MHz | power W max | "
-          "clock reasons | cudaMalloc | cudaFree | retries |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {a.tokens}-token forward: idle s | # | path | ms | wall ms | peak MB | SM MHz min / median | mem MHz | "
+          "power W max | clock reasons | cudaMalloc | cudaFree | retries |\n|---|---|---|---|---|---|---|---|---|---|---|"
+          "---|---|")
     for row in rows:
         row.update(window(samples, *row.pop("t")))
         f = lambda k, r=row: f"{r[k]:.0f}" if k in r else "-"   # noqa: E731
-        print(f"| {row['sleep']:g} | {row['i']} | {row['ms']:.1f} | {row['wall_ms']:.1f} | {f('sm_min')} / "
+        print(f"| {row['sleep']:g} | {row['i']} | {row['path']} | {row['ms']:.1f} | {row['wall_ms']:.1f} | "
+              f"{row['peak_mb']:.0f} | {f('sm_min')} / "
               f"{f('sm_med')} | {f('mem_med')} | {f('power_max')} | {' '.join(row.get('reasons', [])) or '-'} | "
               f"{row['num_device_alloc']} | {row['num_device_free']} | {row['num_alloc_retries']} |")
-    for sleep in sleeps:
-        ms = [r["ms"] for r in rows if r["sleep"] == sleep]
-        print(f"idle {sleep:g} s: median {statistics.median(ms):.1f} ms, min {min(ms):.1f}, max {max(ms):.1f}")
+    for sleep, path in itertools.product(sleeps, sorted({r["path"] for r in rows})):
+        ms = [r["ms"] for r in rows if r["sleep"] == sleep and r["path"] == path]
+        peak = max(r["peak_mb"] for r in rows if r["sleep"] == sleep and r["path"] == path)
+        print(f"idle {sleep:g} s, {path}: median {statistics.median(ms):.1f} ms, min {min(ms):.1f}, max {max(ms):.1f}, "
+              f"peak {peak:.0f} MB")
     if not a.no_profile:
-        profiled(forward, a.n, max(sleeps))
+        for path in paths:
+            use(path)
+            profiled(forward, a.n, max(sleeps), path)
     runner.close()
     return 0
 
 
-def host_syncs(forward) -> None:
+def host_syncs(forward, path: str = "") -> None:
     """One forward with torch's sync debug mode on: each synchronizing op (a .item(), .tolist(),
     nonzero, a blocking copy) once, with the innermost frame of exl3tools / kernels that called it
     and how often."""
@@ -189,12 +217,13 @@ def host_syncs(forward) -> None:
             forward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    print(f"\n| host syncs in one forward ({sum(seen.values())}): op | where | times |\n|---|---|---|")
+    print(f"\n| host syncs in one forward{f' ({path})' if path else ''} ({sum(seen.values())}): op | where | "
+          "times |\n|---|---|---|")
     for (msg, where), n in seen.most_common(20):
         print(f"| {msg} | {where} | {n} |")
 
 
-def profiled(forward, n: int, sleep: float, gap_ms: float = 5.0) -> None:
+def profiled(forward, n: int, sleep: float, path: str = "", gap_ms: float = 5.0) -> None:
     """n forwards under torch.profiler, ``sleep`` s apart (at least 20 ms, so the kernels of one
     forward are the cluster between two gaps of ``gap_ms``): per forward the span of its kernels and
     their summed time, then the kernels that differ most between the slowest and fastest forward."""
@@ -214,7 +243,8 @@ def profiled(forward, n: int, sleep: float, gap_ms: float = 5.0) -> None:
         if not groups or k[0] - groups[-1][-1][1] > gap_ms * 1e3:
             groups.append([])
         groups[-1].append(k)
-    print(f"\n| profiled forward (idle {max(sleep, 0.02):g} s before each) | kernels | GPU span ms | kernel ms | "
+    print(f"\n| profiled forward{f' ({path})' if path else ''} (idle {max(sleep, 0.02):g} s before each) | kernels | "
+          f"GPU span ms | kernel ms | "
           f"span - kernels |\n|---|---|---|---|---|")
     per = []
     for j, g in enumerate(groups):

@@ -183,6 +183,11 @@ class PagedDecoder:
                 self._fused = fused_step.FusedGqaStep(model, pool)
             elif fused_step.supports_mla(model) and preview.on_cuda("fused_mla", self.device):
                 self._fused = fused_step.FusedMlaStep(model, pool)
+        # steps past the prompt buckets through the fused glue, eagerly (``long_step``; the
+        # long_steps preview): GQA models only (MLA's prompt attention is its own, runtime/mla.py)
+        self.long_steps = (self._fused is not None and not self._fused.mla and preview.switched_on("long_steps")
+                           and not invariance.on())
+        self.long_states: torch.Tensor | None = None     # the last long step's final-normed rows
         if invariance.on():
             if self._fused is None or self._fused.mla or self.device.type != "cuda":
                 raise UsageError("batch-invariant serving needs a GQA model (llama, qwen3_moe, glm4_moe) on CUDA "
@@ -272,6 +277,42 @@ class PagedDecoder:
         self.draft_in[n:bs].zero_()
         self._run(("draft",), self._draft_body, bs, sparse, need)
         return self.draft_states[:n], self.draft_out[:n]
+
+    @torch.inference_mode()
+    def long_step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int]) -> torch.Tensor:
+        """A step of any number of rows, laid out as ``step`` takes them, run once eagerly through
+        the fused step (no bucket, no graph): each sequence's rows attend causally over its blocks
+        in one pass of the paged prefill kernel, where a prompt bucket has every row read its whole
+        context through the decode kernels. The logits of each sequence's last row (sequences,
+        vocab), a fresh tensor; ``long_states``: every row's final-normed state."""
+        from exl3tools.kernels.paged_attention import paged_prefill
+
+        n = len(tokens)
+        if not self.long_steps:
+            raise UsageError("long steps need the fused step of a GQA model (EXL3TOOLS_LONG_STEPS=1)")
+        if n < 1 or not len(positions) == len(slots) == len(rows) == n:
+            raise UsageError(f"a long step takes rows of equal length, got {n}, {len(positions)}, {len(slots)}, "
+                             f"{len(rows)}")
+        bsz = self.pool.block_size
+        if max(positions) >= self.max_blocks * bsz:
+            raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
+        starts = [0] + [i for i in range(1, n) if rows[i] != rows[i - 1]]   # a sequence's rows are consecutive
+        ends = starts[1:] + [n]
+        lens = [positions[e - 1] + 1 for e in ends]
+        B = len(starts)
+        flat = sampling.on_device([*tokens, *positions, *slots, *(rows[s] for s in starts), *starts, n, *lens,
+                                   *(e - 1 for e in ends)], self.device)      # one copy, no stream sync
+        tok, pos, slot, seq_rows, q_start, ctx, last = flat.split([n, n, n, B, B + 1, B, B])
+        q_start, ctx = q_start.int(), ctx.int()
+        table = self.tables.index_select(0, seq_rows)[:, :-(-max(lens) // bsz)].long()
+        slot_table = (table[:, :, None] * bsz + torch.arange(bsz, device=self.device)).reshape(B, -1).int()
+        max_new = max(e - s for s, e in zip(starts, ends, strict=True))
+
+        def attend(q, k, v, _tables, _ctx, scale):
+            return paged_prefill(q, k.flatten(0, 1), v.flatten(0, 1), slot_table, q_start, ctx, scale, max_new)
+
+        self.long_states = hn = self._fused(tok, pos, slot, None, None, attend)
+        return self.model.logits(hn.index_select(0, last))
 
     def _run(self, tag: tuple, body, bs: int, sparse: bool, need: int) -> None:
         """Replay the graph of (tag, bucket, sparse, width), captured on first use; without graphs

@@ -84,6 +84,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
+    # steps past the prompt graphs (a long prompt chunk, alone or beside decoding rows) through the
+    # fused decode step's glue run once eagerly (PagedDecoder.long_step: fused norms, RoPE + K/V
+    # write, grouped q/k/v, the routing kernel), each sequence's rows attending in one pass of the
+    # paged prefill kernel, instead of the eager forward's torch glue (RMSNorm, RoPE, residuals as
+    # ~10 small kernels each; a 2048-token air6 forward runs 1347 kernels with ~3.8 ms of its 36.5
+    # on an H100 idle between them); GQA models (the fused step's), steps without every row's logits
+    "long_steps": "EXL3TOOLS_LONG_STEPS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -93,9 +93,14 @@ class PagedState:
         return self.model.forward(list(zip(views, (t for _, _, t in items), strict=True)), all_logits=all_logits,
                                   to_cpu=False, states=states)
 
-    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False):
-        """The fixed-shape step over rows (PagedDecoder.step); with ``states``: (logits, states)."""
+    def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False,
+               long: bool = False):
+        """The fixed-shape step over rows (PagedDecoder.step), or with ``long`` its eager long step
+        (PagedDecoder.long_step: each sequence's last row's logits); with ``states``: (logits, states)."""
         self.decoder.set_blocks(updates)
+        if long:
+            logits = self.decoder.long_step(tokens, positions, slots, rows)
+            return (logits, self.decoder.long_states) if states else logits
         logits = self.decoder.step(tokens, positions, slots, rows, device_tokens)
         return (logits, self.decoder.states[:len(rows)]) if states else logits
 

@@ -165,7 +165,8 @@ class Runner(SpeculativeSteps):
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode
-        self.last_path: str | None = None    # the last step's: "decode", "prompt" (graph buckets) or "eager"
+        # the last step's: "decode", "prompt" (graph buckets), "long" (PagedDecoder.long_step) or "eager"
+        self.last_path: str | None = None
         self._warned_eager = False           # batch-invariant runs: an eager step was logged
         if mode == "graphs":
             self._capture()
@@ -353,14 +354,16 @@ class Runner(SpeculativeSteps):
             self.last_path = self._step_path(items, all_logits)
             if self.last_path != "eager":
                 spec = [(s if seq.spec is not None else None, len(t)) for s, seq, t, _ in items]
-                logits, hn = self._decode(items, slots, spec=spec)
+                logits, hn = self._decode(items, slots, spec=spec, long=self.last_path == "long")
                 rows = hn.split([len(t) for _, _, t, _ in items])
                 for (_, seq, t, _), states in zip(items, rows, strict=True):
                     if seq.spec is not None:
                         seq.spec.extend(states.clone(), t)
                 # a view of the step's static output: copy the rows asked for (a prompt step's
-                # are each sequence's last row already)
-                if all_logits or self.last_path == "prompt":
+                # are each sequence's last row already; a long step's a tensor of its own)
+                if self.last_path == "long":
+                    pass
+                elif all_logits or self.last_path == "prompt":
                     logits = logits.clone()
                 else:
                     logits = logits[sampling.on_device(last_rows([seq.row for _, seq, t, _ in items for _ in t]),
@@ -419,7 +422,9 @@ class Runner(SpeculativeSteps):
         not an eager forward (launch-bound at a few tokens: ~20 ms for 16 tokens on an H200);
         "prompt" past the decode buckets, for a step (``prompt_rows``) that wants the last rows'
         logits only and whose sequences of several rows read at most PROMPT_GRAPH_READS context
-        tokens (decoding rows beside them may sit at any context, DSA selecting for them); else
+        tokens (decoding rows beside them may sit at any context, DSA selecting for them); "long"
+        for the other steps without every row's logits where the decoder has a long step (the
+        long_steps preview: the fused glue once, eagerly, the prefill kernel's attention); else
         "eager"."""
         d = self.paged.decoder
         if d is None:
@@ -428,7 +433,12 @@ class Runner(SpeculativeSteps):
         if n <= d.max_rows:
             # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
             return "decode" if self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items) else "eager"
+        # the decoder's long step (the long_steps preview) where a prompt bucket does not take the
+        # step: one eager pass of the fused glue, the prefill kernel's attention
+        long = d.long_steps and not all_logits
         if all_logits or not d.prompt_buckets or n > d.prompt_buckets[-1]:
+            if long:
+                return "long"
             if self.invariant and not self._warned_eager:
                 self._warned_eager = True
                 log.warning("a step of %d rows%s takes the eager forward: its logits are not batch-invariant", n,
@@ -436,7 +446,9 @@ class Runner(SpeculativeSteps):
             return "eager"
         reads = sum(len(t) * (n0 + len(t)) for _, _, t, n0 in items if t is not None and len(t) > 1)
         # batch-invariant runs: every prompt through the fixed-shape step, whatever it reads
-        return "prompt" if reads <= PROMPT_GRAPH_READS or self.invariant else "eager"
+        if reads <= PROMPT_GRAPH_READS or self.invariant:
+            return "prompt"
+        return "long" if long else "eager"
 
     def _decode_args(self, items: list, slots: list[list[int]]) -> tuple:
         """The decode step's rows: each new token of each sequence at its position and slot,
@@ -454,16 +466,17 @@ class Runner(SpeculativeSteps):
         return tokens, positions, flat, rows, updates
 
     def _decode(self, items: list, slots: list[list[int]], device_tokens: torch.Tensor | None = None,
-                spec: list | None = None):
-        """Logits of every row; with ``spec`` ((draft-state id or None, rows) per item, sent to
-        the workers so they feed their head too): (logits, final-normed states)."""
+                spec: list | None = None, long: bool = False):
+        """Logits of every row (``long``: the decoder's long step, each sequence's last row's); with
+        ``spec`` ((draft-state id or None, rows) per item, sent to the workers so they feed their
+        head too): (logits, final-normed states)."""
         args = self._decode_args(items, slots)
-        self._send(("pdecode", *args, spec, device_tokens is not None))
+        self._send(("pdecode", *args, spec, device_tokens is not None, long))
         if device_tokens is not None:
             device_tokens = self._share(device_tokens)
         if spec is None:
-            return self.paged.decode(*args, device_tokens)
-        return self.paged.decode(*args, device_tokens, states=True)
+            return self.paged.decode(*args, device_tokens, long=long)
+        return self.paged.decode(*args, device_tokens, states=True, long=long)
 
     @property
     def can_chain(self) -> bool:

@@ -54,13 +54,14 @@ def serve_rank(path: str, *, rank: int, world: int, port: int | None, backend: s
                 drafts.run(paged, cmd)
             elif op == "pdecode":
                 args, spec = cmd[1:6], cmd[6] if len(cmd) > 6 else None
+                long = len(cmd) > 8 and cmd[8]  # rank 0's long step (PagedDecoder.long_step)
                 if len(cmd) > 7 and cmd[7]:     # a chained step: its tokens come from rank 0's device
                     paged.decode(*args, receive(paged, len(args[0])))
                 elif spec is not None and any(sid is not None for sid, _ in spec):
-                    _, hn = paged.decode(*args, states=True)
+                    _, hn = paged.decode(*args, states=True, long=long)
                     drafts.extend(split_rows(args[0], [n for _, n in spec]), [sid for sid, _ in spec], hn)
                 else:
-                    paged.decode(*args)
+                    paged.decode(*args, long=long)
             elif op == "kv_init":
                 paged = PagedState(model, **cmd[1])
             elif op == "capture":

@@ -117,6 +117,46 @@ def test_prompt_steps_replay_prompt_graphs(name, shared, monkeypatch):
     r.close()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
+    """The long_steps preview on CUDA: steps past the prompt buckets (a prompt chunk alone, beside
+    decoding rows, after cached tokens) run PagedDecoder.long_step, never the eager forward, and
+    match the CPU reference; every row's logits still take the eager forward."""
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import A, B, C, Reference
+
+    path = fixture_dir(name) / "model"
+    ref = Reference(load_runner(path, max_context=48).model)
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=48, max_num_seqs=2, block_size=4,
+                    kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=6)
+    d = r.paged.decoder
+    assert r.decode_mode == "graphs" and d.long_steps and d.prompt_buckets == [4, 8]
+    eager, forward = [], r.paged.forward
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: eager.append(1) or forward(*a, **k))
+
+    def both(batch, **kw):
+        got, want = r.step(batch, **kw), ref.step(batch, **kw)
+        assert got.shape == want.shape and _rel(got, want) < REL["bf16"], (batch, _rel(got, want))
+        return r.last_path
+
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert both([("A", A + C)]) == "long"                            # 18 rows alone
+    for x in (r, ref):
+        x.add_sequence("B")
+    assert both([("A", [5]), ("B", B + C)]) == "long"                # beside a decoding row
+    assert both([("B", C), ("A", [6])]) == "long"                    # after B's 14 cached tokens
+    assert both([("A", [7]), ("B", [8])]) == "decode" and not eager
+    r.free_sequence("B")
+    ref.free_sequence("B")
+    for x in (r, ref):
+        x.add_sequence("D")
+    assert both([("D", C + B)], all_logits=True) == "eager" and eager == [1]
+    r.close()
+
+
 def test_paged_decode_triton_matches_reference_in_the_model():
     """The decode step with the Triton kernel vs the same step with the torch reference kernel."""
     import torch

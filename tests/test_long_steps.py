@@ -1,0 +1,89 @@
+"""The decoder's long step (PagedDecoder.long_step, the long_steps preview): a step past the prompt
+buckets runs the fused glue once, eagerly, each sequence's rows attending through the paged
+prefill kernel (Triton's interpreter on the CPU). It gives the plain cache's logits of each
+sequence's last row, alone or beside decoding rows, after cached tokens and across block
+boundaries; every row's logits still take the eager forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from exl3tools.errors import UsageError
+from tests.test_fused_decode import _interpret
+from tests.test_paged_runner import REL, Reference, _model, _paged, _rel
+
+A, B = [1, 17, 300, 42, 1999, 7, 512], [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 88]
+C = [(13 * i + 5) % 2000 + 2 for i in range(21)]
+
+
+def _long_runner(name: str, monkeypatch):
+    _interpret()
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    r = _paged(name, "static", max_num_seqs=3, prompt_rows=8)
+    d = r.paged.decoder
+    assert d.long_steps and (d.max_rows, d.prompt_buckets) == (3, [4, 8])
+    paths = []
+    real_forward, real_long = r.paged.forward, d.long_step
+    monkeypatch.setattr(r.paged, "forward", lambda *a, **k: paths.append("eager") or real_forward(*a, **k))
+    monkeypatch.setattr(d, "long_step", lambda *a: paths.append("long") or real_long(*a))
+    return r, paths
+
+
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1", "llama-4.0bpw-mul1"])
+def test_long_steps_match_plain_cache(name, monkeypatch):
+    import exl3tools.runtime.runner as R
+
+    r, paths = _long_runner(name, monkeypatch)
+    ref = Reference(_model(name))
+
+    def both(batch, **kw):
+        got, want = r.step(batch, **kw), ref.step(batch, **kw)
+        assert got.shape == want.shape and _rel(got, want) < REL, (batch, _rel(got, want))
+        return r.last_path
+
+    for x in (r, ref):
+        x.add_sequence("A")
+    assert both([("A", A)]) == "prompt"                              # 7 rows: bucket 8
+    for x in (r, ref):
+        x.add_sequence("B")
+    assert both([("A", [5]), ("B", B)]) == "long"                    # 1 + 11 rows: past the buckets
+    assert both([("B", [6]), ("A", [7])]) == "decode"
+    for x in (r, ref):
+        x.add_sequence("C")
+    # a chunk beside two decoding rows, then the rest after its cached 9 tokens (blocks of 4)
+    assert both([("A", [8]), ("C", C[:9]), ("B", [10])]) == "long"
+    assert both([("C", C[9:]), ("A", [11])]) == "long"
+    assert both([("A", [12]), ("B", [13]), ("C", [14])]) == "decode"
+    assert paths == ["long", "long", "long"]
+    r.free_sequence("C")
+    ref.free_sequence("C")
+    for x in (r, ref):
+        x.add_sequence("D")
+    assert both([("D", C[:10])], all_logits=True) == "eager" and paths[-1] == "eager"
+    monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 10)        # D's 5 rows read 11..15 each: past it
+    assert both([("D", C[10:15]), ("A", [15])]) == "long" and paths[-1] == "long"
+
+
+def test_long_steps_are_a_preview(monkeypatch):
+    """Off unless asked for (the eager forward then takes those steps); a decoder without the fused
+    step (or an MLA model's) has none, and refuses one."""
+    _interpret()
+    name = "glm4_moe-3.0bpw-mcg"
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.delenv("EXL3TOOLS_LONG_STEPS", raising=False)
+    r = _paged(name, "static", max_num_seqs=3, prompt_rows=8)
+    assert not r.paged.decoder.long_steps
+    r.add_sequence("B")
+    r.step([("B", B)])
+    assert r.last_path == "eager"
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
+    d = _paged(name, "static", max_num_seqs=3, prompt_rows=8).paged.decoder
+    assert not d.long_steps
+    with pytest.raises(UsageError, match="long steps need"):
+        d.long_step([1], [0], [4], [0])
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    d = _paged("deepseek_v3-3.0bpw-3inst", "static", max_num_seqs=3, prompt_rows=8).paged.decoder
+    assert d._fused is None or d._fused.mla
+    assert not d.long_steps
