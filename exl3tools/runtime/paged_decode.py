@@ -187,7 +187,6 @@ class PagedDecoder:
         # long_steps preview): GQA models only (MLA's prompt attention is its own, runtime/mla.py)
         self.long_steps = (self._fused is not None and not self._fused.mla and preview.switched_on("long_steps")
                            and not invariance.on())
-        self.long_states: torch.Tensor | None = None     # the last long step's final-normed rows
         if invariance.on():
             if self._fused is None or self._fused.mla or self.device.type != "cuda":
                 raise UsageError("batch-invariant serving needs a GQA model (llama, qwen3_moe, glm4_moe) on CUDA "
@@ -279,12 +278,13 @@ class PagedDecoder:
         return self.draft_states[:n], self.draft_out[:n]
 
     @torch.inference_mode()
-    def long_step(self, tokens: list[int], positions: list[int], slots: list[int], rows: list[int]) -> torch.Tensor:
+    def long_step(self, tokens: list[int], positions: list[int], slots: list[int],
+                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A step of any number of rows, laid out as ``step`` takes them, run once eagerly through
         the fused step (no bucket, no graph): each sequence's rows attend causally over its blocks
         in one pass of the paged prefill kernel, where a prompt bucket has every row read its whole
-        context through the decode kernels. The logits of each sequence's last row (sequences,
-        vocab), a fresh tensor; ``long_states``: every row's final-normed state."""
+        context through the decode kernels. (the logits of each sequence's last row (sequences,
+        vocab), every row's final-normed state), fresh tensors."""
         from exl3tools.kernels.paged_attention import paged_prefill
 
         n = len(tokens)
@@ -311,8 +311,8 @@ class PagedDecoder:
         def attend(q, k, v, _tables, _ctx, scale):
             return paged_prefill(q, k.flatten(0, 1), v.flatten(0, 1), slot_table, q_start, ctx, scale, max_new)
 
-        self.long_states = hn = self._fused(tok, pos, slot, None, None, attend)
-        return self.model.logits(hn.index_select(0, last))
+        hn = self._fused(tok, pos, slot, None, None, attend)
+        return self.model.logits(hn.index_select(0, last)), hn
 
     def _run(self, tag: tuple, body, bs: int, sparse: bool, need: int) -> None:
         """Replay the graph of (tag, bucket, sparse, width), captured on first use; without graphs

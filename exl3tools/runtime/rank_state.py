@@ -99,8 +99,8 @@ class PagedState:
         (PagedDecoder.long_step: each sequence's last row's logits); with ``states``: (logits, states)."""
         self.decoder.set_blocks(updates)
         if long:
-            logits = self.decoder.long_step(tokens, positions, slots, rows)
-            return (logits, self.decoder.long_states) if states else logits
+            logits, hn = self.decoder.long_step(tokens, positions, slots, rows)
+            return (logits, hn) if states else logits
         logits = self.decoder.step(tokens, positions, slots, rows, device_tokens)
         return (logits, self.decoder.states[:len(rows)]) if states else logits
 
