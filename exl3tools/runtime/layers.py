@@ -18,6 +18,7 @@ from exl3tools.errors import UnsupportedArchitectureError
 from exl3tools.kernels import moe_combine
 from exl3tools.kernels.dispatch import LoopExperts, make_experts, make_group, make_linear
 from exl3tools.runtime import invariance
+from exl3tools.runtime.sampling import on_device
 from exl3tools.runtime.weights import Cut, LinearFields, WeightSource
 
 QUERY_CHUNK = 512   # prefill queries per attention chunk
@@ -272,8 +273,7 @@ def paged_prefill_meta(batch: Batch, q: torch.Tensor) -> PagedPrefill | None:
             for sp in batch.spans:
                 starts.append(starts[-1] + sp.n)
             meta = PagedPrefill(caches[0].pool, new.to(dev), table.to(dev, torch.int32),
-                                torch.tensor(starts, dtype=torch.int32, device=dev),
-                                torch.tensor(lens, dtype=torch.int32, device=dev),
+                                on_device(starts, dev, torch.int32), on_device(lens, dev, torch.int32),
                                 max(sp.n for sp in batch.spans), paged_prefill)
     batch.extras["paged_prefill"] = meta
     return meta

@@ -13,6 +13,7 @@ import torch
 
 from exl3tools.runtime.cache import SeqCache
 from exl3tools.runtime.layers import Batch, SeqSpan
+from exl3tools.runtime.sampling import on_device
 from exl3tools.runtime.tp import TPContext
 
 
@@ -53,17 +54,19 @@ class CausalLM:
             pos.extend(range(p0, p0 + len(tokens)))
             row += len(tokens)
         dev = self.embed.device
-        batch = Batch(spans, torch.tensor(pos, dtype=torch.int64, device=dev))
-        h = self.embed[torch.tensor(ids, dtype=torch.int64, device=dev)].float()
+        # through pinned memory (on_device): a tensor built on CUDA from a list syncs the stream
+        pos_ids = on_device(pos + ids, dev)
+        batch = Batch(spans, pos_ids[:len(pos)])
+        h = self.embed[pos_ids[len(pos):]].float()
         for layer in self.layers:
             h = layer(h, batch)
         if states:
             hn = self.norm(h)
-            rows = hn if all_logits else hn[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
+            rows = hn if all_logits else hn[on_device([s.row + s.n - 1 for s in spans], dev)]
             logits = self.logits(rows)
             return (logits.cpu() if to_cpu else logits), hn
         if not all_logits:
-            h = h[torch.tensor([s.row + s.n - 1 for s in spans], device=dev)]
+            h = h[on_device([s.row + s.n - 1 for s in spans], dev)]
         logits = self.logits(self.norm(h))
         return logits.cpu() if to_cpu else logits
 
