@@ -10,7 +10,7 @@ import pytest
 
 from exl3tools.errors import UsageError
 from tests.test_fused_decode import _interpret
-from tests.test_paged_runner import REL, Reference, _model, _paged, _rel
+from tests.test_paged_runner import Lockstep, Reference, _model, _paged
 
 A, B = [1, 17, 300, 42, 1999, 7, 512], [9, 8, 7, 6, 5, 4, 3, 2, 1, 100, 88]
 C = [(13 * i + 5) % 2000 + 2 for i in range(21)]
@@ -35,34 +35,23 @@ def test_long_steps_match_plain_cache(name, monkeypatch):
     import exl3tools.runtime.runner as R
 
     r, paths = _long_runner(name, monkeypatch)
-    ref = Reference(_model(name))
-
-    def both(batch, **kw):
-        got, want = r.step(batch, **kw), ref.step(batch, **kw)
-        assert got.shape == want.shape and _rel(got, want) < REL, (batch, _rel(got, want))
-        return r.last_path
-
-    for x in (r, ref):
-        x.add_sequence("A")
-    assert both([("A", A)]) == "prompt"                              # 7 rows: bucket 8
-    for x in (r, ref):
-        x.add_sequence("B")
-    assert both([("A", [5]), ("B", B)]) == "long"                    # 1 + 11 rows: past the buckets
-    assert both([("B", [6]), ("A", [7])]) == "decode"
-    for x in (r, ref):
-        x.add_sequence("C")
+    ls = Lockstep(r, Reference(_model(name)))
+    ls.add("A")
+    assert ls.step([("A", A)]) == "prompt"                           # 7 rows: bucket 8
+    ls.add("B")
+    assert ls.step([("A", [5]), ("B", B)]) == "long"                 # 1 + 11 rows: past the buckets
+    assert ls.step([("B", [6]), ("A", [7])]) == "decode"
+    ls.add("C")
     # a chunk beside two decoding rows, then the rest after its cached 9 tokens (blocks of 4)
-    assert both([("A", [8]), ("C", C[:9]), ("B", [10])]) == "long"
-    assert both([("C", C[9:]), ("A", [11])]) == "long"
-    assert both([("A", [12]), ("B", [13]), ("C", [14])]) == "decode"
+    assert ls.step([("A", [8]), ("C", C[:9]), ("B", [10])]) == "long"
+    assert ls.step([("C", C[9:]), ("A", [11])]) == "long"
+    assert ls.step([("A", [12]), ("B", [13]), ("C", [14])]) == "decode"
     assert paths == ["long", "long", "long"]
-    r.free_sequence("C")
-    ref.free_sequence("C")
-    for x in (r, ref):
-        x.add_sequence("D")
-    assert both([("D", C[:10])], all_logits=True) == "eager" and paths[-1] == "eager"
+    ls.free("C")
+    ls.add("D")
+    assert ls.step([("D", C[:10])], all_logits=True) == "eager" and paths[-1] == "eager"
     monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 10)        # D's 5 rows read 11..15 each: past it
-    assert both([("D", C[10:15]), ("A", [15])]) == "long" and paths[-1] == "long"
+    assert ls.step([("D", C[10:15]), ("A", [15])]) == "long" and paths[-1] == "long"
 
 
 def test_long_steps_are_a_preview(monkeypatch):

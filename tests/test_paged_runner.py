@@ -55,6 +55,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
 
 
+class Lockstep:
+    """A runner ``r`` and the plain cache ``ref`` in step: ``step`` runs a batch on both and
+    checks the logits agree within ``rel`` (returning ``r``'s path); ``add`` / ``free`` a sequence
+    on both."""
+
+    def __init__(self, r, ref, rel: float = REL):
+        self.r, self.ref, self.rel = r, ref, rel
+
+    def add(self, *sids) -> None:
+        for sid in sids:
+            self.r.add_sequence(sid)
+            self.ref.add_sequence(sid)
+
+    def free(self, sid) -> None:
+        self.r.free_sequence(sid)
+        self.ref.free_sequence(sid)
+
+    def step(self, batch, **kw) -> str:
+        got, want = self.r.step(batch, **kw), self.ref.step(batch, **kw)
+        assert got.shape == want.shape and _rel(got, want) < self.rel, (batch, _rel(got, want))
+        return self.r.last_path
+
+
 def schedule(r) -> list[torch.Tensor]:
     """A prefill, B prefill, A+B decode (B alone once), A freed, C prefilled in two chunks while
     B decodes, B+C decode: blocks of 4 fill, cross boundaries and are reused after A is freed."""
@@ -248,32 +271,23 @@ def test_prompt_steps_replay_larger_buckets(name, monkeypatch):
     eager, forward = [], r.paged.forward
     monkeypatch.setattr(r.paged, "forward", lambda *a, **k: eager.append(1) or forward(*a, **k))
 
-    def both(batch, **kw):
-        got, want = r.step(batch, **kw), ref.step(batch, **kw)
-        assert got.shape == want.shape and _rel(got, want) < REL, (batch, _rel(got, want))
-        return r.last_path
-
-    for x in (r, ref):
-        x.add_sequence("A")
-    assert both([("A", A)]) == "prompt"                         # 7 rows: bucket 8
-    for x in (r, ref):
-        x.add_sequence("B")
-    assert both([("A", [5]), ("B", B)]) == "prompt"             # 1 + 3 rows: bucket 4
-    for x in (r, ref):
-        x.add_sequence("C")
-    assert both([("A", [6]), ("C", C), ("B", [7])]) == "prompt"  # 1 + 11 + 1: bucket 16
-    assert both([("A", [8]), ("B", [9]), ("C", [10])]) == "decode" and not eager
-    r.free_sequence("C")
-    ref.free_sequence("C")
-    for x in (r, ref):
-        x.add_sequence("D")
-    assert both([("D", C[:5])], all_logits=True) == "eager" and eager == [1]
+    ls = Lockstep(r, ref)
+    ls.add("A")
+    assert ls.step([("A", A)]) == "prompt"                      # 7 rows: bucket 8
+    ls.add("B")
+    assert ls.step([("A", [5]), ("B", B)]) == "prompt"          # 1 + 3 rows: bucket 4
+    ls.add("C")
+    assert ls.step([("A", [6]), ("C", C), ("B", [7])]) == "prompt"  # 1 + 11 + 1: bucket 16
+    assert ls.step([("A", [8]), ("B", [9]), ("C", [10])]) == "decode" and not eager
+    ls.free("C")
+    ls.add("D")
+    assert ls.step([("D", C[:5])], all_logits=True) == "eager" and eager == [1]
     monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 5 * 10 - 1)     # D's next 5 rows read 10 + ... > 49
-    assert both([("D", C[5:10]), ("A", [11])]) == "eager" and eager == [1, 1]
+    assert ls.step([("D", C[5:10]), ("A", [11])]) == "eager" and eager == [1, 1]
     monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 512 * 512)
     if d.dsa_topk is not None:        # glm5: index_topk 32; A holds 11 tokens
-        assert both([("A", list(range(40, 55))), ("B", [12])]) == "prompt" and not d.last_sparse   # A ends at 26
-        assert both([("A", list(range(3, 10))), ("B", [13])]) == "prompt" and d.last_sparse   # at 33: selects
+        assert ls.step([("A", list(range(40, 55))), ("B", [12])]) == "prompt" and not d.last_sparse   # A ends at 26
+        assert ls.step([("A", list(range(3, 10))), ("B", [13])]) == "prompt" and d.last_sparse   # at 33: selects
         assert eager == [1, 1]
     with pytest.raises(UsageError, match="draft step takes"):       # the MTP head's step: decode buckets only
         type(d).draft(SimpleNamespace(head_pool=1, max_rows=3), [1] * 4, [0] * 4, [0] * 4, [0] * 4, None)

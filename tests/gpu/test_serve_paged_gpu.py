@@ -124,7 +124,7 @@ def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
     match the CPU reference; every row's logits still take the eager forward."""
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
-    from tests.test_paged_runner import A, B, C, Reference
+    from tests.test_paged_runner import A, B, C, Lockstep, Reference
 
     path = fixture_dir(name) / "model"
     ref = Reference(load_runner(path, max_context=48).model)
@@ -135,25 +135,16 @@ def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
     assert r.decode_mode == "graphs" and d.long_steps and d.prompt_buckets == [4, 8]
     eager, forward = [], r.paged.forward
     monkeypatch.setattr(r.paged, "forward", lambda *a, **k: eager.append(1) or forward(*a, **k))
-
-    def both(batch, **kw):
-        got, want = r.step(batch, **kw), ref.step(batch, **kw)
-        assert got.shape == want.shape and _rel(got, want) < REL["bf16"], (batch, _rel(got, want))
-        return r.last_path
-
-    for x in (r, ref):
-        x.add_sequence("A")
-    assert both([("A", A + C)]) == "long"                            # 18 rows alone
-    for x in (r, ref):
-        x.add_sequence("B")
-    assert both([("A", [5]), ("B", B + C)]) == "long"                # beside a decoding row
-    assert both([("B", C), ("A", [6])]) == "long"                    # after B's 14 cached tokens
-    assert both([("A", [7]), ("B", [8])]) == "decode" and not eager
-    r.free_sequence("B")
-    ref.free_sequence("B")
-    for x in (r, ref):
-        x.add_sequence("D")
-    assert both([("D", C + B)], all_logits=True) == "eager" and eager == [1]
+    ls = Lockstep(r, ref, REL["bf16"])
+    ls.add("A")
+    assert ls.step([("A", A + C)]) == "long"                         # 18 rows alone
+    ls.add("B")
+    assert ls.step([("A", [5]), ("B", B + C)]) == "long"             # beside a decoding row
+    assert ls.step([("B", C), ("A", [6])]) == "long"                 # after B's 14 cached tokens
+    assert ls.step([("A", [7]), ("B", [8])]) == "decode" and not eager
+    ls.free("B")
+    ls.add("D")
+    assert ls.step([("D", C + B)], all_logits=True) == "eager" and eager == [1]
     r.close()
 
 
