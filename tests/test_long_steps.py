@@ -76,3 +76,21 @@ def test_long_steps_are_a_preview(monkeypatch):
     d = _paged("deepseek_v3-3.0bpw-3inst", "static", max_num_seqs=3, prompt_rows=8).paged.decoder
     assert d._fused is None or d._fused.mla
     assert not d.long_steps
+
+
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_kv_budget_profile_takes_the_long_step_too(on, monkeypatch):
+    """With the preview on, the KV budget's profile forward (rank_state.profile_forward) runs the
+    same tokens through a throwaway decoder's long step after the eager forward, so the measured
+    activation peak covers serve's path for those steps; off, the eager forward alone."""
+    _interpret()
+    from exl3tools.runtime import rank_state
+    from exl3tools.runtime.paged_decode import PagedDecoder
+
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", on)
+    calls = []
+    real = PagedDecoder.long_step
+    monkeypatch.setattr(PagedDecoder, "long_step", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
+    rank_state.profile_forward(_model("qwen3_moe-2.5bpw-mul1"), 21)
+    assert calls == ([21] if on == "1" else [])

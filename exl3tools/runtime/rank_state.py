@@ -21,14 +21,29 @@ log = logging.getLogger("exl3tools.runtime")
 
 def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
-    the measured activation peak is serve's); returns the pool's bytes (not activations)."""
+    the measured activation peak is serve's), and with the long_steps preview on the same tokens
+    through a throwaway decoder's long step (PagedDecoder.long_step: serve's path for such steps
+    then); returns the pool's bytes (not activations)."""
+    from exl3tools.runtime import preview
     from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
 
     bs = DEFAULT_BLOCK_SIZE
     nb = -(-n // bs) + 1
     pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), model.embed.device)
-    view = PagedSeqView(pool, pool.slots(list(range(1, nb)), n), 0)
-    model.forward([(view, [i % model.info.vocab_size for i in range(n)])], to_cpu=False)
+    tokens, table = [i % model.info.vocab_size for i in range(n)], list(range(1, nb))
+    view = PagedSeqView(pool, pool.slots(table, n), 0)
+    model.forward([(view, tokens)], to_cpu=False)
+    if preview.switched_on("long_steps"):
+        from exl3tools.errors import Exl3Error
+        from exl3tools.runtime.paged_decode import PagedDecoder
+
+        try:
+            d = PagedDecoder(model, pool, 1, nb - 1)
+        except Exl3Error:            # no fixed-shape step for this model: no long steps either
+            d = None
+        if d is not None and d.long_steps:
+            d.set_blocks([(0, c, b) for c, b in enumerate(table)])
+            d.long_step(tokens, list(range(n)), [table[i // bs] * bs + i % bs for i in range(n)], [0] * n)
     return pool.nbytes()
 
 
