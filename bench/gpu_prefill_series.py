@@ -1,7 +1,7 @@
 """Is a long prompt's forward bimodal, and why: the same prompt length many times in one process.
 
     python3 bench/gpu_prefill_series.py CKPT [--tokens 2048] [--n 10] [--sleeps 0,0.5,3] [--sync-debug] [--no-profile]
-                                         [--paths eager,long]
+                                         [--paths eager,long] [--device cpu]
 
 A served 2048-token prefill step spread 36-54 ms on one H100 and a forward in one process read
 ~36 or ~48-50 ms (docs/gpu.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
@@ -19,6 +19,8 @@ under torch's sync debug mode, each op that made the host wait for the GPU with 
 that called it. ``--paths eager,long``: each forward once per path in turn, the eager forward and
 the decoder's long step (PagedDecoder.long_step, the long_steps preview; GQA models), with each
 forward's activation peak and a median per path; the sync list and the profile once per path.
+``--device cpu``: the same series on the CPU through the static step (no clocks, allocator, sync
+list or profile; host ms): a smoke run of this script, tests/test_bench_prefill_series.py.
 A diagnostic (docs/gpu.md), not a benchmark table. Nothing here runs in CI.
 """
 
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="",
                     help="eager,long: alternate the eager forward and the decoder's long step (default: whichever "
                          "the runner takes)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu: a smoke run (see the module doc)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="first one forward under torch.cuda.set_sync_debug_mode('warn'): each op that makes the "
                          "host wait for the GPU, with the line of ours that called it")
@@ -116,7 +119,9 @@ def main(argv=None) -> int:
 
     from exl3tools.runtime.runner import load_runner
 
-    runner = load_runner(a.ckpt, device="cuda", max_cache_tokens=a.max_cache_tokens, max_num_seqs=32)
+    cuda = a.device != "cpu"
+    runner = load_runner(a.ckpt, device=a.device, max_cache_tokens=a.max_cache_tokens, max_num_seqs=32,
+                         decode=None if cuda else "static")
     sid = itertools.count()
     d = runner.paged.decoder
     paths = [p for p in a.paths.split(",") if p] or [""]
@@ -138,8 +143,10 @@ def main(argv=None) -> int:
     for path in paths:   # warm-up: kernels load, Triton compiles, the pool's first pages
         use(path)
         forward()
-    torch.cuda.synchronize()
-    if a.sync_debug:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    stats = torch.cuda.memory_stats if cuda else dict
+    sync()
+    if a.sync_debug and cuda:
         for path in paths:
             use(path)
             host_syncs(forward, path)
@@ -152,19 +159,23 @@ def main(argv=None) -> int:
             for i, path in itertools.product(range(a.n), paths):
                 use(path)
                 time.sleep(sleep)     # the only idle time between forwards: the table comes after
-                before = torch.cuda.memory_stats()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before = stats()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated() if cuda else 0
+                e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
                 t0, w0 = dt.datetime.now(), time.perf_counter()
-                e0.record()
+                if cuda:
+                    e0.record()
                 forward()
-                e1.record()
-                e1.synchronize()
+                if cuda:
+                    e1.record()
+                    e1.synchronize()
                 w1, t1 = time.perf_counter(), dt.datetime.now()
-                after = torch.cuda.memory_stats()
-                rows.append({"sleep": sleep, "i": i, "path": runner.last_path, "ms": e0.elapsed_time(e1),
-                             "wall_ms": (w1 - w0) * 1e3, "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20,
+                after = stats()
+                rows.append({"sleep": sleep, "i": i, "path": runner.last_path,
+                             "ms": e0.elapsed_time(e1) if cuda else (w1 - w0) * 1e3, "wall_ms": (w1 - w0) * 1e3,
+                             "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else 0.0,
                              "t": (t0, t1), **{k: after.get(k, 0) - before.get(k, 0) for k in ALLOC}})
         time.sleep(0.1)               # the sampler's last lines
     finally:
@@ -185,7 +196,7 @@ def main(argv=None) -> int:
         peak = max(r["peak_mb"] for r in rows if r["sleep"] == sleep and r["path"] == path)
         print(f"idle {sleep:g} s, {path}: median {statistics.median(ms):.1f} ms, min {min(ms):.1f}, max {max(ms):.1f}, "
               f"peak {peak:.0f} MB")
-    if not a.no_profile:
+    if not a.no_profile and cuda:
         for path in paths:
             use(path)
             profiled(forward, a.n, max(sleeps), path)
