@@ -21,7 +21,7 @@ the decoder's long step (PagedDecoder.long_step, the long_steps preview; GQA mod
 forward's activation peak and a median per path; the sync list and the profile once per path.
 ``--device cpu``: the same series on the CPU through the static step (no clocks, allocator, sync
 list or profile; host ms): a smoke run of this script, tests/test_bench_prefill_series.py.
-A diagnostic (docs/gpu.md), not a benchmark table. Nothing here runs in CI.
+A diagnostic (docs/gpu.md), not a benchmark table; CI runs only the CPU smoke run.
 """
 
 from __future__ import annotations
