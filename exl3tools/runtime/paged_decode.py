@@ -296,17 +296,17 @@ class PagedDecoder:
         bsz = self.pool.block_size
         if max(positions) >= self.max_blocks * bsz:
             raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
-        starts = [0] + [i for i in range(1, n) if rows[i] != rows[i - 1]]   # a sequence's rows are consecutive
-        ends = starts[1:] + [n]
-        lens = [positions[e - 1] + 1 for e in ends]
+        last = last_rows(rows)                       # a sequence's rows are consecutive
+        starts = [0] + [e + 1 for e in last[:-1]]
+        lens = [positions[e] + 1 for e in last]
         B = len(starts)
         flat = sampling.on_device([*tokens, *positions, *slots, *(rows[s] for s in starts), *starts, n, *lens,
-                                   *(e - 1 for e in ends)], self.device)      # one copy, no stream sync
+                                   *last], self.device)      # one copy, no stream sync
         tok, pos, slot, seq_rows, q_start, ctx, last = flat.split([n, n, n, B, B + 1, B, B])
         q_start, ctx = q_start.int(), ctx.int()
         table = self.tables.index_select(0, seq_rows)[:, :-(-max(lens) // bsz)].long()
         slot_table = (table[:, :, None] * bsz + torch.arange(bsz, device=self.device)).reshape(B, -1).int()
-        max_new = max(e - s for s, e in zip(starts, ends, strict=True))
+        max_new = max(e + 1 - s for s, e in zip(starts, last, strict=True))
 
         def attend(q, k, v, _tables, _ctx, scale):
             return paged_prefill(q, k.flatten(0, 1), v.flatten(0, 1), slot_table, q_start, ctx, scale, max_new)

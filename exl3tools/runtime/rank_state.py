@@ -31,7 +31,8 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     nb = -(-n // bs) + 1
     pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), model.embed.device)
     tokens, table = [i % model.info.vocab_size for i in range(n)], list(range(1, nb))
-    view = PagedSeqView(pool, pool.slots(table, n), 0)
+    slots = pool.slots(table, n)
+    view = PagedSeqView(pool, slots, 0)
     model.forward([(view, tokens)], to_cpu=False)
     if preview.switched_on("long_steps"):
         from exl3tools.errors import Exl3Error
@@ -43,7 +44,7 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
             d = None
         if d is not None and d.long_steps:
             d.set_blocks([(0, c, b) for c, b in enumerate(table)])
-            d.long_step(tokens, list(range(n)), [table[i // bs] * bs + i % bs for i in range(n)], [0] * n)
+            d.long_step(tokens, list(range(n)), slots.tolist(), [0] * n)
     return pool.nbytes()
 
 

@@ -360,12 +360,10 @@ class Runner(SpeculativeSteps):
                     if seq.spec is not None:
                         seq.spec.extend(states.clone(), t)
                 # a view of the step's static output: copy the rows asked for (a prompt step's
-                # are each sequence's last row already; a long step's a tensor of its own)
-                if self.last_path == "long":
-                    pass
-                elif all_logits or self.last_path == "prompt":
+                # are each sequence's last row already; a long step's are a tensor of their own)
+                if all_logits or self.last_path == "prompt":
                     logits = logits.clone()
-                else:
+                elif self.last_path == "decode":
                     logits = logits[sampling.on_device(last_rows([seq.row for _, seq, t, _ in items for _ in t]),
                                                        logits.device)]          # no stream sync
             else:
