@@ -13,9 +13,7 @@ drives the other ranks.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,7 @@ from exl3tools.runtime.load import load_runner  # noqa: F401  (the public entry 
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
 from exl3tools.runtime.paged_decode import last_rows
+from exl3tools.runtime.peer_link import PeerLink
 from exl3tools.runtime.rank_model import build_local_model, rank_device  # noqa: F401
 from exl3tools.runtime.rank_state import (
     DEFAULT_BLOCK_SIZE,
@@ -44,7 +43,6 @@ from exl3tools.runtime.text_meta import read_text_meta
 from exl3tools.text import first_line, printable
 
 DEFAULT_CACHE_TOKENS = 32768          # the CPU's KV cache when no budget is given
-WATCH_S = 0.5                         # how often rank 0 polls its spawned ranks (Runner._watch)
 PROMPT_GRAPH_ROWS = 512               # prompt steps of up to this many rows replay graphs (prompt_graphs)
 # a prompt step's rows each read their whole context through the decode kernels (no prefill
 # kernel's one pass): steps whose multi-row sequences read more (rows x context) run eagerly
@@ -62,7 +60,7 @@ class ContextLengthError(UsageError):
 
 
 # ------------------------------------------------------------------ rank 0 side
-class Runner(SpeculativeSteps):
+class Runner(SpeculativeSteps, PeerLink):
     """Model + tokenizer + the paged KV cache; see module doc. Not thread-safe: call from one thread.
 
     The cache is a pool of ``block_size``-token blocks (runtime/block_manager.py owns them,
@@ -183,14 +181,8 @@ class Runner(SpeculativeSteps):
         self.eos_token_ids, self.eos_token = meta.eos_token_ids, meta.eos_token
         self.bos_token_id, self.bos_token = meta.bos_token_id, meta.bos_token
         self.generation_defaults = meta.generation_defaults
-        # a spawned rank that exits while rank 0 idles (or waits on the device) is seen at once:
-        # ``lost`` is set and ``on_lost`` called (the engine wakes and stops; serve exits 4)
-        self.on_lost: Callable[[], None] | None = None
-        self._stop_watch = threading.Event()
-        self._watcher: threading.Thread | None = None
-        if self._procs:
-            self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
-            self._watcher.start()
+        self.on_lost: Callable[[], None] | None = None     # called when the TP group is lost (PeerLink)
+        self._start_watch()
 
     def _budget_blocks(self, block_bytes: int, util: float, batched_tokens: int, dtype: str,
                        reserve: int = 0, graph_rows: int = 0) -> int:
@@ -516,79 +508,13 @@ class Runner(SpeculativeSteps):
             if not seq.unknown:
                 self.blocks.commit(s, seq.tokens)
 
-    def _send(self, cmd) -> None:
-        if self.world > 1:
-            if self.lost:
-                raise RuntimeFailure(self.lost)
-            try:
-                D.broadcast(cmd)
-            except RuntimeError as exc:
-                raise self._peer_lost(exc) from exc
-
-    def _share(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Device tokens of a step just sent, from rank 0 to every worker (``_send`` first: a
-        worker takes them with ``worker.receive``); stream-ordered on NCCL, so no host wait."""
-        if self.world == 1:
-            return tokens
-        try:
-            return D.broadcast_tensor(tokens.long().contiguous())
-        except RuntimeError as exc:
-            raise self._peer_lost(exc) from exc
-
-    def _peer_lost(self, exc: BaseException) -> RuntimeFailure:
-        """A command or shared tokens could not reach the workers: the group is lost for good."""
-        return self._lose(self._exited() or first_line(exc))
-
-    def _lose(self, why: str) -> RuntimeFailure:
-        self.lost = f"tensor-parallel peer lost: {why}"
-        return RuntimeFailure(self.lost)
-
-    def _watch(self) -> None:
-        """Poll the spawned ranks until close(): the first that exits loses the group. On NCCL the
-        model's group is aborted, so a collective rank 0 has in flight returns instead of waiting
-        out the watchdog (EXL3TOOLS_TP_TIMEOUT); gloo's end with the dead rank's sockets."""
-        while not self._closed and not self.lost:
-            if any(p.poll() is not None for p in self._procs):
-                gone = self._exited()
-                if self._closed:        # ranks stopping after close()'s "stop"
-                    return
-                log.error("%s", self._lose(gone))
-                D.abort()
-                if self.on_lost is not None:
-                    self.on_lost()
-                return
-            self._stop_watch.wait(WATCH_S)
-
-    def _exited(self) -> str:
-        """Which spawned ranks have exited, and how (empty under torchrun or when none has)."""
-        time.sleep(0.2)         # a killed worker's sockets close a moment before it is reaped
-        out = []
-        for r, p in enumerate(self._procs, 1):
-            if p.poll() is not None:
-                how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
-                out.append(f"rank {r} (pid {p.pid}) exited with {how}")
-        return "; ".join(out)
-
     # -- lifetime
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._stop_watch.set()
         self._seqs.clear()
-        if self.world > 1:
-            # load_runner's exit hook held this runner (and its model) until the process ended
-            atexit.unregister(self.close)
-            try:
-                D.broadcast(("stop",))
-            except Exception:  # noqa: BLE001 - peers may be gone already
-                pass
-            D.destroy()
-            D.reap(self._procs)
-        # the watcher's frame holds this runner: a closed runner is freed once it has returned
-        # (close() on the watcher itself, through on_lost, cannot wait for its own end)
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(timeout=2 * WATCH_S + 1.0)
+        self._close_peers()
 
     def __enter__(self):
         return self
