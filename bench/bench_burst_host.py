@@ -5,7 +5,7 @@ costs the engine thread (cache checks, ``Runner.add_sequence`` with its prefix l
     python bench/bench_burst_host.py [--streams 8,32,64] [--prompt 2048] [--rounds 5]
 
 Every millisecond here holds the GIL while the burst arrives, before and beside its first step
-(docs/gpu.md "The next GPU session, first", item 4). Printed, medians of ``--rounds``:
+(docs/gpu-sessions.md, "Earlier plans for the next GPU session", item 4 of one). Printed, medians of ``--rounds``:
 
 - one ``--prompt``-id streamed completion request: ``protocol.parse_body`` against ``json.loads``
   of the same body in the same run (the floor of reading it), and ``prepare_completion``;

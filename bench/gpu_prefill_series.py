@@ -4,7 +4,7 @@
                                          [--paths eager,long] [--device cpu]
 
 A served 2048-token prefill step spread 36-54 ms on one H100 and a forward in one process read
-~36 or ~48-50 ms (docs/gpu.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
+~36 or ~48-50 ms (docs/gpu-sessions.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
 something else? For each idle gap in ``--sleeps`` (the host sleeps that long before each forward,
 as a server idles between requests), ``--n`` forwards of one new ``--tokens`` prompt through the
 paged pool (``Runner.step``, serve's path), each printed with:

@@ -2,13 +2,13 @@
 cuobjdump, no GPU; `bash bench/get_sass_tools.sh` fetches cuobjdump where the toolkit lacks it).
 
 ncu found the 1-row kernel's ALU pipe (half rate: a warp instruction every other cycle) the
-busiest and throttling, the FMA pipe two thirds idle (docs/gpu.md, 2026-12-05 10:51). This counts,
+busiest and throttling, the FMA pipe two thirds idle (docs/gpu-sessions.md, 2026-12-05 10:51). This counts,
 for each EXL3TOOLS_GEMV_DEFINES-style set, the kernel's innermost large loop (the k-tile loop)
 by opcode, the ALU and FMA pipes' shares, and "ALU cycles" (2 an ALU instruction) beside FMA
 cycles (1 each), registers and spills, so a timed A/B (bench/gpu_all.sh defs) can be read
 against what each set changed. The counts are a guide, not a timing: moving the window
 extraction onto the FMA pipe (IMAD, IMAD.HI) cut the ALU cycles 28 % and made MUL1 13 % slower,
-IMAD.HI taking two FMA-pipe cycles (docs/gpu.md, the 2026-12-05 21:12 session):
+IMAD.HI taking two FMA-pipe cycles (docs/gpu-sessions.md, the 2026-12-05 21:12 session):
 
     python bench/sass_pipes.py --k2 6 --cb 0,2 --defs ";-DXDUP_SMEM=1;-DXDUP_SMEM=1 -DPRO_MINB=6"
 """

@@ -66,7 +66,7 @@ def resident(mod: Module, name: str, device) -> int:
 def wave_split(mod: Module, name: str, device, kt: int, groups: int, slots: int) -> tuple[int, int, int]:
     """(k-tiles per split, column groups, units) of a GEMM kernel launch: K split so that all units
     are resident at once (one wave: no tail of half-empty SMs); units == groups: one split. (More
-    splits to fill a part-empty last wave timed slower on the H100: docs/gpu.md, 2026-12-06 14:28.)"""
+    splits to fill a part-empty last wave timed slower on the H100: docs/gpu-sessions.md, 2026-12-06 14:28.)"""
     kps, units = split_k(kt, groups, max(1, min(-(-kt // 8), resident(mod, name, device) // (groups * slots))))
     return kps, groups, units
 

@@ -132,7 +132,7 @@ OPT_OUTS = {
     # synthetic DeepSeek-V3, one process): a 30000-token prompt 2276 -> 2173 ms warm, its last chunk
     # 167.3 -> 152.8 ms (the cat's 19.6 ms gone, the K GEMMs +2.7); tests/gpu passed with it on
     # (1080); served (H100, one 30000-token prompt a server) its TTFT 2486 -> 2362 ms, decode the
-    # same. Not yet on an H200 (docs/gpu.md, the next GPU session).
+    # same. Not yet on an H200 (docs/gpu-sessions.md, "Earlier plans for the next GPU session").
     # CUDA only (preview.on_cuda): the CPU reference keeps the cat unless asked ("1")
     "mla_k_gemm": "EXL3TOOLS_MLA_K_GEMM",
     # MUL1 linears of up to 4 real rows a slot (so also expert_groups' 8-row tiles holding 1-4) on

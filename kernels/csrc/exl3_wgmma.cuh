@@ -219,7 +219,7 @@ __device__ __forceinline__ void staged_lane_words(int lane, int (&wi)[NL], int& 
 // n-tile pw of each k-tile straight from the trellis into wgmma's K-major no-swizzle layout (the
 // activations' core matrices: LBO 128 B, SBO 256 B) while loading its next chunk's weights into
 // registers. FULL + u / EMPTY + u: stage u's handshakes, named barriers between the consumers and
-// the group that fills u. On the H200 it is exact and slower than exl3_tiles_m128_t2 (docs/gpu.md,
+// the group that fills u. On the H200 it is exact and slower than exl3_tiles_m128_t2 (docs/gpu-sessions.md,
 // the 16:47 session): earlier versions, one k-tile a stage with 8 or 16 decoding warps (512 /
 // 1024 threads; a 768-thread one with setmaxnreg failed in ptxas, which kept the m64n128 MMA at the
 // launch's 80 registers), ran 2.0-2.8x cuBLAS at 128 rows; stages of 4 k-tiles halved the
@@ -646,7 +646,7 @@ __device__ __forceinline__ int wgr_expert(const int* __restrict__ slot_exp, int 
 // re-zeroes the count for the next launch, and the others leave with no rows. Nothing waits, so it
 // is safe whatever is resident: more splits than one wave, MPS, other kernels on the SMs. (It
 // replaced, at the same time on the H100, a fixup whose splits each waited for all the others and
-// then finished an even share of the rows, safe only within one wave: docs/gpu.md, the 2026-12-06
+// then finished an even share of the rows, safe only within one wave: docs/gpu-sessions.md, the 2026-12-06
 // 16:56 session.) The (row group, split) pairs' indices are stepped, not divided out of a running
 // count by the runtime split count (the rg kernel's SASS 4264 -> 3168 instructions, IMAD.HI 103 -> 3).
 // LOADS: loads in flight a thread (32 spill at 168 registers: 16 outside the rg kernel).
@@ -724,7 +724,7 @@ __device__ __forceinline__ void wgr_fixup(const float (&d)[MROWS / 2], int* __re
 // OUT 0: partial sums into acc with atomics (had_out follows); OUT 1 / 2 (not stream-K): the output
 // pass fused (wgr_rows), y fp16 / fp32, a tile's K splits (kps < kt) added by wgr_fixup first.
 // (Clusters of two blocks sharing x by TMA multicast, a producer's handshake with the other
-// block's before each refill, measured slower: docs/gpu.md, the 2026-12-06 09:49 session.) AS: A
+// block's before each refill, measured slower: docs/gpu-sessions.md, the 2026-12-06 09:49 session.) AS: A
 // operands in registers (AS - 1 MMAs in flight behind the newest). RG (exl3_wgr_rg_*, 384 threads): the producer warp is a warpgroup of its
 // own that gives its registers to the consumers (setmaxnreg: 40 a thread there, 232 here; 168 at
 // launch), so four A operands fit without ptxas serializing the MMAs (C7512 at 168), and a

@@ -83,7 +83,7 @@ def test_fresh_prompts_in_one_batch_on_cuda(dev, name, monkeypatch):
     # not ids[5:32]: its logits sit on a tie of the random fixture (a discrete jump): 1e-3 of
     # relative noise in the attention outputs moves them by 7.8e-2 in 3 draws of 5 on the CPU, so
     # a legit change of rounding (a wider MLA tile, another SDPA kernel) failed this test at 7.44e-2
-    # (docs/gpu.md, 2026-12-02 14:02); ids[3:30] stays within 3e-3 under the same noise
+    # (docs/gpu-sessions.md, 2026-12-02 14:02); ids[3:30] stays within 3e-3 under the same noise
     prompts = [ids[:20], ids[3:30], ids[10:19]]
     calls = []
     real = mla.MLAttention.attend_fresh
