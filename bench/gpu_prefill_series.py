@@ -17,7 +17,7 @@ the kernels whose time differs most between the slowest and the fastest profiled
 fastest one's longest idle gaps with the kernels on either side. ``--sync-debug``: first one forward
 under torch's sync debug mode, each op that made the host wait for the GPU with the line of ours
 that called it. ``--paths eager,long``: each forward once per path in turn, the eager forward and
-the decoder's long step (PagedDecoder.long_step, the long_steps preview; GQA models), with each
+the decoder's long step (PagedDecoder.long_step, the default on CUDA since 2026-12-07; GQA models), with each
 forward's activation peak and a median per path; the sync list and the profile once per path.
 ``--device cpu``: the same series on the CPU through the static step (no clocks, allocator, sync
 list or profile; host ms): a smoke run of this script, tests/test_bench_prefill_series.py.

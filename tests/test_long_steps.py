@@ -1,8 +1,8 @@
-"""The decoder's long step (PagedDecoder.long_step, the long_steps preview): a step past the prompt
-buckets runs the fused glue once, eagerly, each sequence's rows attending through the paged
-prefill kernel (Triton's interpreter on the CPU). It gives the plain cache's logits of each
-sequence's last row, alone or beside decoding rows, after cached tokens and across block
-boundaries; every row's logits still take the eager forward."""
+"""The decoder's long step (PagedDecoder.long_step; on CUDA unless EXL3TOOLS_LONG_STEPS=0, on the
+CPU with =1): a step past the prompt buckets runs the fused glue once, eagerly, each sequence's
+rows attending through the paged prefill kernel (Triton's interpreter on the CPU). It gives the
+plain cache's logits of each sequence's last row, alone or beside decoding rows, after cached
+tokens and across block boundaries; every row's logits still take the eager forward."""
 
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def test_long_steps_match_plain_cache(name, monkeypatch):
     assert ls.step([("D", C[10:15]), ("A", [15])]) == "long" and paths[-1] == "long"
 
 
-def test_long_steps_are_a_preview(monkeypatch):
-    """Off unless asked for (the eager forward then takes those steps); a decoder without the fused
-    step (or an MLA model's) has none, and refuses one."""
+def test_long_steps_off_the_gpu_unless_asked_for(monkeypatch):
+    """Off the GPU unless asked for ("1"; preview.on_cuda: on CUDA unless "0"), the eager forward
+    then taking those steps; a decoder without the fused step (or an MLA model's) has none, and
+    refuses one."""
     _interpret()
     name = "glm4_moe-3.0bpw-mcg"
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
@@ -80,7 +81,7 @@ def test_long_steps_are_a_preview(monkeypatch):
 
 @pytest.mark.parametrize("on", ["1", "0"])
 def test_kv_budget_profile_takes_the_long_step_too(on, monkeypatch):
-    """With the preview on, the KV budget's profile forward (rank_state.profile_forward) runs the
+    """With long steps on, the KV budget's profile forward (rank_state.profile_forward) runs the
     same tokens through a throwaway decoder's long step after the eager forward, so the measured
     activation peak covers serve's path for those steps; off, the eager forward alone."""
     _interpret()

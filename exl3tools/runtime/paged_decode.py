@@ -183,9 +183,9 @@ class PagedDecoder:
                 self._fused = fused_step.FusedGqaStep(model, pool)
             elif fused_step.supports_mla(model) and preview.on_cuda("fused_mla", self.device):
                 self._fused = fused_step.FusedMlaStep(model, pool)
-        # steps past the prompt buckets through the fused glue, eagerly (``long_step``; the
-        # long_steps preview): GQA models only (MLA's prompt attention is its own, runtime/mla.py)
-        self.long_steps = (self._fused is not None and not self._fused.mla and preview.switched_on("long_steps")
+        # steps past the prompt buckets through the fused glue, eagerly (``long_step``; on CUDA
+        # unless EXL3TOOLS_LONG_STEPS=0): GQA models only (MLA's prompt attention is its own)
+        self.long_steps = (self._fused is not None and not self._fused.mla and preview.on_cuda("long_steps", self.device)
                            and not invariance.on())
         if invariance.on():
             if self._fused is None or self._fused.mla or self.device.type != "cuda":
@@ -300,13 +300,13 @@ class PagedDecoder:
         starts = [0] + [e + 1 for e in last[:-1]]
         lens = [positions[e] + 1 for e in last]
         B = len(starts)
+        max_new = max(e + 1 - s for s, e in zip(starts, last, strict=True))     # host ints (no sync)
         flat = sampling.on_device([*tokens, *positions, *slots, *(rows[s] for s in starts), *starts, n, *lens,
                                    *last], self.device)      # one copy, no stream sync
         tok, pos, slot, seq_rows, q_start, ctx, last = flat.split([n, n, n, B, B + 1, B, B])
         q_start, ctx = q_start.int(), ctx.int()
         table = self.tables.index_select(0, seq_rows)[:, :-(-max(lens) // bsz)].long()
         slot_table = (table[:, :, None] * bsz + torch.arange(bsz, device=self.device)).reshape(B, -1).int()
-        max_new = max(e + 1 - s for s, e in zip(starts, last, strict=True))
 
         def attend(q, k, v, _tables, _ctx, scale):
             return paged_prefill(q, k.flatten(0, 1), v.flatten(0, 1), slot_table, q_start, ctx, scale, max_new)

@@ -84,18 +84,21 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
-    # steps past the prompt graphs (a long prompt chunk, alone or beside decoding rows) through the
-    # fused decode step's glue run once eagerly (PagedDecoder.long_step: fused norms, RoPE + K/V
-    # write, grouped q/k/v, the routing kernel), each sequence's rows attending in one pass of the
-    # paged prefill kernel, instead of the eager forward's torch glue (RMSNorm, RoPE, residuals as
-    # ~10 small kernels each; a 2048-token air6 forward runs 1347 kernels with ~3.8 ms of its 36.5
-    # on an H100 idle between them); GQA models (the fused step's), steps without every row's logits
-    "long_steps": "EXL3TOOLS_LONG_STEPS",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
 # faster (docs/gpu.md, docs/serve.md): off only when "0"
 OPT_OUTS = {
+    # steps past the prompt graphs (a long prompt chunk, alone or beside decoding rows) through the
+    # fused decode step's glue run once eagerly (PagedDecoder.long_step: fused norms, RoPE + K/V
+    # write, grouped q/k/v, the routing kernel), each sequence's rows attending in one pass of the
+    # paged prefill kernel, instead of the eager forward's torch glue; GQA models (the fused
+    # step's), steps without every row's logits. H100 2026-12-07 (bench/gpu_prefill_series.py,
+    # air6, a 2048-token forward, 6 interleaved rounds): 33.4 ms against 35.9 (1106 kernels against
+    # 1346, no host sync in either), activation peak 498 MB against 432; served (four servers
+    # alternating, 8 cold 4096-token prompts each) TTFT 108 / 108 ms against 114 / 114, the
+    # server's own 62.7 / 62.6 against 64.6 / 64.0; decode unchanged. tests/gpu passed with it (1200)
+    "long_steps": "EXL3TOOLS_LONG_STEPS",
     # linears of more than cuda_exl3.WGR_MAX_ROWS rows (and those under WGR_MIN_WEIGHTS from
     # cuda_exl3.FOLD2_MIN_ROWS rows) with fp16 activations: both passes folded
     # (kernels/cuda_dense.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole

@@ -21,9 +21,9 @@ log = logging.getLogger("exl3tools.runtime")
 
 def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
-    the measured activation peak is serve's), and with the long_steps preview on the same tokens
-    through a throwaway decoder's long step (PagedDecoder.long_step: serve's path for such steps
-    then); returns the pool's bytes (not activations)."""
+    the measured activation peak is serve's), and where long_steps is on (CUDA unless "0") the
+    same tokens through a throwaway decoder's long step (PagedDecoder.long_step: serve's path for
+    such steps then); returns the pool's bytes (not activations)."""
     from exl3tools.runtime import preview
     from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
 
@@ -34,7 +34,7 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     slots = pool.slots(table, n)
     view = PagedSeqView(pool, slots, 0)
     model.forward([(view, tokens)], to_cpu=False)
-    if preview.switched_on("long_steps"):
+    if preview.on_cuda("long_steps", model.embed.device):
         from exl3tools.errors import Exl3Error
         from exl3tools.runtime.paged_decode import PagedDecoder
 

@@ -414,8 +414,8 @@ class Runner(SpeculativeSteps, PeerLink):
         logits only and whose sequences of several rows read at most PROMPT_GRAPH_READS context
         tokens (decoding rows beside them may sit at any context, DSA selecting for them); "long"
         for the other steps without every row's logits where the decoder has a long step (the
-        long_steps preview: the fused glue once, eagerly, the prefill kernel's attention); else
-        "eager"."""
+        long_steps default on CUDA: the fused glue once, eagerly, the prefill kernel's attention);
+        else "eager"."""
         d = self.paged.decoder
         if d is None:
             return "eager"
@@ -423,8 +423,8 @@ class Runner(SpeculativeSteps, PeerLink):
         if n <= d.max_rows:
             # several rows of one sequence (EXL3TOOLS_ROW_STEPS=0: the eager forward, runtime/preview.py)
             return "decode" if self._row_steps or all(len(t or [0]) == 1 for _, _, t, _ in items) else "eager"
-        # the decoder's long step (the long_steps preview) where a prompt bucket does not take the
-        # step: one eager pass of the fused glue, the prefill kernel's attention
+        # the decoder's long step (long_steps: on CUDA unless "0") where a prompt bucket does not
+        # take the step: one eager pass of the fused glue, the prefill kernel's attention
         long = d.long_steps and not all_logits
         if all_logits or not d.prompt_buckets or n > d.prompt_buckets[-1]:
             if long:

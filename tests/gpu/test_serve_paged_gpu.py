@@ -119,7 +119,7 @@ def test_prompt_steps_replay_prompt_graphs(name, shared, monkeypatch):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
-    """The long_steps preview on CUDA: steps past the prompt buckets (a prompt chunk alone, beside
+    """Long steps on CUDA (EXL3TOOLS_LONG_STEPS, the default there): steps past the prompt buckets (a prompt chunk alone, beside
     decoding rows, after cached tokens) run PagedDecoder.long_step, never the eager forward, and
     match the CPU reference; every row's logits still take the eager forward."""
     from exl3tools.runtime.runner import load_runner
