@@ -1,6 +1,6 @@
 """bench/gpu_prefill_series.py --device cpu: the series runs on the CPU through the static step, the
-eager forward and the decoder's long step taking turns (--paths eager,long), each forward's row
-naming the path the runner really took, and a median per path (a smoke run of the GPU diagnostic,
+eager forward, the decoder's long step and the eager forward with the fused glue taking turns
+(--paths eager,long,fused), each forward's row naming its path, and a median per path (a smoke run of the GPU diagnostic,
 whose device calls are scarce)."""
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ import gpu_prefill_series  # noqa: E402
 def test_series_on_the_cpu_alternates_the_paths(monkeypatch, capsys):
     _interpret()
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")       # the static step's fused glue (long_step's)
+    from exl3tools.runtime import fused_step
+
+    calls = []
+    real = fused_step.FusedGqaStep.eager
+    monkeypatch.setattr(fused_step.FusedGqaStep, "eager", lambda self, t, b: calls.append(len(t)) or real(self, t, b))
     ckpt = fixture_dir("glm4_moe-3.0bpw-mcg") / "model"
     assert gpu_prefill_series.main([str(ckpt), "--device", "cpu", "--tokens", "40", "--n", "2", "--sleeps", "0",
-                                    "--paths", "eager,long", "--max-cache-tokens", "512"]) == 0
+                                    "--paths", "eager,long,fused", "--max-cache-tokens", "512"]) == 0
     out = capsys.readouterr().out
     rows = [line.split(" | ")[2] for line in out.splitlines() if line.startswith("| 0 | ")]
-    assert rows == ["eager", "long"] * 2               # 40 rows > the 32 decode rows: neither is "decode"
-    assert "idle 0 s, eager: median" in out and "idle 0 s, long: median" in out
+    assert rows == ["eager", "long", "fused"] * 2      # 40 rows > the 32 decode rows: none is "decode"
+    assert calls == [40] * 3                           # the fused path's warm-up and two forwards
+    assert all(f"idle 0 s, {p}: median" in out for p in ("eager", "long", "fused"))

@@ -137,10 +137,27 @@ class FusedGqaStep:
             x = self._layer(layer, nxt, h, x, rope, positions, slots, tables, ctx, attend, st)
         return x
 
+    def eager(self, tokens: torch.Tensor, batch) -> torch.Tensor:
+        """An eager step's final-normed states (CausalLM.forward's ``body``): this step's glue with
+        each layer's own attention over ``batch`` (a layers.Batch of the sequences' caches: the
+        prompt kernels, DSA's selection, any rows and history), for steps no fixed-shape step
+        takes (every row's logits, MLA prompt chunks); the fused_eager switch."""
+        layers = self.model.layers
+        first = layers[0].attn_norm
+        h, x = fk.embed_rmsnorm(self.model.embed, tokens, first.weight, first.eps)
+        for layer, nxt in zip(layers, self.norms, strict=True):
+            x = self._rest(layer, nxt, h, layer.attn(x, batch))
+        return x
+
     def _layer(self, layer, nxt, h, x, rope, positions, slots, tables, ctx, attend, st) -> torch.Tensor:
         """One block on residual rows ``h`` (updated in place) and their attention-normed ``x``:
         the block's output normed by ``nxt`` (the next block's attention norm, or the final one)."""
-        d = self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx, attend, st)
+        return self._rest(layer, nxt, h, self._attend_layer(layer.attn, x, rope, positions, slots, tables, ctx,
+                                                             attend, st))
+
+    def _rest(self, layer, nxt, h, d) -> torch.Tensor:
+        """A block after its attention's output ``d``: the residual add and MLP norm, the MLP, the
+        residual add and ``nxt``'s norm (one kernel each norm)."""
         both = None
         if self.router_one_gemm and id(layer.mlp) in self._fp16_bias and self._routes_here(layer.mlp):
             x, both = fk.residual_rmsnorm(h, layer.mlp_norm.weight, layer.mlp_norm.eps, delta=d, with_fp16=True)

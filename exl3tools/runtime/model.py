@@ -39,12 +39,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, items: list[tuple[SeqCache, list[int]]], *, all_logits: bool = False,
-                to_cpu: bool = True, states: bool = False):
+                to_cpu: bool = True, states: bool = False, body=None):
         """Append each sequence's tokens to its cache (a SeqCache, or a kv_pool.PagedSeqView);
         logits (float32, on the CPU unless ``to_cpu`` is False) for the last new token of each
         sequence, shape (len(items), vocab), or for every new row when ``all_logits``. With
         ``states``: (logits, the final-normed hidden state of every new row on the model's device),
-        what an MTP draft head reads (runtime/mtp.py)."""
+        what an MTP draft head reads (runtime/mtp.py). ``body(token ids, batch)``: every row's
+        final-normed states in place of the layers' own glue (fused_step.FusedGqaStep.eager)."""
         spans, ids, pos = [], [], []
         row = 0
         for cache, tokens in items:
@@ -54,21 +55,24 @@ class CausalLM:
             pos.extend(range(p0, p0 + len(tokens)))
             row += len(tokens)
         dev = self.embed.device
-        # through pinned memory (on_device): a tensor built on CUDA from a list syncs the stream
-        pos_ids = on_device(pos + ids, dev)
-        batch = Batch(spans, pos_ids[:len(pos)])
-        h = self.embed[pos_ids[len(pos):]].float()
-        for layer in self.layers:
-            h = layer(h, batch)
-        if states:
+        # positions, ids and the last rows' index in one copy through pinned memory (on_device): a
+        # tensor built on CUDA from a list syncs the stream
+        n = len(pos)
+        flat = on_device(pos + ids + ([] if all_logits else [s.row + s.n - 1 for s in spans]), dev)
+        batch, tokens = Batch(spans, flat[:n]), flat[n:2 * n]
+        last = None if all_logits else flat[2 * n:]
+        if body is not None:
+            hn = body(tokens, batch)
+        else:
+            h = self.embed[tokens].float()
+            for layer in self.layers:
+                h = layer(h, batch)
+            if not states and last is not None:       # the final norm of the rows asked for only
+                h, last = h[last], None
             hn = self.norm(h)
-            rows = hn if all_logits else hn[on_device([s.row + s.n - 1 for s in spans], dev)]
-            logits = self.logits(rows)
-            return (logits.cpu() if to_cpu else logits), hn
-        if not all_logits:
-            h = h[on_device([s.row + s.n - 1 for s in spans], dev)]
-        logits = self.logits(self.norm(h))
-        return logits.cpu() if to_cpu else logits
+        logits = self.logits(hn if last is None else hn[last])
+        logits = logits.cpu() if to_cpu else logits
+        return (logits, hn) if states else logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """lm_head of final-normed states: gathered across ranks when the head is cut by vocab,

@@ -187,6 +187,8 @@ class PagedDecoder:
         # unless EXL3TOOLS_LONG_STEPS=0): GQA models only (MLA's prompt attention is its own)
         self.long_steps = (self._fused is not None and not self._fused.mla and preview.on_cuda("long_steps", self.device)
                            and not invariance.on())
+        # the eager forward's glue (the fused_eager preview): CausalLM.forward's ``body``, or None
+        self.eager_body = self._fused.eager if self._fused is not None and preview.switched_on("fused_eager") else None
         if invariance.on():
             if self._fused is None or self._fused.mla or self.device.type != "cuda":
                 raise UsageError("batch-invariant serving needs a GQA model (llama, qwen3_moe, glm4_moe) on CUDA "

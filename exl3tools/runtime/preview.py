@@ -84,6 +84,12 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # step of 65-256 rows; the draw 25 characters alike of 52, the bar 26; 1107 passed without it):
     # it stays a preview
     "dense_wga": "EXL3TOOLS_DENSE_WGA",
+    # the eager forward's steps (those no fixed-shape or long step takes: every row's logits, MLA
+    # models' prompt chunks) with the fused decode step's glue around each layer's own attention
+    # (FusedGqaStep.eager: the embedding and first norm in one kernel, each residual add + RMSNorm
+    # in one, the MoE through the routing kernel), where CausalLM.forward runs RMSNorm, the
+    # residual adds and the router as torch ops; GQA and MLA models with a fused step
+    "fused_eager": "EXL3TOOLS_FUSED_EAGER",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

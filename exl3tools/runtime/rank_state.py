@@ -21,30 +21,33 @@ log = logging.getLogger("exl3tools.runtime")
 
 def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
-    the measured activation peak is serve's), and where long_steps is on (CUDA unless "0") the
-    same tokens through a throwaway decoder's long step (PagedDecoder.long_step: serve's path for
-    such steps then); returns the pool's bytes (not activations)."""
+    the measured activation peak is serve's: with the fused_eager preview through a throwaway
+    decoder's glue, PagedDecoder.eager_body), and where long_steps is on (CUDA unless "0") the
+    same tokens through that decoder's long step (PagedDecoder.long_step: serve's path for such
+    steps then); returns the pool's bytes (not activations)."""
     from exl3tools.runtime import preview
     from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
 
     bs = DEFAULT_BLOCK_SIZE
     nb = -(-n // bs) + 1
-    pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), model.embed.device)
+    dev = model.embed.device
+    pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), dev)
     tokens, table = [i % model.info.vocab_size for i in range(n)], list(range(1, nb))
     slots = pool.slots(table, n)
-    view = PagedSeqView(pool, slots, 0)
-    model.forward([(view, tokens)], to_cpu=False)
-    if preview.on_cuda("long_steps", model.embed.device):
+    d = None
+    if preview.on_cuda("long_steps", dev) or preview.switched_on("fused_eager"):
         from exl3tools.errors import Exl3Error
         from exl3tools.runtime.paged_decode import PagedDecoder
 
         try:
             d = PagedDecoder(model, pool, 1, nb - 1)
-        except Exl3Error:            # no fixed-shape step for this model: no long steps either
+        except Exl3Error:            # no fixed-shape step for this model: neither path
             d = None
-        if d is not None and d.long_steps:
-            d.set_blocks([(0, c, b) for c, b in enumerate(table)])
-            d.long_step(tokens, list(range(n)), slots.tolist(), [0] * n)
+    model.forward([(PagedSeqView(pool, slots, 0), tokens)], to_cpu=False,
+                  body=d.eager_body if d is not None else None)
+    if d is not None and d.long_steps:
+        d.set_blocks([(0, c, b) for c, b in enumerate(table)])
+        d.long_step(tokens, list(range(n)), slots.tolist(), [0] * n)
     return pool.nbytes()
 
 
@@ -106,8 +109,9 @@ class PagedState:
         """Eager forward; each item is (block table, tokens cached, new tokens). Device logits
         (with ``states``: and the final-normed states of every new row, CausalLM.forward)."""
         views = paged_views(self.pool, items)
+        body = self.decoder.eager_body if self.decoder is not None else None
         return self.model.forward(list(zip(views, (t for _, _, t in items), strict=True)), all_logits=all_logits,
-                                  to_cpu=False, states=states)
+                                  to_cpu=False, states=states, body=body)
 
     def decode(self, tokens, positions, slots, rows, updates, device_tokens=None, states: bool = False,
                long: bool = False):

@@ -1,4 +1,5 @@
-"""MLA/DSA runtime on the GPU (Triton kernels) gives the CPU reference runtime's logits; MTP stays exact."""
+"""MLA/DSA runtime on the GPU (Triton kernels) gives the CPU reference runtime's logits (its eager steps
+with the fused glue too); MTP stays exact."""
 
 from __future__ import annotations
 
@@ -282,3 +283,45 @@ def test_prompt_dsa_selection_through_the_decode_kernels_on_cuda(dev):
     r.close()
     assert torch.equal(got.sum(1), want.sum(1)) and int(want[0].sum()) == idx.topk
     assert (got != want).sum(1).max().item() <= 4 and (got == want).all(1).float().mean().item() > 0.5
+
+
+@pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", *MLA])
+def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypatch):
+    """The fused_eager preview on CUDA: eager steps (every row's logits; a prompt chunk beside a
+    decoding row past the decode buckets, with prompt graphs and long steps off) run the fused
+    step's glue around each layer's own attention (PagedDecoder.eager_body; glm5 selecting past
+    its index_topk of 32) and give the CPU reference runtime's logits."""
+    from exl3tools.runtime import fused_step
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import golden_prompt, model_dir
+    from tests.gpu.conftest import cuda_backend
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA")
+    path = model_dir(name, request)
+    prompt = golden_prompt(path, "prompt_p64", 40)
+
+    def schedule(r) -> list:
+        r.add_sequence("s")
+        r.add_sequence("t")
+        got = [r.step([("s", prompt[:30])], all_logits=True)]
+        got.append(r.step([("s", [3]), ("t", prompt[1:40])]))          # 40 rows; t selects past 32 keys
+        got += [r.step([("s", [t]), ("t", [t])]) for t in (900, 11)]
+        return [g.float().cpu() for g in got]
+
+    out = {}
+    for kv in kv_references(name):
+        r = load_runner(path, device="cpu", backend="reference", max_cache_tokens=4096, kv_dtype=kv)
+        out[kv] = schedule(r)
+        r.close()
+    calls = []
+    real = fused_step.FusedGqaStep.eager
+    monkeypatch.setattr(fused_step.FusedGqaStep, "eager", lambda self, t, b: calls.append(len(t)) or real(self, t, b))
+    for var, on in (("EXL3TOOLS_FUSED_EAGER", "1"), ("EXL3TOOLS_PROMPT_GRAPHS", "0"), ("EXL3TOOLS_LONG_STEPS", "0")):
+        monkeypatch.setenv(var, on)
+    r = load_runner(path, device="cuda", backend=cuda_backend(), max_cache_tokens=4096, max_num_seqs=8)
+    got = schedule(r)
+    r.close()
+    assert calls == [30, 40]
+    errs = _step_errors(got, out)
+    assert _near_a_reference(errs), errs
