@@ -317,11 +317,19 @@ def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypat
     calls = []
     real = fused_step.FusedGqaStep.eager
     monkeypatch.setattr(fused_step.FusedGqaStep, "eager", lambda self, t, b: calls.append(len(t)) or real(self, t, b))
-    for var, on in (("EXL3TOOLS_FUSED_EAGER", "1"), ("EXL3TOOLS_PROMPT_GRAPHS", "0"), ("EXL3TOOLS_LONG_STEPS", "0")):
-        monkeypatch.setenv(var, on)
-    r = load_runner(path, device="cuda", backend=cuda_backend(), max_cache_tokens=4096, max_num_seqs=8)
-    got = schedule(r)
-    r.close()
+    monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", "0")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "0")
+    cuda = {}
+    for on in ("0", "1"):           # the eager forward's own glue on CUDA, then the fused glue
+        monkeypatch.setenv("EXL3TOOLS_FUSED_EAGER", on)
+        r = load_runner(path, device="cuda", backend=cuda_backend(), max_cache_tokens=4096, max_num_seqs=8)
+        cuda[on] = schedule(r)
+        r.close()
     assert calls == [30, 40]
-    errs = _step_errors(got, out)
+    # the same kernels around it: the glue alone differs (H100: 2.7e-4 on glm4's 30 rows)
+    glue = _step_errors(cuda["1"], {"eager": cuda["0"]})
+    assert all(e["eager"] < 3e-3 for e in glue), glue
+    # the CPU reference for the last rows' steps; the first step's every row holds glm4's row 22,
+    # a routing near-tie that the CUDA kernels flip with either glue (7.6e-2 on the H100)
+    errs = _step_errors(cuda["1"][1:], {kv: o[1:] for kv, o in out.items()})
     assert _near_a_reference(errs), errs
