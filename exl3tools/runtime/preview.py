@@ -88,7 +88,9 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # models' prompt chunks) with the fused decode step's glue around each layer's own attention
     # (FusedGqaStep.eager: the embedding and first norm in one kernel, each residual add + RMSNorm
     # in one, the MoE through the routing kernel), where CausalLM.forward runs RMSNorm, the
-    # residual adds and the router as torch ops; GQA and MLA models with a fused step
+    # residual adds and the router as torch ops; GQA and MLA models with a fused step. H100
+    # 2026-12-07 (bench/gpu_prefill_series.py, the GLM-5 shape, 2048 tokens): right (its GPU test),
+    # kernels 50.5 against 52.7 ms, wall time not told apart under the power cap; not yet served
     "fused_eager": "EXL3TOOLS_FUSED_EAGER",
 }
 
