@@ -290,7 +290,8 @@ def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypat
     """The fused_eager preview on CUDA: eager steps (every row's logits; a prompt chunk beside a
     decoding row past the decode buckets, with prompt graphs and long steps off) run the fused
     step's glue around each layer's own attention (PagedDecoder.eager_body; glm5 selecting past
-    its index_topk of 32) and give the CPU reference runtime's logits."""
+    its index_topk of 32): the eager forward's own glue's logits on CUDA at every step, and the
+    CPU reference runtime's at the last rows' steps."""
     from exl3tools.runtime import fused_step
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import golden_prompt, model_dir
