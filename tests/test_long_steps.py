@@ -95,3 +95,22 @@ def test_kv_budget_profile_takes_the_long_step_too(on, monkeypatch):
     monkeypatch.setattr(PagedDecoder, "long_step", lambda self, *a: calls.append(len(a[0])) or real(self, *a))
     rank_state.profile_forward(_model("qwen3_moe-2.5bpw-mul1"), 21)
     assert calls == ([21] if on == "1" else [])
+
+
+def test_kv_budget_profile_builds_no_decoder_for_an_mla_model(monkeypatch):
+    """Long steps are GQA models': for an MLA model the profile forward builds no throwaway decoder
+    (a start-up cost that would run nothing), the eager forward alone."""
+    _interpret()
+    from exl3tools.runtime import rank_state
+    from exl3tools.runtime.paged_decode import PagedDecoder
+
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    monkeypatch.delenv("EXL3TOOLS_FUSED_EAGER", raising=False)
+    built = []
+    real = PagedDecoder.__init__
+    monkeypatch.setattr(PagedDecoder, "__init__", lambda self, *a, **k: built.append(1) or real(self, *a, **k))
+    rank_state.profile_forward(_model("deepseek_v3-3.0bpw-3inst"), 9)
+    assert built == []
+    rank_state.profile_forward(_model("qwen3_moe-2.5bpw-mul1"), 9)
+    assert built == [1]

@@ -25,7 +25,7 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     decoder's glue, PagedDecoder.eager_body), and where long_steps is on (CUDA unless "0") the
     same tokens through that decoder's long step (PagedDecoder.long_step: serve's path for such
     steps then); returns the pool's bytes (not activations)."""
-    from exl3tools.runtime import preview
+    from exl3tools.runtime import fused_step, preview
     from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
 
     bs = DEFAULT_BLOCK_SIZE
@@ -35,7 +35,8 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     tokens, table = [i % model.info.vocab_size for i in range(n)], list(range(1, nb))
     slots = pool.slots(table, n)
     d = None
-    if preview.on_cuda("long_steps", dev) or preview.switched_on("fused_eager"):
+    # a throwaway decoder only where it runs something: long steps are GQA models' (fused_step.supports)
+    if preview.switched_on("fused_eager") or (preview.on_cuda("long_steps", dev) and fused_step.supports(model)):
         from exl3tools.errors import Exl3Error
         from exl3tools.runtime.paged_decode import PagedDecoder
 
