@@ -387,3 +387,45 @@ def test_ttft_and_request_duration_count_from_when_the_request_reached_the_serve
     before = ttft_sum()
     asyncio.run(one())
     assert 3.0 <= ttft_sum() - before < 60.0
+
+
+def test_ttft_is_taken_once_the_token_is_on_the_host(server, monkeypatch):
+    """The first token's time is taken after the step's one host sync (reading the sampled
+    tokens), not before it: on a GPU the step may still be running then (a long prompt's last
+    chunk, tens of ms), and the TTFT histogram would report less than a client waits. Here the
+    read of the device tokens takes 0.4 s, as a GPU still busy with the step would."""
+    import asyncio
+    import re
+    import time
+
+    from exl3tools.server.sampling_params import SamplingParams
+
+    def ttft_sum() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return float(re.search(r"^exl3tools_time_to_first_token_seconds_sum\S* (\S+)$", text, re.M).group(1))
+
+    class SlowRead:                 # the sampled tokens, their read waiting on the "device"
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def tolist(self):
+            time.sleep(0.4)
+            return self.tokens.tolist()
+
+        def rows(self, keep):
+            return self.tokens.rows(keep)
+
+    engine = server.app.state.server.engine
+    real = engine._sample_device_fn
+    if real is None:
+        pytest.skip("this engine samples on the host")
+    monkeypatch.setattr(engine, "_sample_device_fn", lambda *a: SlowRead(real(*a)))
+
+    async def one() -> None:
+        h = engine.submit(asyncio.get_running_loop(), [[1, 2, 3]], SamplingParams(max_tokens=1), 1)
+        async for _ in h.events():
+            pass
+
+    before = ttft_sum()
+    asyncio.run(one())
+    assert 0.4 <= ttft_sum() - before < 30.0

@@ -368,7 +368,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
         nxt = self._chain(fl)
         t1 = time.perf_counter()
         if fl.ready:
-            self._sample_ready(fl, nxt, time.monotonic())
+            self._sample_ready(fl, nxt)
         self._inflight = nxt
         self._sweep()
         t2 = time.perf_counter()

@@ -6,6 +6,7 @@ server.engine.Engine, beside engine_spec's and engine_scoring's."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -60,10 +61,12 @@ class TokenSampling:
             return sub
         return self._adjust_rows(sub, [seq.adjust for _, seq in ready])
 
-    def _sample_ready(self, fl: _Inflight, nxt: _Inflight | None, now: float) -> None:
+    def _sample_ready(self, fl: _Inflight, nxt: _Inflight | None) -> None:
         """Read ``fl``'s tokens (the one host sync of a step) and emit them; tell the runner the
         tokens ``nxt`` (chained on them) wrote. Without device tokens: all rows in one sampler
-        call; if that fails (a NaN row), row by row, so only the broken sequence fails."""
+        call; if that fails (a NaN row), row by row, so only the broken sequence fails. The
+        tokens' time (TTFT, ITL) is taken once they are on the host: before the sync the GPU may
+        still be running the step (a long prompt's last chunk: tens of ms)."""
         logits, ready = fl.logits, fl.ready
         tokens = None
         if fl.tokens is not None:
@@ -77,6 +80,7 @@ class TokenSampling:
                                        if known.get(id(s)) is not None])
         if tokens is None and fl.tokens is None:
             tokens = self._sample_rows(self._sample_batch_fn, logits, ready, "batched sampling failed")
+        now = time.monotonic()
         for j, (i, seq) in enumerate(ready):
             if seq.finished:        # cancelled, or stopped at the step this one was chained on
                 continue
@@ -87,7 +91,8 @@ class TokenSampling:
                 self._fail(seq)
 
     def _sample(self, seq: Sequence, row: Any, now: float, token: int | None = None) -> None:
-        """Emit one token for ``seq``: ``token`` if the batched sampler drew it, else drawn here."""
+        """Emit one token for ``seq``: ``token`` if the batched sampler drew it, else drawn here
+        (then its time is taken after the draw, which waits for the step)."""
         p = seq.params
         if token is None:
             if p.temperature > 0 and not hasattr(seq.generator, "manual_seed"):
@@ -95,6 +100,7 @@ class TokenSampling:
             gen = seq.generator if p.temperature > 0 else None
             token = int(self._sample_fn(row if seq.adjust is None else seq.adjust.apply(row), p.temperature,
                                         p.top_k, p.top_p, gen))
+            now = time.monotonic()
         ev = Event(seq.index, token_ids=[token])
         if p.logprobs is not None:
             lp, top = self._logprobs_fn(row, token, p.logprobs)

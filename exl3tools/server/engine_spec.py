@@ -79,7 +79,6 @@ class SpeculativeRounds:
                 self._fail(seq)
             return
         self.steps += 1
-        now = time.monotonic()
         # the greedy rows' verdicts from one argmax over the whole verify (one host sync, not one a row)
         if preds is None and any(s.params.temperature <= 0 for s, _, _ in drafted):
             preds = logits.float().argmax(-1).tolist()
@@ -97,6 +96,7 @@ class SpeculativeRounds:
                 a, bonus = self._accept_fn(target, qrows, drafts, p.temperature, p.top_k, p.top_p,
                                            seq.generator if p.temperature > 0 else None, preds=mine)
                 runner.accept(seq.seq_id, a + 1, tokens=verified)
+                now = time.monotonic()      # the verdict is on the host: the verify has run
             except Exception:
                 log.exception("accepting drafts failed")
                 self._fail(seq)

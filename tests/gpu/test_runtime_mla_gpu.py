@@ -329,8 +329,14 @@ def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypat
     assert calls == [30, 40]
     # the same kernels around it: the glue alone differs (H100: 2.7e-4 on glm4's 30 rows)
     glue = _step_errors(cuda["1"], {"eager": cuda["0"]})
-    assert all(e["eager"] < 3e-3 for e in glue), glue
     # the CPU reference for the last rows' steps; the first step's every row holds glm4's row 22,
     # a routing near-tie that the CUDA kernels flip with either glue (7.6e-2 on the H100)
-    errs = _step_errors(cuda["1"][1:], {kv: o[1:] for kv, o in out.items()})
+    refs = {kv: o[1:] for kv, o in out.items()}
+    errs, base = _step_errors(cuda["1"][1:], refs), _step_errors(cuda["0"][1:], refs)
+    print(name, "glue", glue, "fused vs CPU", errs, "eager glue vs CPU", base)
     assert _near_a_reference(errs), errs
+    # glm5's DSA top-k of 32 over 41 keys: the glues' fp16-level differences in the cached keys can
+    # flip a near-tie at the next decode step (H100: 0.17 at the token-900 step, 3e-4 at the steps
+    # around it); such a step passes only where each glue's run is within 1e-2 of a CPU reference
+    tie = ["dsa" in name and i > 0 and min(base[i - 1].values()) < 1e-2 for i in range(len(glue))]
+    assert all(e["eager"] < 3e-3 or t for e, t in zip(glue, tie, strict=True)), (glue, base)
