@@ -114,6 +114,7 @@ def large_parts(lin, x):
     and both whole paths (decode + GEMM + output pass; folded decode + GEMM)."""
     from exl3tools.kernels import cuda_dense as cd
     from exl3tools.kernels import cuda_exl3 as cx
+    from exl3tools.kernels import cuda_launch as cl
 
     rows = x.shape[0]
     xrot = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
@@ -141,7 +142,7 @@ def large_parts(lin, x):
     ref = lin(x).float()
     for name in DENSE_TILES:
         m, per = (int(v) for v in name.split("_m")[1].split("_t"))
-        if rows % m or rows > 2048 or lin.nt % (cx.kernel_block(name)[0] * per):
+        if rows % m or rows > 2048 or lin.nt % (cl.kernel_block(name)[0] * per):
             continue
         def tiles(m=m, name=name):
             xr = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
@@ -215,7 +216,7 @@ def main() -> int:
         fns = {name: make_linear(t, cb, K, "cuda", backend=name) for name in ("cuda", "triton") if name in impls}
         pro_rows = 0
         if "cuda_pro" in impls:        # the gemv's own input pass (EXL3TOOLS_GEMV_PROLOGUE), where it applies
-            from exl3tools.kernels.cuda_exl3 import GEMV_PRO_MAX_ROWS as pro_rows
+            from exl3tools.kernels.cuda_gemv import GEMV_PRO_MAX_ROWS as pro_rows
 
             fns["cuda_pro"] = make_linear(t, cb, K, "cuda", backend="cuda")
             fns["cuda_pro"].gemv_in = True
@@ -258,7 +259,7 @@ def main() -> int:
 def print_table(results):
     """ours = the CUDA backend where measured, else Triton; µs, and ratios from the same run; pro: the
     CUDA backend with the gemv's own input pass (--impls ...,cuda_pro; rows up to
-    cuda_exl3.GEMV_PRO_MAX_ROWS); err ours: the largest of our implementations' errors."""
+    cuda_gemv.GEMV_PRO_MAX_ROWS); err ours: the largest of our implementations' errors."""
     hdr = (f"{'in->out':>12} {'K':>3} {'cb':>5} {'rows':>5} | {'cuda':>8} {'pro':>8} {'triton':>8} {'exl3':>8} {'fp16':>8} "
            f"{'floor':>6} | {'ours/exl3':>9} {'ours/fp16':>9} {'ours/floor':>10} | err ours / exl3")
     print(hdr)

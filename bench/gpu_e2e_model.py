@@ -16,7 +16,7 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   ``:shared-apart``: fused, but the shared expert in its own linears (``EXL3TOOLS_FUSED_SHARED=0``);
   ``:pair-tiles``: fused, the MoE in pair-order tiles (``EXL3TOOLS_PAIR_TILES=1``, runtime/preview.py).
   ``:gemv-prologue``: fused, linears and expert slots of one row without a had_in launch
-  (``EXL3TOOLS_GEMV_PROLOGUE=1``, cuda_exl3.GEMV_PRO_MAX_ROWS); ``:grouped``: fused, q/k/v and a
+  (``EXL3TOOLS_GEMV_PROLOGUE=1``, cuda_gemv.GEMV_PRO_MAX_ROWS); ``:grouped``: fused, q/k/v and a
   dense MLP's gate/up as one grouped call each (``EXL3TOOLS_GROUPED_PROJ=1``, cuda_group.CudaGroup);
   ``:grouped-prologue``: both; ``:act-input``: fused, the MoE down projection's input pass computing
   silu(gate) * up (``EXL3TOOLS_ACT_INPUT=1``); ``:stack``: grouped, gemv-prologue and act-input;
@@ -26,7 +26,7 @@ decode (argmax fed back on the GPU): `--warmup` steps, then `--steps` timed step
   ``:fused-mla``: MLA models (DeepSeek-V3, GLM-5) with the fused glue around their attention
   (``EXL3TOOLS_FUSED_MLA=1``, runtime/fused_step.py FusedMlaStep, the default on CUDA since
   2026-12-03); ``:no-fused-mla``: the same opted out (the torch loop around the attention);
-  ``:units16`` / ``:units64``: the default with tile units of 16 / 64 k-tiles (cuda_exl3.TILE_UNIT_KTILES);
+  ``:units16`` / ``:units64``: the default with tile units of 16 / 64 k-tiles (cuda_gemv.TILE_UNIT_KTILES);
   ``:chained``: the defaults stepped as ``serve`` steps them (``Runner.step_chained``: step N + 1
   launched on step N's device tokens before the host reads them, so the host's work overlaps the GPU's).
 - ``exllamav3``: its own API as its examples use it. Mode "forward": ``model.prefill`` then one

@@ -34,8 +34,9 @@ def main() -> None:
 
 def _slots(lin, x: torch.Tensor, kernel: str) -> torch.Tensor:
     from exl3tools.kernels import cuda_exl3 as cx
+    from exl3tools.kernels import cuda_launch as cl
 
-    m, rows = cx.slot_rows(kernel), x.shape[0]
+    m, rows = cl.slot_rows(kernel), x.shape[0]
     xr = cx.had_in(lin.mod, x, lin.suh_tab, rows, rows, lin.k)
     acc = cx.workspace(lin.device, rows * lin.n)
     cx.gemv(lin.mod, xr, lin.tr_tab, lin.kt, lin.nt, m, rows // m, acc, kernel=kernel)

@@ -1,6 +1,6 @@
-"""The CUDA driver API through ctypes, for kernels/cuda_exl3.py: cubins loaded as modules and their
-kernels launched on torch's current stream (so CUDA graphs capture them), with programmatic
-dependent launch where asked. No build step, no torch extension."""
+"""The CUDA driver API through ctypes, for kernels/cuda_exl3.py and kernels/cuda_gemv.py: cubins
+loaded as modules and their kernels launched on torch's current stream (so CUDA graphs capture
+them), with programmatic dependent launch where asked. No build step, no torch extension."""
 
 from __future__ import annotations
 

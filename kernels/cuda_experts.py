@@ -1,5 +1,5 @@
 """One projection of many MoE experts in one call on our CUDA kernels (backend ``cuda``; the
-kernels and launch helpers are kernels/cuda_exl3.py's).
+modules and routing constants are kernels/cuda_exl3.py's, the launch wrappers kernels/cuda_gemv.py's).
 
 ``CudaExperts.slots`` runs one projection of many experts at once, one row per (token, expert)
 slot, experts addressed through device pointer tables: no host sync, no sorting.
@@ -14,28 +14,29 @@ import os
 
 import torch
 from exl3tools.kernels.cuda_exl3 import (
-    _SUFFIX,
-    PDL,
     PREFILL_TILE_ROWS,
     SMALL_ROWS,
     TILE_KERNELS,
-    TILE_UNIT_KTILES,
     WGR_RG_OUT_M128_KERNELS,
-    _act,
     _check_dims,
     _ptrs,
-    _wgr_out,
     cuda_device,
-    fixed_workspace,
+    module,
+)
+from exl3tools.kernels.cuda_gemv import (
+    _SUFFIX,
+    PDL,
+    TILE_UNIT_KTILES,
+    _act,
+    _wgr_out,
     gemv,
     gemv_pro,
     gemv_pro_fits,
     had_in,
     had_out,
-    module,
-    workspace,
 )
 from exl3tools.kernels.cuda_launch import wave_split
+from exl3tools.kernels.cuda_workspace import fixed_workspace, workspace
 
 from exl3tools.errors import UsageError
 

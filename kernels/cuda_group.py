@@ -7,17 +7,9 @@ from __future__ import annotations
 import math
 
 import torch
-from exl3tools.kernels.cuda_exl3 import (
-    SMALL_ROWS,
-    CudaLinear,
-    _act,
-    gemv,
-    gemv_pro,
-    gemv_pro_fits,
-    had_in,
-    had_out,
-    workspace,
-)
+from exl3tools.kernels.cuda_exl3 import SMALL_ROWS, CudaLinear
+from exl3tools.kernels.cuda_gemv import _act, gemv, gemv_pro, gemv_pro_fits, had_in, had_out
+from exl3tools.kernels.cuda_workspace import workspace
 
 
 class CudaGroup:

@@ -1,6 +1,6 @@
 """The launch table of the GEMM kernels in kernels/csrc/exl3_gemv.cu: a block's rows, units, threads
 and shared memory by kernel name, and how K is split so that a launch's units are resident at once
-(one wave). kernels/cuda_exl3.py and kernels/cuda_experts.py size every launch with it; tests/gpu
+(one wave). kernels/cuda_gemv.py and kernels/cuda_experts.py size every launch with it; tests/gpu
 patch ``sm_count`` here to force split counts."""
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def test_xdup_smem_builds_without_spills_at_six_blocks(tmp_path, cb):
 def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
     """exl3_gemv.cu with -DHALVES=1 (3INST, MCG; MUL1's AFF kernels): the 8-row gemv kernels compile
     for sm_90a without spills (a tile takes two MMAs there: the halves as k entries); MUL1's module
-    has the gemv_pro entry points cuda_exl3.gemv_pro names for AFF, the others have none."""
+    has the gemv_pro entry points cuda_gemv.gemv_pro names for AFF, the others have none."""
     report, _ = _ptxas(tmp_path, cb)
     aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", report) if "_aff_" in f}
     want = {f"exl3_gemv_pro_{kind}aff_m8_t2_{x}" for kind in ("", "ld_", "act_") for x in ("f16", "f32")}
@@ -200,7 +200,7 @@ def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
-    """cuda_exl3.had_in / had_out launch exl3_had_*_grid, the 1-D passes under EXL3TOOLS_HAD_GRID=0:
+    """cuda_gemv.had_in / had_out launch exl3_had_*_grid, the 1-D passes under EXL3TOOLS_HAD_GRID=0:
     each of the ten 1-D passes has its twin, built without spills in no more registers than 32
     (8 blocks of 256 threads an SM, as the 1-D passes)."""
     _, regs = _ptxas(tmp_path, 2, entries="exl3_had_")

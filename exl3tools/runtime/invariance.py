@@ -10,7 +10,7 @@ as it would be alone, on CUDA, for GQA models at TP 1:
 
 - EXL3 linears and experts: splits fixed by the weight's shape, partial sums added as fixed-point
   int64 (order-free); more than 64 rows in 64-row slots of the shared-memory tile kernel, whose
-  per-row arithmetic is the gemv kernel's (kernels/cuda_exl3.py); the MoE's expert-sorted tiles with
+  per-row arithmetic is the gemv kernel's (kernels/cuda_gemv.py); the MoE's expert-sorted tiles with
   their rows put back in pair order (runtime/fused_step.py);
 - paged decode attention: a fixed number of key tiles per split for every row
   (kernels/paged_attention.invariant_splits);

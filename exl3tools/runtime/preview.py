@@ -122,7 +122,7 @@ OPT_OUTS = {
     # openai client, four servers alternating) a 2048-token prompt's prefill step 37.8 / 36.9 ms
     # (the median of 5) against 52.6 / 44.9, decode unchanged
     "dense_fold_in": "EXL3TOOLS_DENSE_FOLD_IN",
-    # the Hadamard passes (cuda_exl3.had_in / had_out: every linear's input and output rotation,
+    # the Hadamard passes (cuda_gemv.had_in / had_out: every linear's input and output rotation,
     # the experts' too) on the _grid kernels: block (row, j) of a 2-D grid takes the row's 128-column
     # blocks 8 j .. 8 j + 7, a warp each, so an item needs no 64-bit division of a flat index (nor a
     # row division without source or expert indices), and the butterflies are fma(v, ±1, o) (the
@@ -161,7 +161,7 @@ OPT_OUTS = {
     "gemv_affine": "EXL3TOOLS_GEMV_AFFINE",
     # linears and expert slots of one row: the gemv kernel rotates its own split of the activations
     # (had_in's arithmetic, into shared memory) instead of a had_in launch before it (kernels/csrc
-    # gemv_body PRO, cuda_exl3.gemv_pro, GEMV_PRO_MAX_ROWS); and the fused decode step's q, k and v
+    # gemv_body PRO, cuda_gemv.gemv_pro, GEMV_PRO_MAX_ROWS); and the fused decode step's q, k and v
     # (a dense MLP's gate and up) as one grouped call each (runtime.layers.LinearGroup ->
     # cuda_group.CudaGroup: column chunks of one width as the slots of one gemv launch, each with its
     # own trellis width, exl3_gemv_ld_*, and one output pass; 9 launches -> 2 at one row). H200
@@ -173,7 +173,7 @@ OPT_OUTS = {
     # the fused decode step's MoE at 2 or more tokens (up to expert_groups.MAX_PAIRS pairs): the
     # pairs grouped into one 8-row tile per expert by one kernel (kernels/expert_groups.py), so each
     # expert's weights are decoded once, not once per pair (batch 8 on GLM-4.5-Air: 72 pairs, ~52
-    # experts; the shared expert once instead of 8 times), in short units (cuda_exl3.TILE_UNIT_KTILES),
+    # experts; the shared expert once instead of 8 times), in short units (cuda_gemv.TILE_UNIT_KTILES),
     # and residual_rmsnorm reads each pair's row from the tiles (y_rows); instead of one row per pair
     # below MOE_TILES_MIN_SLOTS pairs and _tiles_sum (expert_tiles' ~25 torch launches, the shared
     # expert apart) above. H200 2026-12-03 06:26 (docs/gpu.md): tests/gpu 819 passed with it on and

@@ -1,4 +1,4 @@
-"""The Hadamard passes (kernels/cuda_exl3.had_in / had_out: every linear's input and output
+"""The Hadamard passes (kernels/cuda_gemv.had_in / had_out: every linear's input and output
 rotation) on their two grids, the _grid kernels (the default) and the 1-D one (EXL3TOOLS_HAD_GRID=0),
 against each other bit for bit and against fp64 H·x. CUDA only."""
 

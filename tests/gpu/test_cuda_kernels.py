@@ -220,6 +220,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     slots over a long k (split-K, four warps per block)."""
     import torch
     from exl3tools.kernels.cuda_build import CODEBOOKS, halves
+    from exl3tools.kernels.cuda_launch import slot_rows
 
     from exl3tools.runtime.layers import expert_tiles
 
@@ -233,7 +234,7 @@ def test_prefill_tile_kernels(cx, width, cb, monkeypatch):
     exp = np.stack([rng.choice(E, top, replace=False) for _ in range(T)]).reshape(-1)
     xd = torch.from_numpy(x).cuda()
     for kernel in cx.TILE_KERNELS.values():
-        mrows = cx.slot_rows(kernel)
+        mrows = slot_rows(kernel)
         for rows in {mrows, mrows - 24}:
             tile_exp, row_exp, slot, valid = expert_tiles(torch.from_numpy(exp).cuda(), E, rows)
             src = torch.where(valid, slot // top, 0)
@@ -337,9 +338,10 @@ def test_gemv_with_its_own_input_pass(cx, xdt, monkeypatch):
     skipped tile (bias alone) against the reference and the had_in path, call after call and in
     a replayed graph."""
     import torch
+    from exl3tools.kernels import cuda_gemv
 
     dt = getattr(torch, xdt)
-    monkeypatch.setattr(cx, "GEMV_PRO_MAX_ROWS", 8)   # the kernel's 8 rows (the preview takes 1)
+    monkeypatch.setattr(cuda_gemv, "GEMV_PRO_MAX_ROWS", 8)   # the kernel's 8 rows (the preview takes 1)
     rng = np.random.default_rng(23)
     cases = {(k, n): _lin(rng, k, n, 48, bias=True) for k, n in ((14336, 512), (4096, 640), (256, 384))}
     ys = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from exl3tools.kernels import cuda_gemv, cuda_workspace
 from exl3tools.kernels import cuda_launch as cl
 from exl3tools.kernels import reference as ref
 
@@ -47,7 +48,7 @@ def test_wgmma_dense_linear(cx, width, cb, monkeypatch):
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
     for kernel in (*cx.WG_KERNELS.values(), "exl3_wg4_m128_t1", "exl3_ws3_m128_t2",
                    "exl3_ws4_m128_t2", cx.WGA_KERNEL, cx.WGR_KERNEL, cx.WGR_SK_KERNEL):    # (and the bench's)
-        m, slots = cx.slot_rows(kernel), 4
+        m, slots = cl.slot_rows(kernel), 4
         x = rng.normal(0, 1, (slots * m, k)).astype(np.float16)
         xrot = cx.had_in(ex.mod, torch.from_numpy(x).cuda(), ex.suh_tab, 1, slots * m, k,
                          exp=torch.tensor(np.repeat([0, 2, 1, 1], m), dtype=torch.int32, device="cuda"))
@@ -104,7 +105,7 @@ def test_stream_k_wgr_adds_any_cut_of_the_work(cx, cb, monkeypatch):
     base = run(cx.WGR_KERNEL)
     live = np.r_[0:m, 2 * m:2 * m + 100]
     for least in (1, 3, 7, 40, 10**6):       # 3 x 3 x 32 chunks: 288 shares of 1 .. one share of all
-        monkeypatch.setattr(cx, "WGR_SK_MIN_CHUNKS", least)
+        monkeypatch.setattr(cuda_gemv, "WGR_SK_MIN_CHUNKS", least)
         got = run(cx.WGR_SK_KERNEL)
         assert not got[m:2 * m].any() and not got[2 * m + 100:].any(), least
         assert _rel(got[live], base[live]) < 1e-5, least
@@ -149,7 +150,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
                 # (fp32 sums in another order: within fp32 rounding, or fp16's where y is fp16)
                 assert _rel(got.double().cpu().numpy(), split) < (1e-5 if dtype == torch.float32 else 1e-3), kernel
                 assert _rel(got.double().cpu().numpy(), ref_y) < 2e-3, kernel
-            assert not cx._wgr_flags[lin.device.index].any()
+            assert not cuda_workspace._wgr_flags[lin.device.index].any()
     E, m, slots = 3, 256, 4
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
@@ -178,7 +179,7 @@ def test_wgr_out_writes_what_wgr_and_had_out_write(cx, width, cb, monkeypatch):
                     assert _rel(g[live].double().numpy(), want[live].double().numpy()) < 1e-3, kernel
                 else:
                     assert torch.equal(g[live], want[live]), kernel
-    assert not cx._wgr_flags[ex.device.index].any()
+    assert not cuda_workspace._wgr_flags[ex.device.index].any()
 
 
 @pytest.mark.parametrize("width,cb", CASES[:3])
@@ -207,7 +208,7 @@ def test_wgr_out_splits_share_the_finishing(cx, width, cb, monkeypatch):
         g = got.double().cpu().numpy()
         assert _rel(g, atomics) < 1e-5, sms
         assert _rel(g, x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3, sms
-        assert not cx._wgr_flags[lin.device.index].any(), sms
+        assert not cuda_workspace._wgr_flags[lin.device.index].any(), sms
 
 
 @pytest.mark.parametrize("width,cb", CASES[:2])
@@ -230,7 +231,7 @@ def test_wgr_splits_past_one_wave(cx, width, cb):
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
     assert _rel(g, atomics) < 1e-5
     assert _rel(g, x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3
-    assert not cx._wgr_flags[lin.device.index].any()
+    assert not cuda_workspace._wgr_flags[lin.device.index].any()
 
 
 @pytest.mark.parametrize("width,cb", CASES)
@@ -261,7 +262,7 @@ def test_wgr_m128_slots(cx, width, cb, monkeypatch):
         assert _rel(one.double().cpu().numpy(), m256.double().cpu().numpy()) < tol, rows
         assert _rel(split.double().cpu().numpy(), one.double().cpu().numpy()) < tol, rows
         assert _rel(split.double().cpu().numpy(), x.double().cpu().numpy() @ w + b.astype(np.float64)) < 2e-3, rows
-    assert not cx._wgr_flags[lin.device.index].any()
+    assert not cuda_workspace._wgr_flags[lin.device.index].any()
     E, m = 3, 128
     lins = [_lin(rng, k, n, width, bias=True) for _ in range(E)]
     ex = _experts([_tensors(torch, *p) for p in lins], cb, "cuda")
@@ -280,7 +281,7 @@ def test_wgr_m128_slots(cx, width, cb, monkeypatch):
     xs, re_ = x.double().cpu().numpy()[src.cpu().numpy()], row_exp.cpu().numpy()
     exact = np.stack([xs[r] @ ws[re_[r]] + lins[re_[r]][3].astype(np.float64) for r in live])
     assert _rel(g, exact) < 2e-3
-    assert not cx._wgr_flags[ex.device.index].any()
+    assert not cuda_workspace._wgr_flags[ex.device.index].any()
 
 
 @pytest.mark.parametrize("width,cb", [(48, "mul1"), (64, "3inst"), (32, "mcg")])
