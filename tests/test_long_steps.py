@@ -97,6 +97,32 @@ def test_kv_budget_profile_takes_the_long_step_too(on, monkeypatch):
     assert calls == ([21] if on == "1" else [])
 
 
+@pytest.mark.parametrize("n,other", [(21, 16), (32, 31)])
+def test_kv_budget_profile_warms_the_other_row_class(n, other, monkeypatch):
+    """Triton compiles an int argument apart by whether it divides by 16: with ``warm`` (the
+    default on CUDA) the profile forward runs the eager forward and the long step again at a row
+    count of the other class, so a served step of either class finds its kernels compiled."""
+    _interpret()
+    from exl3tools.runtime import rank_state
+    from exl3tools.runtime.model import CausalLM
+    from exl3tools.runtime.paged_decode import PagedDecoder
+
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    monkeypatch.delenv("EXL3TOOLS_FUSED_EAGER", raising=False)
+    long, eager = [], []
+    real_long, real_fwd = PagedDecoder.long_step, CausalLM.forward
+    monkeypatch.setattr(PagedDecoder, "long_step", lambda self, *a: long.append(len(a[0])) or real_long(self, *a))
+    monkeypatch.setattr(CausalLM, "forward", lambda self, b, **k: eager.append(len(b[0][1])) or real_fwd(self, b, **k))
+    assert rank_state.other_specialization(n) == other
+    model = _model("qwen3_moe-2.5bpw-mul1")
+    rank_state.profile_forward(model, n, warm=True)
+    assert long == eager == [n, other]
+    long.clear(), eager.clear()
+    rank_state.profile_forward(model, n)          # the CPU: no compiles to warm
+    assert long == eager == [n]
+
+
 def test_kv_budget_profile_builds_no_decoder_for_an_mla_model(monkeypatch):
     """Long steps are GQA models': for an MLA model the profile forward builds no throwaway decoder
     (a start-up cost that would run nothing), the eager forward alone."""

@@ -19,12 +19,22 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9   # the KV budget's share of the GPU (Runne
 log = logging.getLogger("exl3tools.runtime")
 
 
-def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
+def other_specialization(n: int) -> int:
+    """A row count of the other Triton specialization than ``n`` (ints are compiled apart by
+    whether they divide by 16): n - 1 for a multiple of 16, else the multiple of 16 below (0: none)."""
+    return n - 1 if n % 16 == 0 else n - n % 16
+
+
+def profile_forward(model: CausalLM, n: int, dtype: str = "float32", warm: bool | None = None) -> int:
     """One eager forward of ``n`` tokens through a throwaway paged pool (the path serve runs, so
     the measured activation peak is serve's: with the fused_eager preview through a throwaway
     decoder's glue, PagedDecoder.eager_body), and where long_steps is on (CUDA unless "0") the
     same tokens through that decoder's long step (PagedDecoder.long_step: serve's path for such
-    steps then); returns the pool's bytes (not activations)."""
+    steps then); returns the pool's bytes (not activations). ``warm`` (default: on CUDA) runs both
+    again at ``other_specialization(n)`` rows, so the Triton kernels of both row classes compile
+    here, not in a served step (H100, 2026-12-07, EXL3TOOLS_PROMPT_FIT=0: a fresh server's first
+    869-row burst step took 419 ms, a later server's 776-row one 70 ms with Triton's disk cache
+    filled; not yet measured with this warm-up)."""
     from exl3tools.runtime import fused_step, preview
     from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
 
@@ -32,7 +42,7 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
     nb = -(-n // bs) + 1
     dev = model.embed.device
     pool = KVPool(layer_specs(model), nb, bs, getattr(torch, dtype), dev)
-    tokens, table = [i % model.info.vocab_size for i in range(n)], list(range(1, nb))
+    table = list(range(1, nb))
     slots = pool.slots(table, n)
     d = None
     # a throwaway decoder only where it runs something: long steps are GQA models' (fused_step.supports)
@@ -44,11 +54,15 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32") -> int:
             d = PagedDecoder(model, pool, 1, nb - 1)
         except Exl3Error:            # no fixed-shape step for this model: neither path
             d = None
-    model.forward([(PagedSeqView(pool, slots, 0), tokens)], to_cpu=False,
-                  body=d.eager_body if d is not None else None)
     if d is not None and d.long_steps:
         d.set_blocks([(0, c, b) for c, b in enumerate(table)])
-        d.long_step(tokens, list(range(n)), slots.tolist(), [0] * n)
+    other = other_specialization(n) if (dev.type == "cuda" if warm is None else warm) else 0
+    for rows in (n, other) if other > 0 else (n,):
+        tokens = [i % model.info.vocab_size for i in range(rows)]
+        model.forward([(PagedSeqView(pool, slots, 0), tokens)], to_cpu=False,
+                      body=d.eager_body if d is not None else None)
+        if d is not None and d.long_steps:
+            d.long_step(tokens, list(range(rows)), slots[:rows].tolist(), [0] * rows)
     return pool.nbytes()
 
 
