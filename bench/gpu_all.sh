@@ -110,8 +110,17 @@ if [[ $STAGES == *tests* ]]; then
     EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider \
       -n ${TEST_JOBS:-3} $paths ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} \
       > "$L/tests$1.log" 2>&1
-    el "tests$1 [${2:-}] rc $?"; grep -E "passed|failed|FAILED|Error" "$L/tests$1.log" | tail -n 25
+    local rc=$?
+    el "tests$1 [${2:-}] rc $rc"; grep -E "passed|failed|FAILED|Error" "$L/tests$1.log" | tail -n 25
     grep -E "^(FAILED|SLOW) " "$L/tests${1}_live.log" 2>/dev/null | head -n 60
+    if [ $rc = 124 ]; then   # cut by TEST_TIMEOUT: the tests it left (tests/conftest.py writes *.done),
+      # for the next call's TEST_PATHS="$(tr '\n' ' ' < tests_unrun.txt)"
+      env ${PREVIEW:-} $2 EXL3TOOLS_FIXTURES=$PWD/${FIXTURES:-.gpucarry}/fixtures timeout 90 python3 -m pytest -q \
+        --collect-only -p no:cacheprovider $paths $(printf '%s\n' ${TEST_ARGS:---ignore=tests/gpu/test_triton_kernels.py} | grep -vx -- -v) \
+        2>/dev/null | grep "::" | sort -u > "$L/tests${1}_all.txt"
+      sort -u "$L/tests${1}_live.log.done" 2>/dev/null | comm -23 "$L/tests${1}_all.txt" - > "$L/tests${1}_unrun.txt"
+      el "tests$1: $(wc -l < "$L/tests${1}_unrun.txt") of $(wc -l < "$L/tests${1}_all.txt") not run: logs/tests${1}_unrun.txt"
+    fi
   }
   if [ -n "${TEST_ENVS:-}" ]; then
     IFS=';' read -ra TENV <<< "$TEST_ENVS"

@@ -208,9 +208,16 @@ _REPORT_LOG = os.environ.get("EXL3TOOLS_TEST_LOG")
 
 def pytest_runtest_logreport(report) -> None:
     """With EXL3TOOLS_TEST_LOG set, append each failure (with its traceback) and each test over 10 s
-    as it happens: a device call cut off by its time limit still says what failed and what was slow."""
-    if not _REPORT_LOG or os.environ.get("PYTEST_XDIST_WORKER") or report.when != "call" and not report.failed:
+    as it happens: a device call cut off by its time limit still says what failed and what was slow;
+    and each finished test's node id to ``<log>.done`` (bench/gpu_all.sh lists the tests a cut run
+    left, for the next call to run those alone)."""
+    if not _REPORT_LOG or os.environ.get("PYTEST_XDIST_WORKER"):
         return   # under xdist the controller writes (workers forward their reports to it)
+    if report.when == "teardown":
+        with open(_REPORT_LOG + ".done", "a", encoding="utf-8") as f:
+            f.write(report.nodeid + "\n")
+    if report.when != "call" and not report.failed:
+        return
     with open(_REPORT_LOG, "a", encoding="utf-8") as f:
         if report.failed:
             f.write(f"FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")

@@ -168,3 +168,49 @@ def test_a_test_entry_with_paths_runs_only_those_files(tmp_path):
     assert " tests/gpu/a.py tests/gpu/b.py " in pytests[0] and "tests/gpu " not in pytests[0], pytests[0]
     assert pytests[0].endswith("defs=[-DX=1] p=[]"), pytests[0]     # (paths= is no variable of the run)
     assert " tests/gpu tests/test_cuda_bit_logic.py " in pytests[1] and "a.py" not in pytests[1], pytests[1]
+
+
+def test_a_cut_test_run_lists_the_tests_it_left(tmp_path):
+    """run_tests cut by TEST_TIMEOUT (rc 124): the collected node ids less those tests/conftest.py
+    wrote to tests_live.log.done go to tests_unrun.txt (the next call's TEST_PATHS); a run that
+    ends by itself writes none."""
+    text = SCRIPT.read_text()
+    body = text[text.index("  run_tests() {"):]
+    body = body[:body.index("\n  }\n") + 5]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(
+        '#!/bin/sh\ncase "$*" in\n'
+        '  *--collect-only*) printf "tests/gpu/a.py::t1\\ntests/gpu/a.py::t2[x-1]\\ntests/gpu/b.py::t3\\n3 tests\\n" ;;\n'
+        '  *"-m pytest"*) printf "tests/gpu/a.py::t1\\ntests/gpu/b.py::t3\\n" > "$EXL3TOOLS_TEST_LOG.done"; exit $RC ;;\n'
+        'esac\n')
+    (fake / "python3").chmod(0o755)
+    (fake / "timeout").write_text('#!/bin/sh\nshift\nexec "$@"\n')
+    (fake / "timeout").chmod(0o755)
+    for rc, want in (("124", ["tests/gpu/a.py::t2[x-1]"]), ("0", None)):
+        out = tmp_path / f"rc{rc}"
+        out.mkdir()
+        script = f"L={out}; NT=1; T0=0; el() {{ echo \"$*\"; }}\n{body}\nrun_tests '' ''\n"
+        r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=30,
+                           env={"PATH": f"{fake}:/usr/bin:/bin", "RC": rc})
+        assert r.returncode == 0, r.stderr
+        unrun = out / "tests_unrun.txt"
+        if want is None:
+            assert not unrun.exists(), r.stdout
+        else:
+            assert unrun.read_text().splitlines() == want and "1 of 3 not run" in r.stdout, r.stdout
+
+
+def test_the_test_log_lists_each_finished_test(tmp_path):
+    """tests/conftest.py with EXL3TOOLS_TEST_LOG: each finished test's node id in <log>.done (what
+    run_tests subtracts from the collection when a run is cut)."""
+    import os
+    import sys
+
+    node = "tests/test_gpu_all_script.py::test_wait_build_returns_at_once_without_a_build"
+    log = tmp_path / "live.log"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
+                       cwd=SCRIPT.parent.parent, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "EXL3TOOLS_TEST_LOG": str(log)})
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert Path(f"{log}.done").read_text().splitlines() == [node]
