@@ -211,6 +211,7 @@ def test_the_test_log_lists_each_finished_test(tmp_path):
     log = tmp_path / "live.log"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node],
                        cwd=SCRIPT.parent.parent, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "EXL3TOOLS_TEST_LOG": str(log)})
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+                            "EXL3TOOLS_TEST_LOG": str(log)})     # (a worker's variables: the child is no worker)
     assert r.returncode == 0, r.stdout[-2000:]
     assert Path(f"{log}.done").read_text().splitlines() == [node]

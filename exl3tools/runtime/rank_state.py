@@ -21,7 +21,8 @@ log = logging.getLogger("exl3tools.runtime")
 
 def other_specialization(n: int) -> int:
     """A row count of the other Triton specialization than ``n`` (ints are compiled apart by
-    whether they divide by 16): n - 1 for a multiple of 16, else the multiple of 16 below (0: none)."""
+    whether they divide by 16, such as the routing kernel's pair count rows x (top_k + shared)):
+    n - 1 for a multiple of 16, else the multiple of 16 below (0: none)."""
     return n - 1 if n % 16 == 0 else n - n % 16
 
 
