@@ -1,7 +1,7 @@
 """Is a long prompt's forward bimodal, and why: the same prompt length many times in one process.
 
     python3 bench/gpu_prefill_series.py CKPT [--tokens 2048] [--n 10] [--sleeps 0,0.5,3] [--sync-debug] [--no-profile]
-                                         [--paths eager,long,fused] [--device cpu]
+                                         [--paths eager,long,fused,graph] [--device cpu]
 
 A served 2048-token prefill step spread 36-54 ms on one H100 and a forward in one process read
 ~36 or ~48-50 ms (docs/gpu-sessions.md, the 2026-12-06 19:15 session): clocks, the caching allocator or
@@ -16,11 +16,12 @@ summed ms against the GPU span (a span well above the kernels: gaps, so the host
 the kernels whose time differs most between the slowest and the fastest profiled forward, and the
 fastest one's longest idle gaps with the kernels on either side. ``--sync-debug``: first one forward
 under torch's sync debug mode, each op that made the host wait for the GPU with the line of ours
-that called it. ``--paths eager,long,fused``: each forward once per path in turn, the eager forward,
-the decoder's long step (PagedDecoder.long_step, the default on CUDA since 2026-12-07; GQA models)
-and the eager forward with the fused step's glue (PagedDecoder.eager_body, the fused_eager preview;
-GQA and MLA models), with each forward's activation peak and a median per path; the sync list and
-the profile once per path.
+that called it. ``--paths eager,long,fused,graph``: each forward once per path in turn, the eager
+forward, the decoder's long step (PagedDecoder.long_step, the default on CUDA since 2026-12-07; GQA
+models), the eager forward with the fused step's glue (PagedDecoder.eager_body, the fused_eager
+preview; GQA and MLA models) and the long step padded to a LONG_GRAPH_ROWS bucket and replayed as a
+graph (the long_graphs preview; captured on first use), with each forward's activation peak and a
+median per path; the sync list and the profile once per path.
 ``--device cpu``: the same series on the CPU through the static step (no clocks, allocator, sync
 list or profile; host ms): a smoke run of this script, tests/test_bench_prefill_series.py.
 A diagnostic (docs/gpu.md), not a benchmark table; CI runs only the CPU smoke run.
@@ -110,8 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-cache-tokens", type=int, default=40000)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--paths", default="",
-                    help="eager,long,fused: alternate the eager forward, the decoder's long step and the eager "
-                         "forward with the fused glue (default: whichever the runner takes)")
+                    help="eager,long,fused,graph: alternate the eager forward, the decoder's long step, the eager "
+                         "forward with the fused glue and the long step's graph (the long_graphs preview) "
+                         "(default: whichever the runner takes)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu: a smoke run (see the module doc)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="first one forward under torch.cuda.set_sync_debug_mode('warn'): each op that makes the "
@@ -127,15 +129,19 @@ def main(argv=None) -> int:
     sid = itertools.count()
     d = runner.paged.decoder
     paths = [p for p in a.paths.split(",") if p] or [""]
-    if "long" in paths and (d is None or d._fused is None or d._fused.mla):
-        raise SystemExit("--paths long needs the fused step of a GQA model (PagedDecoder.long_step)")
+    if {"long", "graph"} & set(paths) and (d is None or d._fused is None or d._fused.mla):
+        raise SystemExit("--paths long / graph need the fused step of a GQA model (PagedDecoder.long_step)")
     if "fused" in paths and (d is None or d._fused is None):
         raise SystemExit("--paths fused needs the fused step (PagedDecoder.eager_body)")
 
+    from exl3tools.runtime.paged_decode import LONG_GRAPH_ROWS
+
     def use(path: str) -> None:
         if path:                   # the runner takes the decoder's long step where long_steps is on,
-            d.long_steps = path == "long"       # its eager forward the fused glue where eager_body is set
+            d.long_steps = path in ("long", "graph")   # its eager forward the fused glue where eager_body is set
             d.eager_body = d._fused.eager if path == "fused" else None
+            # the long step padded to a bucket and replayed as a graph (captured on its first use)
+            d.long_buckets = [b for b in LONG_GRAPH_ROWS if b > d.prompt_rows] if path == "graph" else []
 
     def forward() -> None:
         s = next(sid)
@@ -178,7 +184,7 @@ def main(argv=None) -> int:
                     e1.synchronize()
                 w1, t1 = time.perf_counter(), dt.datetime.now()
                 after = stats()
-                rows.append({"sleep": sleep, "i": i, "path": "fused" if path == "fused" else runner.last_path,
+                rows.append({"sleep": sleep, "i": i, "path": path if path in ("fused", "graph") else runner.last_path,
                              "ms": e0.elapsed_time(e1) if cuda else (w1 - w0) * 1e3, "wall_ms": (w1 - w0) * 1e3,
                              "peak_mb": (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else 0.0,
                              "t": (t0, t1), **{k: after.get(k, 0) - before.get(k, 0) for k in ALLOC}})

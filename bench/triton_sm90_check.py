@@ -5,7 +5,7 @@ CPU interpreter cannot: compile errors, register-allocation failures, shared mem
 any variant fails. Use the device image's Triton for parity (3.6):
 
     pip install --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36 TRITON_INTERPRET=0 python bench/triton_sm90_check.py [fused] [mla] [dsa]
+    PYTHONPATH=/tmp/t36 TRITON_INTERPRET=0 python bench/triton_sm90_check.py [fused] [mla] [dsa] [prefill]
 
 It replaces triton's JITFunction.run (internal API, checked with 3.6 and 3.9). First found, before
 any GPU run: the MLA tf32x3 configuration at 64+ heads needed 488 KiB of shared memory.
@@ -159,8 +159,20 @@ def dsa() -> None:
                                hist=torch.zeros(8, 256, dtype=torch.int32))
 
 
+def prefill() -> None:
+    from exl3tools.kernels import paged_attention as pa
+
+    for nq, nkv, D, dt in ((96, 8, 128, torch.float16), (32, 8, 128, torch.bfloat16), (64, 4, 64, torch.float16),
+                           (16, 2, 256, torch.float16), (8, 2, 64, torch.float32)):
+        for tiles in (None, torch.zeros(2 * 40, dtype=torch.int32)):     # long_graphs' fixed grid of tiles
+            pa.paged_prefill(torch.zeros(100, nq, D, dtype=torch.float16 if dt == torch.float32 else dt),
+                             torch.zeros(64, nkv, D, dtype=dt), torch.zeros(64, nkv, D, dtype=dt),
+                             torch.zeros(2, 64, dtype=torch.int32), torch.tensor([0, 50, 100], dtype=torch.int32),
+                             torch.tensor([50, 60], dtype=torch.int32), 0.1, 50, tiles=tiles)
+
+
 def main(argv: list[str]) -> int:
-    parts = {"fused": fused, "mla": mla, "dsa": dsa}
+    parts = {"fused": fused, "mla": mla, "dsa": dsa, "prefill": prefill}
     which = argv or list(parts)
     bad = [w for w in which if w not in parts]
     if bad:

@@ -399,13 +399,19 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ------------------------------------------------------------------ prefill (variable length, causal)
 if triton is not None:
     @triton.jit
-    def _prefill_kernel(q_ptr, k_ptr, v_ptr, st_ptr, qs_ptr, len_ptr, out_ptr, qk_scale, NQ, G, D,
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, st_ptr, qs_ptr, len_ptr, out_ptr, tile_ptr, qk_scale, NQ, G, D,
                         skt, skh, svt, svh, sst,
                         DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KV_DT: tl.constexpr,
-                        DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr, IS_FP32: tl.constexpr):
-        b = tl.program_id(0)
-        mb = tl.program_id(1)
-        h = tl.program_id(2)
+                        DOT_DT: tl.constexpr, Q_SPLIT: tl.constexpr, IS_FP32: tl.constexpr,
+                        TILES: tl.constexpr):
+        if TILES:           # a fixed grid (a graph's): program i takes tile (b, mb) = tiles[i]
+            b = tl.load(tile_ptr + 2 * tl.program_id(0))
+            mb = tl.load(tile_ptr + 2 * tl.program_id(0) + 1)
+            h = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            mb = tl.program_id(1)
+            h = tl.program_id(2)
         r0 = tl.load(qs_ptr + b)
         n = tl.load(qs_ptr + b + 1) - r0
         if mb * BM < n:
@@ -465,9 +471,27 @@ def _check_prefill(q, k_plane, v_plane, slot_table, q_start, ctx_lens):
         raise ValueError("the k/v planes' head dim must be contiguous")
 
 
+def prefill_block_rows(kv_dtype: torch.dtype) -> int:
+    """The query rows a program of ``paged_prefill`` takes (its tiles' height, BM)."""
+    return 16 if kv_dtype == torch.float32 else 64     # fp32 dots run on FMAs: small tiles keep registers in check
+
+
+PAD_TILE = (0, 1 << 24)    # a tile past every sequence's rows: its program returns at once
+
+
+def prefill_tiles(q_start: list[int], bm: int, count: int) -> list[int]:
+    """``paged_prefill``'s ``tiles`` for a fixed grid of ``count`` programs a head: (b, mb) of each
+    BM = ``bm`` row tile of sequence b's rows q_start[b]:q_start[b + 1], flattened, then PAD_TILE
+    up to ``count`` (rows // bm + sequences tiles are always enough)."""
+    tiles = [(b, mb) for b in range(len(q_start) - 1) for mb in range(-(-(q_start[b + 1] - q_start[b]) // bm))]
+    if len(tiles) > count:
+        raise ValueError(f"{len(tiles)} prefill tiles do not fit a grid of {count}")
+    return [v for t in tiles + [PAD_TILE] * (count - len(tiles)) for v in t]
+
+
 def paged_prefill(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor, slot_table: torch.Tensor,
                   q_start: torch.Tensor, ctx_lens: torch.Tensor, scale: float, max_new: int, *,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, tiles: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a packed batch of new tokens over the paged cache (flash-attention style).
 
     Sequence b's new tokens are rows ``q_start[b]:q_start[b+1]`` of ``q`` (N, nq, D), at positions
@@ -475,6 +499,8 @@ def paged_prefill(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
     sequence b lives at ``plane[slot_table[b, t]]`` (planes (slots, nkv, D)); entries at or past
     ctx_lens[b] are never read. Query row i attends to keys 0 .. its own position, GQA head
     h -> kv head h // (nq // nkv). ``max_new``: the largest n_b (sizes the grid). (N, nq, D) fp32.
+    ``tiles`` (int32 (2 T,), ``prefill_tiles``): a grid of T programs a head instead, each the
+    (sequence, row tile) its entry names, whatever the rows (a CUDA graph's fixed launch).
     """
     if triton is None:
         raise RuntimeError("paged_prefill needs triton (paged_prefill_reference does not)")
@@ -489,13 +515,17 @@ def paged_prefill(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tensor,
     kv_dt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[k_plane.dtype]
     dot_dt = tl.float32 if INTERPRET and kv_dt == tl.bfloat16 else kv_dt
     is_fp32 = kv_dt == tl.float32
-    bm = 16 if is_fp32 else 64           # fp32 dots run on FMAs: small tiles keep registers in check
+    bm = prefill_block_rows(k_plane.dtype)
     bn = 16 if is_fp32 else (64 if dp <= 128 else 32)
-    _prefill_kernel[(B, triton.cdiv(max_new, bm), nq)](
-        q, k_plane, v_plane, slot_table, q_start, ctx_lens, out, float(scale) * LOG2E, nq, nq // nkv, D,
+    if tiles is not None and (tiles.dtype != torch.int32 or tiles.dim() != 1 or tiles.numel() % 2):
+        raise ValueError(f"tiles must be int32 (2 T,), got {tiles.dtype} {tuple(tiles.shape)}")
+    grid = (B, triton.cdiv(max_new, bm), nq) if tiles is None else (tiles.numel() // 2, nq)
+    _prefill_kernel[grid](
+        q, k_plane, v_plane, slot_table, q_start, ctx_lens, out, q_start if tiles is None else tiles,
+        float(scale) * LOG2E, nq, nq // nkv, D,
         k_plane.stride(0), k_plane.stride(1), v_plane.stride(0), v_plane.stride(1), slot_table.stride(0),
         DP=dp, BM=bm, BN=bn, KV_DT=kv_dt, DOT_DT=dot_dt, Q_SPLIT=q.dtype != k_plane.dtype, IS_FP32=is_fp32,
-        num_warps=4, num_stages=2)
+        TILES=tiles is not None, num_warps=4, num_stages=2)
     return out
 
 

@@ -1,6 +1,6 @@
 """bench/gpu_prefill_series.py --device cpu: the series runs on the CPU through the static step, the
-eager forward, the decoder's long step and the eager forward with the fused glue taking turns
-(--paths eager,long,fused), each forward's row naming its path, and a median per path (a smoke run of the GPU diagnostic,
+eager forward, the decoder's long step, the eager forward with the fused glue and the long step's
+graph path taking turns (--paths eager,long,fused,graph), each forward's row naming its path, and a median per path (a smoke run of the GPU diagnostic,
 whose device calls are scarce)."""
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ import gpu_prefill_series  # noqa: E402
 def test_series_on_the_cpu_alternates_the_paths(monkeypatch, capsys):
     _interpret()
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")       # the static step's fused glue (long_step's)
+    import exl3tools.runtime.paged_decode as P
     from exl3tools.runtime import fused_step
 
-    calls = []
+    calls, padded = [], []
     real = fused_step.FusedGqaStep.eager
     monkeypatch.setattr(fused_step.FusedGqaStep, "eager", lambda self, t, b: calls.append(len(t)) or real(self, t, b))
+    real_pad = P.PagedDecoder._long_padded
+    monkeypatch.setattr(P.PagedDecoder, "_long_padded", lambda self, R, *a: padded.append((R, len(a[0])))
+                        or real_pad(self, R, *a))
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (48,))   # the graph path's bucket (its body eagerly here)
     ckpt = fixture_dir("glm4_moe-3.0bpw-mcg") / "model"
     assert gpu_prefill_series.main([str(ckpt), "--device", "cpu", "--tokens", "40", "--n", "2", "--sleeps", "0",
-                                    "--paths", "eager,long,fused", "--max-cache-tokens", "512"]) == 0
+                                    "--paths", "eager,long,fused,graph", "--max-cache-tokens", "512"]) == 0
     out = capsys.readouterr().out
     rows = [line.split(" | ")[2] for line in out.splitlines() if line.startswith("| 0 | ")]
-    assert rows == ["eager", "long", "fused"] * 2      # 40 rows > the 32 decode rows: none is "decode"
+    assert rows == ["eager", "long", "fused", "graph"] * 2    # 40 rows > the 32 decode rows: none is "decode"
     assert calls == [40] * 3                           # the fused path's warm-up and two forwards
-    assert all(f"idle 0 s, {p}: median" in out for p in ("eager", "long", "fused"))
+    assert padded == [(48, 40)] * 3                    # the graph path's, padded to its bucket
+    assert all(f"idle 0 s, {p}: median" in out for p in ("eager", "long", "fused", "graph"))

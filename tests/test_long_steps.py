@@ -54,6 +54,68 @@ def test_long_steps_match_plain_cache(name, monkeypatch):
     assert ls.step([("D", C[10:15]), ("A", [15])]) == "long" and paths[-1] == "long"
 
 
+def test_long_graphs_pad_the_step_to_its_bucket(monkeypatch):
+    """The long_graphs preview (on the CPU: its body eagerly, the inputs padded as a graph takes
+    them): a long step of up to a bucket of rows and ``long_seqs`` sequences runs padded, rows
+    past its own as padding and the prefill kernel on a fixed grid of row tiles, and gives the
+    plain cache's logits; a step of more sequences takes the eager long step."""
+    import exl3tools.runtime.paged_decode as P
+    import exl3tools.runtime.runner as R
+
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16,))
+    monkeypatch.setattr(P, "LONG_GRAPH_SEQS", 2)
+    monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
+    name = "glm4_moe-3.0bpw-mcg"
+    r, paths = _long_runner(name, monkeypatch)
+    d = r.paged.decoder
+    assert (d.long_buckets, d.long_seqs) == ([16], 2)
+    padded = []
+    real = d._long_padded
+    monkeypatch.setattr(d, "_long_padded", lambda R_, *a: padded.append((R_, len(a[0]))) or real(R_, *a))
+    ls = Lockstep(r, Reference(_model(name)))
+    ls.add("A")
+    assert ls.step([("A", A)]) == "prompt"
+    ls.add("B")
+    assert ls.step([("A", [5]), ("B", B)]) == "long"                 # 12 rows, 2 sequences: padded to 16
+    ls.add("C")
+    assert ls.step([("A", [8]), ("C", C[:9]), ("B", [10])]) == "long"   # 3 sequences: the eager long step
+    assert ls.step([("C", C[9:]), ("A", [11])]) == "long"            # 13 rows after C's cached 9
+    assert ls.step([("A", [12]), ("B", [13]), ("C", [14])]) == "decode"
+    ls.free("C")
+    ls.add("D")
+    monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 0)
+    assert ls.step([("D", C[:5]), ("A", [15])]) == "long"
+    assert padded == [(16, 12), (16, 13), (16, 6)] and paths == ["long"] * 4
+
+
+def test_a_failed_long_graph_capture_runs_long_steps_eagerly(monkeypatch):
+    """A long-step graph whose capture fails (out of memory, say): that step runs its padded body
+    eagerly and is right, later long steps take the eager long step (no more buckets)."""
+    import exl3tools.runtime.paged_decode as P
+
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (32,))
+    monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
+    name = "glm4_moe-3.0bpw-mcg"
+    r, paths = _long_runner(name, monkeypatch)
+    d = r.paged.decoder
+    d.graphs = True              # as on CUDA: the long step's first use captures (and fails here)
+
+    def fail(*a, **k):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(d, "_capture_keys", fail)
+    padded = []
+    real = d._long_padded
+    monkeypatch.setattr(d, "_long_padded", lambda R_, *a: padded.append(len(a[0])) or real(R_, *a))
+    ls = Lockstep(r, Reference(_model(name)))
+    ls.add("A")
+    assert ls.step([("A", A + B)]) == "long"                         # 18 rows: bucket 32, capture fails
+    assert d.long_buckets == [] and not d._graphs
+    ls.add("C")
+    assert ls.step([("C", C)]) == "long"                             # the eager long step
+    assert padded == [18] and paths == ["long", "long"]
+
+
 def test_long_steps_off_the_gpu_unless_asked_for(monkeypatch):
     """Off the GPU unless asked for ("1"; preview.on_cuda: on CUDA unless "0"), the eager forward
     then taking those steps; a decoder without the fused step (or an MLA model's) has none, and

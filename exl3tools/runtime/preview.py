@@ -11,6 +11,14 @@ from __future__ import annotations
 import os
 
 SWITCHES = {    # name -> variable: off on CUDA unless "1"
+    # long steps (PagedDecoder.long_step, GQA models) of up to a LONG_GRAPH_ROWS bucket (1024, 2048
+    # rows) and LONG_GRAPH_SEQS sequences padded to the bucket and replayed as a CUDA graph
+    # (captured with the prompt buckets; the prefill kernel on a fixed grid of row tiles,
+    # paged_attention.prefill_tiles), so a long prompt's chunk costs the GPU's time and not the
+    # host's launches: on a slow H100 host a 2048-token air6 long step took 55-100 ms against 33
+    # on another (2026-12-07 08:02). Right against the plain cache on the CPU (its body eagerly,
+    # tests/test_long_steps.py); not yet run on a GPU
+    "long_graphs": "EXL3TOOLS_LONG_GRAPHS",
     # MLA models' eager steps (a prompt chunk beside decoding sequences): the decode and verify
     # rows attend in one pass of the decode step's kernels (MLAttention.attend_rows) instead of
     # one history gather and four einsums per sequence and layer (~48 torch calls each: 32

@@ -27,7 +27,7 @@ from exl3tools.runtime import invariance, preview, sampling
 from exl3tools.runtime.load import load_runner  # noqa: F401  (the public entry point, re-exported)
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
-from exl3tools.runtime.paged_decode import last_rows
+from exl3tools.runtime.paged_decode import last_rows, long_graph_rows
 from exl3tools.runtime.peer_link import PeerLink
 from exl3tools.runtime.rank_model import build_local_model, rank_device  # noqa: F401
 from exl3tools.runtime.rank_state import (
@@ -142,7 +142,8 @@ class Runner(SpeculativeSteps, PeerLink):
                                              # MTP's verify buckets (1 + k rows a sequence) get their
                                              # graphs' activations counted beside the prompt buckets'
                                              graph_rows=prompt_rows + (self.max_num_seqs * (1 + self.spec_k)
-                                                                       if self.spec_k else 0))
+                                                                       if self.spec_k else 0)
+                                             + long_graph_rows(model))
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)

@@ -74,3 +74,30 @@ def test_paged_prefill_matches_reference(batch, nq, nkv, D, dtype):
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
     err = (got - ref).abs().max().item() / ref.abs().max().item()
     assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("batch", [BATCHES[1], BATCHES[3]])
+def test_paged_prefill_on_a_fixed_grid_of_tiles(batch):
+    """``tiles`` (a graph's fixed launch): the same outputs bit for bit as the (sequence, row
+    tile, head) grid, whatever tiles are left over as padding; padded query rows past the last
+    sequence are never written; too few tiles is an error."""
+    pytest.importorskip("triton")
+    import torch
+    from exl3tools.kernels.paged_attention import INTERPRET, paged_prefill, prefill_block_rows, prefill_tiles
+
+    if not FULL and not INTERPRET:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if FULL else "cpu"
+    q, kp, vp, table, starts, lens, scale, max_new = _case(batch, 8, 2, 64, torch.float16, device)
+    want = paged_prefill(q, kp, vp, table, starts, lens, scale, max_new)
+    bm = prefill_block_rows(kp.dtype)
+    n = q.shape[0]
+    pad = torch.zeros(n + 5, *q.shape[1:], device=device)        # rows past the sequences: a graph's padding
+    pad[:n] = q
+    count = -(-(n + 5) // bm) + len(batch[0])
+    tiles = torch.tensor(prefill_tiles(starts.tolist(), bm, count), dtype=torch.int32, device=device)
+    out = torch.full(pad.shape, 7.0, device=device)
+    got = paged_prefill(pad, kp, vp, table, starts, lens, scale, n + 5, out=out, tiles=tiles)
+    assert torch.equal(got[:n], want) and (got[n:] == 7.0).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_tiles(starts.tolist(), bm, 1)

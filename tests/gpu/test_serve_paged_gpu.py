@@ -148,6 +148,44 @@ def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
     r.close()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_long_graphs_on_cuda_match_cpu_reference(name, monkeypatch):
+    """The long_graphs preview: long steps of up to a bucket of rows and ``long_seqs`` sequences
+    replay a graph captured with the prompt buckets (the prefill kernel on a fixed grid of row
+    tiles, rows padded to the bucket) and match the CPU reference, replay after replay; a step of
+    more rows than the largest bucket takes the eager long step."""
+    import exl3tools.runtime.paged_decode as P
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import fixture_dir
+    from tests.test_paged_runner import A, B, C, Lockstep, Reference
+
+    path = fixture_dir(name) / "model"
+    ref = Reference(load_runner(path, max_context=64).model)
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16, 32))
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
+    r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=64, max_num_seqs=2, block_size=4,
+                    kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=6)
+    d = r.paged.decoder
+    assert r.decode_mode == "graphs" and d.long_buckets == [16, 32]
+    assert {k[1] for k in d._graphs if k[0] == "long"} == {16, 32}        # captured at start
+    padded = []
+    real = d._long_padded
+    monkeypatch.setattr(d, "_long_padded", lambda R_, *a: padded.append((R_, len(a[0]))) or real(R_, *a))
+    ls = Lockstep(r, ref, REL["bf16"])
+    ls.add("A")
+    assert ls.step([("A", A + C)]) == "long"                         # 18 rows: bucket 32
+    ls.add("B")
+    assert ls.step([("A", [5]), ("B", B + C)]) == "long"             # 15 rows, two sequences: bucket 16
+    assert ls.step([("B", C), ("A", [6])]) == "long"                 # 12 rows after B's cached 14
+    assert ls.step([("A", [7]), ("B", [8])]) == "decode"
+    ls.free("B")
+    ls.add("D")
+    assert ls.step([("D", C + B + A + C + B)]) == "long"             # 35 rows: past the buckets, eagerly
+    assert padded == [(32, 18), (16, 15), (16, 12)], padded
+    r.close()
+
+
 def test_paged_decode_triton_matches_reference_in_the_model():
     """The decode step with the Triton kernel vs the same step with the torch reference kernel."""
     import torch
