@@ -134,14 +134,14 @@ def main(argv=None) -> int:
     if "fused" in paths and (d is None or d._fused is None):
         raise SystemExit("--paths fused needs the fused step (PagedDecoder.eager_body)")
 
-    from exl3tools.runtime.paged_decode import LONG_GRAPH_ROWS
+    from exl3tools.runtime.paged_decode import long_buckets
 
     def use(path: str) -> None:
         if path:                   # the runner takes the decoder's long step where long_steps is on,
             d.long_steps = path in ("long", "graph")   # its eager forward the fused glue where eager_body is set
             d.eager_body = d._fused.eager if path == "fused" else None
             # the long step padded to a bucket and replayed as a graph (captured on its first use)
-            d.long_buckets = [b for b in LONG_GRAPH_ROWS if b > d.prompt_rows] if path == "graph" else []
+            d.long_buckets = long_buckets(d.prompt_rows) if path == "graph" else []
 
     def forward() -> None:
         s = next(sid)

@@ -195,8 +195,7 @@ class PagedDecoder:
         # the host's ~180 launches a layer (a slow host took 55-100 ms for a 2048-token air6 step
         # that another did in 33; H100, 2026-12-07 08:02). Bucket -> (inputs, outputs of the last run)
         self.long_seqs = min(self.max_seqs, LONG_GRAPH_SEQS)
-        self.long_buckets = ([b for b in LONG_GRAPH_ROWS if b > self.prompt_rows]
-                             if self.long_steps and preview.switched_on("long_graphs") else [])
+        self.long_buckets = long_buckets(self.prompt_rows) if self.long_steps and preview.switched_on("long_graphs") else []
         self._long: dict[int, list] = {}
         # the eager forward's glue (the fused_eager preview): CausalLM.forward's ``body``, or None
         self.eager_body = self._fused.eager if self._fused is not None and preview.switched_on("fused_eager") else None
@@ -627,13 +626,21 @@ class PagedDecoder:
         self.draft_out[:bs].copy_(m.logits(hn))
 
 
-def long_graph_rows(model: CausalLM) -> int:
-    """The rows of the largest long-step graph a CUDA decoder of ``model`` captures (0: none; the
-    long_graphs preview on a GQA model with the fused step), for the KV budget's graph reserve."""
-    from exl3tools.runtime import fused_step
+def long_buckets(prompt_rows: int) -> list[int]:
+    """The long_graphs preview's buckets of a decoder with ``prompt_rows``: those past its prompt buckets."""
+    return [b for b in LONG_GRAPH_ROWS if b > prompt_rows]
 
-    on = preview.switched_on("long_graphs") and fused_step.supports(model) and model.embed.device.type == "cuda"
-    return max(LONG_GRAPH_ROWS) if on else 0
+
+def long_graph_rows(model: CausalLM, prompt_rows: int) -> int:
+    """The rows of the largest long-step graph a CUDA decoder of ``model`` captures, for the KV
+    budget's graph reserve (0: none; the long_graphs preview where long steps run: a GQA model
+    with the fused step, long_steps not off, no batch-invariant serving)."""
+    from exl3tools.runtime import fused_step, invariance
+
+    dev = model.embed.device
+    on = (preview.switched_on("long_graphs") and preview.on_cuda("long_steps", dev) and dev.type == "cuda"
+          and fused_step.supports(model) and not invariance.on())
+    return max(long_buckets(prompt_rows), default=0) if on else 0
 
 
 def last_rows(rows: list[int]) -> list[int]:

@@ -143,7 +143,7 @@ class Runner(SpeculativeSteps, PeerLink):
                                              # graphs' activations counted beside the prompt buckets'
                                              graph_rows=prompt_rows + (self.max_num_seqs * (1 + self.spec_k)
                                                                        if self.spec_k else 0)
-                                             + long_graph_rows(model))
+                                             + long_graph_rows(model, prompt_rows))
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
