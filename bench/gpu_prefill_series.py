@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     if "fused" in paths and (d is None or d._fused is None):
         raise SystemExit("--paths fused needs the fused step (PagedDecoder.eager_body)")
 
-    from exl3tools.runtime.paged_decode import long_buckets
+    from exl3tools.runtime.long_steps import long_buckets
 
     def use(path: str) -> None:
         if path:                   # the runner takes the decoder's long step where long_steps is on,

@@ -17,14 +17,14 @@ import gpu_prefill_series  # noqa: E402
 def test_series_on_the_cpu_alternates_the_paths(monkeypatch, capsys):
     _interpret()
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")       # the static step's fused glue (long_step's)
-    import exl3tools.runtime.paged_decode as P
+    import exl3tools.runtime.long_steps as P
     from exl3tools.runtime import fused_step
 
     calls, padded = [], []
     real = fused_step.FusedGqaStep.eager
     monkeypatch.setattr(fused_step.FusedGqaStep, "eager", lambda self, t, b: calls.append(len(t)) or real(self, t, b))
-    real_pad = P.PagedDecoder._long_padded
-    monkeypatch.setattr(P.PagedDecoder, "_long_padded", lambda self, R, *a: padded.append((R, len(a[0])))
+    real_pad = P.LongSteps._long_padded
+    monkeypatch.setattr(P.LongSteps, "_long_padded", lambda self, R, *a: padded.append((R, len(a[0])))
                         or real_pad(self, R, *a))
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (48,))   # the graph path's bucket (its body eagerly here)
     ckpt = fixture_dir("glm4_moe-3.0bpw-mcg") / "model"

@@ -59,7 +59,7 @@ def test_long_graphs_pad_the_step_to_its_bucket(monkeypatch):
     them): a long step of up to a bucket of rows and ``long_seqs`` sequences runs padded, rows
     past its own as padding and the prefill kernel on a fixed grid of row tiles, and gives the
     plain cache's logits; a step of more sequences takes the eager long step."""
-    import exl3tools.runtime.paged_decode as P
+    import exl3tools.runtime.long_steps as P
     import exl3tools.runtime.runner as R
 
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16,))
@@ -91,7 +91,7 @@ def test_long_graphs_pad_the_step_to_its_bucket(monkeypatch):
 def test_a_failed_long_graph_capture_runs_long_steps_eagerly(monkeypatch):
     """A long-step graph whose capture fails (out of memory, say): that step runs its padded body
     eagerly and is right, later long steps take the eager long step (no more buckets)."""
-    import exl3tools.runtime.paged_decode as P
+    import exl3tools.runtime.long_steps as P
 
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (32,))
     monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")

@@ -25,9 +25,9 @@ from exl3tools.errors import Exl3Error, RuntimeFailure, UsageError
 from exl3tools.runtime import distributed as D
 from exl3tools.runtime import invariance, preview, sampling
 from exl3tools.runtime.load import load_runner  # noqa: F401  (the public entry point, re-exported)
+from exl3tools.runtime.long_steps import last_rows, long_graph_rows
 from exl3tools.runtime.mla import has_mla
 from exl3tools.runtime.model import CausalLM
-from exl3tools.runtime.paged_decode import last_rows, long_graph_rows
 from exl3tools.runtime.peer_link import PeerLink
 from exl3tools.runtime.rank_model import build_local_model, rank_device  # noqa: F401
 from exl3tools.runtime.rank_state import (

@@ -154,7 +154,7 @@ def test_long_graphs_on_cuda_match_cpu_reference(name, monkeypatch):
     replay a graph captured with the prompt buckets (the prefill kernel on a fixed grid of row
     tiles, rows padded to the bucket) and match the CPU reference, replay after replay; a step of
     more rows than the largest bucket takes the eager long step."""
-    import exl3tools.runtime.paged_decode as P
+    import exl3tools.runtime.long_steps as P
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
     from tests.test_paged_runner import A, B, C, Lockstep, Reference

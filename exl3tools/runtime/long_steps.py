@@ -1,0 +1,199 @@
+"""The paged decoder's long steps (a mixin of runtime/paged_decode.PagedDecoder): a step past the
+prompt buckets (a long prompt chunk alone or beside decoding rows) through the fused step's glue
+once, each sequence's rows attending causally over its blocks in one pass of the paged prefill
+kernel (``long_step``; GQA models, on CUDA unless EXL3TOOLS_LONG_STEPS=0). With the long_graphs
+preview such a step of up to a LONG_GRAPH_ROWS bucket and LONG_GRAPH_SEQS sequences is padded to
+its bucket and replayed as a CUDA graph, the prefill kernel on a fixed grid of row tiles.
+
+The mixin reads the decoder's state: ``model``, ``pool``, ``tables``, ``device``, ``max_blocks``,
+``graphs`` and its graph store (``_graphs``, ``_pools``, ``_capture_keys``), ``_fused``, and the
+``long_steps``, ``long_buckets``, ``long_seqs`` and ``_long`` that its constructor sets."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from exl3tools.errors import UsageError
+from exl3tools.runtime import preview, sampling
+from exl3tools.runtime.block_manager import SCRATCH_BLOCK
+
+if TYPE_CHECKING:
+    from exl3tools.runtime.model import CausalLM
+
+log = logging.getLogger("exl3tools.runtime")
+
+LONG_GRAPH_ROWS = (1024, 2048)   # the long_graphs preview's buckets (those past the prompt buckets)
+LONG_GRAPH_SEQS = 16             # sequences a long-step graph takes (a step of more: the eager long step)
+
+
+class LongSteps:
+    """PagedDecoder's long steps: the eager form and the long_graphs preview's padded, graphed one."""
+
+    def _init_long(self) -> None:
+        """The long_graphs preview's state, once ``long_steps`` and ``prompt_rows`` are set: its
+        buckets (none unless asked for), the sequences a graph takes and, by bucket, [packed
+        inputs, outputs of the last run]. Padded and replayed as a graph, a long step costs the
+        GPU's time, not the host's ~180 launches a layer (a slow host took 55-100 ms for a
+        2048-token air6 step that another did in 33; H100, 2026-12-07 08:02)."""
+        self.long_seqs = min(self.max_seqs, LONG_GRAPH_SEQS)
+        self.long_buckets = long_buckets(self.prompt_rows) if self.long_steps and preview.switched_on("long_graphs") else []
+        self._long: dict[int, list] = {}
+
+    @torch.inference_mode()
+    def long_step(self, tokens: list[int], positions: list[int], slots: list[int],
+                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of any number of rows, laid out as ``step`` takes them, run once eagerly through
+        the fused step (no bucket, no graph): each sequence's rows attend causally over its blocks
+        in one pass of the paged prefill kernel, where a prompt bucket has every row read its whole
+        context through the decode kernels. (the logits of each sequence's last row (sequences,
+        vocab), every row's final-normed state), fresh tensors."""
+        n = len(tokens)
+        if not self.long_steps:
+            raise UsageError("long steps need the fused step of a GQA model (EXL3TOOLS_LONG_STEPS=1)")
+        if n < 1 or not len(positions) == len(slots) == len(rows) == n:
+            raise UsageError(f"a long step takes rows of equal length, got {n}, {len(positions)}, {len(slots)}, "
+                             f"{len(rows)}")
+        bsz = self.pool.block_size
+        if max(positions) >= self.max_blocks * bsz:
+            raise UsageError(f"a position reached the block tables' width ({self.max_blocks} blocks)")
+        last = last_rows(rows)                       # a sequence's rows are consecutive
+        starts = [0] + [e + 1 for e in last[:-1]]
+        lens = [positions[e] + 1 for e in last]
+        B = len(starts)
+        bucket = next((b for b in self.long_buckets if b >= n), None)
+        if bucket is not None and B <= self.long_seqs:
+            return self._long_padded(bucket, tokens, positions, slots, [rows[s] for s in starts], starts, lens, last)
+        max_new = max(e + 1 - s for s, e in zip(starts, last, strict=True))     # host ints (no sync)
+        flat = sampling.on_device([*tokens, *positions, *slots, *(rows[s] for s in starts), *starts, n, *lens,
+                                   *last], self.device)      # one copy, no stream sync
+        tok, pos, slot, seq_rows, q_start, ctx, last = flat.split([n, n, n, B, B + 1, B, B])
+        attend = self._prefill_attend(seq_rows, -(-max(lens) // bsz), q_start, ctx, max_new)
+        hn = self._fused(tok, pos, slot, None, None, attend)
+        return self.model.logits(hn.index_select(0, last)), hn
+
+    def _prefill_attend(self, seq_rows: torch.Tensor, width: int, q_start: torch.Tensor, ctx: torch.Tensor,
+                        max_new: int, tiles: torch.Tensor | None = None):
+        """The fused step's ``attend`` for a long step: each sequence's rows (``q_start``, context
+        lengths ``ctx``) through the paged prefill kernel over the slots of its table row
+        (``seq_rows``, ``width`` block columns); with ``tiles`` on that fixed grid, the rows no
+        tile names (a graph's padding) zeros."""
+        from exl3tools.kernels.paged_attention import paged_prefill
+
+        bsz = self.pool.block_size
+        table = self.tables.index_select(0, seq_rows)[:, :width].long()
+        slot_table = (table[:, :, None] * bsz + torch.arange(bsz, device=self.device)).reshape(table.shape[0], -1).int()
+        q_start, ctx = q_start.int(), ctx.int()
+
+        def attend(q, k, v, _tables, _ctx, scale):
+            out = None if tiles is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            return paged_prefill(q, k.flatten(0, 1), v.flatten(0, 1), slot_table, q_start, ctx, scale, max_new,
+                                 out=out, tiles=tiles)
+
+        return attend
+
+    # ------------------------------------------------------------------ long-step graphs (preview)
+    def _long_layout(self, R: int) -> list[int]:
+        """Entries of a bucket's packed inputs: tokens, positions, slots (R each), the sequences'
+        table rows, row starts (+1), context lengths, last rows (``long_seqs`` each), row tiles."""
+        from exl3tools.kernels.paged_attention import prefill_block_rows
+
+        S = self.long_seqs
+        return [R, R, R, S, S + 1, S, S, 2 * (-(-R // prefill_block_rows(self.pool.dtype)) + S)]
+
+    def _long_inputs(self, R: int, tokens, positions, slots, seq_rows, starts, lens, last) -> list[int]:
+        """A step's packed inputs in bucket ``R``: rows past ``n`` (token 0 at position 0, K/V into
+        the scratch block) and sequences past ``B`` (no rows, no context) are padding; the tiles
+        cover the real rows alone."""
+        from exl3tools.kernels.paged_attention import prefill_block_rows, prefill_tiles
+
+        n, B, S = len(tokens), len(starts), self.long_seqs
+        pad, ps = [0] * (R - n), [0] * (S - B)
+        q_start = [*starts, n] + [n] * (S - B)
+        tiles = prefill_tiles(q_start, prefill_block_rows(self.pool.dtype), self._long_layout(R)[-1] // 2)
+        return [*tokens, *pad, *positions, *pad, *slots, *[SCRATCH_BLOCK * self.pool.block_size] * (R - n),
+                *seq_rows, *ps, *q_start, *lens, *ps, *last, *ps, *tiles]
+
+    def _long_padded(self, R: int, tokens, positions, slots, seq_rows, starts, lens, last):
+        """``long_step`` in bucket ``R``: the packed inputs in one copy, then the graph's replay (on
+        CUDA; captured on first use where ``capture`` did not) or the same body eagerly."""
+        entry = self._long_entry(R)
+        entry[0].copy_(sampling.on_device(self._long_inputs(R, tokens, positions, slots, seq_rows, starts, lens,
+                                                            last), self.device))
+        key = ("long", R, False, self.max_blocks)
+        if self.graphs and key not in self._graphs:
+            self._capture_long([R])
+        if key in self._graphs:
+            self._graphs[key].replay()
+        else:                       # no graphs, or the capture failed (then this step alone runs padded)
+            self._long_body(R)
+        logits, hn = entry[1]
+        return logits[:len(starts)].clone(), hn[:len(tokens)].clone()
+
+    def _long_entry(self, R: int) -> list:
+        """Bucket ``R``'s [packed device inputs, outputs of its last run], made on first use."""
+        if R not in self._long:
+            self._long[R] = [torch.zeros(sum(self._long_layout(R)), dtype=torch.int64, device=self.device), None]
+        return self._long[R]
+
+    def _long_padding(self, R: int) -> torch.Tensor:
+        """A bucket's inputs with every row and sequence padding (what warm-ups and captures run)."""
+        return torch.tensor(self._long_inputs(R, [], [], [], [], [], [], []), dtype=torch.int64)
+
+    def _long_body(self, R: int) -> None:
+        """The long step of bucket ``R`` from its packed inputs, device ops only, fixed shapes:
+        (logits of each sequence's last row (long_seqs, vocab), every row's final-normed state)."""
+        tok, pos, slot, seq_rows, q_start, ctx, last, tiles = self._long[R][0].split(self._long_layout(R))
+        attend = self._prefill_attend(seq_rows, self.max_blocks, q_start, ctx, R, tiles.int())
+        hn = self._fused(tok, pos, slot, None, None, attend)
+        self._long[R][1] = (self.model.logits(hn.index_select(0, last)), hn)
+
+    def _capture_long(self, sizes: list[int]) -> None:
+        """Capture long-step buckets; a failure (out of memory) drops them all, so long steps run
+        eagerly (``long_step`` as without the preview), and keeps every other graph."""
+        sizes = [b for b in sizes if b in self.long_buckets]
+        if not sizes:
+            return
+        pool = "decode" if preview.switched_on("shared_graph_pool") else "prompt"
+        saved = {}
+        try:
+            for R in sizes:
+                saved[R] = self._long_entry(R)[0].clone()
+                self._long[R][0].copy_(self._long_padding(R))      # warm-ups and the capture write only scratch
+            self._capture_keys([((("long",), lambda bs, width, sparse: self._long_body(bs)),
+                                 (False, self.max_blocks), R) for R in sorted(sizes, reverse=True)], pool=pool)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
+            log.warning("long-step graphs of %s rows failed, long steps run eagerly: %s", sizes,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "long"}
+            self.long_buckets = []
+            self._pools.pop(pool, None)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        for R, v in saved.items():
+            self._long[R][0].copy_(v)
+
+
+def long_buckets(prompt_rows: int) -> list[int]:
+    """The long_graphs preview's buckets of a decoder with ``prompt_rows``: those past its prompt buckets."""
+    return [b for b in LONG_GRAPH_ROWS if b > prompt_rows]
+
+
+def long_graph_rows(model: CausalLM, prompt_rows: int) -> int:
+    """The rows of the largest long-step graph a CUDA decoder of ``model`` captures, for the KV
+    budget's graph reserve (0: none; the long_graphs preview where long steps run: a GQA model
+    with the fused step, long_steps not off, no batch-invariant serving)."""
+    from exl3tools.runtime import fused_step, invariance
+
+    dev = model.embed.device
+    on = (preview.switched_on("long_graphs") and preview.on_cuda("long_steps", dev) and dev.type == "cuda"
+          and fused_step.supports(model) and not invariance.on())
+    return max(long_buckets(prompt_rows), default=0) if on else 0
+
+
+def last_rows(rows: list[int]) -> list[int]:
+    """Index of each sequence's last row in a step's rows (``rows``: each row's slot row; a
+    sequence's rows are consecutive)."""
+    return [i for i in range(len(rows)) if i + 1 == len(rows) or rows[i + 1] != rows[i]]
