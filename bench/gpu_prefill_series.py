@@ -17,10 +17,11 @@ the kernels whose time differs most between the slowest and the fastest profiled
 fastest one's longest idle gaps with the kernels on either side. ``--sync-debug``: first one forward
 under torch's sync debug mode, each op that made the host wait for the GPU with the line of ours
 that called it. ``--paths eager,long,fused,graph``: each forward once per path in turn, the eager
-forward, the decoder's long step (PagedDecoder.long_step, the default on CUDA since 2026-12-07; GQA
-models), the eager forward with the fused step's glue (PagedDecoder.eager_body, the fused_eager
-preview; GQA and MLA models) and the long step padded to a LONG_GRAPH_ROWS bucket and replayed as a
-graph (the long_graphs preview; captured on first use), with each forward's activation peak and a
+forward, the decoder's eager long step (PagedDecoder.long_step, the default on CUDA since 2026-12-07
+05:29; GQA models), the eager forward with the fused step's glue (PagedDecoder.eager_body, the
+fused_eager preview; GQA and MLA models) and the long step padded to a LONG_GRAPH_ROWS bucket and
+replayed as a graph (long_graphs, the default on CUDA since 2026-12-07 10:08; captured on first use),
+with each forward's activation peak and a
 median per path; the sync list and the profile once per path.
 ``--device cpu``: the same series on the CPU through the static step (no clocks, allocator, sync
 list or profile; host ms): a smoke run of this script, tests/test_bench_prefill_series.py.
@@ -111,8 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-cache-tokens", type=int, default=40000)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--paths", default="",
-                    help="eager,long,fused,graph: alternate the eager forward, the decoder's long step, the eager "
-                         "forward with the fused glue and the long step's graph (the long_graphs preview) "
+                    help="eager,long,fused,graph: alternate the eager forward, the decoder's eager long step, the eager "
+                         "forward with the fused glue and the long step's graph (long_graphs) "
                          "(default: whichever the runner takes)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu: a smoke run (see the module doc)")
     ap.add_argument("--sync-debug", action="store_true",

@@ -88,6 +88,31 @@ def test_long_graphs_pad_the_step_to_its_bucket(monkeypatch):
     assert padded == [(16, 12), (16, 13), (16, 6)] and paths == ["long"] * 4
 
 
+def test_long_graph_buckets_stop_at_the_largest_planned_step(monkeypatch):
+    """Long-step graphs are captured for the buckets past the prompt buckets up to the first that
+    holds the largest step the server plans (its prompt budget beside every sequence's decode
+    row): a bucket no step reaches would cost its capture and its KV reserve for nothing. Off the
+    GPU only when asked for ("1"), and the KV budget reserves none there."""
+    import exl3tools.runtime.long_steps as P
+
+    assert P.long_buckets(512) == [1024, 2048] == P.long_buckets(512, 2048 + 64)
+    assert (P.long_buckets(512, 576), P.long_buckets(512, 1024), P.long_buckets(512, 1025)) == ([1024], [1024],
+                                                                                               [1024, 2048])
+    assert P.long_buckets(512, 512) == [] == P.long_buckets(2048, 4096)
+    assert P.long_buckets(1024, 1100) == [2048]
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16, 32, 64))
+    _interpret()
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    name = "glm4_moe-3.0bpw-mcg"
+    monkeypatch.delenv("EXL3TOOLS_LONG_GRAPHS", raising=False)
+    assert _paged(name, "static", prompt_rows=8, max_num_batched_tokens=20).paged.decoder.long_buckets == []
+    monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
+    r = _paged(name, "static", prompt_rows=8, max_num_batched_tokens=20)      # steps of up to 20 + 3 rows
+    assert (r.paged.decoder.step_rows, r.paged.decoder.long_buckets) == (23, [16, 32])
+    assert P.long_graph_rows(r.model, 8, 23) == 0                              # no graphs off CUDA
+
+
 def test_a_failed_long_graph_capture_runs_long_steps_eagerly(monkeypatch):
     """A long-step graph whose capture fails (out of memory, say): that step runs its padded body
     eagerly and is right, later long steps take the eager long step (no more buckets)."""

@@ -1,13 +1,14 @@
 """The paged decoder's long steps (a mixin of runtime/paged_decode.PagedDecoder): a step past the
 prompt buckets (a long prompt chunk alone or beside decoding rows) through the fused step's glue
 once, each sequence's rows attending causally over its blocks in one pass of the paged prefill
-kernel (``long_step``; GQA models, on CUDA unless EXL3TOOLS_LONG_STEPS=0). With the long_graphs
-preview such a step of up to a LONG_GRAPH_ROWS bucket and LONG_GRAPH_SEQS sequences is padded to
-its bucket and replayed as a CUDA graph, the prefill kernel on a fixed grid of row tiles.
+kernel (``long_step``; GQA models, on CUDA unless EXL3TOOLS_LONG_STEPS=0). On CUDA (unless
+EXL3TOOLS_LONG_GRAPHS=0) such a step of up to a LONG_GRAPH_ROWS bucket and LONG_GRAPH_SEQS sequences
+is padded to its bucket and replayed as a CUDA graph, the prefill kernel on a fixed grid of row tiles.
 
 The mixin reads the decoder's state: ``model``, ``pool``, ``tables``, ``device``, ``max_blocks``,
-``graphs`` and its graph store (``_graphs``, ``_pools``, ``_capture_keys``), ``_fused``, and the
-``long_steps``, ``long_buckets``, ``long_seqs`` and ``_long`` that its constructor sets."""
+``graphs`` and its graph store (``_graphs``, ``_pools``, ``_capture_keys``), ``_fused``, its
+``prompt_rows`` and ``step_rows``, and the ``long_steps``, ``long_buckets``, ``long_seqs`` and
+``_long`` that its constructor sets."""
 
 from __future__ import annotations
 
@@ -25,21 +26,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exl3tools.runtime")
 
-LONG_GRAPH_ROWS = (1024, 2048)   # the long_graphs preview's buckets (those past the prompt buckets)
+LONG_GRAPH_ROWS = (1024, 2048)   # the long-step graphs' buckets (those past the prompt buckets)
 LONG_GRAPH_SEQS = 16             # sequences a long-step graph takes (a step of more: the eager long step)
 
 
 class LongSteps:
-    """PagedDecoder's long steps: the eager form and the long_graphs preview's padded, graphed one."""
+    """PagedDecoder's long steps: the eager form and the padded, graphed one (long_graphs)."""
 
     def _init_long(self) -> None:
-        """The long_graphs preview's state, once ``long_steps`` and ``prompt_rows`` are set: its
-        buckets (none unless asked for), the sequences a graph takes and, by bucket, [packed
-        inputs, outputs of the last run]. Padded and replayed as a graph, a long step costs the
-        GPU's time, not the host's ~180 launches a layer (a slow host took 55-100 ms for a
-        2048-token air6 step that another did in 33; H100, 2026-12-07 08:02)."""
+        """The long-step graphs' state, once ``long_steps``, ``prompt_rows`` and ``step_rows`` are
+        set: their buckets (on CUDA unless EXL3TOOLS_LONG_GRAPHS=0, elsewhere only with "1"), the
+        sequences a graph takes and, by bucket, [packed inputs, outputs of the last run]. Padded
+        and replayed as a graph, a long step costs the GPU's time, not the host's ~180 launches a
+        layer (a slow host took 55-100 ms for a 2048-token air6 step that another did in 33; H100,
+        2026-12-07 08:02)."""
         self.long_seqs = min(self.max_seqs, LONG_GRAPH_SEQS)
-        self.long_buckets = long_buckets(self.prompt_rows) if self.long_steps and preview.switched_on("long_graphs") else []
+        on = self.long_steps and preview.on_cuda("long_graphs", self.device)
+        self.long_buckets = long_buckets(self.prompt_rows, self.step_rows) if on else []
         self._long: dict[int, list] = {}
 
     @torch.inference_mode()
@@ -94,7 +97,7 @@ class LongSteps:
 
         return attend
 
-    # ------------------------------------------------------------------ long-step graphs (preview)
+    # ------------------------------------------------------------------ long-step graphs
     def _long_layout(self, R: int) -> list[int]:
         """Entries of a bucket's packed inputs: tokens, positions, slots (R each), the sequences'
         table rows, row starts (+1), context lengths, last rows (``long_seqs`` each), row tiles."""
@@ -152,7 +155,7 @@ class LongSteps:
 
     def _capture_long(self, sizes: list[int]) -> None:
         """Capture long-step buckets; a failure (out of memory) drops them all, so long steps run
-        eagerly (``long_step`` as without the preview), and keeps every other graph."""
+        eagerly (``long_step`` as with EXL3TOOLS_LONG_GRAPHS=0), and keeps every other graph."""
         sizes = [b for b in sizes if b in self.long_buckets]
         if not sizes:
             return
@@ -176,21 +179,32 @@ class LongSteps:
             self._long[R][0].copy_(v)
 
 
-def long_buckets(prompt_rows: int) -> list[int]:
-    """The long_graphs preview's buckets of a decoder with ``prompt_rows``: those past its prompt buckets."""
-    return [b for b in LONG_GRAPH_ROWS if b > prompt_rows]
+def long_buckets(prompt_rows: int, step_rows: int | None = None) -> list[int]:
+    """The long-step graphs' buckets of a decoder with ``prompt_rows``: those past its prompt
+    buckets, up to the first that holds ``step_rows`` (the largest step the server plans: its
+    prompt budget beside every sequence's decode rows; None: all). A bucket no planned step
+    reaches would cost its capture and its activations' reserve in KV blocks for nothing."""
+    out, below = [], prompt_rows
+    for b in sorted(LONG_GRAPH_ROWS):
+        if b <= prompt_rows:
+            continue
+        if step_rows is not None and below >= step_rows:
+            break
+        out.append(b)
+        below = b
+    return out
 
 
-def long_graph_rows(model: CausalLM, prompt_rows: int) -> int:
+def long_graph_rows(model: CausalLM, prompt_rows: int, step_rows: int | None = None) -> int:
     """The rows of the largest long-step graph a CUDA decoder of ``model`` captures, for the KV
-    budget's graph reserve (0: none; the long_graphs preview where long steps run: a GQA model
-    with the fused step, long_steps not off, no batch-invariant serving)."""
+    budget's graph reserve (0: none; long_graphs where long steps run: a GQA model with the fused
+    step, long_steps and long_graphs not off, no batch-invariant serving)."""
     from exl3tools.runtime import fused_step, invariance
 
     dev = model.embed.device
-    on = (preview.switched_on("long_graphs") and preview.on_cuda("long_steps", dev) and dev.type == "cuda"
+    on = (dev.type == "cuda" and preview.on_cuda("long_graphs", dev) and preview.on_cuda("long_steps", dev)
           and fused_step.supports(model) and not invariance.on())
-    return max(long_buckets(prompt_rows), default=0) if on else 0
+    return max(long_buckets(prompt_rows, step_rows), default=0) if on else 0
 
 
 def last_rows(rows: list[int]) -> list[int]:

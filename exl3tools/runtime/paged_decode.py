@@ -150,7 +150,7 @@ class StepInputs:
 class PagedDecoder(LongSteps):
     def __init__(self, model: CausalLM, pool: KVPool, max_seqs: int, max_blocks: int, *, graphs: bool = False,
                  fused: bool | None = None, head_pool: KVPool | None = None, max_rows: int | None = None,
-                 prompt_rows: int | None = None):
+                 prompt_rows: int | None = None, step_rows: int | None = None):
         check(model)
         if max_seqs < 1 or max_blocks < 1:
             raise UsageError(f"paged decode needs max_seqs >= 1 and max_blocks >= 1 (got {max_seqs}, {max_blocks})")
@@ -164,6 +164,8 @@ class PagedDecoder(LongSteps):
         # decoding sequences -- in larger buckets of the main step only (no MTP draft graphs),
         # with the logits of each sequence's last row alone; runtime/runner.py decides which steps
         self.prompt_rows = max(self.max_rows, int(prompt_rows or 0))
+        # the largest step the server plans (None: any), up to which long-step graphs are captured
+        self.step_rows = None if step_rows is None else int(step_rows)
         self.device = model.embed.device
         if graphs and self.device.type != "cuda":
             raise UsageError("CUDA graphs need the model on a CUDA device")
@@ -188,7 +190,7 @@ class PagedDecoder(LongSteps):
         # unless EXL3TOOLS_LONG_STEPS=0): GQA models only (MLA's prompt attention is its own)
         self.long_steps = (self._fused is not None and not self._fused.mla and preview.on_cuda("long_steps", self.device)
                            and not invariance.on())
-        self._init_long()            # the long_graphs preview's buckets (runtime/long_steps.py)
+        self._init_long()            # the long-step graphs' buckets (runtime/long_steps.py)
         # the eager forward's glue (the fused_eager preview): CausalLM.forward's ``body``, or None
         self.eager_body = self._fused.eager if self._fused is not None and preview.switched_on("fused_eager") else None
         if invariance.on():

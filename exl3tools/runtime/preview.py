@@ -11,14 +11,6 @@ from __future__ import annotations
 import os
 
 SWITCHES = {    # name -> variable: off on CUDA unless "1"
-    # long steps (PagedDecoder.long_step, GQA models) of up to a LONG_GRAPH_ROWS bucket (1024, 2048
-    # rows) and LONG_GRAPH_SEQS sequences padded to the bucket and replayed as a CUDA graph
-    # (captured with the prompt buckets; the prefill kernel on a fixed grid of row tiles,
-    # paged_attention.prefill_tiles), so a long prompt's chunk costs the GPU's time and not the
-    # host's launches: on a slow H100 host a 2048-token air6 long step took 55-100 ms against 33
-    # on another (2026-12-07 08:02). Right against the plain cache on the CPU (its body eagerly,
-    # tests/test_long_steps.py); not yet run on a GPU
-    "long_graphs": "EXL3TOOLS_LONG_GRAPHS",
     # MLA models' eager steps (a prompt chunk beside decoding sequences): the decode and verify
     # rows attend in one pass of the decode step's kernels (MLAttention.attend_rows) instead of
     # one history gather and four einsums per sequence and layer (~48 torch calls each: 32
@@ -115,6 +107,18 @@ OPT_OUTS = {
     # alternating, 8 cold 4096-token prompts each) TTFT 108 / 108 ms against 114 / 114, the
     # server's own 62.7 / 62.6 against 64.6 / 64.0; decode unchanged. tests/gpu passed with it (1200)
     "long_steps": "EXL3TOOLS_LONG_STEPS",
+    # long steps of up to a long_steps.LONG_GRAPH_ROWS bucket (1024, 2048 rows past the prompt
+    # buckets, up to the first that holds the largest planned step) and LONG_GRAPH_SEQS sequences
+    # padded to the bucket and replayed as a CUDA graph captured with the prompt buckets (the
+    # prefill kernel on a fixed grid of row tiles, paged_attention.prefill_tiles), so a long
+    # prompt's chunk costs the GPU's time and not the host's ~1100 launches (a slow H100 host took
+    # 55-100 ms for a 2048-token air6 step that another did in 33). H100 2026-12-07 10:08 (a fast
+    # host; bench/gpu_prefill_series.py, air6, 2048 tokens, 6 interleaved rounds): 31.6 ms against
+    # the eager long step's 33.6, activation peak 33 MB against 498; served (four servers
+    # alternating, 6 cold 2048-token prompts each) the server's own TTFT 33.7 / 34.9 ms against
+    # 37.8 / 43.0 and its prefill steps 32.1 / 33.1 against 36.1 / 41.6 ms a prompt, decode
+    # unchanged, KV 66.47 against 66.83 GB, start-up +0-1.5 s; tests/gpu passed with it (1208)
+    "long_graphs": "EXL3TOOLS_LONG_GRAPHS",
     # linears of more than cuda_exl3.WGR_MAX_ROWS rows (and those under WGR_MIN_WEIGHTS from
     # cuda_exl3.FOLD2_MIN_ROWS rows) with fp16 activations: both passes folded
     # (kernels/cuda_dense.decode_fold2: W = diag(suh) · H_k · Ŵ · H_n · diag(svh) / 128, the whole

@@ -98,7 +98,7 @@ class PagedState:
 
     def __init__(self, model: CausalLM, *, num_blocks: int, block_size: int, dtype: str, max_seqs: int,
                  max_blocks: int, decode: str, mtp_paged: bool = False, max_rows: int | None = None,
-                 prompt_rows: int | None = None):
+                 prompt_rows: int | None = None, step_rows: int | None = None):
         from exl3tools.runtime.kv_pool import KVPool, layer_specs
         from exl3tools.runtime.paged_decode import PagedDecoder
 
@@ -114,7 +114,8 @@ class PagedState:
         self.decoder = None
         if decode in ("static", "graphs"):
             self.decoder = PagedDecoder(model, self.pool, max_seqs, max_blocks, graphs=decode == "graphs",
-                                        head_pool=self.head_pool, max_rows=max_rows, prompt_rows=prompt_rows)
+                                        head_pool=self.head_pool, max_rows=max_rows, prompt_rows=prompt_rows,
+                                        step_rows=step_rows)
 
     def nbytes(self) -> int:
         """The KV pool's bytes, the MTP head's blocks included."""

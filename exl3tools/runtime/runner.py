@@ -119,6 +119,9 @@ class Runner(SpeculativeSteps, PeerLink):
                 raise UsageError("batch-invariant serving runs at TP 1 on CUDA with row steps and prompt graphs "
                                  "(EXL3TOOLS_ROW_STEPS and EXL3TOOLS_PROMPT_GRAPHS not 0)")
             prompt_rows = int(max_num_batched_tokens) + self.max_num_seqs
+        # the largest step the server plans: its prompt budget beside every sequence's decode rows
+        # (long-step graphs are captured up to the first bucket that holds it)
+        step_rows = int(max_num_batched_tokens) + self.max_num_seqs * (1 + self.spec_k)
         # the MTP head's cache in the block pool, its drafts in the fixed-shape step
         # (on unless EXL3TOOLS_MTP_PAGED=0: runtime/preview.py)
         mtp_paged = bool(self.spec_k and preview.switched_on("mtp_paged"))
@@ -143,7 +146,7 @@ class Runner(SpeculativeSteps, PeerLink):
                                              # graphs' activations counted beside the prompt buckets'
                                              graph_rows=prompt_rows + (self.max_num_seqs * (1 + self.spec_k)
                                                                        if self.spec_k else 0)
-                                             + long_graph_rows(model, prompt_rows))
+                                             + long_graph_rows(model, prompt_rows, step_rows))
         else:
             num_blocks = DEFAULT_CACHE_TOKENS // block_size + 1
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
@@ -160,7 +163,7 @@ class Runner(SpeculativeSteps, PeerLink):
                      # a verify is 1 + k rows a sequence: the step takes every sequence's at once
                      max_rows=self.max_num_seqs * (1 + self.spec_k),
                      # larger buckets for prompt steps (short prompts beside decoding rows)
-                     prompt_rows=int(prompt_rows))
+                     prompt_rows=int(prompt_rows), step_rows=step_rows)
         self._send(("kv_init", state))
         self.paged = PagedState(model, **state)
         self.decode_mode = mode

@@ -334,9 +334,16 @@ def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypat
     refs = {kv: o[1:] for kv, o in out.items()}
     errs, base = _step_errors(cuda["1"][1:], refs), _step_errors(cuda["0"][1:], refs)
     print(name, "glue", glue, "fused vs CPU", errs, "eager glue vs CPU", base)
-    assert _near_a_reference(errs), errs
     # glm5's DSA top-k of 32 over 41 keys: the glues' fp16-level differences in the cached keys can
-    # flip a near-tie at the next decode step (H100: 0.17 at the token-900 step, 3e-4 at the steps
-    # around it); such a step passes only where each glue's run is within 1e-2 of a CPU reference
-    tie = ["dsa" in name and i > 0 and min(base[i - 1].values()) < 1e-2 for i in range(len(glue))]
+    # flip a near-tie at a decode step (H100: 0.17 at the token-900 step, 3e-4 at the steps around
+    # it; seen in the eager glue's run on 2026-12-07 08:02 and in the fused glue's at 10:08). Such
+    # a step passes once, where the other glue's run is within 1e-2 of a CPU reference there and
+    # the fused run is again at the steps after it (its cached keys were right)
+    flips = [i for i, e in enumerate(errs) if not _near_a_reference([e])]
+    if "dsa" in name and len(flips) == 1 and flips[0] < len(errs) - 1 and _near_a_reference([base[flips[0]]]):
+        print(name, "a DSA near-tie flipped in the fused glue's run at step", flips[0] + 1)
+    else:
+        assert _near_a_reference(errs), errs
+    tie = ["dsa" in name and i > 0 and (min(base[i - 1].values()) < 1e-2 or min(errs[i - 1].values()) < 1e-2)
+           for i in range(len(glue))]
     assert all(e["eager"] < 3e-3 or t for e, t in zip(glue, tie, strict=True)), (glue, base)

@@ -133,6 +133,7 @@ def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
                     kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=6)
     d = r.paged.decoder
     assert r.decode_mode == "graphs" and d.long_steps and d.prompt_buckets == [4, 8]
+    assert d.long_buckets == []          # no planned step passes 8 rows: no long-step graphs, eager long steps
     eager, forward = [], r.paged.forward
     monkeypatch.setattr(r.paged, "forward", lambda *a, **k: eager.append(1) or forward(*a, **k))
     ls = Lockstep(r, ref, REL["bf16"])
@@ -150,11 +151,12 @@ def test_long_steps_on_cuda_match_cpu_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_long_graphs_on_cuda_match_cpu_reference(name, monkeypatch):
-    """The long_graphs preview: long steps of up to a bucket of rows and ``long_seqs`` sequences
-    replay a graph captured with the prompt buckets (the prefill kernel on a fixed grid of row
-    tiles, rows padded to the bucket) and match the CPU reference, replay after replay; a step of
-    more rows than the largest bucket takes the eager long step."""
+    """Long-step graphs (the default on CUDA): long steps of up to a bucket of rows and
+    ``long_seqs`` sequences replay a graph captured with the prompt buckets (the prefill kernel on
+    a fixed grid of row tiles, rows padded to the bucket) and match the CPU reference, replay after
+    replay; a step of more rows than the largest bucket takes the eager long step."""
     import exl3tools.runtime.long_steps as P
+    import exl3tools.runtime.runner as R
     from exl3tools.runtime.runner import load_runner
     from tests.conftest import fixture_dir
     from tests.test_paged_runner import A, B, C, Lockstep, Reference
@@ -162,10 +164,11 @@ def test_long_graphs_on_cuda_match_cpu_reference(name, monkeypatch):
     path = fixture_dir(name) / "model"
     ref = Reference(load_runner(path, max_context=64).model)
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16, 32))
-    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
-    monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
+    monkeypatch.setattr(R, "PROMPT_GRAPH_ROWS", 8)          # prompt buckets 4, 8; planned steps up to 66 rows
+    monkeypatch.delenv("EXL3TOOLS_LONG_STEPS", raising=False)
+    monkeypatch.delenv("EXL3TOOLS_LONG_GRAPHS", raising=False)
     r = load_runner(path, device="cuda", backend=cuda_backend(), max_context=64, max_num_seqs=2, block_size=4,
-                    kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=6)
+                    kv_dtype="bf16", max_cache_tokens=4096, max_num_batched_tokens=64)
     d = r.paged.decoder
     assert r.decode_mode == "graphs" and d.long_buckets == [16, 32]
     assert {k[1] for k in d._graphs if k[0] == "long"} == {16, 32}        # captured at start
