@@ -62,13 +62,13 @@ def test_long_graphs_pad_the_step_to_its_bucket(monkeypatch):
     import exl3tools.runtime.long_steps as P
     import exl3tools.runtime.runner as R
 
-    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16,))
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16, 32))
     monkeypatch.setattr(P, "LONG_GRAPH_SEQS", 2)
     monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
     name = "glm4_moe-3.0bpw-mcg"
     r, paths = _long_runner(name, monkeypatch)
     d = r.paged.decoder
-    assert (d.long_buckets, d.long_seqs) == ([16], 2)
+    assert (d.long_buckets, d.long_seqs) == ([16, 32, 576], 2)      # 576: the largest planned step, 512 + 3
     padded = []
     real = d._long_padded
     monkeypatch.setattr(d, "_long_padded", lambda R_, *a: padded.append((R_, len(a[0]))) or real(R_, *a))
@@ -82,10 +82,14 @@ def test_long_graphs_pad_the_step_to_its_bucket(monkeypatch):
     assert ls.step([("C", C[9:]), ("A", [11])]) == "long"            # 13 rows after C's cached 9
     assert ls.step([("A", [12]), ("B", [13]), ("C", [14])]) == "decode"
     ls.free("C")
+    ls.add("E")
+    assert ls.step([("E", C), ("A", [16])]) == "long"               # 22 rows: bucket 32
+    ls.free("E")
     ls.add("D")
     monkeypatch.setattr(R, "PROMPT_GRAPH_READS", 0)
-    assert ls.step([("D", C[:5]), ("A", [15])]) == "long"
-    assert padded == [(16, 12), (16, 13), (16, 6)] and paths == ["long"] * 4
+    assert ls.step([("D", C[:5]), ("A", [15])]) == "long"           # bucket 16 after 32: the shared outputs
+    assert padded == [(16, 12), (16, 13), (32, 22), (16, 6)] and paths == ["long"] * 5
+    assert d._long_out[1].shape[0] == 576 and set(d._long) == {16, 32}      # sized once, for the largest
 
 
 def test_long_graph_buckets_stop_at_the_largest_planned_step(monkeypatch):
@@ -95,11 +99,18 @@ def test_long_graph_buckets_stop_at_the_largest_planned_step(monkeypatch):
     GPU only when asked for ("1"), and the KV budget reserves none there."""
     import exl3tools.runtime.long_steps as P
 
-    assert P.long_buckets(512) == [1024, 2048] == P.long_buckets(512, 2048 + 64)
+    assert P.long_buckets(512) == list(range(640, 2049, 128))      # every 128 rows past the prompt buckets
+    # a default server (--max-prefill-tokens 2048 beside 64 decoding rows): one more that fits its largest step
+    assert P.long_buckets(512, 2048 + 64) == [*range(640, 2049, 128), 2112]
+    assert P.long_buckets(512, 1025) == [640, 768, 896, 1024, 1152] and P.long_buckets(512, 576) == [640]
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (1024, 2048))
+    assert P.long_buckets(512) == [1024, 2048] == P.long_buckets(512, 2048)
     assert (P.long_buckets(512, 576), P.long_buckets(512, 1024), P.long_buckets(512, 1025)) == ([1024], [1024],
                                                                                                [1024, 2048])
-    assert P.long_buckets(512, 512) == [] == P.long_buckets(2048, 4096)
+    assert P.long_buckets(512, 512) == [] == P.long_buckets(4352, 4400)
     assert P.long_buckets(1024, 1100) == [2048]
+    assert (P.long_buckets(512, 2049), P.long_buckets(512, 4352), P.long_buckets(512, 4353)) == (
+        [1024, 2048, 2112], [1024, 2048, 4352], [1024, 2048])     # the fit bucket: up to LONG_GRAPH_MAX_ROWS
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16, 32, 64))
     _interpret()
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
@@ -110,6 +121,8 @@ def test_long_graph_buckets_stop_at_the_largest_planned_step(monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
     r = _paged(name, "static", prompt_rows=8, max_num_batched_tokens=20)      # steps of up to 20 + 3 rows
     assert (r.paged.decoder.step_rows, r.paged.decoder.long_buckets) == (23, [16, 32])
+    r = _paged(name, "static", prompt_rows=8, max_num_batched_tokens=64)      # 67 rows: the fit bucket
+    assert r.paged.decoder.long_buckets == [16, 32, 64, 128]
     assert P.long_graph_rows(r.model, 8, 23) == 0                              # no graphs off CUDA
 
 

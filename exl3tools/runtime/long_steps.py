@@ -26,8 +26,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exl3tools.runtime")
 
-LONG_GRAPH_ROWS = (1024, 2048)   # the long-step graphs' buckets (those past the prompt buckets)
-LONG_GRAPH_SEQS = 16             # sequences a long-step graph takes (a step of more: the eager long step)
+# the long-step graphs' buckets (those past the prompt buckets): every 128 rows, so a step is padded
+# by at most 127 rows (~2 ms of GPU time near 2048 rows on an H100, about what a graph saves in
+# launches on a fast host; 20-60 ms on a slow one). Their activations share one graph pool
+LONG_GRAPH_ROWS = tuple(range(640, 2049, 128))
+# and one that fits the largest planned step where that is past them (rounded up to LONG_GRAPH_ALIGN
+# rows, up to LONG_GRAPH_MAX_ROWS): a 2048-token chunk beside decoding rows, the usual long step of
+# a busy server, would otherwise take the eager long step
+LONG_GRAPH_ALIGN, LONG_GRAPH_MAX_ROWS = 64, 4352
+# sequences a long-step graph takes (a step of more: the eager long step): a long prompt chunk
+# beside every decoding sequence of a default server (64); each costs a padded row of logits
+LONG_GRAPH_SEQS = 64
 
 
 class LongSteps:
@@ -36,14 +45,15 @@ class LongSteps:
     def _init_long(self) -> None:
         """The long-step graphs' state, once ``long_steps``, ``prompt_rows`` and ``step_rows`` are
         set: their buckets (on CUDA unless EXL3TOOLS_LONG_GRAPHS=0, elsewhere only with "1"), the
-        sequences a graph takes and, by bucket, [packed inputs, outputs of the last run]. Padded
-        and replayed as a graph, a long step costs the GPU's time, not the host's ~180 launches a
+        sequences a graph takes, by bucket [packed inputs], and the outputs every bucket writes.
+        Padded and replayed as a graph, a long step costs the GPU's time, not the host's ~180 launches a
         layer (a slow host took 55-100 ms for a 2048-token air6 step that another did in 33; H100,
         2026-12-07 08:02)."""
         self.long_seqs = min(self.max_seqs, LONG_GRAPH_SEQS)
         on = self.long_steps and preview.on_cuda("long_graphs", self.device)
         self.long_buckets = long_buckets(self.prompt_rows, self.step_rows) if on else []
         self._long: dict[int, list] = {}
+        self._long_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def long_step(self, tokens: list[int], positions: list[int], slots: list[int],
@@ -132,13 +142,24 @@ class LongSteps:
             self._graphs[key].replay()
         else:                       # no graphs, or the capture failed (then this step alone runs padded)
             self._long_body(R)
-        logits, hn = entry[1]
+        logits, hn = self._long_out
         return logits[:len(starts)].clone(), hn[:len(tokens)].clone()
 
     def _long_entry(self, R: int) -> list:
-        """Bucket ``R``'s [packed device inputs, outputs of its last run], made on first use."""
+        """Bucket ``R``'s [packed device inputs], made on first use, and the outputs every bucket's
+        run writes (``_long_out``: each sequence's last row's logits, every row's final-normed
+        state), made once for the largest bucket: a graph's own outputs would stay allocated in
+        the graph pool, ~75 MB a bucket on air6, where its freed activations serve every capture.
+        A larger bucket set later (bench/gpu_prefill_series.py) makes them again and drops the
+        long graphs captured on the old ones."""
+        top = max([R, *self.long_buckets])
+        if self._long_out is None or self._long_out[1].shape[0] < top:
+            info = self.model.info
+            self._long_out = (torch.zeros(self.long_seqs, info.vocab_size, dtype=torch.float32, device=self.device),
+                              torch.zeros(top, info.hidden_size, dtype=torch.float32, device=self.device))
+            self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "long"}
         if R not in self._long:
-            self._long[R] = [torch.zeros(sum(self._long_layout(R)), dtype=torch.int64, device=self.device), None]
+            self._long[R] = [torch.zeros(sum(self._long_layout(R)), dtype=torch.int64, device=self.device)]
         return self._long[R]
 
     def _long_padding(self, R: int) -> torch.Tensor:
@@ -146,12 +167,15 @@ class LongSteps:
         return torch.tensor(self._long_inputs(R, [], [], [], [], [], [], []), dtype=torch.int64)
 
     def _long_body(self, R: int) -> None:
-        """The long step of bucket ``R`` from its packed inputs, device ops only, fixed shapes:
-        (logits of each sequence's last row (long_seqs, vocab), every row's final-normed state)."""
+        """The long step of bucket ``R`` from its packed inputs, device ops only, fixed shapes,
+        into ``_long_out``: the logits of each sequence's last row (long_seqs, vocab), every row's
+        final-normed state (its first R rows)."""
         tok, pos, slot, seq_rows, q_start, ctx, last, tiles = self._long[R][0].split(self._long_layout(R))
         attend = self._prefill_attend(seq_rows, self.max_blocks, q_start, ctx, R, tiles.int())
         hn = self._fused(tok, pos, slot, None, None, attend)
-        self._long[R][1] = (self.model.logits(hn.index_select(0, last)), hn)
+        logits, states = self._long_out
+        logits.copy_(self.model.logits(hn.index_select(0, last)))
+        states[:R].copy_(hn)
 
     def _capture_long(self, sizes: list[int]) -> None:
         """Capture long-step buckets; a failure (out of memory) drops them all, so long steps run
@@ -182,8 +206,10 @@ class LongSteps:
 def long_buckets(prompt_rows: int, step_rows: int | None = None) -> list[int]:
     """The long-step graphs' buckets of a decoder with ``prompt_rows``: those past its prompt
     buckets, up to the first that holds ``step_rows`` (the largest step the server plans: its
-    prompt budget beside every sequence's decode rows; None: all). A bucket no planned step
-    reaches would cost its capture and its activations' reserve in KV blocks for nothing."""
+    prompt budget beside every sequence's decode rows; None: LONG_GRAPH_ROWS), and where
+    ``step_rows`` is past them all (the default server: 2048 + 64), one of ``step_rows`` rounded up
+    to LONG_GRAPH_ALIGN, up to LONG_GRAPH_MAX_ROWS. A bucket no planned step reaches would cost
+    its capture and its outputs for nothing."""
     out, below = [], prompt_rows
     for b in sorted(LONG_GRAPH_ROWS):
         if b <= prompt_rows:
@@ -192,6 +218,10 @@ def long_buckets(prompt_rows: int, step_rows: int | None = None) -> list[int]:
             break
         out.append(b)
         below = b
+    if step_rows is not None and below < step_rows:
+        fit = -(-step_rows // LONG_GRAPH_ALIGN) * LONG_GRAPH_ALIGN
+        if max(prompt_rows, *LONG_GRAPH_ROWS) < fit <= LONG_GRAPH_MAX_ROWS:
+            out.append(fit)
     return out
 
 

@@ -164,6 +164,7 @@ def test_long_graphs_on_cuda_match_cpu_reference(name, monkeypatch):
     path = fixture_dir(name) / "model"
     ref = Reference(load_runner(path, max_context=64).model)
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16, 32))
+    monkeypatch.setattr(P, "LONG_GRAPH_MAX_ROWS", 32)       # no bucket that fits the largest planned step
     monkeypatch.setattr(R, "PROMPT_GRAPH_ROWS", 8)          # prompt buckets 4, 8; planned steps up to 66 rows
     monkeypatch.delenv("EXL3TOOLS_LONG_STEPS", raising=False)
     monkeypatch.delenv("EXL3TOOLS_LONG_GRAPHS", raising=False)
@@ -186,6 +187,7 @@ def test_long_graphs_on_cuda_match_cpu_reference(name, monkeypatch):
     ls.add("D")
     assert ls.step([("D", C + B + A + C + B)]) == "long"             # 35 rows: past the buckets, eagerly
     assert padded == [(32, 18), (16, 15), (16, 12)], padded
+    assert d._long_out[1].shape[0] == 32            # one set of outputs, every bucket's graph writes it
     r.close()
 
 
