@@ -107,17 +107,23 @@ OPT_OUTS = {
     # alternating, 8 cold 4096-token prompts each) TTFT 108 / 108 ms against 114 / 114, the
     # server's own 62.7 / 62.6 against 64.6 / 64.0; decode unchanged. tests/gpu passed with it (1200)
     "long_steps": "EXL3TOOLS_LONG_STEPS",
-    # long steps of up to a long_steps.LONG_GRAPH_ROWS bucket (1024, 2048 rows past the prompt
-    # buckets, up to the first that holds the largest planned step) and LONG_GRAPH_SEQS sequences
-    # padded to the bucket and replayed as a CUDA graph captured with the prompt buckets (the
-    # prefill kernel on a fixed grid of row tiles, paged_attention.prefill_tiles), so a long
+    # long steps of up to a long_steps.LONG_GRAPH_ROWS bucket (every 128 rows from 640 to 2048 past
+    # the prompt buckets, and one that fits the largest planned step: --max-prefill-tokens beside
+    # every decoding row, up to 4352) and LONG_GRAPH_SEQS (64) sequences padded to the bucket and
+    # replayed as a CUDA graph captured with the prompt buckets (the prefill kernel on a fixed grid
+    # of row tiles, paged_attention.prefill_tiles; one set of outputs for every bucket), so a long
     # prompt's chunk costs the GPU's time and not the host's ~1100 launches (a slow H100 host took
     # 55-100 ms for a 2048-token air6 step that another did in 33). H100 2026-12-07 10:08 (a fast
-    # host; bench/gpu_prefill_series.py, air6, 2048 tokens, 6 interleaved rounds): 31.6 ms against
-    # the eager long step's 33.6, activation peak 33 MB against 498; served (four servers
-    # alternating, 6 cold 2048-token prompts each) the server's own TTFT 33.7 / 34.9 ms against
-    # 37.8 / 43.0 and its prefill steps 32.1 / 33.1 against 36.1 / 41.6 ms a prompt, decode
-    # unchanged, KV 66.47 against 66.83 GB, start-up +0-1.5 s; tests/gpu passed with it (1208)
+    # host, buckets 1024 / 2048 then; bench/gpu_prefill_series.py, air6, 2048 tokens, 6
+    # interleaved rounds): 31.6 ms against the eager long step's 33.6, activation peak 33 MB
+    # against 498; served (four servers alternating, 6 cold 2048-token prompts each) the server's
+    # own TTFT 33.7 / 34.9 ms against 37.8 / 43.0 and its prefill steps 32.1 / 33.1 against 36.1 /
+    # 41.6 ms a prompt, decode unchanged, KV 66.47 against 66.83 GB. H100 10:46 (a slow host, the
+    # ladder): a 1100-token forward 22.5 ms (bucket 1152) against 53.8 (median of 4); served against
+    # EXL3TOOLS_LONG_GRAPHS=0: 8 streams of 1500-token prompts 1188 against 835 tok/s (TTFT median
+    # 146 against 286 ms), 2 such prompts joining 16 decoding streams stall them 36 ms against 56,
+    # a cold 2048-token prompt 35.9 ms (the server's own) against 55.4, KV the same 66.47 GB,
+    # ready after 21.7 s against 14.6 (13 captures); tests/gpu 1211 passed with it (0 failed)
     "long_graphs": "EXL3TOOLS_LONG_GRAPHS",
     # linears of more than cuda_exl3.WGR_MAX_ROWS rows (and those under WGR_MIN_WEIGHTS from
     # cuda_exl3.FOLD2_MIN_ROWS rows) with fp16 activations: both passes folded

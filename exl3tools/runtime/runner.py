@@ -418,7 +418,8 @@ class Runner(SpeculativeSteps, PeerLink):
         logits only and whose sequences of several rows read at most PROMPT_GRAPH_READS context
         tokens (decoding rows beside them may sit at any context, DSA selecting for them); "long"
         for the other steps without every row's logits where the decoder has a long step (the
-        long_steps default on CUDA: the fused glue once, eagerly, the prefill kernel's attention);
+        long_steps default on CUDA: the fused glue once, the prefill kernel's attention, replayed
+        as a graph where a long_graphs bucket holds the step, else eagerly);
         else "eager"."""
         d = self.paged.decoder
         if d is None:
