@@ -4,8 +4,8 @@
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
 # .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
-#   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [cublas] [paged] [e2e] [prefill] [series] [serve] [hostprof] [longctx] [mla] [attn] [profile] [memory] [moe]
-# (default: all but ab, defs, cublas, prefill, series, hostprof, longctx, mla, attn, profile, memory and moe)
+#   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [cublas] [paged] [e2e] [prefill] [series] [serve] [hostprof] [longctx] [mla] [attn] [absorb] [profile] [memory] [moe]
+# (default: all but ab, defs, cublas, prefill, series, hostprof, longctx, mla, attn, absorb, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
 # machine finds it built (/tmp/exl3build.log says "build rc 0").
 set -u
@@ -296,6 +296,10 @@ fi
 if [[ $STAGES == *attn* ]]; then   # the MLA decode kernels side by side: Triton's, the CUDA ones
   timeout ${ATTN_TIMEOUT:-240} python3 bench/gpu_mla_cuda.py ${ATTN_ARGS:-} > "$L/mla_cuda.log" 2>&1
   el "attn rc $?"; grep -E "^\|" "$L/mla_cuda.log"
+fi
+if [[ $STAGES == *absorb* ]]; then   # MLA's absorbed products: float32 W_UK / W_UV against fp16 (mla_w16)
+  timeout ${ABSORB_TIMEOUT:-120} python3 bench/gpu_mla_absorb.py ${ABSORB_ARGS:-} --json "$L/absorb.json" > "$L/absorb.log" 2>&1
+  el "absorb rc $?"; grep -E "^\||copy" "$L/absorb.log"
 fi
 if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a long context (top kernels)
   # PROFILE_ARCHES: synthetic shapes (air6 = GLM-4.5-Air; glm5, deepseek_v3 via --arch); PROFILE_RUNS:

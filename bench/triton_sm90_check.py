@@ -5,7 +5,7 @@ CPU interpreter cannot: compile errors, register-allocation failures, shared mem
 any variant fails. Use the device image's Triton for parity (3.6):
 
     pip install --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36 TRITON_INTERPRET=0 python bench/triton_sm90_check.py [fused] [mla] [dsa] [prefill]
+    PYTHONPATH=/tmp/t36 TRITON_INTERPRET=0 python bench/triton_sm90_check.py [fused] [mla] [dsa] [prefill] [absorb]
 
 It replaces triton's JITFunction.run (internal API, checked with 3.6 and 3.9). First found, before
 any GPU run: the MLA tf32x3 configuration at 64+ heads needed 488 KiB of shared memory.
@@ -171,8 +171,19 @@ def prefill() -> None:
                              torch.tensor([50, 60], dtype=torch.int32), 0.1, 50, tiles=tiles)
 
 
+def absorb() -> None:
+    from exl3tools.kernels import mla_absorb as mb
+
+    # DeepSeek-V3's 128 heads (nope 128, latent 512, v 128), GLM-5's 64 (nope 192, v 256): decode rows
+    # (the small row block) and a prompt chunk's, both products (W_UV read transposed)
+    for H, N, V in ((128, 128, 128), (64, 192, 256)):
+        for T in (1, 2048):
+            mb.absorb(torch.zeros(T, H, N + 64)[..., :N], torch.zeros(H, N, 512, dtype=torch.float16))
+            mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True)
+
+
 def main(argv: list[str]) -> int:
-    parts = {"fused": fused, "mla": mla, "dsa": dsa, "prefill": prefill}
+    parts = {"fused": fused, "mla": mla, "dsa": dsa, "prefill": prefill, "absorb": absorb}
     which = argv or list(parts)
     bad = [w for w in which if w not in parts]
     if bad:

@@ -92,6 +92,15 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 2026-12-07 (bench/gpu_prefill_series.py, the GLM-5 shape, 2048 tokens): right (its GPU test),
     # kernels 50.5 against 52.7 ms, wall time not told apart under the power cap; not yet served
     "fused_eager": "EXL3TOOLS_FUSED_EAGER",
+    # MLA layers (DeepSeek-V3, GLM-5) hold W_UK and W_UV in fp16 (kv_b_proj's own values) instead of
+    # float32, and the absorbed products (the queries' nope part into the latent, the latent output
+    # back to the value heads: the decode step's, the eager rows', DSA's sparse prefill's) run
+    # through kernels/mla_absorb.py, which widens each weight and sums in float32: half the bytes a
+    # decode step reads for them (67 -> 34 MB a DeepSeek-V3 layer at 128 heads, beside ~213 MB of
+    # its 3-bit weights) and ~2 GB more KV on one GPU for a 61-layer model; attend_decompressed's
+    # fp16 copies become the same tensors. The same logits as the float32 einsums but for the
+    # summation order on the CPU (the interpreter: tests/test_mla_absorb.py); not yet run on a GPU
+    "mla_w16": "EXL3TOOLS_MLA_W16",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`

@@ -31,6 +31,33 @@ def _near_a_reference(errs: list[dict], tol: float = 1e-2) -> bool:
     return all(min(e.values()) < tol for e in errs)
 
 
+def _two_sequences(prompt: list[int], decode: tuple[int, ...], all_logits: bool = False):
+    """A runner's schedule: s's 30-token prompt (``all_logits``: every row's logits, the eager
+    forward), then s decoding beside t's 39-token chunk (40 rows; t selects past glm5's index_topk
+    of 32), then both decoding each of ``decode``: each step's logits, float32 on the CPU."""
+    def schedule(r) -> list:
+        r.add_sequence("s")
+        r.add_sequence("t")
+        got = [r.step([("s", prompt[:30])], all_logits=all_logits)]
+        got.append(r.step([("s", [3]), ("t", prompt[1:40])]))
+        got += [r.step([("s", [t]), ("t", [t])]) for t in decode]
+        return [g.float().cpu() for g in got]
+
+    return schedule
+
+
+def _cpu_references(path, name: str, schedule) -> dict[str, list]:
+    """``schedule`` on the CPU reference runtime, once per latent precision (kv_references)."""
+    from exl3tools.runtime.runner import load_runner
+
+    out = {}
+    for kv in kv_references(name):
+        r = load_runner(path, device="cpu", backend="reference", max_cache_tokens=4096, kv_dtype=kv)
+        out[kv] = schedule(r)
+        r.close()
+    return out
+
+
 @pytest.mark.parametrize("sparse", ["default", "0"])
 @pytest.mark.parametrize("name", MLA + [DSV3_MTP])
 def test_gpu_mla_logits_match_cpu_reference(dev, name, sparse, request, monkeypatch):
@@ -302,19 +329,8 @@ def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypat
     path = model_dir(name, request)
     prompt = golden_prompt(path, "prompt_p64", 40)
 
-    def schedule(r) -> list:
-        r.add_sequence("s")
-        r.add_sequence("t")
-        got = [r.step([("s", prompt[:30])], all_logits=True)]
-        got.append(r.step([("s", [3]), ("t", prompt[1:40])]))          # 40 rows; t selects past 32 keys
-        got += [r.step([("s", [t]), ("t", [t])]) for t in (900, 11)]
-        return [g.float().cpu() for g in got]
-
-    out = {}
-    for kv in kv_references(name):
-        r = load_runner(path, device="cpu", backend="reference", max_cache_tokens=4096, kv_dtype=kv)
-        out[kv] = schedule(r)
-        r.close()
+    schedule = _two_sequences(prompt, (900, 11), all_logits=True)
+    out = _cpu_references(path, name, schedule)
     calls = []
     real = fused_step.FusedGqaStep.eager
     monkeypatch.setattr(fused_step.FusedGqaStep, "eager", lambda self, t, b: calls.append(len(t)) or real(self, t, b))
@@ -347,3 +363,54 @@ def test_fused_eager_on_cuda_matches_cpu_reference(dev, name, request, monkeypat
     tie = ["dsa" in name and i > 0 and (min(base[i - 1].values()) < 1e-2 or min(errs[i - 1].values()) < 1e-2)
            for i in range(len(glue))]
     assert all(e["eager"] < 3e-3 or t for e, t in zip(glue, tie, strict=True)), (glue, base)
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_fp16_absorption_on_cuda_matches_cpu_reference(dev, name, request, monkeypatch):
+    """The mla_w16 preview on CUDA: W_UK / W_UV held in fp16 and the absorbed products through
+    kernels/mla_absorb.py (prompt rows, the decode graphs; glm5 selecting past its index_topk of
+    32): the CPU reference runtime's logits at every step. A DSA near-tie may flip one decode
+    step (see the fused_eager test above) where the steps after it match again."""
+    import torch
+
+    from exl3tools.runtime.mla import MLAttention
+    from exl3tools.runtime.runner import load_runner
+    from tests.conftest import golden_prompt, model_dir
+    from tests.gpu.conftest import cuda_backend
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA (the interpreter's run: tests/test_mla_absorb.py)")
+    path = model_dir(name, request)
+    prompt = golden_prompt(path, "prompt_p64", 40)
+
+    schedule = _two_sequences(prompt, (900, 11, 42))
+    refs = _cpu_references(path, name, schedule)
+    monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
+    r = load_runner(path, device="cuda", backend=cuda_backend(), max_cache_tokens=4096, max_num_seqs=8)
+    got = schedule(r)
+    attns = [layer.attn for layer in r.model.layers if isinstance(layer.attn, MLAttention)]
+    assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
+    r.close()
+    errs = _step_errors(got, refs)
+    print(name, "fp16 absorption vs CPU", errs)
+    flips = [i for i, e in enumerate(errs) if not _near_a_reference([e])]
+    assert not flips or ("dsa" in name and len(flips) == 1 and 1 < flips[0] < len(errs) - 1), errs
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 2048])
+def test_absorb_on_cuda_at_deepseek_v3s_shape(dev, rows):
+    """kernels/mla_absorb.py at DeepSeek-V3's 128 heads (nope 128, latent 512, v 128) on CUDA,
+    both products, against the float32 einsum of the widened weights."""
+    import torch
+    from exl3tools.kernels import mla_absorb
+
+    if dev == "cpu":
+        pytest.skip("needs CUDA (small shapes on the interpreter: tests/test_mla_absorb.py)")
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    q = torch.randn(rows, 128, 192, device="cuda", generator=g)[..., :128]
+    o = torch.randn(rows, 128, 512, device="cuda", generator=g)
+    w_uk = (torch.randn(128, 128, 512, device="cuda", generator=g) * 0.05).half()
+    w_uv = (torch.randn(128, 128, 512, device="cuda", generator=g) * 0.05).half()
+    for a, w, tr in ((q, w_uk, False), (o, w_uv, True)):
+        got, want = mla_absorb.absorb(a, w, tr), mla_absorb.absorb_reference(a, w, tr)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -1,0 +1,83 @@
+"""MLA's absorbed products with fp16 weights and float32 sums: ``out[t, h, m] = sum_k a[t, h, k] *
+b[h, k, m]`` for float32 activations ``a`` and an fp16 ``b`` (W_UK: the queries' nope part into
+the latent; W_UV, read transposed: the latent output back to the value heads).
+
+Why: MLAttention held W_UK and W_UV in float32 (``kv_b_proj``, fp16 on disk, widened for the
+float32 einsums), 67 MB a DeepSeek-V3 layer (128 heads), read whole by every decode step beside
+~213 MB of that layer's 3-bit weights, and ~4 GB of KV blocks lost on one GPU. Held as fp16 (the
+same values: kv_b is fp16) they take half; each product still widens every weight and sums in
+float32 (``tl.dot`` in IEEE float32, FMA), so the result differs from the float32 einsum only by
+its summation order.
+
+One program per (head, 64 columns of m, a block of rows): reads its (K, 64) block of b once per
+row block (once in all for the decode step's up to 16 rows), so a step reads each weight once.
+Graph-capturable (the grid depends on shapes only). ``absorb_reference``: the same contract in
+torch (the weights widened, one einsum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # runtime-only installs: the reference still works
+    triton = tl = None
+
+BM, BK = 64, 32        # columns of m and of k a program takes at a time
+SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larger ones take 64
+
+
+if triton is not None:
+    @triton.jit
+    def _absorb_kernel(a_ptr, b_ptr, o_ptr, T, K, M, sa_t, sa_h, sa_k, sb_h, sb_k, sb_m, so_t, so_h,
+                       BT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        t = (tl.program_id(2) * BT + tl.arange(0, BT)).to(tl.int64)
+        tm, mm = t < T, m < M
+        acc = tl.zeros((BT, BM), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            a = tl.load(a_ptr + h * sa_h + t[:, None] * sa_t + k[None, :] * sa_k, mask=tm[:, None] & km[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + h * sb_h + k[:, None] * sb_k + m[None, :] * sb_m, mask=km[:, None] & mm[None, :],
+                        other=0.0).to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
+
+
+def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, int, int, tuple[int, int, int]]:
+    """(T, K, M, b's (head, k, m) strides) of ``absorb``'s operands, checked."""
+    if a.dim() != 3 or w.dim() != 3 or a.shape[1] != w.shape[0] or a.dtype != torch.float32:
+        raise ValueError(f"absorb: a {tuple(a.shape)} {a.dtype}, w {tuple(w.shape)}: need float32 (T, H, K) and "
+                         "(H, K, M), or (H, M, K) with transpose")
+    H, K, M = (w.shape[0], w.shape[2], w.shape[1]) if transpose else tuple(w.shape)
+    if a.shape[2] != K:
+        raise ValueError(f"absorb: a's last dim {a.shape[2]} is not w's k ({K}; transpose={transpose})")
+    sb = (w.stride(0), w.stride(2), w.stride(1)) if transpose else tuple(w.stride())
+    return a.shape[0], K, M, sb
+
+
+def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
+    ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
+    be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype)."""
+    T, K, M, sb = _operands(a, w, transpose)
+    H = w.shape[0]
+    out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
+    if T and M:
+        # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
+        bt, warps = (SMALL_ROWS, 4) if T <= SMALL_ROWS else (64, 8)
+        _absorb_kernel[(H, triton.cdiv(M, BM), triton.cdiv(T, bt))](
+            a, w, out, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, out.stride(0), out.stride(1),
+            BT=bt, BK=BK, BM=BM, num_warps=warps)
+    return out
+
+
+def absorb_reference(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """``absorb`` in torch: the weights widened to float32, one einsum."""
+    _operands(a, w, transpose)
+    return torch.einsum("thk,hmk->thm" if transpose else "thk,hkm->thm", a, w.float())

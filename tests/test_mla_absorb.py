@@ -1,0 +1,56 @@
+"""MLA's absorbed products with fp16 W_UK / W_UV (kernels/mla_absorb.py, the mla_w16 preview:
+EXL3TOOLS_MLA_W16=1): the kernel (Triton's interpreter on the CPU) against the float32 einsum of
+the widened weights, strided rows and both layouts; and the DeepSeek-V3 and GLM-5 fixtures' logits
+through prompts, the fixed-shape decode step and DSA's selection with the weights held in fp16,
+against the float32 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_fused_decode import _interpret
+
+
+@pytest.mark.parametrize(("T", "H", "K", "M", "transpose"), [
+    (1, 2, 128, 512, False),     # a decode row: the queries' nope part into the latent
+    (1, 2, 512, 128, True),      # the latent output back to the value heads (W_UV read transposed)
+    (17, 3, 70, 33, False),      # ragged k and m, past the small row block
+    (40, 2, 96, 72, True),
+    (0, 2, 32, 64, False),
+])
+def test_absorb_equals_the_widened_einsum(T, H, K, M, transpose):
+    _interpret()
+    from exl3tools.kernels import mla_absorb
+
+    g = torch.Generator().manual_seed(T * 131 + K)
+    w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
+    a = torch.randn(T, H, K + 16, generator=g)[..., 8:K + 8]         # a strided view, as q[..., :nope]
+    got, want = mla_absorb.absorb(a, w, transpose), mla_absorb.absorb_reference(a, w, transpose)
+    assert got.shape == want.shape == (T, H, M) and got.dtype == torch.float32
+    if T:
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    with pytest.raises(ValueError, match="absorb"):
+        mla_absorb.absorb(a.half(), w, transpose)                     # float32 rows only
+    with pytest.raises(ValueError, match="absorb"):
+        mla_absorb.absorb(a, w, not transpose)                        # k of the other layout
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
+def test_fp16_absorption_gives_the_float32_logits(name, monkeypatch):
+    """Prompts (the eager path's absorbed queries and outputs), then decode steps through the
+    fixed-shape step (GLM-5 selecting past its index_topk of 32) with W_UK / W_UV held in fp16:
+    the float32 path's logits within summation-order noise, and the layers' weights in fp16."""
+    _interpret()
+    from exl3tools.runtime.mla import MLAttention
+    from tests.test_mla_static_decode import _model, _rel, _run
+
+    monkeypatch.delenv("EXL3TOOLS_MLA_W16", raising=False)
+    want = _run(_model(name), name, "static")
+    model = _model.__wrapped__(name)          # a model of its own: its weights become fp16
+    monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
+    got = _run(model, name, "static")
+    attns = [layer.attn for layer in model.layers if isinstance(layer.attn, MLAttention)]
+    assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
+    errs = [_rel(g, w) for g, w in zip(got, want, strict=True)]
+    assert max(errs) < 1e-5, errs
