@@ -52,7 +52,8 @@ max(streams) x (longest prompt + tokens) tokens (rounded up to its 256-token pag
 timed per ``iterate()`` the same way; memory both by the same nvidia-smi method and
 torch.cuda.max_memory_allocated.
 
-The tables come last: one row per config plus exllamav3, then ours/exllamav3 per column. ``--json``
+The tables come last: one row per config plus exllamav3 (ours with its start-up, "ready after s": load,
+KV budget and graph captures until GET /health said 200), then ours/exllamav3 per column. ``--json``
 writes every raw number (rewritten after each phase, so a killed run keeps what it measured).
 Exit status: 0; 1 when a server died or a phase failed (its log's tail is printed; the other configs
 still run); 2 on bad usage; 130 on SIGINT/SIGTERM (after stopping the server and printing the tables).
@@ -169,6 +170,8 @@ def run_server_config(a, name: str, args: list[str], report: dict, baseline_mib,
             raise
     finally:
         entry["summary"] = summarize(entry["results"])
+        if entry.get("ready_s") is not None:
+            entry["summary"]["ready_s"] = entry["ready_s"]
         if "stop_status" not in entry:
             t = time.perf_counter()
             entry["stop_status"] = srv.stop(a.stop_timeout)

@@ -24,7 +24,8 @@ def columns(a) -> list[tuple[str, str]]:
         cols += [("join_stall_ms", f"stall ms, {m} join {n} @ctx{c}"), ("join_ttft_ms", f"TTFT ms of the {m}")]
     cols += [("ttft_cold_ms", f"TTFT {a.prompt_len} cold ms"), ("ttft_hit_ms", f"TTFT {a.prompt_len} prefix-hit ms"),
              ("ttft_server_cold_ms", "its server's own cold ms"),
-             ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB")]
+             ("mem_gb", "GPU mem GB" if a.device.startswith("cuda") else "RSS GB"),
+             ("ready_s", "ready after s")]      # start-up: load, KV budget, graph captures
     if getattr(a, "seeded", 0):
         cols.append(("seeded", f"seeded text alone = among {a.seeded}"))
     return cols

@@ -35,7 +35,7 @@ def small(tmp_path_factory):
 
 def _check_summary(summary: dict, streams=(2,), ctx_streams=(1, 2), ours=True) -> None:
     want = {"single_tok_s", "single_ttft_ms", "ttft_cold_ms", "ttft_hit_ms", "mem_gb"}
-    want |= {"ttft_server_cold_ms"} if ours else set()     # from our server's /metrics (exllamav3: none)
+    want |= {"ttft_server_cold_ms", "ready_s"} if ours else set()   # our server's /metrics, its start-up
     want |= {f"streams_{n}_tok_s" for n in streams} | {f"ctx_{n}_tok_s" for n in ctx_streams}
     assert want <= set(summary), want - set(summary)
     for k, v in summary.items():
@@ -99,7 +99,7 @@ def test_end_to_end_cpu(small, tmp_path):
     out = p.stdout.rstrip().splitlines()
     assert "exllamav3: not available, skipped (device cpu is not CUDA)" in p.stdout
     head = ("| config | 1 stream tok/s | 2 streams | 1 stream @ctx128 | 2 streams @ctx128 | TTFT 64 cold ms "
-            "| TTFT 64 prefix-hit ms | its server's own cold ms | RSS GB | seeded text alone = among 3 |")
+            "| TTFT 64 prefix-hit ms | its server's own cold ms | RSS GB | ready after s | seeded text alone = among 3 |")
     assert [" ".join(ln.split()) for ln in out if ln.startswith("| config")] == [head, head]
     assert out[-1].startswith("| ml32k ") and out[-7].startswith("| exllamav3 ")   # results, then ratios, last
     print(f"gpu_serve end to end: {took:.1f} s")

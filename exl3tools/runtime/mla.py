@@ -395,6 +395,10 @@ class MLAttention:
                 w_uv_pad = torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
                 w_uv = w_uv_pad[:, :self.vd]
             self._w16 = (w_uk, w_uv, w_uv_pad, w_k)
+            if self.w_uk.dtype == dt and self.w_uk.device == q.device:
+                # fp16 weights (the mla_w16 preview): the absorbed products read these views
+                # (strided; kernels/mla_absorb.py takes strides), so W_UK and W_UV are held once
+                self.w_uk, self.w_uv = w_uk, w_uv
         w_uk, w_uv, w_k = self._w16[0], self._w16[2 if pad else 1], self._w16[3] if kgemm else None
         vd = w_uv.shape[1]
         B, L = c.shape[0], c.shape[1]

@@ -390,6 +390,10 @@ def test_fp16_absorption_on_cuda_matches_cpu_reference(dev, name, request, monke
     got = schedule(r)
     attns = [layer.attn for layer in r.model.layers if isinstance(layer.attn, MLAttention)]
     assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
+    # DeepSeek-V3's 39-row chunk decompressed K/V (attend_decompressed; glm5's attends over its DSA
+    # selection instead): W_UK / W_UV are then views of those fp16 copies, held once
+    assert "dsa" in name or all(a._w16 is not None for a in attns)
+    assert all(a._w16 is None or a.w_uk.data_ptr() == a._w16[0].data_ptr() for a in attns)
     r.close()
     errs = _step_errors(got, refs)
     print(name, "fp16 absorption vs CPU", errs)
