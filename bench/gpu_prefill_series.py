@@ -21,8 +21,7 @@ forward, the decoder's eager long step (PagedDecoder.long_step, the default on C
 05:29; GQA models), the eager forward with the fused step's glue (PagedDecoder.eager_body, the
 fused_eager preview; GQA and MLA models) and the long step padded to a LONG_GRAPH_ROWS bucket and
 replayed as a graph (long_graphs, the default on CUDA since 2026-12-07 10:08; captured on first use),
-with each forward's activation peak and a
-median per path; the sync list and the profile once per path.
+with each forward's activation peak and a median per path; the sync list and the profile once per path.
 ``--device cpu``: the same series on the CPU through the static step (no clocks, allocator, sync
 list or profile; host ms): a smoke run of this script, tests/test_bench_prefill_series.py.
 A diagnostic (docs/gpu.md), not a benchmark table; CI runs only the CPU smoke run.
