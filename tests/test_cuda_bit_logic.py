@@ -7,11 +7,13 @@ exl3-format.md §5.3 on random tiles. Needs nvcc only (no GPU); skipped without 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -150,73 +152,82 @@ def test_gemv_defines_name_their_own_cubins_and_refuse_anything_else(monkeypatch
             cuda_build.cubin_path(6, 2)
 
 
-def _ptxas(tmp_path: Path, cb: int, *defines: str, entries: str = "exl3_gemv_pro_") -> tuple[str, dict[str, int]]:
+@functools.lru_cache(maxsize=None)
+def _ptxas_report(cb: int, defines: tuple[str, ...]) -> tuple[int, str]:
+    """(nvcc's status, ptxas's report) of one build, made once a session: three tests read the
+    plain MUL1 build's (~16 s of nvcc each on 2 busy cores)."""
+    from exl3tools.kernels import cuda_build
+
+    with tempfile.TemporaryDirectory() as d:
+        res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
+                              *defines, str(cuda_build.SRC), "-o", str(Path(d) / "g.cubin")],
+                             capture_output=True, text=True)
+    return res.returncode, res.stderr
+
+
+def _ptxas(cb: int, *defines: str, entries: str = "exl3_gemv_pro_") -> tuple[str, dict[str, int]]:
     """exl3_gemv.cu's halves build at K 3 (K2 6) for codebook id ``cb`` compiled for sm_90a with
     ``defines``, asserted to build without spills: (ptxas's report, registers of each entry whose
     name starts with ``entries``)."""
-    from exl3tools.kernels import cuda_build
-
-    res = subprocess.run(["nvcc", *cuda_build.FLAGS, "-Xptxas", "-v", "-DK2=6", f"-DCB={cb}", "-DHALVES=1",
-                          *defines, str(cuda_build.SRC), "-o", str(tmp_path / "g.cubin")],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
-    assert props and all(p == ("0", "0") for p in props), res.stderr[-2000:]
-    regs = re.findall(rf"Compiling entry function '({entries}\w+)'.*?Used (\d+) registers", res.stderr, re.S)
-    return res.stderr, {f: int(r) for f, r in regs}
+    rc, report = _ptxas_report(cb, defines)
+    assert rc == 0, report[-2000:]
+    props = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert props and all(p == ("0", "0") for p in props), report[-2000:]
+    regs = re.findall(rf"Compiling entry function '({entries}\w+)'.*?Used (\d+) registers", report, re.S)
+    return report, {f: int(r) for f, r in regs}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-def test_the_one_row_kernels_take_their_stage_and_block_defines(tmp_path):
+def test_the_one_row_kernels_take_their_stage_and_block_defines():
     """PRO_P / PRO_MINB reach the GEMV_PRO* kernels, pair and AFF: two k-tiles in flight at 9
     blocks an SM compile to at most 56 registers without spills (the default: 72 at 7)."""
-    _, regs = _ptxas(tmp_path, 2, "-DPRO_P=2", "-DPRO_MINB=9")
+    _, regs = _ptxas(2, "-DPRO_P=2", "-DPRO_MINB=9")
     assert {"exl3_gemv_pro_m8_t2_f16", "exl3_gemv_pro_aff_m8_t2_f16", "exl3_gemv_pro_act_aff_m8_t2_f32"} <= set(regs)
     assert all(r <= 56 for r in regs.values()), regs
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 @pytest.mark.parametrize("cb", [0, 1, 2])
-def test_xdup_smem_builds_without_spills_at_six_blocks(tmp_path, cb):
+def test_xdup_smem_builds_without_spills_at_six_blocks(cb):
     """XDUP_SMEM (the activations kept in shared memory as the B words they feed; a tuning A/B's
     define) with PRO_MINB 6 builds every kernel without spills at K 3 (at 7 blocks an SM, or
     unbounded, 3INST's act kernels and MUL1's AFF ones spill 12-16 bytes)."""
-    _, regs = _ptxas(tmp_path, cb, "-DXDUP_SMEM=1", "-DPRO_MINB=6")
+    _, regs = _ptxas(cb, "-DXDUP_SMEM=1", "-DPRO_MINB=6")
     one_row = "exl3_gemv_pro_aff_m8_t2_f16" if cb == 2 else "exl3_gemv_pro_m8_t2_f16"
     assert regs[one_row] <= 80, regs
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
 @pytest.mark.parametrize("cb", [0, 1, 2])
-def test_the_halves_gemv_builds_without_spills(tmp_path, cb):
+def test_the_halves_gemv_builds_without_spills(cb):
     """exl3_gemv.cu with -DHALVES=1 (3INST, MCG; MUL1's AFF kernels): the 8-row gemv kernels compile
     for sm_90a without spills (a tile takes two MMAs there: the halves as k entries); MUL1's module
     has the gemv_pro entry points cuda_gemv.gemv_pro names for AFF, the others have none."""
-    report, _ = _ptxas(tmp_path, cb)
+    report, _ = _ptxas(cb)
     aff = {f for f in re.findall(r"Compiling entry function '(\w+)'", report) if "_aff_" in f}
     want = {f"exl3_gemv_pro_{kind}aff_m8_t2_{x}" for kind in ("", "ld_", "act_") for x in ("f16", "f32")}
     assert aff == (want if cb == 2 else set())
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-def test_every_hadamard_pass_has_its_grid_kernel(tmp_path):
+def test_every_hadamard_pass_has_its_grid_kernel():
     """cuda_gemv.had_in / had_out launch exl3_had_*_grid, the 1-D passes under EXL3TOOLS_HAD_GRID=0:
     each of the ten 1-D passes has its twin, built without spills in no more registers than 32
     (8 blocks of 256 threads an SM, as the 1-D passes)."""
-    _, regs = _ptxas(tmp_path, 2, entries="exl3_had_")
+    _, regs = _ptxas(2, entries="exl3_had_")
     flat = {f for f in regs if not f.endswith("_grid")}
     assert len(flat) == 10 and {f"{f}_grid" for f in flat} == set(regs) - flat, sorted(regs)
     assert all(regs[f"{f}_grid"] <= 32 for f in flat), regs
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles for sm_90a, no GPU)")
-def test_no_wgmma_kernel_has_its_mmas_serialized(tmp_path):
+def test_no_wgmma_kernel_has_its_mmas_serialized():
     """ptxas serializes a kernel's asynchronous MMAs (C7512 / C7515: each one waited for at once)
     when registers run short or other instructions touch the accumulators while they run; it still
     compiles, just slowly. exl3_wgr_m256_t2 hit both while written (four A operands in 288 threads;
     thread 0's copies inside a 256-thread loop): it keeps within the 168 registers a thread of its
     288-thread block (ptxas rounds to whole warpgroups) with its MMAs asynchronous."""
-    report, regs = _ptxas(tmp_path, 2, entries="exl3_w")
+    report, regs = _ptxas(2, entries="exl3_w")
     assert "are serialized" not in report, [ln for ln in report.splitlines() if "serialized" in ln]
     wgr = {"exl3_wgr_m256_t2", "exl3_wgr_sk_m256_t2", "exl3_wgr_out_m256_t2_f16", "exl3_wgr_out_m256_t2_f32",
            "exl3_wgr_rg_out_m256_t2_f16", "exl3_wgr_rg_out_m256_t2_f32", "exl3_wgr_rg_out_m128_t2_f16",
