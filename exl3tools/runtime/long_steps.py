@@ -45,24 +45,25 @@ class LongSteps:
     def _init_long(self) -> None:
         """The long-step graphs' state, once ``long_steps``, ``prompt_rows`` and ``step_rows`` are
         set: their buckets (on CUDA unless EXL3TOOLS_LONG_GRAPHS=0, elsewhere only with "1"), the
-        sequences a graph takes, by bucket [packed inputs], and the outputs every bucket writes.
+        sequences a graph takes, by bucket its packed inputs, and the outputs every bucket writes.
         Padded and replayed as a graph, a long step costs the GPU's time, not the host's ~180 launches a
         layer (a slow host took 55-100 ms for a 2048-token air6 step that another did in 33; H100,
         2026-12-07 08:02)."""
         self.long_seqs = min(self.max_seqs, LONG_GRAPH_SEQS)
         on = self.long_steps and preview.on_cuda("long_graphs", self.device)
         self.long_buckets = long_buckets(self.prompt_rows, self.step_rows) if on else []
-        self._long: dict[int, list] = {}
+        self._long: dict[int, torch.Tensor] = {}
         self._long_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def long_step(self, tokens: list[int], positions: list[int], slots: list[int],
                   rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step of any number of rows, laid out as ``step`` takes them, run once eagerly through
-        the fused step (no bucket, no graph): each sequence's rows attend causally over its blocks
-        in one pass of the paged prefill kernel, where a prompt bucket has every row read its whole
-        context through the decode kernels. (the logits of each sequence's last row (sequences,
-        vocab), every row's final-normed state), fresh tensors."""
+        """A step of any number of rows, laid out as ``step`` takes them, run once through the
+        fused step: each sequence's rows attend causally over its blocks in one pass of the paged
+        prefill kernel, where a prompt bucket has every row read its whole context through the
+        decode kernels. Padded to the smallest long-step bucket that holds it (and at most
+        ``long_seqs`` sequences) and replayed as a graph, else eagerly. (the logits of each
+        sequence's last row (sequences, vocab), every row's final-normed state), fresh tensors."""
         n = len(tokens)
         if not self.long_steps:
             raise UsageError("long steps need the fused step of a GQA model (EXL3TOOLS_LONG_STEPS=1)")
@@ -132,9 +133,8 @@ class LongSteps:
     def _long_padded(self, R: int, tokens, positions, slots, seq_rows, starts, lens, last):
         """``long_step`` in bucket ``R``: the packed inputs in one copy, then the graph's replay (on
         CUDA; captured on first use where ``capture`` did not) or the same body eagerly."""
-        entry = self._long_entry(R)
-        entry[0].copy_(sampling.on_device(self._long_inputs(R, tokens, positions, slots, seq_rows, starts, lens,
-                                                            last), self.device))
+        inputs = self._long_inputs(R, tokens, positions, slots, seq_rows, starts, lens, last)
+        self._long_entry(R).copy_(sampling.on_device(inputs, self.device))
         key = ("long", R, False, self.max_blocks)
         if self.graphs and key not in self._graphs:
             self._capture_long([R])
@@ -145,8 +145,8 @@ class LongSteps:
         logits, hn = self._long_out
         return logits[:len(starts)].clone(), hn[:len(tokens)].clone()
 
-    def _long_entry(self, R: int) -> list:
-        """Bucket ``R``'s [packed device inputs], made on first use, and the outputs every bucket's
+    def _long_entry(self, R: int) -> torch.Tensor:
+        """Bucket ``R``'s packed device inputs, made on first use, and the outputs every bucket's
         run writes (``_long_out``: each sequence's last row's logits, every row's final-normed
         state), made once for the largest bucket: a graph's own outputs would stay allocated in
         the graph pool, ~75 MB a bucket on air6, where its freed activations serve every capture.
@@ -157,10 +157,13 @@ class LongSteps:
             info = self.model.info
             self._long_out = (torch.zeros(self.long_seqs, info.vocab_size, dtype=torch.float32, device=self.device),
                               torch.zeros(top, info.hidden_size, dtype=torch.float32, device=self.device))
-            self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "long"}
+            self._drop_long_graphs()
         if R not in self._long:
-            self._long[R] = [torch.zeros(sum(self._long_layout(R)), dtype=torch.int64, device=self.device)]
+            self._long[R] = torch.zeros(sum(self._long_layout(R)), dtype=torch.int64, device=self.device)
         return self._long[R]
+
+    def _drop_long_graphs(self) -> None:
+        self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "long"}
 
     def _long_padding(self, R: int) -> torch.Tensor:
         """A bucket's inputs with every row and sequence padding (what warm-ups and captures run)."""
@@ -170,7 +173,7 @@ class LongSteps:
         """The long step of bucket ``R`` from its packed inputs, device ops only, fixed shapes,
         into ``_long_out``: the logits of each sequence's last row (long_seqs, vocab), every row's
         final-normed state (its first R rows)."""
-        tok, pos, slot, seq_rows, q_start, ctx, last, tiles = self._long[R][0].split(self._long_layout(R))
+        tok, pos, slot, seq_rows, q_start, ctx, last, tiles = self._long[R].split(self._long_layout(R))
         attend = self._prefill_attend(seq_rows, self.max_blocks, q_start, ctx, R, tiles.int())
         hn = self._fused(tok, pos, slot, None, None, attend)
         logits, states = self._long_out
@@ -187,20 +190,20 @@ class LongSteps:
         saved = {}
         try:
             for R in sizes:
-                saved[R] = self._long_entry(R)[0].clone()
-                self._long[R][0].copy_(self._long_padding(R))      # warm-ups and the capture write only scratch
+                saved[R] = self._long_entry(R).clone()
+                self._long[R].copy_(self._long_padding(R))      # warm-ups and the capture write only scratch
             self._capture_keys([((("long",), lambda bs, width, sparse: self._long_body(bs)),
                                  (False, self.max_blocks), R) for R in sorted(sizes, reverse=True)], pool=pool)
         except Exception as exc:  # noqa: BLE001 - any capture failure: OOM, a Triton build, a driver refusal
             log.warning("long-step graphs of %s rows failed, long steps run eagerly: %s", sizes,
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "long"}
+            self._drop_long_graphs()
             self.long_buckets = []
             self._pools.pop(pool, None)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         for R, v in saved.items():
-            self._long[R][0].copy_(v)
+            self._long[R].copy_(v)
 
 
 def long_buckets(prompt_rows: int, step_rows: int | None = None) -> list[int]:
