@@ -223,6 +223,28 @@ def test_kv_budget_profile_warms_the_other_row_class(n, other, monkeypatch):
     assert long == eager == [n]
 
 
+def test_kv_budget_profile_warms_the_eager_long_step_beside_the_graphs(monkeypatch):
+    """With long-step graphs the profile's n-row long step runs the body of its bucket (what the
+    graphs replay) and the other row class's the eager long step, which steps past the buckets
+    take: not the same bucket's shapes twice."""
+    _interpret()
+    import exl3tools.runtime.long_steps as P
+    from exl3tools.runtime import rank_state
+
+    monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
+    monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
+    monkeypatch.delenv("EXL3TOOLS_FUSED_EAGER", raising=False)
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (32,))
+    long, padded = [], []
+    real_long, real_pad = P.LongSteps.long_step, P.LongSteps._long_padded
+    monkeypatch.setattr(P.LongSteps, "long_step", lambda self, *a: long.append(len(a[0])) or real_long(self, *a))
+    monkeypatch.setattr(P.LongSteps, "_long_padded",
+                        lambda self, R, *a: padded.append((R, len(a[0]))) or real_pad(self, R, *a))
+    rank_state.profile_forward(_model("qwen3_moe-2.5bpw-mul1"), 32, warm=True)
+    assert long == [32, 31] and padded == [(32, 32)]
+
+
 def test_kv_budget_profile_builds_no_decoder_for_an_mla_model(monkeypatch):
     """Long steps are GQA models': for an MLA model the profile forward builds no throwaway decoder
     (a start-up cost that would run nothing), the eager forward alone."""

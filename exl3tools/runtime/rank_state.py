@@ -31,11 +31,13 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32", warm: bool 
     the measured activation peak is serve's: with the fused_eager preview through a throwaway
     decoder's glue, PagedDecoder.eager_body), and where long_steps is on (CUDA unless "0") the
     same tokens through that decoder's long step (PagedDecoder.long_step: serve's path for such
-    steps then); returns the pool's bytes (not activations). ``warm`` (default: on CUDA) runs both
-    again at ``other_specialization(n)`` rows, so the Triton kernels of both row classes compile
-    here, not in a served step (H100, 2026-12-07, EXL3TOOLS_PROMPT_FIT=0: a fresh server's first
-    869-row burst step took 419 ms, a later server's 776-row one 70 ms with Triton's disk cache
-    filled; not yet measured with this warm-up)."""
+    steps then: with long-step graphs, the body of the bucket that holds ``n``); returns the pool's
+    bytes (not activations). ``warm`` (default: on CUDA) runs both again at
+    ``other_specialization(n)`` rows, the long step eagerly (the steps past the graphs' buckets
+    take it; that bucket's body again would be the same shapes twice), so the Triton kernels of
+    both row classes compile here, not in a served step (H100, 2026-12-07, EXL3TOOLS_PROMPT_FIT=0:
+    a fresh server's first 869-row burst step took 419 ms before this warm-up, an 838-row one
+    45 ms with it)."""
     from exl3tools.runtime import fused_step, preview
     from exl3tools.runtime.kv_pool import KVPool, PagedSeqView, layer_specs
 
@@ -63,6 +65,8 @@ def profile_forward(model: CausalLM, n: int, dtype: str = "float32", warm: bool 
         model.forward([(PagedSeqView(pool, slots, 0), tokens)], to_cpu=False,
                       body=d.eager_body if d is not None else None)
         if d is not None and d.long_steps:
+            if rows != n:
+                d.long_buckets = []      # the eager long step (see above)
             d.long_step(tokens, list(range(rows)), slots[:rows].tolist(), [0] * rows)
     return pool.nbytes()
 
