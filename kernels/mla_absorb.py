@@ -77,6 +77,13 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.T
     return out
 
 
+def absorbed(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """MLAttention's absorbed product with W_UK (H, nope, C), or with ``transpose`` W_UV (H, v, C):
+    the float32 einsum where the weights are float32 (the reference), ``absorb`` where they are
+    fp16 (the mla_w16 preview)."""
+    return (absorb_reference if w.dtype == torch.float32 else absorb)(a, w, transpose)
+
+
 def absorb_reference(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """``absorb`` in torch: the weights widened to float32, one einsum."""
     _operands(a, w, transpose)

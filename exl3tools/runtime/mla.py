@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from exl3tools.errors import UnsupportedArchitectureError
+from exl3tools.kernels import mla_absorb
 from exl3tools.runtime import preview
 from exl3tools.runtime.layers import causal_mask
 from exl3tools.runtime.mla_rope import rope_gptj
@@ -110,22 +111,10 @@ class MLAttention:
 
     def _to(self, dev: torch.device) -> None:
         """Follow the activations' device once (weights are built on CPU by the loader). With the
-        mla_w16 preview W_UK and W_UV are held in fp16 there (kv_b's own values; ``_absorb``)."""
+        mla_w16 preview W_UK and W_UV are held in fp16 there (kv_b's own values; mla_absorb.absorbed)."""
         dt = torch.float16 if w16_absorb(dev) else torch.float32
         if self.w_uk.device != dev or self.w_uk.dtype != dt:
             self.w_uk, self.w_uv, self.inv_freq = self.w_uk.to(dev, dt), self.w_uv.to(dev, dt), self.inv_freq.to(dev)
-
-    @staticmethod
-    def _absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-        """``einsum("thk,hkm->thm", a, w)`` of float32 rows with W_UK (H, nope, C), or with
-        ``transpose`` ``einsum("thk,hmk->thm")`` with W_UV (H, v, C): in float32 where the
-        weights are (the reference), else (fp16, the mla_w16 preview) kernels/mla_absorb.py,
-        which widens each weight and sums in float32."""
-        if w.dtype == torch.float32:
-            return torch.einsum("thk,hmk->thm" if transpose else "thk,hkm->thm", a, w)
-        from exl3tools.kernels import mla_absorb
-
-        return mla_absorb.absorb(a, w, transpose)
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
@@ -147,7 +136,7 @@ class MLAttention:
             float32, GLM-5 shape, and ~26 GFLOP a layer)."""
             nonlocal q_lat
             if q_lat is None:
-                q_lat = self._absorb(q_nope, self.w_uk)
+                q_lat = mla_absorb.absorbed(q_nope, self.w_uk)
             return q_lat
         kidx = self.indexer.keys(x, pos) if self.indexer is not None else None
 
@@ -202,7 +191,7 @@ class MLAttention:
             s = s.masked_fill(~allowed[None], float("-inf"))
             p = torch.softmax(s, dim=-1)
             o_lat = torch.einsum("htl,lc->thc", p, cc)
-            out[r] = self._absorb(o_lat, self.w_uv, transpose=True)
+            out[r] = mla_absorb.absorbed(o_lat, self.w_uv, transpose=True)
         return self.reduce(self.o(out.reshape(T, self.nh * self.vd)))
 
     def attend_decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cc: torch.Tensor, kp: torch.Tensor,
@@ -272,7 +261,7 @@ class MLAttention:
             if ckv.dtype == torch.float16 and self.nh >= 32 else {}
         o_lat = attend(q_lat.float().contiguous(), q_pe.float().contiguous(), ckv, kpe, table, ctx,
                        self.scale, sel=sel.contiguous(), **kw)
-        return self._absorb(o_lat, self.w_uv, transpose=True)
+        return mla_absorb.absorbed(o_lat, self.w_uv, transpose=True)
 
     def attend_rows(self, rows: ShortRows, x: torch.Tensor, q_resid: torch.Tensor, q_lat: torch.Tensor,
                     q_pe: torch.Tensor, new: dict[str, torch.Tensor], out: torch.Tensor, shared: dict) -> None:
@@ -319,7 +308,7 @@ class MLAttention:
                 sel = self._shared_selection(shared, key)
         o_lat = attend(q_lat, q_pe, pool.blocks(self.layer, CACHE_CKV), pool.blocks(self.layer, CACHE_KPE),
                        tables, ctx, self.scale, sel=sel)
-        return self._absorb(o_lat, self.w_uv, transpose=True)
+        return mla_absorb.absorbed(o_lat, self.w_uv, transpose=True)
 
     def _shared_selection(self, shared: dict, key):
         """A "shared" DSA layer's selection: what the full layer before it published under ``key``."""
@@ -456,7 +445,7 @@ class MLAttention:
             planes[CACHE_CKV].index_copy_(0, st.slots,
                                           self.kv_a_norm(lat[:, :self.kv_lora]).to(planes[CACHE_CKV].dtype))
             planes[CACHE_KPE].index_copy_(0, st.slots, kpe.to(planes[CACHE_KPE].dtype))
-        q_lat = self._absorb(q[..., :self.nope], self.w_uk).contiguous()
+        q_lat = mla_absorb.absorbed(q[..., :self.nope], self.w_uk).contiguous()
         index_w = None
         if self.indexer is not None:
             index_w = self.indexer.write_keys(x, pos, st.slots, planes[CACHE_KIDX], self._index_rope(rope_cs))
