@@ -386,19 +386,23 @@ def test_fp16_absorption_on_cuda_matches_cpu_reference(dev, name, request, monke
     schedule = _two_sequences(prompt, (900, 11, 42))
     refs = _cpu_references(path, name, schedule)
     monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
-    r = load_runner(path, device="cuda", backend=cuda_backend(), max_cache_tokens=4096, max_num_seqs=8)
-    got = schedule(r)
-    attns = [layer.attn for layer in r.model.layers if isinstance(layer.attn, MLAttention)]
-    assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
-    # DeepSeek-V3's 39-row chunk decompressed K/V (attend_decompressed; glm5's attends over its DSA
-    # selection instead): W_UK / W_UV are then views of those fp16 copies, held once
-    assert "dsa" in name or all(a._w16 is not None for a in attns)
-    assert all(a._w16 is None or a.w_uk.data_ptr() == a._w16[0].data_ptr() for a in attns)
-    r.close()
-    errs = _step_errors(got, refs)
-    print(name, "fp16 absorption vs CPU", errs)
-    flips = [i for i, e in enumerate(errs) if not _near_a_reference([e])]
-    assert not flips or ("dsa" in name and len(flips) == 1 and 1 < flips[0] < len(errs) - 1), errs
+    for graphs in ("1", "0"):
+        # with the prompt graphs the 40-row step attends through the absorbed products; without
+        # them it is an eager step, where DeepSeek-V3's 39-row chunk decompresses K/V
+        # (attend_decompressed; glm5's attends over its DSA selection instead)
+        monkeypatch.setenv("EXL3TOOLS_PROMPT_GRAPHS", graphs)
+        r = load_runner(path, device="cuda", backend=cuda_backend(), max_cache_tokens=4096, max_num_seqs=8)
+        got = schedule(r)
+        attns = [layer.attn for layer in r.model.layers if isinstance(layer.attn, MLAttention)]
+        assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
+        # W_UK / W_UV are then views of the decompression's fp16 copies, held once
+        assert graphs == "1" or "dsa" in name or all(a._w16 is not None for a in attns)
+        assert all(a._w16 is None or a.w_uk.data_ptr() == a._w16[0].data_ptr() for a in attns)
+        r.close()
+        errs = _step_errors(got, refs)
+        print(name, "prompt graphs", graphs, "fp16 absorption vs CPU", errs)
+        flips = [i for i, e in enumerate(errs) if not _near_a_reference([e])]
+        assert not flips or ("dsa" in name and len(flips) == 1 and 1 < flips[0] < len(errs) - 1), errs
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 2048])
