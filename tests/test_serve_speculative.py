@@ -113,10 +113,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: float = 0.0, tp: int = 1):
+def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: float | tuple = 0.0, tp: int = 1):
     """Three concurrent greedy completions (one with logprobs: no drafts) at ``k`` drafts: their
     token ids, usages and the engine's stats. ``one``: the first request alone (no batching that
-    timing decides); ``temperature`` > 0: that request sampled, seeded."""
+    timing decides), once per ``temperature`` where that is a tuple (one server, each request
+    after the last); ``temperature`` > 0: that request sampled, seeded."""
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
@@ -131,8 +132,12 @@ def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: floa
         jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7),
                 dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
                 dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
-        with cf.ThreadPoolExecutor(3) as pool:
-            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs[:1] if one else jobs))
+        if isinstance(temperature, tuple):
+            assert one
+            rs = [client.completions.create(**kw, **{**jobs[0], "temperature": t}) for t in temperature]
+        else:
+            with cf.ThreadPoolExecutor(3) as pool:
+                rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs[:1] if one else jobs))
         stats = app.state.server.engine.stats()
         assert app.state.server.engine.runner.cache_tokens_used() == 0
         import httpx
@@ -251,7 +256,7 @@ def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
     got = {}
     for chained in ("0", "1"):
         monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
-        got[chained] = [_served(path, 3, cuda_graphs="force", one=True, temperature=t, tp=2)[0] for t in (0.0, 0.8)]
+        got[chained] = _served(path, 3, cuda_graphs="force", one=True, temperature=(0.0, 0.8), tp=2)[0]
         assert any(rounds) == (chained == "1"), rounds
     assert got["1"] == got["0"]
 
