@@ -28,11 +28,11 @@ def test_series_on_the_cpu_alternates_the_paths(monkeypatch, capsys):
                         or real_pad(self, R, *a))
     monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (48,))   # the graph path's bucket (its body eagerly here)
     ckpt = fixture_dir("glm4_moe-3.0bpw-mcg") / "model"
-    assert gpu_prefill_series.main([str(ckpt), "--device", "cpu", "--tokens", "40", "--n", "2", "--sleeps", "0",
+    assert gpu_prefill_series.main([str(ckpt), "--device", "cpu", "--tokens", "40", "--n", "1", "--sleeps", "0",
                                     "--paths", "eager,long,fused,graph", "--max-cache-tokens", "512"]) == 0
     out = capsys.readouterr().out
     rows = [line.split(" | ")[2] for line in out.splitlines() if line.startswith("| 0 | ")]
-    assert rows == ["eager", "long", "fused", "graph"] * 2    # 40 rows > the 32 decode rows: none is "decode"
-    assert calls == [40] * 3                           # the fused path's warm-up and two forwards
-    assert padded == [(48, 40)] * 3                    # the graph path's, padded to its bucket
+    assert rows == ["eager", "long", "fused", "graph"]    # 40 rows > the 32 decode rows: none is "decode"
+    assert calls == [40] * 2                           # the fused path's warm-up and its forward
+    assert padded == [(48, 40)] * 2                    # the graph path's, padded to its bucket
     assert all(f"idle 0 s, {p}: median" in out for p in ("eager", "long", "fused", "graph"))
