@@ -85,7 +85,7 @@ ab_runs() {
   side_runs ab "$var" "" "$@"
 }
 
-if [[ $STAGES == *tests* ]]; then
+if [[ " $STAGES " == *" tests "* ]]; then
   # PREVIEW: the preview paths' switches, default every one in exl3tools/runtime/preview.py SWITCHES
   # on ("EXL3TOOLS_X=1 ..."), so tests/gpu checks them; tests that need a switch either way set it
   PREVIEW=${PREVIEW-$(python3 -c "from exl3tools.runtime.preview import SWITCHES as S; print(' '.join(v + '=1' for v in S.values()))")}
@@ -130,12 +130,12 @@ if [[ $STAGES == *tests* ]]; then
     run_tests "" ""
   fi
 fi
-if [[ $STAGES == *quick* ]]; then   # ours alone while exllamav3 builds
+if [[ " $STAGES " == *" quick "* ]]; then   # ours alone while exllamav3 builds
   timeout ${QUICK_TIMEOUT:-150} python3 bench/gpu_bench.py --graph --impls cuda,fp16 --rows 1,8,32,2048 \
     --json "$L/quick.json" > "$L/quick.log" 2>&1
   el "quick rc $?"; sed -n '/in->out/,$p' "$L/quick.log"
 fi
-if [[ $STAGES == *ab* ]]; then   # AB_VAR off / on / on / off, the linear bench (AB_ARGS) each time
+if [[ " $STAGES " == *" ab "* ]]; then   # AB_VAR off / on / on / off, the linear bench (AB_ARGS) each time
   read -r -a AB_A <<< "${AB_ARGS:---impls cuda,cuda_pro --ks 3 --rows 1,8}"
   ab_runs "${AB_VAR:?the ab stage needs AB_VAR, e.g. EXL3TOOLS_GEMV_AFFINE}" "${AB_A[@]}"
 fi
@@ -146,17 +146,17 @@ defs_runs() {
   local -a VALS=("" "${dv[@]}" "")
   side_runs defs EXL3TOOLS_GEMV_DEFINES "${DEFS_K2:-4,6,8}" "$@"
 }
-if [[ $STAGES == *defs* ]]; then  # DEFS="-DXDUP_SMEM=1;-DPRO_P=2 -DPRO_MINB=9", the bench's DEFS_ARGS
+if [[ " $STAGES " == *" defs "* ]]; then  # DEFS="-DXDUP_SMEM=1;-DPRO_P=2 -DPRO_MINB=9", the bench's DEFS_ARGS
   read -r -a DA <<< "${DEFS_ARGS:---impls cuda_pro --ks 2,3,4 --rows 1 --codebooks mul1,3inst}"
   defs_runs "${DEFS:?the defs stage needs DEFS, e.g. -DXDUP_SMEM=1}" "${DA[@]}"
 fi
-if [[ $STAGES == *paged* ]]; then
+if [[ " $STAGES " == *" paged "* ]]; then
   timeout ${PAGED_TIMEOUT:-120} python3 bench/gpu_paged_attention.py --json "$L/paged.json" > "$L/paged.log" 2>&1
   el "paged rc $?"; grep -E "^\|" "$L/paged.log" | tail -n 40
 fi
 if [ "${EXL3_BUILD:-1}" != 0 ] || [ -f .exl3so/exl3so.xz ]; then HAVE_EXL3=1; else HAVE_EXL3=0; fi
 # (a bench without exllamav3 in BENCH_IMPLS does not wait: a call once spent its stages' time here)
-if [ $HAVE_EXL3 = 1 ] && [[ ( $STAGES == *bench* && ${BENCH_IMPLS:-exllamav3} == *exllamav3* ) || $STAGES == *serve* || ( $STAGES == *e2e* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
+if [ $HAVE_EXL3 = 1 ] && [[ ( " $STAGES " == *" bench "* && ${BENCH_IMPLS:-exllamav3} == *exllamav3* ) || " $STAGES " == *" serve "* || ( " $STAGES " == *" e2e "* && ${E2E_IMPLS:-exllamav3} == *exllamav3* ) ]]; then
   el "waiting for exllamav3"; wait_build; tail -n 2 "$L/build.log" 2>/dev/null
 fi
 # built here: bring it back (once), so the next call carries it in .exl3so instead of building
@@ -167,30 +167,30 @@ bring_so() {
     && el "exllamav3_ext.so $(stat -c %s "$SO") B -> $(stat -c %s /tmp/exl3so.xz) B xz, split into $OUT"; fi
 }
 bring_so
-if [[ $STAGES == *bench* ]]; then
+if [[ " $STAGES " == *" bench "* ]]; then
   timeout ${BENCH_TIMEOUT:-240} python3 bench/gpu_bench.py --graph --impls ${BENCH_IMPLS:-cuda${EXL3_IMPL},fp16} \
     ${BENCH_ARGS:---codebooks mul1,mcg,3inst} --json "$L/bench.json" > "$L/bench.log" 2>&1
   el "bench rc $?"
 fi
-if [[ $STAGES == *cublas* ]]; then   # our dense paths and fp16 cuBLAS interleaved (bench/gpu_gemm_ab.py)
+if [[ " $STAGES " == *" cublas "* ]]; then   # our dense paths and fp16 cuBLAS interleaved (bench/gpu_gemm_ab.py)
   timeout ${CUBLAS_TIMEOUT:-200} python3 bench/gpu_gemm_ab.py ${CUBLAS_ARGS:-} --json "$L/cublas.json" > "$L/cublas.log" 2>&1
   el "cublas rc $?"; cat "$L/cublas.log"
 fi
 wait $SYNTH; tail -n 2 "$L/synth.log" 2>/dev/null
-if [[ $STAGES == *e2e* ]]; then
+if [[ " $STAGES " == *" e2e "* ]]; then
   timeout ${E2E_TIMEOUT:-240} python3 bench/gpu_e2e_model.py $AIR --batch ${E2E_BATCH:-1,8,32} --steps 64 --rounds ${E2E_ROUNDS:-1} \
     --impls ${E2E_IMPLS:-ours:cuda,ours:cuda:chained${EXL3_IMPL}} --profile ${E2E_PROFILE:-0} --json "$L/e2e_model.json" \
     > "$L/e2e_model.log" 2>&1
   el "e2e rc $?"
 fi
-if [[ $STAGES == *longctx* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token prompts (docs/gpu.md)
+if [[ " $STAGES " == *" longctx "* ]]; then   # ours vs exllamav3 on 4k/16k/32k-token prompts (docs/gpu.md)
   wait_build; tail -n 1 "$L/build.log" 2>/dev/null
   timeout ${LONGCTX_TIMEOUT:-300} python3 bench/gpu_long_context.py air6=$AIR \
     glm5=$PWD/${FIXTURES:-.gpucarry}/fixtures/glm5_moe_dsa-3.0bpw-mul1/model ${LONGCTX_ARGS:-} \
     --json "$L/longctx.json" > "$L/longctx.log" 2>&1
   el "longctx rc $?"
 fi
-if [[ $STAGES == *serve* ]]; then
+if [[ " $STAGES " == *" serve "* ]]; then
   if [ -n "${SERVE_ARGS:-}" ]; then eval "CONFIGS=($SERVE_ARGS)"; else
     OFF="EXL3TOOLS_FUSED=0 EXL3TOOLS_ROW_STEPS=0"   # the former previews off (runtime/preview.py OPT_OUTS)
     CONFIGS=(--config "ml32k:--max-model-len 32768" --config "ml128k:--max-model-len 131072"
@@ -200,7 +200,7 @@ if [[ $STAGES == *serve* ]]; then
   el "serve rc $?"
   for f in "$L"/serve/*.prof; do [ -f "$f" ] && python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(25)" "$f" > "$f.txt" 2>&1; done
 fi
-if [[ $STAGES == *hostprof* ]]; then   # the served N-stream decode's host side (bench/gpu_serve_profile.py)
+if [[ " $STAGES " == *" hostprof "* ]]; then   # the served N-stream decode's host side (bench/gpu_serve_profile.py)
   # HOSTPROF_CONFIGS="NAME:ARGS;...": one server each; HOSTPROF_PROCS: client processes per round (1,4:
   # one asyncio openai client, then four, on the same server)
   IFS=';' read -r -a HPC <<< "${HOSTPROF_CONFIGS:-default:--max-model-len 32768;ml4k:--max-model-len 4096}"
@@ -222,7 +222,7 @@ mla_spec_configs() {
   done
   return 0
 }
-if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
+if [[ " $STAGES " == *" mla "* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkpoint.py --arch), ours vs exllamav3
   # MLA_PARTS: which of "kernel e2e serve" run; MLA_SPEC: --speculative-tokens values served beside 0
   # on the shapes with an MTP head (glm5, deepseek_v3; empty: none)
   if [[ ${MLA_PARTS:-kernel e2e serve} == *kernel* ]]; then
@@ -293,15 +293,15 @@ if [[ $STAGES == *mla* ]]; then   # issue 14: MLA/DSA shapes (bench/synth_checkp
     fi
   done
 fi
-if [[ $STAGES == *attn* ]]; then   # the MLA decode kernels side by side: Triton's, the CUDA ones
+if [[ " $STAGES " == *" attn "* ]]; then   # the MLA decode kernels side by side: Triton's, the CUDA ones
   timeout ${ATTN_TIMEOUT:-240} python3 bench/gpu_mla_cuda.py ${ATTN_ARGS:-} > "$L/mla_cuda.log" 2>&1
   el "attn rc $?"; grep -E "^\|" "$L/mla_cuda.log"
 fi
-if [[ $STAGES == *absorb* ]]; then   # MLA's absorbed products: float32 W_UK / W_UV against fp16 (mla_w16)
+if [[ " $STAGES " == *" absorb "* ]]; then   # MLA's absorbed products: float32 W_UK / W_UV against fp16 (mla_w16)
   timeout ${ABSORB_TIMEOUT:-120} python3 bench/gpu_mla_absorb.py ${ABSORB_ARGS:-} --json "$L/absorb.json" > "$L/absorb.log" 2>&1
   el "absorb rc $?"; grep -E "^\||copy" "$L/absorb.log"
 fi
-if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a long context (top kernels)
+if [[ " $STAGES " == *" profile "* ]]; then   # where a decode step's time goes at a long context (top kernels)
   # PROFILE_ARCHES: synthetic shapes (air6 = GLM-4.5-Air; glm5, deepseek_v3 via --arch); PROFILE_RUNS:
   # prompt tokens:cache length per row (the block tables' width: is a 4k context slower at 32k?)
   for arch in ${PROFILE_ARCHES:-glm5 deepseek_v3}; do
@@ -315,7 +315,7 @@ if [[ $STAGES == *profile* ]]; then   # where a decode step's time goes at a lon
     done
   done
 fi
-if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
+if [[ " $STAGES " == *" memory "* ]]; then   # issue 13: what serve holds beyond weights and KV, by owner
   # MEMORY_RUNS="CKPT|VARS|ARGS;...": one gpu_memory.py run per entry, one after another (VARS: variables
   # such as EXL3TOOLS_X=1, ARGS: its options; /tmp/synth_ARCH is written first where missing)
   IFS=';' read -r -a MRUNS <<< "${MEMORY_RUNS:-$AIR||}"
@@ -328,12 +328,12 @@ if [[ $STAGES == *memory* ]]; then   # issue 13: what serve holds beyond weights
     el "memory $i rc $?"; grep -v "^20..-" "$L/memory_$i.log" | tail -n 45
   done
 fi
-if [[ $STAGES == *moe* ]]; then   # issue 15: one MoE projection of a prompt, path by path (bench/gpu_moe_prefill.py)
+if [[ " $STAGES " == *" moe "* ]]; then   # issue 15: one MoE projection of a prompt, path by path (bench/gpu_moe_prefill.py)
   timeout ${MOE_TIMEOUT:-240} python3 bench/gpu_moe_prefill.py ${MOE_ARGS:-} --json "$L/moe_prefill.json" \
     > "$L/moe_prefill.log" 2>&1
   el "moe prefill rc $?"; grep -E "^\||Error" "$L/moe_prefill.log" | head -n 12
 fi
-if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e.g. /tmp/synth_glm5, made by the mla stage)
+if [[ " $STAGES " == *" prefill "* ]]; then   # PREFILL_CKPT: another synthetic shape (e.g. /tmp/synth_glm5, made by the mla stage)
   timeout ${PREFILL_TIMEOUT:-240} python3 bench/gpu_prefill.py ${PREFILL_CKPT:-$AIR} ${PREFILL_ARGS:-} \
     --json "$L/prefill.json" > "$L/prefill.log" 2>&1
   el "prefill rc $?"; grep -E "^\|" "$L/prefill.log" | head -n 30; sed -n '/Self CUDA/,+24p' "$L/prefill.log" | head -n 26
@@ -341,7 +341,7 @@ if [[ $STAGES == *prefill* ]]; then   # PREFILL_CKPT: another synthetic shape (e
   sed -n '/^--- profile of the mixed step/,+20p' "$L/prefill.log" | cut -c1-60,100-200
   sed -n '/^total /p; /^--- profile of the last chunk/,+24p' "$L/prefill.log" | cut -c1-60,100-200   # PREFILL_ARGS="--long N"
 fi
-if [[ $STAGES == *series* ]]; then   # a long prompt's forward again and again: clocks, allocator, kernels (bench/gpu_prefill_series.py)
+if [[ " $STAGES " == *" series "* ]]; then   # a long prompt's forward again and again: clocks, allocator, kernels (bench/gpu_prefill_series.py)
   timeout ${SERIES_TIMEOUT:-240} python3 bench/gpu_prefill_series.py ${PREFILL_CKPT:-$AIR} ${SERIES_ARGS:-} \
     > "$L/series.log" 2>&1
   el "series rc $?"; grep -vE "^\s*$" "$L/series.log" | grep -E "^\||^idle|clusters|Error" | head -n 90

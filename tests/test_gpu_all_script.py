@@ -29,6 +29,24 @@ def test_the_bench_scripts_parse(script):
     assert r.returncode == 0, r.stderr
 
 
+def test_each_stage_is_matched_as_a_whole_word():
+    """A stage runs when its name is one of the arguments, not a part of one: `absorb` once ran the
+    ab stage too, which stopped the call for want of AB_VAR (2026-12-07 13:23)."""
+    import re
+
+    text = SCRIPT.read_text()
+    conds = re.findall(r'"? ?\$STAGES ?"? == (?:\*" [^"]*"\*|[^\s\]]+)', text)
+    assert len(conds) >= 20
+    stages = [re.fullmatch(r'" \$STAGES " == \*" ([a-z0-9]+) "\*', c) for c in conds]
+    assert all(stages), [c for c, m in zip(conds, stages, strict=True) if not m]
+    names = {m.group(1) for m in stages}
+    assert {"ab", "absorb", "tests", "serve", "mla"} <= names
+    r = subprocess.run([_bash(), "-c", 'STAGES="absorb"; [[ " $STAGES " == *" ab "* ]] && echo ab; '
+                                       '[[ " $STAGES " == *" absorb "* ]] && echo absorb'],
+                       capture_output=True, text=True, timeout=30)
+    assert r.stdout.split() == ["absorb"], r.stdout
+
+
 def _function(name: str) -> str:
     """The text of gpu_all.sh's top-level bash function ``name``."""
     text = SCRIPT.read_text()

@@ -54,3 +54,33 @@ def test_fp16_absorption_gives_the_float32_logits(name, monkeypatch):
     assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
     errs = [_rel(g, w) for g, w in zip(got, want, strict=True)]
     assert max(errs) < 1e-5, errs
+
+
+def test_fp16_weights_are_never_rebound_by_a_decompression(monkeypatch):
+    """With fp16 W_UK / W_UV the decompression's copies (W_K's layout, W_UV padded) are made when
+    the weights move (MLAttention._to) and W_UK / W_UV are views of them; a prompt decompressing
+    K/V in fp16 afterwards reads those and never rebinds W_UK / W_UV: a decode graph captured
+    before it reads them by address (rebinding freed what the graphs read: NaN logits on the H100,
+    2026-12-07 13:23). The fp16 decompression equals the float32 one within fp16 rounding."""
+    _interpret()
+    from exl3tools.runtime.mla import MLAttention
+    from tests.test_mla_static_decode import _model
+
+    monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
+    a = next(layer.attn for layer in _model.__wrapped__("deepseek_v3-3.0bpw-3inst").layers
+             if isinstance(layer.attn, MLAttention))
+    a._to(torch.device("cpu"))
+    w_uk, w_uv = a.w_uk, a.w_uv
+    assert w_uk.dtype == torch.float16 and a._w16 is not None
+    assert w_uv.data_ptr() == a._w16[2].data_ptr() and a._w16[2].shape[1] == a.nope + a.rope   # V padded
+    g = torch.Generator().manual_seed(0)
+    n, L = 5, 9
+    q = torch.randn(1, a.nh, n, a.nope + a.rope, generator=g)
+    c, r = torch.randn(1, L, a.kv_lora, generator=g), torch.randn(1, L, a.rope, generator=g)
+    outs = {}
+    for dt in (torch.float16, torch.float32):
+        o = torch.zeros(1, n, a.nh, a.vd)
+        a._sdpa_decompressed(q.to(dt), c.to(dt), r.to(dt), None, lambda h, x, o=o: o[:, :, h].copy_(x.float()))
+        outs[dt] = o
+        assert a.w_uk is w_uk and a.w_uv is w_uv
+    assert (outs[torch.float16] - outs[torch.float32]).abs().max().item() < 2e-2 * outs[torch.float32].abs().max().item()

@@ -115,6 +115,33 @@ class MLAttention:
         dt = torch.float16 if w16_absorb(dev) else torch.float32
         if self.w_uk.device != dev or self.w_uk.dtype != dt:
             self.w_uk, self.w_uv, self.inv_freq = self.w_uk.to(dev, dt), self.w_uv.to(dev, dt), self.inv_freq.to(dev)
+            if dt == PREFILL_DTYPE:
+                # fp16 weights, as CUDA's prompts decompress: the decompression's copies made now and
+                # W_UK / W_UV made views of them, held once. Now, not at the first decompression:
+                # the decode graphs captured before it read W_UK / W_UV by address, and rebinding
+                # them then freed what the graphs read (NaN logits on the H100, 2026-12-07 13:23)
+                self._w16 = self._decompress_weights(dev, dt)
+                self.w_uk, self.w_uv = self._w16[0], self._w16[1]
+
+    def _decompress_weights(self, dev: torch.device, dt: torch.dtype) -> tuple:
+        """(W_UK, W_UV, W_UV padded to q's head size, W_K or None) in ``dt`` on ``dev`` for
+        _sdpa_decompressed; W_UK and W_UV views of the others. With EXL3TOOLS_MLA_K_GEMM (the
+        default on CUDA) K comes from one GEMM of [c | r]: W_K (H, nope + rope, C + rope) holds
+        W_UK and an identity block from the rope key to K's rope columns, so no cat copies K."""
+        qk = self.nope + self.rope
+        w_uv = self.w_uv.to(dev, dt)
+        w_uk, w_k = self.w_uk.to(dev, dt), None
+        if preview.on_cuda("mla_k_gemm", dev):
+            C = self.kv_lora
+            w_k = w_uk.new_zeros(self.nh, qk, C + self.rope)
+            w_k[:, :self.nope, :C] = w_uk
+            w_k[:, self.nope:, C:] = torch.eye(self.rope, dtype=dt, device=dev)
+            w_uk = w_k[:, :self.nope, :C]          # a view: W_UK is not held twice
+        w_uv_pad = w_uv
+        if self.vd < qk:   # W_UV a view of the padded one: not held twice (DeepSeek-V3: 17 MB a layer)
+            w_uv_pad = torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
+            w_uv = w_uv_pad[:, :self.vd]
+        return w_uk, w_uv, w_uv_pad, w_k
 
     def __call__(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
@@ -365,29 +392,11 @@ class MLAttention:
         # (n, L) mask rules flash out anyway (EXL3TOOLS_MLA_FLASH_PAD=0 opts out, runtime/preview.py)
         pad = (self.vd < qk <= 256 and (mask is None or isinstance(mask, CausalBias))
                and (q.is_cuda or PAD_V_ON_CPU) and preview.switched_on("mla_flash_pad"))
-        # (EXL3TOOLS_MLA_K_GEMM, the default on CUDA) K from one GEMM of [c | r]: W_K (H, nope +
-        # rope, C + rope) holds W_UK and an identity block from the rope key to K's rope columns, so
-        # no cat copies K
-        kgemm = preview.on_cuda("mla_k_gemm", q.device)
+        kgemm = preview.on_cuda("mla_k_gemm", q.device)     # K from one GEMM (_decompress_weights)
         if (self._w16 is None or self._w16[0].device != q.device or self._w16[0].dtype != dt
                 or (kgemm and self._w16[3] is None)):
-            w_uv = self.w_uv.to(q.device, dt)
-            w_uk, w_k = self.w_uk.to(q.device, dt), None
-            if kgemm:
-                C = self.kv_lora
-                w_k = w_uk.new_zeros(self.nh, qk, C + self.rope)
-                w_k[:, :self.nope, :C] = w_uk
-                w_k[:, self.nope:, C:] = torch.eye(self.rope, dtype=dt, device=q.device)
-                w_uk = w_k[:, :self.nope, :C]          # a view: W_UK is not held twice
-            w_uv_pad = w_uv
-            if self.vd < qk:   # W_UV a view of the padded one: not held twice (DeepSeek-V3: 17 MB a layer)
-                w_uv_pad = torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
-                w_uv = w_uv_pad[:, :self.vd]
-            self._w16 = (w_uk, w_uv, w_uv_pad, w_k)
-            if self.w_uk.dtype == dt and self.w_uk.device == q.device:
-                # fp16 weights (the mla_w16 preview): the absorbed products read these views
-                # (strided; kernels/mla_absorb.py takes strides), so W_UK and W_UV are held once
-                self.w_uk, self.w_uv = w_uk, w_uv
+            # copies of their own: W_UK / W_UV are never rebound here (a captured graph reads them)
+            self._w16 = self._decompress_weights(q.device, dt)
         w_uk, w_uv, w_k = self._w16[0], self._w16[2 if pad else 1], self._w16[3] if kgemm else None
         vd = w_uv.shape[1]
         B, L = c.shape[0], c.shape[1]
