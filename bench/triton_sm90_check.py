@@ -174,10 +174,11 @@ def prefill() -> None:
 def absorb() -> None:
     from exl3tools.kernels import mla_absorb as mb
 
-    # DeepSeek-V3's 128 heads (nope 128, latent 512, v 128), GLM-5's 64 (nope 192, v 256): decode rows
-    # (the small row block) and a prompt chunk's, both products (W_UV read transposed)
+    # DeepSeek-V3's 128 heads (nope 128, latent 512, v 128), GLM-5's 64 (nope 192, v 256): one decode
+    # row (the row kernel), decode rows (the small row block) and a prompt chunk's, both products
+    # (W_UV read transposed)
     for H, N, V in ((128, 128, 128), (64, 192, 256)):
-        for T in (1, 2048):
+        for T in (1, 8, 2048):
             mb.absorb(torch.zeros(T, H, N + 64)[..., :N], torch.zeros(H, N, 512, dtype=torch.float16))
             mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True)
 

@@ -10,7 +10,9 @@ float32 (``tl.dot`` in IEEE float32, FMA), so the result differs from the float3
 its summation order.
 
 One program per (head, 64 columns of m, a block of rows): reads its (K, 64) block of b once per
-row block (once in all for the decode step's up to 16 rows), so a step reads each weight once.
+row block (once in all for the decode step's up to 16 rows), so a step reads each weight once. One
+row (a one-stream decode step) takes ``_absorb_row_kernel``: a program per (head, 32 columns), an
+FMA loop and a sum over k, no dot.
 Graph-capturable (the grid depends on shapes only). ``absorb_reference``: the same contract in
 torch (the weights widened, one einsum).
 """
@@ -27,6 +29,11 @@ except ImportError:   # runtime-only installs: the reference still works
 
 BM, BK = 64, 32        # columns of m and of k a program takes at a time
 SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larger ones take 64
+# one row (a one-stream decode step): no dot (the 16-row block's IEEE float32 dot is 15/16 padding
+# there), and more programs: the served one-stream decode ran 7 % slower with fp16 weights through
+# the dot kernel than the float32 einsums (H100, 2026-12-07 12:25; W_UV at DeepSeek-V3's 128 heads:
+# M = 128, 256 programs). Not yet timed on a GPU (bench/gpu_mla_absorb.py)
+ROW_BM, ROW_BK = 32, 64
 
 
 if triton is not None:
@@ -49,6 +56,24 @@ if triton is not None:
         tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
 
 
+if triton is not None:
+    @triton.jit
+    def _absorb_row_kernel(a_ptr, b_ptr, o_ptr, K, M, sa_h, sa_k, sb_h, sb_k, sb_m, so_h,
+                           BK: tl.constexpr, BM: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        mm = m < M
+        acc = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            a = tl.load(a_ptr + h * sa_h + k * sa_k, mask=km, other=0.0)
+            b = tl.load(b_ptr + h * sb_h + k[:, None] * sb_k + m[None, :] * sb_m, mask=km[:, None] & mm[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(a[:, None] * b, axis=0)
+        tl.store(o_ptr + h * so_h + m, acc, mask=mm)
+
+
 def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, int, int, tuple[int, int, int]]:
     """(T, K, M, b's (head, k, m) strides) of ``absorb``'s operands, checked."""
     if a.dim() != 3 or w.dim() != 3 or a.shape[1] != w.shape[0] or a.dtype != torch.float32:
@@ -68,7 +93,10 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.T
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
-    if T and M:
+    if T == 1 and M:
+        _absorb_row_kernel[(H, triton.cdiv(M, ROW_BM))](
+            a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=ROW_BK, BM=ROW_BM, num_warps=4)
+    elif T and M:
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
         bt, warps = (SMALL_ROWS, 4) if T <= SMALL_ROWS else (64, 8)
         _absorb_kernel[(H, triton.cdiv(M, BM), triton.cdiv(T, bt))](

@@ -15,6 +15,7 @@ from tests.test_fused_decode import _interpret
 @pytest.mark.parametrize(("T", "H", "K", "M", "transpose"), [
     (1, 2, 128, 512, False),     # a decode row: the queries' nope part into the latent
     (1, 2, 512, 128, True),      # the latent output back to the value heads (W_UV read transposed)
+    (1, 3, 70, 33, True),        # ragged k and m in the one-row kernel
     (17, 3, 70, 33, False),      # ragged k and m, past the small row block
     (40, 2, 96, 72, True),
     (0, 2, 32, 64, False),
