@@ -55,8 +55,6 @@ if triton is not None:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
 
-
-if triton is not None:
     @triton.jit
     def _absorb_row_kernel(a_ptr, b_ptr, o_ptr, K, M, sa_h, sa_k, sb_h, sb_k, sb_m, so_h,
                            BK: tl.constexpr, BM: tl.constexpr):

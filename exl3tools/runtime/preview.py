@@ -101,9 +101,9 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # fp16 copies become the same tensors. The same logits as the float32 einsums but for the
     # summation order on the CPU (the interpreter: tests/test_mla_absorb.py). H100, 2026-12-07 12:25
     # session: served on the DeepSeek-V3 shape one stream 413 against 444 tok/s, 8 streams 1488
-    # against 1499 (slower: the kernel, not the bytes, bounds it at one row); tests/gpu with it
-    # failed 7 MLA tests, W_UK / W_UV rebound after the decode graphs' capture (fixed in 76f343f,
-    # not yet re-run on a GPU)
+    # against 1499 (slower at one row, where the dot kernel padded its row to 16; one row takes a
+    # row kernel since, not yet timed); tests/gpu with it failed 7 MLA tests, W_UK / W_UV rebound
+    # after the decode graphs' capture (fixed in 76f343f, not yet re-run on a GPU)
     "mla_w16": "EXL3TOOLS_MLA_W16",
 }
 
