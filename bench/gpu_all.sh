@@ -299,7 +299,7 @@ if [[ " $STAGES " == *" attn "* ]]; then   # the MLA decode kernels side by side
 fi
 if [[ " $STAGES " == *" absorb "* ]]; then   # MLA's absorbed products: float32 W_UK / W_UV against fp16 (mla_w16)
   timeout ${ABSORB_TIMEOUT:-120} python3 bench/gpu_mla_absorb.py ${ABSORB_ARGS:-} --json "$L/absorb.json" > "$L/absorb.log" 2>&1
-  el "absorb rc $?"; grep -E "^\||copy" "$L/absorb.log"
+  el "absorb rc $?"; grep -E "^\||copy|^sweep|rror" "$L/absorb.log"
 fi
 if [[ " $STAGES " == *" profile "* ]]; then   # where a decode step's time goes at a long context (top kernels)
   # PROFILE_ARCHES: synthetic shapes (air6 = GLM-4.5-Air; glm5, deepseek_v3 via --arch); PROFILE_RUNS:

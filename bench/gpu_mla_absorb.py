@@ -2,13 +2,15 @@
 through kernels/mla_absorb.py (the mla_w16 preview), side by side in one run, beside the memory
 floor of each (the weights' bytes at the GPU's bandwidth, measured by a device copy here).
 
-    python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--json OUT.json]
+    python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep] [--json OUT.json]
 
 Per shape (heads, nope, latent, v) and rows: the queries' nope part into the latent (W_UK) and the
 latent output back to the value heads (W_UV, read transposed), each timed as CUDA-graph replays
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
+``--sweep``: one row through the row kernel at every tile (BM, BK, warps) of SWEEP, each checked,
+the fastest three of each product printed beside the default's (mla_absorb.ROW_BM / ROW_BK).
 """
 
 from __future__ import annotations
@@ -35,10 +37,32 @@ def copy_gbs() -> float:
     return 2 * a.numel() / (bench_graph(lambda: b.copy_(a)) * 1e-6) / 1e9
 
 
+SWEEP = [(bm, bk, w) for bm in (16, 32, 64) for bk in (32, 64, 128) for w in (1, 2, 4)]
+
+
+def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, want: torch.Tensor,
+          floor: float) -> list[dict]:
+    """The row kernel's tiles at one row, fastest first (a tile whose result is off is reported, not ranked)."""
+    out = []
+    for cfg in SWEEP:
+        bm, bk, warps = cfg
+        got = mla_absorb.absorb(x, w16, tr, row_config=cfg)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        t = bench_graph(lambda cfg=cfg: mla_absorb.absorb(x, w16, tr, row_config=cfg))
+        out.append(dict(shape=name, product=prod, bm=bm, bk=bk, warps=warps, us=t, max_rel_err=err))
+    out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
+    dflt = next(r for r in out if (r["bm"], r["bk"], r["warps"]) == (mla_absorb.ROW_BM, mla_absorb.ROW_BK, 4))
+    for r in out[:3] + [dflt]:
+        print(f"sweep {name} {prod} BM {r['bm']} BK {r['bk']} warps {r['warps']}: {r['us']:.1f} µs "
+              f"(floor {floor:.1f}, err {r['max_rel_err']:.1e}){' the default' if r is dflt else ''}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="deepseek_v3,glm5")
     ap.add_argument("--rows", default="1,8,32,2048")
+    ap.add_argument("--sweep", action="store_true", help="one row: time the row kernel's tiles (SWEEP)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -49,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| shape | rows | product | fp32 einsum µs | fp16 absorb µs | fp32 / fp16 | fp16 floor µs | max rel err "
           "| one row through the dot kernel µs |")
     print("|---|---|---|---|---|---|---|---|---|")
-    rows_out = []
+    rows_out, swept = [], []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in a.shapes.split(","):
         H, N, C, V = SHAPES[name]
@@ -73,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"| {'-' if tdot is None else f'{tdot:.1f}'} |", flush=True)
                 rows_out.append(dict(shape=name, rows=T, product=prod, fp32_us=t32, fp16_us=t16, floor_us=floor,
                                      max_rel_err=err, dot_us=tdot))
+                if a.sweep and T == 1:
+                    swept += sweep(name, prod, x, w16, tr, want, floor)
     if a.json:
-        a.json.write_text(json.dumps({"copy_gbs": gbs, "rows": rows_out}, indent=1))
+        a.json.write_text(json.dumps({"copy_gbs": gbs, "rows": rows_out, "sweep": swept}, indent=1))
     return 0
 
 

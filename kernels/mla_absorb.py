@@ -84,17 +84,20 @@ def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, i
     return a.shape[0], K, M, sb
 
 
-def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True) -> torch.Tensor:
+def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True,
+           row_config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
-    False: one row through the dot kernel too (bench/gpu_mla_absorb.py times both)."""
+    False: one row through the dot kernel too; ``row_config`` (BM, BK, warps): the row kernel's
+    tile other than (ROW_BM, ROW_BK, 4) (bench/gpu_mla_absorb.py times both, and sweeps these)."""
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
     if T == 1 and M and row_kernel:
-        _absorb_row_kernel[(H, triton.cdiv(M, ROW_BM))](
-            a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=ROW_BK, BM=ROW_BM, num_warps=4)
+        bm, bk, warps = row_config or (ROW_BM, ROW_BK, 4)
+        _absorb_row_kernel[(H, triton.cdiv(M, bm))](
+            a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=bk, BM=bm, num_warps=warps)
     elif T and M:
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
         bt, warps = (SMALL_ROWS, 4) if T <= SMALL_ROWS else (64, 8)
