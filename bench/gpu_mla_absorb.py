@@ -9,8 +9,10 @@ latent output back to the value heads (W_UV, read transposed), each timed as CUD
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
-``--sweep``: one row through the row kernel at every tile (BM, BK, warps) of SWEEP, each checked,
-the fastest three of each product printed beside the default's (mla_absorb.ROW_BM / ROW_BK).
+``--sweep``: the first shape's decode rows (1, and 8 through the rows kernel) at every tile (BM, BK, warps) of
+sweep_tiles, each checked, the fastest three of each product printed beside the default's
+(mla_absorb.ROW_TILE / FEW_TILE). The floor is one read of the fp16 weights at the rate of a
+device copy's traffic (read + write bytes over its time).
 """
 
 from __future__ import annotations
@@ -37,23 +39,35 @@ def copy_gbs() -> float:
     return 2 * a.numel() / (bench_graph(lambda: b.copy_(a)) * 1e-6) / 1e9
 
 
-SWEEP = [(bm, bk, w) for bm in (16, 32, 64) for bk in (32, 64, 128) for w in (1, 2, 4)]
+def sweep_tiles(rows: int, transpose: bool) -> list[tuple[int, int, int]]:
+    """(BM, BK, warps) to try: the 2026-12-07 14:47 sweep had wide contiguous loads win (m for
+    W_UK, k for W_UV read transposed), so the contiguous side goes wider here; tiles of more than
+    256 values a thread (one row's b block; 128 for the rows kernel's rows x BK x BM product) or
+    fewer than one a thread are left out."""
+    bms, bks, ws = ((16, 32, 64), (128, 256, 512), (1, 2, 4)) if transpose else ((64, 128, 256), (32, 64, 128), (1, 2, 4))
+    if rows > 1:
+        bms, bks, ws = ((16, 32, 64), (32, 64, 128), (2, 4, 8)) if transpose else ((32, 64, 128), (8, 16, 32), (2, 4, 8))
+    tiles = [(bm, bk, w) for bm in bms for bk in bks for w in ws]
+    cap = 256 if rows == 1 else 128
+    return [t for t in tiles if rows * t[0] * t[1] <= cap * 32 * t[2] and t[0] * t[1] >= 32 * t[2]]
 
 
 def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, want: torch.Tensor,
           floor: float) -> list[dict]:
-    """The row kernel's tiles at one row, fastest first (a tile whose result is off is reported, not ranked)."""
-    out = []
-    for cfg in SWEEP:
+    """The row (rows) kernel's tiles at x's rows, fastest first (a tile whose result is off is
+    reported, not ranked)."""
+    T, out = x.shape[0], []
+    for cfg in sweep_tiles(T, tr):
         bm, bk, warps = cfg
-        got = mla_absorb.absorb(x, w16, tr, row_config=cfg)
+        got = mla_absorb.absorb(x, w16, tr, tile=cfg)
         err = ((got - want).abs().max() / want.abs().max()).item()
-        t = bench_graph(lambda cfg=cfg: mla_absorb.absorb(x, w16, tr, row_config=cfg))
-        out.append(dict(shape=name, product=prod, bm=bm, bk=bk, warps=warps, us=t, max_rel_err=err))
+        t = bench_graph(lambda cfg=cfg: mla_absorb.absorb(x, w16, tr, tile=cfg))
+        out.append(dict(shape=name, product=prod, rows=T, bm=bm, bk=bk, warps=warps, us=t, max_rel_err=err))
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
-    dflt = next(r for r in out if (r["bm"], r["bk"], r["warps"]) == (mla_absorb.ROW_BM, mla_absorb.ROW_BK, 4))
-    for r in out[:3] + [dflt]:
-        print(f"sweep {name} {prod} BM {r['bm']} BK {r['bk']} warps {r['warps']}: {r['us']:.1f} µs "
+    dflt = (mla_absorb.ROW_TILE if T == 1 else mla_absorb.FEW_TILE)[tr]
+    dflt = next((r for r in out if (r["bm"], r["bk"], r["warps"]) == dflt), None)
+    for r in out[:3] + ([dflt] if dflt else []):
+        print(f"sweep {name} {prod} rows {T} BM {r['bm']} BK {r['bk']} warps {r['warps']}: {r['us']:.1f} µs "
               f"(floor {floor:.1f}, err {r['max_rel_err']:.1e}){' the default' if r is dflt else ''}", flush=True)
     return out
 
@@ -71,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     gbs = copy_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {gbs:.0f} GB/s")
     print("| shape | rows | product | fp32 einsum µs | fp16 absorb µs | fp32 / fp16 | fp16 floor µs | max rel err "
-          "| one row through the dot kernel µs |")
+          "| decode rows through the dot kernel µs |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows_out, swept = [], []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,15 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                 t16 = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr))
                 want = torch.einsum(spec, x, w32)
                 err = ((mla_absorb.absorb(x, w16, tr) - want).abs().max() / want.abs().max()).item()
-                floor = w16.numel() * 2 / (gbs / 2 * 1e9) * 1e6      # one read of the fp16 weights
-                # one row: the row kernel (the default) against the 16-row dot kernel it replaced
+                floor = w16.numel() * 2 / (gbs * 1e9) * 1e6      # one read of the fp16 weights
+                # decode rows: the row / rows kernels (the default) against the 16-row dot kernel
                 tdot = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr, row_kernel=False)) \
-                    if T == 1 else None
+                    if T <= mla_absorb.SMALL_ROWS else None
                 print(f"| {name} | {T} | {prod} | {t32:.1f} | {t16:.1f} | {t32 / t16:.2f}x | {floor:.1f} | {err:.1e} "
                       f"| {'-' if tdot is None else f'{tdot:.1f}'} |", flush=True)
                 rows_out.append(dict(shape=name, rows=T, product=prod, fp32_us=t32, fp16_us=t16, floor_us=floor,
                                      max_rel_err=err, dot_us=tdot))
-                if a.sweep and T == 1:
+                if a.sweep and T in (1, 8) and name == a.shapes.split(",")[0]:   # the first shape's
                     swept += sweep(name, prod, x, w16, tr, want, floor)
     if a.json:
         a.json.write_text(json.dumps({"copy_gbs": gbs, "rows": rows_out, "sweep": swept}, indent=1))

@@ -178,7 +178,7 @@ def absorb() -> None:
     # row (the row kernel), decode rows (the small row block) and a prompt chunk's, both products
     # (W_UV read transposed)
     for H, N, V in ((128, 128, 128), (64, 192, 256)):
-        for T in (1, 8, 2048):
+        for T in (1, 8, 16, 2048):
             mb.absorb(torch.zeros(T, H, N + 64)[..., :N], torch.zeros(H, N, 512, dtype=torch.float16))
             mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True)
 
