@@ -9,9 +9,9 @@ latent output back to the value heads (W_UV, read transposed), each timed as CUD
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
-``--sweep``: the first shape's decode rows (1, and 8 through the rows kernel) at every tile (BM, BK, warps) of
-sweep_tiles, each checked, the fastest three of each product printed beside the default's
-(mla_absorb.ROW_TILE / FEW_TILE). The floor is one read of the fp16 weights at the rate of a
+``--sweep``: the first shape's decode rows (1 through the row kernel, 8 through the dot kernel) at
+every tile (BM, BK, warps) of sweep_tiles, each checked, the fastest three of each product printed
+beside the default's (mla_absorb.ROW_TILE; the dot's BM, BK on 4 warps). The floor is one read of the fp16 weights at the rate of a
 device copy's traffic (read + write bytes over its time).
 """
 
@@ -41,20 +41,20 @@ def copy_gbs() -> float:
 
 def sweep_tiles(rows: int, transpose: bool) -> list[tuple[int, int, int]]:
     """(BM, BK, warps) to try: the 2026-12-07 14:47 sweep had wide contiguous loads win (m for
-    W_UK, k for W_UV read transposed), so the contiguous side goes wider here; tiles of more than
-    256 values a thread (one row's b block; 128 for the rows kernel's rows x BK x BM product) or
-    fewer than one a thread are left out."""
-    bms, bks, ws = ((16, 32, 64), (128, 256, 512), (1, 2, 4)) if transpose else ((64, 128, 256), (32, 64, 128), (1, 2, 4))
+    W_UK, k for W_UV read transposed), so the contiguous side goes wider here. One row's b block
+    of more than 256 values a thread, or fewer than one, is left out; several rows take the dot
+    kernel's tiles (its 16-row block, b's block at most 64 x 128)."""
     if rows > 1:
-        bms, bks, ws = ((16, 32, 64), (32, 64, 128), (2, 4, 8)) if transpose else ((32, 64, 128), (8, 16, 32), (2, 4, 8))
-    tiles = [(bm, bk, w) for bm in bms for bk in bks for w in ws]
-    cap = 256 if rows == 1 else 128
-    return [t for t in tiles if rows * t[0] * t[1] <= cap * 32 * t[2] and t[0] * t[1] >= 32 * t[2]]
+        bms, bks = ((32, 64, 128), (32, 64, 128)) if transpose else ((64, 128), (16, 32, 64))
+        return [(bm, bk, w) for bm in bms for bk in bks for w in (4, 8) if bm * bk <= 8192]
+    bms, bks = ((16, 32, 64), (128, 256, 512)) if transpose else ((64, 128, 256), (32, 64, 128))
+    tiles = [(bm, bk, w) for bm in bms for bk in bks for w in (1, 2, 4)]
+    return [t for t in tiles if t[0] * t[1] <= 256 * 32 * t[2] and t[0] * t[1] >= 32 * t[2]]
 
 
 def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, want: torch.Tensor,
           floor: float) -> list[dict]:
-    """The row (rows) kernel's tiles at x's rows, fastest first (a tile whose result is off is
+    """The row (dot) kernel's tiles at x's rows, fastest first (a tile whose result is off is
     reported, not ranked)."""
     T, out = x.shape[0], []
     for cfg in sweep_tiles(T, tr):
@@ -64,7 +64,7 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
         t = bench_graph(lambda cfg=cfg: mla_absorb.absorb(x, w16, tr, tile=cfg))
         out.append(dict(shape=name, product=prod, rows=T, bm=bm, bk=bk, warps=warps, us=t, max_rel_err=err))
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
-    dflt = (mla_absorb.ROW_TILE if T == 1 else mla_absorb.FEW_TILE)[tr]
+    dflt = mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4)
     dflt = next((r for r in out if (r["bm"], r["bk"], r["warps"]) == dflt), None)
     for r in out[:3] + ([dflt] if dflt else []):
         print(f"sweep {name} {prod} rows {T} BM {r['bm']} BK {r['bk']} warps {r['warps']}: {r['us']:.1f} µs "
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     gbs = copy_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {gbs:.0f} GB/s")
     print("| shape | rows | product | fp32 einsum µs | fp16 absorb µs | fp32 / fp16 | fp16 floor µs | max rel err "
-          "| decode rows through the dot kernel µs |")
+          "| one row through the dot kernel µs |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows_out, swept = [], []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 want = torch.einsum(spec, x, w32)
                 err = ((mla_absorb.absorb(x, w16, tr) - want).abs().max() / want.abs().max()).item()
                 floor = w16.numel() * 2 / (gbs * 1e9) * 1e6      # one read of the fp16 weights
-                # decode rows: the row / rows kernels (the default) against the 16-row dot kernel
+                # one row: the row kernel (the default) against the 16-row dot kernel it replaced
                 tdot = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr, row_kernel=False)) \
-                    if T <= mla_absorb.SMALL_ROWS else None
+                    if T == 1 else None
                 print(f"| {name} | {T} | {prod} | {t32:.1f} | {t16:.1f} | {t32 / t16:.2f}x | {floor:.1f} | {err:.1e} "
                       f"| {'-' if tdot is None else f'{tdot:.1f}'} |", flush=True)
                 rows_out.append(dict(shape=name, rows=T, product=prod, fp32_us=t32, fp16_us=t16, floor_us=floor,

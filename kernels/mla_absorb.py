@@ -10,10 +10,9 @@ float32 (``tl.dot`` in IEEE float32, FMA), so the result differs from the float3
 its summation order.
 
 One program per (head, 64 columns of m, a block of rows): reads its (K, 64) block of b once per
-row block, so a prompt chunk reads each weight once a 64-row block. A decode step's rows take FMA
-kernels without the dot (whose IEEE float32 tile pads them to 16 rows): one row
-``_absorb_row_kernel`` (a program per (head, BM columns), a sum over k), 2-16 rows
-``_absorb_rows_kernel`` (the same with a (rows, BM) accumulator); each reads b once.
+row block (once in all for the decode step's up to 16 rows), so a step reads each weight once. One
+row (a one-stream decode step) takes ``_absorb_row_kernel``: a program per (head, BM columns), an
+FMA loop and a sum over k, no dot (whose IEEE float32 tile pads one row to 16).
 Graph-capturable (the grid depends on shapes only). ``absorb_reference``: the same contract in
 torch (the weights widened, one einsum).
 """
@@ -38,9 +37,10 @@ SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larg
 # contiguous) 64 columns of m, W_UV (read transposed, k contiguous) 128 of k. There, one row:
 # W_UK 13.2 µs against the einsum's 18.7 and the 32 x 64 tile's 16.5, W_UV 13.6 against 22.8 / 18.2
 ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
-# 2-16 rows (decode steps of several streams): the dot kernel took W_UV 48.5 µs at 8 rows against
-# the einsum's 38.3 (same session); the rows kernel's tile by layout (BM, BK, warps)
-FEW_TILE = {False: (64, 16, 4), True: (32, 64, 4)}
+# 2-16 rows (decode steps of several streams) stay on the dot kernel: an FMA kernel with a
+# (rows, BM) accumulator took 52-56 µs at 8 rows there against its 24.0 (W_UK) / 48.3 (W_UV)
+# (H100, the 2026-12-07 14:47 session, call 4; removed). W_UV's 48.3 against the einsum's 38.5
+# is the 8-stream step's loss; ``tile`` lets bench/gpu_mla_absorb.py --sweep try the dot's tiles
 
 
 if triton is not None:
@@ -78,24 +78,6 @@ if triton is not None:
             acc += tl.sum(a[:, None] * b, axis=0)
         tl.store(o_ptr + h * so_h + m, acc, mask=mm)
 
-    @triton.jit
-    def _absorb_rows_kernel(a_ptr, b_ptr, o_ptr, T, K, M, sa_t, sa_h, sa_k, sb_h, sb_k, sb_m, so_t, so_h,
-                            BT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
-        h = tl.program_id(0).to(tl.int64)
-        m = tl.program_id(1) * BM + tl.arange(0, BM)
-        t = tl.arange(0, BT).to(tl.int64)
-        tm, mm = t < T, m < M
-        acc = tl.zeros((BT, BM), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            km = k < K
-            a = tl.load(a_ptr + h * sa_h + t[:, None] * sa_t + k[None, :] * sa_k, mask=tm[:, None] & km[None, :],
-                        other=0.0)
-            b = tl.load(b_ptr + h * sb_h + k[:, None] * sb_k + m[None, :] * sb_m, mask=km[:, None] & mm[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
-        tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
-
 
 def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, int, int, tuple[int, int, int]]:
     """(T, K, M, b's (head, k, m) strides) of ``absorb``'s operands, checked."""
@@ -114,9 +96,9 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
-    False: decode rows (up to SMALL_ROWS) through the dot kernel too; ``tile`` (BM, BK, warps):
-    the row or rows kernel's other than ROW_TILE / FEW_TILE's (bench/gpu_mla_absorb.py times
-    both, and sweeps these)."""
+    False: one row through the dot kernel too; ``tile`` (BM, BK, warps): the row kernel's other
+    than ROW_TILE's, or the dot kernel's for up to SMALL_ROWS rows other than (BM, BK, 4)
+    (bench/gpu_mla_absorb.py times both, and sweeps these)."""
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
@@ -124,17 +106,15 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
         bm, bk, warps = tile or ROW_TILE[transpose]
         _absorb_row_kernel[(H, triton.cdiv(M, bm))](
             a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=bk, BM=bm, num_warps=warps)
-    elif 1 < T <= SMALL_ROWS and M and row_kernel:
-        bm, bk, warps = tile or FEW_TILE[transpose]
-        _absorb_rows_kernel[(H, triton.cdiv(M, bm))](
-            a, w, out, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, out.stride(0), out.stride(1),
-            BT=triton.next_power_of_2(T), BK=bk, BM=bm, num_warps=warps)
     elif T and M:
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
-        bt, warps = (SMALL_ROWS, 4) if T <= SMALL_ROWS else (64, 8)
-        _absorb_kernel[(H, triton.cdiv(M, BM), triton.cdiv(T, bt))](
+        bm, bk, warps = (BM, BK, 4) if T <= SMALL_ROWS else (BM, BK, 8)
+        if tile and T <= SMALL_ROWS:
+            bm, bk, warps = tile
+        bt = SMALL_ROWS if T <= SMALL_ROWS else 64
+        _absorb_kernel[(H, triton.cdiv(M, bm), triton.cdiv(T, bt))](
             a, w, out, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, out.stride(0), out.stride(1),
-            BT=bt, BK=BK, BM=BM, num_warps=warps)
+            BT=bt, BK=bk, BM=bm, num_warps=warps)
     return out
 
 

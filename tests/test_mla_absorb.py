@@ -16,9 +16,7 @@ from tests.test_fused_decode import _interpret
     (1, 2, 128, 512, False),     # a decode row: the queries' nope part into the latent
     (1, 2, 512, 128, True),      # the latent output back to the value heads (W_UV read transposed)
     (1, 3, 70, 33, True),        # ragged k and m in the one-row kernel
-    (8, 2, 128, 96, False),      # decode rows of 8 streams: the rows kernel
-    (5, 3, 70, 33, True),        # ragged rows, k and m in the rows kernel
-    (16, 2, 96, 40, False),
+    (8, 2, 128, 96, False),      # decode rows of 8 streams: the dot kernel's 16-row block
     (17, 3, 70, 33, False),      # ragged k and m, past the small row block
     (40, 2, 96, 72, True),
     (0, 2, 32, 64, False),
