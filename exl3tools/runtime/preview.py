@@ -99,11 +99,11 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # decode step reads for them (67 -> 34 MB a DeepSeek-V3 layer at 128 heads, beside ~213 MB of
     # its 3-bit weights) and ~2 GB more KV on one GPU for a 61-layer model; attend_decompressed's
     # fp16 copies become the same tensors. The same logits as the float32 einsums but for the
-    # summation order on the CPU (the interpreter: tests/test_mla_absorb.py). H100, 2026-12-07 12:25
-    # session: served on the DeepSeek-V3 shape one stream 413 against 444 tok/s, 8 streams 1488
-    # against 1499 (slower at one row, where the dot kernel padded its row to 16; one row takes a
-    # row kernel since, not yet timed); tests/gpu with it failed 7 MLA tests, W_UK / W_UV rebound
-    # after the decode graphs' capture (fixed in 76f343f, not yet re-run on a GPU)
+    # summation order on the CPU (the interpreter: tests/test_mla_absorb.py). H100, the 2026-12-07
+    # 14:47 session: tests/gpu passed with it on; served on the DeepSeek-V3 shape one stream 458
+    # against 444 tok/s (one row on its own tuned kernel), but 8 streams 1411 against 1509 (with a
+    # rows kernel since removed; the dot kernel's W_UV at 8 rows is 48.3 µs against the einsum's
+    # 38.5): a preview until the several-row products hold (docs/gpu.md "What is left", item 10)
     "mla_w16": "EXL3TOOLS_MLA_W16",
 }
 
