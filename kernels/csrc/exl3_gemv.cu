@@ -35,7 +35,7 @@
 // 1: the halves kernels with their own input pass (PRO; MUL1's AFF ones too) keep each rotated
 // activation in shared memory as the B words it feeds (3INST / MCG (x, x); AFF (x, 0) and (0, x)),
 // a lane's four of a k-step in one 16-byte load (step), instead of two loads and four PRMTs; a
-// tuning A/B's define (cuda_exl3.gemv_pro sizes the split for it)
+// tuning A/B's define (cuda_gemv.gemv_pro sizes the split for it)
 #define XDUP_SMEM 0
 #endif
 
@@ -209,7 +209,7 @@ __device__ __forceinline__ void red1(float* p, float a) {
 
 // Batch-invariant partial sums: a split's fp32 partial as a fixed-point int64 (x 2^32, rounded
 // once), added with an integer atomic. Integer sums do not depend on the order the splits arrive
-// in, so with the splits fixed by the shape (cuda_exl3.gemv) a row's result depends on the row
+// in, so with the splits fixed by the shape (cuda_gemv.gemv) a row's result depends on the row
 // alone, never on the other rows or slots of the launch (fp32 atomics of 3+ splits round by arrival).
 // Range 2^31, resolution 2^-32: far beyond fp16 outputs at any activation scale the models reach.
 // (A NaN or infinite partial saturates here rather than propagating.)
@@ -1215,7 +1215,7 @@ GEMV_PRO(exl3_gemv_pro_m8_t2_f32, float, false)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f16, half, true)
 GEMV_PRO(exl3_gemv_pro_ld_m8_t2_f32, float, true)
 #if HALVES && CB == 2
-// the same with AFF (MUL1 halves modules, rows <= AFF_ROWS: cuda_exl3.gemv_pro picks them), with
+// the same with AFF (MUL1 halves modules, rows <= AFF_ROWS: cuda_gemv.gemv_pro picks them), with
 // the most blocks an SM that compile without spills (sm_90a, nvcc 13.0): 7, the pair kernel's
 // (72 registers), at K 1, 1.5, 2, 3 and 4; 6 at K 2.5, 3.5, 5 and 6; 5 from K 7. At 6 blocks (77
 // registers) ncu saw issue slots 52 % busy against the pair's 60 % at 7, which ate the 12 % fewer
@@ -1290,7 +1290,7 @@ TILES(128, 2, 2, 2)
 WG(exl3_wg2_m128_t2, 128, 2, 2, 1, 2)     // 256 columns a block
 WG(exl3_wg2_m256_t1, 256, 1, 2, 1, 2)     // 128 columns a block, 256 rows: one decode for them all
 WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM (128 registers)
-// WS3(NAME, WD): ws3_body, the warp-specialized kernel (dynamic shared memory: cuda_exl3.kernel_smem),
+// WS3(NAME, WD): ws3_body, the warp-specialized kernel (dynamic shared memory: cuda_launch.kernel_smem),
 // for the bench; WD 0 (ws3) holds the next chunk's weights in registers, ws4 a ring of WS4_WD in
 // shared memory (written after the 16:47 session's last call)
 #define WS3(NAME, WD)                                                                                \
@@ -1303,7 +1303,7 @@ WG(exl3_wg4_m128_t1, 128, 1, 4, 1, 2)     // 256 columns a block, 16 warps an SM
 WS3(exl3_ws3_m128_t2, 0)
 WS3(exl3_ws4_m128_t2, WS4_WD)
 // WGA(NAME, MROWS): wga_body, every warp decoding and every warpgroup multiplying (dynamic shared
-// memory: cuda_exl3.kernel_smem); xmap: xrot's tensor map (cuda_exl3.gemv: boxes of MROWS x 64)
+// memory: cuda_launch.kernel_smem); xmap: xrot's tensor map (cuda_gemv.gemv: boxes of MROWS x 64)
 #define WGA(NAME, MROWS)                                                                             \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                        \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
@@ -1314,7 +1314,7 @@ WS3(exl3_ws4_m128_t2, WS4_WD)
     }
 WGA(exl3_wga_m256_t2, 256)
 // WGR(NAME, MROWS, SK): wgr_body, two warpgroups and a producer warp (dynamic shared memory:
-// cuda_exl3.kernel_smem); SK: stream-K, a 1-D grid that shares all slots' work (slots: their count)
+// cuda_launch.kernel_smem); SK: stream-K, a 1-D grid that shares all slots' work (slots: their count)
 #define WGR(NAME, MROWS, SK)                                                                         \
     extern "C" __global__ void __launch_bounds__(288, 1) NAME(                                        \
         const uint32_t* xrot, const uint64_t* trellis_ptrs, const int* slot_exp, float* acc,          \
@@ -1326,7 +1326,7 @@ WGA(exl3_wga_m256_t2, 256)
 WGR(exl3_wgr_m256_t2, 256, false)
 WGR(exl3_wgr_sk_m256_t2, 256, true)
 // WGR_OUT(NAME, THREADS, AS, RG, MROWS, OUT): wgr_body with the fused output pass, y in fp16 (OUT 1)
-// or fp32 (2); flags and scratch (cuda_exl3.wgr_buffers) where kps < kt: a tile's splits added in
+// or fp32 (2); flags and scratch (cuda_workspace.wgr_buffers) where kps < kt: a tile's splits added in
 // the kernel (wgr_fixup). RG: a producer warpgroup that gives its registers to the consumers
 // (setmaxnreg), AS A operands in flight (384 threads)
 #define WGR_OUT(NAME, THREADS, AS, RG, MROWS, OUT)                                                   \
@@ -1379,7 +1379,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) exl3_decode_fold2(const uin
     decode_fold2_body(tr, wt, suh, svh, kt, nt, ld);
 }
 
-// GRID: the 2-D grid kernels (_grid names: cuda_exl3.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)
+// GRID: the 2-D grid kernels (_grid names: cuda_gemv.had_in / had_out's default; EXL3TOOLS_HAD_GRID=0: the 1-D ones)
 #define HAD_IN(NAME, TX, GRID)                                                                           \
     extern "C" __global__ void __launch_bounds__(256) NAME(const TX* x, half* xrot, const uint64_t* suh_ptrs,      \
                                                           const int* src_idx, const int* exp_idx, int rows,       \

@@ -214,7 +214,7 @@ __device__ __forceinline__ void staged_lane_words(int lane, int (&wi)[NL], int& 
 // 2 n-tiles, four a block: n_groups % 4 == 0), in 1024 threads (64 registers). Four consumer
 // warpgroups each multiply 64 columns by 64 rows (m64n64k16, both operands from shared memory,
 // 32 accumulators); two producer groups of 8 warps decode. Group q fills the chunks (WS3_KS
-// k-tiles) c with c % 2 == q into stage c % WS3_S of dynamic shared memory (cuda_exl3.WS3_SMEM):
+// k-tiles) c with c % 2 == q into stage c % WS3_S of dynamic shared memory (cuda_launch.WS3_SMEM):
 // it copies the chunk's activations (cp.async; the decode hides the copy), then warp pw decodes
 // n-tile pw of each k-tile straight from the trellis into wgmma's K-major no-swizzle layout (the
 // activations' core matrices: LBO 128 B, SBO 256 B) while loading its next chunk's weights into
@@ -382,7 +382,7 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 // Every warp decodes, every warpgroup multiplies (the 2026-12-06 session; docs/gpu.md "What is left"
 // 2): a block holds 128 columns (8 n-tiles) x one k-range x a slot of 256 rows, under tiles_body's
 // contract (units of 2 n-tiles, four a block), in 512 threads (128 registers). Chunks of WGA_KS
-// k-tiles run through WGA_S stages of dynamic shared memory (cuda_exl3.WGA_SMEM): each warp decodes
+// k-tiles run through WGA_S stages of dynamic shared memory (cuda_launch.WGA_SMEM): each warp decodes
 // two tiles of the next chunk (n-tile w % 8, k-tiles 2 (w / 8) and the one after) straight into
 // shared memory while this chunk's asynchronous MMAs run; then one barrier, and each warpgroup
 // issues its m64n128k16 MMAs (64 columns x 128 rows, both operands from shared memory, 64
@@ -399,7 +399,7 @@ __device__ __forceinline__ void ws3_body(const uint32_t* __restrict__ xrot, cons
 // the tensor are zeros). The EXL3TOOLS_DENSE_WGA preview (cuda_exl3.WGA_KERNEL): at 256 rows, K 3,
 // 1.28-1.87x fp16 cuBLAS against decode + cuBLAS's 2.08-2.36x (H100, docs/gpu.md).
 #ifndef WGA_S
-#define WGA_S 3   // stages (a tuning define; cuda_exl3.WGA_SMEM holds 4)
+#define WGA_S 3   // stages (a tuning define; cuda_launch.WGA_SMEM holds 4)
 #endif
 constexpr int WGA_KS = 4, WGA_TS = 4;
 #ifndef WGA_PROBE
@@ -564,7 +564,7 @@ __device__ __forceinline__ void wga_body(const uint32_t* __restrict__ xrot, cons
 // the bench defines, no loads 52.6, no loads and no decode (the MMAs alone) 45.3: the decode and
 // the loads each leave the tensor pipe idle for part of the time.
 #ifndef WGR_S
-#define WGR_S 5   // stages (cuda_exl3.WGR_SMEM holds 5)
+#define WGR_S 5   // stages (cuda_launch.WGR_SMEM holds 5)
 #endif
 #ifndef WGR_AS
 #define WGR_AS 2  // A operands in registers: WGR_AS - 1 MMAs in flight behind the newest (2 or 4)
@@ -739,7 +739,7 @@ __device__ __forceinline__ void wgr_body(const uint64_t* __restrict__ trellis_pt
                                          float* __restrict__ scratch = nullptr) {
     constexpr int KS = 4, S = WGR_S;
     static_assert(MROWS == 256 || MROWS == 128, "m64n256 / m64n128: one warpgroup's MMA takes the whole slot");
-    static_assert(S >= 2 && S <= 5, "stages (cuda_exl3.WGR_SMEM)");
+    static_assert(S >= 2 && S <= 5, "stages (cuda_launch.WGR_SMEM)");
     static_assert(OUT == 0 || (!SK && S * MROWS * 64 * 2 >= MROWS * 128 * 4), "the epilogue: one segment, sums over the x stages");
     static_assert(AS >= 2 && KS % AS == 0, "A operands: the same one every AS k-tiles, across chunks too");
     constexpr int X_STAGE = MROWS * 64, W_SLOT = KS * 8 * NW;       // halves; uint32
