@@ -5,7 +5,8 @@ floor of each (the weights' bytes at the GPU's bandwidth, measured by a device c
     python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep] [--json OUT.json]
 
 Per shape (heads, nope, latent, v) and rows: the queries' nope part into the latent (W_UK) and the
-latent output back to the value heads (W_UV, read transposed), each timed as CUDA-graph replays
+latent output back to the value heads (W_UV, read transposed; and W_UV^T, the same product with the
+weights stored (heads, latent, v), a layout the runtime does not hold), each timed as CUDA-graph replays
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
@@ -93,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         H, N, C, V = SHAPES[name]
         w_uk = (torch.randn(H, N, C, device="cuda", generator=g) * 0.05).half()
         w_uv = (torch.randn(H, V, C, device="cuda", generator=g) * 0.05).half()
+        w_uv_t = w_uv.transpose(1, 2).contiguous()
         for T in (int(r) for r in a.rows.split(",")):
             q = torch.randn(T, H, N + 64, device="cuda", generator=g)[..., :N]
             o = torch.randn(T, H, C, device="cuda", generator=g)
-            for prod, x, w16, tr in (("W_UK", q, w_uk, False), ("W_UV", o, w_uv, True)):
+            # W_UV^T: W_UV stored (H, C, V), so its product reads m-contiguous rows as W_UK's does
+            # (a layout the runtime does not hold: whether storing it so would pay at 2-16 rows)
+            for prod, x, w16, tr in (("W_UK", q, w_uk, False), ("W_UV", o, w_uv, True),
+                                     ("W_UV^T", o, w_uv_t, False)):
                 w32 = w16.float()
                 spec = "thk,hmk->thm" if tr else "thk,hkm->thm"
                 t32 = bench_graph(lambda x=x, w32=w32, spec=spec: torch.einsum(spec, x, w32))
