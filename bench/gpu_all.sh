@@ -3,7 +3,8 @@
 # a carried prebuilt extension) while our kernels are built, tested and timed, then the side-by-side
 # linear benchmark and the end-to-end decode benchmark on a synthetic GLM-4.5-Air-shaped checkpoint.
 # Run from the repo root on the device; carry .whl (wheels), .gpucarry (fixtures) and optionally
-# .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache (our cubins). Logs under $OUT.
+# .exl3so (exl3so.xz: exllamav3_ext.so from an earlier call) and .cudacache.txz (our cubins, packed by
+# an earlier call: its $OUT/cudacache.txz). Logs under $OUT.
 #   bash bench/gpu_all.sh [tests] [quick] [ab] [defs] [bench] [cublas] [paged] [e2e] [prefill] [series] [serve] [hostprof] [longctx] [mla] [attn] [absorb] [profile] [memory] [moe]
 # (default: all but ab, defs, cublas, prefill, series, hostprof, longctx, mla, attn, absorb, profile, memory and moe)
 # The exllamav3 build runs detached (setsid) and survives the call, so a second call on the same warm
@@ -54,8 +55,26 @@ wait_build() {
   done
   cp /tmp/exl3build.log "$L/build.log"
 }
+# Our cubins travel packed: a fresh machine (every call whose machine idled out) spent ~50 s
+# building all 28; .cudacache.txz (an earlier call's $OUT/cudacache.txz, ~2 MB against 56 MB
+# unpacked) is unpacked first, so only what changed since (a source, a flag: the cache key) is
+# built, and the cache goes back packed whenever this call built something
+unpack_cubins() {
+  [ -f .cudacache.txz ] || return 0
+  mkdir -p "$EXL3TOOLS_CUDA_CACHE" && xz -dc .cudacache.txz | tar -x -C "$EXL3TOOLS_CUDA_CACHE"
+}
+cubin_list() {
+  ls "$EXL3TOOLS_CUDA_CACHE" 2>/dev/null | grep '\.cubin$'
+}
+pack_cubins() {  # BEFORE: cubin_list's output before the build; packs only if it changed
+  [ "$(cubin_list)" = "$1" ] && return 0
+  tar -c -C "$EXL3TOOLS_CUDA_CACHE" --exclude='*.lock' . | xz -6 -T0 > "$OUT/cudacache.txz.tmp" \
+    && mv "$OUT/cudacache.txz.tmp" "$OUT/cudacache.txz"
+}
 # our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
+unpack_cubins; BEFORE=$(cubin_list)
 python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
+pack_cubins "$BEFORE"; [ -f "$OUT/cudacache.txz" ] && el "cubins packed: \$OUT/cudacache.txz (carry it as .cudacache.txz)"
 # SYNTH_ARGS: synth_checkpoint.py options for the GLM-4.5-Air shape (e.g. "--codebook mcg": the
 # serve stage on MCG), in a folder of their own: a warm machine's /tmp/air6 of another codebook is
 # not taken for it

@@ -49,4 +49,7 @@ done
 for f in deepseek_v3-3.0bpw-3inst glm5_moe_dsa-3.0bpw-mul1; do cp "$FIX/$f/goldens_logits.safetensors" .gpucarry/fixtures/$f/; done
 chmod -R u+w .gpucarry
 du -sh .whl .gpucarry
-echo "carry: [\".whl\", \".gpucarry\"]; run: FIXTURES=.gpucarry bash bench/gpu_all.sh tests e2e serve"
+# our cubins as an earlier call packed them ($OUT/cudacache.txz, copied here as .cudacache.txz) and
+# exllamav3's extension (.exl3so), where this checkout has them: each saves a fresh machine minutes
+EXTRA=""; [ -f .cudacache.txz ] && EXTRA+=', ".cudacache.txz"'; [ -f .exl3so/exl3so.xz ] && EXTRA+=', ".exl3so"'
+echo "carry: [\".whl\", \".gpucarry\"$EXTRA]; run: FIXTURES=.gpucarry bash bench/gpu_all.sh tests e2e serve"

@@ -50,7 +50,7 @@ def test_each_stage_is_matched_as_a_whole_word():
 def _function(name: str) -> str:
     """The text of gpu_all.sh's top-level bash function ``name``."""
     text = SCRIPT.read_text()
-    body = text[text.index(f"{name}() {{"):]
+    body = text[text.index(f"\n{name}() {{") + 1:]          # at a line's start: pack_cubins is in unpack_cubins
     return body[:body.index("\n}\n") + 3]
 
 
@@ -233,3 +233,38 @@ def test_the_test_log_lists_each_finished_test(tmp_path):
                             "EXL3TOOLS_TEST_LOG": str(log)})     # (a worker's variables: the child is no worker)
     assert r.returncode == 0, r.stdout[-2000:]
     assert Path(f"{log}.done").read_text().splitlines() == [node]
+
+
+def test_cubins_travel_packed_and_go_back_only_when_built(tmp_path):
+    """unpack_cubins / pack_cubins: a call packs its cubin cache to $OUT/cudacache.txz when its
+    build added cubins (not otherwise: a call that built nothing sends nothing back), and a later
+    call carrying that file as .cudacache.txz finds every cubin in place before its build (a fresh
+    machine spent ~50 s of device time building all 28)."""
+    if shutil.which("xz") is None or shutil.which("tar") is None:
+        pytest.skip("needs xz and tar")
+    funcs = "\n".join(_function(f) for f in ("unpack_cubins", "cubin_list", "pack_cubins"))
+
+    def call(work: Path, out: Path, build: list[str]) -> str:
+        out.mkdir(parents=True)
+        cache = work / ".cudacache"
+        fake_build = "; ".join(f"echo {n} > {cache}/{n}" for n in build) or ":"
+        script = (f"set -u\ncd {work}\nOUT={out}\nEXL3TOOLS_CUDA_CACHE={cache}\n{funcs}\n"
+                  f"unpack_cubins; BEFORE=$(cubin_list)\nmkdir -p {cache}; {fake_build}\n"
+                  'pack_cubins "$BEFORE"\ncubin_list\n')
+        r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    assert call(first, tmp_path / "out1", ["a_1.cubin", "b_2.cubin", "b_2.cubin.lock"]).split() == ["a_1.cubin", "b_2.cubin"]
+    packed = tmp_path / "out1" / "cudacache.txz"
+    assert packed.is_file() and not (tmp_path / "out1" / "cudacache.txz.tmp").exists()
+    second.mkdir()
+    shutil.copy(packed, second / ".cudacache.txz")                      # carried by the next call
+    assert call(second, tmp_path / "out2", []).split() == ["a_1.cubin", "b_2.cubin"]
+    assert not (tmp_path / "out2" / "cudacache.txz").exists()            # nothing built, nothing back
+    assert (second / ".cudacache" / "a_1.cubin").read_text() == "a_1.cubin\n"
+    assert not (second / ".cudacache" / "b_2.cubin.lock").exists()
+    assert call(second, tmp_path / "out3", ["c_3.cubin"]).split() == ["a_1.cubin", "b_2.cubin", "c_3.cubin"]
+    assert (tmp_path / "out3" / "cudacache.txz").is_file()
