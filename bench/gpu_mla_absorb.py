@@ -2,7 +2,7 @@
 through kernels/mla_absorb.py (the mla_w16 preview), side by side in one run, beside the memory
 floor of each (the weights' bytes at the GPU's bandwidth, measured by a device copy here).
 
-    python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep] [--json OUT.json]
+    python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep [--sweep-rows 8]] [--json OUT.json]
 
 Per shape (heads, nope, latent, v) and rows: the queries' nope part into the latent (W_UK) and the
 latent output back to the value heads (W_UV, read transposed; and W_UV^T, the same product with the
@@ -10,10 +10,11 @@ weights stored (heads, latent, v), a layout the runtime does not hold), each tim
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
-``--sweep``: the first shape's decode rows (1 through the row kernel, 8 through the dot kernel) at
-every tile (BM, BK, warps) of sweep_tiles, each checked, the fastest three of each product printed
-beside the default's (mla_absorb.ROW_TILE; the dot's BM, BK on 4 warps). The floor is one read of the fp16 weights at the rate of a
-device copy's traffic (read + write bytes over its time).
+``--sweep``: the first shape's rows of ``--sweep-rows`` (default 8: the dot kernel's tiles
+(BM, BK, warps, k splits), each in IEEE float32 and tf32x3; 1: the row kernel's (BM, BK, warps),
+swept in the 2026-12-07 14:47 session) at every tile of sweep_tiles, each checked, the fastest
+three of each product printed beside the default's. The floor is one read of the fp16 weights at
+the rate of a device copy's traffic (read + write bytes over its time).
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ def copy_gbs() -> float:
     return 2 * a.numel() / (bench_graph(lambda: b.copy_(a)) * 1e-6) / 1e9
 
 
-def sweep_tiles(rows: int, transpose: bool) -> list[tuple[int, int, int]]:
-    """(BM, BK, warps) to try: the 2026-12-07 14:47 sweep had wide contiguous loads win (m for
-    W_UK, k for W_UV read transposed), so the contiguous side goes wider here. One row's b block
-    of more than 256 values a thread, or fewer than one, is left out; several rows take the dot
-    kernel's tiles (its 16-row block, b's block at most 64 x 128)."""
+def sweep_tiles(rows: int, transpose: bool) -> list[tuple[int, ...]]:
+    """Tiles to try: one row's (BM, BK, warps): the 2026-12-07 14:47 sweep had wide contiguous
+    loads win (m for W_UK, k for W_UV read transposed), so the contiguous side goes wider here; a
+    b block of more than 256 values a thread, or fewer than one, is left out. Several rows: the
+    dot kernel's (BM, BK, warps, k splits): the (BM, BK, warps) its 16-row IEEE float32 dot builds
+    without spills at sm_90 (104-254 registers; bench/triton_sm90_check.py), in 1, 2 or 4 k splits:
+    W_UV at DeepSeek-V3's shape had 256 programs of 16 k-steps (48.3 µs at 8 rows), W_UK 1024 of 4
+    (24.0)."""
     if rows > 1:
-        bms, bks = ((32, 64, 128), (32, 64, 128)) if transpose else ((64, 128), (16, 32, 64))
-        return [(bm, bk, w) for bm in bms for bk in bks for w in (4, 8) if bm * bk <= 8192]
+        fits = ((32, 32, 4), (64, 32, 4), (32, 64, 4), (128, 32, 4), (64, 64, 8), (128, 32, 8))
+        return [(bm, bk, w, s) for bm, bk, w in fits for s in (1, 2, 4)]
     bms, bks = ((16, 32, 64), (128, 256, 512)) if transpose else ((64, 128, 256), (32, 64, 128))
     tiles = [(bm, bk, w) for bm in bms for bk in bks for w in (1, 2, 4)]
     return [t for t in tiles if t[0] * t[1] <= 256 * 32 * t[2] and t[0] * t[1] >= 32 * t[2]]
@@ -59,16 +63,19 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     reported, not ranked)."""
     T, out = x.shape[0], []
     for cfg in sweep_tiles(T, tr):
-        bm, bk, warps = cfg
-        got = mla_absorb.absorb(x, w16, tr, tile=cfg)
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        t = bench_graph(lambda cfg=cfg: mla_absorb.absorb(x, w16, tr, tile=cfg))
-        out.append(dict(shape=name, product=prod, rows=T, bm=bm, bk=bk, warps=warps, us=t, max_rel_err=err))
+        for prec in ("ieee",) if T == 1 else ("ieee", "tf32x3"):
+            got = mla_absorb.absorb(x, w16, tr, tile=cfg, precision=prec)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            t = bench_graph(lambda cfg=cfg, prec=prec: mla_absorb.absorb(x, w16, tr, tile=cfg, precision=prec))
+            out.append(dict(shape=name, product=prod, rows=T, tile=list(cfg), precision=prec, us=t, max_rel_err=err))
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
-    dflt = mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4)
-    dflt = next((r for r in out if (r["bm"], r["bk"], r["warps"]) == dflt), None)
-    for r in out[:3] + ([dflt] if dflt else []):
-        print(f"sweep {name} {prod} rows {T} BM {r['bm']} BK {r['bk']} warps {r['warps']}: {r['us']:.1f} µs "
+    dflt = list(mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4, 1))
+    dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == mla_absorb.DOT_PRECISION), None)
+    names = ("BM", "BK", "warps", "splits")
+    for r in out[:3] + ([dflt] if dflt and dflt not in out[:3] else []):
+        tile = " ".join(f"{n} {v}" for n, v in zip(names, r["tile"], strict=False))
+        tile += "" if T == 1 else f" {r['precision']}"
+        print(f"sweep {name} {prod} rows {T} {tile}: {r['us']:.1f} µs "
               f"(floor {floor:.1f}, err {r['max_rel_err']:.1e}){' the default' if r is dflt else ''}", flush=True)
     return out
 
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="deepseek_v3,glm5")
     ap.add_argument("--rows", default="1,8,32,2048")
-    ap.add_argument("--sweep", action="store_true", help="one row: time the row kernel's tiles (SWEEP)")
+    ap.add_argument("--sweep", action="store_true", help="time the kernels' tiles at --sweep-rows (sweep_tiles)")
+    ap.add_argument("--sweep-rows", default="8", help="rows to sweep at (1: the row kernel; 2-16: the dot kernel)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -86,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     gbs = copy_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {gbs:.0f} GB/s")
     print("| shape | rows | product | fp32 einsum µs | fp16 absorb µs | fp32 / fp16 | fp16 floor µs | max rel err "
-          "| one row through the dot kernel µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| one row through the dot kernel µs | the dot in tf32x3 µs (max rel err) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows_out, swept = [], []
+    sweep_rows = {int(r) for r in a.sweep_rows.split(",")} if a.sweep else set()
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in a.shapes.split(","):
         H, N, C, V = SHAPES[name]
@@ -112,11 +121,18 @@ def main(argv: list[str] | None = None) -> int:
                 # one row: the row kernel (the default) against the 16-row dot kernel it replaced
                 tdot = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr, row_kernel=False)) \
                     if T == 1 else None
+                # several rows: the dot on tensor cores (tf32x3) beside the default's IEEE float32
+                ttf = etf = None
+                if T > 1:
+                    ttf = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr, precision="tf32x3"))
+                    got = mla_absorb.absorb(x, w16, tr, precision="tf32x3")
+                    etf = ((got - want).abs().max() / want.abs().max()).item()
                 print(f"| {name} | {T} | {prod} | {t32:.1f} | {t16:.1f} | {t32 / t16:.2f}x | {floor:.1f} | {err:.1e} "
-                      f"| {'-' if tdot is None else f'{tdot:.1f}'} |", flush=True)
+                      f"| {'-' if tdot is None else f'{tdot:.1f}'} "
+                      f"| {'-' if ttf is None else f'{ttf:.1f} ({etf:.1e})'} |", flush=True)
                 rows_out.append(dict(shape=name, rows=T, product=prod, fp32_us=t32, fp16_us=t16, floor_us=floor,
-                                     max_rel_err=err, dot_us=tdot))
-                if a.sweep and T in (1, 8) and name == a.shapes.split(",")[0]:   # the first shape's
+                                     max_rel_err=err, dot_us=tdot, tf32x3_us=ttf, tf32x3_err=etf))
+                if T in sweep_rows and name == a.shapes.split(",")[0]:   # the first shape's
                     swept += sweep(name, prod, x, w16, tr, want, floor)
     if a.json:
         a.json.write_text(json.dumps({"copy_gbs": gbs, "rows": rows_out, "sweep": swept}, indent=1))

@@ -181,6 +181,13 @@ def absorb() -> None:
         for T in (1, 8, 16, 2048):
             mb.absorb(torch.zeros(T, H, N + 64)[..., :N], torch.zeros(H, N, 512, dtype=torch.float16))
             mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True)
+        # the dot kernel's k splits at decode rows, IEEE and tf32x3 (bench/gpu_mla_absorb.py --sweep)
+        for tile in ((32, 64, 4, 4), (128, 32, 8, 2)):
+            for prec in ("ieee", "tf32x3"):
+                mb.absorb(torch.zeros(8, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True,
+                          tile=tile, precision=prec)
+        mb.absorb(torch.zeros(2048, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True,
+                  precision="tf32x3")
 
 
 def main(argv: list[str]) -> int:

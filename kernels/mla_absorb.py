@@ -37,29 +37,46 @@ SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larg
 # contiguous) 64 columns of m, W_UV (read transposed, k contiguous) 128 of k. There, one row:
 # W_UK 13.2 µs against the einsum's 18.7 and the 32 x 64 tile's 16.5, W_UV 13.6 against 22.8 / 18.2
 ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
+# the dot kernel's products: IEEE float32 (FMA; 104-194 registers a thread at a 16-row block on 4
+# warps, sm_90). "tf32x3" would run them on tensor cores as a_hi * b + a_lo * b (+ a_hi * b_lo,
+# zero here: an fp16 weight is exact in tf32), the float32 activations split in two tf32 parts,
+# their products exact in the float32 sums: within ~1e-6 of the einsum, not only its order.
+# bench/gpu_mla_absorb.py times both (not yet on a GPU)
+DOT_PRECISION = "ieee"
 # 2-16 rows (decode steps of several streams) stay on the dot kernel: an FMA kernel with a
 # (rows, BM) accumulator took 52-56 µs at 8 rows there against its 24.0 (W_UK) / 48.3 (W_UV)
 # (H100, the 2026-12-07 14:47 session, call 4; removed). W_UV's 48.3 against the einsum's 38.5
-# is the 8-stream step's loss; ``tile`` lets bench/gpu_mla_absorb.py --sweep try the dot's tiles
+# is the 8-stream step's loss (256 programs at DeepSeek-V3's shape, 16 k-steps each, against W_UK's
+# 1024 x 4); ``tile`` lets bench/gpu_mla_absorb.py --sweep try the dot's tiles and k splits
 
 
 if triton is not None:
     @triton.jit
-    def _absorb_kernel(a_ptr, b_ptr, o_ptr, T, K, M, sa_t, sa_h, sa_k, sb_h, sb_k, sb_m, so_t, so_h,
-                       BT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
+    def _absorb_kernel(a_ptr, b_ptr, o_ptr, T, K, M, sa_t, sa_h, sa_k, sb_h, sb_k, sb_m, so_t, so_h, so_s,
+                       BT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, KS: tl.constexpr,
+                       PREC: tl.constexpr):
+        # KS 0: program axis 2 is the row block, k whole; KS > 0: one row block, axis 2 the split
+        # of k (KS of it, a multiple of BK) whose partial sums go to plane so_s * split
         h = tl.program_id(0).to(tl.int64)
         m = tl.program_id(1) * BM + tl.arange(0, BM)
-        t = (tl.program_id(2) * BT + tl.arange(0, BT)).to(tl.int64)
+        if KS == 0:
+            t = (tl.program_id(2) * BT + tl.arange(0, BT)).to(tl.int64)
+            k_lo, k_hi = 0, K
+        else:
+            t = tl.arange(0, BT).to(tl.int64)
+            k_lo = tl.program_id(2) * KS
+            k_hi = tl.minimum(K, k_lo + KS)
+            o_ptr += tl.program_id(2).to(tl.int64) * so_s
         tm, mm = t < T, m < M
         acc = tl.zeros((BT, BM), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_hi, BK):
             k = k0 + tl.arange(0, BK)
-            km = k < K
+            km = k < k_hi
             a = tl.load(a_ptr + h * sa_h + t[:, None] * sa_t + k[None, :] * sa_k, mask=tm[:, None] & km[None, :],
                         other=0.0)
             b = tl.load(b_ptr + h * sb_h + k[:, None] * sb_k + m[None, :] * sb_m, mask=km[:, None] & mm[None, :],
                         other=0.0).to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a, b, acc, input_precision=PREC)
         tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
 
     @triton.jit
@@ -92,13 +109,15 @@ def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, i
 
 
 def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True,
-           tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+           tile: tuple[int, ...] | None = None, precision: str = DOT_PRECISION) -> torch.Tensor:
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
-    False: one row through the dot kernel too; ``tile`` (BM, BK, warps): the row kernel's other
-    than ROW_TILE's, or the dot kernel's for up to SMALL_ROWS rows other than (BM, BK, 4)
-    (bench/gpu_mla_absorb.py times both, and sweeps these)."""
+    False: one row through the dot kernel too. ``tile``: the row kernel's (BM, BK, warps) other
+    than ROW_TILE's, or the dot kernel's for up to SMALL_ROWS rows, (BM, BK, warps[, splits])
+    other than (BM, BK, 4, 1): with splits > 1 each program sums a 1/splits of k into a plane of
+    partials, which one torch.sum adds (deterministic) (bench/gpu_mla_absorb.py sweeps these).
+    ``precision``: the dot kernel's ``tl.dot`` input precision (DOT_PRECISION)."""
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
@@ -108,13 +127,17 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
             a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=bk, BM=bm, num_warps=warps)
     elif T and M:
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
-        bm, bk, warps = (BM, BK, 4) if T <= SMALL_ROWS else (BM, BK, 8)
+        bm, bk, warps, splits = (BM, BK, 4, 1) if T <= SMALL_ROWS else (BM, BK, 8, 1)
         if tile and T <= SMALL_ROWS:
-            bm, bk, warps = tile
+            bm, bk, warps, splits = (*tile, 1)[:4]
         bt = SMALL_ROWS if T <= SMALL_ROWS else 64
-        _absorb_kernel[(H, triton.cdiv(M, bm), triton.cdiv(T, bt))](
-            a, w, out, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, out.stride(0), out.stride(1),
-            BT=bt, BK=bk, BM=bm, num_warps=warps)
+        ks = triton.cdiv(triton.cdiv(K, splits), bk) * bk if splits > 1 else 0
+        dst = out if not ks else torch.empty(triton.cdiv(K, ks), T, H, M, dtype=torch.float32, device=a.device)
+        _absorb_kernel[(H, triton.cdiv(M, bm), triton.cdiv(K, ks) if ks else triton.cdiv(T, bt))](
+            a, w, dst, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, dst.stride(-3), dst.stride(-2),
+            dst.stride(0), BT=bt, BK=bk, BM=bm, KS=ks, PREC=precision, num_warps=warps)
+        if ks:
+            torch.sum(dst, 0, out=out)
     return out
 
 

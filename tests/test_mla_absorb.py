@@ -38,6 +38,29 @@ def test_absorb_equals_the_widened_einsum(T, H, K, M, transpose):
         mla_absorb.absorb(a, w, not transpose)                        # k of the other layout
 
 
+@pytest.mark.parametrize(("T", "K", "tile"), [
+    (8, 96, (64, 32, 4, 2)),      # k in two splits of 48 -> 64: the second split's k past K masked
+    (5, 70, (32, 16, 4, 4)),      # ragged k: four splits of 32 (the last 6 wide)
+    (3, 64, (64, 32, 4, 8)),      # more splits asked than k-steps: two of 32
+    (20, 64, (64, 32, 4, 4)),     # past SMALL_ROWS the tile (and its splits) is not taken
+])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_absorb_in_k_splits_equals_the_widened_einsum(T, K, tile, transpose):
+    """The dot kernel's k splits (decode rows of several streams, bench/gpu_mla_absorb.py
+    --sweep): each program sums its part of k into a plane of partials, torch.sum adds them."""
+    _interpret()
+    from exl3tools.kernels import mla_absorb
+
+    g = torch.Generator().manual_seed(T * 7 + K)
+    H, M = 2, 40
+    w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
+    a = torch.randn(T, H, K, generator=g)
+    got, want = mla_absorb.absorb(a, w, transpose, tile=tile), mla_absorb.absorb_reference(a, w, transpose)
+    assert got.shape == want.shape == (T, H, M)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert (got - mla_absorb.absorb(a, w, transpose, tile=tile)).abs().max().item() == 0   # deterministic
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
 def test_fp16_absorption_gives_the_float32_logits(name, monkeypatch):
     """Prompts (the eager path's absorbed queries and outputs), then decode steps through the
