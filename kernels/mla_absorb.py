@@ -51,7 +51,7 @@ DOT_PRECISION = "ieee"
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])    # one compile whatever the rows (T % 16 once made two)
     def _absorb_kernel(a_ptr, b_ptr, o_ptr, T, K, M, sa_t, sa_h, sa_k, sb_h, sb_k, sb_m, so_t, so_h, so_s,
                        BT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, KS: tl.constexpr,
                        PREC: tl.constexpr):
