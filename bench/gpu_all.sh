@@ -66,15 +66,18 @@ unpack_cubins() {
 cubin_list() {
   ls "$EXL3TOOLS_CUDA_CACHE" 2>/dev/null | grep '\.cubin$'
 }
-pack_cubins() {  # BEFORE: cubin_list's output before the build; packs only if it changed
+pack_cubins() {  # BEFORE NAMES: cubin_list's output before the build, the file of the names it built
   [ "$(cubin_list)" = "$1" ] && return 0
-  tar -c -C "$EXL3TOOLS_CUDA_CACHE" --exclude='*.lock' . | xz -6 -T0 > "$OUT/cudacache.txz.tmp" \
+  # the build's own cubins (stale ones, of older sources, stay out); every cubin if it named none
+  local what=(.); [ -s "${2:-}" ] && what=(-T "$2")
+  tar -c -C "$EXL3TOOLS_CUDA_CACHE" --exclude='*.lock' "${what[@]}" | xz -6 -T0 > "$OUT/cudacache.txz.tmp" \
     && mv "$OUT/cudacache.txz.tmp" "$OUT/cudacache.txz"
 }
 # our cubins, all (K, codebook) in parallel (seconds; cached in .cudacache)
 unpack_cubins; BEFORE=$(cubin_list)
-python3 -m exl3tools.kernels.cuda_build > "$L/cubins.log" 2>&1; el "cubins: $(tail -n 1 $L/cubins.log)"
-pack_cubins "$BEFORE"; [ -f "$OUT/cudacache.txz" ] && el "cubins packed: \$OUT/cudacache.txz (carry it as .cudacache.txz)"
+python3 -m exl3tools.kernels.cuda_build --names > "$L/cubin_names.txt" 2> "$L/cubins.log"
+el "cubins: $(tail -n 1 $L/cubins.log)"
+pack_cubins "$BEFORE" "$L/cubin_names.txt"; [ -f "$OUT/cudacache.txz" ] && el "cubins packed: \$OUT/cudacache.txz (carry it as .cudacache.txz)"
 # SYNTH_ARGS: synth_checkpoint.py options for the GLM-4.5-Air shape (e.g. "--codebook mcg": the
 # serve stage on MCG), in a folder of their own: a warm machine's /tmp/air6 of another codebook is
 # not taken for it

@@ -164,3 +164,5 @@ def prebuild(pairs=None, jobs: int | None = None) -> list[Path]:
 if __name__ == "__main__":
     paths = [*prebuild(), build_mla()]
     print(f"{len(paths)} cubins in {cache_dir()}", file=sys.stderr)
+    if "--names" in sys.argv[1:]:     # the default set's file names (bench/gpu_all.sh packs those alone)
+        print("\n".join(p.name for p in paths))

@@ -244,20 +244,23 @@ def test_cubins_travel_packed_and_go_back_only_when_built(tmp_path):
         pytest.skip("needs xz and tar")
     funcs = "\n".join(_function(f) for f in ("unpack_cubins", "cubin_list", "pack_cubins"))
 
-    def call(work: Path, out: Path, build: list[str]) -> str:
+    def call(work: Path, out: Path, build: list[str], names: list[str] | None = None) -> str:
+        """A call whose build writes ``build`` and names ``names`` (None: what it wrote) as its set."""
         out.mkdir(parents=True)
         cache = work / ".cudacache"
         fake_build = "; ".join(f"echo {n} > {cache}/{n}" for n in build) or ":"
+        (out / "names.txt").write_text("".join(f"{n}\n" for n in (build if names is None else names)))
         script = (f"set -u\ncd {work}\nOUT={out}\nEXL3TOOLS_CUDA_CACHE={cache}\n{funcs}\n"
                   f"unpack_cubins; BEFORE=$(cubin_list)\nmkdir -p {cache}; {fake_build}\n"
-                  'pack_cubins "$BEFORE"\ncubin_list\n')
+                  f'pack_cubins "$BEFORE" {out}/names.txt\ncubin_list\n')
         r = subprocess.run([_bash(), "-c", script], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         return r.stdout
 
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
-    assert call(first, tmp_path / "out1", ["a_1.cubin", "b_2.cubin", "b_2.cubin.lock"]).split() == ["a_1.cubin", "b_2.cubin"]
+    assert call(first, tmp_path / "out1", ["a_1.cubin", "b_2.cubin", "b_2.cubin.lock"],
+                ["a_1.cubin", "b_2.cubin"]).split() == ["a_1.cubin", "b_2.cubin"]
     packed = tmp_path / "out1" / "cudacache.txz"
     assert packed.is_file() and not (tmp_path / "out1" / "cudacache.txz.tmp").exists()
     second.mkdir()
@@ -266,5 +269,10 @@ def test_cubins_travel_packed_and_go_back_only_when_built(tmp_path):
     assert not (tmp_path / "out2" / "cudacache.txz").exists()            # nothing built, nothing back
     assert (second / ".cudacache" / "a_1.cubin").read_text() == "a_1.cubin\n"
     assert not (second / ".cudacache" / "b_2.cubin.lock").exists()
-    assert call(second, tmp_path / "out3", ["c_3.cubin"]).split() == ["a_1.cubin", "b_2.cubin", "c_3.cubin"]
-    assert (tmp_path / "out3" / "cudacache.txz").is_file()
+    # a source changed: c_3 replaces b_2 in the build's set, and b_2 (stale) does not go back
+    assert call(second, tmp_path / "out3", ["c_3.cubin"], ["a_1.cubin", "c_3.cubin"]).split() == \
+        ["a_1.cubin", "b_2.cubin", "c_3.cubin"]
+    third = tmp_path / "third"
+    third.mkdir()
+    shutil.copy(tmp_path / "out3" / "cudacache.txz", third / ".cudacache.txz")
+    assert call(third, tmp_path / "out4", []).split() == ["a_1.cubin", "c_3.cubin"]
