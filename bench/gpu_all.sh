@@ -16,6 +16,19 @@ STAGES=${*:-tests quick bench paged e2e serve}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 EXL3TOOLS_KERNEL_CACHE=/tmp/exl3k
 export EXL3TOOLS_CUDA_CACHE=${EXL3TOOLS_CUDA_CACHE:-$PWD/.cudacache} TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+# The last line tars the logs into one file; a call's own `timeout` around this script once cut it
+# before that line, the logs came back file by file and the call's file count left some out
+# (2026-12-07 14:47, call 1), and the stage's pytest, in its own `timeout`'s process group which
+# that TERM does not reach, ran on beside the call's next command. On TERM bash now runs this trap
+# once the command it waits on has ended (a stage's own timeout bounds it): the logs tarred, no
+# stage left running behind
+tar_logs() {
+  tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
+}
+on_term() {
+  el "cut (TERM): logs tarred"; tar_logs; exit 143
+}
+trap on_term TERM
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   > "$L/pip.log" 2>&1 || { cat "$L/pip.log"; exit 1; }
@@ -376,4 +389,4 @@ echo "=== bench"; sed -n '/in->out/,$p' "$L/bench.log" 2>/dev/null
 echo "=== e2e"; grep -E "^\|" "$L/e2e_model.log" 2>/dev/null
 echo "=== serve"; tail -n 30 "$L/serve.log" 2>/dev/null
 echo "=== longctx"; grep -E "^\||error|failed" "$L/longctx.log" 2>/dev/null
-tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
+tar_logs

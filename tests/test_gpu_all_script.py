@@ -276,3 +276,26 @@ def test_cubins_travel_packed_and_go_back_only_when_built(tmp_path):
     third.mkdir()
     shutil.copy(tmp_path / "out3" / "cudacache.txz", third / ".cudacache.txz")
     assert call(third, tmp_path / "out4", []).split() == ["a_1.cubin", "c_3.cubin"]
+
+
+def test_a_cut_call_still_tars_its_logs(tmp_path):
+    """TERM from the call's own `timeout` (to the whole group, the stage's command included): the
+    logs still go back as one logs.tgz, not file by file (a call returns a limited number of files)."""
+    if shutil.which("timeout") is None:
+        pytest.skip("needs coreutils timeout")
+    funcs = "\n".join(_function(f) for f in ("tar_logs", "on_term"))
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    for i in range(3):
+        (out / "logs" / f"stage{i}.log").write_text(f"stage {i}\n")
+    script = tmp_path / "cut.sh"
+    script.write_text(f"set -u\nOUT={out}\nL=$OUT/logs\nT0=$(date +%s)\nel() {{ echo \"$*\"; }}\n{funcs}\n"
+                      "trap on_term TERM\nsleep 30\necho not cut\n")
+    t = time.monotonic()
+    r = subprocess.run(["timeout", "2", _bash(), str(script)], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t < 20 and "not cut" not in r.stdout, r.stdout
+    assert r.returncode == 124 and "cut (TERM)" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert not (out / "logs").exists()
+    import tarfile
+    with tarfile.open(out / "logs.tgz") as tf:
+        assert sorted(tf.getnames()) == ["logs", "logs/stage0.log", "logs/stage1.log", "logs/stage2.log"]
