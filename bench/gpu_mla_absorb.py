@@ -69,7 +69,7 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
             t = bench_graph(lambda cfg=cfg, prec=prec: mla_absorb.absorb(x, w16, tr, tile=cfg, precision=prec))
             out.append(dict(shape=name, product=prod, rows=T, tile=list(cfg), precision=prec, us=t, max_rel_err=err))
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
-    dflt = list(mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4, 1))
+    dflt = list(mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # (w16 contiguous: tr = k's)
     dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == mla_absorb.DOT_PRECISION), None)
     names = ("BM", "BK", "warps", "splits")
     for r in out[:3] + ([dflt] if dflt and dflt not in out[:3] else []):

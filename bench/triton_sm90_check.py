@@ -188,6 +188,10 @@ def absorb() -> None:
                           tile=tile, precision=prec)
         mb.absorb(torch.zeros(2048, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True,
                   precision="tf32x3")
+        # W_UV stored (H, latent, v) (the mla_w16_vt preview): read transposed with v contiguous
+        for T in (1, 8):
+            mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, 512, V, dtype=torch.float16).transpose(1, 2),
+                      transpose=True)
 
 
 def main(argv: list[str]) -> int:

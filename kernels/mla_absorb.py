@@ -35,7 +35,8 @@ SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larg
 # by b's layout, the fastest of bench/gpu_mla_absorb.py --sweep (H100, the 2026-12-07 14:47
 # session, summed over DeepSeek-V3's and GLM-5's shapes): wide contiguous loads win; W_UK (m
 # contiguous) 64 columns of m, W_UV (read transposed, k contiguous) 128 of k. There, one row:
-# W_UK 13.2 µs against the einsum's 18.7 and the 32 x 64 tile's 16.5, W_UV 13.6 against 22.8 / 18.2
+# W_UK 13.2 µs against the einsum's 18.7 and the 32 x 64 tile's 16.5, W_UV 13.6 against 22.8 / 18.2.
+# Keyed by whether b's k is its contiguous side (W_UV with the mla_w16_vt preview has m's)
 ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
 # the dot kernel's products: IEEE float32 (FMA; 104-194 registers a thread at a 16-row block on 4
 # warps, sm_90). "tf32x3" would run them on tensor cores as a_hi * b + a_lo * b (+ a_hi * b_lo,
@@ -114,15 +115,15 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
     False: one row through the dot kernel too. ``tile``: the row kernel's (BM, BK, warps) other
-    than ROW_TILE's, or the dot kernel's for up to SMALL_ROWS rows, (BM, BK, warps[, splits])
-    other than (BM, BK, 4, 1): with splits > 1 each program sums a 1/splits of k into a plane of
+    than ROW_TILE's (by b's contiguous side), or the dot kernel's for up to SMALL_ROWS rows,
+    (BM, BK, warps[, splits]) other than (BM, BK, 4, 1): with splits > 1 each program sums a 1/splits of k into a plane of
     partials, which one torch.sum adds (deterministic) (bench/gpu_mla_absorb.py sweeps these).
     ``precision``: the dot kernel's ``tl.dot`` input precision (DOT_PRECISION)."""
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
     if T == 1 and M and row_kernel:
-        bm, bk, warps = tile or ROW_TILE[transpose]
+        bm, bk, warps = tile or ROW_TILE[sb[1] == 1]
         _absorb_row_kernel[(H, triton.cdiv(M, bm))](
             a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=bk, BM=bm, num_warps=warps)
     elif T and M:

@@ -20,13 +20,19 @@ from tests.test_fused_decode import _interpret
     (17, 3, 70, 33, False),      # ragged k and m, past the small row block
     (40, 2, 96, 72, True),
     (0, 2, 32, 64, False),
+    (1, 2, 96, 40, "m"),         # W_UV read transposed from (H, K, M) storage (mla_w16_vt): m contiguous
+    (8, 2, 96, 40, "m"),
 ])
 def test_absorb_equals_the_widened_einsum(T, H, K, M, transpose):
     _interpret()
     from exl3tools.kernels import mla_absorb
 
     g = torch.Generator().manual_seed(T * 131 + K)
-    w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
+    if transpose == "m":
+        w = torch.randn(H, K, M + 24, generator=g).half()[..., :M].transpose(1, 2)   # (H, M, K), m stride 1
+        transpose = True
+    else:
+        w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
     a = torch.randn(T, H, K + 16, generator=g)[..., 8:K + 8]         # a strided view, as q[..., :nope]
     got, want = mla_absorb.absorb(a, w, transpose), mla_absorb.absorb_reference(a, w, transpose)
     assert got.shape == want.shape == (T, H, M) and got.dtype == torch.float32
@@ -61,8 +67,9 @@ def test_absorb_in_k_splits_equals_the_widened_einsum(T, K, tile, transpose):
     assert (got - mla_absorb.absorb(a, w, transpose, tile=tile)).abs().max().item() == 0   # deterministic
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1"])
-def test_fp16_absorption_gives_the_float32_logits(name, monkeypatch):
+@pytest.mark.parametrize(("name", "v_rows"), [("deepseek_v3-3.0bpw-3inst", False), ("glm5_moe_dsa-3.0bpw-mul1", False),
+                                             ("deepseek_v3-3.0bpw-3inst", True)])   # mla_w16_vt: V padded, rows of v
+def test_fp16_absorption_gives_the_float32_logits(name, v_rows, monkeypatch):
     """Prompts (the eager path's absorbed queries and outputs), then decode steps through the
     fixed-shape step (GLM-5 selecting past its index_topk of 32) with W_UK / W_UV held in fp16:
     the float32 path's logits within summation-order noise, and the layers' weights in fp16."""
@@ -74,14 +81,17 @@ def test_fp16_absorption_gives_the_float32_logits(name, monkeypatch):
     want = _run(_model(name), name, "static")
     model = _model.__wrapped__(name)          # a model of its own: its weights become fp16
     monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
+    monkeypatch.setenv("EXL3TOOLS_MLA_W16_VT", "1" if v_rows else "0")
     got = _run(model, name, "static")
     attns = [layer.attn for layer in model.layers if isinstance(layer.attn, MLAttention)]
     assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
+    assert all((a.w_uv.stride(1) == 1) == v_rows for a in attns)
     errs = [_rel(g, w) for g, w in zip(got, want, strict=True)]
     assert max(errs) < 1e-5, errs
 
 
-def test_fp16_weights_are_never_rebound_by_a_decompression(monkeypatch):
+@pytest.mark.parametrize("v_rows", [False, True])
+def test_fp16_weights_are_never_rebound_by_a_decompression(monkeypatch, v_rows):
     """With fp16 W_UK / W_UV the decompression's copies (W_K's layout, W_UV padded) are made when
     the weights move (MLAttention._to) and W_UK / W_UV are views of them; a prompt decompressing
     K/V in fp16 afterwards reads those and never rebinds W_UK / W_UV: a decode graph captured
@@ -92,12 +102,16 @@ def test_fp16_weights_are_never_rebound_by_a_decompression(monkeypatch):
     from tests.test_mla_static_decode import _model
 
     monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
+    monkeypatch.setenv("EXL3TOOLS_MLA_W16_VT", "1" if v_rows else "0")
     a = next(layer.attn for layer in _model.__wrapped__("deepseek_v3-3.0bpw-3inst").layers
              if isinstance(layer.attn, MLAttention))
+    w_uv32 = a.w_uv.clone()
     a._to(torch.device("cpu"))
     w_uk, w_uv = a.w_uk, a.w_uv
     assert w_uk.dtype == torch.float16 and a._w16 is not None
     assert w_uv.data_ptr() == a._w16[2].data_ptr() and a._w16[2].shape[1] == a.nope + a.rope   # V padded
+    assert torch.equal(w_uv.float(), w_uv32.half().float())         # kv_b's values, in either layout
+    assert (w_uv.stride(1) == 1) == v_rows                          # mla_w16_vt: v contiguous
     g = torch.Generator().manual_seed(0)
     n, L = 5, 9
     q = torch.randn(1, a.nh, n, a.nope + a.rope, generator=g)
@@ -109,3 +123,8 @@ def test_fp16_weights_are_never_rebound_by_a_decompression(monkeypatch):
         outs[dt] = o
         assert a.w_uk is w_uk and a.w_uv is w_uv
     assert (outs[torch.float16] - outs[torch.float32]).abs().max().item() < 2e-2 * outs[torch.float32].abs().max().item()
+    if v_rows:     # the (H, C, v) storage's decompression: the (H, v, C) layout's fp16 output
+        a._w16 = a._decompress_weights(torch.device("cpu"), torch.float16)
+        o = torch.zeros(1, n, a.nh, a.vd)
+        a._sdpa_decompressed(q.half(), c.half(), r.half(), None, lambda h, x: o[:, :, h].copy_(x.float()))
+        assert (o - outs[torch.float16]).abs().max().item() <= 2e-3 * o.abs().max().item()

@@ -120,14 +120,16 @@ class MLAttention:
                 # W_UK / W_UV made views of them, held once. Now, not at the first decompression:
                 # the decode graphs captured before it read W_UK / W_UV by address, and rebinding
                 # them then freed what the graphs read (NaN logits on the H100, 2026-12-07 13:23)
-                self._w16 = self._decompress_weights(dev, dt)
+                self._w16 = self._decompress_weights(dev, dt, preview.switched_on("mla_w16_vt"))
                 self.w_uk, self.w_uv = self._w16[0], self._w16[1]
 
-    def _decompress_weights(self, dev: torch.device, dt: torch.dtype) -> tuple:
+    def _decompress_weights(self, dev: torch.device, dt: torch.dtype, v_rows: bool = False) -> tuple:
         """(W_UK, W_UV, W_UV padded to q's head size, W_K or None) in ``dt`` on ``dev`` for
         _sdpa_decompressed; W_UK and W_UV views of the others. With EXL3TOOLS_MLA_K_GEMM (the
         default on CUDA) K comes from one GEMM of [c | r]: W_K (H, nope + rope, C + rope) holds
-        W_UK and an identity block from the rope key to K's rope columns, so no cat copies K."""
+        W_UK and an identity block from the rope key to K's rope columns, so no cat copies K.
+        ``v_rows`` (the mla_w16_vt preview): W_UV (padded) stored (H, C, v) and returned as its
+        transposed views, v contiguous (the absorbed product's rows as W_UK's)."""
         qk = self.nope + self.rope
         w_uv = self.w_uv.to(dev, dt)
         w_uk, w_k = self.w_uk.to(dev, dt), None
@@ -138,7 +140,12 @@ class MLAttention:
             w_k[:, self.nope:, C:] = torch.eye(self.rope, dtype=dt, device=dev)
             w_uk = w_k[:, :self.nope, :C]          # a view: W_UK is not held twice
         w_uv_pad = w_uv
-        if self.vd < qk:   # W_UV a view of the padded one: not held twice (DeepSeek-V3: 17 MB a layer)
+        if v_rows:         # (H, C, qk or v) storage, its transpose the (H, v, C) W_UV as before
+            st = w_uv.new_zeros(w_uv.shape[0], w_uv.shape[2], max(qk, self.vd))
+            st[:, :, :self.vd] = w_uv.transpose(1, 2)
+            w_uv_pad = st.transpose(1, 2)
+            w_uv = w_uv_pad[:, :self.vd]
+        elif self.vd < qk:   # W_UV a view of the padded one: not held twice (DeepSeek-V3: 17 MB a layer)
             w_uv_pad = torch.cat((w_uv, w_uv.new_zeros(w_uv.shape[0], qk - self.vd, w_uv.shape[2])), 1)
             w_uv = w_uv_pad[:, :self.vd]
         return w_uk, w_uv, w_uv_pad, w_k

@@ -105,6 +105,13 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # rows kernel since removed; the dot kernel's W_UV at 8 rows is 48.3 µs against the einsum's
     # 38.5): a preview until the several-row products hold (docs/gpu.md "What is left", item 10)
     "mla_w16": "EXL3TOOLS_MLA_W16",
+    # with mla_w16: W_UV's fp16 copy stored (heads, latent, v) -- W_UV a (heads, v, latent) view of
+    # it, v contiguous -- so the latent-to-value product reads whole rows of v as W_UK's does (at 8
+    # rows W_UK's product took 24.0 µs against W_UV's 48.3 on the H100, the same bytes; the
+    # 2026-12-07 14:47 session). The decompression reads the same storage through its transpose.
+    # Right on the CPU (tests/test_mla_absorb.py); bench/gpu_mla_absorb.py's W_UV^T rows time the
+    # layout, not yet on a GPU
+    "mla_w16_vt": "EXL3TOOLS_MLA_W16_VT",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
