@@ -6,7 +6,7 @@ floor of each (the weights' bytes at the GPU's bandwidth, measured by a device c
 
 Per shape (heads, nope, latent, v) and rows: the queries' nope part into the latent (W_UK) and the
 latent output back to the value heads (W_UV, read transposed; and W_UV^T, the same product with the
-weights stored (heads, latent, v), a layout the runtime does not hold), each timed as CUDA-graph replays
+weights stored (heads, latent, v), the EXL3TOOLS_MLA_W16_VT preview's layout), each timed as CUDA-graph replays
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
@@ -69,7 +69,7 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
             t = bench_graph(lambda cfg=cfg, prec=prec: mla_absorb.absorb(x, w16, tr, tile=cfg, precision=prec))
             out.append(dict(shape=name, product=prod, rows=T, tile=list(cfg), precision=prec, us=t, max_rel_err=err))
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
-    dflt = list(mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # (w16 contiguous: tr = k's)
+    dflt = list(mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # contiguous w16: tr = k's
     dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == mla_absorb.DOT_PRECISION), None)
     names = ("BM", "BK", "warps", "splits")
     for r in out[:3] + ([dflt] if dflt and dflt not in out[:3] else []):
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             q = torch.randn(T, H, N + 64, device="cuda", generator=g)[..., :N]
             o = torch.randn(T, H, C, device="cuda", generator=g)
             # W_UV^T: W_UV stored (H, C, V), so its product reads m-contiguous rows as W_UK's does
-            # (a layout the runtime does not hold: whether storing it so would pay at 2-16 rows)
+            # (the mla_w16_vt preview's layout: whether holding it so pays at 2-16 rows)
             for prod, x, w16, tr in (("W_UK", q, w_uk, False), ("W_UV", o, w_uv, True),
                                      ("W_UV^T", o, w_uv_t, False)):
                 w32 = w16.float()
