@@ -128,10 +128,9 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
             a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=bk, BM=bm, num_warps=warps)
     elif T and M:
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
-        bm, bk, warps, splits = (BM, BK, 4, 1) if T <= SMALL_ROWS else (BM, BK, 8, 1)
-        if tile and T <= SMALL_ROWS:
-            bm, bk, warps, splits = (*tile, 1)[:4]
-        bt = SMALL_ROWS if T <= SMALL_ROWS else 64
+        small = T <= SMALL_ROWS
+        bm, bk, warps, splits = (*tile, 1)[:4] if tile and small else (BM, BK, 4 if small else 8, 1)
+        bt = SMALL_ROWS if small else 64
         ks = triton.cdiv(triton.cdiv(K, splits), bk) * bk if splits > 1 else 0
         dst = out if not ks else torch.empty(triton.cdiv(K, ks), T, H, M, dtype=torch.float32, device=a.device)
         _absorb_kernel[(H, triton.cdiv(M, bm), triton.cdiv(K, ks) if ks else triton.cdiv(T, bt))](
