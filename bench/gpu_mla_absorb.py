@@ -2,7 +2,7 @@
 through kernels/mla_absorb.py (the mla_w16 preview), side by side in one run, beside the memory
 floor of each (the weights' bytes at the GPU's bandwidth, measured by a device copy here).
 
-    python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep [--sweep-rows 8]] [--json OUT.json]
+    python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep [--sweep-rows 8] [--sweep-products W_UV,W_UV^T]] [--json OUT.json]
 
 Per shape (heads, nope, latent, v) and rows: the queries' nope part into the latent (W_UK) and the
 latent output back to the value heads (W_UV, read transposed; and W_UV^T, the same product with the
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,8,32,2048")
     ap.add_argument("--sweep", action="store_true", help="time the kernels' tiles at --sweep-rows (sweep_tiles)")
     ap.add_argument("--sweep-rows", default="8", help="rows to sweep at (1: the row kernel; 2-16: the dot kernel)")
+    ap.add_argument("--sweep-products", default="W_UK,W_UV,W_UV^T",
+                    help="the products to sweep (at 8 rows each is ~36 compiles and timings)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"| {'-' if ttf is None else f'{ttf:.1f} ({etf:.1e})'} |", flush=True)
                 rows_out.append(dict(shape=name, rows=T, product=prod, fp32_us=t32, fp16_us=t16, floor_us=floor,
                                      max_rel_err=err, dot_us=tdot, tf32x3_us=ttf, tf32x3_err=etf))
-                if T in sweep_rows and name == a.shapes.split(",")[0]:   # the first shape's
+                if T in sweep_rows and name == a.shapes.split(",")[0] and prod in a.sweep_products.split(","):
                     swept += sweep(name, prod, x, w16, tr, want, floor)
     if a.json:
         a.json.write_text(json.dumps({"copy_gbs": gbs, "rows": rows_out, "sweep": swept}, indent=1))
