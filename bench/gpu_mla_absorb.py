@@ -13,7 +13,9 @@ layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 
 ``--sweep``: the first shape's rows of ``--sweep-rows`` (default 8: the dot kernel's tiles
 (BM, BK, warps, k splits), each in IEEE float32 and tf32x3; 1: the row kernel's (BM, BK, warps),
 swept in the 2026-12-07 14:47 session) at every tile of sweep_tiles, each checked, the fastest
-three of each product printed beside the default's. The floor is one read of the fp16 weights at
+three of each product printed beside the default's; at several rows the sweep also tries the row
+kernel a program per row (``row``: each row's programs read their b block, from L2 after the first
+row's), and the table has its time at 2-16 rows. The floor is one read of the fp16 weights at
 the rate of a device copy's traffic (read + write bytes over its time).
 """
 
@@ -62,17 +64,25 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     """The row (dot) kernel's tiles at x's rows, fastest first (a tile whose result is off is
     reported, not ranked)."""
     T, out = x.shape[0], []
-    for cfg in sweep_tiles(T, tr):
-        for prec in ("ieee",) if T == 1 else ("ieee", "tf32x3"):
-            got = mla_absorb.absorb(x, w16, tr, tile=cfg, precision=prec)
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            t = bench_graph(lambda cfg=cfg, prec=prec: mla_absorb.absorb(x, w16, tr, tile=cfg, precision=prec))
-            out.append(dict(shape=name, product=prod, rows=T, tile=list(cfg), precision=prec, us=t, max_rel_err=err))
+    # several rows: the dot kernel's tiles in both precisions, and the row kernel's a program per row
+    # ("row": each row's programs re-read their b block, from L2 after the first)
+    tries = [(cfg, prec) for cfg in sweep_tiles(T, tr) for prec in (("ieee",) if T == 1 else ("ieee", "tf32x3"))]
+    tries += [(cfg, "row") for cfg in sweep_tiles(1, tr)] if T > 1 else []
+    for cfg, prec in tries:
+        kw = dict(tile=cfg, row_rows=T) if prec == "row" else dict(tile=cfg, precision=prec)
+        got = mla_absorb.absorb(x, w16, tr, **kw)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        t = bench_graph(lambda kw=kw: mla_absorb.absorb(x, w16, tr, **kw))
+        out.append(dict(shape=name, product=prod, rows=T, tile=list(cfg), precision=prec, us=t, max_rel_err=err))
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
-    dflt = list(mla_absorb.ROW_TILE[tr] if T == 1 else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # contiguous w16: tr = k's
-    dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == mla_absorb.DOT_PRECISION), None)
+    row = T <= mla_absorb.ROW_KERNEL_ROWS               # the default's kernel at these rows
+    dflt = list(mla_absorb.ROW_TILE[tr] if row else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # contiguous w16: tr = k's
+    dprec = ("ieee" if T == 1 else "row") if row else mla_absorb.DOT_PRECISION
+    dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == dprec), None)
     names = ("BM", "BK", "warps", "splits")
-    for r in out[:3] + ([dflt] if dflt and dflt not in out[:3] else []):
+    best = out[:3] + ([next((r for r in out if r["precision"] == "row"), None)] if T > 1 else [])
+    best = [r for i, r in enumerate(best) if r is not None and r not in best[:i]]
+    for r in best + ([dflt] if dflt and dflt not in best else []):
         tile = " ".join(f"{n} {v}" for n, v in zip(names, r["tile"], strict=False))
         tile += "" if T == 1 else f" {r['precision']}"
         print(f"sweep {name} {prod} rows {T} {tile}: {r['us']:.1f} µs "
@@ -96,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     gbs = copy_gbs()
     print(f"{torch.cuda.get_device_name()}: device copy {gbs:.0f} GB/s")
     print("| shape | rows | product | fp32 einsum µs | fp16 absorb µs | fp32 / fp16 | fp16 floor µs | max rel err "
-          "| one row through the dot kernel µs | the dot in tf32x3 µs (max rel err) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| one row through the dot kernel µs | the dot in tf32x3 µs (max rel err) | 2-16 rows: the row kernel µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows_out, swept = [], []
     sweep_rows = {int(r) for r in a.sweep_rows.split(",")} if a.sweep else set()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -123,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                 # one row: the row kernel (the default) against the 16-row dot kernel it replaced
                 tdot = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr, row_kernel=False)) \
                     if T == 1 else None
+                # 2-16 rows: the row kernel, a program per row (its b blocks re-read through L2)
+                trow = bench_graph(lambda x=x, w16=w16, tr=tr, T=T: mla_absorb.absorb(x, w16, tr, row_rows=T)) \
+                    if 1 < T <= 16 else None
                 # several rows: the dot on tensor cores (tf32x3) beside the default's IEEE float32
                 ttf = etf = None
                 if T > 1:
@@ -131,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
                     etf = ((got - want).abs().max() / want.abs().max()).item()
                 print(f"| {name} | {T} | {prod} | {t32:.1f} | {t16:.1f} | {t32 / t16:.2f}x | {floor:.1f} | {err:.1e} "
                       f"| {'-' if tdot is None else f'{tdot:.1f}'} "
-                      f"| {'-' if ttf is None else f'{ttf:.1f} ({etf:.1e})'} |", flush=True)
+                      f"| {'-' if ttf is None else f'{ttf:.1f} ({etf:.1e})'} "
+                      f"| {'-' if trow is None else f'{trow:.1f}'} |", flush=True)
                 rows_out.append(dict(shape=name, rows=T, product=prod, fp32_us=t32, fp16_us=t16, floor_us=floor,
-                                     max_rel_err=err, dot_us=tdot, tf32x3_us=ttf, tf32x3_err=etf))
+                                     max_rel_err=err, dot_us=tdot, tf32x3_us=ttf, tf32x3_err=etf, row_us=trow))
                 if T in sweep_rows and name == a.shapes.split(",")[0] and prod in a.sweep_products.split(","):
                     swept += sweep(name, prod, x, w16, tr, want, floor)
     if a.json:

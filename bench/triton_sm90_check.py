@@ -192,6 +192,9 @@ def absorb() -> None:
         for T in (1, 8):
             mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, 512, V, dtype=torch.float16).transpose(1, 2),
                       transpose=True)
+        # the row kernel at decode rows (a program per row; bench/gpu_mla_absorb.py --sweep)
+        mb.absorb(torch.zeros(8, H, N), torch.zeros(H, N, 512, dtype=torch.float16), row_rows=16)
+        mb.absorb(torch.zeros(8, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True, row_rows=16)
 
 
 def main(argv: list[str]) -> int:

@@ -38,6 +38,10 @@ SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larg
 # W_UK 13.2 µs against the einsum's 18.7 and the 32 x 64 tile's 16.5, W_UV 13.6 against 22.8 / 18.2.
 # Keyed by whether b's k is its contiguous side (W_UV with the mla_w16_vt preview has m's)
 ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
+# the most rows the row kernel takes, a program per row and (head, m block), the rows of one block
+# adjacent so its b block is read from memory once and from L2 by the others (bench/gpu_mla_absorb.py
+# --sweep times it against the dot kernel at --sweep-rows: not yet on a GPU, so one row alone)
+ROW_KERNEL_ROWS = 1
 # the dot kernel's products: IEEE float32 (FMA; 104-194 registers a thread at a 16-row block on 4
 # warps, sm_90). "tf32x3" would run them on tensor cores as a_hi * b + a_lo * b (+ a_hi * b_lo,
 # zero here: an fp16 weight is exact in tf32), the float32 activations split in two tf32 parts,
@@ -81,10 +85,15 @@ if triton is not None:
         tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
 
     @triton.jit
-    def _absorb_row_kernel(a_ptr, b_ptr, o_ptr, K, M, sa_h, sa_k, sb_h, sb_k, sb_m, so_h,
+    def _absorb_row_kernel(a_ptr, b_ptr, o_ptr, K, M, sa_t, sa_h, sa_k, sb_h, sb_k, sb_m, so_t, so_h,
                            BK: tl.constexpr, BM: tl.constexpr):
-        h = tl.program_id(0).to(tl.int64)
-        m = tl.program_id(1) * BM + tl.arange(0, BM)
+        # program axis 0 the row: a row's programs for one (head, m block) are adjacent in the
+        # launch order, so the b block the first reads from memory the others find in L2
+        t = tl.program_id(0).to(tl.int64)
+        a_ptr += t * sa_t
+        o_ptr += t * so_t
+        h = tl.program_id(1).to(tl.int64)
+        m = tl.program_id(2) * BM + tl.arange(0, BM)
         mm = m < M
         acc = tl.zeros((BM,), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -110,7 +119,8 @@ def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, i
 
 
 def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True,
-           tile: tuple[int, ...] | None = None, precision: str = DOT_PRECISION) -> torch.Tensor:
+           tile: tuple[int, ...] | None = None, precision: str = DOT_PRECISION,
+           row_rows: int | None = None) -> torch.Tensor:
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
@@ -118,14 +128,15 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
     than ROW_TILE's (by b's contiguous side), or the dot kernel's for up to SMALL_ROWS rows,
     (BM, BK, warps[, splits]) other than (BM, BK, 4, 1): with splits > 1 each program sums a 1/splits of k into a plane of
     partials, which one torch.sum adds (deterministic) (bench/gpu_mla_absorb.py sweeps these).
-    ``precision``: the dot kernel's ``tl.dot`` input precision (DOT_PRECISION)."""
+    ``precision``: the dot kernel's ``tl.dot`` input precision (DOT_PRECISION). ``row_rows``: the
+    most rows the row kernel takes (a program per row; ROW_KERNEL_ROWS), the dot kernel above."""
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
-    if T == 1 and M and row_kernel:
+    if T and M and row_kernel and T <= (ROW_KERNEL_ROWS if row_rows is None else row_rows):
         bm, bk, warps = tile or ROW_TILE[sb[1] == 1]
-        _absorb_row_kernel[(H, triton.cdiv(M, bm))](
-            a, w, out, K, M, a.stride(1), a.stride(2), *sb, out.stride(1), BK=bk, BM=bm, num_warps=warps)
+        _absorb_row_kernel[(T, H, triton.cdiv(M, bm))](
+            a, w, out, K, M, *a.stride(), *sb, out.stride(0), out.stride(1), BK=bk, BM=bm, num_warps=warps)
     elif T and M:
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
         small = T <= SMALL_ROWS

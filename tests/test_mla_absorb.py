@@ -44,6 +44,27 @@ def test_absorb_equals_the_widened_einsum(T, H, K, M, transpose):
         mla_absorb.absorb(a, w, not transpose)                        # k of the other layout
 
 
+@pytest.mark.parametrize("transpose", [False, True, "m"])
+def test_the_row_kernel_a_program_per_row_equals_the_widened_einsum(transpose):
+    """The row kernel at several rows (``row_rows``: a program per row, bench/gpu_mla_absorb.py
+    --sweep's "row"): each row's sums over strided rows and both layouts as the einsum's."""
+    _interpret()
+    from exl3tools.kernels import mla_absorb
+
+    g = torch.Generator().manual_seed(5)
+    T, H, K, M = 5, 3, 70, 33
+    if transpose == "m":
+        w = torch.randn(H, K, M, generator=g).half().transpose(1, 2)      # (H, M, K), m stride 1
+    else:
+        w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
+    a = torch.randn(T, H, K + 16, generator=g)[..., 8:K + 8]
+    tr = bool(transpose)
+    got, want = mla_absorb.absorb(a, w, tr, row_rows=8), mla_absorb.absorb_reference(a, w, tr)
+    assert got.shape == want.shape == (T, H, M)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert torch.equal(got[2:3], mla_absorb.absorb(a[2:3], w, tr))      # a row's sums whatever the rows beside it
+
+
 @pytest.mark.parametrize(("T", "K", "tile"), [
     (8, 96, (64, 32, 4, 2)),      # k in two splits of 48 -> 64: the second split's k past K masked
     (5, 70, (32, 16, 4, 4)),      # ragged k: four splits of 32 (the last 6 wide)
