@@ -19,7 +19,11 @@ torch (the weights widened, one einsum).
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from exl3tools.errors import UsageError
 
 try:
     import triton
@@ -38,10 +42,22 @@ SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larg
 # W_UK 13.2 µs against the einsum's 18.7 and the 32 x 64 tile's 16.5, W_UV 13.6 against 22.8 / 18.2.
 # Keyed by whether b's k is its contiguous side (W_UV with the mla_w16_vt preview has m's)
 ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
+
+
+def _row_rows(value: str | None) -> int:
+    """EXL3TOOLS_MLA_ABSORB_ROWS (a diagnostic, to serve the row kernel at several rows beside the
+    dot kernel): 1-16; unset: 1. A bad value is a UsageError naming the variable."""
+    if not value:
+        return 1
+    if not value.isdigit() or not 1 <= int(value) <= SMALL_ROWS:
+        raise UsageError(f"EXL3TOOLS_MLA_ABSORB_ROWS={value!r}: expected a whole number from 1 to {SMALL_ROWS}")
+    return int(value)
+
+
 # the most rows the row kernel takes, a program per row and (head, m block), the rows of one block
 # adjacent so its b block is read from memory once and from L2 by the others (bench/gpu_mla_absorb.py
 # --sweep times it against the dot kernel at --sweep-rows: not yet on a GPU, so one row alone)
-ROW_KERNEL_ROWS = 1
+ROW_KERNEL_ROWS = _row_rows(os.environ.get("EXL3TOOLS_MLA_ABSORB_ROWS"))
 # the dot kernel's products: IEEE float32 (FMA; 104-194 registers a thread at a 16-row block on 4
 # warps, sm_90). "tf32x3" would run them on tensor cores as a_hi * b + a_lo * b (+ a_hi * b_lo,
 # zero here: an fp16 weight is exact in tf32), the float32 activations split in two tf32 parts,
