@@ -88,7 +88,9 @@ def test_absorb_in_k_splits_equals_the_widened_einsum(T, K, tile, transpose):
     assert (got - mla_absorb.absorb(a, w, transpose, tile=tile)).abs().max().item() == 0   # deterministic
 
 
-@pytest.mark.parametrize(("name", "v_rows"), [("deepseek_v3-3.0bpw-3inst", False), ("glm5_moe_dsa-3.0bpw-mul1", False),
+# (deepseek_v3 with v_rows False: the same absorbed() calls in that layout as GLM-5's case, which runs
+# MLA's dense path too (its prompts of <= index_topk tokens); dense decode in fp16: the True case)
+@pytest.mark.parametrize(("name", "v_rows"), [("glm5_moe_dsa-3.0bpw-mul1", False),
                                              ("deepseek_v3-3.0bpw-3inst", True)])   # mla_w16_vt: V padded, rows of v
 def test_fp16_absorption_gives_the_float32_logits(name, v_rows, monkeypatch):
     """Prompts (the eager path's absorbed queries and outputs), then decode steps through the
