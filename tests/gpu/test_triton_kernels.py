@@ -42,6 +42,9 @@ def test_linear_matches_reference(dev, width, cb, rows):
         pytest.skip("interpreter: one of rows 1 and 7 per case, alternating")
     rng = np.random.default_rng(width + rows)
     k, n = (384, 256) if rows != 40 else (256, 384)   # k not a multiple of 256: masked last step
+    if dev == "cpu":   # the interpreter at half the columns (42 s -> 23 s): still two column programs (TN=4),
+        # k's masked split and three 128-wide Hadamard blocks (suh's side)
+        n = 128
     tr, suh, svh, b = _lin(rng, k, n, width, bias=rows % 2 == 1)
     x = rng.normal(0, 1, (rows, k)).astype(np.float16)
     w = ref.decode_linear(tr, suh, svh, cb).astype(np.float64)
