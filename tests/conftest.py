@@ -203,6 +203,33 @@ def cuda_available() -> bool:
 gpu = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
 
 
+# `make test` runs `-n 2 --dist loadfile`: a worker that runs dry takes the next whole file, and xdist
+# queues the files by their count of tests (--loadscope-reorder, on by default), so files of a few
+# tests that run for a minute (TP ranks, servers, nvcc, the interpreter) came last and one worker ran
+# ~30 s past the other. These go first instead, longest first (CPU suite, 2 cores, 2026-12-07); a
+# file not listed keeps its place after them, so a stale entry costs balance, never a test.
+SLOW_FILES_FIRST = (
+    "tests/test_serve_speculative_tp.py", "tests/test_serve_speculative.py", "tests/test_long_steps.py",
+    "tests/test_cuda_bit_logic.py", "tests/test_fused_decode.py", "tests/test_mla_static_decode.py",
+    "tests/test_server_cli.py", "tests/test_runtime_mla_tp.py", "tests/test_runtime_tp.py",
+    "tests/gpu/test_mla_attention.py", "tests/gpu/test_triton_kernels.py", "tests/test_mla_absorb.py",
+    "tests/test_fused_eager.py", "tests/test_serve_mla_exact.py", "tests/test_runtime_mla.py",
+    "tests/test_wheel_install.py", "tests/test_hub_slice.py", "tests/gpu/test_fused_decode_gpu.py",
+)
+
+
+def pytest_configure(config) -> None:
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False     # keep the order below (the controller schedules)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """SLOW_FILES_FIRST's files first, in its order; the rest as collected (a stable sort: each file's
+    tests stay together and in their own order)."""
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 _REPORT_LOG = os.environ.get("EXL3TOOLS_TEST_LOG")
 
 
