@@ -1,6 +1,6 @@
 """Served logprobs of the MLA models equal the plain CPU runtime's (issue 14's exactness): DeepSeek-V3
 (MLA) and GLM-5 (MLA + DSA, prompts past its index_topk so the sparse selection is on) at TP 1, and
-the GLM-5 -tp fixture at TP 2 (gloo, CPU processes; eager and the fixed-shape step) against the same checkpoint at TP 1. A real
+the GLM-5 -tp fixture at TP 2 (gloo, CPU processes; the fixed-shape step) against the same checkpoint at TP 1. A real
 server on 127.0.0.1, the openai client, two streams decoding together; the reference is
 teacher-forced over the served tokens (tests/test_serve_paged_exact.py does the GQA fixtures)."""
 
@@ -26,7 +26,9 @@ PROMPTS = [list(range(3, 43)), [1] + list(range(500, 545))]     # 40 and 46 toke
 
 @pytest.mark.parametrize("name,tp,graphs", [("deepseek_v3-3.0bpw-3inst", 1, None), ("deepseek_v3-3.0bpw-3inst", 1, "force"),
                                             ("glm5_moe_dsa-3.0bpw-mul1", 1, None), ("glm5_moe_dsa-3.0bpw-mul1", 1, "force"),
-                                            ("glm5_moe_dsa-tp-4.0bpw-mcg", 2, None),
+                                            # TP 2 served through the fixed-shape step; the eager MLA/DSA
+                                            # forward at TP 2 against TP 1 (logits, p64 past index_topk):
+                                            # test_runtime_mla_tp.py::test_tp2_rank_slice_equals_tp1_with_mtp
                                             pytest.param("glm5_moe_dsa-tp-4.0bpw-mcg", 2, "force", marks=pytest.mark.slow),
                                             ("glm5_moe_dsa-3.0bpw-mul1", 1, "fused")])
 def test_served_mla_logprobs_equal_the_reference(name, tp, graphs, monkeypatch):
