@@ -237,14 +237,14 @@ def test_kv_budget_profile_warms_the_eager_long_step_beside_the_graphs(monkeypat
     monkeypatch.setenv("EXL3TOOLS_LONG_STEPS", "1")
     monkeypatch.setenv("EXL3TOOLS_LONG_GRAPHS", "1")
     monkeypatch.delenv("EXL3TOOLS_FUSED_EAGER", raising=False)
-    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (32,))
+    monkeypatch.setattr(P, "LONG_GRAPH_ROWS", (16,))     # (a bucket of 32 and 32 + 31 rows: twice the interpreter's time)
     long, padded = [], []
     real_long, real_pad = P.LongSteps.long_step, P.LongSteps._long_padded
     monkeypatch.setattr(P.LongSteps, "long_step", lambda self, *a: long.append(len(a[0])) or real_long(self, *a))
     monkeypatch.setattr(P.LongSteps, "_long_padded",
                         lambda self, R, *a: padded.append((R, len(a[0]))) or real_pad(self, R, *a))
-    rank_state.profile_forward(_model("qwen3_moe-2.5bpw-mul1"), 32, warm=True)
-    assert long == [32, 31] and padded == [(32, 32)]
+    rank_state.profile_forward(_model("qwen3_moe-2.5bpw-mul1"), 16, warm=True)
+    assert long == [16, 15] and padded == [(16, 16)]
 
 
 def test_kv_budget_profile_builds_no_decoder_for_an_mla_model(monkeypatch):
