@@ -62,9 +62,25 @@ def test_tp2_rank_slice_equals_tp1_with_mtp(tmp_path, monkeypatch):
         assert mine and all(f.startswith(os.path.join(root, f"rank-{rank}-of-2") + os.sep) for f in mine)
 
 
+def _static_rows(runner, g) -> torch.Tensor:
+    """Three decode rows through the fixed-shape step after the 64-token prompt (DSA selection on)."""
+    runner.add_sequence("s")
+    runner.step([("s", g["prompt_p64"].tolist())])
+    return torch.stack([runner.step([("s", [t])])[0] for t in g["exl3_greedy_p16"][:3].tolist()])
+
+
+@pytest.fixture(scope="module")
+def static_tp1():
+    """TP 1's torch loop (no fused glue), read by both --moe cases: (goldens, rows)."""
+    src = fixture_dir(NAME)
+    g = load_file(str(src / "goldens_logits.safetensors"))
+    with load_runner(src / "model", decode="static") as r:
+        return g, _static_rows(r, g)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moe", ["tp", "ep"])
-def test_tp2_moe_through_the_fused_step_equals_tp1(tmp_path, monkeypatch, moe):
+def test_tp2_moe_through_the_fused_step_equals_tp1(tmp_path, monkeypatch, moe, static_tp1):
     """``--moe tp`` (every rank a slice of every expert) and ``--moe ep`` (whole experts, half
     here) with the fused decode step on both ranks (the interpreter): the reduced MoE through the
     routing kernel, grouped experts and their sum before the all-reduce (fused_step._moe_reduced)
@@ -73,18 +89,10 @@ def test_tp2_moe_through_the_fused_step_equals_tp1(tmp_path, monkeypatch, moe):
 
     if not fk.INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1 (make test sets it) to run Triton on the CPU")
-    src = fixture_dir(NAME)
-    g = load_file(str(src / "goldens_logits.safetensors"))
-    ck = Checkpoint.open(src / "model")
+    g, want = static_tp1
+    ck = Checkpoint.open(fixture_dir(NAME) / "model")
     dst = tmp_path / "tp2"
     write_rank_shards(ck, plan_rank_slices(ck, 2, moe), dst)
-
-    def rows(runner):
-        runner.add_sequence("s")
-        runner.step([("s", g["prompt_p64"].tolist())])
-        return torch.stack([runner.step([("s", [t])])[0] for t in g["exl3_greedy_p16"][:3].tolist()])
-    with load_runner(src / "model", decode="static") as r:
-        want = rows(r)
     from exl3tools.runtime import fused_step
 
     calls, real = [], fused_step.FusedGqaStep._moe_reduced        # rank 0 runs in this process
@@ -93,6 +101,6 @@ def test_tp2_moe_through_the_fused_step_equals_tp1(tmp_path, monkeypatch, moe):
     monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
     with load_runner(dst, tp=2, decode="static") as r:
         assert r.paged.decoder._fused is not None and r.paged.decoder._fused.mla
-        got = rows(r)
+        got = _static_rows(r, g)
     assert calls, "rank 0's MoE did not take the fused reduced path"
     assert (got - want).abs().max().item() < TP_ATOL, (got - want).abs().max().item()
