@@ -4,6 +4,8 @@ other worker (the two files together were the suite's longest, ~120 s on one wor
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import pytest
 
 from exl3tools.runtime import sampling
@@ -31,6 +33,18 @@ def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
     assert got["1"] == got["0"]
 
 
+@lru_cache(maxsize=None)
+def _tp1_greedy(path: str, prompt: tuple[int, ...]) -> list[int]:
+    """16 greedy tokens at TP 1 (the eager and static GLM-5 cases read the same ones)."""
+    with load_runner(path, max_cache_tokens=256, block_size=4) as r:
+        r.add_sequence(0)
+        want, new = [], list(prompt)
+        for _ in range(16):
+            want.append(int(r.step([(0, new)])[0].argmax()))
+            new = [want[-1]]
+    return want
+
+
 @pytest.mark.parametrize("name,paged_head,decode,moe", [("glm5_moe_dsa-tp-4.0bpw-mcg", "1", "eager", "tp"),
                                                          ("glm5_moe_dsa-tp-4.0bpw-mcg", "1", "static", "tp"),
                                                          (DSV3_MTP, "1", "static", "ep")])
@@ -44,12 +58,7 @@ def test_tp2_drafts_in_lockstep_and_stay_greedy(name, paged_head, decode, moe, r
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", paged_head)
     path = model_dir(name, request)
     prompt = PROMPT[:24]
-    with load_runner(path, max_cache_tokens=256, block_size=4) as r:
-        r.add_sequence(0)
-        want, new = [], prompt
-        for _ in range(16):
-            want.append(int(r.step([(0, new)])[0].argmax()))
-            new = [want[-1]]
+    want = _tp1_greedy(str(path), tuple(prompt))
     with load_runner(path, tp=2, max_cache_tokens=256, block_size=4, speculative_tokens=2, decode=decode,
                      moe=moe) as r:
         r.add_sequence(0, prompt)
