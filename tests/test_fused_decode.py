@@ -47,12 +47,24 @@ def test_fused_static_decode_matches_plain_cache(name, monkeypatch):
         calls.append(shared)
         return out
     monkeypatch.setattr(fk, "route", checked)
+    from exl3tools.kernels import expert_groups as eg
+
+    groups, real_groups = [], eg.group_pairs
+    monkeypatch.setattr(eg, "group_pairs", lambda exp, P, *a: groups.append((exp.shape[0], P)) or real_groups(exp, P, *a))
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
+    monkeypatch.delenv("EXL3TOOLS_EXPERT_GROUPS", raising=False)     # the default: on
     r = _paged(name, "static")
-    assert r.paged.decoder._fused is not None
+    assert r.paged.decoder._fused is not None and r.paged.decoder._fused.expert_groups
     _matches_plain_cache(name, r, name)
     # the MoE layers routed through the kernel; glm4_moe's shared expert inside the grouped calls
     assert set(calls) == {"llama-4.0bpw-mul1": set(), "qwen3_moe-2.5bpw-mul1": {False}}.get(name, {True})
+    # steps of 2+ tokens run their MoE pairs in one tile per expert (kernels/expert_groups.py): top_k
+    # pairs a token, glm4_moe's shared expert one more among them (the opt-out: test_expert_groups_opt_out)
+    if name == "llama-4.0bpw-mul1":
+        assert not groups
+    else:
+        assert groups and all(S > P for S, P in groups)
+        assert {P for _, P in groups} == {_model(name).layers[-1].mlp.top_k + name.startswith("glm4_moe")}
 
 
 @pytest.mark.parametrize("variant", ["shared-apart", "tiles"])
@@ -83,34 +95,23 @@ def test_fused_moe_variants_match_plain_cache(variant, monkeypatch):
     assert all(v is None for v in r.paged.decoder._fused._shared.values())
 
 
-@pytest.mark.parametrize("groups", ["1", "0"])
 @pytest.mark.parametrize("name", ["glm4_moe-3.0bpw-mcg", "qwen3_moe-2.5bpw-mul1"])
-def test_expert_groups_match_plain_cache(name, groups, monkeypatch):
-    """Steps of 2+ tokens run their MoE pairs in one tile per expert (kernels/expert_groups.py,
-    the default; glm4_moe's shared expert among them, qwen3_moe without one) and residual_rmsnorm
-    reads each pair's row from the tiles; or, EXL3TOOLS_EXPERT_GROUPS=0, one row per pair: the
-    plain cache's logits either way."""
+def test_expert_groups_opt_out(name, monkeypatch):
+    """EXL3TOOLS_EXPERT_GROUPS=0: steps of 2+ tokens run one row per MoE pair, never the expert
+    groups (the default: test_fused_static_decode_matches_plain_cache, glm4_moe's shared expert among
+    the pairs, qwen3_moe without one); the plain cache's logits."""
     _interpret()
     from exl3tools.kernels import expert_groups as eg
 
     calls = []
     real = eg.group_pairs
-
-    def logged(exp, P, NE, *a):
-        calls.append((exp.shape[0], P, NE))
-        return real(exp, P, NE, *a)
-    monkeypatch.setattr(eg, "group_pairs", logged)
+    monkeypatch.setattr(eg, "group_pairs", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
-    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", groups)
+    monkeypatch.setenv("EXL3TOOLS_EXPERT_GROUPS", "0")
     r = _paged(name, "static")
-    assert r.paged.decoder._fused.expert_groups == (groups == "1")
+    assert not r.paged.decoder._fused.expert_groups
     _matches_plain_cache(name, r, name)
-    if groups == "1":
-        assert calls and all(S > P for S, P, _ in calls)         # only steps of 2+ tokens
-        shared = name.startswith("glm4_moe")
-        assert {P for _, P, _ in calls} == {_model(name).layers[-1].mlp.top_k + shared}
-    else:
-        assert not calls
+    assert not calls
 
 
 @pytest.mark.parametrize("wide", ["1", "0"])
