@@ -167,7 +167,7 @@ def serve_cmd(path: str | None, tp: int, moe: str, host: str, port: int, api_key
             raise UsageError(f"EXL3TOOLS_SWITCH_INTERVAL_MS must be a positive number of ms, got {interval!r}") from None
     if os.environ.get("EXL3TOOLS_MLA_TILE"):     # parsed at import: a bad value is one line, exit 2
         import exl3tools.kernels.mla_attention  # noqa: F401
-    if os.environ.get("EXL3TOOLS_MLA_ABSORB_ROWS"):
+    if os.environ.get("EXL3TOOLS_MLA_ABSORB_DOT"):
         import exl3tools.kernels.mla_absorb  # noqa: F401
     if max_cache_tokens is not None and max_cache_tokens < 1:
         raise UsageError("--max-cache-tokens must be at least 1")

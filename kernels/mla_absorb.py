@@ -44,31 +44,41 @@ SMALL_ROWS = 16        # row block of up to this many rows (a decode step); larg
 ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
 
 
-def _row_rows(value: str | None) -> int:
-    """EXL3TOOLS_MLA_ABSORB_ROWS (a diagnostic, to serve the row kernel at several rows beside the
-    dot kernel): 1-16; unset: 1. A bad value is a UsageError naming the variable."""
+# the most rows the row kernel takes (a program per row and (head, m block), the rows of one block
+# adjacent so its b block comes from L2 after the first row's): one. At DeepSeek-V3's shape on the
+# H100 (the 2026-12-07 17:29 session) it took 20.8 / 23.3 / 21.4 µs at 8 rows (W_UK / W_UV /
+# W_UV^T) and 30.0 / 36.1 / 29.3 at 16, behind the dot kernel in tf32x3 (16.6 / 19.9 / 18.5 and
+# 17.0 / 20.8 / 19.4); ``row_rows`` keeps it for bench/gpu_mla_absorb.py
+ROW_KERNEL_ROWS = 1
+
+
+def _dot_precision(value: str | None) -> str:
+    """EXL3TOOLS_MLA_ABSORB_DOT (a diagnostic, so a served A/B can time the dot kernel's precision
+    as EXL3TOOLS_MLA_TILE does the MLA kernel's tiles): ieee or tf32x3; unset: ieee. A bad value is
+    a UsageError naming the variable."""
     if not value:
-        return 1
-    if not value.isdigit() or not 1 <= int(value) <= SMALL_ROWS:
-        raise UsageError(f"EXL3TOOLS_MLA_ABSORB_ROWS={value!r}: expected a whole number from 1 to {SMALL_ROWS}")
-    return int(value)
+        return "ieee"
+    if value not in ("ieee", "tf32x3"):
+        raise UsageError(f"EXL3TOOLS_MLA_ABSORB_DOT={value!r}: expected ieee or tf32x3")
+    return value
 
 
-# the most rows the row kernel takes, a program per row and (head, m block), the rows of one block
-# adjacent so its b block is read from memory once and from L2 by the others (bench/gpu_mla_absorb.py
-# --sweep times it against the dot kernel at --sweep-rows: not yet on a GPU, so one row alone)
-ROW_KERNEL_ROWS = _row_rows(os.environ.get("EXL3TOOLS_MLA_ABSORB_ROWS"))
 # the dot kernel's products: IEEE float32 (FMA; 104-194 registers a thread at a 16-row block on 4
-# warps, sm_90). "tf32x3" would run them on tensor cores as a_hi * b + a_lo * b (+ a_hi * b_lo,
-# zero here: an fp16 weight is exact in tf32), the float32 activations split in two tf32 parts,
-# their products exact in the float32 sums: within ~1e-6 of the einsum, not only its order.
-# bench/gpu_mla_absorb.py times both (not yet on a GPU)
-DOT_PRECISION = "ieee"
+# warps, sm_90), or "tf32x3" on tensor cores as a_hi * b + a_lo * b (+ a_hi * b_lo, zero here: an
+# fp16 weight is exact in tf32), the float32 activations split in two tf32 parts: within ~1e-6 of
+# the einsum. H100, DeepSeek-V3's shape (the 2026-12-07 17:29 session, bench/gpu_mla_absorb.py):
+# tf32x3 at 8 rows W_UK 16.6 µs against IEEE's 23.9, W_UV 19.9 against 47.9, W_UV^T (mla_w16_vt)
+# 18.5 against 20.7 (the float32 einsums 32.4 / 38.1 / 35.9), max error 2.6e-7 / 2.6e-7 / 8.7e-7
+# of the largest value (IEEE: 4.3e-7 / 7.8e-7 / 0); at 16 rows 17.0 / 20.8 / 19.4. Not yet served:
+# IEEE stays until a served A/B (EXL3TOOLS_MLA_ABSORB_DOT=tf32x3) holds
+DOT_PRECISION = _dot_precision(os.environ.get("EXL3TOOLS_MLA_ABSORB_DOT"))
 # 2-16 rows (decode steps of several streams) stay on the dot kernel: an FMA kernel with a
 # (rows, BM) accumulator took 52-56 µs at 8 rows there against its 24.0 (W_UK) / 48.3 (W_UV)
 # (H100, the 2026-12-07 14:47 session, call 4; removed). W_UV's 48.3 against the einsum's 38.5
-# is the 8-stream step's loss (256 programs at DeepSeek-V3's shape, 16 k-steps each, against W_UK's
-# 1024 x 4); ``tile`` lets bench/gpu_mla_absorb.py --sweep try the dot's tiles and k splits
+# was the 8-stream step's loss (256 programs at DeepSeek-V3's shape, 16 k-steps each, against W_UK's
+# 1024 x 4); with W_UV stored (heads, latent, v) (mla_w16_vt) the same product takes 20.7 and 8
+# streams served 1539 tok/s against the float32 einsums' 1480 (the 17:29 session). ``tile`` lets
+# bench/gpu_mla_absorb.py --sweep try the dot's tiles and k splits
 
 
 if triton is not None:

@@ -65,6 +65,19 @@ def test_the_row_kernel_a_program_per_row_equals_the_widened_einsum(transpose):
     assert torch.equal(got[2:3], mla_absorb.absorb(a[2:3], w, tr))      # a row's sums whatever the rows beside it
 
 
+def test_the_dot_precision_diagnostic_reads_ieee_or_tf32x3():
+    """EXL3TOOLS_MLA_ABSORB_DOT: unset is IEEE float32, tf32x3 is taken, anything else a UsageError
+    naming the variable (cli/serve.py reads it before loading: tests/test_server_cli.py)."""
+    from exl3tools.kernels import mla_absorb
+
+    from exl3tools.errors import UsageError
+
+    assert mla_absorb._dot_precision(None) == mla_absorb._dot_precision("") == "ieee"
+    assert mla_absorb._dot_precision("tf32x3") == "tf32x3"
+    with pytest.raises(UsageError, match="EXL3TOOLS_MLA_ABSORB_DOT='tf32'"):
+        mla_absorb._dot_precision("tf32")
+
+
 @pytest.mark.parametrize(("T", "K", "tile"), [
     (8, 96, (64, 32, 4, 2)),      # k in two splits of 48 -> 64: the second split's k past K masked
     (5, 70, (32, 16, 4, 4)),      # ragged k: four splits of 32 (the last 6 wide)

@@ -121,9 +121,9 @@ def test_a_bad_switch_interval_fails_in_one_line(value):
     assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize(("var", "value"), [("EXL3TOOLS_MLA_TILE", "32,24,8"), ("EXL3TOOLS_MLA_ABSORB_ROWS", "17")])
+@pytest.mark.parametrize(("var", "value"), [("EXL3TOOLS_MLA_TILE", "32,24,8"), ("EXL3TOOLS_MLA_ABSORB_DOT", "tf32")])
 def test_a_bad_mla_tile_fails_in_one_line(var, value):
-    """EXL3TOOLS_MLA_TILE and EXL3TOOLS_MLA_ABSORB_ROWS (docs/serve.md "Diagnostics") are parsed
+    """EXL3TOOLS_MLA_TILE and EXL3TOOLS_MLA_ABSORB_DOT (docs/serve.md "Diagnostics") are parsed
     before anything loads."""
     proc = serve("--port", str(free_port()), "--log-level", "critical", env={var: value})
     out, err = proc.communicate(timeout=120)

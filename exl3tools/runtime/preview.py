@@ -103,14 +103,18 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 14:47 session: tests/gpu passed with it on; served on the DeepSeek-V3 shape one stream 458
     # against 444 tok/s (one row on its own tuned kernel), but 8 streams 1411 against 1509 (with a
     # rows kernel since removed; the dot kernel's W_UV at 8 rows is 48.3 µs against the einsum's
-    # 38.5): a preview until the several-row products hold (docs/gpu.md "What is left", item 10)
+    # 38.5). With mla_w16_vt too (the 17:29 session, H100, one run) every served figure held: see
+    # there. A preview until tests/gpu passes with both on (docs/gpu.md "What is left", item 10)
     "mla_w16": "EXL3TOOLS_MLA_W16",
     # with mla_w16: W_UV's fp16 copy stored (heads, latent, v) -- W_UV a (heads, v, latent) view of
     # it, v contiguous -- so the latent-to-value product reads whole rows of v as W_UK's does (at 8
     # rows W_UK's product took 24.0 µs against W_UV's 48.3 on the H100, the same bytes; the
     # 2026-12-07 14:47 session). The decompression reads the same storage through its transpose.
-    # Right on the CPU (tests/test_mla_absorb.py); bench/gpu_mla_absorb.py's W_UV^T rows time the
-    # layout, not yet on a GPU
+    # Right on the CPU (tests/test_mla_absorb.py). H100, the 17:29 session: W_UV^T at 8 rows 20.7 µs
+    # against W_UV's 47.9 (the einsum 38.1); served on the DeepSeek-V3 shape beside the defaults
+    # (float32 einsums), one run each: 1 / 8 streams 467 / 1539 tok/s against 444 / 1480, one stream
+    # at a 4096-token context 463 against 441, a cold 2048-token TTFT 95.8 against 96.4 ms (the
+    # server's own 69.7 / 72.2); tests/gpu's MLA files not yet run with it
     "mla_w16_vt": "EXL3TOOLS_MLA_W16_VT",
 }
 
