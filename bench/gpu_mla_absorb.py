@@ -64,10 +64,10 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     """The row (dot) kernel's tiles at x's rows, fastest first (a tile whose result is off is
     reported, not ranked)."""
     T, out = x.shape[0], []
-    # several rows: the dot kernel's tiles in both precisions, and the row kernel's a program per row
-    # ("row": each row's programs re-read their b block, from L2 after the first)
-    tries = [(cfg, prec) for cfg in sweep_tiles(T, tr) for prec in (("ieee",) if T == 1 else ("ieee", "tf32x3"))]
-    tries += [(cfg, "row") for cfg in sweep_tiles(1, tr)] if T > 1 else []
+    # the row kernel's tiles ("row": past one row a program per row, each re-reading its b block,
+    # from L2 after the first); several rows: the dot kernel's too, in both precisions
+    tries = [(cfg, prec) for cfg in sweep_tiles(T, tr) for prec in ("ieee", "tf32x3")] if T > 1 else []
+    tries += [(cfg, "row") for cfg in sweep_tiles(1, tr)]
     for cfg, prec in tries:
         kw = dict(tile=cfg, row_rows=T) if prec == "row" else dict(tile=cfg, precision=prec)
         got = mla_absorb.absorb(x, w16, tr, **kw)
@@ -77,14 +77,13 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
     row = T <= mla_absorb.ROW_KERNEL_ROWS               # the default's kernel at these rows
     dflt = list(mla_absorb.ROW_TILE[tr] if row else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # contiguous w16: tr = k's
-    dprec = ("ieee" if T == 1 else "row") if row else mla_absorb.DOT_PRECISION
+    dprec = "row" if row else mla_absorb.DOT_PRECISION
     dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == dprec), None)
     names = ("BM", "BK", "warps", "splits")
-    best = out[:3] + ([next((r for r in out if r["precision"] == "row"), None)] if T > 1 else [])
-    best = [r for i, r in enumerate(best) if r is not None and r not in best[:i]]
+    best = [*out[:3], next(r for r in out if r["precision"] == "row")]      # the best row kernel's too
+    best = [r for i, r in enumerate(best) if r not in best[:i]]
     for r in best + ([dflt] if dflt and dflt not in best else []):
-        tile = " ".join(f"{n} {v}" for n, v in zip(names, r["tile"], strict=False))
-        tile += "" if T == 1 else f" {r['precision']}"
+        tile = " ".join(f"{n} {v}" for n, v in zip(names, r["tile"], strict=False)) + f" {r['precision']}"
         print(f"sweep {name} {prod} rows {T} {tile}: {r['us']:.1f} µs "
               f"(floor {floor:.1f}, err {r['max_rel_err']:.1e}){' the default' if r is dflt else ''}", flush=True)
     return out

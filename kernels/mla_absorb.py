@@ -146,7 +146,7 @@ def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, i
 
 def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True,
            tile: tuple[int, ...] | None = None, precision: str = DOT_PRECISION,
-           row_rows: int | None = None) -> torch.Tensor:
+           row_rows: int = ROW_KERNEL_ROWS) -> torch.Tensor:
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
@@ -155,11 +155,11 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
     (BM, BK, warps[, splits]) other than (BM, BK, 4, 1): with splits > 1 each program sums a 1/splits of k into a plane of
     partials, which one torch.sum adds (deterministic) (bench/gpu_mla_absorb.py sweeps these).
     ``precision``: the dot kernel's ``tl.dot`` input precision (DOT_PRECISION). ``row_rows``: the
-    most rows the row kernel takes (a program per row; ROW_KERNEL_ROWS), the dot kernel above."""
+    most rows the row kernel takes (a program per row), the dot kernel above."""
     T, K, M, sb = _operands(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
-    if T and M and row_kernel and T <= (ROW_KERNEL_ROWS if row_rows is None else row_rows):
+    if T and M and row_kernel and T <= row_rows:
         bm, bk, warps = tile or ROW_TILE[sb[1] == 1]
         _absorb_row_kernel[(T, H, triton.cdiv(M, bm))](
             a, w, out, K, M, *a.stride(), *sb, out.stride(0), out.stride(1), BK=bk, BM=bm, num_warps=warps)
