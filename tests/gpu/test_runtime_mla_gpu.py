@@ -406,10 +406,13 @@ def test_fp16_absorption_on_cuda_matches_cpu_reference(dev, name, request, monke
         assert not flips or ("dsa" in name and len(flips) == 1 and 1 < flips[0] < len(errs) - 1), errs
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 @pytest.mark.parametrize("rows", [1, 8, 64, 2048])
-def test_absorb_on_cuda_at_deepseek_v3s_shape(dev, rows):
+def test_absorb_on_cuda_at_deepseek_v3s_shape(dev, rows, precision):
     """kernels/mla_absorb.py at DeepSeek-V3's 128 heads (nope 128, latent 512, v 128) on CUDA,
-    both products, against the float32 einsum of the widened weights."""
+    both products (W_UV in both layouts: (heads, v, latent), and the mla_w16_vt layout's
+    (heads, latent, v) storage read through its transpose), in both dot precisions (one row takes
+    the row kernel either way), against the float32 einsum of the widened weights."""
     import torch
     from exl3tools.kernels import mla_absorb
 
@@ -420,6 +423,8 @@ def test_absorb_on_cuda_at_deepseek_v3s_shape(dev, rows):
     o = torch.randn(rows, 128, 512, device="cuda", generator=g)
     w_uk = (torch.randn(128, 128, 512, device="cuda", generator=g) * 0.05).half()
     w_uv = (torch.randn(128, 128, 512, device="cuda", generator=g) * 0.05).half()
-    for a, w, tr in ((q, w_uk, False), (o, w_uv, True)):
-        got, want = mla_absorb.absorb(a, w, tr), mla_absorb.absorb_reference(a, w, tr)
-        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    w_uv_vt = w_uv.transpose(1, 2).contiguous().transpose(1, 2)     # same values, v contiguous
+    for a, w, tr in ((q, w_uk, False), (o, w_uv, True), (o, w_uv_vt, True)):
+        got = mla_absorb.absorb(a, w, tr, precision=precision)
+        want = mla_absorb.absorb_reference(a, w, tr)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (w.stride(), precision)
