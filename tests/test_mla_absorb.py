@@ -111,14 +111,19 @@ def test_fp16_absorption_gives_the_float32_logits(name, v_rows, monkeypatch):
     the float32 path's logits within summation-order noise, and the layers' weights in fp16."""
     _interpret()
     from exl3tools.runtime.mla import MLAttention
-    from tests.test_mla_static_decode import _model, _rel, _run
+    from tests.test_mla_static_decode import STEPS, _model, _rel, _run
 
+    # two batches of three decode rows, not six: each step costs ~1-2.5 s of the interpreter whatever
+    # its rows, and every row reads W_UK / W_UV the same way; "a" (40 tokens) selects past GLM-5's
+    # index_topk from the first step, "c" stays dense, the batches of one and two rows follow (the
+    # dense -> sparse switch of "b" at step 4 is the static step's, test_mla_static_decode.py's)
+    steps = STEPS[:2]
     monkeypatch.delenv("EXL3TOOLS_MLA_W16", raising=False)
-    want = _run(_model(name), name, "static")
+    want = _run(_model(name), name, "static", steps=steps)
     model = _model.__wrapped__(name)          # a model of its own: its weights become fp16
     monkeypatch.setenv("EXL3TOOLS_MLA_W16", "1")
     monkeypatch.setenv("EXL3TOOLS_MLA_W16_VT", "1" if v_rows else "0")
-    got = _run(model, name, "static")
+    got = _run(model, name, "static", steps=steps)
     attns = [layer.attn for layer in model.layers if isinstance(layer.attn, MLAttention)]
     assert attns and all(a.w_uk.dtype == a.w_uv.dtype == torch.float16 for a in attns)
     assert all((a.w_uv.stride(1) == 1) == v_rows for a in attns)

@@ -44,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
 
 
-def _run(model, name: str, decode: str, kv_dtype: str = "auto") -> list[torch.Tensor]:
+def _run(model, name: str, decode: str, kv_dtype: str = "auto", steps: list[list[int]] = STEPS) -> list[torch.Tensor]:
     r = Runner(model, fixture_dir(name) / "model", name, decode=decode, max_cache_tokens=256, block_size=4,
                max_num_seqs=3, kv_dtype=kv_dtype)
     assert r.decode_mode == decode
@@ -52,7 +52,7 @@ def _run(model, name: str, decode: str, kv_dtype: str = "auto") -> list[torch.Te
     for sid, p in PROMPTS.items():
         r.add_sequence(sid)
         out.append(r.step([(sid, p)]))
-    for toks in STEPS:
+    for toks in steps:
         out.append(r.step([(sid, [t]) for sid, t in zip(PROMPTS, toks, strict=True)]))
     r.step([("b", [17])])                         # a batch of one (bucket 1) after batches of three
     out.append(r.step([("c", [18]), ("a", [19])]))
