@@ -223,23 +223,22 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     from exl3tools.runtime import speculative
 
     path = model_dir(name, request)
+    # the greedy request, then a seeded sampled one (its drafts drawn on the device: Draw), from one
+    # server per mode (4 servers -> 2, as the --tp 2 test does): each the same text as the host's
     monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
-    want, _, _ = _served(path, 3, cuda_graphs="force", one=True)
+    want, _, _ = _served(path, 3, cuda_graphs="force", one=True, temperature=(0.0, 0.8))
     monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
     rounds, real = [], speculative.SpeculativeSteps.verify_device
-    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",
-                        lambda self, *a: (lambda out: rounds.append(out is not None) or out)(real(self, *a)))
-    got, _, st = _served(path, 3, cuda_graphs="force", one=True)
-    assert got == want and st["spec_drafted_tokens"] > 0 and any(rounds), rounds
+    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",     # (the rows' sequences, on the device)
+                        lambda self, *a: (lambda out: rounds.append(({s for s, _ in a[0]}, out is not None))
+                                          or out)(real(self, *a)))
+    got, _, st = _served(path, 3, cuda_graphs="force", one=True, temperature=(0.0, 0.8))
+    assert got == want and st["spec_drafted_tokens"] > 0
+    # both requests (a sequence each: the engine numbers them) verified drafts kept on the device
+    assert len({s for sids, device in rounds if device for s in sids}) == 2, rounds
     rounds.clear()
     _, usage, st = _served(path, 3, cuda_graphs="force")
-    assert st["spec_drafted_tokens"] > 0 and any(rounds) and usage[2].completion_tokens_details is None
-    # a seeded sampled request: its drafts drawn on the device (Draw), the same text as drawn on the host
-    rounds.clear()
-    got = _served(path, 3, cuda_graphs="force", one=True, temperature=0.8)[0]
-    assert any(rounds), rounds
-    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
-    assert got == _served(path, 3, cuda_graphs="force", one=True, temperature=0.8)[0]
+    assert st["spec_drafted_tokens"] > 0 and any(d for _, d in rounds) and usage[2].completion_tokens_details is None
 
 
 def test_served_rounds_of_mixed_k_stay_on_the_device(monkeypatch):
