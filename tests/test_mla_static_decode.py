@@ -24,6 +24,9 @@ MLA = ["deepseek_v3-3.0bpw-3inst", "glm5_moe_dsa-3.0bpw-mul1", "glm5_moe_dsa-tp-
 # prompt lengths: 40 > index_topk (sparse from the first step), 29 turns sparse at step 4, 5 stays dense
 PROMPTS = {"a": list(range(3, 43)), "b": [7 * i % 2000 + 1 for i in range(29)], "c": [11, 900, 5, 1999, 64]}
 STEPS = [[5, 77, 1000], [3, 4, 5], [900, 11, 42], [1, 2, 3], [64, 128, 256], [8, 9, 10]]
+# the fused glue's tests (each decode step ~1.4 s of the interpreter on the tp fixture) stop at the
+# step where "b" turns sparse: "a" sparse and "c" dense throughout, then the batches of one and two
+FUSED_STEPS = STEPS[:4]
 
 
 @lru_cache(maxsize=None)
@@ -410,12 +413,12 @@ def test_fused_glue_around_mla_equals_eager(name, cuts, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_DSA_FUSED_SELECT", cuts)
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
-    want = _run(_model(name), name, "eager")
+    want = _run(_model(name), name, "eager", steps=FUSED_STEPS)
     model = load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model
     r = Runner(model, fixture_dir(name) / "model", name, decode="static", max_cache_tokens=256, block_size=4,
                max_num_seqs=3)
     assert isinstance(r.paged.decoder._fused, fused_step.FusedMlaStep)
-    got = _run(model, name, "static")
+    got = _run(model, name, "static", steps=FUSED_STEPS)
     for s, (x, y) in enumerate(zip(got, want, strict=True)):
         assert _rel(x, y) < REL, (name, s, _rel(x, y))
     assert calls and all(calls)         # every MoE layer routed through the kernel, fp16 choice on
@@ -448,11 +451,11 @@ def test_fused_step_runs_a_tensor_parallel_ranks_moe(name, monkeypatch):
     monkeypatch.setenv("EXL3TOOLS_FUSED", "0")
     monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "0")
     want = _run(doubled(load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model),
-                name, "static")
+                name, "static", steps=FUSED_STEPS)
     monkeypatch.setenv("EXL3TOOLS_FUSED", "1")
     monkeypatch.setenv("EXL3TOOLS_FUSED_MLA", "1")
     got = _run(doubled(load_runner(fixture_dir(name) / "model", max_context=64, max_cache_tokens=64).model),
-               name, "static")
+               name, "static", steps=FUSED_STEPS)
     assert calls, "the fused step did not run the reduced MoE"
     for i, (x, y) in enumerate(zip(got, want, strict=True)):
         assert _rel(x, y) < REL, (name, i, _rel(x, y))
