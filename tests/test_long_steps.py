@@ -45,6 +45,14 @@ def test_long_steps_match_plain_cache(name, monkeypatch):
     ls.add("B")
     assert ls.step([("A", [5]), ("B", B)]) == "long"                 # 1 + 11 rows: past the buckets
     assert ls.step([("B", [6]), ("A", [7])]) == "decode"
+    if name != "glm4_moe-3.0bpw-mcg":
+        # the model's own part of a long step is each row's glue (qwen3_moe: q/k norms and MoE
+        # layers without a shared expert; llama: dense MLPs), which the step above ran beside a
+        # decoding row; the steps below vary what the decoder and the paged prefill kernel read
+        # (chunks, cached tokens, PROMPT_GRAPH_READS), at the same 4 heads / 2 KV heads / 64 dims
+        # on all three: glm4_moe's case (~9 s of the interpreter a model)
+        assert paths == ["long"]
+        return
     ls.add("C")
     # a chunk beside two decoding rows, then the rest after its cached 9 tokens (blocks of 4)
     assert ls.step([("A", [8]), ("C", C[:9]), ("B", [10])]) == "long"
