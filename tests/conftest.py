@@ -200,7 +200,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-gpu = pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+def __getattr__(name: str):
+    """``gpu``: a skip without CUDA, made when a test module imports it (module __getattr__), so
+    that a pytest process whose tests need no torch (test_gpu_all_script.py's child run) does not
+    import it here (~2 s)."""
+    if name == "gpu":
+        return pytest.mark.skipif(not cuda_available(), reason="needs CUDA")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # `make test` runs `-n 2 --dist loadfile`: a worker that runs dry takes the next whole file, and xdist
