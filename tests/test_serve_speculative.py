@@ -73,7 +73,9 @@ def test_draft_verify_accept_is_greedy_decoding_and_rolls_back(name, request):
         assert int(got.argmax()) == out[-1]
 
 
-@pytest.mark.parametrize("name", MTP_MODELS)
+# GLM-5's head only: DSV3_MTP's case ran the same accept_drafts over another model's rows (its head
+# drafting by sampling.sample: test_drafts_chain_on_the_device[synth-deepseek_v3-sampled])
+@pytest.mark.parametrize("name", [NAME])
 def test_rejection_sampling_keeps_the_target_distribution(name, request):
     """First emitted token of a verdict over real model logits (target at the last token, MTP
     draft rows): its frequency over 6000 seeded draws matches the target's distribution."""
