@@ -187,12 +187,15 @@ def test_verify_with_device_drafts_equals_the_host_round(name, tp, ks, request, 
     path = model_dir(name, request)
     K = max(ks)
     out = {}
-    for device in (False, True):
-        monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1" if device else "0")
-        with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode="static",
-                         tp=tp) as r:
+    # both modes in one runner (at TP 2: one worker spawned, not two), each on sequences of its own,
+    # freed after it; EXL3TOOLS_CHAINED_DRAFTS is read at each draft. No prefix caching: the second
+    # mode's prompts are computed as the first's were, not read back from its blocks
+    with load_runner(path, max_cache_tokens=512, block_size=4, speculative_tokens=3, decode="static", tp=tp,
+                     prefix_caching=False) as r:
+        for device in (False, True):
+            monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1" if device else "0")
             last = {}
-            for s, p in ((0, PROMPT), (1, PROMPT[5:17])):
+            for s, p in ((2 * device, PROMPT), (2 * device + 1, PROMPT[5:17])):
                 r.add_sequence(s)
                 last[s] = int(r.step([(s, p)])[0].argmax())
             got = []
@@ -214,7 +217,10 @@ def test_verify_with_device_drafts_equals_the_host_round(name, tp, ks, request, 
                     r.accept(s, 2, tokens=[last[s]] + padded[i] if device else None)
                     last[s] = int(rows[i][1].argmax())
             got.append(r.cache_tokens_used())
-        out[device] = got
+            for s in last:
+                r.free_sequence(s)
+            assert r.cache_tokens_used() == 0
+            out[device] = got
     assert out[True][-1] == out[False][-1]
     for (d0, l0), (d1, l1) in zip(out[False][:-1], out[True][:-1], strict=True):
         assert d1 == d0
