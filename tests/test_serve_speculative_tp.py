@@ -11,7 +11,7 @@ import pytest
 from exl3tools.runtime import sampling
 from exl3tools.runtime.runner import load_runner
 from tests.conftest import DSV3_MTP, fixture_dir, model_dir
-from tests.test_serve_speculative import PROMPT, _served
+from tests.test_serve_speculative import PROMPT
 
 
 @pytest.mark.slow
@@ -19,17 +19,43 @@ def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
     """--tp 2 (gloo, a worker process) with the fixed-shape step: rounds keep their drafts on the
     device (the worker gets them by broadcasts), and a greedy and a seeded sampled request give
     what rounds that read every depth on the host give (EXL3TOOLS_CHAINED_DRAFTS=0)."""
+    import httpx
+    import openai
+
     from exl3tools.runtime import speculative
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
 
     path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
     rounds, real = [], speculative.SpeculativeSteps.verify_device
     monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",
                         lambda self, *a: (lambda out: rounds.append(out is not None) or out)(real(self, *a)))
-    got = {}
-    for chained in ("0", "1"):
-        monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
-        got[chained] = _served(path, 3, cuda_graphs="force", one=True, temperature=(0.0, 0.8), tp=2)[0]
-        assert any(rounds) == (chained == "1"), rounds
+    # one server (one worker spawned, not one a mode): EXL3TOOLS_CHAINED_DRAFTS is read at each
+    # draft, so each mode's requests run after setting it. A first request puts the prompt in the
+    # prefix cache: every request compared starts from the same cached blocks
+    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
+                      speculative_tokens=3, cuda_graphs="force", tp=2)
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(temperature: float) -> list[int]:
+            r = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return r.model_dump()["choices"][0]["token_ids"]
+
+        ask(0.0)
+        got = {}
+        for chained in ("0", "1"):
+            monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
+            rounds.clear()
+            got[chained] = [ask(t) for t in (0.0, 0.8)]      # greedy, then seeded sampled
+            assert any(rounds) == (chained == "1"), rounds
+        stats = app.state.server.engine.stats()
+        assert app.state.server.engine.runner.cache_tokens_used() == 0 and stats["spec_drafted_tokens"] > 0
+        metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(f"{s.url}/metrics").text.splitlines()
+                   if ln.startswith("exl3tools_spec_")}
+        assert metrics["exl3tools_spec_draft_tokens"] == stats["spec_drafted_tokens"]
     assert got["1"] == got["0"]
 
 
