@@ -237,25 +237,50 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     concurrent requests (rows of other k take the host path) finish with drafts made: their
     texts are not compared, since timing decides their batches and this random model's
     near-tied argmaxes flip with a batch's rows."""
+    import concurrent.futures as cf
+
     from exl3tools.runtime import speculative
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
 
     path = model_dir(name, request)
-    # the greedy request, then a seeded sampled one (its drafts drawn on the device: Draw), from one
-    # server per mode (4 servers -> 2, as the --tp 2 test does): each the same text as the host's
-    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "0")
-    want, _, _ = _served(path, 3, cuda_graphs="force", one=True, temperature=(0.0, 0.8))
-    monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", "1")
     rounds, real = [], speculative.SpeculativeSteps.verify_device
     monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",     # (the rows' sequences, on the device)
                         lambda self, *a: (lambda out: rounds.append(({s for s, _ in a[0]}, out is not None))
                                           or out)(real(self, *a)))
-    got, _, st = _served(path, 3, cuda_graphs="force", one=True, temperature=(0.0, 0.8))
-    assert got == want and st["spec_drafted_tokens"] > 0
-    # both requests (a sequence each: the engine numbers them) verified drafts kept on the device
-    assert len({s for sids, device in rounds if device for s in sids}) == 2, rounds
-    rounds.clear()
-    _, usage, st = _served(path, 3, cuda_graphs="force")
-    assert st["spec_drafted_tokens"] > 0 and any(d for _, d in rounds) and usage[2].completion_tokens_details is None
+    # one server (not one a mode and one for the concurrent requests): EXL3TOOLS_CHAINED_DRAFTS is
+    # read at each draft. A first request caches the prompt, so every compared request starts from
+    # the same blocks: the greedy request, then a seeded sampled one (its drafts drawn on the
+    # device: Draw), each the same text as with the host's read a depth
+    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
+                      speculative_tokens=3, cuda_graphs="force")
+    app = create_app(cfg)
+    with LiveServer(app) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = dict(model="m", extra_body={"ignore_eos": True, "return_token_ids": True})
+
+        def ask(temperature: float) -> list[int]:
+            r = client.completions.create(**kw, prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7)
+            return r.model_dump()["choices"][0]["token_ids"]
+
+        ask(0.0)
+        got = {}
+        for chained in ("0", "1"):
+            monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
+            rounds.clear()
+            got[chained] = [ask(t) for t in (0.0, 0.8)]
+        assert got["1"] == got["0"]
+        # both requests (a sequence each: the engine numbers them) verified drafts kept on the device
+        assert len({s for sids, device in rounds if device for s in sids}) == 2, rounds
+        rounds.clear()
+        drafted = app.state.server.engine.stats()["spec_drafted_tokens"]
+        jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=0), dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
+                dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
+        with cf.ThreadPoolExecutor(3) as pool:
+            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+        assert app.state.server.engine.stats()["spec_drafted_tokens"] > drafted and any(d for _, d in rounds)
+        assert rs[2].usage.completion_tokens_details is None
+        assert app.state.server.engine.runner.cache_tokens_used() == 0
 
 
 def test_served_rounds_of_mixed_k_stay_on_the_device(monkeypatch):
