@@ -48,28 +48,33 @@ def _requests(client):
     return out
 
 
-def _run(chain: bool, tp: int = 1):
+def _run(chains: tuple[bool, ...], tp: int = 1, prefix_caching: bool = True):
+    """One server: ``_requests`` (and one more) with ``engine.chain`` set to each of ``chains`` in
+    turn: each run's answers and the row counts of its chained steps."""
     cfg = ServeConfig(model_path=str(DEMO / "model"), served_model_name="demo", max_batch=6, max_context=96,
-                      cuda_graphs="force", block_size=8, tp=tp, moe="ep")
+                      cuda_graphs="force", block_size=8, tp=tp, moe="ep", prefix_caching=prefix_caching)
     app = create_app(cfg)
+    runs = []
     with LiveServer(app) as s:
         engine = app.state.server.engine
-        engine.chain = chain
         runner = engine.runner
         chained = []
         real = runner.step_chained
         runner.step_chained = lambda ids, tok: chained.append(len(ids)) or real(ids, tok)
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        out = _requests(client)
-        after = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=3, temperature=0)
-        out.append(after.choices[0].text)
-        assert runner.cache_tokens_used() == 0 and engine.running == 0
-        return out, chained
+        for chain in chains:
+            engine.chain = chain
+            chained.clear()
+            out = _requests(client)
+            after = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=3, temperature=0)
+            out.append(after.choices[0].text)
+            assert runner.cache_tokens_used() == 0 and engine.running == 0
+            runs.append((out, list(chained)))
+    return runs
 
 
 def test_chained_steps_give_the_unchained_engines_answers():
-    plain, none = _run(False)
-    chained, steps = _run(True)
+    ((plain, none),), ((chained, steps),) = _run((False,)), _run((True,))
     assert none == []
     assert len(steps) >= 10 and max(steps) >= 2, steps     # chaining ran, on batches too
     assert chained == plain
@@ -79,9 +84,11 @@ def test_chained_steps_give_the_unchained_engines_answers():
 def test_chained_steps_at_tp2_give_the_unchained_engines_answers():
     """At --tp 2 (gloo, a worker process) a chained step's tokens reach the worker by a broadcast
     of rank 0's tensor (on GPUs a stream-ordered NCCL broadcast): the same answers as the
-    unchained TP 2 engine, which reads every step's tokens on the host first."""
-    plain, none = _run(False, tp=2)
-    chained, steps = _run(True, tp=2)
+    unchained TP 2 engine, which reads every step's tokens on the host first. One server (one
+    worker spawned) runs both: unchained, then chained (engine.chain is read at each step), no
+    prefix caching so that the chained run's prompts are computed as the unchained run's were
+    (chaining beside prefix hits: the TP 1 test)."""
+    (plain, none), (chained, steps) = _run((False, True), tp=2, prefix_caching=False)
     assert none == []
     assert len(steps) >= 10 and max(steps) >= 2, steps
     assert chained == plain
