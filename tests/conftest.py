@@ -215,12 +215,12 @@ def __getattr__(name: str):
 # ~30 s past the other. These go first instead, longest first (CPU suite, 2 cores, 2026-12-07); a
 # file not listed keeps its place after them, so a stale entry costs balance, never a test.
 SLOW_FILES_FIRST = (
-    "tests/test_serve_speculative_tp.py", "tests/test_serve_speculative.py", "tests/test_long_steps.py",
-    "tests/test_cuda_bit_logic.py", "tests/test_fused_decode.py", "tests/test_mla_static_decode.py",
-    "tests/test_server_cli.py", "tests/test_runtime_mla_tp.py", "tests/test_runtime_tp.py",
-    "tests/gpu/test_mla_attention.py", "tests/gpu/test_triton_kernels.py", "tests/test_mla_absorb.py",
-    "tests/test_fused_eager.py", "tests/test_serve_mla_exact.py", "tests/test_runtime_mla.py",
-    "tests/test_wheel_install.py", "tests/test_hub_slice.py", "tests/gpu/test_fused_decode_gpu.py",
+    "tests/test_mla_static_decode.py", "tests/test_cuda_bit_logic.py", "tests/test_server_cli.py",
+    "tests/test_serve_speculative.py", "tests/gpu/test_triton_kernels.py", "tests/test_fused_decode.py",
+    "tests/test_runtime_tp.py", "tests/gpu/test_mla_attention.py", "tests/test_long_steps.py",
+    "tests/test_serve_speculative_tp.py", "tests/test_mla_absorb.py", "tests/test_runtime_mla_tp.py",
+    "tests/test_runtime_mla.py", "tests/gpu/test_fused_decode_gpu.py", "tests/test_fused_eager.py",
+    "tests/test_server_load.py", "tests/test_bench_gpu_serve.py", "tests/test_serve_mla_exact.py",
 )
 
 
