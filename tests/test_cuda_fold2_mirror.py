@@ -7,6 +7,7 @@ The layout constants and index expressions are read from the source, so the mirr
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 
@@ -32,8 +33,14 @@ KL = _source_expr(r"const int kl = (.+?);\n", BODY)    # the second pass: the la
 NL = _source_expr(r"const int nl = (.+?);\n", BODY)    # and columns
 
 
+@functools.lru_cache(maxsize=None)
+def _code(expr: str):
+    """``expr`` compiled once (eval of the string compiled it at each of ~50k calls a mirror run)."""
+    return compile(expr, "<exl3_gemv.cu>", "eval")
+
+
 def f2_k(k):
-    return eval(F2_K, {}, {"k": k})   # C integer arithmetic that is also Python's
+    return eval(_code(F2_K), {}, {"k": k})   # C integer arithmetic that is also Python's
 
 
 def addr(n, k):
@@ -104,7 +111,7 @@ def run_mirror(w_hat, suh, svh):
                 for half in range(2):
                     words = []
                     for lane in range(32):
-                        kl, nl = eval(KL, {}, {"lane": lane}), eval(NL, {}, {"lane": lane, "warp": warp})
+                        kl, nl = eval(_code(KL), {}, {"lane": lane}), eval(_code(NL), {}, {"lane": lane, "warp": warp})
                         w0 = (nl + a) * LD + f2_k(kl + 64 * h) + 16 * half
                         assert w0 % 4 == 0                              # float4 aligned
                         for e in range(4):
@@ -132,7 +139,7 @@ def run_mirror(w_hat, suh, svh):
             for a in range(4):
                 spans = []                                              # one 16-byte store a lane
                 for lane in range(32):
-                    kl, nl = eval(KL, {}, {"lane": lane}), eval(NL, {}, {"lane": lane, "warp": warp})
+                    kl, nl = eval(_code(KL), {}, {"lane": lane}), eval(_code(NL), {}, {"lane": lane, "warp": warp})
                     ks, n = kl + 64 * h + np.arange(8), nl + a
                     assert np.isnan(w[ks, n]).all()
                     w[ks, n] = v[warp, lane, a, h] * (svh[n] / 128) * suh[ks]
