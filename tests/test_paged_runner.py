@@ -206,7 +206,9 @@ def test_a_failed_step_never_feeds_the_prefix_cache(monkeypatch):
     assert r.add_sequence("c", prompt) == 20           # a good step is
 
 
-@pytest.mark.parametrize("name", ["llama-4.0bpw-mul1", "qwen3_moe-2.5bpw-mul1"])
+# (qwen3_moe's case ran the same kernel at the same heads, 4 query / 2 KV of 64 dims, over the same
+# schedule: its q/k norms and MoE layers are before and after the kernel)
+@pytest.mark.parametrize("name", ["llama-4.0bpw-mul1"])
 def test_paged_prefill_kernel_matches_plain_cache(name, monkeypatch):
     """The GPU's eager attention (kernels.paged_attention.paged_prefill: new K/V written, then one
     kernel over every sequence's blocks) run by Triton's interpreter on the CPU: the same schedule
