@@ -354,38 +354,28 @@ def test_drafting_sequences_survive_preemption(paged_head, monkeypatch):
     Also with the head's cache in the blocks (mtp_paged: a re-admitted sequence's head starts at
     its cached length)."""
     monkeypatch.setenv("EXL3TOOLS_MTP_PAGED", paged_head)
-    plain, pre0, _ = _preempting_plain()
-    got, pre2, drafted = _preempting_server(2)
-    assert pre0 > 0 and pre2 > 0 and drafted > 0
-    assert got == plain
-
-
-def _preempting_server(k: int):
-    """Four concurrent greedy requests on a server of a ~2.5-sequence cache at ``k`` drafts: their
-    token ids, the server's preemptions and drafted tokens."""
     import concurrent.futures as cf
 
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
-    cfg = ServeConfig(model_path=str(fixture_dir(NAME) / "model"), served_model_name="m", max_batch=4,
-                      max_context=64, block_size=4, max_cache_tokens=100, speculative_tokens=k)
-    app = create_app(cfg)
-    with LiveServer(app) as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        kw = dict(model="m", max_tokens=20, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
-        with cf.ThreadPoolExecutor(4) as pool:
-            rs = list(pool.map(lambda i: client.completions.create(prompt=PROMPT[i:i + 20], **kw), range(4)))
-        eng = app.state.server.engine
-        assert eng.runner.cache_tokens_used() == 0
-        return [r.model_dump()["choices"][0]["token_ids"] for r in rs], eng.preempted_total, eng.spec_drafted
+    def run(k):
+        cfg = ServeConfig(model_path=str(fixture_dir(NAME) / "model"), served_model_name="m", max_batch=4,
+                          max_context=64, block_size=4, max_cache_tokens=100, speculative_tokens=k)
+        app = create_app(cfg)
+        with LiveServer(app) as s:
+            client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+            kw = dict(model="m", max_tokens=20, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+            with cf.ThreadPoolExecutor(4) as pool:
+                rs = list(pool.map(lambda i: client.completions.create(prompt=PROMPT[i:i + 20], **kw), range(4)))
+            eng = app.state.server.engine
+            assert eng.runner.cache_tokens_used() == 0
+            return [r.model_dump()["choices"][0]["token_ids"] for r in rs], eng.preempted_total, eng.spec_drafted
 
-
-@lru_cache(maxsize=None)
-def _preempting_plain():
-    """``_preempting_server(0)`` once for both cases (EXL3TOOLS_MTP_PAGED reaches no server of
-    --speculative-tokens 0: Runner's mtp_paged needs k > 0)."""
-    return _preempting_server(0)
+    plain, pre0, _ = run(0)
+    got, pre2, drafted = run(2)
+    assert pre0 > 0 and pre2 > 0 and drafted > 0
+    assert got == plain
 
 
 def _draft_rounds(path, together: bool, decode: str = "eager", device: str = "cpu", backend: str = "auto",
