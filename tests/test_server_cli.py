@@ -225,15 +225,16 @@ def _sampled_texts(url: str) -> list[str]:
 def test_tensor_parallel_serving_samples_as_one_process_with_the_same_seed(tp2_server):
     """--seed at --tp 2 (rank 0 samples from the logits the ranks combine): the same sampled texts
     as a one-process server started with the same --seed, request for request."""
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
+
     served = _sampled_texts(tp2_server)
-    port = free_port()
-    one = serve(str(TP_MODEL), "--seed", TP_SEED, "--port", str(port), "--log-level", "warning")
-    try:
-        alone = _sampled_texts(wait_healthy(one, port))
-    finally:
-        one.send_signal(signal.SIGTERM)
-        _, err = one.communicate(timeout=30)
-    assert "Traceback" not in err, err
+    # the one-process server in this process (what `serve MODEL --seed 5` builds; a subprocess of it
+    # cost a fresh interpreter's imports): the CLI's own --seed handling is the TP 2 server's
+    one = create_app(ServeConfig(model_path=str(TP_MODEL), served_model_name="glm4_moe-3.0bpw-mcg",
+                                 seed=int(TP_SEED)))
+    with LiveServer(one) as s:
+        alone = _sampled_texts(s.url)
     assert served[0] != served[1]      # each unseeded request the next of --seed's seeds ...
     assert served[2] == served[3]      # a request's own seed: the same text every time
     assert served == alone, (served, alone)
