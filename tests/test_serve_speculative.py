@@ -25,6 +25,13 @@ MTP_MODELS = [NAME, DSV3_MTP]        # GLM-5's head with its DSA indexer, DeepSe
 PROMPT = list(range(3, 43))          # 40 tokens: past the fixture's index_topk (32), sparse attention on
 
 
+def asked_ids(client, temperature: float) -> list[int]:
+    """PROMPT's 12 completion token ids from a served model "m" (seed 7: a sampled run repeats)."""
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.model_dump()["choices"][0]["token_ids"]
+
+
 def _greedy_plain(path, n):
     with load_runner(path, max_cache_tokens=256, block_size=4) as r:
         r.add_sequence(0)
@@ -258,17 +265,12 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model="m", extra_body={"ignore_eos": True, "return_token_ids": True})
-
-        def ask(temperature: float) -> list[int]:
-            r = client.completions.create(**kw, prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7)
-            return r.model_dump()["choices"][0]["token_ids"]
-
-        ask(0.0)
+        asked_ids(client, 0.0)
         got = {}
         for chained in ("0", "1"):
             monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
             rounds.clear()
-            got[chained] = [ask(t) for t in (0.0, 0.8)]
+            got[chained] = [asked_ids(client, t) for t in (0.0, 0.8)]
         assert got["1"] == got["0"]
         # both requests (a sequence each: the engine numbers them) verified drafts kept on the device
         assert len({s for sids, device in rounds if device for s in sids}) == 2, rounds

@@ -11,7 +11,7 @@ import pytest
 from exl3tools.runtime import sampling
 from exl3tools.runtime.runner import load_runner
 from tests.conftest import DSV3_MTP, fixture_dir, model_dir
-from tests.test_serve_speculative import PROMPT
+from tests.test_serve_speculative import PROMPT, asked_ids
 
 
 @pytest.mark.slow
@@ -38,18 +38,12 @@ def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
     app = create_app(cfg)
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-        def ask(temperature: float) -> list[int]:
-            r = client.completions.create(model="m", prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
-            return r.model_dump()["choices"][0]["token_ids"]
-
-        ask(0.0)
+        asked_ids(client, 0.0)
         got = {}
         for chained in ("0", "1"):
             monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
             rounds.clear()
-            got[chained] = [ask(t) for t in (0.0, 0.8)]      # greedy, then seeded sampled
+            got[chained] = [asked_ids(client, t) for t in (0.0, 0.8)]      # greedy, then seeded sampled
             assert any(rounds) == (chained == "1"), rounds
         stats = app.state.server.engine.stats()
         assert app.state.server.engine.runner.cache_tokens_used() == 0 and stats["spec_drafted_tokens"] > 0
