@@ -13,8 +13,9 @@ One program per (head, 64 columns of m, a block of rows): reads its (K, 64) bloc
 row block (once in all for the decode step's up to 16 rows), so a step reads each weight once. One
 row (a one-stream decode step) takes ``_absorb_row_kernel``: a program per (head, BM columns), an
 FMA loop and a sum over k, no dot (whose IEEE float32 tile pads one row to 16).
-Graph-capturable (the grid depends on shapes only). ``absorb_reference``: the same contract in
-torch (the weights widened, one einsum).
+More than WIDE_ROWS rows (a prompt's) take ``absorb_reference``, the weights widened to float32
+for one einsum: the float32 path's own arithmetic. Graph-capturable (the grid depends on shapes
+only). ``absorb_reference``: the same contract in torch (the weights widened, one einsum).
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ ROW_TILE = {False: (64, 128, 1), True: (32, 128, 4)}
 ROW_KERNEL_ROWS = 1
 
 
-def _dot_precision(value: str | None) -> str:
+def _dot_precision(value: str | None) -> str | None:
     """EXL3TOOLS_MLA_ABSORB_DOT (a diagnostic, so a served A/B can time the dot kernel's precision
-    as EXL3TOOLS_MLA_TILE does the MLA kernel's tiles): ieee or tf32x3; unset: ieee. A bad value is
-    a UsageError naming the variable."""
+    as EXL3TOOLS_MLA_TILE does the MLA kernel's tiles): ieee or tf32x3 for every row block; unset:
+    None, each block's own (DOT_BY_BLOCK). A bad value is a UsageError naming the variable."""
     if not value:
-        return "ieee"
+        return None
     if value not in ("ieee", "tf32x3"):
         raise UsageError(f"EXL3TOOLS_MLA_ABSORB_DOT={value!r}: expected ieee or tf32x3")
     return value
@@ -69,9 +70,22 @@ def _dot_precision(value: str | None) -> str:
 # the einsum. H100, DeepSeek-V3's shape (the 2026-12-07 17:29 session, bench/gpu_mla_absorb.py):
 # tf32x3 at 8 rows W_UK 16.6 µs against IEEE's 23.9, W_UV 19.9 against 47.9, W_UV^T (mla_w16_vt)
 # 18.5 against 20.7 (the float32 einsums 32.4 / 38.1 / 35.9), max error 2.6e-7 / 2.6e-7 / 8.7e-7
-# of the largest value (IEEE: 4.3e-7 / 7.8e-7 / 0); at 16 rows 17.0 / 20.8 / 19.4. Not yet served:
-# IEEE stays until a served A/B (EXL3TOOLS_MLA_ABSORB_DOT=tf32x3) holds
+# of the largest value (IEEE: 4.3e-7 / 7.8e-7 / 0); at 16 rows 17.0 / 20.8 / 19.4. Served on the
+# DeepSeek-V3 shape (H100, the 2026-12-07 23:34 session, one run each, with mla_w16_vt): 1 / 8
+# streams 458 / 1554 tok/s against IEEE's 457 / 1535 (the float32 einsums 444 / 1511). At 64-row
+# blocks IEEE is as fast or faster (W_UK 55.9 against 55.3 µs, W_UV^T 46.4 against 52.2; same
+# session), so each block keeps its own: DOT_BY_BLOCK[small block]. EXL3TOOLS_MLA_ABSORB_DOT
+# forces one for both (DOT_PRECISION)
 DOT_PRECISION = _dot_precision(os.environ.get("EXL3TOOLS_MLA_ABSORB_DOT"))
+DOT_BY_BLOCK = {True: "tf32x3", False: "ieee"}
+# more rows than this (prompt chunks: DSA's sparse prefill, eager rows beside a prompt) take the
+# widened einsum, absorb_reference: the fp16 dot kernel's 64-row blocks fall behind cuBLAS's float32
+# GEMM as rows grow. H100, the 23:34 session (bench/gpu_mla_absorb.py, DeepSeek-V3's shape): at 64
+# rows W_UK 55.9 µs against the einsum's 38.3 (widening its 17 MB of fp16 adds ~20), W_UV^T 46.4
+# against 43.9; at 2048 rows 1487.5 against 832.2 and 1248.5 against 672.7. Served on the GLM-5
+# shape with every product on the kernels, a cold 2048-token prompt's TTFT (the server's own) was
+# 106 ms against the float32 path's 65.3
+WIDE_ROWS = 64
 # 2-16 rows (decode steps of several streams) stay on the dot kernel: an FMA kernel with a
 # (rows, BM) accumulator took 52-56 µs at 8 rows there against its 24.0 (W_UK) / 48.3 (W_UV)
 # (H100, the 2026-12-07 14:47 session, call 4; removed). W_UV's 48.3 against the einsum's 38.5
@@ -145,8 +159,8 @@ def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, i
 
 
 def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True,
-           tile: tuple[int, ...] | None = None, precision: str = DOT_PRECISION,
-           row_rows: int = ROW_KERNEL_ROWS) -> torch.Tensor:
+           tile: tuple[int, ...] | None = None, precision: str | None = DOT_PRECISION,
+           row_rows: int = ROW_KERNEL_ROWS, wide_rows: int = WIDE_ROWS) -> torch.Tensor:
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
@@ -154,9 +168,12 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
     than ROW_TILE's (by b's contiguous side), or the dot kernel's for up to SMALL_ROWS rows,
     (BM, BK, warps[, splits]) other than (BM, BK, 4, 1): with splits > 1 each program sums a 1/splits of k into a plane of
     partials, which one torch.sum adds (deterministic) (bench/gpu_mla_absorb.py sweeps these).
-    ``precision``: the dot kernel's ``tl.dot`` input precision (DOT_PRECISION). ``row_rows``: the
-    most rows the row kernel takes (a program per row), the dot kernel above."""
+    ``precision``: the dot kernel's ``tl.dot`` input precision (None: DOT_BY_BLOCK's). ``row_rows``:
+    the most rows the row kernel takes (a program per row), the dot kernel above. More than
+    ``wide_rows`` rows: ``absorb_reference``."""
     T, K, M, sb = _operands(a, w, transpose)
+    if T > wide_rows:
+        return absorb_reference(a, w, transpose)
     H = w.shape[0]
     out = torch.empty(T, H, M, dtype=torch.float32, device=a.device)
     if T and M and row_kernel and T <= row_rows:
@@ -172,7 +189,7 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
         dst = out if not ks else torch.empty(triton.cdiv(K, ks), T, H, M, dtype=torch.float32, device=a.device)
         _absorb_kernel[(H, triton.cdiv(M, bm), triton.cdiv(K, ks) if ks else triton.cdiv(T, bt))](
             a, w, dst, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, dst.stride(-3), dst.stride(-2),
-            dst.stride(0), BT=bt, BK=bk, BM=bm, KS=ks, PREC=precision, num_warps=warps)
+            dst.stride(0), BT=bt, BK=bk, BM=bm, KS=ks, PREC=precision or DOT_BY_BLOCK[small], num_warps=warps)
         if ks:
             torch.sum(dst, 0, out=out)
     return out

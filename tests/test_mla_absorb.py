@@ -66,13 +66,16 @@ def test_the_row_kernel_a_program_per_row_equals_the_widened_einsum(transpose):
 
 
 def test_the_dot_precision_diagnostic_reads_ieee_or_tf32x3():
-    """EXL3TOOLS_MLA_ABSORB_DOT: unset is IEEE float32, tf32x3 is taken, anything else a UsageError
-    naming the variable (cli/serve.py reads it before loading: tests/test_server_cli.py)."""
+    """EXL3TOOLS_MLA_ABSORB_DOT: unset is each row block's own (tf32x3 for a decode step's block,
+    IEEE float32 for 64 rows), ieee and tf32x3 are taken, anything else a UsageError naming the
+    variable (cli/serve.py reads it before loading: tests/test_server_cli.py)."""
     from exl3tools.kernels import mla_absorb
 
     from exl3tools.errors import UsageError
 
-    assert mla_absorb._dot_precision(None) == mla_absorb._dot_precision("") == "ieee"
+    assert mla_absorb._dot_precision(None) is mla_absorb._dot_precision("") is None
+    assert mla_absorb.DOT_BY_BLOCK == {True: "tf32x3", False: "ieee"}
+    assert mla_absorb._dot_precision("ieee") == "ieee"
     assert mla_absorb._dot_precision("tf32x3") == "tf32x3"
     with pytest.raises(UsageError, match="EXL3TOOLS_MLA_ABSORB_DOT='tf32'"):
         mla_absorb._dot_precision("tf32")
@@ -169,3 +172,24 @@ def test_fp16_weights_are_never_rebound_by_a_decompression(monkeypatch, v_rows):
         o = torch.zeros(1, n, a.nh, a.vd)
         a._sdpa_decompressed(q.half(), c.half(), r.half(), None, lambda h, x: o[:, :, h].copy_(x.float()))
         assert (o - outs[torch.float16]).abs().max().item() <= 2e-3 * o.abs().max().item()
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_past_wide_rows_the_product_is_the_widened_einsum(transpose, monkeypatch):
+    """A prompt's rows (more than WIDE_ROWS) take the float32 path's own arithmetic, the weights
+    widened for one einsum, exactly; up to WIDE_ROWS the kernel (its sums in another order)."""
+    _interpret()
+    from exl3tools.kernels import mla_absorb
+
+    g = torch.Generator().manual_seed(11)
+    H, K, M = 2, 48, 40
+    w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
+    a = torch.randn(20, H, K, generator=g)
+    want = mla_absorb.absorb_reference(a, w, transpose)
+    assert torch.equal(mla_absorb.absorb(a, w, transpose, wide_rows=19), want)
+    calls = []
+    monkeypatch.setattr(mla_absorb, "absorb_reference", lambda *x: calls.append(x) or want)
+    got = mla_absorb.absorb(a, w, transpose, wide_rows=20)
+    assert not calls and (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert mla_absorb.WIDE_ROWS == 64 and mla_absorb.absorb(a, w, transpose) is not want
+

@@ -47,10 +47,10 @@ SELECT_TILE = (32, 64, 8)   # attend_selected's MLA kernel tile on fp16 planes (
 
 
 def w16_absorb(dev) -> bool:
-    """Whether MLA layers on ``dev`` hold W_UK / W_UV in fp16 for kernels/mla_absorb.py (the
-    mla_w16 preview: EXL3TOOLS_MLA_W16=1; its Triton kernel on CUDA, or the CPU under
-    TRITON_INTERPRET=1)."""
-    if not preview.switched_on("mla_w16"):
+    """Whether MLA layers on ``dev`` hold W_UK / W_UV in fp16 for kernels/mla_absorb.py (mla_w16:
+    the default on CUDA, EXL3TOOLS_MLA_W16=0 opts out; on the CPU under TRITON_INTERPRET=1 when
+    "1")."""
+    if not preview.on_cuda("mla_w16", dev):
         return False
     from exl3tools.kernels import fused_decode
 
@@ -110,8 +110,8 @@ class MLAttention:
         return self.q_b(q_resid), q_resid
 
     def _to(self, dev: torch.device) -> None:
-        """Follow the activations' device once (weights are built on CPU by the loader). With the
-        mla_w16 preview W_UK and W_UV are held in fp16 there (kv_b's own values; mla_absorb.absorbed)."""
+        """Follow the activations' device once (weights are built on CPU by the loader). With
+        mla_w16 (the default on CUDA) W_UK and W_UV are held in fp16 there (kv_b's own values; mla_absorb.absorbed)."""
         dt = torch.float16 if w16_absorb(dev) else torch.float32
         if self.w_uk.device != dev or self.w_uk.dtype != dt:
             self.w_uk, self.w_uv, self.inv_freq = self.w_uk.to(dev, dt), self.w_uv.to(dev, dt), self.inv_freq.to(dev)
@@ -120,7 +120,7 @@ class MLAttention:
                 # W_UK / W_UV made views of them, held once. Now, not at the first decompression:
                 # the decode graphs captured before it read W_UK / W_UV by address, and rebinding
                 # them then freed what the graphs read (NaN logits on the H100, 2026-12-07 13:23)
-                self._w16 = self._decompress_weights(dev, dt, preview.switched_on("mla_w16_vt"))
+                self._w16 = self._decompress_weights(dev, dt, preview.on_cuda("mla_w16_vt", dev))
                 self.w_uk, self.w_uv = self._w16[0], self._w16[1]
 
     def _decompress_weights(self, dev: torch.device, dt: torch.dtype, v_rows: bool = False) -> tuple:
@@ -128,7 +128,7 @@ class MLAttention:
         _sdpa_decompressed; W_UK and W_UV views of the others. With EXL3TOOLS_MLA_K_GEMM (the
         default on CUDA) K comes from one GEMM of [c | r]: W_K (H, nope + rope, C + rope) holds
         W_UK and an identity block from the rope key to K's rope columns, so no cat copies K.
-        ``v_rows`` (the mla_w16_vt preview): W_UV (padded) stored (H, C, v) and returned as its
+        ``v_rows`` (mla_w16_vt, the default on CUDA): W_UV (padded) stored (H, C, v) and returned as its
         transposed views, v contiguous (the absorbed product's rows as W_UK's)."""
         qk = self.nope + self.rope
         w_uv = self.w_uv.to(dev, dt)

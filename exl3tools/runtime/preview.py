@@ -92,30 +92,6 @@ SWITCHES = {    # name -> variable: off on CUDA unless "1"
     # 2026-12-07 (bench/gpu_prefill_series.py, the GLM-5 shape, 2048 tokens): right (its GPU test),
     # kernels 50.5 against 52.7 ms, wall time not told apart under the power cap; not yet served
     "fused_eager": "EXL3TOOLS_FUSED_EAGER",
-    # MLA layers (DeepSeek-V3, GLM-5) hold W_UK and W_UV in fp16 (kv_b_proj's own values) instead of
-    # float32, and the absorbed products (the queries' nope part into the latent, the latent output
-    # back to the value heads: the decode step's, the eager rows', DSA's sparse prefill's) run
-    # through kernels/mla_absorb.py, which widens each weight and sums in float32: half the bytes a
-    # decode step reads for them (67 -> 34 MB a DeepSeek-V3 layer at 128 heads, beside ~213 MB of
-    # its 3-bit weights) and ~2 GB more KV on one GPU for a 61-layer model; attend_decompressed's
-    # fp16 copies become the same tensors. The same logits as the float32 einsums but for the
-    # summation order on the CPU (the interpreter: tests/test_mla_absorb.py). H100, the 2026-12-07
-    # 14:47 session: tests/gpu passed with it on; served on the DeepSeek-V3 shape one stream 458
-    # against 444 tok/s (one row on its own tuned kernel), but 8 streams 1411 against 1509 (with a
-    # rows kernel since removed; the dot kernel's W_UV at 8 rows is 48.3 µs against the einsum's
-    # 38.5). With mla_w16_vt too (the 17:29 session, H100, one run) every served figure held: see
-    # there. A preview until tests/gpu passes with both on (docs/gpu.md "What is left", item 10)
-    "mla_w16": "EXL3TOOLS_MLA_W16",
-    # with mla_w16: W_UV's fp16 copy stored (heads, latent, v) -- W_UV a (heads, v, latent) view of
-    # it, v contiguous -- so the latent-to-value product reads whole rows of v as W_UK's does (at 8
-    # rows W_UK's product took 24.0 µs against W_UV's 48.3 on the H100, the same bytes; the
-    # 2026-12-07 14:47 session). The decompression reads the same storage through its transpose.
-    # Right on the CPU (tests/test_mla_absorb.py). H100, the 17:29 session: W_UV^T at 8 rows 20.7 µs
-    # against W_UV's 47.9 (the einsum 38.1); served on the DeepSeek-V3 shape beside the defaults
-    # (float32 einsums), one run each: 1 / 8 streams 467 / 1539 tok/s against 444 / 1480, one stream
-    # at a 4096-token context 463 against 441, a cold 2048-token TTFT 95.8 against 96.4 ms (the
-    # server's own 69.7 / 72.2); tests/gpu's MLA files not yet run with it
-    "mla_w16_vt": "EXL3TOOLS_MLA_W16_VT",
 }
 
 # Former previews, on by default since an H200 run passed tests/gpu with them and timed `serve`
@@ -418,6 +394,29 @@ OPT_OUTS = {
     # in one kernel before the all-reduce, the shared expert around it as MoE._finish, where
     # MoE.forward_static routes in ~15 torch ops and decodes one row per pair ("0": forward_static)
     "fused_tp_moe": "EXL3TOOLS_FUSED_TP_MOE",
+    # MLA layers (DeepSeek-V3, GLM-5) hold W_UK and W_UV in fp16 (kv_b_proj's own values) instead of
+    # float32, and the absorbed products of up to mla_absorb.WIDE_ROWS rows (the decode step's, the
+    # eager rows') run through kernels/mla_absorb.py, which widens each weight and sums in float32
+    # (more rows widen the weights for the float32 einsum): half the bytes a decode step reads for
+    # them (67 -> 34 MB a DeepSeek-V3 layer at 128 heads, beside ~213 MB of its 3-bit weights) and
+    # ~2 GB more KV on one GPU for a 61-layer model; attend_decompressed's fp16 copies become the
+    # same tensors. On CUDA only ("0": float32); the CPU reference keeps float32 unless "1" (the
+    # interpreter tests: tests/test_mla_absorb.py). H100, the 2026-12-07 23:34 session: tests/gpu
+    # passed with it and mla_w16_vt on (1355 of 1364 in the first call's time, the other 9 in the
+    # second: 0 failed); served on the DeepSeek-V3 shape, one run each, the float32 einsums / this
+    # with IEEE dots / with tf32x3 dots (mla_absorb.DOT_BY_BLOCK): 1 stream 444 / 457 / 458 tok/s,
+    # 8 streams 1511 / 1535 / 1554, one stream at a 4096-token context 439 / 456 / 456, a cold
+    # 2048-token TTFT 109 / 103 / 92.7 ms; the GLM-5 shape (tf32x3): 503 / 527, 1765 / 1722, 470 /
+    # 492, a cold TTFT (the server's own) 65.3 / 106 ms with every prompt row on the kernels, which
+    # mla_absorb.WIDE_ROWS then sent back to the float32 einsum (docs/gpu.md "What is left", 10)
+    "mla_w16": "EXL3TOOLS_MLA_W16",
+    # with mla_w16: W_UV's fp16 copy stored (heads, latent, v) -- W_UV a (heads, v, latent) view of
+    # it, v contiguous -- so the latent-to-value product reads whole rows of v as W_UK's does (at 8
+    # rows W_UK's product took 24.0 µs against W_UV's 48.3 on the H100, the same bytes; the
+    # 2026-12-07 14:47 session). The decompression reads the same storage through its transpose.
+    # H100, the 17:29 and 23:34 sessions: W_UV^T at 8 rows 20.6 µs against W_UV's 48.0 (the einsum
+    # 38.0); the served figures above are with it. On CUDA only, as mla_w16 ("0": (heads, v, latent))
+    "mla_w16_vt": "EXL3TOOLS_MLA_W16_VT",
 }
 
 
