@@ -408,7 +408,9 @@ OPT_OUTS = {
     # 8 streams 1511 / 1535 / 1554, one stream at a 4096-token context 439 / 456 / 456, a cold
     # 2048-token TTFT 109 / 103 / 92.7 ms; the GLM-5 shape (tf32x3): 503 / 527, 1765 / 1722, 470 /
     # 492, a cold TTFT (the server's own) 65.3 / 106 ms with every prompt row on the kernels, which
-    # mla_absorb.WIDE_ROWS then sent back to the float32 einsum (docs/gpu.md "What is left", 10)
+    # mla_absorb.WIDE_ROWS then sent back to the float32 einsum; with it (the same session's last
+    # call, the MLA files of tests/gpu passed) GLM-5 against "0": 530 / 505, 1789 / 1692, 489 /
+    # 471, a cold 2048-token prefill step 63.1 / 59.2 ms (docs/gpu.md "What is left", 10)
     "mla_w16": "EXL3TOOLS_MLA_W16",
     # with mla_w16: W_UV's fp16 copy stored (heads, latent, v) -- W_UV a (heads, v, latent) view of
     # it, v contiguous -- so the latent-to-value product reads whole rows of v as W_UK's does (at 8
