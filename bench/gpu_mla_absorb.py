@@ -1,12 +1,14 @@
-"""MLA's absorbed products on the GPU: float32 W_UK / W_UV einsums (the default) against fp16 weights
-through kernels/mla_absorb.py (the mla_w16 preview), side by side in one run, beside the memory
-floor of each (the weights' bytes at the GPU's bandwidth, measured by a device copy here).
+"""MLA's absorbed products on the GPU: float32 W_UK / W_UV einsums (``EXL3TOOLS_MLA_W16=0``) against
+fp16 weights through kernels/mla_absorb.absorb (the default on CUDA: its kernels up to WIDE_ROWS
+rows, the widened einsum past them), side by side in one run, beside the memory floor of each
+(the weights' bytes at the GPU's bandwidth, measured by a device copy here). The tf32x3 column
+times the dot kernel at every row count, past WIDE_ROWS too.
 
     python3 bench/gpu_mla_absorb.py [--shapes deepseek_v3,glm5] [--rows 1,8,32,2048] [--sweep [--sweep-rows 8] [--sweep-products W_UV,W_UV^T]] [--json OUT.json]
 
 Per shape (heads, nope, latent, v) and rows: the queries' nope part into the latent (W_UK) and the
 latent output back to the value heads (W_UV, read transposed; and W_UV^T, the same product with the
-weights stored (heads, latent, v), the EXL3TOOLS_MLA_W16_VT preview's layout), each timed as CUDA-graph replays
+weights stored (heads, latent, v), the mla_w16_vt layout), each timed as CUDA-graph replays
 (median µs, gpu_bench.bench_graph, an L2 flush between replays), with the result checked against
 the float32 einsum (max error relative to its largest value). A decode step runs both once a
 layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 34 in fp16.
@@ -77,7 +79,7 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     out.sort(key=lambda r: (r["max_rel_err"] > 1e-5, r["us"]))
     row = T <= mla_absorb.ROW_KERNEL_ROWS               # the default's kernel at these rows
     dflt = list(mla_absorb.ROW_TILE[tr] if row else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # contiguous w16: tr = k's
-    dprec = "row" if row else mla_absorb.DOT_PRECISION
+    dprec = "row" if row else mla_absorb.DOT_PRECISION or mla_absorb.DOT_BY_BLOCK[T <= mla_absorb.SMALL_ROWS]
     dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == dprec), None)
     names = ("BM", "BK", "warps", "splits")
     best = [*out[:3], next(r for r in out if r["precision"] == "row")]      # the best row kernel's too
@@ -135,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                 # 2-16 rows: the row kernel, a program per row (its b blocks re-read through L2)
                 trow = bench_graph(lambda x=x, w16=w16, tr=tr, T=T: mla_absorb.absorb(x, w16, tr, row_rows=T)) \
                     if 1 < T <= 16 else None
-                # several rows: the dot on tensor cores (tf32x3) beside the default's IEEE float32
+                # several rows: the dot kernel on tensor cores (tf32x3), past WIDE_ROWS too
                 ttf = etf = None
                 if T > 1:
-                    ttf = bench_graph(lambda x=x, w16=w16, tr=tr: mla_absorb.absorb(x, w16, tr, precision="tf32x3"))
-                    got = mla_absorb.absorb(x, w16, tr, precision="tf32x3")
+                    kw = dict(precision="tf32x3", wide_rows=T)
+                    ttf = bench_graph(lambda x=x, w16=w16, tr=tr, kw=kw: mla_absorb.absorb(x, w16, tr, **kw))
+                    got = mla_absorb.absorb(x, w16, tr, **kw)
                     etf = ((got - want).abs().max() / want.abs().max()).item()
                 print(f"| {name} | {T} | {prod} | {t32:.1f} | {t16:.1f} | {t32 / t16:.2f}x | {floor:.1f} | {err:.1e} "
                       f"| {'-' if tdot is None else f'{tdot:.1f}'} "
