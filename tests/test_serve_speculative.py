@@ -124,35 +124,34 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _served(path, k: int, cuda_graphs=None, one: bool = False, temperature: float | tuple = 0.0, tp: int = 1):
-    """Three concurrent greedy completions (one with logprobs: no drafts) at ``k`` drafts: their
-    token ids, usages and the engine's stats. ``one``: the first request alone (no batching that
-    timing decides), once per ``temperature`` where that is a tuple (one server, each request
-    after the last); ``temperature`` > 0: that request sampled, seeded."""
+def _concurrent(client) -> list:
+    """Three concurrent greedy completions of a served model "m" (the third with logprobs: no
+    drafts), their responses."""
+    import concurrent.futures as cf
+
+    kw = dict(model="m", temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    jobs = [dict(prompt=PROMPT, max_tokens=12), dict(prompt=PROMPT[:20], max_tokens=7),
+            dict(prompt=PROMPT[5:], max_tokens=9, logprobs=2)]
+    with cf.ThreadPoolExecutor(3) as pool:
+        return list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+
+
+def _served(path, k: int):
+    """_concurrent's completions from a server of ``k`` drafts: their token ids, usages and the
+    engine's stats."""
+    import httpx
+
     from exl3tools.server.app import ServeConfig, create_app
     from exl3tools.server.testing import LiveServer
 
     cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
-                      speculative_tokens=k, cuda_graphs=cuda_graphs, tp=tp)
+                      speculative_tokens=k)
     app = create_app(cfg)
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        kw = dict(model="m", extra_body={"ignore_eos": True, "return_token_ids": True})
-        import concurrent.futures as cf
-
-        jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=temperature, seed=7),
-                dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
-                dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
-        if isinstance(temperature, tuple):
-            assert one
-            rs = [client.completions.create(**kw, **{**jobs[0], "temperature": t}) for t in temperature]
-        else:
-            with cf.ThreadPoolExecutor(3) as pool:
-                rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs[:1] if one else jobs))
+        rs = _concurrent(client)
         stats = app.state.server.engine.stats()
         assert app.state.server.engine.runner.cache_tokens_used() == 0
-        import httpx
-
         metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(f"{s.url}/metrics").text.splitlines()
                    if ln.startswith("exl3tools_spec_")}
         assert metrics["exl3tools_spec_draft_tokens"] == stats["spec_drafted_tokens"]
@@ -244,7 +243,6 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     concurrent requests (rows of other k take the host path) finish with drafts made: their
     texts are not compared, since timing decides their batches and this random model's
     near-tied argmaxes flip with a batch's rows."""
-    import concurrent.futures as cf
 
     from exl3tools.runtime import speculative
     from exl3tools.server.app import ServeConfig, create_app
@@ -264,7 +262,6 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     app = create_app(cfg)
     with LiveServer(app) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        kw = dict(model="m", extra_body={"ignore_eos": True, "return_token_ids": True})
         asked_ids(client, 0.0)
         got = {}
         for chained in ("0", "1"):
@@ -276,10 +273,7 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
         assert len({s for sids, device in rounds if device for s in sids}) == 2, rounds
         rounds.clear()
         drafted = app.state.server.engine.stats()["spec_drafted_tokens"]
-        jobs = [dict(prompt=PROMPT, max_tokens=12, temperature=0), dict(prompt=PROMPT[:20], max_tokens=7, temperature=0),
-                dict(prompt=PROMPT[5:], max_tokens=9, temperature=0, logprobs=2)]   # logprobs: no drafts
-        with cf.ThreadPoolExecutor(3) as pool:
-            rs = list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
+        rs = _concurrent(client)
         assert app.state.server.engine.stats()["spec_drafted_tokens"] > drafted and any(d for _, d in rounds)
         assert rs[2].usage.completion_tokens_details is None
         assert app.state.server.engine.runner.cache_tokens_used() == 0
