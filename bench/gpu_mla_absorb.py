@@ -17,7 +17,9 @@ layer: at DeepSeek-V3's 128 heads the float32 weights are 67 MB a layer against 
 swept in the 2026-12-07 14:47 session) at every tile of sweep_tiles, each checked, the fastest
 three of each product printed beside the default's; at several rows the sweep also tries the row
 kernel a program per row (``row``: each row's programs read their b block, from L2 after the first
-row's), and the table has its time at 2-16 rows. The floor is one read of the fp16 weights at
+row's), and the table has its time at 2-16 rows. Past SMALL_ROWS (``--sweep-rows 2048``, a
+prompt's rows) the sweep tries the dot kernel's wide tiles (BT, BM, BK, warps, stages) in tf32x3
+and tf32x2, whose times the table's fp32 einsum column (the default there) is the bar for. The floor is one read of the fp16 weights at
 the rate of a device copy's traffic (read + write bytes over its time).
 """
 
@@ -53,6 +55,9 @@ def sweep_tiles(rows: int, transpose: bool) -> list[tuple[int, ...]]:
     without spills at sm_90 (104-254 registers; bench/triton_sm90_check.py), in 1, 2 or 4 k splits:
     W_UV at DeepSeek-V3's shape had 256 programs of 16 k-steps (48.3 µs at 8 rows), W_UK 1024 of 4
     (24.0)."""
+    if rows > mla_absorb.SMALL_ROWS:     # a prompt's rows: the dot kernel's (BT, BM, BK, warps, stages)
+        return [(bt, bm, bk, w, st) for bt in (64, 128) for bm in (64, 128) for bk in (32, 64) for w in (4, 8)
+                for st in (3,) if bt * bm <= 64 * 64 * w and bk * (bt + bm) <= 128 * 64]
     if rows > 1:
         fits = ((32, 32, 4), (64, 32, 4), (32, 64, 4), (128, 32, 4), (64, 64, 8), (128, 32, 8))
         return [(bm, bk, w, s) for bm, bk, w in fits for s in (1, 2, 4)]
@@ -68,10 +73,14 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     T, out = x.shape[0], []
     # the row kernel's tiles ("row": past one row a program per row, each re-reading its b block,
     # from L2 after the first); several rows: the dot kernel's too, in both precisions
-    tries = [(cfg, prec) for cfg in sweep_tiles(T, tr) for prec in ("ieee", "tf32x3")] if T > 1 else []
-    tries += [(cfg, "row") for cfg in sweep_tiles(1, tr)]
+    wide = T > mla_absorb.SMALL_ROWS     # a prompt's rows: wide tiles on tensor cores, no row kernel
+    precs = ("tf32x3", "tf32x2") if wide else ("ieee", "tf32x3")
+    tries = [(cfg, prec) for cfg in sweep_tiles(T, tr) for prec in precs] if T > 1 else []
+    tries += [] if wide else [(cfg, "row") for cfg in sweep_tiles(1, tr)]
     for cfg, prec in tries:
         kw = dict(tile=cfg, row_rows=T) if prec == "row" else dict(tile=cfg, precision=prec)
+        if wide:
+            kw = dict(wide_tile=cfg, precision=prec, wide_rows=T)
         got = mla_absorb.absorb(x, w16, tr, **kw)
         err = ((got - want).abs().max() / want.abs().max()).item()
         t = bench_graph(lambda kw=kw: mla_absorb.absorb(x, w16, tr, **kw))
@@ -81,8 +90,8 @@ def sweep(name: str, prod: str, x: torch.Tensor, w16: torch.Tensor, tr: bool, wa
     dflt = list(mla_absorb.ROW_TILE[tr] if row else (mla_absorb.BM, mla_absorb.BK, 4, 1))   # contiguous w16: tr = k's
     dprec = "row" if row else mla_absorb.DOT_PRECISION or mla_absorb.DOT_BY_BLOCK[T <= mla_absorb.SMALL_ROWS]
     dflt = next((r for r in out if r["tile"] == dflt and r["precision"] == dprec), None)
-    names = ("BM", "BK", "warps", "splits")
-    best = [*out[:3], next(r for r in out if r["precision"] == "row")]      # the best row kernel's too
+    names = ("BT", "BM", "BK", "warps", "stages") if wide else ("BM", "BK", "warps", "splits")
+    best = out[:3] if wide else [*out[:3], next(r for r in out if r["precision"] == "row")]   # the best row kernel's too
     best = [r for i, r in enumerate(best) if r not in best[:i]]
     for r in best + ([dflt] if dflt and dflt not in best else []):
         tile = " ".join(f"{n} {v}" for n, v in zip(names, r["tile"], strict=False)) + f" {r['precision']}"

@@ -188,6 +188,15 @@ def absorb() -> None:
                           tile=tile, precision=prec)
         mb.absorb(torch.zeros(2048, H, 512), torch.zeros(H, V, 512, dtype=torch.float16), transpose=True,
                   precision="tf32x3")
+        # a prompt's rows on tensor cores: every wide tile of bench/gpu_mla_absorb.py --sweep-rows 2048,
+        # tf32x2 (W_UK, and W_UV stored (H, latent, v)); tf32x3 at the default's
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_mla_absorb import sweep_tiles
+        for wt in sweep_tiles(2048, False):
+            mb.absorb(torch.zeros(2048, H, N), torch.zeros(H, N, 512, dtype=torch.float16), precision="tf32x2",
+                      wide_rows=2048, wide_tile=wt)
+            mb.absorb(torch.zeros(2048, H, 512), torch.zeros(H, 512, V, dtype=torch.float16), precision="tf32x2",
+                      wide_rows=2048, wide_tile=wt)
         # W_UV stored (H, latent, v) (the mla_w16_vt preview): read transposed with v contiguous
         for T in (1, 8):
             mb.absorb(torch.zeros(T, H, 512), torch.zeros(H, 512, V, dtype=torch.float16).transpose(1, 2),

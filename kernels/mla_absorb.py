@@ -55,12 +55,13 @@ ROW_KERNEL_ROWS = 1
 
 def _dot_precision(value: str | None) -> str | None:
     """EXL3TOOLS_MLA_ABSORB_DOT (a diagnostic, so a served A/B can time the dot kernel's precision
-    as EXL3TOOLS_MLA_TILE does the MLA kernel's tiles): ieee or tf32x3 for every row block; unset:
-    None, each block's own (DOT_BY_BLOCK). A bad value is a UsageError naming the variable."""
+    as EXL3TOOLS_MLA_TILE does the MLA kernel's tiles): ieee, tf32x3 or tf32x2 (two tensor-core
+    products, b being exact in tf32) for every row block; unset: None, each block's own
+    (DOT_BY_BLOCK). A bad value is a UsageError naming the variable."""
     if not value:
         return None
-    if value not in ("ieee", "tf32x3"):
-        raise UsageError(f"EXL3TOOLS_MLA_ABSORB_DOT={value!r}: expected ieee or tf32x3")
+    if value not in ("ieee", "tf32x3", "tf32x2"):
+        raise UsageError(f"EXL3TOOLS_MLA_ABSORB_DOT={value!r}: expected ieee, tf32x3 or tf32x2")
     return value
 
 
@@ -121,7 +122,15 @@ if triton is not None:
                         other=0.0)
             b = tl.load(b_ptr + h * sb_h + k[:, None] * sb_k + m[None, :] * sb_m, mask=km[:, None] & mm[None, :],
                         other=0.0).to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+            if PREC == "tf32x2":
+                # b (fp16) is exact in tf32, so two tensor-core products of a's halves do what
+                # tf32x3's three do (its third, a_hi * b_lo, is zero): a_hi keeps tf32's 10
+                # mantissa bits, a_lo = a - a_hi the rest (its own tf32 rounding ~2^-22 of a)
+                a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+                acc = tl.dot(a_hi, b, acc, input_precision="tf32")
+                acc = tl.dot(a - a_hi, b, acc, input_precision="tf32")
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PREC)
         tl.store(o_ptr + h * so_h + t[:, None] * so_t + m[None, :], acc, mask=tm[:, None] & mm[None, :])
 
     @triton.jit
@@ -160,7 +169,8 @@ def _operands(a: torch.Tensor, w: torch.Tensor, transpose: bool) -> tuple[int, i
 
 def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel: bool = True,
            tile: tuple[int, ...] | None = None, precision: str | None = DOT_PRECISION,
-           row_rows: int = ROW_KERNEL_ROWS, wide_rows: int = WIDE_ROWS) -> torch.Tensor:
+           row_rows: int = ROW_KERNEL_ROWS, wide_rows: int = WIDE_ROWS,
+           wide_tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """(T, H, M) float32: ``einsum("thk,hkm->thm", a, w)`` (``transpose``: w is (H, M, K),
     ``einsum("thk,hmk->thm")``) with w's entries widened to float32 and float32 sums. ``a`` may
     be a strided view (the queries' nope part); ``w`` fp16 (or any float dtype). ``row_kernel``
@@ -170,7 +180,9 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
     partials, which one torch.sum adds (deterministic) (bench/gpu_mla_absorb.py sweeps these).
     ``precision``: the dot kernel's ``tl.dot`` input precision (None: DOT_BY_BLOCK's). ``row_rows``:
     the most rows the row kernel takes (a program per row), the dot kernel above. More than
-    ``wide_rows`` rows: ``absorb_reference``."""
+    ``wide_rows`` rows: ``absorb_reference``. ``wide_tile``: the dot kernel's (BT, BM, BK, warps,
+    stages) past SMALL_ROWS rows other than (64, BM, BK, 8, Triton's default stages)
+    (bench/gpu_mla_absorb.py --sweep-rows 2048 times them against the einsum)."""
     T, K, M, sb = _operands(a, w, transpose)
     if T > wide_rows:
         return absorb_reference(a, w, transpose)
@@ -184,12 +196,15 @@ def absorb(a: torch.Tensor, w: torch.Tensor, transpose: bool = False, row_kernel
         # a prompt's rows in blocks of 64 on 8 warps (4 spilled the IEEE float32 dot's operands at sm_90)
         small = T <= SMALL_ROWS
         bm, bk, warps, splits = (*tile, 1)[:4] if tile and small else (BM, BK, 4 if small else 8, 1)
-        bt = SMALL_ROWS if small else 64
+        bt, stages = SMALL_ROWS if small else 64, {}
+        if wide_tile and not small:
+            bt, bm, bk, warps, stages = *wide_tile[:4], {"num_stages": wide_tile[4]}
         ks = triton.cdiv(triton.cdiv(K, splits), bk) * bk if splits > 1 else 0
         dst = out if not ks else torch.empty(triton.cdiv(K, ks), T, H, M, dtype=torch.float32, device=a.device)
         _absorb_kernel[(H, triton.cdiv(M, bm), triton.cdiv(K, ks) if ks else triton.cdiv(T, bt))](
             a, w, dst, T, K, M, a.stride(0), a.stride(1), a.stride(2), *sb, dst.stride(-3), dst.stride(-2),
-            dst.stride(0), BT=bt, BK=bk, BM=bm, KS=ks, PREC=precision or DOT_BY_BLOCK[small], num_warps=warps)
+            dst.stride(0), BT=bt, BK=bk, BM=bm, KS=ks, PREC=precision or DOT_BY_BLOCK[small], num_warps=warps,
+            **stages)
         if ks:
             torch.sum(dst, 0, out=out)
     return out

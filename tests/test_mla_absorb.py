@@ -65,9 +65,9 @@ def test_the_row_kernel_a_program_per_row_equals_the_widened_einsum(transpose):
     assert torch.equal(got[2:3], mla_absorb.absorb(a[2:3], w, tr))      # a row's sums whatever the rows beside it
 
 
-def test_the_dot_precision_diagnostic_reads_ieee_or_tf32x3():
+def test_the_dot_precision_diagnostic_reads_ieee_tf32x3_or_tf32x2():
     """EXL3TOOLS_MLA_ABSORB_DOT: unset is each row block's own (tf32x3 for a decode step's block,
-    IEEE float32 for 64 rows), ieee and tf32x3 are taken, anything else a UsageError naming the
+    IEEE float32 for 64 rows), ieee, tf32x3 and tf32x2 are taken, anything else a UsageError naming the
     variable (cli/serve.py reads it before loading: tests/test_server_cli.py)."""
     from exl3tools.kernels import mla_absorb
 
@@ -77,6 +77,7 @@ def test_the_dot_precision_diagnostic_reads_ieee_or_tf32x3():
     assert mla_absorb.DOT_BY_BLOCK == {True: "tf32x3", False: "ieee"}
     assert mla_absorb._dot_precision("ieee") == "ieee"
     assert mla_absorb._dot_precision("tf32x3") == "tf32x3"
+    assert mla_absorb._dot_precision("tf32x2") == "tf32x2"
     with pytest.raises(UsageError, match="EXL3TOOLS_MLA_ABSORB_DOT='tf32'"):
         mla_absorb._dot_precision("tf32")
 
@@ -193,3 +194,26 @@ def test_past_wide_rows_the_product_is_the_widened_einsum(transpose, monkeypatch
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     mla_absorb.absorb(a, w, transpose)                  # 20 rows: under the default's 64, the kernel
     assert not calls and mla_absorb.WIDE_ROWS == 64
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize(("precision", "wide_tile"), [
+    ("tf32x2", None),                 # the default 64-row block, a_hi * b + a_lo * b
+    ("tf32x2", (32, 64, 16, 4, 2)),   # a wide tile of bench/gpu_mla_absorb.py --sweep-rows 2048's kind
+    ("tf32x3", (64, 32, 32, 8, 3)),
+])
+def test_a_prompts_rows_on_tensor_cores_equal_the_widened_einsum(transpose, precision, wide_tile):
+    """Past SMALL_ROWS the dot kernel takes ``wide_tile`` (rows, m, k, warps, stages) and tf32x2: a
+    split into tf32's leading bits and the rest, both summed (the interpreter's dot is float32 either
+    way, so here a split that lost a part is what fails; on the GPU the sweep checks tf32's rounding)."""
+    _interpret()
+    from exl3tools.kernels import mla_absorb
+
+    g = torch.Generator().manual_seed(3)
+    T, H, K, M = 70, 2, 80, 72
+    w = torch.randn((H, M, K) if transpose else (H, K, M), generator=g).half()
+    a = torch.randn(T, H, K + 16, generator=g)[..., 8:K + 8] * 1e3     # large values: a_lo matters
+    want = mla_absorb.absorb_reference(a, w, transpose)
+    got = mla_absorb.absorb(a, w, transpose, precision=precision, wide_rows=T, wide_tile=wide_tile)
+    assert got.shape == want.shape == (T, H, M)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
