@@ -11,6 +11,7 @@ usage reports accepted/rejected drafts; and rejection sampling keeps the target'
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import lru_cache
 
 import pytest
@@ -136,6 +137,42 @@ def _concurrent(client) -> list:
         return list(pool.map(lambda j: client.completions.create(**kw, **j), jobs))
 
 
+@contextmanager
+def draft_server(path, monkeypatch, **cfg):
+    """A live server of "m" with 3 MTP drafts and the fixed-shape step forced (graphs on the CPU):
+    (app, client, rounds), rounds getting each verify_device's (its rows' sequences, whether the
+    drafts stayed on the device). ``cfg``: more ServeConfig fields (tp)."""
+    import openai
+
+    from exl3tools.runtime import speculative
+    from exl3tools.server.app import ServeConfig, create_app
+    from exl3tools.server.testing import LiveServer
+
+    rounds, real = [], speculative.SpeculativeSteps.verify_device
+    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",     # (the rows' sequences, on the device)
+                        lambda self, *a: (lambda out: rounds.append(({s for s, _ in a[0]}, out is not None))
+                                          or out)(real(self, *a)))
+    app = create_app(ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160,
+                                 block_size=4, speculative_tokens=3, cuda_graphs="force", **cfg))
+    with LiveServer(app) as s:
+        yield app, openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120), rounds
+
+
+def chained_and_host_drafts(client, monkeypatch, rounds) -> dict[str, list]:
+    """A greedy and a seeded sampled request's ids with drafts read from the host a depth
+    (EXL3TOOLS_CHAINED_DRAFTS=0, key "0") and kept on the device ("1"). One server serves both:
+    the variable is read at each draft. A first request caches the prompt, so every compared
+    request starts from the same blocks. Asserts that only "1" verified drafts on the device."""
+    asked_ids(client, 0.0)
+    got = {}
+    for chained in ("0", "1"):
+        monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
+        rounds.clear()
+        got[chained] = [asked_ids(client, t) for t in (0.0, 0.8)]
+        assert any(d for _, d in rounds) == (chained == "1"), rounds
+    return got
+
+
 def _served(path, k: int):
     """_concurrent's completions from a server of ``k`` drafts: their token ids, usages and the
     engine's stats."""
@@ -239,35 +276,13 @@ def test_served_greedy_drafts_stay_on_the_device_through_the_verify(name, reques
     """The fixed-shape step (graphs forced on the CPU): greedy rows drafting the same k keep their
     drafts on the device through the verify (draft_device / verify_device; the host reads the
     drafts with the verdicts once); one request's greedy text equals drafting with a host read
-    between each (EXL3TOOLS_CHAINED_DRAFTS=0: the same rows, so the same verdicts). Three
-    concurrent requests (rows of other k take the host path) finish with drafts made: their
-    texts are not compared, since timing decides their batches and this random model's
-    near-tied argmaxes flip with a batch's rows."""
-
-    from exl3tools.runtime import speculative
-    from exl3tools.server.app import ServeConfig, create_app
-    from exl3tools.server.testing import LiveServer
-
-    path = model_dir(name, request)
-    rounds, real = [], speculative.SpeculativeSteps.verify_device
-    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",     # (the rows' sequences, on the device)
-                        lambda self, *a: (lambda out: rounds.append(({s for s, _ in a[0]}, out is not None))
-                                          or out)(real(self, *a)))
-    # one server (not one a mode and one for the concurrent requests): EXL3TOOLS_CHAINED_DRAFTS is
-    # read at each draft. A first request caches the prompt, so every compared request starts from
-    # the same blocks: the greedy request, then a seeded sampled one (its drafts drawn on the
-    # device: Draw), each the same text as with the host's read a depth
-    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
-                      speculative_tokens=3, cuda_graphs="force")
-    app = create_app(cfg)
-    with LiveServer(app) as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        asked_ids(client, 0.0)
-        got = {}
-        for chained in ("0", "1"):
-            monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
-            rounds.clear()
-            got[chained] = [asked_ids(client, t) for t in (0.0, 0.8)]
+    between each (EXL3TOOLS_CHAINED_DRAFTS=0: the same rows, so the same verdicts), and so does a
+    seeded sampled one's (its drafts drawn on the device: Draw). Three concurrent requests (rows
+    of other k take the host path) finish with drafts made: their texts are not compared, since
+    timing decides their batches and this random model's near-tied argmaxes flip with a batch's
+    rows. One server for every mode and the concurrent requests (draft_server)."""
+    with draft_server(model_dir(name, request), monkeypatch) as (app, client, rounds):
+        got = chained_and_host_drafts(client, monkeypatch, rounds)
         assert got["1"] == got["0"]
         # both requests (a sequence each: the engine numbers them) verified drafts kept on the device
         assert len({s for sids, device in rounds if device for s in sids}) == 2, rounds

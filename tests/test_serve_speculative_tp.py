@@ -11,7 +11,7 @@ import pytest
 from exl3tools.runtime import sampling
 from exl3tools.runtime.runner import load_runner
 from tests.conftest import DSV3_MTP, fixture_dir, model_dir
-from tests.test_serve_speculative import PROMPT, asked_ids
+from tests.test_serve_speculative import PROMPT, chained_and_host_drafts, draft_server
 
 
 @pytest.mark.slow
@@ -20,34 +20,14 @@ def test_served_drafts_at_tp2_stay_on_the_device(monkeypatch):
     device (the worker gets them by broadcasts), and a greedy and a seeded sampled request give
     what rounds that read every depth on the host give (EXL3TOOLS_CHAINED_DRAFTS=0)."""
     import httpx
-    import openai
-
-    from exl3tools.runtime import speculative
-    from exl3tools.server.app import ServeConfig, create_app
-    from exl3tools.server.testing import LiveServer
 
     path = fixture_dir("glm5_moe_dsa-tp-4.0bpw-mcg") / "model"
-    rounds, real = [], speculative.SpeculativeSteps.verify_device
-    monkeypatch.setattr(speculative.SpeculativeSteps, "verify_device",
-                        lambda self, *a: (lambda out: rounds.append(out is not None) or out)(real(self, *a)))
-    # one server (one worker spawned, not one a mode): EXL3TOOLS_CHAINED_DRAFTS is read at each
-    # draft, so each mode's requests run after setting it. A first request puts the prompt in the
-    # prefix cache: every request compared starts from the same cached blocks
-    cfg = ServeConfig(model_path=str(path), served_model_name="m", max_batch=4, max_context=160, block_size=4,
-                      speculative_tokens=3, cuda_graphs="force", tp=2)
-    app = create_app(cfg)
-    with LiveServer(app) as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        asked_ids(client, 0.0)
-        got = {}
-        for chained in ("0", "1"):
-            monkeypatch.setenv("EXL3TOOLS_CHAINED_DRAFTS", chained)
-            rounds.clear()
-            got[chained] = [asked_ids(client, t) for t in (0.0, 0.8)]      # greedy, then seeded sampled
-            assert any(rounds) == (chained == "1"), rounds
+    with draft_server(path, monkeypatch, tp=2) as (app, client, rounds):   # one worker spawned for every mode
+        got = chained_and_host_drafts(client, monkeypatch, rounds)
         stats = app.state.server.engine.stats()
         assert app.state.server.engine.runner.cache_tokens_used() == 0 and stats["spec_drafted_tokens"] > 0
-        metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(f"{s.url}/metrics").text.splitlines()
+        metrics = {ln.split()[0]: float(ln.split()[1])
+                   for ln in httpx.get(str(client.base_url.join("/metrics"))).text.splitlines()
                    if ln.startswith("exl3tools_spec_")}
         assert metrics["exl3tools_spec_draft_tokens"] == stats["spec_drafted_tokens"]
     assert got["1"] == got["0"]
