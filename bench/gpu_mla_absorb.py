@@ -61,7 +61,9 @@ def sweep_tiles(rows: int, transpose: bool) -> list[tuple[int, ...]]:
     if rows > 1:
         fits = ((32, 32, 4), (64, 32, 4), (32, 64, 4), (128, 32, 4), (64, 64, 8), (128, 32, 8))
         return [(bm, bk, w, s) for bm, bk, w in fits for s in (1, 2, 4)]
-    bms, bks = ((16, 32, 64), (128, 256, 512)) if transpose else ((64, 128, 256), (32, 64, 128))
+    # m contiguous: W_UK (k 128-192, m 512) and W_UV^T (k 512, m 128-256), whose 64-column tile
+    # leaves 256 one-warp programs at DeepSeek-V3's shape (15.1 µs against W_UV's 13.6): narrower too
+    bms, bks = ((16, 32, 64), (128, 256, 512)) if transpose else ((16, 32, 64, 128, 256), (32, 64, 128))
     tiles = [(bm, bk, w) for bm in bms for bk in bks for w in (1, 2, 4)]
     return [t for t in tiles if t[0] * t[1] <= 256 * 32 * t[2] and t[0] * t[1] >= 32 * t[2]]
 
