@@ -77,7 +77,16 @@ def test_missing_shard_and_bad_index(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(NotFoundError):
         Checkpoint.open(tmp_path / "nope")
-    with pytest.raises(NotACheckpointError):
+    with pytest.raises(NotACheckpointError) as e:
+        Checkpoint.open(tmp_path)
+    assert "give that folder" not in str(e.value)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")        # a download's model/ folder: named
+    with pytest.raises(NotACheckpointError, match=r"model has one: give that folder\)$"):
+        Checkpoint.open(tmp_path)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text("{}")        # two: no guess
+    with pytest.raises(NotACheckpointError, match="Hugging Face checkpoint directory$"):
         Checkpoint.open(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(NotACheckpointError, match="safetensors"):

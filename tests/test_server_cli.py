@@ -90,6 +90,7 @@ def test_sigterm_lets_streams_in_flight_finish_within_the_shutdown_timeout(timeo
 @pytest.mark.parametrize("args,code,text", [
     (["/nonexistent/model"], 2, "no such checkpoint directory"),
     ([str(REPO / "demo")], 2, "not a checkpoint"),
+    ([str(REPO / "demo" / "glm4_moe-3.0bpw-mcg")], 2, "glm4_moe-3.0bpw-mcg/model has one: give that folder"),
     (["--max-batch", "0"], 2, "must be at least 1"),
     (["--batch-invariant"], 2, "--batch-invariant needs --device cuda"),
 ])

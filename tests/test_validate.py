@@ -579,3 +579,12 @@ def test_validate_is_torch_free():
     mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
     assert "exl3tools.validate.numeric" in mods
     assert "torch" not in mods and "exllamav3" not in mods and "cli" not in mods and "kernels" not in mods
+
+
+def test_a_folder_above_the_checkpoint_names_it():
+    """validate on the demo's folder (its goldens' safetensors beside model/): E100 names model/,
+    the folder meant."""
+    res = CliRunner().invoke(main, ["validate", str(DEMO), "--json"])
+    assert res.exit_code == 1, res.output
+    e100 = [f for f in json.loads(res.output)["findings"] if f["code"] == "E100"]
+    assert e100 and e100[0]["message"].endswith(f"({DEMO / 'model'} has one: give that folder)"), e100

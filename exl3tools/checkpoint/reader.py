@@ -44,6 +44,17 @@ def existing_dir(path: str | os.PathLike[str]) -> Path:
     return root
 
 
+def nested_checkpoint_hint(root: Path) -> str:
+    """For a folder without config.json: " (SUB has one: give that folder)" where exactly one
+    subfolder holds config.json (a download's or the demo's model/), else "". Looks one level
+    down, never deeper; an unreadable folder gives no hint."""
+    try:
+        subs = [p for p in sorted(root.iterdir()) if p.is_dir() and (p / "config.json").is_file()]
+    except OSError:
+        return ""
+    return f" ({subs[0]} has one: give that folder)" if len(subs) == 1 else ""
+
+
 def unsafe_file_name(fname: str) -> bool:
     """An index entry that is not a plain file name inside the checkpoint (path traversal)."""
     return "/" in fname or "\\" in fname or fname in ("", ".", "..")
@@ -107,7 +118,8 @@ class Checkpoint:
         root = existing_dir(path)
         cfg_path = json_file(root, "config.json")
         if cfg_path is None:
-            raise NotACheckpointError(f"{root}: no config.json, not a Hugging Face checkpoint directory")
+            raise NotACheckpointError(f"{root}: no config.json, not a Hugging Face checkpoint directory"
+                                      + nested_checkpoint_hint(root))
         config = load_json(cfg_path, "config.json")
         if not isinstance(config, dict):
             raise CheckpointError(f"{cfg_path}: config.json is not a JSON object")

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from exl3tools.checkpoint.reader import Checkpoint, existing_dir, load_json
+from exl3tools.checkpoint.reader import Checkpoint, existing_dir, load_json, nested_checkpoint_hint
 from exl3tools.errors import (
     CheckpointError,
     IncompleteOutputError,
@@ -59,7 +59,8 @@ def resolve(path: str | Path, tp: int) -> Layout:
     ranks = rank_dirs(root)
     if not ranks:
         if not (root / "config.json").is_file():
-            raise NotACheckpointError(f"{root}: no config.json and no rank-*-of-*/ directories")
+            raise NotACheckpointError(f"{root}: no config.json and no rank-*-of-*/ directories"
+                                      + nested_checkpoint_hint(root))
         return Layout("unsliced", root, tp)
     ns = {n for n, _ in ranks.values()}
     if len(ns) != 1:

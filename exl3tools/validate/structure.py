@@ -20,6 +20,7 @@ from exl3tools.checkpoint.reader import (
     TensorRef,
     load_json,
     merge_quantization_config,
+    nested_checkpoint_hint,
     unsafe_file_name,
 )
 from exl3tools.errors import CheckpointError, HeaderError, NotACheckpointError
@@ -51,11 +52,12 @@ def open_tolerant(root: Path, sink: Sink, defer_qfile: bool = False) -> tuple[Ch
     globbed = sorted(p.name for p in root.glob("*.safetensors"))
     cfg_kind, idx_kind, q_kind = path_kind(cfg_path), path_kind(idx_path), path_kind(qpath)
     if cfg_kind is None and not globbed and idx_kind is None:
-        raise NotACheckpointError(f"{root}: no config.json and no *.safetensors: not a checkpoint directory")
+        raise NotACheckpointError(f"{root}: no config.json and no *.safetensors: not a checkpoint directory"
+                                  + nested_checkpoint_hint(root))
 
     config: dict[str, Any] = {}
     if cfg_kind is None:
-        sink.add("E100", "config.json", None, "config.json missing")
+        sink.add("E100", "config.json", None, "config.json missing" + nested_checkpoint_hint(root))
     else:  # a FIFO, device or directory is reported by the reader, never opened for reading
         config = _json_object(cfg_path, "config.json", "E100", sink) or {}
 
