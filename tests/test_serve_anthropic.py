@@ -104,6 +104,21 @@ def test_a_stop_sequence_is_named(clients):
     assert claude.messages.create(**kw).stop_sequence is None
 
 
+def test_streamed_usage_equals_the_whole_messages_with_prefix_cache_hits(clients):
+    """message_start goes out before the prefix cache is consulted: the stream's last usage
+    (message_delta, cumulative as Anthropic's) must carry the input counts the whole message has."""
+    claude, _ = clients
+    kw = dict(model="demo", max_tokens=3, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "a prompt long enough to fill two cache blocks " * 2}])
+    claude.messages.create(**kw)                 # warms the prefix cache
+    whole = claude.messages.create(**kw)
+    assert whole.usage.cache_read_input_tokens >= 16
+    with claude.messages.stream(**kw) as s:
+        streamed = s.get_final_message().usage
+    assert (streamed.input_tokens, streamed.cache_read_input_tokens, streamed.output_tokens) == (
+        whole.usage.input_tokens, whole.usage.cache_read_input_tokens, whole.usage.output_tokens)
+
+
 def test_output_config_format_holds_the_answer_to_a_schema(clients):
     import json
 

@@ -188,6 +188,22 @@ def test_n_choices_are_indexed_and_independent(client):
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
 
 
+def test_cached_tokens_count_each_prompt_once_whatever_n(client):
+    """prompt_tokens counts a prompt once whatever n; its cache hits must too (n choices each
+    reported the hits: cached_tokens 4x the cached blocks, above prompt_tokens)."""
+    msgs = [{"role": "user", "content": "a prompt long enough to fill two cache blocks " * 2}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    one = client.chat.completions.create(**kw)
+    one = client.chat.completions.create(**kw)     # the prompt's full blocks now cached
+    cached = one.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16
+    many = client.chat.completions.create(n=4, **kw)
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.prompt_tokens_details.cached_tokens == cached
+    *_, usage = _stream_chat(client, n=4, **kw)
+    assert usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_multiple_prompts_times_n(client):
     r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], max_tokens=3, n=2,
                                   temperature=0, extra_body={"ignore_eos": True})
@@ -218,6 +234,25 @@ def test_completion_logprobs(client):
         assert chosen <= 0 and 1 <= len(top) <= 3
         assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
     assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completion_text_offsets_index_the_text_across_byte_tokens(client):
+    """Each token's text_offset is where its text starts in the choice's text, streamed or not,
+    also past tokens shown as "bytes:\\xNN" (an emoji or CJK character over several byte tokens;
+    the offsets once added up those display strings' lengths, and pointed past the text's end)."""
+    target = "h\u00e9llo \U0001F600 \u65e5\u672c done"
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, logprobs=0,
+              extra_body={"structured_outputs": {"choice": [target]}})
+    r = client.completions.create(**kw)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == target and any(t.startswith("bytes:") for t in lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    for tok, off in zip(lp.tokens, lp.text_offset, strict=True):
+        if not tok.startswith("bytes:") and tok != "</s>":
+            assert text[off:off + len(tok)] == tok
+    streamed = [o for chunk in client.completions.create(stream=True, **kw) for c in chunk.choices
+                if c.logprobs for o in c.logprobs.text_offset]
+    assert streamed == lp.text_offset
 
 
 def test_chat_logprobs(client):

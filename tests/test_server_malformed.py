@@ -104,6 +104,9 @@ CASES = [
     ("repetition-penalty-zero", COMP, comp(repetition_penalty=0.0), 400, None),
     ("min-p-range", COMP, comp(min_p=1.5), 400, None),
     ("logit-bias-key", COMP, comp(logit_bias={"abc": 10}), 400, None),
+    # str.isdigit() takes "²" (int() then raised: a 500) and "٥" (read as 5)
+    ("logit-bias-key-superscript", COMP, comp(logit_bias={"\u00b2": 10}), 400, "invalid_value"),
+    ("logit-bias-key-non-ascii-digit", CHAT, chat(logit_bias={"\u0665": 10}), 400, "invalid_value"),
     ("logit-bias-token", COMP, comp(logit_bias={"99999999": 10}), 400, None),
     ("logit-bias-value", COMP, comp(logit_bias={"5": 101}), 400, None),
     ("min-tokens-over-max", COMP, comp(min_tokens=50, max_tokens=5), 400, None),

@@ -265,6 +265,9 @@ class EventWriter:
     def end(self, chat_usage: dict[str, Any]) -> list[dict[str, Any]]:
         reason, matched = stop_reason(self.finish, self.stopped_by)
         return self._close() + [
+            # the whole usage (Anthropic's counts here are cumulative): message_start went out before
+            # admission, when the prefix cache's hits were unknown, so the SDK's final message
+            # kept input_tokens = the whole prompt where the unstreamed answer gives prompt - hits
             {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
-             "usage": {"output_tokens": chat_usage["completion_tokens"]}},
+             "usage": usage(chat_usage)},
             {"type": "message_stop"}]

@@ -59,6 +59,11 @@ class TextTracker:
         return out
 
     @property
+    def offset(self) -> int:
+        """Characters decoded so far: where the next token's text starts."""
+        return len(self._text)
+
+    @property
     def text(self) -> str:
         return self._text[: self._sent]
 

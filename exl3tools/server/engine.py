@@ -166,7 +166,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
             raise APIError(400, f"this request asks for {seqs_needed} sequences (prompts x n); the "
                            f"server queues at most {self.max_queue} (--max-queue)",
                            param="n" if n > 1 else "prompt", code="too_many_sequences")
-        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts), received)  # once, not x n
+        handle = RequestHandle(self, loop, seqs_needed, sum(len(p) for p in prompts), received, n)  # once, not x n
         tok = tokenizer or self.runner.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._cond:
@@ -472,8 +472,7 @@ class Engine(TokenSampling, SpeculativeRounds, PromptScoring):
                                                      **self._spec_kw(seq))
                 held += runner.blocks_needed([(seq.seq_id, seq.pending + 1)])
                 self._admitted.append((seq.handle.t_received, seq.handle.t_arrival))
-                if not seq.output_ids:     # prompt tokens served from cache (not a preempted one's history)
-                    seq.handle.cached_tokens += seq.num_cached
+                seq.handle.note_cached(seq)
                 self._running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:

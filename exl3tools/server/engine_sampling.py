@@ -104,7 +104,7 @@ class TokenSampling:
         ev = Event(seq.index, token_ids=[token])
         if p.logprobs is not None:
             lp, top = self._logprobs_fn(row, token, p.logprobs)
-            ev.logprobs = [TokenLogprob(token, lp, top)]
+            ev.logprobs = [TokenLogprob(token, lp, top, seq.tracker.offset)]
         seq.output_ids.append(token)
         if seq.adjust is not None:
             seq.adjust.add(token)

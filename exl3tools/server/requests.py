@@ -20,6 +20,10 @@ class TokenLogprob:
     token_id: int
     logprob: float | None                   # None (and top None): a prompt's first token (echo)
     top: list[tuple[int, float]] | None
+    # completions' text_offset: where the token's text starts in the completion's text (the
+    # detokenizer's, so byte tokens and held-back stop-string text count right); None: a prompt
+    # token's (echo), placed by the display strings before it
+    offset: int | None = None
 
 
 @dataclass(slots=True)
@@ -83,7 +87,7 @@ class RequestHandle:
     """The event loop's side of a request: an asyncio queue of Events, and cancel()."""
 
     def __init__(self, engine: Engine, loop: Any, n_seqs: int, prompt_tokens: int,
-                 received: float | None = None) -> None:
+                 received: float | None = None, n: int = 1) -> None:
         import asyncio
 
         self._engine, self._loop = engine, loop
@@ -91,12 +95,23 @@ class RequestHandle:
         self.seqs: list[Sequence] = []
         self.remaining = n_seqs
         self.prompt_tokens = prompt_tokens
-        self.cached_tokens = 0       # prompt tokens served from the prefix cache
+        self.n = n                   # choices per prompt
+        self._cached: dict[int, int] = {}   # prompt -> its tokens the prefix cache served
         self.accepted_tokens = self.rejected_tokens = 0   # MTP drafts (speculative decoding)
         self.completion_tokens = 0
         self.t_arrival = time.monotonic()       # queued
         self.t_received = self.t_arrival if received is None else received   # reached the server
         self.cancelled = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt once (as prompt_tokens counts
+        them): summed over n choices, or again at a re-admission, they exceeded prompt_tokens."""
+        return sum(self._cached.values())
+
+    def note_cached(self, seq: Sequence) -> None:  # engine thread: ``seq`` admitted
+        if not seq.output_ids:       # (a preempted one's recomputed history is no prompt hit)
+            self._cached.setdefault(seq.index // self.n, seq.num_cached)
 
     def push(self, ev: Event) -> None:  # engine thread: delivered in one batch after the step
         self._engine._outbox.append((self, ev))

@@ -81,11 +81,16 @@ class Formatter:
                              "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries],
                 "refusal": None}
 
-    def _legacy_lp(self, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens, offsets = [], []
+    def _legacy_lp(self, entries: list[TokenLogprob], index: int) -> dict[str, Any]:
+        # a completion token's offset is the detokenizer's (TokenLogprob.offset), after the echoed
+        # prompt; summing display strings ("bytes:\\xNN" for a byte token) overshot the text
+        base = len(self._echo[index // self._n]) if self._echo is not None else 0
+        tokens, offsets, offset = [], [], 0
         for e in entries:
             s = self._token_str(e.token_id)
             tokens.append(s)
+            if e.offset is not None:
+                offset = base + e.offset
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
@@ -93,10 +98,10 @@ class Formatter:
                                  for e in entries],
                 "text_offset": offsets}
 
-    def _lp(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+    def _lp(self, entries: list[TokenLogprob], index: int) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
-        return self._chat_lp(entries) if self.chat else self._legacy_lp(entries, offset)
+        return self._chat_lp(entries) if self.chat else self._legacy_lp(entries, index)
 
     # ------------------------------------------------------------ whole responses
 
@@ -118,7 +123,7 @@ class Formatter:
                 body["text"] = text if self._echo is None else self._echo[c.index // self._n] + text
             if reasoning is not None:
                 body["message"]["reasoning_content"] = reasoning
-            body["logprobs"] = self._lp(c.prompt_logprobs + c.logprobs)
+            body["logprobs"] = self._lp(c.prompt_logprobs + c.logprobs, c.index)
             body["finish_reason"] = finish
             body["stop_reason"] = c.stop_reason if finish == "stop" else None    # (as vLLM's)
             if self._token_ids:
@@ -135,7 +140,7 @@ class Formatter:
                 "created": self.created, "model": self.model, "system_fingerprint": None,
                 "choices": choices, "usage": usage_obj}
 
-    def chunks(self, ev: Event, text_offset: int = 0) -> list[dict]:
+    def chunks(self, ev: Event) -> list[dict]:
         """Zero, one or two chunks for one event (chat opens each choice with its role)."""
         out = []
         if self.chat and ev.index not in self._started:
@@ -158,7 +163,7 @@ class Formatter:
         if (not text and not reasoning and ev.finish_reason is None and not (self._logprobs and entries)
                 and not self._token_ids):
             return out
-        lp = self._lp(entries, text_offset)
+        lp = self._lp(entries, ev.index)
         if self.chat:
             delta, finish = ({"content": text} if text else {}), ev.finish_reason
             if self._calls is not None and finish is not None:   # the calls in one delta, as OpenAI's
@@ -188,20 +193,17 @@ DONE = "data: [DONE]\n\n"
 
 
 class ChatStream:
-    """A completion or chat completion stream's text: each event's chunks (their logprob text
-    offsets kept per choice), the usage chunk if asked for, then [DONE]."""
+    """A completion or chat completion stream's text: each event's chunks, the usage chunk if
+    asked for, then [DONE]."""
 
     def __init__(self, fmt: Formatter, include_usage: bool) -> None:
         self.fmt, self.include_usage = fmt, include_usage
-        self.offsets: dict[int, int] = {}
 
     def start(self) -> str:
         return ""
 
     def feed(self, ev: Event) -> str:
-        out = "".join(sse(chunk, bool(ev.logprobs)) for chunk in self.fmt.chunks(ev, self.offsets.get(ev.index, 0)))
-        self.offsets[ev.index] = self.offsets.get(ev.index, 0) + len(ev.text)   # (echo's text counted too)
-        return out
+        return "".join(sse(chunk, bool(ev.logprobs)) for chunk in self.fmt.chunks(ev))
 
     def error(self, err: Any) -> str:
         return sse(err.body()) + DONE

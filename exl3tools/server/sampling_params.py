@@ -73,7 +73,8 @@ def _logit_bias(req: _Sampling, vocab_size: int) -> tuple[tuple[int, float], ...
     bias = req.logit_bias or {}      # its entry count: parse_body's _refuse_oversized_lists
     out = []
     for key, value in bias.items():
-        if not key.isdigit() or len(key) > 12 or not 0 <= int(key) < vocab_size:
+        # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and "٥"
+        if not (key.isascii() and key.isdigit()) or len(key) > 12 or not 0 <= int(key) < vocab_size:
             raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key[:40]!r}",
                               param="logit_bias")
         if not -100.0 <= value <= 100.0:
