@@ -51,7 +51,8 @@ class LazyGroup(click.Group):
         return getattr(mod, attr)
 
     def invoke(self, ctx: click.Context):  # one place turns errors into one line + exit code
-        from exl3tools.cli._errors import EXIT_INTERRUPTED, classify
+        from exl3tools.cli._errors import EXIT_INTERRUPTED, EXIT_STDOUT_CLOSED, classify
+        from exl3tools.cli._output import StdoutClosed
 
         try:
             return super().invoke(ctx)
@@ -60,6 +61,9 @@ class LazyGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        except StdoutClosed:  # not an error to report: the reader has all it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+            sys.exit(EXIT_STDOUT_CLOSED)
         except BaseException as exc:
             if isinstance(exc, SystemExit) or _debug(ctx):
                 raise

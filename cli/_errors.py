@@ -12,6 +12,7 @@ Exit codes (documented in README.md):
   4  runtime failure (a worker or tensor-parallel peer died)
  70  internal error: a bug in exl3tools (please report it; --debug shows the traceback)
 130  interrupted
+141  stdout closed before all output was written (``| head -1``), as SIGPIPE ends a shell filter; quiet
  70  internal error: a bug (anything not in the table below); please report it with --debug output
 Tracebacks only with --debug or EXL3TOOLS_DEBUG=1.
 """
@@ -29,6 +30,7 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 EXIT_RUNTIME = 4
 EXIT_INTERRUPTED = 130
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what `yes | head -1` exits with under `set -o pipefail`
 
 # Ordered: the first matching class wins, so subclasses come before their bases.
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from typing import Any
@@ -10,14 +11,28 @@ from rich.console import Console
 
 from exl3tools.text import for_console
 
-console = Console(highlight=False)            # tables and results, stdout
+
+class StdoutClosed(BrokenPipeError):
+    """Whoever read stdout stopped (``| head -1``); cli/__init__.py exits quietly with its code."""
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich's own handler exits 1, the code of a broken checkpoint (validate | head -1 "found errors")
+        raise StdoutClosed(errno.EPIPE, "stdout closed")
+
+
+console = _Console(highlight=False)            # tables and results, stdout
 err_console = Console(stderr=True, highlight=False)  # status, warnings, progress
 
 
 def emit_json(obj: Any) -> None:
     """One JSON document on stdout."""
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=_default) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=_default) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError as exc:
+        raise StdoutClosed(*exc.args) from None
 
 
 def _default(o: Any) -> Any:

@@ -49,7 +49,7 @@ def inspect_cmd(path: str, tp: int | None, tensor: str | None, as_json: bool) ->
         for s, info in rep.tensors.items():
             t.add_row(f".{s}", f"{info['dtype']} {info['shape']}")
         for k, v in rep.stats.items():
-            t.add_row(f"W {k}", f"{v:.6g}")
+            t.add_row(f"W {k}", "-" if v is None else f"{v:.6g}")
         console.print(t)
         return
 

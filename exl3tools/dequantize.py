@@ -2,7 +2,7 @@
 
 Streaming: each linear is decoded in slabs of output channels, which are contiguous rows of the HF
 ``(out, in)`` weight, so memory stays bounded by one slab whatever the model size. Shards are
-grouped by top-level module (embedding, each decoder layer, head); the index is written last.
+grouped by top-level module (embedding, each decoder layer, head); the index, then config.json come last.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from exl3tools.checkpoint import Checkpoint
+from exl3tools.checkpoint.copy import WHOLE, copy_tensor
 from exl3tools.checkpoint.writer import (
     ShardWriter,
     copy_atomic,
@@ -129,6 +130,28 @@ def _refuse_broken_linears(ck: Checkpoint, wanted: set[str] | None) -> None:
         raise CheckpointError(f"{ck.root}: {bad[0].line}{more}: dequantizing it would write wrong weights")
 
 
+def refuse_undecodable(ck: Checkpoint, prefixes: set[str]) -> None:
+    """The linears of ``prefixes`` that validate's E2xx rules mark as not safe to decode (a part of
+    the wrong dtype, rank or length, an illegal K, both markers): the reference decoder would stop
+    with a bare ValueError (exit 70) or decode garbage. ``inspect --tensor`` and ``diff`` decode
+    such linears for a look, so only these are refused (not a K that differs from the other
+    experts'), in one line naming the file and the first finding."""
+    from exl3tools.validate.context import Context
+    from exl3tools.validate.findings import Sink
+    from exl3tools.validate.linears import check_linears
+
+    sink = Sink(ck.root)
+    ctx = Context.build(ck, sink, set())
+    check_linears(ctx)
+    bad = sorted(ctx.broken & prefixes)
+    if bad:
+        p = bad[0]
+        f = next((f for f in sink.findings if f.tensor == p or (f.tensor or "").startswith(f"{p}.")), None)
+        what = f.line if f is not None else f"{p}: malformed EXL3 linear"
+        more = f" (and {len(bad) - 1} more linears; exl3tools validate lists them)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{ck.root}: {what}{more}: it cannot be decoded")
+
+
 def to_dtype_bytes(x: np.ndarray, odt: str) -> bytes:
     if odt == "F32":
         return np.ascontiguousarray(x, dtype="<f4").tobytes()
@@ -186,10 +209,18 @@ def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = Fal
     if dst.exists() and not dst.is_dir():
         raise OutputExistsError(f"{dst}: exists and is not a directory")
     if dst.is_dir() and any(dst.iterdir()):
-        if not (dst / "config.json").is_file():  # --overwrite replaces a checkpoint, not any folder
+        # --overwrite replaces a checkpoint, finished or not (shards without config.json: a killed
+        # run), not any folder
+        finished = (dst / "config.json").is_file()
+        if not finished and not any(dst.glob("*.safetensors")):
             raise OutputExistsError(f"{dst}: a non-empty folder that is not a checkpoint; choose an empty or new DST")
         if not overwrite:
-            raise OutputExistsError(f"{dst}: already holds a checkpoint (use --overwrite)")
+            raise OutputExistsError(f"{dst}: already holds a{'' if finished else 'n unfinished'} checkpoint "
+                                    "(use --overwrite)")
+        # the old checkpoint stops being one before its shards are replaced: a run killed midway left
+        # new and old shards (fp32 beside bf16) under the old config and index, complete to any reader
+        (dst / "config.json").unlink(missing_ok=True)
+        (dst / "model.safetensors.index.json").unlink(missing_ok=True)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for fname, tensors in plan.shards:
@@ -201,8 +232,11 @@ def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = Fal
                         w.write(chunk)
                 elif t.source == "bias":
                     w.write(to_dtype_bytes(ck.read_numpy(f"{t.key}.bias")[: t.shape[0]].astype(np.float32), t.dtype))
-                else:
-                    w.write(ck.read_bytes(t.key))
+                else:  # in chunks: a dense tensor read whole (GLM-5's 1.9 GB embedding) set the peak RSS
+                    ref = ck.ref(t.key)
+                    with open(ref.file, "rb", buffering=0) as f:
+                        copy_tensor(f.fileno(), ref.info.begin, ref.info.shape, ref.info.itemsize,
+                                    [(w, WHOLE)], lambda n: None, path=ref.file)
                 weight_map[t.name] = fname
                 if progress:
                     progress(t.nbytes)
@@ -217,8 +251,9 @@ def apply_dequantize(plan: DequantPlan, ck: Checkpoint, *, overwrite: bool = Fal
     config["dtype"] = config["torch_dtype"]
     config.setdefault("exl3tools", {})
     config["exl3tools"] = {"dequantized_from": str(ck.root), "source_quantization": ck.quantization_config}
-    write_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    # the index last: a directory without it is unfinished
     write_atomic(dst / "model.safetensors.index.json", index_json(weight_map, plan.total_bytes))
+    # config.json last: a folder without it is no checkpoint to any reader, while one without an
+    # index is (its shards globbed)
+    write_atomic(dst / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     fsync_dir(dst)
     return dst

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from exl3tools.checkpoint import Checkpoint
-from exl3tools.dequantize import SLAB_COLUMNS, linear_rows
+from exl3tools.dequantize import SLAB_COLUMNS, linear_rows, refuse_undecodable
 from exl3tools.errors import CheckpointError, UsageError
 from exl3tools.exl3 import fmt_k
 from exl3tools.layout import layer_of, real_dims, scan_refs
@@ -141,6 +141,8 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, *,
     common = [p for p in names if sa.has(p) and sb.has(p)]
     if not common:
         raise UsageError(f"{a.root} and {b.root} have no linear in common")
+    for side in (sa, sb):
+        refuse_undecodable(side.ck, set(common) & set(side.scan.linears))
     linears, layers = [], {}
     for i, p in enumerate(common):
         shape = sa.shape(p)
@@ -149,6 +151,10 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, *,
         sums = _Sums()
         for ra, rb in zip(sa.rows(p, shape), sb.rows(p, shape), strict=True):
             sums.add(ra, rb)
+        for side, total in ((a, sums.a2), (b, sums.b2)):
+            if not math.isfinite(total):  # NaN/Inf in a scale or weight: no ratio means anything (nor is JSON)
+                raise CheckpointError(f"{side.root}: {p} holds NaN or Inf values (exl3tools validate names "
+                                      "the tensor)")
         linears.append(sums.row(p, sa.describe(p), sb.describe(p)))
         layers.setdefault(_layer_key(p), _Sums()).merge(sums)
         if progress is not None:

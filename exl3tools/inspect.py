@@ -161,7 +161,7 @@ class TensorReport:
     bits: str
     codebook: str
     tensors: dict[str, dict[str, Any]]
-    stats: dict[str, float]
+    stats: dict[str, float | int | None]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,6 +184,9 @@ def inspect_tensor(ck: Checkpoint, key: str) -> TensorReport:
     lin = sc.linears.get(prefix)
     if lin is None:
         raise MissingTensorError(f"{ck.root}: no EXL3 linear {prefix!r} (it needs {prefix}.trellis)")
+    from exl3tools.dequantize import refuse_undecodable
+
+    refuse_undecodable(ck, {prefix})
     dims = real_dims(ck.config, ck.tensors).get(prefix, (None, None))
     tensors = {s: {"dtype": ck.tensors[f"{prefix}.{s}"].dtype, "shape": list(ck.tensors[f"{prefix}.{s}"].shape)}
                for s in lin.suffixes}
@@ -195,8 +198,14 @@ def inspect_tensor(ck: Checkpoint, key: str) -> TensorReport:
     w = decode_linear(tr, suh, svh, lin.codebook if lin.codebook != "both" else "mcg")
     i_r, o_r = dims
     real = w[: i_r or w.shape[0], : o_r or w.shape[1]]
-    stats = {"mean": float(real.mean()), "std": float(real.std()), "abs_max": float(np.abs(real).max()),
-             "finite": float(np.isfinite(real).all()),
-             "padding_abs_max": float(np.abs(w[:, o_r:]).max()) if o_r and o_r < w.shape[1] else 0.0}
+    # NaN/Inf (from a damaged suh/svh) are counted, and the other stats taken over the finite values:
+    # JSON has no NaN or Infinity, and --json must stay parseable
+    ok = np.isfinite(real)
+    fin = real[ok]
+    pad = w[:, o_r:] if o_r and o_r < w.shape[1] else w[:, :0]
+    stats = {"mean": float(fin.mean()) if fin.size else None, "std": float(fin.std()) if fin.size else None,
+             "abs_max": float(np.abs(fin).max()) if fin.size else None, "finite": float(ok.all()),
+             "nonfinite": int(real.size - fin.size),
+             "padding_abs_max": float(np.abs(pad[np.isfinite(pad)]).max(initial=0.0))}
     return TensorReport(prefix, lin.family, lin.k, lin.n, i_r, o_r,
                         fmt_k(lin.bits) if lin.bits else "illegal", lin.codebook, tensors, stats)

@@ -204,7 +204,7 @@ def _rename_storage(qcfg: dict, plan: NormalizePlan, out_shapes: dict[str, NTens
 
 def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[str],
                     progress: Callable[[int], None] | None = None) -> None:
-    """Write the normalized checkpoint to ``dst`` (temp names + rename; the index last)."""
+    """Write the normalized checkpoint to ``dst`` (temp names + rename; the index, then config.json last)."""
     dst = Path(dst)
     refuse_overlap(ck.root, dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -239,13 +239,17 @@ def apply_normalize(ck: Checkpoint, plan: NormalizePlan, dst: str | os.PathLike[
             os.close(fd)
     out_shapes = {t.name: t for _, _, ts in plan.shards for t in ts}
     for p in sorted(ck.root.iterdir()):
-        if not p.is_file() or p.name.endswith(".safetensors") or p.name == INDEX_NAME:
+        if not p.is_file() or p.name.endswith(".safetensors") or p.name in (INDEX_NAME, "config.json"):
             continue
         if p.name == "quantization_config.json" and plan.renames and ck.quantization_config_file:
             write_atomic(dst / p.name, json_bytes(_rename_storage(ck.quantization_config_file, plan, out_shapes), 4))
         else:
             copy_atomic(p, dst / p.name)
     write_atomic(dst / INDEX_NAME, index_json(dict(sorted(weight_map.items())), total))
+    # config.json last: readers take a folder without an index (its shards globbed) for a checkpoint,
+    # so a run killed before the index was done, without tokenizer files, validated OK; a folder
+    # without config.json is no checkpoint to any reader
+    copy_atomic(ck.root / "config.json", dst / "config.json")
     fsync_dir(dst)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,18 @@ from exl3tools.checkpoint.writer import FileRange
 CHUNK_BYTES = 32 << 20   # bound on one contiguous piece handed to a writer
 STRIDED_BYTES = 8 << 20  # rows read at once for strided (column) cuts: one such buffer per reader
 SMALL_COPY = 1 << 20     # pieces below this travel as bytes even where the writer could copy in-kernel
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A target's slice for ``copy_tensor``: rows ``start:stop`` of dimension ``dim`` (None: whole)."""
+
+    dim: int | None = None
+    start: int | None = None
+    stop: int | None = None
+
+
+WHOLE = Part()
 
 
 def copy_tensor(fd: int, begin: int, shape: tuple[int, ...], itemsize: int, targets: list[tuple[Any, Any]],

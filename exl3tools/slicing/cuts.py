@@ -162,15 +162,23 @@ def collect_modules(ck: Checkpoint) -> dict[str, Module]:
         mods[p] = Module(p, "exl3", names, lin.n, lin.k)
     for name, (_dtype, shape) in sc.dense.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and len(shape) == 2 and role_of(prefix) != "replicate":
+        if leaf == "weight" and len(shape) == 2 and role_of(prefix) != "replicate" and prefix not in mods:
             names = (name,) + ((f"{prefix}.bias",) if f"{prefix}.bias" in sc.dense else ())
             mods[prefix] = Module(prefix, "dense_linear", names, shape[0], shape[1])
     owned = {t for m in mods.values() for t in m.tensors}
     grouped: dict[str, list[str]] = {}  # lists, then one tuple each: appending to a tuple is quadratic
     for name in sc.dense:
-        prefix = name.rpartition(".")[0] or name
-        if name in owned or (prefix in mods and mods[prefix].kind != "dense"):
+        if name in owned:
             continue
+        prefix = name.rpartition(".")[0] or name
+        kind = mods[prefix].kind if prefix in mods else "dense"
+        if kind == "exl3":
+            # a stray tensor under an EXL3 linear (P.weight beside P.trellis, P.foo): no loader reads
+            # it (validate W302), so it is its own module, copied whole to every rank, not left unowned
+            prefix = name
+        elif kind == "dense_linear":  # e.g. an fp8 weight's scales: cut like the weight, or wrong
+            raise IncompatibleSliceError(f"{name}: rank-slice cuts only .weight and .bias of the split "
+                                         f"linear {prefix}, not this tensor")
         grouped.setdefault(prefix, []).append(name)
     for prefix, names in grouped.items():
         mods[prefix] = Module(prefix, "dense", tuple(names))
