@@ -195,6 +195,27 @@ def test_errors_come_in_anthropics_shape(clients):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
 
 
+@pytest.mark.parametrize("extra,named", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "input": {}}]}]}, "messages[1].content[0].name"),
+    ({"tools": [{"name": "no spaces", "input_schema": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"input_schema": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"name": "f", "input_schema": "{}"}]}, "tools[0].input_schema"),
+    ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+])
+def test_bad_input_is_a_400_naming_the_messages_field(clients, extra, named):
+    """A 400's message names the Messages request's own field (messages[i].content[j].name,
+    tools[i].input_schema), never the chat completion's that the request becomes."""
+    claude, _ = clients
+    body = {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.post("/v1/messages", body=body, cast_to=object)
+    err = e.value.body
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    assert named in err["error"]["message"], err
+    assert not re.search(r'function|tool_calls|parameters|response_format', err["error"]["message"]), err
+
+
 def test_thinking_comes_back_as_a_thinking_block():
     """A reasoning model's chat answer (--reasoning-parser: reasoning_content, then content) as a
     thinking block before the text, whole and streamed from chat chunks."""

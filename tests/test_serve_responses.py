@@ -162,6 +162,35 @@ def test_what_the_server_cannot_do_is_a_400(client, extra, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+@pytest.mark.parametrize("extra,param", [
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"content": "hi"}]}, "input[0].role"),
+    ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "input[1].role"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
+    ({"tools": [{"type": "function", "name": "no spaces"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "{}"}]}, "tools[0].parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "no spaces", "schema": {}}}}, "text.format.name"),
+    ({"input": "hi " * 600}, "input"),                                   # past the 256-token context
+    ({"max_output_tokens": 4000}, "max_output_tokens"),
+])
+def test_bad_input_is_a_400_naming_the_responses_field(client, extra, param):
+    """A 400 names the Responses request's own field (input[i], tools[i].name, text.format), in
+    its param and its message, never the chat completion's (messages, tools[i].function,
+    response_format) that the request becomes."""
+    body = {"model": "demo", "input": "hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/responses", body=body, cast_to=object)
+    err = e.value.body
+    assert err["param"] == param, err
+    assert param in err["message"] or err["code"] == "context_length_exceeded", err
+    assert not re.search(r'messages|function\.|"function": \{|response_format|tool_calls|max_tokens', err["message"]), err
+
+
 def test_thinking_comes_back_as_a_reasoning_item():
     """A reasoning model's chat answer (--reasoning-parser: reasoning_content, then content) as
     the Response's reasoning item before its message, whole and streamed from chat chunks."""

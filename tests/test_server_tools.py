@@ -178,6 +178,50 @@ def test_auto_reads_deepseek_calls_streamed_and_whole(scripted, body):
     assert [tc.function.name for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])] == ["get_weather", "now"]
 
 
+NOW_CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize("text,content", [
+    ("Sure! " + NOW_CALL, "Sure!"),                           # the space before the call is dropped
+    ("\n\n" + NOW_CALL + "\n", None),                          # whitespace alone is no content
+    ("Sure! " + NOW_CALL + "\nDone. ", "Sure!\nDone."),          # text after the calls kept
+    ("It is sunny.  \n", "It is sunny.  \n"),                    # no call: the answer as written
+])
+def test_auto_content_is_the_same_streamed_and_whole(scripted, text, content):
+    """An "auto" answer's content streamed adds up to the whole answer's: whitespace before a call
+    (and at the answer's end) is dropped from both, the stream holding it back until text follows."""
+    client = scripted(HERMES, text)
+    m = call(client, temperature=0.5, seed=1, max_tokens=150).choices[0]
+    chunks = [ch for ch in call(client, temperature=0.5, seed=2, stream=True, max_tokens=150) if ch.choices]
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert m.message.content == content and streamed == (content or ""), (m.message.content, streamed)
+    calls = [tc.function.name for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert calls == [tc.function.name for tc in m.message.tool_calls or []]
+
+
+@pytest.mark.parametrize("family,call_text", [
+    ("hermes", NOW_CALL), ("glm", "<tool_call>now\n</tool_call>"),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")])
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_streamed_auto_content_equals_the_whole_for_every_chunking(family, call_text, finish):
+    """CallReader's streamed content (feed, then finish) against its whole message for answers cut
+    into chunks every way (one cut, and every character alone), calls or none, cut or not."""
+    from exl3tools.server.tools import CallReader, CallSyntax, ToolMode
+
+    mode = ToolMode(syntax=CallSyntax(family))
+    texts = [f"Sure! {call_text}", f" \n{call_text}\n", f"Sure!\t{call_text} then {call_text}  ok \n",
+             f"a  {call_text[:-1]}", "plain  ", "  ", f"x {call_text[:5]}  y ", f"{call_text}"]
+    for text in texts:
+        whole, _ = CallReader(mode).message(text, finish)
+        for cuts in [[k] for k in range(len(text) + 1)] + [list(range(1, len(text)))]:
+            reader, sent, at = CallReader(mode), "", 0
+            for k in [*cuts, len(text)]:
+                sent += reader.feed(0, text[at:k])
+                at = k
+            last, _ = reader.finish(0, finish)
+            assert sent + last.get("content", "") == (whole["content"] or ""), (text, cuts)
+
+
 def test_deepseek_blocks_that_do_not_parse_leave_the_answer_text():
     from exl3tools.server.tools import CallSyntax
 

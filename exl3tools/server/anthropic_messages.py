@@ -24,9 +24,14 @@ from exl3tools.server.request_models import ChatCompletionRequest, _Constrained,
 
 
 class MessagesChat(ChatCompletionRequest):
-    """The chat request a Messages request becomes (``to_chat``): its 400s name output_config.format."""
+    """The chat request a Messages request becomes (``to_chat``): its 400s name the Messages fields
+    (output_config.format, tools[i].name, tools[i].input_schema)."""
 
     format_param = "output_config.format"
+    param_names = ((r"^tools\.(\d+)\.function\.parameters\b", r"tools[\1].input_schema"),
+                   (r"^tools\.(\d+)\.function\.", r"tools[\1]."),
+                   (r"^response_format\.json_schema\.schema\b", "output_config.format.schema"),
+                   (r"^response_format\b.*", "output_config.format"))
 
 
 class MessagesRequest(_Constrained):     # vLLM's structured_outputs / guided_* too (Anthropic has none)
@@ -106,6 +111,8 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
             if kind == "text":
                 texts.append(str(b.get("text", "")))
             elif kind == "tool_use" and role == "assistant":
+                if not isinstance(b.get("name"), str):
+                    raise bad_request(f"{where}.name: a tool_use block needs the tool's name", param=f"{where}.name")
                 calls.append({"id": b.get("id"), "type": "function", "function": {
                     "name": b.get("name"), "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":      # before the turn's own text, in order
@@ -132,6 +139,9 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         kind = choice.get("type")
         if kind not in ("auto", "any", "tool", "none"):
             raise bad_request(f"tool_choice.type {kind!r} is not one of auto, any, tool, none", param="tool_choice.type")
+        if kind == "tool" and not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice.name: a tool_choice of type tool needs the tool's name",
+                              param="tool_choice.name")
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}} if kind == "tool"
                                else "required" if kind == "any" else kind)
     if req.thinking is not None:     # extended thinking on or off: the template's switch

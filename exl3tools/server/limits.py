@@ -123,10 +123,10 @@ class PromptGuard:
                                f"the prompt has {len(p)}", param="prompt", code="context_length_exceeded")
         self.check_total(total, "prompt")
 
-    def check_messages(self, messages: list[dict[str, Any]]) -> None:
-        """Chat, before rendering: the absolute cap on the messages' text. (The context check runs
-        on the rendered text: a template may drop parts of messages.)"""
-        self.check_total(sum(len(m.get("content") or "") for m in messages), "messages")
+    def check_messages(self, messages: list[dict[str, Any]], param: str = "messages") -> None:
+        """Chat, before rendering: the absolute cap on the messages' text (``param``: their field's
+        name). (The context check runs on the rendered text: a template may drop parts of messages.)"""
+        self.check_total(sum(len(m.get("content") or "") for m in messages), param)
 
 
 # ---------------------------------------------------------------------- chars per token

@@ -8,6 +8,7 @@ function_call output items), streamed as Responses events. Stateless: nothing is
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -21,9 +22,13 @@ from exl3tools.server.request_models import ChatCompletionRequest, _Constrained,
 
 
 class ResponsesChat(ChatCompletionRequest):
-    """The chat request a Responses request becomes (``to_chat``): its 400s name text.format."""
+    """The chat request a Responses request becomes (``to_chat``): its 400s name the Responses
+    fields (text.format, input, tools[i].name, max_output_tokens)."""
 
     format_param = "text.format"
+    param_names = ((r"^messages\b.*", "input"), (r"^tools\.(\d+)\.function\.", r"tools[\1]."),
+                   (r"^response_format\.json_schema\b", "text.format"), (r"^response_format\b", "text.format"),
+                   (r"^max_(completion_)?tokens$", "max_output_tokens"))
 
 
 class ResponsesRequest(_Constrained):     # vLLM's structured_outputs / guided_* too, as on chat
@@ -59,6 +64,7 @@ class ResponsesRequest(_Constrained):     # vLLM's structured_outputs / guided_*
 
 UNSUPPORTED = ("previous_response_id", "conversation", "background", "prompt", "top_logprobs", "max_tool_calls")
 TEXT_PARTS = ("input_text", "output_text", "text")
+ROLES = ("user", "assistant", "system", "developer")      # a message item's (tool output: function_call_output)
 
 
 def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -73,10 +79,12 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     for i, it in enumerate(items):
         kind = it.get("type", "message")
         if kind == "message":
+            if it.get("role") not in ROLES:
+                raise bad_request(f"input[{i}].role must be one of {', '.join(ROLES)}", param=f"input[{i}].role")
             msgs.append({"role": it.get("role"), "content": _text(it.get("content"), i)})
         elif kind == "function_call":
             call = {"id": it.get("call_id"), "type": "function",
-                    "function": {"name": it.get("name"), "arguments": it.get("arguments", "")}}
+                    "function": {"name": _call_name(it, i), "arguments": _arguments(it, i)}}
             last = msgs[-1] if msgs else {}
             if last.get("role") == "assistant" and "tool_calls" in last:    # calls of one turn together
                 last["tool_calls"].append(call)
@@ -90,6 +98,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             raise bad_request(f"input[{i}].type {kind!r} is not supported (message, function_call, "
                               "function_call_output, reasoning are)", param=f"input[{i}].type",
                               code="unsupported_parameter")
+    if not msgs:
+        raise bad_request("input holds nothing to answer (no message, function call or output) and there "
+                          "are no instructions", param="input")
     body: dict[str, Any] = {"model": req.model, "messages": msgs, "stream": req.stream}
     for src, dst in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                      ("top_p", "top_p")):
@@ -99,8 +110,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         body["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         c = req.tool_choice
-        body["tool_choice"] = ({"type": "function", "function": {"name": c.get("name")}}
-                               if isinstance(c, dict) and c.get("type") == "function" else c)
+        name = c.get("name") if isinstance(c, dict) and c.get("type") == "function" else None
+        if c not in ("none", "auto", "required") and not isinstance(name, str):
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                              param="tool_choice")
+        body["tool_choice"] = c if name is None else {"type": "function", "function": {"name": name}}
     effort = req.reasoning.get("effort") if isinstance(req.reasoning, dict) else None
     if effort is not None:
         if effort not in EFFORTS:
@@ -122,6 +136,23 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
 
 def _text(content: Any, i: int) -> str:
     return join_text(content, TEXT_PARTS, f"input[{i}].content")
+
+
+def _call_name(item: dict[str, Any], i: int) -> str:
+    if not isinstance(item.get("name"), str):
+        raise bad_request(f"input[{i}].name: a function_call item needs the function's name", param=f"input[{i}].name")
+    return item["name"]
+
+
+def _arguments(item: dict[str, Any], i: int) -> Any:
+    """A function_call item's arguments, refused where chat's would be (text that is not JSON)."""
+    args = item.get("arguments", "")
+    if isinstance(args, str) and args:
+        try:
+            json.loads(args)
+        except ValueError:
+            raise bad_request(f"input[{i}].arguments is not JSON", param=f"input[{i}].arguments") from None
+    return args
 
 
 def _tool(t: dict[str, Any], i: int) -> dict[str, Any]:

@@ -333,9 +333,11 @@ class Server:
 
     # ------------------------------------------------------------ request preparation
 
-    def _limits(self, longest: int, max_tokens: int | None, default: int | None, param: str) -> int:
+    def _limits(self, longest: int, max_tokens: int | None, default: int | None, param: str,
+                max_param: str = "max_tokens") -> int:
         """``max_tokens`` checked against the context; None: ``default`` (None: the rest of the
-        context), capped by generation_config.json's max_new_tokens, and by the context."""
+        context), capped by generation_config.json's max_new_tokens, and by the context; 400s name
+        the prompt ``param`` and ``max_tokens`` ``max_param``."""
         runner, budget = self.runner, self.engine.cache_budget
         ctx = runner.max_context
         limit = min(ctx, budget) if budget else ctx
@@ -347,7 +349,7 @@ class Server:
         if longest + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; you "
                            f"requested {longest + max_tokens} ({longest} in the prompt, "
-                           f"{max_tokens} for the completion)", param="max_tokens",
+                           f"{max_tokens} for the completion)", param=max_param,
                            code="context_length_exceeded")
         return max_tokens
 
@@ -398,7 +400,8 @@ class Server:
         mode = tools.tool_mode(req, tools.call_syntax(self.template_source()))
         self.token_text()
         messages = message_dicts(req)
-        self.guard().check_messages(messages)  # sizes first, before rendering and tokenizing
+        named = req.own_param("messages")     # another API's request (Responses: input) names its own field
+        self.guard().check_messages(messages, named)  # sizes first, before rendering and tokenizing
         kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:    # the template's thinking switch, unless the request set it
             switch = reasoning.template_switch(reasoning.EFFORTS[req.reasoning_effort])
@@ -406,13 +409,18 @@ class Server:
                 kwargs.setdefault(k, v)
         if req.tools:
             kwargs["tools"] = tools.template_tools(req)
-        text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
-        self.guard().check_text(len(text), "messages")
+        try:
+            text = self.template().render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+        except APIError as exc:                # a template's refusal names the messages
+            exc.param = named if exc.param == "messages" else exc.param
+            raise
+        self.guard().check_text(len(text), named)
         ids = detok.encode_ids(runner.tokenizer, text, add_special_tokens=False)
         if not ids:
-            raise bad_request("the chat template rendered an empty prompt", param="messages")
+            raise bad_request("the chat template rendered an empty prompt", param=named)
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._limits(len(ids), wanted, None, "messages") if limits else wanted or 1
+        max_tokens = (self._limits(len(ids), wanted, None, named, req.own_param("max_tokens")) if limits
+                      else wanted or 1)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, vocab_size=runner.vocab_size,
                                  defaults=self.defaults())

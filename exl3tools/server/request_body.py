@@ -69,11 +69,12 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> Any:
 def chat_request(body: dict[str, Any],
                  model_cls: type[ChatCompletionRequest] = ChatCompletionRequest) -> ChatCompletionRequest:
     """A chat request built from another API's (server/openai_responses.py, anthropic_messages.py,
-    tokenization.py); ``model_cls``: that API's subclass, whose ``format_param`` its 400s name."""
+    tokenization.py); ``model_cls``: that API's subclass, whose ``format_param`` and ``own_param``
+    name its fields in the 400s."""
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        raise _from_validation(exc) from None
+        raise _from_validation(exc, model_cls.own_param) from None
 
 
 def _refuse_container_bombs(raw: bytes) -> None:
@@ -169,12 +170,16 @@ def _refuse_unencodable(obj: Any) -> None:
             stack.extend(reversed([(x, (*path, str(i))) for i, x in enumerate(v)]))
 
 
-def _from_validation(exc: ValidationError) -> APIError:
+def _from_validation(exc: ValidationError, own_param: Any = None) -> APIError:
+    """The 400 of pydantic's first error; ``own_param``: the field's name in the API the request
+    came from (``_Sampling.own_param``), where another API's body became a chat request."""
     errs = exc.errors(include_url=False, include_input=False)
     # A union reports one error per branch; the first is representative enough.
     err = errs[0]
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p.endswith("]"))]
     param = ".".join(_clean_loc(loc)) or None
+    if param and own_param is not None:
+        param = own_param(param)
     kind = err["type"]
     code = ("missing_required_parameter" if kind == "missing"
             else "unknown_parameter" if kind == "extra_forbidden"

@@ -24,6 +24,7 @@ text (image_url, input_audio, file) are a 400 unsupported_parameter naming the p
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -116,6 +117,18 @@ class _Sampling(_Constrained):
     # field (a subclass sets it: openai_responses.ResponsesChat, anthropic_messages.MessagesChat);
     # a ClassVar, so no request body can set it
     format_param: ClassVar[str] = "response_format"
+    # and the names 400s give its other fields there: (regex, replacement) pairs for a chat field's
+    # path, the first that matches applied (tools.0.function.name -> tools[0].name); ``own_param``
+    param_names: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    @classmethod
+    def own_param(cls, param: str) -> str:
+        """``param`` (a chat field's path, as a 400 names it) as this request's API names it."""
+        for pattern, name in cls.param_names:
+            renamed, n = re.subn(pattern, name, param)
+            if n:
+                return renamed
+        return param
 
     @field_validator("temperature", "top_p")
     @classmethod

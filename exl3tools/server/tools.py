@@ -13,7 +13,9 @@ parameters schema>}`` whatever the model's own tool-call syntax, and comes back 
 (``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name`` and the arguments in a
 json fence, V3; ``...begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``, V3.1 and later). Text
 before the first call marker streams as content; the rest is held back and parsed when the answer
-ends; a call that does not parse comes back as text. The markers reach that text even where the
+ends; a call that does not parse comes back as text. The content is the text around the calls less
+the whitespace before each call and at the end, streamed or whole (the stream holds trailing
+whitespace back until text follows). The markers reach that text even where the
 tokenizer makes them special tokens (detok.keeping). A template with none of these syntaxes makes
 "auto" a 400. "none" renders the tools and generates text. The tools reach the chat template as
 ``tools`` either way.
@@ -183,7 +185,8 @@ class CallSyntax:
         calls = [one(b) for b in bodies]
         if any(c is None for c in calls):
             return None
-        return (_DS_REGION if deepseek else _BLOCK).sub("", text).strip(), calls
+        outside = _DS_REGION.split(text) if deepseek else _BLOCK.split(text)[::2]
+        return _content(outside), calls
 
     @staticmethod
     def _deepseek(body: str) -> dict | None:
@@ -228,6 +231,13 @@ class CallSyntax:
         return _call(name, args)
 
 
+def _content(outside: list[str]) -> str:
+    """The text around an answer's calls (``outside``: the pieces before, between and after them)
+    as its content: whitespace before each call and at the end is dropped, so what streamed
+    before the first call (``CallReader.feed`` holds trailing whitespace back) is never retracted."""
+    return ("".join(p.rstrip() for p in outside[:-1]) + outside[-1]).rstrip()
+
+
 def _loads_or_text(value: str) -> Any:
     """GLM writes every value as text: a non-string parameter's value is JSON when it parses."""
     try:
@@ -253,7 +263,8 @@ def call_syntax(template: str | None) -> CallSyntax | None:
 class CallReader:
     """One request's answers read for tool calls: the forced call's JSON, or an "auto" answer's
     blocks in the model's syntax (``mode.syntax``). Streaming: text goes out until the syntax's first
-    marker begins (a partial marker at the end is held until it resolves); the rest waits for the end."""
+    marker begins (a partial marker at the end is held until it resolves, and whitespace at the end
+    until text follows: before a call it is not content); the rest waits for the end."""
 
     mode: ToolMode
     _held: dict[int, str] = field(default_factory=dict)
@@ -283,11 +294,11 @@ class CallReader:
         at = held.find(start)
         if at >= 0:
             self._holding.add(index)
-            self._held[index] = held[at:]
-            return held[:at]
-        keep = held_prefix(held, start)
-        self._held[index] = held[len(held) - keep:] if keep else ""
-        return held[:len(held) - keep]
+        else:
+            at = len(held) - held_prefix(held, start)
+        at = len(held[:at].rstrip())         # whitespace before a call is no content (_content)
+        self._held[index] = held[at:]
+        return held[:at]
 
     def finish(self, index: int, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """The last delta of a streamed answer: the held text as calls, or as content."""
