@@ -111,20 +111,31 @@ def plan_dequantize(ck: Checkpoint, dst: str | Path, dtype: str = "bf16", only: 
     return DequantPlan(str(ck.root), str(dst), dtype, shards, tuple(padded))
 
 
-def _refuse_broken_linears(ck: Checkpoint, wanted: set[str] | None) -> None:
-    """validate's EXL3-linear rules (E2xx), run on the linears about to be decoded: a trellis of the
-    wrong dtype or rank, sign vectors that do not fit it, or config dims its padding cannot hold would
-    decode to wrong weights without any error. Refused, with the first finding."""
+def _checked_linears(ck: Checkpoint) -> tuple[list, set[str]]:
+    """validate's EXL3-linear rules (E2xx) over ``ck``'s headers: (their findings, the linears
+    they mark as not safe to decode)."""
     from exl3tools.validate.context import Context
     from exl3tools.validate.findings import Sink
     from exl3tools.validate.linears import check_linears
 
-    def concerns(tensor: str) -> bool:
-        return wanted is None or any(tensor == p or tensor.startswith(f"{p}.") for p in wanted)
-
     sink = Sink(ck.root)
-    check_linears(Context.build(ck, sink, set()))
-    bad = [f for f in sink.findings if f.severity == "error" and f.code.startswith("E2") and concerns(f.tensor or "")]
+    ctx = Context.build(ck, sink, set())
+    check_linears(ctx)
+    return sink.findings, ctx.broken
+
+
+def _under(tensor: str | None, prefixes: set[str]) -> bool:
+    """A finding's tensor is one of ``prefixes``' linears or a part of one."""
+    return any(tensor == p or (tensor or "").startswith(f"{p}.") for p in prefixes)
+
+
+def _refuse_broken_linears(ck: Checkpoint, wanted: set[str] | None) -> None:
+    """validate's EXL3-linear rules (E2xx), run on the linears about to be decoded: a trellis of the
+    wrong dtype or rank, sign vectors that do not fit it, or config dims its padding cannot hold would
+    decode to wrong weights without any error. Refused, with the first finding."""
+    findings, _ = _checked_linears(ck)
+    bad = [f for f in findings if f.severity == "error" and f.code.startswith("E2")
+           and (wanted is None or _under(f.tensor, wanted))]
     if bad:
         more = f" (and {len(bad) - 1} more; exl3tools validate lists them)" if len(bad) > 1 else ""
         raise CheckpointError(f"{ck.root}: {bad[0].line}{more}: dequantizing it would write wrong weights")
@@ -136,18 +147,11 @@ def refuse_undecodable(ck: Checkpoint, prefixes: set[str]) -> None:
     with a bare ValueError (exit 70) or decode garbage. ``inspect --tensor`` and ``diff`` decode
     such linears for a look, so only these are refused (not a K that differs from the other
     experts'), in one line naming the file and the first finding."""
-    from exl3tools.validate.context import Context
-    from exl3tools.validate.findings import Sink
-    from exl3tools.validate.linears import check_linears
-
-    sink = Sink(ck.root)
-    ctx = Context.build(ck, sink, set())
-    check_linears(ctx)
-    bad = sorted(ctx.broken & prefixes)
+    findings, broken = _checked_linears(ck)
+    bad = sorted(broken & prefixes)
     if bad:
-        p = bad[0]
-        f = next((f for f in sink.findings if f.tensor == p or (f.tensor or "").startswith(f"{p}.")), None)
-        what = f.line if f is not None else f"{p}: malformed EXL3 linear"
+        f = next((f for f in findings if _under(f.tensor, {bad[0]})), None)
+        what = f.line if f is not None else f"{bad[0]}: malformed EXL3 linear"
         more = f" (and {len(bad) - 1} more linears; exl3tools validate lists them)" if len(bad) > 1 else ""
         raise CheckpointError(f"{ck.root}: {what}{more}: it cannot be decoded")
 
