@@ -27,7 +27,6 @@ class MessagesChat(ChatCompletionRequest):
     """The chat request a Messages request becomes (``to_chat``): its 400s name the Messages fields
     (output_config.format, tools[i].name, tools[i].input_schema)."""
 
-    format_param = "output_config.format"
     param_names = ((r"^tools\.(\d+)\.function\.parameters\b", r"tools[\1].input_schema"),
                    (r"^tools\.(\d+)\.function\.", r"tools[\1]."),
                    (r"^response_format\.json_schema\.schema\b", "output_config.format.schema"),

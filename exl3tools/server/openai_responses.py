@@ -25,7 +25,6 @@ class ResponsesChat(ChatCompletionRequest):
     """The chat request a Responses request becomes (``to_chat``): its 400s name the Responses
     fields (text.format, input, tools[i].name, max_output_tokens)."""
 
-    format_param = "text.format"
     param_names = ((r"^messages\b.*", "input"), (r"^tools\.(\d+)\.function\.", r"tools[\1]."),
                    (r"^response_format\.json_schema\b", "text.format"), (r"^response_format\b", "text.format"),
                    (r"^max_(completion_)?tokens$", "max_output_tokens"))

@@ -69,8 +69,8 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]) -> Any:
 def chat_request(body: dict[str, Any],
                  model_cls: type[ChatCompletionRequest] = ChatCompletionRequest) -> ChatCompletionRequest:
     """A chat request built from another API's (server/openai_responses.py, anthropic_messages.py,
-    tokenization.py); ``model_cls``: that API's subclass, whose ``format_param`` and ``own_param``
-    name its fields in the 400s."""
+    tokenization.py); ``model_cls``: that API's subclass, whose ``own_param`` names its fields
+    in the 400s."""
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:

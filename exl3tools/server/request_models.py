@@ -113,12 +113,11 @@ class _Sampling(_Constrained):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(default=None, ge=0)
-    # the name 400s give response_format: a chat request another API becomes names that API's own
-    # field (a subclass sets it: openai_responses.ResponsesChat, anthropic_messages.MessagesChat);
-    # a ClassVar, so no request body can set it
-    format_param: ClassVar[str] = "response_format"
-    # and the names 400s give its other fields there: (regex, replacement) pairs for a chat field's
-    # path, the first that matches applied (tools.0.function.name -> tools[0].name); ``own_param``
+    # the names 400s give fields: a chat request another API becomes names that API's own (a
+    # subclass sets them: openai_responses.ResponsesChat, anthropic_messages.MessagesChat), as
+    # (regex, replacement) pairs for a chat field's path, the first that matches applied
+    # (response_format -> text.format, tools.0.function.name -> tools[0].name); ``own_param``.
+    # A ClassVar, so no request body can set it
     param_names: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     @classmethod

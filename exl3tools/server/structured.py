@@ -44,9 +44,9 @@ CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
 def output_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
     """The request's output constraint, checked (None: free text): response_format json_object /
     json_schema, structured_outputs' one field, or a guided_* field; more than one is a 400. 400s
-    name response_format as the request's API does (``format_param``: text.format, output_config.format)."""
+    name response_format as the request's API does (``own_param``: text.format, output_config.format)."""
     found: list[tuple[str, Any, str]] = []         # (kind, value, param), unchecked
-    fmt, name = req.response_format, req.format_param    # name: text.format where Responses sent it
+    fmt, name = req.response_format, req.own_param("response_format")   # text.format where Responses sent it
     if fmt is not None and fmt.type not in ("text", "json_object", "json_schema"):
         raise bad_request(f"{name} type {fmt.type!r} is not supported by this server "
                           "(text, json_object, json_schema are)", param=f"{name}.type",
